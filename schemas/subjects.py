@@ -1,0 +1,223 @@
+"""NATS subjects of the contract: builders, a parser, and the subject an event belongs on.
+
+Subjects carry the entity (model, node, replica) so NATS permissions can confine an agent
+to its own node and consumers can filter cheaply. The root token (default `llmgw`) is a
+parameter everywhere. Names are escaped with `schemas.names`, so any model name works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import events as ev
+from schemas.names import TokenError, escape, unescape
+
+DEFAULT_ROOT = "llmgw"
+STREAM = "LLMGW"
+
+
+def _t(name: str) -> str:
+    return escape(name)
+
+
+def model_subject(model: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.catalog.model.{_t(model)}"
+
+
+def quota_subject(root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.catalog.quota"
+
+
+def scale_subject(model: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.catalog.scale.{_t(model)}"
+
+
+def inventory_subject(node: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.node.{_t(node)}.inventory"
+
+
+def replica_subject(node: str, replica: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.node.{_t(node)}.replica.{_t(replica)}"
+
+
+def node_status_subject(node: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.node.{_t(node)}.status"
+
+
+def command_subject(node: str, command: str, root: str = DEFAULT_ROOT) -> str:
+    """`command` is `start` or `drain`."""
+    return f"{root}.cmd.{_t(node)}.replica.{command}"
+
+
+def commands_for_node(node: str, root: str = DEFAULT_ROOT) -> str:
+    """The wildcard an agent subscribes to for its own commands."""
+    return f"{root}.cmd.{_t(node)}.>"
+
+
+def decision_subject(kind: str, model: str, root: str = DEFAULT_ROOT) -> str:
+    """`kind` is one of placement.decided, placement.failed, preemption.decided,
+    hold.created, hold.released."""
+    return f"{root}.{kind}.{_t(model)}"
+
+
+def digest_subject(root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.view.digest"
+
+
+def heartbeat_subject(node: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, not in the stream."""
+    return f"{root}.heartbeat.{_t(node)}"
+
+
+def dlq_subject(consumer: str, root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.dlq.{_t(consumer)}"
+
+
+def stream_subjects(root: str = DEFAULT_ROOT) -> list[str]:
+    """What the stream stores: everything under the root except heartbeats and the DLQ,
+    which are core NATS chatter and reports, not facts."""
+    return [
+        f"{root}.catalog.>",
+        f"{root}.node.>",
+        f"{root}.cmd.>",
+        f"{root}.placement.>",
+        f"{root}.preemption.>",
+        f"{root}.hold.>",
+        f"{root}.view.>",
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """What a subject names. `kind` is the subject's shape, e.g. `node.replica`."""
+
+    kind: str
+    model: str | None = None
+    node: str | None = None
+    replica: str | None = None
+    command: str | None = None
+
+
+class SubjectError(ValueError):
+    def __init__(self, subject: str, why: str) -> None:
+        super().__init__(f"subject {subject!r}: {why}")
+        self.subject = subject
+        self.why = why
+
+
+def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
+    """What a subject of the contract names; `SubjectError` for any other subject."""
+    toks = subject.split(".")
+    if not toks or toks[0] != root:
+        raise SubjectError(subject, f"does not start with {root!r}")
+    t = toks[1:]
+    try:
+        match t:
+            case ["catalog", "model", m]:
+                return Parsed("catalog.model", model=unescape(m))
+            case ["catalog", "quota"]:
+                return Parsed("catalog.quota")
+            case ["catalog", "scale", m]:
+                return Parsed("catalog.scale", model=unescape(m))
+            case ["node", n, "inventory"]:
+                return Parsed("node.inventory", node=unescape(n))
+            case ["node", n, "status"]:
+                return Parsed("node.status", node=unescape(n))
+            case ["node", n, "replica", r]:
+                return Parsed("node.replica", node=unescape(n), replica=unescape(r))
+            case ["cmd", n, "replica", c] if c in ("start", "drain"):
+                return Parsed("cmd.replica", node=unescape(n), command=c)
+            case [("placement" | "preemption" | "hold") as a, b, m]:
+                return Parsed(f"{a}.{b}", model=unescape(m))
+            case ["view", "digest"]:
+                return Parsed("view.digest")
+            case ["heartbeat", n]:
+                return Parsed("heartbeat", node=unescape(n))
+            case ["dlq", c]:
+                return Parsed("dlq", node=None, replica=None, command=unescape(c))
+    except TokenError as e:
+        raise SubjectError(subject, e.why) from e
+    raise SubjectError(subject, "is not a subject of the contract")
+
+
+def subject_for(event: ev.Envelope, root: str = DEFAULT_ROOT, node: str | None = None) -> str:
+    """The subject an event is published on.
+
+    Replica events (`replica.state`, `replica.used`) are published by the agent of a node
+    and go on that node's subject: pass `node`, else the node of the first shard is used.
+    """
+    match event:
+        case ev.ModelDeclaredEvent(data=d):
+            return model_subject(d.name, root)
+        case ev.ModelRemovedEvent(data=d):
+            return model_subject(d.name, root)
+        case ev.QuotaSetEvent():
+            return quota_subject(root)
+        case ev.ScaleDesiredEvent(data=d):
+            return scale_subject(d.model, root)
+        case ev.NodeInventoryEvent(data=d):
+            return inventory_subject(d.node, root)
+        case (
+            ev.NodeLostEvent(data=d) | ev.NodeCordonedEvent(data=d) | ev.NodeUncordonedEvent(data=d)
+        ):
+            return node_status_subject(d.node, root)
+        case ev.ReplicaStateEvent(data=d):
+            n = node or (d.shards[0].node if d.shards else None)
+            if n is None:
+                raise ValueError("a replica.state with no shards needs the reporting node")
+            return replica_subject(n, d.replica, root)
+        case ev.ReplicaUsedEvent(data=d):
+            if node is None:
+                raise ValueError("a replica.used needs the reporting node")
+            return replica_subject(node, d.replica, root)
+        case ev.ReplicaStartEvent(data=d):
+            return command_subject(node or d.shards[0].node, "start", root)
+        case ev.ReplicaDrainEvent():
+            if node is None:
+                raise ValueError("a replica.drain needs the node it is sent to")
+            return command_subject(node, "drain", root)
+        case ev.PlacementDecidedEvent(data=d):
+            return decision_subject("placement.decided", d.model, root)
+        case ev.PlacementFailedEvent(data=d):
+            return decision_subject("placement.failed", d.model, root)
+        case ev.PreemptionDecidedEvent(data=d):
+            return decision_subject("preemption.decided", d.for_model, root)
+        case ev.HoldCreatedEvent(data=d):
+            return decision_subject("hold.created", d.model, root)
+        case ev.HoldReleasedEvent(data=d):
+            return decision_subject("hold.released", d.model, root)
+        case ev.ViewDigestEvent():
+            return digest_subject(root)
+    raise ValueError(f"no subject for {type(event).__name__}")
+
+
+def check(event: ev.Envelope, subject: str, root: str = DEFAULT_ROOT) -> str | None:
+    """Why an event does not belong on the subject it arrived on, or None if it does."""
+    try:
+        p = parse(subject, root)
+    except SubjectError as e:
+        return e.why
+    match event:
+        case ev.ReplicaStateEvent(data=d) | ev.ReplicaUsedEvent(data=d):
+            if p.kind != "node.replica":
+                return f"{event.data.__class__.__name__} on a {p.kind} subject"
+            if p.replica != d.replica:
+                return f"subject names replica {p.replica!r} but data says {d.replica!r}"
+            return None
+        case ev.ReplicaStartEvent() | ev.ReplicaDrainEvent():
+            want = "start" if isinstance(event, ev.ReplicaStartEvent) else "drain"
+            if p.kind != "cmd.replica" or p.command != want:
+                return f"replica.{want} command on a {p.kind} subject"
+            if isinstance(event, ev.ReplicaStartEvent) and p.node not in {
+                s.node for s in event.data.shards
+            }:
+                return f"replica.start sent to node {p.node!r}, which holds none of its shards"
+            return None
+    expected = subject_for(event, root)
+    if expected != subject:
+        return f"a {type_tag(event)} event belongs on {expected!r}"
+    return None
+
+
+def type_tag(event: ev.Envelope) -> str:
+    return ev.type_of(type(event))
