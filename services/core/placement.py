@@ -1,0 +1,155 @@
+"""Placement: where a replica of a model goes, or why it cannot go anywhere.
+
+Called by the scheduler for every replica it wants to start, and by the preemption
+policy on cloned inventories to learn whether stopping a set of victims makes room.
+Reads an `Inventory`, never changes it: recording the result is the caller's step.
+Deterministic for one inventory and one request; no I/O, no clock.
+
+Rules:
+- Profiles are tried in the order given; the first that fits wins.
+- Each shard's GPUs are on one node, and a replica's shards are on distinct nodes.
+- A GPU qualifies when it is healthy, unallocated, has at least the profile's
+  `gpu_memory_gb`, and matches `gpu_model` when one is given: every word of
+  `gpu_model` is a word of the GPU's model name, case-insensitive, words split on
+  anything not a letter or digit. So "H100" and "h100 80gb" match
+  "NVIDIA H100 80GB HBM3", while "A10" does not match "NVIDIA A100-SXM4-80GB",
+  which a substring rule would have allowed.
+- The node must be schedulable (not cordoned, not lost), and its free CPU cores and
+  memory cover the shard's.
+- Best fit: of the nodes that fit, the one left with the fewest free GPUs, ties by
+  name, so whole nodes stay free for the models that need them whole. The lowest
+  qualifying GPU indices are taken.
+- `avoid` is a soft preference: every profile is tried without those nodes first,
+  then every profile again with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from services.core.catalog import Profile
+from services.core.inventory import Inventory, NodeUsage, Shard, model_words
+from services.core.quota import EPSILON
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a replica goes: the profile that fitted and one shard per node."""
+
+    profile: Profile
+    shards: tuple[Shard, ...]
+
+
+class NoFit(msgspec.Struct, frozen=True, kw_only=True):
+    """Why no profile fitted: (profile name, human reason), in the order tried."""
+
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def summary(self) -> str:
+        """One line for a log or `placement.failed`."""
+        if not self.reasons:
+            return "no profiles to place"
+        return "; ".join(f"{name}: {why}" for name, why in self.reasons)
+
+
+def place(
+    inventory: Inventory, profiles: Sequence[Profile], avoid: Iterable[str] = ()
+) -> Placement | NoFit:
+    """The first profile that fits, best fit, preferring nodes not in `avoid`."""
+    avoided = frozenset(avoid)
+    if avoided:
+        for profile in profiles:
+            found = _fit(inventory, profile, avoided)
+            if isinstance(found, tuple):
+                return Placement(profile=profile, shards=found)
+    reasons: list[tuple[str, str]] = []
+    for profile in profiles:
+        found = _fit(inventory, profile, frozenset())
+        if isinstance(found, tuple):
+            return Placement(profile=profile, shards=found)
+        reasons.append((profile.name, found))
+    return NoFit(reasons=tuple(reasons))
+
+
+def _describe(profile: Profile) -> str:
+    text = f"{profile.gpus} free GPUs"
+    if profile.gpu_model:
+        text += f" {profile.gpu_model}"
+    if profile.gpu_memory_gb > 0:
+        text += f" of >= {profile.gpu_memory_gb:g} GB"
+    return text
+
+
+def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple[Shard, ...] | str:
+    """The shards for one profile, or why it does not fit."""
+    need = profile.gpus
+    shards = profile.shards
+    if need < 0 or shards < 1:
+        return f"invalid profile: {need} GPUs x {shards} shards"
+    cpu = profile.cpu_cores - EPSILON
+    mem = profile.memory_gb - EPSILON
+    min_gb = profile.gpu_memory_gb
+    words = model_words(profile.gpu_model) if profile.gpu_model else frozenset()
+    plain = min_gb <= 0 and not words
+
+    # fits: (GPUs left free after, node name, GPU indices taken) for every node that fits.
+    fits: list[tuple[int, str, tuple[int, ...]]] = []
+    best_had = -1
+    short_cpu = short_mem = 0
+    schedulable = 0
+    for usage in inventory.usages():
+        if not usage.schedulable:
+            continue
+        name = usage.node.name
+        if name in avoid:
+            continue
+        schedulable += 1
+        free = usage.free
+        n_free = len(free)
+        # A node with fewer free GPUs than the best seen so far can neither fit nor
+        # change the reason, so it costs one comparison.
+        if n_free < need and n_free <= best_had:
+            continue
+        good = free if plain else _qualifying(usage, free, min_gb, words)
+        if len(good) > best_had:
+            best_had = len(good)
+        if len(good) < need:
+            continue
+        if usage.free_cpu < cpu:
+            short_cpu += 1
+            continue
+        if usage.free_memory < mem:
+            short_mem += 1
+            continue
+        fits.append((n_free - need, name, good[:need]))
+
+    if len(fits) >= shards:
+        chosen = sorted(fits)[:shards] if shards > 1 else [min(fits)]
+        return tuple(Shard(node=name, gpus=gpus) for _, name, gpus in sorted(chosen, key=_by_node))
+    if schedulable == 0:
+        return "no schedulable node" + (" outside avoided nodes" if avoid else "")
+    if fits or short_cpu or short_mem:
+        parts = []
+        if fits:
+            parts.append(f"only {len(fits)} node(s) fit a shard, {shards} needed on distinct nodes")
+        if short_cpu:
+            parts.append(f"{short_cpu} had the GPUs but not {profile.cpu_cores:g} CPU cores")
+        if short_mem:
+            parts.append(f"{short_mem} had the GPUs but not {profile.memory_gb:g} GB memory")
+        return "; ".join(parts)
+    return f"no node with {_describe(profile)}; best had {max(best_had, 0)}"
+
+
+def _by_node(fit: tuple[int, str, tuple[int, ...]]) -> str:
+    return fit[1]
+
+
+def _qualifying(
+    usage: NodeUsage, free: tuple[int, ...], min_gb: float, words: frozenset[str]
+) -> tuple[int, ...]:
+    gpus = usage.gpus
+    node_words = usage.words
+    return tuple(
+        i for i in free if gpus[i].memory_gb >= min_gb and words <= node_words.get(i, frozenset())
+    )
