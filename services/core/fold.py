@@ -1,0 +1,404 @@
+"""The fold: `view = fold(view, event)`, the one function every view is built with.
+
+Used by the projector (then persisted to SQLite), by the scheduler and the preemption
+service (in memory), and by replay. Deterministic: the same events in the same order
+give the same view, on any machine. No wall clock: time comes from the events.
+
+For speed the fold changes the view in place and returns it; a caller that needs the
+view as it was takes `view.copy()` (or a snapshot) first. A fold of a million events
+has about three microseconds for each, which leaves no room for copying the view.
+
+An event that breaks an invariant (a replica's state going backwards, an agent
+reporting a replica on a node that is not its own, a drain for an unknown replica) is
+not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
+fold never raises on input, so one bad event can never stop a consumer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from schemas import events as ev
+from schemas import names
+from services.core import inventory
+from services.core.view import (
+    RECENT_DECISIONS,
+    RECENT_REJECTIONS,
+    DecisionRecord,
+    HoldRecord,
+    NodeRecord,
+    Preempting,
+    Rejection,
+    ReplicaRecord,
+    View,
+    allocation_of,
+    model_of,
+    node_of,
+    quota_tree_of,
+)
+
+_ORDER = ev.STATE_ORDER
+_HOLDING = ev.HOLDING_STATES
+
+
+def apply(
+    view: View, event: ev.Envelope, *, seq: int = 0, subject: str | None = None
+) -> Rejection | None:
+    """Fold one event into the view; returns why it was rejected, or None when applied.
+
+    `seq` is the event's stream sequence (0 when unknown, as in tests); `subject` the
+    subject it arrived on, which replica reports are checked against (None: unchecked).
+    """
+    handler = _HANDLERS.get(type(event))
+    why = "unknown event type" if handler is None else handler(view, event, subject)
+    s = view.state
+    if seq:
+        s.seq = seq
+    t = event.time
+    if s.time is None or t > s.time:
+        s.time = t
+    if why is None:
+        return None
+    rej = Rejection(seq=seq, id=event.id, type=ev.type_of(type(event)), reason=why)
+    s.rejected += 1
+    s.rejections.append(rej)
+    if len(s.rejections) > 2 * RECENT_REJECTIONS:
+        del s.rejections[:-RECENT_REJECTIONS]
+    return rej
+
+
+def fold(view: View, event: ev.Envelope, *, seq: int = 0, subject: str | None = None) -> View:
+    """`apply`, returning the view (the rejection, if any, is recorded in it)."""
+    apply(view, event, seq=seq, subject=subject)
+    return view
+
+
+def fold_all(view: View, events: Iterable[tuple[int, str | None, ev.Envelope]]) -> list[Rejection]:
+    """Fold (seq, subject, event) triples in order; returns the rejections."""
+    out = []
+    for seq, subject, event in events:
+        r = apply(view, event, seq=seq, subject=subject)
+        if r is not None:
+            out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------- catalog
+
+
+def _model_declared(view: View, e: ev.ModelDeclaredEvent, subject: str | None) -> str | None:
+    d = e.data
+    if not d.profiles:
+        return f"model {d.name} declares no profiles"
+    view.state.models[d.name] = d
+    view.catalog.put(model_of(d))
+    return None
+
+
+def _model_removed(view: View, e: ev.ModelRemovedEvent, subject: str | None) -> str | None:
+    name = e.data.name
+    if view.state.models.pop(name, None) is None:
+        return f"model {name} is not declared"
+    view.catalog.remove(name)
+    return None
+
+
+def _quota_set(view: View, e: ev.QuotaSetEvent, subject: str | None) -> str | None:
+    tree = quota_tree_of(e.data.owners)
+    if tree.errors:
+        return "quota tree: " + "; ".join(tree.errors)
+    view.state.quota = e.data.owners
+    view.quota = tree
+    return None
+
+
+def _scale_desired(view: View, e: ev.ScaleDesiredEvent, subject: str | None) -> str | None:
+    m = view.catalog.resolve(e.data.model)
+    view.state.desired[m.name if m is not None else e.data.model] = e.data.replicas
+    return None
+
+
+# ---------------------------------------------------------------- nodes
+
+
+def _node_inventory(view: View, e: ev.NodeInventoryEvent, subject: str | None) -> str | None:
+    d = e.data
+    if subject is not None and (why := _subject_node_mismatch(subject, d.node)):
+        return why
+    if len({g.index for g in d.gpus}) != len(d.gpus):
+        return f"node {d.node} reports a GPU index twice"
+    old = view.state.nodes.get(d.node)
+    # A fresh report means the agent is back: a lost node is found again. A cordon is an
+    # operator's decision and outlives reports.
+    rec = NodeRecord(
+        report=d, cordoned=old.cordoned if old else False, lost=False, updated_at=e.time
+    )
+    view.state.nodes[d.node] = rec
+    view.inventory.set_node(node_of(rec))
+    return None
+
+
+def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | None:
+    rec = view.state.nodes.get(e.data.node)
+    if rec is None:
+        return f"unknown node {e.data.node}"
+    rec.lost, rec.lost_reason, rec.updated_at = True, e.data.reason, e.time
+    view.inventory.set_lost(rec.report.node, True)
+    # A lost node's replicas are gone with it: their capacity is released, and a report
+    # from them later is a state going backwards, not a resurrection.
+    for r in view.state.replicas.values():
+        if r.holds_capacity and any(s.node == e.data.node for s in r.shards):
+            r.state, r.reason, r.updated_at = "failed", f"node lost: {e.data.reason}", e.time
+            view.inventory.release_replica(r.id)
+    return None
+
+
+def _node_cordon(
+    view: View, e: ev.NodeCordonedEvent | ev.NodeUncordonedEvent, subject: str | None
+) -> str | None:
+    rec = view.state.nodes.get(e.data.node)
+    if rec is None:
+        return f"unknown node {e.data.node}"
+    rec.cordoned = isinstance(e, ev.NodeCordonedEvent)
+    rec.updated_at = e.time
+    view.inventory.set_cordoned(rec.report.node, rec.cordoned)
+    return None
+
+
+# ---------------------------------------------------------------- replicas
+
+
+def _shards(specs: tuple[ev.ShardSpec, ...]) -> tuple[inventory.Shard, ...]:
+    return tuple(inventory.Shard(node=s.node, gpus=s.gpus) for s in specs)
+
+
+def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> str | None:
+    d = e.data
+    reps = view.state.replicas
+    r = reps.get(d.replica)
+    shards = _shards(d.shards) if d.shards else (r.shards if r is not None else ())
+    if subject is not None and shards:
+        node = _subject_node(subject)
+        if node is not None and all(s.node != node for s in shards):
+            return f"agent on {node} reports replica {d.replica}, which has no shard there"
+    if r is None:
+        r = ReplicaRecord(
+            id=d.replica,
+            model=d.model,
+            profile=d.profile,
+            state=d.state,
+            shards=shards,
+            created_at=e.time,
+            updated_at=e.time,
+            reason=d.reason,
+        )
+        if d.state in _HOLDING and shards:
+            why = view.inventory.try_allocate(allocation_of(view, r))
+            if why is not None:
+                return f"replica {d.replica}: {why}"
+        if d.state == "ready":
+            r.ready_at = e.time
+        reps[d.replica] = r
+        return None
+    if r.model != d.model:
+        return f"replica {d.replica} is of model {r.model}, not {d.model}"
+    before, after = _ORDER[r.state], _ORDER[d.state]
+    if after < before or (after == before and d.state != r.state):
+        return f"replica {d.replica} cannot go from {r.state} to {d.state}"
+    if d.state in _HOLDING and shards and (shards != r.shards or r.state not in _HOLDING):
+        r2 = ReplicaRecord(
+            id=r.id,
+            model=r.model,
+            profile=d.profile,
+            state=d.state,
+            shards=shards,
+            created_at=r.created_at,
+            updated_at=e.time,
+        )
+        why = view.inventory.try_allocate(allocation_of(view, r2))
+        if why is not None:
+            return f"replica {d.replica}: {why}"
+    elif d.state not in _HOLDING:
+        view.inventory.release_replica(r.id)
+    if d.reason is not None or d.state != r.state:
+        r.reason = d.reason
+    r.state, r.profile, r.shards, r.updated_at = d.state, d.profile, shards, e.time
+    if d.state == "ready" and r.ready_at is None:
+        r.ready_at = e.time
+    return None
+
+
+def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> str | None:
+    r = view.state.replicas.get(e.data.replica)
+    if r is None:
+        return f"unknown replica {e.data.replica}"
+    if subject is not None:
+        node = _subject_node(subject)
+        if node is not None and r.shards and all(s.node != node for s in r.shards):
+            return f"agent on {node} reports use of replica {r.id}, which has no shard there"
+    at = e.data.at
+    if r.last_used_at is None or at > r.last_used_at:
+        r.last_used_at = at
+    return None
+
+
+# ---------------------------------------------------------------- decisions and commands
+
+
+def _decided(view: View, e: ev.Envelope, model: str, outcome: str, summary: str) -> None:
+    s = view.state
+    s.decisions.append(
+        DecisionRecord(
+            seq=s.seq,
+            id=e.id,
+            time=e.time,
+            type=ev.type_of(type(e)),
+            model=model,
+            outcome=outcome,
+            summary=summary,
+            causation=e.causation,
+        )
+    )
+    if len(s.decisions) > 2 * RECENT_DECISIONS:
+        del s.decisions[:-RECENT_DECISIONS]
+
+
+def _placement_decided(view: View, e: ev.PlacementDecidedEvent, subject: str | None) -> str | None:
+    d = e.data
+    r = view.state.replicas.get(d.replica)
+    shards = _shards(d.shards)
+    if r is not None:
+        if r.placed_by == e.id or (r.shards == shards and r.model == d.model):
+            return None  # the same decision again
+        return f"replica {d.replica} already exists"
+    r = ReplicaRecord(
+        id=d.replica,
+        model=d.model,
+        profile=d.profile,
+        state="pending",
+        shards=shards,
+        created_at=e.time,
+        updated_at=e.time,
+        placed_by=e.id,
+        reason=d.reason,
+    )
+    why = view.inventory.try_allocate(allocation_of(view, r))
+    if why is not None:
+        return f"replica {d.replica}: {why}"
+    view.state.replicas[d.replica] = r
+    where = ", ".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in shards)
+    _decided(view, e, d.model, "placed", f"{d.replica} ({d.profile}) on {where}: {d.reason}")
+    return None
+
+
+def _placement_failed(view: View, e: ev.PlacementFailedEvent, subject: str | None) -> str | None:
+    d = e.data
+    why = "; ".join(f"{k}: {v}" for k, v in d.why.items()) or d.reason
+    _decided(view, e, d.model, d.reason, f"live {d.live}/{d.desired}: {why}")
+    return None
+
+
+def _replica_start(view: View, e: ev.ReplicaStartEvent, subject: str | None) -> str | None:
+    if e.data.replica not in view.state.replicas:
+        return f"start for replica {e.data.replica}, which was never placed"
+    return None
+
+
+def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> str | None:
+    d = e.data
+    r = view.state.replicas.get(d.replica)
+    if r is None:
+        return f"drain for unknown replica {d.replica}"
+    if r.drained_by is not None:
+        return None  # already asked; the first reason stands
+    r.drained_by, r.drain_reason = e.id, d.reason
+    if d.reason == "scale_down":
+        r.retiring_at = e.time
+    elif d.reason == "preempted":
+        r.preempted_for = d.for_model
+    return None
+
+
+def _preemption_decided(
+    view: View, e: ev.PreemptionDecidedEvent, subject: str | None
+) -> str | None:
+    d = e.data
+    if d.outcome == "preempted" and d.victims:
+        view.state.preempting[d.for_model] = Preempting(
+            for_model=d.for_model,
+            victims=tuple(v.replica for v in d.victims),
+            decision=e.id,
+            at=e.time,
+        )
+        summary = "stopping " + ", ".join(
+            f"{v.replica} ({v.model}, tier {v.tier})" for v in d.victims
+        )
+    else:
+        summary = f"{d.considered} candidates considered"
+    _decided(view, e, d.for_model, d.outcome, summary)
+    return None
+
+
+def _hold_created(view: View, e: ev.HoldCreatedEvent, subject: str | None) -> str | None:
+    d = e.data
+    view.state.holds[d.model] = HoldRecord(
+        model=d.model, for_model=d.for_model, until=d.until, created_at=e.time, created_by=e.id
+    )
+    return None
+
+
+def _hold_released(view: View, e: ev.HoldReleasedEvent, subject: str | None) -> str | None:
+    view.state.holds.pop(e.data.model, None)
+    return None
+
+
+def _ignored(view: View, e: ev.Envelope, subject: str | None) -> str | None:
+    return None
+
+
+# ---------------------------------------------------------------- subjects
+
+
+def _subject_node(subject: str) -> str | None:
+    """The node token of a `<root>.node.<node>....` subject, unescaped."""
+    parts = subject.split(".", 3)
+    if len(parts) < 3 or parts[1] != "node":
+        return None
+    tok = parts[2]
+    if "~" not in tok:
+        return tok
+    try:
+        return names.unescape(tok)
+    except names.TokenError:
+        return None
+
+
+def _subject_node_mismatch(subject: str, node: str) -> str | None:
+    got = _subject_node(subject)
+    if got is not None and got != node:
+        return f"agent on {got} reports the inventory of node {node}"
+    return None
+
+
+_Handler = Callable[[View, ev.Envelope, str | None], str | None]
+
+_HANDLERS: dict[type, _Handler] = {
+    ev.ModelDeclaredEvent: _model_declared,  # type: ignore[dict-item]
+    ev.ModelRemovedEvent: _model_removed,  # type: ignore[dict-item]
+    ev.QuotaSetEvent: _quota_set,  # type: ignore[dict-item]
+    ev.ScaleDesiredEvent: _scale_desired,  # type: ignore[dict-item]
+    ev.NodeInventoryEvent: _node_inventory,  # type: ignore[dict-item]
+    ev.NodeLostEvent: _node_lost,  # type: ignore[dict-item]
+    ev.NodeCordonedEvent: _node_cordon,  # type: ignore[dict-item]
+    ev.NodeUncordonedEvent: _node_cordon,  # type: ignore[dict-item]
+    ev.ReplicaStateEvent: _replica_state,  # type: ignore[dict-item]
+    ev.ReplicaUsedEvent: _replica_used,  # type: ignore[dict-item]
+    ev.PlacementDecidedEvent: _placement_decided,  # type: ignore[dict-item]
+    ev.PlacementFailedEvent: _placement_failed,  # type: ignore[dict-item]
+    ev.ReplicaStartEvent: _replica_start,  # type: ignore[dict-item]
+    ev.ReplicaDrainEvent: _replica_drain,  # type: ignore[dict-item]
+    ev.PreemptionDecidedEvent: _preemption_decided,  # type: ignore[dict-item]
+    ev.HoldCreatedEvent: _hold_created,  # type: ignore[dict-item]
+    ev.HoldReleasedEvent: _hold_released,  # type: ignore[dict-item]
+    ev.ViewDigestEvent: _ignored,
+}

@@ -1,0 +1,350 @@
+"""The cluster view: what the log says the cluster is, after folding it.
+
+Built and changed only by `services.core.fold`; read by the scheduler, the preemption
+policy, the projector (which persists it) and the replay tools. No I/O, no clock:
+questions that depend on time (is a hold still on? how long has a replica been idle?)
+take `now` as a parameter.
+
+The view has two layers. `ViewState` is canonical: plain msgspec structs holding what
+the events said (the node reports, model declarations, the quota tree, replicas,
+holds, in-flight preemptions, recent decisions). It is what snapshots serialize and
+what the digest hashes. `View` adds indexes derived from it (the catalog, the quota
+tree, the GPU inventory), rebuilt from the state when a snapshot is loaded, so the
+two can never disagree about anything a snapshot would keep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from datetime import datetime
+
+import msgspec
+
+from schemas import events as ev
+from services.core import catalog, inventory, quota
+
+# SCHEMA versions ViewState. A snapshot written under another number is ignored and
+# the view rebuilt from the log: a snapshot trusted across a change of meaning would
+# give a view no replay can reproduce.
+SCHEMA = 1
+
+# RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
+# view keeps enough for `llmgw status` and for a scheduler to see what it last said.
+RECENT_DECISIONS = 100
+RECENT_REJECTIONS = 100
+
+# LIVE_STATES hold capacity and count towards a model's replicas.
+LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
+
+
+class ReplicaRecord(msgspec.Struct, kw_only=True):
+    """One replica as the log has described it. Mutable: the fold owns it."""
+
+    id: str
+    model: str
+    profile: str
+    state: str
+    shards: tuple[inventory.Shard, ...] = ()
+    created_at: datetime
+    """Time of its placement.decided, or of its first replica.state."""
+    updated_at: datetime
+    ready_at: datetime | None = None
+    """Time of its first `ready`; None while it never was."""
+    last_used_at: datetime | None = None
+    """Latest replica.used; None when nobody has said, which is not the same as idle."""
+    retiring_at: datetime | None = None
+    """Time of a replica.drain with reason scale_down."""
+    preempted_for: str | None = None
+    """for_model of a replica.drain with reason preempted."""
+    drain_reason: str | None = None
+    reason: str | None = None
+    """The reason of its latest replica.state (why it failed, for instance)."""
+    placed_by: str | None = None
+    """Id of the placement.decided that created it."""
+    drained_by: str | None = None
+    """Id of the replica.drain that asked it to stop."""
+
+    @property
+    def holds_capacity(self) -> bool:
+        return self.state in ev.HOLDING_STATES
+
+    @property
+    def live(self) -> bool:
+        """Whether it counts towards its model's replicas: holds capacity, not on its way out."""
+        return self.state in LIVE_STATES and self.retiring_at is None and self.preempted_for is None
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.node for s in self.shards))
+
+    def idle_s(self, now: datetime) -> float | None:
+        """Seconds since it last served; None when unknown."""
+        if self.last_used_at is None:
+            return None
+        return max((now - self.last_used_at).total_seconds(), 0.0)
+
+
+class NodeRecord(msgspec.Struct, kw_only=True):
+    report: ev.NodeInventory
+    """The node's latest whole inventory."""
+    cordoned: bool = False
+    lost: bool = False
+    lost_reason: str | None = None
+    updated_at: datetime
+
+
+class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A model that gave up room, kept from taking it back until `until`."""
+
+    model: str
+    for_model: str
+    until: datetime
+    created_at: datetime
+    created_by: str
+    """Id of the hold.created event."""
+
+
+class Preempting(msgspec.Struct, frozen=True, kw_only=True):
+    """Victims of a decision for `for_model`, which waits while they are on their way out."""
+
+    for_model: str
+    victims: tuple[str, ...]
+    decision: str
+    """Id of the preemption.decided."""
+    at: datetime
+
+
+class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One decision the control plane published, with its reason."""
+
+    seq: int
+    id: str
+    time: datetime
+    type: str
+    model: str
+    outcome: str
+    summary: str
+    causation: str | None = None
+
+
+class Rejection(msgspec.Struct, frozen=True, kw_only=True):
+    """An event the fold did not apply, and why."""
+
+    seq: int
+    id: str
+    type: str
+    reason: str
+
+
+class ViewState(msgspec.Struct, kw_only=True):
+    """The canonical view: everything snapshots keep and the digest covers."""
+
+    schema: int = SCHEMA
+    seq: int = 0
+    """The last stream sequence folded."""
+    time: datetime | None = None
+    """The time of the last event folded."""
+    nodes: dict[str, NodeRecord] = msgspec.field(default_factory=dict)
+    models: dict[str, ev.ModelDeclared] = msgspec.field(default_factory=dict)
+    quota: tuple[ev.OwnerQuota, ...] = ()
+    desired: dict[str, int] = msgspec.field(default_factory=dict)
+    """scale.desired as asked, before clamping to the model's [min, max]."""
+    replicas: dict[str, ReplicaRecord] = msgspec.field(default_factory=dict)
+    holds: dict[str, HoldRecord] = msgspec.field(default_factory=dict)
+    preempting: dict[str, Preempting] = msgspec.field(default_factory=dict)
+    decisions: list[DecisionRecord] = msgspec.field(default_factory=list)
+    rejections: list[Rejection] = msgspec.field(default_factory=list)
+    rejected: int = 0
+    """How many events were rejected in all."""
+
+
+def model_of(d: ev.ModelDeclared) -> catalog.Model:
+    """The catalog's model for a declaration."""
+    return catalog.Model(
+        name=d.name,
+        owner=d.owner,
+        cls=d.cls,
+        min=d.min,
+        max=-1 if d.max is None else d.max,
+        aliases=d.aliases,
+        profiles=tuple(
+            catalog.Profile(
+                name=p.name,
+                gpus=p.gpus,
+                shards=p.shards,
+                gpu_memory_gb=p.gpu_memory_gb,
+                gpu_model=p.gpu_model,
+                cpu_cores=p.cpu_cores,
+                memory_gb=p.memory_gb,
+            )
+            for p in d.profiles
+        ),
+    )
+
+
+def node_of(rec: NodeRecord) -> inventory.Node:
+    """The inventory's node for a node record."""
+    r = rec.report
+    return inventory.Node(
+        name=r.node,
+        gpus=tuple(
+            inventory.Gpu(
+                index=g.index, uuid=g.uuid, model=g.model, memory_gb=g.memory_gb, healthy=g.healthy
+            )
+            for g in r.gpus
+        ),
+        cpu_cores=r.cpu_cores,
+        memory_gb=r.memory_gb,
+        labels=r.labels,
+        cordoned=rec.cordoned,
+        lost=rec.lost,
+    )
+
+
+def quota_tree_of(owners: tuple[ev.OwnerQuota, ...]) -> quota.QuotaTree:
+    return quota.QuotaTree(
+        quota.Quota(
+            name=o.name,
+            parent=o.parent,
+            guarantee=_amount(o.guarantee),
+            limit=None if o.limit is None else _amount(o.limit),
+        )
+        for o in owners
+    )
+
+
+def _amount(r: ev.Resources) -> quota.Amount:
+    return quota.Amount(gpus=r.gpus, cpu_cores=r.cpu_cores, memory_gb=r.memory_gb)
+
+
+class View:
+    """The view with its derived indexes. Change it only through `fold.apply`."""
+
+    __slots__ = ("catalog", "inventory", "quota", "state")
+
+    def __init__(self, state: ViewState | None = None) -> None:
+        self.state = state if state is not None else ViewState()
+        s = self.state
+        self.catalog = catalog.Catalog()
+        for d in s.models.values():
+            self.catalog.put(model_of(d))
+        self.quota = quota_tree_of(s.quota)
+        self.inventory = inventory.Inventory(node_of(n) for n in s.nodes.values())
+        for r in s.replicas.values():
+            if r.holds_capacity and r.shards:
+                self.inventory.try_allocate(allocation_of(self, r))
+
+    # Reading.
+
+    @property
+    def seq(self) -> int:
+        return self.state.seq
+
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]:
+        return self.state.replicas
+
+    def replicas_of(self, model: str) -> Iterator[ReplicaRecord]:
+        return (r for r in self.state.replicas.values() if r.model == model)
+
+    def live_count(self, model: str) -> int:
+        """How many replicas of a model hold capacity and are not on their way out."""
+        return sum(1 for r in self.state.replicas.values() if r.model == model and r.live)
+
+    def desired_for(self, model: str) -> int:
+        """scale.desired clamped to [min, max], else min; 0 for an unknown model."""
+        m = self.catalog.resolve(model)
+        if m is None:
+            return 0
+        asked = self.state.desired.get(m.name)
+        if asked is None:
+            return m.min
+        return min(max(asked, m.min), m.max)
+
+    def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
+        """The hold keeping a model from taking room back, if one is still on.
+
+        A hold ends at its `until`, or early once the model it was given to has what it
+        asked for (its live count reached its desired count).
+        """
+        h = self.state.holds.get(model)
+        if h is None or now >= h.until:
+            return None
+        to = self.catalog.resolve(h.for_model)
+        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
+            return None
+        return h
+
+    def awaiting(self, model: str) -> tuple[str, ...]:
+        """Victims stopped for a model that still hold capacity: it waits for them
+        rather than stopping more."""
+        p = self.state.preempting.get(model)
+        if p is None:
+            return ()
+        reps = self.state.replicas
+        return tuple(v for v in p.victims if v in reps and reps[v].holds_capacity)
+
+    def holdings(self) -> list[quota.Holding]:
+        """What every replica holding capacity holds, for quota math."""
+        out = []
+        for r in self.state.replicas.values():
+            if not r.holds_capacity:
+                continue
+            m = self.catalog.resolve(r.model)
+            owner = m.owner if m is not None else "default"
+            out.append(
+                quota.Holding(
+                    replica=r.id, owner=owner, amount=size_of(self, r), created_at=r.created_at
+                )
+            )
+        return out
+
+    # Copies, snapshots, digests.
+
+    def copy(self) -> View:
+        """An independent copy (through the snapshot encoding)."""
+        return View(decode_state(encode_state(self.state)))
+
+
+def profile_of(view: View, r: ReplicaRecord) -> catalog.Profile | None:
+    m = view.catalog.resolve(r.model)
+    return None if m is None else m.profile(r.profile)
+
+
+def size_of(view: View, r: ReplicaRecord) -> quota.Amount:
+    """What stopping a replica frees: its GPUs, and its profile's CPU and memory per shard."""
+    p = profile_of(view, r)
+    gpus = sum(len(s.gpus) for s in r.shards)
+    n = len(r.shards)
+    if p is None:
+        return quota.Amount(gpus=gpus)
+    return quota.Amount(gpus=gpus, cpu_cores=p.cpu_cores * n, memory_gb=p.memory_gb * n)
+
+
+def allocation_of(view: View, r: ReplicaRecord) -> inventory.Allocation:
+    p = profile_of(view, r)
+    return inventory.Allocation(
+        replica=r.id,
+        shards=r.shards,
+        cpu_cores=0.0 if p is None else p.cpu_cores,
+        memory_gb=0.0 if p is None else p.memory_gb,
+    )
+
+
+_state_encoder = msgspec.json.Encoder(order="sorted")
+_state_decoder = msgspec.json.Decoder(ViewState)
+
+
+def encode_state(state: ViewState) -> bytes:
+    """The canonical encoding: sorted keys, msgspec's fixed number and time formats."""
+    return _state_encoder.encode(state)
+
+
+def decode_state(raw: bytes) -> ViewState:
+    return _state_decoder.decode(raw)
+
+
+def digest(state: ViewState) -> str:
+    """A stable hash of the view: two processes on two machines agree on it."""
+    return hashlib.blake2b(encode_state(state), digest_size=16).hexdigest()
