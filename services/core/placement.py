@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -93,8 +94,11 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
     words = model_words(profile.gpu_model) if profile.gpu_model else frozenset()
     plain = min_gb <= 0 and not words
 
-    # fits: (GPUs left free after, node name, GPU indices taken) for every node that fits.
+    # fits: (GPUs left free after, node name, GPU indices taken), the best `shards`
+    # nodes so far in best-fit order. Once it is full, a node that would rank after its
+    # last can be passed over without looking at its GPUs.
     fits: list[tuple[int, str, tuple[int, ...]]] = []
+    cut_left, cut_name = -1, ""
     best_had = -1
     short_cpu = short_mem = 0
     schedulable = 0
@@ -111,6 +115,9 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
         # change the reason, so it costs one comparison.
         if n_free < need and n_free <= best_had:
             continue
+        left = n_free - need
+        if cut_left >= 0 and (left > cut_left or (left == cut_left and name > cut_name)):
+            continue
         good = free if plain else _qualifying(usage, free, min_gb, words)
         if len(good) > best_had:
             best_had = len(good)
@@ -122,11 +129,13 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
         if usage.free_memory < mem:
             short_mem += 1
             continue
-        fits.append((n_free - need, name, good[:need]))
+        bisect.insort(fits, (left, name, good[:need]))
+        if len(fits) >= shards:
+            del fits[shards:]
+            cut_left, cut_name = fits[-1][0], fits[-1][1]
 
     if len(fits) >= shards:
-        chosen = sorted(fits)[:shards] if shards > 1 else [min(fits)]
-        return tuple(Shard(node=name, gpus=gpus) for _, name, gpus in sorted(chosen, key=_by_node))
+        return tuple(Shard(node=name, gpus=gpus) for _, name, gpus in sorted(fits, key=_by_node))
     if schedulable == 0:
         return "no schedulable node" + (" outside avoided nodes" if avoid else "")
     if fits or short_cpu or short_mem:

@@ -36,8 +36,8 @@ def nodes(draw: st.DrawFn, max_nodes: int = 4) -> list[Node]:
             Node(
                 name=f"n{i}",
                 gpus=gpus,
-                cpu_cores=draw(st.sampled_from([0.0, 4.0, 16.0])),
-                memory_gb=draw(st.sampled_from([0.0, 32.0, 128.0])),
+                cpu_cores=draw(st.sampled_from([2.0, 16.0, 64.0])),
+                memory_gb=draw(st.sampled_from([16.0, 128.0, 512.0])),
                 cordoned=draw(st.integers(0, 5)) == 0,
                 lost=draw(st.integers(0, 5)) == 0,
             )
@@ -213,9 +213,9 @@ profiles = st.builds(
     Profile,
     name=st.just("p"),
     gpus=st.integers(0, 4),
-    shards=st.integers(1, 3),
-    gpu_memory_gb=st.sampled_from([0.0, 40.0, 80.0]),
-    gpu_model=st.sampled_from([None, "H100", "a100", "A10", "nvidia"]),
+    shards=st.sampled_from([1, 1, 1, 2, 3]),
+    gpu_memory_gb=st.sampled_from([0.0, 0.0, 40.0, 80.0]),
+    gpu_model=st.sampled_from([None, None, None, "H100", "a100", "A10", "nvidia"]),
     cpu_cores=st.sampled_from([0.0, 2.0, 8.0]),
     memory_gb=st.sampled_from([0.0, 16.0, 64.0]),
 )
