@@ -1,0 +1,476 @@
+"""The `llmgw` command: global options, the command registry, and how failures look.
+
+Called as the console script `llmgw` (`services.cli:main`) and in-process by tests as
+`main([...])`. It owns only what every command shares: the global options (`--nats`,
+`--data`, `--root`), finding the broker (`resolve_broker`, `session`), parsing times and
+sequence numbers, the progress bar, and turning a user's mistake into one line on stderr
+with exit code 2 (usage) or 1 (runtime) instead of a traceback (`LLMGW_DEBUG=1` shows it).
+
+Commands live in their own modules, listed in `COMMAND_MODULES`; each exposes
+`register(commands: Commands)` and adds its sub-commands with `commands.add(...)` or
+`commands.group(...)`. A handler takes the parsed `args` and returns an exit code (or
+None for 0); it may be a coroutine function, which is run with `asyncio.run`. It raises
+`UsageError` / `CliError` for what the user can fix.
+
+This module must not hold any command's logic, and must not import nats at import time:
+`llmgw --help` has to be instant and work with no broker anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import importlib
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, Any
+
+PROG = "llmgw"
+
+# COMMAND_MODULES are imported in this order to build the command tree; each exposes
+# `register(commands)`. A later issue adds its command by adding its module here.
+COMMAND_MODULES: tuple[str, ...] = ("services.cli_events",)
+
+ENV_NATS = "LLMGW_NATS"
+ENV_DATA = "LLMGW_DATA"
+ENV_ROOT = "LLMGW_ROOT"
+ENV_DEBUG = "LLMGW_DEBUG"
+DEFAULT_DATA = "~/.llmgw"
+DEFAULT_ROOT = "llmgw"
+
+Handler = Callable[[argparse.Namespace], "int | Awaitable[int | None] | None"]
+
+
+# ---------------------------------------------------------------------- errors
+
+
+class CliError(Exception):
+    """A failure the user can act on: printed as one line, `llmgw: <message>`, no traceback.
+
+    `code` is the exit status: 1 for runtime failures (no broker, unreadable file).
+    """
+
+    code = 1
+
+    def __init__(self, message: str, *, code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class UsageError(CliError):
+    """The command line itself is wrong (a bad flag value, bad JSON, invalid event data)."""
+
+    code = 2
+
+
+# ---------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line that says where to look for help."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=min(100, _terminal_width()))
+
+
+def _terminal_width() -> int:
+    try:
+        return os.get_terminal_size().columns - 2
+    except OSError:
+        return 100
+
+
+def examples(*lines: str) -> str:
+    """An epilog of examples: `examples("llmgw events tail", ...)`."""
+    out = ["examples:"]
+    for line in lines:
+        # A line that starts with `#` or a blank is a comment or a continued command.
+        plain = not line or line.startswith(("#", " "))
+        out.append(f"  {line}" if plain else f"  $ {line}")
+    return "\n".join(out)
+
+
+# GLOBAL_OPTIONS: (flag, dest, metavar, help). The dests are distinct from any command's
+# own options, so a command may reuse a flag for itself (`events publish --data JSON`).
+GLOBAL_OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "--nats",
+        "nats",
+        "URL",
+        f"NATS server to use (env {ENV_NATS}); default: the one `llmgw up` recorded in "
+        "the data directory",
+    ),
+    (
+        "--data",
+        "data_dir",
+        "DIR",
+        f"data directory of `llmgw up` (env {ENV_DATA}; default {DEFAULT_DATA})",
+    ),
+    ("--root", "root", "TOKEN", f"root subject token (env {ENV_ROOT}; default {DEFAULT_ROOT})"),
+)
+
+
+def _global_options(
+    p: argparse.ArgumentParser, *, suppress: bool, skip: frozenset[str] = frozenset()
+) -> None:
+    # On the commands the defaults are SUPPRESS, so a global option given before the
+    # command is not overwritten there: `llmgw --nats X events tail` and
+    # `llmgw events tail --nats X` mean the same.
+    d: Any = argparse.SUPPRESS if suppress else None
+    g = p.add_argument_group("global options (also accepted before the command)")
+    for flag, dest, metavar, help in GLOBAL_OPTIONS:
+        if flag not in skip:
+            g.add_argument(flag, dest=dest, metavar=metavar, default=d, help=help)
+
+
+class Commands:
+    """Where a command module adds its sub-commands (`add`) or groups of them (`group`)."""
+
+    def __init__(self, sub: Any, prog: str) -> None:
+        self._sub = sub
+        self.prog = prog
+
+    def add(
+        self,
+        name: str,
+        *,
+        help: str,
+        description: str,
+        epilog: str | None = None,
+        func: Handler | None = None,
+        aliases: Sequence[str] = (),
+        own_flags: Sequence[str] = (),
+    ) -> argparse.ArgumentParser:
+        """A sub-command; `func(args)` runs it. Add its own arguments to the returned parser.
+
+        `own_flags` names global flags the command uses for itself (`--data` of
+        `events publish`); there the global one must come before the command."""
+        p: argparse.ArgumentParser = self._sub.add_parser(
+            name,
+            help=help,
+            description=description,
+            epilog=epilog,
+            aliases=list(aliases),
+            formatter_class=_Formatter,
+            parents=[_common(frozenset(own_flags))],
+        )
+        if func is not None:
+            p.set_defaults(func=func)
+        return p
+
+    def group(
+        self, name: str, *, help: str, description: str, epilog: str | None = None
+    ) -> Commands:
+        """A command with sub-commands of its own (`llmgw events tail`, `llmgw preemption plan`)."""
+        p = self.add(name, help=help, description=description, epilog=epilog)
+        sub = p.add_subparsers(title="commands", metavar="COMMAND")
+        p.set_defaults(func=_missing_command(p))
+        return Commands(sub, p.prog)
+
+
+@functools.cache
+def _common(skip: frozenset[str]) -> argparse.ArgumentParser:
+    p = _Parser(add_help=False)
+    _global_options(p, suppress=True, skip=skip)
+    return p
+
+
+def _missing_command(p: argparse.ArgumentParser) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        p.print_help(sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser(modules: Iterable[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
+    """The whole command tree: the global options and every registered module's commands."""
+    parser = _Parser(
+        prog=PROG,
+        formatter_class=_Formatter,
+        description=(
+            "llmgw: an event-sourced control plane for GPU clusters serving LLM model\n"
+            "replicas. Every change is an event on a NATS JetStream stream; these commands\n"
+            "publish, watch, export and import those events.\n"
+            "\n"
+            "The broker is found in this order: --nats URL, then $LLMGW_NATS, then the URL\n"
+            "that `llmgw up` recorded in its data directory (--data, default ~/.llmgw)."
+        ),
+        epilog=examples(
+            "llmgw events tail                       # watch every new event",
+            "llmgw events export --out incident.jsonl",
+            "llmgw --nats nats://10.0.0.5:4222 events tail --type replica.state",
+            "llmgw events publish --help             # any command's help",
+        )
+        + "\n\nLLMGW_DEBUG=1 shows a traceback with any error.",
+    )
+    _global_options(parser, suppress=False)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    parser.set_defaults(func=_missing_command(parser))
+    commands = Commands(sub, PROG)
+    for name in modules:
+        importlib.import_module(name).register(commands)
+    return parser
+
+
+# ---------------------------------------------------------------------- shared options
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    """The data directory: --data, $LLMGW_DATA, or ~/.llmgw."""
+    raw = getattr(args, "data_dir", None) or os.environ.get(ENV_DATA) or DEFAULT_DATA
+    return Path(raw).expanduser()
+
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def root(args: argparse.Namespace) -> str:
+    """The root subject token: --root, $LLMGW_ROOT, or `llmgw`."""
+    value = getattr(args, "root", None) or os.environ.get(ENV_ROOT) or DEFAULT_ROOT
+    if not _TOKEN.match(value):
+        raise UsageError(f"--root: {value!r} is not a subject token (letters, digits, _ and -)")
+    return value
+
+
+def resolve_broker(args: argparse.Namespace) -> str:
+    """The broker URL: --nats, $LLMGW_NATS, else what `llmgw up` recorded in the data dir.
+
+    With none of them it fails with the one line that says how to get a broker; it never
+    starts one itself, since an empty broker would quietly show an empty cluster.
+    """
+    url = getattr(args, "nats", None) or os.environ.get(ENV_NATS)
+    if url:
+        return str(url)
+    from services.bus import broker
+
+    where = data_dir(args)
+    recorded = broker.read_url(where)
+    if recorded:
+        return recorded
+    raise CliError(
+        f"no broker: none given (--nats URL or ${ENV_NATS}) and none recorded in {where}; "
+        "start one with `llmgw up` in another terminal, or pass --nats URL"
+    )
+
+
+@dataclass
+class Session:
+    """A connection to the broker for one command: the client, JetStream, where, which root."""
+
+    nc: Any
+    js: Any
+    url: str
+    root: str
+
+
+@contextlib.asynccontextmanager
+async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]:
+    """Connect to the resolved broker as client `name` (e.g. `llmgw events tail`), and
+    always close the connection on the way out."""
+    from services.bus import connection
+
+    r = root(args)
+    url = resolve_broker(args)
+    nc = await connection.connect(url, name)
+    try:
+        yield Session(nc, nc.jetstream(), url, r)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+# ---------------------------------------------------------------------- argument types
+
+_AGE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_time(text: str, *, now: datetime | None = None) -> datetime:
+    """An aware UTC time from RFC3339 (`2026-11-29T14:00:00Z`) or an age before now
+    (`90s`, `10m`, `2h`, `1d`, `1h30m`). Raises ValueError with a message for users."""
+    s = text.strip()
+    m = _AGE.match(s)
+    if s and m and any(m.groups()):
+        d, h, mi, se = m.groups()
+        age = timedelta(
+            days=int(d or 0), hours=int(h or 0), minutes=int(mi or 0), seconds=float(se or 0)
+        )
+        return (now or datetime.now(UTC)) - age
+    try:
+        t = datetime.fromisoformat(s.replace("z", "Z"))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither an RFC3339 time (2026-11-29T14:00:00Z) "
+            "nor an age (90s, 10m, 2h, 1d)"
+        ) from None
+    if t.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone: add Z for UTC or an offset like +01:00")
+    return t.astimezone(UTC)
+
+
+def arg_time(text: str) -> datetime:
+    """argparse `type=` for a time (see `parse_time`)."""
+    try:
+        return parse_time(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def arg_seq(text: str) -> int:
+    """argparse `type=` for a stream sequence number (1 or more)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"sequence numbers start at 1, got {n}")
+    return n
+
+
+def arg_seq_or_time(text: str) -> int | datetime:
+    """argparse `type=` for `--since`-like options: a sequence number, or a time."""
+    if text.strip().isdigit():
+        return arg_seq(text)
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a sequence number, an RFC3339 time "
+            "(2026-11-29T14:00:00Z) nor an age (90s, 10m, 2h, 1d)"
+        ) from None
+
+
+# ---------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A one-line progress bar on a terminal: `verb  count/total  pct  rate/s`.
+
+    It draws only when `stream` is a TTY (so logs and pipes stay clean), and at most ten
+    times a second, so it costs nothing next to the work it reports.
+    """
+
+    def __init__(self, verb: str, total: int | None, stream: IO[str] | None = None) -> None:
+        self.verb = verb
+        self.total = total
+        self.count = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.started = time.monotonic()
+        self._drawn = 0.0
+
+    def advance(self, n: int = 1) -> None:
+        self.count += n
+        if self.enabled:
+            now = time.monotonic()
+            if now - self._drawn >= 0.1:
+                self._drawn = now
+                self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        rate = self.count / max(now - self.started, 1e-9)
+        if self.total:
+            frac = min(self.count / self.total, 1.0)
+            bar = "#" * int(frac * 24)
+            line = (
+                f"{self.verb} [{bar:<24}] {self.count:,}/{self.total:,} {frac:4.0%}  {rate:,.0f}/s"
+            )
+        else:
+            line = f"{self.verb} {self.count:,}  {rate:,.0f}/s"
+        self.stream.write("\r" + line + "\x1b[K")
+        self.stream.flush()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def close(self) -> None:
+        """Erase the bar, leaving the terminal line free for the summary."""
+        if self.enabled and self._drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------- main
+
+
+def _explain(e: BaseException) -> tuple[str, int] | None:
+    """The one line and exit code for an exception a user can act on, or None."""
+    from schemas.errors import BundleError, SchemaError
+
+    if isinstance(e, CliError):
+        return e.message, e.code
+    if isinstance(e, BundleError):
+        return str(e), 1
+    if isinstance(e, SchemaError):
+        return str(e), 1
+    bus_errors = sys.modules.get("services.bus.errors")
+    if bus_errors is not None and isinstance(e, bus_errors.BusError):
+        return str(e), 1
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        return (f"{where}: {e.strerror}" if where else e.strerror), 1
+    nats_errors = sys.modules.get("nats.errors")
+    if nats_errors is not None and isinstance(e, nats_errors.Error):
+        return f"broker: {type(e).__name__}: {e}".rstrip(": "), 1
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `llmgw` command line; returns the exit status (the console script exits with it)."""
+    debug = os.environ.get(ENV_DEBUG, "") not in ("", "0")
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        result = args.func(args)
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+        return int(result or 0)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`llmgw events tail | head`): quiet, as a Unix filter is.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        known = _explain(e)
+        if known is not None:
+            message, code = known
+        else:
+            message = (
+                f"internal error: {type(e).__name__}: {e} "
+                f"(run with {ENV_DEBUG}=1 for the traceback)"
+            )
+            code = 1
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return code
+
+
+def run() -> None:
+    """Entry point that exits the process with `main`'s status."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
