@@ -1,6 +1,6 @@
 """Benchmark of the core's hot paths; prints figures, asserts nothing.
 
-Run from the repository root: `PYTHONPATH=. python tests/core/bench_core.py`.
+Run from the repository root: `python tests/bench/bench_core.py`.
 Cluster: 1,000 nodes x 8 H100s, half the GPUs allocated, 2,000 allocations.
 """
 
