@@ -1,0 +1,657 @@
+"""Consume loops: a durable pull consumer for work done once, an ordered reader for folds,
+and the dead-letter queue both use for input that can never succeed.
+
+Called by the services' shells: the projector, scheduler views and replay read with
+`read_ordered` / `read_range` / `fold_loop` from the sequence they last applied; command
+and reaction handlers run under `consume_durable`. No loop here ever dies on input: a
+message that does not decode or does not belong is recorded on `<root>.dlq.<consumer>`
+with its reason, subject, sequence and raw bytes, acked, and the loop goes on. And no
+loop here loses a message silently: the ordered reader checks every sequence it hands on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
+from opentelemetry import trace
+
+from schemas import codec, subjects
+from schemas.errors import EventDecodeError
+from schemas.events import Event
+from services.bus import tracing
+from services.bus.errors import Permanent, Retry, SequenceGap
+
+log = logging.getLogger("llmgw.bus")
+
+# ------------------------------------------------------------------ deliveries
+
+
+class Delivery:
+    """One message as a handler sees it: stream sequence, subject, raw bytes, headers.
+
+    `time` is when the stream stored it. `delivered` counts deliveries of this message to
+    this consumer (1 the first time). `pending` is how many matching messages the stream
+    held after this one when it was sent.
+    """
+
+    __slots__ = ("data", "delivered", "headers", "pending", "seq", "subject", "time_ns")
+
+    def __init__(
+        self,
+        seq: int,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str] | None = None,
+        time_ns: int = 0,
+        delivered: int = 1,
+        pending: int = 0,
+    ) -> None:
+        self.seq = seq
+        self.subject = subject
+        self.data = data
+        self.headers = headers
+        self.time_ns = time_ns
+        self.delivered = delivered
+        self.pending = pending
+
+    @property
+    def time(self) -> datetime:
+        return datetime.fromtimestamp(self.time_ns / 1e9, UTC)
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.headers.get("Nats-Msg-Id") if self.headers else None
+
+    def __repr__(self) -> str:
+        return f"Delivery(seq={self.seq}, subject={self.subject!r}, {len(self.data)} bytes)"
+
+
+def _ack_tokens(reply: str) -> tuple[int, int, int, int, int]:
+    """(delivered, stream seq, consumer seq, time ns, pending) from a JetStream reply subject.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ns>.<pending>` (9 tokens), or
+    the newer form with domain and account hash after `ACK` (11 or 12 tokens).
+    """
+    t = reply.split(".")
+    o = 4 if len(t) == 9 else 6
+    return int(t[o]), int(t[o + 1]), int(t[o + 2]), int(t[o + 3]), int(t[o + 4])
+
+
+def delivery_of(msg: Msg) -> Delivery:
+    delivered, sseq, _, ns, pending = _ack_tokens(msg.reply)
+    return Delivery(sseq, msg.subject, msg.data, msg.headers, ns, delivered, pending)
+
+
+# ------------------------------------------------------------------ checked decoding
+
+
+def decode_checked(delivery: Delivery, root: str = subjects.DEFAULT_ROOT) -> Event:
+    """The event a delivery carries, or an error that sends it to the DLQ.
+
+    `EventDecodeError` if the bytes are not an event of the contract; `Permanent` if the
+    event does not belong on the subject it came on (an agent reporting another node's
+    replica, a command on the wrong node).
+    """
+    event = codec.decode(delivery.data)
+    why = subjects.check(event, delivery.subject, root)
+    if why is not None:
+        raise Permanent(f"wrong subject for its data: {why}")
+    return event
+
+
+# ------------------------------------------------------------------ dead letters
+
+# DEAD_LETTERS counts dead letters per consumer in this process, for status and tests.
+DEAD_LETTERS: Counter[str] = Counter()
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    """The body of a message on `<root>.dlq.<consumer>`. `data_b64` is the raw message,
+    base64, because what failed to decode may not even be UTF-8."""
+
+    consumer: str
+    reason: str
+    subject: str
+    seq: int
+    data_b64: str
+    at: datetime
+
+    @property
+    def data(self) -> bytes:
+        return base64.b64decode(self.data_b64)
+
+
+_dlq_encoder = msgspec.json.Encoder()
+_dlq_decoder = msgspec.json.Decoder(DeadLetter)
+
+
+def read_dead_letter(body: bytes) -> DeadLetter:
+    return _dlq_decoder.decode(body)
+
+
+def _one_line(text: str, limit: int = 512) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+async def dead_letter(
+    nc: Client | JetStreamContext,
+    root: str,
+    consumer: str,
+    *,
+    reason: str,
+    subject: str,
+    seq: int,
+    data: bytes,
+) -> int:
+    """Record a message that can never be processed; returns its sequence in the DLQ stream.
+
+    Published with a JetStream ack, so a dead letter is stored or this raises. Its message
+    id is derived from (consumer, seq), so recording the same failure twice (a redelivery
+    after a crash) stores it once.
+    """
+    js = nc.jetstream() if isinstance(nc, Client) else nc
+    reason = _one_line(reason)
+    body = _dlq_encoder.encode(
+        DeadLetter(
+            consumer=consumer,
+            reason=reason,
+            subject=subject,
+            seq=seq,
+            data_b64=base64.b64encode(data).decode("ascii"),
+            at=datetime.now(UTC),
+        )
+    )
+    headers = {
+        "Nats-Msg-Id": f"dlq.{consumer}.{seq}",
+        "Llmgw-Dlq-Consumer": consumer,
+        "Llmgw-Dlq-Subject": subject,
+        "Llmgw-Dlq-Seq": str(seq),
+        "Llmgw-Dlq-Reason": reason,
+    }
+    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
+    DEAD_LETTERS[consumer] += 1
+    log.warning("dead letter for %s: seq %d on %s: %s", consumer, seq, subject, reason)
+    return ack.seq
+
+
+# ------------------------------------------------------------------ spans
+
+
+def _process_span(delivery: Delivery, group: str):  # type: ignore[no-untyped-def]
+    """A CONSUMER span for one message, in the producer's trace and linked to its span."""
+    ctx = tracing.extract(delivery.headers)
+    sc = tracing.span_context_of(ctx)
+    return tracing.tracer().start_as_current_span(
+        f"process {delivery.subject}",
+        context=ctx,
+        kind=trace.SpanKind.CONSUMER,
+        links=[trace.Link(sc)] if sc is not None else None,
+        attributes={
+            "messaging.system": tracing.SYSTEM,
+            "messaging.destination.name": delivery.subject,
+            "messaging.message.id": delivery.msg_id or "",
+            "messaging.consumer.group.name": group,
+            "messaging.operation.type": "process",
+            "messaging.nats.stream.sequence": delivery.seq,
+            "messaging.nats.delivered": delivery.delivered,
+        },
+    )
+
+
+# ------------------------------------------------------------------ durable consumer
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+# BACKOFF_S is how long a failed message waits before its next delivery, by attempt.
+# Spread out so a dependency that is down for a minute is waited out, not hammered.
+BACKOFF_S: tuple[float, ...] = (1.0, 5.0, 15.0, 60.0)
+
+
+async def consume_durable(
+    js: JetStreamContext,
+    *,
+    durable: str,
+    filter_subject: str,
+    handler: Handler,
+    stop: asyncio.Event,
+    batch: int = 100,
+    ack_wait_s: float = 30.0,
+    max_deliver: int = 5,
+    backoff: Sequence[float] = BACKOFF_S,
+    root: str = subjects.DEFAULT_ROOT,
+    stream: str = subjects.STREAM,
+    fetch_timeout_s: float = 1.0,
+) -> None:
+    """Run `handler` on every message of a durable pull consumer until `stop` is set.
+
+    Explicit ack, one message at a time in stream order within each fetched batch. A
+    handler that returns acks; `Retry` naks with its delay; `Permanent` or
+    `EventDecodeError` dead-letters and acks; any other exception is logged with the
+    sequence and nak'ed with `backoff`. On its `max_deliver`-th failure a message is
+    dead-lettered with the last error rather than dropped, so nothing vanishes unrecorded.
+
+    The backoff is applied by nak delays, not the consumer's server-side `backoff`: that
+    one replaces `ack_wait`, and would redeliver a message whose handler is merely slow.
+    """
+    config = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+        filter_subject=filter_subject,
+        deliver_policy=DeliverPolicy.ALL,
+    )
+    psub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await psub.fetch(batch, timeout=fetch_timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            except nats.errors.Error as e:
+                log.warning("consumer %s: fetch failed: %s", durable, e)
+                await _pause(stop, 0.5)
+                continue
+            for msg in msgs:
+                await _handle_one(js, msg, durable, handler, max_deliver, backoff, root)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await psub.unsubscribe()
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds` unless `stop` is set first."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _handle_one(
+    js: JetStreamContext,
+    msg: Msg,
+    durable: str,
+    handler: Handler,
+    max_deliver: int,
+    backoff: Sequence[float],
+    root: str,
+) -> None:
+    d = delivery_of(msg)
+    with _process_span(d, durable) as span:
+        try:
+            await handler(d)
+        except (Permanent, EventDecodeError) as e:
+            span.set_attribute("llmgw.outcome", "dead_letter")
+            await _dead_letter_and_ack(js, msg, d, durable, root, str(e))
+            return
+        except Retry as e:
+            span.set_attribute("llmgw.outcome", "retry")
+            await _retry_or_give_up(js, msg, d, durable, root, e.delay_s, e.reason, max_deliver)
+            return
+        except Exception as e:
+            span.record_exception(e)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+            log.error(
+                "consumer %s: handler failed on seq %d (%s), attempt %d of %d: %s: %s",
+                durable,
+                d.seq,
+                d.subject,
+                d.delivered,
+                max_deliver,
+                type(e).__name__,
+                e,
+            )
+            delay = backoff[min(d.delivered - 1, len(backoff) - 1)] if backoff else 0.0
+            why = f"handler failed {d.delivered} times, last: {type(e).__name__}: {e}"
+            await _retry_or_give_up(js, msg, d, durable, root, delay, why, max_deliver)
+            return
+        try:
+            await msg.ack()
+        except nats.errors.Error as e:
+            # The ack is lost; the message comes back after ack_wait and the handler, which
+            # must be idempotent, sees it again.
+            log.warning("consumer %s: ack of seq %d failed: %s", durable, d.seq, e)
+
+
+async def _retry_or_give_up(
+    js: JetStreamContext,
+    msg: Msg,
+    d: Delivery,
+    durable: str,
+    root: str,
+    delay_s: float,
+    reason: str,
+    max_deliver: int,
+) -> None:
+    if max_deliver > 0 and d.delivered >= max_deliver:
+        await _dead_letter_and_ack(js, msg, d, durable, root, f"gave up: {reason}")
+        return
+    try:
+        await msg.nak(delay=delay_s)
+    except nats.errors.Error as e:
+        log.warning("consumer %s: nak of seq %d failed: %s", durable, d.seq, e)
+
+
+async def _dead_letter_and_ack(
+    js: JetStreamContext, msg: Msg, d: Delivery, durable: str, root: str, reason: str
+) -> None:
+    try:
+        await dead_letter(
+            js, root, durable, reason=reason, subject=d.subject, seq=d.seq, data=d.data
+        )
+    except Exception as e:
+        # Invariant: a message is acked only once its dead letter is stored. If the DLQ
+        # cannot take it, the message stays unacked and comes back.
+        log.error("consumer %s: dead letter for seq %d not stored: %s", durable, d.seq, e)
+        return
+    try:
+        await msg.ack()
+    except nats.errors.Error as e:
+        log.warning("consumer %s: ack of seq %d failed: %s", durable, d.seq, e)
+
+
+# ------------------------------------------------------------------ ordered reader
+
+# BATCH_MAX bounds how many messages one on_batch call gets. Large enough to amortize the
+# per-call cost (a SQLite transaction, a span); small enough that a view stays fresh.
+BATCH_MAX = 1000
+
+
+class _OrderedReader:
+    """An ordered push consumer whose nats-py callback only appends to a list.
+
+    nats-py answers flow control on arrival, not after the callback: a callback that
+    awaits lets its queue pass the pending limit and drop messages, telling only
+    error_cb. Ours never awaits; the folding happens in the task that drains the list,
+    and every sequence handed on is checked against the one before.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        from_seq: int,
+        filter_subject: str | None,
+        stream: str,
+        until_seq: int | None,
+        to_end: bool,
+        stop: asyncio.Event | None,
+        batch_max: int,
+    ) -> None:
+        self.js = js
+        self.from_seq = max(1, from_seq)
+        self.filter_subject = filter_subject
+        self.stream = stream
+        self.until_seq = until_seq
+        self.to_end = to_end
+        self.stop = stop
+        self.batch_max = batch_max
+        self._buf: list[Msg] = []
+        self._wake = asyncio.Event()
+        self.last_seq = self.from_seq - 1
+        self._last_dseq = 0
+        self._done = False
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # Invariant: no await here (see the class docstring).
+        self._buf.append(msg)
+        self._wake.set()
+
+    async def batches(self) -> AsyncIterator[list[Delivery]]:
+        info = await self.js.stream_info(self.stream)
+        first = info.state.first_seq or 1
+        if self.filter_subject is None and self.from_seq < first:
+            # The log never deletes; a store that starts later was restored that way.
+            self.last_seq = first - 1
+        if self.to_end:
+            # The end is the stream's end as it is now; with a filter, the last matching
+            # message says so itself (its pending count is 0).
+            end = info.state.last_seq
+            self.until_seq = end if self.until_seq is None else min(self.until_seq, end)
+        if self.until_seq is not None and self.until_seq < self.from_seq:
+            return
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.from_seq,
+        )
+        sub = await self.js.subscribe(
+            self.filter_subject or ">",
+            stream=self.stream,
+            cb=self._on_msg,
+            ordered_consumer=True,
+            config=config,
+        )
+        stopper: asyncio.Task[bool] | None = None
+        try:
+            if self.stop is not None:
+                stopper = asyncio.create_task(self.stop.wait())
+                stopper.add_done_callback(lambda _: self._wake.set())
+            if self.to_end:
+                ci = await sub.consumer_info()
+                if ci.num_pending == 0 and not (ci.delivered and ci.delivered.consumer_seq):
+                    return  # nothing matches: nothing was sent, nothing will be
+            while not self._done:
+                if not self._buf:
+                    if self.stop is not None and self.stop.is_set():
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                msgs, self._buf = self._buf, []
+                for i in range(0, len(msgs), self.batch_max):
+                    out = self._check(msgs[i : i + self.batch_max])
+                    if out:
+                        yield out
+                    if self._done:
+                        break
+        finally:
+            if stopper is not None:
+                stopper.cancel()
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    def _check(self, msgs: list[Msg]) -> list[Delivery]:
+        out: list[Delivery] = []
+        append = out.append
+        last_seq, last_dseq = self.last_seq, self._last_dseq
+        until = self.until_seq
+        strict = self.filter_subject is None
+        for msg in msgs:
+            t = msg.reply.split(".")
+            o = 4 if len(t) == 9 else 6
+            sseq, dseq = int(t[o + 1]), int(t[o + 2])
+            if dseq != last_dseq + 1:
+                if dseq == 1 and sseq > last_seq:
+                    # nats-py recreated the consumer (missed heartbeats) from our next
+                    # sequence; its consumer sequence starts again at 1.
+                    pass
+                else:
+                    raise SequenceGap(last_dseq + 1, dseq, "consumer sequence")
+            last_dseq = dseq
+            if sseq <= last_seq:
+                continue  # redelivered after a consumer reset: already handed on
+            if strict and sseq != last_seq + 1:
+                raise SequenceGap(last_seq + 1, sseq)
+            if until is not None and sseq > until:
+                self._done = True
+                break
+            pending = int(t[o + 4])
+            append(Delivery(sseq, msg.subject, msg.data, msg.headers, int(t[o + 3]), 1, pending))
+            last_seq = sseq
+            if (until is not None and sseq >= until) or (self.to_end and pending == 0):
+                self._done = True
+                break
+        self.last_seq, self._last_dseq = last_seq, last_dseq
+        return out
+
+
+async def read_ordered(
+    js: JetStreamContext,
+    *,
+    from_seq: int,
+    on_batch: Callable[[list[Delivery]], Awaitable[None] | None],
+    filter_subject: str | None = None,
+    batch_max: int = BATCH_MAX,
+    stop: asyncio.Event | None = None,
+    until_seq: int | None = None,
+    stream: str = subjects.STREAM,
+) -> int:
+    """Hand every message from `from_seq` on to `on_batch`, in order, until `stop` is set or
+    `until_seq` is handed on. Returns the last stream sequence handed on.
+
+    Raises `SequenceGap` if a message went missing: without a filter every stream
+    sequence must follow the one before; with one, every consumer sequence. The caller
+    restarts from its checkpoint.
+    """
+    reader = _OrderedReader(
+        js,
+        from_seq=from_seq,
+        filter_subject=filter_subject,
+        stream=stream,
+        until_seq=until_seq,
+        to_end=False,
+        stop=stop,
+        batch_max=batch_max,
+    )
+    async for batch in reader.batches():
+        r = on_batch(batch)
+        if r is not None:
+            await r
+    return reader.last_seq
+
+
+async def read_range(
+    js: JetStreamContext,
+    from_seq: int = 1,
+    until_seq: int | None = None,
+    *,
+    filter_subject: str | None = None,
+    batch_max: int = BATCH_MAX,
+    stream: str = subjects.STREAM,
+) -> AsyncIterator[list[Delivery]]:
+    """Batches of messages from `from_seq` to `until_seq`, or to the end of the stream as it
+    is when each message is sent; then it stops. For export and replay."""
+    reader = _OrderedReader(
+        js,
+        from_seq=from_seq,
+        filter_subject=filter_subject,
+        stream=stream,
+        until_seq=until_seq,
+        to_end=True,
+        stop=None,
+        batch_max=batch_max,
+    )
+    async for batch in reader.batches():
+        yield batch
+
+
+# ------------------------------------------------------------------ fold loop
+
+Decoded = tuple[Delivery, Event]
+OnEvents = Callable[[list[Decoded], int], Awaitable[None] | None]
+
+
+async def fold_loop(
+    js: JetStreamContext,
+    *,
+    consumer: str,
+    from_seq: int,
+    on_events: OnEvents,
+    root: str = subjects.DEFAULT_ROOT,
+    filter_subject: str | None = None,
+    batch_max: int = BATCH_MAX,
+    stop: asyncio.Event | None = None,
+    until_seq: int | None = None,
+    to_end: bool = False,
+    stream: str = subjects.STREAM,
+) -> int:
+    """`read_ordered` with checked decoding: what folders run.
+
+    `on_events(events, last_seq)` gets each batch's valid events in order, and the last
+    stream sequence the batch covered (bad messages included), which is the checkpoint to
+    save with the folded rows. A message that does not decode or does not belong on its
+    subject is dead-lettered under `consumer` and skipped. Returns the last sequence.
+    """
+    reader = _OrderedReader(
+        js,
+        from_seq=from_seq,
+        filter_subject=filter_subject,
+        stream=stream,
+        until_seq=until_seq,
+        to_end=to_end,
+        stop=stop,
+        batch_max=batch_max,
+    )
+    decode = codec.decode
+    check = subjects.check
+    async for batch in reader.batches():
+        good: list[Decoded] = []
+        bad: list[tuple[Delivery, str]] = []
+        for d in batch:
+            try:
+                event = decode(d.data)
+            except EventDecodeError as e:
+                bad.append((d, str(e)))
+                continue
+            why = check(event, d.subject, root)
+            if why is not None:
+                bad.append((d, f"wrong subject for its data: {why}"))
+                continue
+            good.append((d, event))
+        for d, reason in bad:
+            await dead_letter(
+                js, root, consumer, reason=reason, subject=d.subject, seq=d.seq, data=d.data
+            )
+        last = batch[-1].seq
+        if tracing.enabled():
+            with _batch_span(batch, consumer):
+                r = on_events(good, last)
+                if r is not None:
+                    await r
+        else:
+            r = on_events(good, last)
+            if r is not None:
+                await r
+    return reader.last_seq
+
+
+# MAX_LINKS bounds the links on one batch span: the SDK keeps 128 by default, and past a
+# few dozen a trace view shows nothing more useful.
+MAX_LINKS = 64
+
+
+def _batch_span(batch: list[Delivery], group: str):  # type: ignore[no-untyped-def]
+    """One CONSUMER span for a folded batch, linked to the producers of its messages."""
+    links = []
+    for d in batch:
+        sc = tracing.span_context_of(tracing.extract(d.headers)) if d.headers else None
+        if sc is not None:
+            links.append(trace.Link(sc))
+            if len(links) >= MAX_LINKS:
+                break
+    return tracing.tracer().start_as_current_span(
+        f"process {batch[0].subject if len(batch) == 1 else 'batch'}",
+        kind=trace.SpanKind.CONSUMER,
+        links=links,
+        attributes={
+            "messaging.system": tracing.SYSTEM,
+            "messaging.destination.name": subjects.STREAM,
+            "messaging.consumer.group.name": group,
+            "messaging.operation.type": "process",
+            "messaging.batch.message_count": len(batch),
+            "messaging.nats.stream.sequence": batch[-1].seq,
+        },
+    )

@@ -1,0 +1,50 @@
+"""Helpers for the bus tests: valid events of a few types, on their own subjects."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from schemas import events as ev
+from schemas import ids
+
+_T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
+_counter = itertools.count()
+
+
+def make_event(i: int, kind: str = "scale") -> ev.Event:
+    """A valid event number `i`; its id is unique in the process and sorts by `i`."""
+    n = next(_counter)
+    eid = ids.ulid(1_800_000_000_000 + n, n.to_bytes(10, "big"))
+    t = _T0 + timedelta(seconds=i)
+    data: ev.Data
+    match kind:
+        case "scale":
+            data = ev.ScaleDesired(model=f"meta/llama-{i % 7}", replicas=i % 5)
+        case "replica":
+            data = ev.ReplicaState(
+                replica=f"r-{i}",
+                model="llama-70b",
+                profile="tp4",
+                state="ready",
+                shards=(ev.ShardSpec(node="gpu-a1", gpus=(0, 1, 2, 3)),),
+            )
+        case "lost":
+            data = ev.NodeLost(node=f"gpu-{i % 3}", reason="heartbeats missed")
+        case _:
+            raise ValueError(kind)
+    return ev.make(data, id=eid, time=t, source="test")
+
+
+@pytest.fixture
+def events() -> Callable[..., list[ev.Event]]:
+    """`events(n, kind="scale")`: n valid events, a mix of types when kind is "mixed"."""
+
+    def make(n: int, kind: str = "scale") -> list[ev.Event]:
+        kinds = ("scale", "replica", "lost")
+        return [make_event(i, kinds[i % 3] if kind == "mixed" else kind) for i in range(n)]
+
+    return make
