@@ -1,0 +1,559 @@
+"""The preemption policy: which replicas to stop so a model that does not fit can be placed.
+
+Called by the preemption service when `placement.failed` (reason no_fit) arrives for a
+model, by `llmgw preemption plan` to ask "what would happen if…", and by replay to
+explain a past decision. `plan(view, model, now, config)` reads the folded view and
+returns a `Decision`; it changes nothing. Publishing `preemption.decided`, the drains and
+the holds is the caller's step. No I/O, no clock: `now` is a parameter, and the same view,
+model, time and config always give the same decision.
+
+A port of the reference's `preemptFor` (reference/preempt.go), rule for rule:
+
+What may be taken from whom:
+
+- A lower class gives way to a higher one: opportunistic to standard, standard to
+  critical.
+- Within a class, only a replica above its model's minimum, and only for a model still
+  below its own. Room a model grew into under load is not a promise; its minimum is.
+- A critical model's minimum is never taken.
+- A replica within its owner's guarantee is taken only for a model of the same owner: a
+  guarantee that another tenant's higher class could take is not one.
+- What another owner borrowed past its guarantee is taken back, whatever the classes,
+  by an owner still within its own.
+
+Victims only ever come from a lower rank, or from above a minimum for a model below one,
+so two models cannot take turns stopping each other; the hold on each victim's model
+keeps that true while the room changes hands.
+
+The set of victims is tried on a clone of the inventory first, and only stopped if it
+would let the model be placed: stopping replicas that do not make room is the one outcome
+worse than not preempting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import msgspec
+
+from schemas import events as ev
+from services.core import catalog, placement, quota
+from services.core.view import ReplicaRecord, View, size_of
+
+Outcome = Literal[
+    "fits",
+    "preempted",
+    "no_candidates",
+    "no_fit",
+    "awaiting",
+    "quota_limit",
+    "held",
+    "unknown_model",
+]
+
+# WHY names every reason a replica is not a candidate, as the short stable codes the
+# decision carries, with the sentence `llmgw explain` shows for each.
+WHY: dict[str, str] = {
+    "same_model": "a replica of the model being placed",
+    "retiring": "already retiring (scale down)",
+    "already_preempted": "already stopped for another model",
+    "draining": "already draining",
+    "unknown_model": "its model is not in the catalog",
+    "guaranteed": "within its owner's guarantee, and the model is another owner's",
+    "critical_minimum": "part of a critical model's minimum, which is never taken",
+    "not_lower_class": "not a lower class, and no other rule lets it be taken",
+    "young": "ready for less than the minimum lifetime",
+    "multi_node": "spread over more than one node",
+}
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """The policy's knobs, with the reference's defaults.
+
+    hold_s: how long a model that gave up room is kept from taking it back (the hold
+    ends earlier once the model it was given to has what it asked for). Long enough for
+    the model it was freed for to be placed and load, so the room is not fought over
+    while it changes hands.
+
+    eviction_grace_s: an on-demand (min 0) replica of a lower class unused for at least
+    this long is tier 0, the first to go. Shorter, and a model between two bursts of
+    traffic would be stopped and have to load again for the next one.
+
+    min_lifetime_s: a replica ready for less than this is never a victim. Stopping it
+    throws away a model load that has only now been paid for.
+
+    max_victims: the most replicas one placement may stop. Past this the model is better
+    reported as not fitting than paid for with half a cluster.
+    """
+
+    hold_s: float = 300.0
+    eviction_grace_s: float = 600.0
+    min_lifetime_s: float = 120.0
+    max_victims: int = 3
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica that may be stopped for the model, and where it stands in the order.
+
+    `idle_s` None means nobody ever reported the replica used, which is not the same as
+    idle: it orders as 0 and is never tier 0.
+    """
+
+    replica: str
+    model: str
+    cls: str
+    owner: str
+    tier: int
+    above_min: bool
+    idle_s: float | None
+    gpus: int
+    cpu_cores: float
+    memory_gb: float
+    node: str
+    borrowed: bool
+    """Held past its owner's guarantee."""
+
+    def to_victim(self) -> ev.Victim:
+        return ev.Victim(
+            replica=self.replica,
+            model=self.model,
+            cls=self.cls,
+            tier=self.tier,
+            above_min=self.above_min,
+            idle_s=self.idle_s,
+            gpus=self.gpus,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "model": self.model,
+            "class": self.cls,
+            "tier": self.tier,
+            "above_min": self.above_min,
+            "idle_s": self.idle_s,
+            "gpus": self.gpus,
+        }
+
+
+class Exclusion(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica holding capacity that is not a candidate, and why (a code of `WHY`)."""
+
+    replica: str
+    model: str
+    why: str
+    detail: str = ""
+    """The same reason in a sentence, with this replica's numbers."""
+
+
+class TrialResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One set of victims tried on a clone of the inventory, and whether the model fit."""
+
+    victims: tuple[str, ...]
+    fits: bool
+    placement: placement.Placement | None = None
+    pruning: bool = False
+    """Tried while dropping victims whose stopping proved unneeded."""
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """What the policy decided for one model at one time, and everything it weighed.
+
+    Rich enough for `llmgw explain replica R`: a victim's entry says which tier it was
+    taken in, the candidates and exclusions say what else was considered, and the trials
+    say which sets were tried before this one.
+    """
+
+    model: str
+    outcome: Outcome
+    now: datetime
+    reason: str
+    """One line for people: why this outcome."""
+    cls: str = catalog.DEFAULT_CLASS
+    """The model's effective class."""
+    owner: str = ""
+    live: int = 0
+    min: int = 0
+    below_min: bool = False
+    """Whether the model had fewer live replicas than its minimum (tier 3 needs it)."""
+    reclaim: bool = False
+    """Whether the model's owner stays within its guarantee with one more replica, so
+    what others borrowed past theirs is tier 1."""
+    profiles: tuple[str, ...] = ()
+    """The profiles tried, in order (those within the owner's limits)."""
+    avoid: tuple[str, ...] = ()
+    victims: tuple[Candidate, ...] = ()
+    holds: tuple[ev.HoldSpec, ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    excluded: tuple[Exclusion, ...] = ()
+    trials: tuple[TrialResult, ...] = ()
+    placement: placement.Placement | None = None
+    """Where the model would go: with nothing stopped (fits) or with the victims gone."""
+    awaiting: tuple[str, ...] = ()
+    """Victims of an earlier decision for the model that still hold capacity."""
+    held_for: str | None = None
+    """The model this one gave up room to, when it is held."""
+    config: Config = Config()
+
+    def to_event_data(self, trigger_id: str = "") -> ev.PreemptionDecided:
+        """The `preemption.decided` data; `trigger_id` is the placement.failed it answers."""
+        return ev.PreemptionDecided(
+            for_model=self.model,
+            outcome=self.outcome,
+            victims=tuple(v.to_victim() for v in self.victims),
+            considered=len(self.candidates),
+            trigger=trigger_id,
+            candidates=tuple(c.to_victim() for c in self.candidates),
+            excluded=tuple(
+                ev.Excluded(replica=x.replica, model=x.model, why=x.why) for x in self.excluded
+            ),
+            trials=tuple(ev.Trial(victims=t.victims, fits=t.fits) for t in self.trials),
+            holds=self.holds,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision as `llmgw preemption plan --json` prints it."""
+        return {
+            "model": self.model,
+            "outcome": self.outcome,
+            "victims": [v.to_json() for v in self.victims],
+            "holds": [
+                {"model": h.model, "for_model": h.for_model, "until": _rfc3339(h.until)}
+                for h in self.holds
+            ],
+            "candidates": [c.to_json() for c in self.candidates],
+            "excluded": [{"replica": x.replica, "why": x.why} for x in self.excluded],
+            "trials": [{"victims": list(t.victims), "fits": t.fits} for t in self.trials],
+        }
+
+
+def _rfc3339(t: datetime) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def effective_class(m: catalog.Model) -> str:
+    """The model's class as ranked: an unknown class counts as the default."""
+    return m.cls if m.cls in catalog.CLASSES else catalog.DEFAULT_CLASS
+
+
+def plan(
+    view: View,
+    model: str,
+    now: datetime,
+    config: Config | None = None,
+    *,
+    avoid: Iterable[str] = (),
+) -> Decision:
+    """The decision the policy takes for one more replica of `model` at `now`.
+
+    `avoid` is the placement's soft preference (placement.failed's `avoid`): every trial
+    tries without those nodes first, then with them, as the scheduler would.
+
+    In order: an unknown model, a held model, an owner past its limit, a model that fits
+    without stopping anything, a model still waiting for earlier victims, and only then
+    the choice of victims.
+    """
+    cfg = config if config is not None else Config()
+    avoided = tuple(sorted(set(avoid)))
+    m = view.catalog.resolve(model)
+    if m is None:
+        return Decision(
+            model=model,
+            outcome="unknown_model",
+            now=now,
+            reason=f"model {model} is not in the catalog",
+            avoid=avoided,
+            config=cfg,
+        )
+    base: dict[str, Any] = {
+        "model": m.name,
+        "now": now,
+        "cls": effective_class(m),
+        "owner": m.owner,
+        "live": view.live_count(m.name),
+        "min": m.min,
+        "avoid": avoided,
+        "config": cfg,
+    }
+
+    # A held model gave up room for another and may not take it back until the hold
+    # ends: otherwise the two would trade the same GPUs back and forth.
+    hold = view.active_hold(m.name, now)
+    if hold is not None:
+        return Decision(
+            outcome="held",
+            reason=f"{m.name} gave up room for {hold.for_model} and is held until "
+            f"{_rfc3339(hold.until)}",
+            held_for=hold.for_model,
+            **base,
+        )
+
+    # An owner past a limit is not placed, and preemption does not run for it: a limit
+    # is a ceiling on what the owner may hold, which stopping others' replicas cannot lift.
+    holdings = view.holdings()
+    usage = view.quota.usage(holdings)
+    profiles = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
+    if not profiles:
+        return Decision(
+            outcome="quota_limit",
+            reason=f"owner {m.owner} would pass a limit with any profile of {m.name}",
+            **base,
+        )
+    base["profiles"] = tuple(p.name for p in profiles)
+
+    found = placement.place(view.inventory, profiles, avoided)
+    if isinstance(found, placement.Placement):
+        return Decision(
+            outcome="fits",
+            reason=f"{m.name} fits as {found.profile.name} without stopping anything",
+            placement=found,
+            **base,
+        )
+
+    # While victims of an earlier decision are still on their way out, the model waits
+    # for the room they free rather than stopping more.
+    waiting = view.awaiting(m.name)
+    if waiting:
+        return Decision(
+            outcome="awaiting",
+            reason=f"waiting for {', '.join(waiting)} to stop",
+            awaiting=waiting,
+            **base,
+        )
+
+    reclaim = view.quota.guaranteed(m.owner, usage, profiles[0].need())
+    below_min = base["live"] < m.min
+    cands, excluded = _candidates(view, m, now, cfg, holdings, reclaim, below_min)
+    base |= {"reclaim": reclaim, "below_min": below_min, "candidates": cands}
+    base["excluded"] = excluded
+    if not cands:
+        return Decision(
+            outcome="no_candidates",
+            reason=f"{m.name} does not fit and no replica may be stopped for it "
+            f"({len(excluded)} excluded)",
+            **base,
+        )
+
+    chosen, trials = _choose(view, profiles, avoided, cands, cfg.max_victims)
+    if not chosen:
+        tried = min(len(cands), cfg.max_victims)
+        return Decision(
+            outcome="no_fit",
+            reason=f"{m.name} would not fit even with its first {tried} candidate(s) stopped; "
+            "nothing is stopped",
+            trials=trials,
+            **base,
+        )
+    until = now + timedelta(seconds=cfg.hold_s)
+    held = dict.fromkeys(v.model for v in chosen)
+    last_fit = next(t for t in reversed(trials) if t.fits)
+    return Decision(
+        outcome="preempted",
+        reason=f"stopping {', '.join(v.replica for v in chosen)} makes room for {m.name}",
+        victims=tuple(chosen),
+        holds=tuple(ev.HoldSpec(model=h, for_model=m.name, until=until) for h in held),
+        trials=trials,
+        placement=last_fit.placement,
+        **base,
+    )
+
+
+def _candidates(
+    view: View,
+    m: catalog.Model,
+    now: datetime,
+    cfg: Config,
+    holdings: list[quota.Holding],
+    reclaim: bool,
+    below_min: bool,
+) -> tuple[tuple[Candidate, ...], tuple[Exclusion, ...]]:
+    """The replicas that may be stopped for m, in the order they should be, and every
+    other replica holding capacity with why it may not.
+
+    The order: idle on-demand ones first, then what other tenants borrowed past their
+    guarantees when m's owner is within its own, then what lower classes grew into under
+    load, then the same within m's class, then lower classes' minimums; within each, the
+    longest unused first.
+    """
+    tree = view.quota
+    my_rank = catalog.class_rank(m.cls)
+    # borrowed only matters across owners with a guarantee in play; with no guarantee
+    # anywhere no replica is covered, and no owner can reclaim.
+    any_guarantee = any(q.guarantee.any() for q in tree.quotas())
+    borrowed = tree.borrowed(holdings) if any_guarantee else set()
+    excluded: list[Exclusion] = []
+
+    def exclude(r: ReplicaRecord, why: str, detail: str = "") -> None:
+        excluded.append(Exclusion(replica=r.id, model=r.model, why=why, detail=detail or WHY[why]))
+
+    # Per model, its live replicas newest first: the newest are the ones above its
+    # minimum.
+    by_model: dict[str, list[ReplicaRecord]] = {}
+    for r in view.state.replicas.values():
+        if not r.holds_capacity:
+            continue  # stopped or failed: holds nothing, nothing to weigh
+        if r.model == m.name:
+            exclude(r, "same_model")
+        elif r.retiring_at is not None:
+            exclude(r, "retiring")
+        elif r.preempted_for is not None:
+            exclude(r, "already_preempted", f"already stopped for {r.preempted_for}")
+        elif not r.live:
+            exclude(r, "draining")
+        else:
+            by_model.setdefault(r.model, []).append(r)
+
+    out: list[Candidate] = []
+    grace, lifetime = cfg.eviction_grace_s, cfg.min_lifetime_s
+    for name in sorted(by_model):
+        reps = by_model[name]
+        other = view.catalog.resolve(name)
+        if other is None:
+            for r in reps:
+                exclude(r, "unknown_model")
+            continue
+        cls = effective_class(other)
+        rank = catalog.class_rank(cls)
+        same_owner = other.owner == m.owner
+        owner_guaranteed = not same_owner and any_guarantee and tree.has_guarantee(other.owner)
+        # Ties in creation time by id, so the same log always marks the same replicas
+        # as above the minimum.
+        reps.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        above = max(len(reps) - other.min, 0)
+        for i, r in enumerate(reps):
+            above_min = i < above
+            idle = r.idle_s(now)
+            tier: int | None = None
+            if rank < my_rank and other.on_demand and idle is not None and idle >= grace:
+                tier = 0
+            elif rank < my_rank and above_min:
+                tier = 2
+            elif rank == my_rank and above_min and below_min:
+                tier = 3
+            elif rank < my_rank and cls != "critical":
+                tier = 4
+            is_borrowed = r.id in borrowed
+            if not same_owner:
+                if is_borrowed and reclaim and (cls != "critical" or above_min):
+                    # Past its owner's guarantee, wanted by an owner within its own:
+                    # taken back whatever the classes.
+                    if tier != 0:
+                        tier = 1
+                elif not is_borrowed and owner_guaranteed:
+                    exclude(r, "guaranteed", f"within {other.owner}'s guarantee")
+                    continue
+            if tier is None:
+                if cls == "critical" and not above_min:
+                    exclude(r, "critical_minimum")
+                else:
+                    exclude(r, "not_lower_class", _not_lower(m, cls, above_min, below_min))
+                continue
+            # Just started: stopping it throws away a model load that has only now
+            # been paid for.
+            if r.ready_at is not None and (now - r.ready_at).total_seconds() < lifetime:
+                age = (now - r.ready_at).total_seconds()
+                exclude(r, "young", f"ready for {age:g}s, less than {lifetime:g}s")
+                continue
+            # Spread over more than one node: stopping it is its own decision, not one
+            # taken to make room for a single replica (the reference leaves it to
+            # makeRoomFor), since it would lose a whole multi-node model for room on one.
+            nodes = r.nodes
+            if len(nodes) > 1:
+                exclude(r, "multi_node", f"spread over {', '.join(nodes)}")
+                continue
+            size = size_of(view, r)
+            out.append(
+                Candidate(
+                    replica=r.id,
+                    model=name,
+                    cls=cls,
+                    owner=other.owner,
+                    tier=tier,
+                    above_min=above_min,
+                    idle_s=idle,
+                    gpus=size.gpus,
+                    cpu_cores=size.cpu_cores,
+                    memory_gb=size.memory_gb,
+                    node=nodes[0] if nodes else "",
+                    borrowed=is_borrowed,
+                )
+            )
+    out.sort(key=_order)
+    excluded.sort(key=lambda x: x.replica)
+    return tuple(out), tuple(excluded)
+
+
+def _order(c: Candidate) -> tuple[int, float, int, float, str]:
+    """Tier, then the longest idle (unknown counts as 0), then the smaller, then the id.
+
+    The smaller first: the least served is lost if it is enough, and the pruning after
+    keeps a larger one only when it is needed. Without the size, equally idle victims
+    (idle times are all unknown after a restart) would be tried in whatever order the
+    replicas happened to be listed.
+    """
+    return (c.tier, -(c.idle_s or 0.0), c.gpus, c.memory_gb, c.replica)
+
+
+def _not_lower(m: catalog.Model, cls: str, above_min: bool, below_min: bool) -> str:
+    mine = effective_class(m)
+    if catalog.class_rank(cls) > catalog.class_rank(mine):
+        return f"{cls} ranks above {mine}"
+    if not above_min:
+        return f"{cls} like {m.name}, and part of its model's minimum"
+    if not below_min:
+        return f"{cls} like {m.name}, above its minimum, but {m.name} is not below its own"
+    return WHY["not_lower_class"]
+
+
+def _choose(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    avoid: tuple[str, ...],
+    cands: Sequence[Candidate],
+    max_victims: int,
+) -> tuple[list[Candidate], tuple[TrialResult, ...]]:
+    """The victims to stop (empty when no set of at most max_victims makes room), and
+    every trial made on the way.
+
+    Candidates are added in order until the model fits; then every one whose stopping
+    turns out not to be needed is kept after all, looking from the last added back.
+    Without that second step an idle replica on the wrong node, tried first, would be
+    stopped along with the one that actually made the room.
+    """
+    trials: list[TrialResult] = []
+
+    def fits_without(gone: Sequence[Candidate], pruning: bool) -> bool:
+        trial = view.inventory.clone()
+        for v in gone:
+            trial.release_replica(v.replica)
+        # place() tries without the avoided nodes first, then with them: a soft
+        # preference never turns room that exists into a preemption.
+        found = placement.place(trial, profiles, avoid)
+        ok = isinstance(found, placement.Placement)
+        trials.append(
+            TrialResult(
+                victims=tuple(v.replica for v in gone),
+                fits=ok,
+                placement=found if isinstance(found, placement.Placement) else None,
+                pruning=pruning,
+            )
+        )
+        return ok
+
+    chosen: list[Candidate] = []
+    for c in cands:
+        if len(chosen) == max_victims:
+            break
+        chosen.append(c)
+        if not fits_without(chosen, False):
+            continue
+        i = len(chosen) - 1
+        while i >= 0 and len(chosen) > 1:
+            fewer = chosen[:i] + chosen[i + 1 :]
+            if fits_without(fewer, True):
+                chosen = fewer
+            i -= 1
+        return chosen, tuple(trials)
+    return [], tuple(trials)
