@@ -323,7 +323,10 @@ def plan(
             **base,
         )
 
-    reclaim = view.quota.guaranteed(m.owner, usage, profiles[0].need())
+    # The owner reclaims only if it stays within its guarantee whichever profile the
+    # model is placed in: the replica it gets must not itself be borrowed, or the owner
+    # it took from could take it straight back.
+    reclaim = all(view.quota.guaranteed(m.owner, usage, p.need()) for p in profiles)
     below_min = base["live"] < m.min
     cands, excluded = _candidates(view, m, now, cfg, holdings, reclaim, below_min)
     base |= {"reclaim": reclaim, "below_min": below_min, "candidates": cands}
