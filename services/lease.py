@@ -1,0 +1,256 @@
+"""Leadership: one active scheduler (or preemption service) at a time, by a lease in a
+JetStream KV bucket.
+
+Used by the scheduler and the preemption service: each runs `Lease.run(stop)` beside its
+work and acts only while `is_leader` is true. The lease is a key (`name`) in a bucket
+whose entries expire after `ttl_s` on the server; the holder renews it with a
+compare-and-set (`update(last=rev)`) every ttl/3. A standby tries to create the key on the
+same period and wins only once the key has expired or was released.
+
+It must not decide anything: it only says who may. It never takes a key that holds a
+live entry of another holder, and it never lets its holder believe it leads past the
+moment a standby could take over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+log = logging.getLogger("llmgw.lease")
+
+DEFAULT_BUCKET = "llmgw_leases"
+
+# SAFETY_FRACTION is the share of the TTL a holder gives up at the end of each term.
+# The server starts the TTL when it stores the renewal, which is after the holder sent
+# it; the holder counts from before it sent it and stops believing it leads this much
+# earlier still, so a paused or partitioned leader stops publishing before a standby
+# can take over, even with a slow clock or a late wake-up.
+SAFETY_FRACTION = 0.2
+
+# MIN_SAFETY_S floors the margin for short test TTLs, where a fifth of the TTL is less
+# than one event-loop stall.
+MIN_SAFETY_S = 0.1
+
+OnChange = Callable[[bool], Awaitable[None] | None]
+
+
+class Lease:
+    """One named lease, held by `holder` (unique per process) while renewed.
+
+    `is_leader` is true only while the last successful acquire or renewal is recent
+    enough that the key cannot yet have expired on the server. `on_change(leading)` is
+    called on every change of that belief, including a lapse noticed by `run`.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        name: str,
+        holder: str,
+        ttl_s: float = 5.0,
+        bucket: str = DEFAULT_BUCKET,
+        on_change: OnChange | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl_s}")
+        self.js = js
+        self.name = name
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.bucket = bucket
+        self.on_change = on_change
+        self._clock = clock
+        self._kv: KeyValue | None = None
+        self._rev: int | None = None
+        """Revision of our own entry, while we hold the key."""
+        self._deadline: float | None = None
+        """Monotonic time until which we may believe we lead."""
+        self._reported = False
+        self.terms = 0
+        """How many times this holder became leader."""
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def is_leader(self) -> bool:
+        return self._deadline is not None and self._clock() < self._deadline
+
+    @property
+    def margin_s(self) -> float:
+        return max(self.ttl_s * SAFETY_FRACTION, MIN_SAFETY_S)
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.ttl_s / 3
+
+    def remaining_s(self) -> float:
+        """Seconds this holder may still believe it leads; 0 when it does not."""
+        if self._deadline is None:
+            return 0.0
+        return max(self._deadline - self._clock(), 0.0)
+
+    async def current_holder(self) -> str | None:
+        """Who holds the lease now, as the server says; None when nobody does."""
+        kv = await self._bucket()
+        try:
+            entry = await kv.get(self.name)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value.decode() if entry.value else None
+
+    # ------------------------------------------------------------------ acting
+
+    async def acquire(self) -> bool:
+        """Take the lease if it is free, renew it if it is ours; whether we now lead.
+
+        A key held by someone else is left alone while it lives: the server removes it
+        at its TTL (or its holder releases it), and only then may another create it.
+        """
+        kv = await self._bucket()
+        started = self._clock()
+        try:
+            if self._rev is not None:
+                try:
+                    self._rev = await kv.update(self.name, self.holder.encode(), last=self._rev)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    # Our entry expired, or someone took the key after it did; only a
+                    # create from scratch may tell which.
+                    self._rev = None
+            if self._rev is None:
+                self._rev = await self._create(kv)
+        except (nats.errors.Error, TimeoutError) as e:
+            # Unreachable broker: keep the belief we have; the deadline ends it in time.
+            log.warning("lease %s: %s: %s", self.name, type(e).__name__, e)
+            await self._report()
+            return self.is_leader
+        if self._rev is None:
+            self._deadline = None
+        else:
+            self._deadline = started + self.ttl_s - self.margin_s
+        await self._report()
+        return self.is_leader
+
+    async def _create(self, kv: KeyValue) -> int | None:
+        try:
+            return await kv.create(self.name, self.holder.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        # The key exists. It may still be ours: a restart with the same holder name, or a
+        # renewal whose ack was lost. Then renew on its revision.
+        try:
+            entry = await kv.get(self.name)
+        except nats.js.errors.KeyNotFoundError:
+            return None  # gone again in between; the next attempt may create it
+        if entry.value is not None and entry.value.decode() == self.holder:
+            try:
+                return await kv.update(self.name, self.holder.encode(), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+        return None
+
+    async def release(self) -> None:
+        """Give the lease up now, so a standby takes over on its next attempt instead of
+        waiting out the TTL. Only our own entry is deleted."""
+        rev, self._rev, self._deadline = self._rev, None, None
+        await self._report()
+        if rev is None:
+            return
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.KeyWrongLastSequenceError):
+            kv = await self._bucket()
+            await kv.delete(self.name, last=rev)
+
+    def abandon(self) -> None:
+        """Stop believing we lead without telling the server: what a crash looks like,
+        for tests and for a holder that knows its state is unsafe."""
+        self._rev = None
+        self._deadline = None
+
+    async def run(self, stop: asyncio.Event, *, release: bool = True) -> None:
+        """Acquire or renew every ttl/3 until `stop`; then release if asked.
+
+        The wait before the next attempt is cut short at the deadline, so a lapse is
+        reported when it happens, not a period later. A cancelled run is treated as a
+        crash: the belief ends at once and the entry is left to expire on the server.
+        """
+        try:
+            while not stop.is_set():
+                await self.acquire()
+                wait = self.renew_every_s
+                if self._deadline is not None:
+                    wait = min(wait, max(self._deadline - self._clock(), 0.0) + 0.001)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
+                await self._report()
+        except asyncio.CancelledError:
+            self.abandon()
+            raise
+        if release:
+            await self.release()
+        else:
+            self.abandon()
+            await self._report()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is not None:
+            return self._kv
+        try:
+            kv = await self.js.key_value(self.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            try:
+                kv = await self.js.create_key_value(
+                    KeyValueConfig(
+                        bucket=self.bucket,
+                        description="llmgw leader leases",
+                        history=1,
+                        ttl=self.ttl_s,
+                        storage=StorageType.FILE,
+                    )
+                )
+            except nats.js.errors.BadRequestError:
+                # Another process created it between our look and our create.
+                kv = await self.js.key_value(self.bucket)
+        info = await self.js.stream_info(f"KV_{self.bucket}")
+        bucket_ttl = info.config.max_age or 0.0
+        # The bucket's TTL is the one the server enforces. A longer one than ours only
+        # makes our belief conservative; a shorter one must shorten it, or we could
+        # believe we lead after a standby took over.
+        if bucket_ttl and bucket_ttl < self.ttl_s:
+            log.warning(
+                "lease %s: bucket %s expires entries after %gs, not %gs; using %gs",
+                self.name,
+                self.bucket,
+                bucket_ttl,
+                self.ttl_s,
+                bucket_ttl,
+            )
+            self.ttl_s = bucket_ttl
+        self._kv = kv
+        return kv
+
+    async def _report(self) -> None:
+        now = self.is_leader
+        if now == self._reported:
+            return
+        self._reported = now
+        if now:
+            self.terms += 1
+        log.info("lease %s: %s %s", self.name, self.holder, "leads" if now else "stands by")
+        if self.on_change is not None:
+            r = self.on_change(now)
+            if inspect.isawaitable(r):
+                await r
