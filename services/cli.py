@@ -38,7 +38,10 @@ PROG = "llmgw"
 
 # COMMAND_MODULES are imported in this order to build the command tree; each exposes
 # `register(commands)`. A later issue adds its command by adding its module here.
-COMMAND_MODULES: tuple[str, ...] = ("services.cli_events",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "services.cli_events",
+    "services.cli_operator",
+)
 
 ENV_NATS = "LLMGW_NATS"
 ENV_DATA = "LLMGW_DATA"

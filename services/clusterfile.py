@@ -1,0 +1,216 @@
+"""Cluster files: the models, quota tree and scale an operator declares, in YAML or TOML.
+
+Read by `llmgw apply -f FILE`, which turns a file into `model.declared`, `quota.set` and
+`scale.desired` events. This module parses and validates only; it publishes nothing.
+Every mistake is reported as one `ClusterFileError` naming the file, the line and the
+field (`cluster.yaml:12: models[1].profiles[0].gpus: Expected int, got str`), because
+an operator fixing a file at 3 a.m. needs the line, not a traceback.
+
+The shape (YAML shown; TOML uses `[[models]]`, `[[quota]]` and a `[scale]` table):
+
+    models:
+      - name: chat-70b            # model.declared's data, field for field
+        class: critical
+        min: 1
+        profiles: [{name: tp4, gpus: 4, gpu_memory_gb: 80}]
+    quota:                        # quota.set's owners; replaces the whole tree
+      - {name: team-a, guarantee: {gpus: 8}, limit: {gpus: 16}}
+    scale:                        # scale.desired per model
+      chat-70b: 2
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from schemas import events as ev
+from services.core import view as core_view
+
+_AT = re.compile(r"^(?P<why>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
+_TOP = ("models", "quota", "scale")
+
+
+class ClusterFileError(Exception):
+    """A cluster file that cannot be applied; str() is the one line to show."""
+
+    def __init__(self, file: str, line: int | None, where: str, why: str) -> None:
+        self.file, self.line, self.where, self.why = file, line, where, why
+        loc = f"{file}:{line}" if line else file
+        super().__init__(f"{loc}: {where}: {why}" if where else f"{loc}: {why}")
+
+
+@dataclass
+class ClusterFile:
+    """What a cluster file declares, validated against the event contract."""
+
+    models: list[ev.ModelDeclared] = field(default_factory=list)
+    quota: ev.QuotaSet | None = None
+    """None: the file says nothing of quota, and the tree in force stays."""
+    scale: dict[str, int] = field(default_factory=dict)
+
+
+def load(path: str | Path) -> ClusterFile:
+    """Read and validate a cluster file (.yaml/.yml or .toml)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ClusterFileError(str(p), None, "", f"cannot read: {e.strerror or e}") from e
+    if p.suffix.lower() == ".toml":
+        doc, lines = _toml(text, str(p))
+    else:
+        doc, lines = _yaml(text, str(p))
+    return parse(doc, lines, str(p))
+
+
+def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
+    """Validate a parsed document; `lines` maps a field path (`models[0].min`) to its line."""
+
+    def fail(where: str, why: str) -> ClusterFileError:
+        return ClusterFileError(name, _line_for(lines, where), where, why)
+
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise fail("", "a cluster file is a mapping with models, quota and scale")
+    for key in doc:
+        if key not in _TOP:
+            raise fail(str(key), f"unknown section; expected one of {', '.join(_TOP)}")
+    out = ClusterFile()
+    raw_models = doc.get("models") or []
+    if not isinstance(raw_models, list):
+        raise fail("models", "must be a list of models")
+    seen: dict[str, int] = {}
+    for i, item in enumerate(raw_models):
+        where = f"models[{i}]"
+        m = _convert(item, ev.ModelDeclared, where, fail)
+        if not m.profiles:
+            raise fail(f"{where}.profiles", "a model needs at least one profile")
+        if m.name in seen:
+            raise fail(
+                f"{where}.name", f"model {m.name!r} is declared twice (also models[{seen[m.name]}])"
+            )
+        names = [p.name for p in m.profiles]
+        if len(set(names)) != len(names):
+            raise fail(f"{where}.profiles", "two profiles share a name")
+        if m.max is not None and m.max < m.min:
+            raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
+        seen[m.name] = i
+        out.models.append(m)
+    if "quota" in doc:
+        raw_quota = doc["quota"] or []
+        if not isinstance(raw_quota, list):
+            raise fail("quota", "must be a list of owners")
+        owners = tuple(
+            _convert(o, ev.OwnerQuota, f"quota[{i}]", fail) for i, o in enumerate(raw_quota)
+        )
+        tree = core_view.quota_tree_of(owners)
+        if tree.errors:
+            raise fail("quota", tree.errors[0])
+        out.quota = ev.QuotaSet(owners=owners)
+    raw_scale = doc.get("scale") or {}
+    if not isinstance(raw_scale, dict):
+        raise fail("scale", "must map model names to replica counts")
+    for model, n in raw_scale.items():
+        where = f"scale.{model}"
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise fail(where, f"must be a whole number of replicas >= 0, not {n!r}")
+        out.scale[str(model)] = n
+    return out
+
+
+def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:
+    try:
+        return msgspec.convert(item, cls, strict=False)
+    except msgspec.ValidationError as e:
+        m = _AT.match(str(e))
+        path, why = (where + m.group("path"), m.group("why")) if m else (where, str(e))
+        raise fail(path, why.replace("Object missing required field", "missing required field")) from e
+
+
+def _line_for(lines: dict[str, int], where: str) -> int | None:
+    """The line of a path, or of its nearest parent that has one."""
+    key = where
+    while key:
+        if key in lines:
+            return lines[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return lines.get("")
+
+
+# ---------------------------------------------------------------------- YAML
+
+
+def _yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
+    try:
+        doc = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise ClusterFileError(name, line, "", f"not valid YAML: {problem}") from e
+    lines: dict[str, int] = {}
+    if node is not None:
+        _lines(node, "", lines)
+    return doc, lines
+
+
+def _lines(node: yaml.Node, path: str, lines: dict[str, int]) -> None:
+    """Record the line of every field path below `node`."""
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            child = f"{path}.{k.value}" if path else str(k.value)
+            lines[child] = k.start_mark.line + 1
+            _lines(v, child, lines)
+            lines[child] = k.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _lines(v, f"{path}[{i}]", lines)
+
+
+# ---------------------------------------------------------------------- TOML
+
+
+def _toml(text: str, name: str) -> tuple[Any, dict[str, int]]:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"line (\d+)", str(e))
+        raise ClusterFileError(
+            name, int(m.group(1)) if m else None, "", f"not valid TOML: {e}"
+        ) from e
+    return doc, _toml_lines(text)
+
+
+def _toml_lines(text: str) -> dict[str, int]:
+    """Lines of `[[models]]`/`[[quota]]` entries and their keys, found by reading the text:
+    tomllib keeps no positions, and a line number is what the operator needs."""
+    lines: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    current = ""
+    for n, raw in enumerate(text.splitlines(), start=1):
+        s = raw.strip()
+        if m := re.match(r"^\[\[\s*([A-Za-z_]+)\s*\]\]", s):
+            table = m.group(1)
+            i = counts.get(table, 0)
+            counts[table] = i + 1
+            current = f"{table}[{i}]"
+            lines.setdefault(table, n)
+            lines[current] = n
+        elif m := re.match(r"^\[\s*([A-Za-z_]+)\s*\]", s):
+            current = m.group(1)
+            lines[current] = n
+        elif m := re.match(r'^("?)([^"=\s]+)\1\s*=', s):
+            key = m.group(2)
+            lines[f"{current}.{key}" if current else key] = n
+    return lines
