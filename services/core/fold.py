@@ -49,11 +49,13 @@ def apply(
     `seq` is the event's stream sequence (0 when unknown, as in tests); `subject` the
     subject it arrived on, which replica reports are checked against (None: unchecked).
     """
-    handler = _HANDLERS.get(type(event))
-    why = "unknown event type" if handler is None else handler(view, event, subject)
     s = view.state
+    # The sequence moves first: a decision recorded by the handler carries its own
+    # sequence, not the one before it.
     if seq:
         s.seq = seq
+    handler = _HANDLERS.get(type(event))
+    why = "unknown event type" if handler is None else handler(view, event, subject)
     t = event.time
     if s.time is None or t > s.time:
         s.time = t

@@ -1,0 +1,454 @@
+"""The SQLite view: tables for nodes, GPUs, models, replicas, holds, quota, decisions,
+rejections, plus the stream position, always written in one transaction.
+
+Written by the projector (a batch of dirty keys at a time) and by the replay CLI (a
+whole view, `write_view`); read by `load_view` (exact: every row keeps its record's
+canonical msgspec JSON in `doc`, so the view comes back as it was folded), by `dump`
+(canonical text for equality checks) and by anyone with `sqlite3`. One writer per file;
+it never reads the stream and never folds.
+
+Invariant: `position.seq` and every row describe the same view: they change together in
+one transaction, so a crash leaves the view as of some batch's end, never between.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import msgspec
+
+from schemas import events as ev
+from services.core.view import (
+    SCHEMA,
+    DecisionRecord,
+    HoldRecord,
+    NodeRecord,
+    Preempting,
+    Rejection,
+    ReplicaRecord,
+    View,
+    ViewState,
+)
+from services.projector.errors import StoreError
+from services.projector.folder import DeadRecord, Dirty
+
+_enc = msgspec.json.Encoder(order="sorted")
+_dec_node = msgspec.json.Decoder(NodeRecord)
+_dec_model = msgspec.json.Decoder(ev.ModelDeclared)
+_dec_replica = msgspec.json.Decoder(ReplicaRecord)
+_dec_hold = msgspec.json.Decoder(HoldRecord)
+_dec_preempting = msgspec.json.Decoder(Preempting)
+_dec_decision = msgspec.json.Decoder(DecisionRecord)
+_dec_rejection = msgspec.json.Decoder(Rejection)
+_dec_owner = msgspec.json.Decoder(ev.OwnerQuota)
+_dec_meta = msgspec.json.Decoder(dict[str, Any])
+
+# TABLES in dump order, each with the columns `dump` prints and its ordering.
+TABLES: tuple[tuple[str, str], ...] = (
+    ("position", "id"),
+    ("nodes", "name"),
+    ("gpus", "node, idx"),
+    ("models", "name"),
+    ("desired", "model"),
+    ("quota", "pos"),
+    ("replicas", "id"),
+    ("holds", "model"),
+    ("preemptions", "for_model"),
+    ("decisions", "n"),
+    ("rejections", "n"),
+    ("dead_letters", "seq"),
+)
+
+DDL = """
+CREATE TABLE IF NOT EXISTS position (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    seq INTEGER NOT NULL,
+    schema INTEGER NOT NULL,
+    time TEXT,
+    meta TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, cordoned INTEGER NOT NULL, lost INTEGER NOT NULL,
+    lost_reason TEXT, gpus INTEGER NOT NULL, cpu_cores REAL NOT NULL,
+    memory_gb REAL NOT NULL, updated_at TEXT NOT NULL, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS gpus (
+    node TEXT NOT NULL, idx INTEGER NOT NULL, uuid TEXT NOT NULL, model TEXT NOT NULL,
+    memory_gb REAL NOT NULL, healthy INTEGER NOT NULL, held_by TEXT,
+    PRIMARY KEY (node, idx)
+);
+CREATE TABLE IF NOT EXISTS models (
+    name TEXT PRIMARY KEY, owner TEXT NOT NULL, class TEXT NOT NULL,
+    min INTEGER NOT NULL, max INTEGER, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS desired (model TEXT PRIMARY KEY, replicas INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quota (
+    pos INTEGER PRIMARY KEY, name TEXT NOT NULL, parent TEXT, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS replicas (
+    id TEXT PRIMARY KEY, model TEXT NOT NULL, profile TEXT NOT NULL, state TEXT NOT NULL,
+    nodes TEXT NOT NULL, created_at TEXT NOT NULL, ready_at TEXT, last_used_at TEXT,
+    retiring_at TEXT, preempted_for TEXT, doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS replicas_model ON replicas (model, state);
+CREATE TABLE IF NOT EXISTS holds (
+    model TEXT PRIMARY KEY, for_model TEXT NOT NULL, until TEXT NOT NULL, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS preemptions (
+    for_model TEXT PRIMARY KEY, decision TEXT NOT NULL, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS decisions (
+    n INTEGER PRIMARY KEY, seq INTEGER NOT NULL, id TEXT NOT NULL, time TEXT NOT NULL,
+    type TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL, summary TEXT NOT NULL,
+    causation TEXT, doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS decisions_model ON decisions (model, seq);
+CREATE TABLE IF NOT EXISTS rejections (
+    n INTEGER PRIMARY KEY, seq INTEGER NOT NULL, id TEXT NOT NULL, type TEXT NOT NULL,
+    reason TEXT NOT NULL, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq INTEGER PRIMARY KEY, subject TEXT NOT NULL, reason TEXT NOT NULL
+);
+"""
+
+
+async def open_db(path: str | Path) -> aiosqlite.Connection:
+    """The view database at `path`, created if new, in WAL mode.
+
+    synchronous=NORMAL: in WAL it fsyncs at checkpoints, not at every commit, so a power
+    loss may lose the last few batches but never corrupts or splits one. That is safe
+    here because position and rows commit together, and a lost batch is simply folded
+    again from the log on the next start; FULL would cost an fsync per batch for
+    nothing the log cannot give back. (A process crash loses nothing either way.)
+    """
+    db = await aiosqlite.connect(str(path))
+    await db.execute("PRAGMA journal_mode=WAL")
+    await db.execute("PRAGMA synchronous=NORMAL")
+    await db.executescript(DDL)
+    await db.commit()
+    return db
+
+
+def _t(d: datetime | None) -> str | None:
+    return None if d is None else d.isoformat()
+
+
+def _doc(x: msgspec.Struct) -> str:
+    return _enc.encode(x).decode()
+
+
+def _node_row(r: NodeRecord) -> tuple[Any, ...]:
+    rep = r.report
+    return (
+        rep.node,
+        int(r.cordoned),
+        int(r.lost),
+        r.lost_reason,
+        len(rep.gpus),
+        rep.cpu_cores,
+        rep.memory_gb,
+        _t(r.updated_at),
+        _doc(r),
+    )
+
+
+def _gpu_rows(view: View, r: NodeRecord) -> list[tuple[Any, ...]]:
+    holder = view.inventory.holder
+    name = r.report.node
+    return [
+        (name, g.index, g.uuid, g.model, g.memory_gb, int(g.healthy), holder(name, g.index))
+        for g in r.report.gpus
+    ]
+
+
+def _model_row(m: ev.ModelDeclared) -> tuple[Any, ...]:
+    return (m.name, m.owner, m.cls, m.min, m.effective_max, _doc(m))
+
+
+def _replica_row(r: ReplicaRecord) -> tuple[Any, ...]:
+    return (
+        r.id,
+        r.model,
+        r.profile,
+        r.state,
+        ",".join(r.nodes),
+        _t(r.created_at),
+        _t(r.ready_at),
+        _t(r.last_used_at),
+        _t(r.retiring_at),
+        r.preempted_for,
+        _doc(r),
+    )
+
+
+def _hold_row(h: HoldRecord) -> tuple[Any, ...]:
+    return (h.model, h.for_model, _t(h.until), _doc(h))
+
+
+def _preempting_row(p: Preempting) -> tuple[Any, ...]:
+    return (p.for_model, p.decision, _doc(p))
+
+
+def _decision_row(d: DecisionRecord) -> tuple[Any, ...]:
+    return (
+        d.seq,
+        d.id,
+        _t(d.time),
+        d.type,
+        d.model,
+        d.outcome,
+        d.summary,
+        d.causation,
+        _doc(d),
+    )
+
+
+def _rejection_row(r: Rejection) -> tuple[Any, ...]:
+    return (r.seq, r.id, r.type, r.reason, _doc(r))
+
+
+_INS = {
+    "nodes": "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?,?)",
+    "gpus": "INSERT OR REPLACE INTO gpus VALUES (?,?,?,?,?,?,?)",
+    "models": "INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
+    "desired": "INSERT OR REPLACE INTO desired VALUES (?,?)",
+    "quota": "INSERT INTO quota VALUES (?,?,?,?)",
+    "replicas": "INSERT OR REPLACE INTO replicas VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+    "holds": "INSERT OR REPLACE INTO holds VALUES (?,?,?,?)",
+    "preemptions": "INSERT OR REPLACE INTO preemptions VALUES (?,?,?)",
+    "decisions": "INSERT INTO decisions (seq, id, time, type, model, outcome, summary,"
+    " causation, doc) VALUES (?,?,?,?,?,?,?,?,?)",
+    "rejections": "INSERT INTO rejections (seq, id, type, reason, doc) VALUES (?,?,?,?,?)",
+    "dead_letters": "INSERT OR REPLACE INTO dead_letters VALUES (?,?,?)",
+}
+
+
+def _meta(s: ViewState) -> str:
+    """What the view holds beyond the rows: how many recent decisions and rejections it
+    keeps (the last ones of their tables) and its rejection count."""
+    return json.dumps(
+        {
+            "decisions": len(s.decisions),
+            "rejections": len(s.rejections),
+            "rejected": s.rejected,
+        },
+        sort_keys=True,
+    )
+
+
+async def read_position(db: aiosqlite.Connection) -> int:
+    """The last stream sequence the stored view folded; 0 for an empty database."""
+    async with db.execute("SELECT seq FROM position WHERE id = 1") as cur:
+        row = await cur.fetchone()
+    return 0 if row is None else int(row[0])
+
+
+async def write_batch(db: aiosqlite.Connection, view: View, dirty: Dirty) -> None:
+    """Write what a batch changed and the new position, in one transaction."""
+    s = view.state
+    try:
+        await _write_dirty(db, view, dirty)
+        await db.execute(
+            "INSERT OR REPLACE INTO position VALUES (1, ?, ?, ?, ?)",
+            (s.seq, s.schema, _t(s.time), _meta(s)),
+        )
+        await db.commit()
+    except BaseException:
+        await db.rollback()
+        raise
+
+
+async def _upsert_or_delete(
+    db: aiosqlite.Connection,
+    table: str,
+    key: str,
+    keys: Iterable[str],
+    have: dict[str, Any],
+    row: Any,
+) -> None:
+    rows, gone = [], []
+    for k in keys:
+        v = have.get(k)
+        if v is None:
+            gone.append((k,))
+        else:
+            rows.append(row(v))
+    if rows:
+        await db.executemany(_INS[table], rows)
+    if gone:
+        await db.executemany(f"DELETE FROM {table} WHERE {key} = ?", gone)
+
+
+async def _write_dirty(db: aiosqlite.Connection, view: View, d: Dirty) -> None:
+    s = view.state
+    if d.nodes:
+        await _upsert_or_delete(db, "nodes", "name", d.nodes, s.nodes, _node_row)
+        await db.executemany("DELETE FROM gpus WHERE node = ?", [(n,) for n in d.nodes])
+        gpu_rows = [g for n in d.nodes if n in s.nodes for g in _gpu_rows(view, s.nodes[n])]
+        if gpu_rows:
+            await db.executemany(_INS["gpus"], gpu_rows)
+    if d.replicas:
+        await _upsert_or_delete(db, "replicas", "id", d.replicas, s.replicas, _replica_row)
+    if d.models:
+        await _upsert_or_delete(db, "models", "name", d.models, s.models, _model_row)
+    if d.desired:
+        await _write_desired(db, s, d.desired)
+    if d.holds:
+        await _upsert_or_delete(db, "holds", "model", d.holds, s.holds, _hold_row)
+    if d.preempting:
+        await _upsert_or_delete(
+            db, "preemptions", "for_model", d.preempting, s.preempting, _preempting_row
+        )
+    if d.quota:
+        await _write_quota(db, s)
+    if d.decisions:
+        await db.executemany(_INS["decisions"], [_decision_row(x) for x in d.decisions])
+    if d.rejections:
+        await db.executemany(_INS["rejections"], [_rejection_row(x) for x in d.rejections])
+    if d.dead:
+        await db.executemany(_INS["dead_letters"], [_dead_row(x) for x in d.dead])
+
+
+def _dead_row(x: DeadRecord) -> tuple[Any, ...]:
+    return (x.seq, x.subject, x.reason)
+
+
+async def _write_desired(db: aiosqlite.Connection, s: ViewState, keys: Iterable[str]) -> None:
+    rows = [(k, s.desired[k]) for k in keys if k in s.desired]
+    if rows:
+        await db.executemany(_INS["desired"], rows)
+    gone = [(k,) for k in keys if k not in s.desired]
+    if gone:
+        await db.executemany("DELETE FROM desired WHERE model = ?", gone)
+
+
+async def _write_quota(db: aiosqlite.Connection, s: ViewState) -> None:
+    await db.execute("DELETE FROM quota")
+    await db.executemany(
+        _INS["quota"], [(i, o.name, o.parent, _doc(o)) for i, o in enumerate(s.quota)]
+    )
+
+
+async def write_view(
+    db: aiosqlite.Connection,
+    view: View,
+    *,
+    decisions: Iterable[DecisionRecord] | None = None,
+    rejections: Iterable[Rejection] | None = None,
+    dead: Iterable[DeadRecord] = (),
+) -> None:
+    """Replace the whole stored view with `view`, in one transaction.
+
+    `decisions` and `rejections` are the whole history to store (the projector keeps
+    every one it saw); None stores only the recent ones the view itself holds. A replay
+    that wants a dump equal to a live projector's passes the history its `Folder` saw.
+    """
+    s = view.state
+    d = Dirty()
+    d.nodes = set(s.nodes)
+    d.replicas = set(s.replicas)
+    d.models = set(s.models)
+    d.desired = set(s.desired)
+    d.holds = set(s.holds)
+    d.preempting = set(s.preempting)
+    d.quota = True
+    d.decisions = list(s.decisions if decisions is None else decisions)
+    d.rejections = list(s.rejections if rejections is None else rejections)
+    d.dead = list(dead)
+    try:
+        for table, _ in TABLES:
+            await db.execute(f"DELETE FROM {table}")
+        await _write_dirty(db, view, d)
+        await db.execute(
+            "INSERT OR REPLACE INTO position VALUES (1, ?, ?, ?, ?)",
+            (s.seq, s.schema, _t(s.time), _meta(s)),
+        )
+        await db.commit()
+    except BaseException:
+        await db.rollback()
+        raise
+
+
+async def _all(db: aiosqlite.Connection, sql: str) -> list[Any]:
+    async with db.execute(sql) as cur:
+        return list(await cur.fetchall())
+
+
+async def load_view(db: aiosqlite.Connection) -> View:
+    """The stored view, exactly as it was folded (an empty view for an empty database).
+
+    Raises `StoreError` if the database was written under another view SCHEMA: its rows
+    may mean something else, and the caller must rebuild from the log instead.
+    """
+    pos = await _all(db, "SELECT seq, schema, time, meta FROM position WHERE id = 1")
+    if not pos:
+        return View()
+    seq, schema, time, meta_raw = pos[0]
+    if schema != SCHEMA:
+        raise StoreError(f"the stored view is of schema {schema}, not {SCHEMA}: rebuild it")
+    meta = _dec_meta.decode(meta_raw)
+    n_dec, n_rej = int(meta["decisions"]), int(meta["rejections"])
+    decs = await _all(db, f"SELECT doc FROM decisions ORDER BY n DESC LIMIT {n_dec}")
+    rejs = await _all(db, f"SELECT doc FROM rejections ORDER BY n DESC LIMIT {n_rej}")
+    # Dicts in key order: what a snapshot decodes to (its encoding sorts keys), so a view
+    # loaded from SQLite and one loaded from a snapshot are the same view.
+    state = ViewState(
+        schema=schema,
+        seq=seq,
+        time=None if time is None else datetime.fromisoformat(time),
+        nodes={
+            n: _dec_node.decode(d)
+            for n, d in await _all(db, "SELECT name, doc FROM nodes ORDER BY name")
+        },
+        models={
+            n: _dec_model.decode(d)
+            for n, d in await _all(db, "SELECT name, doc FROM models ORDER BY name")
+        },
+        quota=tuple(
+            _dec_owner.decode(d) for (d,) in await _all(db, "SELECT doc FROM quota ORDER BY pos")
+        ),
+        desired=dict(await _all(db, "SELECT model, replicas FROM desired ORDER BY model")),
+        replicas={
+            n: _dec_replica.decode(d)
+            for n, d in await _all(db, "SELECT id, doc FROM replicas ORDER BY id")
+        },
+        holds={
+            n: _dec_hold.decode(d)
+            for n, d in await _all(db, "SELECT model, doc FROM holds ORDER BY model")
+        },
+        preempting={
+            n: _dec_preempting.decode(d)
+            for n, d in await _all(db, "SELECT for_model, doc FROM preemptions ORDER BY for_model")
+        },
+        decisions=[_dec_decision.decode(d) for (d,) in reversed(decs)],
+        rejections=[_dec_rejection.decode(d) for (d,) in reversed(rejs)],
+        rejected=int(meta["rejected"]),
+    )
+    return View(state)
+
+
+async def dump(db: aiosqlite.Connection) -> str:
+    """Every table as canonical text, one JSON row a line, in key order: two databases
+    hold the same view (and history) exactly when their dumps are equal."""
+    out: list[str] = []
+    for table, order in TABLES:
+        async with db.execute(f"SELECT * FROM {table} ORDER BY {order}") as cur:
+            names = [c[0] for c in cur.description]
+            rows = list(await cur.fetchall())
+        out.append(f"# {table} ({len(rows)})")
+        skip = {"n"}
+        for row in rows:
+            out.append(
+                json.dumps(
+                    {k: v for k, v in zip(names, row, strict=True) if k not in skip},
+                    sort_keys=True,
+                    separators=(",", ":"),
+                )
+            )
+    return "\n".join(out) + "\n"
