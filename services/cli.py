@@ -41,6 +41,7 @@ PROG = "llmgw"
 COMMAND_MODULES: tuple[str, ...] = (
     "services.cli_events",
     "services.cli_operator",
+    "services.cli_preemption",
 )
 
 ENV_NATS = "LLMGW_NATS"

@@ -331,4 +331,4 @@ def _shard_specs(on: Shards) -> tuple[ev.ShardSpec, ...]:
     if isinstance(on, tuple) and len(on) == 2 and isinstance(on[0], str):
         node, gpus = on
         return (ev.ShardSpec(node=node, gpus=tuple(gpus)),)
-    return tuple(ev.ShardSpec(node=n, gpus=tuple(g)) for n, g in on)  # type: ignore[misc]
+    return tuple(ev.ShardSpec(node=n, gpus=tuple(g)) for n, g in on)
