@@ -91,7 +91,7 @@ def _port_open(host: str, port: int) -> bool:
 
 
 def _healthy(host: str, monitor_port: int) -> bool:
-    url = f"http://{host}:{monitor_port}/healthz?js-enabled-only=true"
+    url = f"http://{host}:{monitor_port}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=0.5) as r:
             return bool(r.status == 200)

@@ -70,14 +70,14 @@ async def connect(
 
     nc = Client()
     try:
-        # allow_reconnect is off for the first attempt: with reconnect on, nats-py would
-        # retry a dead address forever instead of telling the user.
+        # The first connect gets one retry: nats-py's own loop, with reconnect forever,
+        # would retry a dead address forever instead of telling the user.
         await nc.connect(
             servers=[url],
             name=name,
             connect_timeout=connect_timeout,  # type: ignore[arg-type]
             allow_reconnect=False,
-            max_reconnect_attempts=-1,
+            max_reconnect_attempts=1,
             reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
             error_cb=on_error,
             disconnected_cb=on_disconnected,
@@ -89,6 +89,7 @@ async def connect(
         await _quiet_close(nc)
         raise BrokerUnavailable(url, with_reason) from e
     nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
     initial = False
     return nc
 

@@ -36,7 +36,9 @@ async def test_read_range_with_a_filter(js, events):
     evs = events(90, "mixed")
     await Publisher(js).publish_many(evs)
     lost = [d async for b in read_range(js, 1, filter_subject="llmgw.node.*.status") for d in b]
-    assert [codec.decode(d.data).id for d in lost] == [e.id for e in evs if isinstance(e, ev.NodeLostEvent)]
+    assert [codec.decode(d.data).id for d in lost] == [
+        e.id for e in evs if isinstance(e, ev.NodeLostEvent)
+    ]
     none = [d async for b in read_range(js, 1, filter_subject="llmgw.hold.>") for d in b]
     assert none == []
 

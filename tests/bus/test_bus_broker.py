@@ -1,0 +1,97 @@
+"""The embedded broker: starts, records its URL, survives kill -9 with its data, and a
+client that finds nobody says in one line what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas import subjects
+from services.bus import (
+    BrokerError,
+    BrokerUnavailable,
+    EmbeddedBroker,
+    Publisher,
+    connect,
+    ensure_streams,
+    find_binary,
+    free_port,
+    read_url,
+    resolve_url,
+)
+from services.bus.consume import read_range
+
+
+def test_find_binary_finds_the_packaged_server():
+    assert find_binary().endswith("nats-server")
+
+
+def test_find_binary_says_how_to_get_one(monkeypatch):
+    monkeypatch.setenv("LLMGW_NATS_SERVER", "/nonexistent/nats-server")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("sys.prefix", "/nonexistent")
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    with pytest.raises(BrokerError, match="nats-server not found"):
+        find_binary()
+
+
+def test_start_records_the_url_and_a_clean_stop_removes_it(tmp_path):
+    with EmbeddedBroker(tmp_path) as b:
+        assert b.running and b.pid
+        assert read_url(tmp_path) == b.url == f"nats://127.0.0.1:{b.port}"
+        assert (tmp_path / "jetstream").is_dir()
+        assert resolve_url(None, tmp_path) == b.url
+    assert not b.running
+    assert read_url(tmp_path) is None
+    assert "Server is ready" in (tmp_path / "nats-server.log").read_text()
+
+
+def test_a_taken_port_is_one_clear_error(tmp_path, nats_server):
+    other = EmbeddedBroker(tmp_path / "other", port=nats_server.port)
+    with pytest.raises(BrokerError, match="exited with status"):
+        other.start(timeout=5)
+    assert not other.running
+
+
+async def test_nobody_listening_is_one_line_saying_how_to_start_one():
+    url = f"nats://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as e:
+        await connect(url, "test", connect_timeout=1)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert url in msg and "llmgw up" in msg and "LLMGW_NATS" in msg and "--nats" in msg
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(60)
+async def test_kill_9_and_restart_on_the_same_store_keeps_the_data(nats_server, events):
+    nc = await connect(nats_server.url, "survivor")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        pub = Publisher(js)
+        evs = events(200, "mixed")
+        await pub.publish_many(evs[:150])
+        port = nats_server.port
+
+        nats_server.kill()
+        assert not nats_server.running
+        assert read_url(nats_server.data_dir) == nats_server.url  # a crash leaves it stale
+        nats_server.start()
+        assert nats_server.port == port
+
+        deadline = time.monotonic() + 20
+        while not (nc.stats["reconnects"] >= 1 and nc.is_connected):
+            assert time.monotonic() < deadline, "client did not reconnect"
+            await asyncio.sleep(0.05)
+        await ensure_streams(js)
+        await pub.publish_many(evs[100:])  # 50 retried (duplicates), 50 new
+        seen = [d async for b in read_range(js, 1) for d in b]
+        assert [d.seq for d in seen] == list(range(1, 201))
+        info = await js.stream_info(subjects.STREAM)
+        assert info.state.messages == 200
+    finally:
+        await nc.close()
