@@ -1,0 +1,184 @@
+"""The preemption service on a real broker: what it publishes for a trigger, what it does
+not, holds released, and two services at once.
+
+Each test builds the cluster by publishing events directly (see `conftest.full_cluster`),
+runs the service in-process with a clock the test moves, and reads the stream back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from nats.js.client import JetStreamContext
+
+from schemas import events as ev
+from schemas import ids
+from services.bus import EmbeddedBroker
+from tests.preemption_service.conftest import (
+    CONFIG,
+    Clock,
+    acked_through,
+    failed,
+    full_cluster,
+    of_type,
+    publish,
+    running,
+    stored,
+    until,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_decides_and_publishes_decision_drains_and_holds(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    trigger = failed(s)
+    async with running(nats_server.url, holder="p1", clock=clock):
+        await publish(js, s)
+        await until(lambda: acked_through(js, len(s.events())))
+    log = await stored(js)
+
+    decided = of_type(log, ev.PreemptionDecidedEvent)
+    assert len(decided) == 1
+    d = decided[0].event
+    assert isinstance(d, ev.PreemptionDecidedEvent)
+    assert d.id == ids.derived(trigger.id, "decided")
+    assert (d.causation, d.correlation) == (trigger.id, trigger.id)
+    assert decided[0].subject == "llmgw.preemption.decided.chat"
+    assert d.data.outcome == "preempted"
+    assert d.data.trigger == trigger.id
+    assert [v.replica for v in d.data.victims] == ["b1", "b2"]
+
+    drains = of_type(log, ev.ReplicaDrainEvent)
+    assert [(x.subject, x.event.data.replica) for x in drains] == [  # type: ignore[union-attr]
+        ("llmgw.cmd.n1.replica.drain", "b1"),
+        ("llmgw.cmd.n1.replica.drain", "b2"),
+    ]
+    for x in drains:
+        e = x.event
+        assert isinstance(e, ev.ReplicaDrainEvent)
+        assert e.data.reason == "preempted"
+        assert e.data.for_model == "chat"
+        assert e.id == ids.derived(trigger.id, f"drain:{e.data.replica}")
+        assert (e.causation, e.correlation) == (d.id, trigger.id)
+
+    holds = of_type(log, ev.HoldCreatedEvent)
+    assert len(holds) == 1
+    h = holds[0].event
+    assert isinstance(h, ev.HoldCreatedEvent)
+    assert (h.data.model, h.data.for_model) == ("batch", "chat")
+    assert h.data.until == clock.now + timedelta(seconds=CONFIG.hold_s)
+    assert h.id == ids.derived(trigger.id, "hold:batch")
+    assert (h.causation, h.correlation) == (d.id, trigger.id)
+    # In order: the decision before what it causes.
+    assert decided[0].seq < drains[0].seq < drains[1].seq < holds[0].seq
+
+
+async def test_second_trigger_while_victims_drain_awaits_and_stops_nothing(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    # Both triggers are in the stream before the service decides the first: the second
+    # must still be decided on a view that holds the first decision.
+    s = full_cluster()
+    failed(s)
+    second = failed(s)
+    await publish(js, s)
+    async with running(nats_server.url, holder="p1", clock=clock):
+        await until(lambda: acked_through(js, len(s.events())))
+    log = await stored(js)
+    decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
+    assert [e.data.outcome for e in decided] == ["preempted", "awaiting"]  # type: ignore[union-attr]
+    assert decided[1].causation == second.id
+    assert len(of_type(log, ev.ReplicaDrainEvent)) == 2
+
+
+async def test_quota_limit_stops_nothing(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    failed(s, reason="quota_limit")
+    async with running(nats_server.url, holder="p1", clock=clock) as (svc, _):
+        await publish(js, s)
+        await until(lambda: acked_through(js, len(s.events())))
+        assert svc.stats.ignored == 1
+    log = await stored(js)
+    assert of_type(log, ev.PreemptionDecidedEvent) == []
+    assert of_type(log, ev.ReplicaDrainEvent) == []
+    assert of_type(log, ev.HoldCreatedEvent) == []
+
+
+async def test_hold_released_when_expired_once(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    failed(s)
+    async with running(nats_server.url, holder="p1", clock=clock) as (svc, _):
+        await publish(js, s)
+        await until(lambda: "batch" in svc.view.state.holds)
+        hold = svc.view.state.holds["batch"]
+        clock.now = hold.until
+        await until(lambda: "batch" not in svc.view.state.holds)
+        # A few more passes over the view find nothing more to release.
+        ticks = svc.stats.ticks
+        await until(lambda: svc.stats.ticks >= ticks + 3)
+    released = [x.event for x in of_type(await stored(js), ev.HoldReleasedEvent)]
+    assert len(released) == 1
+    r = released[0]
+    assert isinstance(r, ev.HoldReleasedEvent)
+    assert (r.data.model, r.data.reason) == ("batch", "expired")
+    assert r.id == ids.derived(hold.created_by, "released")
+    assert r.causation == hold.created_by
+
+
+async def test_hold_released_when_its_model_is_satisfied(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    failed(s)
+    async with running(nats_server.url, holder="p1", clock=clock) as (svc, _):
+        n = await publish(js, s)
+        await until(lambda: "batch" in svc.view.state.holds)
+        # The victims stop, and chat is placed in the room they left.
+        s.state("b1", "stopped").state("b2", "stopped")
+        s.replica("c1", "chat", on=("n1", [0, 1, 2, 3]), state="pending")
+        await publish(js, s, since=n)
+        await until(lambda: "batch" not in svc.view.state.holds)
+    released = [x.event for x in of_type(await stored(js), ev.HoldReleasedEvent)]
+    assert [r.data.reason for r in released] == ["satisfied"]  # type: ignore[union-attr]
+
+
+async def test_two_services_one_decision_and_standby_takes_over(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    first = failed(s)
+    async with (
+        running(nats_server.url, holder="a", clock=clock) as (a, a_task),
+        running(nats_server.url, holder="b", clock=clock, lead=False) as (b, _),
+    ):
+        n = await publish(js, s)
+        await until(lambda: acked_through(js, n))
+        assert not b.is_leader
+        assert (a.stats.decided, b.stats.decided) == (1, 0)
+
+        # The leader dies: no release, so the standby must wait out the lease.
+        a_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a_task
+        await until(lambda: b.is_leader, timeout=a.options.lease_ttl_s + 2)
+
+        second = failed(s, "chat2")
+        n = await publish(js, s, since=n)
+        await until(lambda: acked_through(js, n))
+        assert b.stats.decided == 1
+
+    log = await stored(js)
+    decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
+    assert [e.causation for e in decided] == [first.id, second.id]
+    drained = [x.event.data.replica for x in of_type(log, ev.ReplicaDrainEvent)]  # type: ignore[union-attr]
+    assert drained == ["b1", "b2", "b3", "b4"]
+
