@@ -42,6 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli_events",
     "services.cli_operator",
     "services.cli_preemption",
+    "services.cli_agent",
 )
 
 ENV_NATS = "LLMGW_NATS"

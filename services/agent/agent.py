@@ -1,0 +1,534 @@
+"""The agent of one GPU node: announces the node, carries out its commands, reports replicas.
+
+Run by `llmgw agent` (one node per process) and by `llmgw up --simulate` (many simulated
+nodes in one process), each as `await Agent(...).run(stop)`. It publishes the node's
+`node.inventory` at start; heartbeats on core NATS (`<root>.heartbeat.<node>`, never the
+stream); consumes `<root>.cmd.<node>.>` through a durable consumer, so commands sent
+while it is down wait for it; and turns what its `Runtime` reports into `replica.state`
+events on `<root>.node.<node>.replica.<replica>`. It decides nothing about the cluster:
+it does what the commands say, on its own node only, and says what happened.
+
+Once only, across crashes: every state event's id is derived from the command that
+caused it and the state (`ids.derived(cmd.id, "state:ready")`), so a redelivered command
+inside JetStream's duplicate window publishes nothing new. Past the window the agent
+still knows: at start it rebuilds its replicas from its own events in the log, so a
+redelivered `replica.start` for a replica it already runs, or a `replica.drain` for one
+already stopped, is acked with no effect; and replicas a crash left mid-way (starting,
+loading, draining) are driven on to ready or stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from schemas import codec, ids, names, subjects
+from schemas import events as ev
+from schemas.errors import EventDecodeError
+from services.agent.errors import NoStream
+from services.agent.runtime import Report, Runtime
+from services.bus import Permanent, Publisher, PublishError
+from services.bus import consume as bus_consume
+
+log = logging.getLogger("llmgw.agent")
+
+_ORDER = ev.STATE_ORDER
+_HOLDING = ev.HOLDING_STATES
+
+# MID_FLIGHT are the states a crash can leave a replica in with work still to do: the
+# agent drives them on at start rather than leaving them to the scheduler's timeouts.
+_STARTING = frozenset({"pending", "starting", "loading"})
+
+# USED_INTERVAL_S is how often at most one replica's use is reported. `replica.used` is
+# a fact the preemption policy reads (idle longest first), not a request log: a minute's
+# resolution ranks idle replicas just as well and keeps the log small.
+USED_INTERVAL_S = 30.0
+
+# REPUBLISH_WAIT_S is the pause before a background state report is published again
+# after the broker refused or did not answer. The ids make a second copy harmless.
+REPUBLISH_WAIT_S = 0.5
+
+_json = msgspec.json.Encoder()
+
+
+def durable_name(node: str) -> str:
+    """The agent's durable consumer: one per node, surviving the agent's restarts."""
+    return f"agent-{names.escape(node)}"
+
+
+def new_id() -> str:
+    """A fresh ULID for an event that reacts to nothing (inventory, use reports)."""
+    return ids.ulid(time.time_ns() // 1_000_000, os.urandom(10))
+
+
+@dataclass(eq=False)
+class _Replica:
+    """What the agent knows of one of its replicas: the last state it said, and the
+    command whose effect that state is (the start, then the drain). Ids of the next
+    states derive from `command`, so anyone driving the replica on publishes the same
+    events the agent before the crash would have."""
+
+    replica: str
+    model: str
+    profile: str
+    shards: tuple[ev.ShardSpec, ...]
+    state: str
+    command: str
+    correlation: str | None
+    since: datetime
+    grace_s: float = 30.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    task: asyncio.Task[None] | None = None
+
+
+class Agent:
+    """The agent of node `node`, with `gpus`, `cpu_cores` and `memory_gb` to offer, whose
+    replicas run on `runtime`. `traffic` (model -> requests per minute) makes the agent
+    report synthetic use of its ready replicas of those models."""
+
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        *,
+        node: str,
+        gpus: Sequence[ev.GpuInfo],
+        cpu_cores: float,
+        memory_gb: float,
+        runtime: Runtime,
+        root: str = subjects.DEFAULT_ROOT,
+        heartbeat_s: float = 1.0,
+        labels: Mapping[str, str] | None = None,
+        traffic: Mapping[str, float] | None = None,
+        used_interval_s: float = USED_INTERVAL_S,
+        rng: random.Random | None = None,
+    ) -> None:
+        names.escape(node)  # a node name no subject can carry fails here, not mid-run
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be more than 0, got {heartbeat_s}")
+        self.nc = nc
+        self.js = js
+        self.node = node
+        self.inventory = ev.NodeInventory(
+            node=node,
+            gpus=tuple(gpus),
+            cpu_cores=cpu_cores,
+            memory_gb=memory_gb,
+            labels=dict(labels or {}),
+        )
+        self.runtime = runtime
+        self.root = root
+        self.heartbeat_s = heartbeat_s
+        self.traffic = {m: float(r) for m, r in (traffic or {}).items() if r > 0}
+        self.used_interval_s = used_interval_s
+        self.source = f"agent/{node}"
+        self.durable = durable_name(node)
+        self._rng = rng or random.Random()
+        self._publisher = Publisher(js, root)
+        self._replicas: dict[str, _Replica] = {}
+        self._halt = asyncio.Event()
+        # _last_used: replica -> (when it last served, monotonic time it was reported).
+        self._last_used: dict[str, tuple[datetime | None, float]] = {}
+
+    # ------------------------------------------------------------------ life
+
+    def replicas(self) -> dict[str, str]:
+        """Replica -> the last state this agent knows it published (or found in the log)."""
+        return {r.replica: r.state for r in self._replicas.values()}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Announce the node, then carry out commands until `stop` is set.
+
+        Raises `NoStream` when the broker has no event stream, and whatever stopped one of
+        its loops (the consumer, the heartbeat) for good. On the way out it stops
+        consuming and cancels replica transitions in flight, which the next run drives on
+        from the log; it drains nothing and leaves the connection open for its owner.
+        """
+        self._halt = asyncio.Event()
+        await self._check_stream()
+        await self._rebuild()
+        await self._publish(
+            ev.make(
+                self.inventory,
+                id=new_id(),
+                time=datetime.now(UTC),
+                source=self.source,
+            )
+        )
+        log.info(
+            "%s: up: %d GPUs (%s), %g cores, %g GB; %d replicas from the log",
+            self.node,
+            len(self.inventory.gpus),
+            ", ".join(sorted({g.model for g in self.inventory.gpus})) or "none",
+            self.inventory.cpu_cores,
+            self.inventory.memory_gb,
+            sum(1 for r in self._replicas.values() if r.state in _HOLDING),
+        )
+        for rec in self._replicas.values():
+            self._redrive(rec)
+        loops = [
+            asyncio.create_task(self._consume(), name=f"{self.durable} commands"),
+            asyncio.create_task(self._heartbeats(), name=f"{self.durable} heartbeat"),
+        ]
+        if self.traffic:
+            loops.append(asyncio.create_task(self._report_use(), name=f"{self.durable} use"))
+        waiter = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([*loops, waiter], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._halt.set()
+            waiter.cancel()
+            tasks = [r.task for r in self._replicas.values() if r.task is not None]
+            for t in tasks:
+                t.cancel()
+            results = await asyncio.gather(*loops, *tasks, return_exceptions=True)
+        for r in results[: len(loops)]:
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                raise r
+        log.info("%s: stopped", self.node)
+
+    async def _check_stream(self) -> None:
+        # The agent does not create or configure the stream: that is the control plane's
+        # (its replicas, its duplicate window), and an agent's defaults would overwrite it.
+        try:
+            await self.js.stream_info(subjects.STREAM)
+        except NotFoundError as e:
+            url = self.nc.connected_url.geturl() if self.nc.connected_url else None
+            raise NoStream(subjects.STREAM, url) from e
+
+    # ------------------------------------------------------------------ the log
+
+    async def _rebuild(self) -> None:
+        """The node's replicas as its own events in the log say they are."""
+        reps: dict[str, _Replica] = {}
+        node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
+        async for batch in bus_consume.read_range(self.js, 1, filter_subject=node_subjects):
+            for d in batch:
+                try:
+                    e = codec.decode(d.data)
+                except EventDecodeError:
+                    continue  # the fold's consumers dead-letter it; not ours to report
+                match e:
+                    case ev.ReplicaStateEvent(data=s):
+                        _remember(reps, e, s)
+                    case ev.NodeLostEvent():
+                        # The fold counts a lost node's replicas as failed and gives their
+                        # GPUs to others: starting them again would double-book the GPUs.
+                        for rec in reps.values():
+                            if rec.state in _HOLDING:
+                                rec.state, rec.since = "failed", e.time
+        draining = {r.command for r in reps.values() if r.state == "draining"}
+        if draining:
+            drains = subjects.command_subject(self.node, "drain", self.root)
+            async for batch in bus_consume.read_range(self.js, 1, filter_subject=drains):
+                for d in batch:
+                    with contextlib.suppress(EventDecodeError):
+                        e = codec.decode(d.data)
+                        if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
+                            for rec in reps.values():
+                                if rec.command == e.id:
+                                    rec.grace_s = e.data.grace_s
+        self._replicas = reps
+
+    def _redrive(self, rec: _Replica) -> None:
+        """Carry on with a replica a crash left mid-way."""
+        if rec.state in _STARTING:
+            log.info(
+                "%s: %s was %s before the restart: bringing it up",
+                self.node,
+                rec.replica,
+                rec.state,
+            )
+            self._spawn(rec, self._run_start(rec))
+        elif rec.state == "draining":
+            spent = (datetime.now(UTC) - rec.since).total_seconds()
+            log.info("%s: %s was draining before the restart: stopping it", self.node, rec.replica)
+            self._spawn(rec, self._run_stop(rec, max(0.0, rec.grace_s - spent)))
+
+    # ------------------------------------------------------------------ commands
+
+    async def _consume(self) -> None:
+        await bus_consume.consume_durable(
+            self.js,
+            durable=self.durable,
+            filter_subject=subjects.commands_for_node(self.node, self.root),
+            handler=self._on_command,
+            stop=self._halt,
+            root=self.root,
+        )
+
+    async def _on_command(self, d: bus_consume.Delivery) -> None:
+        # Returning acks the command; raising naks it (redelivered later) or, for
+        # Permanent, dead-letters it. So every return path below has its effect stored.
+        e = bus_consume.decode_checked(d, self.root)
+        match e:
+            case ev.ReplicaStartEvent():
+                await self._on_start(e, redelivered=d.delivered > 1)
+            case ev.ReplicaDrainEvent():
+                await self._on_drain(e, redelivered=d.delivered > 1)
+            case _:
+                raise Permanent(f"{subjects.type_tag(e)} is not a command an agent carries out")
+
+    async def _on_start(self, cmd: ev.ReplicaStartEvent, *, redelivered: bool) -> None:
+        c = cmd.data
+        again = " (redelivered)" if redelivered else ""
+        log.info(
+            "%s: replica.start %s: %s/%s on GPUs %s%s",
+            self.node,
+            c.replica,
+            c.model,
+            c.profile,
+            _gpus_here(c.shards, self.node),
+            again,
+        )
+        known = self._replicas.get(c.replica)
+        if known is not None:
+            # A start is carried out once per replica id. Starting a replica again that
+            # runs, or one that was stopped, would hold its GPUs twice or bring back what
+            # the scheduler let go.
+            log.info("%s: %s is already %s: nothing to do", self.node, c.replica, known.state)
+            return
+        rec = _Replica(
+            replica=c.replica,
+            model=c.model,
+            profile=c.profile,
+            shards=c.shards,
+            state="pending",
+            command=cmd.id,
+            correlation=cmd.correlation or cmd.id,
+            since=cmd.time,
+        )
+        why = self._cannot_host(rec)
+        if why is not None:
+            await self._say(rec, "failed", why)
+        else:
+            await self._say(rec, "starting")
+        # Invariant: a replica is remembered only once its first state is stored; a failed
+        # publish raises, the command comes back, and this start is tried whole again.
+        self._replicas[c.replica] = rec
+        if rec.state == "starting":
+            self._spawn(rec, self._run_start(rec))
+
+    async def _on_drain(self, cmd: ev.ReplicaDrainEvent, *, redelivered: bool) -> None:
+        c = cmd.data
+        again = " (redelivered)" if redelivered else ""
+        log.info(
+            "%s: replica.drain %s: %s, grace %gs%s",
+            self.node,
+            c.replica,
+            c.reason,
+            c.grace_s,
+            again,
+        )
+        rec = self._replicas.get(c.replica)
+        if rec is None:
+            log.warning(
+                "%s: %s is not a replica of this node: nothing to drain", self.node, c.replica
+            )
+            return
+        if _ORDER[rec.state] >= _ORDER["draining"]:
+            log.info("%s: %s is already %s: nothing to do", self.node, c.replica, rec.state)
+            return
+        if rec.task is not None:
+            # The drain wins over a start in flight: the replica is not brought up only to
+            # be stopped, and its ready is never said after its draining.
+            rec.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rec.task
+            rec.task = None
+        async with rec.lock:
+            rec.command, rec.correlation = cmd.id, cmd.correlation or cmd.id
+            rec.grace_s = c.grace_s
+            await self._say(rec, "draining", c.reason)
+        self._spawn(rec, self._run_stop(rec, c.grace_s))
+
+    def _cannot_host(self, rec: _Replica) -> str | None:
+        """Why this node cannot run the replica's shard, or None."""
+        have = {g.index for g in self.inventory.gpus}
+        mine = [g for s in rec.shards if s.node == self.node for g in s.gpus]
+        missing = sorted(set(mine) - have)
+        if missing:
+            return f"node {self.node} has no GPU {', '.join(map(str, missing))}"
+        for other in self._replicas.values():
+            if other.state not in _HOLDING:
+                continue
+            taken = set(mine) & {g for s in other.shards if s.node == self.node for g in s.gpus}
+            if taken:
+                return f"GPU {', '.join(map(str, sorted(taken)))} held by replica {other.replica}"
+        return None
+
+    # ------------------------------------------------------------------ transitions
+
+    def _spawn(self, rec: _Replica, coro: Coroutine[Any, Any, None]) -> None:
+        rec.task = asyncio.create_task(coro, name=f"{self.node} {rec.replica}")
+
+    async def _run_start(self, rec: _Replica) -> None:
+        report = self._reporter(rec)
+        try:
+            await self.runtime.start(
+                rec.replica, model=rec.model, profile=rec.profile, shards=rec.shards, report=report
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("%s: %s: runtime failed to start it: %s", self.node, rec.replica, e)
+            await report("failed", f"runtime: {type(e).__name__}: {e}")
+
+    async def _run_stop(self, rec: _Replica, grace_s: float) -> None:
+        report = self._reporter(rec)
+        try:
+            await self.runtime.stop(rec.replica, grace_s=grace_s, report=report)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("%s: %s: runtime failed to stop it: %s", self.node, rec.replica, e)
+            await report("failed", f"runtime: {type(e).__name__}: {e}")
+
+    def _reporter(self, rec: _Replica) -> Report:
+        async def report(state: ev.ReplicaStateName, reason: str | None = None) -> None:
+            async with rec.lock:
+                # A state already said, or one behind it, is news to nobody: a runtime
+                # re-driven after a restart reports starting again on its way to ready.
+                if _ORDER[state] <= _ORDER[rec.state]:
+                    return
+                while True:
+                    try:
+                        await self._say(rec, state, reason)
+                        return
+                    except PublishError as e:
+                        if self._halt.is_set():
+                            raise
+                        log.warning(
+                            "%s: %s %s not stored yet: %s", self.node, rec.replica, state, e
+                        )
+                        await asyncio.sleep(REPUBLISH_WAIT_S)
+
+        return report
+
+    async def _say(
+        self, rec: _Replica, state: ev.ReplicaStateName, reason: str | None = None
+    ) -> None:
+        """Publish the replica's new state, and remember it once stored."""
+        now = datetime.now(UTC)
+        e = ev.make(
+            ev.ReplicaState(
+                replica=rec.replica,
+                model=rec.model,
+                profile=rec.profile,
+                state=state,
+                shards=rec.shards,
+                reason=reason,
+            ),
+            id=ids.derived(rec.command, f"state:{state}"),
+            time=now,
+            source=self.source,
+            causation=rec.command,
+            correlation=rec.correlation,
+        )
+        await self._publish(e)
+        rec.state, rec.since = state, now
+        log.info("%s: %s %s%s", self.node, rec.replica, state, f" ({reason})" if reason else "")
+
+    async def _publish(self, e: ev.Event) -> None:
+        await self._publisher.publish(e, node=self.node)
+
+    # ------------------------------------------------------------------ chatter and use
+
+    async def _heartbeats(self) -> None:
+        subject = subjects.heartbeat_subject(self.node, self.root)
+        while not self._halt.is_set():
+            body = _json.encode(
+                {
+                    "node": self.node,
+                    "time": datetime.now(UTC).isoformat(),
+                    "replicas": sum(1 for r in self._replicas.values() if r.state in _HOLDING),
+                }
+            )
+            try:
+                await self.nc.publish(subject, body)
+            except nats.errors.Error as e:
+                # A missed heartbeat is what heartbeats are for: the next one may arrive.
+                log.warning("%s: heartbeat not sent: %s", self.node, e)
+            await _pause(self._halt, self.heartbeat_s)
+
+    async def _report_use(self) -> None:
+        """Synthetic traffic: requests arrive at each busy model's rate (Poisson), and each
+        ready replica's latest one is reported at most once per `used_interval_s`."""
+        tick = min(self.heartbeat_s, self.used_interval_s)
+        last_tick = time.monotonic()
+        while not self._halt.is_set():
+            await _pause(self._halt, tick)
+            now_m = time.monotonic()
+            dt, last_tick = now_m - last_tick, now_m
+            for rec in list(self._replicas.values()):
+                rpm = self.traffic.get(rec.model)
+                if rpm is None or rec.state != "ready":
+                    continue
+                served, reported_m = self._last_used.get(rec.replica, (None, -math.inf))
+                if self._rng.random() < 1.0 - math.exp(-rpm / 60.0 * dt):
+                    served = datetime.now(UTC)
+                self._last_used[rec.replica] = (served, reported_m)
+                if served is None or now_m - reported_m < self.used_interval_s:
+                    continue
+                e = ev.make(
+                    ev.ReplicaUsed(replica=rec.replica, at=served),
+                    id=new_id(),
+                    time=datetime.now(UTC),
+                    source=self.source,
+                )
+                try:
+                    await self._publish(e)
+                except PublishError as err:
+                    log.warning("%s: use of %s not stored: %s", self.node, rec.replica, err)
+                    continue
+                self._last_used[rec.replica] = (None, now_m)
+
+
+def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaState) -> None:
+    rec = reps.get(s.replica)
+    command = e.causation or e.id
+    if rec is None:
+        reps[s.replica] = _Replica(
+            replica=s.replica,
+            model=s.model,
+            profile=s.profile,
+            shards=s.shards,
+            state=s.state,
+            command=command,
+            correlation=e.correlation,
+            since=e.time,
+        )
+        return
+    # The log may hold a report the fold rejects (a state going backwards); the agent
+    # follows the same rule, so what it resumes is what the cluster believes.
+    if _ORDER[s.state] <= _ORDER[rec.state]:
+        return
+    rec.state, rec.command, rec.correlation, rec.since = s.state, command, e.correlation, e.time
+    if s.shards:
+        rec.shards = s.shards
+
+
+def _gpus_here(shards: tuple[ev.ShardSpec, ...], node: str) -> str:
+    mine = [g for s in shards if s.node == node for g in s.gpus]
+    return ",".join(map(str, mine)) or "none"
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds` unless `stop` is set first."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -1,0 +1,122 @@
+"""The seam between the agent and what actually runs replicas on a host.
+
+`Agent` (services/agent/agent.py) calls a `Runtime` to start and stop replicas; the
+runtime calls back `report(state, reason)` as each replica moves along its life. The
+agent turns those reports into `replica.state` events; the runtime never publishes,
+never touches NATS, and never decides anything about the cluster. `SimulatedRuntime`
+walks the states with configurable delays so the whole control plane runs on a laptop;
+the real-GPU runtime (a later issue) plugs in here with the same Protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from typing import Protocol
+
+from schemas import events as ev
+
+
+class Report(Protocol):
+    """What a runtime calls as a replica reaches a state. It returns once the agent has
+    recorded the state (published it, or found it already said). A report that would move
+    the replica backwards, or repeat its state, is ignored by the agent."""
+
+    async def __call__(self, state: ev.ReplicaStateName, reason: str | None = None) -> None: ...
+
+
+class Runtime(Protocol):
+    """Starts and stops replicas on one host.
+
+    Contract the agent relies on:
+    - `start` reports starting, loading, then ready (or failed, with a reason), and
+      returns once the replica is ready or failed. It may raise; the agent then reports
+      failed with the error as the reason.
+    - `start` may be called again for a replica it was already starting (the agent
+      restarted mid-flight and re-drives it from the log): it carries on from where the
+      replica is, and reporting an earlier state again is harmless.
+    - The agent may cancel a `start` in flight (a drain arrived first); the runtime then
+      stops bringing the replica up and leaves stopping it to `stop`.
+    - `stop` reports draining, then stopped once the replica is gone, taking at most
+      `grace_s` to let it finish its requests. It is called for replicas this process may
+      never have started (the agent restarted), and must stop them anyway.
+    - `running` is what the runtime holds now, replica -> state, for heartbeats and status.
+    """
+
+    async def start(
+        self,
+        replica: str,
+        *,
+        model: str,
+        profile: str,
+        shards: tuple[ev.ShardSpec, ...],
+        report: Report,
+    ) -> None: ...
+
+    async def stop(self, replica: str, *, grace_s: float, report: Report) -> None: ...
+
+    def running(self) -> dict[str, str]: ...
+
+
+class SimulatedRuntime:
+    """A runtime with no GPUs: replicas go starting -> loading -> ready after
+    `start_delay_s` and `load_delay_s`, and draining -> stopped after
+    min(grace, `stop_delay_s`). Replicas of a model in `fail_models` fail while loading,
+    for tests of what the control plane does with a replica that never comes up.
+
+    The sleeps are the simulation itself: they stand for pulling an image and loading
+    weights. A delay of 0 still yields to the loop once.
+    """
+
+    def __init__(
+        self,
+        start_delay_s: float = 0.5,
+        load_delay_s: float = 2.0,
+        stop_delay_s: float = 0.5,
+        *,
+        fail_models: Collection[str] = (),
+    ) -> None:
+        for name, v in (
+            ("start_delay_s", start_delay_s),
+            ("load_delay_s", load_delay_s),
+            ("stop_delay_s", stop_delay_s),
+        ):
+            if v < 0:
+                raise ValueError(f"{name} must be 0 or more, got {v}")
+        self.start_delay_s = start_delay_s
+        self.load_delay_s = load_delay_s
+        self.stop_delay_s = stop_delay_s
+        self.fail_models = frozenset(fail_models)
+        self._states: dict[str, str] = {}
+
+    async def start(
+        self,
+        replica: str,
+        *,
+        model: str,
+        profile: str,
+        shards: tuple[ev.ShardSpec, ...],
+        report: Report,
+    ) -> None:
+        self._states[replica] = "starting"
+        await report("starting")
+        await asyncio.sleep(self.start_delay_s)
+        self._states[replica] = "loading"
+        await report("loading")
+        await asyncio.sleep(self.load_delay_s)
+        if model in self.fail_models:
+            self._states.pop(replica, None)
+            await report("failed", "simulated: weights failed to load")
+            return
+        self._states[replica] = "ready"
+        await report("ready")
+
+    async def stop(self, replica: str, *, grace_s: float, report: Report) -> None:
+        self._states[replica] = "draining"
+        await report("draining")
+        await asyncio.sleep(max(0.0, min(grace_s, self.stop_delay_s)))
+        self._states.pop(replica, None)
+        await report("stopped")
+
+    def running(self) -> dict[str, str]:
+        return dict(self._states)

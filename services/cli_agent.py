@@ -1,0 +1,242 @@
+"""`llmgw agent`: run the agent of one node, today with a simulated runtime.
+
+Registered by `services.cli` (see its `COMMAND_MODULES`); also run as
+`python -m services.agent`. A thin shell: parse the flags, connect, build an
+`services.agent.Agent` and run it until Ctrl-C or SIGTERM, which stop it cleanly (stop
+consuming, close; replicas are not drained — the next run picks them up from the log).
+It must not hold any agent logic, and must not import nats at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from services import cli
+
+if TYPE_CHECKING:
+    from services.agent import spec
+
+# DEFAULT_*_DELAY_S are the simulated runtime's timings: long enough to watch replicas
+# move in `llmgw events tail`, short enough that a demo converges in seconds.
+DEFAULT_START_DELAY_S = 0.5
+DEFAULT_LOAD_DELAY_S = 2.0
+DEFAULT_STOP_DELAY_S = 0.5
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+def register(commands: cli.Commands) -> None:
+    p = commands.add(
+        "agent",
+        help="run the agent of one node (simulated GPUs for now)",
+        description=(
+            "The agent of one GPU node: it publishes the node's inventory, heartbeats, and\n"
+            "carries out the replica.start / replica.drain commands sent to the node,\n"
+            "reporting each replica as it goes starting -> loading -> ready and\n"
+            "draining -> stopped. Commands sent while it is down wait for it.\n"
+            "\n"
+            "Only the simulated runtime exists so far: pass --simulate."
+        ),
+        epilog=cli.examples(
+            "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB",
+            "llmgw agent --simulate --node gpu-b2 --gpus 2xL4-24GB --labels zone=b,rack=r7",
+            "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB --load-delay 10 \\",
+            "    --traffic llama-70b=120 --traffic qwen-7b=2",
+        ),
+        func=_run,
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="simulate the GPUs and the replicas (no GPU needed)",
+    )
+    p.add_argument("--node", required=True, metavar="NAME", help="this node's name")
+    p.add_argument(
+        "--gpus",
+        required=True,
+        type=_gpus,
+        metavar="SPEC",
+        help="the node's GPUs, COUNTxMODEL-MEMORYGB, e.g. 8xH100-80GB",
+    )
+    p.add_argument(
+        "--cpu",
+        type=_nonneg,
+        metavar="CORES",
+        help="CPU cores to offer (default 12 per GPU)",
+    )
+    p.add_argument(
+        "--memory",
+        type=_nonneg,
+        metavar="GB",
+        help="host memory in GB to offer (default 128 per GPU)",
+    )
+    p.add_argument(
+        "--labels", type=_labels, default={}, metavar="K=V,...", help="node labels, e.g. zone=a"
+    )
+    p.add_argument(
+        "--start-delay",
+        type=_nonneg,
+        default=DEFAULT_START_DELAY_S,
+        metavar="S",
+        help=f"simulated seconds from starting to loading (default {DEFAULT_START_DELAY_S:g})",
+    )
+    p.add_argument(
+        "--load-delay",
+        type=_nonneg,
+        default=DEFAULT_LOAD_DELAY_S,
+        metavar="S",
+        help=f"simulated seconds from loading to ready (default {DEFAULT_LOAD_DELAY_S:g})",
+    )
+    p.add_argument(
+        "--stop-delay",
+        type=_nonneg,
+        default=DEFAULT_STOP_DELAY_S,
+        metavar="S",
+        help="simulated seconds from draining to stopped, at most the drain's grace "
+        f"(default {DEFAULT_STOP_DELAY_S:g})",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=_positive,
+        default=DEFAULT_HEARTBEAT_S,
+        metavar="S",
+        help=f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_S:g})",
+    )
+    p.add_argument(
+        "--traffic",
+        type=_traffic,
+        action="append",
+        default=[],
+        metavar="MODEL=RPM",
+        help="synthetic requests per minute to the node's ready replicas of MODEL, "
+        "reported as replica.used (repeatable)",
+    )
+    p.add_argument(
+        "--used-interval",
+        type=_positive,
+        default=30.0,
+        metavar="S",
+        help="report one replica's use at most this often (default 30)",
+    )
+
+
+# ---------------------------------------------------------------------- argument types
+
+
+def _gpus(text: str) -> spec.GpuSpec:
+    from services.agent import SpecError, spec
+
+    try:
+        return spec.parse_gpus(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _labels(text: str) -> dict[str, str]:
+    from services.agent import SpecError, spec
+
+    try:
+        return spec.parse_labels(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return v
+
+
+def _positive(text: str) -> float:
+    v = _nonneg(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return v
+
+
+def _traffic(text: str) -> tuple[str, float]:
+    model, sep, rpm = text.rpartition("=")
+    if not sep or not model:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not MODEL=RPM (requests per minute), e.g. llama-70b=120"
+        )
+    try:
+        return model, _nonneg(rpm)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the rate after = must be requests per minute (0 or more), e.g. "
+            "llama-70b=120"
+        ) from None
+
+
+# ---------------------------------------------------------------------- run
+
+
+def _setup_logging() -> None:
+    # Someone else (llmgw up, a test) may have set logging up already; that one wins.
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)-7s %(message)s",
+            datefmt="%H:%M:%S",
+        )
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    if not args.simulate:
+        raise cli.UsageError(
+            "the real-GPU runtime is not built yet: run `llmgw agent --simulate ...` instead"
+        )
+    from schemas import names
+    from services.agent import Agent, AgentError, SimulatedRuntime, spec
+
+    try:
+        names.escape(args.node)
+    except names.TokenError as e:
+        raise cli.UsageError(f"--node: {e.why}") from None
+    _setup_logging()
+    gpus: spec.GpuSpec = args.gpus
+    runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        async with cli.session(args, f"llmgw agent {args.node}") as s:
+            agent = Agent(
+                s.nc,
+                s.js,
+                node=args.node,
+                gpus=spec.gpu_inventory(args.node, gpus),
+                cpu_cores=args.cpu if args.cpu is not None else spec.CPU_PER_GPU * gpus.count,
+                memory_gb=(
+                    args.memory if args.memory is not None else spec.MEMORY_GB_PER_GPU * gpus.count
+                ),
+                runtime=runtime,
+                root=s.root,
+                heartbeat_s=args.heartbeat,
+                labels=args.labels,
+                traffic=dict(args.traffic),
+                used_interval_s=args.used_interval,
+            )
+            await agent.run(stop)
+    except AgentError as e:
+        raise cli.CliError(str(e)) from e
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+    return 0
