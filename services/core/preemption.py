@@ -386,6 +386,8 @@ def _candidates(
     # anywhere no replica is covered, and no owner can reclaim.
     any_guarantee = any(q.guarantee.any() for q in tree.quotas())
     borrowed = tree.borrowed(holdings) if any_guarantee else set()
+    # What stopping each replica frees, as the quota math counted it.
+    sizes = {h.replica: h.amount for h in holdings}
     excluded: list[Exclusion] = []
 
     def exclude(r: ReplicaRecord, why: str, detail: str = "") -> None:
@@ -466,7 +468,7 @@ def _candidates(
             if len(nodes) > 1:
                 exclude(r, "multi_node", f"spread over {', '.join(nodes)}")
                 continue
-            size = size_of(view, r)
+            size = sizes.get(r.id) or size_of(view, r)
             out.append(
                 Candidate(
                     replica=r.id,
