@@ -274,6 +274,14 @@ class PreemptionService:
         if earlier is not None:
             outputs = self._missing(view, earlier, now)
             self.stats.republished += 1
+            log.info(
+                "preemption for %s: trigger %s came back; its decision %s stands, "
+                "%d output(s) it had not published yet",
+                earlier.data.for_model,
+                event.id,
+                earlier.id,
+                len(outputs),
+            )
         else:
             decision = preemption.plan(
                 view, event.data.model, now, self.config, avoid=event.data.avoid

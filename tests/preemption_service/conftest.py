@@ -72,9 +72,9 @@ class Clock:
         return self.now
 
 
-async def until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0) -> None:
-    """Poll `cond` until true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+async def until(cond: Callable[[], Awaitable[bool] | bool], within: float = 10.0) -> None:
+    """Poll `cond` until true; fail after `within` seconds."""
+    deadline = time.monotonic() + within
     while True:
         r = cond()
         if not isinstance(r, bool):
@@ -82,7 +82,7 @@ async def until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 10.
         if r:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout:g}s")
+            raise AssertionError(f"condition not met within {within:g}s")
         await asyncio.sleep(0.02)
 
 
@@ -133,7 +133,7 @@ async def running(
     task = asyncio.create_task(svc.run(stop))
     try:
         if lead:
-            await until(lambda: svc.is_leader or task.done(), 10)
+            await until(lambda: svc.is_leader or task.done())
             if task.done():
                 task.result()
         yield svc, task

@@ -169,7 +169,7 @@ async def test_two_services_one_decision_and_standby_takes_over(
         a_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await a_task
-        await until(lambda: b.is_leader, timeout=a.options.lease_ttl_s + 2)
+        await until(lambda: b.is_leader, within=a.options.lease_ttl_s + 2)
 
         second = failed(s, "chat2")
         n = await publish(js, s, since=n)
@@ -181,4 +181,3 @@ async def test_two_services_one_decision_and_standby_takes_over(
     assert [e.causation for e in decided] == [first.id, second.id]
     drained = [x.event.data.replica for x in of_type(log, ev.ReplicaDrainEvent)]  # type: ignore[union-attr]
     assert drained == ["b1", "b2", "b3", "b4"]
-
