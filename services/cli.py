@@ -43,6 +43,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli_operator",
     "services.cli_preemption",
     "services.cli_agent",
+    "services.cli_replay",
 )
 
 ENV_NATS = "LLMGW_NATS"

@@ -1,0 +1,473 @@
+"""`llmgw replay | view | history | explain | diff`: the cluster as the log says it was.
+
+Registered by `services.cli` (see its `COMMAND_MODULES`). Each handler is a thin shell:
+pick the source (the live broker through `cli.session`, or a `.jsonl` bundle with
+`--log`), rebuild with `services.replay.rebuild`, format with `services.replay`. It must
+not fold, decide or publish anything itself, and it never writes to the broker.
+
+Choices a user relies on:
+- A moment is `--seq N` (the view right after event N) or `--at T` (the view before the
+  first event whose own time is after T: the cluster's clock, the same on a re-imported
+  log, as `events export --until-time` cuts).
+- Relative times ("3m ago") are relative to the view's own time, the latest event
+  folded, so an old incident reads as it stood then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from services import cli
+from services.core.view import View, digest
+from services.replay import diff as replay_diff
+from services.replay import history, rebuild, render
+from services.replay.errors import ReplayError
+from services.replay.explain import Explainer
+from services.replay.source import Item, Source
+
+# ---------------------------------------------------------------------- registration
+
+
+def register(commands: cli.Commands) -> None:
+    _register_replay(commands)
+    _register_view(commands)
+    _register_history(commands)
+    _register_explain(commands)
+    _register_diff(commands)
+
+
+def _log_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log",
+        metavar="BUNDLE",
+        help="replay this .jsonl bundle (`llmgw events export`) offline instead of the "
+        "live broker's log",
+    )
+
+
+def _moment_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--at",
+        type=cli.arg_time,
+        metavar="T",
+        help="the view as it stood at time T (RFC3339 like 2026-11-29T14:05:00Z, or an age "
+        "like 10m); default: the end of the log",
+    )
+    g.add_argument(
+        "--seq", type=cli.arg_seq, metavar="N", help="the view right after stream sequence N"
+    )
+
+
+def _register_replay(commands: cli.Commands) -> None:
+    p = commands.add(
+        "replay",
+        help="rebuild the view as it stood at a moment into a SQLite file",
+        description=(
+            "Fold the log (the live broker's, or a bundle's with --log) up to a moment and\n"
+            "write the view into SQLite, in the projector's tables. From a broker it starts\n"
+            "at the newest snapshot at or before the target, else from the first event.\n"
+            "A progress bar shows on a terminal; the summary line gives the events folded\n"
+            "and rejected, the sequence reached and the view's digest (equal digests: the\n"
+            "same view, on any machine). Undecodable events are skipped and counted."
+        ),
+        epilog=cli.examples(
+            "llmgw replay --db now.sqlite",
+            "llmgw replay --log incident.jsonl --until-time 2026-11-29T14:05:00Z --db then.sqlite",
+            "llmgw replay --until-seq 120000 --db at-120000.sqlite",
+        ),
+        func=_replay,
+    )
+    _log_option(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--until-seq", type=cli.arg_seq, metavar="N", help="fold up to and including sequence N"
+    )
+    g.add_argument(
+        "--until-time",
+        type=cli.arg_time,
+        metavar="T",
+        help="stop before the first event whose time is after T (RFC3339 or an age like 10m)",
+    )
+    p.add_argument("--db", required=True, metavar="OUT.sqlite", help="the SQLite file to write")
+    p.add_argument("--force", action="store_true", help="replace --db if it exists")
+    p.add_argument("--no-snapshot", action="store_true", help="fold from the first event")
+
+
+def _register_view(commands: cli.Commands) -> None:
+    p = commands.add(
+        "view",
+        help="show the cluster at a moment: GPUs, replicas by model, holds",
+        description=(
+            "The view as the log has it at a moment:\n"
+            "  NODES x GPUS  one row per node, one cell per GPU: the replica holding it,\n"
+            "                `.` free, `x` unhealthy; lost and cordoned nodes marked\n"
+            "  REPLICAS      by model: state, nodes, ready since, idle, why it is leaving\n"
+            "  HOLDS         models kept from taking room back, until when, for whom"
+        ),
+        epilog=cli.examples(
+            "llmgw view",
+            "llmgw view --log incident.jsonl --at 2026-11-29T14:05:00Z",
+            "llmgw view --seq 4200 --json | jq '.replicas[] | select(.state==\"draining\")'",
+        ),
+        func=_view,
+    )
+    _log_option(p)
+    _moment_options(p)
+    p.add_argument("--json", action="store_true", help="print the view as one JSON object")
+
+
+def _register_history(commands: cli.Commands) -> None:
+    p = commands.add(
+        "history",
+        help="the timeline of every event that touched a replica, model or node",
+        description=(
+            "Every event that touched one replica, model or node, in order: sequence,\n"
+            "time, type, a one-line summary, and REJECTED with the fold's reason when the\n"
+            "event was not applied (a state going backwards, a report from the wrong node)."
+        ),
+        epilog=cli.examples(
+            "llmgw history replica r-7",
+            "llmgw history model llama-70b --log incident.jsonl",
+            "llmgw history node gpu-a1 --at 2026-11-29T14:05:00Z --json",
+        ),
+        func=_history,
+    )
+    p.add_argument("kind", choices=history.KINDS, help="what NAME is")
+    p.add_argument("name", metavar="NAME")
+    _log_option(p)
+    _moment_options(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _register_explain(commands: cli.Commands) -> None:
+    p = commands.add(
+        "explain",
+        help="why a replica is in its state: the chain back to the decision and its rule",
+        description=(
+            "Follow the events' own causation back from a replica's state to the decision\n"
+            "that put it there, and the rule that decision applied:\n"
+            "  preempted   for which model, the victim tier and what it means, the other\n"
+            "              candidates (and those excluded, with why), the placement.failed\n"
+            "              that triggered it, the hold on its model\n"
+            "  scale_down  the scale.desired that asked for fewer replicas\n"
+            "  failed      the reason its agent (or a lost node) gave\n"
+            "  placed      the placement decision and its reason\n"
+            "then its timeline."
+        ),
+        epilog=cli.examples(
+            "llmgw explain replica r-7",
+            "llmgw explain replica r-7 --log incident.jsonl --at 2026-11-29T14:05:00Z",
+        ),
+        func=_explain,
+    )
+    p.add_argument("kind", choices=("replica",), help="what NAME is")
+    p.add_argument("name", metavar="NAME")
+    _log_option(p)
+    _moment_options(p)
+    p.add_argument("--json", action="store_true", help="the key facts and the text as JSON")
+
+
+def _register_diff(commands: cli.Commands) -> None:
+    p = commands.add(
+        "diff",
+        help="what changed between two moments",
+        description=(
+            "Compare the view at two moments, each --at T or --seq N (give two; with one,\n"
+            "the second is the end of the log): nodes, models and desired counts, replicas\n"
+            "added, removed or changed state, holds created and released."
+        ),
+        epilog=cli.examples(
+            "llmgw diff --at 2026-11-29T14:00:00Z --at 2026-11-29T14:05:00Z",
+            "llmgw diff --seq 1000 --seq 1200 --log incident.jsonl",
+            "llmgw diff --at 10m                      # the last ten minutes",
+        ),
+        func=_diff,
+    )
+    _log_option(p)
+    p.add_argument(
+        "--at",
+        dest="points",
+        action="append",
+        type=cli.arg_time,
+        metavar="T",
+        default=[],
+        help="a moment as a time (RFC3339 or an age); repeat for the second",
+    )
+    p.add_argument(
+        "--seq",
+        dest="points",
+        action="append",
+        type=cli.arg_seq,
+        metavar="N",
+        help="a moment as a stream sequence; repeat for the second",
+    )
+    p.add_argument("--json", action="store_true", help="the changes as a JSON list")
+
+
+# ---------------------------------------------------------------------- shared
+
+
+@dataclass
+class _Run:
+    rebuilt: rebuild.Rebuilt
+    where: str
+
+
+async def _rebuild(
+    args: argparse.Namespace,
+    *,
+    until_seq: int | None = None,
+    until_time: datetime | None = None,
+    watcher: rebuild.Watcher | None = None,
+    verb: str = "replaying",
+    use_snapshot: bool = True,
+) -> _Run:
+    """Fold the chosen log up to the limit, with a progress bar on a terminal."""
+    try:
+        if args.log:
+            progress = cli.Progress(verb, None)
+            try:
+                got = await rebuild.from_bundle(
+                    args.log,
+                    until_seq=until_seq,
+                    until_time=until_time,
+                    watcher=watcher,
+                    progress=progress,
+                    root=cli.root(args),
+                )
+            finally:
+                progress.close()
+            return _Run(got, args.log)
+        from services.cli_events import _event_stream
+
+        async with cli.session(args, f"llmgw {verb}") as s:
+            info = await _event_stream(s, create=False)
+            st = info.state
+            last = st.last_seq if until_seq is None else min(until_seq, st.last_seq)
+            progress = cli.Progress(verb, max(last - (st.first_seq or 1) + 1, 0))
+            try:
+                got = await rebuild.from_stream(
+                    s.js,
+                    until_seq=until_seq,
+                    until_time=until_time,
+                    watcher=watcher,
+                    progress=progress,
+                    use_snapshot=use_snapshot,
+                    label=s.url,
+                    root=s.root,
+                )
+            finally:
+                progress.close()
+            return _Run(got, s.url)
+    except ReplayError as e:
+        raise cli.CliError(str(e)) from None
+
+
+def _report_skipped(src: Source) -> None:
+    line = src.stats.summary()
+    if line:
+        print(f"{cli.PROG}: {line}", file=sys.stderr)
+
+
+def _moment(args: argparse.Namespace) -> dict[str, Any]:
+    return {"until_seq": args.seq, "until_time": args.at}
+
+
+def _moment_label(args: argparse.Namespace) -> str:
+    if args.seq is not None:
+        return f"--seq {args.seq}"
+    if args.at is not None:
+        return f"--at {render.stamp(args.at)}"
+    return "end of the log"
+
+
+def _check_reached(args: argparse.Namespace, run: _Run) -> None:
+    """A --seq past the end of the log is a mistake worth one line, not a silent view."""
+    seq = getattr(args, "seq", None) or getattr(args, "until_seq", None)
+    if seq is not None and run.rebuilt.seq < seq:
+        print(
+            f"{cli.PROG}: note: the log ends at seq {run.rebuilt.seq}, before {seq}",
+            file=sys.stderr,
+        )
+
+
+# ---------------------------------------------------------------------- replay
+
+
+def _check_out(path: str, force: bool) -> None:
+    if os.path.exists(path) and not force:
+        raise cli.UsageError(f"--db: {path} exists; pass --force to replace it")
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    from services.replay import ports
+
+    out: str = args.db
+    _check_out(out, args.force)
+    run = await _rebuild(
+        args,
+        until_seq=args.until_seq,
+        until_time=args.until_time,
+        use_snapshot=not args.no_snapshot,
+    )
+    _check_reached(args, run)
+    r = run.rebuilt
+    # The file appears whole or not at all: written beside the target, then renamed.
+    head, name = os.path.split(out)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
+    try:
+        await ports.write_view(
+            tmp, r.view, decisions=r.decisions, rejections=r.rejections, dead=r.source.stats.dead
+        )
+        os.replace(tmp, out)
+    finally:
+        for leftover in (tmp, f"{tmp}-wal", f"{tmp}-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+    print(f"replayed {run.where}: {r.summary()}; wrote {out}")
+    _report_skipped(r.source)
+    return 0
+
+
+# ---------------------------------------------------------------------- view
+
+
+async def _view(args: argparse.Namespace) -> int:
+    run = await _rebuild(args, verb="replaying", **_moment(args))
+    _check_reached(args, run)
+    v = run.rebuilt.view
+    if args.json:
+        print(json.dumps(render.view_json(v), indent=2))
+    else:
+        print(render.view_text(v, f"{run.where}, {_moment_label(args)}"))
+    _report_skipped(run.rebuilt.source)
+    return 0
+
+
+# ---------------------------------------------------------------------- history
+
+
+async def _history(args: argparse.Namespace) -> int:
+    tl = history.Timeline(args.kind, args.name, cli.root(args))
+    run = await _rebuild(args, watcher=tl, verb="reading", **_moment(args))
+    try:
+        tl.require()
+    except ReplayError as e:
+        raise cli.CliError(str(e)) from None
+    v = run.rebuilt.view
+    if args.json:
+        for entry in tl.entries:
+            print(json.dumps(entry.to_json()))
+    else:
+        rejected = sum(1 for x in tl.entries if x.rejected)
+        note = f", {rejected} rejected" if rejected else ""
+        print(
+            f"{args.kind} {args.name}: {len(tl.entries)} events{note} "
+            f"(view at seq {v.state.seq}, {render.stamp(v.state.time)})"
+        )
+        print(history.text(tl.entries, v.state.time))
+    _report_skipped(run.rebuilt.source)
+    return 0
+
+
+# ---------------------------------------------------------------------- explain
+
+
+async def _explain(args: argparse.Namespace) -> int:
+    ex = Explainer(args.name, cli.root(args))
+    run = await _rebuild(args, watcher=ex, verb="reading", **_moment(args))
+    try:
+        story = ex.story(run.rebuilt.view)
+    except ReplayError as e:
+        raise cli.CliError(str(e)) from None
+    if args.json:
+        doc = dict(story.facts)
+        doc["replica"] = render.replica_json(story.replica, story.now)
+        doc["text"] = story.lines
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print(story.text())
+    _report_skipped(run.rebuilt.source)
+    return 0
+
+
+# ---------------------------------------------------------------------- diff
+
+
+class _Marks:
+    """Copies the view at each moment, the first time an event passes it."""
+
+    def __init__(self, points: list[int | datetime]) -> None:
+        self.points = points
+        self.views: dict[int, View] = {}
+
+    def _past(self, point: int | datetime, item: Item) -> bool:
+        if isinstance(point, int):
+            return item.seq > point
+        return item.event.time > point
+
+    def before(self, item: Item, view: View) -> None:
+        for i, p in enumerate(self.points):
+            if i not in self.views and self._past(p, item):
+                self.views[i] = view.copy()
+
+    def after(self, item: Item, rejection: Any, view: View) -> None:
+        return None
+
+    def finish(self, view: View) -> list[View]:
+        return [self.views.get(i) or view for i in range(len(self.points))]
+
+
+def _point_label(p: int | datetime) -> str:
+    return f"seq {p}" if isinstance(p, int) else render.stamp(p)
+
+
+async def _diff(args: argparse.Namespace) -> int:
+    points: list[int | datetime] = list(args.points)
+    if not 1 <= len(points) <= 2:
+        raise cli.UsageError("diff: give one or two moments (--at T / --seq N)")
+    end = len(points) == 1
+    marks = _Marks(points)
+    limit: dict[str, Any] = {}
+    if not end and all(isinstance(p, int) for p in points):
+        limit["until_seq"] = max(int(p) for p in points)  # type: ignore[arg-type]
+    elif not end and all(isinstance(p, datetime) for p in points):
+        limit["until_time"] = max(p for p in points if isinstance(p, datetime))
+    run = await _rebuild(args, watcher=marks, verb="reading", **limit)
+    final = run.rebuilt.view
+    views = marks.finish(final.copy())
+    a = views[0]
+    b = final if end else views[1]
+    if a.state.seq > b.state.seq:
+        a, b = b, a
+    changes = replay_diff.diff(a, b)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "from": {"seq": a.state.seq, "digest": digest(a.state)},
+                    "to": {"seq": b.state.seq, "digest": digest(b.state)},
+                    "changes": [c.to_json() for c in changes],
+                },
+                indent=2,
+            )
+        )
+    else:
+        names = [_point_label(p) for p in points] + (["end of the log"] if end else [])
+        print(
+            f"from {names[0]} (view at seq {a.state.seq}, {render.stamp(a.state.time)}) "
+            f"to {names[1]} (seq {b.state.seq}, {render.stamp(b.state.time)}): "
+            f"{len(changes)} changes"
+        )
+        for c in changes:
+            print(c.line())
+    _report_skipped(run.rebuilt.source)
+    return 0

@@ -1,0 +1,155 @@
+"""Rebuild a view by folding a source: the one loop every replay command runs.
+
+Called by the replay commands and by `subscribe`. It folds with `services.core.fold`
+only: replay never re-decides, it re-folds what was decided. `watcher` lets a caller
+look at each event with the view as it stood just before it and the fold's verdict
+(history and explain collect their timelines this way) without a second pass.
+
+It must not write anywhere; persisting the result is the caller's choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from schemas import subjects
+from services.core import fold
+from services.core.view import DecisionRecord, Rejection, View
+from services.replay import ports
+from services.replay.source import BundleSource, Item, Source, StreamSource
+
+
+class Watcher(Protocol):
+    """Sees each item twice: `before` with the view as it stood before the fold, `after`
+    with the fold's verdict (None when applied, else the rejection) and the view after."""
+
+    def before(self, item: Item, view: View) -> None: ...
+
+    def after(self, item: Item, rejection: Rejection | None, view: View) -> None: ...
+
+
+@dataclass
+class Rebuilt:
+    """A rebuilt view and what it took."""
+
+    view: View
+    source: Source
+    folded: int = 0
+    rejected: int = 0
+    started_at: int = 0
+    """The sequence the fold started after: a snapshot's, or 0."""
+    rejections: list[Rejection] = field(default_factory=list)
+    """Every rejection folded (the view keeps only the recent ones); from a snapshot, the
+    ones it recalls, then every one after it."""
+    decisions: list[DecisionRecord] = field(default_factory=list)
+    """Every decision folded in this run, as the projector stores them."""
+
+    @property
+    def seq(self) -> int:
+        return self.view.state.seq
+
+    def summary(self) -> str:
+        from services.core.view import digest
+
+        start = f" from the snapshot at seq {self.started_at}" if self.started_at else ""
+        return (
+            f"folded {self.folded:,} events{start}, {self.rejected:,} rejected; "
+            f"reached seq {self.seq}; digest {digest(self.view.state)}"
+        )
+
+
+async def run(
+    source: Source,
+    *,
+    view: View | None = None,
+    watcher: Watcher | None = None,
+    progress: Any = None,
+) -> Rebuilt:
+    """Fold every item of `source` into `view` (a fresh one by default)."""
+    v = view if view is not None else View()
+    # A snapshot remembers only the recent decisions and rejections; they open the
+    # history, and everything from here on is kept whole.
+    out = Rebuilt(
+        view=v,
+        source=source,
+        started_at=v.state.seq,
+        rejections=list(v.state.rejections),
+        decisions=list(v.state.decisions),
+    )
+    apply = fold.apply
+    decs = v.state.decisions
+    keep = out.decisions.append
+    async for batch in source.batches():
+        for it in batch:
+            if watcher is not None:
+                watcher.before(it, v)
+            rej = apply(v, it.event, seq=it.seq, subject=it.subject)
+            if watcher is not None:
+                watcher.after(it, rej, v)
+            if rej is not None:
+                out.rejected += 1
+                out.rejections.append(rej)
+            # The fold trims its recent decisions in place; the newest one is this
+            # event's when it made one.
+            if decs and decs[-1].seq == it.seq and decs[-1].id == it.event.id:
+                keep(decs[-1])
+        out.folded += len(batch)
+        if progress is not None:
+            progress.advance(len(batch))
+    # The view's position is the last sequence read, undecodable ones included: they are
+    # part of the log the view has seen.
+    if source.stats.last_seq > v.state.seq:
+        v.state.seq = source.stats.last_seq
+    return out
+
+
+async def from_bundle(
+    path: str,
+    *,
+    until_seq: int | None = None,
+    until_time: datetime | None = None,
+    watcher: Watcher | None = None,
+    progress: Any = None,
+    root: str = subjects.DEFAULT_ROOT,
+) -> Rebuilt:
+    """The view a bundle gives, up to a sequence or a time."""
+    src = BundleSource(path, until_seq=until_seq, until_time=until_time, root=root)
+    return await run(src, watcher=watcher, progress=progress)
+
+
+async def from_stream(
+    js: Any,
+    *,
+    until_seq: int | None = None,
+    until_time: datetime | None = None,
+    watcher: Watcher | None = None,
+    progress: Any = None,
+    use_snapshot: bool = True,
+    label: str = "the stream",
+    root: str = subjects.DEFAULT_ROOT,
+) -> Rebuilt:
+    """The view the live log gives, up to a sequence or a time, starting from the newest
+    snapshot at or before the target when there is one (and no `watcher` needs
+    every event from the start)."""
+    start: View | None = None
+    if use_snapshot and watcher is None:
+        snap = await ports.snapshot_at_or_before(js, until_seq)
+        # A time target needs a snapshot taken before that time; a later one would hold
+        # events the replay must not see.
+        if snap is not None and (
+            until_time is None or (snap.state.time is not None and snap.state.time <= until_time)
+        ):
+            start = snap
+    src = StreamSource(
+        js,
+        from_seq=(start.state.seq + 1) if start is not None else 1,
+        until_seq=until_seq,
+        until_time=until_time,
+        label=label,
+        root=root,
+    )
+    if progress is not None and start is not None and getattr(progress, "total", None):
+        progress.total = max(progress.total - start.state.seq, 0)
+    return await run(src, view=start, watcher=watcher, progress=progress)

@@ -1,0 +1,257 @@
+"""Text and JSON forms of a rebuilt view, for `llmgw view` (and pieces for the others).
+
+Called by `services.cli_replay`. Pure: it formats a `View` and never folds, reads or
+decides. Times are shown relative to the view's own time (the latest event folded),
+since a view of last Tuesday is read as it stood then, not against today's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from services.core.view import ReplicaRecord, View, digest
+
+# CELL_MAX bounds a grid cell: past it a replica id is cut with `~` so a node of eight
+# GPUs still fits a terminal line.
+CELL_MAX = 12
+
+FREE = "."
+UNHEALTHY = "x"
+
+
+def ago(t: datetime | None, now: datetime | None) -> str:
+    """`3m ago`, `in 5m`, `now`; `-` when unknown."""
+    if t is None:
+        return "-"
+    if now is None:
+        return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+    s = (now - t).total_seconds()
+    word = duration(abs(s))
+    if word == "0s":
+        return "now"
+    return f"{word} ago" if s > 0 else f"in {word}"
+
+
+def duration(s: float) -> str:
+    """`45s`, `3m`, `2h5m`, `3d4h`."""
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        h, m = divmod(s // 60, 60)
+        return f"{h}h{m}m" if m else f"{h}h"
+    d, h = divmod(s // 3600, 24)
+    return f"{d}d{h}h" if h else f"{d}d"
+
+
+def stamp(t: datetime | None) -> str:
+    return "-" if t is None else t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
+    """Aligned columns, headers in capitals, the last column unpadded."""
+    if not rows:
+        return ""
+    cols = [list(headers), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
+    lines = []
+    for r in cols:
+        cells = [c.ljust(widths[i]) for i, c in enumerate(r[:-1])] + [r[-1]]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return "\n".join(lines)
+
+
+def _cut(name: str, width: int) -> str:
+    return name if len(name) <= width else name[: width - 1] + "~"
+
+
+def gpu_holders(view: View) -> dict[tuple[str, int], str]:
+    """(node, gpu index) -> the replica holding it, for replicas that hold capacity."""
+    out: dict[tuple[str, int], str] = {}
+    for r in view.state.replicas.values():
+        if r.holds_capacity:
+            for s in r.shards:
+                for g in s.gpus:
+                    out[(s.node, g)] = r.id
+    return out
+
+
+def grid(view: View) -> str:
+    """One row per node, one cell per GPU: the replica holding it, `.` free, `x` unhealthy."""
+    nodes = view.state.nodes
+    if not nodes:
+        return "  (no nodes)"
+    held = gpu_holders(view)
+    width = min(max((len(r) for r in held.values()), default=1), CELL_MAX)
+    name_w = max(len(n) for n in nodes)
+    lines = []
+    for name in sorted(nodes):
+        rec = nodes[name]
+        flags = ("LOST " if rec.lost else "") + ("cordoned" if rec.cordoned else "")
+        cells = []
+        for g in sorted(rec.report.gpus, key=lambda g: g.index):
+            who = held.get((name, g.index))
+            cell = _cut(who, width) if who else (FREE if g.healthy else UNHEALTHY)
+            cells.append(cell.ljust(width))
+        row = f"  {name.ljust(name_w)}  {flags.strip():<13} " + " ".join(cells)
+        lines.append(row.rstrip())
+    return "\n".join(lines)
+
+
+def _replica_note(r: ReplicaRecord) -> str:
+    if r.preempted_for:
+        return f"preempted for {r.preempted_for}"
+    if r.retiring_at is not None:
+        return "retiring (scale down)"
+    if r.state == "failed" and r.reason:
+        return r.reason
+    if r.drain_reason:
+        return f"drain: {r.drain_reason}"
+    return ""
+
+
+def replicas_text(view: View) -> str:
+    s = view.state
+    now = s.time
+    models = sorted({r.model for r in s.replicas.values()} | set(s.models))
+    out = []
+    for m in models:
+        decl = s.models.get(m)
+        reps = sorted(
+            (r for r in s.replicas.values() if r.model == m), key=lambda r: (r.created_at, r.id)
+        )
+        head = f"  {m}"
+        if decl is not None:
+            head += f"  ({decl.cls}, owner {decl.owner}, min {decl.min} max {decl.effective_max})"
+        else:
+            head += "  (not declared)"
+        head += f"  live {view.live_count(m)}/{view.desired_for(m)}"
+        hold = s.holds.get(m)
+        if hold is not None:
+            head += f"  held for {hold.for_model} until {ago(hold.until, now)}"
+        out.append(head)
+        rows = [
+            [
+                r.id,
+                r.state,
+                r.profile,
+                ",".join(r.nodes) or "-",
+                ago(r.ready_at, now),
+                "unknown"
+                if r.last_used_at is None
+                else duration(r.idle_s(now or r.last_used_at) or 0),
+                _replica_note(r),
+            ]
+            for r in reps
+        ]
+        if rows:
+            out.append(
+                table(
+                    ["REPLICA", "STATE", "PROFILE", "NODES", "READY", "IDLE", "NOTE"], rows, "    "
+                )
+            )
+    return "\n".join(out) if out else "  (no models, no replicas)"
+
+
+def holds_text(view: View) -> str:
+    s = view.state
+    now = s.time
+    rows = []
+    for m in sorted(s.holds):
+        h = s.holds[m]
+        on = now is not None and view.active_hold(m, now) is not None
+        rows.append(
+            [m, h.for_model, f"{stamp(h.until)} ({ago(h.until, now)})", "on" if on else "off"]
+        )
+    return table(["MODEL", "FOR", "UNTIL", "NOW"], rows) or "  (no holds)"
+
+
+def view_text(view: View, label: str = "") -> str:
+    s = view.state
+    head = f"view at seq {s.seq}, time {stamp(s.time)}"
+    if label:
+        head += f"  ({label})"
+    used = len(gpu_holders(view))
+    total = sum(len(n.report.gpus) for n in s.nodes.values())
+    parts = [
+        head,
+        "",
+        f"NODES x GPUS  ({len(s.nodes)} nodes, {used}/{total} GPUs held; . free, x unhealthy)",
+        grid(view),
+        "",
+        f"REPLICAS BY MODEL  ({len(s.replicas)} replicas)",
+        replicas_text(view),
+        "",
+        "HOLDS",
+        holds_text(view),
+    ]
+    if s.rejected:
+        parts += ["", f"{s.rejected:,} events rejected by the fold (see `llmgw history`)"]
+    return "\n".join(parts)
+
+
+def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "model": r.model,
+        "profile": r.profile,
+        "state": r.state,
+        "shards": [{"node": s.node, "gpus": list(s.gpus)} for s in r.shards],
+        "created_at": stamp(r.created_at),
+        "ready_at": None if r.ready_at is None else stamp(r.ready_at),
+        "last_used_at": None if r.last_used_at is None else stamp(r.last_used_at),
+        "idle_s": r.idle_s(now) if now is not None else None,
+        "retiring_at": None if r.retiring_at is None else stamp(r.retiring_at),
+        "preempted_for": r.preempted_for,
+        "reason": r.reason,
+    }
+
+
+def view_json(view: View) -> dict[str, Any]:
+    """The machine form: stable keys, times as RFC3339 strings."""
+    s = view.state
+    now = s.time
+    held = gpu_holders(view)
+    return {
+        "seq": s.seq,
+        "time": None if now is None else stamp(now),
+        "digest": digest(s),
+        "nodes": [
+            {
+                "name": n,
+                "cordoned": s.nodes[n].cordoned,
+                "lost": s.nodes[n].lost,
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "model": g.model,
+                        "healthy": g.healthy,
+                        "replica": held.get((n, g.index)),
+                    }
+                    for g in sorted(s.nodes[n].report.gpus, key=lambda g: g.index)
+                ],
+            }
+            for n in sorted(s.nodes)
+        ],
+        "models": {
+            m: {
+                "class": d.cls,
+                "owner": d.owner,
+                "min": d.min,
+                "max": d.effective_max,
+                "desired": view.desired_for(m),
+                "live": view.live_count(m),
+            }
+            for m, d in sorted(s.models.items())
+        },
+        "replicas": [replica_json(s.replicas[r], now) for r in sorted(s.replicas)],
+        "holds": [
+            {"model": h.model, "for_model": h.for_model, "until": stamp(h.until)}
+            for _, h in sorted(s.holds.items())
+        ],
+        "rejected": s.rejected,
+    }

@@ -1,0 +1,190 @@
+"""Where replayed events come from: one shape over a `.jsonl` bundle and the live stream.
+
+Called by `rebuild` (and through it by every replay command and `subscribe`'s catch-up).
+A source yields batches of `Item(seq, subject, event)` in stream order, from `from_seq`
+to `until_seq`, or up to the first event whose own time is after `until_time`. A line or
+message that does not decode, or whose event does not belong on its subject, is counted
+in `stats` with its reason and skipped, as the projector dead-letters it: a bad event
+in the log must never stop a replay, and must never pass unnoticed either.
+
+It must not fold or interpret events; it only reads, decodes and cuts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from schemas import bundle, codec, subjects
+from schemas.errors import EventDecodeError
+from schemas.events import Event
+
+# BATCH is how many bundle lines one batch carries: a bundle is read synchronously, and
+# a batch at a time keeps a progress bar moving without a call per event.
+BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One decoded event with its place in the stream."""
+
+    seq: int
+    subject: str
+    event: Event
+
+
+@dataclass
+class Stats:
+    """What a source read: counts, the last sequence, and why bad messages were skipped."""
+
+    decoded: int = 0
+    undecodable: int = 0
+    dead: list[tuple[int, str, str]] = field(default_factory=list)
+    """(seq, subject, why) of every message skipped: the projector's dead letters."""
+    last_seq: int = 0
+    """The last sequence read and taken (decoded or not)."""
+    cut_at: int | None = None
+    """The sequence of the first event past `until_time`, when the time cut stopped it."""
+
+    def skip(self, seq: int, subject: str, why: str) -> None:
+        self.undecodable += 1
+        self.last_seq = seq
+        self.dead.append((seq, subject, why))
+
+    def summary(self) -> str:
+        """'' when nothing was skipped, else one line naming the first few."""
+        if not self.undecodable:
+            return ""
+        shown = "; ".join(f"seq {s}: {w}" for s, _, w in self.dead[:3])
+        more = "; ..." if self.undecodable > 3 else ""
+        return f"skipped {self.undecodable:,} events that are not valid here ({shown}{more})"
+
+
+class Source(Protocol):
+    """Events in stream order with their sequence and subject."""
+
+    stats: Stats
+    label: str
+
+    def batches(self) -> AsyncIterator[list[Item]]: ...
+
+
+class _Cut:
+    """The shared limits: decode, check, count, stop at `until_seq` / past `until_time`."""
+
+    def __init__(
+        self, stats: Stats, until_seq: int | None, until_time: datetime | None, root: str
+    ) -> None:
+        self.stats = stats
+        self.root = root
+        self.until_seq = until_seq
+        self.until_time = until_time
+        self.done = False
+
+    def take(self, raw: Iterable[tuple[int, str, bytes]]) -> list[Item]:
+        out: list[Item] = []
+        st = self.stats
+        until_seq, until_time = self.until_seq, self.until_time
+        decode, check, root = codec.decode, subjects.check, self.root
+        for seq, subject, data in raw:
+            if until_seq is not None and seq > until_seq:
+                self.done = True
+                break
+            try:
+                event = decode(data)
+            except EventDecodeError as e:
+                st.skip(seq, subject, str(e))
+                continue
+            # Invariant: skipped exactly as the projector dead-letters it (an agent
+            # reporting another node's replica), so a replay and the live view agree.
+            why = check(event, subject, root)
+            if why is not None:
+                st.skip(seq, subject, f"wrong subject for its data: {why}")
+                continue
+            if until_time is not None and event.time > until_time:
+                st.cut_at = seq
+                self.done = True
+                break
+            st.decoded += 1
+            st.last_seq = seq
+            out.append(Item(seq, subject, event))
+            if until_seq is not None and seq >= until_seq:
+                self.done = True
+                break
+        return out
+
+
+class BundleSource:
+    """The events of a `.jsonl` bundle file (`llmgw events export`)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        from_seq: int = 1,
+        until_seq: int | None = None,
+        until_time: datetime | None = None,
+        root: str = subjects.DEFAULT_ROOT,
+    ) -> None:
+        self.path = path
+        self.from_seq = from_seq
+        self.label = path
+        self.stats = Stats()
+        self._cut = _Cut(self.stats, until_seq, until_time, root)
+
+    async def batches(self) -> AsyncIterator[list[Item]]:
+        chunk: list[tuple[int, str, bytes]] = []
+        for rec in bundle.read(self.path):
+            if rec.seq < self.from_seq:
+                continue
+            chunk.append((rec.seq, rec.subject, rec.line))
+            if len(chunk) >= BATCH:
+                out = self._cut.take(chunk)
+                chunk = []
+                if out:
+                    yield out
+                if self._cut.done:
+                    return
+        if chunk:
+            out = self._cut.take(chunk)
+            if out:
+                yield out
+
+
+class StreamSource:
+    """The events stored on the JetStream stream, read to its end as it is now and no
+    further (`services.bus.consume.read_range`)."""
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        from_seq: int = 1,
+        until_seq: int | None = None,
+        until_time: datetime | None = None,
+        label: str = "the stream",
+        root: str = subjects.DEFAULT_ROOT,
+    ) -> None:
+        self.js = js
+        self.from_seq = from_seq
+        self.until_seq = until_seq
+        self.label = label
+        self.stats = Stats()
+        self._cut = _Cut(self.stats, until_seq, until_time, root)
+
+    async def batches(self) -> AsyncIterator[list[Item]]:
+        from services.bus import consume
+
+        # aclosing: a cut ends the read early, and the reader's consumer must be removed
+        # then, not whenever the garbage collector finds it.
+        reader: Any = consume.read_range(self.js, self.from_seq, self.until_seq)
+        async with contextlib.aclosing(reader):
+            async for batch in reader:
+                out = self._cut.take((d.seq, d.subject, d.data) for d in batch)
+                if out:
+                    yield out
+                if self._cut.done:
+                    return
