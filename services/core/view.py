@@ -71,8 +71,18 @@ class ReplicaRecord(msgspec.Struct, kw_only=True):
 
     @property
     def live(self) -> bool:
-        """Whether it counts towards its model's replicas: holds capacity, not on its way out."""
-        return self.state in LIVE_STATES and self.retiring_at is None and self.preempted_for is None
+        """Whether it counts towards its model's replicas: holds capacity, not on its way out.
+
+        A replica drained for placement_timeout never reported starting: the scheduler gave
+        up on it and places another, so it counts no more. It still holds its GPUs until
+        its agent reports it stopped, because it may yet have started late.
+        """
+        return (
+            self.state in LIVE_STATES
+            and self.retiring_at is None
+            and self.preempted_for is None
+            and self.drain_reason != "placement_timeout"
+        )
 
     @property
     def nodes(self) -> tuple[str, ...]:

@@ -1,0 +1,453 @@
+"""The scheduler's decisions: one reconcile pass over a view, as the events to publish.
+
+Called by `services.scheduler.service.Scheduler` on every relevant event and on a tick,
+and by the benchmark on its own. Plain functions over a `View`, the time `now`, and what
+the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
+changes the view: placements within a pass are tried on a clone of the inventory.
+
+Every output's id is derived from stable inputs (the view's sequence and time, the model,
+the slot), so two schedulers deciding on the same view publish the same ids and
+JetStream's duplicate window keeps one copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import msgspec
+
+from schemas import events as ev
+from schemas import ids
+from services.core import catalog, inventory, placement, quota
+from services.core.view import View
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's timings.
+
+    tick_s: how often a pass runs when no event asks for one; also how often heartbeats
+      are checked.
+    node_timeout_s: a node whose heartbeats stop this long is reported lost, once.
+    start_timeout_s: a placed replica that has not reported `starting` this long after its
+      placement.decided is drained (reason placement_timeout) and placed again elsewhere.
+    failed_backoff_s: a model that still cannot be placed, in a cluster that has not
+      changed, is reported again after this long, not on every pass.
+    avoid_for_s: how long nodes where a placement timed out are avoided for that model.
+    drain_grace_s: the grace each `replica.drain` gives its replica.
+    lease_ttl_s: a standby takes over at most this long after the leader dies.
+    """
+
+    tick_s: float = 1.0
+    node_timeout_s: float = 15.0
+    start_timeout_s: float = 120.0
+    failed_backoff_s: float = 60.0
+    avoid_for_s: float = 600.0
+    drain_grace_s: float = 30.0
+    lease_ttl_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What the scheduler last said about a model it could not place."""
+
+    digest: str
+    at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One event to publish, the node whose command subject it goes on (commands only),
+    and the model whose failure memory it updates (placement.failed only)."""
+
+    event: ev.Event
+    node: str | None = None
+    failure: tuple[str, Failure] | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    outputs: list[Output] = field(default_factory=list)
+    placed: int = 0
+    failed: int = 0
+    drained: int = 0
+    lost: int = 0
+    satisfied: list[str] = field(default_factory=list)
+    """Models placed in full this pass, whose failure memory can be forgotten."""
+
+
+# ------------------------------------------------------------------ ids
+
+_SLUG = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def _ms(t: datetime | None) -> int:
+    return 0 if t is None else max(int(t.timestamp() * 1000), 0)
+
+
+def _anchor(t: datetime | None, key: str) -> str:
+    """A ULID made of a time and a key: a stable parent for derived ids that still sort
+    by time."""
+    return ids.ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
+
+
+def view_token(view: View) -> str:
+    """The parent id of every decision taken on this view: the same for any process
+    that has folded the same log up to the same sequence."""
+    return _anchor(view.state.time, f"view\x00{view.seq}")
+
+
+def replica_id(model: str, placement_id: str) -> str:
+    """`<model-token>-<short hash>`: readable in logs, derived from the placement."""
+    slug = _SLUG.sub("-", model).strip("-")[:64] or "model"
+    return f"{slug}-{hashlib.blake2b(placement_id.encode(), digest_size=6).hexdigest()}"
+
+
+# ------------------------------------------------------------------ the pass
+
+
+def plan(
+    view: View,
+    now: datetime,
+    config: SchedulerConfig,
+    *,
+    failures: Mapping[str, Failure] | None = None,
+    silent: Mapping[str, float] | None = None,
+    source: str = "scheduler",
+) -> Plan:
+    """Everything one pass decides on `view` at `now`.
+
+    `failures`: per model, the last placement.failed this scheduler published.
+    `silent`: per node, seconds since its last heartbeat (as the shell measured it).
+    """
+    out = Plan()
+    failures = failures or {}
+    token = view_token(view)
+    mk = _Maker(now, source)
+
+    for node, secs in sorted((silent or {}).items()):
+        rec = view.state.nodes.get(node)
+        if rec is None or rec.lost or secs < config.node_timeout_s:
+            continue
+        parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
+        lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
+        out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
+        out.lost += 1
+    if out.lost:
+        # A lost node fails its replicas in the fold. Placing before that is folded would
+        # count them live and place on a node that is gone; the next pass sees it all.
+        return out
+
+    by_model: dict[str, list[_Rep]] = {}
+    timed_out: set[str] = set()
+    for r in view.replicas.values():
+        m = view.catalog.resolve(r.model)
+        if m is None:
+            if r.holds_capacity and r.drained_by is None and r.state != "draining":
+                _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "model_removed", config)
+            continue
+        if (
+            r.state == "pending"
+            and r.placed_by is not None
+            and r.drained_by is None
+            and (now - r.created_at).total_seconds() >= config.start_timeout_s
+        ):
+            _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "placement_timeout", config)
+            timed_out.add(m.name)
+            continue
+        by_model.setdefault(m.name, []).append(
+            _Rep(
+                r.id,
+                r.placed_by,
+                r.nodes,
+                r.live,
+                r.state,
+                r.created_at,
+                r.last_used_at,
+                r.drain_reason,
+            )
+        )
+
+    inv: inventory.Inventory | None = None
+    usage: dict[str, quota.Amount] | None = None
+    models = sorted(
+        (view.catalog.resolve(n) for n in view.state.models),
+        key=lambda m: (-catalog.class_rank(m.cls), m.name) if m else (0, ""),
+    )
+    for m in models:
+        if m is None or m.name in timed_out:
+            continue
+        reps = by_model.get(m.name, [])
+        live = [r for r in reps if r.live]
+        desired = view.desired_for(m.name)
+        if len(live) > desired:
+            for v in _scale_down_order(live)[: len(live) - desired]:
+                _drain(out, mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", config)
+            continue
+        if len(live) == desired:
+            out.satisfied.append(m.name)
+            continue
+        if view.active_hold(m.name, now) is not None or view.awaiting(m.name):
+            continue
+        if inv is None:
+            inv = view.inventory.clone()
+        if usage is None:
+            usage = view.quota.usage(view.holdings())
+        avoid = _avoided(reps, now, config)
+        _place_missing(
+            out, mk, view, m, inv, usage, len(live), desired, avoid, token, now, failures, config
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Rep:
+    id: str
+    placed_by: str | None
+    nodes: tuple[str, ...]
+    live: bool
+    state: str
+    created_at: datetime
+    last_used_at: datetime | None
+    drain_reason: str | None
+
+
+def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
+    """Which live replicas to drain first when a model has too many.
+
+    Not yet ready before ready (the least invested); then the least recently used, where
+    a replica nobody has reported used counts as just used (unknown is not idle); then the
+    newest, which is the one above the minimum.
+    """
+    far = datetime.max.replace(tzinfo=live[0].created_at.tzinfo) if live else None
+
+    def key(r: _Rep) -> tuple[bool, datetime, float, str]:
+        used = r.last_used_at if r.last_used_at is not None else far
+        assert used is not None
+        return (r.state == "ready", used, -r.created_at.timestamp(), r.id)
+
+    return sorted(live, key=key)
+
+
+def _avoided(reps: list[_Rep], now: datetime, config: SchedulerConfig) -> tuple[str, ...]:
+    """Nodes where a placement of this model timed out lately: placed elsewhere if it can."""
+    out: set[str] = set()
+    for r in reps:
+        if (
+            r.drain_reason == "placement_timeout"
+            and (now - r.created_at).total_seconds() < config.avoid_for_s
+        ):
+            out.update(r.nodes)
+    return tuple(sorted(out))
+
+
+def _place_missing(
+    out: Plan,
+    mk: _Maker,
+    view: View,
+    m: catalog.Model,
+    inv: inventory.Inventory,
+    usage: dict[str, quota.Amount],
+    live: int,
+    desired: int,
+    avoid: tuple[str, ...],
+    token: str,
+    now: datetime,
+    failures: Mapping[str, Failure],
+    config: SchedulerConfig,
+) -> None:
+    chain = [q.name for q in view.quota.governing(m.owner)]
+    for slot in range(desired - live):
+        allowed = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
+        if not allowed:
+            why = {
+                p.name: f"owner {m.owner} would pass its limit with {p.need().gpus} more GPUs"
+                for p in m.profiles
+            }
+            _fail(
+                out,
+                mk,
+                m,
+                "quota_limit",
+                m.profiles,
+                why,
+                live + slot,
+                desired,
+                avoid,
+                _usage_print(usage, chain),
+                token,
+                now,
+                failures,
+                config,
+            )
+            return
+        found = placement.place(inv, allowed, avoid)
+        if isinstance(found, placement.NoFit):
+            why = dict(found.reasons)
+            for p in m.profiles:
+                if p not in allowed:
+                    why[p.name] = f"owner {m.owner} would pass its limit"
+            _fail(
+                out,
+                mk,
+                m,
+                "no_fit",
+                allowed,
+                why,
+                live + slot,
+                desired,
+                avoid,
+                _inventory_print(inv),
+                token,
+                now,
+                failures,
+                config,
+            )
+            return
+        pid = ids.derived(token, f"place\x00{m.name}\x00{slot}")
+        rid = replica_id(m.name, pid)
+        p = found.profile
+        alloc = inventory.Allocation(
+            replica=rid, shards=found.shards, cpu_cores=p.cpu_cores, memory_gb=p.memory_gb
+        )
+        if inv.try_allocate(alloc) is not None:
+            return  # Invariant: place() only offers what the inventory can take.
+        need = p.need()
+        for q in chain:
+            usage[q] = usage.get(q, quota.ZERO).plus(need)
+        shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
+        reason = _reason(m, p, found.shards, inv, avoid)
+        decided = ev.PlacementDecided(
+            replica=rid, model=m.name, profile=p.name, shards=shards, reason=reason
+        )
+        out.outputs.append(Output(mk(decided, pid)))
+        start = ev.ReplicaStart(replica=rid, model=m.name, profile=p.name, shards=shards)
+        for s in found.shards:
+            sid = ids.derived(pid, f"start\x00{s.node}")
+            out.outputs.append(Output(mk(start, sid, causation=pid), node=s.node))
+        out.placed += 1
+    out.satisfied.append(m.name)
+
+
+def _reason(
+    m: catalog.Model,
+    p: catalog.Profile,
+    shards: tuple[inventory.Shard, ...],
+    inv: inventory.Inventory,
+    avoid: tuple[str, ...],
+) -> str:
+    where = ", ".join(s.node for s in shards)
+    left = ", ".join(str(len(inv.free_gpus(s.node))) for s in shards)
+    text = f"best fit: {p.name} on {where}, {left} GPUs left"
+    earlier = [q.name for q in m.profiles[: m.profiles.index(p)]]
+    if earlier:
+        text += f" ({', '.join(earlier)} did not fit)"
+    if avoid and not set(avoid) & {s.node for s in shards}:
+        text += f"; avoiding {', '.join(avoid)}"
+    return text
+
+
+def _fail(
+    out: Plan,
+    mk: _Maker,
+    m: catalog.Model,
+    reason: str,
+    profiles: Iterable[catalog.Profile],
+    why: dict[str, str],
+    live: int,
+    desired: int,
+    avoid: tuple[str, ...],
+    cluster_print: bytes,
+    token: str,
+    now: datetime,
+    failures: Mapping[str, Failure],
+    config: SchedulerConfig,
+) -> None:
+    """Report a model that cannot be placed: once per change in what it was decided on,
+    or once per backoff period, never once per pass."""
+    names = tuple(p.name for p in profiles)
+    digest = hashlib.blake2b(
+        _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
+        + cluster_print,
+        digest_size=16,
+    ).hexdigest()
+    last = failures.get(m.name)
+    if (
+        last is not None
+        and last.digest == digest
+        and (now - last.at).total_seconds() < config.failed_backoff_s
+    ):
+        return
+    data = ev.PlacementFailed(
+        model=m.name,
+        profiles=names,
+        avoid=avoid,
+        live=live,
+        desired=desired,
+        reason=reason,
+        why=why,
+    )
+    fid = ids.derived(token, f"failed\x00{m.name}")
+    out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now))))
+    out.failed += 1
+
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def _inventory_print(inv: inventory.Inventory) -> bytes:
+    """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
+    return _encoder.encode(
+        [
+            (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
+            for u in sorted(inv.usages(), key=lambda u: u.node.name)
+        ]
+    )
+
+
+def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:
+    return _encoder.encode([(q, usage.get(q, quota.ZERO)) for q in chain])
+
+
+def _drain(
+    out: Plan,
+    mk: _Maker,
+    replica: str,
+    model: str,
+    placed_by: str | None,
+    nodes: tuple[str, ...],
+    reason: ev.DrainReason,
+    config: SchedulerConfig,
+) -> None:
+    """A `replica.drain` on each node the replica has a shard on.
+
+    The id is derived from the replica and the reason only: whoever decides it, on
+    whichever view, asks the same replica to stop for the same reason once.
+    """
+    parent = placed_by or _anchor(None, f"replica\x00{replica}")
+    data = ev.ReplicaDrain(
+        replica=replica, model=model, reason=reason, grace_s=config.drain_grace_s
+    )
+    if not nodes:
+        return  # no node to send it to; a replica with no shards holds nothing
+    for node in nodes:
+        did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
+        out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
+    out.drained += 1
+
+
+class _Maker:
+    """Wraps data in an envelope stamped with the pass's time and source."""
+
+    __slots__ = ("now", "source")
+
+    def __init__(self, now: datetime, source: str) -> None:
+        self.now = now
+        self.source = source
+
+    def __call__(self, data: ev.Data, eid: str, causation: str | None = None) -> ev.Event:
+        return ev.make(data, id=eid, time=self.now, source=self.source, causation=causation)

@@ -1,0 +1,249 @@
+"""The scheduler against a real broker, driven by publishing events and read back from
+the stream: placement, scale, no fit, quota, holds, lost nodes, removed models,
+placement timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from schemas import events as ev
+from tests.scheduler.conftest import FAST, Cluster, Running
+from tests.scheduler.helpers import eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+Decided = ev.PlacementDecidedEvent
+Failed = ev.PlacementFailedEvent
+Start = ev.ReplicaStartEvent
+Drain = ev.ReplicaDrainEvent
+
+
+async def count(cluster: Cluster, kind: type[ev.Envelope], model: str | None = None) -> int:
+    return len(await cluster.of(kind, model))
+
+
+async def settle(s: Running) -> None:
+    """Wait until the scheduler's view holds everything in the stream and its own last
+    publish (so "nothing more happened" is checked on a settled scheduler)."""
+    await s.scheduler.follower.caught_up(5)
+    await eventually(lambda: s.scheduler.follower.seq >= s.scheduler._written)
+
+
+async def test_places_min_replicas_on_declare(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    await cluster.node("gpu-a2")
+    s = start_scheduler()
+    await cluster.declare("meta/llama-3.1-8b", gpus=4, min=2, max=4)
+    await eventually(lambda: count(cluster, Decided, "meta/llama-3.1-8b"), within=5)
+    await eventually(lambda: _at_least(cluster, Decided, 2, "meta/llama-3.1-8b"), within=5)
+    decided = await cluster.of(Decided)
+    starts = await cluster.with_subjects(Start)
+    assert len(decided) == 2
+    assert {d.data.replica for d in decided} == {e.data.replica for _, e in starts}
+    for subject, e in starts:
+        (shard,) = e.data.shards
+        assert subject == f"llmgw.cmd.{shard.node}.replica.start"
+        assert e.causation in {d.id for d in decided}
+    for d in decided:
+        assert d.data.replica.startswith("meta-llama-3-1-8b-")
+        assert d.data.reason.startswith("best fit: tp4 on gpu-a")
+    # Best fit: both on one node, the other stays whole.
+    assert {d.data.shards[0].node for d in decided} == {"gpu-a1"}
+    await settle(s)
+    assert s.scheduler.view.live_count("meta/llama-3.1-8b") == 2
+    assert await count(cluster, Decided) == 2
+
+
+async def _at_least(
+    cluster: Cluster, kind: type[ev.Envelope], n: int, model: str | None = None
+) -> bool:
+    return await count(cluster, kind, model) >= n
+
+
+async def test_scale_up_then_down_drains_newest(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    await cluster.node("gpu-a2")
+    s = start_scheduler()
+    await cluster.declare("m", gpus=2, min=1, max=4)
+    await eventually(lambda: _at_least(cluster, Decided, 1))
+    await settle(s)
+    await cluster.scale("m", 3)
+    await eventually(lambda: _at_least(cluster, Decided, 3))
+    await settle(s)
+    _first, *later = await cluster.of(Decided)
+    await cluster.scale("m", 1)
+    await eventually(lambda: _at_least(cluster, Drain, 2))
+    await settle(s)
+    drains = await cluster.with_subjects(Drain)
+    assert len(drains) == 2
+    assert all(e.data.reason == "scale_down" for _, e in drains)
+    assert {e.data.replica for _, e in drains} == {d.data.replica for d in later}
+    by_replica = {d.data.replica: d.data.shards[0].node for d in later}
+    for subject, e in drains:
+        assert subject == f"llmgw.cmd.{by_replica[e.data.replica]}.replica.drain"
+    assert s.scheduler.view.live_count("m") == 1
+    assert await count(cluster, Decided) == 3
+
+
+async def test_no_fit_reports_once_until_something_changes(
+    cluster: Cluster, start_scheduler
+) -> None:
+    await cluster.node("gpu-a1", gpus=4)
+    s = start_scheduler()
+    await cluster.declare("big", gpus=8, min=1)
+    await eventually(lambda: _at_least(cluster, Failed, 1))
+    # Many passes (tick 0.1 s, plus one per event below), one report.
+    for _ in range(5):
+        await cluster.scale("other", 1)  # an event that wakes a pass, changes nothing
+    await eventually(lambda: s.scheduler.stats.passes >= 15, within=5)
+    await settle(s)
+    (f,) = await cluster.of(Failed)
+    assert f.data.reason == "no_fit"
+    assert f.data.profiles == ("tp8",)
+    assert f.data.live == 0 and f.data.desired == 1
+    assert "tp8" in f.data.why and "best had 4" in f.data.why["tp8"]
+    # The cluster changes (a node appears that still does not fit): a new report.
+    await cluster.node("gpu-a2", gpus=4)
+    await eventually(lambda: _at_least(cluster, Failed, 2))
+    await settle(s)
+    assert await count(cluster, Failed) == 2
+    # A node that fits: placed.
+    await cluster.node("gpu-a3", gpus=8)
+    await eventually(lambda: _at_least(cluster, Decided, 1))
+    (d,) = await cluster.of(Decided)
+    assert d.data.shards[0].node == "gpu-a3"
+
+
+async def test_no_fit_repeats_after_the_backoff(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1", gpus=4)
+    s = start_scheduler(dataclasses.replace(FAST, failed_backoff_s=0.5))
+    await cluster.declare("big", gpus=8, min=1)
+    await eventually(lambda: _at_least(cluster, Failed, 2), within=5)
+    n = s.scheduler.stats.passes
+    assert n >= 3  # more passes than reports
+
+
+async def test_quota_limit(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    await cluster.emit(
+        ev.QuotaSet(
+            owners=(ev.OwnerQuota(name="team-a", limit=ev.Resources(gpus=4)),),
+        )
+    )
+    start_scheduler()
+    await cluster.declare("m", gpus=4, min=2, owner="team-a")
+    await eventually(lambda: _at_least(cluster, Failed, 1))
+    assert await count(cluster, Decided) == 1
+    (f,) = await cluster.of(Failed)
+    assert f.data.reason == "quota_limit"
+    assert f.data.live == 1 and f.data.desired == 2
+    assert "team-a" in f.data.why["tp4"]
+
+
+async def test_held_model_is_not_placed(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    # The model the hold is for wants a GPU nobody has, so the hold does not end early.
+    await cluster.declare(
+        "critical-m",
+        cls="critical",
+        profiles=(ev.ProfileSpec(name="b200", gpus=8, gpu_model="B200"),),
+    )
+    await cluster.emit(
+        ev.HoldCreated(
+            model="opp", for_model="critical-m", until=datetime.now(UTC) + timedelta(seconds=1.5)
+        )
+    )
+    s = start_scheduler()
+    await cluster.declare("opp", gpus=4, min=1, cls="opportunistic")
+    await eventually(lambda: s.scheduler.stats.passes >= 5)
+    await settle(s)
+    assert await count(cluster, Decided) == 0
+    assert await count(cluster, Failed, "opp") == 0
+    assert await count(cluster, Failed, "critical-m") == 1
+    # The hold ends at its `until`: then it is placed, with no event to wake it (the tick).
+    await eventually(lambda: _at_least(cluster, Decided, 1), within=5)
+    (d,) = await cluster.of(Decided)
+    assert d.data.model == "opp"
+
+
+async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    await cluster.node("gpu-a2")
+    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6))
+    await cluster.declare("m", gpus=8, min=2)
+    await eventually(lambda: _at_least(cluster, Decided, 2))
+    on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
+    # A fake agent: heartbeats for gpu-a1 only, on core NATS.
+    agent = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
+    try:
+        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 1), within=3)
+        # Still one after many more passes: the fold marks the node lost, and a lost
+        # node is not reported again.
+        passes = s.scheduler.stats.passes
+        await eventually(lambda: s.scheduler.stats.passes >= passes + 10)
+        await settle(s)
+    finally:
+        agent.cancel()
+    (e,) = await cluster.of(ev.NodeLostEvent)
+    assert e.data.node == "gpu-a2"
+    assert e.data.reason.startswith("no heartbeat for ")
+    view = s.scheduler.view
+    assert view.state.nodes["gpu-a2"].lost
+    assert all(view.replicas[r].state == "failed" for r in on_a2)
+    # Its replica's capacity was released; gpu-a1 is full, so the replacement cannot fit.
+    await eventually(lambda: _at_least(cluster, Failed, 1))
+
+
+async def _beat(cluster: Cluster, node: str, every: float) -> None:
+    while True:
+        await cluster.heartbeat(node)
+        await asyncio.sleep(every)
+
+
+async def test_model_removed_drains_it(cluster: Cluster, start_scheduler) -> None:
+    await cluster.node("gpu-a1")
+    s = start_scheduler()
+    await cluster.declare("m", gpus=2, min=2)
+    await eventually(lambda: _at_least(cluster, Decided, 2))
+    await settle(s)
+    await cluster.emit(ev.ModelRemoved(name="m"))
+    await eventually(lambda: _at_least(cluster, Drain, 2))
+    await settle(s)
+    drains = await cluster.of(Drain)
+    assert len(drains) == 2
+    assert {e.data.reason for e in drains} == {"model_removed"}
+    assert await count(cluster, Decided) == 2
+
+
+async def test_placement_timeout_is_drained_and_placed_elsewhere(
+    cluster: Cluster, start_scheduler
+) -> None:
+    await cluster.node("gpu-a1", gpus=8)
+    await cluster.node("gpu-a2", gpus=4)
+    s = start_scheduler(dataclasses.replace(FAST, start_timeout_s=0.5))
+    await cluster.declare("m", gpus=4, min=1)
+    await eventually(lambda: _at_least(cluster, Decided, 1))
+    (first,) = await cluster.of(Decided)
+    assert first.data.shards[0].node == "gpu-a2"  # best fit
+    # Nobody reports `starting`: after the timeout, drained and placed on the other node.
+    await eventually(lambda: _at_least(cluster, Decided, 2), within=5)
+    await settle(s)
+    drains = await cluster.of(Drain)
+    assert [(e.data.replica, e.data.reason) for e in drains] == [
+        (first.data.replica, "placement_timeout")
+    ]
+    second = (await cluster.of(Decided))[1]
+    assert second.data.shards[0].node == "gpu-a1"
+    assert "avoiding gpu-a2" in second.data.reason
+    # This one reports back in time: no more drains.
+    start = next(e for e in await cluster.of(Start) if e.data.replica == second.data.replica)
+    await cluster.state(start.data, "starting")
+    passes = s.scheduler.stats.passes
+    await eventually(lambda: s.scheduler.stats.passes >= passes + 10)  # past the timeout
+    await settle(s)
+    assert await count(cluster, Drain) == 1
+    assert s.scheduler.view.live_count("m") == 1
