@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -262,15 +263,20 @@ def test_undecodable_lines_are_skipped_counted_and_reported(
     _, path = cluster_bundle
     lines = path.read_bytes().splitlines()
     bad = tmp_path / "bad.jsonl"
-    lines.insert(3, b'{"seq":17,"subject":"llmgw.node.n9.inventory","type":"node.inventory"}')
-    # Sequences must grow: renumber, keeping the garbage at seq 4.
+    lines.insert(3, b'{"seq":0,"subject":"llmgw.node.n9.inventory","type":"node.inventory"}')
+    # A stored body that is not JSON at all, exported as it was: its position survives.
+    lines.insert(5, b'{"seq":0,"subject":"llmgw.catalog.quota",{oops')
+    # Sequences must grow: renumber, keeping the garbage at seqs 4 and 6.
     out_lines = []
     for i, line in enumerate(lines, start=1):
-        doc = json.loads(line)
-        doc["seq"] = i
-        out_lines.append(json.dumps(doc).encode())
+        out_lines.append(re.sub(rb'^\{"seq":\d+', b'{"seq":%d' % i, line))
     bad.write_bytes(b"\n".join(out_lines) + b"\n")
     code, out, err = run(capsys, "view", "--log", str(bad))
     assert code == 0
-    assert "view at seq 17" in out
-    assert "skipped 1 events that are not valid here (seq 4:" in err
+    assert "view at seq 18" in out
+    assert "skipped 2 events that are not valid here (seq 4: Object missing required field" in err
+    assert "seq 6: not JSON" in err
+    db = tmp_path / "bad.sqlite"
+    assert cli.main(["replay", "--log", str(bad), "--db", str(db)]) == 0
+    with sqlite3.connect(db) as conn:
+        assert [r[0] for r in conn.execute("SELECT seq FROM dead_letters ORDER BY seq")] == [4, 6]
