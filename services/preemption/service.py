@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
@@ -73,6 +74,14 @@ FOLLOW_TIMEOUT_S = 10.0
 # dead-lettered with the last error: a decision that cannot be taken in five tries over
 # a minute is better looked at by a person than retried for ever.
 MAX_DELIVER = 5
+
+
+# SHOWN bounds the candidates and exclusions a published decision lists. On a full
+# cluster the policy weighs every replica: 1,600 one-GPU replicas made a 181 KB event,
+# and past about 2,300 it would exceed the largest event the codec accepts, be
+# dead-lettered by every follower, and leave the view without the decision, so the next
+# trigger would stop a second set of victims.
+SHOWN = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +314,7 @@ class PreemptionService:
         decided_id = ids.derived(tid, "decided")
         out: list[Output] = []
         decided = ev.make(
-            decision.to_event_data(tid),
+            bounded(decision.to_event_data(tid)),
             id=decided_id,
             time=now,
             source=SOURCE,
@@ -505,6 +514,19 @@ class PreemptionService:
     async def _last_seq(self) -> int:
         info = await self.js.stream_info(subjects.STREAM)
         return int(info.state.last_seq)
+
+
+def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
+    """The decision with its candidate and exclusion lists cut to the first SHOWN of each.
+
+    `considered` keeps the whole count, and every victim and trial is among the first
+    candidates, so the cut loses only replicas the policy never reached.
+    """
+    if len(data.candidates) <= SHOWN and len(data.excluded) <= SHOWN:
+        return data
+    return msgspec.structs.replace(
+        data, candidates=data.candidates[:SHOWN], excluded=data.excluded[:SHOWN]
+    )
 
 
 def _find_decision(records: list[DecisionRecord], decision_id: str) -> DecisionRecord | None:
