@@ -7,6 +7,7 @@ parameter everywhere. Names are escaped with `schemas.names`, so any model name 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from schemas import events as ev
@@ -16,8 +17,8 @@ DEFAULT_ROOT = "llmgw"
 STREAM = "LLMGW"
 
 
-def _t(name: str) -> str:
-    return escape(name)
+# _t is cached for the same reason as parse: names repeat, and escaping walks every byte.
+_t = functools.lru_cache(maxsize=1 << 16)(escape)
 
 
 def model_subject(model: str, root: str = DEFAULT_ROOT) -> str:
@@ -105,8 +106,13 @@ class SubjectError(ValueError):
         self.why = why
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
-    """What a subject of the contract names; `SubjectError` for any other subject."""
+    """What a subject of the contract names; `SubjectError` for any other subject.
+
+    Cached: a fold checks every event's subject, and a cluster's subjects repeat (one
+    per replica, node and model), so each is parsed once rather than once per event.
+    """
     toks = subject.split(".")
     if not toks or toks[0] != root:
         raise SubjectError(subject, f"does not start with {root!r}")

@@ -148,10 +148,13 @@ def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | No
     view.inventory.set_lost(rec.report.node, True)
     # A lost node's replicas are gone with it: their capacity is released, and a report
     # from them later is a state going backwards, not a resurrection.
-    for r in view.state.replicas.values():
-        if r.holds_capacity and any(s.node == e.data.node for s in r.shards):
-            r.state, r.reason, r.updated_at = "failed", f"node lost: {e.data.reason}", e.time
-            view.inventory.release_replica(r.id)
+    # Invariant: every replica holding capacity on a node has its allocation there, so
+    # the inventory's index finds them without scanning every replica of the cluster.
+    reps = view.state.replicas
+    for rid in view.inventory.replicas_on(rec.report.node):
+        r = reps[rid]
+        r.state, r.reason, r.updated_at = "failed", f"node lost: {e.data.reason}", e.time
+        view.inventory.release_replica(rid)
     return None
 
 
