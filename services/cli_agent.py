@@ -13,9 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from services import cli
 
@@ -123,6 +125,20 @@ def register(commands: cli.Commands) -> None:
         metavar="S",
         help="report one replica's use at most this often (default 30)",
     )
+    p.add_argument(
+        "--ack-wait",
+        type=_positive,
+        default=10.0,
+        metavar="S",
+        help="how long a command this agent took but never acked (it died) waits before it "
+        "is delivered again (default 10)",
+    )
+    # --exit-after-states is a fault-injection point for crash tests: the process exits at
+    # once, like kill -9, right after its Nth state event is stored and before the command
+    # behind it is acked. Hidden: it is no way to run a node.
+    p.add_argument(
+        "--exit-after-states", type=int, default=None, metavar="N", help=argparse.SUPPRESS
+    )
 
 
 # ---------------------------------------------------------------------- argument types
@@ -181,6 +197,23 @@ def _traffic(text: str) -> tuple[str, float]:
 # ---------------------------------------------------------------------- run
 
 
+def _exit_after(n: int | None) -> Callable[[Any], None] | None:
+    if n is None:
+        return None
+    count = 0
+
+    def on_stored(event: Any) -> None:
+        nonlocal count
+        count += 1
+        if count >= n:
+            logging.getLogger("llmgw.agent").warning(
+                "fault injection: exiting after %d states", count
+            )
+            os._exit(137)
+
+    return on_stored
+
+
 def _setup_logging() -> None:
     # Someone else (llmgw up, a test) may have set logging up already; that one wins.
     root = logging.getLogger()
@@ -231,6 +264,8 @@ async def _run(args: argparse.Namespace) -> int:
                 labels=args.labels,
                 traffic=dict(args.traffic),
                 used_interval_s=args.used_interval,
+                ack_wait_s=args.ack_wait,
+                on_stored=_exit_after(args.exit_after_states),
             )
             await agent.run(stop)
     except AgentError as e:

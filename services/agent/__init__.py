@@ -6,7 +6,7 @@
 decides anything about the cluster; that is the scheduler's and the preemption service's.
 """
 
-from services.agent.agent import USED_INTERVAL_S, Agent, durable_name
+from services.agent.agent import ACK_WAIT_S, USED_INTERVAL_S, Agent, durable_name
 from services.agent.errors import AgentError, NoStream, SpecError
 from services.agent.runtime import Report, Runtime, SimulatedRuntime
 from services.agent.spec import (
@@ -19,6 +19,7 @@ from services.agent.spec import (
 )
 
 __all__ = [
+    "ACK_WAIT_S",
     "USED_INTERVAL_S",
     "Agent",
     "AgentError",

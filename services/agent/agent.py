@@ -26,7 +26,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -58,6 +58,11 @@ _STARTING = frozenset({"pending", "starting", "loading"})
 # a fact the preemption policy reads (idle longest first), not a request log: a minute's
 # resolution ranks idle replicas just as well and keeps the log small.
 USED_INTERVAL_S = 30.0
+
+# ACK_WAIT_S is how long a command handed to an agent that died unacked waits before it
+# is delivered again. The handler only publishes one state before acking, so this is
+# about the crash, not the work: short enough that a restarted agent catches up at once.
+ACK_WAIT_S = 10.0
 
 # REPUBLISH_WAIT_S is the pause before a background state report is published again
 # after the broker refused or did not answer. The ids make a second copy harmless.
@@ -99,7 +104,12 @@ class _Replica:
 class Agent:
     """The agent of node `node`, with `gpus`, `cpu_cores` and `memory_gb` to offer, whose
     replicas run on `runtime`. `traffic` (model -> requests per minute) makes the agent
-    report synthetic use of its ready replicas of those models."""
+    report synthetic use of its ready replicas of those models.
+
+    `on_stored` is called with every state event once the stream has it and before the
+    command that caused it is acked: a fault-injection point for crash tests (exit the
+    process there), not a place for logic.
+    """
 
     def __init__(
         self,
@@ -117,6 +127,8 @@ class Agent:
         traffic: Mapping[str, float] | None = None,
         used_interval_s: float = USED_INTERVAL_S,
         rng: random.Random | None = None,
+        ack_wait_s: float = ACK_WAIT_S,
+        on_stored: Callable[[ev.ReplicaStateEvent], None] | None = None,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -136,6 +148,8 @@ class Agent:
         self.heartbeat_s = heartbeat_s
         self.traffic = {m: float(r) for m, r in (traffic or {}).items() if r > 0}
         self.used_interval_s = used_interval_s
+        self.ack_wait_s = ack_wait_s
+        self._on_stored = on_stored
         self.source = f"agent/{node}"
         self.durable = durable_name(node)
         self._rng = rng or random.Random()
@@ -270,6 +284,7 @@ class Agent:
             handler=self._on_command,
             stop=self._halt,
             root=self.root,
+            ack_wait_s=self.ack_wait_s,
         )
 
     async def _on_command(self, d: bus_consume.Delivery) -> None:
@@ -337,9 +352,7 @@ class Agent:
         )
         rec = self._replicas.get(c.replica)
         if rec is None:
-            log.warning(
-                "%s: %s is not a replica of this node: nothing to drain", self.node, c.replica
-            )
+            await self._drain_before_start(cmd)
             return
         if _ORDER[rec.state] >= _ORDER["draining"]:
             log.info("%s: %s is already %s: nothing to do", self.node, c.replica, rec.state)
@@ -356,6 +369,47 @@ class Agent:
             rec.grace_s = c.grace_s
             await self._say(rec, "draining", c.reason)
         self._spawn(rec, self._run_stop(rec, c.grace_s))
+
+    async def _drain_before_start(self, cmd: ev.ReplicaDrainEvent) -> None:
+        """A drain for a replica this agent never started.
+
+        Its start can still be on its way: a start this agent took and died before acking
+        comes back only after the ack wait, behind commands sent later, its drain among
+        them. Dropping the drain would let that start bring up a replica the cluster
+        already let go; so if the log holds the start, the replica is reported stopped
+        before it ever ran, and the start, when it comes, finds it known.
+        """
+        c = cmd.data
+        start = await self._find_start(c.replica)
+        if start is None:
+            log.warning(
+                "%s: %s was never sent to this node: nothing to drain", self.node, c.replica
+            )
+            return
+        rec = _Replica(
+            replica=c.replica,
+            model=start.data.model,
+            profile=start.data.profile,
+            shards=start.data.shards,
+            state="pending",
+            command=cmd.id,
+            correlation=cmd.correlation or cmd.id,
+            since=cmd.time,
+        )
+        await self._say(rec, "stopped", f"{c.reason}: drained before it started")
+        self._replicas[c.replica] = rec
+
+    async def _find_start(self, replica: str) -> ev.ReplicaStartEvent | None:
+        """The last `replica.start` for `replica` sent to this node, from the log."""
+        found = None
+        starts = subjects.command_subject(self.node, "start", self.root)
+        async for batch in bus_consume.read_range(self.js, 1, filter_subject=starts):
+            for d in batch:
+                with contextlib.suppress(EventDecodeError):
+                    e = codec.decode(d.data)
+                    if isinstance(e, ev.ReplicaStartEvent) and e.data.replica == replica:
+                        found = e
+        return found
 
     def _cannot_host(self, rec: _Replica) -> str | None:
         """Why this node cannot run the replica's shard, or None."""
@@ -425,8 +479,13 @@ class Agent:
     ) -> None:
         """Publish the replica's new state, and remember it once stored."""
         now = datetime.now(UTC)
-        e = ev.make(
-            ev.ReplicaState(
+        e = ev.ReplicaStateEvent(
+            id=ids.derived(rec.command, f"state:{state}"),
+            time=now,
+            source=self.source,
+            causation=rec.command,
+            correlation=rec.correlation,
+            data=ev.ReplicaState(
                 replica=rec.replica,
                 model=rec.model,
                 profile=rec.profile,
@@ -434,14 +493,11 @@ class Agent:
                 shards=rec.shards,
                 reason=reason,
             ),
-            id=ids.derived(rec.command, f"state:{state}"),
-            time=now,
-            source=self.source,
-            causation=rec.command,
-            correlation=rec.correlation,
         )
         await self._publish(e)
         rec.state, rec.since = state, now
+        if self._on_stored is not None:
+            self._on_stored(e)
         log.info("%s: %s %s%s", self.node, rec.replica, state, f" ({reason})" if reason else "")
 
     async def _publish(self, e: ev.Event) -> None:
