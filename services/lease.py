@@ -179,7 +179,8 @@ class Lease:
         self._deadline = None
 
     async def run(self, stop: asyncio.Event, *, release: bool = True) -> None:
-        """Acquire or renew every ttl/3 until `stop`; then release if asked.
+        """Acquire or renew every ttl/3 until `stop`; then release, or with
+        `release=False` only stop believing and leave `release()` to the caller.
 
         The wait before the next attempt is cut short at the deadline, so a lapse is
         reported when it happens, not a period later. A cancelled run is treated as a
@@ -200,7 +201,9 @@ class Lease:
         if release:
             await self.release()
         else:
-            self.abandon()
+            # Stopped, not crashed: the belief ends now, but the revision is kept so the
+            # owner can still `release()` once its own work has stopped.
+            self._deadline = None
             await self._report()
 
     # ------------------------------------------------------------------ internals

@@ -123,3 +123,17 @@ async def test_same_holder_restarted_renews_its_own_entry(js: JetStreamContext) 
     assert await a1.acquire()
     a2 = Lease(js, name="scheduler", holder="a", ttl_s=TTL)
     assert await a2.acquire()
+
+
+async def test_run_without_release_leaves_release_to_the_owner(js: JetStreamContext) -> None:
+    a = Lease(js, name="scheduler", holder="a", ttl_s=5.0)
+    b = Lease(js, name="scheduler", holder="b", ttl_s=5.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(a.run(stop, release=False))
+    await eventually(lambda: a.is_leader)
+    stop.set()
+    await task
+    assert not a.is_leader
+    assert await a.current_holder() == "a"  # not released yet: the owner's work may run on
+    await a.release()
+    assert await b.acquire()
