@@ -41,6 +41,7 @@ PROG = "llmgw"
 COMMAND_MODULES: tuple[str, ...] = (
     "services.cli_events",
     "services.cli_operator",
+    "services.cli_status",
     "services.cli_preemption",
     "services.cli_agent",
     "services.cli_replay",

@@ -221,7 +221,7 @@ class _Run:
     where: str
 
 
-async def _rebuild(
+async def rebuild_view(
     args: argparse.Namespace,
     *,
     until_seq: int | None = None,
@@ -312,7 +312,7 @@ async def _replay(args: argparse.Namespace) -> int:
 
     out: str = args.db
     _check_out(out, args.force)
-    run = await _rebuild(
+    run = await rebuild_view(
         args,
         until_seq=args.until_seq,
         until_time=args.until_time,
@@ -341,7 +341,7 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 async def _view(args: argparse.Namespace) -> int:
-    run = await _rebuild(args, verb="replaying", **_moment(args))
+    run = await rebuild_view(args, verb="replaying", **_moment(args))
     _check_reached(args, run)
     v = run.rebuilt.view
     if args.json:
@@ -357,7 +357,7 @@ async def _view(args: argparse.Namespace) -> int:
 
 async def _history(args: argparse.Namespace) -> int:
     tl = history.Timeline(args.kind, args.name, cli.root(args))
-    run = await _rebuild(args, watcher=tl, verb="reading", **_moment(args))
+    run = await rebuild_view(args, watcher=tl, verb="reading", **_moment(args))
     try:
         tl.require()
     except ReplayError as e:
@@ -383,7 +383,7 @@ async def _history(args: argparse.Namespace) -> int:
 
 async def _explain(args: argparse.Namespace) -> int:
     ex = Explainer(args.name, cli.root(args))
-    run = await _rebuild(args, watcher=ex, verb="reading", **_moment(args))
+    run = await rebuild_view(args, watcher=ex, verb="reading", **_moment(args))
     try:
         story = ex.story(run.rebuilt.view)
     except ReplayError as e:
@@ -441,7 +441,7 @@ async def _diff(args: argparse.Namespace) -> int:
         limit["until_seq"] = max(int(p) for p in points)  # type: ignore[arg-type]
     elif not end and all(isinstance(p, datetime) for p in points):
         limit["until_time"] = max(p for p in points if isinstance(p, datetime))
-    run = await _rebuild(args, watcher=marks, verb="reading", **limit)
+    run = await rebuild_view(args, watcher=marks, verb="reading", **limit)
     final = run.rebuilt.view
     views = marks.finish(final.copy())
     a = views[0]
