@@ -108,6 +108,8 @@ class Stats:
     """What this process did, for status lines and tests."""
 
     decided: int = 0
+    superseded: int = 0
+    """Triggers from a backlog already answered by a later decision for their model."""
     republished: int = 0
     """Redelivered triggers whose earlier decision was completed rather than retaken."""
     ignored: int = 0
@@ -166,6 +168,9 @@ class PreemptionService:
         # same model, already in the stream before our first decision, would be decided
         # on a view that does not hold that decision, and stop a second set of victims.
         self._written = 0
+        # _backlog is the stream's last sequence when this process last took the lead:
+        # triggers up to it may have been answered by a leader before us.
+        self._backlog = 0
         # _released holds the ids of hold.released events sent and not yet folded, so a
         # tick does not send one again while the view catches up.
         self._released: set[str] = set()
@@ -222,6 +227,7 @@ class PreemptionService:
             if not await _first(stop, self._leading):
                 return
             log.info("preemption %s: leading; consuming placement.failed", self.holder)
+            self._backlog = await self._last_seq()
             inner = asyncio.Event()
             watcher = asyncio.create_task(_set_when_any(inner, stop, self._deposed))
             try:
@@ -271,15 +277,30 @@ class PreemptionService:
             return
         if not self.is_leader:
             raise Retry(NOT_LEADER_RETRY_S, "not the leader any more")
+        # Look in the log for an answer already given when the trigger may have been seen
+        # before: redelivered, or from the backlog this process found when it took the
+        # lead (a dead leader's unacked work, or a log older than the consumer).
+        look = d.delivered > 1 or d.seq <= self._backlog
         target = max(d.seq, self._written)
-        if d.delivered > 1:
-            # A redelivery: an earlier attempt (ours or a dead leader's) may have published
-            # its decision after the trigger. The view must hold it before we look.
+        if look:
+            # An earlier attempt may have published its decision after the trigger; the
+            # view must hold it before we look.
             target = max(target, await self._last_seq())
         await self._follow(target)
         view = self.follower.view
         now = self.clock()
-        earlier = await self._earlier_decision(view, event, d.seq, d.delivered > 1)
+        earlier = await self._answered(view, event, d.seq, look)
+        if earlier is not None and earlier.data.trigger != event.id:
+            # A later trigger for the same model was decided on a newer view: that
+            # decision answers this one too. Deciding again would stop more victims.
+            self.stats.superseded += 1
+            log.info(
+                "preemption for %s: trigger %s already answered by %s",
+                event.data.model,
+                event.id,
+                earlier.id,
+            )
+            return
         if earlier is not None:
             outputs = self._missing(view, earlier, now)
             self.stats.republished += 1
@@ -374,26 +395,26 @@ class PreemptionService:
         )
         return subjects.decision_subject("hold.created", h.model, self.root), e
 
-    async def _earlier_decision(
-        self, view: View, trigger: ev.PlacementFailedEvent, trigger_seq: int, redelivered: bool
+    async def _answered(
+        self, view: View, trigger: ev.PlacementFailedEvent, trigger_seq: int, look: bool
     ) -> ev.PreemptionDecidedEvent | None:
-        """The decision already published for this trigger, if the log holds one.
+        """The decision that already answers this trigger, if the log holds one: its own
+        (published before a crash), or, when `look`, any later decision for its model.
 
-        Found by the view's record of recent decisions, which carries its stream sequence;
-        for a redelivered trigger also by the last decision on the model's subject, in case
-        the view has let the record go.
+        Its own is found by the view's record of recent decisions, which carries the
+        stream sequence; with `look` also by the last decision on the model's subject,
+        which answers the trigger if it was stored after it.
         """
         decided_id = ids.derived(trigger.id, "decided")
         rec = _find_decision(view.state.decisions, decided_id)
         try:
             if rec is not None:
                 raw = await self.js.get_msg(subjects.STREAM, seq=rec.seq)
-            elif redelivered:
+            elif look:
                 subject = subjects.decision_subject(
                     "preemption.decided", trigger.data.model, self.root
                 )
                 raw = await self.js.get_last_msg(subjects.STREAM, subject)
-                # Only a decision stored after the trigger can be its answer.
                 if raw.seq is None or raw.seq <= trigger_seq:
                     return None
             else:
@@ -403,9 +424,7 @@ class PreemptionService:
         if raw.data is None:
             return None
         e = codec.decode(raw.data)
-        if isinstance(e, ev.PreemptionDecidedEvent) and e.id == decided_id:
-            return e
-        return None
+        return e if isinstance(e, ev.PreemptionDecidedEvent) else None
 
     def _missing(
         self, view: View, decided: ev.PreemptionDecidedEvent, now: datetime

@@ -81,18 +81,36 @@ async def test_decides_and_publishes_decision_drains_and_holds(
 async def test_second_trigger_while_victims_drain_awaits_and_stops_nothing(
     nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
 ) -> None:
-    # Both triggers are in the stream before the service decides the first: the second
-    # must still be decided on a view that holds the first decision.
+    # Both triggers are in the stream, in one publish, before the service decides the
+    # first: the second must still be decided on a view that holds the first decision.
     s = full_cluster()
     failed(s)
     second = failed(s)
-    await publish(js, s)
     async with running(nats_server.url, holder="p1", clock=clock):
+        await publish(js, s)
         await until(lambda: acked_through(js, len(s.events())))
     log = await stored(js)
     decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
     assert [e.data.outcome for e in decided] == ["preempted", "awaiting"]  # type: ignore[union-attr]
     assert decided[1].causation == second.id
+    assert len(of_type(log, ev.ReplicaDrainEvent)) == 2
+
+
+async def test_backlog_trigger_answered_by_a_later_decision_is_not_decided_again(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    # A log older than the service: two triggers for chat wait for it. The first one's
+    # decision, stored after both, answers the second as well.
+    s = full_cluster()
+    first = failed(s)
+    failed(s)
+    await publish(js, s)
+    async with running(nats_server.url, holder="p1", clock=clock) as (svc, _):
+        await until(lambda: acked_through(js, len(s.events())))
+        assert (svc.stats.decided, svc.stats.superseded) == (1, 1)
+    log = await stored(js)
+    decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
+    assert [e.causation for e in decided] == [first.id]
     assert len(of_type(log, ev.ReplicaDrainEvent)) == 2
 
 
