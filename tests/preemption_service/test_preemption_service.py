@@ -16,8 +16,11 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from schemas import ids
 from services.bus import EmbeddedBroker
+from services.core import preemption
+from services.preemption.service import SHOWN, bounded
 from tests.preemption_service.conftest import (
     CONFIG,
+    T0,
     Clock,
     acked_through,
     failed,
@@ -28,6 +31,7 @@ from tests.preemption_service.conftest import (
     stored,
     until,
 )
+from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -199,3 +203,24 @@ async def test_two_services_one_decision_and_standby_takes_over(
     assert [e.causation for e in decided] == [first.id, second.id]
     drained = [x.event.data.replica for x in of_type(log, ev.ReplicaDrainEvent)]  # type: ignore[union-attr]
     assert drained == ["b1", "b2", "b3", "b4"]
+
+
+def test_published_decision_lists_a_bounded_number_of_candidates() -> None:
+    # Every replica of a full cluster is a candidate; the event lists the first SHOWN
+    # (every victim and trial among them) and counts them all.
+    s = Scenario(T0)
+    for n in range(10):
+        s.node(f"n{n}", "8xH100-80GB")
+    s.model("batch", cls="opportunistic", min=0, max=80, profiles=["one:1"])
+    s.model("chat", cls="critical", min=1, profiles=["tp8:8"])
+    for n in range(10):
+        for g in range(8):
+            s.replica(f"b{n}-{g}", "batch", on=(f"n{n}", [g]), ready="-3h", used=f"-{n + 20}m")
+    d = preemption.plan(s.view(), "chat", s.now, preemption.Config(max_victims=8))
+    assert d.outcome == "preempted" and len(d.candidates) == 80
+    data = bounded(d.to_event_data("t"))
+    assert len(data.candidates) == SHOWN
+    assert data.considered == 80
+    shown = {c.replica for c in data.candidates}
+    assert {v.replica for v in data.victims} <= shown
+    assert all(set(t.victims) <= shown for t in data.trials)
