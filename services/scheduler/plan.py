@@ -145,6 +145,11 @@ def plan(
     by_model: dict[str, list[_Rep]] = {}
     timed_out: set[str] = set()
     for r in view.replicas.values():
+        # A replica that holds nothing needs nothing from a pass, unless it is why a node
+        # is avoided. The view keeps every replica ever placed: without this skip a pass
+        # costs a walk over the cluster's whole history.
+        if not r.holds_capacity and r.drain_reason != "placement_timeout":
+            continue
         m = view.catalog.resolve(r.model)
         if m is None:
             if r.holds_capacity and r.drained_by is None and r.state != "draining":
