@@ -39,6 +39,7 @@ PROG = "llmgw"
 # COMMAND_MODULES are imported in this order to build the command tree; each exposes
 # `register(commands)`. A later issue adds its command by adding its module here.
 COMMAND_MODULES: tuple[str, ...] = (
+    "services.cli_up",
     "services.cli_events",
     "services.cli_operator",
     "services.cli_status",

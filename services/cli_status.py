@@ -123,8 +123,7 @@ def text(view: View, where: str, decisions: int = LAST_DECISIONS) -> str:
     d = summary(view, decisions)
     now = view.state.time
     out = [
-        f"{where}: seq {d['seq']}, last event {render.ago(now, now) if now else '-'} "
-        f"({d['time']}), digest {d['digest'][:12]}"
+        f"{where}: seq {d['seq']}, last event at {d['time']}, digest {d['digest'][:12]}"
     ]
     g = d["gpus"]
     lost = sum(1 for n in d["nodes"] if n["state"] == "lost")

@@ -4,7 +4,18 @@
 runs it alone); `SchedulerConfig` its timings; `plan` the pure pass it runs.
 """
 
+from typing import Any
+
 from services.scheduler.plan import SchedulerConfig
-from services.scheduler.service import Scheduler, Stats
 
 __all__ = ["Scheduler", "SchedulerConfig", "Stats"]
+
+
+def __getattr__(name: str) -> Any:
+    # The service (and with it nats) is imported on first use, so `llmgw --help`, which
+    # reads SchedulerConfig's defaults, stays instant and needs no broker library.
+    if name in ("Scheduler", "Stats"):
+        from services.scheduler import service
+
+        return getattr(service, name)
+    raise AttributeError(name)

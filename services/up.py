@@ -1,0 +1,229 @@
+"""`llmgw up`: the whole control plane in one process, on an embedded broker by default.
+
+Called by `services.cli_up` (the command) and by end-to-end tests, which run `run()` in
+their own event loop. It composes what the other packages build — the embedded broker,
+the projector, the scheduler, the preemption service and simulated agents — and owns
+only their lifecycle: start in order, log what runs where, stop cleanly on the stop
+event (Ctrl-C), and stop everything if one of them dies rather than limp on half-built.
+It decides nothing itself.
+
+With `nats_url` set it joins an existing broker instead of starting one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.agent import Agent, SimulatedRuntime, spec
+from services.bus import EmbeddedBroker, connect, ensure_streams
+from services.bus import broker as bus_broker
+from services.core import preemption
+from services.preemption.service import Options as PreemptionOptions
+from services.preemption.service import PreemptionService
+from services.projector.service import Projector
+from services.scheduler.plan import SchedulerConfig
+from services.scheduler.service import Scheduler
+
+log = logging.getLogger("llmgw.up")
+
+DB_FILE = "view.sqlite"
+
+
+class UpError(Exception):
+    """Why the control plane could not come up; str() is the one line to show."""
+
+
+@dataclass
+class UpOptions:
+    """What `llmgw up` runs, with the defaults of its flags."""
+
+    data: Path
+    nats_url: str | None = None
+    """Join this broker instead of starting the embedded one."""
+    port: int | None = None
+    """The embedded broker's port; None: a free one."""
+    root: str = "llmgw"
+    simulate: str | None = None
+    """A simulated cluster, e.g. `4x8xH100-80GB`; None: no simulated agents."""
+    policy: preemption.Config = field(default_factory=preemption.Config)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    drain_grace_s: float = 30.0
+    start_delay_s: float = 0.5
+    load_delay_s: float = 2.0
+    stop_delay_s: float = 0.5
+    heartbeat_s: float = 1.0
+    traffic: dict[str, float] = field(default_factory=dict)
+    projector: bool = True
+    duplicate_window_s: float = 120.0
+
+
+@dataclass
+class Running:
+    """What is up, for tests and for the start-up summary."""
+
+    url: str
+    broker: EmbeddedBroker | None
+    scheduler: Scheduler
+    preemption: PreemptionService
+    projector: Projector | None
+    agents: list[Agent]
+    db_path: Path
+
+
+def _check_not_running(data: Path) -> None:
+    """Refuse to start a second broker on a data directory another `llmgw up` serves."""
+    url = bus_broker.read_url(data)
+    if not url:
+        return
+    host_port = url.removeprefix("nats://").split(",")[0]
+    host, _, port = host_port.rpartition(":")
+    with contextlib.suppress(OSError, ValueError), socket.create_connection((host, int(port)), 0.5):
+        raise UpError(
+            f"another `llmgw up` already serves {data} at {url}; stop it first, "
+            "or use another --data directory"
+        )
+
+
+async def run(
+    opts: UpOptions,
+    stop: asyncio.Event,
+    on_ready: Callable[[Running], Any] | None = None,
+) -> int:
+    """Run until `stop` is set; returns 0, or 1 when a service died and took the rest down."""
+    opts.data.mkdir(parents=True, exist_ok=True)
+    nodes = spec.parse_cluster(opts.simulate) if opts.simulate else []
+    broker: EmbeddedBroker | None = None
+    if opts.nats_url:
+        url = opts.nats_url
+    else:
+        _check_not_running(opts.data)
+        broker = EmbeddedBroker(opts.data, port=opts.port)
+        url = await asyncio.to_thread(broker.start)
+        log.info(
+            "broker: nats-server on %s, store %s (log %s)", url, broker.store_dir, broker.log_path
+        )
+    try:
+        return await _serve(opts, url, broker, nodes, stop, on_ready)
+    finally:
+        if broker is not None:
+            await asyncio.to_thread(broker.stop)
+            log.info("broker: stopped")
+
+
+async def _serve(
+    opts: UpOptions,
+    url: str,
+    broker: EmbeddedBroker | None,
+    nodes: list[spec.NodeSpec],
+    stop: asyncio.Event,
+    on_ready: Callable[[Running], Any] | None,
+) -> int:
+    nc = await connect(url, "llmgw up")
+    # Agents get a connection of their own, as they would on their own hosts: the
+    # control plane's consumers and the agents' commands do not queue behind each other.
+    agents_nc = await connect(url, "llmgw up agents") if nodes else None
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, opts.root, opts.duplicate_window_s)
+        me = f"{socket.gethostname()}-{os.getpid()}"
+        scheduler = Scheduler(
+            nc, js, root=opts.root, config=opts.scheduler, holder=f"{me}-scheduler"
+        )
+        preempt = PreemptionService(
+            nc,
+            js,
+            root=opts.root,
+            config=opts.policy,
+            holder=f"{me}-preemption",
+            options=PreemptionOptions(drain_grace_s=opts.drain_grace_s),
+        )
+        db_path = opts.data / DB_FILE
+        projector = Projector(js, db_path, opts.root) if opts.projector else None
+        agents: list[Agent] = []
+        if agents_nc is not None:
+            ajs = agents_nc.jetstream()
+            for n in nodes:
+                agents.append(
+                    Agent(
+                        agents_nc,
+                        ajs,
+                        node=n.name,
+                        gpus=spec.gpu_inventory(n.name, n.gpus),
+                        cpu_cores=n.cpu_cores,
+                        memory_gb=n.memory_gb,
+                        runtime=SimulatedRuntime(
+                            opts.start_delay_s, opts.load_delay_s, opts.stop_delay_s
+                        ),
+                        root=opts.root,
+                        heartbeat_s=opts.heartbeat_s,
+                        traffic=opts.traffic,
+                    )
+                )
+        running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
+        tasks: dict[asyncio.Task[Any], str] = {
+            asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
+            asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
+        }
+        if projector is not None:
+            tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
+        for a in agents:
+            tasks[asyncio.create_task(a.run(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+        log.info(
+            "up: scheduler, preemption service%s running on %s (root %r)%s",
+            f", projector ({db_path})" if projector is not None else "",
+            url,
+            opts.root,
+            f"; {len(agents)} simulated nodes: {_names(agents)}" if agents else "",
+        )
+        if on_ready is not None:
+            on_ready(running)
+        return await _supervise(tasks, stop)
+    finally:
+        for conn in (agents_nc, nc):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+
+def _names(agents: list[Agent]) -> str:
+    names = [a.node for a in agents]
+    return ", ".join(names) if len(names) <= 6 else f"{names[0]} … {names[-1]}"
+
+
+async def _supervise(tasks: dict[asyncio.Task[Any], str], stop: asyncio.Event) -> int:
+    """Wait for the stop event or the first service to end; then stop the rest."""
+    stopper = asyncio.create_task(stop.wait(), name="stop")
+    code = 0
+    try:
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is stopper:
+                continue
+            # A service ending before stop is a failure whatever it returned: the control
+            # plane without it would look up and be wrong.
+            exc = t.exception()
+            why = f"{type(exc).__name__}: {exc}" if exc else "it ended"
+            log.error("up: %s stopped unexpectedly (%s); stopping everything", tasks[t], why)
+            code = 1
+        stop.set()
+        log.info("up: stopping")
+        _, pending = await asyncio.wait(tasks, timeout=15)
+        for t in pending:
+            log.warning("up: %s did not stop within 15s; cancelling it", tasks[t])
+            t.cancel()
+        for t in tasks:
+            if not t.cancelled() and t.done() and t.exception() is not None and code == 0:
+                log.error("up: %s failed while stopping: %s", tasks[t], t.exception())
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        stopper.cancel()
+    return code
