@@ -193,25 +193,33 @@ class PreemptionService:
         not, and the standby takes over when the lease's TTL runs out."""
         tasks = [
             asyncio.create_task(self.follower.run(stop), name="preemption.follow"),
-            asyncio.create_task(self.lease.run(stop, release=False), name="preemption.lease"),
+            asyncio.create_task(self._hold_lease(stop), name="preemption.lease"),
             asyncio.create_task(self._lead(stop), name="preemption.lead"),
             asyncio.create_task(self._tick(stop), name="preemption.holds"),
         ]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-        except asyncio.CancelledError:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await self.lease.release()
+
+    async def _hold_lease(self, stop: asyncio.Event) -> None:
+        """Take part in the lease until `stop`, then give it up; cancelled, keep quiet."""
+        # The lease's own loop never sees `stop`: its clean exit would only forget the
+        # lease, while ours releases it on the server so a standby need not wait the TTL.
+        task = asyncio.create_task(self.lease.run(asyncio.Event(), release=False))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()
+                return
+            await self.lease.release()
+        finally:
+            stopped.cancel()
+            task.cancel()
+            await asyncio.gather(task, stopped, return_exceptions=True)
 
     def _on_lease(self, leading: bool) -> None:
         if leading:

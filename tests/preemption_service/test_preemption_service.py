@@ -8,6 +8,7 @@ runs the service in-process with a clock the test moves, and reads the stream ba
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -15,11 +16,13 @@ from nats.js.client import JetStreamContext
 
 from schemas import events as ev
 from schemas import ids
-from services.bus import EmbeddedBroker
+from services.bus import EmbeddedBroker, connect
 from services.core import preemption
+from services.preemption import PreemptionService
 from services.preemption.service import SHOWN, bounded
 from tests.preemption_service.conftest import (
     CONFIG,
+    FAST,
     T0,
     Clock,
     acked_through,
@@ -224,3 +227,30 @@ def test_published_decision_lists_a_bounded_number_of_candidates() -> None:
     shown = {c.replica for c in data.candidates}
     assert {v.replica for v in data.victims} <= shown
     assert all(set(t.victims) <= shown for t in data.trials)
+
+
+async def test_clean_stop_hands_over_before_the_lease_runs_out(
+    nats_server: EmbeddedBroker, js: JetStreamContext, clock: Clock
+) -> None:
+    # A lease long enough that waiting it out would fail the test: the stopped leader
+    # must release it, and the standby takes it on its next try (every third of a TTL).
+    slow = dataclasses.replace(FAST, lease_ttl_s=6.0)
+    nc = await connect(nats_server.url, "a")
+    a = PreemptionService(nc, nc.jetstream(), clock=clock, holder="a", options=slow)
+    stop = asyncio.Event()
+    task = asyncio.create_task(a.run(stop))
+    try:
+        await until(lambda: a.is_leader)
+        async with running(nats_server.url, holder="b", clock=clock, options=slow, lead=False) as (
+            b,
+            _,
+        ):
+            assert not b.is_leader
+            stop.set()
+            await asyncio.wait_for(task, 5)
+            assert await a.lease.current_holder() != "a"
+            await until(lambda: b.is_leader, within=slow.lease_ttl_s / 3 + 1)
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await nc.close()
