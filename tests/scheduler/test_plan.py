@@ -1,0 +1,135 @@
+"""The pure pass, without a broker: ids, multi-shard starts, scale-down order, and the
+rule that an unchanged failure is reported once per backoff period."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from schemas import events as ev
+from services.core import fold
+from services.core.view import View
+from services.scheduler import plan as planner
+
+pytestmark = pytest.mark.timeout(10)
+
+T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
+CONFIG = planner.SchedulerConfig()
+
+
+class Log:
+    def __init__(self) -> None:
+        self.view = View()
+        self.n = 0
+
+    def add(self, data: ev.Data, at: datetime = T0) -> None:
+        self.n += 1
+        fold.apply(self.view, ev.make(data, id=f"e{self.n}", time=at, source="t"), seq=self.n)
+
+    def apply(self, out: planner.Plan) -> None:
+        for o in out.outputs:
+            self.n += 1
+            fold.apply(self.view, o.event, seq=self.n)
+
+    def node(self, name: str, gpus: int = 8) -> None:
+        self.add(
+            ev.NodeInventory(
+                node=name,
+                gpus=tuple(
+                    ev.GpuInfo(index=i, uuid=f"{name}-{i}", model="H100", memory_gb=80)
+                    for i in range(gpus)
+                ),
+                cpu_cores=64,
+                memory_gb=512,
+            )
+        )
+
+    def model(self, name: str, gpus: int, shards: int = 1, min: int = 1, max: int = 4) -> None:
+        p = ev.ProfileSpec(name="p", gpus=gpus, shards=shards)
+        self.add(ev.ModelDeclared(name=name, min=min, max=max, profiles=(p,)))
+
+
+def of(out: planner.Plan, kind: type[ev.Envelope]) -> list[planner.Output]:
+    return [o for o in out.outputs if isinstance(o.event, kind)]
+
+
+def test_multi_shard_replica_gets_a_start_on_each_node() -> None:
+    log = Log()
+    log.node("a")
+    log.node("b")
+    log.model("m", gpus=8, shards=2)
+    out = planner.plan(log.view, T0, CONFIG)
+    (d,) = of(out, ev.PlacementDecidedEvent)
+    starts = of(out, ev.ReplicaStartEvent)
+    assert sorted(o.node for o in starts if o.node) == ["a", "b"]
+    assert len({o.event.id for o in starts}) == 2
+    assert all(o.event.causation == d.event.id for o in starts)
+
+
+def test_scale_down_prefers_not_ready_then_least_recently_used_then_newest() -> None:
+    log = Log()
+    log.node("a")
+    log.model("m", gpus=1, min=0, max=8)
+    log.add(ev.ScaleDesired(model="m", replicas=4))
+    out = planner.plan(log.view, T0, CONFIG)
+    log.apply(out)
+    reps = [o.event.data for o in of(out, ev.ReplicaStartEvent)]
+    # r0, r1 ready and used (r1 longer ago); r2 ready, never reported used; r3 loading.
+    for i, d in enumerate(reps):
+        state = "loading" if i == 3 else "ready"
+        log.add(
+            ev.ReplicaState(
+                replica=d.replica, model="m", profile="p", state=state, shards=d.shards
+            ),
+            at=T0 + timedelta(seconds=i),
+        )
+    log.add(ev.ReplicaUsed(replica=reps[0].replica, at=T0 + timedelta(minutes=5)))
+    log.add(ev.ReplicaUsed(replica=reps[1].replica, at=T0 + timedelta(minutes=1)))
+    order = []
+    for n in (3, 2, 1):
+        log.add(ev.ScaleDesired(model="m", replicas=n))
+        out = planner.plan(log.view, T0 + timedelta(minutes=10), CONFIG)
+        (drain,) = of(out, ev.ReplicaDrainEvent)
+        assert drain.event.data.reason == "scale_down"
+        order.append(drain.event.data.replica)
+        log.apply(out)
+    assert order == [reps[3].replica, reps[1].replica, reps[0].replica]
+
+
+def test_unchanged_failure_is_reported_once_per_backoff() -> None:
+    log = Log()
+    log.node("a", gpus=4)
+    log.model("big", gpus=8)
+    memory: dict[str, planner.Failure] = {}
+
+    def run(at: datetime) -> int:
+        out = planner.plan(log.view, at, CONFIG, failures=memory)
+        for o in out.outputs:
+            if o.failure:
+                memory[o.failure[0]] = o.failure[1]
+        log.apply(out)
+        return out.failed
+
+    assert run(T0) == 1
+    assert run(T0 + timedelta(seconds=1)) == 0
+    log.add(ev.ScaleDesired(model="unrelated", replicas=3))  # not an input of big's failure
+    assert run(T0 + timedelta(seconds=2)) == 0
+    assert run(T0 + timedelta(seconds=CONFIG.failed_backoff_s + 1)) == 1
+    log.node("b", gpus=4)  # the cluster changed
+    assert run(T0 + timedelta(seconds=CONFIG.failed_backoff_s + 2)) == 1
+
+
+def test_lost_node_is_reported_alone_and_once() -> None:
+    log = Log()
+    log.node("a")
+    log.model("m", gpus=1, min=2)
+    config = dataclasses.replace(CONFIG, node_timeout_s=5)
+    out = planner.plan(log.view, T0, config, silent={"a": 6.0})
+    assert [type(o.event) for o in out.outputs] == [ev.NodeLostEvent]
+    again = planner.plan(log.view, T0, config, silent={"a": 7.0})
+    assert again.outputs[0].event.id == out.outputs[0].event.id
+    log.apply(out)
+    after = planner.plan(log.view, T0, config, silent={"a": 8.0})
+    assert of(after, ev.NodeLostEvent) == []
