@@ -157,15 +157,16 @@ class ViewFollower:
                 except (SequenceGap, Gap) as e:
                     expected = self.seq + 1
                     self.gaps += 1
-                    same_gap = same_gap + 1 if expected == last_gap else 1
-                    last_gap = expected
+                    missing = e.expected
+                    same_gap = same_gap + 1 if missing == last_gap else 1
+                    last_gap = missing
                     log.warning(
                         "follower %s: %s; reading again from %d", self.consumer, e, expected
                     )
                     if same_gap >= GAP_RETRIES and not await message_exists(
-                        self.js, expected, self.stream
+                        self.js, missing, self.stream
                     ):
-                        raise LogHole(expected, self.stream) from e
+                        raise LogHole(missing, self.stream) from e
                 except nats.errors.ConnectionClosedError:
                     return
                 except (nats.errors.Error, TimeoutError) as e:

@@ -1,0 +1,71 @@
+"""`python -m services.projector --nats URL --db PATH [--root R]`: the projector alone.
+
+For running it as its own process (and for the crash tests, which kill -9 it). Stops on
+SIGTERM or SIGINT after the batch in hand; a broker that is not there, or a hole in the
+log, is one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from schemas import subjects
+from services.bus import BrokerUnavailable, connect, ensure_streams
+from services.projector import snapshots
+from services.projector.errors import ProjectorError
+from services.projector.service import DIGEST_EVERY, Projector
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.projector", description=__doc__)
+    p.add_argument("--nats", required=True, help="broker URL, e.g. nats://127.0.0.1:4222")
+    p.add_argument("--db", required=True, help="the SQLite view file (created if missing)")
+    p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
+    p.add_argument("--digest-every", type=int, default=DIGEST_EVERY)
+    p.add_argument("--snapshot-every", type=int, default=snapshots.SNAPSHOT_EVERY)
+    p.add_argument(
+        "--from-snapshot",
+        action="store_true",
+        help="with an empty database, start from the newest snapshot rather than seq 1",
+    )
+    return p.parse_args(argv)
+
+
+async def _main(a: argparse.Namespace) -> int:
+    nc = await connect(a.nats, "projector")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, a.root)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Projector(
+            js,
+            a.db,
+            a.root,
+            digest_every=a.digest_every,
+            snapshot_every=a.snapshot_every,
+            from_snapshot=a.from_snapshot,
+        ).run(stop)
+        return 0
+    finally:
+        await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        return asyncio.run(_main(a))
+    except (BrokerUnavailable, ProjectorError) as e:
+        print(f"projector: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

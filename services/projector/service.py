@@ -1,0 +1,268 @@
+"""The projector service: the log folded into SQLite, batch by batch, position included.
+
+`llmgw up` runs `Projector(js, db_path, root).run(stop)` in-process; `python -m
+services.projector` runs it alone. It owns its position (the stream sequence in the
+`position` table) and reads on from just after it with the bus's ordered reader; there
+is no durable consumer to ack. Every N events it publishes `view.digest` and every M it
+stores a snapshot. `replay_records` is the same batch path fed from a bundle.
+
+It must not fold past a gap (it reloads its checkpoint and reads again), must not commit
+rows without their position, and must not decide anything: it only records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiosqlite
+import nats.errors
+from nats.js.client import JetStreamContext
+
+from schemas import codec, ids, subjects
+from schemas import events as ev
+from services.bus import consume
+from services.bus.errors import SequenceGap
+from services.core.view import View, decode_state, digest, encode_state
+from services.follower import GAP_RETRIES, RETRY_PAUSE_S, message_exists
+from services.projector import snapshots, store
+from services.projector.errors import LogHole
+from services.projector.folder import Folder, Gap
+
+log = logging.getLogger("llmgw.projector")
+
+# DIGEST_EVERY is how many events apart `view.digest` is published, at sequences that
+# are multiples of it, so every projector and replay digests the same points.
+DIGEST_EVERY = 10_000
+
+# BATCH_MAX is the most messages folded per SQLite transaction. Past a few thousand the
+# rate stops rising (the transaction cost is amortized) and the view only gets staler.
+BATCH_MAX = 2000
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def digest_event(seq: int, value: str, time: datetime | None, stream: str) -> ev.Event:
+    """The `view.digest` for the view at `seq`. Its id and time come from the log, not
+    the clock, so any projector re-publishing it (after a crash) is deduplicated."""
+    return ev.make(
+        ev.ViewDigest(seq=seq, digest=value),
+        id=ids.derived(f"{stream}:{seq}", "view.digest"),
+        time=time or _EPOCH,
+        source="projector",
+    )
+
+
+class Projector:
+    """Folds the log into the SQLite view at `db_path`."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        db_path: str | Path,
+        root: str = subjects.DEFAULT_ROOT,
+        *,
+        consumer: str = "projector",
+        digest_every: int = DIGEST_EVERY,
+        snapshot_every: int = snapshots.SNAPSHOT_EVERY,
+        from_snapshot: bool = False,
+        batch_max: int = BATCH_MAX,
+        stream: str = subjects.STREAM,
+    ) -> None:
+        self.js = js
+        self.db_path = db_path
+        self.root = root
+        self.consumer = consumer
+        self.digest_every = digest_every
+        self.snapshot_every = snapshot_every
+        self.from_snapshot = from_snapshot
+        self.batch_max = batch_max
+        self.stream = stream
+        self.folder = Folder(root=root)
+        self.db: aiosqlite.Connection | None = None
+        self.gaps = 0
+        self.dead = 0
+        self.digests = 0
+        self.snapshots = 0
+        self.committed = 0
+        """The position as last committed."""
+        self._advanced = asyncio.Event()
+        self.error: BaseException | None = None
+        """What stopped `run`, if it stopped on an error."""
+        self.stopped = False
+
+    @property
+    def view(self) -> View:
+        return self.folder.view
+
+    @property
+    def seq(self) -> int:
+        return self.folder.seq
+
+    async def wait_for(self, seq: int, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Return once the committed position has reached `seq`."""
+        async with asyncio.timeout(timeout):
+            while self.committed < seq:
+                if self.error is not None:
+                    raise self.error
+                if self.stopped:
+                    raise RuntimeError(f"projector stopped at {self.committed}")
+                await self._advanced.wait()
+
+    async def _load(self, db: aiosqlite.Connection) -> None:
+        view = await store.load_view(db)
+        if view.seq == 0 and self.from_snapshot:
+            snap = await snapshots.latest_view(self.js)
+            if snap is not None:
+                # The rows start from the snapshot: decisions and rejections before it are
+                # only the recent ones the view kept. A full history needs a fold from 1.
+                await store.write_view(db, snap)
+                view = snap
+                log.info("projector: started from the snapshot at %d", view.seq)
+        self.folder = Folder(view, self.root)
+        self.committed = view.seq
+        self._notify()
+
+    def _notify(self) -> None:
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Fold until `stop` is set. Raises `LogHole` if a message was deleted from the log."""
+        db = await store.open_db(self.db_path)
+        self.db = db
+        same_gap, last_gap = 0, -1
+        try:
+            await self._load(db)
+            log.info("projector: view at %d, reading on", self.seq)
+            while not stop.is_set():
+                try:
+                    await consume.read_ordered(
+                        self.js,
+                        from_seq=self.seq + 1,
+                        on_batch=self._on_batch,
+                        stop=stop,
+                        batch_max=self.batch_max,
+                        stream=self.stream,
+                    )
+                except (SequenceGap, Gap) as e:
+                    # Nothing past the checkpoint is trusted: reload it and read again.
+                    await self._load(db)
+                    expected = self.seq + 1
+                    self.gaps += 1
+                    missing = e.expected
+                    same_gap = same_gap + 1 if missing == last_gap else 1
+                    last_gap = missing
+                    log.warning("projector: %s; reading again from %d", e, expected)
+                    if same_gap >= GAP_RETRIES and not await message_exists(
+                        self.js, missing, self.stream
+                    ):
+                        raise LogHole(missing, self.stream) from e
+                except nats.errors.ConnectionClosedError:
+                    return
+                except (nats.errors.Error, TimeoutError) as e:
+                    log.warning("projector: read failed (%s); retrying", e)
+                    await self._load(db)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.stopped = True
+            self.db = None
+            await db.close()
+            self._advanced.set()
+
+    async def _on_batch(self, batch: list[consume.Delivery]) -> None:
+        folder = self.folder
+        fold_raw = folder.fold_raw
+        every_d, every_s = self.digest_every, self.snapshot_every
+        digests: list[ev.Event] = []
+        snaps: list[bytes] = []
+        for d in batch:
+            seq = d.seq
+            fold_raw(seq, d.subject, d.data)
+            if every_d and seq % every_d == 0:
+                s = folder.view.state
+                digests.append(digest_event(seq, digest(s), s.time, self.stream))
+            if every_s and seq % every_s == 0:
+                snaps.append(encode_state(folder.view.state))
+        await self._commit(digests, snaps)
+
+    async def _commit(self, digests: list[ev.Event], snaps: list[bytes]) -> None:
+        """Dead letters and digests first (their ids make a re-publish after a crash a
+        duplicate), then rows and position in one transaction."""
+        assert self.db is not None
+        dirty = self.folder.dirty
+        for x in dirty.dead:
+            await consume.dead_letter(
+                self.js,
+                self.root,
+                self.consumer,
+                reason=x.reason,
+                subject=x.subject,
+                seq=x.seq,
+                data=x.data,
+            )
+        for e in digests:
+            await self.js.publish(
+                subjects.digest_subject(self.root),
+                codec.encode(e),
+                headers={"Nats-Msg-Id": e.id},
+            )
+        self.dead += len(dirty.dead)
+        self.digests += len(digests)
+        await store.write_batch(self.db, self.folder.view, dirty)
+        dirty.clear()
+        self.committed = self.folder.seq
+        self._notify()
+        for raw in snaps:
+            await self._put_snapshot(raw)
+
+    async def _put_snapshot(self, raw: bytes) -> None:
+        state = decode_state(raw)
+        try:
+            await snapshots.save(self.js, state)
+            self.snapshots += 1
+        except nats.errors.Error as e:
+            # A snapshot is a shortcut; losing one costs a longer cold start, nothing else.
+            log.warning("projector: snapshot at %d not stored: %s", state.seq, e)
+
+    async def snapshot(self) -> str:
+        """Store a snapshot of the view as it is now (on demand); returns its name."""
+        name = await snapshots.save(self.js, self.folder.view.state)
+        self.snapshots += 1
+        return name
+
+
+async def replay_records(
+    db: aiosqlite.Connection,
+    records: Iterable[tuple[int, str, bytes]],
+    *,
+    root: str = subjects.DEFAULT_ROOT,
+    batch: int = 5000,
+    folder: Folder | None = None,
+    strict: bool = True,
+) -> Folder:
+    """Fold (seq, subject, body) records into the SQLite view at `db` through the same
+    batch path as the live projector (a bundle replay, a benchmark). Returns the folder."""
+    f = folder if folder is not None else Folder(await store.load_view(db), root, strict)
+    n = 0
+    for seq, subject, body in records:
+        if seq <= f.seq:
+            continue
+        f.fold_raw(seq, subject, body)
+        n += 1
+        if n >= batch:
+            await store.write_batch(db, f.view, f.dirty)
+            f.dirty.clear()
+            n = 0
+    if n:
+        await store.write_batch(db, f.view, f.dirty)
+        f.dirty.clear()
+    return f

@@ -1,0 +1,285 @@
+"""The projector against a real broker: live SQLite equals a replay, digests agree,
+crashes (kill -9 of the process) lose and repeat nothing, gaps are healed, holes stop it,
+snapshots are found and old schemas ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nats.js.client import JetStreamContext
+
+from schemas import codec
+from services.bus import EmbeddedBroker, Publisher, consume
+from services.core.view import SCHEMA, ViewState, digest, encode_state
+from services.projector import snapshots, store
+from services.projector.errors import LogHole
+from services.projector.folder import Folder
+from services.projector.service import Projector
+from tests.projector import mix
+
+Record = tuple[int, str, bytes]
+
+
+async def export(js: JetStreamContext) -> list[Record]:
+    out: list[Record] = []
+    async for batch in consume.read_range(js):
+        out.extend((d.seq, d.subject, d.data) for d in batch)
+    return out
+
+
+def replay(records: list[Record], until: int | None = None) -> Folder:
+    """Fold records in memory; the folder's dirty keeps the whole history (never cleared)."""
+    f = Folder()
+    for seq, subject, body in records:
+        if until is not None and seq > until:
+            break
+        f.fold_raw(seq, subject, body)
+    return f
+
+
+async def replay_dump(tmp: Path, records: list[Record], until: int | None = None) -> str:
+    f = replay(records, until)
+    db = await store.open_db(tmp)
+    try:
+        await store.write_view(
+            db,
+            f.view,
+            decisions=f.dirty.decisions,
+            rejections=f.dirty.rejections,
+            dead=f.dirty.dead,
+        )
+        loaded = await store.load_view(db)
+        assert encode_state(loaded.state) == encode_state(f.view.state)
+        return await store.dump(db)
+    finally:
+        await db.close()
+
+
+async def db_dump(path: Path) -> tuple[str, str]:
+    db = await store.open_db(path)
+    try:
+        return await store.dump(db), digest((await store.load_view(db)).state)
+    finally:
+        await db.close()
+
+
+async def settle(js: JetStreamContext, p: Projector, limit_s: float = 60) -> int:
+    """Wait until the projector has committed the stream's end and the end holds still
+    (it publishes digests into the stream it reads)."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            last = (await js.stream_info("LLMGW")).state.last_seq
+            await p.wait_for(last)
+            if (await js.stream_info("LLMGW")).state.last_seq == last:
+                return last
+
+
+@contextlib.asynccontextmanager
+async def running(p: Projector):  # type: ignore[no-untyped-def]
+    stop = asyncio.Event()
+    task = asyncio.create_task(p.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        with contextlib.suppress(LogHole):
+            await task
+
+
+@pytest.mark.timeout(90)
+async def test_live_view_equals_replay_50k(js: JetStreamContext, tmp_path: Path) -> None:
+    items = mix.items(11, 50_000, nodes=200, bad=True)
+    p = Projector(js, tmp_path / "live.sqlite", digest_every=10_000, snapshot_every=0)
+    async with running(p):
+        await Publisher(js).publish_many(items)
+        last = await settle(js, p)
+    records = await export(js)
+    assert [r[0] for r in records] == list(range(1, last + 1))
+    live, live_digest = await db_dump(tmp_path / "live.sqlite")
+    assert live == await replay_dump(tmp_path / "replay.sqlite", records)
+    assert live_digest == digest(replay(records).view.state)
+    # Every published digest is the replay's digest at its sequence.
+    published = [codec.decode(b) for _, s, b in records if s.endswith(".view.digest")]
+    published = [e for e in published if e.source == "projector"]
+    assert [e.data.seq for e in published] == [10_000, 20_000, 30_000, 40_000, 50_000]  # type: ignore[union-attr]
+    for e in published:
+        at = e.data.seq  # type: ignore[union-attr]
+        assert e.data.digest == digest(replay(records, until=at).view.state)  # type: ignore[union-attr]
+    assert p.dead > 0 and p.gaps == 0
+
+
+@pytest.mark.timeout(60)
+async def test_projector_heals_an_injected_gap(js: JetStreamContext, tmp_path: Path) -> None:
+    items = mix.items(12, 6000, nodes=50)
+    await Publisher(js).publish_many(items)
+    p = Projector(js, tmp_path / "v.sqlite", batch_max=500)
+    original = p._on_batch
+    drops = 0
+
+    async def lossy(batch: list[consume.Delivery]) -> None:
+        nonlocal drops
+        if drops < 2 and len(batch) > 10 and batch[0].seq > 1000:
+            drops += 1
+            batch = batch[:5] + batch[6:]  # a delivery vanishes mid-batch
+        await original(batch)
+
+    p._on_batch = lossy  # type: ignore[method-assign]
+    async with running(p):
+        last = await settle(js, p)
+    assert drops == 2 and p.gaps >= 2
+    records = await export(js)
+    live, _ = await db_dump(tmp_path / "v.sqlite")
+    assert live == await replay_dump(tmp_path / "r.sqlite", records)
+    assert last == len(items)
+
+
+@pytest.mark.timeout(60)
+async def test_a_deleted_message_stops_the_projector(js: JetStreamContext, tmp_path: Path) -> None:
+    items = mix.items(13, 3000, nodes=30)
+    await Publisher(js).publish_many(items)
+    await js.delete_msg("LLMGW", 1700)
+    p = Projector(js, tmp_path / "v.sqlite", batch_max=500)
+    with pytest.raises(LogHole) as e:
+        await p.run(asyncio.Event())
+    assert e.value.seq == 1700
+    records = await export_around_hole(js)
+    live, _ = await db_dump(tmp_path / "v.sqlite")
+    # It folded up to the hole (the reader may hold back the few before it in the same
+    # delivery) and nothing after it.
+    pos = _position(tmp_path / "v.sqlite")
+    assert 1000 < pos < 1700
+    assert live == await replay_dump(tmp_path / "r.sqlite", records, until=pos)
+
+
+async def export_around_hole(js: JetStreamContext) -> list[Record]:
+    out: list[Record] = []
+    for seq in range(1, 1700):
+        m = await js.get_msg("LLMGW", seq)
+        out.append((seq, m.subject or "", m.data or b""))
+    return out
+
+
+@pytest.mark.timeout(60)
+async def test_snapshots(js: JetStreamContext, tmp_path: Path) -> None:
+    items = mix.items(14, 5000, nodes=30)
+    await Publisher(js).publish_many(items)
+    p = Projector(js, tmp_path / "v.sqlite", snapshot_every=1000, digest_every=0)
+    async with running(p):
+        await settle(js, p)
+        on_demand = await p.snapshot()
+    records = await export(js)
+    assert [s for _, s, _ in await snapshots.listing(js)] == [1000, 2000, 3000, 4000, 5000]
+    assert on_demand == snapshots.name_for(5000)
+    snap = await snapshots.latest_at_or_before(js, 3500)
+    assert snap is not None and snap.seq == 3000
+    assert digest(snap) == digest(replay(records, until=3000).view.state)
+    # A snapshot of another schema, newer than all, is ignored, not trusted.
+    obs = await snapshots.bucket(js)
+    await obs.put(snapshots.name_for(4800, SCHEMA + 1), encode_state(ViewState(seq=4800)))
+    assert (await snapshots.latest_at_or_before(js, 4900)).seq == 4000  # type: ignore[union-attr]
+    # A cold start from a snapshot, into an empty database, reaches the same view.
+    p2 = Projector(js, tmp_path / "cold.sqlite", from_snapshot=True, snapshot_every=0)
+    async with running(p2):
+        await settle(js, p2)
+    assert p2.view.seq == len(items)
+    assert digest(p2.view.state) == digest(replay(records).view.state)
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def _position(path: Path) -> int:
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=5)) as db:
+            row = db.execute("SELECT seq FROM position WHERE id = 1").fetchone()
+    except sqlite3.OperationalError:
+        return 0
+    return 0 if row is None else int(row[0])
+
+
+def _spawn(url: str, db: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    # The child keeps its own copy of the log's descriptor; ours is closed at once.
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.projector",
+                "--nats",
+                url,
+                "--db",
+                str(db),
+                "--digest-every",
+                "5000",
+                "--snapshot-every",
+                "0",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+async def _wait_position(
+    path: Path, at_least: int, proc: subprocess.Popen[bytes], limit_s: float
+) -> int:
+    deadline = time.monotonic() + limit_s
+    while True:
+        pos = await asyncio.to_thread(_position, path)
+        if pos >= at_least:
+            return pos
+        assert proc.poll() is None, f"projector exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"position {pos} never reached {at_least}"
+        await asyncio.sleep(0.02)  # polling a real condition, with a deadline
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_kill_9_at_random_moments(
+    nats_server: EmbeddedBroker, js: JetStreamContext, tmp_path: Path, rng: random.Random
+) -> None:
+    items = mix.items(rng.randrange(1 << 30), 50_000, nodes=200, bad=True)
+    db = tmp_path / "v.sqlite"
+    log = tmp_path / "projector.log"
+    pub = Publisher(js)
+    chunks = [items[i : i + 8000] for i in range(0, len(items), 8000)]
+    proc = _spawn(nats_server.url, db, log)
+    kills = 0
+    published = 0
+    try:
+        for chunk in chunks:
+            sending = asyncio.create_task(pub.publish_many(chunk))
+            target = published + rng.randrange(1, len(chunk))
+            await _wait_position(db, target, proc, 60)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            await sending
+            published += len(chunk)
+            proc = _spawn(nats_server.url, db, log)
+        last = (await js.stream_info("LLMGW")).state.last_seq
+        while True:
+            await _wait_position(db, last, proc, 60)
+            now = (await js.stream_info("LLMGW")).state.last_seq
+            if now == last:
+                break
+            last = now
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    assert kills >= 5
+    records = await export(js)
+    live, _ = await db_dump(db)
+    assert live == await replay_dump(tmp_path / "replay.sqlite", records)
