@@ -17,6 +17,15 @@ duplicate window the same ids make every repeat a duplicate the stream drops; pa
 a redelivered trigger whose decision the view already holds is not decided again: the
 outputs of that decision the view does not show yet are published, and nothing else.
 
+A trigger that may have been seen before (redelivered, or in the backlog found on
+taking the lead) is checked against the log first: if a decision for its model was
+stored after it, that decision answers it (its own: completed; a later trigger's: the
+trigger is acked with nothing published).
+
+A published decision lists the first `SHOWN` candidates and exclusions, with the whole
+count in `considered`: on a full cluster the policy weighs every replica, and the full
+lists would pass the largest event the codec accepts.
+
 On a tick the leader also publishes `hold.released` for every hold that ended (expired,
 or its model was given what it asked for), its id derived from the hold's.
 
@@ -69,6 +78,9 @@ NOT_LEADER_RETRY_S = 0.2
 # FOLLOW_TIMEOUT_S bounds the wait for the view to reach a trigger. Past it the trigger
 # is retried rather than decided on a view that may not hold what led to it.
 FOLLOW_TIMEOUT_S = 10.0
+
+# RETRY_PAUSE_S is the wait before setting the consumer up again after the broker failed.
+RETRY_PAUSE_S = 0.5
 
 # MAX_DELIVER bounds deliveries of one trigger. A trigger that fails this often is
 # dead-lettered with the last error: a decision that cannot be taken in five tries over
@@ -235,10 +247,10 @@ class PreemptionService:
             if not await _first(stop, self._leading):
                 return
             log.info("preemption %s: leading; consuming placement.failed", self.holder)
-            self._backlog = await self._last_seq()
             inner = asyncio.Event()
             watcher = asyncio.create_task(_set_when_any(inner, stop, self._deposed))
             try:
+                self._backlog = await self._last_seq()
                 await consume_durable(
                     self.js,
                     durable=self.options.durable,
@@ -251,6 +263,15 @@ class PreemptionService:
                     root=self.root,
                     fetch_timeout_s=0.25,
                 )
+            except nats.errors.ConnectionClosedError:
+                return
+            except (nats.errors.Error, TimeoutError) as e:
+                # The broker is away or restarting: the consumer is set up again once it
+                # answers. The lease decides meanwhile whether we still may.
+                log.warning("preemption %s: consumer: %s: %s", self.holder, type(e).__name__, e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+                continue
             finally:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
