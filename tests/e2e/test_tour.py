@@ -55,9 +55,9 @@ class Cluster:
         )
         return out.seq
 
-    async def until(self, what: str, cond: Callable[[View], bool], timeout: float = 20.0) -> None:
+    async def until(self, what: str, cond: Callable[[View], bool], within: float = 20.0) -> None:
         """Wait for a condition on the live view (polled as the log grows), or fail saying what."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = asyncio.get_running_loop().time() + within
         while not cond(self.view):
             if asyncio.get_running_loop().time() > deadline:
                 pytest.fail(f"timed out waiting for: {what}")
