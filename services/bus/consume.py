@@ -365,6 +365,11 @@ async def _dead_letter_and_ack(
 
 # ------------------------------------------------------------------ ordered reader
 
+# IDLE_HEARTBEAT_S is how often an idle ordered consumer hears from the server. Two missed
+# and nats-py recreates the consumer from the next sequence: after a broker restart (which
+# forgets ephemeral consumers) a folder resumes in about two of these, not ten seconds.
+IDLE_HEARTBEAT_S = 1.0
+
 # BATCH_MAX bounds how many messages one on_batch call gets. Large enough to amortize the
 # per-call cost (a SQLite transaction, a span); small enough that a view stays fresh.
 BATCH_MAX = 1000
@@ -432,6 +437,7 @@ class _OrderedReader:
             stream=self.stream,
             cb=self._on_msg,
             ordered_consumer=True,
+            idle_heartbeat=IDLE_HEARTBEAT_S,
             config=config,
         )
         stopper: asyncio.Task[bool] | None = None

@@ -15,6 +15,7 @@ from services.bus import (
     EmbeddedBroker,
     Publisher,
     connect,
+    consume,
     ensure_streams,
     find_binary,
     free_port,
@@ -93,5 +94,44 @@ async def test_kill_9_and_restart_on_the_same_store_keeps_the_data(nats_server, 
         assert [d.seq for d in seen] == list(range(1, 201))
         info = await js.stream_info(subjects.STREAM)
         assert info.state.messages == 200
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_an_ordered_reader_resumes_after_the_broker_restarts(nats_server, events):
+    nc = await connect(nats_server.url, "follower")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        pub = Publisher(js)
+        evs = events(40)
+        await pub.publish_many(evs[:20])
+        got: list[int] = []
+        first, rest = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+
+        def on_batch(batch):
+            got.extend(d.seq for d in batch)
+            if len(got) >= 20:
+                first.set()
+            if len(got) >= 40:
+                rest.set()
+                stop.set()
+
+        task = asyncio.create_task(
+            consume.read_ordered(js, from_seq=1, on_batch=on_batch, stop=stop)
+        )
+        await asyncio.wait_for(first.wait(), 10)
+        nats_server.kill()
+        nats_server.start()
+        deadline = time.monotonic() + 20
+        while not (nc.stats["reconnects"] >= 1 and nc.is_connected):
+            assert time.monotonic() < deadline, "client did not reconnect"
+            await asyncio.sleep(0.05)
+        await pub.publish_many(evs[20:])
+        await asyncio.wait_for(rest.wait(), 20)
+        await asyncio.wait_for(task, 5)
+        assert got == list(range(1, 41))
     finally:
         await nc.close()
