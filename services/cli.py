@@ -263,15 +263,20 @@ def resolve_broker(args: argparse.Namespace) -> str:
     With none of them it fails with the one line that says how to get a broker; it never
     starts one itself, since an empty broker would quietly show an empty cluster.
     """
+    return _resolve(args)[0]
+
+
+def _resolve(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """(url, the data dir it was recorded in, or None when given explicitly)."""
     url = getattr(args, "nats", None) or os.environ.get(ENV_NATS)
     if url:
-        return str(url)
+        return str(url), None
     from services.bus import broker
 
     where = data_dir(args)
     recorded = broker.read_url(where)
     if recorded:
-        return recorded
+        return recorded, where
     raise CliError(
         f"no broker: none given (--nats URL or ${ENV_NATS}) and none recorded in {where}; "
         "start one with `llmgw up` in another terminal, or pass --nats URL"
@@ -293,10 +298,20 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]
     """Connect to the resolved broker as client `name` (e.g. `llmgw events tail`), and
     always close the connection on the way out."""
     from services.bus import connection
+    from services.bus.errors import BrokerUnavailable
 
     r = root(args)
-    url = resolve_broker(args)
-    nc = await connection.connect(url, name)
+    url, recorded_in = _resolve(args)
+    try:
+        nc = await connection.connect(url, name)
+    except BrokerUnavailable as e:
+        if recorded_in is None:
+            raise
+        # A URL left behind by an `llmgw up` that is gone: say so, not just "no server".
+        raise CliError(
+            f"no broker answers at {url}, recorded in {recorded_in} by an `llmgw up` that "
+            "seems to have stopped: start `llmgw up` again, or pass --nats URL"
+        ) from e
     try:
         yield Session(nc, nc.jetstream(), url, r)
     finally:

@@ -5,10 +5,12 @@ over `services.bus` (connect, stream, publisher, ordered reads) and `schemas` (c
 bundles). It must not interpret events beyond showing them: no folding, no decisions.
 
 Choices a user relies on:
-- `import` needs an empty stream and refuses anything else, so that order, ids and stream
-  sequence numbers come back exactly as exported (a bundle that starts at seq 500 is
-  stored from seq 500 again; gaps stay gaps). It validates the whole file before it
-  publishes anything: a bad line is reported as FILE:LINE and nothing is stored.
+- `export` writes every stored message, garbage included (`services.cli_bundle`), so
+  sequences survive the round trip; `import` needs an empty stream and refuses anything
+  else, so that order, ids and sequence numbers come back exactly as exported (a bundle
+  that starts at seq 500 is stored from 500 again) and a re-export is byte-equal. It
+  checks the whole file before it publishes anything: a bad line is reported as
+  FILE:LINE and nothing is stored.
 - `export` writes to a temporary file beside the target and renames it at the end, so
   a bundle on disk is always complete. `--until-time` cuts at the first event whose own
   `time` is later (the cluster's clock, the same on a re-imported log), while
@@ -18,7 +20,6 @@ Choices a user relies on:
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import fnmatch
 import getpass
@@ -37,15 +38,11 @@ from schemas import bundle, codec, ids, subjects
 from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
-from services import cli, cli_format
+from services import cli, cli_bundle, cli_format
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
 # the broker busy, small enough that progress moves and memory stays flat on any bundle.
 IMPORT_CHUNK = 2000
-
-# GAP_SUBJECT carries the placeholders import publishes, then deletes, to keep a bundle's
-# gaps in the stream sequence. It is inside the stream (view.>) and no consumer reads it.
-GAP_SUBJECT = "{root}.view.import-gap"
 
 
 def register(commands: cli.Commands) -> None:
@@ -148,8 +145,8 @@ def _register_tail(events: cli.Commands) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print each event as its bundle line (the stored JSON plus seq and subject); "
-        'an undecodable message prints as {"seq","subject","error","raw"} with raw in base64',
+        help="print each message as export writes it: its bundle line (the stored JSON with "
+        "seq and subject in front)",
     )
     p.add_argument(
         "-n",
@@ -215,15 +212,14 @@ async def _tail(args: argparse.Namespace) -> int:
                 if stop.is_set():
                     break
                 event, why = _decode_or_reason(d.data)
-                if event is None:
-                    lines.append(_tail_bad(d, why, args.json))
-                elif show(type_of(type(event))):
-                    if args.json:
-                        lines.append(_bundle_line(d))
-                    else:
-                        lines.append(cli_format.event_line(d.seq, event, d.subject, s.root))
-                else:
+                if event is not None and not show(type_of(type(event))):
                     continue
+                if args.json:
+                    lines.append(cli_bundle.line(d.seq, d.subject, d.data).decode())
+                elif event is None:
+                    lines.append(_tail_bad(d, why))
+                else:
+                    lines.append(cli_format.event_line(d.seq, event, d.subject, s.root))
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     stop.set()
@@ -235,24 +231,8 @@ async def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bundle_line(d: Any) -> str:
-    try:
-        return bundle.line_for(d.seq, d.subject, d.data).decode()
-    except (ValueError, UnicodeDecodeError):
-        return _tail_bad(d, "not a JSON object", True)
-
-
-def _tail_bad(d: Any, why: str, as_json: bool) -> str:
-    if as_json:
-        return json.dumps(
-            {
-                "seq": d.seq,
-                "subject": d.subject,
-                "error": why,
-                "raw": base64.b64encode(bytes(d.data)).decode(),
-            }
-        )
-    return cli_format.undecodable_line(d.seq, d.subject, why, getattr(d, "time", None))
+def _tail_bad(d: Any, why: str) -> str:
+    return cli_format.undecodable_line(d.seq, d.subject, why, d.time)
 
 
 # ---------------------------------------------------------------------- export
@@ -273,7 +253,7 @@ def _register_export(events: cli.Commands) -> None:
             "\n"
             "--until-time cuts at the first event whose own `time` is later than T (the\n"
             "cluster's clock, which a re-imported log keeps). A stored message that is not\n"
-            "a JSON object cannot be a bundle line: it is skipped and counted in the summary."
+            'a JSON object is kept at its place as {"seq":N,"subject":S,"body_b64":RAW}.'
         ),
         epilog=cli.examples(
             "llmgw events export --out all.jsonl",
@@ -338,9 +318,9 @@ async def _export(args: argparse.Namespace) -> int:
         )
         total = max(last - first + 1, 0)
         progress = cli.Progress("exporting", total)
-        skipped: list[int] = []
+        raw = 0
         with _bundle_out(args.out) as fp:
-            w = bundle.Writer(fp)
+            count, last_seq = 0, 0
             if total:
                 async for batch in consume.read_range(s.js, first, last):
                     done = False
@@ -350,28 +330,27 @@ async def _export(args: argparse.Namespace) -> int:
                             if t is not None and t > args.until_time:
                                 done = True
                                 break
-                        try:
-                            w.write(d.seq, d.subject, d.data)
-                        except ValueError:
-                            skipped.append(d.seq)
+                        if cli_bundle.is_json_object(d.data):
+                            line = bundle.line_for(d.seq, d.subject, d.data)
+                        else:
+                            line = cli_bundle.raw_line(d.seq, d.subject, d.data)
+                            raw += 1
+                        fp.write(line + b"\n")
+                        count += 1
+                        last_seq = d.seq
                     progress.advance(len(batch))
                     if done:
                         break
         progress.close()
-    span = f" (seq {first}..{w.last_seq})" if w.count else ""
+    span = f" (seq {first}..{last_seq})" if count else ""
     where = "stdout" if to_stdout else args.out
-    rate = w.count / max(progress.elapsed, 1e-9)
+    rate = count / max(progress.elapsed, 1e-9)
+    kept = f", {raw:,} of them not JSON objects, kept as body_b64" if raw else ""
     print(
-        f"exported {w.count:,} events{span} to {where} in {progress.elapsed:.1f}s ({rate:,.0f}/s)",
+        f"exported {count:,} events{span}{kept} to {where} in {progress.elapsed:.1f}s "
+        f"({rate:,.0f}/s)",
         file=report,
     )
-    if skipped:
-        shown = ", ".join(str(n) for n in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        print(
-            f"{cli.PROG}: skipped {len(skipped)} stored messages that are not JSON objects "
-            f"(seq {shown})",
-            file=sys.stderr,
-        )
     return 0
 
 
@@ -410,13 +389,16 @@ def _register_import(events: cli.Commands) -> None:
         description=(
             "Publish a bundle's events into an EMPTY stream, in order, each with its id as\n"
             "Nats-Msg-Id and on its recorded subject, so the stream holds the same events\n"
-            "at the same sequence numbers as the one exported (gaps stay gaps).\n"
+            "at the same sequence numbers as the one exported (a bundle that starts at\n"
+            "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
+            "same file.\n"
             "\n"
             "The whole file is checked first: every line must be a bundle line whose event\n"
-            "decodes against the contract and whose subject is under --root. The first bad\n"
-            "line is reported as FILE:LINE and nothing is published. A stream that already\n"
-            "holds events is refused (merging two logs would re-order history): import into\n"
-            "a fresh broker, e.g. `llmgw up --data /tmp/incident` in another terminal."
+            "decodes against the contract, whose subject is under --root, and whose seq\n"
+            "follows the line before. The first bad line is reported as FILE:LINE and\n"
+            "nothing is published. A stream that already holds events is refused (merging\n"
+            "two logs would re-order history): import into a fresh broker, e.g.\n"
+            "`llmgw up --data /tmp/incident` in another terminal."
         ),
         epilog=cli.examples(
             "llmgw events import incident.jsonl",
@@ -427,33 +409,46 @@ def _register_import(events: cli.Commands) -> None:
     )
     p.add_argument("file", metavar="FILE.jsonl", help="the bundle to import")
     p.add_argument(
+        "--renumber",
+        action="store_true",
+        help="store the lines one after another from the stream's next sequence, instead "
+        "of at their own (for a filtered or hand-made bundle with gaps)",
+    )
+    p.add_argument(
         "--keep-invalid",
         action="store_true",
         help="import lines whose event does not decode as they are (a faithful copy of a "
-        "log with bad messages on it, e.g. to reproduce a dead-letter case)",
+        "log with bad messages on it, as export writes it)",
     )
 
 
-def _check_bundle(path: str, root: str, keep_invalid: bool) -> tuple[int, int]:
-    """(events, first seq) after checking every line; raises naming FILE:LINE."""
+def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> tuple[int, int]:
+    """(lines, first seq) after checking every line; raises naming FILE:LINE."""
     prefix = root + "."
-    count, first = 0, 0
+    count, first, last = 0, 0, 0
     try:
-        for rec in bundle.read(path):
+        for rec in cli_bundle.read(path):
             if not rec.subject.startswith(prefix):
                 raise cli.CliError(
                     f"{path}:{rec.lineno}: subject {rec.subject!r} is not under root "
                     f"{root!r} (import with --root {rec.subject.split('.')[0]})"
                 )
+            if last and rec.seq != last + 1 and not renumber:
+                raise cli.CliError(
+                    f"{path}:{rec.lineno}: seq {rec.seq} follows {last}: a stream keeps no "
+                    "gaps (its readers take one for lost events); --renumber stores the "
+                    "lines one after another"
+                )
             if not keep_invalid:
                 try:
-                    codec.decode(rec.line)
+                    codec.decode(rec.body)
                 except EventDecodeError as e:
                     raise cli.CliError(
                         f"{path}:{rec.lineno}: seq {rec.seq}: {e} "
                         "(--keep-invalid imports such lines as they are)"
                     ) from None
             first = first or rec.seq
+            last = rec.seq
             count += 1
     except BundleError as e:
         raise cli.CliError(str(e)) from None
@@ -467,7 +462,7 @@ async def _import(args: argparse.Namespace) -> int:
 
     root = cli.root(args)
     path = args.file
-    total, first_seq = _check_bundle(path, root, args.keep_invalid)
+    total, first_seq = _check_bundle(path, root, args.keep_invalid, args.renumber)
     async with cli.session(args, "llmgw events import") as s:
         info = await _event_stream(s, create=True)
         st = info.state
@@ -477,72 +472,67 @@ async def _import(args: argparse.Namespace) -> int:
                 f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: use a "
                 "fresh broker (`llmgw up --data NEW_DIR` in another terminal)"
             )
-        publisher = Publisher(s.js, root)
-        progress = cli.Progress("importing", total)
         next_seq = st.last_seq + 1
         if first_seq > next_seq:
-            # A bundle that starts past 1: an empty stream can start at any sequence.
+            # A bundle that starts past 1 (an export --from-seq): an empty stream can be
+            # made to start at any sequence, so the bundle's sequences are kept.
             await s.js.purge_stream(subjects.STREAM, seq=first_seq)
             next_seq = first_seq
-        gaps = 0
-        chunk: list[bundle.Record] = []
-        for rec in bundle.read(path):
-            if rec.seq != next_seq + len(chunk):
-                next_seq = await _flush(publisher, chunk, path, next_seq, progress)
-                chunk = []
-                if rec.seq < next_seq:
-                    raise cli.CliError(
-                        f"{path}:{rec.lineno}: seq {rec.seq} would land at {next_seq}: "
-                        "the stream moved under the import"
-                    )
-                gaps += rec.seq - next_seq
-                next_seq = await _fill_gap(s.js, publisher, root, next_seq, rec.seq)
+        elif first_seq and first_seq < next_seq and not args.renumber:
+            raise cli.CliError(
+                f"stream {subjects.STREAM} at {s.url} was used before (its next sequence is "
+                f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: use "
+                "a fresh broker, or --renumber"
+            )
+        publisher = Publisher(s.js, root)
+        progress = cli.Progress("importing", total)
+        first_stored = next_seq
+        chunk: list[cli_bundle.Line] = []
+        for rec in cli_bundle.read(path):
             chunk.append(rec)
             if len(chunk) >= IMPORT_CHUNK:
-                next_seq = await _flush(publisher, chunk, path, next_seq, progress)
+                next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
                 chunk = []
-        next_seq = await _flush(publisher, chunk, path, next_seq, progress)
+        next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
         progress.close()
     if not progress.count:
         print(f"imported 0 events from {path} (an empty bundle)")
         return 0
     rate = progress.count / max(progress.elapsed, 1e-9)
-    kept = f", {gaps:,} sequence gaps kept" if gaps else ""
     print(
         f"imported {progress.count:,} events from {path} into {s.url} "
-        f"(seq {first_seq}..{next_seq - 1}{kept}) in {progress.elapsed:.1f}s ({rate:,.0f}/s)"
+        f"(seq {first_stored}..{next_seq - 1}) in {progress.elapsed:.1f}s ({rate:,.0f}/s)"
     )
     return 0
 
 
 async def _flush(
-    publisher: Any, chunk: list[bundle.Record], path: str, next_seq: int, progress: cli.Progress
+    publisher: Any,
+    chunk: list[cli_bundle.Line],
+    path: str,
+    next_seq: int,
+    progress: cli.Progress,
+    renumber: bool,
 ) -> int:
-    """Publish `chunk` pipelined; check each landed at its recorded sequence."""
+    """Publish `chunk` pipelined; check each landed where the bundle says it was."""
     if not chunk:
         return next_seq
-    items = [(r.subject, r.body(), _record_id(r)) for r in chunk]
+    items = [(r.subject, r.body, _body_id(r.body)) for r in chunk]
     acks = await publisher.publish_many(items)
-    for rec, ack in zip(chunk, acks, strict=True):
-        if ack.duplicate or ack.seq != rec.seq:
+    for i, (rec, ack) in enumerate(zip(chunk, acks, strict=True)):
+        want = next_seq + i if renumber else rec.seq
+        if ack.duplicate or ack.seq != want:
             what = (
-                "a duplicate of an earlier line's id" if ack.duplicate else f"stored at {ack.seq}"
+                "dropped as a duplicate of an earlier line's id"
+                if ack.duplicate
+                else f"stored at {ack.seq}, not {want}"
             )
             raise cli.CliError(
                 f"{path}:{rec.lineno}: seq {rec.seq} was {what}; the stream no longer matches "
                 "the bundle from here on"
             )
     progress.advance(len(chunk))
-    return chunk[-1].seq + 1
-
-
-async def _fill_gap(js: Any, publisher: Any, root: str, next_seq: int, until: int) -> int:
-    """Make the stream's next sequence `until` by storing placeholders and deleting them."""
-    filler = GAP_SUBJECT.format(root=root)
-    acks = await publisher.publish_many([(filler, b"{}", None)] * (until - next_seq))
-    for ack in acks:
-        await js.delete_msg(subjects.STREAM, ack.seq)
-    return until
+    return int(acks[-1].seq) + 1
 
 
 class _IdOnly(msgspec.Struct):
@@ -552,9 +542,10 @@ class _IdOnly(msgspec.Struct):
 _id_only = msgspec.json.Decoder(_IdOnly)
 
 
-def _record_id(rec: bundle.Record) -> str | None:
+def _body_id(body: bytes) -> str | None:
+    """The event id in a stored body, sent as Nats-Msg-Id as the original publish did."""
     try:
-        value = _id_only.decode(rec.line).id
+        value = _id_only.decode(body).id
     except msgspec.MsgspecError:
         return None
     return value if isinstance(value, str) and value else None
