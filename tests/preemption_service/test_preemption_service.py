@@ -12,6 +12,7 @@ import dataclasses
 from datetime import timedelta
 
 import pytest
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
@@ -254,3 +255,28 @@ async def test_clean_stop_hands_over_before_the_lease_runs_out(
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
         await nc.close()
+
+
+async def test_broker_killed_and_restarted_service_goes_on(
+    nats_server: EmbeddedBroker, nc: Client, js: JetStreamContext, clock: Clock
+) -> None:
+    s = full_cluster()
+    failed(s)
+    async with running(nats_server.url, holder="p1", clock=clock) as (svc, _):
+        n = await publish(js, s)
+        await until(lambda: acked_through(js, n))
+        nats_server.kill()
+        nats_server.start()
+        await until(
+            lambda: all(c.stats["reconnects"] >= 1 and c.is_connected for c in (nc, svc.nc)),
+            within=20,
+        )
+        second = failed(s, "chat2")
+        n = await publish(js, s, since=n)
+        await until(lambda: acked_through(js, n), within=20)
+        assert svc.stats.decided == 2
+    log = await stored(js)
+    decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
+    assert decided[-1].causation == second.id
+    drained = [x.event.data.replica for x in of_type(log, ev.ReplicaDrainEvent)]  # type: ignore[union-attr]
+    assert drained == ["b1", "b2", "b3", "b4"]
