@@ -159,7 +159,11 @@ class PreemptionService:
         self.clock = clock
         self.options = options if options is not None else Options()
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
-        self.fault = fault if isinstance(fault, faults.Fault) else faults.Fault(fault)
+        # fault None: whatever $LLMGW_FAULT arms (nothing, unless a crash test set it).
+        if fault is None:
+            self.fault = faults.Fault.from_env()
+        else:
+            self.fault = fault if isinstance(fault, faults.Fault) else faults.Fault(fault)
         self.publisher = Publisher(js, root)
         self.follower = (
             follower
