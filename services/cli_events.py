@@ -232,7 +232,8 @@ async def _tail(args: argparse.Namespace) -> int:
 
 
 def _tail_bad(d: Any, why: str) -> str:
-    return cli_format.undecodable_line(d.seq, d.subject, why, d.time)
+    # No time shown: the column is the event's own time, and this one has none.
+    return cli_format.undecodable_line(d.seq, d.subject, why)
 
 
 # ---------------------------------------------------------------------- export

@@ -124,7 +124,7 @@ def event_line(
     return f"{seq:>6} {clock(event.time)} {kind:<{TYPE_WIDTH}} {key} {fields}".rstrip()
 
 
-def undecodable_line(seq: int, subject: str, why: str, stored: datetime | None = None) -> str:
+def undecodable_line(seq: int, subject: str, why: str) -> str:
     """The line for a message that is not a valid event: shown, never hidden or fatal."""
     kind = "(undecodable)"
-    return f"{seq:>6} {clock(stored)} {kind:<{TYPE_WIDTH}} {subject} {why}"
+    return f"{seq:>6} {clock(None)} {kind:<{TYPE_WIDTH}} {subject} {why}"
