@@ -214,13 +214,14 @@ def build_parser(modules: Iterable[str] = COMMAND_MODULES) -> argparse.ArgumentP
         formatter_class=_Formatter,
         description=(
             "llmgw: an event-sourced control plane for GPU clusters serving LLM model\n"
-            "replicas. Every change is an event on a NATS JetStream stream; these commands\n"
-            "publish, watch, export and import those events.\n"
+            "replicas. Every change is an event on a NATS JetStream stream; every view of\n"
+            "the cluster is a fold of that log.\n"
             "\n"
             "The broker is found in this order: --nats URL, then $LLMGW_NATS, then the URL\n"
             "that `llmgw up` recorded in its data directory (--data, default ~/.llmgw)."
         ),
         epilog=examples(
+            "llmgw up --simulate 4x8xH100-80GB        # a control plane on a laptop",
             "llmgw events tail                       # watch every new event",
             "llmgw events export --out incident.jsonl",
             "llmgw --nats nats://10.0.0.5:4222 events tail --type replica.state",
