@@ -31,7 +31,7 @@ from services.core.view import (
     Rejection,
     ReplicaRecord,
     View,
-    allocation_of,
+    allocate,
     model_of,
     node_of,
     quota_tree_of,
@@ -198,7 +198,7 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             reason=d.reason,
         )
         if d.state in _HOLDING and shards:
-            why = view.inventory.try_allocate(allocation_of(view, r))
+            why = allocate(view, r)
             if why is not None:
                 return f"replica {d.replica}: {why}"
         if d.state == "ready":
@@ -220,9 +220,10 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             created_at=r.created_at,
             updated_at=e.time,
         )
-        why = view.inventory.try_allocate(allocation_of(view, r2))
+        why = allocate(view, r2)
         if why is not None:
             return f"replica {d.replica}: {why}"
+        r.cpu_cores, r.memory_gb = r2.cpu_cores, r2.memory_gb
     elif d.state not in _HOLDING:
         view.inventory.release_replica(r.id)
     if d.reason is not None or d.state != r.state:
@@ -287,7 +288,7 @@ def _placement_decided(view: View, e: ev.PlacementDecidedEvent, subject: str | N
         placed_by=e.id,
         reason=d.reason,
     )
-    why = view.inventory.try_allocate(allocation_of(view, r))
+    why = allocate(view, r)
     if why is not None:
         return f"replica {d.replica}: {why}"
     view.state.replicas[d.replica] = r

@@ -291,6 +291,13 @@ class Inventory:
             raise AllocationError(allocation.replica, reason)
         self._record(allocation)
 
+    def restore(self, allocation: Allocation) -> None:
+        """Record what a replica held without checking it again, for a view rebuilt from
+        a snapshot: the fold accepted it when it happened, and a node report since (a
+        GPU gone, a smaller host) does not undo what the replica holds."""
+        if all(shard.node in self._nodes for shard in allocation.shards):
+            self._record(allocation)
+
     def _record(self, allocation: Allocation) -> None:
         self.release_replica(allocation.replica)
         for shard in allocation.shards:

@@ -16,7 +16,7 @@ two can never disagree about anything a snapshot would keep.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from datetime import datetime
 
 import msgspec
@@ -27,7 +27,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 1
+SCHEMA = 2
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -64,6 +64,10 @@ class ReplicaRecord(msgspec.Struct, kw_only=True):
     """Id of the placement.decided that created it."""
     drained_by: str | None = None
     """Id of the replica.drain that asked it to stop."""
+    cpu_cores: float = 0.0
+    """CPU cores per shard it holds, as allocated (its profile's when it was placed)."""
+    memory_gb: float = 0.0
+    """Memory per shard it holds, as allocated."""
 
     @property
     def holds_capacity(self) -> bool:
@@ -243,7 +247,7 @@ class View:
         self.inventory = inventory.Inventory(node_of(n) for n in s.nodes.values())
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
-                self.inventory.try_allocate(allocation_of(self, r))
+                self.inventory.restore(allocation_of(r))
 
     # Reading.
 
@@ -295,18 +299,32 @@ class View:
         reps = self.state.replicas
         return tuple(v for v in p.victims if v in reps and reps[v].holds_capacity)
 
-    def holdings(self) -> list[quota.Holding]:
-        """What every replica holding capacity holds, for quota math."""
+    def holdings(self, owners: Container[str] | None = None) -> list[quota.Holding]:
+        """What every replica holding capacity holds, for quota math; with `owners`,
+        only the replicas of those owners' models (in the same order)."""
         out = []
+        # Per model its owner, and per shape the amount size_of gives: resolved once per
+        # model and shape rather than once per replica.
+        by_model: dict[str, str] = {}
+        amounts: dict[tuple[str, str, int, int], quota.Amount] = {}
+        holding = ev.HOLDING_STATES
         for r in self.state.replicas.values():
-            if not r.holds_capacity:
+            if r.state not in holding:
                 continue
-            m = self.catalog.resolve(r.model)
-            owner = m.owner if m is not None else "default"
+            owner = by_model.get(r.model)
+            if owner is None:
+                m = self.catalog.resolve(r.model)
+                owner = by_model[r.model] = m.owner if m is not None else "default"
+            if owners is not None and owner not in owners:
+                continue
+            shards = r.shards
+            gpus = len(shards[0].gpus) if len(shards) == 1 else sum(len(s.gpus) for s in shards)
+            key = (r.model, r.profile, gpus, len(shards))
+            amount = amounts.get(key)
+            if amount is None:
+                amount = amounts[key] = size_of(self, r)
             out.append(
-                quota.Holding(
-                    replica=r.id, owner=owner, amount=size_of(self, r), created_at=r.created_at
-                )
+                quota.Holding(replica=r.id, owner=owner, amount=amount, created_at=r.created_at)
             )
         return out
 
@@ -332,13 +350,28 @@ def size_of(view: View, r: ReplicaRecord) -> quota.Amount:
     return quota.Amount(gpus=gpus, cpu_cores=p.cpu_cores * n, memory_gb=p.memory_gb * n)
 
 
-def allocation_of(view: View, r: ReplicaRecord) -> inventory.Allocation:
+def allocate(view: View, r: ReplicaRecord) -> str | None:
+    """Record in the inventory what a replica holds; returns why it cannot, else None.
+
+    The CPU and memory per shard come from its profile as declared now, and are kept
+    on the record: a model re-declared later with other sizes does not change what its
+    running replicas hold, and a view rebuilt from a snapshot allocates exactly what the
+    live one did.
+    """
     p = profile_of(view, r)
+    cpu, mem = (0.0, 0.0) if p is None else (p.cpu_cores, p.memory_gb)
+    why = view.inventory.try_allocate(
+        inventory.Allocation(replica=r.id, shards=r.shards, cpu_cores=cpu, memory_gb=mem)
+    )
+    if why is None:
+        r.cpu_cores, r.memory_gb = cpu, mem
+    return why
+
+
+def allocation_of(r: ReplicaRecord) -> inventory.Allocation:
+    """What a replica holds, as recorded when it was allocated."""
     return inventory.Allocation(
-        replica=r.id,
-        shards=r.shards,
-        cpu_cores=0.0 if p is None else p.cpu_cores,
-        memory_gb=0.0 if p is None else p.memory_gb,
+        replica=r.id, shards=r.shards, cpu_cores=r.cpu_cores, memory_gb=r.memory_gb
     )
 
 
