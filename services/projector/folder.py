@@ -86,7 +86,7 @@ class Folder:
     followers); a replay from a bundle with holes in it may turn it off.
     """
 
-    __slots__ = ("dirty", "root", "strict", "view")
+    __slots__ = ("dirty", "gpu_rows", "root", "strict", "view")
 
     def __init__(
         self, view: View | None = None, root: str = subjects.DEFAULT_ROOT, strict: bool = True
@@ -95,6 +95,8 @@ class Folder:
         self.root = root
         self.strict = strict
         self.dirty = Dirty()
+        self.gpu_rows: dict[str, frozenset[tuple[object, ...]]] = {}
+        """The GPU rows as last committed, per node, for the store to write only changes."""
 
     @property
     def seq(self) -> int:
@@ -163,17 +165,17 @@ class Folder:
             return rej
         if t is ev.NodeLostEvent:
             node = e.data.node  # type: ignore[attr-defined]
-            hit = [
-                r
-                for r in view.state.replicas.values()
-                if r.holds_capacity and any(s.node == node for s in r.shards)
-            ]
+            # Invariant: a replica holding capacity on a node is allocated there, so the
+            # inventory names every replica the loss can fail.
+            hit = view.inventory.replicas_on(node)
             rej = fold.apply(view, e, seq=seq, subject=subject)
             if rej is None:
                 d.nodes.add(node)
-                for r in hit:
-                    d.replicas.add(r.id)
-                    d.nodes.update(s.node for s in r.shards)
+                reps = view.state.replicas
+                for rid in hit:
+                    d.replicas.add(rid)
+                    if rid in reps:
+                        d.nodes.update(s.node for s in reps[rid].shards)
             else:
                 d.rejections.append(rej)
             return rej

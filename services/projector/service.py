@@ -217,7 +217,7 @@ class Projector:
             )
         self.dead += len(dirty.dead)
         self.digests += len(digests)
-        await store.write_batch(self.db, self.folder.view, dirty)
+        await store.write_batch(self.db, self.folder.view, dirty, self.folder.gpu_rows)
         dirty.clear()
         self.committed = self.folder.seq
         self._notify()
@@ -259,10 +259,10 @@ async def replay_records(
         f.fold_raw(seq, subject, body)
         n += 1
         if n >= batch:
-            await store.write_batch(db, f.view, f.dirty)
+            await store.write_batch(db, f.view, f.dirty, f.gpu_rows)
             f.dirty.clear()
             n = 0
     if n:
-        await store.write_batch(db, f.view, f.dirty)
+        await store.write_batch(db, f.view, f.dirty, f.gpu_rows)
         f.dirty.clear()
     return f

@@ -1,0 +1,196 @@
+"""Benchmark of the projector's paths; prints a table, asserts nothing.
+
+Run from the repository root: `python tests/bench/bench_projector.py [--events N] [--runs R]`.
+
+A realistic mix for 1,000 nodes x 8 GPUs (tests/projector/mix.py: inventories,
+placements walking through their states, ~45% replica.used, drains, failed placements,
+preemption decisions, holds, cordons, lost nodes), 1,000,000 events by default:
+  (a) in-memory fold, decode included (the projector's Folder: decode, subject check,
+      fold, dirty keys), and bare `codec.decode` + `fold.apply` for comparison;
+  (b) replay from a bundle file into SQLite (`replay_records`, the projector's batch path);
+  (c) replay from JetStream into SQLite (the Projector itself, from seq 1 to the end);
+  (d) the raw baseline: the fastest plain nats-py read of the same stream (an ordered
+      push consumer whose callback only counts), no decode, no fold.
+Targets: (a) >= 300,000/s; (b) >= 100,000/s; (c) >= 0.5 x (d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from schemas import bundle, codec
+from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
+from services.core import fold
+from services.core.view import View
+from services.projector import store
+from services.projector.folder import Folder
+from services.projector.service import Projector, replay_records
+from tests.projector import mix
+
+
+def median_rate(n: int, runs: list[float]) -> tuple[float, str]:
+    med = statistics.median(runs)
+    return n / med, ", ".join(f"{r:.2f}s" for r in runs)
+
+
+def bench_fold(records: list[tuple[int, str, bytes]], runs: int) -> tuple[list[float], list[float]]:
+    folder_t, bare_t = [], []
+    for _ in range(runs):
+        t = time.perf_counter()
+        f = Folder(strict=True)
+        fr = f.fold_raw
+        for seq, subject, body in records:
+            fr(seq, subject, body)
+            if f.dirty.count >= 5000:
+                f.dirty.clear()
+        folder_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        v = View()
+        dec, app = codec.decode, fold.apply
+        for seq, subject, body in records:
+            try:
+                e = dec(body)
+            except Exception:
+                continue
+            app(v, e, seq=seq, subject=subject)
+        bare_t.append(time.perf_counter() - t)
+    return folder_t, bare_t
+
+
+async def bench_bundle(path: Path, tmp: Path, runs: int) -> list[float]:
+    out = []
+    for i in range(runs):
+        db_path = tmp / f"bundle-{i}.sqlite"
+        t = time.perf_counter()
+        db = await store.open_db(db_path)
+        try:
+            recs = ((r.seq, r.subject, r.line) for r in bundle.read(str(path)))
+            await replay_records(db, recs)
+        finally:
+            await db.close()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def bench_stream(url: str, tmp: Path, n: int, runs: int) -> tuple[list[float], list[float]]:
+    nc = await connect(url, "bench")
+    js = nc.jetstream()
+    proj_t, raw_t = [], []
+    try:
+        for i in range(runs):
+            # (d) raw: an ordered push consumer whose callback only counts.
+            done = asyncio.Event()
+            count = 0
+
+            async def cb(msg: object, done: asyncio.Event = done) -> None:
+                nonlocal count
+                count += 1
+                if count >= n:
+                    done.set()
+
+            t = time.perf_counter()
+            sub = await js.subscribe(
+                ">",
+                stream="LLMGW",
+                cb=cb,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+                pending_msgs_limit=0,
+                pending_bytes_limit=0,
+            )
+            await asyncio.wait_for(done.wait(), 600)
+            raw_t.append(time.perf_counter() - t)
+            await sub.unsubscribe()
+            # (c) the projector from seq 1 into a fresh SQLite file, to the stream's end as
+            # of the start (the digests it publishes land after it). Snapshots off: they
+            # would write into the store (c) and (d) share between runs.
+            p = Projector(js, tmp / f"stream-{i}.sqlite", digest_every=0, snapshot_every=0)
+            stop = asyncio.Event()
+            t = time.perf_counter()
+            task = asyncio.create_task(p.run(stop))
+            await p.wait_for(n, timeout=600)
+            proj_t.append(time.perf_counter() - t)
+            stop.set()
+            await task
+            assert p.seq == n and p.gaps == 0, (p.seq, p.gaps)
+    finally:
+        await nc.close()
+    return proj_t, raw_t
+
+
+async def publish(url: str, items: list[mix.Item]) -> float:
+    nc = await connect(url, "bench-pub")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        t = time.perf_counter()
+        # No message ids: the bench's own bodies are unique, and the dedupe table for a
+        # million ids would only slow the broker down.
+        await Publisher(js).publish_many((s, b, None) for s, b, _ in items)
+        return time.perf_counter() - t
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--skip-stream", action="store_true")
+    a = ap.parse_args()
+    n = a.events
+    t = time.perf_counter()
+    items = mix.items(1, n, nodes=a.nodes)
+    records = [(i, s, b) for i, (s, b, _) in enumerate(items, start=1)]
+    print(f"generated {n:,} events for {a.nodes} nodes in {time.perf_counter() - t:.1f}s")
+    rows: list[tuple[str, float, str]] = []
+    folder_t, bare_t = bench_fold(records, a.runs)
+    rows.append(("(a) fold in memory, decode included (Folder)", *median_rate(n, folder_t)))
+    rows.append(("    bare codec.decode + fold.apply", *median_rate(n, bare_t)))
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        path = tmp / "log.jsonl"
+        with path.open("wb") as fp:
+            w = bundle.Writer(fp)
+            for seq, s, b in records:
+                w.write(seq, s, b)
+        rows.append(
+            (
+                "(b) bundle file -> SQLite",
+                *median_rate(n, asyncio.run(bench_bundle(path, tmp, a.runs))),
+            )
+        )
+        if not a.skip_stream:
+            broker = EmbeddedBroker(tmp / "broker")
+            broker.start()
+            try:
+                pub_s = asyncio.run(publish(broker.url, items))
+                print(f"published {n:,} in {pub_s:.1f}s ({n / pub_s:,.0f}/s)")
+                proj_t, raw_t = asyncio.run(bench_stream(broker.url, tmp, n, a.runs))
+            finally:
+                broker.stop()
+            c = median_rate(n, proj_t)
+            dd = median_rate(n, raw_t)
+            rows.append(("(c) JetStream -> SQLite (Projector)", *c))
+            rows.append(("(d) raw nats-py ordered consume, no decode", *dd))
+    print()
+    print(f"{'path':<48} {'events/s':>12}  runs")
+    for name, rate, runs in rows:
+        print(f"{name:<48} {rate:>12,.0f}  {runs}")
+    if not a.skip_stream:
+        print(f"\n(c)/(d) = {c[0] / dd[0]:.2f}  (target >= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
