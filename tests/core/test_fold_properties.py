@@ -1,0 +1,195 @@
+"""Property: folding a log whole equals folding a snapshot of a prefix plus the rest.
+
+Random logs of every event type over a small universe (3 nodes, 5 replicas, 3 models) so
+events collide: duplicates, states going backwards, reports from the wrong node, drains
+of unknown replicas, inventories that shrink under replicas, models redeclared with
+other profiles, and bytes that are not events at all. A snapshot is the canonical
+encoding (`encode_state` -> `decode_state` -> `View(state)`), as the projector stores it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import codec, subjects
+from schemas import events as ev
+from services.core.view import View, decode_state, digest, encode_state
+from services.projector.folder import Folder
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+NODES = ("n0", "n1", "n2")
+REPLICAS = ("r0", "r1", "r2", "r3", "r4")
+MODELS = ("m0", "m1", "m2")
+STATES = ("pending", "starting", "loading", "ready", "draining", "stopped", "failed")
+
+node = st.sampled_from(NODES)
+model = st.sampled_from(MODELS)
+replica = st.sampled_from(REPLICAS)
+gpus = st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True).map(
+    lambda g: tuple(sorted(g))
+)
+shards = st.lists(
+    st.builds(ev.ShardSpec, node=node, gpus=gpus),
+    min_size=1,
+    max_size=2,
+    unique_by=lambda s: s.node,
+).map(tuple)
+profile = st.builds(
+    ev.ProfileSpec,
+    name=st.sampled_from(("p1", "p2")),
+    gpus=st.integers(1, 2),
+    shards=st.integers(1, 2),
+    cpu_cores=st.sampled_from((0.0, 4.0, 40.0)),
+    memory_gb=st.sampled_from((0.0, 64.0)),
+)
+minutes = st.integers(0, 600).map(lambda m: T0 + timedelta(minutes=m))
+
+data = st.one_of(
+    st.builds(
+        ev.ModelDeclared,
+        name=model,
+        cls=st.sampled_from(("critical", "standard", "opportunistic")),
+        min=st.integers(0, 2),
+        aliases=st.lists(st.sampled_from(("a0", "a1")), max_size=1, unique=True).map(tuple),
+        profiles=st.lists(profile, max_size=2, unique_by=lambda p: p.name).map(tuple),
+    ),
+    st.builds(ev.ModelRemoved, name=model),
+    st.builds(
+        ev.QuotaSet,
+        owners=st.lists(
+            st.builds(
+                ev.OwnerQuota,
+                name=st.sampled_from(("default", "t1")),
+                parent=st.sampled_from((None, "default", "t9")),
+                guarantee=st.builds(ev.Resources, gpus=st.integers(0, 4)),
+            ),
+            max_size=2,
+        ).map(tuple),
+    ),
+    st.builds(ev.ScaleDesired, model=st.sampled_from((*MODELS, "a0")), replicas=st.integers(0, 3)),
+    st.builds(
+        ev.NodeInventory,
+        node=node,
+        gpus=st.integers(0, 5).map(
+            lambda n: tuple(
+                ev.GpuInfo(index=i, uuid=f"u{i}", model="H100", memory_gb=80.0) for i in range(n)
+            )
+        ),
+        cpu_cores=st.sampled_from((8.0, 64.0)),
+        memory_gb=st.sampled_from((64.0, 512.0)),
+    ),
+    st.builds(ev.NodeLost, node=node, reason=st.just("heartbeats")),
+    st.builds(ev.NodeCordoned, node=node),
+    st.builds(ev.NodeUncordoned, node=node),
+    st.builds(
+        ev.ReplicaState,
+        replica=replica,
+        model=model,
+        profile=st.sampled_from(("p1", "p2")),
+        state=st.sampled_from(STATES),
+        shards=st.one_of(st.just(()), shards),
+        reason=st.sampled_from((None, "oom")),
+    ),
+    st.builds(ev.ReplicaUsed, replica=replica, at=minutes),
+    st.builds(
+        ev.PlacementDecided,
+        replica=replica,
+        model=model,
+        profile=st.sampled_from(("p1", "p2")),
+        shards=shards,
+        reason=st.just("fit"),
+    ),
+    st.builds(
+        ev.PlacementFailed,
+        model=model,
+        profiles=st.just(("p1",)),
+        live=st.integers(0, 2),
+        desired=st.integers(0, 3),
+        reason=st.sampled_from(("no_fit", "quota_limit")),
+    ),
+    st.builds(ev.ReplicaStart, replica=replica, model=model, profile=st.just("p1"), shards=shards),
+    st.builds(
+        ev.ReplicaDrain,
+        replica=st.sampled_from((*REPLICAS, "ghost")),
+        model=model,
+        reason=st.sampled_from(("preempted", "scale_down", "node_drain")),
+        for_model=st.sampled_from((None, "m0")),
+    ),
+    st.builds(
+        ev.PreemptionDecided,
+        for_model=model,
+        outcome=st.sampled_from(("preempted", "no_fit", "awaiting")),
+        victims=st.lists(
+            st.builds(
+                ev.Victim,
+                replica=replica,
+                model=model,
+                cls=st.just("standard"),
+                tier=st.integers(0, 4),
+                above_min=st.booleans(),
+                gpus=st.integers(1, 2),
+            ),
+            max_size=2,
+        ).map(tuple),
+    ),
+    st.builds(ev.HoldCreated, model=model, for_model=model, until=minutes),
+    st.builds(ev.HoldReleased, model=model, reason=st.just("expired")),
+    st.builds(ev.ViewDigest, seq=st.integers(0, 9), digest=st.just("x")),
+)
+
+
+@st.composite
+def records(draw: st.DrawFn) -> list[tuple[str, bytes]]:
+    """(subject, body) pairs: events on their subject (or a wrong node's), repeats of
+    earlier ones (duplicates), and garbage."""
+    out: list[tuple[str, bytes]] = []
+    for i in range(draw(st.integers(1, 60))):
+        kind = draw(st.integers(0, 19))
+        if kind == 0 and out:
+            out.append(out[draw(st.integers(0, len(out) - 1))])
+            continue
+        if kind == 1:
+            out.append(("llmgw.catalog.quota", draw(st.sampled_from((b"", b"{", b'{"type":"x"}')))))
+            continue
+        d = draw(data)
+        t = T0 + timedelta(seconds=draw(st.integers(0, 3600)))
+        e = ev.make(d, id=f"e{i}", time=t, source="test")
+        at = draw(node)
+        try:
+            subject = subjects.subject_for(e, node=at)
+        except (ValueError, IndexError):
+            subject = subjects.replica_subject(at, "r0")
+        out.append((subject, codec.encode(e)))
+    return out
+
+
+def fold(view: View | None, recs: list[tuple[int, str, bytes]]) -> Folder:
+    f = Folder(view)
+    for seq, subject, body in recs:
+        f.fold_raw(seq, subject, body)
+    return f
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=records(), data=st.data())
+def test_fold_whole_equals_snapshot_plus_rest(
+    log: list[tuple[str, bytes]], data: st.DataObject
+) -> None:
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs)
+    head = fold(None, recs[:split])
+    restored = View(decode_state(encode_state(head.view.state)))
+    tail = fold(restored, recs[split:])
+    assert encode_state(tail.view.state) == encode_state(whole.view.state)
+    assert digest(tail.view.state) == digest(whole.view.state)
+    assert head.dirty.rejections + tail.dirty.rejections == whole.dirty.rejections
+    assert head.dirty.decisions + tail.dirty.decisions == whole.dirty.decisions
+    # The derived indexes agree too: what is allocated where, and what is free.
+    assert tail.view.inventory.allocations() == whole.view.inventory.allocations()
+    for n in NODES:
+        assert tail.view.inventory.free_gpus(n) == whole.view.inventory.free_gpus(n)
+        assert tail.view.inventory.free_cpu(n) == whole.view.inventory.free_cpu(n)
