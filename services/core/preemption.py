@@ -32,6 +32,7 @@ worse than not preempting.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -292,9 +293,16 @@ def plan(
 
     # An owner past a limit is not placed, and preemption does not run for it: a limit
     # is a ceiling on what the owner may hold, which stopping others' replicas cannot lift.
-    holdings = view.holdings()
-    usage = view.quota.usage(holdings)
-    profiles = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
+    #
+    # What every replica holds is summed only when a limit or a guarantee reads it, and
+    # only up the owner's own chain: all that the limits and the reclaim test look at.
+    tree = view.quota
+    holdings: list[quota.Holding] | None = None
+    usage: dict[str, quota.Amount] = {}
+    if any(q.limit is not None for q in tree.governing(m.owner)):
+        holdings = view.holdings(_counted_owners(view, m.owner))
+        usage = tree.usage_of(m.owner, holdings)
+    profiles = [p for p in m.profiles if tree.within_limit(m.owner, usage, p.need())]
     if not profiles:
         return Decision(
             outcome="quota_limit",
@@ -326,9 +334,14 @@ def plan(
     # The owner reclaims only if it stays within its guarantee whichever profile the
     # model is placed in: the replica it gets must not itself be borrowed, or the owner
     # it took from could take it straight back.
-    reclaim = all(view.quota.guaranteed(m.owner, usage, p.need()) for p in profiles)
+    # With no guarantee anywhere nobody reclaims and nothing is covered: the holdings
+    # are not needed at all.
+    if holdings is None and tree.any_guarantee():
+        holdings = view.holdings(_counted_owners(view, m.owner))
+        usage = tree.usage_of(m.owner, holdings)
+    reclaim = all(tree.guaranteed(m.owner, usage, p.need()) for p in profiles)
     below_min = base["live"] < m.min
-    cands, excluded = _candidates(view, m, now, cfg, holdings, reclaim, below_min)
+    cands, excluded = _candidates(view, m, now, cfg, holdings or [], reclaim, below_min)
     base |= {"reclaim": reclaim, "below_min": below_min, "candidates": cands}
     base["excluded"] = excluded
     if not cands:
@@ -363,6 +376,22 @@ def plan(
     )
 
 
+def _counted_owners(view: View, owner: str) -> set[str]:
+    """The owners whose replicas the quota math for `owner` reads: those sharing a level
+    of its chain (its usage) and those under a guarantee (what is borrowed). Everyone
+    else's holdings change neither; a replica of an owner under no guarantee is borrowed
+    whatever it holds."""
+    tree = view.quota
+    mine = {q.name for q in tree.governing(owner)}
+    everyone = {x.owner for x in view.catalog.models()}
+    everyone.add("default")  # a replica of a model not in the catalog
+    return {
+        o
+        for o in everyone
+        if tree.has_guarantee(o) or any(q.name in mine for q in tree.governing(o))
+    }
+
+
 def _candidates(
     view: View,
     m: catalog.Model,
@@ -383,11 +412,10 @@ def _candidates(
     tree = view.quota
     my_rank = catalog.class_rank(m.cls)
     # borrowed only matters across owners with a guarantee in play; with no guarantee
-    # anywhere no replica is covered, and no owner can reclaim.
-    any_guarantee = any(q.guarantee.any() for q in tree.quotas())
+    # anywhere no replica is covered, and no owner can reclaim. `holdings` has every
+    # replica under a guarantee; one of an owner under none is borrowed.
+    any_guarantee = tree.any_guarantee()
     borrowed = tree.borrowed(holdings) if any_guarantee else set()
-    # What stopping each replica frees, as the quota math counted it.
-    sizes = {h.replica: h.amount for h in holdings}
     excluded: list[Exclusion] = []
 
     def exclude(r: ReplicaRecord, why: str, detail: str = "") -> None:
@@ -396,8 +424,9 @@ def _candidates(
     # Per model, its live replicas newest first: the newest are the ones above its
     # minimum.
     by_model: dict[str, list[ReplicaRecord]] = {}
+    holding = ev.HOLDING_STATES
     for r in view.state.replicas.values():
-        if not r.holds_capacity:
+        if r.state not in holding:
             continue  # stopped or failed: holds nothing, nothing to weigh
         if r.model == m.name:
             exclude(r, "same_model")
@@ -408,10 +437,24 @@ def _candidates(
         elif not r.live:
             exclude(r, "draining")
         else:
-            by_model.setdefault(r.model, []).append(r)
+            reps = by_model.get(r.model)
+            if reps is None:
+                by_model[r.model] = [r]
+            else:
+                reps.append(r)
 
+    # Each candidate with its `_order` key, built alongside it.
     out: list[Candidate] = []
+    keys: list[tuple[int, float, int, float, str]] = []
+    not_lower: dict[tuple[str, bool], str] = {}
     grace, lifetime = cfg.eviction_grace_s, cfg.min_lifetime_s
+    # Ready at or before `settled`, a replica is at least a second past the minimum
+    # lifetime: only those ready later need the exact age.
+    settled: datetime | None
+    try:
+        settled = now - timedelta(seconds=lifetime + 1.0)
+    except (OverflowError, ValueError):
+        settled = None
     for name in sorted(by_model):
         reps = by_model[name]
         other = view.catalog.resolve(name)
@@ -421,73 +464,109 @@ def _candidates(
             continue
         cls = effective_class(other)
         rank = catalog.class_rank(cls)
-        same_owner = other.owner == m.owner
-        owner_guaranteed = not same_owner and any_guarantee and tree.has_guarantee(other.owner)
+        lower = rank < my_rank
+        same_rank = rank == my_rank
+        critical = cls == "critical"
+        on_demand = other.on_demand
+        owner = other.owner
+        same_owner = owner == m.owner
+        covered = any_guarantee and tree.has_guarantee(owner)
+        owner_guaranteed = not same_owner and covered
         # Ties in creation time by id, so the same log always marks the same replicas
         # as above the minimum.
-        reps.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        reps.sort(key=_newest, reverse=True)
         above = max(len(reps) - other.min, 0)
+        # Idle time decides tier 0 only for an on-demand lower class; for the others it
+        # is looked up once the replica is known to be a candidate.
+        idle_decides = lower and on_demand
+        # What stopping one replica frees (size_of), per profile and shape.
+        shaped: dict[str, tuple[int, int, quota.Amount]] = {}
         for i, r in enumerate(reps):
             above_min = i < above
-            idle = r.idle_s(now)
+            idle = r.idle_s(now) if idle_decides else None
             tier: int | None = None
-            if rank < my_rank and other.on_demand and idle is not None and idle >= grace:
+            if idle_decides and idle is not None and idle >= grace:
                 tier = 0
-            elif rank < my_rank and above_min:
+            elif lower and above_min:
                 tier = 2
-            elif rank == my_rank and above_min and below_min:
+            elif same_rank and above_min and below_min:
                 tier = 3
-            elif rank < my_rank and cls != "critical":
+            elif lower and not critical:
                 tier = 4
-            is_borrowed = r.id in borrowed
+            is_borrowed = r.id in borrowed if covered else any_guarantee
             if not same_owner:
-                if is_borrowed and reclaim and (cls != "critical" or above_min):
+                if is_borrowed and reclaim and (not critical or above_min):
                     # Past its owner's guarantee, wanted by an owner within its own:
                     # taken back whatever the classes.
                     if tier != 0:
                         tier = 1
                 elif not is_borrowed and owner_guaranteed:
-                    exclude(r, "guaranteed", f"within {other.owner}'s guarantee")
+                    exclude(r, "guaranteed", f"within {owner}'s guarantee")
                     continue
             if tier is None:
-                if cls == "critical" and not above_min:
+                if critical and not above_min:
                     exclude(r, "critical_minimum")
                 else:
-                    exclude(r, "not_lower_class", _not_lower(m, cls, above_min, below_min))
+                    why = not_lower.get((cls, above_min))
+                    if why is None:
+                        why = not_lower[(cls, above_min)] = _not_lower(m, cls, above_min, below_min)
+                    exclude(r, "not_lower_class", why)
                 continue
             # Just started: stopping it throws away a model load that has only now
             # been paid for.
-            if r.ready_at is not None and (now - r.ready_at).total_seconds() < lifetime:
-                age = (now - r.ready_at).total_seconds()
-                exclude(r, "young", f"ready for {age:g}s, less than {lifetime:g}s")
-                continue
+            ready = r.ready_at
+            if ready is not None and (settled is None or ready > settled):
+                age = (now - ready).total_seconds()
+                if age < lifetime:
+                    exclude(r, "young", f"ready for {age:g}s, less than {lifetime:g}s")
+                    continue
             # Spread over more than one node: stopping it is its own decision, not one
             # taken to make room for a single replica (the reference leaves it to
             # makeRoomFor), since it would lose a whole multi-node model for room on one.
-            nodes = r.nodes
-            if len(nodes) > 1:
-                exclude(r, "multi_node", f"spread over {', '.join(nodes)}")
-                continue
-            size = sizes.get(r.id) or size_of(view, r)
-            out.append(
-                Candidate(
-                    replica=r.id,
-                    model=name,
-                    cls=cls,
-                    owner=other.owner,
-                    tier=tier,
-                    above_min=above_min,
-                    idle_s=idle,
-                    gpus=size.gpus,
-                    cpu_cores=size.cpu_cores,
-                    memory_gb=size.memory_gb,
-                    node=nodes[0] if nodes else "",
-                    borrowed=is_borrowed,
-                )
+            shards = r.shards
+            if len(shards) > 1:
+                nodes = r.nodes
+                if len(nodes) > 1:
+                    exclude(r, "multi_node", f"spread over {', '.join(nodes)}")
+                    continue
+                node = nodes[0]
+                gpus = sum(len(s.gpus) for s in shards)
+            elif shards:
+                node = shards[0].node
+                gpus = len(shards[0].gpus)
+            else:
+                node, gpus = "", 0
+            known = shaped.get(r.profile)
+            if known is not None and known[0] == gpus and known[1] == len(shards):
+                size = known[2]
+            else:
+                size = size_of(view, r)
+                shaped[r.profile] = (gpus, len(shards), size)
+            if not idle_decides:
+                idle = r.idle_s(now)
+            c = Candidate(
+                replica=r.id,
+                model=name,
+                cls=cls,
+                owner=owner,
+                tier=tier,
+                above_min=above_min,
+                idle_s=idle,
+                gpus=size.gpus,
+                cpu_cores=size.cpu_cores,
+                memory_gb=size.memory_gb,
+                node=node,
+                borrowed=is_borrowed,
             )
-    out.sort(key=_order)
-    excluded.sort(key=lambda x: x.replica)
-    return tuple(out), tuple(excluded)
+            out.append(c)
+            keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
+    excluded.sort(key=_replica)
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return tuple([out[i] for i in order]), tuple(excluded)
+
+
+_newest = operator.attrgetter("created_at", "id")
+_replica = operator.attrgetter("replica")
 
 
 def _order(c: Candidate) -> tuple[int, float, int, float, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
@@ -18,7 +19,7 @@ import msgspec
 EPSILON = 1e-9
 
 
-class Amount(msgspec.Struct, frozen=True, kw_only=True):
+class Amount(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A quantity of capacity in GPUs, CPU cores and memory."""
 
     gpus: int = 0
@@ -76,7 +77,7 @@ class Quota(msgspec.Struct, frozen=True, kw_only=True):
     limit: Amount | None = None
 
 
-class Holding(msgspec.Struct, frozen=True, kw_only=True):
+class Holding(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What one live replica holds, charged to its model's owner."""
 
     replica: str
@@ -86,6 +87,11 @@ class Holding(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _age_key(h: Holding) -> tuple[datetime, str]:
+    return (h.created_at, h.replica)
+
+
+def _counted_age(item: tuple[Holding, tuple[Quota, ...]]) -> tuple[datetime, str]:
+    h = item[0]
     return (h.created_at, h.replica)
 
 
@@ -100,7 +106,7 @@ class QuotaTree:
     seen twice and is listed in `errors`; a cycle must never hang the fold.
     """
 
-    __slots__ = ("_chains", "_quotas", "errors")
+    __slots__ = ("_any_guarantee", "_chains", "_guaranteed", "_quotas", "errors")
 
     def __init__(self, quotas: Iterable[Quota] = ()) -> None:
         self._quotas: dict[str, Quota] = {}
@@ -112,6 +118,13 @@ class QuotaTree:
         self._chains: dict[str, tuple[Quota, ...]] = {}
         for name in self._quotas:
             self._chains[name] = self._walk(name, problems)
+        # Each declared owner's guaranteed levels, nearest first: what borrowed and
+        # guaranteed walk for every replica, worked out once per tree.
+        self._guaranteed: dict[str, tuple[Quota, ...]] = {
+            name: tuple(q for q in chain if q.guarantee.any())
+            for name, chain in self._chains.items()
+        }
+        self._any_guarantee = any(q.guarantee.any() for q in self._quotas.values())
         self.errors: tuple[str, ...] = tuple(dict.fromkeys(problems))
 
     def _walk(self, name: str, problems: list[str]) -> tuple[Quota, ...]:
@@ -158,11 +171,43 @@ class QuotaTree:
         Every declared owner appears, at ZERO when it holds nothing; an undeclared owner
         appears only when it holds something.
         """
-        totals: dict[str, Amount] = dict.fromkeys(self._quotas, ZERO)
+        return self._usage(holdings, None)
+
+    def usage_of(self, owner: str, holdings: Iterable[Holding]) -> dict[str, Amount]:
+        """`usage`, for the owner's chain only: all that `within_limit` and `guaranteed`
+        read for that owner, the same figures without summing everyone else's."""
+        return self._usage(holdings, frozenset(q.name for q in self._chain(owner)))
+
+    def _usage(self, holdings: Iterable[Holding], only: frozenset[str] | None) -> dict[str, Amount]:
+        # Plain running sums, added in the holdings' order as Amount.plus would add
+        # them, so the figures are the same to the last bit.
+        sums: dict[str, list[Any] | None] = {
+            name: None for name in self._quotas if only is None or name in only
+        }
+        chains = self._chains
         for h in holdings:
-            for q in self._chain(h.owner):
-                totals[q.name] = totals.get(q.name, ZERO).plus(h.amount)
-        return totals
+            chain = chains.get(h.owner)
+            if chain is None:
+                chain = (Quota(name=h.owner),)
+            a = h.amount
+            for q in chain:
+                name = q.name
+                if only is not None and name not in only:
+                    continue
+                acc = sums.get(name)
+                if acc is None:
+                    acc = sums[name] = [ZERO.gpus, ZERO.cpu_cores, ZERO.memory_gb]
+                acc[0] += a.gpus
+                acc[1] += a.cpu_cores
+                acc[2] += a.memory_gb
+        return {
+            name: ZERO if acc is None else Amount(gpus=acc[0], cpu_cores=acc[1], memory_gb=acc[2])
+            for name, acc in sums.items()
+        }
+
+    def any_guarantee(self) -> bool:
+        """Whether any declared owner has a guarantee."""
+        return self._any_guarantee
 
     def borrowed(self, holdings: Iterable[Holding]) -> set[str]:
         """The replicas held past a guarantee.
@@ -174,21 +219,36 @@ class QuotaTree:
         one whose chain has no guaranteed level is borrowed. Oldest first, because the
         replica that arrived last is the one that took room past the promise.
         """
-        held = sorted(holdings, key=_age_key)
-        by_level: dict[str, list[Holding]] = {}
         out: set[str] = set()
-        for h in held:
-            levels = [q for q in self._chain(h.owner) if q.guarantee.any()]
-            if not levels:
+        # Only replicas under a guaranteed level are counted; the sort is stable, so
+        # each level sees its members in the same order as in a sort of them all.
+        counted: list[tuple[Holding, tuple[Quota, ...]]] = []
+        guaranteed = self._guaranteed
+        for h in holdings:
+            levels = guaranteed.get(h.owner, ())
+            if levels:
+                counted.append((h, levels))
+            else:
                 out.add(h.replica)
+        if not counted:
+            return out
+        counted.sort(key=_counted_age)
+        running: dict[str, list[Any]] = {}
+        for h, levels in counted:
+            a = h.amount
             for q in levels:
-                by_level.setdefault(q.name, []).append(h)
-        for name, members in by_level.items():
-            guarantee = self._quotas[name].guarantee
-            running = ZERO
-            for h in members:
-                running = running.plus(h.amount)
-                if not running.fits_within(guarantee):
+                acc = running.get(q.name)
+                if acc is None:
+                    acc = running[q.name] = [ZERO.gpus, ZERO.cpu_cores, ZERO.memory_gb]
+                acc[0] += a.gpus
+                acc[1] += a.cpu_cores
+                acc[2] += a.memory_gb
+                g = q.guarantee
+                if not (
+                    acc[0] <= g.gpus
+                    and acc[1] <= g.cpu_cores + EPSILON
+                    and acc[2] <= g.memory_gb + EPSILON
+                ):
                     out.add(h.replica)
         return out
 
@@ -198,14 +258,14 @@ class QuotaTree:
         True only when the owner has at least one guaranteed level and usage plus need
         fits within the guarantee at every guaranteed level of its chain.
         """
-        levels = [q for q in self._chain(owner) if q.guarantee.any()]
+        levels = self._guaranteed.get(owner, ())
         if not levels:
             return False
         return all(usage.get(q.name, ZERO).plus(need).fits_within(q.guarantee) for q in levels)
 
     def has_guarantee(self, owner: str) -> bool:
         """Whether the owner has a guarantee anywhere up its tree."""
-        return any(q.guarantee.any() for q in self._chain(owner))
+        return bool(self._guaranteed.get(owner, ()))
 
     def within_limit(self, owner: str, usage: Mapping[str, Amount], need: Amount) -> bool:
         """Whether usage plus `need` fits within the limit at every limited level.
