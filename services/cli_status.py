@@ -122,9 +122,7 @@ def summary(view: View, decisions: int = LAST_DECISIONS) -> dict[str, Any]:
 def text(view: View, where: str, decisions: int = LAST_DECISIONS) -> str:
     d = summary(view, decisions)
     now = view.state.time
-    out = [
-        f"{where}: seq {d['seq']}, last event at {d['time']}, digest {d['digest'][:12]}"
-    ]
+    out = [f"{where}: seq {d['seq']}, last event at {d['time']}, digest {d['digest'][:12]}"]
     g = d["gpus"]
     lost = sum(1 for n in d["nodes"] if n["state"] == "lost")
     cordoned = sum(1 for n in d["nodes"] if n["state"] == "cordoned")
