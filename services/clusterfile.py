@@ -132,7 +132,9 @@ def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:
     except msgspec.ValidationError as e:
         m = _AT.match(str(e))
         path, why = (where + m.group("path"), m.group("why")) if m else (where, str(e))
-        raise fail(path, why.replace("Object missing required field", "missing required field")) from e
+        raise fail(
+            path, why.replace("Object missing required field", "missing required field")
+        ) from e
 
 
 def _line_for(lines: dict[str, int], where: str) -> int | None:

@@ -74,4 +74,3 @@ def event_of(kind: str) -> st.SearchStrategy[ev.Event]:
 
 
 any_event: st.SearchStrategy[ev.Event] = st.sampled_from(sorted(ev.EVENT_TYPES)).flatmap(event_of)
-
