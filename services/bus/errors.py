@@ -37,6 +37,17 @@ class BrokerError(BusError):
         super().__init__(f"{why} (log: {log})" if log else why)
 
 
+class StreamConflict(BusError):
+    """The broker's event stream belongs to another root; nothing was changed."""
+
+    def __init__(self, stream: str, theirs: str, root: str) -> None:
+        self.stream, self.theirs, self.root = stream, theirs, root
+        super().__init__(
+            f"stream {stream} on this broker holds the log of root {theirs}, not {root}: "
+            f"use --root {theirs}, or another broker for root {root}"
+        )
+
+
 class PublishError(BusError):
     """JetStream did not take a message on `subject`: no stream, no ack in time, refused.
 

@@ -12,6 +12,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
+from services.bus.errors import StreamConflict
 
 DLQ_STREAM = "LLMGW_DLQ"
 
@@ -47,7 +48,18 @@ async def ensure_stream(
 
     It holds every subject under `root` except heartbeats (core NATS chatter) and the DLQ
     (reports, in their own stream). No limits: nothing is ever aged out of the log.
+
+    One broker holds one root: a stream already serving another root is refused, never
+    re-pointed, since re-pointing would orphan that root's whole history.
     """
+    try:
+        current = await js.stream_info(STREAM)
+    except NotFoundError:
+        current = None
+    if current is not None:
+        theirs = sorted({s.split(".", 1)[0] for s in current.config.subjects or []})
+        if theirs and theirs != [root]:
+            raise StreamConflict(STREAM, ", ".join(theirs), root)
     return await _create_or_update(
         js,
         StreamConfig(

@@ -123,3 +123,14 @@ async def test_a_folded_batch_span_links_to_every_producer(js, events, spans):
 def test_encode_then_decode_is_the_same_event(events):
     for e in events(9, "mixed"):
         assert codec.decode(codec.encode(e)) == e
+
+
+async def test_a_stream_of_another_root_is_refused_not_re_pointed(js) -> None:  # type: ignore[no-untyped-def]
+    from services.bus import ensure_stream
+    from services.bus.errors import StreamConflict
+
+    before = await js.stream_info("LLMGW")
+    with pytest.raises(StreamConflict, match="use --root llmgw"):
+        await ensure_stream(js, root="staging")
+    after = await js.stream_info("LLMGW")
+    assert after.config.subjects == before.config.subjects
