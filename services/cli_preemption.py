@@ -15,10 +15,8 @@ import sys
 from datetime import UTC, datetime
 from typing import IO
 
-from schemas import bundle, codec
-from schemas.errors import EventDecodeError
 from services import cli
-from services.core import fold, preemption
+from services.core import preemption
 from services.core.view import View
 
 _DEFAULTS = preemption.Config()
@@ -59,10 +57,17 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--log", required=True, metavar="BUNDLE.jsonl", help="the bundle to fold")
     p.add_argument("--model", required=True, metavar="NAME", help="the model to place (or alias)")
     p.add_argument(
+        "--seq",
+        type=cli.arg_seq,
+        metavar="N",
+        help="fold the bundle only up to event N: the cluster as it stood then "
+        "(default: the whole bundle)",
+    )
+    p.add_argument(
         "--now",
         type=cli.arg_time,
         metavar="RFC3339",
-        help="decide as of this time (default: the time of the bundle's latest event)",
+        help="decide as of this time (default: the time of the latest event folded)",
     )
     p.add_argument(
         "--hold",
@@ -117,25 +122,28 @@ def _count(text: str) -> int:
     return n
 
 
-def load(path: str) -> View:
-    """The view folded from a bundle; an unreadable line is a CliError naming file:line."""
-    view = View()
+async def load(path: str, until_seq: int | None = None) -> View:
+    """The view folded from a bundle (up to `until_seq`), the way every replay folds it:
+    lines that do not decode are skipped and reported, never fatal."""
+    from services.replay import rebuild
+    from services.replay.errors import ReplayError
+
     try:
-        for rec in bundle.read(path):
-            try:
-                event = codec.decode(rec.line)
-            except EventDecodeError as e:
-                raise cli.CliError(f"{path}:{rec.lineno}: {e}") from e
-            fold.apply(view, event, seq=rec.seq, subject=rec.subject)
+        got = await rebuild.from_bundle(path, until_seq=until_seq)
+    except ReplayError as e:
+        raise cli.CliError(str(e)) from None
     except FileNotFoundError:
         raise cli.CliError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise cli.CliError(f"{path}: is a directory, not a bundle") from None
-    return view
+    skipped = got.source.stats.summary()
+    if skipped:
+        print(f"note: {skipped}", file=sys.stderr)
+    return got.view
 
 
-def _plan(args: argparse.Namespace) -> int:
-    view = load(args.log)
+async def _plan(args: argparse.Namespace) -> int:
+    view = await load(args.log, args.seq)
     if view.catalog.resolve(args.model) is None:
         known = ", ".join(sorted(view.catalog)) or "none"
         raise cli.CliError(f"unknown model {args.model!r} in {args.log}; known models: {known}")
