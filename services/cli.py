@@ -367,6 +367,75 @@ def arg_seq(text: str) -> int:
     return n
 
 
+def arg_seconds(text: str) -> float:
+    """argparse `type=` for a duration in seconds, 0 or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return v
+
+
+def arg_positive(text: str) -> float:
+    """argparse `type=` for a number of seconds (or a rate) more than 0."""
+    v = arg_seconds(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return v
+
+
+def arg_count(text: str, *, least: int = 0) -> int:
+    """argparse `type=` for a whole number, `least` or more (use `arg_count_1` for 1+)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more, got {n}")
+    return n
+
+
+def arg_count_1(text: str) -> int:
+    return arg_count(text, least=1)
+
+
+def arg_model_rate(text: str) -> tuple[str, float]:
+    """argparse `type=` for `MODEL=RPM` (requests per minute)."""
+    model, sep, rpm = text.rpartition("=")
+    if not sep or not model:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not MODEL=RPM (requests per minute), e.g. llama-70b=120"
+        )
+    try:
+        return model, arg_seconds(rpm)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the rate after = must be requests per minute (0 or more), e.g. "
+            "llama-70b=120"
+        ) from None
+
+
+def setup_logging() -> None:
+    """Logs a person can follow, for the long-running commands (`up`, `agent`).
+
+    Someone else (a test, an embedding program) may have set logging up already; that
+    one wins. nats-py logs reconnect chatter at INFO; our one line about it is enough.
+    """
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(name)-17s %(message)s",
+            datefmt="%H:%M:%S",
+        )
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+    logging.getLogger("nats").setLevel(logging.WARNING)
+
+
 def arg_seq_or_time(text: str) -> int | datetime:
     """argparse `type=` for `--since`-like options: a sequence number, or a time."""
     if text.strip().isdigit():

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -67,13 +66,13 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--cpu",
-        type=_nonneg,
+        type=cli.arg_seconds,
         metavar="CORES",
         help="CPU cores to offer (default 12 per GPU)",
     )
     p.add_argument(
         "--memory",
-        type=_nonneg,
+        type=cli.arg_seconds,
         metavar="GB",
         help="host memory in GB to offer (default 128 per GPU)",
     )
@@ -82,21 +81,21 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--start-delay",
-        type=_nonneg,
+        type=cli.arg_seconds,
         default=DEFAULT_START_DELAY_S,
         metavar="S",
         help=f"simulated seconds from starting to loading (default {DEFAULT_START_DELAY_S:g})",
     )
     p.add_argument(
         "--load-delay",
-        type=_nonneg,
+        type=cli.arg_seconds,
         default=DEFAULT_LOAD_DELAY_S,
         metavar="S",
         help=f"simulated seconds from loading to ready (default {DEFAULT_LOAD_DELAY_S:g})",
     )
     p.add_argument(
         "--stop-delay",
-        type=_nonneg,
+        type=cli.arg_seconds,
         default=DEFAULT_STOP_DELAY_S,
         metavar="S",
         help="simulated seconds from draining to stopped, at most the drain's grace "
@@ -104,14 +103,14 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--heartbeat",
-        type=_positive,
+        type=cli.arg_positive,
         default=DEFAULT_HEARTBEAT_S,
         metavar="S",
         help=f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_S:g})",
     )
     p.add_argument(
         "--traffic",
-        type=_traffic,
+        type=cli.arg_model_rate,
         action="append",
         default=[],
         metavar="MODEL=RPM",
@@ -120,14 +119,14 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--used-interval",
-        type=_positive,
+        type=cli.arg_positive,
         default=30.0,
         metavar="S",
         help="report one replica's use at most this often (default 30)",
     )
     p.add_argument(
         "--ack-wait",
-        type=_positive,
+        type=cli.arg_positive,
         default=10.0,
         metavar="S",
         help="how long a command this agent took but never acked (it died) waits before it "
@@ -162,38 +161,6 @@ def _labels(text: str) -> dict[str, str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return v
-
-
-def _positive(text: str) -> float:
-    v = _nonneg(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
-    return v
-
-
-def _traffic(text: str) -> tuple[str, float]:
-    model, sep, rpm = text.rpartition("=")
-    if not sep or not model:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not MODEL=RPM (requests per minute), e.g. llama-70b=120"
-        )
-    try:
-        return model, _nonneg(rpm)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: the rate after = must be requests per minute (0 or more), e.g. "
-            "llama-70b=120"
-        ) from None
-
-
 # ---------------------------------------------------------------------- run
 
 
@@ -214,19 +181,6 @@ def _exit_after(n: int | None) -> Callable[[Any], None] | None:
     return on_stored
 
 
-def _setup_logging() -> None:
-    # Someone else (llmgw up, a test) may have set logging up already; that one wins.
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)-7s %(message)s",
-            datefmt="%H:%M:%S",
-        )
-    logging.getLogger("llmgw").setLevel(logging.INFO)
-
-
 async def _run(args: argparse.Namespace) -> int:
     if not args.simulate:
         raise cli.UsageError(
@@ -239,7 +193,7 @@ async def _run(args: argparse.Namespace) -> int:
         names.escape(args.node)
     except names.TokenError as e:
         raise cli.UsageError(f"--node: {e.why}") from None
-    _setup_logging()
+    cli.setup_logging()
     gpus: spec.GpuSpec = args.gpus
     runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
     stop = asyncio.Event()

@@ -59,7 +59,7 @@ def register(commands: cli.Commands) -> None:
         func=_scale,
     )
     p.add_argument("model", metavar="MODEL", help="model name or alias")
-    p.add_argument("replicas", metavar="N", type=_count, help="desired replicas (>= 0)")
+    p.add_argument("replicas", metavar="N", type=cli.arg_count, help="desired replicas (>= 0)")
 
     for name, verb, doc in (
         ("cordon", "cordoned", "take no new replicas on NODE; those running stay"),
@@ -74,16 +74,6 @@ def register(commands: cli.Commands) -> None:
         )
         p.add_argument("node", metavar="NODE", help="node name")
         p.set_defaults(cordon=name == "cordon")
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return n
 
 
 def _source() -> str:

@@ -71,14 +71,14 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--hold",
-        type=_seconds,
+        type=cli.arg_seconds,
         metavar="S",
         default=_DEFAULTS.hold_s,
         help=f"hold period of a victim's model, seconds (default {_DEFAULTS.hold_s:g})",
     )
     p.add_argument(
         "--grace",
-        type=_seconds,
+        type=cli.arg_seconds,
         metavar="S",
         default=_DEFAULTS.eviction_grace_s,
         help="idle seconds after which an on-demand replica is tier 0 "
@@ -86,7 +86,7 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--min-lifetime",
-        type=_seconds,
+        type=cli.arg_seconds,
         metavar="S",
         default=_DEFAULTS.min_lifetime_s,
         help="seconds a replica must have been ready to be a victim "
@@ -94,32 +94,12 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--max-victims",
-        type=_count,
+        type=cli.arg_count_1,
         metavar="N",
         default=_DEFAULTS.max_victims,
         help=f"most replicas one decision may stop (default {_DEFAULTS.max_victims})",
     )
     p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if v < 0 or v != v:
-        raise argparse.ArgumentTypeError(f"seconds must be 0 or more, got {text}")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
-    return n
 
 
 async def load(path: str, until_seq: int | None = None) -> View:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
-import sys
 
 from services import cli
 
@@ -63,28 +61,28 @@ def register(commands: cli.Commands) -> None:
     )
     g.add_argument(
         "--start-delay",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=0.5,
         metavar="S",
         help="simulated start time (default 0.5)",
     )
     g.add_argument(
         "--load-delay",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=2.0,
         metavar="S",
         help="simulated model load time (default 2)",
     )
     g.add_argument(
         "--stop-delay",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=0.5,
         metavar="S",
         help="simulated drain time, at most the grace (default 0.5)",
     )
     g.add_argument(
         "--heartbeat",
-        type=_positive,
+        type=cli.arg_positive,
         default=1.0,
         metavar="S",
         help="agents' heartbeat period (default 1)",
@@ -93,27 +91,28 @@ def register(commands: cli.Commands) -> None:
         "--traffic",
         action="append",
         default=[],
+        type=cli.arg_model_rate,
         metavar="MODEL=RPM",
         help="simulated requests per minute to a model's replicas (repeatable); others stay idle",
     )
     g = p.add_argument_group("preemption policy")
     g.add_argument(
         "--hold",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=pol.hold_s,
         metavar="S",
         help=f"how long a model that gave up room is held back (default {pol.hold_s:g})",
     )
     g.add_argument(
         "--grace",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=pol.eviction_grace_s,
         metavar="S",
         help=f"idle time after which an on-demand replica is evicted first (default {pol.eviction_grace_s:g})",
     )
     g.add_argument(
         "--min-lifetime",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=pol.min_lifetime_s,
         metavar="S",
         help=f"a replica ready for less than this is never preempted (default {pol.min_lifetime_s:g})",
@@ -127,7 +126,7 @@ def register(commands: cli.Commands) -> None:
     )
     g.add_argument(
         "--drain-grace",
-        type=_seconds,
+        type=cli.arg_seconds,
         default=30.0,
         metavar="S",
         help="grace a drained replica gets to finish its requests (default 30)",
@@ -135,56 +134,26 @@ def register(commands: cli.Commands) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument(
         "--tick",
-        type=_positive,
+        type=cli.arg_positive,
         default=sch.tick_s,
         metavar="S",
         help=f"reconcile period (default {sch.tick_s:g})",
     )
     g.add_argument(
         "--node-timeout",
-        type=_positive,
+        type=cli.arg_positive,
         default=sch.node_timeout_s,
         metavar="S",
         help=f"missed heartbeats for this long make a node lost (default {sch.node_timeout_s:g})",
     )
     g.add_argument(
         "--start-timeout",
-        type=_positive,
+        type=cli.arg_positive,
         default=sch.start_timeout_s,
         metavar="S",
         help=f"a placement not starting within this is retried elsewhere (default {sch.start_timeout_s:g})",
     )
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return v
-
-
-def _positive(text: str) -> float:
-    v = _seconds(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return v
-
-
-def _traffic(items: list[str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for item in items:
-        model, sep, rpm = item.rpartition("=")
-        try:
-            out[model] = float(rpm)
-        except ValueError:
-            model = ""
-        if not sep or not model:
-            raise cli.UsageError(f"--traffic: expected MODEL=RPM, e.g. chat-70b=120, not {item!r}")
-    return out
 
 
 def _port(requested: int | None) -> int | None:
@@ -199,19 +168,6 @@ def _port(requested: int | None) -> int | None:
         except OSError:
             return None
     return DEFAULT_PORT
-
-
-def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            stream=sys.stderr,
-            format="%(asctime)s %(name)-17s %(message)s",
-            datefmt="%H:%M:%S",
-        )
-    logging.getLogger("llmgw").setLevel(logging.INFO)
-    # nats-py logs reconnect chatter at INFO; a person wants our one line about it.
-    logging.getLogger("nats").setLevel(logging.WARNING)
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -246,10 +202,10 @@ async def _up(args: argparse.Namespace) -> int:
         load_delay_s=args.load_delay,
         stop_delay_s=args.stop_delay,
         heartbeat_s=args.heartbeat,
-        traffic=_traffic(args.traffic),
+        traffic=dict(args.traffic),
         projector=not args.no_projector,
     )
-    _setup_logging()
+    cli.setup_logging()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
