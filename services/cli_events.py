@@ -34,11 +34,12 @@ from typing import IO, Any
 
 import msgspec
 
-from schemas import bundle, codec, ids, subjects
+from schemas import bundle, codec, subjects
 from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services import cli, cli_bundle, cli_format
+from services.clock import new_id
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
 # the broker busy, small enough that progress moves and memory stays flat on any bundle.
@@ -608,11 +609,6 @@ def _read_data(spec: str) -> bytes:
         except OSError as e:
             raise cli.UsageError(f"--data: cannot read {spec[1:]}: {e.strerror}") from None
     return spec.encode()
-
-
-def new_id(now: datetime) -> str:
-    """A fresh ULID for an event made now."""
-    return ids.ulid(int(now.timestamp() * 1000), os.urandom(10))
 
 
 def _default_source() -> str:

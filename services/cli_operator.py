@@ -20,7 +20,7 @@ from schemas import codec, subjects
 from schemas import events as ev
 from schemas.errors import EventDecodeError
 from services import cli, clusterfile
-from services.cli_events import new_id
+from services.clock import new_id
 
 
 def register(commands: cli.Commands) -> None:

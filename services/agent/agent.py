@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -44,6 +43,7 @@ from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
+from services.clock import new_id
 
 log = logging.getLogger("llmgw.agent")
 
@@ -74,11 +74,6 @@ _json = msgspec.json.Encoder()
 def durable_name(node: str) -> str:
     """The agent's durable consumer: one per node, surviving the agent's restarts."""
     return f"agent-{names.escape(node)}"
-
-
-def new_id() -> str:
-    """A fresh ULID for an event that reacts to nothing (inventory, use reports)."""
-    return ids.ulid(time.time_ns() // 1_000_000, os.urandom(10))
 
 
 @dataclass(eq=False)

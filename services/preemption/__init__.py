@@ -7,7 +7,8 @@ as a subprocess with a crash point armed. The policy itself lives in
 publishes what the policy decided.
 """
 
+from services.clock import utc_now
 from services.preemption.fault import Fault, FaultError
-from services.preemption.service import Options, PreemptionService, Stats, utc_now
+from services.preemption.service import Options, PreemptionService, Stats
 
 __all__ = ["Fault", "FaultError", "Options", "PreemptionService", "Stats", "utc_now"]

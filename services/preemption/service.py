@@ -42,7 +42,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
 import msgspec
 import nats.errors
@@ -54,6 +54,7 @@ from schemas import codec, ids, subjects
 from schemas import events as ev
 from services.bus import Permanent, Publisher, Retry
 from services.bus.consume import Delivery, consume_durable, decode_checked
+from services.clock import utc_now
 from services.core import preemption
 from services.core.view import DecisionRecord, View
 from services.follower import ViewFollower
@@ -64,10 +65,6 @@ log = logging.getLogger("llmgw.preemption")
 
 SOURCE = "preemption"
 DURABLE = "preemption"
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
 
 
 # NOT_LEADER_RETRY_S is how long a message fetched by a leader that has since lost its

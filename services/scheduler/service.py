@@ -30,7 +30,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 import nats.errors
 from nats.aio.client import Client
@@ -40,6 +40,7 @@ from nats.js.client import JetStreamContext
 from schemas import codec, names, subjects
 from schemas import events as ev
 from services.bus import Publisher, PublishError
+from services.clock import utc_now
 from services.core.view import Rejection, View
 from services.follower import ViewFollower
 from services.lease import Lease
@@ -49,10 +50,6 @@ from services.scheduler.plan import Failure, SchedulerConfig
 log = logging.getLogger("llmgw.scheduler")
 
 SOURCE = "scheduler"
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
 
 
 # QUIET_TYPES change nothing a pass looks at: a pass is not run for them. The tick still

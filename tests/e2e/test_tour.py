@@ -48,7 +48,7 @@ class Cluster:
 
     async def publish(self, data: ev.Data) -> int:
         now = datetime.now(UTC)
-        from services.cli_events import new_id
+        from services.clock import new_id
 
         out = await self.publisher.publish(
             ev.make(data, id=new_id(now), time=now, source="test/operator")
