@@ -8,17 +8,14 @@ parses flags, connects, runs the service until SIGTERM or SIGINT; it holds no lo
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 from schemas import subjects
-from services.bus import BrokerUnavailable, connect, ensure_streams, resolve_url
 from services.core import preemption
 from services.preemption.fault import Fault, FaultError
 from services.preemption.service import Options, PreemptionService
+from services.runner import run_service
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,59 +48,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def amain(args: argparse.Namespace) -> int:
-    url = resolve_url(args.nats)
-    if url is None:
-        print("preemption: no broker: pass --nats URL or set LLMGW_NATS", file=sys.stderr)
-        return 2
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         fault = Fault.from_env()
     except FaultError as e:
         print(f"preemption: {e}", file=sys.stderr)
         return 2
-    try:
-        nc = await connect(url, "preemption")
-    except BrokerUnavailable as e:
-        print(f"preemption: {e}", file=sys.stderr)
-        return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js, args.root)
-        svc = PreemptionService(
-            nc,
-            js,
-            root=args.root,
-            config=preemption.Config(
-                hold_s=args.hold,
-                eviction_grace_s=args.grace,
-                min_lifetime_s=args.min_lifetime,
-                max_victims=args.max_victims,
-            ),
-            holder=args.holder,
-            fault=fault,
-            options=Options(
-                lease_ttl_s=args.lease_ttl,
-                tick_s=args.tick,
-                ack_wait_s=args.ack_wait,
-                drain_grace_s=args.drain_grace,
-            ),
-        )
-        await svc.run(stop)
-    finally:
-        await nc.close()
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    config = preemption.Config(
+        hold_s=args.hold,
+        eviction_grace_s=args.grace,
+        min_lifetime_s=args.min_lifetime,
+        max_victims=args.max_victims,
     )
-    return asyncio.run(amain(args))
+    options = Options(
+        lease_ttl_s=args.lease_ttl,
+        tick_s=args.tick,
+        ack_wait_s=args.ack_wait,
+        drain_grace_s=args.drain_grace,
+    )
+    return run_service(
+        "preemption",
+        args.nats,
+        args.root,
+        lambda nc, js: PreemptionService(
+            nc, js, root=args.root, config=config, holder=args.holder, fault=fault, options=options
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -8,16 +8,13 @@ log, is one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 
 from schemas import subjects
-from services.bus import BrokerUnavailable, connect, ensure_streams
 from services.projector import snapshots
 from services.projector.errors import ProjectorError
 from services.projector.service import DIGEST_EVERY, Projector
+from services.runner import run_service
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,36 +32,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _main(a: argparse.Namespace) -> int:
-    nc = await connect(a.nats, "projector")
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js, a.root)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await Projector(
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    return run_service(
+        "projector",
+        a.nats,
+        a.root,
+        lambda nc, js: Projector(
             js,
             a.db,
             a.root,
             digest_every=a.digest_every,
             snapshot_every=a.snapshot_every,
             from_snapshot=a.from_snapshot,
-        ).run(stop)
-        return 0
-    finally:
-        await nc.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = _args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        return asyncio.run(_main(a))
-    except (BrokerUnavailable, ProjectorError) as e:
-        print(f"projector: {e}", file=sys.stderr)
-        return 2
+        ),
+        failures=(ProjectorError,),
+    )
 
 
 if __name__ == "__main__":

@@ -8,14 +8,11 @@ releases the lease, so a standby takes over at once); it holds no logic.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 from schemas import subjects
-from services.bus import BrokerUnavailable, connect, ensure_streams, resolve_url
+from services.runner import run_service
 from services.scheduler.plan import SchedulerConfig
 from services.scheduler.service import Scheduler
 
@@ -50,43 +47,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def amain(args: argparse.Namespace) -> int:
-    url = resolve_url(args.nats)
-    if url is None:
-        print("scheduler: no broker: pass --nats URL or set LLMGW_NATS", file=sys.stderr)
-        return 2
-    try:
-        nc = await connect(url, "scheduler")
-    except BrokerUnavailable as e:
-        print(f"scheduler: {e}", file=sys.stderr)
-        return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js, args.root)
-        config = SchedulerConfig(
-            tick_s=args.tick,
-            node_timeout_s=args.node_timeout,
-            start_timeout_s=args.start_timeout,
-            failed_backoff_s=args.failed_backoff,
-            drain_grace_s=args.drain_grace,
-            lease_ttl_s=args.lease_ttl,
-        )
-        await Scheduler(nc, js, root=args.root, config=config, holder=args.holder).run(stop)
-    finally:
-        await nc.close()
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    config = SchedulerConfig(
+        tick_s=args.tick,
+        node_timeout_s=args.node_timeout,
+        start_timeout_s=args.start_timeout,
+        failed_backoff_s=args.failed_backoff,
+        drain_grace_s=args.drain_grace,
+        lease_ttl_s=args.lease_ttl,
     )
-    return asyncio.run(amain(args))
+    return run_service(
+        "scheduler",
+        args.nats,
+        args.root,
+        lambda nc, js: Scheduler(nc, js, root=args.root, config=config, holder=args.holder),
+    )
 
 
 if __name__ == "__main__":

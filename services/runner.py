@@ -1,0 +1,67 @@
+"""Running one service as its own process: `python -m services.scheduler|preemption|projector`.
+
+Each of those modules parses its own flags and hands `run_service` a `build(nc, js)`
+that makes the service; this module does what they share: find the broker, connect,
+make sure the streams exist, turn SIGTERM and Ctrl-C into a clean stop, log lines a
+person can follow, and turn a failure a user can act on into one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url
+
+
+class Service(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+def run_service(
+    name: str,
+    nats: str | None,
+    root: str,
+    build: Callable[[Any, Any], Service],
+    *,
+    failures: tuple[type[BaseException], ...] = (),
+) -> int:
+    """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
+
+    `failures` are the service's own errors a user can act on (printed as one line).
+    """
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    url = resolve_url(nats)
+    if url is None:
+        print(f"{name}: no broker: pass --nats URL or set LLMGW_NATS", file=sys.stderr)
+        return 2
+    catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
+    try:
+        return asyncio.run(_serve(name, url, root, build))
+    except catch as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
+
+
+async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Service]) -> int:
+    nc = await connect(url, name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, root)
+        await build(nc, js).run(stop)
+        return 0
+    finally:
+        await nc.close()
