@@ -41,7 +41,7 @@ DIGEST_EVERY = 10_000
 
 # BATCH_MAX is the most messages folded per SQLite transaction. Past a few thousand the
 # rate stops rising (the transaction cost is amortized) and the view only gets staler.
-BATCH_MAX = 2000
+BATCH_MAX = 5000
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 

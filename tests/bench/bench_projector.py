@@ -148,10 +148,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--skip-stream", action="store_true")
+    ap.add_argument(
+        "--used",
+        type=float,
+        default=0.70,
+        help="chance a step of the mix is a replica.used (0.70: ~45%% of events; 0.97: ~85%%)",
+    )
     a = ap.parse_args()
     n = a.events
     t = time.perf_counter()
-    items = mix.items(1, n, nodes=a.nodes)
+    items = mix.items(1, n, nodes=a.nodes, used=a.used)
     records = [(i, s, b) for i, (s, b, _) in enumerate(items, start=1)]
     print(f"generated {n:,} events for {a.nodes} nodes in {time.perf_counter() - t:.1f}s")
     rows: list[tuple[str, float, str]] = []

@@ -37,8 +37,13 @@ _MODELS = [
 class Mix:
     """A cluster of `nodes` nodes x 8 GPUs, played forward one event at a time."""
 
-    def __init__(self, seed: int, nodes: int = 50, root: str = subjects.DEFAULT_ROOT) -> None:
+    def __init__(
+        self, seed: int, nodes: int = 50, root: str = subjects.DEFAULT_ROOT, used: float = 0.70
+    ) -> None:
         self.rng = random.Random(seed)
+        # used is the chance a step is one replica.used report; the other steps emit
+        # several events each (a placement five), so 0.70 gives ~45% replica.used.
+        self.used = used
         self.root = root
         self.nodes = [f"gpu-{i:04d}" for i in range(nodes)]
         self.free: dict[str, set[int]] = {n: set(range(8)) for n in self.nodes}
@@ -142,9 +147,9 @@ class Mix:
 
     def step(self, bad: bool) -> list[Item]:
         """One thing happening in the cluster (one or a few events)."""
-        r = self.rng.random()
-        if self.live and r < 0.70:
+        if self.live and self.rng.random() < self.used:
             return [self._used()]
+        r = 0.70 + 0.30 * self.rng.random()
         if r < 0.80:
             return self._place()
         if r < 0.86 and self.live:
@@ -367,6 +372,8 @@ class Mix:
         return [self._item(e, node=wrong)]
 
 
-def items(seed: int, count: int, *, nodes: int = 50, bad: bool = False) -> list[Item]:
+def items(
+    seed: int, count: int, *, nodes: int = 50, bad: bool = False, used: float = 0.70
+) -> list[Item]:
     """`count` items of a seeded mix."""
-    return list(Mix(seed, nodes=nodes).items(count, bad=bad))
+    return list(Mix(seed, nodes=nodes, used=used).items(count, bad=bad))
