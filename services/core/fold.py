@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 
 from schemas import events as ev
 from schemas import names
-from services.core import inventory
 from services.core.view import (
     RECENT_DECISIONS,
     RECENT_REJECTIONS,
@@ -130,6 +129,10 @@ def _node_inventory(view: View, e: ev.NodeInventoryEvent, subject: str | None) -
     if len({g.index for g in d.gpus}) != len(d.gpus):
         return f"node {d.node} reports a GPU index twice"
     old = view.state.nodes.get(d.node)
+    if old is not None and not old.lost and old.report == d:
+        # The same report again: nothing the inventory knows has changed.
+        old.updated_at = e.time
+        return None
     # A fresh report means the agent is back: a lost node is found again. A cordon is an
     # operator's decision and outlives reports.
     rec = NodeRecord(
@@ -173,18 +176,14 @@ def _node_cordon(
 # ---------------------------------------------------------------- replicas
 
 
-def _shards(specs: tuple[ev.ShardSpec, ...]) -> tuple[inventory.Shard, ...]:
-    return tuple(inventory.Shard(node=s.node, gpus=s.gpus) for s in specs)
-
-
 def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> str | None:
     d = e.data
     reps = view.state.replicas
     r = reps.get(d.replica)
-    shards = _shards(d.shards) if d.shards else (r.shards if r is not None else ())
+    shards = d.shards if d.shards else (r.shards if r is not None else ())
     if subject is not None and shards:
         node = _subject_node(subject)
-        if node is not None and all(s.node != node for s in shards):
+        if node is not None and not _has_node(shards, node):
             return f"agent on {node} reports replica {d.replica}, which has no shard there"
     if r is None:
         r = ReplicaRecord(
@@ -238,9 +237,9 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
     r = view.state.replicas.get(e.data.replica)
     if r is None:
         return f"unknown replica {e.data.replica}"
-    if subject is not None:
+    if subject is not None and r.shards:
         node = _subject_node(subject)
-        if node is not None and r.shards and all(s.node != node for s in r.shards):
+        if node is not None and not _has_node(r.shards, node):
             return f"agent on {node} reports use of replica {r.id}, which has no shard there"
     at = e.data.at
     if r.last_used_at is None or at > r.last_used_at:
@@ -272,7 +271,7 @@ def _decided(view: View, e: ev.Envelope, model: str, outcome: str, summary: str)
 def _placement_decided(view: View, e: ev.PlacementDecidedEvent, subject: str | None) -> str | None:
     d = e.data
     r = view.state.replicas.get(d.replica)
-    shards = _shards(d.shards)
+    shards = d.shards
     if r is not None:
         if r.placed_by == e.id or (r.shards == shards and r.model == d.model):
             return None  # the same decision again
@@ -365,18 +364,43 @@ def _ignored(view: View, e: ev.Envelope, subject: str | None) -> str | None:
 # ---------------------------------------------------------------- subjects
 
 
+def _has_node(shards: tuple[ev.ShardSpec, ...], node: str) -> bool:
+    # A loop, not any(): this runs on every replica report, and a generator costs more
+    # than the usual single shard's comparison.
+    for sh in shards:  # noqa: SIM110
+        if sh.node == node:
+            return True
+    return False
+
+
+# _NODE_OF caches the node named by each subject: a cluster's subjects repeat (one per
+# node and replica), and the fold checks one on every replica report.
+_NODE_OF: dict[str, str | None] = {}
+
+
 def _subject_node(subject: str) -> str | None:
     """The node token of a `<root>.node.<node>....` subject, unescaped."""
+    node = _NODE_OF.get(subject, _MISSING)
+    if node is not _MISSING:
+        return node  # type: ignore[return-value]
     parts = subject.split(".", 3)
     if len(parts) < 3 or parts[1] != "node":
-        return None
-    tok = parts[2]
-    if "~" not in tok:
-        return tok
-    try:
-        return names.unescape(tok)
-    except names.TokenError:
-        return None
+        node = None
+    elif "~" not in parts[2]:
+        node = parts[2]
+    else:
+        try:
+            node = names.unescape(parts[2])
+        except names.TokenError:
+            node = None
+    if len(_NODE_OF) >= _NODE_CACHE_MAX:
+        _NODE_OF.clear()
+    _NODE_OF[subject] = node
+    return node
+
+
+_MISSING = object()
+_NODE_CACHE_MAX = 1 << 16
 
 
 def _subject_node_mismatch(subject: str, node: str) -> str | None:

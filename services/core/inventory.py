@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import msgspec
 
+from schemas import events as ev
 from services.core.errors import AllocationError
 from services.core.quota import EPSILON
 
@@ -25,15 +26,12 @@ def model_words(name: str) -> frozenset[str]:
     return frozenset(_WORD.findall(name.lower()))
 
 
-class Gpu(msgspec.Struct, frozen=True, kw_only=True):
-    index: int
-    uuid: str
-    model: str
-    memory_gb: float
-    healthy: bool = True
+# Gpu is one GPU as its node reports it: the contract's own GpuInfo, so a node report
+# becomes the inventory's node without converting each GPU.
+Gpu = ev.GpuInfo
 
 
-class Node(msgspec.Struct, frozen=True, kw_only=True):
+class Node(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A node's inventory as its agent reports it, with the control plane's flags."""
 
     name: str
@@ -45,14 +43,13 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     lost: bool = False
 
 
-class Shard(msgspec.Struct, frozen=True, kw_only=True):
-    """One shard of a replica: GPU indices on one node."""
+# Shard is one shard of a replica: GPU indices on one node. It is the contract's own
+# ShardSpec, so the shards an event carries are recorded as they are, not converted on
+# every replica.state the fold applies.
+Shard = ev.ShardSpec
 
-    node: str
-    gpus: tuple[int, ...]
 
-
-class Allocation(msgspec.Struct, frozen=True, kw_only=True):
+class Allocation(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What a replica holds: its shards, and CPU cores and memory on each shard's node."""
 
     replica: str
@@ -70,10 +67,12 @@ class NodeUsage:
     """
 
     __slots__ = (
+        "exact",
         "free",
         "free_cpu",
         "free_memory",
         "gpus",
+        "healthy",
         "held",
         "holders",
         "node",
@@ -87,6 +86,7 @@ class NodeUsage:
         held: dict[str, tuple[tuple[int, ...], float, float]],
         gpus: dict[int, Gpu] | None = None,
         words: dict[int, frozenset[str]] | None = None,
+        healthy: tuple[int, ...] | None = None,
     ) -> None:
         self.node = node
         # held: replica -> (GPU indices, CPU cores, memory) that replica holds here.
@@ -94,22 +94,76 @@ class NodeUsage:
         if gpus is None:
             gpus = {g.index: g for g in node.gpus}
             words = {g.index: model_words(g.model) for g in gpus.values()}
+            healthy = None
+        if healthy is None:
+            healthy = tuple(i for i in sorted(gpus) if gpus[i].healthy)
         self.gpus = gpus
         self.words: dict[int, frozenset[str]] = words or {}
-        self.holders = {i: r for r, (idx, _, _) in held.items() for i in idx}
-        self.free = tuple(i for i in sorted(gpus) if gpus[i].healthy and i not in self.holders)
-        self.free_cpu = node.cpu_cores - math.fsum(c for _, c, _ in held.values())
-        self.free_memory = node.memory_gb - math.fsum(m for _, _, m in held.values())
+        # healthy: the node's healthy GPU indices, sorted; shared by every usage of the
+        # same report, since a usage is rebuilt on every allocation and release.
+        self.healthy = healthy
+        if held:
+            holders = self.holders = {i: r for r, (idx, _, _) in held.items() for i in idx}
+            self.free = tuple(i for i in healthy if i not in holders)
+            # fsum: exactly rounded, so the same replicas give the same free CPU whatever
+            # order they were recorded in (a view rebuilt from a snapshot must agree).
+            self.free_cpu = node.cpu_cores - math.fsum(c for _, c, _ in held.values())
+            self.free_memory = node.memory_gb - math.fsum(m for _, _, m in held.values())
+        else:
+            self.holders = {}
+            self.free = healthy
+            self.free_cpu = node.cpu_cores
+            self.free_memory = node.memory_gb
+        # exact: every amount here is a whole number float arithmetic handles exactly, so
+        # adding or taking away another whole amount gives what fsum would.
+        self.exact = (
+            _whole(node.cpu_cores)
+            and _whole(node.memory_gb)
+            and all(_whole(c) and _whole(m) for _, c, m in held.values())
+        )
         self.schedulable = not node.cordoned and not node.lost
 
     def with_node(self, node: Node) -> NodeUsage:
-        same_gpus = node.gpus == self.node.gpus
-        return NodeUsage(
-            node, self.held, self.gpus if same_gpus else None, self.words if same_gpus else None
-        )
+        if node.gpus == self.node.gpus:
+            return NodeUsage(node, self.held, self.gpus, self.words, self.healthy)
+        return NodeUsage(node, self.held)
 
     def with_held(self, held: dict[str, tuple[tuple[int, ...], float, float]]) -> NodeUsage:
-        return NodeUsage(self.node, held, self.gpus, self.words)
+        return NodeUsage(self.node, held, self.gpus, self.words, self.healthy)
+
+    def with_replica(self, replica: str, entry: tuple[tuple[int, ...], float, float]) -> NodeUsage:
+        """This usage plus one replica not held here yet.
+
+        The fold records a replica on every placement, so this is its hot path: the
+        holders and free GPUs change by the replica's own GPUs, and the free CPU and
+        memory by its own amounts, when that is exact (every amount a whole number, as
+        node sizes and profiles are in practice). Otherwise the sums are taken again
+        with fsum, so free capacity never depends on the order replicas were recorded in.
+        """
+        held = self.held.copy()
+        held[replica] = entry
+        idx, cpu, mem = entry
+        if not (self.exact and _whole(cpu) and _whole(mem)):
+            return NodeUsage(self.node, held, self.gpus, self.words, self.healthy)
+        u = NodeUsage.__new__(NodeUsage)
+        u.node, u.gpus, u.words, u.healthy = self.node, self.gpus, self.words, self.healthy
+        u.schedulable, u.exact = self.schedulable, True
+        u.held = held
+        holders = u.holders = self.holders.copy()
+        for i in idx:
+            holders[i] = replica
+        u.free = tuple(i for i in self.free if i not in idx)
+        u.free_cpu = self.free_cpu - cpu
+        u.free_memory = self.free_memory - mem
+        return u
+
+
+# _EXACT bounds the whole numbers float arithmetic adds and subtracts exactly.
+_EXACT = float(2**52)
+
+
+def _whole(x: float) -> bool:
+    return x % 1 == 0 and -_EXACT < x < _EXACT
 
 
 class Inventory:
@@ -300,11 +354,12 @@ class Inventory:
 
     def _record(self, allocation: Allocation) -> None:
         self.release_replica(allocation.replica)
+        entry_cpu, entry_mem = allocation.cpu_cores, allocation.memory_gb
         for shard in allocation.shards:
             usage = self._nodes[shard.node]
-            held = dict(usage.held)
-            held[allocation.replica] = (shard.gpus, allocation.cpu_cores, allocation.memory_gb)
-            self._nodes[shard.node] = usage.with_held(held)
+            self._nodes[shard.node] = usage.with_replica(
+                allocation.replica, (shard.gpus, entry_cpu, entry_mem)
+            )
         self._allocations[allocation.replica] = allocation
 
     def release_replica(self, replica_id: str) -> bool:

@@ -38,8 +38,12 @@ RECENT_REJECTIONS = 100
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
 
 
-class ReplicaRecord(msgspec.Struct, kw_only=True):
-    """One replica as the log has described it. Mutable: the fold owns it."""
+class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
+    """One replica as the log has described it. Mutable: the fold owns it.
+
+    The view's records are gc=False, like the events: they hold plain values and never
+    refer back to what refers to them, so the cycle collector need not walk them.
+    """
 
     id: str
     model: str
@@ -99,7 +103,7 @@ class ReplicaRecord(msgspec.Struct, kw_only=True):
         return max((now - self.last_used_at).total_seconds(), 0.0)
 
 
-class NodeRecord(msgspec.Struct, kw_only=True):
+class NodeRecord(msgspec.Struct, kw_only=True, gc=False):
     report: ev.NodeInventory
     """The node's latest whole inventory."""
     cordoned: bool = False
@@ -108,7 +112,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     updated_at: datetime
 
 
-class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):
+class HoldRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A model that gave up room, kept from taking it back until `until`."""
 
     model: str
@@ -119,7 +123,7 @@ class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Id of the hold.created event."""
 
 
-class Preempting(msgspec.Struct, frozen=True, kw_only=True):
+class Preempting(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Victims of a decision for `for_model`, which waits while they are on their way out."""
 
     for_model: str
@@ -129,7 +133,7 @@ class Preempting(msgspec.Struct, frozen=True, kw_only=True):
     at: datetime
 
 
-class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
+class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One decision the control plane published, with its reason."""
 
     seq: int
@@ -142,7 +146,7 @@ class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
     causation: str | None = None
 
 
-class Rejection(msgspec.Struct, frozen=True, kw_only=True):
+class Rejection(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """An event the fold did not apply, and why."""
 
     seq: int
@@ -202,12 +206,7 @@ def node_of(rec: NodeRecord) -> inventory.Node:
     r = rec.report
     return inventory.Node(
         name=r.node,
-        gpus=tuple(
-            inventory.Gpu(
-                index=g.index, uuid=g.uuid, model=g.model, memory_gb=g.memory_gb, healthy=g.healthy
-            )
-            for g in r.gpus
-        ),
+        gpus=r.gpus,
         cpu_cores=r.cpu_cores,
         memory_gb=r.memory_gb,
         labels=r.labels,
