@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,8 +31,9 @@ from services.bus.errors import SequenceGap
 from services.core.view import View, decode_state, digest, encode_state
 from services.follower import GAP_RETRIES, RETRY_PAUSE_S, message_exists
 from services.projector import snapshots, store
+from services.projector.committer import Committer
 from services.projector.errors import LogHole
-from services.projector.folder import Folder, Gap
+from services.projector.folder import Dirty, Folder, Gap
 
 log = logging.getLogger("llmgw.projector")
 
@@ -39,9 +41,23 @@ log = logging.getLogger("llmgw.projector")
 # are multiples of it, so every projector and replay digests the same points.
 DIGEST_EVERY = 10_000
 
-# BATCH_MAX is the most messages folded per SQLite transaction. Past a few thousand the
-# rate stops rising (the transaction cost is amortized) and the view only gets staler.
-BATCH_MAX = 5000
+# BATCH_MAX is the most events one SQLite transaction covers. A transaction writes each
+# row its batch touched once, however often it was touched (a replica reported used ten
+# times is one row), so with a backlog large batches write far fewer rows per event:
+# 0.56 rows/event at 5,000 on the benchmark's mix, 0.22 at 50,000. Caught up, a batch is
+# whatever arrived, committed at once.
+BATCH_MAX = 50_000
+
+# MAX_DELAY_S bounds how long folded events wait for a transaction when there is a
+# backlog and the database is idle; caught up, they are committed at once.
+MAX_DELAY_S = 0.2
+
+# READ_CHUNK is the most messages handed to one `_on_batch` call (the reader's batch).
+READ_CHUNK = 5000
+
+# REPLAY_BATCH is the batch of a replay from a bundle: no reader waits on its freshness,
+# so it batches for the fewest rows written.
+REPLAY_BATCH = 100_000
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -71,6 +87,7 @@ class Projector:
         snapshot_every: int = snapshots.SNAPSHOT_EVERY,
         from_snapshot: bool = False,
         batch_max: int = BATCH_MAX,
+        max_delay_s: float = MAX_DELAY_S,
         stream: str = subjects.STREAM,
     ) -> None:
         self.js = js
@@ -81,9 +98,16 @@ class Projector:
         self.snapshot_every = snapshot_every
         self.from_snapshot = from_snapshot
         self.batch_max = batch_max
+        self.max_delay_s = max_delay_s
         self.stream = stream
         self.folder = Folder(root=root)
         self.db: aiosqlite.Connection | None = None
+        self._committer: Committer | None = None
+        self._digests: list[ev.Event] = []
+        """Digests of the events folded and not yet handed to a transaction."""
+        self._snaps: list[bytes] = []
+        self._since = 0.0
+        """When the oldest event not yet handed to a transaction was folded."""
         self.gaps = 0
         self.dead = 0
         self.digests = 0
@@ -114,6 +138,8 @@ class Projector:
                 await self._advanced.wait()
 
     async def _load(self, db: aiosqlite.Connection) -> None:
+        """(Re)start from the view as committed: whatever was folded past it is dropped."""
+        await self._settle()
         view = await store.load_view(db)
         if view.seq == 0 and self.from_snapshot:
             snap = await snapshots.latest_view(self.js)
@@ -124,8 +150,20 @@ class Projector:
                 view = snap
                 log.info("projector: started from the snapshot at %d", view.seq)
         self.folder = Folder(view, self.root)
+        self._committer = Committer(db, self.folder)
+        self._digests, self._snaps = [], []
         self.committed = view.seq
         self._notify()
+
+    async def _settle(self) -> None:
+        """Wait for the transaction in flight, if any. A broker error in it (publishing
+        its digests) only means it did not commit: the caller reloads and reads again."""
+        if self._committer is None:
+            return
+        try:
+            await self._committer.wait()
+        except nats.errors.Error as e:
+            log.warning("projector: a batch was not committed (%s)", e)
 
     def _notify(self) -> None:
         self._advanced.set()
@@ -146,9 +184,11 @@ class Projector:
                         from_seq=self.seq + 1,
                         on_batch=self._on_batch,
                         stop=stop,
-                        batch_max=self.batch_max,
+                        batch_max=min(self.batch_max, READ_CHUNK),
                         stream=self.stream,
                     )
+                    # Stopped: what was folded is committed before the database closes.
+                    await self._flush()
                 except (SequenceGap, Gap) as e:
                     # Nothing past the checkpoint is trusted: reload it and read again.
                     await self._load(db)
@@ -163,6 +203,8 @@ class Projector:
                     ):
                         raise LogHole(missing, self.stream) from e
                 except nats.errors.ConnectionClosedError:
+                    with contextlib.suppress(nats.errors.Error):
+                        await self._flush()
                     return
                 except (nats.errors.Error, TimeoutError) as e:
                     log.warning("projector: read failed (%s); retrying", e)
@@ -173,56 +215,92 @@ class Projector:
             self.error = e
             raise
         finally:
+            # Never close the database under a transaction in flight.
+            if self._committer is not None:
+                with contextlib.suppress(Exception):
+                    await self._committer.wait()
             self.stopped = True
             self.db = None
             await db.close()
             self._advanced.set()
 
     async def _on_batch(self, batch: list[consume.Delivery]) -> None:
+        """Fold a delivery; commit when caught up (at once, and wait for it), else when
+        the batch is full or old enough, in the background while the next one folds."""
         folder = self.folder
+        if not folder.dirty.count:
+            self._since = time.monotonic()
         fold_raw = folder.fold_raw
         every_d, every_s = self.digest_every, self.snapshot_every
-        digests: list[ev.Event] = []
-        snaps: list[bytes] = []
         for d in batch:
             seq = d.seq
             fold_raw(seq, d.subject, d.data)
             if every_d and seq % every_d == 0:
                 s = folder.view.state
-                digests.append(digest_event(seq, digest(s), s.time, self.stream))
+                self._digests.append(digest_event(seq, digest(s), s.time, self.stream))
             if every_s and seq % every_s == 0:
-                snaps.append(encode_state(folder.view.state))
-        await self._commit(digests, snaps)
+                self._snaps.append(encode_state(folder.view.state))
+        c = self._committer
+        assert c is not None
+        n = folder.dirty.count
+        if not n:
+            return
+        caught_up = batch[-1].pending == 0
+        if caught_up or n >= self.batch_max:
+            await self._commit()
+            if caught_up:
+                # Nothing more to fold: the view is fresh once this is committed.
+                await c.wait()
+        elif not c.writing and time.monotonic() - self._since >= self.max_delay_s:
+            await self._commit()
 
-    async def _commit(self, digests: list[ev.Event], snaps: list[bytes]) -> None:
-        """Dead letters and digests first (their ids make a re-publish after a crash a
-        duplicate), then rows and position in one transaction."""
-        assert self.db is not None
-        dirty = self.folder.dirty
-        for x in dirty.dead:
-            await consume.dead_letter(
-                self.js,
-                self.root,
-                self.consumer,
-                reason=x.reason,
-                subject=x.subject,
-                seq=x.seq,
-                data=x.data,
-            )
-        for e in digests:
-            await self.js.publish(
-                subjects.digest_subject(self.root),
-                codec.encode(e),
-                headers={"Nats-Msg-Id": e.id},
-            )
-        self.dead += len(dirty.dead)
-        self.digests += len(digests)
-        await store.write_batch(self.db, self.folder.view, dirty, self.folder.gpu_rows)
-        dirty.clear()
-        self.committed = self.folder.seq
-        self._notify()
-        for raw in snaps:
-            await self._put_snapshot(raw)
+    async def _commit(self) -> None:
+        """Wait for the transaction in flight, then start one for everything folded since.
+
+        Dead letters and digests are published first (their ids make a re-publish after a
+        crash a duplicate), then rows and position commit in one transaction; snapshots
+        after, since they must never be ahead of the log's committed view."""
+        c = self._committer
+        assert c is not None
+        await c.wait()
+        digests, self._digests = self._digests, []
+        snaps, self._snaps = self._snaps, []
+
+        async def before(dirty: Dirty) -> None:
+            for x in dirty.dead:
+                await consume.dead_letter(
+                    self.js,
+                    self.root,
+                    self.consumer,
+                    reason=x.reason,
+                    subject=x.subject,
+                    seq=x.seq,
+                    data=x.data,
+                )
+            for e in digests:
+                await self.js.publish(
+                    subjects.digest_subject(self.root),
+                    codec.encode(e),
+                    headers={"Nats-Msg-Id": e.id},
+                )
+            self.dead += len(dirty.dead)
+            self.digests += len(digests)
+
+        async def after(seq: int) -> None:
+            self.committed = seq
+            self._notify()
+            for raw in snaps:
+                await self._put_snapshot(raw)
+
+        if c.start(before, after):
+            # Let the transaction reach the database's thread before folding on.
+            await asyncio.sleep(0)
+
+    async def _flush(self) -> None:
+        """Commit everything folded, and wait for it."""
+        if self._committer is not None:
+            await self._commit()
+            await self._committer.wait()
 
     async def _put_snapshot(self, raw: bytes) -> None:
         state = decode_state(raw)
@@ -245,24 +323,30 @@ async def replay_records(
     records: Iterable[tuple[int, str, bytes]],
     *,
     root: str = subjects.DEFAULT_ROOT,
-    batch: int = 5000,
+    batch: int = REPLAY_BATCH,
     folder: Folder | None = None,
     strict: bool = True,
 ) -> Folder:
     """Fold (seq, subject, body) records into the SQLite view at `db` through the same
-    batch path as the live projector (a bundle replay, a benchmark). Returns the folder."""
+    fold and write path as the live projector (a bundle replay, a benchmark), each
+    transaction written while the next `batch` records fold. Returns the folder, its
+    view committed."""
     f = folder if folder is not None else Folder(await store.load_view(db), root, strict)
-    n = 0
-    for seq, subject, body in records:
-        if seq <= f.seq:
-            continue
-        f.fold_raw(seq, subject, body)
-        n += 1
-        if n >= batch:
-            await store.write_batch(db, f.view, f.dirty, f.gpu_rows)
-            f.dirty.clear()
-            n = 0
-    if n:
-        await store.write_batch(db, f.view, f.dirty, f.gpu_rows)
-        f.dirty.clear()
+    c = Committer(db, f)
+    fold_raw = f.fold_raw
+    dirty = f.dirty
+    try:
+        for seq, subject, body in records:
+            if seq <= f.seq:
+                continue
+            fold_raw(seq, subject, body)
+            if dirty.count >= batch:
+                await c.wait()
+                c.start()
+                dirty = f.dirty
+                await asyncio.sleep(0)
+        await c.flush()
+    finally:
+        with contextlib.suppress(Exception):
+            await c.wait()
     return f

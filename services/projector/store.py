@@ -14,6 +14,7 @@ one transaction, so a crash leaves the view as of some batch's end, never betwee
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -133,6 +134,11 @@ async def open_db(path: str | Path) -> aiosqlite.Connection:
     # A 64 MiB page cache keeps the replicas' and GPUs' B-trees in memory at a million
     # events; the default 2 MiB rereads them from the OS on every batch.
     await db.execute("PRAGMA cache_size=-65536")
+    await db.execute("PRAGMA temp_store=MEMORY")
+    # Checkpoint the WAL every ~16 MiB rather than every 4 MiB: a large batch then does
+    # not pay for a checkpoint on nearly every commit. The file is cut back to 64 MiB.
+    await db.execute("PRAGMA wal_autocheckpoint=4096")
+    await db.execute("PRAGMA journal_size_limit=67108864")
     await db.executescript(DDL)
     await db.commit()
     return db
@@ -252,31 +258,92 @@ async def read_position(db: aiosqlite.Connection) -> int:
     return 0 if row is None else int(row[0])
 
 
+class Txn:
+    """One prepared transaction: statements with their rows, built on the caller's thread
+    from the view as it stands, then run whole on the database's thread (`commit`).
+
+    Preparing copies everything out of the view (rows are tuples of plain values), so the
+    caller may fold on while the transaction is written.
+    """
+
+    __slots__ = ("ops", "rows", "seq")
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        """The position this transaction stores with its rows."""
+        self.ops: list[tuple[str, list[tuple[Any, ...]] | None]] = []
+        self.rows = 0
+
+    def add(self, sql: str, rows: list[tuple[Any, ...]] | None = None) -> None:
+        """`sql` run once (rows None) or for each row (skipped when there are none)."""
+        if rows is None:
+            self.ops.append((sql, None))
+        elif rows:
+            self.ops.append((sql, rows))
+            self.rows += len(rows)
+
+
+def _run(conn: sqlite3.Connection, txn: Txn) -> None:
+    """Run `txn` as one transaction (on the database's thread): all of it or none."""
+    try:
+        for sql, rows in txn.ops:
+            if rows is None:
+                conn.execute(sql)
+            else:
+                conn.executemany(sql, rows)
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+async def commit(db: aiosqlite.Connection, txn: Txn) -> None:
+    """Write `txn` in one transaction. One hop to the database's thread for the whole
+    batch (not one per statement): the event loop's thread is free meanwhile, so a
+    caller can fold the next batch while this one is written."""
+    # aiosqlite runs every call on its one thread, in order; `_execute` queues a function
+    # there like its own methods do, so this transaction cannot interleave with another.
+    await db._execute(_run, db._conn, txn)  # type: ignore[no-untyped-call]
+
+
+def _position_op(txn: Txn, s: ViewState) -> None:
+    txn.add(
+        "INSERT OR REPLACE INTO position VALUES (1, ?, ?, ?, ?)",
+        [(s.seq, s.schema, _t(s.time), _meta(s))],
+    )
+
+
+def prepare_batch(view: View, dirty: Dirty, written: GpuCache | None = None) -> Txn:
+    """The transaction that writes what a batch changed and the new position.
+
+    `written` is the caller's cache of GPU rows as committed (see `_gpu_ops`); it is
+    updated as if this transaction commits, so the caller must clear it if it does not.
+    """
+    txn = Txn(view.state.seq)
+    _dirty_ops(txn, view, dirty, written)
+    _position_op(txn, view.state)
+    return txn
+
+
 async def write_batch(
     db: aiosqlite.Connection, view: View, dirty: Dirty, written: GpuCache | None = None
 ) -> None:
     """Write what a batch changed and the new position, in one transaction.
 
-    `written` is the caller's cache of GPU rows as committed (see `_write_gpus`); it is
+    `written` is the caller's cache of GPU rows as committed (see `_gpu_ops`); it is
     emptied if the transaction fails, since it may then be ahead of the database.
     """
-    s = view.state
+    txn = prepare_batch(view, dirty, written)
     try:
-        await _write_dirty(db, view, dirty, written)
-        await db.execute(
-            "INSERT OR REPLACE INTO position VALUES (1, ?, ?, ?, ?)",
-            (s.seq, s.schema, _t(s.time), _meta(s)),
-        )
-        await db.commit()
+        await commit(db, txn)
     except BaseException:
         if written is not None:
             written.clear()
-        await db.rollback()
         raise
 
 
-async def _upsert_or_delete(
-    db: aiosqlite.Connection,
+def _upsert_or_delete(
+    txn: Txn,
     table: str,
     key: str,
     keys: Iterable[str],
@@ -290,94 +357,100 @@ async def _upsert_or_delete(
             gone.append((k,))
         else:
             rows.append(row(v))
-    if rows:
-        await db.executemany(_INS[table], rows)
-    if gone:
-        await db.executemany(f"DELETE FROM {table} WHERE {key} = ?", gone)
+    txn.add(_INS[table], rows)
+    txn.add(f"DELETE FROM {table} WHERE {key} = ?", gone)
 
 
 GpuCache = dict[str, frozenset[tuple[Any, ...]]]
 
 
-async def _write_gpus(
-    db: aiosqlite.Connection, view: View, nodes: Iterable[str], written: GpuCache | None
-) -> None:
+def _gpu_ops(txn: Txn, view: View, nodes: Iterable[str], written: GpuCache | None) -> None:
     """Rewrite the GPU rows of `nodes`. With `written` (the rows as last committed, per
     node) only the rows that changed are written: a placement changes a few `held_by`,
     and rewriting a node's every GPU for it was most of the projector's SQLite time."""
     s = view.state
-    gone: list[tuple[Any, ...]] = []
+    whole: list[tuple[Any, ...]] = []
+    some: list[tuple[Any, ...]] = []
     put: list[tuple[Any, ...]] = []
     for n in nodes:
         rec = s.nodes.get(n)
         rows = frozenset(_gpu_rows(view, rec)) if rec is not None else frozenset()
         old = written.get(n) if written is not None else None
         if old is None:
-            gone.append((n,))
+            whole.append((n,))
             put.extend(rows)
         else:
             now_idx = {r[1] for r in rows}
-            gone.extend((n, r[1]) for r in old - rows if r[1] not in now_idx)
+            some.extend((n, r[1]) for r in old - rows if r[1] not in now_idx)
             put.extend(rows - old)
         if written is not None:
             written[n] = rows
-    whole = [g for g in gone if len(g) == 1]
-    if whole:
-        await db.executemany("DELETE FROM gpus WHERE node = ?", whole)
-    some = [g for g in gone if len(g) == 2]
-    if some:
-        await db.executemany("DELETE FROM gpus WHERE node = ? AND idx = ?", some)
-    if put:
-        await db.executemany(_INS["gpus"], put)
+    txn.add("DELETE FROM gpus WHERE node = ?", whole)
+    txn.add("DELETE FROM gpus WHERE node = ? AND idx = ?", some)
+    txn.add(_INS["gpus"], put)
 
 
-async def _write_dirty(
-    db: aiosqlite.Connection, view: View, d: Dirty, written: GpuCache | None = None
-) -> None:
+def _dirty_ops(txn: Txn, view: View, d: Dirty, written: GpuCache | None = None) -> None:
     s = view.state
     if d.nodes:
-        await _upsert_or_delete(db, "nodes", "name", d.nodes, s.nodes, _node_row)
-        await _write_gpus(db, view, d.nodes, written)
+        _upsert_or_delete(txn, "nodes", "name", d.nodes, s.nodes, _node_row)
+        _gpu_ops(txn, view, d.nodes, written)
     if d.replicas:
-        await _upsert_or_delete(db, "replicas", "id", d.replicas, s.replicas, _replica_row)
+        _upsert_or_delete(txn, "replicas", "id", d.replicas, s.replicas, _replica_row)
     if d.models:
-        await _upsert_or_delete(db, "models", "name", d.models, s.models, _model_row)
+        _upsert_or_delete(txn, "models", "name", d.models, s.models, _model_row)
     if d.desired:
-        await _write_desired(db, s, d.desired)
+        txn.add(_INS["desired"], [(k, s.desired[k]) for k in d.desired if k in s.desired])
+        txn.add(
+            "DELETE FROM desired WHERE model = ?", [(k,) for k in d.desired if k not in s.desired]
+        )
     if d.holds:
-        await _upsert_or_delete(db, "holds", "model", d.holds, s.holds, _hold_row)
+        _upsert_or_delete(txn, "holds", "model", d.holds, s.holds, _hold_row)
     if d.preempting:
-        await _upsert_or_delete(
-            db, "preemptions", "for_model", d.preempting, s.preempting, _preempting_row
+        _upsert_or_delete(
+            txn, "preemptions", "for_model", d.preempting, s.preempting, _preempting_row
         )
     if d.quota:
-        await _write_quota(db, s)
+        txn.add("DELETE FROM quota")
+        txn.add(_INS["quota"], [(i, o.name, o.parent, _doc(o)) for i, o in enumerate(s.quota)])
     if d.decisions:
-        await db.executemany(_INS["decisions"], [_decision_row(x) for x in d.decisions])
+        txn.add(_INS["decisions"], [_decision_row(x) for x in d.decisions])
     if d.rejections:
-        await db.executemany(_INS["rejections"], [_rejection_row(x) for x in d.rejections])
+        txn.add(_INS["rejections"], [_rejection_row(x) for x in d.rejections])
     if d.dead:
-        await db.executemany(_INS["dead_letters"], [_dead_row(x) for x in d.dead])
+        txn.add(_INS["dead_letters"], [_dead_row(x) for x in d.dead])
 
 
 def _dead_row(x: DeadRecord) -> tuple[Any, ...]:
     return (x.seq, x.subject, x.reason)
 
 
-async def _write_desired(db: aiosqlite.Connection, s: ViewState, keys: Iterable[str]) -> None:
-    rows = [(k, s.desired[k]) for k in keys if k in s.desired]
-    if rows:
-        await db.executemany(_INS["desired"], rows)
-    gone = [(k,) for k in keys if k not in s.desired]
-    if gone:
-        await db.executemany("DELETE FROM desired WHERE model = ?", gone)
-
-
-async def _write_quota(db: aiosqlite.Connection, s: ViewState) -> None:
-    await db.execute("DELETE FROM quota")
-    await db.executemany(
-        _INS["quota"], [(i, o.name, o.parent, _doc(o)) for i, o in enumerate(s.quota)]
-    )
+def prepare_view(
+    view: View,
+    *,
+    decisions: Iterable[DecisionRecord] | None = None,
+    rejections: Iterable[Rejection] | None = None,
+    dead: Iterable[DeadRecord] = (),
+) -> Txn:
+    """The transaction that replaces the whole stored view with `view` (see `write_view`)."""
+    s = view.state
+    d = Dirty()
+    d.nodes = set(s.nodes)
+    d.replicas = set(s.replicas)
+    d.models = set(s.models)
+    d.desired = set(s.desired)
+    d.holds = set(s.holds)
+    d.preempting = set(s.preempting)
+    d.quota = True
+    d.decisions = list(s.decisions if decisions is None else decisions)
+    d.rejections = list(s.rejections if rejections is None else rejections)
+    d.dead = list(dead)
+    txn = Txn(s.seq)
+    for table, _ in TABLES:
+        txn.add(f"DELETE FROM {table}")
+    _dirty_ops(txn, view, d)
+    _position_op(txn, s)
+    return txn
 
 
 async def write_view(
@@ -394,30 +467,7 @@ async def write_view(
     every one it saw); None stores only the recent ones the view itself holds. A replay
     that wants a dump equal to a live projector's passes the history its `Folder` saw.
     """
-    s = view.state
-    d = Dirty()
-    d.nodes = set(s.nodes)
-    d.replicas = set(s.replicas)
-    d.models = set(s.models)
-    d.desired = set(s.desired)
-    d.holds = set(s.holds)
-    d.preempting = set(s.preempting)
-    d.quota = True
-    d.decisions = list(s.decisions if decisions is None else decisions)
-    d.rejections = list(s.rejections if rejections is None else rejections)
-    d.dead = list(dead)
-    try:
-        for table, _ in TABLES:
-            await db.execute(f"DELETE FROM {table}")
-        await _write_dirty(db, view, d)
-        await db.execute(
-            "INSERT OR REPLACE INTO position VALUES (1, ?, ?, ?, ?)",
-            (s.seq, s.schema, _t(s.time), _meta(s)),
-        )
-        await db.commit()
-    except BaseException:
-        await db.rollback()
-        raise
+    await commit(db, prepare_view(view, decisions=decisions, rejections=rejections, dead=dead))
 
 
 async def _all(db: aiosqlite.Connection, sql: str) -> list[Any]:
