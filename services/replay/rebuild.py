@@ -1,7 +1,8 @@
 """Rebuild a view by folding a source: the one loop every replay command runs.
 
-Called by the replay commands and by `subscribe`. It folds with `services.core.fold`
-only: replay never re-decides, it re-folds what was decided. `watcher` lets a caller
+Called by the replay commands and by `subscribe`. It folds through the projector's
+`Folder` (`services.core.fold` underneath), so a replay keeps the same history the live
+projector stores: replay never re-decides, it re-folds what was decided. `watcher` lets a caller
 look at each event with the view as it stood just before it and the fold's verdict
 (history and explain collect their timelines this way) without a second pass.
 
@@ -15,8 +16,8 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from schemas import subjects
-from services.core import fold
 from services.core.view import DecisionRecord, Rejection, View
+from services.projector.folder import Folder
 from services.replay import ports
 from services.replay.source import BundleSource, Item, Source, StreamSource
 
@@ -67,41 +68,42 @@ async def run(
     watcher: Watcher | None = None,
     progress: Any = None,
 ) -> Rebuilt:
-    """Fold every item of `source` into `view` (a fresh one by default)."""
+    """Fold every item of `source` into `view` (a fresh one by default), through the
+    projector's `Folder`: the same fold, and the same history kept, as the live view."""
     v = view if view is not None else View()
     # A snapshot remembers only the recent decisions and rejections; they open the
     # history, and everything from here on is kept whole.
+    folder = Folder(v, strict=False)
+    folder.dirty.rejections = list(v.state.rejections)
+    folder.dirty.decisions = list(v.state.decisions)
     out = Rebuilt(
         view=v,
         source=source,
         started_at=v.state.seq,
-        rejections=list(v.state.rejections),
-        decisions=list(v.state.decisions),
+        rejections=folder.dirty.rejections,
+        decisions=folder.dirty.decisions,
     )
-    apply = fold.apply
-    decs = v.state.decisions
-    keep = out.decisions.append
+    fold_event = folder.fold_event
+    rejected = 0
     async for batch in source.batches():
-        for it in batch:
-            if watcher is not None:
+        if watcher is None:
+            for it in batch:
+                if fold_event(it.seq, it.subject, it.event) is not None:
+                    rejected += 1
+        else:
+            for it in batch:
                 watcher.before(it, v)
-            rej = apply(v, it.event, seq=it.seq, subject=it.subject)
-            if watcher is not None:
+                rej = fold_event(it.seq, it.subject, it.event)
                 watcher.after(it, rej, v)
-            if rej is not None:
-                out.rejected += 1
-                out.rejections.append(rej)
-            # The fold trims its recent decisions in place; the newest one is this
-            # event's when it made one.
-            if decs and decs[-1].seq == it.seq and decs[-1].id == it.event.id:
-                keep(decs[-1])
+                if rej is not None:
+                    rejected += 1
         out.folded += len(batch)
         if progress is not None:
             progress.advance(len(batch))
+    out.rejected = rejected
     # The view's position is the last sequence read, undecodable ones included: they are
     # part of the log the view has seen.
-    if source.stats.last_seq > v.state.seq:
-        v.state.seq = source.stats.last_seq
+    folder.end_batch(source.stats.last_seq)
     return out
 
 

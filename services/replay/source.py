@@ -140,7 +140,7 @@ class BundleSource:
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         chunk: list[tuple[int, str, bytes]] = []
-        for seq, subject, line in _records(self.path):
+        for seq, subject, line in records(self.path):
             if seq < self.from_seq:
                 continue
             chunk.append((seq, subject, line))
@@ -170,7 +170,7 @@ _position = msgspec.json.Decoder(_Position)
 _HEAD = re.compile(rb'^\{"seq":(\d+),"subject":"([^"\\]*)"')
 
 
-def _records(path: str) -> Iterator[tuple[int, str, bytes]]:
+def records(path: str) -> Iterator[tuple[int, str, bytes]]:
     """(seq, subject, line) of each line of a bundle. A line whose event is broken still
     has its position; a line without one, or out of order, is a broken bundle
     (`BundleError` naming the line), since no sequence can be trusted after it."""

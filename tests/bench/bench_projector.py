@@ -7,7 +7,9 @@ placements walking through their states, ~45% replica.used, drains, failed place
 preemption decisions, holds, cordons, lost nodes), 1,000,000 events by default:
   (a) in-memory fold, decode included (the projector's Folder: decode, subject check,
       fold, dirty keys), and bare `codec.decode` + `fold.apply` for comparison;
-  (b) replay from a bundle file into SQLite (`replay_records`, the projector's batch path);
+  (b) replay from a bundle file into SQLite (the replay's bundle reader into
+      `replay_records`: the projector's Folder and Committer, batches of 100,000), and for
+      comparison what `llmgw replay --log B --db OUT` runs (fold all, write the view once);
   (c) replay from JetStream into SQLite (the Projector itself, from seq 1 to the end);
   (d) the raw baseline: the fastest plain nats-py read of the same stream (an ordered
       push consumer whose callback only counts), no decode, no fold.
@@ -35,6 +37,7 @@ from services.core.view import View
 from services.projector import store
 from services.projector.folder import Folder
 from services.projector.service import Projector, replay_records
+from services.replay import ports, rebuild, source
 from tests.projector import mix
 
 
@@ -68,16 +71,33 @@ def bench_fold(records: list[tuple[int, str, bytes]], runs: int) -> tuple[list[f
 
 
 async def bench_bundle(path: Path, tmp: Path, runs: int) -> list[float]:
+    """(b): the bundle's lines (the replay's reader) folded and written by `replay_records`."""
     out = []
     for i in range(runs):
         db_path = tmp / f"bundle-{i}.sqlite"
         t = time.perf_counter()
         db = await store.open_db(db_path)
         try:
-            recs = ((r.seq, r.subject, r.line) for r in bundle.read(str(path)))
-            await replay_records(db, recs)
+            await replay_records(db, source.records(str(path)))
         finally:
             await db.close()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def bench_cli_replay(path: Path, tmp: Path, runs: int) -> list[float]:
+    """What `llmgw replay --log B --db OUT` runs: the rebuild, then the whole view written."""
+    out = []
+    for i in range(runs):
+        t = time.perf_counter()
+        r = await rebuild.from_bundle(str(path))
+        await ports.write_view(
+            str(tmp / f"cli-{i}.sqlite"),
+            r.view,
+            decisions=r.decisions,
+            rejections=r.rejections,
+            dead=r.source.stats.dead,
+        )
         out.append(time.perf_counter() - t)
     return out
 
@@ -175,6 +195,12 @@ def main() -> None:
             (
                 "(b) bundle file -> SQLite",
                 *median_rate(n, asyncio.run(bench_bundle(path, tmp, a.runs))),
+            )
+        )
+        rows.append(
+            (
+                "    llmgw replay --log (rebuild + write_view)",
+                *median_rate(n, asyncio.run(bench_cli_replay(path, tmp, a.runs))),
             )
         )
         if not a.skip_stream:

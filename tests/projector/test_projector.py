@@ -14,7 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from schemas import codec
@@ -307,16 +310,64 @@ def million(n: int) -> list[mix.Item]:
     return out
 
 
+class _Ack(msgspec.Struct):
+    seq: int = 0
+    error: dict[str, object] | None = None
+
+
+async def publish_acked(nc: Client, items: list[mix.Item], window: int = 50_000) -> None:
+    """Publish `items` to an empty stream, each with its own reply subject, `window` in
+    flight; every ack is checked: no error, and item i stored at sequence i + 1.
+
+    The lean form of `Publisher.publish_many` for pre-encoded bodies without ids or
+    headers (no future per message), several times faster for a million.
+    """
+    inbox = nc.new_inbox()
+    acked = 0
+    bad: list[str] = []
+    room = asyncio.Event()
+    decode = msgspec.json.Decoder(_Ack).decode
+
+    async def on_ack(msg: Msg) -> None:
+        # No await here: a callback that awaits can let nats-py drop messages.
+        nonlocal acked
+        i = int(msg.subject.rsplit(".", 1)[1])
+        ack = decode(msg.data)
+        if ack.error is not None or ack.seq != i + 1:
+            bad.append(f"item {i}: {msg.data!r}")
+        acked += 1
+        room.set()
+
+    sub = await nc.subscribe(f"{inbox}.*", cb=on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
+    try:
+        for i, (subject, body, _) in enumerate(items):
+            await nc.publish(subject, body, reply=f"{inbox}.{i}")
+            while i + 1 - acked >= window:
+                room.clear()
+                await nc.flush()
+                await asyncio.wait_for(room.wait(), 30)
+        async with asyncio.timeout(60):
+            while acked < len(items):
+                room.clear()
+                await nc.flush()
+                await room.wait()
+    finally:
+        await sub.unsubscribe()
+    assert not bad, bad[:3]
+    assert acked == len(items)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_million_events_every_sequence_applied(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     n = 1_000_000
     t = time.perf_counter()
-    await Publisher(js).publish_many(million(n), window=5000)
+    await publish_acked(nc, million(n))
     published = time.perf_counter() - t
-    p = Projector(js, tmp_path / "v.sqlite", digest_every=0, snapshot_every=0, batch_max=5000)
+    assert (await js.stream_info("LLMGW")).state.last_seq == n
+    p = Projector(js, tmp_path / "v.sqlite", digest_every=0, snapshot_every=0)
     original = p._on_batch
     expected = 1
     applied = 0
