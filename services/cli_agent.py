@@ -79,6 +79,35 @@ def register(commands: cli.Commands) -> None:
     p.add_argument(
         "--labels", type=_labels, default={}, metavar="K=V,...", help="node labels, e.g. zone=a"
     )
+    add_simulation_options(p)
+    p.add_argument(
+        "--used-interval",
+        type=cli.arg_positive,
+        default=30.0,
+        metavar="S",
+        help="report one replica's use at most this often (default 30)",
+    )
+    p.add_argument(
+        "--ack-wait",
+        type=cli.arg_positive,
+        default=10.0,
+        metavar="S",
+        help="how long a command this agent took but never acked (it died) waits before it "
+        "is delivered again (default 10)",
+    )
+    # --exit-after-states is a fault-injection point for crash tests: the process exits at
+    # once, like kill -9, right after its Nth state event is stored and before the command
+    # behind it is acked. Hidden: it is no way to run a node.
+    p.add_argument(
+        "--exit-after-states", type=int, default=None, metavar="N", help=argparse.SUPPRESS
+    )
+
+
+# ---------------------------------------------------------------------- argument types
+
+
+def add_simulation_options(p: Any) -> None:
+    """The simulated runtime's flags, shared by `llmgw agent` and `llmgw up --simulate`."""
     p.add_argument(
         "--start-delay",
         type=cli.arg_seconds,
@@ -114,33 +143,9 @@ def register(commands: cli.Commands) -> None:
         action="append",
         default=[],
         metavar="MODEL=RPM",
-        help="synthetic requests per minute to the node's ready replicas of MODEL, "
-        "reported as replica.used (repeatable)",
+        help="synthetic requests per minute to ready replicas of MODEL, reported as "
+        "replica.used (repeatable); other models stay idle",
     )
-    p.add_argument(
-        "--used-interval",
-        type=cli.arg_positive,
-        default=30.0,
-        metavar="S",
-        help="report one replica's use at most this often (default 30)",
-    )
-    p.add_argument(
-        "--ack-wait",
-        type=cli.arg_positive,
-        default=10.0,
-        metavar="S",
-        help="how long a command this agent took but never acked (it died) waits before it "
-        "is delivered again (default 10)",
-    )
-    # --exit-after-states is a fault-injection point for crash tests: the process exits at
-    # once, like kill -9, right after its Nth state event is stored and before the command
-    # behind it is acked. Hidden: it is no way to run a node.
-    p.add_argument(
-        "--exit-after-states", type=int, default=None, metavar="N", help=argparse.SUPPRESS
-    )
-
-
-# ---------------------------------------------------------------------- argument types
 
 
 def _gpus(text: str) -> spec.GpuSpec:

@@ -14,6 +14,7 @@ import os
 import signal
 
 from services import cli
+from services.cli_agent import add_simulation_options
 
 DEFAULT_PORT = 4222
 
@@ -59,42 +60,7 @@ def register(commands: cli.Commands) -> None:
         metavar="SPEC",
         help="simulated nodes, e.g. 4x8xH100-80GB (parts joined with +)",
     )
-    g.add_argument(
-        "--start-delay",
-        type=cli.arg_seconds,
-        default=0.5,
-        metavar="S",
-        help="simulated start time (default 0.5)",
-    )
-    g.add_argument(
-        "--load-delay",
-        type=cli.arg_seconds,
-        default=2.0,
-        metavar="S",
-        help="simulated model load time (default 2)",
-    )
-    g.add_argument(
-        "--stop-delay",
-        type=cli.arg_seconds,
-        default=0.5,
-        metavar="S",
-        help="simulated drain time, at most the grace (default 0.5)",
-    )
-    g.add_argument(
-        "--heartbeat",
-        type=cli.arg_positive,
-        default=1.0,
-        metavar="S",
-        help="agents' heartbeat period (default 1)",
-    )
-    g.add_argument(
-        "--traffic",
-        action="append",
-        default=[],
-        type=cli.arg_model_rate,
-        metavar="MODEL=RPM",
-        help="simulated requests per minute to a model's replicas (repeatable); others stay idle",
-    )
+    add_simulation_options(g)
     g = p.add_argument_group("preemption policy")
     g.add_argument(
         "--hold",
