@@ -18,6 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -504,6 +505,36 @@ class _OrderedReader:
         return out
 
 
+def _reader(
+    js: JetStreamContext,
+    *,
+    from_seq: int,
+    filter_subject: str | None,
+    stream: str,
+    until_seq: int | None,
+    to_end: bool,
+    stop: asyncio.Event | None,
+    batch_max: int,
+) -> _OrderedReader | wire.WireOrderedReader:
+    """The wire reader (`services.bus.wire`) unless $LLMGW_BUS_WIRE=0 or the connection
+    uses what it does not speak (TLS, nkeys, credentials); else the nats-py reader."""
+    kw: dict[str, Any] = dict(
+        from_seq=from_seq,
+        filter_subject=filter_subject,
+        stream=stream,
+        until_seq=until_seq,
+        to_end=to_end,
+        stop=stop,
+        batch_max=batch_max,
+    )
+    if wire.enabled():
+        try:
+            return wire.WireOrderedReader(js, idle_heartbeat_s=IDLE_HEARTBEAT_S, **kw)
+        except wire.Unsupported as e:
+            log.debug("wire reader not used: %s", e)
+    return _OrderedReader(js, **kw)
+
+
 async def read_ordered(
     js: JetStreamContext,
     *,
@@ -522,7 +553,7 @@ async def read_ordered(
     sequence must follow the one before; with one, every consumer sequence. The caller
     restarts from its checkpoint.
     """
-    reader = _OrderedReader(
+    reader = _reader(
         js,
         from_seq=from_seq,
         filter_subject=filter_subject,
@@ -550,7 +581,7 @@ async def read_range(
 ) -> AsyncIterator[list[Delivery]]:
     """Batches of messages from `from_seq` to `until_seq`, or to the end of the stream as it
     is when each message is sent; then it stops. For export and replay."""
-    reader = _OrderedReader(
+    reader = _reader(
         js,
         from_seq=from_seq,
         filter_subject=filter_subject,
@@ -591,7 +622,7 @@ async def fold_loop(
     save with the folded rows. A message that does not decode or does not belong on its
     subject is dead-lettered under `consumer` and skipped. Returns the last sequence.
     """
-    reader = _OrderedReader(
+    reader = _reader(
         js,
         from_seq=from_seq,
         filter_subject=filter_subject,
@@ -661,3 +692,6 @@ def _batch_span(batch: list[Delivery], group: str):  # type: ignore[no-untyped-d
             "messaging.nats.stream.sequence": batch[-1].seq,
         },
     )
+
+
+from services.bus import wire  # noqa: E402  (wire needs Delivery and _OrderedReader)

@@ -1,0 +1,587 @@
+"""A lean reader of a JetStream ordered push consumer, speaking the NATS wire protocol on
+its own connection.
+
+Why: nats-py spends ~6 µs per message building a `Msg` and running its subscription
+machinery; a fold of the log is bound by that, not by the fold. This reader parses many
+frames per socket read and hands lists on, at a fraction of the cost. It reads only: the
+consumer is created and deleted with JetStream API requests on the same connection, and
+the caller's nats-py client is used once, for the stream's bounds.
+
+What it does that nats-py's ordered consumer does: flow-control requests are answered
+when the messages before them are taken by the reader (so a slow fold holds the server
+back instead of growing a queue without bound); an idle heartbeat that says the consumer
+is stalled is answered; a consumer-sequence gap, a heartbeat that reports more messages
+than arrived, or two missed heartbeats recreate the consumer from the next stream
+sequence; a lost connection is reopened until it succeeds. What it never does: hand on a
+message past a gap. With no filter every stream sequence must follow the one before, or
+`SequenceGap` is raised, as by the nats-py path.
+
+Not supported (`Unsupported`, and `consume` falls back to nats-py): TLS, credentials
+files, nkeys, servers that ask for a nonce signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import ParseResult, unquote
+
+import msgspec
+
+from services.bus.consume import Delivery, _OrderedReader
+from services.bus.errors import SequenceGap
+
+log = logging.getLogger("llmgw.bus")
+
+# ENV_WIRE turns the wire reader off ("0") for `read_ordered`, `read_range`, `fold_loop`.
+ENV_WIRE = "LLMGW_BUS_WIRE"
+
+# MISSED_HEARTBEATS is how many idle-heartbeat intervals may pass with nothing from the
+# consumer before it is recreated (nats-py waits two as well).
+MISSED_HEARTBEATS = 2
+
+# INACTIVE_THRESHOLD_S: the server deletes a consumer nobody listens to after this long,
+# which covers a reader that died without deleting its own.
+INACTIVE_THRESHOLD_S = 10.0
+
+REQUEST_TIMEOUT_S = 2.0
+RECONNECT_WAIT_S = 0.25
+
+_json = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+
+
+class Unsupported(Exception):
+    """The connection needs something this reader does not speak (TLS, nkeys, creds)."""
+
+
+class ApiError(Exception):
+    """A JetStream API request answered with an error, or not at all."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_WIRE, "1") not in ("0", "false", "no", "off")
+
+
+def target_of(nc: Any) -> tuple[str, int, dict[str, str]]:
+    """(host, port, auth fields for CONNECT) of the server nats-py client `nc` talks to,
+    or `Unsupported` if that connection uses something this reader cannot."""
+    opts = getattr(nc, "options", {}) or {}
+    for key in ("tls", "user_credentials", "nkeys_seed", "nkeys_seed_str", "signature_cb"):
+        if opts.get(key):
+            raise Unsupported(key)
+    url: ParseResult | None = getattr(nc, "connected_url", None)
+    if url is None:
+        raise Unsupported("not connected")
+    if url.scheme not in ("nats", ""):
+        raise Unsupported(f"scheme {url.scheme}")
+    auth: dict[str, str] = {}
+    if url.username and url.password:
+        auth = {"user": unquote(url.username), "pass": unquote(url.password)}
+    elif url.username:
+        auth = {"auth_token": unquote(url.username)}
+    elif opts.get("user") and opts.get("password"):
+        auth = {"user": opts["user"], "pass": opts["password"]}
+    elif opts.get("token"):
+        auth = {"auth_token": opts["token"]}
+    return url.hostname or "127.0.0.1", url.port or 4222, auth
+
+
+# ------------------------------------------------------------------ connection
+
+# A frame as the reader sees it: (sid, subject, reply, header block or None, payload).
+Frame = tuple[bytes, bytes, bytes, bytes | None, bytes]
+
+
+class WireConnection(asyncio.Protocol):
+    """One NATS connection. Frames for subscriptions land in `frames`, in arrival order;
+    replies to requests resolve their futures. Parsing runs in `data_received`, many
+    frames per read."""
+
+    REPLY_SID = b"1"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.frames: list[Frame] = []
+        self.closed = False
+        self._transport: asyncio.Transport | None = None
+        self._rest = b""
+        self._waiter: asyncio.Future[None] | None = None
+        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._handshake = True
+        self._auth: dict[str, str] = {}
+        self._inbox = "_INBOX." + secrets.token_hex(11)
+        self._req_ids = itertools.count(1)
+        self._sids = itertools.count(2)
+        self._requests: dict[bytes, asyncio.Future[tuple[bytes | None, bytes]]] = {}
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, auth: dict[str, str], name: str, timeout_s: float = 2.0
+    ) -> WireConnection:
+        loop = asyncio.get_running_loop()
+        conn = cls(name)
+        conn._auth = auth
+        async with asyncio.timeout(timeout_s):
+            await loop.create_connection(lambda: conn, host, port)
+            try:
+                await conn._ready
+            except BaseException:
+                conn.close()
+                raise
+        conn._write(f"SUB {conn._inbox}.* 1\r\n".encode())
+        return conn
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self._ready.done():
+            self._ready.set_exception(ConnectionError(f"closed during handshake: {exc}"))
+        for f in self._requests.values():
+            if not f.done():
+                f.set_exception(ConnectionError("connection lost"))
+        self._requests.clear()
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        if self._rest:
+            data = self._rest + data
+            self._rest = b""
+        pos = 0
+        n = len(data)
+        find = data.find
+        frames = self.frames
+        got = False
+        while True:
+            end = find(b"\r\n", pos)
+            if end < 0:
+                break
+            c = data[pos]
+            if c == 77:  # MSG <subject> <sid> [reply] <size>
+                parts = data[pos + 4 : end].split(b" ")
+                start = end + 2
+                stop = start + int(parts[-1])
+                if stop + 2 > n:
+                    break
+                reply = parts[2] if len(parts) == 4 else b""
+                if parts[1] == b"1":
+                    self._on_reply(parts[0], None, data[start:stop])
+                else:
+                    frames.append((parts[1], parts[0], reply, None, data[start:stop]))
+                    got = True
+                pos = stop + 2
+            elif c == 72:  # HMSG <subject> <sid> [reply] <header size> <total size>
+                parts = data[pos + 5 : end].split(b" ")
+                start = end + 2
+                stop = start + int(parts[-1])
+                if stop + 2 > n:
+                    break
+                hstop = start + int(parts[-2])
+                reply = parts[2] if len(parts) == 5 else b""
+                if parts[1] == b"1":
+                    self._on_reply(parts[0], data[start:hstop], data[hstop:stop])
+                else:
+                    frames.append((parts[1], parts[0], reply, data[start:hstop], data[hstop:stop]))
+                    got = True
+                pos = stop + 2
+            else:
+                self._control(data[pos:end])
+                pos = end + 2
+        if pos < n:
+            self._rest = data[pos:]
+        if got:
+            self._wake()
+
+    def _control(self, line: bytes) -> None:
+        if line == b"PING":
+            self._write(b"PONG\r\n")
+        elif line.startswith(b"PONG"):
+            if self._handshake:
+                self._handshake = False
+                if not self._ready.done():
+                    self._ready.set_result({})
+        elif line.startswith(b"INFO"):
+            if self._handshake:
+                self._on_info(_json.decode(line[5:]))
+        elif line.startswith(b"-ERR"):
+            log.warning("nats %s: server error: %s", self.name, line[5:].decode(errors="replace"))
+            if self._handshake and not self._ready.done():
+                self._ready.set_exception(ConnectionError(line.decode(errors="replace")))
+
+    def _on_info(self, info: dict[str, Any]) -> None:
+        if info.get("tls_required") or info.get("nonce"):
+            if not self._ready.done():
+                self._ready.set_exception(Unsupported("server asks for TLS or a nonce"))
+            return
+        opts: dict[str, Any] = {
+            "verbose": False,
+            "pedantic": False,
+            "lang": "python3",
+            "version": "llmgw-wire",
+            "protocol": 1,
+            "headers": True,
+            "no_responders": True,
+            "name": self.name,
+        }
+        opts.update(self._auth)
+        self._write(b"CONNECT " + _enc.encode(opts) + b"\r\nPING\r\n")
+
+    def _on_reply(self, subject: bytes, hdr: bytes | None, data: bytes) -> None:
+        f = self._requests.pop(subject, None)
+        if f is not None and not f.done():
+            f.set_result((hdr, data))
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.write(data)
+
+    # -- for the reader
+
+    async def wait(self, seconds: float) -> None:
+        """Until frames arrive, the connection closes, or `seconds` pass."""
+        if self.frames or self.closed:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._waiter, seconds)
+        finally:
+            self._waiter = None
+
+    def publish(self, subject: bytes, payload: bytes = b"") -> None:
+        self._write(b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload))
+
+    def subscribe(self, subject: str) -> bytes:
+        sid = str(next(self._sids)).encode()
+        self._write(b"SUB %s %s\r\n" % (subject.encode(), sid))
+        return sid
+
+    def unsubscribe(self, sid: bytes) -> None:
+        self._write(b"UNSUB %s\r\n" % sid)
+
+    async def request(self, subject: str, payload: bytes, timeout_s: float) -> bytes:
+        reply = f"{self._inbox}.{next(self._req_ids)}".encode()
+        f: asyncio.Future[tuple[bytes | None, bytes]] = asyncio.get_running_loop().create_future()
+        if self.closed:
+            raise ConnectionError("connection closed")
+        self._requests[reply] = f
+        self._write(b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply, len(payload), payload))
+        try:
+            hdr, data = await asyncio.wait_for(f, timeout_s)
+        except TimeoutError as e:
+            raise ApiError(f"{subject}: no answer in {timeout_s}s") from e
+        finally:
+            self._requests.pop(reply, None)
+        if hdr is not None and hdr[8:9] == b" " and hdr[9:12] == b"503":
+            raise ApiError(f"{subject}: no responders (JetStream not ready?)")
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+def parse_headers(h: bytes) -> dict[str, str] | None:
+    """A header block without status as nats-py gives it: name -> value (last one wins)."""
+    out: dict[str, str] = {}
+    for line in h[10:].decode(errors="replace").split("\r\n"):
+        if line:
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out or None
+
+
+def _status(h: bytes) -> tuple[str, dict[str, str]]:
+    """(status line after the code, headers) of a status message: `NATS/1.0 100 Idle ...`."""
+    first, _, rest = h.decode(errors="replace").partition("\r\n")
+    desc = first[13:].strip()
+    hdrs: dict[str, str] = {}
+    for line in rest.split("\r\n"):
+        if line:
+            k, _, v = line.partition(":")
+            hdrs[k] = v.strip()
+    return desc, hdrs
+
+
+# ------------------------------------------------------------------ ordered reader
+
+
+class WireOrderedReader:
+    """The wire counterpart of `consume._OrderedReader`: same arguments, same `batches()`,
+    same `last_seq`. See the module docstring."""
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        from_seq: int,
+        filter_subject: str | None,
+        stream: str,
+        until_seq: int | None,
+        to_end: bool,
+        stop: asyncio.Event | None,
+        batch_max: int,
+        idle_heartbeat_s: float,
+    ) -> None:
+        self.js = js
+        self.from_seq = max(1, from_seq)
+        self.filter_subject = filter_subject
+        self.stream = stream
+        self.until_seq = until_seq
+        self.to_end = to_end
+        self.stop = stop
+        self.batch_max = batch_max
+        self.hb = idle_heartbeat_s
+        self.last_seq = self.from_seq - 1
+        self.prefix: str = getattr(js, "_prefix", "$JS.API")
+        self.host, self.port, self.auth = target_of(js._nc)
+        self.resets = 0  # consumers recreated after a gap, a missed heartbeat or a reconnect
+        self._conn: WireConnection | None = None
+        self._sid = b""
+        self._consumer = ""
+        self._last_dseq = 0
+        self._seen = 0.0
+        self._done = False
+
+    # -- consumer lifecycle
+
+    async def _connect(self) -> WireConnection:
+        """A fresh connection, retried until it works or `stop` is set."""
+        while True:
+            try:
+                return await WireConnection.open(self.host, self.port, self.auth, "llmgw-reader")
+            except Unsupported:
+                raise
+            except (OSError, TimeoutError, ConnectionError) as e:
+                if self._stopped():
+                    raise
+                log.info("wire reader: connect to %s:%d failed: %s", self.host, self.port, e)
+                await self._pause(RECONNECT_WAIT_S)
+
+    async def _create(self) -> dict[str, Any]:
+        """Subscribe a fresh inbox and create a consumer delivering to it from last_seq+1.
+        Reconnects and retries on failure; returns the consumer's info."""
+        while True:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = await self._connect()
+            if self._sid:
+                conn.unsubscribe(self._sid)
+            deliver = f"_INBOX.{secrets.token_hex(11)}"
+            self._sid = conn.subscribe(deliver)
+            self._consumer = "llmgw_" + secrets.token_hex(8)
+            self._last_dseq = 0
+            config: dict[str, Any] = {
+                "name": self._consumer,
+                "deliver_subject": deliver,
+                "deliver_policy": "by_start_sequence",
+                "opt_start_seq": self.last_seq + 1,
+                "ack_policy": "none",
+                "max_deliver": 1,
+                "replay_policy": "instant",
+                "flow_control": True,
+                "idle_heartbeat": int(self.hb * 1e9),
+                "inactive_threshold": int(INACTIVE_THRESHOLD_S * 1e9),
+                "num_replicas": 1,
+                "mem_storage": True,
+            }
+            if self.filter_subject and self.filter_subject != ">":
+                config["filter_subject"] = self.filter_subject
+            body = _enc.encode({"stream_name": self.stream, "config": config})
+            subject = f"{self.prefix}.CONSUMER.CREATE.{self.stream}.{self._consumer}"
+            try:
+                resp = _json.decode(await conn.request(subject, body, REQUEST_TIMEOUT_S))
+            except (ApiError, ConnectionError) as e:
+                if self._stopped():
+                    raise
+                log.info("wire reader: creating a consumer failed: %s", e)
+                if isinstance(e, ApiError):
+                    conn.close()  # a connection that does not answer is not trusted
+                await self._pause(RECONNECT_WAIT_S)
+                continue
+            err = resp.get("error")
+            if err:
+                if self._stopped():
+                    raise ApiError(str(err))
+                log.warning("wire reader: creating a consumer failed: %s", err)
+                await self._pause(RECONNECT_WAIT_S)
+                continue
+            self._seen = time.monotonic()
+            return resp  # type: ignore[no-any-return]
+
+    async def _reset(self, why: str) -> None:
+        self.resets += 1
+        log.info("wire reader: recreating the consumer from seq %d: %s", self.last_seq + 1, why)
+        old, conn = self._consumer, self._conn
+        if conn is not None and not conn.closed and old:
+            conn.publish(f"{self.prefix}.CONSUMER.DELETE.{self.stream}.{old}".encode())
+        await self._create()
+
+    def _wake_on_stop(self, _: object) -> None:
+        if self._conn is not None:
+            self._conn._wake()
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    async def _pause(self, seconds: float) -> None:
+        if self.stop is None:
+            await asyncio.sleep(seconds)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), seconds)
+
+    async def _cleanup(self) -> None:
+        conn = self._conn
+        self._conn = None
+        if conn is None:
+            return
+        if not conn.closed and self._consumer:
+            subject = f"{self.prefix}.CONSUMER.DELETE.{self.stream}.{self._consumer}"
+            with contextlib.suppress(ApiError, ConnectionError):
+                await conn.request(subject, b"", 1.0)
+        conn.close()
+
+    # -- reading
+
+    async def batches(self) -> AsyncIterator[list[Delivery]]:
+        info = await self.js.stream_info(self.stream)
+        first = info.state.first_seq or 1
+        if self.filter_subject is None and self.from_seq < first:
+            self.last_seq = first - 1
+        if self.to_end:
+            end = info.state.last_seq
+            self.until_seq = end if self.until_seq is None else min(self.until_seq, end)
+        if self.until_seq is not None and self.until_seq < self.from_seq:
+            return
+        stopper: asyncio.Task[bool] | None = None
+        try:
+            try:
+                ci = await self._create()
+            except Unsupported as e:
+                log.info("wire reader: %s; reading through nats-py", e)
+                fallback = _OrderedReader(
+                    self.js,
+                    from_seq=self.from_seq,
+                    filter_subject=self.filter_subject,
+                    stream=self.stream,
+                    until_seq=self.until_seq,
+                    to_end=self.to_end,
+                    stop=self.stop,
+                    batch_max=self.batch_max,
+                )
+                async for batch in fallback.batches():
+                    self.last_seq = fallback.last_seq
+                    yield batch
+                self.last_seq = fallback.last_seq
+                return
+            if self.to_end:
+                delivered = (ci.get("delivered") or {}).get("consumer_seq", 0)
+                if not ci.get("num_pending") and not delivered:
+                    return  # nothing matches: nothing was sent, nothing will be
+            if self.stop is not None:
+                stopper = asyncio.create_task(self.stop.wait())
+                stopper.add_done_callback(self._wake_on_stop)
+            while not self._done:
+                conn = self._conn
+                assert conn is not None
+                if not conn.frames:
+                    if self._stopped():
+                        return
+                    if conn.closed:
+                        await self._reset("connection lost")
+                        continue
+                    await conn.wait(self.hb)
+                    if (
+                        not conn.frames
+                        and not self._stopped()
+                        and not conn.closed
+                        and time.monotonic() - self._seen > MISSED_HEARTBEATS * self.hb
+                    ):
+                        await self._reset("heartbeats missed")
+                    continue
+                frames, conn.frames = conn.frames, []
+                out, why = self._take(frames, conn)
+                for i in range(0, len(out), self.batch_max):
+                    yield out[i : i + self.batch_max]
+                if why and not self._done:
+                    await self._reset(why)
+        finally:
+            if stopper is not None:
+                stopper.cancel()
+            await self._cleanup()
+
+    def _take(self, frames: list[Frame], conn: WireConnection) -> tuple[list[Delivery], str]:
+        """Deliveries from `frames` up to the end, a gap, or `until`; control messages
+        answered on the way. Returns (deliveries, why the consumer must be recreated or "")."""
+        out: list[Delivery] = []
+        append = out.append
+        last_seq, last_dseq = self.last_seq, self._last_dseq
+        until = self.until_seq
+        strict = self.filter_subject is None
+        to_end = self.to_end
+        sid_now = self._sid
+        why = ""
+        seen = False
+        for sid, subject, reply, hdr, data in frames:
+            if sid != sid_now:
+                continue  # a consumer we left
+            seen = True
+            if hdr is not None:
+                if hdr[8:9] == b" ":  # a status message: flow control or heartbeat
+                    desc, h = _status(hdr)
+                    if reply and desc.startswith("FlowControl"):
+                        conn.publish(reply)
+                    elif desc.startswith("Idle"):
+                        stalled = h.get("Nats-Consumer-Stalled")
+                        if stalled:
+                            conn.publish(stalled.encode())
+                        if int(h.get("Nats-Last-Consumer", "0")) > last_dseq:
+                            why = "a heartbeat reports messages that did not arrive"
+                            break
+                    continue
+                headers = parse_headers(hdr)
+            else:
+                headers = None
+            t = reply.split(b".")
+            o = 4 if len(t) == 9 else 6
+            sseq, dseq = int(t[o + 1]), int(t[o + 2])
+            if dseq != last_dseq + 1:
+                why = f"consumer sequence {dseq} after {last_dseq}"
+                break
+            last_dseq = dseq
+            if sseq <= last_seq:
+                continue
+            if strict and sseq != last_seq + 1:
+                raise SequenceGap(last_seq + 1, sseq)
+            if until is not None and sseq > until:
+                self._done = True
+                break
+            pending = int(t[o + 4])
+            append(Delivery(sseq, subject.decode(), data, headers, int(t[o + 3]), 1, pending))
+            last_seq = sseq
+            if (until is not None and sseq >= until) or (to_end and pending == 0):
+                self._done = True
+                break
+        if seen:
+            self._seen = time.monotonic()
+        self.last_seq, self._last_dseq = last_seq, last_dseq
+        return out, why

@@ -1,0 +1,250 @@
+"""The wire reader of an ordered consumer: its parser, flow control and heartbeats
+answered, a consumer-sequence gap recreating the consumer, a stream gap reported, a
+filter, and a broker restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas import codec, subjects
+from schemas import events as ev
+from services.bus import Publisher, connect, consume, ensure_streams, wire
+from services.bus.consume import Delivery, read_ordered, read_range
+from services.bus.errors import SequenceGap
+
+
+def _reader(js, **kw) -> wire.WireOrderedReader:
+    args = dict(
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=False,
+        stop=None,
+        batch_max=100,
+        idle_heartbeat_s=consume.IDLE_HEARTBEAT_S,
+    )
+    args.update(kw)
+    return wire.WireOrderedReader(js, **args)  # type: ignore[arg-type]
+
+
+def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
+    kw = dict(
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=True,
+        stop=None,
+        batch_max=10,
+    )
+    assert isinstance(consume._reader(js, **kw), wire.WireOrderedReader)
+    monkeypatch.setenv(wire.ENV_WIRE, "0")
+    assert isinstance(consume._reader(js, **kw), consume._OrderedReader)
+
+
+def test_tls_falls_back_to_nats_py(js, monkeypatch):
+    monkeypatch.setitem(js._nc.options, "tls", object())
+    with pytest.raises(wire.Unsupported):
+        _reader(js)
+
+
+class _Sink:
+    """A connection that only records what would have been written."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def publish(self, subject: bytes, payload: bytes = b"") -> None:
+        self.sent.append(subject)
+
+
+def _frame(sseq: int, dseq: int, sid: bytes = b"2", hdr: bytes | None = None) -> wire.Frame:
+    reply = f"$JS.ACK.LLMGW.c.1.{sseq}.{dseq}.0.{100 - sseq}".encode()
+    return (sid, b"llmgw.view.digest", reply, hdr, b"{}")
+
+
+def test_the_parser_splits_frames_across_reads():
+    async def go() -> list[wire.Frame]:
+        conn = wire.WireConnection("t")
+        hmsg = b"HMSG a.b 2 r.1 23 25\r\nNATS/1.0\r\nK: v\r\nX:y\r\n\r\nhi\r\n"
+        stream = b"MSG x.y 2 r.2 5\r\nhello\r\n" + hmsg + b"MSG z 2 0\r\n\r\n"
+        for i in range(0, len(stream), 7):  # chopped into odd pieces
+            conn.data_received(stream[i : i + 7])
+        return conn.frames
+
+    frames = asyncio.run(go())
+    assert frames[0] == (b"2", b"x.y", b"r.2", None, b"hello")
+    assert frames[1][:3] == (b"2", b"a.b", b"r.1") and frames[1][4] == b"hi"
+    assert wire.parse_headers(frames[1][3]) == {"K": "v", "X": "y"}  # type: ignore[arg-type]
+    assert frames[2] == (b"2", b"z", b"", None, b"")
+
+
+def test_flow_control_and_stalled_heartbeats_are_answered(js):
+    r = _reader(js)
+    r._sid = b"2"
+    sink = _Sink()
+    fc = b"NATS/1.0 100 FlowControl Request\r\n\r\n"
+    hb = b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 2\r\nNats-Consumer-Stalled: $JS.FC.x\r\n\r\n"
+    frames = [
+        _frame(1, 1),
+        (b"2", b"_INBOX.d", b"$JS.FC.LLMGW.c.1", fc, b""),
+        _frame(2, 2),
+        (b"2", b"_INBOX.d", b"", hb, b""),
+        _frame(3, 3),
+    ]
+    out, why = r._take(frames, sink)  # type: ignore[arg-type]
+    assert [d.seq for d in out] == [1, 2, 3] and why == ""
+    assert sink.sent == [b"$JS.FC.LLMGW.c.1", b"$JS.FC.x"]
+
+
+def test_a_consumer_gap_stops_before_it_and_asks_for_a_new_consumer(js):
+    r = _reader(js, filter_subject="llmgw.>")
+    r._sid = b"2"
+    out, why = r._take([_frame(1, 1), _frame(5, 2), _frame(9, 4), _frame(10, 5)], _Sink())  # type: ignore[arg-type]
+    assert [d.seq for d in out] == [1, 5] and "consumer sequence 4 after 2" in why
+    assert r.last_seq == 5  # the new consumer starts at 6: nothing past the gap is folded
+
+
+def test_a_heartbeat_reporting_lost_messages_asks_for_a_new_consumer(js):
+    r = _reader(js)
+    r._sid = b"2"
+    hb = b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\n\r\n"
+    out, why = r._take([_frame(1, 1), (b"2", b"_INBOX.d", b"", hb, b"")], _Sink())  # type: ignore[arg-type]
+    assert [d.seq for d in out] == [1] and "heartbeat" in why
+
+
+def test_a_stream_gap_without_a_filter_is_reported(js):
+    r = _reader(js)
+    r._sid = b"2"
+    with pytest.raises(SequenceGap) as e:
+        r._take([_frame(1, 1), _frame(2, 2), _frame(4, 3)], _Sink())  # type: ignore[arg-type]
+    assert (e.value.expected, e.value.got) == (3, 4)
+
+
+def test_frames_of_a_consumer_left_behind_are_ignored(js):
+    r = _reader(js)
+    r._sid = b"3"
+    out, why = r._take([_frame(1, 1, sid=b"2"), _frame(1, 1, sid=b"3")], _Sink())  # type: ignore[arg-type]
+    assert [d.seq for d in out] == [1] and why == ""
+
+
+async def test_flow_control_under_a_slow_fold_loses_nothing(js, events):
+    """Enough data that the server asks for flow control many times while the fold sleeps."""
+    evs = events(20000, "mixed")
+    await Publisher(js).publish_many(evs)
+    r = _reader(js, to_end=True, batch_max=5000)
+    seen: list[Delivery] = []
+    async for batch in r.batches():
+        seen.extend(batch)
+        await asyncio.sleep(0.02)
+    assert [d.seq for d in seen] == list(range(1, 20001))
+    assert [codec.decode(d.data).id for d in seen] == [e.id for e in evs]
+    assert seen[0].msg_id is not None and seen[-1].pending == 0
+    assert r.resets == 0
+
+
+async def test_missed_heartbeats_recreate_the_consumer(js, events):
+    pub = Publisher(js)
+    await pub.publish_many(events(5))
+    stop = asyncio.Event()
+    r = _reader(js, stop=stop, idle_heartbeat_s=0.2)
+    got: list[int] = []
+    five = asyncio.Event()
+
+    async def run() -> None:
+        async for batch in r.batches():
+            got.extend(d.seq for d in batch)
+            if got[-1] >= 5:
+                five.set()
+            if got[-1] >= 10:
+                stop.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(five.wait(), 5)
+    # Delete the consumer behind the reader's back: no heartbeats come any more.
+    await js.delete_consumer(subjects.STREAM, r._consumer)
+    deadline = time.monotonic() + 5
+    while r.resets == 0:
+        assert time.monotonic() < deadline, "the consumer was not recreated"
+        await asyncio.sleep(0.05)
+    await pub.publish_many(events(5))
+    await asyncio.wait_for(task, 5)
+    assert got == list(range(1, 11))
+
+
+async def test_a_filtered_live_read(js, events):
+    evs = events(30, "mixed")
+    pub = Publisher(js)
+    await pub.publish_many(evs[:15])
+    stop = asyncio.Event()
+    got: list[Delivery] = []
+    want = [e.id for e in evs if isinstance(e, ev.NodeLostEvent)]
+
+    def on_batch(batch: list[Delivery]) -> None:
+        got.extend(batch)
+        if len(got) >= len(want):
+            stop.set()
+
+    task = asyncio.create_task(
+        read_ordered(
+            js, from_seq=1, on_batch=on_batch, stop=stop, filter_subject="llmgw.node.*.status"
+        )
+    )
+    await pub.publish_many(evs[15:])
+    last = await asyncio.wait_for(task, 10)
+    assert [codec.decode(d.data).id for d in got] == want
+    assert last == got[-1].seq
+
+
+async def test_the_consumer_is_deleted_when_the_read_ends(js, events):
+    await Publisher(js).publish_many(events(10))
+    assert [d.seq async for b in read_range(js, 1) for d in b] == list(range(1, 11))
+    names = [c.name async for c in _consumers(js)]
+    assert not [n for n in names if n.startswith("llmgw_")]
+
+
+async def _consumers(js):
+    for c in await js.consumers_info(subjects.STREAM):
+        yield c
+
+
+@pytest.mark.timeout(60)
+async def test_the_wire_reader_resumes_after_the_broker_restarts(nats_server, events):
+    nc = await connect(nats_server.url, "follower")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        pub = Publisher(js)
+        evs = events(3000)
+        await pub.publish_many(evs[:2000])
+        stop = asyncio.Event()
+        r = _reader(js, stop=stop, batch_max=500)
+        got: list[int] = []
+        first = asyncio.Event()
+
+        async def run() -> None:
+            async for batch in r.batches():
+                got.extend(d.seq for d in batch)
+                if got[-1] >= 2000:
+                    first.set()
+                if got[-1] >= 3000:
+                    stop.set()
+
+        task = asyncio.create_task(run())
+        await asyncio.wait_for(first.wait(), 10)
+        nats_server.kill()
+        nats_server.start()
+        deadline = time.monotonic() + 20
+        while not (nc.stats["reconnects"] >= 1 and nc.is_connected):
+            assert time.monotonic() < deadline, "client did not reconnect"
+            await asyncio.sleep(0.05)
+        await pub.publish_many(evs[2000:])
+        await asyncio.wait_for(task, 20)
+        assert got == list(range(1, 3001))
+        assert r.resets >= 1
+    finally:
+        await nc.close()
