@@ -16,7 +16,7 @@ import base64
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -416,7 +416,7 @@ class _OrderedReader:
         self._buf.append(msg)
         self._wake.set()
 
-    async def batches(self) -> AsyncIterator[list[Delivery]]:
+    async def batches(self) -> AsyncGenerator[list[Delivery], None]:
         info = await self.js.stream_info(self.stream)
         first = info.state.first_seq or 1
         if self.filter_subject is None and self.from_seq < first:
@@ -563,10 +563,11 @@ async def read_ordered(
         stop=stop,
         batch_max=batch_max,
     )
-    async for batch in reader.batches():
-        r = on_batch(batch)
-        if r is not None:
-            await r
+    async with contextlib.aclosing(reader.batches()) as batches:
+        async for batch in batches:
+            r = on_batch(batch)
+            if r is not None:
+                await r
     return reader.last_seq
 
 
@@ -591,8 +592,10 @@ async def read_range(
         stop=None,
         batch_max=batch_max,
     )
-    async for batch in reader.batches():
-        yield batch
+    # Closed here, not when collected: the wire reader holds a connection.
+    async with contextlib.aclosing(reader.batches()) as batches:
+        async for batch in batches:
+            yield batch
 
 
 # ------------------------------------------------------------------ fold loop
@@ -634,34 +637,35 @@ async def fold_loop(
     )
     decode = codec.decode
     check = subjects.check
-    async for batch in reader.batches():
-        good: list[Decoded] = []
-        bad: list[tuple[Delivery, str]] = []
-        for d in batch:
-            try:
-                event = decode(d.data)
-            except EventDecodeError as e:
-                bad.append((d, str(e)))
-                continue
-            why = check(event, d.subject, root)
-            if why is not None:
-                bad.append((d, f"wrong subject for its data: {why}"))
-                continue
-            good.append((d, event))
-        for d, reason in bad:
-            await dead_letter(
-                js, root, consumer, reason=reason, subject=d.subject, seq=d.seq, data=d.data
-            )
-        last = batch[-1].seq
-        if tracing.enabled():
-            with _batch_span(batch, consumer):
+    async with contextlib.aclosing(reader.batches()) as batches:
+        async for batch in batches:
+            good: list[Decoded] = []
+            bad: list[tuple[Delivery, str]] = []
+            for d in batch:
+                try:
+                    event = decode(d.data)
+                except EventDecodeError as e:
+                    bad.append((d, str(e)))
+                    continue
+                why = check(event, d.subject, root)
+                if why is not None:
+                    bad.append((d, f"wrong subject for its data: {why}"))
+                    continue
+                good.append((d, event))
+            for d, reason in bad:
+                await dead_letter(
+                    js, root, consumer, reason=reason, subject=d.subject, seq=d.seq, data=d.data
+                )
+            last = batch[-1].seq
+            if tracing.enabled():
+                with _batch_span(batch, consumer):
+                    r = on_events(good, last)
+                    if r is not None:
+                        await r
+            else:
                 r = on_events(good, last)
                 if r is not None:
                     await r
-        else:
-            r = on_events(good, last)
-            if r is not None:
-                await r
     return reader.last_seq
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import ParseResult, unquote
 
@@ -265,8 +265,11 @@ class WireConnection(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    def publish(self, subject: bytes, payload: bytes = b"") -> None:
-        self._write(b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload))
+    def publish(self, subject: bytes, payload: bytes = b"", reply: bytes = b"") -> None:
+        if reply:
+            self._write(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload))
+        else:
+            self._write(b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload))
 
     def subscribe(self, subject: str) -> bytes:
         sid = str(next(self._sids)).encode()
@@ -449,20 +452,23 @@ class WireOrderedReader:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), seconds)
 
-    async def _cleanup(self) -> None:
+    def _cleanup(self) -> None:
+        """Delete the consumer and close. No await: this runs in a `finally` that may be
+        reached by cancellation or by a generator closed at interpreter exit."""
         conn = self._conn
         self._conn = None
         if conn is None:
             return
         if not conn.closed and self._consumer:
+            # Sent as a request so it is answered like any other; nobody waits for the
+            # answer. The transport writes it out before it closes.
             subject = f"{self.prefix}.CONSUMER.DELETE.{self.stream}.{self._consumer}"
-            with contextlib.suppress(ApiError, ConnectionError):
-                await conn.request(subject, b"", 1.0)
+            conn.publish(subject.encode(), reply=f"{conn._inbox}.0".encode())
         conn.close()
 
     # -- reading
 
-    async def batches(self) -> AsyncIterator[list[Delivery]]:
+    async def batches(self) -> AsyncGenerator[list[Delivery], None]:
         info = await self.js.stream_info(self.stream)
         first = info.state.first_seq or 1
         if self.filter_subject is None and self.from_seq < first:
@@ -527,7 +533,7 @@ class WireOrderedReader:
         finally:
             if stopper is not None:
                 stopper.cancel()
-            await self._cleanup()
+            self._cleanup()
 
     def _take(self, frames: list[Frame], conn: WireConnection) -> tuple[list[Delivery], str]:
         """Deliveries from `frames` up to the end, a gap, or `until`; control messages

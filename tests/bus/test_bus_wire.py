@@ -203,13 +203,22 @@ async def test_a_filtered_live_read(js, events):
 async def test_the_consumer_is_deleted_when_the_read_ends(js, events):
     await Publisher(js).publish_many(events(10))
     assert [d.seq async for b in read_range(js, 1) for d in b] == list(range(1, 11))
-    names = [c.name async for c in _consumers(js)]
-    assert not [n for n in names if n.startswith("llmgw_")]
+    deadline = time.monotonic() + 3
+    while [c for c in await js.consumers_info(subjects.STREAM) if c.name.startswith("llmgw_")]:
+        assert time.monotonic() < deadline, "the consumer was left behind"
+        await asyncio.sleep(0.05)
 
 
-async def _consumers(js):
-    for c in await js.consumers_info(subjects.STREAM):
-        yield c
+async def test_a_read_left_early_closes_its_connection(js, events):
+    await Publisher(js).publish_many(events(50))
+    gen = read_range(js, 1, batch_max=10)
+    async for _ in gen:
+        break
+    await gen.aclose()
+    deadline = time.monotonic() + 3
+    while [c for c in await js.consumers_info(subjects.STREAM) if c.name.startswith("llmgw_")]:
+        assert time.monotonic() < deadline, "the consumer was left behind"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.timeout(60)
