@@ -156,10 +156,11 @@ async def test_a_deleted_message_stops_the_projector(js: JetStreamContext, tmp_p
     assert e.value.seq == 1700
     records = await export_around_hole(js)
     live, _ = await db_dump(tmp_path / "v.sqlite")
-    # It folded up to the hole (the reader may hold back the few before it in the same
-    # delivery) and nothing after it.
+    # It folded towards the hole and nothing after it. How close it got depends on how
+    # the reader batched the messages before the hole (a batch holding the hole is not
+    # folded), so only "before the hole, and exactly the log up to there" is asserted.
     pos = _position(tmp_path / "v.sqlite")
-    assert 1000 < pos < 1700
+    assert 0 < pos < 1700
     assert live == await replay_dump(tmp_path / "r.sqlite", records, until=pos)
 
 
