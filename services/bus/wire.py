@@ -62,6 +62,10 @@ class Unsupported(Exception):
     """The connection needs something this reader does not speak (TLS, nkeys, creds)."""
 
 
+class _Stopped(Exception):
+    """`stop` was set while the reader was still trying to reach the broker."""
+
+
 class ApiError(Exception):
     """A JetStream API request answered with an error, or not at all."""
 
@@ -375,7 +379,7 @@ class WireOrderedReader:
                 raise
             except (OSError, TimeoutError, ConnectionError) as e:
                 if self._stopped():
-                    raise
+                    raise _Stopped from e
                 log.info("wire reader: connect to %s:%d failed: %s", self.host, self.port, e)
                 await self._pause(RECONNECT_WAIT_S)
 
@@ -414,7 +418,7 @@ class WireOrderedReader:
                 resp = _json.decode(await conn.request(subject, body, REQUEST_TIMEOUT_S))
             except (ApiError, ConnectionError) as e:
                 if self._stopped():
-                    raise
+                    raise _Stopped from e
                 log.info("wire reader: creating a consumer failed: %s", e)
                 if isinstance(e, ApiError):
                     conn.close()  # a connection that does not answer is not trusted
@@ -423,7 +427,7 @@ class WireOrderedReader:
             err = resp.get("error")
             if err:
                 if self._stopped():
-                    raise ApiError(str(err))
+                    raise _Stopped
                 log.warning("wire reader: creating a consumer failed: %s", err)
                 await self._pause(RECONNECT_WAIT_S)
                 continue
@@ -530,6 +534,8 @@ class WireOrderedReader:
                     yield out[i : i + self.batch_max]
                 if why and not self._done:
                     await self._reset(why)
+        except _Stopped:
+            return  # stopped while the broker was out of reach
         finally:
             if stopper is not None:
                 stopper.cancel()

@@ -257,3 +257,30 @@ async def test_the_wire_reader_resumes_after_the_broker_restarts(nats_server, ev
         assert r.resets >= 1
     finally:
         await nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
+    nc = await connect(nats_server.url, "follower")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        await Publisher(js).publish_many(events(5))
+        stop = asyncio.Event()
+        got: list[int] = []
+        five = asyncio.Event()
+
+        def on_batch(batch: list[Delivery]) -> None:
+            got.extend(d.seq for d in batch)
+            if len(got) >= 5:
+                five.set()
+
+        task = asyncio.create_task(read_ordered(js, from_seq=1, on_batch=on_batch, stop=stop))
+        await asyncio.wait_for(five.wait(), 10)
+        nats_server.kill()
+        await asyncio.sleep(0.5)
+        stop.set()
+        assert await asyncio.wait_for(task, 5) == 5
+    finally:
+        nats_server.start()
+        await nc.close()
