@@ -46,6 +46,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli_preemption",
     "services.cli_agent",
     "services.cli_replay",
+    "services.cli_snapshot",
 )
 
 ENV_NATS = "LLMGW_NATS"

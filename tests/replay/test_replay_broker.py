@@ -159,3 +159,35 @@ async def test_subscribe_after_a_purge_lists_from_a_snapshot(js: Any) -> None:
     finally:
         with contextlib.suppress(Exception):
             await it.aclose()
+
+
+def test_snapshot_on_demand_and_listed(nats_server, capsys) -> None:  # type: ignore[no-untyped-def]
+    import asyncio as _asyncio
+
+    from services import cli as _cli
+    from services.bus import Publisher, connect, ensure_streams
+    from tests.scenario import Scenario
+
+    s = Scenario()
+    s.node("n1", "8xH100-80GB")
+    s.model("m", profiles=["tp1:1"])
+    s.replica("r1", "m", on=("n1", [0]), ready="-1h")
+
+    async def publish() -> None:
+        nc = await connect(nats_server.url, "t")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            pub = Publisher(js)
+            for _, subject, e in s.events():
+                await pub.publish(e, subject=subject)
+        finally:
+            await nc.close()
+
+    _asyncio.run(publish())
+    assert _cli.main(["--nats", nats_server.url, "snapshot"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("saved view-s") and f"seq {len(s.events())}" in out
+    assert _cli.main(["--nats", nats_server.url, "snapshot", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert f"seq {len(s.events()):>10,}" in listed
