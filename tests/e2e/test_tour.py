@@ -189,3 +189,39 @@ async def test_the_readme_tour(cluster: Cluster) -> None:
         await db.close()
     assert live.seq == replayed.view.seq
     assert digest(live.state) == digest(replayed.view.state)
+
+
+async def test_up_joins_an_existing_broker(nats_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    opts = UpOptions(
+        data=tmp_path / "data",
+        nats_url=nats_server.url,
+        simulate="1x8xH100-80GB",
+        scheduler=SchedulerConfig(tick_s=0.2),
+        start_delay_s=0.01,
+        load_delay_s=0.05,
+        heartbeat_s=0.5,
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(run(opts, stop, on_ready=ready.set_result))
+    running = await asyncio.wait_for(ready, 20)
+    assert running.broker is None and running.url == nats_server.url
+    assert not (opts.data / "nats.url").exists(), "a joined broker is not ours to record"
+    nc = await connect(nats_server.url, "join")
+    follower = ViewFollower(nc.jetstream(), consumer="join")
+    follower.start()
+    c = Cluster(running, follower, Publisher(nc.jetstream()), nc.jetstream(), stop)
+    try:
+        await c.publish(
+            ev.ModelDeclared(name="m", min=2, profiles=(ev.ProfileSpec(name="tp1", gpus=1),))
+        )
+        await c.until(
+            "2 replicas ready",
+            lambda v: sum(1 for r in v.replicas_of("m") if r.state == "ready") == 2,
+        )
+    finally:
+        await follower.stop()
+        await nc.close()
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+    assert nats_server.running, "stopping llmgw up leaves a joined broker running"
