@@ -76,25 +76,3 @@ def _peek_type(raw: bytes | bytearray | memoryview | str) -> str | None:
 def to_builtins(event: Envelope) -> Any:
     """The event as plain JSON-ready Python values."""
     return msgspec.to_builtins(event)
-
-
-def convert_data(kind: str, data: Any) -> Any:
-    """Validate plain `data` for an event type (for CLIs taking `--data JSON`)."""
-    from schemas.events import DATA_TYPES
-
-    cls = DATA_TYPES.get(kind)
-    if cls is None:
-        raise EventDecodeError(
-            f"unknown event type {kind!r}; known: {', '.join(sorted(DATA_TYPES))}"
-        )
-    try:
-        return msgspec.convert(data, cls, strict=False)
-    except msgspec.ValidationError as e:
-        m = _AT.match(str(e))
-        if m:
-            return _raise(m.group("why"), m.group("path").replace("$", "$.data", 1))
-        raise EventDecodeError(str(e), "$.data") from e
-
-
-def _raise(why: str, path: str) -> Any:
-    raise EventDecodeError(why, path)

@@ -109,8 +109,6 @@ class WireConnection(asyncio.Protocol):
     replies to requests resolve their futures. Parsing runs in `data_received`, many
     frames per read."""
 
-    REPLY_SID = b"1"
-
     def __init__(self, name: str) -> None:
         self.name = name
         self.frames: list[Frame] = []

@@ -86,10 +86,6 @@ class Holding(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     created_at: datetime
 
 
-def _age_key(h: Holding) -> tuple[datetime, str]:
-    return (h.created_at, h.replica)
-
-
 def _counted_age(item: tuple[Holding, tuple[Quota, ...]]) -> tuple[datetime, str]:
     h = item[0]
     return (h.created_at, h.replica)
