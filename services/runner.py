@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url
+from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
 
 
 class Service(Protocol):
@@ -39,6 +39,7 @@ def run_service(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
     )
     logging.getLogger("nats").setLevel(logging.WARNING)
+    tracer_provider = tracing.setup_from_env(f"llmgw-{name}")
     url = resolve_url(nats)
     if url is None:
         print(f"{name}: no broker: pass --nats URL or set LLMGW_NATS", file=sys.stderr)
@@ -49,6 +50,9 @@ def run_service(
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flushes the spans still batched
 
 
 async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Service]) -> int:

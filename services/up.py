@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.agent import Agent, SimulatedRuntime, spec
-from services.bus import EmbeddedBroker, connect, ensure_streams
+from services.bus import EmbeddedBroker, connect, ensure_streams, tracing
 from services.bus import broker as bus_broker
 from services.core import preemption
 from services.preemption.service import Options as PreemptionOptions
@@ -100,6 +100,7 @@ async def run(
     """Run until `stop` is set; returns 0, or 1 when a service died and took the rest down."""
     opts.data.mkdir(parents=True, exist_ok=True)
     nodes = spec.parse_cluster(opts.simulate) if opts.simulate else []
+    tracer_provider = tracing.setup_from_env("llmgw")
     broker: EmbeddedBroker | None = None
     if opts.nats_url:
         url = opts.nats_url
@@ -116,6 +117,8 @@ async def run(
         if broker is not None:
             await asyncio.to_thread(broker.stop)
             log.info("broker: stopped")
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flushes the spans still batched
 
 
 async def _serve(

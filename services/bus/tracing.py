@@ -67,6 +67,27 @@ def setup_tracing(
     return p
 
 
+def setup_from_env(service_name: str) -> TracerProvider | None:
+    """Tracing as the standard OpenTelemetry variable asks: `OTEL_TRACES_EXPORTER=console`
+    prints every span (JSON) to stderr; unset or `none` records nothing. Another value is
+    one warning and no tracing: llmgw ships only the console exporter, and tracing must
+    never be the reason a service does not start."""
+    import logging
+    import os
+
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if kind in ("", "none"):
+        return None
+    if kind != "console":
+        logging.getLogger("llmgw.bus").warning(
+            "OTEL_TRACES_EXPORTER=%s is not available here (only console); tracing is off", kind
+        )
+        return None
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    return setup_tracing(service_name, ConsoleSpanExporter())
+
+
 def inject(headers: dict[str, str]) -> dict[str, str]:
     """Add the current trace context (`traceparent`, `tracestate`) to message headers."""
     propagate.inject(headers)

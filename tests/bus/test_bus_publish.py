@@ -134,3 +134,25 @@ async def test_a_stream_of_another_root_is_refused_not_re_pointed(js) -> None:  
         await ensure_stream(js, root="staging")
     after = await js.stream_info("LLMGW")
     assert after.config.subjects == before.config.subjects
+
+
+@pytest.mark.parametrize(
+    ("value", "made"),
+    [
+        pytest.param(None, False, id="unset records nothing"),
+        pytest.param("none", False, id="none records nothing"),
+        pytest.param("otlp", False, id="an exporter not shipped is a warning, not a failure"),
+        pytest.param("console", True, id="console prints spans"),
+    ],
+)
+def test_tracing_follows_otel_traces_exporter(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, made: bool
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(tracing, "setup_tracing", lambda name, exporter=None: calls.append(name))
+    if value is None:
+        monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", value)
+    tracing.setup_from_env("llmgw-test")
+    assert calls == (["llmgw-test"] if made else [])
