@@ -198,13 +198,4 @@ class ViewFollower:
             self.dead += len(dead)
             folder.dirty.clear()
             self._notify()
-        for x in dead:
-            await consume.dead_letter(
-                self.js,
-                self.root,
-                self.consumer,
-                reason=x.reason,
-                subject=x.subject,
-                seq=x.seq,
-                data=x.data,
-            )
+        await consume.dead_letters(self.js, self.root, self.consumer, dead)

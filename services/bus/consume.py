@@ -18,7 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
@@ -186,6 +186,29 @@ async def dead_letter(
     DEAD_LETTERS[consumer] += 1
     log.warning("dead letter for %s: seq %d on %s: %s", consumer, seq, subject, reason)
     return ack.seq
+
+
+class Dead(Protocol):
+    """What a folder hands on about a message it could not fold."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def data(self) -> bytes: ...
+
+
+async def dead_letters(
+    js: JetStreamContext, root: str, consumer: str, records: Sequence[Dead]
+) -> None:
+    """`dead_letter` for each of a folder's dead records, in order."""
+    for x in records:
+        await dead_letter(
+            js, root, consumer, reason=x.reason, subject=x.subject, seq=x.seq, data=x.data
+        )
 
 
 # ------------------------------------------------------------------ spans

@@ -267,16 +267,7 @@ class Projector:
         snaps, self._snaps = self._snaps, []
 
         async def before(dirty: Dirty) -> None:
-            for x in dirty.dead:
-                await consume.dead_letter(
-                    self.js,
-                    self.root,
-                    self.consumer,
-                    reason=x.reason,
-                    subject=x.subject,
-                    seq=x.seq,
-                    data=x.data,
-                )
+            await consume.dead_letters(self.js, self.root, self.consumer, dirty.dead)
             for e in digests:
                 await self.js.publish(
                     subjects.digest_subject(self.root),
