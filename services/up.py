@@ -1,6 +1,6 @@
 """`llmgw up`: the whole control plane in one process, on an embedded broker by default.
 
-Called by `services.cli_up` (the command) and by end-to-end tests, which run `run()` in
+Called by `services.cli.up` (the command) and by end-to-end tests, which run `run()` in
 their own event loop. It composes what the other packages build — the embedded broker,
 the projector, the scheduler, the preemption service and simulated agents — and owns
 only their lifecycle: start in order, log what runs where, stop cleanly on the stop

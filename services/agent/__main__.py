@@ -3,7 +3,7 @@ agent as its own process without the console script."""
 
 import sys
 
-from services import cli
+from services.cli import app as cli
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Errors of the agent: one base class, data kept as fields.
 
-Raised by `services.agent` (spec parsing, start-up checks) and read by `services.cli_agent`
+Raised by `services.agent` (spec parsing, start-up checks) and read by `services.cli.agent`
 and `llmgw up`, which show them as one line. This module does no I/O.
 """
 

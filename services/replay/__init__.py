@@ -2,7 +2,7 @@
 an exported bundle, and answer questions about it (view, history, explain, diff), plus
 `subscribe` for dashboards that follow the view as it changes.
 
-Called by `services.cli_replay` (the `llmgw replay|view|history|explain|diff` commands)
+Called by `services.cli.replay` (the `llmgw replay|view|history|explain|diff` commands)
 and by the dashboard (`subscribe.subscribe`). It never decides anything and never
 publishes: it re-folds what was decided, with the one fold in `services.core.fold`.
 """

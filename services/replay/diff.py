@@ -1,6 +1,6 @@
 """What changed between two views: `llmgw diff`.
 
-Called by `services.cli_replay` with two views rebuilt from the same log at two moments.
+Called by `services.cli.replay` with two views rebuilt from the same log at two moments.
 Pure: it compares the canonical states and says what differs, in the view's words
 (a replica's state went ready -> draining, a hold was created), and decides nothing.
 """

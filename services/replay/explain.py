@@ -1,6 +1,6 @@
 """Why a replica is in its state: `llmgw explain replica R`.
 
-Called by `services.cli_replay` as a `rebuild.Watcher` over the whole log up to the
+Called by `services.cli.replay` as a `rebuild.Watcher` over the whole log up to the
 moment asked about, then `story(view)`. It follows the chain the events themselves
 record (a replica's `drained_by` / `placed_by`, each event's `causation`, a
 `preemption.decided`'s `trigger`) back to the decision and the rule that took it, and

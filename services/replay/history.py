@@ -1,6 +1,6 @@
 """The timeline of one replica, model or node: `llmgw history`.
 
-Called by `services.cli_replay` (and by `explain`, which tells a replica's timeline too)
+Called by `services.cli.replay` (and by `explain`, which tells a replica's timeline too)
 as a `rebuild.Watcher`: it sees each event with the view before it, keeps those that
 touch the entity (`touch.keys`), and records the fold's verdict, so a rejected event is
 shown with the reason it was not applied. It must not change the view.
@@ -13,9 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
-from services import cli_format
 from services.core.view import Rejection, View
-from services.replay import touch
+from services.replay import eventline, touch
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, stamp, table
 from services.replay.source import Item
@@ -47,7 +46,7 @@ class Entry:
 
 
 def summary_of(item: Item, root: str) -> str:
-    key, fields = cli_format.describe(item.event, item.subject, root)
+    key, fields = eventline.describe(item.event, item.subject, root)
     return f"{key} {fields}".strip()
 
 

@@ -1,6 +1,6 @@
 """Text and JSON forms of a rebuilt view, for `llmgw view` (and pieces for the others).
 
-Called by `services.cli_replay`. Pure: it formats a `View` and never folds, reads or
+Called by `services.cli.replay`. Pure: it formats a `View` and never folds, reads or
 decides. Times are shown relative to the view's own time (the latest event folded),
 since a view of last Tuesday is read as it stood then, not against today's clock.
 """

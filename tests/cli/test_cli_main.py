@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from schemas import bundle
-from services import cli, cli_bundle
+from services import cli
+from services.cli import bundle as cli_bundle
 
 pytestmark = pytest.mark.timeout(60)
 

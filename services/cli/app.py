@@ -1,6 +1,6 @@
 """The `llmgw` command: global options, the command registry, and how failures look.
 
-Called as the console script `llmgw` (`services.cli:main`) and in-process by tests as
+Called as the console script `llmgw` (`services.cli.app:main`) and in-process by tests as
 `main([...])`. It owns only what every command shares: the global options (`--nats`,
 `--data`, `--root`), finding the broker (`resolve_broker`, `session`), parsing times and
 sequence numbers, the progress bar, and turning a user's mistake into one line on stderr
@@ -39,14 +39,14 @@ PROG = "llmgw"
 # COMMAND_MODULES are imported in this order to build the command tree; each exposes
 # `register(commands)`. A later issue adds its command by adding its module here.
 COMMAND_MODULES: tuple[str, ...] = (
-    "services.cli_up",
-    "services.cli_events",
-    "services.cli_operator",
-    "services.cli_status",
-    "services.cli_preemption",
-    "services.cli_agent",
-    "services.cli_replay",
-    "services.cli_snapshot",
+    "services.cli.up",
+    "services.cli.events",
+    "services.cli.operator",
+    "services.cli.status",
+    "services.cli.preemption",
+    "services.cli.agent",
+    "services.cli.replay",
+    "services.cli.snapshot",
 )
 
 ENV_NATS = "LLMGW_NATS"

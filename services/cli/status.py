@@ -12,8 +12,8 @@ import argparse
 import json
 from typing import Any
 
-from services import cli
-from services.cli_replay import rebuild_view
+from services.cli import app as cli
+from services.cli.replay import rebuild_view
 from services.core.view import View, digest
 from services.replay import render
 

@@ -19,7 +19,8 @@ from typing import Any
 from schemas import codec, subjects
 from schemas import events as ev
 from schemas.errors import EventDecodeError
-from services import cli, clusterfile
+from services import clusterfile
+from services.cli import app as cli
 from services.clock import new_id
 
 

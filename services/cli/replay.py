@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from services import cli
+from services.cli import app as cli
 from services.core.view import View, digest
 from services.replay import diff as replay_diff
 from services.replay import history, rebuild, render
@@ -246,7 +246,7 @@ async def rebuild_view(
             finally:
                 progress.close()
             return _Run(got, args.log)
-        from services.cli_events import _event_stream
+        from services.cli.events import _event_stream
 
         async with cli.session(args, f"llmgw {verb}") as s:
             info = await _event_stream(s, create=False)

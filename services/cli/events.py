@@ -5,7 +5,7 @@ over `services.bus` (connect, stream, publisher, ordered reads) and `schemas` (c
 bundles). It must not interpret events beyond showing them: no folding, no decisions.
 
 Choices a user relies on:
-- `export` writes every stored message, garbage included (`services.cli_bundle`), so
+- `export` writes every stored message, garbage included (`services.cli.bundle`), so
   sequences survive the round trip; `import` needs an empty stream and refuses anything
   else, so that order, ids and sequence numbers come back exactly as exported (a bundle
   that starts at seq 500 is stored from 500 again) and a re-export is byte-equal. It
@@ -38,8 +38,10 @@ from schemas import bundle, codec, subjects
 from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
-from services import cli, cli_bundle, cli_format
+from services.cli import app as cli
+from services.cli import bundle as cli_bundle
 from services.clock import new_id
+from services.replay import eventline
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
 # the broker busy, small enough that progress moves and memory stays flat on any bundle.
@@ -220,7 +222,7 @@ async def _tail(args: argparse.Namespace) -> int:
                 elif event is None:
                     lines.append(_tail_bad(d, why))
                 else:
-                    lines.append(cli_format.event_line(d.seq, event, d.subject, s.root))
+                    lines.append(eventline.event_line(d.seq, event, d.subject, s.root))
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     stop.set()
@@ -234,7 +236,7 @@ async def _tail(args: argparse.Namespace) -> int:
 
 def _tail_bad(d: Any, why: str) -> str:
     # No time shown: the column is the event's own time, and this one has none.
-    return cli_format.undecodable_line(d.seq, d.subject, why)
+    return eventline.undecodable_line(d.seq, d.subject, why)
 
 
 # ---------------------------------------------------------------------- export

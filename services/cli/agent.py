@@ -18,7 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from services import cli
+from services.cli import app as cli
 
 if TYPE_CHECKING:
     from services.agent import spec

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from services import cli
+from services.cli import app as cli
 
 
 def register(commands: cli.Commands) -> None:

@@ -13,8 +13,8 @@ import contextlib
 import os
 import signal
 
-from services import cli
-from services.cli_agent import add_simulation_options
+from services.cli import app as cli
+from services.cli.agent import add_simulation_options
 
 DEFAULT_PORT = 4222
 

@@ -15,7 +15,7 @@ import sys
 from datetime import UTC, datetime
 from typing import IO
 
-from services import cli
+from services.cli import app as cli
 from services.core import preemption
 from services.core.view import View
 
