@@ -1,7 +1,7 @@
 """`llmgw agent`: run the agent of one node, today with a simulated runtime.
 
 Registered by `services.cli` (see its `COMMAND_MODULES`); also run as
-`python -m services.agent`. A thin shell: parse the flags, connect, build an
+`python -m services.cli agent`. A thin shell: parse the flags, connect, build an
 `services.agent.Agent` and run it until Ctrl-C or SIGTERM, which stop it cleanly (stop
 consuming, close; replicas are not drained — the next run picks them up from the log).
 It must not hold any agent logic, and must not import nats at import time.

@@ -1,6 +1,6 @@
 """An agent restarted while commands are pending still carries out each command once.
 
-The agent runs as its own process (`python -m services.agent`, which is `llmgw agent`),
+The agent runs as its own process (`python -m services.cli agent`, which is `llmgw agent`),
 and dies the hard way twice: once by its fault-injection point right after a state is
 stored and before the command behind it is acked, once by SIGKILL mid-flight. Commands
 also arrive while it is down. The stream's duplicate window is the server's smallest, so
@@ -45,7 +45,8 @@ class AgentProcess:
             [
                 sys.executable,
                 "-m",
-                "services.agent",
+                "services.cli",
+                "agent",
                 "--simulate",
                 "--nats",
                 url,
