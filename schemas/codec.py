@@ -42,6 +42,10 @@ def decode(raw: bytes | bytearray | memoryview | str) -> Event:
         return _decoder.decode(raw)
     except msgspec.ValidationError as e:
         raise _translate(str(e), raw) from e
+    except RecursionError as e:
+        # msgspec reads nested arrays and objects recursively; a body nested thousands
+        # deep is no event of the contract, and must not reach the caller as a crash.
+        raise EventDecodeError("nested too deeply to be an event") from e
     except msgspec.DecodeError as e:
         if not raw:
             raise EventDecodeError("empty message") from e

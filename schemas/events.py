@@ -24,9 +24,40 @@ ModelName = NewType("ModelName", str)
 NodeName = NewType("NodeName", str)
 EventId = NewType("EventId", str)
 
+# The bounded contract. Every number and string a producer sends has a range, checked by
+# the one decode, so nothing out of range reaches the fold, SQLite or an operator's screen:
+# an event outside it is a decode error and goes to the dead letters. The ranges are far
+# past any real cluster and far inside what SQLite's 64-bit integers and a JSON reader's
+# 53-bit exact integers hold. docs/contract.md lists them; change both together.
+
+# MAX_REPLICAS bounds replica counts (a model's min, max and desired, live counts). A
+# model with more than this many replicas is a typo or an attack, not a plan.
+MAX_REPLICAS = 100_000
+# MAX_GPUS bounds GPU counts (a profile's shard, a quota, a victim's GPUs): a hundred
+# thousand 8-GPU hosts' worth.
+MAX_GPUS = 1_000_000
+# MAX_GPU_INDEX bounds a GPU's index on its host; no host has a thousand GPUs.
+MAX_GPU_INDEX = 1023
+# MAX_QUANTITY bounds cores, GiB and seconds given as floats: finite, and no node has a
+# billion of anything.
+MAX_QUANTITY = 1e9
+# MAX_SEQ bounds a stream sequence named inside an event (2^53: exact in every JSON reader).
+MAX_SEQ = 2**53
+# MAX_TEXT bounds free text (reasons, sources, GPU models): a line, not a document.
+MAX_TEXT = 4096
+# MAX_ITEMS bounds the lists of an event (GPUs of a node, shards, profiles, owners,
+# candidates). The event's size is bounded too (codec.MAX_EVENT_BYTES).
+MAX_ITEMS = 10_000
+
 Name = Annotated[str, Meta(min_length=1, max_length=253)]
-Count = Annotated[int, Meta(ge=0)]
-Quantity = Annotated[float, Meta(ge=0)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Count = Annotated[int, Meta(ge=0, le=MAX_REPLICAS)]
+GpuCount = Annotated[int, Meta(ge=0, le=MAX_GPUS)]
+GpuIndex = Annotated[int, Meta(ge=0, le=MAX_GPU_INDEX)]
+BigCount = Annotated[int, Meta(ge=0, le=MAX_SEQ)]
+Seq = Annotated[int, Meta(ge=0, le=MAX_SEQ)]
+Quantity = Annotated[float, Meta(ge=0, le=MAX_QUANTITY)]
+Seconds = Annotated[float, Meta(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
 UtcTime = Annotated[datetime, Meta(tz=True)]
 
 ModelClass = Literal["critical", "standard", "opportunistic"]
@@ -65,11 +96,11 @@ class Data(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 
 class ProfileSpec(Data, frozen=True, kw_only=True):
     name: Name
-    gpus: Count
+    gpus: GpuCount
     """GPUs per shard."""
-    shards: Annotated[int, Meta(ge=1)] = 1
+    shards: Annotated[int, Meta(ge=1, le=MAX_GPU_INDEX + 1)] = 1
     gpu_memory_gb: Quantity = 0.0
-    gpu_model: str | None = None
+    gpu_model: Text | None = None
     """None: any GPU model."""
     cpu_cores: Quantity = 0.0
     """Per shard."""
@@ -84,8 +115,8 @@ class ModelDeclared(Data, frozen=True, kw_only=True):
     min: Count = 1
     max: Count | None = None
     """None: max(min, 1)."""
-    aliases: tuple[Name, ...] = ()
-    profiles: tuple[ProfileSpec, ...] = ()
+    aliases: Annotated[tuple[Name, ...], Meta(max_length=MAX_ITEMS)] = ()
+    profiles: Annotated[tuple[ProfileSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
 
     @property
     def effective_max(self) -> int:
@@ -97,7 +128,7 @@ class ModelRemoved(Data, frozen=True, kw_only=True):
 
 
 class Resources(Data, frozen=True, kw_only=True):
-    gpus: Count = 0
+    gpus: GpuCount = 0
     cpu_cores: Quantity = 0.0
     memory_gb: Quantity = 0.0
 
@@ -112,7 +143,7 @@ class OwnerQuota(Data, frozen=True, kw_only=True):
 
 
 class QuotaSet(Data, frozen=True, kw_only=True):
-    owners: tuple[OwnerQuota, ...] = ()
+    owners: Annotated[tuple[OwnerQuota, ...], Meta(max_length=MAX_ITEMS)] = ()
 
 
 class ScaleDesired(Data, frozen=True, kw_only=True):
@@ -124,24 +155,26 @@ class ScaleDesired(Data, frozen=True, kw_only=True):
 
 
 class GpuInfo(Data, frozen=True, kw_only=True):
-    index: Count
-    uuid: str
-    model: str
+    index: GpuIndex
+    uuid: Text
+    model: Text
     memory_gb: Quantity
     healthy: bool = True
 
 
 class NodeInventory(Data, frozen=True, kw_only=True):
     node: Name
-    gpus: tuple[GpuInfo, ...]
+    gpus: Annotated[tuple[GpuInfo, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
     cpu_cores: Quantity
     memory_gb: Quantity
-    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    labels: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class NodeLost(Data, frozen=True, kw_only=True):
     node: Name
-    reason: str
+    reason: Text
 
 
 class NodeCordoned(Data, frozen=True, kw_only=True):
@@ -157,7 +190,7 @@ class NodeUncordoned(Data, frozen=True, kw_only=True):
 
 class ShardSpec(Data, frozen=True, kw_only=True):
     node: Name
-    gpus: tuple[Count, ...]
+    gpus: Annotated[tuple[GpuIndex, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
 
 
 class ReplicaState(Data, frozen=True, kw_only=True):
@@ -165,8 +198,8 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     model: Name
     profile: Name
     state: ReplicaStateName
-    shards: tuple[ShardSpec, ...] = ()
-    reason: str | None = None
+    shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)] = ()
+    reason: Text | None = None
 
 
 class ReplicaUsed(Data, frozen=True, kw_only=True):
@@ -182,20 +215,22 @@ class PlacementDecided(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
     profile: Name
-    shards: tuple[ShardSpec, ...]
-    reason: str
+    shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
+    reason: Text
 
 
 class PlacementFailed(Data, frozen=True, kw_only=True):
     model: Name
-    profiles: tuple[str, ...]
+    profiles: Annotated[tuple[Text, ...], Meta(max_length=MAX_ITEMS)]
     """Names of the profiles tried."""
-    avoid: tuple[str, ...] = ()
+    avoid: Annotated[tuple[Text, ...], Meta(max_length=MAX_ITEMS)] = ()
     live: Count
     desired: Count
-    reason: str
+    reason: Text
     """no_fit, quota_limit, ..."""
-    why: dict[str, str] = msgspec.field(default_factory=dict)
+    why: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
     """Per profile tried, why it did not fit (an extension of the contract)."""
 
 
@@ -203,36 +238,37 @@ class ReplicaStart(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
     profile: Name
-    shards: tuple[ShardSpec, ...]
+    shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
 
 
 class ReplicaDrain(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
     reason: DrainReason
-    for_model: str | None = None
+    for_model: Text | None = None
     grace_s: Quantity = 30.0
 
 
 class Victim(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
-    cls: str = msgspec.field(name="class")
-    tier: int
+    cls: Text = msgspec.field(name="class")
+    tier: Annotated[int, Meta(ge=0, le=99)]
     above_min: bool
-    idle_s: float | None = None
-    """None: nobody ever reported the replica used, which is not the same as idle."""
-    gpus: Count
+    idle_s: Seconds | None = None
+    """None: nobody ever reported the replica used, which is not the same as idle.
+    Negative when the use was stamped after the decision's now (clock skew)."""
+    gpus: GpuCount
 
 
 class Excluded(Data, frozen=True, kw_only=True):
     replica: Name
-    model: str = ""
-    why: str
+    model: Text = ""
+    why: Text
 
 
 class Trial(Data, frozen=True, kw_only=True):
-    victims: tuple[str, ...]
+    victims: Annotated[tuple[Text, ...], Meta(max_length=MAX_ITEMS)]
     fits: bool
 
 
@@ -244,18 +280,18 @@ class HoldSpec(Data, frozen=True, kw_only=True):
 
 class PreemptionDecided(Data, frozen=True, kw_only=True):
     for_model: Name
-    outcome: str
+    outcome: Text
     """fits, preempted, no_fit, no_candidates, awaiting, quota_limit, ..."""
-    victims: tuple[Victim, ...] = ()
-    considered: Count = 0
+    victims: Annotated[tuple[Victim, ...], Meta(max_length=MAX_ITEMS)] = ()
+    considered: BigCount = 0
     """How many candidates the policy weighed."""
-    trigger: str = ""
+    trigger: Text = ""
     """Id of the placement.failed this decision answers."""
-    candidates: tuple[Victim, ...] = ()
+    candidates: Annotated[tuple[Victim, ...], Meta(max_length=MAX_ITEMS)] = ()
     """Every candidate in the order the policy tried them (extension)."""
-    excluded: tuple[Excluded, ...] = ()
-    trials: tuple[Trial, ...] = ()
-    holds: tuple[HoldSpec, ...] = ()
+    excluded: Annotated[tuple[Excluded, ...], Meta(max_length=MAX_ITEMS)] = ()
+    trials: Annotated[tuple[Trial, ...], Meta(max_length=MAX_ITEMS)] = ()
+    holds: Annotated[tuple[HoldSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):
@@ -266,13 +302,13 @@ class HoldCreated(Data, frozen=True, kw_only=True):
 
 class HoldReleased(Data, frozen=True, kw_only=True):
     model: Name
-    reason: str
+    reason: Text
     """expired, satisfied."""
 
 
 class ViewDigest(Data, frozen=True, kw_only=True):
-    seq: Count
-    digest: str
+    seq: Seq
+    digest: Text
 
 
 # ---------------------------------------------------------------- envelopes
@@ -283,10 +319,10 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=F
 
     id: Annotated[str, Meta(min_length=1, max_length=128)]
     time: UtcTime
-    source: str
-    causation: str | None = None
+    source: Text
+    causation: Text | None = None
     """Id of the event this one reacts to."""
-    correlation: str | None = None
+    correlation: Text | None = None
     """Id of the first event of the chain."""
 
 

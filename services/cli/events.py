@@ -567,8 +567,9 @@ def _register_publish(events: cli.Commands) -> None:
             "checked exactly as a consumer would decode it (missing fields, wrong types,\n"
             "unknown values), and defaults are filled in. The envelope is made here: a new\n"
             "time-ordered id (ULID), time = now (UTC), source = --source.\n"
-            "The subject follows from the event (DESIGN.md's table); replica events and\n"
-            "replica.drain need --node. Prints the stream sequence and the id.\n"
+            "The subject follows from the event (docs/contract.md has every type, field,\n"
+            "range and subject); replica events and replica.drain need --node.\n"
+            "Prints the stream sequence and the id.\n"
             "Here --data is the event's data; the global --data DIR goes before the\n"
             "command: `llmgw --data DIR events publish ...`.\n"
             "\n" + textwrap.fill("Types: " + ", ".join(EVENT_TYPES), 84)

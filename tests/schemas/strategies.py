@@ -33,10 +33,12 @@ def for_type(t: mi.Type) -> st.SearchStrategy[Any]:
             return st.fixed_dictionaries(required, optional=optional).map(lambda kw: t.cls(**kw))
         case mi.IntType():
             lo = t.ge if t.ge is not None else -(2**31)
-            return st.integers(min_value=lo, max_value=10_000)
+            hi = min(t.le, 10_000) if t.le is not None else 10_000
+            return st.integers(min_value=lo, max_value=hi)
         case mi.FloatType():
-            lo = t.ge if t.ge is not None else -1e6
-            return st.floats(min_value=lo, max_value=1e6, allow_nan=False)
+            lo = max(t.ge, -1e6) if t.ge is not None else -1e6
+            hi = min(t.le, 1e6) if t.le is not None else 1e6
+            return st.floats(min_value=lo, max_value=hi, allow_nan=False)
         case mi.StrType():
             return _NAMES if (t.min_length or 0) > 0 else st.text(max_size=24)
         case mi.BoolType():
