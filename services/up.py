@@ -25,6 +25,8 @@ from typing import Any
 from services.agent import Agent, SimulatedRuntime, spec
 from services.bus import EmbeddedBroker, connect, ensure_streams, tracing
 from services.bus import broker as bus_broker
+from services.bus.errors import BrokerError
+from services.bus.urls import public_url
 from services.core import preemption
 from services.preemption.service import Options as PreemptionOptions
 from services.preemption.service import PreemptionService
@@ -78,18 +80,63 @@ class Running:
     db_path: Path
 
 
-def _check_not_running(data: Path) -> None:
-    """Refuse to start a second broker on a data directory another `llmgw up` serves."""
-    url = bus_broker.read_url(data)
-    if not url:
-        return
-    host_port = url.removeprefix("nats://").split(",")[0]
-    host, _, port = host_port.rpartition(":")
-    with contextlib.suppress(OSError, ValueError), socket.create_connection((host, int(port)), 0.5):
+# BROKER_RESTARTS is how many times `up` restarts a broker that died within
+# BROKER_RESTART_WINDOW_S. A broker that keeps dying (a full disk, a broken store) is
+# better reported in one line than restarted in a loop that fills the log.
+BROKER_RESTARTS = 3
+BROKER_RESTART_WINDOW_S = 60.0
+# BROKER_CHECK_S is how often `up` looks at its broker: a crash is seen, and the zombie
+# reaped, within this.
+BROKER_CHECK_S = 0.25
+
+
+def _claim(data: Path) -> int:
+    """Take the data directory for this `up`: refuse when a live `up` holds it; stop the
+    broker a killed one left behind. Returns the lock's descriptor, held until exit."""
+    fd = bus_broker.lock_data_dir(data)
+    if fd is None:
+        url = bus_broker.read_url(data)
+        at = f" at {public_url(url)}" if url else ""
         raise UpError(
-            f"another `llmgw up` already serves {data} at {url}; stop it first, "
+            f"another `llmgw up` already serves {data}{at}; stop it first, "
             "or use another --data directory"
         )
+    orphan = bus_broker.stop_orphan(data)
+    if orphan is not None:
+        log.warning(
+            "broker: stopped nats-server pid %d, left running by an `llmgw up` that was killed",
+            orphan,
+        )
+    return fd
+
+
+async def _watch_broker(broker: EmbeddedBroker, stop: asyncio.Event) -> None:
+    """Restart the embedded broker on the same port and store when it dies; raise
+    `UpError` when it died BROKER_RESTARTS times within BROKER_RESTART_WINDOW_S."""
+    deaths: list[float] = []
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), BROKER_CHECK_S)
+        status = broker.exit_status
+        if stop.is_set() or status is None:
+            continue
+        now = loop.time()
+        deaths = [t for t in deaths if now - t < BROKER_RESTART_WINDOW_S] + [now]
+        if len(deaths) > BROKER_RESTARTS:
+            raise UpError(
+                f"nats-server died {len(deaths)} times in {BROKER_RESTART_WINDOW_S:g}s "
+                f"(last status {status}); see {broker.log_path}"
+            )
+        log.error(
+            "broker: nats-server exited with status %s; restarting it on the same store",
+            status,
+        )
+        try:
+            await asyncio.to_thread(broker.start)
+        except BrokerError as e:
+            raise UpError(f"could not restart nats-server: {e}") from e
+        log.info("broker: restarted on %s", broker.address)
 
 
 async def run(
@@ -102,14 +149,19 @@ async def run(
     nodes = spec.parse_cluster(opts.simulate) if opts.simulate else []
     tracer_provider = tracing.setup_from_env("llmgw")
     broker: EmbeddedBroker | None = None
+    lock: int | None = None
     if opts.nats_url:
         url = opts.nats_url
     else:
-        _check_not_running(opts.data)
-        broker = EmbeddedBroker(opts.data, port=opts.port)
+        lock = _claim(opts.data)
+        broker = EmbeddedBroker(opts.data, port=opts.port, auth=True)
         url = await asyncio.to_thread(broker.start)
         log.info(
-            "broker: nats-server on %s, store %s (log %s)", url, broker.store_dir, broker.log_path
+            "broker: nats-server on %s (credentials in %s), store %s (log %s)",
+            broker.address,
+            opts.data / bus_broker.URL_FILE,
+            broker.store_dir,
+            broker.log_path,
         )
     try:
         return await _serve(opts, url, broker, nodes, stop, on_ready)
@@ -117,6 +169,8 @@ async def run(
         if broker is not None:
             await asyncio.to_thread(broker.stop)
             log.info("broker: stopped")
+        if lock is not None:
+            os.close(lock)
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flushes the spans still batched
 
@@ -177,12 +231,14 @@ async def _serve(
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
+        if broker is not None:
+            tasks[asyncio.create_task(_watch_broker(broker, stop), name="broker")] = "broker"
         for a in agents:
             tasks[asyncio.create_task(a.run(stop), name=f"agent {a.node}")] = f"agent {a.node}"
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",
             f", projector ({db_path})" if projector is not None else "",
-            url,
+            public_url(url),
             opts.root,
             f"; {len(agents)} simulated nodes: {_names(agents)}" if agents else "",
         )
@@ -213,7 +269,12 @@ async def _supervise(tasks: dict[asyncio.Task[Any], str], stop: asyncio.Event) -
             # A service ending before stop is a failure whatever it returned: the control
             # plane without it would look up and be wrong.
             exc = t.exception()
-            why = f"{type(exc).__name__}: {exc}" if exc else "it ended"
+            if exc is None:
+                why = "it ended"
+            elif isinstance(exc, UpError):
+                why = str(exc)
+            else:
+                why = f"{type(exc).__name__}: {exc}"
             log.error("up: %s stopped unexpectedly (%s); stopping everything", tasks[t], why)
             code = 1
         stop.set()

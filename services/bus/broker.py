@@ -6,6 +6,15 @@ so every other `llmgw` command run beside it finds it without flags. It never st
 broker on its own initiative: a command that finds none says so (see
 `connection.BrokerUnavailable`) rather than quietly serving an empty store.
 
+With `auth` (what `llmgw up` asks for) the server admits one user whose password is made
+once and kept in `<data_dir>/broker.password`; the recorded URL carries it. Both files are
+mode 0600, so the commands (and scripts) of the user who runs `up` connect, and another
+local user, who can reach the loopback port but read neither file, cannot.
+
+It also writes `<data_dir>/nats-server.pid` (the pid and the process's start time), so a
+later `llmgw up` on the same directory finds and stops the broker of one that was killed
+(`stop_orphan`), without mistaking a reused pid for it.
+
 Synchronous on purpose: it is called before an event loop exists (the CLI) and from
 fixtures, and everything it waits for is a child process and a port.
 """
@@ -13,7 +22,9 @@ fixtures, and everything it waits for is a child process and a port.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +42,10 @@ URL_FILE = "nats.url"
 LOG_FILE = "nats-server.log"
 CONF_FILE = "nats-server.conf"
 STORE_DIR = "jetstream"
+PASSWORD_FILE = "broker.password"
+PID_FILE = "nats-server.pid"
+LOCK_FILE = "up.lock"
+USER = "llmgw"
 
 # MAX_PAYLOAD is the server's cap on one message. It sits above our own MAX_EVENT_BYTES
 # (256 KiB) so an oversized event reaches a consumer and is dead-lettered with a reason,
@@ -64,13 +79,104 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, readable by its owner alone (0600)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
 def write_url(data_dir: Path, url: str) -> None:
-    """Record the URL of the broker serving `data_dir`, atomically."""
+    """Record the URL of the broker serving `data_dir`, atomically, mode 0600 (it may
+    carry the broker's password)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / (URL_FILE + ".tmp")
-    tmp.write_text(url + "\n")
-    tmp.replace(data_dir / URL_FILE)
+    _write_private(data_dir / URL_FILE, url + "\n")
+
+
+def password(data_dir: Path) -> str:
+    """The embedded broker's password for `data_dir`: made once, kept (0600), reused at
+    every start, so clients that read the URL before a broker restart still get in."""
+    path = Path(data_dir) / PASSWORD_FILE
+    with contextlib.suppress(FileNotFoundError):
+        text = path.read_text().strip()
+        if text:
+            return text
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    made = secrets.token_urlsafe(24)
+    _write_private(path, made + "\n")
+    return made
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of process `pid` (clock ticks since boot), or None when no
+    such process is alive. Two processes that share a pid never share this."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def stop_orphan(data_dir: Path, timeout: float = 10.0) -> int | None:
+    """Stop the broker a killed `llmgw up` left serving `data_dir`; its pid, or None.
+
+    Only a process whose pid *and* start time match the pid file, and whose command is a
+    nats-server, is stopped: a pid reused by something else since is left alone. Call it
+    only while holding the directory's lock (`lock_data_dir`), i.e. when no `up` is alive.
+    """
+    path = Path(data_dir) / PID_FILE
+    try:
+        pid_s, start_s = path.read_text().split()
+        pid, start = int(pid_s), int(start_s)
+    except (OSError, ValueError):
+        return None
+    if process_start_time(pid) != start or not _is_nats_server(pid):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while process_start_time(pid) == start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if process_start_time(pid) == start:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while process_start_time(pid) == start and time.monotonic() < deadline + timeout:
+            time.sleep(0.05)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return pid
+
+
+def _is_nats_server(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return os.path.basename(cmd.decode(errors="replace")) == "nats-server"
+
+
+def lock_data_dir(data_dir: Path) -> int | None:
+    """Take `data_dir`'s lock for the life of this process: an open file descriptor, or
+    None when another live process holds it. The kernel drops the lock when its holder
+    dies, kill -9 included, so a held lock means a live `llmgw up`, and a free one means
+    whatever broker the pid file names is an orphan."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(data_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_url(data_dir: Path) -> str | None:
@@ -110,11 +216,19 @@ class EmbeddedBroker:
     so clients with reconnect on find the same broker again after a crash test.
     """
 
-    def __init__(self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        auth: bool = False,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
         self.monitor_port: int | None = None
+        self._password = password(self.data_dir) if auth else None
         self._proc: subprocess.Popen[bytes] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -123,6 +237,13 @@ class EmbeddedBroker:
     def url(self) -> str:
         if self.port is None:
             raise BrokerError("the broker has not been started yet")
+        if self._password is not None:
+            return f"nats://{USER}:{self._password}@{self.host}:{self.port}"
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """Where it listens, without credentials: for logs and messages."""
         return f"nats://{self.host}:{self.port}"
 
     @property
@@ -132,6 +253,11 @@ class EmbeddedBroker:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def exit_status(self) -> int | None:
+        """The status it exited with (reaped), or None while it runs or before a start."""
+        return self._proc.poll() if self._proc is not None else None
 
     @property
     def log_path(self) -> Path:
@@ -146,13 +272,20 @@ class EmbeddedBroker:
     def _write_conf(self) -> Path:
         assert self.port is not None and self.monitor_port is not None
         conf = self.data_dir / CONF_FILE
-        conf.write_text(
+        auth = (
+            f"authorization {{\n  user: {_conf_str(USER)}\n"
+            f"  password: {_conf_str(self._password)}\n}}\n"
+            if self._password is not None
+            else ""
+        )
+        _write_private(
+            conf,
             "# Written by llmgw for its embedded broker; rewritten at every start.\n"
             f"server_name: llmgw_embedded\n"
             f"listen: {_conf_str(f'{self.host}:{self.port}')}\n"
             f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}\n"
             f"max_payload: {MAX_PAYLOAD}\n"
-            f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n"
+            f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n" + auth,
         )
         return conf
 
@@ -198,6 +331,9 @@ class EmbeddedBroker:
                     str(self.log_path),
                 )
             time.sleep(0.02)
+        start = process_start_time(self._proc.pid)
+        if start is not None:
+            _write_private(self.data_dir / PID_FILE, f"{self._proc.pid} {start}\n")
         write_url(self.data_dir, self.url)
         return self.url
 
@@ -213,6 +349,8 @@ class EmbeddedBroker:
                     proc.kill()
                     proc.wait(timeout)
             self._proc = None
+            with contextlib.suppress(FileNotFoundError):
+                (self.data_dir / PID_FILE).unlink()
         if self.port is not None and read_url(self.data_dir) == self.url:
             with contextlib.suppress(FileNotFoundError):
                 (self.data_dir / URL_FILE).unlink()

@@ -7,6 +7,8 @@ redelivery and the dead-letter queue. This module does no I/O.
 
 from __future__ import annotations
 
+from services.bus.urls import public_url
+
 
 class BusError(Exception):
     """Base of every error `services.bus` raises or understands."""
@@ -23,7 +25,7 @@ class BrokerUnavailable(BusError):
         self.why = why
         detail = f" ({why})" if why else ""
         super().__init__(
-            f"no NATS server answers at {url}{detail}: start one with `llmgw up`, "
+            f"no NATS server answers at {public_url(url)}{detail}: start one with `llmgw up`, "
             "or point at a running one with --nats URL or LLMGW_NATS"
         )
 

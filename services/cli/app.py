@@ -301,6 +301,7 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]
     always close the connection on the way out."""
     from services.bus import connection
     from services.bus.errors import BrokerUnavailable
+    from services.bus.urls import public_url
 
     r = root(args)
     url, recorded_in = _resolve(args)
@@ -311,8 +312,8 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]
             raise
         # A URL left behind by an `llmgw up` that is gone: say so, not just "no server".
         raise CliError(
-            f"no broker answers at {url}, recorded in {recorded_in} by an `llmgw up` that "
-            "seems to have stopped: start `llmgw up` again, or pass --nats URL"
+            f"no broker answers at {public_url(url)}, recorded in {recorded_in} by an "
+            "`llmgw up` that seems to have stopped: start `llmgw up` again, or pass --nats URL"
         ) from e
     try:
         yield Session(nc, nc.jetstream(), url, r)
