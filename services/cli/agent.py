@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -201,12 +199,8 @@ async def _run(args: argparse.Namespace) -> int:
     cli.setup_logging()
     gpus: spec.GpuSpec = args.gpus
     runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
+
+    async def work(stop: asyncio.Event) -> None:
         async with cli.session(args, f"llmgw agent {args.node}") as s:
             agent = Agent(
                 s.nc,
@@ -227,10 +221,8 @@ async def _run(args: argparse.Namespace) -> int:
                 on_stored=_exit_after(args.exit_after_states),
             )
             await agent.run(stop)
+
+    try:
+        return await cli.until_signalled(work)
     except AgentError as e:
         raise cli.CliError(str(e)) from e
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
-    return 0

@@ -25,6 +25,7 @@ import functools
 import importlib
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -417,6 +418,53 @@ def arg_model_rate(text: str) -> tuple[str, float]:
             f"{text!r}: the rate after = must be requests per minute (0 or more), e.g. "
             "llama-70b=120"
         ) from None
+
+
+# STOP_GRACE_S is how long a long-running command (`up`, `agent`) may take to stop after
+# SIGINT or SIGTERM before its work is cancelled: time to finish a publish and close
+# cleanly, but never a process that must be killed by hand because it was stuck starting.
+STOP_GRACE_S = 10.0
+
+
+async def until_signalled(
+    work: Callable[[asyncio.Event], Awaitable[int | None]], *, grace_s: float = STOP_GRACE_S
+) -> int:
+    """Run `work(stop)`, where SIGINT and SIGTERM set `stop`; its exit code.
+
+    `work` stops by itself when `stop` is set. If it is still running `grace_s` after the
+    first signal (stuck connecting, or reading the log before it looks at `stop`), or when
+    a second signal comes, it is cancelled, and the command exits 130 with one line.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = 0
+    task = asyncio.ensure_future(work(stop))
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals == 1:
+            loop.call_later(grace_s, task.cancel)
+        else:
+            task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        return (await task) or 0
+    except asyncio.CancelledError:
+        if not stop.is_set():
+            raise
+        print(
+            f"{PROG}: did not stop within {grace_s:g}s of the signal; stopped it", file=sys.stderr
+        )
+        return 130
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
 
 
 def setup_logging() -> None:

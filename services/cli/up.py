@@ -8,10 +8,7 @@ clean stop.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
@@ -172,16 +169,7 @@ async def _up(args: argparse.Namespace) -> int:
         projector=not args.no_projector,
     )
     cli.setup_logging()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        return await run(opts, stop)
+        return await cli.until_signalled(lambda stop: run(opts, stop))
     except (UpError, AgentError) as e:
         raise cli.CliError(str(e)) from None
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
