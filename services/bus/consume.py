@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -118,9 +119,18 @@ def decode_checked(delivery: Delivery, root: str = subjects.DEFAULT_ROOT) -> Eve
 DEAD_LETTERS: Counter[str] = Counter()
 
 
+# DLQ_KEEP_BYTES bounds how much of a dead message its record keeps. A record must always
+# fit under the broker's max payload, whatever came in: a body near 1 MiB, base64'd, would
+# not, and a consumer retrying a dead letter that can never be stored stalls for good.
+# The size and hash of the whole body are kept beside the prefix, so the original can
+# still be identified in the stream (by `seq`) or in an export.
+DLQ_KEEP_BYTES = 64 * 1024
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
-    """The body of a message on `<root>.dlq.<consumer>`. `data_b64` is the raw message,
-    base64, because what failed to decode may not even be UTF-8."""
+    """The body of a message on `<root>.dlq.<consumer>`. `data_b64` is the raw message (its
+    first DLQ_KEEP_BYTES when `size` is larger), base64, because what failed to decode may
+    not even be UTF-8; `size` and `sha256` describe the whole of it."""
 
     consumer: str
     reason: str
@@ -128,10 +138,18 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
     data_b64: str
     at: datetime
+    size: int = -1
+    """Bytes of the whole message; -1 in records written before sizes were kept."""
+    sha256: str = ""
+    """Hex digest of the whole message; empty in older records."""
 
     @property
     def data(self) -> bytes:
         return base64.b64decode(self.data_b64)
+
+    @property
+    def truncated(self) -> bool:
+        return self.size > len(self.data)
 
 
 _dlq_encoder = msgspec.json.Encoder()
@@ -165,14 +183,17 @@ async def dead_letter(
     """
     js = nc.jetstream() if isinstance(nc, Client) else nc
     reason = _one_line(reason)
+    subject = _one_line(subject)
     body = _dlq_encoder.encode(
         DeadLetter(
             consumer=consumer,
             reason=reason,
             subject=subject,
             seq=seq,
-            data_b64=base64.b64encode(data).decode("ascii"),
+            data_b64=base64.b64encode(data[:DLQ_KEEP_BYTES]).decode("ascii"),
             at=datetime.now(UTC),
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
         )
     )
     headers = {

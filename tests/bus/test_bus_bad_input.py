@@ -15,6 +15,7 @@ from schemas import events as ev
 from services.bus import DLQ_STREAM, Publisher
 from services.bus.consume import (
     DEAD_LETTERS,
+    DLQ_KEEP_BYTES,
     Delivery,
     consume_durable,
     decode_checked,
@@ -105,7 +106,7 @@ def _check_letters(letters, bad_at, consumer):
         name, body, word = bad_at[dl.seq]
         assert dl.consumer == consumer
         assert dl.subject == SUBJECT
-        assert dl.data == body, name
+        assert dl.data == body[:DLQ_KEEP_BYTES] and dl.size == len(body), name
         assert word in dl.reason, f"{name}: {dl.reason!r}"
         assert "\n" not in dl.reason
 
