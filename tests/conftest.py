@@ -2,7 +2,8 @@
 
 The broker is started by the same code as `llmgw up` (`services.bus.EmbeddedBroker`) on a
 free loopback port and a temporary store, waited for until JetStream answers, and stopped
-at the end. No test mocks the broker.
+at the end: one per test, or one per module for a module marked `module_broker` whose
+tests keep to their own names. No test mocks the broker.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from services.bus import EmbeddedBroker, connect, ensure_streams
 # ----------------------------------------------------------------------------- broker
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "module_broker: `nc` and `js` use one broker shared by the module's tests "
+        "(`module_nats_server`) instead of one per test",
+    )
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedBroker]:
     """A broker of this test's own: `.url`, `.kill()`, `.start()` (same store and port),
@@ -33,13 +42,15 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedBroker]:
         broker.stop()
 
 
-@pytest.fixture(scope="session")
-def nats_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
-    """One broker for the whole run, for tests that only read what they wrote.
+@pytest.fixture(scope="module")
+def module_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    """One broker for every test of a module marked `module_broker`, fresh for the module.
 
-    Tests sharing it must not kill it, and must not assume the stream is empty.
+    Its tests share a stream, so each keeps to names of its own (node, replica, consumer)
+    and reads only those; none kills or stops it, and none assumes the stream is empty.
+    The stream's configuration is put back at every test's start by `js`.
     """
-    broker = EmbeddedBroker(tmp_path_factory.mktemp("broker-session"))
+    broker = EmbeddedBroker(tmp_path_factory.mktemp("broker-module"))
     broker.start()
     try:
         yield broker
@@ -48,10 +59,27 @@ def nats_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Em
 
 
 @pytest.fixture
-async def nc(nats_server: EmbeddedBroker) -> AsyncIterator[Client]:
-    """A connection to this test's broker, closed at the end (unclosed ones warn, and
-    warnings are errors)."""
-    conn = await connect(nats_server.url, "test")
+def js_broker(request: pytest.FixtureRequest) -> EmbeddedBroker:
+    """The broker `nc` and `js` talk to: the module's (`module_nats_server`) in a module
+    marked `module_broker`, else this test's own (`nats_server`)."""
+    shared = request.node.get_closest_marker("module_broker") is not None
+    if shared and "nats_server" in request.fixturenames:
+        pytest.fail(
+            "a test on its module's broker cannot also ask for `nats_server`: "
+            "give it a module of its own or drop the `module_broker` mark",
+            pytrace=False,
+        )
+    found: EmbeddedBroker = request.getfixturevalue(
+        "module_nats_server" if shared else "nats_server"
+    )
+    return found
+
+
+@pytest.fixture
+async def nc(js_broker: EmbeddedBroker) -> AsyncIterator[Client]:
+    """A connection to `js_broker`, closed at the end (unclosed ones warn, and warnings are
+    errors)."""
+    conn = await connect(js_broker.url, "test")
     try:
         yield conn
     finally:

@@ -3,15 +3,20 @@
 Called by `services.cli.replay` with two views rebuilt from the same log at two moments.
 Pure: it compares the canonical states and says what differs, in the view's words
 (a replica's state went ready -> draining, a hold was created), and decides nothing.
+One function per kind of entity compares one entity's two versions; `diff` walks them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from services.core.view import NodeRecord, ReplicaRecord, View
+from schemas import events as ev
+from services.core.view import HoldRecord, NodeRecord, ReplicaRecord, View
 from services.replay.render import stamp
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,33 @@ class Change:
         return {"kind": self.kind, "name": self.name, "what": self.what, "detail": self.detail}
 
 
+def diff(a: View, b: View) -> list[Change]:
+    """The changes from view `a` to view `b`: nodes, models, desired counts, replicas and
+    holds, each in name order, then the quota tree."""
+    sa, sb = a.state, b.state
+    return [
+        *_each(sa.nodes, sb.nodes, _node),
+        *_each(sa.models, sb.models, _model),
+        *_each(sa.desired, sb.desired, _desired),
+        *_each(sa.replicas, sb.replicas, _replica),
+        *_each(sa.holds, sb.holds, _hold),
+        *_quota(sa.quota, sb.quota),
+    ]
+
+
+def _each(
+    xs: Mapping[str, T],
+    ys: Mapping[str, T],
+    compare: Callable[[str, T | None, T | None], list[Change]],
+) -> Iterator[Change]:
+    """`compare` over every name in either view, absent on one side as None."""
+    for name in sorted(xs.keys() | ys.keys()):
+        yield from compare(name, xs.get(name), ys.get(name))
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
 def _node_flags(n: NodeRecord) -> str:
     return ",".join(f for f, on in (("lost", n.lost), ("cordoned", n.cordoned)) if on) or "ok"
 
@@ -41,76 +73,78 @@ def _gpus(n: NodeRecord) -> str:
     return f"{len(n.report.gpus)} GPUs" + (f" ({bad} unhealthy)" if bad else "")
 
 
+def _node(n: str, x: NodeRecord | None, y: NodeRecord | None) -> list[Change]:
+    if y is None:
+        return [] if x is None else [Change("node", n, "removed")]
+    if x is None:
+        return [Change("node", n, "added", f"{_gpus(y)}, {_node_flags(y)}")]
+    out = []
+    if _node_flags(x) != _node_flags(y):
+        out.append(Change("node", n, f"{_node_flags(x)} -> {_node_flags(y)}"))
+    if _gpus(x) != _gpus(y):
+        out.append(Change("node", n, "inventory", f"{_gpus(x)} -> {_gpus(y)}"))
+    return out
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _model(m: str, x: ev.ModelDeclared | None, y: ev.ModelDeclared | None) -> list[Change]:
+    if y is None:
+        return [Change("model", m, "removed")]
+    if x is None:
+        return [Change("model", m, "declared", f"{y.cls}, min {y.min} max {y.effective_max}")]
+    if x == y:
+        return []
+    was, now = f"{x.cls} {x.min}..{x.effective_max}", f"{y.cls} {y.min}..{y.effective_max}"
+    return [Change("model", m, "redeclared", f"{was} -> {now}")]
+
+
+def _desired(m: str, x: int | None, y: int | None) -> list[Change]:
+    if x == y:
+        return []
+    return [Change("desired", m, f"{'-' if x is None else x} -> {'-' if y is None else y}")]
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
 def _where(r: ReplicaRecord) -> str:
     return "+".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in r.shards) or "-"
 
 
-def diff(a: View, b: View) -> list[Change]:
-    """The changes from view `a` to view `b`."""
-    sa, sb = a.state, b.state
-    out: list[Change] = []
-    for n in sorted(sa.nodes.keys() | sb.nodes.keys()):
-        x, y = sa.nodes.get(n), sb.nodes.get(n)
-        if x is None and y is not None:
-            out.append(Change("node", n, "added", f"{_gpus(y)}, {_node_flags(y)}"))
-        elif y is None and x is not None:
-            out.append(Change("node", n, "removed"))
-        elif x is not None and y is not None:
-            if _node_flags(x) != _node_flags(y):
-                out.append(Change("node", n, f"{_node_flags(x)} -> {_node_flags(y)}"))
-            if _gpus(x) != _gpus(y):
-                out.append(Change("node", n, "inventory", f"{_gpus(x)} -> {_gpus(y)}"))
-    for m in sorted(sa.models.keys() | sb.models.keys()):
-        dx, dy = sa.models.get(m), sb.models.get(m)
-        if dx is None and dy is not None:
-            out.append(
-                Change("model", m, "declared", f"{dy.cls}, min {dy.min} max {dy.effective_max}")
-            )
-        elif dy is None:
-            out.append(Change("model", m, "removed"))
-        elif dx is not None and dx != dy:
-            out.append(
-                Change(
-                    "model",
-                    m,
-                    "redeclared",
-                    f"{dx.cls} {dx.min}..{dx.effective_max} -> {dy.cls} {dy.min}..{dy.effective_max}",
-                )
-            )
-    for m in sorted(sa.desired.keys() | sb.desired.keys()):
-        x_d, y_d = sa.desired.get(m), sb.desired.get(m)
-        if x_d != y_d:
-            out.append(
-                Change(
-                    "desired", m, f"{'-' if x_d is None else x_d} -> {'-' if y_d is None else y_d}"
-                )
-            )
-    for r in sorted(sa.replicas.keys() | sb.replicas.keys()):
-        rx, ry = sa.replicas.get(r), sb.replicas.get(r)
-        if rx is None and ry is not None:
-            out.append(Change("replica", r, f"added ({ry.state})", f"{ry.model} on {_where(ry)}"))
-        elif ry is None and rx is not None:
-            out.append(Change("replica", r, "removed", rx.model))
-        elif rx is not None and ry is not None:
-            if rx.state != ry.state:
-                why = f"reason: {ry.reason}" if ry.reason and ry.reason != rx.reason else ""
-                out.append(Change("replica", r, f"{rx.state} -> {ry.state}", why))
-            if rx.shards != ry.shards:
-                out.append(Change("replica", r, "moved", f"{_where(rx)} -> {_where(ry)}"))
-            if ry.preempted_for and not rx.preempted_for:
-                out.append(Change("replica", r, "preempted", f"for {ry.preempted_for}"))
-            if ry.retiring_at is not None and rx.retiring_at is None:
-                out.append(Change("replica", r, "retiring", "scale down"))
-    for m in sorted(sa.holds.keys() | sb.holds.keys()):
-        hx, hy = sa.holds.get(m), sb.holds.get(m)
-        if hx is None and hy is not None:
-            out.append(Change("hold", m, "created", f"for {hy.for_model} until {stamp(hy.until)}"))
-        elif hy is None:
-            out.append(Change("hold", m, "released"))
-        elif hx != hy:
-            out.append(Change("hold", m, "renewed", f"for {hy.for_model} until {stamp(hy.until)}"))
-    if sa.quota != sb.quota:
-        out.append(
-            Change("quota", "tree", "replaced", f"{len(sa.quota)} -> {len(sb.quota)} owners")
-        )
+def _replica(r: str, x: ReplicaRecord | None, y: ReplicaRecord | None) -> list[Change]:
+    if y is None:
+        return [] if x is None else [Change("replica", r, "removed", x.model)]
+    if x is None:
+        return [Change("replica", r, f"added ({y.state})", f"{y.model} on {_where(y)}")]
+    out = []
+    if x.state != y.state:
+        why = f"reason: {y.reason}" if y.reason and y.reason != x.reason else ""
+        out.append(Change("replica", r, f"{x.state} -> {y.state}", why))
+    if x.shards != y.shards:
+        out.append(Change("replica", r, "moved", f"{_where(x)} -> {_where(y)}"))
+    if y.preempted_for and not x.preempted_for:
+        out.append(Change("replica", r, "preempted", f"for {y.preempted_for}"))
+    if y.retiring_at is not None and x.retiring_at is None:
+        out.append(Change("replica", r, "retiring", "scale down"))
     return out
+
+
+# ----------------------------------------------------------------------------- holds, quota
+
+
+def _hold(m: str, x: HoldRecord | None, y: HoldRecord | None) -> list[Change]:
+    if y is None:
+        return [Change("hold", m, "released")]
+    if x is None:
+        return [Change("hold", m, "created", f"for {y.for_model} until {stamp(y.until)}")]
+    if x == y:
+        return []
+    return [Change("hold", m, "renewed", f"for {y.for_model} until {stamp(y.until)}")]
+
+
+def _quota(x: tuple[ev.OwnerQuota, ...], y: tuple[ev.OwnerQuota, ...]) -> list[Change]:
+    if x == y:
+        return []
+    return [Change("quota", "tree", "replaced", f"{len(x)} -> {len(y)} owners")]

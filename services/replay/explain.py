@@ -16,8 +16,8 @@ from typing import Any
 from schemas import events as ev
 from services.core import preemption
 from services.core.view import Rejection, ReplicaRecord, View
+from services.replay import history
 from services.replay.errors import UnknownEntity
-from services.replay.history import Timeline
 from services.replay.render import ago, duration, stamp, table
 from services.replay.source import Item
 
@@ -59,13 +59,13 @@ class Explainer:
 
     replica: str
     root: str = "llmgw"
-    timeline: Timeline = field(init=False)
+    timeline: history.Timeline = field(init=False)
     by_id: dict[str, tuple[int, ev.Envelope]] = field(default_factory=dict)
     preemptions: list[tuple[int, ev.PreemptionDecidedEvent]] = field(default_factory=list)
     holds: list[tuple[int, ev.HoldCreatedEvent]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.timeline = Timeline("replica", self.replica, self.root)
+        self.timeline = history.Timeline("replica", self.replica, self.root)
 
     def before(self, item: Item, view: View) -> None:
         self.timeline.before(item, view)
@@ -114,7 +114,7 @@ class Explainer:
             self._placed(st, r)
         st.line("")
         st.line("timeline")
-        st.line(_timeline_text(self.timeline, st.now))
+        st.line(history.text(self.timeline.entries, st.now))
         return st
 
     def _event(self, ident: str | None) -> tuple[int, ev.Envelope] | None:
@@ -334,9 +334,3 @@ class Story:
 
     def text(self) -> str:
         return "\n".join(self.lines)
-
-
-def _timeline_text(tl: Timeline, now: Any) -> str:
-    from services.replay.history import text
-
-    return text(tl.entries, now)

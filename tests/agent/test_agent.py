@@ -1,5 +1,8 @@
 """The agent against a real broker: inventory, heartbeats, commands carried out, states
-reported with their causes, and nothing done twice when commands come back."""
+reported with their causes, and nothing done twice when commands come back.
+
+The tests share their module's broker: each runs its agent as a node of its own (`node`)
+and reads back only that node's events and consumer."""
 
 from __future__ import annotations
 
@@ -25,22 +28,28 @@ from services.bus import EmbeddedBroker, Publisher, connect, consume
 from services.bus.stream import ensure_stream
 from tests.agent.helpers import by_replica, drain_cmd, node_events, start_cmd, states, wait_for
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
-NODE = "gpu-a1"
+_nodes = itertools.count(1)
 FAST = SimulatedRuntime(start_delay_s=0.02, load_delay_s=0.05, stop_delay_s=0.05)
 
 
 @pytest.fixture
-async def running(nc: Client, js: JetStreamContext) -> AsyncIterator[Callable[..., Any]]:
-    """`await running(**overrides)` starts an agent of NODE (8 H100) in a task; every
+def node() -> str:
+    """This test's node, a name no other test of the module uses."""
+    return f"gpu-a{next(_nodes)}"
+
+
+@pytest.fixture
+async def running(nc: Client, js: JetStreamContext, node: str) -> AsyncIterator[Callable[..., Any]]:
+    """`await running(**overrides)` starts an agent of `node` (8 H100) in a task; every
     agent started is stopped at the end of the test."""
     started: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
     async def start(**kw: Any) -> Agent:
         args: dict[str, Any] = {
-            "node": NODE,
-            "gpus": spec.gpu_inventory(NODE, spec.parse_gpus("8xH100-80GB")),
+            "node": node,
+            "gpus": spec.gpu_inventory(node, spec.parse_gpus("8xH100-80GB")),
             "cpu_cores": 96,
             "memory_gb": 1024,
             "runtime": SimulatedRuntime(0.02, 0.05, 0.05),
@@ -77,25 +86,25 @@ def _done(replica_states: dict[str, list[str]], want: dict[str, str]) -> bool:
 
 
 async def test_start_reports_starting_loading_ready_then_drain_reports_draining_stopped(
-    js: JetStreamContext, running: Callable[..., Any]
+    js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     await running()
     pub = Publisher(js)
-    start = start_cmd("r-7", NODE, (0, 1, 2, 3), model="llama-70b", profile="tp4")
+    start = start_cmd("r-7", node, (0, 1, 2, 3), model="llama-70b", profile="tp4")
     await pub.publish(start)
-    got = await wait_for(lambda: states(js, NODE), lambda s: _done(by_replica(s), {"r-7": "ready"}))
+    got = await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-7": "ready"}))
     assert [e.data.state for e in got] == ["starting", "loading", "ready"]
     for e in got:
         assert e.causation == start.id
         assert e.correlation == start.correlation
-        assert e.source == f"agent/{NODE}"
+        assert e.source == f"agent/{node}"
         assert (e.data.model, e.data.profile) == ("llama-70b", "tp4")
         assert e.data.shards == start.data.shards
 
     drain = drain_cmd("r-7", grace_s=0.05)
-    await pub.publish(drain, node=NODE)
+    await pub.publish(drain, node=node)
     got = await wait_for(
-        lambda: states(js, NODE), lambda s: _done(by_replica(s), {"r-7": "stopped"})
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-7": "stopped"})
     )
     assert [e.data.state for e in got] == ["starting", "loading", "ready", "draining", "stopped"]
     assert {e.causation for e in got[3:]} == {drain.id}
@@ -105,17 +114,17 @@ async def test_start_reports_starting_loading_ready_then_drain_reports_draining_
 
 
 async def test_inventory_at_start_and_heartbeats_on_core_nats_only(
-    nc: Client, js: JetStreamContext, running: Callable[..., Any]
+    nc: Client, js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     beats: list[dict[str, Any]] = []
 
     async def on_beat(msg: Msg) -> None:
         beats.append(json.loads(msg.data))
 
-    sub = await nc.subscribe(subjects.heartbeat_subject(NODE), cb=on_beat)
+    sub = await nc.subscribe(subjects.heartbeat_subject(node), cb=on_beat)
     try:
         await running(labels={"zone": "a"}, heartbeat_s=0.02)
-        inv = await wait_for(lambda: node_events(js, NODE, "inventory"), bool)
+        inv = await wait_for(lambda: node_events(js, node, "inventory"), bool)
         await wait_for(_async(lambda: beats), lambda b: len(b) >= 3)
     finally:
         await sub.unsubscribe()
@@ -123,18 +132,18 @@ async def test_inventory_at_start_and_heartbeats_on_core_nats_only(
     assert len(inv) == 1
     report = inv[0]
     assert isinstance(report, ev.NodeInventoryEvent)
-    assert report.data.node == NODE
+    assert report.data.node == node
     assert [g.index for g in report.data.gpus] == list(range(8))
     assert {(g.model, g.memory_gb) for g in report.data.gpus} == {("H100", 80.0)}
     assert (report.data.cpu_cores, report.data.memory_gb) == (96, 1024)
     assert report.data.labels == {"zone": "a"}
 
-    assert beats[0]["node"] == NODE
+    assert beats[0]["node"] == node
     assert beats[0]["replicas"] == 0
     assert "time" in beats[0]
     # Heartbeats are chatter: no stream stores their subject, and none is in the log.
     with pytest.raises(NotFoundError):
-        await js.find_stream_name_by_subject(subjects.heartbeat_subject(NODE))
+        await js.find_stream_name_by_subject(subjects.heartbeat_subject(node))
     stored = [d.subject async for b in consume.read_range(js, 1) for d in b]
     assert stored
     assert not any(".heartbeat." in s for s in stored)
@@ -148,26 +157,26 @@ def _async(f: Callable[[], Any]) -> Callable[[], Any]:
 
 
 async def test_redelivered_commands_past_the_dedupe_window_do_nothing_twice(
-    nc: Client, js: JetStreamContext, running: Callable[..., Any]
+    nc: Client, js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     # The duplicate window is the server's smallest, so JetStream cannot be what keeps a
     # second copy out: the agent must know from the log what it already did.
     await ensure_stream(js, duplicate_window_s=0.1)
     pub = Publisher(js)
     cmds: list[ev.Event] = [
-        start_cmd("r-1", NODE, (0,)),
-        start_cmd("r-2", NODE, (1,)),
-        start_cmd("r-3", NODE, (2,)),
+        start_cmd("r-1", node, (0,)),
+        start_cmd("r-2", node, (1,)),
+        start_cmd("r-3", node, (2,)),
     ]
     for c in cmds:
         await pub.publish(c)
-    await pub.publish(drain_cmd("r-2"), node=NODE)
+    await pub.publish(drain_cmd("r-2"), node=node)
     stop = asyncio.Event()
     agent = Agent(
         nc,
         js,
-        node=NODE,
-        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("4xH100-80GB")),
+        node=node,
+        gpus=spec.gpu_inventory(node, spec.parse_gpus("4xH100-80GB")),
         cpu_cores=48,
         memory_gb=512,
         runtime=SimulatedRuntime(0.01, 0.01, 0.01),
@@ -175,77 +184,77 @@ async def test_redelivered_commands_past_the_dedupe_window_do_nothing_twice(
     )
     task = asyncio.create_task(agent.run(stop))
     want = {"r-1": "ready", "r-2": "stopped", "r-3": "ready"}
-    before = await wait_for(lambda: states(js, NODE), lambda s: _done(by_replica(s), want))
+    before = await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), want))
     stop.set()
     await asyncio.wait_for(task, 5)
 
     # The consumer is lost (as if recreated by an operator): every command comes back.
-    await js.delete_consumer(subjects.STREAM, durable_name(NODE))
-    agent2 = await running(gpus=spec.gpu_inventory(NODE, spec.parse_gpus("4xH100-80GB")))
+    await js.delete_consumer(subjects.STREAM, durable_name(node))
+    agent2 = await running(gpus=spec.gpu_inventory(node, spec.parse_gpus("4xH100-80GB")))
     await wait_for(
         lambda: js.consumer_info(subjects.STREAM, agent2.durable),
         lambda ci: ci.num_pending == 0 and ci.num_ack_pending == 0,
     )
-    after = await states(js, NODE)
+    after = await states(js, node)
     assert [e.id for e in after] == [e.id for e in before]
     assert agent2.replicas() == want
 
 
 async def test_drain_of_unknown_replica_and_start_on_missing_gpu(
-    js: JetStreamContext, running: Callable[..., Any]
+    js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
-    agent = await running(gpus=spec.gpu_inventory(NODE, spec.parse_gpus("2xL4-24GB")))
+    agent = await running(gpus=spec.gpu_inventory(node, spec.parse_gpus("2xL4-24GB")))
     pub = Publisher(js)
-    await pub.publish(drain_cmd("r-ghost"), node=NODE)
-    await pub.publish(start_cmd("r-big", NODE, (1, 2, 3)))
-    await pub.publish(start_cmd("r-ok", NODE, (0, 1)))
-    await pub.publish(start_cmd("r-clash", NODE, (1,)))
+    await pub.publish(drain_cmd("r-ghost"), node=node)
+    await pub.publish(start_cmd("r-big", node, (1, 2, 3)))
+    await pub.publish(start_cmd("r-ok", node, (0, 1)))
+    await pub.publish(start_cmd("r-clash", node, (1,)))
     got = await wait_for(
-        lambda: states(js, NODE),
+        lambda: states(js, node),
         lambda s: _done(by_replica(s), {"r-big": "failed", "r-ok": "ready", "r-clash": "failed"}),
     )
     rs = by_replica(got)
     assert "r-ghost" not in rs
     assert rs["r-big"] == ["failed"]
     reasons = {e.data.replica: e.data.reason for e in got if e.data.state == "failed"}
-    assert reasons["r-big"] == f"node {NODE} has no GPU 2, 3"
+    assert reasons["r-big"] == f"node {node} has no GPU 2, 3"
     assert reasons["r-clash"] == "GPU 1 held by replica r-ok"
     ci = await js.consumer_info(subjects.STREAM, agent.durable)
     assert ci.num_ack_pending == 0
 
 
 async def test_drain_wins_over_a_start_in_flight(
-    js: JetStreamContext, running: Callable[..., Any]
+    js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     await running(runtime=SimulatedRuntime(0.01, 30.0, 0.01))
     pub = Publisher(js)
-    await pub.publish(start_cmd("r-slow", NODE, (0,)))
-    await wait_for(lambda: states(js, NODE), lambda s: _done(by_replica(s), {"r-slow": "loading"}))
-    await pub.publish(drain_cmd("r-slow", grace_s=5), node=NODE)
+    await pub.publish(start_cmd("r-slow", node, (0,)))
+    await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-slow": "loading"}))
+    await pub.publish(drain_cmd("r-slow", grace_s=5), node=node)
     got = await wait_for(
-        lambda: states(js, NODE), lambda s: _done(by_replica(s), {"r-slow": "stopped"})
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-slow": "stopped"})
     )
     assert by_replica(got)["r-slow"] == ["starting", "loading", "draining", "stopped"]
 
 
 async def test_a_drain_that_overtakes_its_start_still_wins(
-    js: JetStreamContext, running: Callable[..., Any]
+    js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     pub = Publisher(js)
-    start = start_cmd("r-9", NODE, (0,))
+    start = start_cmd("r-9", node, (0,))
     await pub.publish(start)
     # An agent before this one took the start and died before acking it: it comes back
     # only after the ack wait, behind the drain sent meanwhile.
     taken = await js.pull_subscribe(
-        subjects.commands_for_node(NODE),
-        durable=durable_name(NODE),
+        subjects.commands_for_node(node),
+        durable=durable_name(node),
         stream=subjects.STREAM,
         config=ConsumerConfig(
-            durable_name=durable_name(NODE),
+            durable_name=durable_name(node),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=1.0,
             max_deliver=5,
-            filter_subject=subjects.commands_for_node(NODE),
+            filter_subject=subjects.commands_for_node(node),
             deliver_policy=DeliverPolicy.ALL,
         ),
     )
@@ -253,7 +262,7 @@ async def test_a_drain_that_overtakes_its_start_still_wins(
     assert msg.headers and msg.headers["Nats-Msg-Id"] == start.id
     await taken.unsubscribe()
     drain = drain_cmd("r-9")
-    await pub.publish(drain, node=NODE)
+    await pub.publish(drain, node=node)
 
     agent = await running(ack_wait_s=1.0)
     # The start came back (a third delivery: start, drain, start again) and was acked:
@@ -262,14 +271,14 @@ async def test_a_drain_that_overtakes_its_start_still_wins(
         lambda: js.consumer_info(subjects.STREAM, agent.durable),
         lambda ci: ci.delivered.consumer_seq >= 3 and ci.num_ack_pending == 0,
     )
-    got = await states(js, NODE)
+    got = await states(js, node)
     assert [(e.data.state, e.causation) for e in got] == [("stopped", drain.id)]
     assert got[0].data.shards == start.data.shards
     assert got[0].data.reason == "preempted: drained before it started"
 
 
 async def test_synthetic_traffic_reports_use_at_most_once_per_interval(
-    js: JetStreamContext, running: Callable[..., Any]
+    js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
     await running(
         traffic={"busy": 60_000.0, "quiet": 0.0},
@@ -278,10 +287,10 @@ async def test_synthetic_traffic_reports_use_at_most_once_per_interval(
         rng=random.Random(7),
     )
     pub = Publisher(js)
-    await pub.publish(start_cmd("r-busy", NODE, (0,), model="busy"))
-    await pub.publish(start_cmd("r-quiet", NODE, (1,), model="quiet"))
+    await pub.publish(start_cmd("r-busy", node, (0,), model="busy"))
+    await pub.publish(start_cmd("r-quiet", node, (1,), model="quiet"))
     used = await wait_for(
-        lambda: node_events(js, NODE, "replica.>"),
+        lambda: node_events(js, node, "replica.>"),
         lambda es: sum(isinstance(e, ev.ReplicaUsedEvent) for e in es) >= 3,
     )
     reports = [e for e in used if isinstance(e, ev.ReplicaUsedEvent)]
@@ -292,13 +301,14 @@ async def test_synthetic_traffic_reports_use_at_most_once_per_interval(
     assert all(e.data.at <= e.time for e in reports)
 
 
-async def test_no_stream_is_one_clear_error(nats_server: EmbeddedBroker) -> None:
+async def test_no_stream_is_one_clear_error(nats_server: EmbeddedBroker, node: str) -> None:
+    # A broker of its own: the module's has the stream.
     conn = await connect(nats_server.url, "bare")
     try:
         agent = Agent(
             conn,
             conn.jetstream(),
-            node=NODE,
+            node=node,
             gpus=(),
             cpu_cores=1,
             memory_gb=1,
