@@ -94,7 +94,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:
         m = _INVALID_CHOICE.search(message)
         if m is not None:
-            from services.cli import names
+            from services import names
 
             choices = [
                 c
@@ -117,7 +117,7 @@ def _unrecognized(
 ) -> Any:
     """A usage error for arguments no parser took, naming the flag a mistyped one is
     closest to among those of the command given (`status --jsn`: did you mean `--json`?)."""
-    from services.cli import names
+    from services import names
 
     command: argparse.ArgumentParser = getattr(args, "_parser", None) or parser
     flags = [f for a in command._actions for f in a.option_strings if f.startswith("--")]

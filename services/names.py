@@ -1,8 +1,8 @@
 """Names a user types, checked against the names that exist: "did you mean" and aliases.
 
-Called by the operator commands (a model or node name checked against the live view), by
-the cluster file reader (a key checked against the contract's fields) and by the parser
-(a mistyped command or flag). Pure: it takes the names as data and reads nothing itself.
+Called by the command line: the operator commands (a model or node name checked against
+the live view), the cluster file reader (a key checked against the contract's fields) and
+the parser (a mistyped command or flag). Pure: it takes the names as data, reads nothing.
 """
 
 from __future__ import annotations
