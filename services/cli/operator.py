@@ -187,9 +187,10 @@ class _Op:
         self.view = view
         self.publisher = Publisher(s.js, s.root)
 
-    async def publish(self, data: ev.Data) -> tuple[ev.Event, int]:
+    async def publish(self, data: ev.Data, node: str | None = None) -> tuple[ev.Event, int]:
+        """Publish on the data's subject (a command: on `node`'s); the event and its seq."""
         event = _event(data)
-        out = await self.publisher.publish(event)
+        out = await self.publisher.publish(event, node=node)
         return event, out.seq
 
 
@@ -228,9 +229,8 @@ def _known_node(view: View, node: str, *, force: bool | None = None) -> None:
     if node in view.state.nodes or force:
         return
     hint = names.did_you_mean(node, view.state.nodes)
-    raise cli.CliError(
-        f"unknown node {node!r}{hint} (no node of that name has reported; --force publishes anyway)"
-    )
+    also = "" if force is None else ", or pass --force to publish anyway"
+    raise cli.CliError(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
 
 
 def limits_note(decl: ev.ModelDeclared | None, replicas: int) -> str | None:
@@ -345,10 +345,13 @@ def _confirm(question: str, yes: bool) -> None:
     if yes:
         return
     print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
-    answer = sys.stdin.readline() if sys.stdin is not None else ""
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except OSError:  # no readable input at all: no answer
+        answer = ""
+    if not (sys.stdin is not None and sys.stdin.isatty()):
+        print(file=sys.stderr)  # the answer was not echoed: end the question's line
     if answer.strip().lower() not in ("y", "yes"):
-        if not answer:
-            print(file=sys.stderr)
         raise cli.CliError("not confirmed; nothing published (--yes skips the question)")
 
 
@@ -387,14 +390,17 @@ async def _drain_node(args: argparse.Namespace) -> int:
             event, seq = await op.publish(ev.NodeCordoned(node=args.node))
             print(f"node.cordoned {args.node}  (seq {seq}, id {event.id})")
         for r in targets:
-            event, seq = await op.publish(
-                ev.ReplicaDrain(
-                    replica=r.id, model=r.model, reason="node_drain", grace_s=args.grace
+            data = ev.ReplicaDrain(
+                replica=r.id, model=r.model, reason="node_drain", grace_s=args.grace
+            )
+            # As the scheduler sends one: to each node the replica has a shard on, so that
+            # every agent holding part of it stops its part.
+            for node in r.nodes:
+                event, seq = await op.publish(data, node=node)
+                print(
+                    f"replica.drain {r.id} ({r.model}) to {node}: node_drain, "
+                    f"grace {args.grace:g}s  (seq {seq})"
                 )
-            )
-            print(
-                f"replica.drain {r.id} ({r.model}) node_drain, grace {args.grace:g}s  (seq {seq})"
-            )
     print(
         f"{args.node}: {names.plural(len(targets), 'replica')} draining; the scheduler places "
         "them elsewhere once their agents report them draining"
