@@ -316,7 +316,7 @@ async def _scale(args: argparse.Namespace) -> int:
         event, seq = await op.publish(data)
         alias = f" ({args.model} is an alias of {model})" if args.model != model else ""
         print(
-            f"scale.desired {model} -> {args.replicas} replicas{alias}  (seq {seq}, id {event.id})"
+            f"scale.desired {model} -> {names.plural(args.replicas, 'replica')}{alias}  (seq {seq}, id {event.id})"
         )
         note = limits_note(op.view.state.models.get(model), args.replicas)
         if note is not None:

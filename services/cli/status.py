@@ -321,7 +321,8 @@ def text(
             )
             or "  (no replicas hold capacity)"
         )
-    if d["quota"]:
+    # Without a declared tree there is nothing to weigh usage against: no table.
+    if any(q["declared"] for q in d["quota"]):
         out.append("\nQUOTA  (GPUs)")
         out.append(
             render.table(
