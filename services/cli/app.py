@@ -3,8 +3,9 @@
 Called as the console script `llmgw` (`services.cli.app:main`) and in-process by tests as
 `main([...])`. It owns only what every command shares: the global options (`--nats`,
 `--data`, `--root`), finding the broker (`resolve_broker`, `session`), parsing times and
-sequence numbers, the progress bar, and turning a user's mistake into one line on stderr
-with exit code 2 (usage) or 1 (runtime) instead of a traceback (`LLMGW_DEBUG=1` shows it).
+sequence numbers, the progress bar, `--version`, and turning a user's mistake into one
+line on stderr with exit code 2 (usage) or 1 (runtime) instead of a traceback
+(`LLMGW_DEBUG=1` shows it); a mistyped command or flag names the closest one.
 
 Commands live in their own modules, listed in `COMMAND_MODULES`; each exposes
 `register(commands: Commands)` and adds its sub-commands with `commands.add(...)` or

@@ -237,3 +237,22 @@ def test_drain_node_cordons_drains_and_the_scheduler_places_elsewhere(
     assert {s.node for s in again[0].shards} == {"n2"}
     assert cli.main(["--nats", url, "drain", "node", "n1", "--yes"]) == 0
     assert "0 replicas draining" in capsys.readouterr().out
+
+
+def test_apply_resolves_aliases_the_file_declares_and_says_the_bounds(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "models:\n  - {name: mixtral, aliases: [mx], max: 3, profiles: [{name: p, gpus: 1}]}\n"
+        "scale:\n  mx: 7\n  sweep: 50\n"
+    )
+    assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "published scale mixtral = 7 (from mx)" in out
+    assert "mixtral: desired 7, but its max is 3: 3 replicas will run" in out
+    assert "sweep: desired 50, but its max is 10: 10 replicas will run" in out
+    assert [e.data for _, _, e in _stored(url)[-2:]] == [
+        ev.ScaleDesired(model="mixtral", replicas=7),
+        ev.ScaleDesired(model="sweep", replicas=50),
+    ]
