@@ -267,13 +267,16 @@ async def _apply(args: argparse.Namespace) -> int:
             pending.append(
                 (f"quota tree ({names.plural(len(spec.quota.owners), 'owner')})", spec.quota)
             )
+        scaled: dict[str, str] = {}
         for key, n in spec.scale.items():
             # The file's own declarations first: they are what the cluster will hold.
             model = names.canonical_model(declared, key) or _in_view(view, key)
             if model is None:
                 if not args.force:
                     known = names.model_names(declared) | names.model_names(state.models)
-                    raise cli.UsageError(
+                    # Checked against the live cluster, not the file's shape: a runtime
+                    # refusal (exit 1), as `llmgw scale` of an unknown model is.
+                    raise cli.CliError(
                         str(
                             spec.error(
                                 f"scale.{key}",
@@ -283,6 +286,16 @@ async def _apply(args: argparse.Namespace) -> int:
                         )
                     )
                 model = key
+            if model in scaled:
+                raise cli.UsageError(
+                    str(
+                        spec.error(
+                            f"scale.{key}",
+                            f"{model} is scaled twice (also as scale.{scaled[model]})",
+                        )
+                    )
+                )
+            scaled[model] = key
             note = limits_note(declared.get(model) or state.models.get(model), n)
             if note is not None:
                 notes.append(note)
