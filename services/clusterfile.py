@@ -31,6 +31,7 @@ import msgspec
 import yaml
 
 from schemas import events as ev
+from services import names
 from services.core import view as core_view
 
 _AT = re.compile(r"^(?P<why>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
@@ -54,6 +55,14 @@ class ClusterFile:
     quota: ev.QuotaSet | None = None
     """None: the file says nothing of quota, and the tree in force stays."""
     scale: dict[str, int] = field(default_factory=dict)
+    name: str = ""
+    """The file's name, as errors show it."""
+    lines: dict[str, int] = field(default_factory=dict)
+    """The line of each field path (`scale.chat-70b`), for errors found after parsing."""
+
+    def error(self, where: str, why: str) -> ClusterFileError:
+        """An error at a field of this file, for a check made against the live cluster."""
+        return ClusterFileError(self.name, _line_for(self.lines, where), where, why)
 
 
 def load(path: str | Path) -> ClusterFile:
@@ -82,8 +91,9 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
         raise fail("", "a cluster file is a mapping with models, quota and scale")
     for key in doc:
         if key not in _TOP:
-            raise fail(str(key), f"unknown section; expected one of {', '.join(_TOP)}")
-    out = ClusterFile()
+            hint = names.did_you_mean(str(key), _TOP, quote="`")
+            raise fail(str(key), f"unknown section{hint or '; expected one of ' + ', '.join(_TOP)}")
+    out = ClusterFile(name=name, lines=lines)
     raw_models = doc.get("models") or []
     if not isinstance(raw_models, list):
         raise fail("models", "must be a list of models")
@@ -97,8 +107,8 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
             raise fail(
                 f"{where}.name", f"model {m.name!r} is declared twice (also models[{seen[m.name]}])"
             )
-        names = [p.name for p in m.profiles]
-        if len(set(names)) != len(names):
+        profile_names = [p.name for p in m.profiles]
+        if len(set(profile_names)) != len(profile_names):
             raise fail(f"{where}.profiles", "two profiles share a name")
         if m.max is not None and m.max < m.min:
             raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
@@ -127,6 +137,7 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
 
 
 def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:
+    _check_keys(item, msgspec.inspect.type_info(cls), where, fail)
     try:
         return msgspec.convert(item, cls, strict=False)
     except msgspec.ValidationError as e:
@@ -135,6 +146,50 @@ def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:
         raise fail(
             path, why.replace("Object missing required field", "missing required field")
         ) from e
+
+
+# _HINTS: keys people write for something the file says elsewhere; difflib cannot guess
+# these, and silently ignoring them is how a file means one thing and does another.
+_HINTS = {
+    "replicas": "the replica count goes under `scale:` (`scale: {MODEL: N}`); "
+    "`min` and `max` bound it",
+    "count": "the replica count goes under `scale:` (`scale: {MODEL: N}`)",
+}
+
+
+def _check_keys(item: Any, info: Any, where: str, fail: Any) -> None:
+    """Refuse a key the contract does not have, at any depth, naming the closest one.
+
+    The contract ignores unknown fields so that old readers skip new ones; a file a
+    person wrote has no such excuse, and `mni: 1` ignored is a minimum nobody set.
+    """
+    mi = msgspec.inspect
+    if isinstance(info, mi.Metadata):
+        info = info.type
+    if isinstance(info, mi.UnionType):
+        for t in info.types:
+            _check_keys(item, t, where, fail)
+        return
+    if isinstance(info, mi.ListType | mi.VarTupleType) and isinstance(item, list):
+        for i, x in enumerate(item):
+            _check_keys(x, info.item_type, f"{where}[{i}]", fail)
+        return
+    if not isinstance(info, mi.StructType) or not isinstance(item, dict):
+        return
+    fields = {f.encode_name: f for f in info.fields}
+    for key, value in item.items():
+        k = str(key)
+        f = fields.get(k)
+        if f is None:
+            hint = names.suggest(k, fields)
+            if hint is not None:
+                why = f"`{k}` is not a key: did you mean `{hint}`?"
+            elif k in _HINTS:
+                why = f"`{k}` is not a key: {_HINTS[k]}"
+            else:
+                why = f"`{k}` is not a key; the keys are {', '.join(sorted(fields))}"
+            raise fail(f"{where}.{k}", why)
+        _check_keys(value, f.type, f"{where}.{k}", fail)
 
 
 def _line_for(lines: dict[str, int], where: str) -> int | None:

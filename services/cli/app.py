@@ -3,8 +3,9 @@
 Called as the console script `llmgw` (`services.cli.app:main`) and in-process by tests as
 `main([...])`. It owns only what every command shares: the global options (`--nats`,
 `--data`, `--root`), finding the broker (`resolve_broker`, `session`), parsing times and
-sequence numbers, the progress bar, and turning a user's mistake into one line on stderr
-with exit code 2 (usage) or 1 (runtime) instead of a traceback (`LLMGW_DEBUG=1` shows it).
+sequence numbers, the progress bar, `--version`, and turning a user's mistake into one
+line on stderr with exit code 2 (usage) or 1 (runtime) instead of a traceback
+(`LLMGW_DEBUG=1` shows it); a mistyped command or flag names the closest one.
 
 Commands live in their own modules, listed in `COMMAND_MODULES`; each exposes
 `register(commands: Commands)` and adds its sub-commands with `commands.add(...)` or
@@ -88,10 +89,46 @@ class UsageError(CliError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line that says where to look for help."""
+    """argparse, but a usage mistake is one line that says where to look for help, and a
+    mistyped command gets the command it is closest to."""
 
     def error(self, message: str) -> Any:
+        m = _INVALID_CHOICE.search(message)
+        if m is not None:
+            from services import names
+
+            choices = [
+                c
+                for a in self._actions
+                if isinstance(a, argparse._SubParsersAction)
+                for c in a.choices
+            ]
+            hint = names.did_you_mean(m.group(1), choices, quote="`")
+            if hint:
+                message = f"unknown command `{m.group(1)}`{hint}"
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+# _INVALID_CHOICE finds the word in argparse's "invalid choice: 'stauts' (choose from ...)".
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)'")
+
+
+def _unrecognized(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]
+) -> Any:
+    """A usage error for arguments no parser took, naming the flag a mistyped one is
+    closest to among those of the command given (`status --jsn`: did you mean `--json`?)."""
+    from services import names
+
+    command: argparse.ArgumentParser = getattr(args, "_parser", None) or parser
+    flags = [f for a in command._actions for f in a.option_strings if f.startswith("--")]
+    for word in extra:
+        if word.startswith("-"):
+            flag = word.split("=", 1)[0]
+            hint = names.did_you_mean(flag, flags, quote="`")
+            if hint:
+                command.error(f"unknown option `{flag}`{hint}")
+    command.error(f"unrecognized arguments: {' '.join(extra)}")
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -181,7 +218,7 @@ class Commands:
             parents=[_common(frozenset(own_flags))],
         )
         if func is not None:
-            p.set_defaults(func=func)
+            p.set_defaults(func=func, _parser=p)
         return p
 
     def group(
@@ -231,6 +268,9 @@ def build_parser(modules: Iterable[str] = COMMAND_MODULES) -> argparse.ArgumentP
         )
         + "\n\nLLMGW_DEBUG=1 shows a traceback with any error.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"{PROG} {_version()}", help="print the version"
+    )
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     parser.set_defaults(func=_missing_command(parser))
@@ -238,6 +278,16 @@ def build_parser(modules: Iterable[str] = COMMAND_MODULES) -> argparse.ArgumentP
     for name in modules:
         importlib.import_module(name).register(commands)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (from its metadata, so it cannot drift)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("llmgw")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 # ---------------------------------------------------------------------- shared options
@@ -580,7 +630,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get(ENV_DEBUG, "") not in ("", "0")
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            _unrecognized(parser, args, extra)
         result = args.func(args)
         if asyncio.iscoroutine(result):
             result = asyncio.run(result)

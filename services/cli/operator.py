@@ -1,27 +1,33 @@
-"""Operator commands: `llmgw apply`, `scale`, `cordon`, `uncordon`.
+"""Operator commands: `llmgw apply`, `scale`, `cordon`, `uncordon`, `delete model`,
+`drain node`.
 
 Registered by `services.cli`. Each turns an operator's intent into events of the
-contract (`model.declared`, `quota.set`, `scale.desired`, `node.cordoned`,
-`node.uncordoned`) and publishes them; the scheduler reacts. They decide nothing else.
+contract (`model.declared`, `model.removed`, `quota.set`, `scale.desired`,
+`node.cordoned`, `node.uncordoned`, `replica.drain`) and publishes them; the scheduler
+reacts. They decide nothing else.
 
-`apply` publishes only what changed: it compares each declaration with the last one
-stored on the same subject, so applying the same file twice adds nothing to the log
-(the log holds facts and decisions, not repetitions of them).
+Every name typed is checked against the live view (rebuilt from the log) before anything
+is published: an alias is published as the model it names, so that every scale of a model
+is on one subject and `apply` sees it; an unknown name is refused with the closest known
+one, unless `--force`. `apply` publishes only what differs from the view, so applying the
+same file twice adds nothing to the log (the log holds facts and decisions, not
+repetitions of them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
+import sys
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
 
-from schemas import codec, subjects
 from schemas import events as ev
-from schemas.errors import EventDecodeError
-from services import clusterfile
+from services import clusterfile, names
 from services.cli import app as cli
 from services.clock import new_id
+from services.core.view import LIVE_STATES, View
 
 
 def register(commands: cli.Commands) -> None:
@@ -31,10 +37,13 @@ def register(commands: cli.Commands) -> None:
         description=(
             "Publish the models, quota tree and scale of a cluster file (YAML or TOML) as\n"
             "model.declared, quota.set and scale.desired events. Only what differs from the\n"
-            "last declaration on the log is published, so applying a file twice is harmless.\n"
+            "cluster as the log says it is now is published, so applying a file twice is\n"
+            "harmless, and a `llmgw scale` since is set back to the file's count.\n"
             "Nothing is removed: a model missing from the file stays declared\n"
-            "(remove one with `llmgw events publish model.removed --data '{\"name\": ...}'`).\n"
-            "A mistake in the file is reported as FILE:LINE: field: why, and nothing is published."
+            "(remove one with `llmgw delete model NAME`).\n"
+            "A mistake in the file is reported as FILE:LINE: field: why, and nothing is\n"
+            "published; so is a scale of a model neither the file nor the cluster declares\n"
+            "(--force publishes it anyway)."
         ),
         epilog=cli.examples(
             "llmgw apply -f deploy/examples/small.yaml",
@@ -48,19 +57,27 @@ def register(commands: cli.Commands) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="validate and list the changes; publish nothing"
     )
+    _force(p, "scale a model that no file or event declares")
 
     p = commands.add(
         "scale",
         help="set how many replicas of a model are wanted",
         description=(
-            "Publish scale.desired for MODEL. The scheduler clamps it to the model's\n"
-            "[min, max] and starts or drains replicas to match."
+            "Publish scale.desired for MODEL (an alias is published as the model it names).\n"
+            "The scheduler clamps it to the model's [min, max] and starts or drains replicas\n"
+            "to match; when N is outside them, this says how many will really run.\n"
+            "An unknown MODEL is refused with the closest known name."
         ),
-        epilog=cli.examples("llmgw scale chat-70b 3", "llmgw scale meta/llama-3.1-8b 0"),
+        epilog=cli.examples(
+            "llmgw scale chat-70b 3",
+            "llmgw scale meta/llama-3.1-8b 0",
+            "llmgw scale new-model 2 --force   # before its declaration is on the log",
+        ),
         func=_scale,
     )
     p.add_argument("model", metavar="MODEL", help="model name or alias")
     p.add_argument("replicas", metavar="N", type=cli.arg_count, help="desired replicas (>= 0)")
+    _force(p, "publish for a model the cluster does not know")
 
     for name, verb, doc in (
         ("cordon", "cordoned", "take no new replicas on NODE; those running stay"),
@@ -69,12 +86,83 @@ def register(commands: cli.Commands) -> None:
         p = commands.add(
             name,
             help=doc,
-            description=f"Publish node.{verb} for NODE: {doc}.",
+            description=(
+                f"Publish node.{verb} for NODE: {doc}.\n"
+                f"A node already {verb} is left as it is (nothing is published); an\n"
+                "unknown NODE is refused with the closest known name."
+            ),
             epilog=cli.examples(f"llmgw {name} gpu-a1"),
             func=_cordon,
         )
         p.add_argument("node", metavar="NODE", help="node name")
+        _force(p, "publish for a node that has not reported")
         p.set_defaults(cordon=name == "cordon")
+
+    delete = commands.group(
+        "delete",
+        help="remove something from the cluster (delete model)",
+        description="Remove something declared from the cluster.",
+        epilog=cli.examples("llmgw delete model chat-70b"),
+    )
+    p = delete.add(
+        "model",
+        help="remove a model; the scheduler drains its replicas",
+        description=(
+            "Publish model.removed for MODEL (an alias names its model). The scheduler then\n"
+            "drains every replica of it (reason model_removed). Asks first unless --yes;\n"
+            "an unknown MODEL is refused."
+        ),
+        epilog=cli.examples("llmgw delete model chat-70b", "llmgw delete model big --yes"),
+        func=_delete_model,
+    )
+    p.add_argument("model", metavar="MODEL", help="model name or alias")
+    _yes(p)
+
+    drain = commands.group(
+        "drain",
+        help="move replicas off something (drain node)",
+        description="Move the replicas off part of the cluster.",
+        epilog=cli.examples("llmgw drain node gpu-a1"),
+    )
+    p = drain.add(
+        "node",
+        help="cordon NODE and drain every replica on it, to be placed elsewhere",
+        description=(
+            "Cordon NODE (unless it is), then publish replica.drain with reason node_drain\n"
+            "for every live replica with a shard on it. Each agent stops its replica within\n"
+            "the grace; once it reports draining, the scheduler counts it gone and places\n"
+            "a new one on another node (the cordon keeps it off this one). Asks first\n"
+            "unless --yes; an unknown NODE is refused."
+        ),
+        epilog=cli.examples(
+            "llmgw drain node gpu-a1",
+            "llmgw drain node gpu-a1 --grace 120 --yes",
+            "llmgw uncordon gpu-a1                # when it is back",
+        ),
+        func=_drain_node,
+    )
+    p.add_argument("node", metavar="NODE", help="node name")
+    p.add_argument(
+        "--grace",
+        type=cli.arg_seconds,
+        default=GRACE_S,
+        metavar="SECONDS",
+        help=f"how long each replica has to finish its requests (default {GRACE_S:g})",
+    )
+    _yes(p)
+
+
+# GRACE_S is the drain grace `drain node` gives by default: the contract's default, time
+# for in-flight requests to finish before an agent stops the replica.
+GRACE_S = 30.0
+
+
+def _force(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--force", action="store_true", help=f"{what} (published as typed)")
+
+
+def _yes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
 
 def _source() -> str:
@@ -89,85 +177,245 @@ def _event(data: ev.Data) -> ev.Event:
     return ev.make(data, id=new_id(now), time=now, source=_source())
 
 
-async def _last_data(js: Any, subject: str) -> ev.Data | None:
-    """The data of the last event stored on a subject, or None."""
-    from nats.js.errors import NotFoundError
+class _Op:
+    """A connection, the view the log gives now, and a publisher: what every command uses."""
 
-    try:
-        msg = await js.get_last_msg(subjects.STREAM, subject)
-    except NotFoundError:
+    def __init__(self, s: cli.Session, view: View) -> None:
+        from services.bus.publish import Publisher
+
+        self.s = s
+        self.view = view
+        self.publisher = Publisher(s.js, s.root)
+
+    async def publish(self, data: ev.Data, node: str | None = None) -> tuple[ev.Event, int]:
+        """Publish on the data's subject (a command: on `node`'s); the event and its seq."""
+        event = _event(data)
+        out = await self.publisher.publish(event, node=node)
+        return event, out.seq
+
+
+@contextlib.asynccontextmanager
+async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
+    """Connect, make sure the streams exist, and rebuild the view to check names against."""
+    from services.bus import ensure_streams
+    from services.replay import rebuild
+    from services.replay.errors import ReplayError
+
+    async with cli.session(args, name) as s:
+        await ensure_streams(s.js, s.root)
+        try:
+            got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
+        except ReplayError as e:
+            raise cli.CliError(f"cannot read the cluster's state: {e}") from None
+        yield _Op(s, got.view)
+
+
+def _resolve_model(view: View, name: str, *, force: bool | None = None) -> str:
+    """The declared name `name` refers to. An unknown one is refused; with `force` it is
+    published as typed (None: the command has no --force)."""
+    m = view.catalog.resolve(name)
+    if m is not None:
+        return m.name
+    if force:
+        return name
+    hint = names.did_you_mean(name, names.model_names(view.state.models))
+    also = "" if force is None else ", or pass --force to publish anyway"
+    raise cli.CliError(
+        f"unknown model {name!r}{hint} (no model of that name or alias is declared{also})"
+    )
+
+
+def _known_node(view: View, node: str, *, force: bool | None = None) -> None:
+    if node in view.state.nodes or force:
+        return
+    hint = names.did_you_mean(node, view.state.nodes)
+    also = "" if force is None else ", or pass --force to publish anyway"
+    raise cli.CliError(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
+
+
+def limits_note(decl: ev.ModelDeclared | None, replicas: int) -> str | None:
+    """What the scheduler will really run when `replicas` is outside the model's bounds."""
+    if decl is None:
         return None
-    try:
-        return codec.decode(msg.data).data
-    except EventDecodeError:
+    if replicas > decl.effective_max:
+        bound, n = "max", decl.effective_max
+    elif replicas < decl.min:
+        bound, n = "min", decl.min
+    else:
         return None
+    return (
+        f"{decl.name}: desired {replicas}, but its {bound} is {n}: "
+        f"{names.plural(n, 'replica')} will run"
+    )
 
 
 async def _apply(args: argparse.Namespace) -> int:
-    from services.bus import ensure_streams
-    from services.bus.publish import Publisher
-
     try:
         spec = clusterfile.load(args.file)
     except clusterfile.ClusterFileError as e:
         raise cli.UsageError(str(e)) from None
-    root = cli.root(args)
-    async with cli.session(args, "llmgw apply") as s:
-        await ensure_streams(s.js, root)
+    async with _operating(args, "llmgw apply") as op:
+        view = op.view
+        state = view.state
+        declared = {m.name: m for m in spec.models}
         pending: list[tuple[str, ev.Data]] = []
+        notes: list[str] = []
         for m in spec.models:
-            if await _last_data(s.js, subjects.model_subject(m.name, root)) != m:
+            if state.models.get(m.name) != m:
                 pending.append((f"model {m.name}", m))
-        if (
-            spec.quota is not None
-            and await _last_data(s.js, subjects.quota_subject(root)) != spec.quota
-        ):
-            pending.append((f"quota tree ({len(spec.quota.owners)} owners)", spec.quota))
-        for model, n in spec.scale.items():
-            want = ev.ScaleDesired(model=model, replicas=n)
-            if await _last_data(s.js, subjects.scale_subject(model, root)) != want:
-                pending.append((f"scale {model} = {n}", want))
+        if spec.quota is not None and state.quota != spec.quota.owners:
+            pending.append(
+                (f"quota tree ({names.plural(len(spec.quota.owners), 'owner')})", spec.quota)
+            )
+        scaled: dict[str, str] = {}
+        for key, n in spec.scale.items():
+            # The file's own declarations first: they are what the cluster will hold.
+            model = names.canonical_model(declared, key) or _in_view(view, key)
+            if model is None:
+                if not args.force:
+                    known = names.model_names(declared) | names.model_names(state.models)
+                    # Checked against the live cluster, not the file's shape: a runtime
+                    # refusal (exit 1), as `llmgw scale` of an unknown model is.
+                    raise cli.CliError(
+                        str(
+                            spec.error(
+                                f"scale.{key}",
+                                f"unknown model {key!r}{names.did_you_mean(key, known)} "
+                                "(declare it under models:, or pass --force)",
+                            )
+                        )
+                    )
+                model = key
+            if model in scaled:
+                raise cli.UsageError(
+                    str(
+                        spec.error(
+                            f"scale.{key}",
+                            f"{model} is scaled twice (also as scale.{scaled[model]})",
+                        )
+                    )
+                )
+            scaled[model] = key
+            note = limits_note(declared.get(model) or state.models.get(model), n)
+            if note is not None:
+                notes.append(note)
+            if state.desired.get(model) != n:
+                alias = f" (from {key})" if key != model else ""
+                pending.append(
+                    (f"scale {model} = {n}{alias}", ev.ScaleDesired(model=model, replicas=n))
+                )
         if not pending:
             print(f"{args.file}: nothing changed")
-            return 0
-        publisher = None if args.dry_run else Publisher(s.js, root)
         for what, data in pending:
-            if publisher is None:
+            if args.dry_run:
                 print(f"would publish {what}")
                 continue
-            out = await publisher.publish(_event(data))
-            print(f"published {what}  (seq {out.seq})")
+            _, seq = await op.publish(data)
+            print(f"published {what}  (seq {seq})")
+        for note in notes:
+            print(note)
     return 0
+
+
+def _in_view(view: View, name: str) -> str | None:
+    m = view.catalog.resolve(name)
+    return m.name if m is not None else None
 
 
 async def _scale(args: argparse.Namespace) -> int:
-    return await _publish_one(args, ev.ScaleDesired(model=args.model, replicas=args.replicas))
-
-
-async def _cordon(args: argparse.Namespace) -> int:
-    data: ev.Data = (
-        ev.NodeCordoned(node=args.node) if args.cordon else ev.NodeUncordoned(node=args.node)
-    )
-    return await _publish_one(args, data)
-
-
-async def _publish_one(args: argparse.Namespace, data: ev.Data) -> int:
-    from services.bus import ensure_streams
-    from services.bus.publish import Publisher
-
-    root = cli.root(args)
-    event = _event(data)
-    async with cli.session(args, "llmgw operator") as s:
-        await ensure_streams(s.js, root)
-        out = await Publisher(s.js, root).publish(event)
-    print(f"{ev.type_of(type(event))} {_describe(data)}  (seq {out.seq}, id {event.id})")
+    async with _operating(args, "llmgw scale") as op:
+        model = _resolve_model(op.view, args.model, force=args.force)
+        data = ev.ScaleDesired(model=model, replicas=args.replicas)
+        event, seq = await op.publish(data)
+        alias = f" ({args.model} is an alias of {model})" if args.model != model else ""
+        print(
+            f"scale.desired {model} -> {names.plural(args.replicas, 'replica')}{alias}  (seq {seq}, id {event.id})"
+        )
+        note = limits_note(op.view.state.models.get(model), args.replicas)
+        if note is not None:
+            print(note)
     return 0
 
 
-def _describe(data: ev.Data) -> str:
-    match data:
-        case ev.ScaleDesired(model=m, replicas=n):
-            return f"{m} -> {n} replicas"
-        case ev.NodeCordoned(node=n) | ev.NodeUncordoned(node=n):
-            return n
-    return ""
+async def _cordon(args: argparse.Namespace) -> int:
+    verb = "cordoned" if args.cordon else "uncordoned"
+    async with _operating(args, f"llmgw {'cordon' if args.cordon else 'uncordon'}") as op:
+        _known_node(op.view, args.node, force=args.force)
+        rec = op.view.state.nodes.get(args.node)
+        if rec is not None and rec.cordoned == args.cordon:
+            print(f"{args.node} is already {verb}; nothing published")
+            return 0
+        data: ev.Data = (
+            ev.NodeCordoned(node=args.node) if args.cordon else ev.NodeUncordoned(node=args.node)
+        )
+        event, seq = await op.publish(data)
+    print(f"node.{verb} {args.node}  (seq {seq}, id {event.id})")
+    return 0
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Ask on the terminal; anything but y/yes (or no answer at all) publishes nothing."""
+    if yes:
+        return
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except OSError:  # no readable input at all: no answer
+        answer = ""
+    if not (sys.stdin is not None and sys.stdin.isatty()):
+        print(file=sys.stderr)  # the answer was not echoed: end the question's line
+    if answer.strip().lower() not in ("y", "yes"):
+        raise cli.CliError("not confirmed; nothing published (--yes skips the question)")
+
+
+async def _delete_model(args: argparse.Namespace) -> int:
+    async with _operating(args, "llmgw delete model") as op:
+        model = _resolve_model(op.view, args.model)
+        live = op.view.live_count(model)
+        _confirm(
+            f"remove model {model}? its {names.plural(live, 'live replica')} will be drained",
+            args.yes,
+        )
+        event, seq = await op.publish(ev.ModelRemoved(name=model))
+    print(f"model.removed {model}  (seq {seq}, id {event.id})")
+    return 0
+
+
+async def _drain_node(args: argparse.Namespace) -> int:
+    async with _operating(args, "llmgw drain node") as op:
+        _known_node(op.view, args.node)
+        rec = op.view.state.nodes[args.node]
+        targets = sorted(
+            (
+                r
+                for r in op.view.replicas.values()
+                if args.node in r.nodes and r.state in LIVE_STATES and r.drained_by is None
+            ),
+            key=lambda r: r.id,
+        )
+        listed = f": {', '.join(r.id for r in targets)}" if targets else ""
+        _confirm(
+            f"drain node {args.node}: cordon it and stop "
+            f"{names.plural(len(targets), 'replica')}{listed}?",
+            args.yes,
+        )
+        if not rec.cordoned:
+            event, seq = await op.publish(ev.NodeCordoned(node=args.node))
+            print(f"node.cordoned {args.node}  (seq {seq}, id {event.id})")
+        for r in targets:
+            data = ev.ReplicaDrain(
+                replica=r.id, model=r.model, reason="node_drain", grace_s=args.grace
+            )
+            # As the scheduler sends one: to each node the replica has a shard on, so that
+            # every agent holding part of it stops its part.
+            for node in r.nodes:
+                event, seq = await op.publish(data, node=node)
+                print(
+                    f"replica.drain {r.id} ({r.model}) to {node}: node_drain, "
+                    f"grace {args.grace:g}s  (seq {seq})"
+                )
+    print(
+        f"{args.node}: {names.plural(len(targets), 'replica')} draining; the scheduler places "
+        "them elsewhere once their agents report them draining"
+    )
+    return 0

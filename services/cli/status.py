@@ -2,56 +2,125 @@
 
 Registered by `services.cli`. It rebuilds the view the way `llmgw view` does (from the
 newest snapshot plus the log, or from a bundle with --log) and prints what needs
-attention first: nodes and GPUs in use, models live against desired, holds, in-flight
-preemptions, the last decisions and rejected events. It reads; it never publishes.
+attention first: nodes and GPUs in use, models live against desired, quota per owner,
+holds, in-flight preemptions, the last decisions and rejected events. With --watch it
+follows the log and redraws on every event. It reads; it never publishes.
+
+Ages count from `now`, a parameter: the wall clock for the live broker (a quiet cluster's
+last event may be an hour old, and "1s ago" would be a lie), the time of the last event
+for a bundle (a picture of a moment that has passed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from datetime import UTC, datetime
 from typing import Any
 
+from services import names
 from services.cli import app as cli
 from services.cli.replay import rebuild_view
 from services.core.view import View, digest
 from services.replay import render
 
 LAST_DECISIONS = 10
+OUTPUTS = ("table", "wide", "json", "name")
 
 
 def register(commands: cli.Commands) -> None:
     p = commands.add(
         "status",
-        help="nodes, GPUs in use, models live/desired, holds, the last decisions",
+        help="nodes, GPUs in use, models live/desired, quota, holds, the last decisions",
         description=(
             "The cluster as the log says it is now: nodes and their GPUs in use, each\n"
-            "model's live replicas against its desired count, holds still on, models\n"
-            "waiting for their victims to drain, the last decisions with their reasons,\n"
-            "and any events the fold rejected. Reads the live broker, or a bundle with --log."
+            "model's live replicas against its desired count, each owner's quota (guaranteed,\n"
+            "limit, used, borrowed), holds still on, models waiting for their victims to\n"
+            "drain, the last decisions with their reasons, and any events the fold rejected.\n"
+            "Reads the live broker, or a bundle with --log. With --watch it follows the log\n"
+            "and redraws on every new event, as `kubectl get -w` does."
         ),
         epilog=cli.examples(
             "llmgw status",
-            "llmgw status --json | jq .models",
+            "llmgw status -o wide                 # and min/max, aliases, profiles, replicas",
+            "llmgw status -o json | jq .quota",
+            "llmgw status -o name                 # node/gpu-a1, model/chat-70b, ...",
+            "llmgw status --watch",
             "llmgw status --log incident.jsonl",
         ),
         func=_status,
     )
     p.add_argument("--log", metavar="BUNDLE", help="read a .jsonl bundle instead of the broker")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUTS,
+        default="table",
+        help="table (default), wide (more columns), json (one object), name (one per line)",
+    )
+    p.add_argument(
+        "--json", dest="output", action="store_const", const="json", help="same as -o json"
+    )
     p.add_argument(
         "--decisions",
-        type=int,
+        type=cli.arg_count,
         default=LAST_DECISIONS,
         metavar="N",
         help=f"how many recent decisions to show (default {LAST_DECISIONS})",
     )
+    p.add_argument(
+        "-w", "--watch", action="store_true", help="redraw on every new event; Ctrl-C stops"
+    )
+    p.add_argument(
+        "--count",
+        type=cli.arg_count_1,
+        metavar="N",
+        help="with --watch: stop after N drawings (the first included)",
+    )
 
 
-def summary(view: View, decisions: int = LAST_DECISIONS) -> dict[str, Any]:
-    """The status as plain data (what --json prints; the tables show the same)."""
+def _amount(a: Any) -> dict[str, float]:
+    return {"gpus": a.gpus, "cpu_cores": a.cpu_cores, "memory_gb": a.memory_gb}
+
+
+def quota_rows(view: View) -> list[dict[str, Any]]:
+    """Per owner: its guarantee, its limit (None: none), what it and its descendants use,
+    and how much of what its own replicas hold is borrowed (past a guarantee)."""
+    tree = view.quota
+    holdings = view.holdings()
+    usage = tree.usage(holdings)
+    borrowed_ids = tree.borrowed(holdings) if len(tree) else set()
+    borrowed: dict[str, int] = {}
+    for h in holdings:
+        if h.replica in borrowed_ids:
+            borrowed[h.owner] = borrowed.get(h.owner, 0) + h.amount.gpus
+    out = []
+    for owner in sorted(set(usage) | {q.name for q in tree.quotas()}):
+        q = tree.quota(owner)
+        out.append(
+            {
+                "owner": owner,
+                "parent": q.parent if q is not None else None,
+                "declared": q is not None,
+                "guarantee": _amount(q.guarantee) if q is not None else None,
+                "limit": _amount(q.limit) if q is not None and q.limit is not None else None,
+                "used": _amount(usage[owner]),  # Invariant: every declared owner is in usage
+                "borrowed_gpus": borrowed.get(owner, 0),
+            }
+        )
+    return out
+
+
+def summary(
+    view: View, decisions: int = LAST_DECISIONS, now: datetime | None = None
+) -> dict[str, Any]:
+    """The status as plain data (what -o json prints; the tables show the same).
+
+    `now` is the moment holds are judged at and ages counted from; None: the time of the
+    last event."""
     s = view.state
-    now = s.time
+    now = now if now is not None else s.time
     nodes = []
     for name in sorted(s.nodes):
         rec = s.nodes[name]
@@ -68,6 +137,9 @@ def summary(view: View, decisions: int = LAST_DECISIONS) -> dict[str, Any]:
                 "healthy": healthy,
                 "used": used,
                 "replicas": len(usage.held) if usage is not None else 0,
+                "gpu_model": ", ".join(sorted({g.model for g in rec.report.gpus})) or None,
+                "labels": dict(rec.report.labels),
+                "updated_at": render.stamp(rec.updated_at),
             }
         )
     models = []
@@ -84,21 +156,51 @@ def summary(view: View, decisions: int = LAST_DECISIONS) -> dict[str, Any]:
                 "class": decl.cls if decl else None,
                 "owner": decl.owner if decl else None,
                 "declared": decl is not None,
+                "min": decl.min if decl else None,
+                "max": decl.effective_max if decl else None,
+                "aliases": list(decl.aliases) if decl else [],
+                "profiles": [p.name for p in decl.profiles] if decl else [],
                 "live": view.live_count(name),
                 "desired": view.desired_for(name),
+                "asked": s.desired.get(name),
                 "states": states,
                 "held_for": hold.for_model if hold else None,
                 "held_until": render.stamp(hold.until) if hold else None,
                 "awaiting": list(view.awaiting(name)),
             }
         )
+    replicas = [
+        {
+            "replica": r.id,
+            "model": r.model,
+            "profile": r.profile,
+            "state": r.state,
+            "nodes": list(r.nodes),
+            "created_at": render.stamp(r.created_at),
+            "drain_reason": r.drain_reason,
+        }
+        for r in sorted(s.replicas.values(), key=lambda r: (r.model, r.id))
+        if r.holds_capacity
+    ]
     return {
         "seq": s.seq,
         "time": render.stamp(s.time),
+        "now": render.stamp(now),
         "digest": digest(s),
         "nodes": nodes,
         "gpus": {"total": sum(n["gpus"] for n in nodes), "used": sum(n["used"] for n in nodes)},
         "models": models,
+        "replicas": replicas,
+        "quota": quota_rows(view),
+        "holds": [
+            {
+                "model": h.model,
+                "for_model": h.for_model,
+                "until": render.stamp(h.until),
+                "on": now is not None and view.active_hold(h.model, now) is not None,
+            }
+            for h in sorted(s.holds.values(), key=lambda h: h.model)
+        ],
         "decisions": [
             {
                 "seq": d.seq,
@@ -119,36 +221,52 @@ def summary(view: View, decisions: int = LAST_DECISIONS) -> dict[str, Any]:
     }
 
 
-def text(view: View, where: str, decisions: int = LAST_DECISIONS) -> str:
-    d = summary(view, decisions)
-    now = view.state.time
-    out = [f"{where}: seq {d['seq']}, last event at {d['time']}, digest {d['digest'][:12]}"]
+def _gpus(a: dict[str, float] | None) -> str:
+    return "-" if a is None else f"{a['gpus']:g}"
+
+
+def text(
+    view: View,
+    where: str,
+    decisions: int = LAST_DECISIONS,
+    now: datetime | None = None,
+    *,
+    wide: bool = False,
+) -> str:
+    """The tables; `now` as in `summary`."""
+    d = summary(view, decisions, now)
+    now = now if now is not None else view.state.time
+    last = view.state.time
+    out = [
+        f"{where}: seq {d['seq']}, last event {render.ago(last, now)}"
+        f" ({d['time']}), digest {d['digest'][:12]}"
+    ]
     g = d["gpus"]
     lost = sum(1 for n in d["nodes"] if n["state"] == "lost")
     cordoned = sum(1 for n in d["nodes"] if n["state"] == "cordoned")
     out.append(
-        f"\nNODES  {len(d['nodes'])} ({lost} lost, {cordoned} cordoned); GPUs in use {g['used']}/{g['total']}"
+        f"\nNODES  {len(d['nodes'])} ({lost} lost, {cordoned} cordoned); "
+        f"GPUs in use {g['used']}/{g['total']}"
     )
-    out.append(
-        render.table(
-            ["NODE", "STATE", "GPUS USED", "REPLICAS"],
-            [
-                [
-                    n["node"],
-                    n["state"],
-                    f"{n['used']}/{n['gpus']}"
-                    + (
-                        f" ({n['gpus'] - n['healthy']} unhealthy)"
-                        if n["healthy"] < n["gpus"]
-                        else ""
-                    ),
-                    str(n["replicas"]),
-                ]
-                for n in d["nodes"]
-            ],
-        )
-        or "  (no nodes have reported)"
+    node_rows = []
+    for n in d["nodes"]:
+        row = [
+            n["node"],
+            n["state"],
+            f"{n['used']}/{n['gpus']}"
+            + (f" ({n['gpus'] - n['healthy']} unhealthy)" if n["healthy"] < n["gpus"] else ""),
+            str(n["replicas"]),
+        ]
+        if wide:
+            row += [
+                n["gpu_model"] or "-",
+                ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
+            ]
+        node_rows.append(row)
+    node_head = ["NODE", "STATE", "GPUS USED", "REPLICAS"] + (
+        ["GPU MODEL", "LABELS"] if wide else []
     )
+    out.append(render.table(node_head, node_rows) or "  (no nodes have reported)")
     out.append("\nMODELS")
     rows = []
     for m in d["models"]:
@@ -158,26 +276,86 @@ def text(view: View, where: str, decisions: int = LAST_DECISIONS) -> str:
         if m["held_for"]:
             note.append(f"held for {m['held_for']} until {m['held_until']}")
         if m["awaiting"]:
-            note.append(f"waiting for {len(m['awaiting'])} victim(s) to drain")
+            note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
+        if m["asked"] is not None and m["asked"] != m["desired"]:
+            bound = "max" if m["asked"] > m["desired"] else "min"
+            note.append(f"asked {m['asked']}, its {bound} is {m[bound]}")
         if m["live"] < m["desired"] and not note:
             note.append("below desired")
         states = " ".join(f"{k}:{v}" for k, v in sorted(m["states"].items()))
-        rows.append(
-            [
-                m["model"],
-                m["class"] or "-",
-                m["owner"] or "-",
-                f"{m['live']}/{m['desired']}",
-                states or "-",
-                "; ".join(note),
+        row = [
+            m["model"],
+            m["class"] or "-",
+            m["owner"] or "-",
+            f"{m['live']}/{m['desired']}",
+            states or "-",
+        ]
+        if wide:
+            row += [
+                "-" if m["min"] is None else f"{m['min']}..{m['max']}",
+                ",".join(m["aliases"]) or "-",
+                ",".join(m["profiles"]) or "-",
             ]
+        rows.append([*row, "; ".join(note)])
+    head = ["MODEL", "CLASS", "OWNER", "LIVE/DESIRED", "STATES"]
+    if wide:
+        head += ["MIN..MAX", "ALIASES", "PROFILES"]
+    out.append(render.table([*head, "NOTE"], rows) or "  (no models declared)")
+    if wide:
+        out.append("\nREPLICAS")
+        out.append(
+            render.table(
+                ["REPLICA", "MODEL", "PROFILE", "STATE", "NODES", "AGE"],
+                [
+                    [
+                        r.id,
+                        r.model,
+                        r.profile,
+                        r.state + (f" ({r.drain_reason})" if r.drain_reason else ""),
+                        ",".join(r.nodes) or "-",
+                        render.ago(r.created_at, now).removesuffix(" ago"),
+                    ]
+                    for r in sorted(view.replicas.values(), key=lambda r: (r.model, r.id))
+                    if r.holds_capacity
+                ],
+            )
+            or "  (no replicas hold capacity)"
         )
-    out.append(
-        render.table(["MODEL", "CLASS", "OWNER", "LIVE/DESIRED", "STATES", "NOTE"], rows)
-        or "  (no models declared)"
-    )
+    # Without a declared tree there is nothing to weigh usage against: no table.
+    if any(q["declared"] for q in d["quota"]):
+        out.append("\nQUOTA  (GPUs)")
+        out.append(
+            render.table(
+                ["OWNER", "PARENT", "GUARANTEED", "LIMIT", "USED", "BORROWED"],
+                [
+                    [
+                        q["owner"] + ("" if q["declared"] else " (undeclared)"),
+                        q["parent"] or "-",
+                        _gpus(q["guarantee"]),
+                        "none" if q["declared"] and q["limit"] is None else _gpus(q["limit"]),
+                        _gpus(q["used"]),
+                        str(q["borrowed_gpus"]),
+                    ]
+                    for q in d["quota"]
+                ],
+            )
+        )
     out.append("\nHOLDS")
-    out.append(render.holds_text(view))
+    out.append(
+        render.table(
+            ["MODEL", "FOR", "UNTIL", "NOW"],
+            [
+                [
+                    h["model"],
+                    h["for_model"],
+                    f"{h['until']} ({render.ago(view.state.holds[h['model']].until, now)})",
+                    "on" if h["on"] else "off",
+                ]
+                for h in d["holds"]
+            ],
+        )
+        or "  (no holds)"
+    )
     if d["decisions"]:
         out.append("\nLAST DECISIONS")
         out.append(
@@ -200,11 +378,67 @@ def text(view: View, where: str, decisions: int = LAST_DECISIONS) -> str:
     return "\n".join(out)
 
 
+def name_lines(view: View) -> str:
+    """`-o name`: one `kind/name` a line, for scripts (`xargs -n1 llmgw cordon`)."""
+    s = view.state
+    out = [f"node/{n}" for n in sorted(s.nodes)]
+    out += [f"model/{m}" for m in sorted(s.models)]
+    out += [
+        f"replica/{r.id}"
+        for r in sorted(s.replicas.values(), key=lambda r: r.id)
+        if r.holds_capacity
+    ]
+    out += [f"owner/{q.name}" for q in sorted(view.quota.quotas(), key=lambda q: q.name)]
+    return "\n".join(out)
+
+
+def render_status(args: argparse.Namespace, view: View, where: str, now: datetime | None) -> str:
+    """What one drawing prints, in the chosen output."""
+    match args.output:
+        case "json":
+            return json.dumps(summary(view, args.decisions, now), indent=2)
+        case "name":
+            return name_lines(view)
+        case _:
+            return text(view, where, args.decisions, now, wide=args.output == "wide")
+
+
 async def _status(args: argparse.Namespace) -> int:
+    if args.count is not None and not args.watch:
+        raise cli.UsageError("--count goes with --watch")
+    if args.watch:
+        if args.log:
+            raise cli.UsageError("--watch follows the live log; a bundle (--log) does not change")
+        return await _watch(args)
     run = await rebuild_view(args, verb="reading the log")
-    view = run.rebuilt.view
-    if args.json:
-        print(json.dumps(summary(view, args.decisions), indent=2))
-    else:
-        print(text(view, run.where, args.decisions))
+    # A bundle is a picture of its last event; the live log is judged at the wall clock.
+    now = None if args.log else datetime.now(UTC)
+    print(render_status(args, run.rebuilt.view, run.where, now))
+    return 0
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    """Draw, then redraw on every event the log gets, until Ctrl-C or --count drawings.
+
+    The view is followed, not rebuilt: one listing, then each event folded as it comes
+    (services.replay.subscribe), so a redraw costs the drawing, not a replay."""
+    from services.replay import subscribe
+    from services.replay.errors import ReplayError
+
+    tty = sys.stdout.isatty()
+    drawn = 0
+    async with cli.session(args, "llmgw status --watch") as s:
+        try:
+            async for _seq, changes in subscribe.subscribe(s.js, None, root=s.root):
+                frame = render_status(args, changes.view, s.url, datetime.now(UTC))
+                if tty:
+                    sys.stdout.write("\x1b[H\x1b[2J")  # clear, as watch(1) does
+                elif drawn and args.output != "json":
+                    print()
+                print(frame, flush=True)
+                drawn += 1
+                if args.count is not None and drawn >= args.count:
+                    break
+        except ReplayError as e:
+            raise cli.CliError(f"following the log: {e}") from None
     return 0

@@ -145,9 +145,9 @@ def test_apply_publishes_only_what_changed(nats_server, capsys, tmp_path: Path) 
 
 def test_scale_and_cordon_publish_events(nats_server) -> None:  # type: ignore[no-untyped-def]
     url = nats_server.url
-    assert cli.main(["--nats", url, "scale", "meta/llama-3.1-8b", "3"]) == 0
-    assert cli.main(["--nats", url, "cordon", "gpu-a1"]) == 0
-    assert cli.main(["--nats", url, "uncordon", "gpu-a1"]) == 0
+    assert cli.main(["--nats", url, "scale", "meta/llama-3.1-8b", "3", "--force"]) == 0
+    assert cli.main(["--nats", url, "cordon", "gpu-a1", "--force"]) == 0
+    assert cli.main(["--nats", url, "uncordon", "gpu-a1", "--force"]) == 0
     got = [e.data for e in _stored(nats_server.url)]
     assert got == [
         ev.ScaleDesired(model="meta/llama-3.1-8b", replicas=3),
