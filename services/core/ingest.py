@@ -1,10 +1,14 @@
 """Ingest: one raw message of the log into a view, the one step every reader runs.
 
-Used by the projector (`services.projector.folder`), the in-memory followers
-(`services.follower`), replay (its sources decode with `decode_checked`, `rebuild` folds
-with `Ingest.event`), `replay.subscribe` and the agent reading its own node. So a
-dashboard, a scheduler and the SQLite view decode, check and fold a message the same
-way, and agree on what was dead-lettered and what was rejected. Pure: no I/O, no clock.
+Used by the projector (`services.projector.service`, with its `Committer`), the
+in-memory followers (`services.follower`), replay (its sources decode with
+`decode_checked`, `rebuild` folds with `Ingest.event`), `replay.subscribe` and the agent
+reading its own node's log. So a dashboard, a scheduler and the SQLite view decode,
+check and fold a message the same way, and agree on what was dead-lettered and what was
+rejected. Pure: no I/O, no clock.
+
+It must not read the log or publish: a caller hands it messages in order (`services.bus
+.follow` does the reading) and publishes the dead letters it collected.
 
 Rules for a message (seq, subject, bytes):
 - with `strict`, it must follow the last one folded (seq = view.seq + 1), else `Gap`,

@@ -441,7 +441,7 @@ async def write_view(
 
     `decisions` and `rejections` are the whole history to store (the projector keeps
     every one it saw); None stores only the recent ones the view itself holds. A replay
-    that wants a dump equal to a live projector's passes the history its `Folder` saw.
+    that wants a dump equal to a live projector's passes the history its ingest saw.
     """
     await commit(db, prepare_view(view, decisions=decisions, rejections=rejections, dead=dead))
 
