@@ -162,4 +162,6 @@ class ViewFollower:
             self.dead += len(dead)
             step.touched.clear()
             self._notify()
-        await consume.dead_letters(self.js, self.root, self.consumer, dead)
+            # Even when a gap cut the batch short: the view is past these messages, and
+            # no re-read will hand them on again.
+            await consume.dead_letters(self.js, self.root, self.consumer, dead)
