@@ -2,8 +2,9 @@
 
 Used by the scheduler and the preemption service (and anything else that decides on
 the view): it starts from a View (or the newest snapshot), reads on with the bus's
-ordered reader, decodes, dead-letters what does not decode, folds with `fold.apply`,
-and tracks the last sequence folded. `wait_for(seq)` lets a service refuse to decide on
+follow loop (`services.bus.follow`), ingests each message as the projector does
+(`services.core.ingest`: decode, subject check, fold), dead-letters what does not
+decode or does not belong on its subject, and tracks the last sequence folded. `wait_for(seq)` lets a service refuse to decide on
 a view older than the event it reacts to.
 
 It never writes the view anywhere and never folds past a gap: a missing sequence means
@@ -18,39 +19,18 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import nats.errors
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from schemas import events as ev
 from schemas import subjects
-from services.bus import consume
+from services.bus import consume, follow, snapshots
 from services.bus.errors import SequenceGap
+from services.core.ingest import Gap, Ingest
 from services.core.view import Rejection, View
-from services.projector import snapshots
-from services.projector.errors import LogHole
-from services.projector.folder import Folder, Gap
 
 log = logging.getLogger("llmgw.follower")
 
 OnChange = Callable[[int, ev.Event, Rejection | None], None]
-
-# GAP_RETRIES is how often the same missing sequence is re-read before the stream is
-# asked whether the message still exists. A gap from a lost delivery heals on re-read;
-# one from a deleted message never does.
-GAP_RETRIES = 3
-
-# RETRY_PAUSE_S is the wait before reading again after the broker went away.
-RETRY_PAUSE_S = 0.5
-
-
-async def message_exists(js: JetStreamContext, seq: int, stream: str = subjects.STREAM) -> bool:
-    """Whether the stream still holds message `seq` (False once deleted)."""
-    try:
-        await js.get_msg(stream, seq)
-    except NotFoundError:
-        return False
-    return True
 
 
 class ViewFollower:
@@ -75,7 +55,7 @@ class ViewFollower:
         self.consumer = consumer
         self.on_change = on_change
         self.stream = stream
-        self._folder = Folder(view, root)
+        self._folder = Ingest(view, root)
         self._advanced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -101,7 +81,7 @@ class ViewFollower:
         state = await snapshots.latest_at_or_before(self.js, seq)
         if state is None or state.seq <= self.seq:
             return False
-        self._folder = Folder(View(state), self.root)
+        self._folder = Ingest(View(state), self.root)
         return True
 
     def start(self) -> asyncio.Task[None]:
@@ -142,38 +122,21 @@ class ViewFollower:
     async def run(self, stop: asyncio.Event) -> None:
         """Follow until `stop` is set. Returns on stop; raises `LogHole` for a deleted
         message (after setting `error`, so waiters hear of it)."""
-        same_gap = 0
-        last_gap = -1
+
+        def restart(e: BaseException) -> None:
+            if isinstance(e, SequenceGap | Gap):
+                self.gaps += 1
+
         try:
-            while not stop.is_set():
-                try:
-                    await consume.read_ordered(
-                        self.js,
-                        from_seq=self.seq + 1,
-                        on_batch=self._on_batch,
-                        stop=stop,
-                        stream=self.stream,
-                    )
-                except (SequenceGap, Gap) as e:
-                    expected = self.seq + 1
-                    self.gaps += 1
-                    missing = e.expected
-                    same_gap = same_gap + 1 if missing == last_gap else 1
-                    last_gap = missing
-                    log.warning(
-                        "follower %s: %s; reading again from %d", self.consumer, e, expected
-                    )
-                    if same_gap >= GAP_RETRIES and not await message_exists(
-                        self.js, missing, self.stream
-                    ):
-                        raise LogHole(missing, self.stream) from e
-                except nats.errors.ConnectionClosedError:
-                    return
-                except (nats.errors.Error, TimeoutError) as e:
-                    # The broker went away or restarted: read again from where we are.
-                    log.warning("follower %s: read failed (%s); retrying", self.consumer, e)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+            await follow.follow(
+                self.js,
+                position=lambda: self._folder.seq,
+                on_batch=self._on_batch,
+                stop=stop,
+                restart=restart,
+                name=f"follower {self.consumer}",
+                stream=self.stream,
+            )
         except BaseException as e:
             self.error = e
             self._notify()
@@ -182,20 +145,23 @@ class ViewFollower:
             self._notify()
 
     async def _on_batch(self, batch: list[consume.Delivery]) -> None:
-        folder = self._folder
+        step = self._folder
         on_change = self.on_change
-        fold_raw = folder.fold_raw
-        rejections = folder.dirty.rejections
+        raw = step.raw
         try:
-            for d in batch:
-                n_rej = len(rejections)
-                event = fold_raw(d.seq, d.subject, d.data)
-                if on_change is not None and event is not None:
-                    rej = rejections[-1] if len(rejections) > n_rej else None
-                    on_change(d.seq, event, rej)
+            if on_change is None:
+                for d in batch:
+                    raw(d.seq, d.subject, d.data)
+            else:
+                for d in batch:
+                    event = raw(d.seq, d.subject, d.data)
+                    if event is not None:
+                        on_change(d.seq, event, step.verdict)  # type: ignore[arg-type]
         finally:
-            dead = folder.dirty.dead
+            dead = step.touched.dead
             self.dead += len(dead)
-            folder.dirty.clear()
+            step.touched.clear()
             self._notify()
-        await consume.dead_letters(self.js, self.root, self.consumer, dead)
+            # Even when a gap cut the batch short: the view is past these messages, and
+            # no re-read will hand them on again.
+            await consume.dead_letters(self.js, self.root, self.consumer, dead)

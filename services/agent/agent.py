@@ -36,14 +36,14 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from schemas import codec, ids, names, subjects
 from schemas import events as ev
-from schemas.errors import EventDecodeError
+from schemas import ids, names, subjects
 from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
 from services.clock import new_id
+from services.core import ingest
 
 log = logging.getLogger("llmgw.agent")
 
@@ -223,14 +223,15 @@ class Agent:
     # ------------------------------------------------------------------ the log
 
     async def _rebuild(self) -> None:
-        """The node's replicas as its own events in the log say they are."""
+        """The node's replicas as its own events in the log say they are. Each message is
+        decoded and checked by `ingest.decode_checked`, as the projector does: what the
+        projector dead-letters (a report on another node's subject) is not believed."""
         reps: dict[str, _Replica] = {}
         node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
         async for batch in bus_consume.read_range(self.js, 1, filter_subject=node_subjects):
             for d in batch:
-                try:
-                    e = codec.decode(d.data)
-                except EventDecodeError:
+                e = ingest.decode_checked(d.data, d.subject, self.root)
+                if isinstance(e, str):
                     continue  # the fold's consumers dead-letter it; not ours to report
                 match e:
                     case ev.ReplicaStateEvent(data=s):
@@ -246,12 +247,11 @@ class Agent:
             drains = subjects.command_subject(self.node, "drain", self.root)
             async for batch in bus_consume.read_range(self.js, 1, filter_subject=drains):
                 for d in batch:
-                    with contextlib.suppress(EventDecodeError):
-                        e = codec.decode(d.data)
-                        if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
-                            for rec in reps.values():
-                                if rec.command == e.id:
-                                    rec.grace_s = e.data.grace_s
+                    e = ingest.decode_checked(d.data, d.subject, self.root)
+                    if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
+                        for rec in reps.values():
+                            if rec.command == e.id:
+                                rec.grace_s = e.data.grace_s
         self._replicas = reps
 
     def _redrive(self, rec: _Replica) -> None:
@@ -400,10 +400,9 @@ class Agent:
         starts = subjects.command_subject(self.node, "start", self.root)
         async for batch in bus_consume.read_range(self.js, 1, filter_subject=starts):
             for d in batch:
-                with contextlib.suppress(EventDecodeError):
-                    e = codec.decode(d.data)
-                    if isinstance(e, ev.ReplicaStartEvent) and e.data.replica == replica:
-                        found = e
+                e = ingest.decode_checked(d.data, d.subject, self.root)
+                if isinstance(e, ev.ReplicaStartEvent) and e.data.replica == replica:
+                    found = e
         return found
 
     def _cannot_host(self, rec: _Replica) -> str | None:

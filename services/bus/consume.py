@@ -2,8 +2,9 @@
 and the dead-letter queue both use for input that can never succeed.
 
 Called by the services' shells: the projector, scheduler views and replay read with
-`read_ordered` / `read_range` / `fold_loop` from the sequence they last applied; command
-and reaction handlers run under `consume_durable`. No loop here ever dies on input: a
+`read_ordered` / `read_range` from the sequence they last applied (the projector and
+the followers through `services.bus.follow`); command and reaction handlers run under
+`consume_durable`. No loop here ever dies on input: a
 message that does not decode or does not belong is recorded on `<root>.dlq.<consumer>`
 with its reason, subject, sequence and raw bytes, acked, and the loop goes on. And no
 loop here loses a message silently: the ordered reader checks every sequence it hands on.
@@ -640,106 +641,6 @@ async def read_range(
     async with contextlib.aclosing(reader.batches()) as batches:
         async for batch in batches:
             yield batch
-
-
-# ------------------------------------------------------------------ fold loop
-
-Decoded = tuple[Delivery, Event]
-OnEvents = Callable[[list[Decoded], int], Awaitable[None] | None]
-
-
-async def fold_loop(
-    js: JetStreamContext,
-    *,
-    consumer: str,
-    from_seq: int,
-    on_events: OnEvents,
-    root: str = subjects.DEFAULT_ROOT,
-    filter_subject: str | None = None,
-    batch_max: int = BATCH_MAX,
-    stop: asyncio.Event | None = None,
-    until_seq: int | None = None,
-    to_end: bool = False,
-    stream: str = subjects.STREAM,
-) -> int:
-    """`read_ordered` with checked decoding: what folders run.
-
-    `on_events(events, last_seq)` gets each batch's valid events in order, and the last
-    stream sequence the batch covered (bad messages included), which is the checkpoint to
-    save with the folded rows. A message that does not decode or does not belong on its
-    subject is dead-lettered under `consumer` and skipped. Returns the last sequence.
-    """
-    reader = _reader(
-        js,
-        from_seq=from_seq,
-        filter_subject=filter_subject,
-        stream=stream,
-        until_seq=until_seq,
-        to_end=to_end,
-        stop=stop,
-        batch_max=batch_max,
-    )
-    decode = codec.decode
-    check = subjects.check
-    async with contextlib.aclosing(reader.batches()) as batches:
-        async for batch in batches:
-            good: list[Decoded] = []
-            bad: list[tuple[Delivery, str]] = []
-            for d in batch:
-                try:
-                    event = decode(d.data)
-                except EventDecodeError as e:
-                    bad.append((d, str(e)))
-                    continue
-                why = check(event, d.subject, root)
-                if why is not None:
-                    bad.append((d, f"wrong subject for its data: {why}"))
-                    continue
-                good.append((d, event))
-            for d, reason in bad:
-                await dead_letter(
-                    js, root, consumer, reason=reason, subject=d.subject, seq=d.seq, data=d.data
-                )
-            last = batch[-1].seq
-            if tracing.enabled():
-                with _batch_span(batch, consumer):
-                    r = on_events(good, last)
-                    if r is not None:
-                        await r
-            else:
-                r = on_events(good, last)
-                if r is not None:
-                    await r
-    return reader.last_seq
-
-
-# MAX_LINKS bounds the links on one batch span: the SDK keeps 128 by default, and past a
-# few dozen a trace view shows nothing more useful.
-MAX_LINKS = 64
-
-
-def _batch_span(batch: list[Delivery], group: str):  # type: ignore[no-untyped-def]
-    """One CONSUMER span for a folded batch, linked to the producers of its messages."""
-    links = []
-    for d in batch:
-        sc = tracing.span_context_of(tracing.extract(d.headers)) if d.headers else None
-        if sc is not None:
-            links.append(trace.Link(sc))
-            if len(links) >= MAX_LINKS:
-                break
-    return tracing.tracer().start_as_current_span(
-        f"process {batch[0].subject if len(batch) == 1 else 'batch'}",
-        kind=trace.SpanKind.CONSUMER,
-        links=links,
-        attributes={
-            "messaging.system": tracing.SYSTEM,
-            "messaging.destination.name": subjects.STREAM,
-            "messaging.consumer.group.name": group,
-            "messaging.operation.type": "process",
-            "messaging.batch.message_count": len(batch),
-            "messaging.nats.stream.sequence": batch[-1].seq,
-        },
-    )
 
 
 from services.bus import wire  # noqa: E402  (wire needs Delivery and _OrderedReader)

@@ -99,3 +99,17 @@ class SequenceGap(BusError):
         self.got = got
         self.what = what
         super().__init__(f"{what} gap: expected {expected}, got {got}")
+
+
+class LogHole(BusError):
+    """Stream message `seq` is gone from the log (deleted), so no view can be folded past
+    it. Folding on would build a view no replay agrees with; an operator must restore the
+    message (or the stream) first."""
+
+    def __init__(self, seq: int, stream: str) -> None:
+        self.seq = seq
+        self.stream = stream
+        super().__init__(
+            f"message {seq} of stream {stream} is missing from the log (deleted?): "
+            "the view cannot be folded past it; restore the stream from a backup"
+        )

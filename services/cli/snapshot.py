@@ -31,8 +31,8 @@ def register(commands: cli.Commands) -> None:
 
 
 async def _snapshot(args: argparse.Namespace) -> int:
+    from services.bus import snapshots
     from services.core.view import SCHEMA, digest
-    from services.projector import snapshots
     from services.replay import rebuild
 
     async with cli.session(args, "llmgw snapshot") as s:

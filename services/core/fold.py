@@ -12,11 +12,18 @@ An event that breaks an invariant (a replica's state going backwards, an agent
 reporting a replica on a node that is not its own, a drain for an unknown replica) is
 not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
 fold never raises on input, so one bad event can never stop a consumer.
+
+`RULES` is the one table of event types: for each, its handler, what an applied event
+changed (`Touched`: the rows a store rewrites) and which entities it is about (what
+history filters on). Readers of the log do not call the fold directly but through
+`services.core.ingest`, which decodes and checks a raw message first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from schemas import events as ev
 from schemas import names
@@ -48,13 +55,20 @@ def apply(
     `seq` is the event's stream sequence (0 when unknown, as in tests); `subject` the
     subject it arrived on, which replica reports are checked against (None: unchecked).
     """
+    return apply_rule(view, RULES.get(type(event)), event, seq, subject)
+
+
+def apply_rule(
+    view: View, rule: Rule | None, event: ev.Envelope, seq: int, subject: str | None
+) -> Rejection | None:
+    """`apply` with the event's rule already looked up (`RULES`): what ingest calls, so
+    the table is read once per event."""
     s = view.state
     # The sequence moves first: a decision recorded by the handler carries its own
     # sequence, not the one before it.
     if seq:
         s.seq = seq
-    handler = _HANDLERS.get(type(event))
-    why = "unknown event type" if handler is None else handler(view, event, subject)
+    why = "unknown event type" if rule is None else rule.fold(view, event, subject)
     t = event.time
     if s.time is None or t > s.time:
         s.time = t
@@ -72,16 +86,6 @@ def fold(view: View, event: ev.Envelope, *, seq: int = 0, subject: str | None = 
     """`apply`, returning the view (the rejection, if any, is recorded in it)."""
     apply(view, event, seq=seq, subject=subject)
     return view
-
-
-def fold_all(view: View, events: Iterable[tuple[int, str | None, ev.Envelope]]) -> list[Rejection]:
-    """Fold (seq, subject, event) triples in order; returns the rejections."""
-    out = []
-    for seq, subject, event in events:
-        r = apply(view, event, seq=seq, subject=subject)
-        if r is not None:
-            out.append(r)
-    return out
 
 
 # ---------------------------------------------------------------- catalog
@@ -410,25 +414,243 @@ def _subject_node_mismatch(subject: str, node: str) -> str | None:
     return None
 
 
-_Handler = Callable[[View, ev.Envelope, str | None], str | None]
+# ---------------------------------------------------------------- the table
 
-_HANDLERS: dict[type, _Handler] = {
-    ev.ModelDeclaredEvent: _model_declared,  # type: ignore[dict-item]
-    ev.ModelRemovedEvent: _model_removed,  # type: ignore[dict-item]
-    ev.QuotaSetEvent: _quota_set,  # type: ignore[dict-item]
-    ev.ScaleDesiredEvent: _scale_desired,  # type: ignore[dict-item]
-    ev.NodeInventoryEvent: _node_inventory,  # type: ignore[dict-item]
-    ev.NodeLostEvent: _node_lost,  # type: ignore[dict-item]
-    ev.NodeCordonedEvent: _node_cordon,  # type: ignore[dict-item]
-    ev.NodeUncordonedEvent: _node_cordon,  # type: ignore[dict-item]
-    ev.ReplicaStateEvent: _replica_state,  # type: ignore[dict-item]
-    ev.ReplicaUsedEvent: _replica_used,  # type: ignore[dict-item]
-    ev.PlacementDecidedEvent: _placement_decided,  # type: ignore[dict-item]
-    ev.PlacementFailedEvent: _placement_failed,  # type: ignore[dict-item]
-    ev.ReplicaStartEvent: _replica_start,  # type: ignore[dict-item]
-    ev.ReplicaDrainEvent: _replica_drain,  # type: ignore[dict-item]
-    ev.PreemptionDecidedEvent: _preemption_decided,  # type: ignore[dict-item]
-    ev.HoldCreatedEvent: _hold_created,  # type: ignore[dict-item]
-    ev.HoldReleasedEvent: _hold_released,  # type: ignore[dict-item]
-    ev.ViewDigestEvent: _ignored,
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """A message that never reached the fold: its bytes did not decode, or its event does
+    not belong on its subject. The projector dead-letters it; every reader skips it."""
+
+    seq: int
+    subject: str
+    reason: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class Touched:
+    """What a run of events changed: the keys whose rows a store rewrites (or deletes,
+    when gone from the view), and every decision, rejection and dead letter it added."""
+
+    nodes: set[str] = field(default_factory=set)
+    replicas: set[str] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)
+    desired: set[str] = field(default_factory=set)
+    holds: set[str] = field(default_factory=set)
+    preempting: set[str] = field(default_factory=set)
+    quota: bool = False
+    decisions: list[DecisionRecord] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    dead: list[Dead] = field(default_factory=list)
+    count: int = 0
+    """Messages in this run (dead letters included)."""
+
+    def clear(self) -> None:
+        self.nodes.clear()
+        self.replicas.clear()
+        self.models.clear()
+        self.desired.clear()
+        self.holds.clear()
+        self.preempting.clear()
+        self.quota = False
+        self.decisions = []
+        self.rejections = []
+        self.dead = []
+        self.count = 0
+
+
+Key = tuple[str, str]
+"""An entity: `(kind, name)`, kind one of `replica`, `model`, `node`, `quota`."""
+
+_Handler = Callable[[View, Any, str | None], str | None]
+_Before = Callable[[View, Any], Any]
+_Touch = Callable[[View, Any, Touched, Any], None]
+_About = Callable[[View, Any], Iterable[Key]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What the fold does with one event type, and what it touches.
+
+    `fold(view, event, subject)` applies it (None) or says why not; `touch(view, event,
+    touched, before)` marks what an applied event changed, `before` being what
+    `before(view, event)` read from the view ahead of the fold (what only the old view
+    knows: a lost node's replicas). `about(view, event)`, with the view before the fold,
+    names every entity the event is about, applied or not: what history filters on and
+    a subscriber is told. `decision`: the fold records a decision for it.
+    """
+
+    fold: _Handler
+    touch: _Touch
+    about: _About
+    before: _Before | None = None
+    decision: bool = False
+
+
+def _no_touch(view: View, e: Any, t: Touched, before: Any) -> None:
+    return None
+
+
+def _touch_model(view: View, e: Any, t: Touched, before: Any) -> None:
+    t.models.add(e.data.name)
+
+
+def _touch_quota(view: View, e: Any, t: Touched, before: Any) -> None:
+    t.quota = True
+
+
+def _touch_desired(view: View, e: ev.ScaleDesiredEvent, t: Touched, before: Any) -> None:
+    m = view.catalog.resolve(e.data.model)
+    t.desired.add(m.name if m is not None else e.data.model)
+
+
+def _touch_node(view: View, e: Any, t: Touched, before: Any) -> None:
+    t.nodes.add(e.data.node)
+
+
+def _before_lost(view: View, e: ev.NodeLostEvent) -> tuple[str, ...]:
+    # Invariant: a replica holding capacity on a node is allocated there, so the
+    # inventory names every replica the loss can fail.
+    return view.inventory.replicas_on(e.data.node)
+
+
+def _touch_lost(view: View, e: ev.NodeLostEvent, t: Touched, hit: tuple[str, ...]) -> None:
+    t.nodes.add(e.data.node)
+    reps = view.state.replicas
+    for rid in hit:
+        t.replicas.add(rid)
+        if rid in reps:
+            t.nodes.update(s.node for s in reps[rid].shards)
+
+
+def _touch_replica(view: View, e: Any, t: Touched, before: Any) -> None:
+    t.replicas.add(e.data.replica)
+
+
+def _before_allocation(view: View, e: Any) -> tuple[str, tuple[ev.ShardSpec, ...]] | None:
+    old = view.state.replicas.get(e.data.replica)
+    return (old.state, old.shards) if old is not None else None
+
+
+def _touch_allocation(
+    view: View, e: Any, t: Touched, before: tuple[str, tuple[ev.ShardSpec, ...]] | None
+) -> None:
+    rid = e.data.replica
+    t.replicas.add(rid)
+    new = view.state.replicas[rid]
+    # GPU rows show who holds each GPU: a node's rows change only when an allocation on
+    # it may have changed.
+    if before is None or before[1] != new.shards or before[0] != new.state:
+        if before is not None:
+            t.nodes.update(s.node for s in before[1])
+        t.nodes.update(s.node for s in new.shards)
+
+
+def _touch_hold(view: View, e: Any, t: Touched, before: Any) -> None:
+    t.holds.add(e.data.model)
+
+
+def _touch_preempting(view: View, e: ev.PreemptionDecidedEvent, t: Touched, before: Any) -> None:
+    t.preempting.add(e.data.for_model)
+
+
+def _about_nothing(view: View, e: Any) -> tuple[Key, ...]:
+    return ()
+
+
+def _about_model(view: View, e: Any) -> tuple[Key, ...]:
+    return (("model", e.data.name),)
+
+
+def _about_quota(view: View, e: Any) -> tuple[Key, ...]:
+    return (("quota", ""),)
+
+
+def _about_desired(view: View, e: ev.ScaleDesiredEvent) -> tuple[Key, ...]:
+    return (("model", e.data.model),)
+
+
+def _about_node(view: View, e: Any) -> tuple[Key, ...]:
+    return (("node", e.data.node),)
+
+
+def _about_lost(view: View, e: ev.NodeLostEvent) -> list[Key]:
+    node = e.data.node
+    out: list[Key] = [("node", node)]
+    # The fold fails every replica that held capacity on a lost node.
+    for r in view.state.replicas.values():
+        if r.holds_capacity and any(s.node == node for s in r.shards):
+            out += (("replica", r.id), ("model", r.model))
+    return out
+
+
+def _about_placed(view: View, e: Any) -> list[Key]:
+    d = e.data
+    return [("replica", d.replica), ("model", d.model), *(("node", s.node) for s in d.shards)]
+
+
+def _about_used(view: View, e: ev.ReplicaUsedEvent) -> list[Key]:
+    out: list[Key] = [("replica", e.data.replica)]
+    rec = view.state.replicas.get(e.data.replica)
+    if rec is not None:
+        out.append(("model", rec.model))
+    return out
+
+
+def _about_drain(view: View, e: ev.ReplicaDrainEvent) -> list[Key]:
+    d = e.data
+    out: list[Key] = [("replica", d.replica), ("model", d.model)]
+    if d.for_model:
+        out.append(("model", d.for_model))
+    return out
+
+
+def _about_failed(view: View, e: ev.PlacementFailedEvent) -> tuple[Key, ...]:
+    return (("model", e.data.model),)
+
+
+def _about_preemption(view: View, e: ev.PreemptionDecidedEvent) -> list[Key]:
+    d = e.data
+    out: list[Key] = [("model", d.for_model)]
+    for v in d.victims:
+        out += (("replica", v.replica), ("model", v.model))
+    return out
+
+
+def _about_hold(view: View, e: ev.HoldCreatedEvent) -> tuple[Key, ...]:
+    return (("model", e.data.model), ("model", e.data.for_model))
+
+
+def _about_hold_model(view: View, e: Any) -> tuple[Key, ...]:
+    return (("model", e.data.model),)
+
+
+# RULES is the one table of event types: a new type of the contract (schemas/events.py)
+# gets its row here and nowhere else; what reads the log finds it through `ingest`.
+RULES: dict[type, Rule] = {
+    ev.ModelDeclaredEvent: Rule(_model_declared, _touch_model, _about_model),
+    ev.ModelRemovedEvent: Rule(_model_removed, _touch_model, _about_model),
+    ev.QuotaSetEvent: Rule(_quota_set, _touch_quota, _about_quota),
+    ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_desired),
+    ev.NodeInventoryEvent: Rule(_node_inventory, _touch_node, _about_node),
+    ev.NodeLostEvent: Rule(_node_lost, _touch_lost, _about_lost, _before_lost),
+    ev.NodeCordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
+    ev.NodeUncordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
+    ev.ReplicaStateEvent: Rule(
+        _replica_state, _touch_allocation, _about_placed, _before_allocation
+    ),
+    ev.ReplicaUsedEvent: Rule(_replica_used, _touch_replica, _about_used),
+    ev.PlacementDecidedEvent: Rule(
+        _placement_decided, _touch_allocation, _about_placed, _before_allocation, decision=True
+    ),
+    ev.PlacementFailedEvent: Rule(_placement_failed, _no_touch, _about_failed, decision=True),
+    ev.ReplicaStartEvent: Rule(_replica_start, _no_touch, _about_placed),
+    ev.ReplicaDrainEvent: Rule(_replica_drain, _touch_replica, _about_drain),
+    ev.PreemptionDecidedEvent: Rule(
+        _preemption_decided, _touch_preempting, _about_preemption, decision=True
+    ),
+    ev.HoldCreatedEvent: Rule(_hold_created, _touch_hold, _about_hold),
+    ev.HoldReleasedEvent: Rule(_hold_released, _touch_hold, _about_hold_model),
+    ev.ViewDigestEvent: Rule(_ignored, _no_touch, _about_nothing),
 }

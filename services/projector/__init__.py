@@ -3,21 +3,16 @@ transaction, publishes view digests, and writes snapshots.
 
 `Projector(js, db_path, root).run(stop)` is what `llmgw up` runs in-process;
 `python -m services.projector --nats URL --db PATH` runs it alone. `store` is the SQLite
-side (also used by replay: `write_view`, `load_view`, `dump`), `snapshots` the object
-store side, `folder` the decode-check-fold step every path shares.
+side (also used by replay: `write_view`, `load_view`, `dump`); `committer` the one way
+a fold (`services.core.ingest`) reaches SQLite. Snapshots are `services.bus.snapshots`.
 """
 
-from services.projector import folder, snapshots, store
-from services.projector.errors import LogHole, ProjectorError, StoreError
-from services.projector.folder import Folder, Gap
+from services.projector import committer, store
+from services.projector.errors import ProjectorError, StoreError
 
 __all__ = [
-    "Folder",
-    "Gap",
-    "LogHole",
     "ProjectorError",
     "StoreError",
-    "folder",
-    "snapshots",
+    "committer",
     "store",
 ]

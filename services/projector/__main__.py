@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from schemas import subjects
-from services.projector import snapshots
+from services.bus import snapshots
 from services.projector.errors import ProjectorError
 from services.projector.service import DIGEST_EVERY, Projector
 from services.runner import run_service

@@ -1,7 +1,7 @@
-"""Commits a Folder's batches to SQLite, one transaction in flight while the next folds.
+"""Commits an ingest's batches to SQLite, one transaction in flight while the next folds.
 
 Used by the projector and by `replay_records` (bundle replay, the benchmark): the one way
-a fold reaches SQLite. `start` takes the folder's dirty keys as they stand, builds the
+a fold reaches SQLite. `start` takes the keys the ingest touched as they stand, builds the
 transaction's rows at once (on the caller's thread, from the view at that point), hands
 the transaction to the database's thread and returns; the caller folds on. `wait`
 returns when it is committed (or raises what stopped it).
@@ -12,7 +12,7 @@ Invariants:
 - `committed` is the position of the last transaction that committed, never one still
   in flight: rows and position are in the same transaction, and this is only advanced
   once the database says so;
-- if a transaction fails, the folder's cache of committed GPU rows is emptied (it was
+- if a transaction fails, the cache of committed GPU rows is emptied (it was
   updated as if it would commit), and the caller must reload its view from the database
   before starting another.
 """
@@ -24,22 +24,24 @@ from collections.abc import Awaitable, Callable
 
 import aiosqlite
 
+from services.core.ingest import Ingest, Touched
 from services.projector import store
-from services.projector.folder import Dirty, Folder
 
-Before = Callable[[Dirty], Awaitable[None]]
+Before = Callable[[Touched], Awaitable[None]]
 After = Callable[[int], Awaitable[None] | None]
 
 
 class Committer:
-    """The write side of one folder on one database connection."""
+    """The write side of one ingest on one database connection."""
 
-    __slots__ = ("_task", "batches", "committed", "db", "folder", "rows")
+    __slots__ = ("_task", "batches", "committed", "db", "gpu_rows", "ingest", "rows")
 
-    def __init__(self, db: aiosqlite.Connection, folder: Folder) -> None:
+    def __init__(self, db: aiosqlite.Connection, ingest: Ingest) -> None:
         self.db = db
-        self.folder = folder
-        self.committed = folder.seq
+        self.ingest = ingest
+        self.committed = ingest.seq
+        self.gpu_rows: store.GpuCache = {}
+        """The GPU rows as last committed, per node, for the store to write only changes."""
         self.batches = 0
         """Transactions committed."""
         self.rows = 0
@@ -57,32 +59,32 @@ class Committer:
         return self._task is not None and not self._task.done()
 
     def start(self, before: Before | None = None, after: After | None = None) -> bool:
-        """Take what the folder changed since the last `start` and write it in one
+        """Take what the ingest touched since the last `start` and write it in one
         transaction, in the background. False when there was nothing to write.
 
-        `before(dirty)` runs first (the projector publishes that batch's dead letters and
+        `before(touched)` runs first (the projector publishes that batch's dead letters and
         digests: if it raises, nothing is written); `after(seq)` once it is committed.
         """
         if self._task is not None:
             raise RuntimeError("a transaction is in flight: wait for it first")
-        f = self.folder
-        d = f.dirty
+        f = self.ingest
+        d = f.touched
         if not d.count:
             return False
-        f.dirty = Dirty()
-        txn = store.prepare_batch(f.view, d, f.gpu_rows)
+        f.touched = Touched()
+        txn = store.prepare_batch(f.view, d, self.gpu_rows)
         self._task = asyncio.get_running_loop().create_task(self._write(txn, d, before, after))
         return True
 
     async def _write(
-        self, txn: store.Txn, d: Dirty, before: Before | None, after: After | None
+        self, txn: store.Txn, d: Touched, before: Before | None, after: After | None
     ) -> None:
         try:
             if before is not None:
                 await before(d)
             await store.commit(self.db, txn)
         except BaseException:
-            self.folder.gpu_rows.clear()
+            self.gpu_rows.clear()
             raise
         self.committed = txn.seq
         self.batches += 1

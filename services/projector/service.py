@@ -2,11 +2,12 @@
 
 `llmgw up` runs `Projector(js, db_path, root).run(stop)` in-process; `python -m
 services.projector` runs it alone. It owns its position (the stream sequence in the
-`position` table) and reads on from just after it with the bus's ordered reader; there
-is no durable consumer to ack. Every N events it publishes `view.digest` and every M it
+`position` table) and reads on from just after it with the bus's follow loop, folding
+each message with `services.core.ingest`; there is no durable consumer to ack. Every N events it publishes `view.digest` and every M it
 stores a snapshot. `replay_records` is the same batch path fed from a bundle.
 
-It must not fold past a gap (it reloads its checkpoint and reads again), must not commit
+It must not fold past a gap (it reloads its checkpoint and reads again; a message
+deleted from the log stops it with `services.bus.LogHole`), must not commit
 rows without their position, and must not decide anything: it only records.
 """
 
@@ -26,14 +27,12 @@ from nats.js.client import JetStreamContext
 
 from schemas import codec, ids, subjects
 from schemas import events as ev
-from services.bus import consume
+from services.bus import consume, follow, snapshots
 from services.bus.errors import SequenceGap
+from services.core.ingest import Gap, Ingest, Touched
 from services.core.view import View, decode_state, digest, encode_state
-from services.follower import GAP_RETRIES, RETRY_PAUSE_S, message_exists
-from services.projector import snapshots, store
+from services.projector import store
 from services.projector.committer import Committer
-from services.projector.errors import LogHole
-from services.projector.folder import Dirty, Folder, Gap
 
 log = logging.getLogger("llmgw.projector")
 
@@ -100,7 +99,7 @@ class Projector:
         self.batch_max = batch_max
         self.max_delay_s = max_delay_s
         self.stream = stream
-        self.folder = Folder(root=root)
+        self.folder = Ingest(root=root)
         self.db: aiosqlite.Connection | None = None
         self._committer: Committer | None = None
         self._digests: list[ev.Event] = []
@@ -149,7 +148,7 @@ class Projector:
                 await store.write_view(db, snap)
                 view = snap
                 log.info("projector: started from the snapshot at %d", view.seq)
-        self.folder = Folder(view, self.root)
+        self.folder = Ingest(view, self.root)
         self._committer = Committer(db, self.folder)
         self._digests, self._snaps = [], []
         self.committed = view.seq
@@ -173,44 +172,32 @@ class Projector:
         """Fold until `stop` is set. Raises `LogHole` if a message was deleted from the log."""
         db = await store.open_db(self.db_path)
         self.db = db
-        same_gap, last_gap = 0, -1
+
+        async def restart(e: BaseException) -> None:
+            # Nothing past the checkpoint is trusted: reload it and read again.
+            if isinstance(e, SequenceGap | Gap):
+                self.gaps += 1
+            await self._load(db)
+
         try:
             await self._load(db)
             log.info("projector: view at %d, reading on", self.seq)
-            while not stop.is_set():
-                try:
-                    await consume.read_ordered(
-                        self.js,
-                        from_seq=self.seq + 1,
-                        on_batch=self._on_batch,
-                        stop=stop,
-                        batch_max=min(self.batch_max, READ_CHUNK),
-                        stream=self.stream,
-                    )
-                    # Stopped: what was folded is committed before the database closes.
+            stopped = await follow.follow(
+                self.js,
+                position=lambda: self.folder.seq,
+                on_batch=self._on_batch,
+                stop=stop,
+                restart=restart,
+                name="projector",
+                batch_max=min(self.batch_max, READ_CHUNK),
+                stream=self.stream,
+            )
+            # What was folded is committed before the database closes.
+            if stopped:
+                await self._flush()
+            else:
+                with contextlib.suppress(nats.errors.Error):
                     await self._flush()
-                except (SequenceGap, Gap) as e:
-                    # Nothing past the checkpoint is trusted: reload it and read again.
-                    await self._load(db)
-                    expected = self.seq + 1
-                    self.gaps += 1
-                    missing = e.expected
-                    same_gap = same_gap + 1 if missing == last_gap else 1
-                    last_gap = missing
-                    log.warning("projector: %s; reading again from %d", e, expected)
-                    if same_gap >= GAP_RETRIES and not await message_exists(
-                        self.js, missing, self.stream
-                    ):
-                        raise LogHole(missing, self.stream) from e
-                except nats.errors.ConnectionClosedError:
-                    with contextlib.suppress(nats.errors.Error):
-                        await self._flush()
-                    return
-                except (nats.errors.Error, TimeoutError) as e:
-                    log.warning("projector: read failed (%s); retrying", e)
-                    await self._load(db)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
         except BaseException as e:
             self.error = e
             raise
@@ -228,13 +215,13 @@ class Projector:
         """Fold a delivery; commit when caught up (at once, and wait for it), else when
         the batch is full or old enough, in the background while the next one folds."""
         folder = self.folder
-        if not folder.dirty.count:
+        if not folder.touched.count:
             self._since = time.monotonic()
-        fold_raw = folder.fold_raw
+        raw = folder.raw
         every_d, every_s = self.digest_every, self.snapshot_every
         for d in batch:
             seq = d.seq
-            fold_raw(seq, d.subject, d.data)
+            raw(seq, d.subject, d.data)
             if every_d and seq % every_d == 0:
                 s = folder.view.state
                 self._digests.append(digest_event(seq, digest(s), s.time, self.stream))
@@ -242,7 +229,7 @@ class Projector:
                 self._snaps.append(encode_state(folder.view.state))
         c = self._committer
         assert c is not None
-        n = folder.dirty.count
+        n = folder.touched.count
         if not n:
             return
         caught_up = batch[-1].pending == 0
@@ -266,15 +253,15 @@ class Projector:
         digests, self._digests = self._digests, []
         snaps, self._snaps = self._snaps, []
 
-        async def before(dirty: Dirty) -> None:
-            await consume.dead_letters(self.js, self.root, self.consumer, dirty.dead)
+        async def before(touched: Touched) -> None:
+            await consume.dead_letters(self.js, self.root, self.consumer, touched.dead)
             for e in digests:
                 await self.js.publish(
                     subjects.digest_subject(self.root),
                     codec.encode(e),
                     headers={"Nats-Msg-Id": e.id},
                 )
-            self.dead += len(dirty.dead)
+            self.dead += len(touched.dead)
             self.digests += len(digests)
 
         async def after(seq: int) -> None:
@@ -315,26 +302,24 @@ async def replay_records(
     *,
     root: str = subjects.DEFAULT_ROOT,
     batch: int = REPLAY_BATCH,
-    folder: Folder | None = None,
+    ingest: Ingest | None = None,
     strict: bool = True,
-) -> Folder:
+) -> Ingest:
     """Fold (seq, subject, body) records into the SQLite view at `db` through the same
-    fold and write path as the live projector (a bundle replay, a benchmark), each
-    transaction written while the next `batch` records fold. Returns the folder, its
+    ingest and write path as the live projector (a bundle replay, a benchmark), each
+    transaction written while the next `batch` records fold. Returns the ingest, its
     view committed."""
-    f = folder if folder is not None else Folder(await store.load_view(db), root, strict)
+    f = ingest if ingest is not None else Ingest(await store.load_view(db), root, strict)
     c = Committer(db, f)
-    fold_raw = f.fold_raw
-    dirty = f.dirty
+    raw = f.raw
     try:
         for seq, subject, body in records:
             if seq <= f.seq:
                 continue
-            fold_raw(seq, subject, body)
-            if dirty.count >= batch:
+            raw(seq, subject, body)
+            if f.touched.count >= batch:
                 await c.wait()
                 c.start()
-                dirty = f.dirty
                 await asyncio.sleep(0)
         await c.flush()
     finally:

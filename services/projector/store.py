@@ -1,7 +1,7 @@
 """The SQLite view: tables for nodes, GPUs, models, replicas, holds, quota, decisions,
 rejections, plus the stream position, always written in one transaction.
 
-Written by the projector (a batch of dirty keys at a time) and by the replay CLI (a
+Written by the projector (a batch of touched keys at a time) and by the replay CLI (a
 whole view, `write_view`); read by `load_view` (exact: every row keeps its record's
 canonical msgspec JSON in `doc`, so the view comes back as it was folded), by `dump`
 (canonical text for equality checks) and by anyone with `sqlite3`. One writer per file;
@@ -24,6 +24,7 @@ import aiosqlite
 import msgspec
 
 from schemas import events as ev
+from services.core.ingest import Dead, Touched
 from services.core.view import (
     SCHEMA,
     DecisionRecord,
@@ -36,7 +37,6 @@ from services.core.view import (
     ViewState,
 )
 from services.projector.errors import StoreError
-from services.projector.folder import DeadRecord, Dirty
 
 _enc = msgspec.json.Encoder(order="sorted")
 _dec_node = msgspec.json.Decoder(NodeRecord)
@@ -251,13 +251,6 @@ def _meta(s: ViewState) -> str:
     )
 
 
-async def read_position(db: aiosqlite.Connection) -> int:
-    """The last stream sequence the stored view folded; 0 for an empty database."""
-    async with db.execute("SELECT seq FROM position WHERE id = 1") as cur:
-        row = await cur.fetchone()
-    return 0 if row is None else int(row[0])
-
-
 class Txn:
     """One prepared transaction: statements with their rows, built on the caller's thread
     from the view as it stands, then run whole on the database's thread (`commit`).
@@ -313,33 +306,16 @@ def _position_op(txn: Txn, s: ViewState) -> None:
     )
 
 
-def prepare_batch(view: View, dirty: Dirty, written: GpuCache | None = None) -> Txn:
+def prepare_batch(view: View, touched: Touched, written: GpuCache | None = None) -> Txn:
     """The transaction that writes what a batch changed and the new position.
 
     `written` is the caller's cache of GPU rows as committed (see `_gpu_ops`); it is
     updated as if this transaction commits, so the caller must clear it if it does not.
     """
     txn = Txn(view.state.seq)
-    _dirty_ops(txn, view, dirty, written)
+    _touched_ops(txn, view, touched, written)
     _position_op(txn, view.state)
     return txn
-
-
-async def write_batch(
-    db: aiosqlite.Connection, view: View, dirty: Dirty, written: GpuCache | None = None
-) -> None:
-    """Write what a batch changed and the new position, in one transaction.
-
-    `written` is the caller's cache of GPU rows as committed (see `_gpu_ops`); it is
-    emptied if the transaction fails, since it may then be ahead of the database.
-    """
-    txn = prepare_batch(view, dirty, written)
-    try:
-        await commit(db, txn)
-    except BaseException:
-        if written is not None:
-            written.clear()
-        raise
 
 
 def _upsert_or_delete(
@@ -390,7 +366,7 @@ def _gpu_ops(txn: Txn, view: View, nodes: Iterable[str], written: GpuCache | Non
     txn.add(_INS["gpus"], put)
 
 
-def _dirty_ops(txn: Txn, view: View, d: Dirty, written: GpuCache | None = None) -> None:
+def _touched_ops(txn: Txn, view: View, d: Touched, written: GpuCache | None = None) -> None:
     s = view.state
     if d.nodes:
         _upsert_or_delete(txn, "nodes", "name", d.nodes, s.nodes, _node_row)
@@ -421,7 +397,7 @@ def _dirty_ops(txn: Txn, view: View, d: Dirty, written: GpuCache | None = None) 
         txn.add(_INS["dead_letters"], [_dead_row(x) for x in d.dead])
 
 
-def _dead_row(x: DeadRecord) -> tuple[Any, ...]:
+def _dead_row(x: Dead) -> tuple[Any, ...]:
     return (x.seq, x.subject, x.reason)
 
 
@@ -430,11 +406,11 @@ def prepare_view(
     *,
     decisions: Iterable[DecisionRecord] | None = None,
     rejections: Iterable[Rejection] | None = None,
-    dead: Iterable[DeadRecord] = (),
+    dead: Iterable[Dead] = (),
 ) -> Txn:
     """The transaction that replaces the whole stored view with `view` (see `write_view`)."""
     s = view.state
-    d = Dirty()
+    d = Touched()
     d.nodes = set(s.nodes)
     d.replicas = set(s.replicas)
     d.models = set(s.models)
@@ -448,7 +424,7 @@ def prepare_view(
     txn = Txn(s.seq)
     for table, _ in TABLES:
         txn.add(f"DELETE FROM {table}")
-    _dirty_ops(txn, view, d)
+    _touched_ops(txn, view, d)
     _position_op(txn, s)
     return txn
 
@@ -459,13 +435,13 @@ async def write_view(
     *,
     decisions: Iterable[DecisionRecord] | None = None,
     rejections: Iterable[Rejection] | None = None,
-    dead: Iterable[DeadRecord] = (),
+    dead: Iterable[Dead] = (),
 ) -> None:
     """Replace the whole stored view with `view`, in one transaction.
 
     `decisions` and `rejections` are the whole history to store (the projector keeps
     every one it saw); None stores only the recent ones the view itself holds. A replay
-    that wants a dump equal to a live projector's passes the history its `Folder` saw.
+    that wants a dump equal to a live projector's passes the history its ingest saw.
     """
     await commit(db, prepare_view(view, decisions=decisions, rejections=rejections, dead=dead))
 

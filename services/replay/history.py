@@ -2,7 +2,7 @@
 
 Called by `services.cli.replay` (and by `explain`, which tells a replica's timeline too)
 as a `rebuild.Watcher`: it sees each event with the view before it, keeps those that
-touch the entity (`touch.keys`), and records the fold's verdict, so a rejected event is
+touch the entity (`ingest.about`), and records the fold's verdict, so a rejected event is
 shown with the reason it was not applied. It must not change the view.
 """
 
@@ -13,8 +13,9 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
+from services.core import ingest
 from services.core.view import Rejection, View
-from services.replay import eventline, touch
+from services.replay import eventline
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, stamp, table
 from services.replay.source import Item
@@ -60,7 +61,7 @@ class Timeline:
         self._hit = False
 
     def before(self, item: Item, view: View) -> None:
-        self._hit = self.key in touch.keys(view, item.event, item.subject)
+        self._hit = self.key in ingest.about(view, item.event, item.subject)
 
     def after(self, item: Item, rejection: Rejection | None, view: View) -> None:
         if not self._hit:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from services.core.ingest import Dead
 from services.core.view import DecisionRecord, Rejection, View
 
 
@@ -26,7 +27,7 @@ async def snapshot_at_or_before(js: Any, seq: int | None) -> View | None:
     """
     from nats.js.errors import NotFoundError
 
-    from services.projector import snapshots
+    from services.bus import snapshots
 
     try:
         await js.object_store(snapshots.BUCKET)
@@ -51,7 +52,6 @@ async def write_view(
     """Write the view, and the history folded with it, to the SQLite file `path` in the
     projector's tables, replacing what it held."""
     from services.projector import store
-    from services.projector.folder import DeadRecord
 
     db = await store.open_db(path)
     try:
@@ -60,7 +60,7 @@ async def write_view(
             view,
             decisions=decisions,
             rejections=rejections,
-            dead=[DeadRecord(seq, subject, reason, b"") for seq, subject, reason in dead],
+            dead=[Dead(seq, subject, reason, b"") for seq, subject, reason in dead],
         )
     finally:
         await db.close()

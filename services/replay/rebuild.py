@@ -1,8 +1,9 @@
 """Rebuild a view by folding a source: the one loop every replay command runs.
 
-Called by the replay commands and by `subscribe`. It folds through the projector's
-`Folder` (`services.core.fold` underneath), so a replay keeps the same history the live
-projector stores: replay never re-decides, it re-folds what was decided. `watcher` lets a caller
+Called by the replay commands and by `subscribe`. Its source decodes and checks each
+message and it folds each event with `services.core.ingest`, the step the projector
+runs, so a replay keeps the same history the live projector stores: replay never
+re-decides, it re-folds what was decided. `watcher` lets a caller
 look at each event with the view as it stood just before it and the fold's verdict
 (history and explain collect their timelines this way) without a second pass.
 
@@ -16,8 +17,8 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from schemas import subjects
+from services.core.ingest import Ingest
 from services.core.view import DecisionRecord, Rejection, View
-from services.projector.folder import Folder
 from services.replay import ports
 from services.replay.source import BundleSource, Item, Source, StreamSource
 
@@ -68,22 +69,22 @@ async def run(
     watcher: Watcher | None = None,
     progress: Any = None,
 ) -> Rebuilt:
-    """Fold every item of `source` into `view` (a fresh one by default), through the
-    projector's `Folder`: the same fold, and the same history kept, as the live view."""
+    """Fold every item of `source` into `view` (a fresh one by default) with
+    `ingest`: the same fold, and the same history kept, as the live view."""
     v = view if view is not None else View()
     # A snapshot remembers only the recent decisions and rejections; they open the
     # history, and everything from here on is kept whole.
-    folder = Folder(v, strict=False)
-    folder.dirty.rejections = list(v.state.rejections)
-    folder.dirty.decisions = list(v.state.decisions)
+    step = Ingest(v, strict=False)
+    step.touched.rejections = list(v.state.rejections)
+    step.touched.decisions = list(v.state.decisions)
     out = Rebuilt(
         view=v,
         source=source,
         started_at=v.state.seq,
-        rejections=folder.dirty.rejections,
-        decisions=folder.dirty.decisions,
+        rejections=step.touched.rejections,
+        decisions=step.touched.decisions,
     )
-    fold_event = folder.fold_event
+    fold_event = step.event
     rejected = 0
     async for batch in source.batches():
         if watcher is None:
@@ -103,7 +104,7 @@ async def run(
     out.rejected = rejected
     # The view's position is the last sequence read, undecodable ones included: they are
     # part of the log the view has seen.
-    folder.end_batch(source.stats.last_seq)
+    step.end(source.stats.last_seq)
     return out
 
 

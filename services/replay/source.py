@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from schemas import codec, subjects
-from schemas.errors import BundleError, EventDecodeError
+from schemas import subjects
+from schemas.errors import BundleError
 from schemas.events import Event
+from services.core import ingest
 
 # BATCH is how many bundle lines one batch carries: a bundle is read synchronously, and
 # a batch at a time keeps a progress bar moving without a call per event.
@@ -76,7 +77,8 @@ class Source(Protocol):
 
 
 class _Cut:
-    """The shared limits: decode, check, count, stop at `until_seq` / past `until_time`."""
+    """The shared limits: decode and check (`ingest.decode_checked`), count, stop at
+    `until_seq` / past `until_time`."""
 
     def __init__(
         self, stats: Stats, until_seq: int | None, until_time: datetime | None, root: str
@@ -91,21 +93,16 @@ class _Cut:
         out: list[Item] = []
         st = self.stats
         until_seq, until_time = self.until_seq, self.until_time
-        decode, check, root = codec.decode, subjects.check, self.root
+        decode, root = ingest.decode_checked, self.root
         for seq, subject, data in raw:
             if until_seq is not None and seq > until_seq:
                 self.done = True
                 break
-            try:
-                event = decode(data)
-            except EventDecodeError as e:
-                st.skip(seq, subject, str(e))
-                continue
-            # Invariant: skipped exactly as the projector dead-letters it (an agent
-            # reporting another node's replica), so a replay and the live view agree.
-            why = check(event, subject, root)
-            if why is not None:
-                st.skip(seq, subject, f"wrong subject for its data: {why}")
+            # Invariant: decoded and checked by the step the projector runs, so what it
+            # dead-letters is skipped here, and a replay and the live view agree.
+            event = decode(data, subject, root)
+            if isinstance(event, str):
+                st.skip(seq, subject, event)
                 continue
             if until_time is not None and event.time > until_time:
                 st.cut_at = seq

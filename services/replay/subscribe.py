@@ -20,12 +20,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import codec, subjects
-from schemas.errors import EventDecodeError
+import nats.errors
+
+from schemas import subjects
 from schemas.events import Event, type_of
-from services.core import fold
+from services.bus import follow
+from services.bus.errors import LogHole
+from services.core import ingest
+from services.core.ingest import Ingest
 from services.core.view import View
-from services.replay import ports, rebuild, render, touch
+from services.replay import ports, rebuild, render
 from services.replay.errors import Relist, ReplayError
 from services.replay.source import StreamSource
 
@@ -45,12 +49,14 @@ class Changes:
     iteration (it goes on changing), or take `view.copy()`."""
 
     type: str
-    """The event's type; `list` for the initial listing; `undecodable` for a bad message."""
+    """The event's type; `list` for the initial listing; `undecodable` for a message the
+    projector dead-letters (it does not decode, or does not belong on its subject)."""
     keys: frozenset[str]
     """The entities touched, as `replica/r-7`, `model/llama-70b`, `node/gpu-a1`, `quota`."""
     view: View
     rejected: str | None = None
-    """Why the fold rejected the event (the view did not change); None when applied."""
+    """Why the fold rejected the event, or why the message is a dead letter (the view did
+    not change); None when applied."""
     event: Event | None = None
 
     def entities(self) -> dict[str, Any]:
@@ -105,10 +111,7 @@ async def subscribe(
 ) -> AsyncIterator[tuple[int, Changes]]:
     """The listing as of `from_seq - 1` (None: the end of the stream now), then every
     event from there on. Raises `Relist` if `from_seq` is older than the stream's first
-    message, or if the tail finds a message missing."""
-    from services.bus import consume
-    from services.bus.errors import SequenceGap
-
+    message, or if the tail finds a message deleted from the log."""
     info = await js.stream_info(stream)
     first, last = info.state.first_seq or 1, info.state.last_seq
     if from_seq is not None and from_seq < 1:
@@ -139,43 +142,48 @@ async def subscribe(
 
     queue: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue(QUEUE_BATCHES)
     stop = asyncio.Event()
+    read = target
+
+    async def on_batch(batch: list[Any]) -> None:
+        nonlocal read
+        await queue.put(batch)
+        read = batch[-1].seq
 
     async def pump() -> None:
         try:
-            await consume.read_ordered(
-                js, from_seq=target + 1, on_batch=queue.put, stop=stop, stream=stream
+            stopped = await follow.follow(
+                js,
+                position=lambda: read,
+                on_batch=on_batch,
+                stop=stop,
+                name="subscribe",
+                stream=stream,
             )
         except BaseException as e:
             await queue.put(e)
             raise
+        if not stopped:
+            await queue.put(nats.errors.ConnectionClosedError())
 
+    # The tail is the projector's step: decoded, checked against its subject and folded
+    # by `ingest`, so a dashboard sees the projector's dead letters and rejections.
+    step = Ingest(view, root, keep_about=True)
     task = asyncio.create_task(pump())
     try:
         while True:
             got = await queue.get()
-            if isinstance(got, SequenceGap):
-                raise Relist(got.expected, got.got, f"the tail lost messages: {got}") from got
+            if isinstance(got, LogHole):
+                raise Relist(got.seq, got.seq + 1, f"the tail lost messages: {got}") from got
             if isinstance(got, BaseException):
                 raise ReplayError(f"following the stream failed: {got}") from got
             for d in got:
-                try:
-                    event = codec.decode(d.data)
-                except EventDecodeError as e:
-                    view.state.seq = d.seq
-                    yield d.seq, Changes(UNDECODABLE, frozenset(), view, rejected=str(e))
+                event = step.raw(d.seq, d.subject, d.data)
+                why = None if step.verdict is None else step.verdict.reason
+                if event is None:
+                    yield d.seq, Changes(UNDECODABLE, frozenset(), view, rejected=why)
                     continue
-                keys = touch.keys(view, event, d.subject)
-                rej = fold.apply(view, event, seq=d.seq, subject=d.subject)
-                yield (
-                    d.seq,
-                    Changes(
-                        type_of(type(event)),
-                        frozenset(touch.label(k) for k in keys),
-                        view,
-                        rejected=None if rej is None else rej.reason,
-                        event=event,
-                    ),
-                )
+                keys = frozenset(ingest.label(k) for k in step.keys)
+                yield d.seq, Changes(type_of(type(event)), keys, view, rejected=why, event=event)
     finally:
         stop.set()
         task.cancel()

@@ -15,10 +15,10 @@ So the default (`--used 0.97`, ~85% replica.used) is the steady state; `--used 0
 worth running too: its figures are lower.
 
 Paths:
-  (a) in-memory fold, decode included (the projector's Folder: decode, subject check,
+  (a) in-memory fold, decode included (`services.core.ingest`: decode, subject check,
       fold, dirty keys), and bare `codec.decode` + `fold.apply` for comparison;
   (b) replay from a bundle file into SQLite (the replay's bundle reader into
-      `replay_records`: the projector's Folder and Committer, batches of 100,000), and for
+      `replay_records`: the projector's ingest and Committer, batches of 100,000), and for
       comparison what `llmgw replay --log B --db OUT` runs (fold all, write the view once);
   (c) replay from JetStream into SQLite (the Projector itself, from seq 1 to the end);
   (d) the raw baseline: the fastest plain nats-py read of the same stream (an ordered
@@ -43,9 +43,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from schemas import bundle, codec
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
 from services.core import fold
+from services.core.ingest import Ingest
 from services.core.view import View
 from services.projector import store
-from services.projector.folder import Folder
 from services.projector.service import Projector, replay_records
 from services.replay import ports, rebuild, source
 from tests.projector import mix
@@ -60,12 +60,12 @@ def bench_fold(records: list[tuple[int, str, bytes]], runs: int) -> tuple[list[f
     folder_t, bare_t = [], []
     for _ in range(runs):
         t = time.perf_counter()
-        f = Folder(strict=True)
-        fr = f.fold_raw
+        f = Ingest(strict=True)
+        fr = f.raw
         for seq, subject, body in records:
             fr(seq, subject, body)
-            if f.dirty.count >= 5000:
-                f.dirty.clear()
+            if f.touched.count >= 5000:
+                f.touched.clear()
         folder_t.append(time.perf_counter() - t)
         t = time.perf_counter()
         v = View()
@@ -193,7 +193,7 @@ def main() -> None:
     print(f"generated {n:,} events for {a.nodes} nodes in {time.perf_counter() - t:.1f}s")
     rows: list[tuple[str, float, str]] = []
     folder_t, bare_t = bench_fold(records, a.runs)
-    rows.append(("(a) fold in memory, decode included (Folder)", *median_rate(n, folder_t)))
+    rows.append(("(a) fold in memory, decode included (Ingest)", *median_rate(n, folder_t)))
     rows.append(("    bare codec.decode + fold.apply", *median_rate(n, bare_t)))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

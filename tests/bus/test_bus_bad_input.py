@@ -1,5 +1,6 @@
 """Bad input on a real broker: every kind of malformed message lands on the DLQ with its
-reason, and every valid event around them is consumed, in order, by both loops."""
+reason, and every valid event around them is consumed, in order, by the durable
+consumer and by the follow loop with ingest."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ import pytest
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import DLQ_STREAM, Publisher
+from services.bus import DLQ_STREAM, Publisher, follow
 from services.bus.consume import (
     DEAD_LETTERS,
     DLQ_KEEP_BYTES,
     Delivery,
     consume_durable,
+    dead_letters,
     decode_checked,
-    fold_loop,
     read_dead_letter,
     read_range,
 )
 from services.bus.errors import Retry
+from services.core.ingest import Ingest
 
 SUBJECT = subjects.scale_subject("meta/llama-0")
 
@@ -149,23 +151,31 @@ async def test_durable_consumer_dead_letters_bad_input_and_keeps_the_rest(js, ev
     assert ci.num_ack_pending == 0 and ci.num_pending == 0
 
 
-async def test_fold_loop_dead_letters_bad_input_and_keeps_the_rest(js, events):
+async def test_the_follow_loop_and_ingest_dead_letter_bad_input_and_keep_the_rest(js, events):
     valid, bad_at = await _publish_mixed(js, events)
+    total = len(valid) + len(bad_at)
+    step = Ingest()
     got: list[str] = []
-    checkpoints: list[int] = []
+    stop = asyncio.Event()
 
-    def on_events(batch, last_seq):
-        got.extend(e.id for _, e in batch)
-        checkpoints.append(last_seq)
+    async def on_batch(batch: list[Delivery]) -> None:
+        for d in batch:
+            e = step.raw(d.seq, d.subject, d.data)
+            if e is not None:
+                got.append(e.id)
+        dead, step.touched.dead = step.touched.dead, []
+        await dead_letters(js, subjects.DEFAULT_ROOT, "projector", dead)
+        if step.seq >= total:
+            stop.set()
 
-    last = await fold_loop(
-        js, consumer="projector", from_seq=1, on_events=on_events, to_end=True, batch_max=4
+    stopped = await follow.follow(
+        js, position=lambda: step.seq, on_batch=on_batch, stop=stop, batch_max=4
     )
     letters = await _dead_letters(js, "projector", len(bad_at))
 
+    assert stopped
     assert got == [e.id for e in valid]
-    assert last == checkpoints[-1] == len(valid) + len(bad_at)
-    assert checkpoints == sorted(checkpoints)
+    assert step.seq == total
     _check_letters(letters, bad_at, "projector")
 
 

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from schemas import codec, subjects
-from services.bus import Publisher, PublishError, ensure_stream, tracing
-from services.bus.consume import Delivery, consume_durable, decode_checked, fold_loop
+from services.bus import Publisher, PublishError, ensure_stream, follow, tracing
+from services.bus.consume import Delivery, consume_durable, decode_checked
 
 
 async def test_the_same_event_published_twice_is_stored_once(js, events):
@@ -112,7 +112,15 @@ async def test_a_folded_batch_span_links_to_every_producer(js, events, spans):
     pub = Publisher(js)
     for e in events(3):
         await pub.publish(e)
-    await fold_loop(js, consumer="fold", from_seq=1, on_events=lambda b, s: None, to_end=True)
+    stop = asyncio.Event()
+    read = [0]
+
+    def on_batch(batch: list[Delivery]) -> None:
+        read.append(batch[-1].seq)
+        if read[-1] >= 3:
+            stop.set()
+
+    await follow.follow(js, position=lambda: read[-1], on_batch=on_batch, stop=stop, name="fold")
     finished = spans.get_finished_spans()
     producers = [s for s in finished if s.kind == trace.SpanKind.PRODUCER]
     (batch,) = [s for s in finished if s.kind == trace.SpanKind.CONSUMER]

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from schemas import codec, subjects
 from schemas import events as ev
+from services.core.ingest import Ingest
 from services.core.view import View, decode_state, digest, encode_state
-from services.projector.folder import Folder
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 NODES = ("n0", "n1", "n2")
@@ -166,10 +166,10 @@ def records(draw: st.DrawFn) -> list[tuple[str, bytes]]:
     return out
 
 
-def fold(view: View | None, recs: list[tuple[int, str, bytes]]) -> Folder:
-    f = Folder(view)
+def fold(view: View | None, recs: list[tuple[int, str, bytes]]) -> Ingest:
+    f = Ingest(view)
     for seq, subject, body in recs:
-        f.fold_raw(seq, subject, body)
+        f.raw(seq, subject, body)
     return f
 
 
@@ -186,8 +186,8 @@ def test_fold_whole_equals_snapshot_plus_rest(
     tail = fold(restored, recs[split:])
     assert encode_state(tail.view.state) == encode_state(whole.view.state)
     assert digest(tail.view.state) == digest(whole.view.state)
-    assert head.dirty.rejections + tail.dirty.rejections == whole.dirty.rejections
-    assert head.dirty.decisions + tail.dirty.decisions == whole.dirty.decisions
+    assert head.touched.rejections + tail.touched.rejections == whole.touched.rejections
+    assert head.touched.decisions + tail.touched.decisions == whole.touched.decisions
     # The derived indexes agree too: what is allocated where, and what is free.
     assert tail.view.inventory.allocations() == whole.view.inventory.allocations()
     for n in NODES:

@@ -5,21 +5,19 @@ from __future__ import annotations
 import pytest
 from nats.js.client import JetStreamContext
 
-from services.bus import Publisher
+from services.bus import Publisher, snapshots
+from services.core.ingest import Ingest
 from services.core.view import View, digest
 from services.follower import ViewFollower
-from services.projector import snapshots
 from tests.projector import mix
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def fold_items(items: list[mix.Item]) -> View:
-    from services.projector.folder import Folder
-
-    f = Folder()
+    f = Ingest()
     for seq, (subject, body, _) in enumerate(items, start=1):
-        f.fold_raw(seq, subject, body)
+        f.raw(seq, subject, body)
     return f.view
 
 

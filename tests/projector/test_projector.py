@@ -21,11 +21,11 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from schemas import codec
-from services.bus import EmbeddedBroker, Publisher, consume
+from services.bus import EmbeddedBroker, Publisher, consume, snapshots
+from services.bus.errors import LogHole
+from services.core.ingest import Ingest
 from services.core.view import SCHEMA, ViewState, digest, encode_state
-from services.projector import snapshots, store
-from services.projector.errors import LogHole
-from services.projector.folder import Folder
+from services.projector import store
 from services.projector.service import Projector
 from tests.projector import mix
 
@@ -39,13 +39,13 @@ async def export(js: JetStreamContext) -> list[Record]:
     return out
 
 
-def replay(records: list[Record], until: int | None = None) -> Folder:
+def replay(records: list[Record], until: int | None = None) -> Ingest:
     """Fold records in memory; the folder's dirty keeps the whole history (never cleared)."""
-    f = Folder()
+    f = Ingest()
     for seq, subject, body in records:
         if until is not None and seq > until:
             break
-        f.fold_raw(seq, subject, body)
+        f.raw(seq, subject, body)
     return f
 
 
@@ -56,9 +56,9 @@ async def replay_dump(tmp: Path, records: list[Record], until: int | None = None
         await store.write_view(
             db,
             f.view,
-            decisions=f.dirty.decisions,
-            rejections=f.dirty.rejections,
-            dead=f.dirty.dead,
+            decisions=f.touched.decisions,
+            rejections=f.touched.rejections,
+            dead=f.touched.dead,
         )
         loaded = await store.load_view(db)
         assert encode_state(loaded.state) == encode_state(f.view.state)

@@ -13,8 +13,8 @@ import pytest
 
 from schemas import codec, subjects
 from services import cli
-from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
-from services.projector import snapshots, store
+from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams, snapshots
+from services.projector import store
 from services.replay import rebuild
 from services.replay.errors import Relist
 from services.replay.subscribe import LIST, subscribe

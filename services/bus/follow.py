@@ -1,0 +1,154 @@
+"""The follow loop: the log read in order from a position, for as long as the caller asks.
+
+Used by every reader that keeps a view current: the projector, `ViewFollower` and the
+live tail of `replay.subscribe`. It reads from the caller's position plus one with the
+ordered reader (`consume.read_ordered`), hands each batch on in order, and handles what
+goes wrong on the way, here and nowhere else:
+- a gap (a message that did not arrive: the reader's `SequenceGap`, a batch that does
+  not start right after the position, or ingest's `Gap` from inside the batch): read
+  again from the position. If the same
+  sequence is still missing after GAP_RETRIES reads and the stream no longer holds it,
+  the log has a hole and `LogHole` ends the loop;
+- a broker that went away or restarted: pause RETRY_PAUSE_S, read again;
+- a closed connection: return.
+
+It never decodes or folds (that is `services.core.ingest`'s), and never acks: the
+position is the caller's, read again before every read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats.errors
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+from opentelemetry import trace
+
+from schemas import subjects
+from services.bus import consume, tracing
+from services.bus.consume import Delivery
+from services.bus.errors import LogHole, SequenceGap
+from services.core.ingest import Gap
+
+log = logging.getLogger("llmgw.follow")
+
+# GAP_RETRIES is how often the same missing sequence is re-read before the stream is
+# asked whether the message still exists. A gap from a lost delivery heals on re-read;
+# one from a deleted message never does.
+GAP_RETRIES = 3
+
+# RETRY_PAUSE_S is the wait before reading again after the broker went away.
+RETRY_PAUSE_S = 0.5
+
+# MAX_LINKS bounds the links on one batch span: the SDK keeps 128 by default, and past a
+# few dozen a trace view shows nothing more useful.
+MAX_LINKS = 64
+
+OnBatch = Callable[[list[Delivery]], Awaitable[None] | None]
+Restart = Callable[[BaseException], Awaitable[None] | None]
+
+
+async def message_exists(js: JetStreamContext, seq: int, stream: str = subjects.STREAM) -> bool:
+    """Whether the stream still holds message `seq` (False once deleted)."""
+    try:
+        await js.get_msg(stream, seq)
+    except NotFoundError:
+        return False
+    return True
+
+
+async def follow(
+    js: JetStreamContext,
+    *,
+    position: Callable[[], int],
+    on_batch: OnBatch,
+    stop: asyncio.Event,
+    restart: Restart | None = None,
+    name: str = "follower",
+    batch_max: int = consume.BATCH_MAX,
+    stream: str = subjects.STREAM,
+) -> bool:
+    """Hand every message after `position()` to `on_batch`, in order, until `stop` is set.
+
+    `restart(error)` runs after a gap or a failed read, before reading again from
+    `position()` (the projector reloads its checkpoint there). Returns True once
+    stopped, False when the connection was closed; raises `LogHole` for a message
+    deleted from the log, and whatever `on_batch` raises.
+    """
+    same_gap, last_gap = 0, -1
+
+    async def checked(batch: list[Delivery]) -> None:
+        want = position() + 1
+        if batch[0].seq != want:
+            raise SequenceGap(want, batch[0].seq)
+        if tracing.enabled():
+            with _batch_span(batch, name, stream):
+                r = on_batch(batch)
+                if r is not None:
+                    await r
+        else:
+            r = on_batch(batch)
+            if r is not None:
+                await r
+
+    async def restarted(e: BaseException) -> None:
+        if restart is not None:
+            r = restart(e)
+            if r is not None:
+                await r
+
+    while not stop.is_set():
+        try:
+            await consume.read_ordered(
+                js,
+                from_seq=position() + 1,
+                on_batch=checked,
+                stop=stop,
+                batch_max=batch_max,
+                stream=stream,
+            )
+        except (SequenceGap, Gap) as e:
+            await restarted(e)
+            missing = e.expected
+            same_gap = same_gap + 1 if missing == last_gap else 1
+            last_gap = missing
+            log.warning("%s: %s; reading again from %d", name, e, position() + 1)
+            if same_gap >= GAP_RETRIES and not await message_exists(js, missing, stream):
+                raise LogHole(missing, stream) from e
+        except nats.errors.ConnectionClosedError:
+            return False
+        except (nats.errors.Error, TimeoutError) as e:
+            # The broker went away or restarted: read again from where we are.
+            log.warning("%s: read failed (%s); retrying", name, e)
+            await restarted(e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+    return True
+
+
+def _batch_span(batch: list[Delivery], group: str, stream: str):  # type: ignore[no-untyped-def]
+    """One CONSUMER span for a folded batch, linked to the producers of its messages."""
+    links = []
+    for d in batch:
+        sc = tracing.span_context_of(tracing.extract(d.headers)) if d.headers else None
+        if sc is not None:
+            links.append(trace.Link(sc))
+            if len(links) >= MAX_LINKS:
+                break
+    return tracing.tracer().start_as_current_span(
+        f"process {batch[0].subject if len(batch) == 1 else 'batch'}",
+        kind=trace.SpanKind.CONSUMER,
+        links=links,
+        attributes={
+            "messaging.system": tracing.SYSTEM,
+            "messaging.destination.name": stream,
+            "messaging.consumer.group.name": group,
+            "messaging.operation.type": "process",
+            "messaging.batch.message_count": len(batch),
+            "messaging.nats.stream.sequence": batch[-1].seq,
+        },
+    )

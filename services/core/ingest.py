@@ -1,0 +1,165 @@
+"""Ingest: one raw message of the log into a view, the one step every reader runs.
+
+Used by the projector (`services.projector.service`, with its `Committer`), the
+in-memory followers (`services.follower`), replay (its sources decode with
+`decode_checked`, `rebuild` folds with `Ingest.event`), `replay.subscribe` and the agent
+reading its own node's log. So a dashboard, a scheduler and the SQLite view decode,
+check and fold a message the same way, and agree on what was dead-lettered and what was
+rejected. Pure: no I/O, no clock.
+
+It must not read the log or publish: a caller hands it messages in order (`services.bus
+.follow` does the reading) and publishes the dead letters it collected.
+
+Rules for a message (seq, subject, bytes):
+- with `strict`, it must follow the last one folded (seq = view.seq + 1), else `Gap`,
+  nothing applied;
+- bytes that do not decode, or an event that does not belong on its subject
+  (`subjects.check`), are dead letters: kept in `touched.dead` with the reason, not
+  folded, but the view's seq moves past them;
+- anything else is folded by its row of `fold.RULES`; what it changed is marked in
+  `touched`, a rejection kept in `touched.rejections`, a decision in `touched.decisions`
+  (every one, where the view keeps only the recent ones).
+"""
+
+from __future__ import annotations
+
+from schemas import codec, subjects
+from schemas import events as ev
+from schemas.errors import EventDecodeError
+from services.core import fold
+from services.core.fold import RULES, Dead, Key, Touched
+from services.core.view import Rejection, View
+
+__all__ = ["Dead", "Gap", "Ingest", "Key", "Touched", "about", "decode_checked", "label"]
+
+
+class Gap(Exception):
+    """A message that does not follow the last one folded: `expected` was due, `got` came."""
+
+    def __init__(self, expected: int, got: int) -> None:
+        self.expected = expected
+        self.got = got
+        super().__init__(f"stream sequence gap: expected {expected}, got {got}")
+
+
+def decode_checked(data: bytes, subject: str, root: str) -> ev.Event | str:
+    """The event a stored message carries, or why it is a dead letter."""
+    try:
+        event = codec.decode(data)
+    except EventDecodeError as e:
+        return str(e)
+    why = subjects.check(event, subject, root)
+    if why is not None:
+        return f"wrong subject for its data: {why}"
+    return event
+
+
+def _node_of(subject: str) -> str | None:
+    parts = subject.split(".")
+    if len(parts) < 3 or parts[1] not in ("node", "cmd"):
+        return None
+    try:
+        return subjects.parse(subject, parts[0]).node
+    except subjects.SubjectError:
+        return None
+
+
+def about(view: View, event: ev.Envelope, subject: str = "") -> set[Key]:
+    """Every entity the event is about or changes, with `view` as it stood before the
+    event was folded (a `node.lost` is about the replicas that were on the node), and
+    whether the fold applies it or not. The node of a node's or a command's subject
+    counts too."""
+    out: set[Key] = set()
+    node = _node_of(subject) if subject else None
+    if node:
+        out.add(("node", node))
+    rule = RULES.get(type(event))
+    if rule is not None:
+        out.update(rule.about(view, event))
+    return out
+
+
+def label(key: Key) -> str:
+    """`replica/r-7`, `model/llama-70b`, `quota`."""
+    kind, name = key
+    return f"{kind}/{name}" if name else kind
+
+
+class Ingest:
+    """A view, the root its subjects are checked against, and what was `touched` since
+    the caller last took it.
+
+    `verdict` is the last message's outcome: its `Rejection`, its `Dead` record, or None
+    when folded. With `keep_about`, `keys` is what the last event was `about`, found
+    before it was folded (a subscriber's keys; off for the projector, which pays per event).
+    """
+
+    __slots__ = ("keep_about", "keys", "root", "strict", "touched", "verdict", "view")
+
+    def __init__(
+        self,
+        view: View | None = None,
+        root: str = subjects.DEFAULT_ROOT,
+        strict: bool = True,
+        *,
+        keep_about: bool = False,
+    ) -> None:
+        self.view = view if view is not None else View()
+        self.root = root
+        self.strict = strict
+        self.keep_about = keep_about
+        self.touched = Touched()
+        self.verdict: Rejection | Dead | None = None
+        self.keys: set[Key] = set()
+
+    @property
+    def seq(self) -> int:
+        return self.view.state.seq
+
+    def raw(self, seq: int, subject: str, data: bytes) -> ev.Event | None:
+        """Ingest one stored message; returns its event, or None for a dead letter."""
+        s = self.view.state
+        if self.strict and seq != s.seq + 1:
+            raise Gap(s.seq + 1, seq)
+        got = decode_checked(data, subject, self.root)
+        if isinstance(got, str):
+            s.seq = seq
+            dead = Dead(seq, subject, got, bytes(data))
+            t = self.touched
+            t.dead.append(dead)
+            t.count += 1
+            self.verdict = dead
+            if self.keep_about:
+                self.keys = set()
+            return None
+        self.event(seq, subject, got)
+        return got
+
+    def event(self, seq: int, subject: str | None, e: ev.Envelope) -> Rejection | None:
+        """Fold an event already decoded and checked (`decode_checked`), marking what it
+        changed; returns its rejection, or None when applied."""
+        view = self.view
+        t = self.touched
+        t.count += 1
+        rule = RULES.get(type(e))
+        if self.keep_about:
+            self.keys = about(view, e, subject or "")
+        before = rule.before(view, e) if rule is not None and rule.before is not None else None
+        rej = fold.apply_rule(view, rule, e, seq, subject)
+        if rej is None:
+            rule.touch(view, e, t, before)  # type: ignore[union-attr]
+        else:
+            t.rejections.append(rej)
+        if rule is not None and rule.decision:
+            decs = view.state.decisions
+            if decs:
+                last = decs[-1]
+                if last.id == e.id and last.seq == seq:
+                    t.decisions.append(last)
+        self.verdict = rej
+        return rej
+
+    def end(self, last_seq: int) -> None:
+        """The reader says it read up to `last_seq`; the view's seq is at least that."""
+        if last_seq > self.view.state.seq:
+            self.view.state.seq = last_seq
