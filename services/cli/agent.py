@@ -193,6 +193,7 @@ async def _run(args: argparse.Namespace) -> int:
         )
     from schemas import names
     from services.agent import Agent, AgentError, SimulatedRuntime, spec
+    from services.agent.agent import inbox_prefix
 
     try:
         names.escape(args.node)
@@ -207,7 +208,9 @@ async def _run(args: argparse.Namespace) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        async with cli.session(args, f"llmgw agent {args.node}") as s:
+        async with cli.session(
+            args, f"llmgw agent {args.node}", inbox_prefix=inbox_prefix(args.node)
+        ) as s:
             agent = Agent(
                 s.nc,
                 s.js,
