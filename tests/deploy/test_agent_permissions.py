@@ -180,6 +180,26 @@ async def test_what_an_agent_needs_is_allowed(
     assert a1.errors == []
 
 
+@pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
+async def test_an_agent_reader_answers_flow_control(
+    env: Env, wire: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long history makes the server ask the reader for flow control (every 16 MiB or
+    so, on $JS.FC.LLMGW.<consumer>.*): the agent's reply must be allowed, or its read
+    stalls."""
+    monkeypatch.setenv("LLMGW_BUS_WIRE", wire)
+    js = env.a1.nc.jetstream()
+    body = b"x" * 900_000
+    acks = [await js.publish(f"llmgw.node.{A1}.replica.r-{i}", body) for i in range(48)]
+    n = 0
+    async for batch in consume.read_range(
+        js, 1, filter_subject=f"llmgw.node.{A1}.>", consumer=reader_name(A1)
+    ):
+        n += len(batch)
+    assert n == len(acks)
+    assert env.a1.errors == []
+
+
 async def test_other_nodes_and_the_operators_subjects_are_refused(env: Env) -> None:
     a1 = env.a1
     for subject in [
