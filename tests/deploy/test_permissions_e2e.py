@@ -181,6 +181,7 @@ def test_cluster_converges_and_preempts_under_the_shipped_permissions(
             f"agent/{n}" for n in NODES
         }
         procs.check_alive()
+        procs.stop_all()  # while the broker is still there: a clean stop, quickly
 
     # Nobody was refused anything, but for one thing a viewer may not do: delete a
     # consumer. Its readers' consumers (llmgw_<random>) expire on their own instead.
