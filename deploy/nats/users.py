@@ -28,11 +28,7 @@ def agent_user(node: str, password: str | None = None) -> str:
     """The user entry of the agent of `node`, from agent.conf.in."""
     token = escape(node)
     pw = password if password is not None else f"change-me-{token}"
-    return (
-        TEMPLATE.read_text()
-        .replace('"@PASSWORD@"', json.dumps(pw))
-        .replace("@NODE@", token)
-    )
+    return TEMPLATE.read_text().replace('"@PASSWORD@"', json.dumps(pw)).replace("@NODE@", token)
 
 
 def render(
