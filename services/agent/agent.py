@@ -76,6 +76,17 @@ def durable_name(node: str) -> str:
     return f"agent-{names.escape(node)}"
 
 
+def reader_name(node: str) -> str:
+    """The one consumer name the agent reads its own history from the log with, so that
+    permissions can allow it that name and no other (deploy/nats/permissions.conf)."""
+    return f"agentlog-{names.escape(node)}"
+
+
+def inbox_prefix(node: str) -> str:
+    """The agent's inbox prefix: its replies arrive under it, and nobody else's do."""
+    return f"_INBOX_{names.escape(node)}"
+
+
 @dataclass(eq=False)
 class _Replica:
     """What the agent knows of one of its replicas: the last state it said, and the
@@ -147,6 +158,7 @@ class Agent:
         self._on_stored = on_stored
         self.source = f"agent/{node}"
         self.durable = durable_name(node)
+        self.reader = reader_name(node)
         self._rng = rng or random.Random()
         self._publisher = Publisher(js, root)
         self._replicas: dict[str, _Replica] = {}
@@ -228,7 +240,9 @@ class Agent:
         projector dead-letters (a report on another node's subject) is not believed."""
         reps: dict[str, _Replica] = {}
         node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
-        async for batch in bus_consume.read_range(self.js, 1, filter_subject=node_subjects):
+        async for batch in bus_consume.read_range(
+            self.js, 1, filter_subject=node_subjects, consumer=self.reader
+        ):
             for d in batch:
                 e = ingest.decode_checked(d.data, d.subject, self.root)
                 if isinstance(e, str):
@@ -245,7 +259,9 @@ class Agent:
         draining = {r.command for r in reps.values() if r.state == "draining"}
         if draining:
             drains = subjects.command_subject(self.node, "drain", self.root)
-            async for batch in bus_consume.read_range(self.js, 1, filter_subject=drains):
+            async for batch in bus_consume.read_range(
+                self.js, 1, filter_subject=drains, consumer=self.reader
+            ):
                 for d in batch:
                     e = ingest.decode_checked(d.data, d.subject, self.root)
                     if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
@@ -398,7 +414,9 @@ class Agent:
         """The last `replica.start` for `replica` sent to this node, from the log."""
         found = None
         starts = subjects.command_subject(self.node, "start", self.root)
-        async for batch in bus_consume.read_range(self.js, 1, filter_subject=starts):
+        async for batch in bus_consume.read_range(
+            self.js, 1, filter_subject=starts, consumer=self.reader
+        ):
             for d in batch:
                 e = ingest.decode_checked(d.data, d.subject, self.root)
                 if isinstance(e, ev.ReplicaStartEvent) and e.data.replica == replica:

@@ -441,6 +441,7 @@ class _OrderedReader:
         to_end: bool,
         stop: asyncio.Event | None,
         batch_max: int,
+        consumer: str | None = None,
     ) -> None:
         self.js = js
         self.from_seq = max(1, from_seq)
@@ -450,6 +451,7 @@ class _OrderedReader:
         self.to_end = to_end
         self.stop = stop
         self.batch_max = batch_max
+        self.name = consumer
         self._buf: list[Msg] = []
         self._wake = asyncio.Event()
         self.last_seq = self.from_seq - 1
@@ -477,7 +479,12 @@ class _OrderedReader:
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.from_seq,
+            name=self.name,
         )
+        if self.name:
+            # A consumer's start cannot be changed: one a dead reader left goes first.
+            with contextlib.suppress(nats.errors.Error):
+                await self.js.delete_consumer(self.stream, self.name)
         sub = await self.js.subscribe(
             self.filter_subject or ">",
             stream=self.stream,
@@ -514,6 +521,9 @@ class _OrderedReader:
                 stopper.cancel()
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+            if self.name:
+                with contextlib.suppress(nats.errors.Error):
+                    await self.js.delete_consumer(self.stream, self.name)
 
     def _check(self, msgs: list[Msg]) -> list[Delivery]:
         out: list[Delivery] = []
@@ -560,6 +570,7 @@ def _reader(
     to_end: bool,
     stop: asyncio.Event | None,
     batch_max: int,
+    consumer: str | None = None,
 ) -> _OrderedReader | wire.WireOrderedReader:
     """The wire reader (`services.bus.wire`) unless $LLMGW_BUS_WIRE=0 or the connection
     uses what it does not speak (TLS, nkeys, credentials); else the nats-py reader."""
@@ -571,6 +582,7 @@ def _reader(
         to_end=to_end,
         stop=stop,
         batch_max=batch_max,
+        consumer=consumer,
     )
     if wire.enabled():
         try:
@@ -624,9 +636,14 @@ async def read_range(
     filter_subject: str | None = None,
     batch_max: int = BATCH_MAX,
     stream: str = subjects.STREAM,
+    consumer: str | None = None,
 ) -> AsyncIterator[list[Delivery]]:
     """Batches of messages from `from_seq` to `until_seq`, or to the end of the stream as it
-    is when each message is sent; then it stops. For export and replay."""
+    is when each message is sent; then it stops. For export and replay.
+
+    `consumer` names the reader's consumer, for a reader whose permissions allow it one
+    name only (an agent: `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`); one reader
+    at a time per name. Without it each reader's consumer gets a name of its own."""
     reader = _reader(
         js,
         from_seq=from_seq,
@@ -636,6 +653,7 @@ async def read_range(
         to_end=True,
         stop=None,
         batch_max=batch_max,
+        consumer=consumer,
     )
     # Closed here, not when collected: the wire reader holds a connection.
     async with contextlib.aclosing(reader.batches()) as batches:

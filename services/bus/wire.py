@@ -109,7 +109,7 @@ class WireConnection(asyncio.Protocol):
     replies to requests resolve their futures. Parsing runs in `data_received`, many
     frames per read."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, inbox_prefix: str = "_INBOX") -> None:
         self.name = name
         self.frames: list[Frame] = []
         self.closed = False
@@ -119,17 +119,23 @@ class WireConnection(asyncio.Protocol):
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._handshake = True
         self._auth: dict[str, str] = {}
-        self._inbox = "_INBOX." + secrets.token_hex(11)
+        self._inbox = f"{inbox_prefix}.{secrets.token_hex(11)}"
         self._req_ids = itertools.count(1)
         self._sids = itertools.count(2)
         self._requests: dict[bytes, asyncio.Future[tuple[bytes | None, bytes]]] = {}
 
     @classmethod
     async def open(
-        cls, host: str, port: int, auth: dict[str, str], name: str, timeout_s: float = 2.0
+        cls,
+        host: str,
+        port: int,
+        auth: dict[str, str],
+        name: str,
+        timeout_s: float = 2.0,
+        inbox_prefix: str = "_INBOX",
     ) -> WireConnection:
         loop = asyncio.get_running_loop()
-        conn = cls(name)
+        conn = cls(name, inbox_prefix)
         conn._auth = auth
         async with asyncio.timeout(timeout_s):
             await loop.create_connection(lambda: conn, host, port)
@@ -345,6 +351,7 @@ class WireOrderedReader:
         stop: asyncio.Event | None,
         batch_max: int,
         idle_heartbeat_s: float,
+        consumer: str | None = None,
     ) -> None:
         self.js = js
         self.from_seq = max(1, from_seq)
@@ -358,6 +365,10 @@ class WireOrderedReader:
         self.last_seq = self.from_seq - 1
         self.prefix: str = getattr(js, "_prefix", "$JS.API")
         self.host, self.port, self.auth = target_of(js._nc)
+        # The connection's inbox prefix and, for a reader confined by permissions (an
+        # agent), its one consumer name: see `consume.read_range`.
+        self.inbox = bytes(getattr(js._nc, "_inbox_prefix", b"_INBOX")).decode()
+        self.name = consumer
         self.resets = 0  # consumers recreated after a gap, a missed heartbeat or a reconnect
         self._conn: WireConnection | None = None
         self._sid = b""
@@ -372,7 +383,9 @@ class WireOrderedReader:
         """A fresh connection, retried until it works or `stop` is set."""
         while True:
             try:
-                return await WireConnection.open(self.host, self.port, self.auth, "llmgw-reader")
+                return await WireConnection.open(
+                    self.host, self.port, self.auth, "llmgw-reader", inbox_prefix=self.inbox
+                )
             except Unsupported:
                 raise
             except (OSError, TimeoutError, ConnectionError) as e:
@@ -390,9 +403,9 @@ class WireOrderedReader:
                 conn = self._conn = await self._connect()
             if self._sid:
                 conn.unsubscribe(self._sid)
-            deliver = f"_INBOX.{secrets.token_hex(11)}"
+            deliver = f"{self.inbox}.{secrets.token_hex(11)}"
             self._sid = conn.subscribe(deliver)
-            self._consumer = "llmgw_" + secrets.token_hex(8)
+            self._consumer = self.name or "llmgw_" + secrets.token_hex(8)
             self._last_dseq = 0
             config: dict[str, Any] = {
                 "name": self._consumer,
@@ -408,11 +421,21 @@ class WireOrderedReader:
                 "num_replicas": 1,
                 "mem_storage": True,
             }
+            subject = f"{self.prefix}.CONSUMER.CREATE.{self.stream}.{self._consumer}"
             if self.filter_subject and self.filter_subject != ">":
                 config["filter_subject"] = self.filter_subject
+                # The filtered create subject, so that permissions can confine the filter.
+                subject += f".{self.filter_subject}"
             body = _enc.encode({"stream_name": self.stream, "config": config})
-            subject = f"{self.prefix}.CONSUMER.CREATE.{self.stream}.{self._consumer}"
             try:
+                if self.name:
+                    # A named reader's consumer may be left from a reader that died: a
+                    # consumer's start cannot be changed, so it goes first.
+                    await conn.request(
+                        f"{self.prefix}.CONSUMER.DELETE.{self.stream}.{self.name}",
+                        b"",
+                        REQUEST_TIMEOUT_S,
+                    )
                 resp = _json.decode(await conn.request(subject, body, REQUEST_TIMEOUT_S))
             except (ApiError, ConnectionError) as e:
                 if self._stopped():
@@ -495,6 +518,7 @@ class WireOrderedReader:
                     to_end=self.to_end,
                     stop=self.stop,
                     batch_max=self.batch_max,
+                    consumer=self.name,
                 )
                 async for batch in fallback.batches():
                     self.last_seq = fallback.last_seq

@@ -191,6 +191,7 @@ async def _run(args: argparse.Namespace) -> int:
         )
     from schemas import names
     from services.agent import Agent, AgentError, SimulatedRuntime, spec
+    from services.agent.agent import inbox_prefix
 
     try:
         names.escape(args.node)
@@ -201,7 +202,9 @@ async def _run(args: argparse.Namespace) -> int:
     runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
 
     async def work(stop: asyncio.Event) -> None:
-        async with cli.session(args, f"llmgw agent {args.node}") as s:
+        async with cli.session(
+            args, f"llmgw agent {args.node}", inbox_prefix=inbox_prefix(args.node)
+        ) as s:
             agent = Agent(
                 s.nc,
                 s.js,

@@ -347,9 +347,12 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]:
+async def session(
+    args: argparse.Namespace, name: str, inbox_prefix: str | None = None
+) -> AsyncIterator[Session]:
     """Connect to the resolved broker as client `name` (e.g. `llmgw events tail`), and
-    always close the connection on the way out."""
+    always close the connection on the way out. `inbox_prefix` replaces `_INBOX` (an
+    agent's replies arrive under a prefix of its own, see deploy/nats/permissions.conf)."""
     from services.bus import connection
     from services.bus.errors import BrokerUnavailable
     from services.bus.urls import public_url
@@ -357,7 +360,8 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Session]
     r = root(args)
     url, recorded_in = _resolve(args)
     try:
-        nc = await connection.connect(url, name)
+        options: dict[str, Any] = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
+        nc = await connection.connect(url, name, **options)
     except BrokerUnavailable as e:
         if recorded_in is None:
             raise

@@ -1,0 +1,171 @@
+"""The shipped nats-server configs (deploy/nats/), rendered for a test and run for real.
+
+Rendering copies the shipped files into a temporary directory and changes only what a
+test must: the store directory, and every address to a free loopback port. The users
+come from the shipped users.py and agent.conf.in, for the test's own nodes. Each
+substitution checks that the text it replaces is there, so a config that changes shape
+fails here rather than being tested half-rendered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "nats"
+NATS_SERVER = str(Path(sys.executable).with_name("nats-server"))
+
+CONTROL_PASSWORD = "change-me-control"
+VIEWER_PASSWORD = "change-me-viewer"
+ROUTE_PASSWORD = "change-me-route"
+
+
+def agent_password(node: str) -> str:
+    return f"change-me-{node}"
+
+
+def users_module() -> ModuleType:
+    """deploy/nats/users.py, the shipped renderer of users.conf."""
+    spec = importlib.util.spec_from_file_location("llmgw_deploy_users", DEPLOY / "users.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sub(text: str, old: str, new: str, *, count: int = 1) -> str:
+    found = text.count(old)
+    assert found == count, f"expected {count} of {old!r} in a shipped config, found {found}"
+    return text.replace(old, new)
+
+
+@dataclass
+class Rendered:
+    conf: Path
+    port: int
+    http_port: int
+    cluster_port: int | None = None
+
+    def url(self, user: str, password: str) -> str:
+        return f"nats://{user}:{password}@127.0.0.1:{self.port}"
+
+
+def render_users(into: Path, nodes: list[str]) -> None:
+    """permissions.conf and agent.conf.in as shipped, users.conf from users.py."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in ("permissions.conf", "agent.conf.in"):
+        (into / name).write_text((DEPLOY / name).read_text())
+    (into / "users.conf").write_text(users_module().render(dict.fromkeys(nodes)))
+
+
+def render_single(into: Path, nodes: list[str]) -> Rendered:
+    render_users(into, nodes)
+    port, http = free_port(), free_port()
+    text = (DEPLOY / "single.conf").read_text()
+    text = _sub(text, "listen: 127.0.0.1:4222", f"listen: 127.0.0.1:{port}")
+    text = _sub(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}")
+    text = _sub(text, "store_dir: /var/lib/llmgw/jetstream", f"store_dir: {into / 'js'}")
+    conf = into / "single.conf"
+    conf.write_text(text)
+    return Rendered(conf, port, http)
+
+
+def render_cluster(into: Path, nodes: list[str]) -> list[Rendered]:
+    """The three cluster-N.conf, each in its own directory, routed over loopback."""
+    ports = [(free_port(), free_port(), free_port()) for _ in range(3)]
+    out = []
+    for n in range(1, 4):
+        d = into / f"n{n}"
+        render_users(d, nodes)
+        port, http, cport = ports[n - 1]
+        text = (DEPLOY / f"cluster-{n}.conf").read_text()
+        text = _sub(text, "listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{port}")
+        text = _sub(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}")
+        text = _sub(text, "listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{cport}")
+        text = _sub(text, "store_dir: /var/lib/llmgw/jetstream", f"store_dir: {d / 'js'}")
+        for m in range(1, 4):
+            text = _sub(text, f"@llmgw-{m}:6222", f"@127.0.0.1:{ports[m - 1][2]}")
+        conf = d / f"cluster-{n}.conf"
+        conf.write_text(text)
+        out.append(Rendered(conf, port, http, cport))
+    return out
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, wait_s: float = 15.0) -> None:
+    """Stop a process started with start_new_session, its whole group, for sure."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(wait_s)
+
+
+def monitor(http_port: int, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def wait_for(what: str, cond: Any, within: float = 30.0, every: float = 0.05) -> Any:
+    """Poll `cond()` until it returns something true, or fail saying `what`."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while True:
+        try:
+            last = cond()
+        except (OSError, ValueError) as e:
+            last = e
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+        time.sleep(every)
+
+
+@contextlib.contextmanager
+def server(r: Rendered, log: Path, *, jetstream: bool = True) -> Iterator[subprocess.Popen[Any]]:
+    """nats-server -c r.conf, up (and JetStream ready) before the body runs."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [NATS_SERVER, "-c", str(r.conf)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        path = "/healthz?js-enabled-only=true" if jetstream else "/healthz"
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return monitor(r.http_port, path).get("status") == "ok"
+
+        wait_for(f"nats-server {r.conf.name}", up)
+        yield proc
+    finally:
+        stop(proc)

@@ -1,0 +1,324 @@
+"""An agent's credentials, on a real nats-server running the shipped deploy/nats config:
+what its agent needs works, and everything else is refused by the server.
+
+Refused means the server said so: a permissions violation for that subject arrives
+(nats-py hands it to `error_cb`), and the request that needed it never got an answer, or
+JetStream answered with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.agent.agent import durable_name, inbox_prefix, reader_name
+from services.bus import consume, ensure_streams
+from tests.deploy.natsconf import (
+    CONTROL_PASSWORD,
+    Rendered,
+    agent_password,
+    render_single,
+    server,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+A1, A2 = "gpu-a1", "gpu-a2"
+
+
+@dataclass
+class Conn:
+    nc: Client
+    errors: list[str] = field(default_factory=list)
+
+    def violations(self, subject: str, since: int = 0) -> list[str]:
+        """The server's refusals of `subject` (nats-py lowercases them) after the first
+        `since` errors."""
+        want = f'permissions violation for {{}} to "{subject.lower()}"'
+        return [
+            e
+            for e in self.errors[since:]
+            if any(want.format(kind) in e.lower() for kind in ("publish", "subscription"))
+        ]
+
+
+async def _connect(r: Rendered, user: str, password: str, inbox: str = "_INBOX") -> Conn:
+    c = Conn(nc=Client())
+
+    async def on_error(e: Exception) -> None:
+        c.errors.append(str(e))
+
+    await c.nc.connect(
+        servers=[r.url(user, password)],
+        name=f"test {user}",
+        error_cb=on_error,
+        inbox_prefix=inbox,
+        allow_reconnect=False,
+    )
+    return c
+
+
+@dataclass
+class Env:
+    rendered: Rendered
+    control: Conn
+    a1: Conn
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    r = render_single(tmp_path / "nats", [A1, A2])
+    with server(r, tmp_path / "nats.log"):
+        control = await _connect(r, "control", CONTROL_PASSWORD)
+        a1 = await _connect(r, A1, agent_password(A1), inbox_prefix(A1))
+        try:
+            await ensure_streams(control.nc.jetstream())
+            yield Env(r, control, a1)
+        finally:
+            await a1.nc.close()
+            await control.nc.close()
+
+
+async def _violation(c: Conn, subject: str, since: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while not c.violations(subject, since):
+        assert asyncio.get_running_loop().time() < deadline, (subject, c.errors)
+        await asyncio.sleep(0.01)
+
+
+async def _refused(c: Conn, subject: str, request: Callable[[], Awaitable[Any]]) -> None:
+    """`request` needs `subject`, which the server refuses: the violation arrives, and the
+    request has no answer (it is cancelled once the refusal is in) or failed."""
+    since = len(c.errors)
+    task = asyncio.ensure_future(request())
+    try:
+        await _violation(c, subject, since)
+        await asyncio.sleep(0)
+        if task.done():
+            assert task.exception() is not None, f"{subject}: answered {task.result()!r}"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _publish_refused(c: Conn, subject: str) -> None:
+    since = len(c.errors)
+    await c.nc.publish(subject, b"{}")
+    await c.nc.flush()
+    await _violation(c, subject, since)
+
+
+async def _subscribe_refused(c: Conn, subject: str) -> None:
+    got: list[Any] = []
+
+    async def cb(msg: Any) -> None:
+        got.append(msg)
+
+    since = len(c.errors)
+    sub = await c.nc.subscribe(subject, cb=cb)
+    await c.nc.flush()
+    await _violation(c, subject, since)
+    assert got == []
+    await sub.unsubscribe()
+
+
+def _cmd_consumer(name: str, filt: str) -> ConsumerConfig:
+    return ConsumerConfig(
+        name=name,
+        durable_name=name,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subject=filt,
+    )
+
+
+@pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
+async def test_what_an_agent_needs_is_allowed(
+    env: Env, wire: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_BUS_WIRE", wire)
+    a1 = env.a1
+    js = a1.nc.jetstream()
+    # Its own node's reports, stored.
+    ack = await js.publish(f"llmgw.node.{A1}.inventory", b'{"x":1}')
+    await js.publish(f"llmgw.node.{A1}.replica.r-1", b'{"x":2}')
+    await a1.nc.publish(f"llmgw.heartbeat.{A1}", b"{}")
+    await a1.nc.flush()
+    # Its commands, through its durable consumer, filtered to them.
+    await env.control.nc.jetstream().publish(f"llmgw.cmd.{A1}.replica.start", b"cmd-a1")
+    await env.control.nc.jetstream().publish(f"llmgw.cmd.{A2}.replica.start", b"cmd-a2")
+    durable = durable_name(A1)
+    psub = await js.pull_subscribe(
+        f"llmgw.cmd.{A1}.>",
+        durable=durable,
+        stream="LLMGW",
+        config=_cmd_consumer(durable, f"llmgw.cmd.{A1}.>"),
+    )
+    msgs = await psub.fetch(10, timeout=5)
+    assert [m.data for m in msgs] == [b"cmd-a1"]
+    await msgs[0].ack_sync()
+    # Its own history, through its one reader consumer (the wire reader and nats-py's).
+    seen = []
+    async for batch in consume.read_range(
+        js, 1, filter_subject=f"llmgw.node.{A1}.>", consumer=reader_name(A1)
+    ):
+        seen += [d.seq for d in batch]
+    assert seen == [ack.seq, ack.seq + 1]
+    async for batch in consume.read_range(
+        js, 1, filter_subject=f"llmgw.cmd.{A1}.replica.start", consumer=reader_name(A1)
+    ):
+        assert [d.data for d in batch] == [b"cmd-a1"]
+    assert a1.errors == []
+
+
+@pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
+async def test_an_agent_reader_answers_flow_control(
+    env: Env, wire: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long history makes the server ask the reader for flow control (every 16 MiB or
+    so, on $JS.FC.LLMGW.<consumer>.*): the agent's reply must be allowed, or its read
+    stalls."""
+    monkeypatch.setenv("LLMGW_BUS_WIRE", wire)
+    js = env.a1.nc.jetstream()
+    body = b"x" * 900_000
+    acks = [await js.publish(f"llmgw.node.{A1}.replica.r-{i}", body) for i in range(48)]
+    n = 0
+    async for batch in consume.read_range(
+        js, 1, filter_subject=f"llmgw.node.{A1}.>", consumer=reader_name(A1)
+    ):
+        n += len(batch)
+    assert n == len(acks)
+    assert env.a1.errors == []
+
+
+async def test_other_nodes_and_the_operators_subjects_are_refused(env: Env) -> None:
+    a1 = env.a1
+    for subject in [
+        f"llmgw.node.{A2}.inventory",
+        f"llmgw.node.{A2}.replica.r-1",
+        f"llmgw.heartbeat.{A2}",
+        f"llmgw.node.{A1}.status",  # node.uncordoned (and cordoned, lost): the operator's
+        f"llmgw.cmd.{A1}.replica.start",
+        "llmgw.catalog.scale.chat",
+        "llmgw.preemption.decided.chat",
+        f"llmgw.dlq.{durable_name(A2)}",
+    ]:
+        await _publish_refused(a1, subject)
+    # No command is readable off the bus, its own neither: only through its consumer.
+    for subject in ["llmgw.>", "llmgw.cmd.>", f"llmgw.cmd.{A2}.>", f"llmgw.cmd.{A1}.>"]:
+        await _subscribe_refused(a1, subject)
+    # The stream stored nothing of it.
+    info = await env.control.nc.jetstream().stream_info("LLMGW")
+    assert info.state.messages == 0
+
+
+async def test_consumers_beyond_its_own_filter_are_refused(env: Env) -> None:
+    a1 = env.a1
+    jsm = a1.nc.jetstream()
+    api = "$JS.API.CONSUMER"
+    mine, reader = durable_name(A1), reader_name(A1)
+    cases = [
+        # Its durable, reading everything, or another node's commands.
+        (mine, "llmgw.>"),
+        (mine, f"llmgw.cmd.{A2}.>"),
+        # Its reader, on another node's subjects or the log's decisions.
+        (reader, f"llmgw.node.{A2}.>"),
+        (reader, f"llmgw.cmd.{A2}.replica.start"),
+        (reader, "llmgw.placement.>"),
+        # Another node's durable, or any other name (a control-plane consumer).
+        (durable_name(A2), f"llmgw.cmd.{A1}.>"),
+        ("preemption", f"llmgw.cmd.{A1}.>"),
+    ]
+    for name, filt in cases:
+        subject = f"{api}.CREATE.LLMGW.{name}.{filt}"
+        await _refused(
+            a1,
+            subject,
+            lambda n=name, f=filt: jsm._jsm.add_consumer("LLMGW", _cmd_consumer(n, f)),
+        )
+    # The create subjects whose filter no permission can see: ephemeral, legacy durable.
+    body = json.dumps(
+        {"stream_name": "LLMGW", "config": {"filter_subject": "llmgw.>", "ack_policy": "none"}}
+    ).encode()
+    for subject in [f"{api}.CREATE.LLMGW", f"{api}.DURABLE.CREATE.LLMGW.{mine}"]:
+        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, body, timeout=30))
+    # Its own filter in the subject and another in the body: JetStream refuses it.
+    bad = json.dumps(
+        {
+            "stream_name": "LLMGW",
+            "config": {"name": reader, "filter_subject": "llmgw.>", "ack_policy": "none"},
+        }
+    ).encode()
+    resp = await a1.nc.request(f"{api}.CREATE.LLMGW.{reader}.llmgw.node.{A1}.>", bad, timeout=5)
+    assert "error" in json.loads(resp.data), resp.data
+    # Someone else's consumer: pulled, deleted, looked at, listed.
+    for subject in [
+        f"{api}.MSG.NEXT.LLMGW.{durable_name(A2)}",
+        f"{api}.DELETE.LLMGW.{durable_name(A2)}",
+        f"{api}.DELETE.LLMGW.{mine}",
+        f"{api}.INFO.LLMGW.{durable_name(A2)}",
+        f"{api}.LIST.LLMGW",
+        f"{api}.NAMES.LLMGW",
+        f"$JS.ACK.LLMGW.{durable_name(A2)}.1.1.1.1.1.0",
+    ]:
+        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, b"{}", timeout=30))
+
+
+async def test_inboxes_stream_and_leases_are_refused(env: Env) -> None:
+    a1 = env.a1
+    # Others' inboxes: the control plane's (_INBOX.) and another agent's.
+    for subject in ["_INBOX.>", "_INBOX.abc.*", f"{inbox_prefix(A2)}.>", ">"]:
+        await _subscribe_refused(a1, subject)
+    for subject in ["_INBOX.abc.1", f"{inbox_prefix(A2)}.x.1"]:
+        await _publish_refused(a1, subject)
+    # The stream: delete, purge, update, read any message of it.
+    api = "$JS.API.STREAM"
+    for subject in [
+        f"{api}.DELETE.LLMGW",
+        f"{api}.PURGE.LLMGW",
+        f"{api}.UPDATE.LLMGW",
+        f"{api}.MSG.GET.LLMGW",
+        f"{api}.MSG.DELETE.LLMGW",
+        "$JS.API.DIRECT.GET.LLMGW",
+        f"{api}.DELETE.LLMGW_DLQ",
+    ]:
+        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, b"{}", timeout=30))
+    # The leader leases (KV llmgw_leases): write, watch, read.
+    await _publish_refused(a1, "$KV.llmgw_leases.scheduler")
+    await _subscribe_refused(a1, "$KV.llmgw_leases.>")
+    for subject in [
+        "$JS.API.STREAM.INFO.KV_llmgw_leases",
+        "$JS.API.DIRECT.GET.KV_llmgw_leases.$KV.llmgw_leases.scheduler",
+        "$JS.API.STREAM.PURGE.KV_llmgw_leases",
+    ]:
+        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, b"{}", timeout=30))
+    await _refused(
+        a1,
+        "$JS.API.STREAM.INFO.KV_llmgw_leases",
+        lambda: a1.nc.jetstream().key_value("llmgw_leases"),
+    )
+
+
+async def test_no_credentials_no_connection(env: Env) -> None:
+    for url in [f"nats://127.0.0.1:{env.rendered.port}", env.rendered.url(A1, "wrong")]:
+        nc = Client()
+        try:
+            with pytest.raises((nats.errors.Error, OSError)):
+                await nc.connect(
+                    servers=[url], allow_reconnect=False, connect_timeout=5, error_cb=_quiet
+                )
+        finally:
+            await nc.close()
+
+
+async def _quiet(e: Exception) -> None:
+    pass

@@ -1,0 +1,74 @@
+"""The shipped deploy/nats configs: nats-server accepts each one, users.conf is what
+users.py writes from agent.conf.in, monitoring listens on loopback only, and cluster
+routes authenticate."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.natsconf import DEPLOY, NATS_SERVER, render_cluster, render_single, users_module
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVER_CONFIGS = ["single.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
+
+
+def _check(conf: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [NATS_SERVER, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.parametrize("name", SERVER_CONFIGS)
+def test_nats_server_accepts_every_shipped_config(name: str) -> None:
+    r = _check(DEPLOY / name)
+    assert r.returncode == 0, r.stderr
+    assert "is valid" in r.stdout + r.stderr
+
+
+def test_rendered_configs_are_accepted_too(tmp_path: Path) -> None:
+    nodes = ["gpu-x1", "gpu-x2", "rack/7"]  # a name that needs escaping, too
+    r = _check(render_single(tmp_path / "single", nodes).conf)
+    assert r.returncode == 0, r.stderr
+    for c in render_cluster(tmp_path / "cluster", nodes):
+        r = _check(c.conf)
+        assert r.returncode == 0, r.stderr
+
+
+def test_shipped_users_conf_is_what_users_py_writes() -> None:
+    users = users_module()
+    assert (DEPLOY / "users.conf").read_text() == users.render({"gpu-a1": None, "gpu-a2": None})
+
+
+def test_an_agent_user_names_only_its_own_node() -> None:
+    block = users_module().agent_user("rack/7", "pw")
+    token = "rack~2F7"
+    subjects = re.findall(r'"([^"]*[.>*][^"]*)"', block)
+    assert subjects, block
+    for s in subjects:
+        # Every subject an agent may use carries its node's token (or is the stream info).
+        assert token in s or s == "$JS.API.STREAM.INFO.LLMGW", s
+    assert ">" not in " ".join(s for s in subjects if s.startswith("llmgw."))
+    assert '"_INBOX_rack~2F7.>"' in block and '"_INBOX.>"' not in block
+
+
+@pytest.mark.parametrize("name", SERVER_CONFIGS)
+def test_monitoring_listens_on_loopback_only(name: str) -> None:
+    text = (DEPLOY / name).read_text()
+    http = re.findall(r"^\s*(?:http|https|http_port|monitor_port)\s*[:=]\s*(\S+)", text, re.M)
+    assert http == ["127.0.0.1:8222"]
+
+
+@pytest.mark.parametrize("name", [n for n in SERVER_CONFIGS if n.startswith("cluster")])
+def test_cluster_routes_require_credentials(name: str) -> None:
+    text = (DEPLOY / name).read_text()
+    cluster = text[text.index("cluster {") :]
+    assert re.search(r"authorization\s*{[^}]*user:\s*route[^}]*password:", cluster)
+    routes = re.findall(r"nats-route://\S+", cluster)
+    assert len(routes) == 3
+    for r in routes:
+        assert r.startswith("nats-route://route:change-me-route@"), r
