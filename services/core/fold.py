@@ -184,7 +184,16 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     d = e.data
     reps = view.state.replicas
     r = reps.get(d.replica)
-    shards = d.shards if d.shards else (r.shards if r is not None else ())
+    # Authority: an agent speaks only for replicas recorded on its own node. Once a
+    # replica has a placement, its shards are the placement's, not what a report claims:
+    # otherwise an agent could "move" another node's replica to itself as stopped and
+    # free that node's GPUs for the scheduler to fill again, in a loop.
+    if r is not None and r.shards:
+        if d.shards and d.shards != r.shards:
+            return f"replica {d.replica} is placed on {_where(r.shards)}, not {_where(d.shards)}"
+        shards = r.shards
+    else:
+        shards = d.shards
     if subject is not None and shards:
         node = _subject_node(subject)
         if node is not None and not _has_node(shards, node):
@@ -308,9 +317,24 @@ def _placement_failed(view: View, e: ev.PlacementFailedEvent, subject: str | Non
 
 
 def _replica_start(view: View, e: ev.ReplicaStartEvent, subject: str | None) -> str | None:
-    if e.data.replica not in view.state.replicas:
+    r = view.state.replicas.get(e.data.replica)
+    if r is None:
         return f"start for replica {e.data.replica}, which was never placed"
+    return _off_node_command(subject, r)
+
+
+def _off_node_command(subject: str | None, r: ReplicaRecord) -> str | None:
+    """Why a command on node X's command subject about replica `r` is not X's to carry
+    out: `r` has no shard on X. The agent on X would never see a command meant for the
+    replica's own node, and the first drain's reason would stand for a drain never done."""
+    node = _command_node(subject) if subject is not None else None
+    if node is not None and r.shards and not _has_node(r.shards, node):
+        return f"command on {node}'s subject for replica {r.id}, which is on {_where(r.shards)}"
     return None
+
+
+def _where(shards: tuple[ev.ShardSpec, ...]) -> str:
+    return ",".join(sorted({sh.node for sh in shards})) or "no node"
 
 
 def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> str | None:
@@ -318,6 +342,8 @@ def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> 
     r = view.state.replicas.get(d.replica)
     if r is None:
         return f"drain for unknown replica {d.replica}"
+    if why := _off_node_command(subject, r):
+        return why
     if r.drained_by is not None:
         return None  # already asked; the first reason stands
     r.drained_by, r.drain_reason = e.id, d.reason
@@ -405,6 +431,17 @@ def _subject_node(subject: str) -> str | None:
 
 _MISSING = object()
 _NODE_CACHE_MAX = 1 << 16
+
+
+def _command_node(subject: str) -> str | None:
+    """The node token of a `<root>.cmd.<node>....` subject, unescaped."""
+    parts = subject.split(".", 3)
+    if len(parts) < 3 or parts[1] != "cmd":
+        return None
+    try:
+        return names.unescape(parts[2])
+    except names.TokenError:
+        return None
 
 
 def _subject_node_mismatch(subject: str, node: str) -> str | None:
