@@ -243,6 +243,8 @@ class _Run:
     rebuilt: rebuild.Rebuilt
     where: str
     elapsed_s: float = 0.0
+    offline: bool = False
+    """Read from the stored log of a stopped `llmgw up`: a picture of when it stopped."""
 
 
 async def rebuild_view(
@@ -271,9 +273,11 @@ async def rebuild_view(
                 progress.close()
             _done(progress, got)
             return _Run(got, args.log, progress.elapsed)
+        from services.cli import offline
         from services.cli.events import _event_stream
 
-        async with cli.session(args, f"llmgw {verb}") as s:
+        async with offline.session(args, f"llmgw {verb}") as opened:
+            s = opened.session
             info = await _event_stream(s, create=False)
             st = info.state
             last = st.last_seq if until_seq is None else min(until_seq, st.last_seq)
@@ -286,13 +290,13 @@ async def rebuild_view(
                     watcher=watcher,
                     progress=progress,
                     use_snapshot=use_snapshot,
-                    label=s.url,
+                    label=opened.where,
                     root=s.root,
                 )
             finally:
                 progress.close()
             _done(progress, got)
-            return _Run(got, s.url, progress.elapsed)
+            return _Run(got, opened.where, progress.elapsed, opened.offline)
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
 
