@@ -736,7 +736,8 @@ class Story:
     """Show only the last `tail` timeline entries as text (JSON has them all)."""
 
     def line(self, text: str) -> None:
-        self.lines.append(text)
+        # One entry per printed line, so `--json`'s text is a list of lines, tables too.
+        self.lines.extend(text.split("\n"))
 
     def text(self) -> str:
         entries = self.timeline
