@@ -56,8 +56,11 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Opened]:
 
     explicit = getattr(args, "nats", None) or os.environ.get(cli.ENV_NATS)
     stack = contextlib.AsyncExitStack()
+    cli.root(args)  # a bad --root is the user's mistake, not a broker that is gone
     try:
         s = await stack.enter_async_context(cli.session(args, name))
+    except cli.UsageError:
+        raise
     except (cli.CliError, BrokerUnavailable):
         data = cli.data_dir(args)
         opened = None if explicit or not stored_log(data) else _offline(args, name, data)
