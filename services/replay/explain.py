@@ -108,6 +108,14 @@ class Explainer:
         return self.timeline.name
 
     def before(self, item: Item, view: View) -> None:
+        e = item.event
+        if (
+            self.kind == "model"
+            and isinstance(e, ev.ModelDeclaredEvent)
+            and self.name in e.data.aliases
+        ):
+            # An alias: the timeline is the model's own, from its declaration on.
+            self.timeline.key = ("model", e.data.name)
         self.timeline.before(item, view)
 
     def after(self, item: Item, rejection: Rejection | None, view: View) -> None:

@@ -293,3 +293,17 @@ def test_a_replay_on_a_terminal_ends_with_a_summary_line(
     assert last.endswith("s\n") and last.count("\n") == 1
     code, out, _ = run(capsys, "replay", "--log", str(path), "--db", str(tmp_path / "x.sqlite"))
     assert code == 0 and " in " in out and out.rstrip().endswith("x.sqlite")
+
+
+def test_explain_model_by_an_alias_is_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "2xH100-80GB")
+    s.model("llama-70b", cls="standard", min=1, profiles=["one:1"], aliases=["big"])
+    s.replica("r1", "llama-70b", on=("n1", [0]), ready="-1h")
+    path = s.write(tmp_path / "alias.jsonl")
+    code, out, err = run(capsys, "explain", "model", "big", "--log", str(path))
+    assert code == 0, err
+    assert out.startswith("model llama-70b (standard, owner default): live 1 of 1 desired")
+    assert "model.declared" in out and "placement.decided" in out
