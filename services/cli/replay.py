@@ -27,9 +27,8 @@ from typing import Any
 from services.cli import app as cli
 from services.core.view import View, digest
 from services.replay import diff as replay_diff
-from services.replay import history, rebuild, render
+from services.replay import explain, history, rebuild, render
 from services.replay.errors import ReplayError
-from services.replay.explain import Explainer
 from services.replay.source import Item, Source
 
 # ---------------------------------------------------------------------- registration
@@ -109,11 +108,17 @@ def _register_view(commands: cli.Commands) -> None:
             "The view as the log has it at a moment:\n"
             "  NODES x GPUS  one row per node, one cell per GPU: the replica holding it,\n"
             "                `.` free, `x` unhealthy; lost and cordoned nodes marked\n"
-            "  REPLICAS      by model: state, nodes, ready since, idle, why it is leaving\n"
-            "  HOLDS         models kept from taking room back, until when, for whom"
+            "  REPLICAS      by model: state, nodes, ready since, idle, why it is leaving;\n"
+            "                only those holding GPUs, unless --all (then stopped and\n"
+            "                failed ones too, with what happened to them)\n"
+            "  HOLDS         models kept from taking room back, until when, for whom\n"
+            "A replica id too long for its grid cell is cut with `~` only where what is\n"
+            "left is unique; `llmgw explain replica` takes that prefix. --json lists every\n"
+            "replica, as the view keeps them."
         ),
         epilog=cli.examples(
             "llmgw view",
+            "llmgw view --all                        # stopped and failed replicas too",
             "llmgw view --log incident.jsonl --at 2026-11-29T14:05:00Z",
             "llmgw view --seq 4200 --json | jq '.replicas[] | select(.state==\"draining\")'",
         ),
@@ -121,6 +126,12 @@ def _register_view(commands: cli.Commands) -> None:
     )
     _log_option(p)
     _moment_options(p)
+    p.add_argument(
+        "--all",
+        dest="everything",
+        action="store_true",
+        help="list stopped and failed replicas too, labelled by what happened to them",
+    )
     p.add_argument("--json", action="store_true", help="print the view as one JSON object")
 
 
@@ -150,29 +161,41 @@ def _register_history(commands: cli.Commands) -> None:
 def _register_explain(commands: cli.Commands) -> None:
     p = commands.add(
         "explain",
-        help="why a replica is in its state: the chain back to the decision and its rule",
+        help="why a replica, model or node is as it is: the chain back to the decisions",
         description=(
-            "Follow the events' own causation back from a replica's state to the decision\n"
-            "that put it there, and the rule that decision applied:\n"
+            "replica R: follow the events' own causation back from a replica's state to the\n"
+            "decision that put it there, and the rule that decision applied:\n"
             "  preempted   for which model, the victim tier and what it means, the other\n"
             "              candidates (and those excluded, with why), the placement.failed\n"
             "              that triggered it, the hold on its model\n"
             "  scale_down  the scale.desired that asked for fewer replicas\n"
             "  failed      the reason its agent (or a lost node) gave\n"
             "  placed      the placement decision and its reason\n"
-            "then its timeline."
+            "model M: why it is below desired: live/desired/min/max, its recent failed\n"
+            "  placements with each profile's reason, the preemption decisions for it,\n"
+            "  holds on it or that it caused, and its owner's quota\n"
+            "node N: its GPUs and who holds each, cordoned or lost since when and by whom,\n"
+            "  the replicas recently placed or drained there, its events the fold rejected\n"
+            "then the timeline. NAME may be any unique prefix (a shortened replica id)."
         ),
         epilog=cli.examples(
             "llmgw explain replica r-7",
+            "llmgw explain replica batch-2d2          # a unique prefix is enough",
             "llmgw explain replica r-7 --log incident.jsonl --at 2026-11-29T14:05:00Z",
+            "llmgw explain model llama-70b --seq 4200",
+            "llmgw explain node gpu-a1 --json | jq .gpus",
         ),
         func=_explain,
     )
-    p.add_argument("kind", choices=("replica",), help="what NAME is")
+    p.add_argument("kind", choices=explain.KINDS, help="what NAME is")
     p.add_argument("name", metavar="NAME")
     _log_option(p)
     _moment_options(p)
-    p.add_argument("--json", action="store_true", help="the key facts and the text as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="the key facts, the text's lines and the timeline's entries as JSON",
+    )
 
 
 def _register_diff(commands: cli.Commands) -> None:
@@ -219,6 +242,9 @@ def _register_diff(commands: cli.Commands) -> None:
 class _Run:
     rebuilt: rebuild.Rebuilt
     where: str
+    elapsed_s: float = 0.0
+    offline: bool = False
+    """Read from the stored log of a stopped `llmgw up`: a picture of when it stopped."""
 
 
 async def rebuild_view(
@@ -233,7 +259,7 @@ async def rebuild_view(
     """Fold the chosen log up to the limit, with a progress bar on a terminal."""
     try:
         if args.log:
-            progress = cli.Progress(verb, None)
+            progress = cli.Progress(verb, _bundle_lines(args.log))
             try:
                 got = await rebuild.from_bundle(
                     args.log,
@@ -245,10 +271,13 @@ async def rebuild_view(
                 )
             finally:
                 progress.close()
-            return _Run(got, args.log)
+            _done(progress, got)
+            return _Run(got, args.log, progress.elapsed)
+        from services.cli import offline
         from services.cli.events import _event_stream
 
-        async with cli.session(args, f"llmgw {verb}") as s:
+        async with offline.session(args, f"llmgw {verb}") as opened:
+            s = opened.session
             info = await _event_stream(s, create=False)
             st = info.state
             last = st.last_seq if until_seq is None else min(until_seq, st.last_seq)
@@ -261,14 +290,38 @@ async def rebuild_view(
                     watcher=watcher,
                     progress=progress,
                     use_snapshot=use_snapshot,
-                    label=s.url,
+                    label=opened.where,
                     root=s.root,
                 )
             finally:
                 progress.close()
-            return _Run(got, s.url)
+            _done(progress, got)
+            return _Run(got, opened.where, progress.elapsed, opened.offline)
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
+
+
+def _bundle_lines(path: str) -> int | None:
+    """About how many events a bundle holds, for the bar's total: its lines, counted
+    only on a terminal (where the bar shows) and only when the file can be read."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        with open(path, "rb") as fp:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: fp.read(1 << 20), b""))
+    except OSError:
+        return None
+
+
+def _done(progress: cli.Progress, got: rebuild.Rebuilt) -> None:
+    """On a terminal, where the bar was, the one line that says what the replay took."""
+    if progress.enabled:
+        print(f"{cli.PROG}: {replayed(got, progress.elapsed)}", file=sys.stderr)
+
+
+def replayed(got: rebuild.Rebuilt, elapsed_s: float) -> str:
+    """`replayed N events to seq S in T s`."""
+    return f"replayed {got.folded:,} events to seq {got.seq} in {elapsed_s:.1f}s"
 
 
 def _report_skipped(src: Source) -> None:
@@ -332,7 +385,7 @@ async def _replay(args: argparse.Namespace) -> int:
         for leftover in (tmp, f"{tmp}-wal", f"{tmp}-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)
-    print(f"replayed {run.where}: {r.summary()}; wrote {out}")
+    print(f"replayed {run.where}: {r.summary()}; in {run.elapsed_s:.1f}s; wrote {out}")
     _report_skipped(r.source)
     return 0
 
@@ -347,7 +400,7 @@ async def _view(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(render.view_json(v), indent=2))
     else:
-        print(render.view_text(v, f"{run.where}, {_moment_label(args)}"))
+        print(render.view_text(v, f"{run.where}, {_moment_label(args)}", args.everything))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -358,11 +411,12 @@ async def _view(args: argparse.Namespace) -> int:
 async def _history(args: argparse.Namespace) -> int:
     tl = history.Timeline(args.kind, args.name, cli.root(args))
     run = await rebuild_view(args, watcher=tl, verb="reading", **_moment(args))
+    v = run.rebuilt.view
     try:
+        tl.resolve(_known(v, args.kind))
         tl.require()
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
-    v = run.rebuilt.view
     if args.json:
         for entry in tl.entries:
             print(json.dumps(entry.to_json()))
@@ -370,7 +424,7 @@ async def _history(args: argparse.Namespace) -> int:
         rejected = sum(1 for x in tl.entries if x.rejected)
         note = f", {rejected} rejected" if rejected else ""
         print(
-            f"{args.kind} {args.name}: {len(tl.entries)} events{note} "
+            f"{args.kind} {tl.name}: {len(tl.entries)} events{note} "
             f"(view at seq {v.state.seq}, {render.stamp(v.state.time)})"
         )
         print(history.text(tl.entries, v.state.time))
@@ -378,21 +432,28 @@ async def _history(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known(v: View, kind: str) -> set[str]:
+    """The names of that kind the view has, for a prefix or a "did you mean"."""
+    s = v.state
+    if kind == "replica":
+        return set(s.replicas)
+    if kind == "node":
+        return set(s.nodes)
+    return set(s.models) | {r.model for r in s.replicas.values()}
+
+
 # ---------------------------------------------------------------------- explain
 
 
 async def _explain(args: argparse.Namespace) -> int:
-    ex = Explainer(args.name, cli.root(args))
+    ex = explain.Explainer(args.name, cli.root(args), kind=args.kind)
     run = await rebuild_view(args, watcher=ex, verb="reading", **_moment(args))
     try:
         story = ex.story(run.rebuilt.view)
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
     if args.json:
-        doc = dict(story.facts)
-        doc["replica"] = render.replica_json(story.replica, story.now)
-        doc["text"] = story.lines
-        print(json.dumps(doc, indent=2, default=str))
+        print(json.dumps(story.to_json(), indent=2, default=str))
     else:
         print(story.text())
     _report_skipped(run.rebuilt.source)

@@ -411,8 +411,9 @@ async def _status(args: argparse.Namespace) -> int:
             raise cli.UsageError("--watch follows the live log; a bundle (--log) does not change")
         return await _watch(args)
     run = await rebuild_view(args, verb="reading the log")
-    # A bundle is a picture of its last event; the live log is judged at the wall clock.
-    now = None if args.log else datetime.now(UTC)
+    # A bundle, or the log of a stopped plane, is a picture of its last event; the live
+    # log is judged at the wall clock.
+    now = None if args.log or run.offline else datetime.now(UTC)
     print(render_status(args, run.rebuilt.view, run.where, now))
     return 0
 

@@ -44,7 +44,7 @@ def diff(a: View, b: View) -> list[Change]:
     return [
         *_each(sa.nodes, sb.nodes, _node),
         *_each(sa.models, sb.models, _model),
-        *_each(sa.desired, sb.desired, _desired),
+        *_desired(a, b),
         *_each(sa.replicas, sb.replicas, _replica),
         *_each(sa.holds, sb.holds, _hold),
         *_quota(sa.quota, sb.quota),
@@ -100,10 +100,23 @@ def _model(m: str, x: ev.ModelDeclared | None, y: ev.ModelDeclared | None) -> li
     return [Change("model", m, "redeclared", f"{was} -> {now}")]
 
 
-def _desired(m: str, x: int | None, y: int | None) -> list[Change]:
-    if x == y:
-        return []
-    return [Change("desired", m, f"{'-' if x is None else x} -> {'-' if y is None else y}")]
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+def _desired(a: View, b: View) -> Iterator[Change]:
+    """The effective desired count (scale.desired clamped to the model's bounds, else its
+    minimum) on both sides, and what was asked when that changed too: `- -> 2` would
+    hide that the model wanted its minimum of 1 before anyone asked."""
+    sa, sb = a.state, b.state
+    for m in sorted(sa.models.keys() | sb.models.keys() | sa.desired.keys() | sb.desired.keys()):
+        x = a.desired_for(m) if m in sa.models else None
+        y = b.desired_for(m) if m in sb.models else None
+        ax, ay = sa.desired.get(m), sb.desired.get(m)
+        if x == y and ax == ay:
+            continue
+        asked = f"asked {_count(ax)} -> {_count(ay)}" if ax != ay else ""
+        yield Change("desired", m, f"{_count(x)} -> {_count(y)}", asked)
 
 
 # ----------------------------------------------------------------------------- replicas

@@ -1,7 +1,8 @@
-"""Why a replica is in its state: `llmgw explain replica R`.
+"""Why a replica, model or node is as it is: `llmgw explain replica|model|node NAME`.
 
 Called by `services.cli.replay` as a `rebuild.Watcher` over the whole log up to the
-moment asked about, then `story(view)`. It follows the chain the events themselves
+moment asked about, then `story(view)`. A name may be a unique prefix of one (a
+shortened replica id); it is settled against the log once read (`lookup`). It follows the chain the events themselves
 record (a replica's `drained_by` / `placed_by`, each event's `causation`, a
 `preemption.decided`'s `trigger`) back to the decision and the rule that took it, and
 falls back to matching by model and order only where an id is missing. It re-decides
@@ -10,11 +11,13 @@ nothing: every line it prints is something the log says.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import events as ev
 from services.core import preemption
+from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history
 from services.replay.errors import UnknownEntity
@@ -45,6 +48,34 @@ INDEXED = (
 )
 
 
+# RECENT bounds what `explain model` and `explain node` list of each kind (failed
+# placements, decisions, replicas placed, timeline): the latest ones say why now;
+# `llmgw history` has them all.
+RECENT = 5
+TIMELINE_TAIL = 20
+
+KINDS = ("replica", "model", "node")
+
+
+def guarantee_words(tree: quotas.QuotaTree, owner: str) -> str:
+    """Whose guarantee covers an owner, in words: `within lab's guarantee`, or, when the
+    promise is made higher up the tree, `within org's guarantee, inherited by lab`."""
+    levels = [q for q in tree.governing(owner) if q.guarantee.any()]
+    if not levels:
+        return f"{owner} has no guarantee, its own or inherited"
+    first, rest = levels[0], [q.name for q in levels[1:]]
+    words = f"within {first.name}'s guarantee"
+    if first.name != owner:
+        words += f", inherited by {owner}"
+    if rest:
+        words += f" (and within {', '.join(rest)}'s above it)"
+    return words
+
+
+def _gpus_of(a: quotas.Amount | None) -> str:
+    return "-" if a is None else f"{a.gpus} GPUs"
+
+
 def tier_words(tier: int) -> str:
     return f"tier {tier}: {TIER_MEANING.get(tier, 'a tier this tool does not know')}"
 
@@ -57,17 +88,34 @@ def _idle(s: float | None) -> str:
 class Explainer:
     """Collects what `story` needs while the log is folded."""
 
-    replica: str
+    name: str
     root: str = "llmgw"
+    kind: str = "replica"
     timeline: history.Timeline = field(init=False)
     by_id: dict[str, tuple[int, ev.Envelope]] = field(default_factory=dict)
     preemptions: list[tuple[int, ev.PreemptionDecidedEvent]] = field(default_factory=list)
     holds: list[tuple[int, ev.HoldCreatedEvent]] = field(default_factory=list)
+    releases: list[tuple[int, ev.HoldReleasedEvent]] = field(default_factory=list)
+    failures: dict[str, deque[tuple[int, ev.PlacementFailedEvent]]] = field(default_factory=dict)
+    node_marks: dict[tuple[str, str], tuple[int, ev.Envelope]] = field(default_factory=dict)
+    """(node, event type) -> the latest cordon, uncordon or loss of it."""
 
     def __post_init__(self) -> None:
-        self.timeline = history.Timeline("replica", self.replica, self.root)
+        self.timeline = history.Timeline(self.kind, self.name, self.root)
+
+    @property
+    def replica(self) -> str:
+        return self.timeline.name
 
     def before(self, item: Item, view: View) -> None:
+        e = item.event
+        if (
+            self.kind == "model"
+            and isinstance(e, ev.ModelDeclaredEvent)
+            and self.name in e.data.aliases
+        ):
+            # An alias: the timeline is the model's own, from its declaration on.
+            self.timeline.key = ("model", e.data.name)
         self.timeline.before(item, view)
 
     def after(self, item: Item, rejection: Rejection | None, view: View) -> None:
@@ -75,23 +123,45 @@ class Explainer:
         e = item.event
         if isinstance(e, INDEXED):
             self.by_id[e.id] = (item.seq, e)
-        if isinstance(e, ev.PreemptionDecidedEvent) and any(
-            v.replica == self.replica for v in e.data.victims
-        ):
-            self.preemptions.append((item.seq, e))
-        elif isinstance(e, ev.HoldCreatedEvent):
-            self.holds.append((item.seq, e))
+        match e:
+            case ev.PreemptionDecidedEvent():
+                self.preemptions.append((item.seq, e))
+            case ev.HoldCreatedEvent():
+                self.holds.append((item.seq, e))
+            case ev.HoldReleasedEvent():
+                self.releases.append((item.seq, e))
+            case ev.PlacementFailedEvent(data=d):
+                self.failures.setdefault(d.model, deque(maxlen=RECENT)).append((item.seq, e))
+            case (
+                ev.NodeCordonedEvent(data=d)
+                | ev.NodeUncordonedEvent(data=d)
+                | ev.NodeLostEvent(data=d)
+            ):
+                self.node_marks[(d.node, ev.type_of(type(e)))] = (item.seq, e)
+
+    def _victim_of(self, replica: str) -> list[tuple[int, ev.PreemptionDecidedEvent]]:
+        return [
+            (s, d) for s, d in self.preemptions if any(v.replica == replica for v in d.data.victims)
+        ]
 
     # ---------------------------------------------------------------- the story
 
     def story(self, view: View) -> Story:
+        """What the log says about the entity asked for, as of `view`."""
+        if self.kind == "model":
+            return self._model_story(view)
+        if self.kind == "node":
+            return self._node_story(view)
+        self.timeline.resolve(view.state.replicas)
         r = view.state.replicas.get(self.replica)
         if r is None:
-            hint = "; see `llmgw view` for the replicas there are"
-            if self.timeline.entries:
-                hint = " as a replica the view kept (every event about it was rejected); see `llmgw history replica`"
-            raise UnknownEntity("replica", self.replica, hint)
-        st = Story(replica=r, now=view.state.time)
+            raise UnknownEntity(
+                "replica",
+                self.replica,
+                " as a replica the view kept (every event about it was rejected); "
+                "see `llmgw history replica`",
+            )
+        st = Story(kind="replica", name=r.id, now=view.state.time, replica=r)
         decl = view.state.models.get(r.model)
         cls = decl.cls if decl is not None else "undeclared"
         where = "+".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in r.shards) or "no GPUs"
@@ -112,9 +182,7 @@ class Explainer:
             self._failed(st, r)
         else:
             self._placed(st, r)
-        st.line("")
-        st.line("timeline")
-        st.line(history.text(self.timeline.entries, st.now))
+        st.timeline = list(self.timeline.entries)
         return st
 
     def _event(self, ident: str | None) -> tuple[int, ev.Envelope] | None:
@@ -136,9 +204,10 @@ class Explainer:
             got = self._event(drain[1].causation)
             if got is not None and isinstance(got[1], ev.PreemptionDecidedEvent):
                 decision = (got[0], got[1])
-        if decision is None and self.preemptions:
+        named = self._victim_of(r.id)
+        if decision is None and named:
             # No causation on the drain: the latest decision naming this replica a victim.
-            decision = self.preemptions[-1]
+            decision = named[-1]
         for_model = r.preempted_for or (decision[1].data.for_model if decision else "?")
         fdecl = view.state.models.get(for_model)
         fcls = f" ({fdecl.cls})" if fdecl is not None else ""
@@ -162,7 +231,7 @@ class Explainer:
                 st.facts["tier_meaning"] = TIER_MEANING.get(me.tier)
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
             st.line(f"  victims    {victims}")
-            self._considered(st, d.data, r.id)
+            self._considered(st, d.data, r.id, view)
             self._trigger(st, d)
             st.facts["decision"] = d.id
         if drain is not None:
@@ -174,7 +243,7 @@ class Explainer:
             )
         self._hold(st, r, view, decision)
 
-    def _considered(self, st: Story, d: ev.PreemptionDecided, me: str) -> None:
+    def _considered(self, st: Story, d: ev.PreemptionDecided, me: str, view: View) -> None:
         victims = {v.replica for v in d.victims}
         cands = d.candidates
         st.line(f"  considered {max(d.considered, len(cands))} candidates")
@@ -207,11 +276,17 @@ class Explainer:
                 st.line(
                     f"             {x.replica}"
                     + (f" ({x.model})" if x.model else "")
-                    + f": {preemption.WHY.get(x.why, x.why)}"
+                    + f": {self._why_excluded(x, view)}"
                 )
         st.facts["excluded"] = {x.replica: x.why for x in d.excluded}
         for t in d.trials:
             st.line(f"  trial      [{', '.join(t.victims)}] {'fits' if t.fits else 'does not fit'}")
+
+    def _why_excluded(self, x: ev.Excluded, view: View) -> str:
+        if x.why == "guaranteed" and x.model in view.state.models:
+            owner = view.state.models[x.model].owner
+            return f"{guarantee_words(view.quota, owner)}, and the model is another owner's"
+        return preemption.WHY.get(x.why, x.why)
 
     def _trigger(self, st: Story, d: ev.PreemptionDecidedEvent) -> None:
         ident = d.data.trigger or d.causation
@@ -249,17 +324,52 @@ class Explainer:
             return
         seq, h = made[0]
         now = st.now
-        cur = view.state.holds.get(r.model)
-        if cur is not None and cur.created_by == h.id:
-            on = now is not None and view.active_hold(r.model, now) is not None
-            state = "still on" if on else "over"
-        else:
-            state = "released or replaced since"
+        state, release = self.hold_state(seq, h, view)
         st.line(
             f"  hold       {r.model} held for {h.data.for_model} until {stamp(h.data.until)} "
             f"({ago(h.data.until, now)}), {state}; {self._ref(seq, h, now)}"
         )
-        st.facts["hold"] = {"until": stamp(h.data.until), "for_model": h.data.for_model}
+        if release is not None:
+            rs, rel = release
+            st.line(f"  released   {self._ref(rs, rel, now)}: {rel.data.reason}")
+        st.facts["hold"] = {
+            "until": stamp(h.data.until),
+            "for_model": h.data.for_model,
+            "state": state,
+            "released": None
+            if release is None
+            else {
+                "seq": release[0],
+                "time": stamp(release[1].time),
+                "reason": release[1].data.reason,
+            },
+        }
+
+    def hold_state(
+        self, seq: int, h: ev.HoldCreatedEvent, view: View
+    ) -> tuple[str, tuple[int, ev.HoldReleasedEvent] | None]:
+        """Where the hold made at `seq` stands: released (when and why, from the log's
+        `hold.released`), replaced by a later hold, still on, or over by itself."""
+        now = view.state.time
+        m = h.data.model
+        nxt = next((s for s, x in self.holds if s > seq and x.data.model == m), None)
+        rel = next(
+            (
+                (s, x)
+                for s, x in self.releases
+                if s > seq and x.data.model == m and (nxt is None or s < nxt)
+            ),
+            None,
+        )
+        if rel is not None:
+            return f"released {ago(rel[1].time, now)} ({rel[1].data.reason})", rel
+        if nxt is not None:
+            return f"replaced by the hold at seq {nxt}", None
+        cur = view.state.holds.get(m)
+        if cur is not None and cur.created_by == h.id:
+            on = now is not None and view.active_hold(m, now) is not None
+            return ("still on" if on else "over"), None
+        return "no longer in the view", None
 
     def _scaled_down(self, st: Story, r: ReplicaRecord) -> None:
         drain = self._drain(r)
@@ -319,18 +429,341 @@ class Explainer:
             s, ce = cause
             st.line(f"  cause      {self._ref(s, ce, st.now)}")
 
+    # ---------------------------------------------------------------- models
+
+    def _model_story(self, view: View) -> Story:
+        s = view.state
+        known = set(s.models) | {a for m in s.models.values() for a in m.aliases}
+        known |= {r.model for r in s.replicas.values()}
+        name = self.timeline.resolve(known)
+        decl = s.models.get(name)
+        if decl is None:
+            m = view.catalog.resolve(name)
+            if m is not None:
+                name, decl = m.name, s.models.get(m.name)
+                self.timeline.name = name
+        st = Story(kind="model", name=name, now=s.time)
+        live, desired = view.live_count(name), view.desired_for(name)
+        asked = s.desired.get(name)
+        reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
+        if decl is None:
+            st.line(f"model {name} is not declared (removed, or never declared); live {live}")
+        else:
+            st.line(
+                f"model {name} ({decl.cls}, owner {decl.owner}): live {live} of {desired} "
+                f"desired (asked {'-' if asked is None else asked}, min {decl.min}, "
+                f"max {decl.effective_max})"
+            )
+        short = desired - live
+        st.line(
+            f"  {'below desired by ' + str(short) if short > 0 else 'at or above desired'}"
+            + (
+                f"; waiting for {', '.join(view.awaiting(name))} to drain"
+                if view.awaiting(name)
+                else ""
+            )
+        )
+        st.facts.update(
+            live=live,
+            desired=desired,
+            asked=asked,
+            min=None if decl is None else decl.min,
+            max=None if decl is None else decl.effective_max,
+            cls=None if decl is None else decl.cls,
+            owner=None if decl is None else decl.owner,
+            below_by=max(short, 0),
+        )
+        holding = [r for r in reps if r.holds_capacity]
+        if holding:
+            st.line("")
+            st.line("replicas holding GPUs")
+            st.line(
+                table(
+                    ["REPLICA", "STATE", "NODES", "NOTE"],
+                    [[r.id, r.state, ",".join(r.nodes) or "-", _leaving(r)] for r in holding],
+                    "  ",
+                )
+            )
+        st.facts["replicas"] = {r.id: r.state for r in holding}
+        self._model_failures(st, name)
+        self._model_decisions(st, name, view)
+        self._model_holds(st, name, view)
+        if decl is not None:
+            self._model_quota(st, decl.owner, view)
+        st.timeline = list(self.timeline.entries)
+        st.tail = TIMELINE_TAIL
+        return st
+
+    def _model_failures(self, st: Story, name: str) -> None:
+        got = list(self.failures.get(name, ()))
+        st.line("")
+        if not got:
+            st.line("failed placements: none in the log")
+        else:
+            st.line(f"failed placements (the last {len(got)})")
+        out = []
+        for seq, pf in got:
+            d = pf.data
+            st.line(
+                f"  {self._ref(seq, pf, st.now)}: {d.reason}, live {d.live} of {d.desired}, "
+                f"profiles {', '.join(d.profiles) or '-'}"
+            )
+            for prof, why in d.why.items():
+                st.line(f"      {prof}: {why}")
+            out.append(
+                {
+                    "seq": seq,
+                    "id": pf.id,
+                    "time": stamp(pf.time),
+                    "reason": d.reason,
+                    "why": dict(d.why),
+                }
+            )
+        st.facts["failed_placements"] = out
+
+    def _model_decisions(self, st: Story, name: str, view: View) -> None:
+        mine = [(s, d) for s, d in self.preemptions if d.data.for_model == name][-RECENT:]
+        st.line("")
+        st.line(
+            f"preemption decisions for it (the last {len(mine)})"
+            if mine
+            else "preemption decisions for it: none in the log"
+        )
+        for seq, d in mine:
+            victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
+            st.line(
+                f"  {self._ref(seq, d, st.now)}: {d.data.outcome}"
+                + (f"; victims {victims}" if victims else "")
+            )
+            for x in d.data.excluded:
+                if x.why == "guaranteed":
+                    st.line(f"      spared {x.replica}: {self._why_excluded(x, view)}")
+        st.facts["decisions"] = [
+            {
+                "seq": seq,
+                "id": d.id,
+                "outcome": d.data.outcome,
+                "victims": [v.replica for v in d.data.victims],
+            }
+            for seq, d in mine
+        ]
+        taken = [
+            (s, d)
+            for s, d in self.preemptions
+            if d.data.for_model != name and any(v.model == name for v in d.data.victims)
+        ][-RECENT:]
+        if taken:
+            st.line("its replicas taken for other models")
+            for seq, d in taken:
+                vs = ", ".join(v.replica for v in d.data.victims if v.model == name)
+                st.line(f"  {self._ref(seq, d, st.now)}: {vs} for {d.data.for_model}")
+        st.facts["victim_of"] = [d.id for _, d in taken]
+
+    def _model_holds(self, st: Story, name: str, view: View) -> None:
+        on_it = [(s, h) for s, h in self.holds if h.data.model == name][-RECENT:]
+        caused = [(s, h) for s, h in self.holds if h.data.for_model == name][-RECENT:]
+        st.line("")
+        if not on_it and not caused:
+            st.line("holds: none on it and none for it")
+        rows = []
+        for title, got in (("holds on it", on_it), ("holds it caused", caused)):
+            if not got:
+                continue
+            st.line(title)
+            for seq, h in got:
+                state, _ = self.hold_state(seq, h, view)
+                st.line(
+                    f"  {h.data.model} held for {h.data.for_model} until {stamp(h.data.until)}, "
+                    f"{state}; seq {seq}"
+                )
+                rows.append(
+                    {
+                        "seq": seq,
+                        "model": h.data.model,
+                        "for_model": h.data.for_model,
+                        "until": stamp(h.data.until),
+                        "state": state,
+                    }
+                )
+        st.facts["holds"] = rows
+
+    def _model_quota(self, st: Story, owner: str, view: View) -> None:
+        tree = view.quota
+        st.line("")
+        if not len(tree):
+            st.line(f"quota: no quota tree declared; owner {owner} is unlimited")
+            st.facts["quota"] = None
+            return
+        holdings = view.holdings()
+        usage = tree.usage_of(owner, holdings)
+        borrowed = tree.borrowed(holdings)
+        mine = [h for h in holdings if h.owner == owner]
+        st.line(f"quota of {owner}: {guarantee_words(tree, owner)}")
+        rows = []
+        for q in tree.governing(owner):
+            used = usage.get(q.name, quotas.ZERO)
+            rows.append(
+                [
+                    q.name,
+                    _gpus_of(q.guarantee) if q.guarantee.any() else "-",
+                    _gpus_of(q.limit),
+                    _gpus_of(used),
+                ]
+            )
+        st.line(table(["LEVEL", "GUARANTEE", "LIMIT", "USED"], rows, "  "))
+        lent = [h.replica for h in mine if h.replica in borrowed]
+        st.line(
+            f"  {len(lent)} of its {len(mine)} replicas holding GPUs are borrowed (past a guarantee)"
+            + (f": {', '.join(sorted(lent))}" if lent else "")
+        )
+        st.facts["quota"] = {
+            "owner": owner,
+            "guarantee": guarantee_words(tree, owner),
+            "levels": [
+                {"owner": r[0], "guarantee": r[1], "limit": r[2], "used": r[3]} for r in rows
+            ],
+            "borrowed": sorted(lent),
+        }
+
+    # ---------------------------------------------------------------- nodes
+
+    def _node_story(self, view: View) -> Story:
+        s = view.state
+        name = self.timeline.resolve(s.nodes)
+        rec = s.nodes.get(name)
+        st = Story(kind="node", name=name, now=s.time)
+        if rec is None:
+            st.line(f"node {name} is not in the view (it never reported its inventory)")
+            st.timeline = list(self.timeline.entries)
+            st.tail = TIMELINE_TAIL
+            return st
+        flags = [w for w, on in (("LOST", rec.lost), ("cordoned", rec.cordoned)) if on]
+        gpus = sorted(rec.report.gpus, key=lambda g: g.index)
+        st.line(
+            f"node {name}: {len(gpus)} GPUs, "
+            + (", ".join(flags) if flags else "schedulable")
+            + f"; inventory reported {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
+        )
+        marks = []
+        for flag, on, typ in (
+            ("lost", rec.lost, "node.lost"),
+            ("cordoned", rec.cordoned, "node.cordoned"),
+        ):
+            got = self.node_marks.get((name, typ))
+            if on and got is not None:
+                seq, e = got
+                why = f", reason {e.data.reason}" if isinstance(e, ev.NodeLostEvent) else ""
+                st.line(
+                    f"  {flag} since {stamp(e.time)} ({ago(e.time, st.now)}) by {e.source}{why}; seq {seq}"
+                )
+                marks.append({"flag": flag, "seq": seq, "time": stamp(e.time), "by": e.source})
+            elif on:
+                st.line(f"  {flag}; the event that did it is not in the log replayed")
+        st.facts.update(lost=rec.lost, cordoned=rec.cordoned, marks=marks)
+        holders: dict[int, ReplicaRecord] = {}
+        for r in s.replicas.values():
+            if r.holds_capacity:
+                for sh in r.shards:
+                    if sh.node == name:
+                        for g in sh.gpus:
+                            holders[g] = r
+        st.line("")
+        rows = []
+        for gpu in gpus:
+            held = holders.get(gpu.index)
+            rows.append(
+                [
+                    str(gpu.index),
+                    gpu.model,
+                    "yes" if gpu.healthy else "NO",
+                    "-" if held is None else held.id,
+                    "-" if held is None else f"{held.model} {held.state}",
+                ]
+            )
+        st.line(table(["GPU", "MODEL", "HEALTHY", "HELD BY", "AS"], rows, "  ") or "  (no GPUs)")
+        st.facts["gpus"] = [
+            {
+                "index": g.index,
+                "healthy": g.healthy,
+                "replica": holders[g.index].id if g.index in holders else None,
+            }
+            for g in gpus
+        ]
+        entries = self.timeline.entries
+        moves = [
+            e
+            for e in entries
+            if e.type in ("placement.decided", "replica.drain") and not e.rejected
+        ]
+        st.line("")
+        st.line(
+            f"replicas placed or drained here (the last {len(moves[-RECENT:])})"
+            if moves
+            else "replicas placed or drained here: none in the log"
+        )
+        for x in moves[-RECENT:]:
+            st.line(f"  seq {x.seq} {stamp(x.time)} ({ago(x.time, st.now)}) {x.type} {x.summary}")
+        st.facts["moves"] = [x.to_json() for x in moves[-RECENT:]]
+        rejected = [x for x in entries if x.rejected]
+        st.line("")
+        st.line(
+            f"events about it the fold rejected ({len(rejected)}; the last {len(rejected[-RECENT:])})"
+            if rejected
+            else "events about it the fold rejected: none"
+        )
+        for x in rejected[-RECENT:]:
+            st.line(f"  seq {x.seq} {stamp(x.time)} {x.type} {x.summary}: {x.rejected}")
+        st.facts["rejected"] = [x.to_json() for x in rejected[-RECENT:]]
+        st.timeline = list(entries)
+        st.tail = TIMELINE_TAIL
+        return st
+
+
+def _leaving(r: ReplicaRecord) -> str:
+    if r.preempted_for:
+        return f"preempted for {r.preempted_for}"
+    if r.retiring_at is not None:
+        return "retiring (scale down)"
+    if r.drain_reason:
+        return f"draining: {r.drain_reason}"
+    return ""
+
 
 @dataclass
 class Story:
     """What `explain` prints, and its key facts for `--json`."""
 
-    replica: ReplicaRecord
+    kind: str
+    name: str
     now: Any
+    replica: ReplicaRecord | None = None
     lines: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    timeline: list[history.Entry] = field(default_factory=list)
+    tail: int | None = None
+    """Show only the last `tail` timeline entries as text (JSON has them all)."""
 
     def line(self, text: str) -> None:
-        self.lines.append(text)
+        # One entry per printed line, so `--json`'s text is a list of lines, tables too.
+        self.lines.extend(text.split("\n"))
 
     def text(self) -> str:
-        return "\n".join(self.lines)
+        entries = self.timeline
+        head = "timeline"
+        if self.tail is not None and len(entries) > self.tail:
+            head += (
+                f" (the last {self.tail} of {len(entries)} events; "
+                f"`llmgw history {self.kind} {self.name}` has them all)"
+            )
+            entries = entries[-self.tail :]
+        return "\n".join([*self.lines, "", head, history.text(entries, self.now)])
+
+    def to_json(self) -> dict[str, Any]:
+        from services.replay import render
+
+        doc: dict[str, Any] = {"kind": self.kind, "name": self.name, **self.facts}
+        if self.replica is not None:
+            doc["replica"] = render.replica_json(self.replica, self.now)
+        doc["text"] = self.lines
+        doc["timeline"] = [e.to_json() for e in self.timeline]
+        return doc

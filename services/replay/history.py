@@ -8,6 +8,7 @@ shown with the reason it was not applied. It must not change the view.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from schemas import events as ev
 from services.core import ingest
 from services.core.view import Rejection, View
-from services.replay import eventline
+from services.replay import eventline, lookup
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, stamp, table
 from services.replay.source import Item
@@ -52,31 +53,57 @@ def summary_of(item: Item, root: str) -> str:
 
 
 class Timeline:
-    """A watcher collecting every event that touches `(kind, name)`."""
+    """A watcher collecting every event that touches `(kind, name)`.
+
+    It collects for every entity of that kind whose name starts with `name` too, so a
+    prefix a user typed (`batch-2d2`) can be resolved once the log is read
+    (`resolve`); until then `entries` is the exact name's.
+    """
 
     def __init__(self, kind: str, name: str, root: str = "llmgw") -> None:
         self.key = (kind, name)
         self.root = root
-        self.entries: list[Entry] = []
-        self._hit = False
+        self.by_name: dict[str, list[Entry]] = {}
+        self.name = name
+        self._hits: list[str] = []
+
+    @property
+    def entries(self) -> list[Entry]:
+        return self.by_name.get(self.name, [])
 
     def before(self, item: Item, view: View) -> None:
-        self._hit = self.key in ingest.about(view, item.event, item.subject)
+        kind, prefix = self.key
+        self._hits = [
+            n
+            for k, n in ingest.about(view, item.event, item.subject)
+            if k == kind and n.startswith(prefix)
+        ]
 
     def after(self, item: Item, rejection: Rejection | None, view: View) -> None:
-        if not self._hit:
+        if not self._hits:
             return
         e = item.event
-        self.entries.append(
-            Entry(
-                seq=item.seq,
-                time=e.time,
-                type=ev.type_of(type(e)),
-                id=e.id,
-                summary=summary_of(item, self.root),
-                rejected=None if rejection is None else rejection.reason,
-            )
+        entry = Entry(
+            seq=item.seq,
+            time=e.time,
+            type=ev.type_of(type(e)),
+            id=e.id,
+            summary=summary_of(item, self.root),
+            rejected=None if rejection is None else rejection.reason,
         )
+        for n in self._hits:
+            self.by_name.setdefault(n, []).append(entry)
+
+    def resolve(self, known: Iterable[str] = ()) -> str:
+        """Settle which entity the name means (itself, or the one it is a prefix of,
+        among those the log touched and `known`), and return it; raises `Ambiguous` or
+        `UnknownEntity` with a "did you mean" from `known`."""
+        kind, name = self.key
+        pool = set(self.by_name) | set(known)
+        self.name = lookup.resolve(
+            kind, name, pool, f"; see `llmgw view` for the {kind}s there are"
+        )
+        return self.name
 
     def require(self) -> None:
         """`UnknownEntity` when nothing in the log touched the entity."""

@@ -7,14 +7,15 @@ since a view of last Tuesday is read as it stood then, not against today's clock
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 from services.core.view import ReplicaRecord, View, digest
 
 # CELL_MAX bounds a grid cell: past it a replica id is cut with `~` so a node of eight
-# GPUs still fits a terminal line.
+# GPUs still fits a terminal line, but only when what is left is a prefix of that id
+# alone (`llmgw explain replica` takes it); otherwise the ids are shown whole.
 CELL_MAX = 12
 
 FREE = "."
@@ -69,6 +70,21 @@ def _cut(name: str, width: int) -> str:
     return name if len(name) <= width else name[: width - 1] + "~"
 
 
+def cell_width(shown: set[str], every: Iterable[str]) -> int:
+    """The grid's cell width: the longest id shown, at most CELL_MAX, unless cutting one
+    there would leave a prefix another replica shares; then every id is shown whole."""
+    longest = max((len(r) for r in shown), default=1)
+    if longest <= CELL_MAX:
+        return longest
+    others = sorted(set(every) | shown)
+    for r in shown:
+        if len(r) > CELL_MAX:
+            cut = r[: CELL_MAX - 1]
+            if any(o != r and o.startswith(cut) for o in others):
+                return longest
+    return CELL_MAX
+
+
 def gpu_holders(view: View) -> dict[tuple[str, int], str]:
     """(node, gpu index) -> the replica holding it, for replicas that hold capacity."""
     out: dict[tuple[str, int], str] = {}
@@ -86,7 +102,7 @@ def grid(view: View) -> str:
     if not nodes:
         return "  (no nodes)"
     held = gpu_holders(view)
-    width = min(max((len(r) for r in held.values()), default=1), CELL_MAX)
+    width = cell_width(set(held.values()), view.state.replicas)
     name_w = max(len(n) for n in nodes)
     lines = []
     for name in sorted(nodes):
@@ -103,27 +119,43 @@ def grid(view: View) -> str:
 
 
 def _replica_note(r: ReplicaRecord) -> str:
+    """What is happening to it, or, once it holds nothing, what really happened."""
+    if r.state == "failed":
+        return f"failed: {r.reason or 'no reason given'}"
+    if r.state in ("stopped",):
+        if r.preempted_for:
+            why = f"preempted for {r.preempted_for}"
+        elif r.retiring_at is not None or r.drain_reason == "scale_down":
+            why = "scaled down"
+        elif r.drain_reason:
+            why = f"drained: {r.drain_reason}"
+        else:
+            why = r.reason or "reported by its agent"
+        return f"stopped: {why}"
     if r.preempted_for:
         return f"preempted for {r.preempted_for}"
     if r.retiring_at is not None:
         return "retiring (scale down)"
-    if r.state == "failed" and r.reason:
-        return r.reason
     if r.drain_reason:
         return f"drain: {r.drain_reason}"
-    return ""
+    return r.reason or ""
 
 
-def replicas_text(view: View) -> str:
+def shown_replicas(view: View, everything: bool = False) -> list[ReplicaRecord]:
+    """The replicas `view` lists: those holding GPUs, or with `everything` all of them
+    (stopped and failed ones stay in the view, and would crowd a long-lived cluster)."""
+    return [r for r in view.state.replicas.values() if everything or r.holds_capacity]
+
+
+def replicas_text(view: View, everything: bool = False) -> str:
     s = view.state
     now = s.time
-    models = sorted({r.model for r in s.replicas.values()} | set(s.models))
+    shown = shown_replicas(view, everything)
+    models = sorted({r.model for r in shown} | set(s.models))
     out = []
     for m in models:
         decl = s.models.get(m)
-        reps = sorted(
-            (r for r in s.replicas.values() if r.model == m), key=lambda r: (r.created_at, r.id)
-        )
+        reps = sorted((r for r in shown if r.model == m), key=lambda r: (r.created_at, r.id))
         head = f"  {m}"
         if decl is not None:
             head += f"  ({decl.cls}, owner {decl.owner}, min {decl.min} max {decl.effective_max})"
@@ -170,7 +202,7 @@ def holds_text(view: View) -> str:
     return table(["MODEL", "FOR", "UNTIL", "NOW"], rows) or "  (no holds)"
 
 
-def view_text(view: View, label: str = "") -> str:
+def view_text(view: View, label: str = "", everything: bool = False) -> str:
     s = view.state
     head = f"view at seq {s.seq}, time {stamp(s.time)}"
     if label:
@@ -183,8 +215,8 @@ def view_text(view: View, label: str = "") -> str:
         f"NODES x GPUS  ({len(s.nodes)} nodes, {used}/{total} GPUs held; . free, x unhealthy)",
         grid(view),
         "",
-        f"REPLICAS BY MODEL  ({len(s.replicas)} replicas)",
-        replicas_text(view),
+        f"REPLICAS BY MODEL  ({_count_line(view, everything)})",
+        replicas_text(view, everything),
         "",
         "HOLDS",
         holds_text(view),
@@ -192,6 +224,16 @@ def view_text(view: View, label: str = "") -> str:
     if s.rejected:
         parts += ["", f"{s.rejected:,} events rejected by the fold (see `llmgw history`)"]
     return "\n".join(parts)
+
+
+def _count_line(view: View, everything: bool) -> str:
+    total = len(view.state.replicas)
+    holding = sum(1 for r in view.state.replicas.values() if r.holds_capacity)
+    if everything or holding == total:
+        return f"{total} replicas, {holding} holding GPUs"
+    return (
+        f"{holding} holding GPUs; {total - holding} stopped or failed not shown, --all shows them"
+    )
 
 
 def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:

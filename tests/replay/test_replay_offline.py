@@ -173,7 +173,7 @@ def test_diff_shows_what_changed(
     changes = [line.split(None, 2) for line in out.splitlines()[1:]]
     assert ["node", "n2", "ok -> cordoned"] in changes
     assert ["replica", "l2", "ready -> stopped"] in changes
-    assert ["desired", "lab", "- -> 1"] in changes
+    assert ["desired", "lab", "0 -> 1  asked - -> 1"] in changes
     code, out, _ = run(
         capsys,
         "diff",

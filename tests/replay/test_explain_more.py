@@ -1,0 +1,309 @@
+"""`explain` on what it used to get wrong or could not say: prefixes of names, holds the
+log says were released, guarantees inherited from a parent, `--json` timelines, and the
+`explain model` and `explain node` stories; `view`'s ids and its --all; `diff`'s
+effective desired count; the summary line after a replay."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemas import events as ev
+from services import cli
+from services.core.preemption import Config, plan
+from tests.replay.conftest import preemption_story
+from tests.scenario import Scenario
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def long_ids(tmp_path: Path) -> Path:
+    """Replicas whose ids share a long prefix, as generated ids do."""
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "4xH100-80GB")
+    s.model("batch", cls="opportunistic", min=0, max=4, profiles=["one:1"])
+    s.replica("batch-2d2f9c41", "batch", on=("n1", [0]), ready="-1h")
+    s.replica("batch-2d3a7e00", "batch", on=("n1", [1]), ready="-1h")
+    s.replica("batch-77aa01bb", "batch", on=("n1", [2]), ready="-1h")
+    s.at("+1m")
+    s.state("batch-77aa01bb", "failed")
+    return s.write(tmp_path / "ids.jsonl")
+
+
+# ---------------------------------------------------------------- prefixes
+
+
+def test_explain_takes_a_unique_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = long_ids(tmp_path)
+    code, out, err = run(capsys, "explain", "replica", "batch-2d2", "--log", str(path))
+    assert code == 0, err
+    assert out.startswith("replica batch-2d2f9c41 of batch")
+    code, out, err = run(capsys, "history", "replica", "batch-2d3", "--log", str(path))
+    assert code == 0, err
+    assert out.startswith("replica batch-2d3a7e00: ")
+
+
+def test_an_ambiguous_prefix_lists_the_candidates_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = long_ids(tmp_path)
+    code, out, err = run(capsys, "explain", "replica", "batch-2d", "--log", str(path))
+    assert (code, out) == (1, "")
+    assert err == (
+        "llmgw: replica 'batch-2d' is ambiguous: 2 replicas start with it "
+        "(batch-2d2f9c41, batch-2d3a7e00); give more of the name\n"
+    )
+
+
+def test_an_unknown_name_gets_a_did_you_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = long_ids(tmp_path)
+    code, _, err = run(capsys, "explain", "replica", "batch-2d2f9c4l", "--log", str(path))
+    assert code == 1
+    assert err == "llmgw: no replica 'batch-2d2f9c4l' in the log: did you mean `batch-2d2f9c41`?\n"
+    code, _, err = run(capsys, "explain", "node", "n11", "--log", str(path))
+    assert code == 1 and err.count("\n") == 1 and "did you mean `n1`?" in err
+
+
+# ---------------------------------------------------------------- view
+
+
+def test_view_cuts_an_id_only_where_the_rest_is_unique(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = long_ids(tmp_path)
+    code, out, _ = run(capsys, "view", "--log", str(path))
+    assert code == 0
+    n1 = next(line for line in out.splitlines() if line.startswith("  n1 "))
+    # Cut at 11 characters both would read `batch-2d2f9~` and `batch-2d3a7~`: unique, so cut.
+    assert n1.split()[1:] == ["batch-2d2f9~", "batch-2d3a7~", ".", "."]
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "2xH100-80GB")
+    s.model("batch", cls="opportunistic", min=0, max=4, profiles=["one:1"])
+    s.replica("batch-2d2f9c4100", "batch", on=("n1", [0]), ready="-1h")
+    s.replica("batch-2d2f9c4199", "batch", on=("n1", [1]), ready="-1h")
+    code, out, _ = run(capsys, "view", "--log", str(s.write(tmp_path / "same.jsonl")))
+    n1 = next(line for line in out.splitlines() if line.startswith("  n1 "))
+    assert n1.split()[1:] == ["batch-2d2f9c4100", "batch-2d2f9c4199"]
+
+
+def test_view_lists_replicas_holding_gpus_and_all_with_what_happened(
+    cluster_bundle: tuple[Scenario, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, path = cluster_bundle
+    code, out, _ = run(capsys, "view", "--log", str(path))
+    assert code == 0
+    rows = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert rows == {"REPLICA", "c1", "l1"}
+    assert "1 stopped or failed not shown, --all shows them" in out
+    assert "retiring" not in out
+    code, out, _ = run(capsys, "view", "--log", str(path), "--all")
+    l2 = next(line for line in out.splitlines() if line.split()[:1] == ["l2"])
+    assert l2.split()[1] == "stopped" and l2.endswith("stopped: scaled down")
+    code, out, _ = run(capsys, "view", "--log", str(long_ids(tmp_path)), "--all")
+    failed = next(line for line in out.splitlines() if "batch-77aa01bb" in line.split()[:1])
+    assert failed.endswith("failed: no reason given")
+
+
+# ---------------------------------------------------------------- holds, guarantees, json
+
+
+def test_explain_says_when_and_why_a_hold_was_released(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s, facts = preemption_story()
+    s.at("+1m")
+    released = s.emit(ev.HoldReleased(model="lab", reason="satisfied"))
+    path = s.write(tmp_path / "released.jsonl")
+    victim = facts["victims"][0]  # type: ignore[index]
+    code, out, _ = run(capsys, "explain", "replica", victim, "--log", str(path))
+    assert code == 0
+    assert "released or replaced" not in out
+    hold = next(line for line in out.splitlines() if line.startswith("  hold "))
+    assert "released 0s ago (satisfied)" in hold or "released now (satisfied)" in hold
+    rel = next(line for line in out.splitlines() if line.startswith("  released "))
+    assert f"hold.released {released.id}" in rel and rel.endswith(": satisfied")
+    code, out, _ = run(capsys, "explain", "replica", victim, "--log", str(path), "--json")
+    doc = json.loads(out)
+    assert doc["hold"]["released"]["reason"] == "satisfied"
+
+
+def inherited(tmp_path: Path) -> Path:
+    """lab's owner has no guarantee of its own; its parent org does."""
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "1xH100-80GB")
+    s.model("chat", cls="critical", min=1, profiles=["one:1"], owner="team-a")
+    s.model("lab", cls="opportunistic", min=0, profiles=["one:1"], owner="lab-team")
+    s.quota({"org": {"gpus": 4}, "lab-team": {"parent": "org"}})
+    s.replica("l1", "lab", on=("n1", [0]), ready="-3h", used="-2h")
+    failed = s.emit(
+        ev.PlacementFailed(
+            model="chat",
+            profiles=("one",),
+            live=0,
+            desired=1,
+            reason="no_fit",
+            why={"one": "no node has 1 free GPU"},
+        )
+    )
+    d = plan(s.view(), "chat", s.now, Config())
+    assert {x.replica: x.why for x in d.excluded} == {"l1": "guaranteed"}
+    s.emit(d.to_event_data(failed.id))
+    return s.write(tmp_path / "inherited.jsonl")
+
+
+def test_an_inherited_guarantee_is_named_for_whose_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = inherited(tmp_path)
+    code, out, _ = run(capsys, "explain", "model", "chat", "--log", str(path))
+    assert code == 0
+    assert "spared l1: within org's guarantee, inherited by lab-team" in out
+    assert "within lab-team's guarantee" not in out
+    code, out, _ = run(capsys, "explain", "model", "lab", "--log", str(path))
+    assert "quota of lab-team: within org's guarantee, inherited by lab-team" in out
+
+
+def test_explain_json_has_the_timeline_as_entries(
+    preemption_bundle: tuple[Scenario, Path, dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, path, facts = preemption_bundle
+    victim = facts["victims"][0]  # type: ignore[index]
+    code, out, _ = run(capsys, "explain", "replica", victim, "--log", str(path), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert all("\n" not in line for line in doc["text"])
+    assert [e["type"] for e in doc["timeline"]][-3:] == [
+        "replica.drain",
+        "replica.state",
+        "replica.state",
+    ]
+    assert set(doc["timeline"][0]) == {"seq", "time", "type", "id", "summary", "rejected"}
+    assert doc["kind"] == "replica" and doc["name"] == victim
+
+
+# ---------------------------------------------------------------- explain model, node
+
+
+def test_explain_model_says_why_it_is_below_desired(
+    preemption_bundle: tuple[Scenario, Path, dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, path, facts = preemption_bundle
+    code, out, _ = run(capsys, "explain", "model", "crit", "--log", str(path))
+    assert code == 0
+    lines = out.splitlines()
+    assert (
+        lines[0]
+        == "model crit (critical, owner default): live 0 of 1 desired (asked -, min 1, max 1)"
+    )
+    assert lines[1] == "  below desired by 1"
+    assert any("placement.failed" in x and "no_fit, live 0 of 1" in x for x in lines)
+    assert "      two: no node has 2 free GPUs" in lines
+    assert any(f"preemption.decided {facts['decision']}" in x and ": preempted" in x for x in lines)
+    assert any(x.startswith("  lab held for crit until") for x in lines)
+    code, out, _ = run(capsys, "explain", "model", "crit", "--log", str(path), "--json")
+    doc = json.loads(out)
+    assert (doc["live"], doc["desired"], doc["min"], doc["max"], doc["below_by"]) == (0, 1, 1, 1, 1)
+    assert doc["failed_placements"][0]["why"] == {"two": "no node has 2 free GPUs"}
+    assert doc["decisions"][0]["victims"] == facts["victims"]
+    assert doc["holds"][0]["for_model"] == "crit"
+    # --seq: before the placement failed there was nothing to explain but the shortfall.
+    code, out, _ = run(capsys, "explain", "model", "crit", "--log", str(path), "--seq", "5")
+    assert code == 0 and "failed placements: none in the log" in out
+
+
+def test_explain_node_says_who_holds_its_gpus_and_who_cordoned_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "2xH100-80GB")
+    s.model("lab", cls="opportunistic", min=0, profiles=["one:1"])
+    s.replica("l1", "lab", on=("n1", [0]), ready="-1h")
+    s.at("+1m")
+    cordon = s.emit(ev.NodeCordoned(node="n1"))
+    # Its agent's report of a state going backwards: the fold rejects it.
+    s.state("l1", "starting")
+    path = s.write(tmp_path / "node.jsonl")
+    code, out, err = run(capsys, "explain", "node", "n1", "--log", str(path))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("node n1: 2 GPUs, cordoned")
+    assert any(
+        x.startswith("  cordoned since 2026-11-29T14:01:00Z") and f"by {cordon.source}" in x
+        for x in lines
+    )
+    gpu0 = next(x for x in lines if x.split()[:1] == ["0"])
+    assert gpu0.split()[-3:] == ["l1", "lab", "ready"]
+    assert any("placement.decided l1 lab" in x for x in lines)
+    doc = json.loads(run(capsys, "explain", "node", "n1", "--log", str(path), "--json")[1])
+    assert [g["replica"] for g in doc["gpus"]] == ["l1", None]
+    assert doc["cordoned"] is True and doc["marks"][0]["by"] == cordon.source
+    assert len(doc["rejected"]) == 1 and doc["rejected"][0]["rejected"]
+
+
+# ---------------------------------------------------------------- diff, summary
+
+
+def test_diff_prints_the_effective_desired_on_both_sides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.model("chat", cls="critical", min=1, max=4, profiles=["one:1"])
+    before = len(s.events())
+    s.at("+1m")
+    s.scale("chat", 2)
+    path = s.write(tmp_path / "d.jsonl")
+    code, out, _ = run(capsys, "diff", "--log", str(path), "--seq", str(before))
+    assert code == 0
+    assert "  desired  chat  1 -> 2  asked - -> 2" in out.splitlines()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_replay_on_a_terminal_ends_with_a_summary_line(
+    cluster_bundle: tuple[Scenario, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s, path = cluster_bundle
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    code, out, _ = run(capsys, "view", "--log", str(path))
+    assert code == 0
+    last = term.getvalue().rsplit("\r\x1b[K", 1)[-1]
+    n = len(s.events())
+    assert last.startswith(f"llmgw: replayed {n} events to seq {n} in ")
+    assert last.endswith("s\n") and last.count("\n") == 1
+    code, out, _ = run(capsys, "replay", "--log", str(path), "--db", str(tmp_path / "x.sqlite"))
+    assert code == 0 and " in " in out and out.rstrip().endswith("x.sqlite")
+
+
+def test_explain_model_by_an_alias_is_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "2xH100-80GB")
+    s.model("llama-70b", cls="standard", min=1, profiles=["one:1"], aliases=["big"])
+    s.replica("r1", "llama-70b", on=("n1", [0]), ready="-1h")
+    path = s.write(tmp_path / "alias.jsonl")
+    code, out, err = run(capsys, "explain", "model", "big", "--log", str(path))
+    assert code == 0, err
+    assert out.startswith("model llama-70b (standard, owner default): live 1 of 1 desired")
+    assert "model.declared" in out and "placement.decided" in out
