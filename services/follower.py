@@ -151,10 +151,10 @@ class ViewFollower:
         try:
             if on_change is None:
                 for d in batch:
-                    raw(d.seq, d.subject, d.data)
+                    raw(d.seq, d.subject, d.data, d.time_ns)
             else:
                 for d in batch:
-                    event = raw(d.seq, d.subject, d.data)
+                    event = raw(d.seq, d.subject, d.data, d.time_ns)
                     if event is not None:
                         on_change(d.seq, event, step.verdict)  # type: ignore[arg-type]
         finally:

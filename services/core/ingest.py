@@ -23,6 +23,10 @@ Rules for a message (seq, subject, bytes):
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+
 from schemas import codec, subjects
 from schemas import events as ev
 from schemas.errors import EventDecodeError
@@ -42,8 +46,21 @@ class Gap(Exception):
         super().__init__(f"stream sequence gap: expected {expected}, got {got}")
 
 
-def decode_checked(data: bytes, subject: str, root: str) -> ev.Event | str:
-    """The event a stored message carries, or why it is a dead letter."""
+# MAX_SKEW is how far ahead of the broker's clock a producer's `time` may be. Time comes
+# from the log: a producer's claim past the moment the broker stored its message plus this
+# skew is cut back to that bound, so one forged or badly skewed timestamp (9999-12-31)
+# cannot pin the view's clock in the future, stall `--at`, or make every age read
+# thousands of days. Five minutes covers honest hosts whose clocks drift.
+MAX_SKEW = timedelta(minutes=5)
+_MAX_SKEW_NS = int(MAX_SKEW.total_seconds() * 1e9)
+
+
+def decode_checked(data: bytes, subject: str, root: str, stored_ns: int = 0) -> ev.Event | str:
+    """The event a stored message carries, or why it is a dead letter.
+
+    `stored_ns` is when the broker stored the message (ns since the epoch; 0 when not
+    known, as in a bundle): an event claiming a time past it plus MAX_SKEW is given that
+    bound as its time."""
     try:
         event = codec.decode(data)
     except EventDecodeError as e:
@@ -51,6 +68,9 @@ def decode_checked(data: bytes, subject: str, root: str) -> ev.Event | str:
     why = subjects.check(event, subject, root)
     if why is not None:
         return f"wrong subject for its data: {why}"
+    if stored_ns and event.time.timestamp() * 1e9 > stored_ns + _MAX_SKEW_NS:
+        bound = datetime.fromtimestamp((stored_ns + _MAX_SKEW_NS) / 1e9, UTC)
+        event = msgspec.structs.replace(event, time=bound)
     return event
 
 
@@ -116,12 +136,13 @@ class Ingest:
     def seq(self) -> int:
         return self.view.state.seq
 
-    def raw(self, seq: int, subject: str, data: bytes) -> ev.Event | None:
-        """Ingest one stored message; returns its event, or None for a dead letter."""
+    def raw(self, seq: int, subject: str, data: bytes, stored_ns: int = 0) -> ev.Event | None:
+        """Ingest one stored message (stored by the broker at `stored_ns`, 0 when not
+        known); returns its event, or None for a dead letter."""
         s = self.view.state
         if self.strict and seq != s.seq + 1:
             raise Gap(s.seq + 1, seq)
-        got = decode_checked(data, subject, self.root)
+        got = decode_checked(data, subject, self.root, stored_ns)
         if isinstance(got, str):
             s.seq = seq
             dead = Dead(seq, subject, got, bytes(data))

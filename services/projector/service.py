@@ -221,7 +221,7 @@ class Projector:
         every_d, every_s = self.digest_every, self.snapshot_every
         for d in batch:
             seq = d.seq
-            raw(seq, d.subject, d.data)
+            raw(seq, d.subject, d.data, d.time_ns)
             if every_d and seq % every_d == 0:
                 s = folder.view.state
                 self._digests.append(digest_event(seq, digest(s), s.time, self.stream))

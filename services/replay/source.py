@@ -89,18 +89,19 @@ class _Cut:
         self.until_time = until_time
         self.done = False
 
-    def take(self, raw: Iterable[tuple[int, str, bytes]]) -> list[Item]:
+    def take(self, raw: Iterable[tuple[int, str, bytes, int]]) -> list[Item]:
+        """Items of (seq, subject, body, when stored in ns or 0) in order, up to the cut."""
         out: list[Item] = []
         st = self.stats
         until_seq, until_time = self.until_seq, self.until_time
         decode, root = ingest.decode_checked, self.root
-        for seq, subject, data in raw:
+        for seq, subject, data, stored_ns in raw:
             if until_seq is not None and seq > until_seq:
                 self.done = True
                 break
             # Invariant: decoded and checked by the step the projector runs, so what it
             # dead-letters is skipped here, and a replay and the live view agree.
-            event = decode(data, subject, root)
+            event = decode(data, subject, root, stored_ns)
             if isinstance(event, str):
                 st.skip(seq, subject, event)
                 continue
@@ -136,11 +137,11 @@ class BundleSource:
         self._cut = _Cut(self.stats, until_seq, until_time, root)
 
     async def batches(self) -> AsyncIterator[list[Item]]:
-        chunk: list[tuple[int, str, bytes]] = []
+        chunk: list[tuple[int, str, bytes, int]] = []
         for seq, subject, line in records(self.path):
             if seq < self.from_seq:
                 continue
-            chunk.append((seq, subject, line))
+            chunk.append((seq, subject, line, 0))
             if len(chunk) >= BATCH:
                 out = self._cut.take(chunk)
                 chunk = []
@@ -220,7 +221,7 @@ class StreamSource:
         reader: Any = consume.read_range(self.js, self.from_seq, self.until_seq)
         async with contextlib.aclosing(reader):
             async for batch in reader:
-                out = self._cut.take((d.seq, d.subject, d.data) for d in batch)
+                out = self._cut.take((d.seq, d.subject, d.data, d.time_ns) for d in batch)
                 if out:
                     yield out
                 if self._cut.done:

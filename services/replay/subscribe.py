@@ -177,7 +177,7 @@ async def subscribe(
             if isinstance(got, BaseException):
                 raise ReplayError(f"following the stream failed: {got}") from got
             for d in got:
-                event = step.raw(d.seq, d.subject, d.data)
+                event = step.raw(d.seq, d.subject, d.data, d.time_ns)
                 why = None if step.verdict is None else step.verdict.reason
                 if event is None:
                     yield d.seq, Changes(UNDECODABLE, frozenset(), view, rejected=why)

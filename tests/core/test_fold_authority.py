@@ -101,3 +101,31 @@ def test_the_replicas_own_agent_is_heard() -> None:
         is None
     )
     assert log.view.state.replicas["r1"].state == "ready"
+
+
+def test_time_comes_from_the_log_not_the_producers_claim() -> None:
+    from datetime import UTC, datetime
+
+    from schemas import codec, subjects
+    from services.core import ingest
+
+    stored = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    stored_ns = int(stored.timestamp() * 1e9)
+    forged = ev.make(
+        ev.ScaleDesired(model="m", replicas=1),
+        id="x",
+        time=datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC),
+        source="agent/evil",
+    )
+    raw = codec.encode(forged)
+    subject = subjects.subject_for(forged)
+    step = ingest.Ingest()
+    step.raw(1, subject, raw, stored_ns)
+    assert step.view.state.time == stored + ingest.MAX_SKEW
+    # A time within the skew, or one in the past, is the producer's to give.
+    honest = ev.make(ev.ScaleDesired(model="m", replicas=2), id="y", time=stored, source="operator")
+    got = ingest.decode_checked(codec.encode(honest), subject, "llmgw", stored_ns)
+    assert not isinstance(got, str) and got.time == stored
+    # Without a stored time (an old bundle), the claim stands.
+    got = ingest.decode_checked(raw, subject, "llmgw")
+    assert not isinstance(got, str) and got.time.year == 9999
