@@ -101,6 +101,20 @@ class SequenceGap(BusError):
         super().__init__(f"{what} gap: expected {expected}, got {got}")
 
 
+class StreamReplaced(BusError):
+    """The stream a reader was following is not the one there now: deleted and created
+    again, or another cluster's. A view folded from the old one must not read on in the
+    new one (its sequences mean other events): it is rebuilt from the new log."""
+
+    def __init__(self, stream: str, was: str, now: str) -> None:
+        self.stream = stream
+        self.was = was
+        self.now = now
+        super().__init__(
+            f"stream {stream} was replaced (it was created {was}, the one there now {now})"
+        )
+
+
 class LogHole(BusError):
     """Stream message `seq` is gone from the log (deleted), so no view can be folded past
     it. Folding on would build a view no replay agrees with; an operator must restore the

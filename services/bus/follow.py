@@ -31,7 +31,7 @@ from opentelemetry import trace
 from schemas import subjects
 from services.bus import consume, tracing
 from services.bus.consume import Delivery
-from services.bus.errors import LogHole, SequenceGap
+from services.bus.errors import LogHole, SequenceGap, StreamReplaced
 from services.core.ingest import Gap
 
 log = logging.getLogger("llmgw.follow")
@@ -59,6 +59,23 @@ async def message_exists(js: JetStreamContext, seq: int, stream: str = subjects.
     except NotFoundError:
         return False
     return True
+
+
+async def stream_origin(
+    js: JetStreamContext, stream: str = subjects.STREAM
+) -> tuple[str | None, int]:
+    """(When `stream` was created, as the broker says, and its last sequence); (None, 0)
+    when there is no such stream. A stream deleted and created again, or another
+    cluster's, has another origin: sequences of one mean nothing in the other."""
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return None, 0
+    created = info.created
+    last = info.state.last_seq or 0
+    if created is None:
+        return None, last
+    return (created if isinstance(created, str) else created.isoformat()), last
 
 
 async def follow(
@@ -95,7 +112,16 @@ async def follow(
             if r is not None:
                 await r
 
+    origin = await _origin_or_none(js, stream)
+
     async def restarted(e: BaseException) -> None:
+        # Whatever went wrong, the stream may have been replaced meanwhile (deleted and
+        # created again): reading on by sequence would fold another log's events.
+        nonlocal origin
+        now = await _origin_or_none(js, stream)
+        if origin is not None and now is not None and now != origin:
+            raise StreamReplaced(stream, origin, now) from e
+        origin = origin or now
         if restart is not None:
             r = restart(e)
             if r is not None:
@@ -128,6 +154,13 @@ async def follow(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
     return True
+
+
+async def _origin_or_none(js: JetStreamContext, stream: str) -> str | None:
+    try:
+        return (await stream_origin(js, stream))[0]
+    except (nats.errors.Error, TimeoutError):
+        return None  # the broker is away: asked again after the next failure
 
 
 def _batch_span(batch: list[Delivery], group: str, stream: str):  # type: ignore[no-untyped-def]

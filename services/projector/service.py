@@ -28,7 +28,7 @@ from nats.js.client import JetStreamContext
 from schemas import codec, ids, subjects
 from schemas import events as ev
 from services.bus import consume, follow, snapshots
-from services.bus.errors import SequenceGap
+from services.bus.errors import SequenceGap, StreamReplaced
 from services.core.ingest import Gap, Ingest, Touched
 from services.core.view import View, decode_state, digest, encode_state
 from services.projector import store
@@ -136,10 +136,34 @@ class Projector:
                     raise RuntimeError(f"projector stopped at {self.committed}")
                 await self._advanced.wait()
 
-    async def _load(self, db: aiosqlite.Connection) -> None:
-        """(Re)start from the view as committed: whatever was folded past it is dropped."""
+    async def _load(self, db: aiosqlite.Connection, *, rebuild: bool = False) -> None:
+        """(Re)start from the view as committed: whatever was folded past it is dropped.
+        With `rebuild`, or when the stream is not the one the view was folded from, the
+        view starts again empty, from the new log."""
         await self._settle()
         view = await store.load_view(db)
+        origin, last = await follow.stream_origin(self.js, self.stream)
+        kept = await store.read_origin(db)
+        if origin is not None and not rebuild and view.seq:
+            if kept not in (None, origin):
+                why = f"created {origin}, the view's {kept}"
+            elif last < view.seq:
+                why = f"it ends at {last}, the view is at {view.seq}"
+            else:
+                why = ""
+            if why:
+                log.error(
+                    "projector: the stream %s is not the one the view was folded from (%s); "
+                    "rebuilding the view from the new log",
+                    self.stream,
+                    why,
+                )
+                rebuild = True
+        if rebuild:
+            view = View()
+            await store.write_view(db, view)
+        if origin is not None and kept != origin:
+            await store.write_origin(db, self.stream, origin)
         if view.seq == 0 and self.from_snapshot:
             snap = await snapshots.latest_view(self.js)
             if snap is not None:
@@ -182,16 +206,22 @@ class Projector:
         try:
             await self._load(db)
             log.info("projector: view at %d, reading on", self.seq)
-            stopped = await follow.follow(
-                self.js,
-                position=lambda: self.folder.seq,
-                on_batch=self._on_batch,
-                stop=stop,
-                restart=restart,
-                name="projector",
-                batch_max=min(self.batch_max, READ_CHUNK),
-                stream=self.stream,
-            )
+            while True:
+                try:
+                    stopped = await follow.follow(
+                        self.js,
+                        position=lambda: self.folder.seq,
+                        on_batch=self._on_batch,
+                        stop=stop,
+                        restart=restart,
+                        name="projector",
+                        batch_max=min(self.batch_max, READ_CHUNK),
+                        stream=self.stream,
+                    )
+                    break
+                except StreamReplaced as e:
+                    log.error("projector: %s; rebuilding the view from the new log", e)
+                    await self._load(db, rebuild=True)
             # What was folded is committed before the database closes.
             if stopped:
                 await self._flush()

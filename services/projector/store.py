@@ -116,6 +116,9 @@ CREATE TABLE IF NOT EXISTS rejections (
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq INTEGER PRIMARY KEY, subject TEXT NOT NULL, reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS origin (
+    id INTEGER PRIMARY KEY CHECK (id = 1), stream TEXT NOT NULL, created TEXT NOT NULL
+);
 """
 
 
@@ -444,6 +447,19 @@ async def write_view(
     that wants a dump equal to a live projector's passes the history its ingest saw.
     """
     await commit(db, prepare_view(view, decisions=decisions, rejections=rejections, dead=dead))
+
+
+async def read_origin(db: aiosqlite.Connection) -> str | None:
+    """When the stream the view was folded from was created (None: not recorded yet)."""
+    rows = await _all(db, "SELECT created FROM origin WHERE id = 1")
+    return str(rows[0][0]) if rows else None
+
+
+async def write_origin(db: aiosqlite.Connection, stream: str, created: str) -> None:
+    await db.execute(
+        "INSERT OR REPLACE INTO origin (id, stream, created) VALUES (1, ?, ?)", (stream, created)
+    )
+    await db.commit()
 
 
 async def _all(db: aiosqlite.Connection, sql: str) -> list[Any]:
