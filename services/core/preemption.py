@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -70,8 +71,10 @@ WHY: dict[str, str] = {
 }
 
 
-class Config(msgspec.Struct, frozen=True, kw_only=True):
-    """The policy's knobs, with the reference's defaults.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """The policy's knobs, with the reference's defaults (and the help text of their
+    flags, see `services.flags`).
 
     hold_s: how long a model that gave up room is kept from taking it back (the hold
     ends earlier once the model it was given to has what it asked for). Long enough for
@@ -89,10 +92,24 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     reported as not fitting than paid for with half a cluster.
     """
 
-    hold_s: float = 300.0
-    eviction_grace_s: float = 600.0
-    min_lifetime_s: float = 120.0
-    max_victims: int = 3
+    hold_s: float = field(
+        default=300.0,
+        metadata={"help": "how long a model that gave up room is held back"},
+    )
+    eviction_grace_s: float = field(
+        default=600.0,
+        metadata={
+            "flag": "--grace",
+            "help": "idle time after which an on-demand replica is evicted first",
+        },
+    )
+    min_lifetime_s: float = field(
+        default=120.0,
+        metadata={"help": "a replica ready for less than this is never preempted"},
+    )
+    max_victims: int = field(
+        default=3, metadata={"least": 1, "help": "most replicas one placement may stop"}
+    )
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
