@@ -445,13 +445,15 @@ def _candidates(
     """
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
     by_model = _live_by_model(view, m, w.exclude)
+    known = []
     for name in sorted(by_model):
         other = view.catalog.resolve(name)
         if other is None:
             for r in by_model[name]:
                 w.exclude(r, "unknown_model")
         else:
-            w.weigh(name, other, by_model[name])
+            known.append((name, other, by_model[name]))
+    w.weigh(known)
     w.excluded.sort(key=_replica)
     order = sorted(range(len(w.keys)), key=w.keys.__getitem__)
     return tuple([w.out[i] for i in order]), tuple(w.excluded)
@@ -498,6 +500,8 @@ class _Peer:
         "owner_guaranteed",
         "same_owner",
         "same_rank",
+        "tiers",
+        "whys",
     )
 
     def __init__(
@@ -515,6 +519,10 @@ class _Peer:
         # Idle time decides tier 0 only for an on-demand lower class; for the others it
         # is looked up once the replica is known to be a candidate.
         self.idle_decides = self.lower and other.on_demand
+        self.tiers: list[int] = []
+        """The outcomes of the tier rules, by `_tiers`' index."""
+        self.whys: dict[int, tuple[str, str]] = {}
+        """Per untiered index, the exclusion (code, detail) it stands for."""
 
 
 def _class_tier(p: _Peer, idle_past_grace: bool, above_min: bool, below_min: bool) -> int | None:
@@ -567,6 +575,19 @@ def _tiers(p: _Peer, below_min: bool, reclaim: bool) -> list[int]:
     return out
 
 
+def _why_not(
+    p: _Peer, m: catalog.Model, tier: int, above_min: bool, below_min: bool
+) -> tuple[str, str]:
+    """The exclusion rule for a replica no tier rule lets be taken (`tier` is
+    _GUARANTEED or _UNTIERED): within another owner's guarantee, part of a critical
+    minimum, or not of a lower class."""
+    if tier == _GUARANTEED:
+        return "guaranteed", f"within {p.owner}'s guarantee"
+    if p.critical and not above_min:
+        return "critical_minimum", WHY["critical_minimum"]
+    return "not_lower_class", _not_lower(m, p.cls, above_min, below_min)
+
+
 def _young(r: ReplicaRecord, now: datetime, lifetime: float) -> str:
     """The exclusion rule for a replica only now loaded: its detail when it has been
     ready for less than the minimum lifetime, else "". Stopping it throws away a model
@@ -605,7 +626,6 @@ class _Weighing:
         "excluded",
         "keys",
         "m",
-        "not_lower",
         "now",
         "out",
         "peers",
@@ -635,104 +655,100 @@ class _Weighing:
         self.out: list[Candidate] = []
         # Each candidate's `_order` key, built alongside it.
         self.keys: list[tuple[int, float, int, float, str]] = []
-        self.not_lower: dict[tuple[str, bool], str] = {}
-        self.peers: dict[tuple[str, str, bool], tuple[_Peer, list[int]]] = {}
+        self.peers: dict[tuple[str, str, bool], _Peer] = {}
         try:
-            self.settled: datetime | None = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
+            self.settled = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
         except (OverflowError, ValueError):
-            self.settled = None
+            self.settled = datetime.min.replace(tzinfo=now.tzinfo)
 
     def exclude(self, r: ReplicaRecord, why: str, detail: str = "") -> None:
         self.excluded.append(
             Exclusion(replica=r.id, model=r.model, why=why, detail=detail or WHY[why])
         )
 
-    def weigh(self, name: str, other: catalog.Model, reps: list[ReplicaRecord]) -> None:
-        """Weigh the live replicas of model `name` (`other`): each becomes a candidate or
-        an exclusion."""
-        p, tiers = self._peer(other)
-        # Ties in creation time by id, so the same log always marks the same replicas
-        # as above the minimum.
-        reps.sort(key=_newest, reverse=True)
-        above = max(len(reps) - other.min, 0)
+    def weigh(self, models: list[tuple[str, catalog.Model, list[ReplicaRecord]]]) -> None:
+        """Weigh the live replicas of each model (its name, declaration and replicas):
+        each becomes a candidate or an exclusion."""
         now, grace = self.now, self.cfg.eviction_grace_s
         borrowed, all_borrowed = self.borrowed, self.any_guarantee
-        # What stopping one replica frees (size_of), per profile and shape.
-        shaped: dict[tuple[str, int, int], quota.Amount] = {}
         settled, lifetime = self.settled, self.cfg.min_lifetime_s
-        idle_decides, covered, cls, owner = p.idle_decides, p.covered, p.cls, p.owner
-        view, out, keys = self.view, self.out, self.keys
-        for i, r in enumerate(reps):
-            above_min = i < above
-            idle = r.idle_s(now) if idle_decides else None
-            is_borrowed = r.id in borrowed if covered else all_borrowed
-            past_grace = idle is not None and idle >= grace
-            tier = tiers[past_grace * 4 + above_min * 2 + is_borrowed]
-            if tier < 0:
-                self._not_taken(r, p, tier, above_min)
-                continue
-            # Ready at or before `settled`, a replica is at least a second past the
-            # minimum lifetime: only those ready later need the exact age.
-            ready = r.ready_at
-            if ready is not None and (settled is None or ready > settled):
-                young = _young(r, now, lifetime)
-                if young:
-                    self.exclude(r, "young", young)
+        view, out, keys, excluded = self.view, self.out, self.keys, self.excluded
+        for name, other, reps in models:
+            p = self._peer(other)
+            tiers = p.tiers
+            # Ties in creation time by id, so the same log always marks the same replicas
+            # as above the minimum.
+            reps.sort(key=_newest, reverse=True)
+            above = max(len(reps) - other.min, 0)
+            # What stopping one replica frees (size_of), per profile and shape.
+            shaped: dict[tuple[str, int, int], quota.Amount] = {}
+            idle_decides, covered, cls, owner = p.idle_decides, p.covered, p.cls, p.owner
+            for i, r in enumerate(reps):
+                above_min = i < above
+                idle = r.idle_s(now) if idle_decides else None
+                is_borrowed = r.id in borrowed if covered else all_borrowed
+                past_grace = idle is not None and idle >= grace
+                at = past_grace * 4 + above_min * 2 + is_borrowed
+                tier = tiers[at]
+                if tier < 0:
+                    excluded.append(self._untiered(r, p, at, above_min))
                     continue
-            shards = r.shards
-            if len(shards) == 1:
-                node, gpus = shards[0].node, len(shards[0].gpus)
-            elif (where := _where(r)) is not None:
-                node, gpus = where
-            else:
-                self.exclude(r, "multi_node", f"spread over {', '.join(r.nodes)}")
-                continue
-            shape = (r.profile, gpus, len(shards))
-            size = shaped.get(shape)
-            if size is None:
-                size = shaped[shape] = size_of(view, r)
-            if not idle_decides:
-                idle = r.idle_s(now)
-            out.append(
-                Candidate(
-                    replica=r.id,
-                    model=name,
-                    cls=cls,
-                    owner=owner,
-                    tier=tier,
-                    above_min=above_min,
-                    idle_s=idle,
-                    gpus=size.gpus,
-                    cpu_cores=size.cpu_cores,
-                    memory_gb=size.memory_gb,
-                    node=node,
-                    borrowed=is_borrowed,
+                # Ready at or before `settled`, a replica is at least a second past the
+                # minimum lifetime: only those ready later need the exact age.
+                ready = r.ready_at
+                if ready is not None and ready > settled:
+                    young = _young(r, now, lifetime)
+                    if young:
+                        self.exclude(r, "young", young)
+                        continue
+                shards = r.shards
+                if len(shards) == 1:
+                    node, gpus = shards[0].node, len(shards[0].gpus)
+                elif (where := _where(r)) is not None:
+                    node, gpus = where
+                else:
+                    self.exclude(r, "multi_node", f"spread over {', '.join(r.nodes)}")
+                    continue
+                shape = (r.profile, gpus, len(shards))
+                size = shaped.get(shape)
+                if size is None:
+                    size = shaped[shape] = size_of(view, r)
+                if not idle_decides:
+                    idle = r.idle_s(now)
+                out.append(
+                    Candidate(
+                        replica=r.id,
+                        model=name,
+                        cls=cls,
+                        owner=owner,
+                        tier=tier,
+                        above_min=above_min,
+                        idle_s=idle,
+                        gpus=size.gpus,
+                        cpu_cores=size.cpu_cores,
+                        memory_gb=size.memory_gb,
+                        node=node,
+                        borrowed=is_borrowed,
+                    )
                 )
-            )
-            keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
+                keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
 
-    def _peer(self, other: catalog.Model) -> tuple[_Peer, list[int]]:
-        """What the rules read of `other`, and the outcomes of the tier rules for its
+    def _peer(self, other: catalog.Model) -> _Peer:
+        """What the rules read of `other`, with the outcomes of the tier rules for its
         replicas; the same for every model of one class, owner and on-demand flag."""
         key = (other.cls, other.owner, other.on_demand)
-        known = self.peers.get(key)
-        if known is None:
-            p = _Peer(other, self.m, self.any_guarantee, self.view.quota)
-            known = self.peers[key] = (p, _tiers(p, self.below_min, self.reclaim))
-        return known
+        p = self.peers.get(key)
+        if p is None:
+            p = self.peers[key] = _Peer(other, self.m, self.any_guarantee, self.view.quota)
+            p.tiers = _tiers(p, self.below_min, self.reclaim)
+        return p
 
-    def _not_taken(self, r: ReplicaRecord, p: _Peer, why: int, above_min: bool) -> None:
-        """Exclude a replica no tier rule lets be taken, with the rule that says so."""
-        if why == _GUARANTEED:
-            code, detail = "guaranteed", f"within {p.owner}'s guarantee"
-        elif p.critical and not above_min:
-            code, detail = "critical_minimum", WHY["critical_minimum"]
-        else:
-            key = (p.cls, above_min)
-            code, detail = "not_lower_class", self.not_lower.get(key, "")
-            if not detail:
-                detail = self.not_lower[key] = _not_lower(self.m, p.cls, above_min, self.below_min)
-        self.excluded.append(Exclusion(replica=r.id, model=r.model, why=code, detail=detail))
+    def _untiered(self, r: ReplicaRecord, p: _Peer, at: int, above_min: bool) -> Exclusion:
+        """The exclusion of a replica no tier rule lets be taken (`p.tiers[at]`)."""
+        why = p.whys.get(at)
+        if why is None:
+            why = p.whys[at] = _why_not(p, self.m, p.tiers[at], above_min, self.below_min)
+        return Exclusion(replica=r.id, model=r.model, why=why[0], detail=why[1])
 
 
 _newest = operator.attrgetter("created_at", "id")
