@@ -70,9 +70,7 @@ def react(
     `answered` is a decision the log already holds for the trigger's model, stored after
     the trigger: its own (published before a crash) or a later trigger's.
     """
-    # quota_limit and other reasons: the owner is past a limit, which stopping other
-    # replicas cannot lift. Nothing to decide, nothing to record.
-    if trigger.data.reason != "no_fit":
+    if not answers(trigger):
         return Reaction("ignored")
     if answered is not None and answered.data.trigger != trigger.id:
         # A later trigger for the same model was decided on a newer view: that decision
@@ -84,6 +82,13 @@ def react(
     return Reaction(
         "decided", decision_events(trigger, decision, now, drain_grace_s), decision=decision
     )
+
+
+def answers(trigger: ev.PlacementFailedEvent) -> bool:
+    """Whether the policy answers this trigger: only a model that did not fit. For
+    quota_limit and other reasons the owner is past a limit, which stopping other
+    replicas cannot lift: nothing to decide, nothing to record."""
+    return trigger.data.reason == "no_fit"
 
 
 def decision_events(

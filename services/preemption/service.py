@@ -214,7 +214,7 @@ class PreemptionService:
         event = decode_checked(d, self.root)
         if not isinstance(event, ev.PlacementFailedEvent):
             raise Permanent(f"a {subjects.type_tag(event)} on the placement.failed subject")
-        if event.data.reason != "no_fit":
+        if not reaction.answers(event):
             self.stats.ignored += 1
             return
         if not self.is_leader:
