@@ -27,11 +27,10 @@ from services.bus import EmbeddedBroker, connect, ensure_streams, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url
-from services.core import preemption
-from services.preemption.service import Options as PreemptionOptions
+from services.core import preemption, scheduling
+from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
-from services.scheduler.plan import SchedulerConfig
 from services.scheduler.service import Scheduler
 
 log = logging.getLogger("llmgw.up")
@@ -56,8 +55,8 @@ class UpOptions:
     simulate: str | None = None
     """A simulated cluster, e.g. `4x8xH100-80GB`; None: no simulated agents."""
     policy: preemption.Config = field(default_factory=preemption.Config)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    drain_grace_s: float = 30.0
+    scheduler: scheduling.Config = field(default_factory=scheduling.Config)
+    """The scheduler's knobs; its drain grace is the preemption service's too."""
     start_delay_s: float = 0.5
     load_delay_s: float = 2.0
     stop_delay_s: float = 0.5
@@ -198,9 +197,8 @@ async def _serve(
             nc,
             js,
             root=opts.root,
-            config=opts.policy,
+            config=PreemptionConfig(policy=opts.policy, drain_grace_s=opts.scheduler.drain_grace_s),
             holder=f"{me}-preemption",
-            options=PreemptionOptions(drain_grace_s=opts.drain_grace_s),
         )
         db_path = opts.data / DB_FILE
         projector = Projector(js, db_path, opts.root) if opts.projector else None

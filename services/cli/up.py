@@ -10,17 +10,20 @@ from __future__ import annotations
 import argparse
 import os
 
+from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
+from services.core import preemption, scheduling
 
 DEFAULT_PORT = 4222
 
+# UP_SCHEDULER_FLAGS are the scheduler's knobs `llmgw up` offers; the others keep their
+# defaults. The drain grace is the whole control plane's: the preemption service's drains
+# get the same.
+UP_SCHEDULER_FLAGS = ("tick_s", "node_timeout_s", "start_timeout_s", "drain_grace_s")
+
 
 def register(commands: cli.Commands) -> None:
-    from services.core.preemption import Config
-    from services.scheduler.plan import SchedulerConfig
-
-    pol, sch = Config(), SchedulerConfig()
     p = commands.add(
         "up",
         help="run the control plane: broker, scheduler, preemption, projector (+ simulated nodes)",
@@ -59,63 +62,9 @@ def register(commands: cli.Commands) -> None:
     )
     add_simulation_options(g)
     g = p.add_argument_group("preemption policy")
-    g.add_argument(
-        "--hold",
-        type=cli.arg_seconds,
-        default=pol.hold_s,
-        metavar="S",
-        help=f"how long a model that gave up room is held back (default {pol.hold_s:g})",
-    )
-    g.add_argument(
-        "--grace",
-        type=cli.arg_seconds,
-        default=pol.eviction_grace_s,
-        metavar="S",
-        help=f"idle time after which an on-demand replica is evicted first (default {pol.eviction_grace_s:g})",
-    )
-    g.add_argument(
-        "--min-lifetime",
-        type=cli.arg_seconds,
-        default=pol.min_lifetime_s,
-        metavar="S",
-        help=f"a replica ready for less than this is never preempted (default {pol.min_lifetime_s:g})",
-    )
-    g.add_argument(
-        "--max-victims",
-        type=int,
-        default=pol.max_victims,
-        metavar="N",
-        help=f"most replicas one placement may stop (default {pol.max_victims})",
-    )
-    g.add_argument(
-        "--drain-grace",
-        type=cli.arg_seconds,
-        default=30.0,
-        metavar="S",
-        help="grace a drained replica gets to finish its requests (default 30)",
-    )
+    flags.add(g, preemption.Config)
     g = p.add_argument_group("scheduler")
-    g.add_argument(
-        "--tick",
-        type=cli.arg_positive,
-        default=sch.tick_s,
-        metavar="S",
-        help=f"reconcile period (default {sch.tick_s:g})",
-    )
-    g.add_argument(
-        "--node-timeout",
-        type=cli.arg_positive,
-        default=sch.node_timeout_s,
-        metavar="S",
-        help=f"missed heartbeats for this long make a node lost (default {sch.node_timeout_s:g})",
-    )
-    g.add_argument(
-        "--start-timeout",
-        type=cli.arg_positive,
-        default=sch.start_timeout_s,
-        metavar="S",
-        help=f"a placement not starting within this is retried elsewhere (default {sch.start_timeout_s:g})",
-    )
+    flags.add(g, scheduling.Config, only=UP_SCHEDULER_FLAGS)
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
 
 
@@ -135,12 +84,8 @@ def _port(requested: int | None) -> int | None:
 
 async def _up(args: argparse.Namespace) -> int:
     from services.agent import AgentError
-    from services.core.preemption import Config
-    from services.scheduler.plan import SchedulerConfig
     from services.up import UpError, UpOptions, run
 
-    if args.max_victims < 1:
-        raise cli.UsageError("--max-victims: must be at least 1")
     nats_url = getattr(args, "nats", None) or os.environ.get(cli.ENV_NATS) or None
     opts = UpOptions(
         data=cli.data_dir(args),
@@ -148,19 +93,8 @@ async def _up(args: argparse.Namespace) -> int:
         port=None if nats_url else _port(args.port),
         root=cli.root(args),
         simulate=args.simulate,
-        policy=Config(
-            hold_s=args.hold,
-            eviction_grace_s=args.grace,
-            min_lifetime_s=args.min_lifetime,
-            max_victims=args.max_victims,
-        ),
-        scheduler=SchedulerConfig(
-            tick_s=args.tick,
-            node_timeout_s=args.node_timeout,
-            start_timeout_s=args.start_timeout,
-            drain_grace_s=args.drain_grace,
-        ),
-        drain_grace_s=args.drain_grace,
+        policy=flags.build(preemption.Config, args),
+        scheduler=flags.build(scheduling.Config, args),
         start_delay_s=args.start_delay,
         load_delay_s=args.load_delay,
         stop_delay_s=args.stop_delay,

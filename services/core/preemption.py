@@ -33,7 +33,8 @@ worse than not preempting.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -70,8 +71,10 @@ WHY: dict[str, str] = {
 }
 
 
-class Config(msgspec.Struct, frozen=True, kw_only=True):
-    """The policy's knobs, with the reference's defaults.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """The policy's knobs, with the reference's defaults (and the help text of their
+    flags, see `services.flags`).
 
     hold_s: how long a model that gave up room is kept from taking it back (the hold
     ends earlier once the model it was given to has what it asked for). Long enough for
@@ -89,10 +92,24 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     reported as not fitting than paid for with half a cluster.
     """
 
-    hold_s: float = 300.0
-    eviction_grace_s: float = 600.0
-    min_lifetime_s: float = 120.0
-    max_victims: int = 3
+    hold_s: float = field(
+        default=300.0,
+        metadata={"help": "how long a model that gave up room is held back"},
+    )
+    eviction_grace_s: float = field(
+        default=600.0,
+        metadata={
+            "flag": "--grace",
+            "help": "idle time after which an on-demand replica is evicted first",
+        },
+    )
+    min_lifetime_s: float = field(
+        default=120.0,
+        metadata={"help": "a replica ready for less than this is never preempted"},
+    )
+    max_victims: int = field(
+        default=3, metadata={"least": 1, "help": "most replicas one placement may stop"}
+    )
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -331,6 +348,23 @@ def plan(
             **base,
         )
 
+    return _preempt(view, m, now, cfg, profiles, avoided, holdings, usage, base)
+
+
+def _preempt(
+    view: View,
+    m: catalog.Model,
+    now: datetime,
+    cfg: Config,
+    profiles: list[catalog.Profile],
+    avoided: tuple[str, ...],
+    holdings: list[quota.Holding] | None,
+    usage: dict[str, quota.Amount],
+    base: dict[str, Any],
+) -> Decision:
+    """The choice of victims, once m neither fits nor waits: which replicas may go, and
+    the fewest of them, in order, that make room."""
+    tree = view.quota
     # The owner reclaims only if it stays within its guarantee whichever profile the
     # model is placed in: the replica it gets must not itself be borrowed, or the owner
     # it took from could take it straight back.
@@ -409,160 +443,312 @@ def _candidates(
     load, then the same within m's class, then lower classes' minimums; within each, the
     longest unused first.
     """
-    tree = view.quota
-    my_rank = catalog.class_rank(m.cls)
-    # borrowed only matters across owners with a guarantee in play; with no guarantee
-    # anywhere no replica is covered, and no owner can reclaim. `holdings` has every
-    # replica under a guarantee; one of an owner under none is borrowed.
-    any_guarantee = tree.any_guarantee()
-    borrowed = tree.borrowed(holdings) if any_guarantee else set()
-    excluded: list[Exclusion] = []
+    w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
+    by_model = _live_by_model(view, m, w.exclude)
+    known = []
+    for name in sorted(by_model):
+        other = view.catalog.resolve(name)
+        if other is None:
+            for r in by_model[name]:
+                w.exclude(r, "unknown_model")
+        else:
+            known.append((name, other, by_model[name]))
+    w.weigh(known)
+    w.excluded.sort(key=_replica)
+    order = sorted(range(len(w.keys)), key=w.keys.__getitem__)
+    return tuple([w.out[i] for i in order]), tuple(w.excluded)
 
-    def exclude(r: ReplicaRecord, why: str, detail: str = "") -> None:
-        excluded.append(Exclusion(replica=r.id, model=r.model, why=why, detail=detail or WHY[why]))
 
-    # Per model, its live replicas newest first: the newest are the ones above its
-    # minimum.
+def _live_by_model(
+    view: View, m: catalog.Model, exclude: Callable[[ReplicaRecord, str, str], None]
+) -> dict[str, list[ReplicaRecord]]:
+    """Per model, its live replicas; every other replica holding capacity is excluded by
+    the rules that read only its own state (same model, retiring, already preempted,
+    draining)."""
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
     for r in view.state.replicas.values():
         if r.state not in holding:
             continue  # stopped or failed: holds nothing, nothing to weigh
         if r.model == m.name:
-            exclude(r, "same_model")
+            exclude(r, "same_model", "")
         elif r.retiring_at is not None:
-            exclude(r, "retiring")
+            exclude(r, "retiring", "")
         elif r.preempted_for is not None:
             exclude(r, "already_preempted", f"already stopped for {r.preempted_for}")
         elif not r.live:
-            exclude(r, "draining")
+            exclude(r, "draining", "")
         else:
             reps = by_model.get(r.model)
             if reps is None:
                 by_model[r.model] = [r]
             else:
                 reps.append(r)
+    return by_model
 
-    # Each candidate with its `_order` key, built alongside it.
-    out: list[Candidate] = []
-    keys: list[tuple[int, float, int, float, str]] = []
-    not_lower: dict[tuple[str, bool], str] = {}
-    grace, lifetime = cfg.eviction_grace_s, cfg.min_lifetime_s
-    # Ready at or before `settled`, a replica is at least a second past the minimum
-    # lifetime: only those ready later need the exact age.
-    settled: datetime | None
-    try:
-        settled = now - timedelta(seconds=lifetime + 1.0)
-    except (OverflowError, ValueError):
-        settled = None
-    for name in sorted(by_model):
-        reps = by_model[name]
-        other = view.catalog.resolve(name)
-        if other is None:
-            for r in reps:
-                exclude(r, "unknown_model")
-            continue
-        cls = effective_class(other)
-        rank = catalog.class_rank(cls)
-        lower = rank < my_rank
-        same_rank = rank == my_rank
-        critical = cls == "critical"
-        on_demand = other.on_demand
-        owner = other.owner
-        same_owner = owner == m.owner
-        covered = any_guarantee and tree.has_guarantee(owner)
-        owner_guaranteed = not same_owner and covered
-        # Ties in creation time by id, so the same log always marks the same replicas
-        # as above the minimum.
-        reps.sort(key=_newest, reverse=True)
-        above = max(len(reps) - other.min, 0)
+
+class _Peer:
+    """What the rules read of another model, worked out once per model."""
+
+    __slots__ = (
+        "cls",
+        "covered",
+        "critical",
+        "idle_decides",
+        "lower",
+        "owner",
+        "owner_guaranteed",
+        "same_owner",
+        "same_rank",
+        "tiers",
+        "whys",
+    )
+
+    def __init__(
+        self, other: catalog.Model, m: catalog.Model, any_guarantee: bool, tree: quota.QuotaTree
+    ) -> None:
+        self.cls = cls = effective_class(other)
+        rank, my_rank = catalog.class_rank(cls), catalog.class_rank(m.cls)
+        self.lower = rank < my_rank
+        self.same_rank = rank == my_rank
+        self.critical = cls == "critical"
+        self.owner = other.owner
+        self.same_owner = other.owner == m.owner
+        self.covered = any_guarantee and tree.has_guarantee(other.owner)
+        self.owner_guaranteed = not self.same_owner and self.covered
         # Idle time decides tier 0 only for an on-demand lower class; for the others it
         # is looked up once the replica is known to be a candidate.
-        idle_decides = lower and on_demand
-        # What stopping one replica frees (size_of), per profile and shape.
-        shaped: dict[str, tuple[int, int, quota.Amount]] = {}
-        for i, r in enumerate(reps):
-            above_min = i < above
-            idle = r.idle_s(now) if idle_decides else None
-            tier: int | None = None
-            if idle_decides and idle is not None and idle >= grace:
-                tier = 0
-            elif lower and above_min:
-                tier = 2
-            elif same_rank and above_min and below_min:
-                tier = 3
-            elif lower and not critical:
-                tier = 4
-            is_borrowed = r.id in borrowed if covered else any_guarantee
-            if not same_owner:
-                if is_borrowed and reclaim and (not critical or above_min):
-                    # Past its owner's guarantee, wanted by an owner within its own:
-                    # taken back whatever the classes.
-                    if tier != 0:
-                        tier = 1
-                elif not is_borrowed and owner_guaranteed:
-                    exclude(r, "guaranteed", f"within {owner}'s guarantee")
+        self.idle_decides = self.lower and other.on_demand
+        self.tiers: list[int] = []
+        """The outcomes of the tier rules, by `_tiers`' index."""
+        self.whys: dict[int, tuple[str, str]] = {}
+        """Per untiered index, the exclusion (code, detail) it stands for."""
+
+
+def _class_tier(p: _Peer, idle_past_grace: bool, above_min: bool, below_min: bool) -> int | None:
+    """The tier rules by class: an idle on-demand replica of a lower class (0), what a
+    lower class grew into (2), the same class above its minimum for a model below its
+    own (3), a lower class's minimum unless critical (4); None when none applies."""
+    if p.idle_decides and idle_past_grace:
+        return 0
+    if p.lower and above_min:
+        return 2
+    if p.same_rank and above_min and below_min:
+        return 3
+    if p.lower and not p.critical:
+        return 4
+    return None
+
+
+def _owner_tier(
+    p: _Peer, tier: int | None, above_min: bool, borrowed: bool, reclaim: bool
+) -> int | str | None:
+    """The tier rules across owners, on top of `_class_tier`: what another owner borrowed
+    past its guarantee is taken back (1) by an owner within its own, whatever the
+    classes (but never a critical minimum); what is within another owner's guarantee is
+    not taken at all ("guaranteed")."""
+    if p.same_owner:
+        return tier
+    if borrowed and reclaim and (not p.critical or above_min):
+        return tier if tier == 0 else 1
+    if not borrowed and p.owner_guaranteed:
+        return "guaranteed"
+    return tier
+
+
+# _GUARANTEED and _UNTIERED stand in `_tiers`' table for the two outcomes that are not a
+# tier: within another owner's guarantee, and no tier rule applies.
+_GUARANTEED = -1
+_UNTIERED = -2
+
+
+def _tiers(p: _Peer, below_min: bool, reclaim: bool) -> list[int]:
+    """Every outcome of the tier rules for one model's replicas, by what they read of a
+    replica: indexed by idle past the grace * 4 + above its minimum * 2 + borrowed.
+    Worked out once per kind of model, so each replica costs a look-up."""
+    out = []
+    for idle in (False, True):
+        for above in (False, True):
+            for borrowed in (False, True):
+                t = _owner_tier(p, _class_tier(p, idle, above, below_min), above, borrowed, reclaim)
+                out.append(_GUARANTEED if t == "guaranteed" else _UNTIERED if t is None else int(t))
+    return out
+
+
+def _why_not(
+    p: _Peer, m: catalog.Model, tier: int, above_min: bool, below_min: bool
+) -> tuple[str, str]:
+    """The exclusion rule for a replica no tier rule lets be taken (`tier` is
+    _GUARANTEED or _UNTIERED): within another owner's guarantee, part of a critical
+    minimum, or not of a lower class."""
+    if tier == _GUARANTEED:
+        return "guaranteed", f"within {p.owner}'s guarantee"
+    if p.critical and not above_min:
+        return "critical_minimum", WHY["critical_minimum"]
+    return "not_lower_class", _not_lower(m, p.cls, above_min, below_min)
+
+
+def _young(r: ReplicaRecord, now: datetime, lifetime: float) -> str:
+    """The exclusion rule for a replica only now loaded: its detail when it has been
+    ready for less than the minimum lifetime, else "". Stopping it throws away a model
+    load that has only now been paid for."""
+    if r.ready_at is None:
+        return ""
+    age = (now - r.ready_at).total_seconds()
+    return f"ready for {age:g}s, less than {lifetime:g}s" if age < lifetime else ""
+
+
+def _where(r: ReplicaRecord) -> tuple[str, int] | None:
+    """The node a replica is on and the GPUs it holds there; None when it is spread over
+    more than one node (the exclusion rule "multi_node"): stopping it is its own
+    decision, not one taken to make room for a single replica (the reference leaves it
+    to makeRoomFor), since it would lose a whole multi-node model for room on one."""
+    shards = r.shards
+    if len(shards) > 1:
+        nodes = r.nodes
+        if len(nodes) > 1:
+            return None
+        return nodes[0], sum(len(s.gpus) for s in shards)
+    if shards:
+        return shards[0].node, len(shards[0].gpus)
+    return "", 0
+
+
+class _Weighing:
+    """One pass of `_candidates`: what every model's replicas are weighed against, and
+    the candidates and exclusions found so far."""
+
+    __slots__ = (
+        "any_guarantee",
+        "below_min",
+        "borrowed",
+        "cfg",
+        "excluded",
+        "keys",
+        "m",
+        "now",
+        "out",
+        "peers",
+        "reclaim",
+        "settled",
+        "view",
+    )
+
+    def __init__(
+        self,
+        view: View,
+        m: catalog.Model,
+        now: datetime,
+        cfg: Config,
+        holdings: list[quota.Holding],
+        reclaim: bool,
+        below_min: bool,
+    ) -> None:
+        self.view, self.m, self.now, self.cfg = view, m, now, cfg
+        self.reclaim, self.below_min = reclaim, below_min
+        # borrowed only matters across owners with a guarantee in play; with no
+        # guarantee anywhere no replica is covered, and no owner can reclaim. `holdings`
+        # has every replica under a guarantee; one of an owner under none is borrowed.
+        self.any_guarantee = view.quota.any_guarantee()
+        self.borrowed = view.quota.borrowed(holdings) if self.any_guarantee else set()
+        self.excluded: list[Exclusion] = []
+        self.out: list[Candidate] = []
+        # Each candidate's `_order` key, built alongside it.
+        self.keys: list[tuple[int, float, int, float, str]] = []
+        self.peers: dict[tuple[str, str, bool], _Peer] = {}
+        try:
+            self.settled = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
+        except (OverflowError, ValueError):
+            self.settled = datetime.min.replace(tzinfo=now.tzinfo)
+
+    def exclude(self, r: ReplicaRecord, why: str, detail: str = "") -> None:
+        self.excluded.append(
+            Exclusion(replica=r.id, model=r.model, why=why, detail=detail or WHY[why])
+        )
+
+    def weigh(self, models: list[tuple[str, catalog.Model, list[ReplicaRecord]]]) -> None:
+        """Weigh the live replicas of each model (its name, declaration and replicas):
+        each becomes a candidate or an exclusion."""
+        now, grace = self.now, self.cfg.eviction_grace_s
+        borrowed, all_borrowed = self.borrowed, self.any_guarantee
+        settled, lifetime = self.settled, self.cfg.min_lifetime_s
+        view, out, keys, excluded = self.view, self.out, self.keys, self.excluded
+        for name, other, reps in models:
+            p = self._peer(other)
+            tiers = p.tiers
+            # Ties in creation time by id, so the same log always marks the same replicas
+            # as above the minimum.
+            reps.sort(key=_newest, reverse=True)
+            above = max(len(reps) - other.min, 0)
+            # What stopping one replica frees (size_of), per profile and shape.
+            shaped: dict[tuple[str, int, int], quota.Amount] = {}
+            idle_decides, covered, cls, owner = p.idle_decides, p.covered, p.cls, p.owner
+            for i, r in enumerate(reps):
+                above_min = i < above
+                idle = r.idle_s(now) if idle_decides else None
+                is_borrowed = r.id in borrowed if covered else all_borrowed
+                past_grace = idle is not None and idle >= grace
+                at = past_grace * 4 + above_min * 2 + is_borrowed
+                tier = tiers[at]
+                if tier < 0:
+                    excluded.append(self._untiered(r, p, at, above_min))
                     continue
-            if tier is None:
-                if critical and not above_min:
-                    exclude(r, "critical_minimum")
+                # Ready at or before `settled`, a replica is at least a second past the
+                # minimum lifetime: only those ready later need the exact age.
+                ready = r.ready_at
+                if ready is not None and ready > settled:
+                    young = _young(r, now, lifetime)
+                    if young:
+                        self.exclude(r, "young", young)
+                        continue
+                shards = r.shards
+                if len(shards) == 1:
+                    node, gpus = shards[0].node, len(shards[0].gpus)
+                elif (where := _where(r)) is not None:
+                    node, gpus = where
                 else:
-                    why = not_lower.get((cls, above_min))
-                    if why is None:
-                        why = not_lower[(cls, above_min)] = _not_lower(m, cls, above_min, below_min)
-                    exclude(r, "not_lower_class", why)
-                continue
-            # Just started: stopping it throws away a model load that has only now
-            # been paid for.
-            ready = r.ready_at
-            if ready is not None and (settled is None or ready > settled):
-                age = (now - ready).total_seconds()
-                if age < lifetime:
-                    exclude(r, "young", f"ready for {age:g}s, less than {lifetime:g}s")
+                    self.exclude(r, "multi_node", f"spread over {', '.join(r.nodes)}")
                     continue
-            # Spread over more than one node: stopping it is its own decision, not one
-            # taken to make room for a single replica (the reference leaves it to
-            # makeRoomFor), since it would lose a whole multi-node model for room on one.
-            shards = r.shards
-            if len(shards) > 1:
-                nodes = r.nodes
-                if len(nodes) > 1:
-                    exclude(r, "multi_node", f"spread over {', '.join(nodes)}")
-                    continue
-                node = nodes[0]
-                gpus = sum(len(s.gpus) for s in shards)
-            elif shards:
-                node = shards[0].node
-                gpus = len(shards[0].gpus)
-            else:
-                node, gpus = "", 0
-            known = shaped.get(r.profile)
-            if known is not None and known[0] == gpus and known[1] == len(shards):
-                size = known[2]
-            else:
-                size = size_of(view, r)
-                shaped[r.profile] = (gpus, len(shards), size)
-            if not idle_decides:
-                idle = r.idle_s(now)
-            c = Candidate(
-                replica=r.id,
-                model=name,
-                cls=cls,
-                owner=owner,
-                tier=tier,
-                above_min=above_min,
-                idle_s=idle,
-                gpus=size.gpus,
-                cpu_cores=size.cpu_cores,
-                memory_gb=size.memory_gb,
-                node=node,
-                borrowed=is_borrowed,
-            )
-            out.append(c)
-            keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
-    excluded.sort(key=_replica)
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    return tuple([out[i] for i in order]), tuple(excluded)
+                shape = (r.profile, gpus, len(shards))
+                size = shaped.get(shape)
+                if size is None:
+                    size = shaped[shape] = size_of(view, r)
+                if not idle_decides:
+                    idle = r.idle_s(now)
+                out.append(
+                    Candidate(
+                        replica=r.id,
+                        model=name,
+                        cls=cls,
+                        owner=owner,
+                        tier=tier,
+                        above_min=above_min,
+                        idle_s=idle,
+                        gpus=size.gpus,
+                        cpu_cores=size.cpu_cores,
+                        memory_gb=size.memory_gb,
+                        node=node,
+                        borrowed=is_borrowed,
+                    )
+                )
+                keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
+
+    def _peer(self, other: catalog.Model) -> _Peer:
+        """What the rules read of `other`, with the outcomes of the tier rules for its
+        replicas; the same for every model of one class, owner and on-demand flag."""
+        key = (other.cls, other.owner, other.on_demand)
+        p = self.peers.get(key)
+        if p is None:
+            p = self.peers[key] = _Peer(other, self.m, self.any_guarantee, self.view.quota)
+            p.tiers = _tiers(p, self.below_min, self.reclaim)
+        return p
+
+    def _untiered(self, r: ReplicaRecord, p: _Peer, at: int, above_min: bool) -> Exclusion:
+        """The exclusion of a replica no tier rule lets be taken (`p.tiers[at]`)."""
+        why = p.whys.get(at)
+        if why is None:
+            why = p.whys[at] = _why_not(p, self.m, p.tiers[at], above_min, self.below_min)
+        return Exclusion(replica=r.id, model=r.model, why=why[0], detail=why[1])
 
 
 _newest = operator.attrgetter("created_at", "id")

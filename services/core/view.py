@@ -276,18 +276,28 @@ class View:
         return min(max(asked, m.min), m.max)
 
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
-        """The hold keeping a model from taking room back, if one is still on.
-
-        A hold ends at its `until`, or early once the model it was given to has what it
-        asked for (its live count reached its desired count).
-        """
+        """The hold keeping a model from taking room back, if one is still on (see
+        `hold_end`)."""
         h = self.state.holds.get(model)
-        if h is None or now >= h.until:
-            return None
-        to = self.catalog.resolve(h.for_model)
-        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
+        if h is None or self.hold_end(h.for_model, h.until, now) is not None:
             return None
         return h
+
+    def hold_end(self, for_model: str, until: datetime, now: datetime) -> str | None:
+        """Why a hold given to `for_model` until `until` has ended at `now`; None while it
+        is on. The one rule for when a hold ends, for the policy, the scheduler and the
+        release of holds alike.
+
+        A hold ends at its `until` ("expired"), or early once the model it was given to
+        has what it asked for, its live count at its desired count ("satisfied"): past
+        that, keeping the room from the held model only leaves it idle.
+        """
+        if now >= until:
+            return "expired"
+        to = self.catalog.resolve(for_model)
+        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
+            return "satisfied"
+        return None
 
     def awaiting(self, model: str) -> tuple[str, ...]:
         """Victims stopped for a model that still hold capacity: it waits for them

@@ -1,12 +1,13 @@
 """The scheduler: keeps each model's desired replicas placed, and says why when it cannot.
 
 `Scheduler` is the service (`llmgw up` runs it in-process; `python -m services.scheduler`
-runs it alone); `SchedulerConfig` its timings; `plan` the pure pass it runs.
+runs it alone); `SchedulerConfig` its knobs; the pure pass it runs is
+`services.core.scheduling.plan`.
 """
 
 from typing import Any
 
-from services.scheduler.plan import SchedulerConfig
+from services.core.scheduling import Config as SchedulerConfig
 
 __all__ = ["Scheduler", "SchedulerConfig", "Stats"]
 

@@ -2,7 +2,7 @@
 
 Run by `llmgw up` in-process and by `python -m services.scheduler`, one or more at a time:
 a lease in a JetStream KV bucket picks the one that acts; the others follow the log warm
-and stand by. The leader runs a pass of `services.scheduler.plan` on every relevant event
+and stand by. The leader runs a pass of `services.core.scheduling.plan` on every relevant event
 (the follower's on_change) and on a tick, and publishes what the pass decided:
 `placement.decided` plus a `replica.start` on each shard's node, `placement.failed`,
 `replica.drain` (scale_down, model_removed, placement_timeout) and `node.lost` for nodes
@@ -16,6 +16,9 @@ Rules of the shell:
 - It publishes only while its lease is valid, checked before each batch; a deposed or
   partitioned leader's belief ends before a standby can take over.
 
+The lease, the follower, the own-writes watermark and the publishing are
+`services.leader.Leader`'s, shared with the preemption service.
+
 It must not decide anything itself (that is `plan`'s), must not fold differently from
 `services.core.fold`, and must not publish while it does not hold the lease.
 """
@@ -25,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,15 +38,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
-from schemas import codec, names, subjects
 from schemas import events as ev
-from services.bus import Publisher, PublishError
+from schemas import names, subjects
+from services.bus import Published, PublishError
 from services.clock import utc_now
+from services.core import scheduling as planner
+from services.core.scheduling import Config, Failure
 from services.core.view import Rejection, View
 from services.follower import ViewFollower
-from services.lease import Lease
-from services.scheduler import plan as planner
-from services.scheduler.plan import Failure, SchedulerConfig
+from services.leader import Leader, LeaseLapsed
 
 log = logging.getLogger("llmgw.scheduler")
 
@@ -67,15 +68,6 @@ QUIET_TYPES: frozenset[type] = frozenset(
 # fold our own last publish. Past it the pass is skipped and tried again, rather than
 # taken on a view that may not hold what was already decided.
 FOLLOW_TIMEOUT_S = 10.0
-
-# BATCH bounds the events published between two looks at the lease. A pass that places
-# a thousand replicas must not run on after a lapse; at ~10k events/s a batch takes
-# a few tens of milliseconds, well inside the lease's safety margin.
-BATCH = 256
-
-# MIN_LEASE_LEFT_S is the least lease time a batch starts with: a batch begun with less
-# could still be publishing when the belief ends.
-MIN_LEASE_LEFT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -103,7 +95,7 @@ class Scheduler:
         js: JetStreamContext,
         *,
         root: str = subjects.DEFAULT_ROOT,
-        config: SchedulerConfig | None = None,
+        config: Config | None = None,
         clock: Callable[[], datetime] = utc_now,
         holder: str | None = None,
         follower: ViewFollower | None = None,
@@ -111,33 +103,29 @@ class Scheduler:
         self.nc = nc
         self.js = js
         self.root = root
-        self.config = config if config is not None else SchedulerConfig()
+        self.config = config if config is not None else Config()
         self.clock = clock
-        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
-        self.source = f"{SOURCE}/{self.holder}"
-        self.publisher = Publisher(js, root)
-        self.follower = (
-            follower
-            if follower is not None
-            else ViewFollower(js, root=root, consumer="scheduler", on_change=self._on_event)
-        )
         if follower is not None and follower.on_change is None:
             follower.on_change = self._on_event
-        self.lease = Lease(
+        self.leader = Leader(
             js,
-            name=f"{root}.scheduler",
-            holder=self.holder,
+            role="scheduler",
+            root=root,
+            holder=holder,
             ttl_s=self.config.lease_ttl_s,
-            on_change=self._on_lease,
+            follower=follower,
+            on_event=self._on_event,
+            on_lease=self._on_lease,
         )
+        self.holder = self.leader.holder
+        self.source = f"{SOURCE}/{self.holder}"
+        self.follower = self.leader.follower
+        self.lease = self.leader.lease
         self.stats = Stats()
         self._wake = asyncio.Event()
         # _synced: the view holds the whole stream as of this term's start. Reset on
         # every change of leadership; no pass runs without it.
         self._synced = False
-        # _written is the stream sequence of this process's last publish; no pass runs
-        # on a view short of it.
-        self._written = 0
         self._failures: dict[str, Failure] = {}
         # _heard: per node, monotonic time of its last heartbeat. _since: per node, the
         # inventory report we first saw it with and when, so a node is given a full
@@ -157,29 +145,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running
 
+    @property
+    def _written(self) -> int:
+        """The stream sequence of this process's last publish."""
+        return self.leader.written
+
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the log, listen for heartbeats, take part in the lease and reconcile
-        while leading, until `stop` is set. A clean stop releases the lease so a standby
-        takes over at once; a cancelled run (a crash, as the others see it) does not, and
-        the standby takes over when the lease's TTL runs out."""
+        while leading, until `stop` is set (see `Leader.run` for how it stops)."""
         sub = await self.nc.subscribe(f"{self.root}.heartbeat.*", cb=self._on_heartbeat)
-        tasks = [
-            asyncio.create_task(self.follower.run(stop), name="scheduler.follow"),
-            asyncio.create_task(self.lease.run(stop, release=False), name="scheduler.lease"),
-            asyncio.create_task(self._loop(stop), name="scheduler.reconcile"),
-        ]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if not t.cancelled() and (e := t.exception()) is not None:
-                    raise e
+            await self.leader.run(stop, self._loop)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
-        await self.lease.release()
 
     def _on_lease(self, leading: bool) -> None:
         self._synced = False
@@ -222,16 +201,14 @@ class Scheduler:
         if not self.lease.is_leader:
             return None
         if not self._synced:
-            info = await self.js.stream_info(subjects.STREAM)
-            await self.follower.wait_for(info.state.last_seq, FOLLOW_TIMEOUT_S)
+            await self.follower.wait_for(await self.leader.last_seq(), FOLLOW_TIMEOUT_S)
             # The lease may have changed hands while we waited; then this sync is not
             # this term's.
             if not self.lease.is_leader:
                 return None
             self._synced = True
             log.info("scheduler %s: view at %d; reconciling", self.holder, self.follower.seq)
-        if self.follower.seq < self._written:
-            await self.follower.wait_for(self._written, FOLLOW_TIMEOUT_S)
+        await self.leader.caught_up(0, FOLLOW_TIMEOUT_S)
         view = self.follower.view
         out = planner.plan(
             view,
@@ -264,33 +241,19 @@ class Scheduler:
 
     async def _publish(self, out: planner.Plan) -> None:
         items = out.outputs
-        for i in range(0, len(items), BATCH):
-            if self.lease.remaining_s() < MIN_LEASE_LEFT_S:
-                self.stats.aborted += 1
-                log.warning(
-                    "scheduler %s: lease lapsed mid-pass; %d of %d events not published",
-                    self.holder,
-                    len(items) - i,
-                    len(items),
-                )
-                return
-            batch = items[i : i + BATCH]
-            raw = [
-                (
-                    subjects.subject_for(o.event, self.root, o.node),
-                    codec.encode(o.event),
-                    o.event.id,
-                )
-                for o in batch
-            ]
-            acks = await self.publisher.publish_many(raw)
-            for o, ack in zip(batch, acks, strict=True):
-                self._written = max(self._written, ack.seq)
-                self.stats.published += 1
-                if ack.duplicate:
-                    self.stats.duplicates += 1
-                if o.failure is not None:
-                    self._failures[o.failure[0]] = o.failure[1]
+        try:
+            acks = await self.leader.publish([(o.event, o.node) for o in items])
+        except LeaseLapsed as e:
+            self.stats.aborted += 1
+            log.warning(
+                "scheduler %s: lease lapsed mid-pass; %d of %d events not published",
+                self.holder,
+                e.left,
+                len(items),
+            )
+            self._published(items, e.published)
+            return
+        self._published(items, acks)
         self.stats.placed += out.placed
         self.stats.failed += out.failed
         self.stats.drained += out.drained
@@ -304,3 +267,11 @@ class Scheduler:
                 out.lost,
                 self.view.seq,
             )
+
+    def _published(self, items: list[planner.Output], acks: list[Published]) -> None:
+        for o, ack in zip(items, acks, strict=False):
+            self.stats.published += 1
+            if ack.duplicate:
+                self.stats.duplicates += 1
+            if o.failure is not None:
+                self._failures[o.failure[0]] = o.failure[1]

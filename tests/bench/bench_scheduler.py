@@ -32,9 +32,9 @@ from schemas import codec, ids
 from schemas import events as ev
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
 from services.core import fold
+from services.core import scheduling as planner
 from services.core.view import View
 from services.scheduler import Scheduler, SchedulerConfig
-from services.scheduler import plan as planner
 
 NODES = 200
 GPUS = 8

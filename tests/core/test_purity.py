@@ -31,6 +31,9 @@ FORBIDDEN = {
 # CORE_ALLOWED_THIRD_PARTY: services/core imports the standard library, msgspec, the
 # schemas it folds, and itself; nothing else of ours, so no shell code leaks in.
 CORE_ALLOWED_THIRD_PARTY = {"msgspec", "schemas", "services"}
+# DECIDERS are the modules that decide what the scheduler and the preemption service
+# publish. They live in the core, so this test and mypy strict cover them.
+DECIDERS = ("scheduling.py", "preemption.py", "reaction.py")
 # CLOCK_CALLS read the wall clock; the core takes time as a parameter instead.
 CLOCK_CALLS = {"now", "utcnow", "today", "time", "monotonic", "perf_counter"}
 
@@ -88,3 +91,10 @@ def test_core_reads_no_clock() -> None:
             ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} calls .{node.func.attr}()")
     assert bad == []
+
+
+def test_deciders_live_in_the_core() -> None:
+    core = {p.name for p in sources("services/core")}
+    assert set(DECIDERS) <= core
+    shells = sources("services/scheduler") + sources("services/preemption")
+    assert [p.name for p in shells if p.name in {"plan.py", *DECIDERS}] == []

@@ -22,11 +22,11 @@ from schemas import codec, subjects
 from schemas import events as ev
 from services.bus import Publisher, connect
 from services.core import preemption
+from services.core.scheduling import Config as SchedulerConfig
 from services.core.view import View, digest
 from services.follower import ViewFollower
 from services.projector import store
 from services.replay import rebuild
-from services.scheduler.plan import SchedulerConfig
 from services.up import Running, UpOptions, run
 
 pytestmark = pytest.mark.timeout(90)
@@ -82,8 +82,9 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         data=tmp_path / "data",
         simulate="2x8xH100-80GB",
         policy=POLICY,
-        scheduler=SchedulerConfig(tick_s=0.2, failed_backoff_s=2.0, node_timeout_s=30.0),
-        drain_grace_s=1.0,
+        scheduler=SchedulerConfig(
+            tick_s=0.2, failed_backoff_s=2.0, node_timeout_s=30.0, drain_grace_s=1.0
+        ),
         start_delay_s=0.02,
         load_delay_s=0.1,
         stop_delay_s=0.05,

@@ -25,14 +25,14 @@ from schemas import events as ev
 from services.bus import Publisher, connect
 from services.bus.consume import read_range
 from services.core import preemption
-from services.preemption import Options, PreemptionService
+from services.preemption import Config, PreemptionService
 from tests.scenario import Scenario
 
 T0 = "2026-01-01T12:00:00Z"
 
 # FAST shortens the service's timings to what a test can wait out.
-FAST = Options(lease_ttl_s=1.0, tick_s=0.05, ack_wait_s=1.0)
 CONFIG = preemption.Config(hold_s=60.0)
+FAST = Config(policy=CONFIG, lease_ttl_s=1.0, tick_s=0.05, ack_wait_s=1.0)
 
 
 def full_cluster(t0: str | datetime = T0) -> Scenario:
@@ -120,15 +120,14 @@ async def running(
     *,
     holder: str,
     clock: Callable[[], datetime],
-    config: preemption.Config = CONFIG,
-    options: Options = FAST,
+    config: Config = FAST,
     lead: bool = True,
 ) -> AsyncIterator[tuple[PreemptionService, asyncio.Task[None]]]:
     """A service on its own connection, running in a task; waits until it leads (when
     `lead`). Stopped cleanly at the end unless the test cancelled the task already."""
     nc: Client = await connect(url, holder)
     js = nc.jetstream()
-    svc = PreemptionService(nc, js, config=config, clock=clock, holder=holder, options=options)
+    svc = PreemptionService(nc, js, config=config, clock=clock, holder=holder)
     stop = asyncio.Event()
     task = asyncio.create_task(svc.run(stop))
     try:

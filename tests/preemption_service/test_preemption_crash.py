@@ -9,7 +9,6 @@ trigger to the restarted process after the ack wait.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -134,6 +133,21 @@ def test_fault_spec_names_known_points() -> None:
     assert not fault.Fault(None)
 
 
-async def test_unarmed_fault_does_nothing() -> None:
-    fault.Fault().hit(fault.CRASH_BEFORE_ACK)
-    await asyncio.sleep(0)
+def test_fault_is_armed_only_by_the_environment_and_crashes_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(fault.ENV, raising=False)
+    unarmed = fault.Fault.from_env()
+    assert not unarmed and unarmed.points == {}
+    for point in sorted(fault.POINTS):
+        unarmed.hit(point)  # returns: the process goes on
+    # Armed with a marker that is already there (it crashed here once), it goes on too:
+    # the restarted service must get on with its work.
+    marker = tmp_path / "crashed"
+    marker.write_text("")
+    monkeypatch.setenv(fault.ENV, f"{fault.CRASH_BEFORE_ACK}:{marker}")
+    armed = fault.Fault.from_env()
+    assert armed and set(armed.points) == {fault.CRASH_BEFORE_ACK}
+    armed.hit(fault.CRASH_BEFORE_ACK)
+    armed.hit(fault.CRASH_AFTER_DECIDED)  # not armed
+    assert marker.read_text() == ""

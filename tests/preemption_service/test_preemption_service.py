@@ -19,8 +19,8 @@ from schemas import events as ev
 from schemas import ids
 from services.bus import EmbeddedBroker, connect
 from services.core import preemption
+from services.core.reaction import SHOWN, bounded
 from services.preemption import PreemptionService
-from services.preemption.service import SHOWN, bounded
 from tests.preemption_service.conftest import (
     CONFIG,
     FAST,
@@ -195,7 +195,7 @@ async def test_two_services_one_decision_and_standby_takes_over(
         a_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await a_task
-        await until(lambda: b.is_leader, within=a.options.lease_ttl_s + 2)
+        await until(lambda: b.is_leader, within=a.config.lease_ttl_s + 2)
 
         second = failed(s, "chat2")
         n = await publish(js, s, since=n)
@@ -237,12 +237,12 @@ async def test_clean_stop_hands_over_before_the_lease_runs_out(
     # must release it, and the standby takes it on its next try (every third of a TTL).
     slow = dataclasses.replace(FAST, lease_ttl_s=6.0)
     nc = await connect(nats_server.url, "a")
-    a = PreemptionService(nc, nc.jetstream(), clock=clock, holder="a", options=slow)
+    a = PreemptionService(nc, nc.jetstream(), clock=clock, holder="a", config=slow)
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))
     try:
         await until(lambda: a.is_leader)
-        async with running(nats_server.url, holder="b", clock=clock, options=slow, lead=False) as (
+        async with running(nats_server.url, holder="b", clock=clock, config=slow, lead=False) as (
             b,
             _,
         ):

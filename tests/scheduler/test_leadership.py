@@ -12,8 +12,8 @@ import pytest
 from schemas import events as ev
 from services.bus import Publisher
 from services.core import fold
+from services.core import scheduling as planner
 from services.core.view import View
-from services.scheduler import plan as planner
 from tests.scheduler.conftest import FAST, Cluster, Running
 from tests.scheduler.helpers import eventually
 

@@ -10,13 +10,13 @@ import pytest
 
 from schemas import events as ev
 from services.core import fold
+from services.core import scheduling as planner
 from services.core.view import View
-from services.scheduler import plan as planner
 
 pytestmark = pytest.mark.timeout(10)
 
 T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
-CONFIG = planner.SchedulerConfig()
+CONFIG = planner.Config()
 
 
 class Log:

@@ -25,30 +25,58 @@ from schemas import ids
 from services.core import catalog, inventory, placement, quota
 from services.core.view import View
 
+# DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests,
+# for the scheduler's drains and the preemption service's alike. Shorter cuts requests
+# off mid-answer; longer keeps the room from the model waiting for it.
+DRAIN_GRACE_S = 30.0
 
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """The scheduler's timings.
 
-    tick_s: how often a pass runs when no event asks for one; also how often heartbeats
-      are checked.
-    node_timeout_s: a node whose heartbeats stop this long is reported lost, once.
-    start_timeout_s: a placed replica that has not reported `starting` this long after its
-      placement.decided is drained (reason placement_timeout) and placed again elsewhere.
-    failed_backoff_s: a model that still cannot be placed, in a cluster that has not
-      changed, is reported again after this long, not on every pass.
-    avoid_for_s: how long nodes where a placement timed out are avoided for that model.
-    drain_grace_s: the grace each `replica.drain` gives its replica.
-    lease_ttl_s: a standby takes over at most this long after the leader dies.
-    """
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """The scheduler's knobs: one field each, its default and its help text, from which
+    the flags of `llmgw up` and `python -m services.scheduler` are made."""
 
-    tick_s: float = 1.0
-    node_timeout_s: float = 15.0
-    start_timeout_s: float = 120.0
-    failed_backoff_s: float = 60.0
-    avoid_for_s: float = 600.0
-    drain_grace_s: float = 30.0
-    lease_ttl_s: float = 5.0
+    tick_s: float = field(
+        default=1.0,
+        metadata={
+            "positive": True,
+            "help": "a pass runs at least this often; heartbeats are checked as often",
+        },
+    )
+    node_timeout_s: float = field(
+        default=15.0,
+        metadata={
+            "positive": True,
+            "help": "a node whose heartbeats stop this long is reported lost, once",
+        },
+    )
+    start_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "positive": True,
+            "help": "a placement with no `starting` this long is drained and placed again "
+            "elsewhere",
+        },
+    )
+    failed_backoff_s: float = field(
+        default=60.0,
+        metadata={"help": "an unchanged placement.failed is reported again at most this often"},
+    )
+    avoid_for_s: float = field(
+        default=600.0,
+        metadata={"help": "nodes where a placement timed out are avoided this long"},
+    )
+    drain_grace_s: float = field(
+        default=DRAIN_GRACE_S,
+        metadata={"help": "grace a drained replica gets to finish its requests"},
+    )
+    lease_ttl_s: float = field(
+        default=5.0,
+        metadata={
+            "positive": True,
+            "help": "a standby takes over at most this long after the leader dies",
+        },
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +141,7 @@ def replica_id(model: str, placement_id: str) -> str:
 def plan(
     view: View,
     now: datetime,
-    config: SchedulerConfig,
+    config: Config,
     *,
     failures: Mapping[str, Failure] | None = None,
     silent: Mapping[str, float] | None = None,
@@ -125,11 +153,25 @@ def plan(
     `silent`: per node, seconds since its last heartbeat (as the shell measured it).
     """
     out = Plan()
-    failures = failures or {}
-    token = view_token(view)
     mk = _Maker(now, source)
+    _lost_nodes(out, mk, view, silent or {}, config)
+    if out.lost:
+        # A lost node fails its replicas in the fold. Placing before that is folded would
+        # count them live and place on a node that is gone; the next pass sees it all.
+        return out
+    by_model, timed_out = _live_by_model(out, mk, view, now, config)
+    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view))
+    for m in _by_rank(view):
+        if m.name not in timed_out:
+            pass_.reconcile(m, by_model.get(m.name, []))
+    return out
 
-    for node, secs in sorted((silent or {}).items()):
+
+def _lost_nodes(
+    out: Plan, mk: _Maker, view: View, silent: Mapping[str, float], config: Config
+) -> None:
+    """A `node.lost` for every node silent past the timeout and not yet lost."""
+    for node, secs in sorted(silent.items()):
         rec = view.state.nodes.get(node)
         if rec is None or rec.lost or secs < config.node_timeout_s:
             continue
@@ -137,11 +179,14 @@ def plan(
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
         out.lost += 1
-    if out.lost:
-        # A lost node fails its replicas in the fold. Placing before that is folded would
-        # count them live and place on a node that is gone; the next pass sees it all.
-        return out
 
+
+def _live_by_model(
+    out: Plan, mk: _Maker, view: View, now: datetime, config: Config
+) -> tuple[dict[str, list[_Rep]], set[str]]:
+    """Per model, its replicas that hold capacity (or are why a node is avoided); and the
+    models one of whose placements just timed out, drained here and left for the next
+    pass. Replicas of models no longer in the catalog are drained."""
     by_model: dict[str, list[_Rep]] = {}
     timed_out: set[str] = set()
     for r in view.replicas.values():
@@ -176,37 +221,75 @@ def plan(
                 r.drain_reason,
             )
         )
+    return by_model, timed_out
 
-    inv: inventory.Inventory | None = None
-    usage: dict[str, quota.Amount] | None = None
-    models = sorted(
-        (view.catalog.resolve(n) for n in view.state.models),
-        key=lambda m: (-catalog.class_rank(m.cls), m.name) if m else (0, ""),
-    )
-    for m in models:
-        if m is None or m.name in timed_out:
-            continue
-        reps = by_model.get(m.name, [])
+
+def _by_rank(view: View) -> list[catalog.Model]:
+    """The declared models, the highest class first, then by name: a higher class is
+    placed before a lower one takes the room."""
+    models = [m for n in view.state.models if (m := view.catalog.resolve(n)) is not None]
+    return sorted(models, key=lambda m: (-catalog.class_rank(m.cls), m.name))
+
+
+class _Pass:
+    """What one pass shares across models: the outputs, the inventory placements are tried
+    on and the owners' usage, both made only when a model needs placing."""
+
+    __slots__ = ("config", "failures", "inv", "mk", "now", "out", "token", "usage", "view")
+
+    def __init__(
+        self,
+        out: Plan,
+        mk: _Maker,
+        view: View,
+        now: datetime,
+        config: Config,
+        failures: Mapping[str, Failure],
+        token: str,
+    ) -> None:
+        self.out = out
+        self.mk = mk
+        self.view = view
+        self.now = now
+        self.config = config
+        self.failures = failures
+        self.token = token
+        self.inv: inventory.Inventory | None = None
+        self.usage: dict[str, quota.Amount] | None = None
+
+    def reconcile(self, m: catalog.Model, reps: list[_Rep]) -> None:
+        """Drain what is above desired, or place what is missing, for one model."""
+        out, view = self.out, self.view
         live = [r for r in reps if r.live]
         desired = view.desired_for(m.name)
         if len(live) > desired:
             for v in _scale_down_order(live)[: len(live) - desired]:
-                _drain(out, mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", config)
-            continue
+                _drain(out, self.mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", self.config)
+            return
         if len(live) == desired:
             out.satisfied.append(m.name)
-            continue
-        if view.active_hold(m.name, now) is not None or view.awaiting(m.name):
-            continue
-        if inv is None:
-            inv = view.inventory.clone()
-        if usage is None:
-            usage = view.quota.usage(view.holdings())
-        avoid = _avoided(reps, now, config)
+            return
+        if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
+            return
+        if self.inv is None:
+            self.inv = view.inventory.clone()
+        if self.usage is None:
+            self.usage = view.quota.usage(view.holdings())
         _place_missing(
-            out, mk, view, m, inv, usage, len(live), desired, avoid, token, now, failures, config
+            out,
+            self.mk,
+            view,
+            m,
+            self.inv,
+            self.usage,
+            len(live),
+            desired,
+            _avoided(reps, self.now, self.config),
+            self.token,
+            self.now,
+            self.failures,
+            self.config,
         )
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +321,7 @@ def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
     return sorted(live, key=key)
 
 
-def _avoided(reps: list[_Rep], now: datetime, config: SchedulerConfig) -> tuple[str, ...]:
+def _avoided(reps: list[_Rep], now: datetime, config: Config) -> tuple[str, ...]:
     """Nodes where a placement of this model timed out lately: placed elsewhere if it can."""
     out: set[str] = set()
     for r in reps:
@@ -263,7 +346,7 @@ def _place_missing(
     token: str,
     now: datetime,
     failures: Mapping[str, Failure],
-    config: SchedulerConfig,
+    config: Config,
 ) -> None:
     chain = [q.name for q in view.quota.governing(m.owner)]
     for slot in range(desired - live):
@@ -370,7 +453,7 @@ def _fail(
     token: str,
     now: datetime,
     failures: Mapping[str, Failure],
-    config: SchedulerConfig,
+    config: Config,
 ) -> None:
     """Report a model that cannot be placed: once per change in what it was decided on,
     or once per backoff period, never once per pass."""
@@ -426,7 +509,7 @@ def _drain(
     placed_by: str | None,
     nodes: tuple[str, ...],
     reason: ev.DrainReason,
-    config: SchedulerConfig,
+    config: Config,
 ) -> None:
     """A `replica.drain` on each node the replica has a shard on.
 

@@ -1,0 +1,237 @@
+"""The preemption service's reactions, as the events it publishes.
+
+Called by `services.preemption.service` for each `placement.failed` and on each tick;
+tests call it directly. `react` answers one trigger: the policy's decision (from
+`services.core.preemption.plan`) and the events it is published as, or, when the log
+already holds a decision for the trigger, only what that decision left unpublished.
+`releases` says which holds ended, as `hold.released` events. No I/O, no clock: the
+shell fetches the earlier decision, if any, passes `now`, and publishes what it gets.
+
+Every id derives from the trigger's (or the hold's), so the same reaction is the same
+events, and JetStream's duplicate window drops a repeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+import msgspec
+
+from schemas import events as ev
+from schemas import ids
+from services.core import preemption
+from services.core.scheduling import DRAIN_GRACE_S
+from services.core.view import View
+
+SOURCE = "preemption"
+
+# SHOWN bounds the candidates and exclusions a published decision lists. On a full
+# cluster the policy weighs every replica: 1,600 one-GPU replicas made a 181 KB event,
+# and past about 2,300 it would exceed the largest event the codec accepts, be
+# dead-lettered by every follower, and leave the view without the decision, so the next
+# trigger would stop a second set of victims.
+SHOWN = 50
+
+Outgoing = tuple[ev.Event, str | None]
+"""An event to publish, and the node whose command subject it goes on (drains only)."""
+
+Kind = Literal["decided", "completed", "superseded", "ignored"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reaction:
+    """What to publish for one trigger, and why.
+
+    kind: decided (a new decision), completed (the trigger's own decision was already
+      stored; `events` is what it had not published yet), superseded (a later trigger's
+      decision answers it; nothing to publish), ignored (not a no_fit; nothing to decide).
+    """
+
+    kind: Kind
+    events: tuple[Outgoing, ...] = ()
+    decision: preemption.Decision | None = None
+    earlier: ev.PreemptionDecidedEvent | None = None
+
+
+def react(
+    view: View,
+    trigger: ev.PlacementFailedEvent,
+    now: datetime,
+    config: preemption.Config,
+    *,
+    answered: ev.PreemptionDecidedEvent | None = None,
+    drain_grace_s: float = DRAIN_GRACE_S,
+) -> Reaction:
+    """The reaction to `trigger` on `view` at `now`.
+
+    `answered` is a decision the log already holds for the trigger's model, stored after
+    the trigger: its own (published before a crash) or a later trigger's.
+    """
+    if not answers(trigger):
+        return Reaction("ignored")
+    if answered is not None and answered.data.trigger != trigger.id:
+        # A later trigger for the same model was decided on a newer view: that decision
+        # answers this one too. Deciding again would stop more victims.
+        return Reaction("superseded", earlier=answered)
+    if answered is not None:
+        return Reaction("completed", missing(view, answered, now, drain_grace_s), earlier=answered)
+    decision = preemption.plan(view, trigger.data.model, now, config, avoid=trigger.data.avoid)
+    return Reaction(
+        "decided", decision_events(trigger, decision, now, drain_grace_s), decision=decision
+    )
+
+
+def answers(trigger: ev.PlacementFailedEvent) -> bool:
+    """Whether the policy answers this trigger: only a model that did not fit. For
+    quota_limit and other reasons the owner is past a limit, which stopping other
+    replicas cannot lift: nothing to decide, nothing to record."""
+    return trigger.data.reason == "no_fit"
+
+
+def decision_events(
+    trigger: ev.PlacementFailedEvent,
+    decision: preemption.Decision,
+    now: datetime,
+    drain_grace_s: float = DRAIN_GRACE_S,
+) -> tuple[Outgoing, ...]:
+    """The events a decision is published as, in order: the decision, the drains, the
+    holds. Ids derive from the trigger's, so the same decision is the same events."""
+    tid = trigger.id
+    correlation = trigger.correlation or tid
+    decided_id = ids.derived(tid, "decided")
+    decided = ev.make(
+        bounded(decision.to_event_data(tid)),
+        id=decided_id,
+        time=now,
+        source=SOURCE,
+        causation=tid,
+        correlation=correlation,
+    )
+    mk = _Maker(tid, decided_id, correlation, now)
+    return (
+        (decided, None),
+        *(
+            mk.drain(v.replica, v.model, v.node, decision.model, drain_grace_s)
+            for v in decision.victims
+        ),
+        *(mk.hold(h) for h in decision.holds),
+    )
+
+
+def missing(
+    view: View,
+    decided: ev.PreemptionDecidedEvent,
+    now: datetime,
+    drain_grace_s: float = DRAIN_GRACE_S,
+) -> tuple[Outgoing, ...]:
+    """The events of an earlier decision the view does not show yet.
+
+    Published in order (decision, drains, holds) on one connection, a crash leaves a
+    prefix of them stored: a drain is missing when its replica was never asked to stop;
+    a hold when the view holds none from this decision and it could still matter (it
+    has not ended by `View.hold_end`'s rule).
+    """
+    tid = decided.data.trigger
+    d = decided.data
+    mk = _Maker(tid, decided.id, decided.correlation or tid, now)
+    out: list[Outgoing] = []
+    for v in d.victims:
+        r = view.state.replicas.get(v.replica)
+        if r is None or r.drained_by is not None or not r.holds_capacity or not r.shards:
+            continue
+        out.append(mk.drain(v.replica, v.model, r.shards[0].node, d.for_model, drain_grace_s))
+    for h in d.holds:
+        held = view.state.holds.get(h.model)
+        if held is not None and held.created_by == mk.hold_id(h.model):
+            continue
+        if view.hold_end(h.for_model, h.until, now) is not None:
+            continue
+        out.append(mk.hold(h))
+    return tuple(out)
+
+
+def releases(
+    view: View, now: datetime, *, pending: Container[str] = ()
+) -> list[ev.HoldReleasedEvent]:
+    """A `hold.released` for every hold in the view that has ended by `View.hold_end`,
+    its id derived from the hold's; those whose id is in `pending` (sent, not yet folded)
+    are left out."""
+    out: list[ev.HoldReleasedEvent] = []
+    for h in view.state.holds.values():
+        rid = ids.derived(h.created_by, "released")
+        if rid in pending:
+            continue
+        reason = view.hold_end(h.for_model, h.until, now)
+        if reason is None:
+            continue
+        e = ev.make(
+            ev.HoldReleased(model=h.model, reason=reason),
+            id=rid,
+            time=now,
+            source=SOURCE,
+            causation=h.created_by,
+        )
+        assert isinstance(e, ev.HoldReleasedEvent)
+        out.append(e)
+    return out
+
+
+def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
+    """The decision with its candidate and exclusion lists cut to the first SHOWN of each.
+
+    `considered` keeps the whole count, and every victim and trial is among the first
+    candidates, so the cut loses only replicas the policy never reached.
+    """
+    if len(data.candidates) <= SHOWN and len(data.excluded) <= SHOWN:
+        return data
+    return msgspec.structs.replace(
+        data, candidates=data.candidates[:SHOWN], excluded=data.excluded[:SHOWN]
+    )
+
+
+class _Maker:
+    """Makes the drains and holds of one decision, stamped with its ids and time."""
+
+    __slots__ = ("correlation", "decided_id", "now", "tid")
+
+    def __init__(self, tid: str, decided_id: str, correlation: str, now: datetime) -> None:
+        self.tid = tid
+        self.decided_id = decided_id
+        self.correlation = correlation
+        self.now = now
+
+    def drain(
+        self, replica: str, model: str, node: str, for_model: str, grace_s: float
+    ) -> Outgoing:
+        e = ev.make(
+            ev.ReplicaDrain(
+                replica=replica,
+                model=model,
+                reason="preempted",
+                for_model=for_model,
+                grace_s=grace_s,
+            ),
+            id=ids.derived(self.tid, f"drain:{replica}"),
+            time=self.now,
+            source=SOURCE,
+            causation=self.decided_id,
+            correlation=self.correlation,
+        )
+        return e, node
+
+    def hold_id(self, model: str) -> str:
+        return ids.derived(self.tid, f"hold:{model}")
+
+    def hold(self, h: ev.HoldSpec) -> Outgoing:
+        e = ev.make(
+            ev.HoldCreated(model=h.model, for_model=h.for_model, until=h.until),
+            id=self.hold_id(h.model),
+            time=self.now,
+            source=SOURCE,
+            causation=self.decided_id,
+            correlation=self.correlation,
+        )
+        return e, None

@@ -1,0 +1,108 @@
+"""Command-line flags made from a service's `Config`, so its knobs are declared once.
+
+Used by `llmgw up` (`services.cli.up`), `python -m services.scheduler` and
+`python -m services.preemption`. A config is a dataclass; each field with a "help"
+entry in its metadata is a flag: its name is the field's, less a trailing `_s`, with
+dashes (`node_timeout_s` is `--node-timeout`), unless the metadata names a "flag"; its
+default and type are the field's. A field whose type is itself such a dataclass (the
+preemption service's `policy`) adds its own fields' flags. Optional metadata: "positive"
+(a float must be more than 0), "least" (an int's floor, 0 by default).
+
+It must stay light: the CLI imports it to print its help, without a broker library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Collection, Iterator
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class _Adder(Protocol):
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def add(parser: _Adder, config: type[Any], *, only: Collection[str] | None = None) -> None:
+    """Add a flag to `parser` (or an argument group) for each field of `config` with help
+    text; with `only`, for those of these names."""
+    for f, default in _fields(config, only):
+        meta = f.metadata
+        kind = type(default)
+        shown = f"{default:g}s" if kind is float else f"{default}"
+        parser.add_argument(
+            meta.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-"),
+            dest=f.name,
+            type=_parser(kind, meta),
+            default=default,
+            metavar="S" if kind is float else "N" if kind is int else "X",
+            help=f"{meta['help']} (default {shown})",
+        )
+
+
+def build(config: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """A `config` from the parsed flags (fields with no flag in `args` keep their
+    defaults); `given` overrides either."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        if f.name in given:
+            values[f.name] = given[f.name]
+        elif _nested(f) is not None:
+            values[f.name] = build(_nested(f), args)  # type: ignore[arg-type]
+        elif "help" in f.metadata and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return config(**values)
+
+
+def _fields(
+    config: type[Any], only: Collection[str] | None
+) -> Iterator[tuple[dataclasses.Field[Any], Any]]:
+    defaults = config()
+    for f in dataclasses.fields(config):
+        inner = _nested(f)
+        if inner is not None:
+            yield from _fields(inner, only)
+        elif "help" in f.metadata and (only is None or f.name in only):
+            yield f, getattr(defaults, f.name)
+
+
+def _nested(f: dataclasses.Field[Any]) -> type[Any] | None:
+    """The dataclass a field holds, when it holds one made by its default factory."""
+    if f.default_factory is dataclasses.MISSING:
+        return None
+    t = f.default_factory
+    return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
+
+
+def _parser(kind: type, meta: Any) -> Any:
+    if kind is float:
+        positive = bool(meta.get("positive", False))
+
+        def seconds(text: str) -> float:
+            try:
+                v = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            if not v >= 0:  # also refuses NaN
+                raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+            if positive and v == 0:
+                raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+            return v
+
+        return seconds
+    if kind is int:
+        least = int(meta.get("least", 0))
+
+        def count(text: str) -> int:
+            try:
+                n = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            if n < least:
+                raise argparse.ArgumentTypeError(f"{text!r} must be at least {least}")
+            return n
+
+        return count
+    return kind
