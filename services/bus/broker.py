@@ -110,10 +110,21 @@ class EmbeddedBroker:
     so clients with reconnect on find the same broker again after a crash test.
     """
 
-    def __init__(self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        server_name: str = "llmgw_embedded",
+        conf_extra: str = "",
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
+        self.server_name = server_name
+        # conf_extra is appended to the config as it is: a `cluster { ... }` block, say.
+        self.conf_extra = conf_extra
         self.monitor_port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -148,11 +159,12 @@ class EmbeddedBroker:
         conf = self.data_dir / CONF_FILE
         conf.write_text(
             "# Written by llmgw for its embedded broker; rewritten at every start.\n"
-            f"server_name: llmgw_embedded\n"
+            f"server_name: {self.server_name}\n"
             f"listen: {_conf_str(f'{self.host}:{self.port}')}\n"
             f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}\n"
             f"max_payload: {MAX_PAYLOAD}\n"
             f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n"
+            f"{self.conf_extra}"
         )
         return conf
 
@@ -160,6 +172,12 @@ class EmbeddedBroker:
         """Start the server, wait until JetStream answers, record and return its URL."""
         if self.running:
             return self.url
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process and return at once; `wait_ready` waits for it. (A server of a
+        cluster is ready only once enough of the others run: start them all, then wait.)"""
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
@@ -178,6 +196,10 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def wait_ready(self, timeout: float = 10.0) -> str:
+        """Wait until JetStream answers (`launch` first); record and return the URL."""
+        assert self._proc is not None and self.port is not None and self.monitor_port is not None
         deadline = time.monotonic() + timeout
         while True:
             rc = self._proc.poll()
