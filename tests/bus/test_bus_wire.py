@@ -14,7 +14,7 @@ from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Publisher, connect, consume, ensure_streams, ordered, wire
+from services.bus import Publisher, connect, consume, ensure_streams, free_port, ordered, wire
 from services.bus.connection import JetStream
 from services.bus.consume import Delivery, read_ordered, read_range
 from services.bus.errors import SequenceGap
@@ -305,3 +305,22 @@ async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
     finally:
         nats_server.start()
         await nc.close()
+
+
+async def test_the_wire_reader_tries_the_next_server_when_one_is_down(js, events):
+    await Publisher(js).publish_many(events(20))
+    (host, port) = js.target.servers[0]
+    dead = dataclasses.replace(js.target, servers=((host, free_port()), (host, port)))
+    r = wire.WireOrderedReader(
+        js,
+        dead,
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=True,
+        stop=None,
+        batch_max=100,
+    )
+    assert [d.seq async for b in r.batches() for d in b] == list(range(1, 21))
+    assert r.server == 1
