@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +53,11 @@ def resolve_url(explicit: str | None, data_dir: Path | None = None) -> str | Non
 # OPTIONS_NOT_ON_THE_WIRE are nats-py options the wire reader does not speak: a client
 # given any of them reads through nats-py.
 OPTIONS_NOT_ON_THE_WIRE = (
-    "tls",
     "user_credentials",
     "nkeys_seed",
     "nkeys_seed_str",
     "signature_cb",
+    "tls_handshake_first",
 )
 
 
@@ -71,6 +72,8 @@ class Target:
     password: str | None = None
     token: str | None = None
     api_prefix: str = DEFAULT_PREFIX
+    tls: ssl.SSLContext | None = None
+    tls_hostname: str | None = None
     unsupported: str = ""
 
     def auth(self) -> dict[str, str]:
@@ -98,11 +101,15 @@ def target_of(
 ) -> Target:
     """The `Target` of a client connected with these arguments. Credentials in a URL
     (`nats://user:pass@host`, `nats://token@host`) count when none are given apart."""
+    opts = options or {}
+    tls = opts.get("tls")
     where: list[tuple[str, int]] = []
     unsupported = ""
     for u in servers:
         parts = urlsplit(u if "://" in u else "nats://" + u)
-        if parts.scheme not in ("nats", ""):
+        if parts.scheme == "tls" and tls is None:
+            tls = ssl.create_default_context()  # as nats-py does for a tls:// URL
+        elif parts.scheme not in ("nats", "tls", ""):
             unsupported = unsupported or f"scheme {parts.scheme}"
         where.append((parts.hostname or "127.0.0.1", parts.port or 4222))
         if user is None and token is None and parts.username:
@@ -111,9 +118,20 @@ def target_of(
             else:
                 token = unquote(parts.username)
     for key in OPTIONS_NOT_ON_THE_WIRE:
-        if (options or {}).get(key):
+        if opts.get(key):
             unsupported = unsupported or key
-    return Target(tuple(where), user, password, token, unsupported=unsupported)
+    if tls is not None and not isinstance(tls, ssl.SSLContext):
+        unsupported = unsupported or "tls given as something other than an SSLContext"
+        tls = None
+    return Target(
+        tuple(where),
+        user,
+        password,
+        token,
+        tls=tls,
+        tls_hostname=opts.get("tls_hostname"),
+        unsupported=unsupported,
+    )
 
 
 class JetStream(JetStreamContext):

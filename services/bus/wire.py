@@ -18,9 +18,11 @@ nats-py reader: nothing past a gap is handed on, and with no filter a stream gap
 `SequenceGap`.
 
 Where to connect, with which credentials and under which JetStream API prefix comes in
-explicitly, as the `connection.Target` that `bus.connect` recorded. Not supported
-(`consume` picks the nats-py reader instead): TLS, credentials files, nkeys; a server that
-asks for TLS or a nonce signature makes this reader hand over to the nats-py one.
+explicitly, as the `connection.Target` that `bus.connect` recorded, TLS context included
+(the connection is upgraded after the server's INFO). Not supported (`consume` picks the
+nats-py reader instead): credentials files, nkeys; a server that asks for a nonce
+signature, or for TLS from a client given no context, makes this reader hand over to the
+nats-py one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import itertools
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -95,7 +98,10 @@ class WireConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._rest = b""
         self._waiter: asyncio.Future[None] | None = None
-        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._info: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._tls = False
         self._handshake = True
         self._auth: dict[str, str] = {}
         self._inbox = "_INBOX." + secrets.token_hex(11)
@@ -105,14 +111,32 @@ class WireConnection(asyncio.Protocol):
 
     @classmethod
     async def open(
-        cls, host: str, port: int, auth: dict[str, str], name: str, timeout_s: float = 2.0
+        cls,
+        host: str,
+        port: int,
+        auth: dict[str, str],
+        name: str,
+        timeout_s: float = 2.0,
+        tls: ssl.SSLContext | None = None,
+        tls_hostname: str | None = None,
     ) -> WireConnection:
+        """A connection after its handshake; with `tls`, upgraded to TLS after the
+        server's INFO, as NATS does it."""
         loop = asyncio.get_running_loop()
         conn = cls(name)
         conn._auth = auth
+        conn._tls = tls is not None
         async with asyncio.timeout(timeout_s):
-            await loop.create_connection(lambda: conn, host, port)
+            transport, _ = await loop.create_connection(lambda: conn, host, port)
             try:
+                if tls is not None:
+                    await conn._info
+                    upgraded = await loop.start_tls(
+                        transport, conn, tls, server_hostname=tls_hostname or host
+                    )
+                    assert isinstance(upgraded, asyncio.Transport)
+                    conn._transport = upgraded
+                    conn._send_connect()
                 await conn._ready
             except BaseException:
                 conn.close()
@@ -128,8 +152,7 @@ class WireConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self._ready.done():
-            self._ready.set_exception(ConnectionError(f"closed during handshake: {exc}"))
+        self._fail(ConnectionError(f"closed during handshake: {exc}"))
         for f in self._requests.values():
             if not f.done():
                 f.set_exception(ConnectionError("connection lost"))
@@ -198,14 +221,34 @@ class WireConnection(asyncio.Protocol):
                 self._on_info(_json.decode(line[5:]))
         elif line.startswith(b"-ERR"):
             log.warning("nats %s: server error: %s", self.name, line[5:].decode(errors="replace"))
-            if self._handshake and not self._ready.done():
-                self._ready.set_exception(ConnectionError(line.decode(errors="replace")))
+            if self._handshake:
+                self._fail(ConnectionError(line.decode(errors="replace")))
 
     def _on_info(self, info: dict[str, Any]) -> None:
-        if info.get("tls_required") or info.get("nonce"):
-            if not self._ready.done():
-                self._ready.set_exception(Unsupported("server asks for TLS or a nonce"))
+        why = ""
+        if info.get("nonce"):
+            why = "server asks for a nonce signature"
+        elif info.get("tls_required") and not self._tls:
+            why = "server asks for TLS, and the client was given no TLS context"
+        if why:
+            self._fail(Unsupported(why))
             return
+        if self._tls:
+            if not (info.get("tls_required") or info.get("tls_available")):
+                self._fail(ConnectionError("TLS asked for; the server has none"))
+            elif not self._info.done():
+                self._info.set_result(info)  # `open` upgrades, then sends CONNECT
+            return
+        self._send_connect()
+
+    def _fail(self, e: Exception) -> None:
+        """Fail the handshake step `open` awaits now: the INFO of a TLS connection, else
+        the end of the handshake."""
+        f = self._info if self._tls and not self._info.done() else self._ready
+        if not f.done():
+            f.set_exception(e)
+
+    def _send_connect(self) -> None:
         opts: dict[str, Any] = {
             "verbose": False,
             "pedantic": False,
@@ -361,7 +404,14 @@ class WireOrderedReader:
         while True:
             host, port = servers[self.server]
             try:
-                return await WireConnection.open(host, port, auth, "llmgw-reader")
+                return await WireConnection.open(
+                    host,
+                    port,
+                    auth,
+                    "llmgw-reader",
+                    tls=self.target.tls,
+                    tls_hostname=self.target.tls_hostname,
+                )
             except Unsupported:
                 raise
             except (OSError, TimeoutError, ConnectionError) as e:

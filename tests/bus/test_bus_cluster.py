@@ -93,6 +93,9 @@ def test_the_target_carries_credentials_and_what_the_wire_cannot_speak():
     assert t.auth() == {"user": "alice", "pass": "s@cret"}
     assert target_of(["nats://tok@h"]).auth() == {"auth_token": "tok"}
     assert target_of(["h"], token="t2").auth() == {"auth_token": "t2"}
-    assert target_of(["tls://h:1"]).unsupported == "scheme tls"
-    assert target_of(["h"], options={"tls": object()}).unsupported == "tls"
+    tls = target_of(["tls://h:1"])
+    assert tls.tls is not None and tls.unsupported == ""
+    assert target_of(["ws://h:1"]).unsupported == "scheme ws"
+    assert target_of(["h"], options={"nkeys_seed": "s"}).unsupported == "nkeys_seed"
+    assert "SSLContext" in target_of(["h"], options={"tls": object()}).unsupported
     assert target_of(["h"]).unsupported == "" and wire.enabled()

@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import ssl
 import time
+from pathlib import Path
 
 import pytest
 from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Publisher, connect, consume, ensure_streams, free_port, ordered, wire
+from services.bus import (
+    EmbeddedBroker,
+    Publisher,
+    connect,
+    consume,
+    ensure_streams,
+    free_port,
+    ordered,
+    wire,
+)
 from services.bus.connection import JetStream
 from services.bus.consume import Delivery, read_ordered, read_range
 from services.bus.errors import SequenceGap
@@ -33,6 +45,20 @@ def _reader(js, **kw) -> wire.WireOrderedReader:
     )
     args.update(kw)
     return wire.WireOrderedReader(js, js.target, **args)  # type: ignore[arg-type]
+
+
+def _kw(**kw):
+    args = dict(
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=False,
+        stop=None,
+        batch_max=10,
+    )
+    args.update(kw)
+    return args
 
 
 def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
@@ -60,7 +86,7 @@ def test_what_the_wire_does_not_speak_reads_through_nats_py(js, nc):
         stop=None,
         batch_max=10,
     )
-    tls = JetStream(nc, dataclasses.replace(js.target, unsupported="tls"))
+    tls = JetStream(nc, dataclasses.replace(js.target, unsupported="nkeys_seed"))
     assert isinstance(consume._reader(tls, **kw), ordered.NatsOrderedReader)
     plain = JetStreamContext(nc)  # not made by bus.connect: nobody said where to connect
     assert isinstance(consume._reader(plain, **kw), ordered.NatsOrderedReader)
@@ -324,3 +350,25 @@ async def test_the_wire_reader_tries_the_next_server_when_one_is_down(js, events
     )
     assert [d.seq async for b in r.batches() for d in b] == list(range(1, 21))
     assert r.server == 1
+
+
+@pytest.mark.timeout(60)
+async def test_the_wire_reader_speaks_tls(tmp_path, events, caplog):
+    """A broker that asks for TLS, with the test-only certificate in tests/bus/tls."""
+    caplog.set_level(logging.INFO, "llmgw.bus")
+    tls = Path(__file__).parent / "tls"
+    conf = f'tls {{\n  cert_file: "{tls / "cert.pem"}"\n  key_file: "{tls / "key.pem"}"\n}}\n'
+    with EmbeddedBroker(tmp_path / "tls-broker", conf_extra=conf) as broker:
+        ctx = ssl.create_default_context(cafile=str(tls / "cert.pem"))
+        nc = await connect(broker.url, "t", tls=ctx)
+        try:
+            js = nc.jetstream()
+            assert js.target.tls is ctx and not js.target.unsupported
+            await ensure_streams(js)
+            await Publisher(js).publish_many(events(50))
+            r = _reader(js, to_end=True)
+            assert isinstance(consume._reader(js, **_kw(to_end=True)), wire.WireOrderedReader)
+            assert [d.seq async for b in r.batches() for d in b] == list(range(1, 51))
+            assert not [x for x in caplog.records if "through nats-py" in x.getMessage()]
+        finally:
+            await nc.close()
