@@ -1,91 +1,187 @@
-"""JSONL bundles: one event a line, each an envelope plus `seq` and `subject`.
+"""JSONL bundles: one stored message a line, its stream `seq` and `subject` in front.
 
-Written by `llmgw events export`, read by import, replay and the offline tools. Reading
-and writing stream line by line, so a bundle of any size never sits in memory. A line is
-the stored message body with `seq` and `subject` put in front, byte for byte otherwise,
-so export -> import -> export gives the same file.
+The one reader and writer of bundles: `llmgw events export` writes with `line`, and
+import, replay (`services.replay.source`) and `llmgw preemption plan` read with `read`,
+so no two of them can disagree about a line. Reading streams line by line, so a bundle of
+any size never sits in memory. Pure: no I/O beyond the bundle file, and it never judges
+whether a body is a valid event; that is the codec's job.
+
+Two shapes of line, both one JSON document on one UTF-8 line:
+- `{"seq":N,"subject":S,...}`: a body that is a compact JSON object (every event the
+  codec writes) follows the position with its own fields, byte for byte, so the line
+  decodes as the event itself and export -> import -> export gives the same file;
+- `{"seq":N,"subject":S,"body_b64":B}`: any other body (garbage the consumers
+  dead-letter, a body with newlines, or one that would read back otherwise), as base64.
+  A log keeps such a message at its sequence, and so must a bundle, or a re-import would
+  shift every sequence after it.
+Lines written by other tools (spaces, another key order) are read as JSON documents.
 """
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, NamedTuple, cast
 
 import msgspec
 
 from schemas.errors import BundleError
 
+RAW_KEY = "body_b64"
+
+
+class _Probe(msgspec.Struct):
+    """The fields of a body that would read back as part of the position."""
+
+    seq: Any = msgspec.UNSET
+    subject: Any = msgspec.UNSET
+    body_b64: Any = msgspec.UNSET
+
+
+_probe = msgspec.json.Decoder(_Probe)
+_doc = msgspec.json.Decoder(dict[str, Any])
+_str = msgspec.json.Decoder(str)
+_encoder = msgspec.json.Encoder()
+
+# _HEAD is the position `line` writes first on every line. Read with a pattern, not a
+# parse, so the body after it keeps its bytes (a re-encode would re-escape strings) and a
+# line costs no more than the event's own decode. The subject may hold JSON escapes.
+_HEAD = re.compile(rb'\{"seq":(\d+),"subject":("[^"\\]*(?:\\.[^"\\]*)*")')
+
+
+class Line(NamedTuple):
+    """One bundle line: its position, the stored body exactly, and where it was read."""
+
+    seq: int
+    subject: str
+    body: bytes
+    lineno: int
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def inline(body: bytes) -> bool:
+    """Whether `body` is written after the position as it is: one compact JSON object
+    (`{"` or `{}` first, `}` last), UTF-8, on one line, that reads back as itself."""
+    if body[:1] != b"{" or body[1:2] not in (b'"', b"}") or body[-1:] != b"}":
+        return False
+    if b"\n" in body or b"\r" in body:
+        return False
+    try:
+        p = _probe.decode(body)
+        if not body.isascii():
+            body.decode()
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False
+    # Invariant: a line has one seq, one subject and no body_b64 beside a body's fields;
+    # a body with its own would read back otherwise.
+    return p.seq is msgspec.UNSET and p.subject is msgspec.UNSET and p.body_b64 is msgspec.UNSET
+
+
+def line(seq: int, subject: str, body: bytes) -> bytes:
+    """The bundle line (without newline) for a stored message, whatever its body."""
+    head = b'{"seq":%d,"subject":%s' % (seq, _encoder.encode(subject))
+    if not inline(body):
+        return b'%s,"%s":"%s"}' % (head, RAW_KEY.encode(), base64.b64encode(body))
+    if body[1:2] == b"}":
+        return head + body[1:]
+    return head + b"," + body[1:]
+
+
+# ---------------------------------------------------------------------- reading
+
 
 class _Position(msgspec.Struct):
     seq: int
     subject: str
+    body_b64: Any = None
 
 
 _position = msgspec.json.Decoder(_Position)
-_strip = msgspec.json.Decoder(dict[str, Any])
-_encoder = msgspec.json.Encoder()
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One line of a bundle. `line` is the whole line; it decodes as the event itself,
-    since the envelope decoder ignores the extra `seq` and `subject`."""
-
-    seq: int
-    subject: str
-    line: bytes
-    lineno: int
-
-    def body(self) -> bytes:
-        """The message body as it was stored on the stream (without seq and subject)."""
-        doc = _strip.decode(self.line)
-        doc.pop("seq", None)
-        doc.pop("subject", None)
-        return _encoder.encode(doc)
-
-
-def line_for(seq: int, subject: str, body: bytes) -> bytes:
-    """The bundle line for a stored message (its body a JSON object), without newline."""
-    head = b'{"seq":%d,"subject":%s' % (seq, _encoder.encode(subject))
-    rest = body.lstrip()
-    if not rest.startswith(b"{"):
-        raise ValueError("a bundle line's body must be a JSON object")
-    rest = rest[1:].lstrip()
-    return head + (b"}" if rest.startswith(b"}") else b"," + rest)
-
-
-class Writer:
-    """Appends lines to an open binary file."""
-
-    def __init__(self, fp: IO[bytes]) -> None:
-        self._fp = fp
-        self.count = 0
-        self.last_seq = 0
-
-    def write(self, seq: int, subject: str, body: bytes) -> None:
-        self._fp.write(line_for(seq, subject, body) + b"\n")
-        self.count += 1
-        self.last_seq = seq
-
-
-def read(path: str) -> Iterator[Record]:
-    """The records of a bundle file in order; `BundleError` names the line of a bad one."""
+def read(path: str) -> Iterator[Line]:
+    """The lines of a bundle file in order, with their exact stored bodies (import);
+    `BundleError` names FILE:LINE of a bad one."""
     with open(path, "rb") as fp:
         yield from read_lines(fp, path)
 
 
-def read_lines(fp: IO[bytes], name: str = "<bundle>") -> Iterator[Record]:
+def read_lines(fp: IO[bytes], name: str = "<bundle>") -> Iterator[Line]:
+    """`read` of an open binary file; `name` is the FILE of error messages."""
+    return cast("Iterator[Line]", _scan(fp, name, True))
+
+
+def records(path: str) -> Iterator[tuple[int, str, bytes]]:
+    """(seq, subject, data) of each line of a bundle file, where `data` decodes exactly as
+    the stored body does: the line itself when the body is inline (the envelope decoder
+    skips `seq` and `subject`), which spares a copy a line (replay); else the body."""
+    with open(path, "rb") as fp:
+        yield from _scan(fp, path, False)
+
+
+def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
+    """Each line as a `Line` with the exact body (`exact`), else as (seq, subject, data).
+
+    A line without a position, or whose sequence does not rise, is a broken bundle: no
+    sequence after it can be trusted. A line whose body is not a valid event is not: the
+    codec judges that where the line is used (replay skips it at its sequence, import
+    refuses it unless told to keep it)."""
     last = 0
-    for lineno, line in enumerate(fp, start=1):
-        line = line.rstrip(b"\r\n")
-        if not line.strip():
-            continue
+    decode = _position.decode
+    for lineno, raw in enumerate(fp, start=1):
+        raw = raw.rstrip(b"\r\n")
         try:
-            pos = _position.decode(line)
+            pos = decode(raw)
         except msgspec.MsgspecError as e:
-            raise BundleError(name, lineno, f"not a bundle line ({e})") from e
-        if pos.seq <= last:
-            raise BundleError(name, lineno, f"seq {pos.seq} does not follow {last}")
-        last = pos.seq
-        yield Record(pos.seq, pos.subject, line, lineno)
+            if not raw.strip():
+                continue
+            # Not JSON after all: a position in front still places it (as an undecodable
+            # event); nothing in front is a broken bundle.
+            m = _HEAD.match(raw)
+            if m is None:
+                raise BundleError(name, lineno, f"not a bundle line ({e})") from None
+            seq, subject = int(m[1]), _str.decode(m[2])
+            data = _body_after(raw, m.end()) if exact else raw
+        else:
+            seq, subject, data = pos.seq, pos.subject, raw
+            if pos.body_b64 is not None:
+                seq, subject, data = _parse(raw, name, lineno)
+            elif exact:
+                m = _HEAD.match(raw)
+                if m is not None and raw[m.end() : m.end() + 1] in (b",", b"}"):
+                    data = _body_after(raw, m.end())
+                else:  # written by something else (spaces, another key order)
+                    seq, subject, data = _parse(raw, name, lineno)
+        if seq <= last:
+            if seq < 1:
+                raise BundleError(name, lineno, f"seq {seq}: sequences start at 1")
+            raise BundleError(name, lineno, f"seq {seq} does not follow {last}")
+        last = seq
+        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data)
+
+
+def _body_after(raw: bytes, end: int) -> bytes:
+    """The inline body of a line whose position ends at `end`: `line` undone."""
+    return b"{" + (raw[end + 1 :] if raw[end : end + 1] == b"," else raw[end:])
+
+
+def _parse(raw: bytes, name: str, lineno: int) -> tuple[int, str, bytes]:
+    """(seq, subject, body) of a line read as one JSON document: a body_b64 line, or one
+    written by something else."""
+    try:
+        doc = _doc.decode(raw)
+    except msgspec.MsgspecError as e:
+        raise BundleError(name, lineno, f"not a bundle line ({e})") from None
+    seq, subject = doc.pop("seq", None), doc.pop("subject", None)
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(subject, str):
+        raise BundleError(name, lineno, "not a bundle line (it needs an integer seq and a subject)")
+    raw_body = doc.get(RAW_KEY)
+    if isinstance(raw_body, str) and len(doc) == 1:
+        try:
+            return seq, subject, base64.b64decode(raw_body, validate=True)
+        except ValueError as e:
+            raise BundleError(name, lineno, f"{RAW_KEY} is not base64 ({e})") from None
+    return seq, subject, _encoder.encode(doc)

@@ -295,9 +295,8 @@ class Scenario:
         """The log as a JSONL bundle; returns the path."""
         p = Path(path)
         with p.open("wb") as fp:
-            w = bundle.Writer(fp)
             for seq, subject, e in self._events:
-                w.write(seq, subject, codec.encode(e))
+                fp.write(bundle.line(seq, subject, codec.encode(e)) + b"\n")
         return p
 
     def _profile_for(self, model: str, shards: tuple[ev.ShardSpec, ...]) -> str:

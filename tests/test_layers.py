@@ -29,15 +29,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("schemas", "services")
 
-# KNOWN_CYCLES are the cycles the tree has today, each (graph, its members), each on its
-# way out. While an entry is here its own check is expected to fail and the general check
-# passes over it. Once the cycle is gone its check passes, which a strict xfail reports as
-# a failure: then delete the entry, and the general check keeps the cycle from coming back.
-KNOWN_CYCLES: list[tuple[str, frozenset[str]]] = [
-    ("modules", frozenset({"services.bus.consume", "services.bus.wire"})),
-]
-KNOWN_REASON = "cycle removed by the ingest/follow and wire-reader work"
-
 
 # ----------------------------------------------------------------------------- the graph
 
@@ -223,26 +214,7 @@ def graphs() -> dict[str, Graph]:
 @pytest.mark.parametrize("kind", ["modules", "packages"])
 def test_no_cycles(kind: str, graphs: dict[str, Graph]) -> None:
     graph = graphs[kind]
-    tangles = [t for t in graph.tangles() if (kind, t) not in KNOWN_CYCLES]
-    assert not tangles, f"import cycles among {kind}:\n" + "\n".join(map(graph.explain, tangles))
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("kind", "members"),
-    [
-        pytest.param(
-            kind,
-            members,
-            id=f"{kind}: {' <-> '.join(sorted(members))}",
-            marks=pytest.mark.xfail(strict=True, reason=KNOWN_REASON),
-        )
-        for kind, members in KNOWN_CYCLES
-    ],
-)
-def test_known_cycle_is_gone(kind: str, members: frozenset[str], graphs: dict[str, Graph]) -> None:
-    graph = graphs[kind]
-    tangles = [t for t in graph.tangles() if t & members]
+    tangles = graph.tangles()
     assert not tangles, f"import cycles among {kind}:\n" + "\n".join(map(graph.explain, tangles))
 
 

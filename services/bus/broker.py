@@ -223,10 +223,15 @@ class EmbeddedBroker:
         host: str = "127.0.0.1",
         *,
         auth: bool = False,
+        server_name: str = "llmgw_embedded",
+        conf_extra: str = "",
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
+        self.server_name = server_name
+        # conf_extra is appended to the config as it is: a `cluster { ... }` block, say.
+        self.conf_extra = conf_extra
         self.monitor_port: int | None = None
         self._password = password(self.data_dir) if auth else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -281,11 +286,12 @@ class EmbeddedBroker:
         _write_private(
             conf,
             "# Written by llmgw for its embedded broker; rewritten at every start.\n"
-            f"server_name: llmgw_embedded\n"
+            f"server_name: {self.server_name}\n"
             f"listen: {_conf_str(f'{self.host}:{self.port}')}\n"
             f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}\n"
             f"max_payload: {MAX_PAYLOAD}\n"
-            f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n" + auth,
+            f"jetstream {{\n  store_dir: {_conf_str(str(self.store_dir))}\n}}\n"
+            f"{self.conf_extra}" + auth,
         )
         return conf
 
@@ -293,6 +299,12 @@ class EmbeddedBroker:
         """Start the server, wait until JetStream answers, record and return its URL."""
         if self.running:
             return self.url
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process and return at once; `wait_ready` waits for it. (A server of a
+        cluster is ready only once enough of the others run: start them all, then wait.)"""
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
@@ -311,6 +323,10 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def wait_ready(self, timeout: float = 10.0) -> str:
+        """Wait until JetStream answers (`launch` first); record and return the URL."""
+        assert self._proc is not None and self.port is not None and self.monitor_port is not None
         deadline = time.monotonic() + timeout
         while True:
             rc = self._proc.poll()

@@ -3,19 +3,32 @@
 Every service and CLI command connects through `connect`. It must not start a broker
 (`llmgw up` does that, explicitly) and must not print tracebacks for the connection's
 ordinary life (disconnects, reconnects): one log line each.
+
+`connect` takes every server of a cluster (a list, or one string of comma-separated
+URLs) and fails over between them. What a reader needs to open a connection of its own
+(the wire reader: the servers, the credentials, the JetStream API prefix) it records as
+a `Target` on the client and on each JetStream context the client makes, so nobody has
+to read it back out of nats-py's private attributes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
 from nats.aio.client import Client
+from nats.js.api import DEFAULT_PREFIX
+from nats.js.client import JetStreamContext
 
 from services.bus.broker import read_url
 from services.bus.errors import BrokerUnavailable
@@ -37,18 +50,134 @@ def resolve_url(explicit: str | None, data_dir: Path | None = None) -> str | Non
     return None
 
 
+# OPTIONS_NOT_ON_THE_WIRE are nats-py options the wire reader does not speak: a client
+# given any of them reads through nats-py.
+OPTIONS_NOT_ON_THE_WIRE = (
+    "user_credentials",
+    "nkeys_seed",
+    "nkeys_seed_str",
+    "signature_cb",
+    "tls_handshake_first",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where and how a client reaches the broker, for a reader that opens a connection of
+    its own: every server in the order given, the credentials, the JetStream API prefix.
+    `unsupported` says what the wire reader cannot speak ("" when it can)."""
+
+    servers: tuple[tuple[str, int], ...]
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    api_prefix: str = DEFAULT_PREFIX
+    tls: ssl.SSLContext | None = None
+    tls_hostname: str | None = None
+    unsupported: str = ""
+    inbox_prefix: str = "_INBOX"
+    """Where replies come back: an agent's permissions allow only its own (`_INBOX_<node>`)."""
+
+    def auth(self) -> dict[str, str]:
+        """The credential fields of a NATS CONNECT."""
+        if self.user is not None:
+            return {"user": self.user, "pass": self.password or ""}
+        if self.token is not None:
+            return {"auth_token": self.token}
+        return {}
+
+
+def servers_of(url: str | Sequence[str]) -> list[str]:
+    """The server URLs of `url`: a list, or one string of comma-separated URLs."""
+    urls = [url] if isinstance(url, str) else list(url)
+    return [u.strip() for text in urls for u in text.split(",") if u.strip()]
+
+
+def target_of(
+    servers: Sequence[str],
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Target:
+    """The `Target` of a client connected with these arguments. Credentials in a URL
+    (`nats://user:pass@host`, `nats://token@host`) count when none are given apart."""
+    opts = options or {}
+    tls = opts.get("tls")
+    where: list[tuple[str, int]] = []
+    unsupported = ""
+    for u in servers:
+        parts = urlsplit(u if "://" in u else "nats://" + u)
+        if parts.scheme == "tls" and tls is None:
+            tls = ssl.create_default_context()  # as nats-py does for a tls:// URL
+        elif parts.scheme not in ("nats", "tls", ""):
+            unsupported = unsupported or f"scheme {parts.scheme}"
+        where.append((parts.hostname or "127.0.0.1", parts.port or 4222))
+        if user is None and token is None and parts.username:
+            if parts.password is not None:
+                user, password = unquote(parts.username), unquote(parts.password)
+            else:
+                token = unquote(parts.username)
+    for key in OPTIONS_NOT_ON_THE_WIRE:
+        if opts.get(key):
+            unsupported = unsupported or key
+    if tls is not None and not isinstance(tls, ssl.SSLContext):
+        unsupported = unsupported or "tls given as something other than an SSLContext"
+        tls = None
+    return Target(
+        tuple(where),
+        user,
+        password,
+        token,
+        tls=tls,
+        tls_hostname=opts.get("tls_hostname"),
+        unsupported=unsupported,
+        inbox_prefix=str(opts.get("inbox_prefix") or "_INBOX"),
+    )
+
+
+class JetStream(JetStreamContext):
+    """nats-py's JetStream context, with the `Target` readers of its own connection need."""
+
+    def __init__(self, conn: Client, target: Target, **opts: Any) -> None:
+        super().__init__(conn, **opts)
+        domain = opts.get("domain")
+        prefix = f"$JS.{domain}.API" if domain is not None else opts.get("prefix", DEFAULT_PREFIX)
+        self.target = dataclasses.replace(target, api_prefix=prefix)
+
+
+class BusClient(Client):
+    """nats-py's client, made by `connect`, which knows its `Target`."""
+
+    def __init__(self, target: Target) -> None:
+        super().__init__()
+        self.target = target
+
+    def jetstream(self, **opts: Any) -> JetStream:
+        return JetStream(self, self.target, **opts)
+
+
 async def connect(
-    url: str,
+    url: str | Sequence[str],
     name: str,
     *,
     connect_timeout: float = 2.0,
     reconnect_wait_s: float = 0.5,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
     **options: Any,
-) -> Client:
-    """A connection to the broker at `url`, or `BrokerUnavailable` if nobody answers now.
+) -> BusClient:
+    """A connection to the broker at `url` (a cluster: a list of URLs, or one string of
+    comma-separated ones), or `BrokerUnavailable` if nobody answers now.
 
-    Once connected it reconnects forever: a broker restart is a pause, not a crash.
+    Once connected it reconnects forever, to any of the servers: a broker restart, or the
+    loss of one server of a cluster, is a pause, not a crash. `options` go to nats-py
+    (`tls`, `user_credentials`, `dont_randomize`, ...).
     """
+    servers = servers_of(url)
+    shown = ",".join(servers)
     initial = True
 
     async def on_error(e: Exception) -> None:
@@ -59,21 +188,26 @@ async def connect(
     async def on_disconnected() -> None:
         # A disconnect we asked for (close) is not news.
         if not (nc.is_closed or nc.is_draining):
-            log.warning("nats %s: disconnected from %s", name, url)
+            log.warning("nats %s: disconnected from %s", name, shown)
 
     async def on_reconnected() -> None:
         log.info(
             "nats %s: reconnected to %s",
             name,
-            nc.connected_url.geturl() if nc.connected_url else url,
+            nc.connected_url.geturl() if nc.connected_url else shown,
         )
 
-    nc = Client()
+    auth: dict[str, Any] = {}
+    if user is not None:
+        auth = {"user": user, "password": password}
+    elif token is not None:
+        auth = {"token": token}
+    nc = BusClient(target_of(servers, user=user, password=password, token=token, options=options))
     try:
-        # The first connect gets one retry: nats-py's own loop, with reconnect forever,
-        # would retry a dead address forever instead of telling the user.
+        # The first connect tries each server once more at most: nats-py's own loop, with
+        # reconnect forever, would retry dead addresses forever instead of telling the user.
         await nc.connect(
-            servers=[url],
+            servers=servers,
             name=name,
             connect_timeout=connect_timeout,  # type: ignore[arg-type]
             allow_reconnect=False,
@@ -82,12 +216,13 @@ async def connect(
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
+            **auth,
             **options,
         )
     except (OSError, TimeoutError, nats.errors.Error) as e:
         with_reason = str(e) or type(e).__name__
         await _quiet_close(nc)
-        raise BrokerUnavailable(url, with_reason) from e
+        raise BrokerUnavailable(shown, with_reason) from e
     nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = -1
     initial = False

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -33,67 +33,20 @@ from opentelemetry import trace
 from schemas import codec, subjects
 from schemas.errors import EventDecodeError
 from schemas.events import Event
-from services.bus import tracing
-from services.bus.errors import Permanent, Retry, SequenceGap
+from services.bus import ordered, tracing, wire
+from services.bus.connection import JetStream
+from services.bus.errors import Permanent, Retry
+from services.bus.ordered import BATCH_MAX as BATCH_MAX
+from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
+from services.bus.ordered import Delivery as Delivery
 
 log = logging.getLogger("llmgw.bus")
 
 # ------------------------------------------------------------------ deliveries
 
 
-class Delivery:
-    """One message as a handler sees it: stream sequence, subject, raw bytes, headers.
-
-    `time` is when the stream stored it. `delivered` counts deliveries of this message to
-    this consumer (1 the first time). `pending` is how many matching messages the stream
-    held after this one when it was sent.
-    """
-
-    __slots__ = ("data", "delivered", "headers", "pending", "seq", "subject", "time_ns")
-
-    def __init__(
-        self,
-        seq: int,
-        subject: str,
-        data: bytes,
-        headers: dict[str, str] | None = None,
-        time_ns: int = 0,
-        delivered: int = 1,
-        pending: int = 0,
-    ) -> None:
-        self.seq = seq
-        self.subject = subject
-        self.data = data
-        self.headers = headers
-        self.time_ns = time_ns
-        self.delivered = delivered
-        self.pending = pending
-
-    @property
-    def time(self) -> datetime:
-        return datetime.fromtimestamp(self.time_ns / 1e9, UTC)
-
-    @property
-    def msg_id(self) -> str | None:
-        return self.headers.get("Nats-Msg-Id") if self.headers else None
-
-    def __repr__(self) -> str:
-        return f"Delivery(seq={self.seq}, subject={self.subject!r}, {len(self.data)} bytes)"
-
-
-def _ack_tokens(reply: str) -> tuple[int, int, int, int, int]:
-    """(delivered, stream seq, consumer seq, time ns, pending) from a JetStream reply subject.
-
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ns>.<pending>` (9 tokens), or
-    the newer form with domain and account hash after `ACK` (11 or 12 tokens).
-    """
-    t = reply.split(".")
-    o = 4 if len(t) == 9 else 6
-    return int(t[o]), int(t[o + 1]), int(t[o + 2]), int(t[o + 3]), int(t[o + 4])
-
-
 def delivery_of(msg: Msg) -> Delivery:
-    delivered, sseq, _, ns, pending = _ack_tokens(msg.reply)
+    delivered, sseq, _, ns, pending = ordered.ack_tokens(msg.reply)
     return Delivery(sseq, msg.subject, msg.data, msg.headers, ns, delivered, pending)
 
 
@@ -192,9 +145,9 @@ async def dead_letter(
             subject=subject,
             seq=seq,
             data_b64=base64.b64encode(data[:DLQ_KEEP_BYTES]).decode("ascii"),
-            at=datetime.now(UTC),
             size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
+            at=datetime.now(UTC),
         )
     )
     headers = {
@@ -411,154 +364,6 @@ async def _dead_letter_and_ack(
 
 # ------------------------------------------------------------------ ordered reader
 
-# IDLE_HEARTBEAT_S is how often an idle ordered consumer hears from the server. Two missed
-# and nats-py recreates the consumer from the next sequence: after a broker restart (which
-# forgets ephemeral consumers) a folder resumes in about two of these, not ten seconds.
-IDLE_HEARTBEAT_S = 1.0
-
-# BATCH_MAX bounds how many messages one on_batch call gets. Large enough to amortize the
-# per-call cost (a SQLite transaction, a span); small enough that a view stays fresh.
-BATCH_MAX = 1000
-
-
-class _OrderedReader:
-    """An ordered push consumer whose nats-py callback only appends to a list.
-
-    nats-py answers flow control on arrival, not after the callback: a callback that
-    awaits lets its queue pass the pending limit and drop messages, telling only
-    error_cb. Ours never awaits; the folding happens in the task that drains the list,
-    and every sequence handed on is checked against the one before.
-    """
-
-    def __init__(
-        self,
-        js: JetStreamContext,
-        *,
-        from_seq: int,
-        filter_subject: str | None,
-        stream: str,
-        until_seq: int | None,
-        to_end: bool,
-        stop: asyncio.Event | None,
-        batch_max: int,
-        consumer: str | None = None,
-    ) -> None:
-        self.js = js
-        self.from_seq = max(1, from_seq)
-        self.filter_subject = filter_subject
-        self.stream = stream
-        self.until_seq = until_seq
-        self.to_end = to_end
-        self.stop = stop
-        self.batch_max = batch_max
-        self.name = consumer
-        self._buf: list[Msg] = []
-        self._wake = asyncio.Event()
-        self.last_seq = self.from_seq - 1
-        self._last_dseq = 0
-        self._done = False
-
-    async def _on_msg(self, msg: Msg) -> None:
-        # Invariant: no await here (see the class docstring).
-        self._buf.append(msg)
-        self._wake.set()
-
-    async def batches(self) -> AsyncGenerator[list[Delivery], None]:
-        info = await self.js.stream_info(self.stream)
-        first = info.state.first_seq or 1
-        if self.filter_subject is None and self.from_seq < first:
-            # The log never deletes; a store that starts later was restored that way.
-            self.last_seq = first - 1
-        if self.to_end:
-            # The end is the stream's end as it is now; with a filter, the last matching
-            # message says so itself (its pending count is 0).
-            end = info.state.last_seq
-            self.until_seq = end if self.until_seq is None else min(self.until_seq, end)
-        if self.until_seq is not None and self.until_seq < self.from_seq:
-            return
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self.from_seq,
-            name=self.name,
-        )
-        if self.name:
-            # A consumer's start cannot be changed: one a dead reader left goes first.
-            with contextlib.suppress(nats.errors.Error):
-                await self.js.delete_consumer(self.stream, self.name)
-        sub = await self.js.subscribe(
-            self.filter_subject or ">",
-            stream=self.stream,
-            cb=self._on_msg,
-            ordered_consumer=True,
-            idle_heartbeat=IDLE_HEARTBEAT_S,
-            config=config,
-        )
-        stopper: asyncio.Task[bool] | None = None
-        try:
-            if self.stop is not None:
-                stopper = asyncio.create_task(self.stop.wait())
-                stopper.add_done_callback(lambda _: self._wake.set())
-            if self.to_end:
-                ci = await sub.consumer_info()
-                if ci.num_pending == 0 and not (ci.delivered and ci.delivered.consumer_seq):
-                    return  # nothing matches: nothing was sent, nothing will be
-            while not self._done:
-                if not self._buf:
-                    if self.stop is not None and self.stop.is_set():
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                msgs, self._buf = self._buf, []
-                for i in range(0, len(msgs), self.batch_max):
-                    out = self._check(msgs[i : i + self.batch_max])
-                    if out:
-                        yield out
-                    if self._done:
-                        break
-        finally:
-            if stopper is not None:
-                stopper.cancel()
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-            if self.name:
-                with contextlib.suppress(nats.errors.Error):
-                    await self.js.delete_consumer(self.stream, self.name)
-
-    def _check(self, msgs: list[Msg]) -> list[Delivery]:
-        out: list[Delivery] = []
-        append = out.append
-        last_seq, last_dseq = self.last_seq, self._last_dseq
-        until = self.until_seq
-        strict = self.filter_subject is None
-        for msg in msgs:
-            t = msg.reply.split(".")
-            o = 4 if len(t) == 9 else 6
-            sseq, dseq = int(t[o + 1]), int(t[o + 2])
-            if dseq != last_dseq + 1:
-                if dseq == 1 and sseq > last_seq:
-                    # nats-py recreated the consumer (missed heartbeats) from our next
-                    # sequence; its consumer sequence starts again at 1.
-                    pass
-                else:
-                    raise SequenceGap(last_dseq + 1, dseq, "consumer sequence")
-            last_dseq = dseq
-            if sseq <= last_seq:
-                continue  # redelivered after a consumer reset: already handed on
-            if strict and sseq != last_seq + 1:
-                raise SequenceGap(last_seq + 1, sseq)
-            if until is not None and sseq > until:
-                self._done = True
-                break
-            pending = int(t[o + 4])
-            append(Delivery(sseq, msg.subject, msg.data, msg.headers, int(t[o + 3]), 1, pending))
-            last_seq = sseq
-            if (until is not None and sseq >= until) or (self.to_end and pending == 0):
-                self._done = True
-                break
-        self.last_seq, self._last_dseq = last_seq, last_dseq
-        return out
-
 
 def _reader(
     js: JetStreamContext,
@@ -571,9 +376,10 @@ def _reader(
     stop: asyncio.Event | None,
     batch_max: int,
     consumer: str | None = None,
-) -> _OrderedReader | wire.WireOrderedReader:
-    """The wire reader (`services.bus.wire`) unless $LLMGW_BUS_WIRE=0 or the connection
-    uses what it does not speak (TLS, nkeys, credentials); else the nats-py reader."""
+) -> ordered.OrderedReader:
+    """The wire reader (`services.bus.wire`) for a JetStream context of `bus.connect`,
+    which carries where to connect, unless $LLMGW_BUS_WIRE=0 or the connection uses what
+    the wire reader does not speak (TLS, nkeys, credentials); else the nats-py reader."""
     kw: dict[str, Any] = dict(
         from_seq=from_seq,
         filter_subject=filter_subject,
@@ -584,12 +390,11 @@ def _reader(
         batch_max=batch_max,
         consumer=consumer,
     )
-    if wire.enabled():
-        try:
-            return wire.WireOrderedReader(js, idle_heartbeat_s=IDLE_HEARTBEAT_S, **kw)
-        except wire.Unsupported as e:
-            log.debug("wire reader not used: %s", e)
-    return _OrderedReader(js, **kw)
+    if wire.enabled() and isinstance(js, JetStream):
+        if not js.target.unsupported:
+            return wire.WireOrderedReader(js, js.target, **kw)
+        log.debug("wire reader not used: %s", js.target.unsupported)
+    return ordered.NatsOrderedReader(js, **kw)
 
 
 async def read_ordered(
@@ -659,6 +464,3 @@ async def read_range(
     async with contextlib.aclosing(reader.batches()) as batches:
         async for batch in batches:
             yield batch
-
-
-from services.bus import wire  # noqa: E402  (wire needs Delivery and _OrderedReader)

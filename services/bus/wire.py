@@ -12,12 +12,17 @@ when the messages before them are taken by the reader (so a slow fold holds the 
 back instead of growing a queue without bound); an idle heartbeat that says the consumer
 is stalled is answered; a consumer-sequence gap, a heartbeat that reports more messages
 than arrived, or two missed heartbeats recreate the consumer from the next stream
-sequence; a lost connection is reopened until it succeeds. What it never does: hand on a
-message past a gap. With no filter every stream sequence must follow the one before, or
-`SequenceGap` is raised, as by the nats-py path.
+sequence; a lost connection is reopened, on the next server of the cluster each time it
+fails, until one answers. The sequence checks are `ordered.Sequencer`'s, as for the
+nats-py reader: nothing past a gap is handed on, and with no filter a stream gap is
+`SequenceGap`.
 
-Not supported (`Unsupported`, and `consume` falls back to nats-py): TLS, credentials
-files, nkeys, servers that ask for a nonce signature.
+Where to connect, with which credentials and under which JetStream API prefix comes in
+explicitly, as the `connection.Target` that `bus.connect` recorded, TLS context included
+(the connection is upgraded after the server's INFO). Not supported (`consume` picks the
+nats-py reader instead): credentials files, nkeys; a server that asks for a nonce
+signature, or for TLS from a client given no context, makes this reader hand over to the
+nats-py one.
 """
 
 from __future__ import annotations
@@ -28,19 +33,20 @@ import itertools
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
-from urllib.parse import ParseResult, unquote
 
 import msgspec
 
-from services.bus.consume import Delivery, _OrderedReader
-from services.bus.errors import SequenceGap
+from services.bus import ordered
+from services.bus.connection import Target
+from services.bus.ordered import Delivery, Item
 
 log = logging.getLogger("llmgw.bus")
 
-# ENV_WIRE turns the wire reader off ("0") for `read_ordered`, `read_range`, `fold_loop`.
+# ENV_WIRE turns the wire reader off ("0") for `read_ordered` and `read_range`.
 ENV_WIRE = "LLMGW_BUS_WIRE"
 
 # MISSED_HEARTBEATS is how many idle-heartbeat intervals may pass with nothing from the
@@ -74,30 +80,6 @@ def enabled() -> bool:
     return os.environ.get(ENV_WIRE, "1") not in ("0", "false", "no", "off")
 
 
-def target_of(nc: Any) -> tuple[str, int, dict[str, str]]:
-    """(host, port, auth fields for CONNECT) of the server nats-py client `nc` talks to,
-    or `Unsupported` if that connection uses something this reader cannot."""
-    opts = getattr(nc, "options", {}) or {}
-    for key in ("tls", "user_credentials", "nkeys_seed", "nkeys_seed_str", "signature_cb"):
-        if opts.get(key):
-            raise Unsupported(key)
-    url: ParseResult | None = getattr(nc, "connected_url", None)
-    if url is None:
-        raise Unsupported("not connected")
-    if url.scheme not in ("nats", ""):
-        raise Unsupported(f"scheme {url.scheme}")
-    auth: dict[str, str] = {}
-    if url.username and url.password:
-        auth = {"user": unquote(url.username), "pass": unquote(url.password)}
-    elif url.username:
-        auth = {"auth_token": unquote(url.username)}
-    elif opts.get("user") and opts.get("password"):
-        auth = {"user": opts["user"], "pass": opts["password"]}
-    elif opts.get("token"):
-        auth = {"auth_token": opts["token"]}
-    return url.hostname or "127.0.0.1", url.port or 4222, auth
-
-
 # ------------------------------------------------------------------ connection
 
 # A frame as the reader sees it: (sid, subject, reply, header block or None, payload).
@@ -116,7 +98,10 @@ class WireConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._rest = b""
         self._waiter: asyncio.Future[None] | None = None
-        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._info: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._tls = False
         self._handshake = True
         self._auth: dict[str, str] = {}
         self._inbox = f"{inbox_prefix}.{secrets.token_hex(11)}"
@@ -132,14 +117,27 @@ class WireConnection(asyncio.Protocol):
         auth: dict[str, str],
         name: str,
         timeout_s: float = 2.0,
+        tls: ssl.SSLContext | None = None,
+        tls_hostname: str | None = None,
         inbox_prefix: str = "_INBOX",
     ) -> WireConnection:
+        """A connection after its handshake; with `tls`, upgraded to TLS after the
+        server's INFO, as NATS does it. Replies come back under `inbox_prefix`."""
         loop = asyncio.get_running_loop()
         conn = cls(name, inbox_prefix)
         conn._auth = auth
+        conn._tls = tls is not None
         async with asyncio.timeout(timeout_s):
-            await loop.create_connection(lambda: conn, host, port)
+            transport, _ = await loop.create_connection(lambda: conn, host, port)
             try:
+                if tls is not None:
+                    await conn._info
+                    upgraded = await loop.start_tls(
+                        transport, conn, tls, server_hostname=tls_hostname or host
+                    )
+                    assert isinstance(upgraded, asyncio.Transport)
+                    conn._transport = upgraded
+                    conn._send_connect()
                 await conn._ready
             except BaseException:
                 conn.close()
@@ -155,8 +153,7 @@ class WireConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self._ready.done():
-            self._ready.set_exception(ConnectionError(f"closed during handshake: {exc}"))
+        self._fail(ConnectionError(f"closed during handshake: {exc}"))
         for f in self._requests.values():
             if not f.done():
                 f.set_exception(ConnectionError("connection lost"))
@@ -225,14 +222,34 @@ class WireConnection(asyncio.Protocol):
                 self._on_info(_json.decode(line[5:]))
         elif line.startswith(b"-ERR"):
             log.warning("nats %s: server error: %s", self.name, line[5:].decode(errors="replace"))
-            if self._handshake and not self._ready.done():
-                self._ready.set_exception(ConnectionError(line.decode(errors="replace")))
+            if self._handshake:
+                self._fail(ConnectionError(line.decode(errors="replace")))
 
     def _on_info(self, info: dict[str, Any]) -> None:
-        if info.get("tls_required") or info.get("nonce"):
-            if not self._ready.done():
-                self._ready.set_exception(Unsupported("server asks for TLS or a nonce"))
+        why = ""
+        if info.get("nonce"):
+            why = "server asks for a nonce signature"
+        elif info.get("tls_required") and not self._tls:
+            why = "server asks for TLS, and the client was given no TLS context"
+        if why:
+            self._fail(Unsupported(why))
             return
+        if self._tls:
+            if not (info.get("tls_required") or info.get("tls_available")):
+                self._fail(ConnectionError("TLS asked for; the server has none"))
+            elif not self._info.done():
+                self._info.set_result(info)  # `open` upgrades, then sends CONNECT
+            return
+        self._send_connect()
+
+    def _fail(self, e: Exception) -> None:
+        """Fail the handshake step `open` awaits now: the INFO of a TLS connection, else
+        the end of the handshake."""
+        f = self._info if self._tls and not self._info.done() else self._ready
+        if not f.done():
+            f.set_exception(e)
+
+    def _send_connect(self) -> None:
         opts: dict[str, Any] = {
             "verbose": False,
             "pedantic": False,
@@ -336,12 +353,13 @@ def _status(h: bytes) -> tuple[str, dict[str, str]]:
 
 
 class WireOrderedReader:
-    """The wire counterpart of `consume._OrderedReader`: same arguments, same `batches()`,
-    same `last_seq`. See the module docstring."""
+    """The wire counterpart of `ordered.NatsOrderedReader`: same arguments plus where to
+    connect (`target`), same `batches()`, same `last_seq`. See the module docstring."""
 
     def __init__(
         self,
         js: Any,
+        target: Target,
         *,
         from_seq: int,
         filter_subject: str | None,
@@ -350,49 +368,66 @@ class WireOrderedReader:
         to_end: bool,
         stop: asyncio.Event | None,
         batch_max: int,
-        idle_heartbeat_s: float,
+        idle_heartbeat_s: float = ordered.IDLE_HEARTBEAT_S,
         consumer: str | None = None,
     ) -> None:
         self.js = js
+        self.target = target
+        # name: the one consumer name a reader confined by permissions may use (an agent,
+        # see `consume.read_range`); None gives each consumer a name of its own.
+        self.name = consumer
         self.from_seq = max(1, from_seq)
         self.filter_subject = filter_subject
         self.stream = stream
-        self.until_seq = until_seq
         self.to_end = to_end
         self.stop = stop
         self.batch_max = batch_max
         self.hb = idle_heartbeat_s
-        self.last_seq = self.from_seq - 1
-        self.prefix: str = getattr(js, "_prefix", "$JS.API")
-        self.host, self.port, self.auth = target_of(js._nc)
-        # The connection's inbox prefix and, for a reader confined by permissions (an
-        # agent), its one consumer name: see `consume.read_range`.
-        self.inbox = bytes(getattr(js._nc, "_inbox_prefix", b"_INBOX")).decode()
-        self.name = consumer
+        self.prefix = target.api_prefix
+        self.seq = ordered.Sequencer(
+            self.from_seq, strict=filter_subject is None, until_seq=until_seq, to_end=to_end
+        )
         self.resets = 0  # consumers recreated after a gap, a missed heartbeat or a reconnect
+        self.server = 0  # the index in target.servers of the server tried last
         self._conn: WireConnection | None = None
         self._sid = b""
         self._consumer = ""
-        self._last_dseq = 0
         self._seen = 0.0
-        self._done = False
+
+    @property
+    def last_seq(self) -> int:
+        return self.seq.last_seq
 
     # -- consumer lifecycle
 
     async def _connect(self) -> WireConnection:
-        """A fresh connection, retried until it works or `stop` is set."""
+        """A fresh connection to the server tried last, else to each next one in turn,
+        retried until one works or `stop` is set."""
+        servers = self.target.servers
+        auth = self.target.auth()
+        failed = 0
         while True:
+            host, port = servers[self.server]
             try:
                 return await WireConnection.open(
-                    self.host, self.port, self.auth, "llmgw-reader", inbox_prefix=self.inbox
+                    host,
+                    port,
+                    auth,
+                    "llmgw-reader",
+                    tls=self.target.tls,
+                    tls_hostname=self.target.tls_hostname,
+                    inbox_prefix=self.target.inbox_prefix,
                 )
             except Unsupported:
                 raise
             except (OSError, TimeoutError, ConnectionError) as e:
                 if self._stopped():
                     raise _Stopped from e
-                log.info("wire reader: connect to %s:%d failed: %s", self.host, self.port, e)
-                await self._pause(RECONNECT_WAIT_S)
+                log.info("wire reader: connect to %s:%d failed: %s", host, port, e)
+                self.server = (self.server + 1) % len(servers)
+                failed += 1
+                if failed % len(servers) == 0:
+                    await self._pause(RECONNECT_WAIT_S)
 
     async def _create(self) -> dict[str, Any]:
         """Subscribe a fresh inbox and create a consumer delivering to it from last_seq+1.
@@ -403,15 +438,15 @@ class WireOrderedReader:
                 conn = self._conn = await self._connect()
             if self._sid:
                 conn.unsubscribe(self._sid)
-            deliver = f"{self.inbox}.{secrets.token_hex(11)}"
+            deliver = f"{self.target.inbox_prefix}.{secrets.token_hex(11)}"
             self._sid = conn.subscribe(deliver)
             self._consumer = self.name or "llmgw_" + secrets.token_hex(8)
-            self._last_dseq = 0
+            self.seq.last_dseq = 0
             config: dict[str, Any] = {
                 "name": self._consumer,
                 "deliver_subject": deliver,
                 "deliver_policy": "by_start_sequence",
-                "opt_start_seq": self.last_seq + 1,
+                "opt_start_seq": self.seq.last_seq + 1,
                 "ack_policy": "none",
                 "max_deliver": 1,
                 "replay_policy": "instant",
@@ -494,14 +529,7 @@ class WireOrderedReader:
     # -- reading
 
     async def batches(self) -> AsyncGenerator[list[Delivery], None]:
-        info = await self.js.stream_info(self.stream)
-        first = info.state.first_seq or 1
-        if self.filter_subject is None and self.from_seq < first:
-            self.last_seq = first - 1
-        if self.to_end:
-            end = info.state.last_seq
-            self.until_seq = end if self.until_seq is None else min(self.until_seq, end)
-        if self.until_seq is not None and self.until_seq < self.from_seq:
+        if not await ordered.start(self.js, self.seq, self.stream, self.filter_subject):
             return
         stopper: asyncio.Task[bool] | None = None
         try:
@@ -509,21 +537,20 @@ class WireOrderedReader:
                 ci = await self._create()
             except Unsupported as e:
                 log.info("wire reader: %s; reading through nats-py", e)
-                fallback = _OrderedReader(
+                fallback = ordered.NatsOrderedReader(
                     self.js,
-                    from_seq=self.from_seq,
+                    from_seq=self.last_seq + 1,
                     filter_subject=self.filter_subject,
                     stream=self.stream,
-                    until_seq=self.until_seq,
+                    until_seq=self.seq.until_seq,
                     to_end=self.to_end,
                     stop=self.stop,
                     batch_max=self.batch_max,
                     consumer=self.name,
                 )
+                self.seq = fallback.seq
                 async for batch in fallback.batches():
-                    self.last_seq = fallback.last_seq
                     yield batch
-                self.last_seq = fallback.last_seq
                 return
             if self.to_end:
                 delivered = (ci.get("delivered") or {}).get("consumer_seq", 0)
@@ -532,7 +559,7 @@ class WireOrderedReader:
             if self.stop is not None:
                 stopper = asyncio.create_task(self.stop.wait())
                 stopper.add_done_callback(self._wake_on_stop)
-            while not self._done:
+            while not self.seq.done:
                 conn = self._conn
                 assert conn is not None
                 if not conn.frames:
@@ -554,7 +581,7 @@ class WireOrderedReader:
                 out, why = self._take(frames, conn)
                 for i in range(0, len(out), self.batch_max):
                     yield out[i : i + self.batch_max]
-                if why and not self._done:
+                if why and not self.seq.done:
                     await self._reset(why)
         except _Stopped:
             return  # stopped while the broker was out of reach
@@ -564,16 +591,12 @@ class WireOrderedReader:
             self._cleanup()
 
     def _take(self, frames: list[Frame], conn: WireConnection) -> tuple[list[Delivery], str]:
-        """Deliveries from `frames` up to the end, a gap, or `until`; control messages
-        answered on the way. Returns (deliveries, why the consumer must be recreated or "")."""
-        out: list[Delivery] = []
-        append = out.append
-        last_seq, last_dseq = self.last_seq, self._last_dseq
-        until = self.until_seq
-        strict = self.filter_subject is None
-        to_end = self.to_end
+        """Deliveries from `frames` up to the end, a gap, or `until`, through the shared
+        `Sequencer`; flow control and stalled heartbeats answered on the way. Returns
+        (deliveries, why the consumer must be recreated or "")."""
+        items: list[Item] = []
+        append = items.append
         sid_now = self._sid
-        why = ""
         seen = False
         for sid, subject, reply, hdr, data in frames:
             if sid != sid_now:
@@ -588,34 +611,25 @@ class WireOrderedReader:
                         stalled = h.get("Nats-Consumer-Stalled")
                         if stalled:
                             conn.publish(stalled.encode())
-                        if int(h.get("Nats-Last-Consumer", "0")) > last_dseq:
-                            why = "a heartbeat reports messages that did not arrive"
-                            break
+                        append((0, int(h.get("Nats-Last-Consumer", "0")), 0, 0, "", b"", None))
                     continue
                 headers = parse_headers(hdr)
             else:
                 headers = None
             t = reply.split(b".")
             o = 4 if len(t) == 9 else 6
-            sseq, dseq = int(t[o + 1]), int(t[o + 2])
-            if dseq != last_dseq + 1:
-                why = f"consumer sequence {dseq} after {last_dseq}"
-                break
-            last_dseq = dseq
-            if sseq <= last_seq:
-                continue
-            if strict and sseq != last_seq + 1:
-                raise SequenceGap(last_seq + 1, sseq)
-            if until is not None and sseq > until:
-                self._done = True
-                break
-            pending = int(t[o + 4])
-            append(Delivery(sseq, subject.decode(), data, headers, int(t[o + 3]), 1, pending))
-            last_seq = sseq
-            if (until is not None and sseq >= until) or (to_end and pending == 0):
-                self._done = True
-                break
+            append(
+                (
+                    int(t[o + 1]),
+                    int(t[o + 2]),
+                    int(t[o + 3]),
+                    int(t[o + 4]),
+                    subject.decode(),
+                    data,
+                    headers,
+                )
+            )
         if seen:
             self._seen = time.monotonic()
-        self.last_seq, self._last_dseq = last_seq, last_dseq
-        return out, why
+        out, gap = self.seq.take(items)
+        return out, str(gap) if gap is not None else ""

@@ -5,7 +5,7 @@ over `services.bus` (connect, stream, publisher, ordered reads) and `schemas` (c
 bundles). It must not interpret events beyond showing them: no folding, no decisions.
 
 Choices a user relies on:
-- `export` writes every stored message, garbage included (`services.cli.bundle`), so
+- `export` writes every stored message, garbage included (`schemas.bundle`), so
   sequences survive the round trip; `import` needs an empty stream and refuses anything
   else, so that order, ids and sequence numbers come back exactly as exported (a bundle
   that starts at seq 500 is stored from 500 again) and a re-export is byte-equal. It
@@ -39,7 +39,6 @@ from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services.cli import app as cli
-from services.cli import bundle as cli_bundle
 from services.clock import new_id
 from services.replay import eventline
 
@@ -218,7 +217,7 @@ async def _tail(args: argparse.Namespace) -> int:
                 if event is not None and not show(type_of(type(event))):
                     continue
                 if args.json:
-                    lines.append(cli_bundle.line(d.seq, d.subject, d.data).decode())
+                    lines.append(bundle.line(d.seq, d.subject, d.data).decode())
                 elif event is None:
                     lines.append(_tail_bad(d, why))
                 else:
@@ -334,12 +333,9 @@ async def _export(args: argparse.Namespace) -> int:
                             if t is not None and t > args.until_time:
                                 done = True
                                 break
-                        if cli_bundle.is_json_object(d.data):
-                            line = bundle.line_for(d.seq, d.subject, d.data)
-                        else:
-                            line = cli_bundle.raw_line(d.seq, d.subject, d.data)
+                        if not bundle.inline(d.data):
                             raw += 1
-                        fp.write(line + b"\n")
+                        fp.write(bundle.line(d.seq, d.subject, d.data) + b"\n")
                         count += 1
                         last_seq = d.seq
                     progress.advance(len(batch))
@@ -431,7 +427,7 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> t
     prefix = root + "."
     count, first, last = 0, 0, 0
     try:
-        for rec in cli_bundle.read(path):
+        for rec in bundle.read(path):
             if not rec.subject.startswith(prefix):
                 raise cli.CliError(
                     f"{path}:{rec.lineno}: subject {rec.subject!r} is not under root "
@@ -491,8 +487,8 @@ async def _import(args: argparse.Namespace) -> int:
         publisher = Publisher(s.js, root)
         progress = cli.Progress("importing", total)
         first_stored = next_seq
-        chunk: list[cli_bundle.Line] = []
-        for rec in cli_bundle.read(path):
+        chunk: list[bundle.Line] = []
+        for rec in bundle.read(path):
             chunk.append(rec)
             if len(chunk) >= IMPORT_CHUNK:
                 next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
@@ -512,7 +508,7 @@ async def _import(args: argparse.Namespace) -> int:
 
 async def _flush(
     publisher: Any,
-    chunk: list[cli_bundle.Line],
+    chunk: list[bundle.Line],
     path: str,
     next_seq: int,
     progress: cli.Progress,

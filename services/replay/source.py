@@ -13,16 +13,12 @@ It must not fold or interpret events; it only reads, decodes and cuts.
 from __future__ import annotations
 
 import contextlib
-import re
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-import msgspec
-
-from schemas import subjects
-from schemas.errors import BundleError
+from schemas import bundle, subjects
 from schemas.events import Event
 from services.core import ingest
 
@@ -155,41 +151,8 @@ class BundleSource:
                 yield out
 
 
-class _Position(msgspec.Struct):
-    seq: int
-    subject: str
-
-
-_position = msgspec.json.Decoder(_Position)
-
-# _HEAD reads the position `bundle.line_for` writes first on every line, for a line
-# whose stored body is not valid JSON: export keeps such a message, and so does replay,
-# as an undecodable event at its own sequence.
-_HEAD = re.compile(rb'^\{"seq":(\d+),"subject":"([^"\\]*)"')
-
-
-def records(path: str) -> Iterator[tuple[int, str, bytes]]:
-    """(seq, subject, line) of each line of a bundle. A line whose event is broken still
-    has its position; a line without one, or out of order, is a broken bundle
-    (`BundleError` naming the line), since no sequence can be trusted after it."""
-    last = 0
-    with open(path, "rb") as fp:
-        for lineno, raw in enumerate(fp, start=1):
-            line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                pos = _position.decode(line)
-                seq, subject = pos.seq, pos.subject
-            except msgspec.MsgspecError as e:
-                m = _HEAD.match(line)
-                if m is None:
-                    raise BundleError(path, lineno, f"not a bundle line ({e})") from e
-                seq, subject = int(m[1]), m[2].decode()
-            if seq <= last:
-                raise BundleError(path, lineno, f"seq {seq} does not follow {last}")
-            last = seq
-            yield seq, subject, line
+# records is the bundle reader replay uses: `schemas.bundle.records`, the one reader.
+records = bundle.records
 
 
 class StreamSource:

@@ -199,9 +199,8 @@ def main() -> None:
         tmp = Path(d)
         path = tmp / "log.jsonl"
         with path.open("wb") as fp:
-            w = bundle.Writer(fp)
             for seq, s, b in records:
-                w.write(seq, s, b)
+                fp.write(bundle.line(seq, s, b) + b"\n")
         rows.append(
             (
                 "(b) bundle file -> SQLite",

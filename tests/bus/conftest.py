@@ -1,15 +1,20 @@
-"""Helpers for the bus tests: valid events of a few types, on their own subjects."""
+"""Helpers for the bus tests: valid events of a few types, on their own subjects; the
+ordered reader to test (`either_reader`: the wire reader, then the nats-py one); a
+three-server cluster (`nats_cluster`)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from schemas import events as ev
 from schemas import ids
+from services.bus import wire
+from tests.bus.cluster import Cluster
 
 _T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
 _counter = itertools.count()
@@ -48,3 +53,17 @@ def events() -> Callable[..., list[ev.Event]]:
         return [make_event(i, kinds[i % 3] if kind == "mixed" else kind) for i in range(n)]
 
     return make
+
+
+@pytest.fixture(params=["wire", "nats-py"])
+def either_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once with each ordered reader behind `read_ordered` / `read_range`."""
+    monkeypatch.setenv(wire.ENV_WIRE, "1" if request.param == "wire" else "0")
+    return str(request.param)
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Three servers routed into one JetStream cluster on loopback, stopped at the end."""
+    with Cluster(tmp_path / "cluster", 3) as c:
+        yield c

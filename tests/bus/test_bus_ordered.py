@@ -1,5 +1,5 @@
-"""The ordered reader: every message from a sequence, in order, nothing lost, and a gap
-reported rather than skipped."""
+"""The ordered readers: every message from a sequence, in order, nothing lost, and a gap
+reported rather than skipped. The reads run against both readers (`either_reader`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pytest
 from schemas import codec, subjects
 from schemas import events as ev
 from services.bus import Publisher
-from services.bus.consume import Delivery, _OrderedReader, read_ordered, read_range
+from services.bus.consume import Delivery, read_ordered, read_range
+from services.bus.ordered import NatsOrderedReader
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_range_reads_to_the_end_in_order(js, events):
     pub = Publisher(js)
     evs = events(2500, "mixed")
@@ -25,6 +27,7 @@ async def test_read_range_reads_to_the_end_in_order(js, events):
     assert [codec.decode(d.data).id for d in seen] == [e.id for e in evs]
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_range_from_and_until(js, events):
     await Publisher(js).publish_many(events(100))
     seqs = [d.seq async for b in read_range(js, 40, 60) for d in b]
@@ -32,6 +35,7 @@ async def test_read_range_from_and_until(js, events):
     assert [d.seq async for b in read_range(js, 101) for d in b] == []
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_range_with_a_filter(js, events):
     evs = events(90, "mixed")
     await Publisher(js).publish_many(evs)
@@ -43,10 +47,12 @@ async def test_read_range_with_a_filter(js, events):
     assert none == []
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_range_of_an_empty_stream(js):
     assert [b async for b in read_range(js, 1)] == []
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_ordered_follows_live_until_stopped(js, events):
     pub = Publisher(js)
     await pub.publish_many(events(10))
@@ -65,6 +71,7 @@ async def test_read_ordered_follows_live_until_stopped(js, events):
     assert last == 25
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_read_ordered_until_seq(js, events):
     await Publisher(js).publish_many(events(30))
     got: list[int] = []
@@ -97,7 +104,7 @@ def _fake(reply_seq: tuple[int, int], subject: str = "llmgw.view.digest"):
 def test_a_gap_is_reported_not_skipped(js, filter_subject, msgs, expected, got):
     from services.bus.errors import SequenceGap
 
-    r = _OrderedReader(
+    r = NatsOrderedReader(
         js,
         from_seq=1,
         filter_subject=filter_subject,
@@ -108,12 +115,12 @@ def test_a_gap_is_reported_not_skipped(js, filter_subject, msgs, expected, got):
         batch_max=100,
     )
     with pytest.raises(SequenceGap) as e:
-        r._check([_fake(m) for m in msgs])
+        r.check([_fake(m) for m in msgs])
     assert (e.value.expected, e.value.got) == (expected, got)
 
 
 def test_a_consumer_reset_is_not_a_gap(js):
-    r = _OrderedReader(
+    r = NatsOrderedReader(
         js,
         from_seq=1,
         filter_subject=None,
@@ -123,5 +130,5 @@ def test_a_consumer_reset_is_not_a_gap(js):
         stop=None,
         batch_max=100,
     )
-    out = r._check([_fake(m) for m in [(1, 1), (2, 2), (3, 1), (4, 2)]])
+    out = r.check([_fake(m) for m in [(1, 1), (2, 2), (3, 1), (4, 2)]])
     assert [d.seq for d in out] == [1, 2, 3, 4]

@@ -1,17 +1,33 @@
 """The wire reader of an ordered consumer: its parser, flow control and heartbeats
-answered, a consumer-sequence gap recreating the consumer, a stream gap reported, a
-filter, and a broker restart."""
+answered, a consumer-sequence gap recreating the consumer, a stream gap reported; and,
+for both readers (`either_reader`), a filter, a broker restart and a stop while it is
+down."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import ssl
 import time
+from pathlib import Path
 
 import pytest
+from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Publisher, connect, consume, ensure_streams, wire
+from services.bus import (
+    EmbeddedBroker,
+    Publisher,
+    connect,
+    consume,
+    ensure_streams,
+    free_port,
+    ordered,
+    wire,
+)
+from services.bus.connection import JetStream
 from services.bus.consume import Delivery, read_ordered, read_range
 from services.bus.errors import SequenceGap
 
@@ -28,7 +44,21 @@ def _reader(js, **kw) -> wire.WireOrderedReader:
         idle_heartbeat_s=consume.IDLE_HEARTBEAT_S,
     )
     args.update(kw)
-    return wire.WireOrderedReader(js, **args)  # type: ignore[arg-type]
+    return wire.WireOrderedReader(js, js.target, **args)  # type: ignore[arg-type]
+
+
+def _kw(**kw):
+    args = dict(
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=False,
+        stop=None,
+        batch_max=10,
+    )
+    args.update(kw)
+    return args
 
 
 def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
@@ -43,13 +73,29 @@ def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
     )
     assert isinstance(consume._reader(js, **kw), wire.WireOrderedReader)
     monkeypatch.setenv(wire.ENV_WIRE, "0")
-    assert isinstance(consume._reader(js, **kw), consume._OrderedReader)
+    assert isinstance(consume._reader(js, **kw), ordered.NatsOrderedReader)
 
 
-def test_tls_falls_back_to_nats_py(js, monkeypatch):
-    monkeypatch.setitem(js._nc.options, "tls", object())
-    with pytest.raises(wire.Unsupported):
-        _reader(js)
+def test_what_the_wire_does_not_speak_reads_through_nats_py(js, nc):
+    kw = dict(
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=True,
+        stop=None,
+        batch_max=10,
+    )
+    tls = JetStream(nc, dataclasses.replace(js.target, unsupported="nkeys_seed"))
+    assert isinstance(consume._reader(tls, **kw), ordered.NatsOrderedReader)
+    plain = JetStreamContext(nc)  # not made by bus.connect: nobody said where to connect
+    assert isinstance(consume._reader(plain, **kw), ordered.NatsOrderedReader)
+
+
+def test_the_api_prefix_comes_from_the_context(nc):
+    assert nc.jetstream().target.api_prefix == "$JS.API"
+    assert nc.jetstream(domain="hub").target.api_prefix == "$JS.hub.API"
+    assert nc.jetstream(prefix="$X.API").target.api_prefix == "$X.API"
 
 
 class _Sink:
@@ -105,7 +151,7 @@ def test_a_consumer_gap_stops_before_it_and_asks_for_a_new_consumer(js):
     r = _reader(js, filter_subject="llmgw.>")
     r._sid = b"2"
     out, why = r._take([_frame(1, 1), _frame(5, 2), _frame(9, 4), _frame(10, 5)], _Sink())  # type: ignore[arg-type]
-    assert [d.seq for d in out] == [1, 5] and "consumer sequence 4 after 2" in why
+    assert [d.seq for d in out] == [1, 5] and "consumer sequence gap: expected 3, got 4" in why
     assert r.last_seq == 5  # the new consumer starts at 6: nothing past the gap is folded
 
 
@@ -176,6 +222,7 @@ async def test_missed_heartbeats_recreate_the_consumer(js, events):
     assert got == list(range(1, 11))
 
 
+@pytest.mark.usefixtures("either_reader")
 async def test_a_filtered_live_read(js, events):
     evs = events(30, "mixed")
     pub = Publisher(js)
@@ -222,7 +269,7 @@ async def test_a_read_left_early_closes_its_connection(js, events):
 
 
 @pytest.mark.timeout(60)
-async def test_the_wire_reader_resumes_after_the_broker_restarts(nats_server, events):
+async def test_a_read_resumes_after_the_broker_restarts(nats_server, events, either_reader):
     nc = await connect(nats_server.url, "follower")
     try:
         js = nc.jetstream()
@@ -231,19 +278,19 @@ async def test_the_wire_reader_resumes_after_the_broker_restarts(nats_server, ev
         evs = events(3000)
         await pub.publish_many(evs[:2000])
         stop = asyncio.Event()
-        r = _reader(js, stop=stop, batch_max=500)
         got: list[int] = []
         first = asyncio.Event()
 
-        async def run() -> None:
-            async for batch in r.batches():
-                got.extend(d.seq for d in batch)
-                if got[-1] >= 2000:
-                    first.set()
-                if got[-1] >= 3000:
-                    stop.set()
+        def on_batch(batch: list[Delivery]) -> None:
+            got.extend(d.seq for d in batch)
+            if got[-1] >= 2000:
+                first.set()
+            if got[-1] >= 3000:
+                stop.set()
 
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(
+            read_ordered(js, from_seq=1, on_batch=on_batch, stop=stop, batch_max=500)
+        )
         await asyncio.wait_for(first.wait(), 10)
         nats_server.kill()
         nats_server.start()
@@ -252,14 +299,14 @@ async def test_the_wire_reader_resumes_after_the_broker_restarts(nats_server, ev
             assert time.monotonic() < deadline, "client did not reconnect"
             await asyncio.sleep(0.05)
         await pub.publish_many(evs[2000:])
-        await asyncio.wait_for(task, 20)
+        assert await asyncio.wait_for(task, 20) == 3000
         assert got == list(range(1, 3001))
-        assert r.resets >= 1
     finally:
         await nc.close()
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("either_reader")
 async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
     nc = await connect(nats_server.url, "follower")
     try:
@@ -284,3 +331,44 @@ async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
     finally:
         nats_server.start()
         await nc.close()
+
+
+async def test_the_wire_reader_tries_the_next_server_when_one_is_down(js, events):
+    await Publisher(js).publish_many(events(20))
+    (host, port) = js.target.servers[0]
+    dead = dataclasses.replace(js.target, servers=((host, free_port()), (host, port)))
+    r = wire.WireOrderedReader(
+        js,
+        dead,
+        from_seq=1,
+        filter_subject=None,
+        stream=subjects.STREAM,
+        until_seq=None,
+        to_end=True,
+        stop=None,
+        batch_max=100,
+    )
+    assert [d.seq async for b in r.batches() for d in b] == list(range(1, 21))
+    assert r.server == 1
+
+
+@pytest.mark.timeout(60)
+async def test_the_wire_reader_speaks_tls(tmp_path, events, caplog):
+    """A broker that asks for TLS, with the test-only certificate in tests/bus/tls."""
+    caplog.set_level(logging.INFO, "llmgw.bus")
+    tls = Path(__file__).parent / "tls"
+    conf = f'tls {{\n  cert_file: "{tls / "cert.pem"}"\n  key_file: "{tls / "key.pem"}"\n}}\n'
+    with EmbeddedBroker(tmp_path / "tls-broker", conf_extra=conf) as broker:
+        ctx = ssl.create_default_context(cafile=str(tls / "cert.pem"))
+        nc = await connect(broker.url, "t", tls=ctx)
+        try:
+            js = nc.jetstream()
+            assert js.target.tls is ctx and not js.target.unsupported
+            await ensure_streams(js)
+            await Publisher(js).publish_many(events(50))
+            r = _reader(js, to_end=True)
+            assert isinstance(consume._reader(js, **_kw(to_end=True)), wire.WireOrderedReader)
+            assert [d.seq async for b in r.batches() for d in b] == list(range(1, 51))
+            assert not [x for x in caplog.records if "through nats-py" in x.getMessage()]
+        finally:
+            await nc.close()

@@ -1,4 +1,4 @@
-"""The `llmgw` command itself: every help page, argument types, bundle lines, errors.
+"""The `llmgw` command itself: every help page, argument types, errors.
 
 No broker needed: these run in-process through `services.cli.main([...])`.
 """
@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import bundle
 from services import cli
-from services.cli import bundle as cli_bundle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -136,46 +134,3 @@ def test_times_parse(text: str, want: datetime) -> None:
 def test_bad_times_say_what_is_accepted(text: str) -> None:
     with pytest.raises(ValueError, match=r"RFC3339|time zone"):
         cli.parse_time(text, now=NOW)
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        pytest.param(b'{"type":"quota.set","data":{}}', id="object"),
-        pytest.param(b"{}", id="empty object"),
-        pytest.param(b'{"name":"caf\\u00e9"}', id="escapes kept"),
-        pytest.param(b"not json", id="text"),
-        pytest.param(b"", id="empty"),
-        pytest.param(b"[1,2]", id="array"),
-        pytest.param(b'{"a":\n1}', id="newline"),
-        pytest.param(b'{"a":"\xff"}', id="not utf-8"),
-        pytest.param(b'{"a":1} trailing', id="trailing"),
-    ],
-)
-def test_any_stored_body_survives_a_bundle_line(body: bytes, tmp_path: Path) -> None:
-    line = cli_bundle.line(7, "llmgw.catalog.quota", body)
-    assert b"\n" not in line
-    line.decode()  # a bundle is UTF-8 text, one JSON document a line
-    path = tmp_path / "b.jsonl"
-    path.write_bytes(line + b"\n")
-    [rec] = cli_bundle.read(str(path))
-    assert (rec.seq, rec.subject, rec.body) == (7, "llmgw.catalog.quota", body)
-
-
-def test_a_valid_body_is_written_as_schemas_bundle_writes_it() -> None:
-    body = b'{"id":"x","type":"quota.set"}'
-    assert cli_bundle.line(3, "llmgw.catalog.quota", body) == bundle.line_for(
-        3, "llmgw.catalog.quota", body
-    )
-
-
-def test_lines_from_other_writers_are_read(tmp_path: Path) -> None:
-    path = tmp_path / "b.jsonl"
-    path.write_text(
-        '{"subject": "llmgw.catalog.quota", "seq": 1, "type": "quota.set"}\n'
-        "\n"
-        '{"seq": 2, "subject": "llmgw.catalog.quota", "body_b64": "aGk="}\n'
-    )
-    a, b = cli_bundle.read(str(path))
-    assert (a.seq, a.body) == (1, b'{"type":"quota.set"}')
-    assert (b.seq, b.body) == (2, b"hi")

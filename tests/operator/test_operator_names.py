@@ -15,9 +15,9 @@ from schemas import codec
 from schemas import events as ev
 from services import cli
 from services.core import fold
+from services.core import scheduling as scheduler_plan
 from services.core.view import View
 from services.scheduler import SchedulerConfig
-from services.scheduler import plan as scheduler_plan
 from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(60)

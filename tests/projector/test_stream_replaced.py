@@ -61,4 +61,3 @@ async def test_a_replaced_stream_is_noticed_at_start_and_the_view_rebuilt(
     assert p.view.state.seq == 2
     said = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
     assert len(said) == 1 and "not the one the view was folded from" in said[0]
-

@@ -1,8 +1,8 @@
-"""The event contract: round trips, defaults, decode errors, names, subjects, ids, bundles."""
+"""The event contract: round trips, defaults, decode errors, names, subjects, ids (bundles:
+test_bundle.py)."""
 
 from __future__ import annotations
 
-import io
 from datetime import UTC, datetime
 
 import msgspec
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import bundle, codec, events, ids, names, subjects
-from schemas.errors import BundleError, EventDecodeError
+from schemas import codec, events, ids, names, subjects
+from schemas.errors import EventDecodeError
 from tests.schemas.strategies import event_of
 
 T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
@@ -190,22 +190,3 @@ def test_ulids_sort_by_time_and_derived_ids_are_stable() -> None:
     d1, d2 = ids.derived(b, "drain:r-1"), ids.derived(b, "drain:r-1")
     assert d1 == d2 != ids.derived(b, "drain:r-2")
     assert ids.ulid_ms(d1) == 1_001
-
-
-def test_bundle_lines_round_trip_bodies_byte_for_byte() -> None:
-    buf = io.BytesIO()
-    w = bundle.Writer(buf)
-    bodies = [codec.encode(_state(f"r-{i}", "n1")) for i in range(3)]
-    for i, body in enumerate(bodies, start=1):
-        w.write(i, subjects.replica_subject("n1", f"r-{i - 1}"), body)
-    buf.seek(0)
-    recs = list(bundle.read_lines(buf))
-    assert [r.seq for r in recs] == [1, 2, 3]
-    assert [r.body() for r in recs] == bodies
-    assert codec.decode(recs[0].line) == codec.decode(bodies[0])
-
-
-def test_bundle_reader_names_the_bad_line() -> None:
-    buf = io.BytesIO(b'{"seq":1,"subject":"a"}\n{"seq":1,"subject":"b"}\n')
-    with pytest.raises(BundleError, match=":2: seq 1 does not follow 1"):
-        list(bundle.read_lines(buf))
