@@ -44,6 +44,12 @@ GAP_RETRIES = 3
 # RETRY_PAUSE_S is the wait before reading again after the broker went away.
 RETRY_PAUSE_S = 0.5
 
+# ORIGIN_CHECK_S is how often a follower asks whether its stream is still the one it
+# started on. A stream deleted and created again under a quiet reader raises no error:
+# the reader just waits at a sequence the new stream has not reached, and its view would
+# go silently stale. One STREAM.INFO request every few seconds finds it.
+ORIGIN_CHECK_S = 5.0
+
 # MAX_LINKS bounds the links on one batch span: the SDK keeps 128 by default, and past a
 # few dozen a trace view shows nothing more useful.
 MAX_LINKS = 64
@@ -127,33 +133,53 @@ async def follow(
             if r is not None:
                 await r
 
-    while not stop.is_set():
-        try:
-            await consume.read_ordered(
-                js,
-                from_seq=position() + 1,
-                on_batch=checked,
-                stop=stop,
-                batch_max=batch_max,
-                stream=stream,
-            )
-        except (SequenceGap, Gap) as e:
-            await restarted(e)
-            missing = e.expected
-            same_gap = same_gap + 1 if missing == last_gap else 1
-            last_gap = missing
-            log.warning("%s: %s; reading again from %d", name, e, position() + 1)
-            if same_gap >= GAP_RETRIES and not await message_exists(js, missing, stream):
-                raise LogHole(missing, stream) from e
-        except nats.errors.ConnectionClosedError:
-            return False
-        except (nats.errors.Error, TimeoutError) as e:
-            # The broker went away or restarted: read again from where we are.
-            log.warning("%s: read failed (%s); retrying", name, e)
-            await restarted(e)
+    # reading ends a read when `stop` is set, or when `watch` finds the stream replaced.
+    reading = asyncio.Event()
+    replaced: list[str] = []
+
+    async def watch() -> None:
+        while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
-    return True
+                await asyncio.wait_for(stop.wait(), ORIGIN_CHECK_S)
+            now = await _origin_or_none(js, stream)
+            if origin is not None and now is not None and now != origin:
+                replaced.append(now)
+                break
+        reading.set()
+
+    watcher = asyncio.create_task(watch(), name=f"{name}: stream origin")
+    try:
+        while not stop.is_set():
+            try:
+                await consume.read_ordered(
+                    js,
+                    from_seq=position() + 1,
+                    on_batch=checked,
+                    stop=reading,
+                    batch_max=batch_max,
+                    stream=stream,
+                )
+                if replaced:
+                    raise StreamReplaced(stream, origin or "?", replaced[0])
+            except (SequenceGap, Gap) as e:
+                await restarted(e)
+                missing = e.expected
+                same_gap = same_gap + 1 if missing == last_gap else 1
+                last_gap = missing
+                log.warning("%s: %s; reading again from %d", name, e, position() + 1)
+                if same_gap >= GAP_RETRIES and not await message_exists(js, missing, stream):
+                    raise LogHole(missing, stream) from e
+            except nats.errors.ConnectionClosedError:
+                return False
+            except (nats.errors.Error, TimeoutError) as e:
+                # The broker went away or restarted: read again from where we are.
+                log.warning("%s: read failed (%s); retrying", name, e)
+                await restarted(e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+        return True
+    finally:
+        watcher.cancel()
 
 
 async def _origin_or_none(js: JetStreamContext, stream: str) -> str | None:

@@ -14,7 +14,7 @@ from nats.js.client import JetStreamContext
 
 from schemas import events as ev
 from schemas import subjects
-from services.bus import Publisher, ensure_streams
+from services.bus import Publisher, ensure_streams, follow
 from services.projector.service import Projector
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,3 +61,30 @@ async def test_a_replaced_stream_is_noticed_at_start_and_the_view_rebuilt(
     assert p.view.state.seq == 2
     said = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
     assert len(said) == 1 and "not the one the view was folded from" in said[0]
+
+
+async def test_a_stream_replaced_under_a_running_projector_is_rebuilt_from(
+    js: JetStreamContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A quiet reader notices within one origin check; a short one keeps the test short.
+    monkeypatch.setattr(follow, "ORIGIN_CHECK_S", 0.2)
+    await ensure_streams(js)
+    pub = Publisher(js)
+    for i in range(3):
+        await pub.publish(_scale("old", i + 1, i))
+    stop = asyncio.Event()
+    p = Projector(js, tmp_path / "v.sqlite")
+    task = asyncio.create_task(p.run(stop))
+    try:
+        await p.wait_for(3, timeout=20)
+        await js.delete_stream(subjects.STREAM)
+        await ensure_streams(js)
+        await pub.publish(_scale("new", 9, 0))
+        async with asyncio.timeout(30):
+            # Polls the view another task rebuilds; its position goes back to 0 on the way.
+            while p.view.state.desired != {"new": 9}:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+    assert p.view.state.seq == 1
