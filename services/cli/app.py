@@ -319,6 +319,12 @@ def resolve_broker(args: argparse.Namespace) -> str:
     return _resolve(args)[0]
 
 
+def resolve_with_origin(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """The broker's URL and the data directory whose `nats.url` named it (None when it
+    came from --nats or LLMGW_NATS)."""
+    return _resolve(args)
+
+
 def _resolve(args: argparse.Namespace) -> tuple[str, Path | None]:
     """(url, the data dir it was recorded in, or None when given explicitly)."""
     url = getattr(args, "nats", None) or os.environ.get(ENV_NATS)
