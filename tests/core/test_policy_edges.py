@@ -17,6 +17,7 @@ from schemas import events as ev
 from services.cli import status
 from services.core import fold, reaction
 from services.core.preemption import Config, plan
+from services.replay import explain
 from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,9 +28,11 @@ TICK = timedelta(microseconds=1)
 
 # ---------------------------------------------------------------- hold end
 #
-# The reference: "isHeld reports whether a model gave up room and may not take it back
-# yet." It keeps the hold while `!r.now().After(h.Until)`: at `now == until` exactly
-# the model is still held, and the hold ends only once now is past its `until`.
+# A hold ends only after its `until`. The reference: "hold keeps a model that gave up
+# room from taking it back", and "isHeld reports whether a model gave up room and may
+# not take it back yet"; it drops the hold only `if r.now().After(h.Until)`, so at
+# `now == until` exactly the model is still held. The same instant everywhere a hold's
+# end is judged, or the service would release a hold the policy still honours.
 
 
 def held_m4(until: datetime) -> Scenario:
@@ -71,6 +74,12 @@ def test_a_hold_ends_only_after_its_until(
     assert hold["on"] == (released is None)
     [m4] = [m for m in st["models"] if m["model"] == "m4"]
     assert m4["held_for"] == (None if released else "m3")
+    # `llmgw explain` judges a hold at the time of the view's last event (the hold's).
+    assert view.state.time == now
+    seq, _, created = s.events()[-1]
+    assert isinstance(created, ev.HoldCreatedEvent)
+    state, _ = explain.Explainer("m4", kind="model").hold_state(seq, created, view)
+    assert state == ("over" if released else "still on")
 
 
 @pytest.mark.parametrize(
@@ -106,10 +115,11 @@ def test_a_hold_ends_only_after_its_until_for_a_hold_a_crash_left_out(
 
 # ---------------------------------------------------------------- order: longest idle first
 #
-# The reference: "idleFor is how long a replica has gone unused; zero when nobody has
-# said, which is not the same as idle." It is `now - LastUsedAt`, unclamped: a use
-# stamped after the decision's now (clock skew between hosts, `--now` in the past) is a
-# negative idle time, and that replica sorts after an equal one never reported used.
+# Within a tier, the longest unused first. The reference: "idleFor is how long a replica
+# has gone unused; zero when nobody has said, which is not the same as idle." It is
+# `now.Sub(rep.LastUsedAt)`, unclamped: a use stamped after the decision's now (clock
+# skew between hosts, `--now` in the past) is a negative idle time, and that replica
+# sorts after an equal one never reported used, before size and id are looked at.
 
 
 def skewed(used: str | None) -> Scenario:
@@ -154,10 +164,11 @@ def test_order_a_use_reported_after_now_is_a_negative_idle_time(
 
 # ---------------------------------------------------------------- tier 0: idle on-demand
 #
-# The reference's tier 0 is `idleFor(rep, now) >= EvictionGrace` for an on-demand replica
-# of a lower class, and idleFor is zero for a replica never reported used. With a grace
-# of zero that holds (0 >= 0): the operator asked for on-demand replicas to go first
-# however recently they served, and one never reported used is no exception.
+# Tier 0: "idle on-demand ones first". The reference's test is
+# `idleFor(rep, now) >= r.cfg.EvictionGrace` for an on-demand replica of a lower class,
+# and idleFor is zero for a replica never reported used. With a grace of zero that holds
+# (0 >= 0): on-demand replicas go first however recently they served, and one never
+# reported used is no exception.
 
 
 def on_demand(grace: float, od_used: str | None) -> tuple[Scenario, Config]:
