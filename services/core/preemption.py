@@ -83,7 +83,9 @@ class Config:
 
     eviction_grace_s: an on-demand (min 0) replica of a lower class unused for at least
     this long is tier 0, the first to go. Shorter, and a model between two bursts of
-    traffic would be stopped and have to load again for the next one.
+    traffic would be stopped and have to load again for the next one. A replica never
+    reported used counts as unused for 0 s, so with a grace of 0 it is tier 0 too, as in
+    the reference.
 
     min_lifetime_s: a replica ready for less than this is never a victim. Stopping it
     throws away a model load that has only now been paid for.
@@ -116,7 +118,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     """A replica that may be stopped for the model, and where it stands in the order.
 
     `idle_s` None means nobody ever reported the replica used, which is not the same as
-    idle: it orders as 0 and is never tier 0.
+    idle: it orders as 0, and is tier 0 only under a grace of 0 (see `_idle_for`).
+    Negative when its last use was stamped after the decision's `now`.
     """
 
     replica: str
@@ -290,6 +293,10 @@ def plan(
         "now": now,
         "cls": effective_class(m),
         "owner": m.owner,
+        # The project's reading of the reference's liveCount: a replica of this model
+        # preempted for another no longer counts as live for it (`ReplicaRecord.live`).
+        # It was given up; counted, the model would look at its minimum while below it,
+        # and tier 3 would not take for it what the model is owed.
         "live": view.live_count(m.name),
         "min": m.min,
         "avoid": avoided,
@@ -464,7 +471,15 @@ def _live_by_model(
 ) -> dict[str, list[ReplicaRecord]]:
     """Per model, its live replicas; every other replica holding capacity is excluded by
     the rules that read only its own state (same model, retiring, already preempted,
-    draining)."""
+    draining).
+
+    Draining is this project's reading of what the reference leaves to its replica
+    states (`State.Counts`, a package we do not have): a draining replica is on its way
+    out. It holds its GPUs until its agent reports it stopped (ev.HOLDING_STATES), so the
+    trials count them as taken, but it is neither live nor a candidate: it is already
+    stopping, so choosing it would stop nothing more, and the room it frees is already
+    on its way to whoever waits for it.
+    """
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
     for r in view.state.replicas.values():
@@ -685,9 +700,15 @@ class _Weighing:
             idle_decides, covered, cls, owner = p.idle_decides, p.covered, p.cls, p.owner
             for i, r in enumerate(reps):
                 above_min = i < above
-                idle = r.idle_s(now) if idle_decides else None
+                if idle_decides:
+                    # Unknown idleness counts as 0 against the grace, as the
+                    # reference's `idleFor(rep, now) >= EvictionGrace`: under a grace
+                    # of 0 a never-used on-demand replica is tier 0 (0 >= 0).
+                    idle = _idle_for(r, now)
+                    past_grace = (0.0 if idle is None else idle) >= grace
+                else:
+                    idle, past_grace = None, False
                 is_borrowed = r.id in borrowed if covered else all_borrowed
-                past_grace = idle is not None and idle >= grace
                 at = past_grace * 4 + above_min * 2 + is_borrowed
                 tier = tiers[at]
                 if tier < 0:
@@ -714,7 +735,7 @@ class _Weighing:
                 if size is None:
                     size = shaped[shape] = size_of(view, r)
                 if not idle_decides:
-                    idle = r.idle_s(now)
+                    idle = _idle_for(r, now)
                 out.append(
                     Candidate(
                         replica=r.id,
@@ -755,8 +776,26 @@ _newest = operator.attrgetter("created_at", "id")
 _replica = operator.attrgetter("replica")
 
 
+def _idle_for(r: ReplicaRecord, now: datetime) -> float | None:
+    """_idle_for is how long a replica has gone unused, in seconds, as the reference's
+    idleFor: `now` minus its last use, unclamped; None when nobody has said, which is not
+    the same as idle (the rules count it as 0).
+
+    A use stamped after `now` (clock skew between hosts, `--now` in the past) is a
+    negative idle time, and the replica sorts after an equal one never reported used.
+    Clamped to 0 it would tie with that one and the id would choose the victim instead,
+    a choice the reference does not make. (`ReplicaRecord.idle_s` clamps: it is what
+    people are shown, not what the policy orders by.)
+    """
+    used = r.last_used_at
+    if used is None:
+        return None
+    return (now - used).total_seconds()
+
+
 def _order(c: Candidate) -> tuple[int, float, int, float, str]:
-    """Tier, then the longest idle (unknown counts as 0), then the smaller, then the id.
+    """Tier, then the longest idle (unknown counts as 0, a use after `now` below it),
+    then the smaller, then the id.
 
     The smaller first: the least served is lost if it is enough, and the pruning after
     keeps a larger one only when it is needed. Without the size, equally idle victims

@@ -81,6 +81,13 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     def live(self) -> bool:
         """Whether it counts towards its model's replicas: holds capacity, not on its way out.
 
+        Two readings of what the reference leaves to packages we do not have are the
+        project's own. A draining replica is on its way out: it holds its GPUs until
+        stopped (`holds_capacity`), but it is neither live nor a preemption candidate.
+        A replica preempted for another model no longer counts as live for its own: the
+        room was given up, and counted, its model would look whole while the room is
+        already another's (its minimum, the hold's "satisfied", the scheduler's count).
+
         A replica drained for placement_timeout never reported starting: the scheduler gave
         up on it and places another, so it counts no more. It still holds its GPUs until
         its agent reports it stopped, because it may yet have started late.
@@ -113,7 +120,7 @@ class NodeRecord(msgspec.Struct, kw_only=True, gc=False):
 
 
 class HoldRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A model that gave up room, kept from taking it back until `until`."""
+    """A model that gave up room, kept from taking it back until `until` has passed."""
 
     model: str
     for_model: str
@@ -288,11 +295,14 @@ class View:
         is on. The one rule for when a hold ends, for the policy, the scheduler and the
         release of holds alike.
 
-        A hold ends at its `until` ("expired"), or early once the model it was given to
-        has what it asked for, its live count at its desired count ("satisfied"): past
-        that, keeping the room from the held model only leaves it idle.
+        A hold ends once `now` is past its `until` ("expired"): at `until` exactly it is
+        still on, as in the reference's isHeld (`now.After(h.Until)`), so the policy, the
+        release of holds, `llmgw status` and `llmgw explain` all agree with it on the
+        instant. It ends early once the model it was given to has what it asked for, its
+        live count at its desired count ("satisfied"): past that, keeping the room from
+        the held model only leaves it idle.
         """
-        if now >= until:
+        if now > until:
             return "expired"
         to = self.catalog.resolve(for_model)
         if to is not None and self.live_count(to.name) >= self.desired_for(to.name):

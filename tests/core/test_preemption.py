@@ -59,14 +59,17 @@ def test_tier0_idle_on_demand_lower_class_goes_first() -> None:
     assert ids(d.candidates) == ["l1", "b1"]
 
 
-def test_tier0_needs_a_known_idle_time_unknown_is_not_idle() -> None:
+def test_tier0_needs_a_known_idle_time_unless_the_grace_is_zero() -> None:
     s = full_node(Scenario(), 1)
     s.model("lab", cls="opportunistic", min=0, profiles=["one:1"])
     s.replica("l1", "lab", on=("n1", [0]), ready="-5h")  # never reported used
-    d = decide(s, eviction_grace_s=0)
-    (c,) = d.candidates
+    (c,) = decide(s).candidates
     assert c.idle_s is None
     assert c.tier == 2  # above its minimum of 0, but not idle
+    # Unknown counts as 0 against the grace, as the reference's idleFor: 0 >= 0.
+    # (The edges are in test_policy_edges.py.)
+    (c,) = decide(s, eviction_grace_s=0).candidates
+    assert (c.idle_s, c.tier) == (None, 0)
     s.used("l1", "-10m")
     assert tiers(decide(s)) == {"l1": 0}
 
@@ -423,6 +426,8 @@ def test_held_model_free_again_after_the_hold() -> None:
     s.at("+299s")
     assert decide(s, "web").outcome == "held"
     s.at("+1s")
+    assert decide(s, "web").outcome == "held"  # at its `until` exactly: still on
+    s.at("+0.000001s")
     assert decide(s, "web").outcome != "held"
 
 

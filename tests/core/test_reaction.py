@@ -122,8 +122,9 @@ def test_a_missing_hold_that_has_ended_is_not_published() -> None:
     decided = first.events[0][0]
     assert isinstance(decided, ev.PreemptionDecidedEvent)
     assert len(reaction.missing(view, decided, s.now)) == 1
-    expired = s.now + timedelta(seconds=CFG.hold_s)
-    assert reaction.missing(view, decided, expired) == ()
+    until = s.now + timedelta(seconds=CFG.hold_s)
+    assert len(reaction.missing(view, decided, until)) == 1  # still on at `until`
+    assert reaction.missing(view, decided, until + timedelta(microseconds=1)) == ()
 
 
 def test_hold_end_is_one_rule_for_the_policy_and_the_releases() -> None:
@@ -134,15 +135,18 @@ def test_hold_end_is_one_rule_for_the_policy_and_the_releases() -> None:
     assert view.hold_end("chat", h.until, s.now) is None
     assert view.active_hold("batch", s.now) is h
     assert reaction.releases(view, s.now) == []
-    # Expired at its `until`.
-    assert view.hold_end("chat", h.until, h.until) == "expired"
-    assert view.active_hold("batch", h.until) is None
-    [released] = reaction.releases(view, h.until)
+    # Still on at its `until` exactly; expired once past it.
+    assert view.hold_end("chat", h.until, h.until) is None
+    assert reaction.releases(view, h.until) == []
+    past = h.until + timedelta(microseconds=1)
+    assert view.hold_end("chat", h.until, past) == "expired"
+    assert view.active_hold("batch", past) is None
+    [released] = reaction.releases(view, past)
     assert released.data.reason == "expired"
     assert released.id == ids.derived(h.created_by, "released")
     assert released.causation == h.created_by
     # A release already sent and not yet folded is not sent again.
-    assert reaction.releases(view, h.until, pending={released.id}) == []
+    assert reaction.releases(view, past, pending={released.id}) == []
     # Satisfied early once chat has what it asked for.
     s.node("n3", "4xH100-80GB")
     s.replica("c1", "chat", on=("n3", [0, 1, 2, 3]), ready="-1m")

@@ -146,7 +146,14 @@ async def test_hold_released_when_expired_once(
         await publish(js, s)
         await until(lambda: "batch" in svc.view.state.holds)
         hold = svc.view.state.holds["batch"]
+        # At its `until` exactly the hold is still on (View.hold_end): passes release
+        # nothing.
         clock.now = hold.until
+        ticks = svc.stats.ticks
+        await until(lambda: svc.stats.ticks >= ticks + 3)
+        assert "batch" in svc.view.state.holds
+        assert svc.stats.holds_released == 0
+        clock.now = hold.until + timedelta(microseconds=1)
         await until(lambda: "batch" not in svc.view.state.holds)
         # A few more passes over the view find nothing more to release.
         ticks = svc.stats.ticks
