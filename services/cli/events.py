@@ -27,10 +27,10 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import msgspec
 
@@ -393,15 +393,23 @@ def _register_import(events: cli.Commands) -> None:
             "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
             "same file.\n"
             "\n"
-            "The whole file is checked first: every line must be a bundle line whose event\n"
-            "decodes against the contract, whose subject is under --root, and whose seq\n"
-            "follows the line before. The first bad line is reported as FILE:LINE and\n"
-            "nothing is published. A stream that already holds events is refused (merging\n"
-            "two logs would re-order history): import into a fresh broker, e.g.\n"
-            "`llmgw up --data /tmp/incident` in another terminal."
+            "Import into a bare broker (`nats-server -js -sd NEW_DIR -p 4333`), not a\n"
+            "running `llmgw up`: its scheduler would act on the incident's events.\n"
+            "\n"
+            "All or nothing: the whole file is checked first. Every line must be a bundle\n"
+            "line whose seq follows the line before (no gaps) and whose subject the stream\n"
+            "stores under --root, with an event that decodes against the contract and\n"
+            "belongs on that subject (--keep-invalid lets bad events through as they are).\n"
+            "The first bad line is reported as FILE:LINE and nothing is published.\n"
+            "\n"
+            "A stream that holds anything but this bundle's start is refused (merging two\n"
+            "logs would re-order history). One that holds its start, byte for byte (an\n"
+            "import that stopped part way), is resumed: run the same import again. A\n"
+            "progress bar shows on a terminal; a one-line summary at the end."
         ),
         epilog=cli.examples(
             "llmgw events import incident.jsonl",
+            "nats-server -js -sd /tmp/incident -p 4333 &     # a bare broker",
             "LLMGW_NATS=nats://127.0.0.1:4333 llmgw events import incident.jsonl",
             "llmgw events import raw-log.jsonl --keep-invalid   # garbage and all",
         ),
@@ -422,86 +430,186 @@ def _register_import(events: cli.Commands) -> None:
     )
 
 
-def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> tuple[int, int]:
-    """(lines, first seq) after checking every line; raises naming FILE:LINE."""
-    prefix = root + "."
+# ADVICE is where an import belongs, said the same way by the help, the errors and the
+# README: a bare broker, because a running `llmgw up` would act on the incident's events.
+ADVICE = (
+    "import into a bare broker (`nats-server -js -sd NEW_DIR -p 4333`, then "
+    "--nats nats://127.0.0.1:4333), not a running `llmgw up`, whose scheduler would act on "
+    "the incident's events"
+)
+
+# _STORED are the second tokens of the subjects the stream stores (`stream_subjects`).
+_STORED = frozenset(x.split(".")[1] for x in subjects.stream_subjects("r"))
+
+
+def _subject_problem(subject: str, root: str) -> str:
+    """'' when the stream stores `subject` under `root`, else why not (a publish there
+    would fail, or land outside the log)."""
+    toks = subject.split(".")
+    if toks[0] != root:
+        return f"is not under root {root!r} (import with --root {toks[0]})"
+    if any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in toks):
+        return "is not a valid NATS subject (an empty token, a wildcard or a space)"
+    if len(toks) < 3 or toks[1] not in _STORED:
+        return f"is not one the stream {subjects.STREAM} stores"
+    return ""
+
+
+class _Checked(NamedTuple):
+    lines: int
+    first: int
+    last: int
+
+
+def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _Checked:
+    """The bundle's size and seqs after checking every line as import would publish it:
+    its position and order (the reader), a subject the stream stores under `root`, no
+    gap (unless `renumber`), and an event that decodes and belongs on its subject (unless
+    `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
     count, first, last = 0, 0, 0
+    progress = cli.Progress("checking", None)
     try:
         for rec in bundle.read(path):
-            if not rec.subject.startswith(prefix):
-                raise cli.CliError(
-                    f"{path}:{rec.lineno}: subject {rec.subject!r} is not under root "
-                    f"{root!r} (import with --root {rec.subject.split('.')[0]})"
-                )
+            where = f"{path}:{rec.lineno}: seq {rec.seq}"
+            why = _subject_problem(rec.subject, root)
+            if why:
+                raise cli.CliError(f"{where}: subject {rec.subject!r} {why}")
             if last and rec.seq != last + 1 and not renumber:
                 raise cli.CliError(
-                    f"{path}:{rec.lineno}: seq {rec.seq} follows {last}: a stream keeps no "
-                    "gaps (its readers take one for lost events); --renumber stores the "
+                    f"{path}:{rec.lineno}: {bundle.missing(last, rec.seq)}: a stream keeps "
+                    "no gaps (its readers take one for lost events); --renumber stores the "
                     "lines one after another"
                 )
             if not keep_invalid:
                 try:
-                    codec.decode(rec.body)
+                    event = codec.decode(rec.body)
                 except EventDecodeError as e:
                     raise cli.CliError(
-                        f"{path}:{rec.lineno}: seq {rec.seq}: {e} "
-                        "(--keep-invalid imports such lines as they are)"
+                        f"{where}: {e} (--keep-invalid imports such lines as they are)"
                     ) from None
+                why = subjects.check(event, rec.subject, root) or ""
+                if why:
+                    raise cli.CliError(
+                        f"{where}: subject {rec.subject!r}: {why} (consumers would "
+                        "dead-letter it; --keep-invalid imports such lines as they are)"
+                    )
             first = first or rec.seq
             last = rec.seq
             count += 1
+            if not count % 1000:
+                progress.advance(1000)
     except BundleError as e:
         raise cli.CliError(str(e)) from None
+    except IsADirectoryError:
+        raise cli.CliError(f"{path}: is a directory, not a bundle") from None
     except OSError as e:
         raise cli.CliError(f"{path}: {e.strerror}") from None
-    return count, first
+    finally:
+        progress.close()
+    return _Checked(count, first, last)
+
+
+async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked) -> int:
+    """How many of the bundle's first lines a used stream already holds, exactly (an
+    import that stopped part way, or one run twice); a `CliError` when it holds anything
+    else, so that a retry resumes and two logs are never merged."""
+    from services.bus import consume
+
+    held = f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+    held += f"(seq {st.first_seq}..{st.last_seq})"
+    if (
+        st.first_seq != checked.first
+        or st.last_seq > checked.last
+        or st.messages != st.last_seq - st.first_seq + 1
+    ):
+        raise cli.CliError(f"{held}, not the start of {path}: {ADVICE}")
+    with contextlib.closing(_lines(path)) as lines:
+        async for batch in consume.read_range(s.js, st.first_seq, st.last_seq):
+            for d in batch:
+                rec = next(lines)
+                if (d.seq, d.subject, d.data) != (rec.seq, rec.subject, rec.body):
+                    raise cli.CliError(
+                        f"{held}, and seq {d.seq} differs from {path}:{rec.lineno}: it is "
+                        f"not this bundle's start; {ADVICE}"
+                    )
+    return int(st.messages)
+
+
+def _lines(path: str) -> Generator[bundle.Line]:
+    yield from bundle.read(path)
 
 
 async def _import(args: argparse.Namespace) -> int:
+    from services.bus.errors import BusError
     from services.bus.publish import Publisher
 
     root = cli.root(args)
     path = args.file
-    total, first_seq = _check_bundle(path, root, args.keep_invalid, args.renumber)
+    checked = _check_bundle(path, root, args.keep_invalid, args.renumber)
+    total, first_seq = checked.lines, checked.first
+    done = 0
     async with cli.session(args, "llmgw events import") as s:
         info = await _event_stream(s, create=True)
         st = info.state
-        if st.messages:
+        if st.messages and args.renumber:
             raise cli.CliError(
                 f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
-                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: use a "
-                "fresh broker (`llmgw up --data NEW_DIR` in another terminal)"
+                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
             )
+        if st.messages:
+            # A retry of an import that stopped part way: what is there must be this
+            # bundle's start, byte for byte; the rest follows it.
+            done = await _already_stored(s, st, path, checked)
+            if done == total:
+                print(
+                    f"nothing to import: {s.url} already holds all {total:,} events of "
+                    f"{path} (seq {checked.first}..{checked.last})"
+                )
+                return 0
         next_seq = st.last_seq + 1
-        if first_seq > next_seq:
+        if not done and first_seq > next_seq:
             # A bundle that starts past 1 (an export --from-seq): an empty stream can be
             # made to start at any sequence, so the bundle's sequences are kept.
             await s.js.purge_stream(subjects.STREAM, seq=first_seq)
             next_seq = first_seq
-        elif first_seq and first_seq < next_seq and not args.renumber:
+        elif not done and first_seq and first_seq < next_seq and not args.renumber:
             raise cli.CliError(
                 f"stream {subjects.STREAM} at {s.url} was used before (its next sequence is "
-                f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: use "
-                "a fresh broker, or --renumber"
+                f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: "
+                f"{ADVICE}; or --renumber"
             )
         publisher = Publisher(s.js, root)
-        progress = cli.Progress("importing", total)
+        progress = cli.Progress("importing", total - done)
         first_stored = next_seq
         chunk: list[bundle.Line] = []
-        for rec in bundle.read(path):
-            chunk.append(rec)
-            if len(chunk) >= IMPORT_CHUNK:
-                next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
-                chunk = []
-        next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
-        progress.close()
+        try:
+            with contextlib.closing(_lines(path)) as lines:
+                for i, rec in enumerate(lines):
+                    if i < done:
+                        continue
+                    chunk.append(rec)
+                    if len(chunk) >= IMPORT_CHUNK:
+                        next_seq = await _flush(
+                            publisher, chunk, path, next_seq, progress, args.renumber
+                        )
+                        chunk = []
+            next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
+        except BusError as e:
+            raise cli.CliError(
+                f"{e}; {done + progress.count:,} of {total:,} events are stored: run the same "
+                "import again to go on from there"
+            ) from None
+        finally:
+            progress.close()
     if not progress.count:
         print(f"imported 0 events from {path} (an empty bundle)")
         return 0
     rate = progress.count / max(progress.elapsed, 1e-9)
+    resumed = f", after the {done:,} an earlier import stored" if done else ""
     print(
         f"imported {progress.count:,} events from {path} into {s.url} "
-        f"(seq {first_stored}..{next_seq - 1}) in {progress.elapsed:.1f}s ({rate:,.0f}/s)"
+        f"(seq {first_stored}..{next_seq - 1}{resumed}) in {progress.elapsed:.1f}s "
+        f"({rate:,.0f}/s)"
     )
     return 0
 
