@@ -260,6 +260,7 @@ def _register_export(events: cli.Commands) -> None:
         ),
         epilog=cli.examples(
             "llmgw events export --out all.jsonl",
+            "llmgw events export --out all.jsonl --force     # replace it",
             "llmgw events export --out incident.jsonl --from-seq 9000 --until-seq 12000",
             "llmgw events export --out before.jsonl --until-time 2026-11-29T14:05:00Z",
             "llmgw events export --out - | gzip > all.jsonl.gz",
@@ -287,6 +288,7 @@ def _register_export(events: cli.Commands) -> None:
         metavar="T",
         help="stop before the first event whose time is after T (RFC3339 or an age like 10m)",
     )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 class _TimeOnly(msgspec.Struct):
@@ -310,6 +312,8 @@ async def _export(args: argparse.Namespace) -> int:
     if args.from_seq and args.until_seq and args.until_seq < args.from_seq:
         raise cli.UsageError(f"--until-seq {args.until_seq} is before --from-seq {args.from_seq}")
     to_stdout = args.out == "-"
+    if not to_stdout:
+        _check_out(args.out, args.force)
     report = sys.stderr if to_stdout else sys.stdout
     async with cli.session(args, "llmgw events export") as s:
         info = await _event_stream(s, create=False)
@@ -352,6 +356,15 @@ async def _export(args: argparse.Namespace) -> int:
         file=report,
     )
     return 0
+
+
+def _check_out(out: str, force: bool) -> None:
+    """A bundle is never written over one already there by accident (replay's --db
+    neither): before connecting, so a mistake costs nothing."""
+    if os.path.isdir(out):
+        raise cli.UsageError(f"--out: {out} is a directory")
+    if os.path.lexists(out) and not force:
+        raise cli.CliError(f"--out: {out} exists; pass --force to replace it")
 
 
 @contextlib.contextmanager
@@ -673,6 +686,10 @@ def _register_publish(events: cli.Commands) -> None:
             "time-ordered id (ULID), time = now (UTC), source = --source.\n"
             "The subject follows from the event (docs/contract.md has every type, field,\n"
             "range and subject); replica events and replica.drain need --node.\n"
+            "Model and node names are checked against the cluster as the log has it now,\n"
+            "as `llmgw scale` does: a model's alias is published as the model it names, and\n"
+            "an unknown model or node is refused with the closest known name (--force\n"
+            "publishes it as typed). model.declared and node.inventory bring new names.\n"
             "Prints the stream sequence and the id.\n"
             "Here --data is the event's data; the global --data DIR goes before the\n"
             "command: `llmgw --data DIR events publish ...`.\n"
@@ -704,6 +721,11 @@ def _register_publish(events: cli.Commands) -> None:
         metavar="ID",
         help="use this id instead of a new one (publishing it again within the duplicate "
         "window stores nothing)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="publish model and node names as typed, even ones the cluster does not know",
     )
 
 
@@ -777,16 +799,14 @@ async def _publish(args: argparse.Namespace) -> int:
         causation=args.causation,
         correlation=args.correlation,
     )
-    try:
-        subject = subjects.subject_for(event, root, args.node)
-    except (ValueError, TokenError) as e:
-        raise cli.UsageError(f"--node: {e}") from None
-    if args.node is not None:
-        why = subjects.check(event, subject, root)
-        if why:
-            raise cli.UsageError(f"--node: {why}")
+    _subject(event, root, args.node)  # the flags' mistakes, before any connection
     async with cli.session(args, "llmgw events publish") as s:
         await _event_stream(s, create=True)
+        renamed: list[str] = []
+        if not args.force:
+            view = await _live_view(s)
+            event, renamed = known_names(event, view, args.node)
+        subject = _subject(event, root, args.node)
         out = await Publisher(s.js, root).publish(event, subject=subject)
     note = (
         "  (duplicate: an event with this id is already stored; nothing new)"
@@ -794,4 +814,83 @@ async def _publish(args: argparse.Namespace) -> int:
         else ""
     )
     print(f"seq={out.seq} id={event.id} subject={out.subject}{note}")
+    for line in renamed:
+        print(f"  {line}")
     return 0
+
+
+def _subject(event: Envelope, root: str, node: str | None) -> str:
+    try:
+        subject = subjects.subject_for(event, root, node)
+    except (ValueError, TokenError) as e:
+        raise cli.UsageError(f"--node: {e}") from None
+    if node is not None:
+        why = subjects.check(event, subject, root)
+        if why:
+            raise cli.UsageError(f"--node: {why}")
+    return subject
+
+
+async def _live_view(s: cli.Session) -> Any:
+    """The view the log gives now, to check the names typed against."""
+    from services.replay import rebuild
+    from services.replay.errors import ReplayError
+
+    try:
+        got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
+    except ReplayError as e:
+        raise cli.CliError(f"cannot read the cluster's state to check names: {e}") from None
+    return got.view
+
+
+# _NEW_NAMES are the events that bring names into the cluster: nothing to check them by.
+_NEW_NAMES = frozenset({"model.declared", "node.inventory"})
+
+
+def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope, list[str]]:
+    """`event` with every model alias in its data replaced by the model it names, and
+    what was replaced; a `CliError` with "did you mean" for a model or node name the view
+    does not know (`--force` skips this). Checked: the data's `model`, `for_model`,
+    `node` and its shards' nodes (`name` of model.removed), and `--node`."""
+    from services import names
+
+    kind = type_of(type(event))
+    data: Any = event.data  # type: ignore[attr-defined]
+    if kind in _NEW_NAMES:
+        return event, []
+    models = view.state.models
+    nodes = view.state.nodes
+    changes: dict[str, Any] = {}
+    renamed: list[str] = []
+    fields = ("name",) if kind == "model.removed" else ("model", "for_model")
+    for f in fields:
+        name = getattr(data, f, None)
+        if not isinstance(name, str) or not name:
+            continue
+        m = view.catalog.resolve(name)
+        if m is None:
+            hint = names.did_you_mean(name, names.model_names(models))
+            raise cli.CliError(
+                f"--data: {f} {name!r}: unknown model{hint} (no model of that name or alias "
+                "is declared; --force publishes it as typed)"
+            )
+        if m.name != name:
+            changes[f] = m.name
+            renamed.append(f"{f}: {name} is an alias of {m.name}; published as {m.name}")
+    typed = [("--node", node)] if node is not None else []
+    if isinstance(getattr(data, "node", None), str):
+        typed.append(("--data: node", data.node))
+    typed += [("--data: shards", sh.node) for sh in getattr(data, "shards", ())]
+    for where, n in typed:
+        if n not in nodes:
+            hint = names.did_you_mean(n, nodes)
+            raise cli.CliError(
+                f"{where} {n!r}: unknown node{hint} (no node of that name has reported; "
+                "--force publishes it as typed)"
+            )
+    if not changes:
+        return event, []
+    return msgspec.structs.replace(
+        event,
+        data=msgspec.structs.replace(data, **changes),
+    ), renamed

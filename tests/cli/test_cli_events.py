@@ -303,7 +303,9 @@ def test_publish_prints_seq_and_id_and_a_repeat_is_stored_once(
 ) -> None:
     data = '{"model": "meta/llama-3.1-8b", "replicas": 2}'
     code, out, err = run(
-        capsys, "--nats", nats_server.url, "events", "publish", "scale.desired", "--data", data
+        capsys,
+        *("--nats", nats_server.url, "events", "publish", "scale.desired", "--data", data),
+        "--force",  # no model is declared on this log
     )
     assert code == 0, err
     assert (
@@ -314,7 +316,7 @@ def test_publish_prints_seq_and_id_and_a_repeat_is_stored_once(
         code, out, err = run(
             capsys,
             *("--nats", nats_server.url, "events", "publish", "scale.desired"),
-            *("--data", data, "--id", fixed),
+            *("--data", data, "--id", fixed, "--force"),
         )
         assert code == 0, err
         assert out.startswith(f"seq=2 id={fixed}")
