@@ -213,9 +213,9 @@ def _parse(raw: bytes, name: str, lineno: int) -> tuple[int, str, bytes]:
         doc = _doc.decode(raw)
     except msgspec.MsgspecError as e:
         raise BundleError(name, lineno, f"not a bundle line ({e})") from None
-    seq, subject = doc.pop("seq", None), doc.pop("subject", None)
-    if seq is None:
+    if "seq" not in doc:
         raise BundleError(name, lineno, "not a bundle line (it has no seq)")
+    seq, subject = doc.pop("seq"), doc.pop("subject", None)
     why = seq_problem(seq)
     if why:
         integer = isinstance(seq, int) and not isinstance(seq, bool)
