@@ -6,11 +6,15 @@ bundles). It must not interpret events beyond showing them: no folding, no decis
 
 Choices a user relies on:
 - `export` writes every stored message, garbage included (`schemas.bundle`), so
-  sequences survive the round trip; `import` needs an empty stream and refuses anything
-  else, so that order, ids and sequence numbers come back exactly as exported (a bundle
-  that starts at seq 500 is stored from 500 again) and a re-export is byte-equal. It
-  checks the whole file before it publishes anything: a bad line is reported as
+  sequences survive the round trip; `import` needs an empty stream, or one holding
+  exactly the bundle's start (an import that stopped part way: a retry resumes), and
+  refuses anything else, so that order, ids and sequence numbers come back exactly as
+  exported (a bundle that starts at seq 500 is stored from 500 again) and a re-export
+  is byte-equal. It checks the whole file before it publishes anything (positions,
+  order, gaps, each subject against the root and its event): a bad line is reported as
   FILE:LINE and nothing is stored.
+- `export --out` never replaces a file without `--force`; `publish` checks model and
+  node names against the live view, as the operator commands do.
 - `export` writes to a temporary file beside the target and renames it at the end, so
   a bundle on disk is always complete. `--until-time` cuts at the first event whose own
   `time` is later (the cluster's clock, the same on a re-imported log), while
