@@ -27,6 +27,7 @@ from typing import IO, Any, NamedTuple, cast
 import msgspec
 
 from schemas.errors import BundleError
+from schemas.events import MAX_SEQ
 
 RAW_KEY = "body_b64"
 
@@ -118,12 +119,45 @@ def records(path: str) -> Iterator[tuple[int, str, bytes]]:
     """(seq, subject, data) of each line of a bundle file, where `data` decodes exactly as
     the stored body does: the line itself when the body is inline (the envelope decoder
     skips `seq` and `subject`), which spares a copy a line (replay); else the body."""
+    for seq, subject, data, _ in entries(path):
+        yield seq, subject, data
+
+
+def entries(path: str) -> Iterator[tuple[int, str, bytes, int]]:
+    """`records` with each line's number: (seq, subject, data, lineno)."""
     with open(path, "rb") as fp:
         yield from _scan(fp, path, False)
 
 
+def missing(before: int, seq: int) -> str:
+    """What a gap between two lines' sequences means, in words: `seqs 301-310 are missing
+    (the log has a gap)`. A bundle is a run of the log, so a sequence that does not follow
+    the line before is events lost, not skipped on purpose."""
+    if seq == before + 2:
+        return f"seq {before + 1} is missing (the log has a gap)"
+    return f"seqs {before + 1}-{seq - 1} are missing (the log has a gap)"
+
+
+def seq_problem(seq: object) -> str:
+    """'' when `seq` is a valid stream sequence (an integer from 1 to MAX_SEQ), else why
+    not: past 2^53 no JSON reader is sure to read the number back exactly."""
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        return f"seq {_shown(seq)} is not a positive integer"
+    if seq < 1:
+        return f"seq {seq}: sequences start at 1"
+    if seq > MAX_SEQ:
+        return f"seq {seq} is past the largest sequence a bundle can hold (2^53)"
+    return ""
+
+
+def _shown(value: object) -> str:
+    text = _encoder.encode(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
-    """Each line as a `Line` with the exact body (`exact`), else as (seq, subject, data).
+    """Each line as a `Line` with the exact body (`exact`), else as (seq, subject, data,
+    lineno).
 
     A line without a position, or whose sequence does not rise, is a broken bundle: no
     sequence after it can be trusted. A line whose body is not a valid event is not: the
@@ -141,10 +175,15 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
             # Not JSON after all: a position in front still places it (as an undecodable
             # event); nothing in front is a broken bundle.
             m = _HEAD.match(raw)
-            if m is None:
+            if m is not None:
+                seq, subject = int(m[1]), _str.decode(m[2])
+                data = _body_after(raw, m.end()) if exact else raw
+            elif raw.lstrip()[:1] == b"{":
+                # A JSON document whose position is not the shape `line` writes (a seq
+                # that is not an integer, keys in another order): `_parse` says which.
+                seq, subject, data = _parse(raw, name, lineno)
+            else:
                 raise BundleError(name, lineno, f"not a bundle line ({e})") from None
-            seq, subject = int(m[1]), _str.decode(m[2])
-            data = _body_after(raw, m.end()) if exact else raw
         else:
             seq, subject, data = pos.seq, pos.subject, raw
             if pos.body_b64 is not None:
@@ -155,12 +194,11 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
                     data = _body_after(raw, m.end())
                 else:  # written by something else (spaces, another key order)
                     seq, subject, data = _parse(raw, name, lineno)
-        if seq <= last:
-            if seq < 1:
-                raise BundleError(name, lineno, f"seq {seq}: sequences start at 1")
-            raise BundleError(name, lineno, f"seq {seq} does not follow {last}")
+        if seq <= last or seq > MAX_SEQ:
+            why = seq_problem(seq)
+            raise BundleError(name, lineno, why or f"seq {seq} does not follow {last}")
         last = seq
-        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data)
+        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data, lineno)
 
 
 def _body_after(raw: bytes, end: int) -> bytes:
@@ -175,9 +213,15 @@ def _parse(raw: bytes, name: str, lineno: int) -> tuple[int, str, bytes]:
         doc = _doc.decode(raw)
     except msgspec.MsgspecError as e:
         raise BundleError(name, lineno, f"not a bundle line ({e})") from None
-    seq, subject = doc.pop("seq", None), doc.pop("subject", None)
-    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(subject, str):
-        raise BundleError(name, lineno, "not a bundle line (it needs an integer seq and a subject)")
+    if "seq" not in doc:
+        raise BundleError(name, lineno, "not a bundle line (it has no seq)")
+    seq, subject = doc.pop("seq"), doc.pop("subject", None)
+    why = seq_problem(seq)
+    if why:
+        integer = isinstance(seq, int) and not isinstance(seq, bool)
+        raise BundleError(name, lineno, why if integer else f"not a bundle line: {why}")
+    if not isinstance(subject, str):
+        raise BundleError(name, lineno, "not a bundle line (it needs a subject)")
     raw_body = doc.get(RAW_KEY)
     if isinstance(raw_body, str) and len(doc) == 1:
         try:

@@ -6,11 +6,15 @@ bundles). It must not interpret events beyond showing them: no folding, no decis
 
 Choices a user relies on:
 - `export` writes every stored message, garbage included (`schemas.bundle`), so
-  sequences survive the round trip; `import` needs an empty stream and refuses anything
-  else, so that order, ids and sequence numbers come back exactly as exported (a bundle
-  that starts at seq 500 is stored from 500 again) and a re-export is byte-equal. It
-  checks the whole file before it publishes anything: a bad line is reported as
+  sequences survive the round trip; `import` needs an empty stream, or one holding
+  exactly the bundle's start (an import that stopped part way: a retry resumes), and
+  refuses anything else, so that order, ids and sequence numbers come back exactly as
+  exported (a bundle that starts at seq 500 is stored from 500 again) and a re-export
+  is byte-equal. It checks the whole file before it publishes anything (positions,
+  order, gaps, each subject against the root and its event): a bad line is reported as
   FILE:LINE and nothing is stored.
+- `export --out` never replaces a file without `--force`; `publish` checks model and
+  node names against the live view, as the operator commands do.
 - `export` writes to a temporary file beside the target and renames it at the end, so
   a bundle on disk is always complete. `--until-time` cuts at the first event whose own
   `time` is later (the cluster's clock, the same on a re-imported log), while
@@ -27,10 +31,10 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import msgspec
 
@@ -260,6 +264,7 @@ def _register_export(events: cli.Commands) -> None:
         ),
         epilog=cli.examples(
             "llmgw events export --out all.jsonl",
+            "llmgw events export --out all.jsonl --force     # replace it",
             "llmgw events export --out incident.jsonl --from-seq 9000 --until-seq 12000",
             "llmgw events export --out before.jsonl --until-time 2026-11-29T14:05:00Z",
             "llmgw events export --out - | gzip > all.jsonl.gz",
@@ -287,6 +292,7 @@ def _register_export(events: cli.Commands) -> None:
         metavar="T",
         help="stop before the first event whose time is after T (RFC3339 or an age like 10m)",
     )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 class _TimeOnly(msgspec.Struct):
@@ -310,6 +316,8 @@ async def _export(args: argparse.Namespace) -> int:
     if args.from_seq and args.until_seq and args.until_seq < args.from_seq:
         raise cli.UsageError(f"--until-seq {args.until_seq} is before --from-seq {args.from_seq}")
     to_stdout = args.out == "-"
+    if not to_stdout:
+        _check_out(args.out, args.force)
     report = sys.stderr if to_stdout else sys.stdout
     async with cli.session(args, "llmgw events export") as s:
         info = await _event_stream(s, create=False)
@@ -354,6 +362,15 @@ async def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out(out: str, force: bool) -> None:
+    """A bundle is never written over one already there by accident (replay's --db
+    neither): before connecting, so a mistake costs nothing."""
+    if os.path.isdir(out):
+        raise cli.UsageError(f"--out: {out} is a directory")
+    if os.path.lexists(out) and not force:
+        raise cli.CliError(f"--out: {out} exists; pass --force to replace it")
+
+
 @contextlib.contextmanager
 def _bundle_out(out: str) -> Iterator[IO[bytes]]:
     """A binary file that becomes `out` only when the block finishes without error."""
@@ -393,15 +410,23 @@ def _register_import(events: cli.Commands) -> None:
             "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
             "same file.\n"
             "\n"
-            "The whole file is checked first: every line must be a bundle line whose event\n"
-            "decodes against the contract, whose subject is under --root, and whose seq\n"
-            "follows the line before. The first bad line is reported as FILE:LINE and\n"
-            "nothing is published. A stream that already holds events is refused (merging\n"
-            "two logs would re-order history): import into a fresh broker, e.g.\n"
-            "`llmgw up --data /tmp/incident` in another terminal."
+            "Import into a bare broker (`nats-server -js -sd NEW_DIR -p 4333`), not a\n"
+            "running `llmgw up`: its scheduler would act on the incident's events.\n"
+            "\n"
+            "All or nothing: the whole file is checked first. Every line must be a bundle\n"
+            "line whose seq follows the line before (no gaps) and whose subject the stream\n"
+            "stores under --root, with an event that decodes against the contract and\n"
+            "belongs on that subject (--keep-invalid lets bad events through as they are).\n"
+            "The first bad line is reported as FILE:LINE and nothing is published.\n"
+            "\n"
+            "A stream that holds anything but this bundle's start is refused (merging two\n"
+            "logs would re-order history). One that holds its start, byte for byte (an\n"
+            "import that stopped part way), is resumed: run the same import again. A\n"
+            "progress bar shows on a terminal; a one-line summary at the end."
         ),
         epilog=cli.examples(
             "llmgw events import incident.jsonl",
+            "nats-server -js -sd /tmp/incident -p 4333 &     # a bare broker",
             "LLMGW_NATS=nats://127.0.0.1:4333 llmgw events import incident.jsonl",
             "llmgw events import raw-log.jsonl --keep-invalid   # garbage and all",
         ),
@@ -422,86 +447,186 @@ def _register_import(events: cli.Commands) -> None:
     )
 
 
-def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> tuple[int, int]:
-    """(lines, first seq) after checking every line; raises naming FILE:LINE."""
-    prefix = root + "."
+# ADVICE is where an import belongs, said the same way by the help, the errors and the
+# README: a bare broker, because a running `llmgw up` would act on the incident's events.
+ADVICE = (
+    "import into a bare broker (`nats-server -js -sd NEW_DIR -p 4333`, then "
+    "--nats nats://127.0.0.1:4333), not a running `llmgw up`, whose scheduler would act on "
+    "the incident's events"
+)
+
+# _STORED are the second tokens of the subjects the stream stores (`stream_subjects`).
+_STORED = frozenset(x.split(".")[1] for x in subjects.stream_subjects("r"))
+
+
+def _subject_problem(subject: str, root: str) -> str:
+    """'' when the stream stores `subject` under `root`, else why not (a publish there
+    would fail, or land outside the log)."""
+    toks = subject.split(".")
+    if toks[0] != root:
+        return f"is not under root {root!r} (import with --root {toks[0]})"
+    if any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in toks):
+        return "is not a valid NATS subject (an empty token, a wildcard or a space)"
+    if len(toks) < 3 or toks[1] not in _STORED:
+        return f"is not one the stream {subjects.STREAM} stores"
+    return ""
+
+
+class _Checked(NamedTuple):
+    lines: int
+    first: int
+    last: int
+
+
+def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _Checked:
+    """The bundle's size and seqs after checking every line as import would publish it:
+    its position and order (the reader), a subject the stream stores under `root`, no
+    gap (unless `renumber`), and an event that decodes and belongs on its subject (unless
+    `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
     count, first, last = 0, 0, 0
+    progress = cli.Progress("checking", None)
     try:
         for rec in bundle.read(path):
-            if not rec.subject.startswith(prefix):
-                raise cli.CliError(
-                    f"{path}:{rec.lineno}: subject {rec.subject!r} is not under root "
-                    f"{root!r} (import with --root {rec.subject.split('.')[0]})"
-                )
+            where = f"{path}:{rec.lineno}: seq {rec.seq}"
+            why = _subject_problem(rec.subject, root)
+            if why:
+                raise cli.CliError(f"{where}: subject {rec.subject!r} {why}")
             if last and rec.seq != last + 1 and not renumber:
                 raise cli.CliError(
-                    f"{path}:{rec.lineno}: seq {rec.seq} follows {last}: a stream keeps no "
-                    "gaps (its readers take one for lost events); --renumber stores the "
+                    f"{path}:{rec.lineno}: {bundle.missing(last, rec.seq)}: a stream keeps "
+                    "no gaps (its readers take one for lost events); --renumber stores the "
                     "lines one after another"
                 )
             if not keep_invalid:
                 try:
-                    codec.decode(rec.body)
+                    event = codec.decode(rec.body)
                 except EventDecodeError as e:
                     raise cli.CliError(
-                        f"{path}:{rec.lineno}: seq {rec.seq}: {e} "
-                        "(--keep-invalid imports such lines as they are)"
+                        f"{where}: {e} (--keep-invalid imports such lines as they are)"
                     ) from None
+                why = subjects.check(event, rec.subject, root) or ""
+                if why:
+                    raise cli.CliError(
+                        f"{where}: subject {rec.subject!r}: {why} (consumers would "
+                        "dead-letter it; --keep-invalid imports such lines as they are)"
+                    )
             first = first or rec.seq
             last = rec.seq
             count += 1
+            if not count % 1000:
+                progress.advance(1000)
     except BundleError as e:
         raise cli.CliError(str(e)) from None
+    except IsADirectoryError:
+        raise cli.CliError(f"{path}: is a directory, not a bundle") from None
     except OSError as e:
         raise cli.CliError(f"{path}: {e.strerror}") from None
-    return count, first
+    finally:
+        progress.close()
+    return _Checked(count, first, last)
+
+
+async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked) -> int:
+    """How many of the bundle's first lines a used stream already holds, exactly (an
+    import that stopped part way, or one run twice); a `CliError` when it holds anything
+    else, so that a retry resumes and two logs are never merged."""
+    from services.bus import consume
+
+    held = f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+    held += f"(seq {st.first_seq}..{st.last_seq})"
+    if (
+        st.first_seq != checked.first
+        or st.last_seq > checked.last
+        or st.messages != st.last_seq - st.first_seq + 1
+    ):
+        raise cli.CliError(f"{held}, not the start of {path}: {ADVICE}")
+    with contextlib.closing(_lines(path)) as lines:
+        async for batch in consume.read_range(s.js, st.first_seq, st.last_seq):
+            for d in batch:
+                rec = next(lines)
+                if (d.seq, d.subject, d.data) != (rec.seq, rec.subject, rec.body):
+                    raise cli.CliError(
+                        f"{held}, and seq {d.seq} differs from {path}:{rec.lineno}: it is "
+                        f"not this bundle's start; {ADVICE}"
+                    )
+    return int(st.messages)
+
+
+def _lines(path: str) -> Generator[bundle.Line]:
+    yield from bundle.read(path)
 
 
 async def _import(args: argparse.Namespace) -> int:
+    from services.bus.errors import BusError
     from services.bus.publish import Publisher
 
     root = cli.root(args)
     path = args.file
-    total, first_seq = _check_bundle(path, root, args.keep_invalid, args.renumber)
+    checked = _check_bundle(path, root, args.keep_invalid, args.renumber)
+    total, first_seq = checked.lines, checked.first
+    done = 0
     async with cli.session(args, "llmgw events import") as s:
         info = await _event_stream(s, create=True)
         st = info.state
-        if st.messages:
+        if st.messages and args.renumber:
             raise cli.CliError(
                 f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
-                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: use a "
-                "fresh broker (`llmgw up --data NEW_DIR` in another terminal)"
+                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
             )
+        if st.messages:
+            # A retry of an import that stopped part way: what is there must be this
+            # bundle's start, byte for byte; the rest follows it.
+            done = await _already_stored(s, st, path, checked)
+            if done == total:
+                print(
+                    f"nothing to import: {s.url} already holds all {total:,} events of "
+                    f"{path} (seq {checked.first}..{checked.last})"
+                )
+                return 0
         next_seq = st.last_seq + 1
-        if first_seq > next_seq:
+        if not done and first_seq > next_seq:
             # A bundle that starts past 1 (an export --from-seq): an empty stream can be
             # made to start at any sequence, so the bundle's sequences are kept.
             await s.js.purge_stream(subjects.STREAM, seq=first_seq)
             next_seq = first_seq
-        elif first_seq and first_seq < next_seq and not args.renumber:
+        elif not done and first_seq and first_seq < next_seq and not args.renumber:
             raise cli.CliError(
                 f"stream {subjects.STREAM} at {s.url} was used before (its next sequence is "
-                f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: use "
-                "a fresh broker, or --renumber"
+                f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: "
+                f"{ADVICE}; or --renumber"
             )
         publisher = Publisher(s.js, root)
-        progress = cli.Progress("importing", total)
+        progress = cli.Progress("importing", total - done)
         first_stored = next_seq
         chunk: list[bundle.Line] = []
-        for rec in bundle.read(path):
-            chunk.append(rec)
-            if len(chunk) >= IMPORT_CHUNK:
-                next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
-                chunk = []
-        next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
-        progress.close()
+        try:
+            with contextlib.closing(_lines(path)) as lines:
+                for i, rec in enumerate(lines):
+                    if i < done:
+                        continue
+                    chunk.append(rec)
+                    if len(chunk) >= IMPORT_CHUNK:
+                        next_seq = await _flush(
+                            publisher, chunk, path, next_seq, progress, args.renumber
+                        )
+                        chunk = []
+            next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
+        except BusError as e:
+            raise cli.CliError(
+                f"{e}; {done + progress.count:,} of {total:,} events are stored: run the same "
+                "import again to go on from there"
+            ) from None
+        finally:
+            progress.close()
     if not progress.count:
         print(f"imported 0 events from {path} (an empty bundle)")
         return 0
     rate = progress.count / max(progress.elapsed, 1e-9)
+    resumed = f", after the {done:,} an earlier import stored" if done else ""
     print(
         f"imported {progress.count:,} events from {path} into {s.url} "
-        f"(seq {first_stored}..{next_seq - 1}) in {progress.elapsed:.1f}s ({rate:,.0f}/s)"
+        f"(seq {first_stored}..{next_seq - 1}{resumed}) in {progress.elapsed:.1f}s "
+        f"({rate:,.0f}/s)"
     )
     return 0
 
@@ -565,6 +690,10 @@ def _register_publish(events: cli.Commands) -> None:
             "time-ordered id (ULID), time = now (UTC), source = --source.\n"
             "The subject follows from the event (docs/contract.md has every type, field,\n"
             "range and subject); replica events and replica.drain need --node.\n"
+            "Model and node names are checked against the cluster as the log has it now,\n"
+            "as `llmgw scale` does: a model's alias is published as the model it names, and\n"
+            "an unknown model or node is refused with the closest known name (--force\n"
+            "publishes it as typed). model.declared and node.inventory bring new names.\n"
             "Prints the stream sequence and the id.\n"
             "Here --data is the event's data; the global --data DIR goes before the\n"
             "command: `llmgw --data DIR events publish ...`.\n"
@@ -596,6 +725,11 @@ def _register_publish(events: cli.Commands) -> None:
         metavar="ID",
         help="use this id instead of a new one (publishing it again within the duplicate "
         "window stores nothing)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="publish model and node names as typed, even ones the cluster does not know",
     )
 
 
@@ -669,16 +803,14 @@ async def _publish(args: argparse.Namespace) -> int:
         causation=args.causation,
         correlation=args.correlation,
     )
-    try:
-        subject = subjects.subject_for(event, root, args.node)
-    except (ValueError, TokenError) as e:
-        raise cli.UsageError(f"--node: {e}") from None
-    if args.node is not None:
-        why = subjects.check(event, subject, root)
-        if why:
-            raise cli.UsageError(f"--node: {why}")
+    _subject(event, root, args.node)  # the flags' mistakes, before any connection
     async with cli.session(args, "llmgw events publish") as s:
         await _event_stream(s, create=True)
+        renamed: list[str] = []
+        if not args.force:
+            view = await _live_view(s)
+            event, renamed = known_names(event, view, args.node)
+        subject = _subject(event, root, args.node)
         out = await Publisher(s.js, root).publish(event, subject=subject)
     note = (
         "  (duplicate: an event with this id is already stored; nothing new)"
@@ -686,4 +818,83 @@ async def _publish(args: argparse.Namespace) -> int:
         else ""
     )
     print(f"seq={out.seq} id={event.id} subject={out.subject}{note}")
+    for line in renamed:
+        print(f"  {line}")
     return 0
+
+
+def _subject(event: Envelope, root: str, node: str | None) -> str:
+    try:
+        subject = subjects.subject_for(event, root, node)
+    except (ValueError, TokenError) as e:
+        raise cli.UsageError(f"--node: {e}") from None
+    if node is not None:
+        why = subjects.check(event, subject, root)
+        if why:
+            raise cli.UsageError(f"--node: {why}")
+    return subject
+
+
+async def _live_view(s: cli.Session) -> Any:
+    """The view the log gives now, to check the names typed against."""
+    from services.replay import rebuild
+    from services.replay.errors import ReplayError
+
+    try:
+        got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
+    except ReplayError as e:
+        raise cli.CliError(f"cannot read the cluster's state to check names: {e}") from None
+    return got.view
+
+
+# _NEW_NAMES are the events that bring names into the cluster: nothing to check them by.
+_NEW_NAMES = frozenset({"model.declared", "node.inventory"})
+
+
+def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope, list[str]]:
+    """`event` with every model alias in its data replaced by the model it names, and
+    what was replaced; a `CliError` with "did you mean" for a model or node name the view
+    does not know (`--force` skips this). Checked: the data's `model`, `for_model`,
+    `node` and its shards' nodes (`name` of model.removed), and `--node`."""
+    from services import names
+
+    kind = type_of(type(event))
+    data: Any = event.data  # type: ignore[attr-defined]
+    if kind in _NEW_NAMES:
+        return event, []
+    models = view.state.models
+    nodes = view.state.nodes
+    changes: dict[str, Any] = {}
+    renamed: list[str] = []
+    fields = ("name",) if kind == "model.removed" else ("model", "for_model")
+    for f in fields:
+        name = getattr(data, f, None)
+        if not isinstance(name, str) or not name:
+            continue
+        m = view.catalog.resolve(name)
+        if m is None:
+            hint = names.did_you_mean(name, names.model_names(models))
+            raise cli.CliError(
+                f"--data: {f} {name!r}: unknown model{hint} (no model of that name or alias "
+                "is declared; --force publishes it as typed)"
+            )
+        if m.name != name:
+            changes[f] = m.name
+            renamed.append(f"{f}: {name} is an alias of {m.name}; published as {m.name}")
+    typed = [("--node", node)] if node is not None else []
+    if isinstance(getattr(data, "node", None), str):
+        typed.append(("--data: node", data.node))
+    typed += [("--data: shards", sh.node) for sh in getattr(data, "shards", ())]
+    for where, n in typed:
+        if n not in nodes:
+            hint = names.did_you_mean(n, nodes)
+            raise cli.CliError(
+                f"{where} {n!r}: unknown node{hint} (no node of that name has reported; "
+                "--force publishes it as typed)"
+            )
+    if not changes:
+        return event, []
+    return msgspec.structs.replace(
+        event,
+        data=msgspec.structs.replace(data, **changes),
+    ), renamed

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import IO
 
 from services.cli import app as cli
+from services.cli.replay import allow_gaps_option
 from services.core import preemption
 from services.core.view import View
 
@@ -55,6 +56,7 @@ def register(commands: cli.Commands) -> None:
         func=_plan,
     )
     p.add_argument("--log", required=True, metavar="BUNDLE.jsonl", help="the bundle to fold")
+    allow_gaps_option(p)
     p.add_argument("--model", required=True, metavar="NAME", help="the model to place (or alias)")
     p.add_argument(
         "--seq",
@@ -102,20 +104,23 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
 
 
-async def load(path: str, until_seq: int | None = None) -> View:
+async def load(path: str, until_seq: int | None = None, *, allow_gaps: bool = False) -> View:
     """The view folded from a bundle (up to `until_seq`), the way every replay folds it:
-    lines that do not decode are skipped and reported, never fatal."""
+    lines that do not decode are skipped and reported, never fatal; a gap in its
+    sequences is refused unless `allow_gaps`, then said once."""
+    from services.cli.replay import report_gaps
     from services.replay import rebuild
     from services.replay.errors import ReplayError
 
     try:
-        got = await rebuild.from_bundle(path, until_seq=until_seq)
+        got = await rebuild.from_bundle(path, until_seq=until_seq, allow_gaps=allow_gaps)
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
     except FileNotFoundError:
         raise cli.CliError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise cli.CliError(f"{path}: is a directory, not a bundle") from None
+    report_gaps(path, got)
     skipped = got.source.stats.summary()
     if skipped:
         print(f"note: {skipped}", file=sys.stderr)
@@ -123,7 +128,7 @@ async def load(path: str, until_seq: int | None = None) -> View:
 
 
 async def _plan(args: argparse.Namespace) -> int:
-    view = await load(args.log, args.seq)
+    view = await load(args.log, args.seq, allow_gaps=args.allow_gaps)
     if view.catalog.resolve(args.model) is None:
         known = ", ".join(sorted(view.catalog)) or "none"
         raise cli.CliError(f"unknown model {args.model!r} in {args.log}; known models: {known}")

@@ -49,6 +49,17 @@ def _log_option(p: argparse.ArgumentParser) -> None:
         help="replay this .jsonl bundle (`llmgw events export`) offline instead of the "
         "live broker's log",
     )
+    allow_gaps_option(p)
+
+
+def allow_gaps_option(p: argparse.ArgumentParser) -> None:
+    """--allow-gaps, for every command that reads a bundle with --log."""
+    p.add_argument(
+        "--allow-gaps",
+        action="store_true",
+        help="replay a bundle whose seqs have gaps (events missing from the log) past them, "
+        "saying so once on stderr; without it a gap is refused, naming its line",
+    )
 
 
 def _moment_options(p: argparse.ArgumentParser) -> None:
@@ -268,10 +279,12 @@ async def rebuild_view(
                     watcher=watcher,
                     progress=progress,
                     root=cli.root(args),
+                    allow_gaps=getattr(args, "allow_gaps", False),
                 )
             finally:
                 progress.close()
             _done(progress, got)
+            report_gaps(args.log, got)
             return _Run(got, args.log, progress.elapsed)
         from services.cli import offline
         from services.cli.events import _event_stream
@@ -311,6 +324,13 @@ def _bundle_lines(path: str) -> int | None:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: fp.read(1 << 20), b""))
     except OSError:
         return None
+
+
+def report_gaps(path: str, got: rebuild.Rebuilt) -> None:
+    """The one line on stderr that says a bundle's gaps were replayed past."""
+    line = got.source.stats.gap_summary()
+    if line:
+        print(f"{cli.PROG}: note: {path}: {line}", file=sys.stderr)
 
 
 def _done(progress: cli.Progress, got: rebuild.Rebuilt) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from schemas import subjects
 from services import names
 from services.cli import app as cli
-from services.cli.replay import rebuild_view
+from services.cli.replay import allow_gaps_option, rebuild_view
 from services.core.view import View, digest
 from services.replay import render
 
@@ -54,6 +54,7 @@ def register(commands: cli.Commands) -> None:
         func=_status,
     )
     p.add_argument("--log", metavar="BUNDLE", help="read a .jsonl bundle instead of the broker")
+    allow_gaps_option(p)
     p.add_argument(
         "-o",
         "--output",

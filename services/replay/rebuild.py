@@ -116,9 +116,13 @@ async def from_bundle(
     watcher: Watcher | None = None,
     progress: Any = None,
     root: str = subjects.DEFAULT_ROOT,
+    allow_gaps: bool = False,
 ) -> Rebuilt:
-    """The view a bundle gives, up to a sequence or a time."""
-    src = BundleSource(path, until_seq=until_seq, until_time=until_time, root=root)
+    """The view a bundle gives, up to a sequence or a time; a gap in its sequences is a
+    `BundleError` unless `allow_gaps` (`BundleSource`)."""
+    src = BundleSource(
+        path, until_seq=until_seq, until_time=until_time, root=root, allow_gaps=allow_gaps
+    )
     return await run(src, watcher=watcher, progress=progress)
 
 

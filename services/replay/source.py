@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from schemas import bundle, subjects
+from schemas.errors import BundleError
 from schemas.events import Event
 from services.core import ingest
 
@@ -48,6 +49,9 @@ class Stats:
     """The last sequence read and taken (decoded or not)."""
     cut_at: int | None = None
     """The sequence of the first event past `until_time`, when the time cut stopped it."""
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    """(first, last) of every run of sequences missing from a bundle, replayed past with
+    `allow_gaps`."""
 
     def skip(self, seq: int, subject: str, why: str) -> None:
         self.undecodable += 1
@@ -61,6 +65,23 @@ class Stats:
         shown = "; ".join(f"seq {s}: {w}" for s, _, w in self.dead[:3])
         more = "; ..." if self.undecodable > 3 else ""
         return f"skipped {self.undecodable:,} events that are not valid here ({shown}{more})"
+
+    def gap_summary(self) -> str:
+        """'' when no sequence was missing, else one line naming the first few gaps."""
+        if not self.gaps:
+            return ""
+        runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in self.gaps[:3]]
+        more = ", ..." if len(self.gaps) > 3 else ""
+        lost = sum(b - a + 1 for a, b in self.gaps)
+        what = "seq" if lost == 1 else "seqs"
+        return (
+            f"the log has {_count(len(self.gaps), 'gap')}: {what} {', '.join(runs)}{more} "
+            f"missing ({lost:,} events); replayed past them"
+        )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 class Source(Protocol):
@@ -115,7 +136,13 @@ class _Cut:
 
 
 class BundleSource:
-    """The events of a `.jsonl` bundle file (`llmgw events export`)."""
+    """The events of a `.jsonl` bundle file (`llmgw events export`).
+
+    A bundle is a run of the log, so a sequence that does not follow the line before
+    means events were lost (a hand-cut file, a broken copy): replaying past them would
+    give a view no cluster ever had, without a word. So a gap before the cut is a
+    `BundleError` naming its line, unless `allow_gaps`; then it is kept in `stats.gaps`
+    for the caller to say once. A gap past the cut is never looked at."""
 
     def __init__(
         self,
@@ -125,17 +152,35 @@ class BundleSource:
         until_seq: int | None = None,
         until_time: datetime | None = None,
         root: str = subjects.DEFAULT_ROOT,
+        allow_gaps: bool = False,
     ) -> None:
         self.path = path
         self.from_seq = from_seq
+        self.until_seq = until_seq
+        self.allow_gaps = allow_gaps
         self.label = path
         self.stats = Stats()
         self._cut = _Cut(self.stats, until_seq, until_time, root)
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         chunk: list[tuple[int, str, bytes, int]] = []
-        for seq, subject, line in records(self.path):
-            if seq < self.from_seq:
+        until_seq, from_seq = self.until_seq, self.from_seq
+        last = 0
+        for seq, subject, line, lineno in entries(self.path):
+            if until_seq is not None and seq > until_seq:
+                break
+            if last and seq != last + 1 and seq > from_seq:
+                # The lines before the gap are taken first: a cut among them (a time)
+                # ends the replay before the gap matters.
+                out = self._cut.take(chunk) if chunk else []
+                chunk = []
+                if out:
+                    yield out
+                if self._cut.done:
+                    return
+                self._gap(last, seq, lineno)
+            last = seq
+            if seq < from_seq:
                 continue
             chunk.append((seq, subject, line, 0))
             if len(chunk) >= BATCH:
@@ -150,9 +195,16 @@ class BundleSource:
             if out:
                 yield out
 
+    def _gap(self, before: int, seq: int, lineno: int) -> None:
+        if not self.allow_gaps:
+            raise BundleError(
+                self.path, lineno, f"{bundle.missing(before, seq)}; --allow-gaps replays past it"
+            )
+        self.stats.gaps.append((before + 1, seq - 1))
 
-# records is the bundle reader replay uses: `schemas.bundle.records`, the one reader.
-records = bundle.records
+
+# entries is the bundle reader replay uses: `schemas.bundle.entries`, the one reader.
+entries = bundle.entries
 
 
 class StreamSource:

@@ -110,7 +110,9 @@ def mixed_events(n: int, rng: random.Random) -> list[ev.Envelope]:
                     model=m, profiles=("tp1",), live=0, desired=1, reason="no_fit"
                 )
             case 9:
-                data = ev.ReplicaStart(replica=replica, model=m, profile="tp1", shards=shards)
+                # Published as gpu-0's command (`publish`), so one of its shards is there.
+                start = (ev.ShardSpec(node="gpu-0", gpus=(rng.randrange(8),)),)
+                data = ev.ReplicaStart(replica=replica, model=m, profile="tp1", shards=start)
             case 10:
                 data = ev.HoldCreated(model=m, for_model="llama-70b", until=t + timedelta(60))
             case 11:
@@ -255,7 +257,20 @@ def test_a_range_keeps_its_sequences_and_a_used_stream_is_refused(
     assert code == 0, err
     assert again.read_bytes() == part.read_bytes()
 
+    # The same bundle again is already there: nothing to do. Another is refused.
     code, out, err = run(capsys, "--nats", second_server.url, "events", "import", str(part))
+    assert code == 0, err
+    assert "nothing to import" in out and "already holds all 20 events" in out
+    other = tmp_path / "other.jsonl"
+    code, out, err = run(
+        capsys,
+        *("--nats", nats_server.url, "events", "export", "--out", str(other)),
+        *("--from-seq", "21", "--until-seq", "30"),
+    )
+    assert code == 0, err
+    lines = other.read_bytes().splitlines()
+    other.write_bytes(b"\n".join([*lines[:5], lines[5].replace(b'"time":', b'"x":1,"time":')]))
+    code, out, err = run(capsys, "--nats", second_server.url, "events", "import", str(other))
     assert code == 1
     assert "already holds 20 events" in err and err.count("\n") == 1
 
@@ -288,7 +303,9 @@ def test_publish_prints_seq_and_id_and_a_repeat_is_stored_once(
 ) -> None:
     data = '{"model": "meta/llama-3.1-8b", "replicas": 2}'
     code, out, err = run(
-        capsys, "--nats", nats_server.url, "events", "publish", "scale.desired", "--data", data
+        capsys,
+        *("--nats", nats_server.url, "events", "publish", "scale.desired", "--data", data),
+        "--force",  # no model is declared on this log
     )
     assert code == 0, err
     assert (
@@ -299,7 +316,7 @@ def test_publish_prints_seq_and_id_and_a_repeat_is_stored_once(
         code, out, err = run(
             capsys,
             *("--nats", nats_server.url, "events", "publish", "scale.desired"),
-            *("--data", data, "--id", fixed),
+            *("--data", data, "--id", fixed, "--force"),
         )
         assert code == 0, err
         assert out.startswith(f"seq=2 id={fixed}")

@@ -118,11 +118,13 @@ def test_a_bad_line_is_skipped_and_named_a_missing_file_is_one_line(
 ) -> None:
     path = wrong_node_bundle(tmp_path)
     lines = path.read_text().splitlines()
-    path.write_text("\n".join([*lines, '{"seq": 999, "subject": "x", "type": "bogus"}']) + "\n")
+    bad = json.loads(lines[-1])["seq"] + 1
+    bogus = f'{{"seq": {bad}, "subject": "x", "type": "bogus"}}'
+    path.write_text("\n".join([*lines, bogus]) + "\n")
     code, out, err = run(capsys, "--log", str(path), "--model", "chat", "--json")
     # Bad input never stops a fold: the line is skipped, as every replay skips it, and named.
     assert code == 0
-    assert "seq 999" in err and len(err.strip().splitlines()) == 1
+    assert f"seq {bad}" in err and len(err.strip().splitlines()) == 1
     assert json.loads(out)["model"] == "chat"
 
     code, _, err = run(capsys, "--log", str(tmp_path / "missing.jsonl"), "--model", "chat")

@@ -1,0 +1,249 @@
+"""`llmgw events import` is all or nothing: every line is checked before anything is
+published, and a stream that holds the bundle's start (an import that stopped part way)
+is resumed, never merged with another log."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from schemas import bundle, codec, ids, subjects
+from schemas import events as ev
+from services.bus import EmbeddedBroker, connect, ensure_streams
+from services.cli import main
+from services.cli.events import ADVICE
+
+pytestmark = pytest.mark.timeout(120)
+
+T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_broker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("LLMGW_NATS", "LLMGW_ROOT", "LLMGW_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMGW_DATA", str(tmp_path / "no-llmgw-up-here"))
+
+
+@pytest.fixture
+def second_server(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    broker = EmbeddedBroker(tmp_path / "broker-2")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def lines(n: int, start: int = 1) -> list[bytes]:
+    """`n` bundle lines of valid scale.desired events, seqs from `start`."""
+    out = []
+    for i in range(n):
+        t = T0 + timedelta(seconds=start + i)
+        e = ev.make(
+            ev.ScaleDesired(model=f"m{i % 7}", replicas=i % 4),
+            id=ids.ulid(int(t.timestamp() * 1000), (start + i).to_bytes(10, "big")),
+            time=t,
+            source="test",
+        )
+        out.append(bundle.line(start + i, subjects.subject_for(e), codec.encode(e)))
+    return out
+
+
+def write(path: Path, rows: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    return path
+
+
+async def _stored(url: str) -> tuple[int, int]:
+    nc = await connect(url, "test-reader")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        info = await js.stream_info("LLMGW")
+        return int(info.state.messages), int(info.state.last_seq)
+    finally:
+        await nc.close()
+
+
+def stored(url: str) -> tuple[int, int]:
+    return asyncio.run(_stored(url))
+
+
+@pytest.mark.parametrize(
+    ("subject", "why"),
+    [
+        pytest.param("llmgw.catalog.scale.m9 x", "is not a valid NATS subject", id="space"),
+        pytest.param("llmgw.catalog.*.m0", "is not a valid NATS subject", id="wildcard"),
+        pytest.param("llmgw.heartbeat.n1", "is not one the stream LLMGW stores", id="heartbeat"),
+        pytest.param("other.catalog.scale.m0", "is not under root 'llmgw'", id="other root"),
+        pytest.param(
+            "llmgw.catalog.scale.m5", "a scale.desired event belongs on", id="another model's"
+        ),
+    ],
+)
+def test_a_bad_subject_at_line_301_publishes_nothing(
+    subject: str,
+    why: str,
+    nats_server: EmbeddedBroker,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = lines(310)
+    [rec] = bundle.read_lines(io.BytesIO(rows[300]))
+    rows[300] = bundle.line(rec.seq, subject, rec.body)
+    path = write(tmp_path / "incident.jsonl", rows)
+    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(path))
+    assert code == 1 and out == ""
+    assert err.startswith(f"llmgw: {path}:301: seq 301: subject {subject!r}"), err
+    assert why in err and err.count("\n") == 1
+    assert stored(nats_server.url) == (0, 0)
+
+
+def test_keep_invalid_still_refuses_a_subject_the_stream_cannot_store(
+    nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = lines(5)
+    rows[3] = bundle.line(4, "llmgw.dlq.projector", b"garbage")
+    path = write(tmp_path / "raw.jsonl", rows)
+    code, _, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(path), "--keep-invalid"
+    )
+    assert code == 1 and f"{path}:4: seq 4: subject 'llmgw.dlq.projector' is not one" in err
+    assert stored(nats_server.url) == (0, 0)
+
+    # On a subject the stream stores, garbage is kept as it is (a faithful copy).
+    rows[3] = bundle.line(4, "llmgw.catalog.quota", b"garbage")
+    write(path, rows)
+    code, _out, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(path), "--keep-invalid"
+    )
+    assert code == 0, err
+    assert stored(nats_server.url) == (5, 5)
+
+
+@pytest.mark.parametrize(
+    ("seq", "why"),
+    [
+        pytest.param("9223372036854775808", "past the largest sequence", id="2^63"),
+        pytest.param("0", "sequences start at 1", id="zero"),
+        pytest.param("1.5", "seq 1.5 is not a positive integer", id="float"),
+        pytest.param("true", "seq true is not a positive integer", id="bool"),
+    ],
+)
+def test_a_seq_out_of_bounds_is_a_file_line_error(
+    seq: str,
+    why: str,
+    nats_server: EmbeddedBroker,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = lines(4)
+    rows[2] = rows[2].replace(b'{"seq":3,', b'{"seq":' + seq.encode() + b",", 1)
+    path = write(tmp_path / "incident.jsonl", rows)
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(path))
+    assert code == 1 and err.startswith(f"llmgw: {path}:3: ") and why in err, err
+    assert "internal error" not in err and err.count("\n") == 1
+    assert stored(nats_server.url) == (0, 0)
+
+
+def test_a_gap_is_named_and_renumber_stores_past_it(
+    nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = lines(310)
+    path = write(tmp_path / "incident.jsonl", rows[:300] + rows[310:] + lines(5, start=311))
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(path))
+    assert code == 1
+    assert err.startswith(f"llmgw: {path}:301: seqs 301-310 are missing (the log has a gap)")
+    assert "--renumber" in err and stored(nats_server.url) == (0, 0)
+    code, _out, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(path), "--renumber"
+    )
+    assert code == 0, err
+    assert stored(nats_server.url) == (305, 305)
+
+
+def test_a_retry_after_a_part_import_resumes_and_a_repeat_does_nothing(
+    nats_server: EmbeddedBroker,
+    second_server: EmbeddedBroker,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = lines(500, start=41)
+    full = write(tmp_path / "incident.jsonl", rows)
+    # An import that stopped after 300 events left just them on the stream.
+    part = write(tmp_path / "part.jsonl", rows[:300])
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(part))
+    assert code == 0, err
+
+    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(full))
+    assert code == 0, err
+    assert "imported 200 events" in out and "(seq 341..540, after the 300" in out
+    assert stored(nats_server.url) == (500, 540)
+    again = tmp_path / "again.jsonl"
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "export", "-o", str(again))
+    assert code == 0, err
+    assert again.read_bytes() == full.read_bytes()
+
+    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(full))
+    assert code == 0, err
+    assert out.startswith("nothing to import:") and "all 500 events" in out
+    assert stored(nats_server.url) == (500, 540)
+
+    # Another log's start is not this bundle's: refused, saying where to import instead.
+    other = lines(300, start=41)
+    other[7] = other[7].replace(b'"replicas":3', b'"replicas":2')
+    write(part, other)
+    code, _, err = run(capsys, "--nats", second_server.url, "events", "import", str(part))
+    assert code == 0, err
+    code, _, err = run(capsys, "--nats", second_server.url, "events", "import", str(full))
+    assert code == 1
+    assert f"seq 48 differs from {full}:8" in err and ADVICE in err and err.count("\n") == 1
+    assert stored(second_server.url) == (300, 340)
+
+
+def test_help_error_and_readme_give_the_same_advice(
+    nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["events", "import", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "nats-server -js -sd NEW_DIR -p 4333" in help_text
+    assert "not a running `llmgw up`" in help_text and "examples:" in help_text
+    assert "llmgw up --data" not in help_text
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "nats-server -js -sd" in readme and "llmgw up --data NEW_DIR" not in readme
+    assert "not a running `llmgw up`" in " ".join(readme.split())
+
+    code, _, err = run(
+        capsys,
+        "--nats",
+        nats_server.url,
+        "events",
+        "import",
+        "--renumber",
+        str(write(tmp_path / "a.jsonl", lines(2))),
+    )
+    assert code == 0, err
+    code, _, err = run(
+        capsys,
+        "--nats",
+        nats_server.url,
+        "events",
+        "import",
+        "--renumber",
+        str(tmp_path / "a.jsonl"),
+    )
+    assert code == 1 and ADVICE in err and err.count("\n") == 1
+    assert "nats-server -js" in ADVICE and "llmgw up" in ADVICE
