@@ -30,6 +30,12 @@ from schemas.errors import BundleError
 from schemas.events import MAX_SEQ
 
 RAW_KEY = "body_b64"
+# STORED_KEY marks a line whose event claims a time past the broker's bound (see
+# `services.core.ingest.MAX_SKEW`): it keeps when the broker stored the message, in ns,
+# so a replay of the bundle bounds the event's time exactly as the live view did. Such a
+# line is always written in the body_b64 form. Honest events never need it, so a bundle
+# of an honest log is byte for byte what the stream holds.
+STORED_KEY = "stored_ns"
 
 
 class _Probe(msgspec.Struct):
@@ -74,16 +80,25 @@ def inline(body: bytes) -> bool:
         p = _probe.decode(body)
         if not body.isascii():
             body.decode()
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return False
     # Invariant: a line has one seq, one subject and no body_b64 beside a body's fields;
     # a body with its own would read back otherwise.
     return p.seq is msgspec.UNSET and p.subject is msgspec.UNSET and p.body_b64 is msgspec.UNSET
 
 
-def line(seq: int, subject: str, body: bytes) -> bytes:
-    """The bundle line (without newline) for a stored message, whatever its body."""
+def line(seq: int, subject: str, body: bytes, stored_ns: int = 0) -> bytes:
+    """The bundle line (without newline) for a stored message, whatever its body;
+    `stored_ns` only for a message whose time the broker's clock bounds (STORED_KEY)."""
     head = b'{"seq":%d,"subject":%s' % (seq, _encoder.encode(subject))
+    if stored_ns:
+        return b'%s,"%s":"%s","%s":%d}' % (
+            head,
+            RAW_KEY.encode(),
+            base64.b64encode(body),
+            STORED_KEY.encode(),
+            stored_ns,
+        )
     if not inline(body):
         return b'%s,"%s":"%s"}' % (head, RAW_KEY.encode(), base64.b64encode(body))
     if body[1:2] == b"}":
@@ -98,6 +113,7 @@ class _Position(msgspec.Struct):
     seq: int
     subject: str
     body_b64: Any = None
+    stored_ns: Any = 0
 
 
 _position = msgspec.json.Decoder(_Position)
@@ -119,12 +135,13 @@ def records(path: str) -> Iterator[tuple[int, str, bytes]]:
     """(seq, subject, data) of each line of a bundle file, where `data` decodes exactly as
     the stored body does: the line itself when the body is inline (the envelope decoder
     skips `seq` and `subject`), which spares a copy a line (replay); else the body."""
-    for seq, subject, data, _ in entries(path):
+    for seq, subject, data, _, _ in entries(path):
         yield seq, subject, data
 
 
-def entries(path: str) -> Iterator[tuple[int, str, bytes, int]]:
-    """`records` with each line's number: (seq, subject, data, lineno)."""
+def entries(path: str) -> Iterator[tuple[int, str, bytes, int, int]]:
+    """`records` with each line's number and its STORED_KEY (0 when it has none):
+    (seq, subject, data, lineno, stored_ns)."""
     with open(path, "rb") as fp:
         yield from _scan(fp, path, False)
 
@@ -167,9 +184,10 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
     decode = _position.decode
     for lineno, raw in enumerate(fp, start=1):
         raw = raw.rstrip(b"\r\n")
+        stored = 0
         try:
             pos = decode(raw)
-        except msgspec.MsgspecError as e:
+        except (msgspec.MsgspecError, RecursionError) as e:
             if not raw.strip():
                 continue
             # Not JSON after all: a position in front still places it (as an undecodable
@@ -188,6 +206,7 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
             seq, subject, data = pos.seq, pos.subject, raw
             if pos.body_b64 is not None:
                 seq, subject, data = _parse(raw, name, lineno)
+                stored = pos.stored_ns if type(pos.stored_ns) is int else 0
             elif exact:
                 m = _HEAD.match(raw)
                 if m is not None and raw[m.end() : m.end() + 1] in (b",", b"}"):
@@ -198,7 +217,7 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
             why = seq_problem(seq)
             raise BundleError(name, lineno, why or f"seq {seq} does not follow {last}")
         last = seq
-        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data, lineno)
+        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data, lineno, stored)
 
 
 def _body_after(raw: bytes, end: int) -> bytes:
@@ -211,7 +230,7 @@ def _parse(raw: bytes, name: str, lineno: int) -> tuple[int, str, bytes]:
     written by something else."""
     try:
         doc = _doc.decode(raw)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, RecursionError) as e:
         raise BundleError(name, lineno, f"not a bundle line ({e})") from None
     if "seq" not in doc:
         raise BundleError(name, lineno, "not a bundle line (it has no seq)")
@@ -223,7 +242,7 @@ def _parse(raw: bytes, name: str, lineno: int) -> tuple[int, str, bytes]:
     if not isinstance(subject, str):
         raise BundleError(name, lineno, "not a bundle line (it needs a subject)")
     raw_body = doc.get(RAW_KEY)
-    if isinstance(raw_body, str) and len(doc) == 1:
+    if isinstance(raw_body, str) and set(doc) <= {RAW_KEY, STORED_KEY}:
         try:
             return seq, subject, base64.b64decode(raw_body, validate=True)
         except ValueError as e:

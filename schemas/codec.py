@@ -69,7 +69,7 @@ def _translate(msg: str, raw: bytes | bytearray | memoryview | str) -> EventDeco
 def _peek_type(raw: bytes | bytearray | memoryview | str) -> str | None:
     try:
         doc = _TYPE_PEEK.decode(raw)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None
     if "type" not in doc:
         return None

@@ -44,6 +44,7 @@ from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services.cli import app as cli
 from services.clock import new_id
+from services.core.ingest import claimed_time, past_bound
 from services.replay import eventline
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
@@ -295,21 +296,6 @@ def _register_export(events: cli.Commands) -> None:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
-class _TimeOnly(msgspec.Struct):
-    time: datetime | None = None
-
-
-_time_only = msgspec.json.Decoder(_TimeOnly)
-
-
-def _event_time(body: bytes) -> datetime | None:
-    try:
-        t = _time_only.decode(body).time
-    except msgspec.MsgspecError:
-        return None
-    return t if t is None or t.tzinfo is not None else None
-
-
 async def _export(args: argparse.Namespace) -> int:
     from services.bus import consume
 
@@ -337,13 +323,14 @@ async def _export(args: argparse.Namespace) -> int:
                     done = False
                     for d in batch:
                         if args.until_time is not None:
-                            t = _event_time(d.data)
+                            t = claimed_time(d.data)
                             if t is not None and t > args.until_time:
                                 done = True
                                 break
                         if not bundle.inline(d.data):
                             raw += 1
-                        fp.write(bundle.line(d.seq, d.subject, d.data) + b"\n")
+                        bound = d.time_ns if past_bound(d.data, d.time_ns) else 0
+                        fp.write(bundle.line(d.seq, d.subject, d.data, bound) + b"\n")
                         count += 1
                         last_seq = d.seq
                     progress.advance(len(batch))
@@ -671,7 +658,7 @@ def _body_id(body: bytes) -> str | None:
     """The event id in a stored body, sent as Nats-Msg-Id as the original publish did."""
     try:
         value = _id_only.decode(body).id
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None
     return value if isinstance(value, str) and value else None
 

@@ -166,7 +166,7 @@ class BundleSource:
         chunk: list[tuple[int, str, bytes, int]] = []
         until_seq, from_seq = self.until_seq, self.from_seq
         last = 0
-        for seq, subject, line, lineno in entries(self.path):
+        for seq, subject, line, lineno, stored_ns in entries(self.path):
             if until_seq is not None and seq > until_seq:
                 break
             if last and seq != last + 1 and seq > from_seq:
@@ -182,7 +182,7 @@ class BundleSource:
             last = seq
             if seq < from_seq:
                 continue
-            chunk.append((seq, subject, line, 0))
+            chunk.append((seq, subject, line, stored_ns))
             if len(chunk) >= BATCH:
                 out = self._cut.take(chunk)
                 chunk = []

@@ -491,3 +491,32 @@ async def test_a_duplicate_message_id_is_stored_once(
     assert again.duplicate and again.seq == first.seq
     live = await _settle(js, plane, tmp_path, next(_case))
     await _replayed_equals_live(js, live, tmp_path)
+
+
+async def test_the_exported_log_replays_to_the_live_view(
+    plane: Plane, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """After every kind above (this runs last in the module): `llmgw events export`, then
+    an offline replay of the bundle, equals the live SQLite view at the same sequence,
+    the future-dated event's bounded time included."""
+    from services.replay import rebuild
+
+    live = await _settle(js, plane, tmp_path, next(_case))
+    db = await store.open_db(live)
+    try:
+        live_view = await store.load_view(db)
+    finally:
+        await db.close()
+    out = tmp_path / "incident.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
+    env["LLMGW_DATA"] = str(plane.data)
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "services.cli", "events", "export", "--out", str(out)),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    got = await rebuild.from_bundle(str(out), until_seq=live_view.seq)
+    assert encode_state(got.view.state) == encode_state(live_view.state)
