@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from services.bus import EmbeddedBroker, connect
+from services.bus import EmbeddedBroker, connect, consume, ensure_streams
 from services.bus.connection import Outage
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +63,35 @@ async def test_a_stopped_broker_is_two_lines_however_many_attempts(
     )
     assert m is not None, lines[1]
     assert int(m.group(1)) >= 3
+
+
+async def test_a_reader_following_the_log_adds_one_line(
+    nats_server: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What `events tail` runs: a reader of the stream on the client's connection.
+    caplog.set_level(logging.INFO)
+    nc = await connect(nats_server.url, "tail", reconnect_wait_s=0.1)
+    stop = asyncio.Event()
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        reader = asyncio.create_task(
+            consume.read_ordered(js, from_seq=1, on_batch=lambda b: None, stop=stop)
+        )
+        await asyncio.to_thread(nats_server.stop)
+        down = time.monotonic()
+        await until(lambda: time.monotonic() - down > 2.0)
+        await asyncio.to_thread(nats_server.start)
+        await until(lambda: nc.is_connected and nc.stats["reconnects"] >= 1)
+        await until(lambda: any("reconnected" in x for x in said(caplog)))
+        stop.set()
+        await asyncio.wait_for(reader, 10)
+    finally:
+        stop.set()
+        await nc.close()
+    lines = said(caplog)
+    # Lost, the reader's "recreating the consumer", reconnected.
+    assert len(lines) <= 3, lines
 
 
 class FakeClock:
