@@ -306,6 +306,22 @@ class HoldReleased(Data, frozen=True, kw_only=True):
     """expired, satisfied."""
 
 
+class PolicyConfigured(Data, frozen=True, kw_only=True):
+    """The settings a preemption service decides with, recorded when a leader starts with
+    settings the log does not show yet, so replay and `llmgw preemption plan` use what was
+    live. The fields are the policy's (`services.core.preemption.Config`) and the service's
+    drain grace; a setting added later gets a default here, and a reader of an older event
+    takes that default."""
+
+    hold_s: Quantity
+    eviction_grace_s: Quantity
+    min_lifetime_s: Quantity
+    max_victims: Annotated[int, Meta(ge=1, le=MAX_ITEMS)]
+    drain_grace_s: Quantity
+    holder: Text = ""
+    """The process that recorded it (the lease holder's name)."""
+
+
 class ViewDigest(Data, frozen=True, kw_only=True):
     seq: Seq
     digest: Text
@@ -394,6 +410,10 @@ class HoldReleasedEvent(Envelope, frozen=True, kw_only=True, tag="hold.released"
     data: HoldReleased
 
 
+class PolicyConfiguredEvent(Envelope, frozen=True, kw_only=True, tag="policy.configured"):
+    data: PolicyConfigured
+
+
 class ViewDigestEvent(Envelope, frozen=True, kw_only=True, tag="view.digest"):
     data: ViewDigest
 
@@ -416,6 +436,7 @@ Event = (
     | PreemptionDecidedEvent
     | HoldCreatedEvent
     | HoldReleasedEvent
+    | PolicyConfiguredEvent
     | ViewDigestEvent
 )
 
@@ -437,6 +458,7 @@ EVENT_CLASSES: tuple[type[Envelope], ...] = (
     PreemptionDecidedEvent,
     HoldCreatedEvent,
     HoldReleasedEvent,
+    PolicyConfiguredEvent,
     ViewDigestEvent,
 )
 

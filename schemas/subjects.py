@@ -63,6 +63,11 @@ def decision_subject(kind: str, model: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.{kind}.{_t(model)}"
 
 
+def policy_subject(root: str = DEFAULT_ROOT) -> str:
+    """Where the preemption service records its settings (`policy.configured`)."""
+    return f"{root}.preemption.policy"
+
+
 def digest_subject(root: str = DEFAULT_ROOT) -> str:
     return f"{root}.view.digest"
 
@@ -135,6 +140,8 @@ def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
                 return Parsed("node.replica", node=unescape(n), replica=unescape(r))
             case ["cmd", n, "replica", c] if c in ("start", "drain"):
                 return Parsed("cmd.replica", node=unescape(n), command=c)
+            case ["preemption", "policy"]:
+                return Parsed("preemption.policy")
             case [("placement" | "preemption" | "hold") as a, b, m]:
                 return Parsed(f"{a}.{b}", model=unescape(m))
             case ["view", "digest"]:
@@ -164,6 +171,8 @@ def subject_for(event: ev.Envelope, root: str = DEFAULT_ROOT, node: str | None =
         return quota_subject(root)
     if t is ev.ViewDigestEvent:
         return digest_subject(root)
+    if t is ev.PolicyConfiguredEvent:
+        return policy_subject(root)
     if t is ev.ReplicaStateEvent:
         n = node or (d.shards[0].node if d.shards else None)
         if n is None:

@@ -12,17 +12,23 @@ loops stop, and only then is the lease released on the server, so a standby take
 at once and never while this process still publishes. A cancelled run (a crash, as far
 as the others can tell) releases nothing: the standby takes over when the TTL runs out.
 
+It says where it stands, once each time that changes: a line when it stands by, naming
+the holder of the lease, and a line when it takes over from standing by.
+
 It decides nothing itself, and never publishes while it does not hold the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import socket
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import nats.errors
 from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
@@ -30,6 +36,8 @@ from schemas import events as ev
 from services.bus import Published, Publisher
 from services.follower import OnChange, ViewFollower
 from services.lease import Lease
+
+log = logging.getLogger("llmgw.leader")
 
 # BATCH bounds the events published between two looks at the lease. A pass that places
 # a thousand replicas must not run on after a lapse; at ~10k events/s a batch takes
@@ -81,6 +89,7 @@ class Leader:
         follower's consumer; `on_event` is the follower's on_change."""
         self.js = js
         self.root = root
+        self.role = role
         self.holder = holder or default_holder(self)
         self.follower = (
             follower
@@ -101,6 +110,9 @@ class Leader:
         # in the stream before our first decision would be decided on a view that does
         # not hold that decision.
         self.written = 0
+        # standing_by_for is the holder this process last said it stands by for; None
+        # while it leads or has not said so yet.
+        self.standing_by_for: str | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -112,6 +124,7 @@ class Leader:
         tasks = [
             asyncio.create_task(self.follower.run(stop), name=f"{self.lease.name}.follow"),
             asyncio.create_task(self.lease.run(stop, release=False), name=self.lease.name),
+            asyncio.create_task(self._say_standing_by(stop), name=f"{self.lease.name}.standby"),
             *(asyncio.create_task(w(stop)) for w in work),
         ]
         try:
@@ -125,8 +138,42 @@ class Leader:
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.lease.release()
 
+    async def _say_standing_by(self, stop: asyncio.Event) -> None:
+        """While not leading, look at who holds the lease once a renewal period, and say
+        so once for each holder. Without it a standby is silent, and an operator cannot
+        tell a standby from a process that is stuck."""
+        while not stop.is_set():
+            if not self.lease.is_leader:
+                other: str | None = None
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    other = await self.lease.current_holder()
+                if (
+                    other is not None
+                    and other not in (self.holder, self.standing_by_for)
+                    and not self.lease.is_leader
+                ):
+                    self.standing_by_for = other
+                    log.info(
+                        "%s %s: standing by; %s holds the lease %s",
+                        self.role,
+                        self.holder,
+                        other,
+                        self.lease.name,
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.lease.renew_every_s)
+
     def _on_lease(self, leading: bool) -> None:
         if leading:
+            if self.standing_by_for is not None:
+                log.info(
+                    "%s %s: taking over the lease %s from %s",
+                    self.role,
+                    self.holder,
+                    self.lease.name,
+                    self.standing_by_for,
+                )
+            self.standing_by_for = None
             self.deposed.clear()
             self.leading.set()
         else:

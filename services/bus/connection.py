@@ -2,7 +2,9 @@
 
 Every service and CLI command connects through `connect`. It must not start a broker
 (`llmgw up` does that, explicitly) and must not print tracebacks for the connection's
-ordinary life (disconnects, reconnects): one log line each.
+ordinary life (disconnects, reconnects): a line when the connection is lost, at most one
+per RECONNECT_REPORT_S while it is trying to come back (with how many attempts failed),
+and a line when it is back (`Outage`).
 
 `connect` takes every server of a cluster (a list, or one string of comma-separated
 URLs) and fails over between them. What a reader needs to open a connection of its own
@@ -18,7 +20,8 @@ import dataclasses
 import logging
 import os
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,21 @@ from services.bus.errors import BrokerUnavailable
 log = logging.getLogger("llmgw.bus")
 
 ENV_URL = "LLMGW_NATS"
+
+# RECONNECT_REPORT_S is the least time between two lines about a connection still trying
+# to come back. nats-py tries every half second; a line per try is an hour-long outage
+# written as seven thousand lines, which hide whatever else the log has to say.
+RECONNECT_REPORT_S = 30.0
+
+# CONNECTION_ERRORS are what a failed connection or reconnection attempt reports; other
+# errors (a slow consumer, a permissions violation) are news of their own, logged each.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    nats.errors.UnexpectedEOF,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+)
 
 
 def resolve_url(explicit: str | None, data_dir: Path | None = None) -> str | None:
@@ -158,6 +176,83 @@ class BusClient(Client):
         return JetStream(self, self.target, **opts)
 
 
+class Outage:
+    """What a connection says while it is away from the broker: one line when it is lost,
+    at most one line per `every_s` while reconnection attempts fail (how many, for how
+    long, the last error), and one line when it is back."""
+
+    def __init__(
+        self,
+        name: str,
+        where: str,
+        *,
+        every_s: float = RECONNECT_REPORT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.where = where
+        self.every_s = every_s
+        self._clock = clock
+        self.since: float | None = None
+        """When the connection was lost; None while connected."""
+        self.attempts = 0
+        """Failed attempts to reconnect since then."""
+        self._reported = 0.0
+        self._unreported = 0
+
+    @property
+    def ongoing(self) -> bool:
+        return self.since is not None
+
+    def lost(self, why: BaseException | None = None) -> None:
+        """The connection is gone (said once per outage)."""
+        if self.since is not None:
+            return
+        self.since = self._reported = self._clock()
+        self.attempts = self._unreported = 0
+        because = f" ({type(why).__name__}: {why})" if why is not None else ""
+        log.warning(
+            "nats %s: lost the connection to %s%s; reconnecting", self.name, self.where, because
+        )
+
+    def failed(self, e: BaseException) -> None:
+        """An attempt to reconnect failed."""
+        if self.since is None:
+            self.lost(e)
+            return
+        self.attempts += 1
+        self._unreported += 1
+        now = self._clock()
+        if now - self._reported < self.every_s:
+            return
+        log.warning(
+            "nats %s: still reconnecting to %s after %.0fs: %d attempt(s) failed since the "
+            "last line (%s: %s)",
+            self.name,
+            self.where,
+            now - self.since,
+            self._unreported,
+            type(e).__name__,
+            e,
+        )
+        self._reported = now
+        self._unreported = 0
+
+    def back(self, where: str) -> None:
+        """The connection is back."""
+        if self.since is None:
+            log.info("nats %s: reconnected to %s", self.name, where)
+            return
+        log.info(
+            "nats %s: reconnected to %s after %.1fs (%d failed attempt(s))",
+            self.name,
+            where,
+            self._clock() - self.since,
+            self.attempts,
+        )
+        self.since = None
+
+
 async def connect(
     url: str | Sequence[str],
     name: str,
@@ -179,23 +274,24 @@ async def connect(
     servers = servers_of(url)
     shown = ",".join(servers)
     initial = True
+    outage = Outage(name, shown)
 
     async def on_error(e: Exception) -> None:
         # The initial attempt's failure is raised to the caller; logging it too is noise.
-        if not initial:
+        if initial:
+            return
+        if isinstance(e, CONNECTION_ERRORS) and not (nc.is_closed or nc.is_draining):
+            outage.failed(e)
+        else:
             log.warning("nats %s: %s: %s", name, type(e).__name__, e)
 
     async def on_disconnected() -> None:
         # A disconnect we asked for (close) is not news.
         if not (nc.is_closed or nc.is_draining):
-            log.warning("nats %s: disconnected from %s", name, shown)
+            outage.lost()
 
     async def on_reconnected() -> None:
-        log.info(
-            "nats %s: reconnected to %s",
-            name,
-            nc.connected_url.geturl() if nc.connected_url else shown,
-        )
+        outage.back(nc.connected_url.geturl() if nc.connected_url else shown)
 
     auth: dict[str, Any] = {}
     if user is not None:

@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from services.bus import ordered
-from services.bus.connection import Target
+from services.bus.connection import RECONNECT_REPORT_S, Target
 from services.bus.ordered import Delivery, Item
 
 log = logging.getLogger("llmgw.bus")
@@ -406,6 +406,7 @@ class WireOrderedReader:
         servers = self.target.servers
         auth = self.target.auth()
         failed = 0
+        reported = time.monotonic()
         while True:
             host, port = servers[self.server]
             try:
@@ -423,9 +424,30 @@ class WireOrderedReader:
             except (OSError, TimeoutError, ConnectionError) as e:
                 if self._stopped():
                     raise _Stopped from e
-                log.info("wire reader: connect to %s:%d failed: %s", host, port, e)
-                self.server = (self.server + 1) % len(servers)
                 failed += 1
+                # One server: the client's connection already says it is away
+                # (services.bus.connection), so each attempt only at debug and a line
+                # per RECONNECT_REPORT_S. A cluster: the first failure names the server
+                # left for the next one.
+                first = failed == 1 and len(servers) > 1
+                log.log(
+                    logging.INFO if first else logging.DEBUG,
+                    "wire reader: connect to %s:%d failed: %s",
+                    host,
+                    port,
+                    e,
+                )
+                if time.monotonic() - reported >= RECONNECT_REPORT_S:
+                    reported = time.monotonic()
+                    log.info(
+                        "wire reader: still cannot connect: %d attempt(s) failed, the last "
+                        "to %s:%d: %s",
+                        failed,
+                        host,
+                        port,
+                        e,
+                    )
+                self.server = (self.server + 1) % len(servers)
                 if failed % len(servers) == 0:
                     await self._pause(RECONNECT_WAIT_S)
 

@@ -528,7 +528,8 @@ async def until_signalled(
 
 
 def setup_logging() -> None:
-    """Logs a person can follow, for the long-running commands (`up`, `agent`).
+    """Logs a person can follow, for the long-running commands (`up`, `agent`, `events
+    tail`): each line with its date and time, since they run for days.
 
     Someone else (a test, an embedding program) may have set logging up already; that
     one wins. nats-py logs reconnect chatter at INFO; our one line about it is enough.
@@ -540,7 +541,7 @@ def setup_logging() -> None:
             level=logging.INFO,
             stream=sys.stderr,
             format="%(asctime)s %(name)-17s %(message)s",
-            datefmt="%H:%M:%S",
+            datefmt="%Y-%m-%d %H:%M:%S",
         )
     logging.getLogger("llmgw").setLevel(logging.INFO)
     logging.getLogger("nats").setLevel(logging.WARNING)

@@ -197,6 +197,8 @@ async def _tail(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         raise cli.UsageError(f"--count: must be 1 or more, got {args.count}")
     out = sys.stdout
+    # It may run for days: what it logs (a lost connection) carries the time.
+    cli.setup_logging()
     async with cli.session(args, "llmgw events tail") as s:
         info = await _event_stream(s, create=True)
         state = info.state

@@ -1,24 +1,28 @@
-"""`llmgw preemption plan`: what the preemption policy would decide, from a bundle.
+"""`llmgw preemption plan`: what the preemption policy would decide, from the log.
 
-Registered by `services.cli` (see its `COMMAND_MODULES`). A thin shell: it folds a JSONL
-bundle (`llmgw events export`) into a view with `services.core.fold`, asks
-`services.core.preemption.plan` for one model at one time, and prints the decision. It
-needs no broker and publishes nothing, so operators can ask "what would happen if…" and
-debug a past decision offline.
+Registered by `services.cli` (see its `COMMAND_MODULES`). A thin shell: it folds the live
+broker's log (as `llmgw view` does) or a JSONL bundle (`llmgw events export`) into a view
+with `services.core.fold`, asks `services.core.preemption.plan` for one model at one time
+with the settings the log last recorded (`policy.configured`) unless flags override them,
+and prints the decision and where each setting came from. It publishes nothing, so
+operators can ask "what would happen if…" and debug a past decision offline.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
+from services import flags
 from services.cli import app as cli
 from services.cli.replay import allow_gaps_option
 from services.core import preemption
 from services.core.view import View
+from services.preemption import settings
 
 _DEFAULTS = preemption.Config()
 
@@ -35,19 +39,21 @@ def register(commands: cli.Commands) -> None:
     )
     p = group.add(
         "plan",
-        help="the decision the policy would take for a model, from a bundle",
+        help="the decision the policy would take for a model, from the log",
         description=(
-            "Fold a bundle of the event log (llmgw events export) into the cluster view and\n"
-            "print the decision the policy would take for one more replica of MODEL at\n"
-            "--now: the victims it would stop, the holds it would create, every candidate\n"
-            "in order with its tier, every replica it would not take with why, and each\n"
-            "set it tried. Nothing is published.\n"
+            "Fold the live broker's log (or a bundle of it with --log) into the cluster view\n"
+            "and print the decision the policy would take for one more replica of MODEL at\n"
+            "--now, with the settings the log last recorded unless flags override them: the\n"
+            "settings it used and where each came from, the victims it would stop, the holds\n"
+            "it would create, every candidate in order with its tier, every replica it would\n"
+            "not take with why, and each set it tried. Nothing is published.\n"
             "\n"
             "Tiers: 0 idle on-demand, 1 borrowed past another owner's guarantee, 2 lower\n"
             "class above its minimum, 3 same class above its minimum (while MODEL is below\n"
             "its own), 4 lower-class minimum."
         ),
         epilog=cli.examples(
+            "llmgw preemption plan --model llama-70b",
             "llmgw preemption plan --log incident.jsonl --model llama-70b",
             "llmgw preemption plan --log incident.jsonl --model llama-70b "
             "--now 2026-11-29T14:05:00Z --max-victims 1",
@@ -55,15 +61,19 @@ def register(commands: cli.Commands) -> None:
         ),
         func=_plan,
     )
-    p.add_argument("--log", required=True, metavar="BUNDLE.jsonl", help="the bundle to fold")
+    p.add_argument(
+        "--log",
+        metavar="BUNDLE.jsonl",
+        help="fold this bundle (llmgw events export) instead of the live broker's log",
+    )
     allow_gaps_option(p)
     p.add_argument("--model", required=True, metavar="NAME", help="the model to place (or alias)")
     p.add_argument(
         "--seq",
         type=cli.arg_seq,
         metavar="N",
-        help="fold the bundle only up to event N: the cluster as it stood then "
-        "(default: the whole bundle)",
+        help="fold the log only up to event N: the cluster as it stood then "
+        "(default: the whole log)",
     )
     p.add_argument(
         "--now",
@@ -71,36 +81,13 @@ def register(commands: cli.Commands) -> None:
         metavar="RFC3339",
         help="decide as of this time (default: the time of the latest event folded)",
     )
-    p.add_argument(
-        "--hold",
-        type=cli.arg_seconds,
-        metavar="S",
-        default=_DEFAULTS.hold_s,
-        help=f"hold period of a victim's model, seconds (default {_DEFAULTS.hold_s:g})",
+    policy = p.add_argument_group(
+        "policy settings",
+        "Unless given, each is the value the log last recorded (policy.configured, written "
+        "by the preemption service when it takes the lead), else the default shown.",
     )
-    p.add_argument(
-        "--grace",
-        type=cli.arg_seconds,
-        metavar="S",
-        default=_DEFAULTS.eviction_grace_s,
-        help="idle seconds after which an on-demand replica is tier 0 "
-        f"(default {_DEFAULTS.eviction_grace_s:g})",
-    )
-    p.add_argument(
-        "--min-lifetime",
-        type=cli.arg_seconds,
-        metavar="S",
-        default=_DEFAULTS.min_lifetime_s,
-        help="seconds a replica must have been ready to be a victim "
-        f"(default {_DEFAULTS.min_lifetime_s:g})",
-    )
-    p.add_argument(
-        "--max-victims",
-        type=cli.arg_count_1,
-        metavar="N",
-        default=_DEFAULTS.max_victims,
-        help=f"most replicas one decision may stop (default {_DEFAULTS.max_victims})",
-    )
+    flags.add(policy, preemption.Config)
+    p.set_defaults(**{f.name: None for f in dataclasses.fields(preemption.Config)})
     p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
 
 
@@ -128,31 +115,78 @@ async def load(path: str, until_seq: int | None = None, *, allow_gaps: bool = Fa
 
 
 async def _plan(args: argparse.Namespace) -> int:
-    view = await load(args.log, args.seq, allow_gaps=args.allow_gaps)
+    if args.log:
+        view = await load(args.log, args.seq, allow_gaps=args.allow_gaps)
+        where = args.log
+    else:
+        from services.cli import replay
+
+        run = await replay.rebuild_view(args, until_seq=args.seq)
+        view, where = run.rebuilt.view, run.where
+        line = run.rebuilt.source.stats.summary()
+        if line:
+            print(f"note: {line}", file=sys.stderr)
     if view.catalog.resolve(args.model) is None:
         known = ", ".join(sorted(view.catalog)) or "none"
-        raise cli.CliError(f"unknown model {args.model!r} in {args.log}; known models: {known}")
+        raise cli.CliError(f"unknown model {args.model!r} in {where}; known models: {known}")
     if view.state.rejected:
         print(
-            f"note: the fold rejected {view.state.rejected} event(s) of {args.log}; "
+            f"note: the fold rejected {view.state.rejected} event(s) of {where}; "
             "the view leaves them out",
             file=sys.stderr,
         )
     now = args.now if args.now is not None else view.state.time
     if now is None:
-        raise cli.CliError(f"{args.log} holds no events; pass --now to say when to decide")
-    cfg = preemption.Config(
-        hold_s=args.hold,
-        eviction_grace_s=args.grace,
-        min_lifetime_s=args.min_lifetime,
-        max_victims=args.max_victims,
-    )
+        raise cli.CliError(f"{where} holds no events; pass --now to say when to decide")
+    cfg, used = policy_for(args, view)
     d = preemption.plan(view, args.model, now, cfg)
     if args.json:
-        print(json.dumps(d.to_json()))
+        out = d.to_json()
+        out["policy"] = used
+        print(json.dumps(out))
     else:
+        show_policy(used, sys.stdout)
         show(d, sys.stdout)
     return 0
+
+
+def policy_for(args: argparse.Namespace, view: View) -> tuple[preemption.Config, dict[str, Any]]:
+    """The policy's settings for the plan, and a record of where each came from: a flag
+    given, else the log's last `policy.configured`, else the default."""
+    rec = view.state.policy
+    recorded = settings.policy_of(rec.settings) if rec is not None else None
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for f in dataclasses.fields(preemption.Config):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name], origin[f.name] = given, "flag"
+        elif recorded is not None:
+            values[f.name], origin[f.name] = getattr(recorded, f.name), "log"
+        else:
+            values[f.name], origin[f.name] = getattr(_DEFAULTS, f.name), "default"
+    used: dict[str, Any] = {
+        "settings": dict(values),
+        "from": origin,
+        "recorded": None
+        if rec is None
+        else {"seq": rec.seq, "id": rec.id, "time": _when(rec.time), "by": rec.settings.holder},
+    }
+    return preemption.Config(**values), used
+
+
+def show_policy(used: dict[str, Any], out: IO[str]) -> None:
+    """The settings used, each with whether a flag, the log or the default gave it."""
+    parts = []
+    for f in dataclasses.fields(preemption.Config):
+        value = used["settings"][f.name]
+        name = (f.metadata.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-"))[2:]
+        shown = f"{value:g}s" if isinstance(value, float) else str(value)
+        parts.append(f"{name} {shown} ({used['from'][f.name]})")
+    out.write(f"policy    {', '.join(parts)}\n")
+    rec = used["recorded"]
+    if rec is not None:
+        out.write(f"recorded  seq {rec['seq']}, {rec['time']}, by {rec['by'] or '-'}\n")
 
 
 # ---------------------------------------------------------------------- the table

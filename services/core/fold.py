@@ -33,6 +33,7 @@ from services.core.view import (
     DecisionRecord,
     HoldRecord,
     NodeRecord,
+    PolicyRecord,
     Preempting,
     Rejection,
     ReplicaRecord,
@@ -387,6 +388,13 @@ def _hold_released(view: View, e: ev.HoldReleasedEvent, subject: str | None) -> 
     return None
 
 
+def _policy_configured(view: View, e: ev.PolicyConfiguredEvent, subject: str | None) -> str | None:
+    # The latest wins: a later leader's settings replace an earlier one's.
+    s = view.state
+    s.policy = PolicyRecord(settings=e.data, seq=s.seq, id=e.id, time=e.time, source=e.source)
+    return None
+
+
 def _ignored(view: View, e: ev.Envelope, subject: str | None) -> str | None:
     return None
 
@@ -689,5 +697,6 @@ RULES: dict[type, Rule] = {
     ),
     ev.HoldCreatedEvent: Rule(_hold_created, _touch_hold, _about_hold),
     ev.HoldReleasedEvent: Rule(_hold_released, _touch_hold, _about_hold_model),
+    ev.PolicyConfiguredEvent: Rule(_policy_configured, _no_touch, _about_nothing),
     ev.ViewDigestEvent: Rule(_ignored, _no_touch, _about_nothing),
 }

@@ -27,7 +27,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 2
+SCHEMA = 3
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -162,6 +162,16 @@ class Rejection(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     reason: str
 
 
+class PolicyRecord(msgspec.Struct, kw_only=True, gc=False):
+    """The preemption settings the log last recorded (`policy.configured`), and where."""
+
+    settings: ev.PolicyConfigured
+    seq: int
+    id: str
+    time: datetime
+    source: str
+
+
 class ViewState(msgspec.Struct, kw_only=True):
     """The canonical view: everything snapshots keep and the digest covers."""
 
@@ -182,6 +192,9 @@ class ViewState(msgspec.Struct, kw_only=True):
     rejections: list[Rejection] = msgspec.field(default_factory=list)
     rejected: int = 0
     """How many events were rejected in all."""
+    policy: PolicyRecord | None = None
+    """The preemption settings last recorded; None when the log holds none (a log from
+    before they were recorded, or no preemption service has led yet)."""
 
 
 def model_of(d: ev.ModelDeclared) -> catalog.Model:

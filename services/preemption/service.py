@@ -24,6 +24,11 @@ taking the lead) is checked against the log first: if a decision for its model w
 stored after it, that decision answers it (its own: completed; a later trigger's: the
 trigger is acked with nothing published).
 
+On taking the lead it records its settings (the policy's and the drain grace) as a
+`policy.configured`, unless the last one in the log holds the same
+(`services.preemption.settings`); replay and `llmgw preemption plan` decide with them.
+A failed attempt is tried again on the next tick.
+
 On a tick the leader also publishes `hold.released` for every hold that ended
 (`services.core.reaction.releases`, by `View.hold_end`'s rule), its id derived from
 the hold's.
@@ -51,6 +56,7 @@ from nats.js.client import JetStreamContext
 
 from schemas import codec, ids, subjects
 from schemas import events as ev
+from schemas.errors import EventDecodeError
 from services.bus import Permanent, Retry
 from services.bus.consume import Delivery, consume_durable, decode_checked
 from services.clock import utc_now
@@ -59,6 +65,7 @@ from services.core.view import DecisionRecord, View
 from services.follower import ViewFollower
 from services.leader import Leader, LeaseLapsed, Outgoing
 from services.preemption import fault as faults
+from services.preemption import settings
 from services.preemption.config import Config
 
 log = logging.getLogger("llmgw.preemption")
@@ -138,6 +145,8 @@ class PreemptionService:
         # _released holds the ids of hold.released events sent and not yet folded, so a
         # tick does not send one again while the view catches up.
         self._released: set[str] = set()
+        # _recorded: this term's settings are in the log (recorded, or found there).
+        self._recorded = False
         self.stats = Stats()
 
     # ------------------------------------------------------------------ running
@@ -161,6 +170,8 @@ class PreemptionService:
             if not await _first(stop, self.leader.leading):
                 return
             log.info("preemption %s: leading; consuming placement.failed", self.holder)
+            self._recorded = False
+            await self.record_settings()
             inner = asyncio.Event()
             watcher = asyncio.create_task(_set_when_any(inner, stop, self.leader.deposed))
             try:
@@ -201,6 +212,8 @@ class PreemptionService:
                 return
             if self.is_leader:
                 self.stats.ticks += 1
+                if not self._recorded:
+                    await self.record_settings()
                 try:
                     await self.release_holds()
                 except Exception as e:
@@ -304,6 +317,48 @@ class PreemptionService:
         e = codec.decode(raw.data)
         return e if isinstance(e, ev.PreemptionDecidedEvent) else None
 
+    # ------------------------------------------------------------------ settings
+
+    async def record_settings(self) -> ev.Event | None:
+        """Publish this service's settings unless the log's last record holds them;
+        returns what was published. Failures are logged, and tried again on a tick."""
+        try:
+            last = await self._last_settings()
+            out = settings.record(self.config, last, self.clock(), self.holder)
+            if out is None:
+                self._recorded = True
+                return None
+            if not self.is_leader:
+                return None
+            await self.leader.publish([(out, None)])
+        except (nats.errors.Error, TimeoutError, LeaseLapsed) as e:
+            log.warning(
+                "preemption %s: recording its settings: %s: %s", self.holder, type(e).__name__, e
+            )
+            return None
+        self._recorded = True
+        log.info(
+            "preemption %s: recorded its settings: %s",
+            self.holder,
+            _shown(settings.settings_of(self.config)),
+        )
+        return out
+
+    async def _last_settings(self) -> ev.PolicyConfiguredEvent | None:
+        """The last `policy.configured` in the log, as the server says now."""
+        try:
+            raw = await self.js.get_last_msg(subjects.STREAM, subjects.policy_subject(self.root))
+        except nats.js.errors.NotFoundError:
+            return None
+        if raw.data is None:
+            return None
+        try:
+            e = codec.decode(raw.data)
+        except EventDecodeError:
+            # A record that does not decode is no record: ours replaces it.
+            return None
+        return e if isinstance(e, ev.PolicyConfiguredEvent) else None
+
     # ------------------------------------------------------------------ holds
 
     async def release_holds(self) -> list[ev.Event]:
@@ -336,6 +391,13 @@ class PreemptionService:
             await self.leader.publish(items)
         except LeaseLapsed as e:
             raise Retry(NOT_LEADER_RETRY_S, str(e)) from e
+
+
+def _shown(s: ev.PolicyConfigured) -> str:
+    return (
+        f"hold {s.hold_s:g}s, grace {s.eviction_grace_s:g}s, min-lifetime "
+        f"{s.min_lifetime_s:g}s, max-victims {s.max_victims}, drain-grace {s.drain_grace_s:g}s"
+    )
 
 
 def _find_decision(records: list[DecisionRecord], decision_id: str) -> DecisionRecord | None:

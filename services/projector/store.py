@@ -30,6 +30,7 @@ from services.core.view import (
     DecisionRecord,
     HoldRecord,
     NodeRecord,
+    PolicyRecord,
     Preempting,
     Rejection,
     ReplicaRecord,
@@ -48,6 +49,7 @@ _dec_decision = msgspec.json.Decoder(DecisionRecord)
 _dec_rejection = msgspec.json.Decoder(Rejection)
 _dec_owner = msgspec.json.Decoder(ev.OwnerQuota)
 _dec_meta = msgspec.json.Decoder(dict[str, Any])
+_dec_policy = msgspec.json.Decoder(PolicyRecord)
 
 # TABLES in dump order, each with the columns `dump` prints and its ordering.
 TABLES: tuple[tuple[str, str], ...] = (
@@ -243,15 +245,16 @@ _INS = {
 
 def _meta(s: ViewState) -> str:
     """What the view holds beyond the rows: how many recent decisions and rejections it
-    keeps (the last ones of their tables) and its rejection count."""
-    return json.dumps(
-        {
-            "decisions": len(s.decisions),
-            "rejections": len(s.rejections),
-            "rejected": s.rejected,
-        },
-        sort_keys=True,
-    )
+    keeps (the last ones of their tables), its rejection count, and the preemption
+    settings last recorded (written with every position, it needs no table)."""
+    meta: dict[str, Any] = {
+        "decisions": len(s.decisions),
+        "rejections": len(s.rejections),
+        "rejected": s.rejected,
+    }
+    if s.policy is not None:
+        meta["policy"] = json.loads(_enc.encode(s.policy))
+    return json.dumps(meta, sort_keys=True)
 
 
 class Txn:
@@ -516,6 +519,9 @@ async def load_view(db: aiosqlite.Connection) -> View:
         decisions=[_dec_decision.decode(d) for (d,) in reversed(decs)],
         rejections=[_dec_rejection.decode(d) for (d,) in reversed(rejs)],
         rejected=int(meta["rejected"]),
+        policy=None
+        if meta.get("policy") is None
+        else _dec_policy.decode(json.dumps(meta["policy"])),
     )
     return View(state)
 

@@ -110,6 +110,12 @@ def describe(
             return d.model, f"held for={d.for_model} until={clock(d.until)}"
         case ev.HoldReleasedEvent(data=d):
             return d.model, f"released reason={d.reason}"
+        case ev.PolicyConfiguredEvent(data=d):
+            return "preemption", (
+                f"hold={d.hold_s:g}s grace={d.eviction_grace_s:g}s "
+                f"min-lifetime={d.min_lifetime_s:g}s max-victims={d.max_victims} "
+                f"drain-grace={d.drain_grace_s:g}s"
+            )
         case ev.ViewDigestEvent(data=d):
             return "view", f"seq={d.seq} digest={d.digest[:16]}"
     return "?", ""

@@ -37,7 +37,16 @@ def test_json_is_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     code, out, err = run(capsys, "--log", str(path), "--model", "chat", "--json")
     assert code == 0, err
     d = json.loads(out)
-    assert set(d) == {"model", "outcome", "victims", "holds", "candidates", "excluded", "trials"}
+    assert set(d) == {
+        "model",
+        "outcome",
+        "victims",
+        "holds",
+        "candidates",
+        "excluded",
+        "trials",
+        "policy",
+    }
     assert d["model"] == "chat"
     assert d["outcome"] == "preempted"
     assert d["victims"] == [
