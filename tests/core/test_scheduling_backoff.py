@@ -11,6 +11,8 @@ import itertools
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import fold
@@ -125,6 +127,39 @@ def test_a_minute_of_refused_starts_writes_a_bounded_log(nodes: int) -> None:
     assert sim.count(ev.PlacementFailedEvent) <= 3
     assert written <= 3 * 3 * nodes + 3
     print(f"{nodes} node(s): {written} events in a simulated minute of refused starts")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=st.integers(1, 8),
+    cap=st.integers(1, 40),
+    nodes=st.integers(1, 3),
+    refusing=st.sets(st.integers(0, 2)),
+)
+def test_tries_on_a_refusing_node_never_outpace_the_backoff(
+    base: int, cap: int, nodes: int, refusing: set[int]
+) -> None:
+    """Invariant: after a failed start on a node, the model's next try there waits at
+    least the delay its round earned, and the delay never passes the cap."""
+    config = dataclasses.replace(CONFIG, start_backoff_s=base, start_backoff_max_s=cap)
+    sim = Sim(config)
+    names = [f"gpu-{i}" for i in range(nodes)]
+    for name in names:
+        sim.node(name)
+    sim.refusing = {names[i] for i in refusing if i < nodes}
+    sim.model("m", min=2)
+    starts = _starts(sim.run(90))
+    for name in sim.refusing:
+        times = [t for t, n in starts if n == name]
+        fails = itertools.count(1)
+        for a, b in itertools.pairwise(sorted(set(times))):
+            delay = planner.start_delay_s(next(fails), config)
+            assert delay <= cap
+            assert b - a >= delay, (name, times)
+    # A node that starts the model serves it: two replicas, never replaced.
+    healthy = [n for n in names if n not in sim.refusing]
+    if healthy:
+        assert sum(1 for _, n in starts if n in healthy) == 2
 
 
 def test_backoff_is_capped_and_said_in_placement_failed() -> None:
