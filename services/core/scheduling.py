@@ -280,9 +280,9 @@ def _live_by_model(
 
 # ------------------------------------------------------------------ failed starts
 
-# _FailedStarts: per (model, node), each recent failed start there as (placed at, failed
+# _FailedStarts: per model and node, each recent failed start there as (placed at, failed
 # at), in no set order.
-_FailedStarts = dict[tuple[str, str], list[tuple[datetime, datetime]]]
+_FailedStarts = dict[str, dict[str, list[tuple[datetime, datetime]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,18 +327,18 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
     m = view.catalog.resolve(r.model)
     if m is None:
         return
+    by_node = failed.setdefault(m.name, {})
     for node in r.nodes:
-        failed.setdefault((m.name, node), []).append((r.created_at, r.updated_at))
+        by_node.setdefault(node, []).append((r.created_at, r.updated_at))
 
 
-def backoffs(
-    model: str,
-    failed: _FailedStarts,
+def _backoffs(
+    failed: Mapping[str, list[tuple[datetime, datetime]]],
     reps: Iterable[_Rep],
     now: datetime,
     config: Config,
 ) -> dict[str, Backoff]:
-    """The nodes `model` is kept off at `now`, by node.
+    """The nodes a model is kept off at `now`, by node, from its failed starts there.
 
     A round is the failed starts placed before the previous failure was known (replicas
     placed together); a retry placed within the delay plus the cap after the previous
@@ -346,9 +346,7 @@ def backoffs(
     the model that came up on the node since its last failure ends the backoff there.
     """
     out: dict[str, Backoff] = {}
-    for (m, node), starts in failed.items():
-        if m != model:
-            continue
+    for node, starts in failed.items():
         rounds, last = 0, None
         for placed, at in sorted(starts, key=lambda s: (s[1], s[0])):
             if last is None:
@@ -441,8 +439,8 @@ class _Pass:
             len(live),
             desired,
             _avoided(reps, self.now, self.config),
-            backoffs(m.name, self.failed_starts, reps, self.now, self.config)
-            if self.failed_starts
+            _backoffs(self.failed_starts[m.name], reps, self.now, self.config)
+            if m.name in self.failed_starts
             else {},
             self.token,
             self.now,
