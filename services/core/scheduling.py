@@ -5,6 +5,11 @@ and by the benchmark on its own. Plain functions over a `View`, the time `now`, 
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
 changes the view: placements within a pass are tried on a clone of the inventory.
 
+Failed starts back off: a replica that failed before it was ever ready keeps its model
+off the node it failed on for a delay that doubles with each retry that failed again, up
+to a cap. The delay is derived from the failed replicas the view keeps, so any scheduler
+on the same log reaches the same decision, and `placement.failed` names the nodes.
+
 Every output's id is derived from stable inputs (the view's sequence and time, the model,
 the slot), so two schedulers deciding on the same view publish the same ids and
 JetStream's duplicate window keeps one copy.
@@ -13,17 +18,18 @@ JetStream's duplicate window keeps one copy.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import msgspec
 
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import View
+from services.core.view import ReplicaRecord, View
 
 # DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests,
 # for the scheduler's drains and the preemption service's alike. Shorter cuts requests
@@ -60,7 +66,40 @@ class Config:
     )
     failed_backoff_s: float = field(
         default=60.0,
-        metadata={"help": "an unchanged placement.failed is reported again at most this often"},
+        metadata={
+            "positive": True,
+            "help": "an unchanged placement.failed is reported again after this long, then "
+            "after twice as long each time",
+        },
+    )
+    failed_backoff_max_s: float = field(
+        default=3600.0,
+        metadata={
+            "positive": True,
+            "help": "the longest an unchanged placement.failed waits to be reported again",
+        },
+    )
+    failed_quiet_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a model's placement.failed is reported at most this often, however "
+            "often what it was decided on changes",
+        },
+    )
+    start_backoff_s: float = field(
+        default=10.0,
+        metadata={
+            "positive": True,
+            "help": "after a failed start the model is kept off that node this long, twice "
+            "as long after each retry that fails again",
+        },
+    )
+    start_backoff_max_s: float = field(
+        default=300.0,
+        metadata={
+            "positive": True,
+            "help": "the longest a model is kept off a node where its starts failed",
+        },
     )
     avoid_for_s: float = field(
         default=600.0,
@@ -81,10 +120,18 @@ class Config:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """What the scheduler last said about a model it could not place."""
+    """What the scheduler last said about a model it could not place: the digest of what
+    it was decided on ("" once the model was placed since), when, and how many times in a
+    row it was said again unchanged."""
 
     digest: str
     at: datetime
+    repeats: int = 0
+
+    def cleared(self) -> Failure:
+        """The memory of a model placed since: its next failure is news, but still waits
+        out the quiet period after this one."""
+        return Failure("", self.at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +206,8 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    by_model, timed_out = _live_by_model(out, mk, view, now, config)
-    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view))
+    by_model, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
+    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
     for m in _by_rank(view):
         if m.name not in timed_out:
             pass_.reconcile(m, by_model.get(m.name, []))
@@ -183,18 +230,24 @@ def _lost_nodes(
 
 def _live_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[_Rep]], set[str]]:
-    """Per model, its replicas that hold capacity (or are why a node is avoided); and the
+) -> tuple[dict[str, list[_Rep]], set[str], _FailedStarts]:
+    """Per model, its replicas that hold capacity (or are why a node is avoided); the
     models one of whose placements just timed out, drained here and left for the next
-    pass. Replicas of models no longer in the catalog are drained."""
+    pass; and the recent failed starts. Replicas of models no longer in the catalog are
+    drained."""
     by_model: dict[str, list[_Rep]] = {}
     timed_out: set[str] = set()
+    failed: _FailedStarts = {}
+    since = now - timedelta(seconds=_horizon_s(config))
     for r in view.replicas.values():
         # A replica that holds nothing needs nothing from a pass, unless it is why a node
-        # is avoided. The view keeps every replica ever placed: without this skip a pass
-        # costs a walk over the cluster's whole history.
-        if not r.holds_capacity and r.drain_reason != "placement_timeout":
-            continue
+        # is avoided or a recent failed start. The view keeps every replica ever placed:
+        # without this skip a pass costs a walk over the cluster's whole history.
+        if not r.holds_capacity:
+            if r.state == "failed" and r.updated_at >= since:
+                _note_failed_start(failed, view, r)
+            if r.drain_reason != "placement_timeout":
+                continue
         m = view.catalog.resolve(r.model)
         if m is None:
             if r.holds_capacity and r.drained_by is None and r.state != "draining":
@@ -219,9 +272,97 @@ def _live_by_model(
                 r.created_at,
                 r.last_used_at,
                 r.drain_reason,
+                r.ready_at,
             )
         )
-    return by_model, timed_out
+    return by_model, timed_out, failed
+
+
+# ------------------------------------------------------------------ failed starts
+
+# _FailedStarts: per model and node, each recent failed start there as (placed at, failed
+# at), in no set order.
+_FailedStarts = dict[str, dict[str, list[tuple[datetime, datetime]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """A node a model is kept off after its starts there failed: until when, and after
+    how many failed rounds in a row."""
+
+    node: str
+    until: datetime
+    rounds: int
+
+    def note(self) -> str:
+        s = "" if self.rounds == 1 else "s"
+        return f"{self.node} backing off until {self.until:%H:%M:%S} after {self.rounds} failed start{s}"
+
+
+def start_delay_s(rounds: int, config: Config) -> float:
+    """How long a model is kept off a node after `rounds` failed starts in a row there."""
+    return min(
+        config.start_backoff_s * 2.0 ** min(max(rounds - 1, 0), 62), config.start_backoff_max_s
+    )
+
+
+def _horizon_s(config: Config) -> float:
+    """How far back a failed start can still count: far enough for the longest run of
+    failed rounds that the delay stops growing at, each at most two caps apart."""
+    steps = math.ceil(math.log2(max(config.start_backoff_max_s / config.start_backoff_s, 1.0)))
+    return (steps + 2) * 2.0 * config.start_backoff_max_s
+
+
+def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> None:
+    """Record `r` when it is a failed start: placed, never ready, not asked to stop, and
+    not failed because its node was lost (the node's return is no reason to wait)."""
+    if (
+        r.placed_by is None
+        or r.ready_at is not None
+        or r.drained_by is not None
+        or not r.shards
+        or (r.reason is not None and r.reason.startswith("node lost"))
+    ):
+        return
+    m = view.catalog.resolve(r.model)
+    if m is None:
+        return
+    by_node = failed.setdefault(m.name, {})
+    for node in r.nodes:
+        by_node.setdefault(node, []).append((r.created_at, r.updated_at))
+
+
+def _backoffs(
+    failed: Mapping[str, list[tuple[datetime, datetime]]],
+    reps: Iterable[_Rep],
+    now: datetime,
+    config: Config,
+) -> dict[str, Backoff]:
+    """The nodes a model is kept off at `now`, by node, from its failed starts there.
+
+    A round is the failed starts placed before the previous failure was known (replicas
+    placed together); a retry placed within the delay plus the cap after the previous
+    failure is the next round, one placed later starts again from the first. A replica of
+    the model that came up on the node since its last failure ends the backoff there.
+    """
+    out: dict[str, Backoff] = {}
+    for node, starts in failed.items():
+        rounds, last = 0, None
+        for placed, at in sorted(starts, key=lambda s: (s[1], s[0])):
+            if last is None:
+                rounds = 1
+            elif placed >= last:
+                gap = (placed - last).total_seconds()
+                within = start_delay_s(rounds, config) + config.start_backoff_max_s
+                rounds = rounds + 1 if gap <= within else 1
+            last = at if last is None else max(last, at)
+        assert last is not None  # Invariant: a key is only made with a failure.
+        if any(r.ready_at is not None and r.ready_at > last and node in r.nodes for r in reps):
+            continue
+        until = last + timedelta(seconds=start_delay_s(rounds, config))
+        if now < until:
+            out[node] = Backoff(node, until, rounds)
+    return out
 
 
 def _by_rank(view: View) -> list[catalog.Model]:
@@ -235,7 +376,18 @@ class _Pass:
     """What one pass shares across models: the outputs, the inventory placements are tried
     on and the owners' usage, both made only when a model needs placing."""
 
-    __slots__ = ("config", "failures", "inv", "mk", "now", "out", "token", "usage", "view")
+    __slots__ = (
+        "config",
+        "failed_starts",
+        "failures",
+        "inv",
+        "mk",
+        "now",
+        "out",
+        "token",
+        "usage",
+        "view",
+    )
 
     def __init__(
         self,
@@ -246,8 +398,10 @@ class _Pass:
         config: Config,
         failures: Mapping[str, Failure],
         token: str,
+        failed_starts: _FailedStarts,
     ) -> None:
         self.out = out
+        self.failed_starts = failed_starts
         self.mk = mk
         self.view = view
         self.now = now
@@ -285,6 +439,9 @@ class _Pass:
             len(live),
             desired,
             _avoided(reps, self.now, self.config),
+            _backoffs(self.failed_starts[m.name], reps, self.now, self.config)
+            if m.name in self.failed_starts
+            else {},
             self.token,
             self.now,
             self.failures,
@@ -302,6 +459,7 @@ class _Rep:
     created_at: datetime
     last_used_at: datetime | None
     drain_reason: str | None
+    ready_at: datetime | None = None
 
 
 def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
@@ -343,17 +501,28 @@ def _place_missing(
     live: int,
     desired: int,
     avoid: tuple[str, ...],
+    blocked: Mapping[str, Backoff],
     token: str,
     now: datetime,
     failures: Mapping[str, Failure],
     config: Config,
 ) -> None:
     chain = [q.name for q in view.quota.governing(m.owner)]
+    # pick: what placement may choose from. Nodes the model backs off from are cordoned
+    # there for it alone (a hard rule, unlike `avoid`); allocations go to both.
+    pick = inv
+    if blocked:
+        pick = inv.clone()
+        for node in blocked:
+            pick.set_cordoned(node, True)
+        avoided = tuple(sorted({*avoid, *blocked}))
+    else:
+        avoided = avoid
     for slot in range(desired - live):
         allowed = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
         if not allowed:
             why = {
-                p.name: f"owner {m.owner} would pass its limit with {p.need().gpus} more GPUs"
+                p.name: f"owner {m.owner} would pass its limit with {_gpus(p.need().gpus)} more"
                 for p in m.profiles
             }
             _fail(
@@ -365,7 +534,7 @@ def _place_missing(
                 why,
                 live + slot,
                 desired,
-                avoid,
+                avoided,
                 _usage_print(usage, chain),
                 token,
                 now,
@@ -373,12 +542,15 @@ def _place_missing(
                 config,
             )
             return
-        found = placement.place(inv, allowed, avoid)
+        found = placement.place(pick, allowed, avoid)
         if isinstance(found, placement.NoFit):
             why = dict(found.reasons)
             for p in m.profiles:
                 if p not in allowed:
                     why[p.name] = f"owner {m.owner} would pass its limit"
+            if blocked:
+                notes = "; ".join(blocked[n].note() for n in sorted(blocked))
+                why = {k: f"{v} ({notes})" for k, v in why.items()}
             _fail(
                 out,
                 mk,
@@ -388,8 +560,8 @@ def _place_missing(
                 why,
                 live + slot,
                 desired,
-                avoid,
-                _inventory_print(inv),
+                avoided,
+                _inventory_print(pick),
                 token,
                 now,
                 failures,
@@ -404,11 +576,13 @@ def _place_missing(
         )
         if inv.try_allocate(alloc) is not None:
             return  # Invariant: place() only offers what the inventory can take.
+        if pick is not inv:
+            pick.allocate(alloc)
         need = p.need()
         for q in chain:
             usage[q] = usage.get(q, quota.ZERO).plus(need)
         shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
-        reason = _reason(m, p, found.shards, inv, avoid)
+        reason = _reason(m, p, found.shards, inv, avoided)
         decided = ev.PlacementDecided(
             replica=rid, model=m.name, profile=p.name, shards=shards, reason=reason
         )
@@ -429,14 +603,18 @@ def _reason(
     avoid: tuple[str, ...],
 ) -> str:
     where = ", ".join(s.node for s in shards)
-    left = ", ".join(str(len(inv.free_gpus(s.node))) for s in shards)
-    text = f"best fit: {p.name} on {where}, {left} GPUs left"
+    left = ", ".join(_gpus(len(inv.free_gpus(s.node))) for s in shards)
+    text = f"best fit: {p.name} on {where}, {left} left"
     earlier = [q.name for q in m.profiles[: m.profiles.index(p)]]
     if earlier:
         text += f" ({', '.join(earlier)} did not fit)"
     if avoid and not set(avoid) & {s.node for s in shards}:
         text += f"; avoiding {', '.join(avoid)}"
     return text
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _fail(
@@ -456,7 +634,8 @@ def _fail(
     config: Config,
 ) -> None:
     """Report a model that cannot be placed: once per change in what it was decided on,
-    or once per backoff period, never once per pass."""
+    at most once per quiet period; unchanged, again after a period that doubles each
+    time up to its cap. Never once per pass."""
     names = tuple(p.name for p in profiles)
     digest = hashlib.blake2b(
         _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
@@ -464,12 +643,15 @@ def _fail(
         digest_size=16,
     ).hexdigest()
     last = failures.get(m.name)
-    if (
-        last is not None
-        and last.digest == digest
-        and (now - last.at).total_seconds() < config.failed_backoff_s
-    ):
-        return
+    repeats = 0
+    if last is not None:
+        since = (now - last.at).total_seconds()
+        if since < config.failed_quiet_s:
+            return
+        if last.digest == digest:
+            if since < failed_period_s(last.repeats, config):
+                return
+            repeats = last.repeats + 1
     data = ev.PlacementFailed(
         model=m.name,
         profiles=names,
@@ -480,8 +662,28 @@ def _fail(
         why=why,
     )
     fid = ids.derived(token, f"failed\x00{m.name}")
-    out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now))))
+    out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now, repeats))))
     out.failed += 1
+
+
+def remember(
+    failures: Mapping[str, Failure], satisfied: Iterable[str], now: datetime, config: Config
+) -> dict[str, Failure]:
+    """The failure memory after a pass: a model placed in full keeps only when it was last
+    reported (its next failure is news, but waits out the quiet period), and what is older
+    than any period it could still matter to is forgotten."""
+    keep = 2 * max(config.failed_backoff_max_s, config.failed_quiet_s)
+    out = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
+    for m in satisfied:
+        f = out.get(m)
+        if f is not None and f.digest:
+            out[m] = f.cleared()
+    return out
+
+
+def failed_period_s(repeats: int, config: Config) -> float:
+    """How long an unchanged failure said `repeats` times again waits to be said again."""
+    return min(config.failed_backoff_s * 2.0 ** min(repeats, 62), config.failed_backoff_max_s)
 
 
 _encoder = msgspec.json.Encoder(order="sorted")

@@ -210,17 +210,17 @@ class Scheduler:
             log.info("scheduler %s: view at %d; reconciling", self.holder, self.follower.seq)
         await self.leader.caught_up(0, FOLLOW_TIMEOUT_S)
         view = self.follower.view
+        now = self.clock()
         out = planner.plan(
             view,
-            self.clock(),
+            now,
             self.config,
             failures=self._failures,
             silent=self._silence(view),
             source=self.source,
         )
         self.stats.passes += 1
-        for m in out.satisfied:
-            self._failures.pop(m, None)
+        self._failures = planner.remember(self._failures, out.satisfied, now, self.config)
         if out.outputs:
             await self._publish(out)
         return out

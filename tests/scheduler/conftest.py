@@ -26,6 +26,7 @@ FAST = SchedulerConfig(
     node_timeout_s=60.0,
     start_timeout_s=60.0,
     failed_backoff_s=60.0,
+    failed_quiet_s=0.0,
     drain_grace_s=1.0,
     lease_ttl_s=1.0,
 )

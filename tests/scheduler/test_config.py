@@ -80,3 +80,24 @@ def test_llmgw_up_flags_come_from_the_same_configs() -> None:
     defaults = app.build_parser().parse_args(["up"])
     assert flags.build(preemption.Config, defaults) == preemption.Config()
     assert flags.build(scheduling.Config, defaults) == scheduling.Config()
+
+
+def test_scheduler_backoff_flags_set_their_fields() -> None:
+    args = scheduler_parser().parse_args(
+        [
+            "--start-backoff",
+            "2",
+            "--start-backoff-max",
+            "30",
+            "--failed-quiet",
+            "1",
+            "--failed-backoff-max",
+            "600",
+        ]
+    )
+    assert flags.build(scheduling.Config, args) == scheduling.Config(
+        start_backoff_s=2.0,
+        start_backoff_max_s=30.0,
+        failed_quiet_s=1.0,
+        failed_backoff_max_s=600.0,
+    )

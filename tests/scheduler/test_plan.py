@@ -98,27 +98,40 @@ def test_scale_down_prefers_not_ready_then_least_recently_used_then_newest() -> 
     assert order == [reps[3].replica, reps[1].replica, reps[0].replica]
 
 
-def test_unchanged_failure_is_reported_once_per_backoff() -> None:
+def test_unchanged_failure_is_reported_once_per_growing_backoff() -> None:
     log = Log()
     log.node("a", gpus=4)
     log.model("big", gpus=8)
     memory: dict[str, planner.Failure] = {}
+    base, quiet = CONFIG.failed_backoff_s, CONFIG.failed_quiet_s
 
-    def run(at: datetime) -> int:
-        out = planner.plan(log.view, at, CONFIG, failures=memory)
+    def run(at: float) -> int:
+        now = T0 + timedelta(seconds=at)
+        nonlocal memory
+        out = planner.plan(log.view, now, CONFIG, failures=memory)
         for o in out.outputs:
             if o.failure:
                 memory[o.failure[0]] = o.failure[1]
+        memory = planner.remember(memory, out.satisfied, now, CONFIG)
         log.apply(out)
         return out.failed
 
-    assert run(T0) == 1
-    assert run(T0 + timedelta(seconds=1)) == 0
+    assert run(0) == 1
+    assert run(1) == 0
     log.add(ev.ScaleDesired(model="unrelated", replicas=3))  # not an input of big's failure
-    assert run(T0 + timedelta(seconds=2)) == 0
-    assert run(T0 + timedelta(seconds=CONFIG.failed_backoff_s + 1)) == 1
-    log.node("b", gpus=4)  # the cluster changed
-    assert run(T0 + timedelta(seconds=CONFIG.failed_backoff_s + 2)) == 1
+    assert run(2) == 0
+    assert run(base + 1) == 1
+    # Unchanged, the period doubles: not again at 2 x base, but at 3 x base.
+    assert run(2 * base + 2) == 0
+    assert run(3 * base + 1) == 1
+    # The cluster changes a second after the report: said once the quiet period is over.
+    log.node("b", gpus=4)
+    assert run(3 * base + 2) == 0
+    assert run(3 * base + 1 + quiet) == 1
+    log.node("c", gpus=4)
+    assert run(3 * base + 2 + quiet) == 0
+    assert run(3 * base + 1 + 2 * quiet) == 1
+    assert run(3 * base + 1 + 2 * quiet + base) == 1  # a change starts the period again
 
 
 def test_lost_node_is_reported_alone_and_once() -> None:
