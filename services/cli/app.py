@@ -344,7 +344,8 @@ def _resolve(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 @dataclass
 class Session:
-    """A connection to the broker for one command: the client, JetStream, where, which root."""
+    """A connection to the broker for one command: the client, JetStream, where (without
+    the credentials its URL may carry: `url` goes into messages), which root."""
 
     nc: Any
     js: Any

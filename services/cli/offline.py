@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.bus.urls import public_url
 from services.cli import app as cli
 
 
@@ -52,7 +53,6 @@ def stored_log(data: Path) -> bool:
 async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Opened]:
     """The live broker's session, else one on a temporary broker over the stored log."""
     from services.bus.errors import BrokerUnavailable
-    from services.bus.urls import public_url
 
     explicit = getattr(args, "nats", None) or os.environ.get(cli.ENV_NATS)
     stack = contextlib.AsyncExitStack()
@@ -68,7 +68,7 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Opened]:
             raise
     else:
         async with stack:
-            yield Opened(s, public_url(s.url))
+            yield Opened(s, s.url)
         return
     async with opened as got:
         yield got
@@ -90,7 +90,7 @@ async def _temporary(
         )
         nc = await connection.connect(b.url, name)
         try:
-            s = cli.Session(nc, nc.jetstream(), b.url, cli.root(args))
+            s = cli.Session(nc, nc.jetstream(), public_url(b.url), cli.root(args))
             yield Opened(s, f"the stored log in {data}", offline=True)
         finally:
             with contextlib.suppress(Exception):
