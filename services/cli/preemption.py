@@ -34,7 +34,11 @@ def register(commands: cli.Commands) -> None:
         description=(
             "The preemption policy stops replicas of lower classes, or above other models'\n"
             "minimums, when a model cannot otherwise be placed. These commands run it\n"
-            "offline, on a bundle of the event log, without changing anything."
+            "on the live log or a bundle of it, without changing anything."
+        ),
+        epilog=cli.examples(
+            "llmgw preemption plan --model chat",
+            "llmgw preemption plan --log incident.jsonl --model chat --seq 42",
         ),
     )
     p = group.add(
