@@ -378,7 +378,7 @@ async def session(
             "`llmgw up` that seems to have stopped: start `llmgw up` again, or pass --nats URL"
         ) from e
     try:
-        yield Session(nc, nc.jetstream(), url, r)
+        yield Session(nc, nc.jetstream(), public_url(url), r)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
