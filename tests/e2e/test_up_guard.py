@@ -125,8 +125,10 @@ def test_credentials_are_private_and_required(data: Path, tmp_path: Path) -> Non
             sock.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
             answer = sock.recv(4096)
         assert b"Authorization Violation" in answer, answer
-        # Every command beside it connects through the recorded URL.
-        assert _llmgw("status", env=_env(data)).returncode == 0
+        # Every command beside it connects through the recorded URL, and never prints it.
+        status = _llmgw("status", env=_env(data))
+        assert status.returncode == 0, status.stderr
+        assert bus_broker.password(data) not in status.stdout + status.stderr
     finally:
         up.stop()
     assert up.proc.returncode == 0, up.text()
