@@ -47,7 +47,7 @@ from services.core.ingest import Ingest
 from services.core.view import View
 from services.projector import store
 from services.projector.service import Projector, replay_records
-from services.replay import ports, rebuild, source
+from services.replay import ports, rebuild
 from tests.projector import mix
 
 
@@ -88,7 +88,7 @@ async def bench_bundle(path: Path, tmp: Path, runs: int) -> list[float]:
         t = time.perf_counter()
         db = await store.open_db(db_path)
         try:
-            await replay_records(db, source.records(str(path)))
+            await replay_records(db, bundle.records(str(path)))
         finally:
             await db.close()
         out.append(time.perf_counter() - t)
