@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import sqlite3
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +32,7 @@ from services.bus.consume import read_dead_letter
 from services.core.ingest import Ingest
 from services.core.view import encode_state
 from services.projector import store
+from tests.up_process import FAST, UpProcess
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
 
@@ -44,63 +42,38 @@ SENTINEL = "sentinel"
 
 @dataclass
 class Plane:
-    data: Path
-    proc: subprocess.Popen[bytes]
+    up: UpProcess
     url: str
-    log: Path
+
+    @property
+    def data(self) -> Path:
+        return self.up.data
+
+    @property
+    def log(self) -> Path:
+        return self.up.log
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.up.alive()
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     base = tmp_path_factory.mktemp("adversarial")
-    data = base / "data"
-    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
-    env["LLMGW_DATA"] = str(data)
-    log = base / "up.log"
-    out = log.open("wb")
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "services.cli", "up", "--port", "0"),
-            *("--simulate", "2x8xH100-80GB", "--load-delay", "0.05", "--start-delay", "0.01"),
-        ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    up = UpProcess(base / "data", base / "up.log", "--simulate", "2x8xH100-80GB", *FAST)
     try:
-        deadline = time.monotonic() + 30
-        while not (data / "nats.url").exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "llmgw up recorded no broker URL"
-            time.sleep(0.05)
+        url = up.wait_url()
         spec = base / "cluster.yaml"
         spec.write_text(
             f"models:\n  - {{name: {MODEL}, class: opportunistic, min: 1,"
             " profiles: [{name: tp1, gpus: 1}]}\n"
         )
-        applied = subprocess.run(
-            [sys.executable, "-m", "services.cli", "apply", "-f", str(spec)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        applied = up.llmgw("apply", "-f", str(spec))
         assert applied.returncode == 0, applied.stderr
-        url = (data / "nats.url").read_text().strip()
-        yield Plane(data, proc, url, log)
+        yield Plane(up, url)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.close()
-    text = log.read_text(errors="replace")
+        up.stop()
+    text = up.text()
     assert "Traceback" not in text, text[-3000:]
     assert "stopped unexpectedly" not in text, text[-3000:]
 
@@ -508,11 +481,9 @@ async def test_the_exported_log_replays_to_the_live_view(
     finally:
         await db.close()
     out = tmp_path / "incident.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
-    env["LLMGW_DATA"] = str(plane.data)
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "services.cli", "events", "export", "--out", str(out)),
-        env=env,
+        env=plane.up.env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -4,7 +4,6 @@ directory of an `llmgw up` that was stopped, from its stored log, saying so in o
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.bus import broker
+from tests.up_process import FAST, UpProcess, env_for, llmgw
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,45 +20,24 @@ NOTE = "llmgw: llmgw up is not running on {}; read from its stored log\n"
 
 
 def _llmgw(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    return llmgw(*args, env=env)
 
 
 def _env(data: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
-    env["LLMGW_DATA"] = str(data)
-    return env
+    return env_for(data)
 
 
 def _run_up_and_stop(tmp_path: Path, data: Path, env: dict[str, str]) -> None:
-    up = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "services.cli", "up", "--port", "0"),
-            *("--simulate", "1x8xH100-80GB", "--load-delay", "0.05", "--start-delay", "0.01"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    up = UpProcess(data, tmp_path / "up.log", "--simulate", "1x8xH100-80GB", *FAST)
     try:
-        deadline = time.monotonic() + 30
-        while not (data / "nats.url").exists():
-            assert up.poll() is None, up.stdout.read() if up.stdout else ""
-            assert time.monotonic() < deadline, "llmgw up recorded no broker URL"
-            time.sleep(0.05)
+        up.wait_url()
         spec = tmp_path / "c.yaml"
         spec.write_text("models:\n  - {name: m, min: 2, profiles: [{name: tp1, gpus: 1}]}\n")
-        applied = _llmgw("apply", "-f", str(spec), env=env)
+        applied = up.llmgw("apply", "-f", str(spec))
         assert applied.returncode == 0, applied.stderr
         deadline = time.monotonic() + 30
         while True:
-            out = _llmgw("status", env=env)
+            out = up.llmgw("status")
             assert out.returncode == 0, out.stderr
             line = next((x for x in out.stdout.splitlines() if x.strip().startswith("m ")), "")
             if "2/2" in line and "ready:2" in line:
@@ -66,13 +45,8 @@ def _run_up_and_stop(tmp_path: Path, data: Path, env: dict[str, str]) -> None:
             assert time.monotonic() < deadline, out.stdout
             time.sleep(0.2)
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            log, _ = up.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            raise
-    assert up.returncode == 0, log
+        code = up.stop()
+    assert code == 0, up.text()
 
 
 def test_a_stopped_plane_is_read_from_its_stored_log(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,24 +18,19 @@ import pytest
 
 from services.bus import broker as bus_broker
 from services.bus.urls import public_url
+from tests.up_process import FAST, UpProcess, env_for, llmgw
+
+SIM = ("--simulate", "1x8xH100-80GB", *FAST)
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _env(data: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
-    env["LLMGW_DATA"] = str(data)
-    return env
+    return env_for(data)
 
 
 def _llmgw(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    return llmgw(*args, env=env)
 
 
 def _wait(cond: Callable[[], object], what: str, timeout: float = 30.0) -> None:
@@ -54,38 +48,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-class Up:
-    """One `llmgw up` process, its output in a file."""
-
-    def __init__(self, data: Path, log: Path) -> None:
-        self.log = log
-        self._out = log.open("ab")
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "services.cli", "up", "--port", "0"),
-                *("--simulate", "1x8xH100-80GB"),
-                *("--load-delay", "0.05", "--start-delay", "0.01"),
-            ],
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            env=_env(data),
-            start_new_session=True,
-        )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._out.close()
 
 
 @pytest.fixture
@@ -108,7 +70,7 @@ def _model_ready(env: dict[str, str]) -> bool:
 
 
 def test_credentials_are_private_and_required(data: Path, tmp_path: Path) -> None:
-    up = Up(data, tmp_path / "up.log")
+    up = UpProcess(data, tmp_path / "up.log", *SIM)
     try:
         _wait(lambda: (data / "nats.url").exists(), "the broker URL")
         for name in ("nats.url", bus_broker.PASSWORD_FILE):
@@ -136,8 +98,8 @@ def test_credentials_are_private_and_required(data: Path, tmp_path: Path) -> Non
 
 def test_a_dead_broker_is_restarted_and_an_orphan_is_stopped(data: Path, tmp_path: Path) -> None:
     env = _env(data)
-    first = Up(data, tmp_path / "up1.log")
-    second: Up | None = None
+    first = UpProcess(data, tmp_path / "up1.log", *SIM)
+    second: UpProcess | None = None
     try:
         _wait(lambda: (data / bus_broker.PID_FILE).exists(), "the broker's pid file")
         spec = tmp_path / "c.yaml"
@@ -159,7 +121,7 @@ def test_a_dead_broker_is_restarted_and_an_orphan_is_stopped(data: Path, tmp_pat
         first.proc.wait()
         assert _alive(orphan)
         # ...until the next `up` on the directory finds it, stops it and starts its own.
-        second = Up(data, tmp_path / "up2.log")
+        second = UpProcess(data, tmp_path / "up2.log", *SIM)
         _wait(lambda: "left running by an `llmgw up` that was killed" in second.text(), "orphan")
         _wait(lambda: not _alive(orphan), "the orphan to go")
         _wait(lambda: _model_ready(env), "the view under the second up")
