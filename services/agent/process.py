@@ -546,6 +546,9 @@ def _fill(text: str, values: dict[str, str]) -> str:
 
 def _free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers bind: a port in TIME_WAIT after the last server is free, a
+        # listening one is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
