@@ -198,7 +198,7 @@ def _text(v: Any) -> str:
 def _short_model(name: str) -> str:
     """`NVIDIA H100 80GB HBM3` -> `H100`: the model as profiles name it (`gpu_model`)."""
     words = [w for w in name.replace("NVIDIA", "").split() if w]
-    for w in words:
+    for w in (w.split("-")[0] for w in words):
         if any(c.isdigit() for c in w) and not w.upper().endswith("GB"):
-            return w.split("-")[0]
+            return w
     return words[0] if words else name

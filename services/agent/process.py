@@ -427,18 +427,12 @@ class ProcessRuntime:
         names = METRICS.get(s.e.runtime.engine, METRICS["vllm"])
         values = parse_metrics(body.decode(errors="replace"), names)
         served, running = values.get(names[0]), values.get(names[1])
-        fresh = False
+        if served_since(s.served, served, running):
+            s.served_at = datetime.now(UTC)
         if served is not None:
-            last = s.served
-            fresh = served > last if last is not None else False
-            if last is not None and served < last:
-                fresh = served > 0
             s.served = served
         if running is not None:
             s.running = running
-            fresh = fresh or running > 0
-        if fresh:
-            s.served_at = datetime.now(UTC)
         return served, running
 
     # ------------------------------------------------------------------ stopping
@@ -515,6 +509,18 @@ class ProcessRuntime:
         os.replace(tmp, self.state_file)
 
 
+def served_since(last: float | None, served: float | None, running: float | None) -> bool:
+    """Whether a server served requests since its last scrape: its served counter grew
+    (a counter below `last` is a restarted server, and all it shows is new), or requests
+    are running now. The first scrape only sets the baseline: what a server served before
+    the agent looked (an adopted one) was reported by the agent before."""
+    if running is not None and running > 0:
+        return True
+    if served is None or last is None:
+        return False
+    return served > last or (served < last and served > 0)
+
+
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
     """The sum over label sets of each metric in `names`, from Prometheus text."""
     out: dict[str, float] = {}
@@ -531,7 +537,10 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
         if name not in wanted:
             continue
         try:
-            value = float(line.rsplit("}", 1)[-1].split()[0])
+            rest = line[name_end:]
+            if rest.startswith("{"):
+                rest = rest[rest.rfind("}") + 1 :]
+            value = float(rest.split()[0])
         except (ValueError, IndexError):
             continue
         out[name] = out.get(name, 0.0) + value
