@@ -214,6 +214,15 @@ async def test_failures_and_refusals_say_why(
         for s in held:
             s.close()
 
+    # GPUs another running server holds.
+    await ra.publish(js, start_cmd("held-1", node, (1,), model="ok"))
+    await ra.until_state(js, node, "held-1", "ready")
+    await ra.publish(js, start_cmd("held-2", node, (1,), model="ok"))
+    es = await ra.until_state(js, node, "held-2", "failed")
+    assert "GPU 1 held by replica held-1" in (es[-1].data.reason or ""), es
+    await ra.publish(js, drain_cmd("held-1", model="ok", grace_s=1.0), node=node)
+    await ra.until_state(js, node, "held-1", "stopped")
+
 
 async def test_drain_waits_for_in_flight_then_kills_what_ignores_sigterm(
     nats_server: EmbeddedBroker, js: JetStreamContext, tmp_path: Path, run_agent: list
