@@ -253,7 +253,7 @@ class ProcessRuntime:
                 if m is not None and m[1] is not None and m[1] <= 0:
                     break
             await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        left = await self._kill_all(s.e.tag, s.e.pid, s)
+        left = await self._kill_all(s.e.tag, self._leader(s), s)
         self._servers.pop(replica, None)
         self._reports.pop(replica, None)
         self._save()
@@ -385,7 +385,7 @@ class ProcessRuntime:
                 self._watch(s)
                 return
             if time.monotonic() > deadline:
-                await self._kill_all(s.e.tag, s.e.pid, s)
+                await self._kill_all(s.e.tag, self._leader(s), s)
                 self._forget(s)
                 await report("failed", f"not ready within {rt.ready_timeout:g}s{self._tail(s)}")
                 return
@@ -441,6 +441,11 @@ class ProcessRuntime:
         if s.popen is not None:
             return s.popen.poll() is None
         return procs.alive(s.e.pid, s.e.started)
+
+    def _leader(self, s: _Server) -> int | None:
+        """The leader's pid while it is the server's (its group is signalled through it);
+        None once it is gone, when the pid may be another process's."""
+        return s.e.pid if self._leader_alive(s) else None
 
     def _exit_status(self, s: _Server) -> str:
         if s.popen is not None and s.popen.returncode is not None:
