@@ -241,6 +241,9 @@ class ProcessRuntime:
         if s.watch is not None and s.watch is not asyncio.current_task():
             s.watch.cancel()
         deadline = time.monotonic() + grace_s
+        # SIGTERM, once (a restarted agent does not send it again), is how vLLM and SGLang
+        # are told to stop taking requests and finish the ones they hold; a command server
+        # may do the same. What it still runs is read from its metrics until the grace ends.
         if not s.e.term_sent:
             s.e.term_sent = True
             self._save()

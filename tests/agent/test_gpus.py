@@ -15,6 +15,7 @@ import pytest
 from schemas import events as ev
 from services import clusterfile
 from services.agent import gpus, process
+from services.bus import EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -201,3 +202,14 @@ def test_cluster_file_runtime() -> None:
         env={"HF_HOME": "/models"},
         ready_timeout=1200.0,
     )
+
+
+def test_reset_health_with_no_agent_is_one_line(
+    nats_server: EmbeddedBroker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services import cli
+
+    assert cli.main(["gpu", "reset-health", "gpu-z9", "0", "--nats", nats_server.url]) == 1
+    err = capsys.readouterr().err
+    assert "the agent of node gpu-z9 did not answer: is `llmgw agent --node gpu-z9` running?" in err
+    assert err.count("\n") == 1
