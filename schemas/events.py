@@ -108,6 +108,36 @@ class ProfileSpec(Data, frozen=True, kw_only=True):
     """Per shard."""
 
 
+Engine = Literal["vllm", "sglang", "command"]
+
+
+class ModelRuntime(Data, frozen=True, kw_only=True):
+    """How an agent on a GPU host runs a replica's model server (an extension of the
+    contract: a model without one runs only on simulated nodes)."""
+
+    engine: Engine
+    command: Annotated[tuple[Text, ...], Meta(max_length=MAX_ITEMS)] = ()
+    """For `command`: the server's argv, with {port} {host} {model} {replica} {gpus} {tp}."""
+    args: Annotated[tuple[Text, ...], Meta(max_length=MAX_ITEMS)] = ()
+    """Extra arguments after the engine's own command line (same placeholders)."""
+    env: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    health: Text = "/health"
+    """The HTTP path polled for readiness: ready once it answers 200."""
+    ready_timeout: Quantity = 900.0
+    """Seconds from start to ready before the replica is failed."""
+    metrics: Text | None = None
+    """The Prometheus path scraped for use. None: `/metrics` for vllm and sglang, no
+    scraping for `command`; "" turns scraping off."""
+
+    @property
+    def metrics_path(self) -> str | None:
+        if self.metrics is not None:
+            return self.metrics or None
+        return None if self.engine == "command" else "/metrics"
+
+
 class ModelDeclared(Data, frozen=True, kw_only=True):
     name: Name
     owner: Name = "default"
@@ -117,6 +147,8 @@ class ModelDeclared(Data, frozen=True, kw_only=True):
     """None: max(min, 1)."""
     aliases: Annotated[tuple[Name, ...], Meta(max_length=MAX_ITEMS)] = ()
     profiles: Annotated[tuple[ProfileSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
+    runtime: ModelRuntime | None = None
+    """None: no server to run (simulated nodes only). An extension of the contract."""
 
     @property
     def effective_max(self) -> int:

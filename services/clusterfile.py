@@ -112,6 +112,10 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
             raise fail(f"{where}.profiles", "two profiles share a name")
         if m.max is not None and m.max < m.min:
             raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
+        if m.runtime is not None:
+            bad = _runtime_problem(m.runtime)
+            if bad is not None:
+                raise fail(f"{where}.runtime.{bad[0]}", bad[1])
         seen[m.name] = i
         out.models.append(m)
     if "quota" in doc:
@@ -134,6 +138,34 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
             raise fail(where, f"must be a whole number of replicas >= 0, not {n!r}")
         out.scale[str(model)] = n
     return out
+
+
+# PLACEHOLDERS are what a runtime's command, args and env may name; the agent fills them.
+PLACEHOLDERS = ("port", "host", "model", "replica", "gpus", "tp")
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def _runtime_problem(rt: ev.ModelRuntime) -> tuple[str, str] | None:
+    """(field, why) of the first thing wrong with a model's runtime, or None."""
+    if rt.engine == "command" and not rt.command:
+        return "command", "engine `command` needs the server's command line, a list of strings"
+    if rt.engine != "command" and rt.command:
+        return "command", f"engine `{rt.engine}` builds its own command line: use `args`"
+    if not rt.health.startswith("/"):
+        return "health", f"an HTTP path starting with /, not {rt.health!r}"
+    if rt.metrics and not rt.metrics.startswith("/"):
+        return "metrics", f"an HTTP path starting with /, not {rt.metrics!r}"
+    if rt.ready_timeout <= 0:
+        return "ready_timeout", "must be more than 0 seconds"
+    for key, items in (("command", rt.command), ("args", rt.args), ("env", rt.env.values())):
+        for text in items:
+            for name in _PLACEHOLDER.findall(text):
+                if name not in PLACEHOLDERS:
+                    return key, (
+                        f"{{{name}}} is not a placeholder; the placeholders are "
+                        + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS)
+                    )
+    return None
 
 
 def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:

@@ -1,8 +1,9 @@
 """The agent of a GPU node: announces the node, carries out `replica.start` and
 `replica.drain` commands through a `Runtime`, and reports what its replicas do.
 
-`llmgw agent` runs one; `llmgw up --simulate` runs one per simulated node with a
-`SimulatedRuntime`. The real-GPU runtime plugs into the `Runtime` Protocol. Nothing here
+`llmgw agent` runs one, with the `process.ProcessRuntime` (model servers as processes on
+the host's GPUs) or, with `--simulate`, a `SimulatedRuntime`; `llmgw up --simulate` runs
+one per simulated node. Both plug into the `Runtime` Protocol. Nothing here
 decides anything about the cluster; that is the scheduler's and the preemption service's.
 """
 

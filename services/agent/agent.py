@@ -24,10 +24,12 @@ import contextlib
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -74,6 +76,21 @@ _json = msgspec.json.Encoder()
 def durable_name(node: str) -> str:
     """The agent's durable consumer: one per node, surviving the agent's restarts."""
     return f"agent-{names.escape(node)}"
+
+
+def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
+    """Where an operator asks the agent of `node` to act now (core NATS, request/reply):
+    `<root>.ctl.<node>.gpu.reset-health`. What the agent does is said in the log."""
+    return f"{root}.ctl.{names.escape(node)}.gpu.reset-health"
+
+
+# HealthWatch blocks, calling back (GPU index, why) for each GPU gone bad, until its
+# event is set (`gpus.Nvml.watch`). It runs in a thread of its own.
+HealthWatch = Callable[[threading.Event, Callable[[int, str], None]], None]
+
+# UNHEALTHY_REMIND_S is how often the agent says again, in its log, which GPUs it keeps
+# unhealthy and how to bring them back: a GPU is never out quietly.
+UNHEALTHY_REMIND_S = 600.0
 
 
 def reader_name(node: str) -> str:
@@ -135,6 +152,8 @@ class Agent:
         rng: random.Random | None = None,
         ack_wait_s: float = ACK_WAIT_S,
         on_stored: Callable[[ev.ReplicaStateEvent], None] | None = None,
+        health: HealthWatch | None = None,
+        health_file: Path | None = None,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -156,6 +175,11 @@ class Agent:
         self.used_interval_s = used_interval_s
         self.ack_wait_s = ack_wait_s
         self._on_stored = on_stored
+        self._health = health
+        self._health_file = health_file
+        # _unhealthy: GPU index -> why; kept in `health_file` so a restart remembers it.
+        self._unhealthy: dict[int, str] = _load_health(health_file)
+        self._apply_health()
         self.source = f"agent/{node}"
         self.durable = durable_name(node)
         self.reader = reader_name(node)
@@ -165,6 +189,9 @@ class Agent:
         self._halt = asyncio.Event()
         # _last_used: replica -> (when it last served, monotonic time it was reported).
         self._last_used: dict[str, tuple[datetime | None, float]] = {}
+        # _reported_real: replica -> the runtime's served time last reported.
+        self._reported_real: dict[str, datetime] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ life
 
@@ -183,6 +210,19 @@ class Agent:
         self._halt = asyncio.Event()
         await self._check_stream()
         await self._rebuild()
+        await self.runtime.adopt(
+            {
+                r.replica: ev.ReplicaState(
+                    replica=r.replica,
+                    model=r.model,
+                    profile=r.profile,
+                    state=r.state,  # type: ignore[arg-type]
+                    shards=r.shards,
+                )
+                for r in self._replicas.values()
+                if r.state in _HOLDING
+            }
+        )
         await self._publish(
             ev.make(
                 self.inventory,
@@ -206,15 +246,31 @@ class Agent:
             asyncio.create_task(self._consume(), name=f"{self.durable} commands"),
             asyncio.create_task(self._heartbeats(), name=f"{self.durable} heartbeat"),
         ]
-        if self.traffic:
+        if self.traffic or self.runtime.needs_model_runtime:
             loops.append(asyncio.create_task(self._report_use(), name=f"{self.durable} use"))
+        loops.append(asyncio.create_task(self._serve_ctl(), name=f"{self.durable} ctl"))
+        watch_stop = threading.Event()
+        watcher = None
+        if self._health is not None:
+            loop = asyncio.get_running_loop()
+            health = self._health
+
+            def on_unhealthy(index: int, why: str) -> None:
+                loop.call_soon_threadsafe(self._gpu_went_bad, index, why)
+
+            watcher = asyncio.create_task(asyncio.to_thread(health, watch_stop, on_unhealthy))
         waiter = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait([*loops, waiter], return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._halt.set()
+            watch_stop.set()
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await watcher
             waiter.cancel()
             tasks = [r.task for r in self._replicas.values() if r.task is not None]
+            tasks += list(self._tasks)
             for t in tasks:
                 t.cancel()
             results = await asyncio.gather(*loops, *tasks, return_exceptions=True)
@@ -280,6 +336,8 @@ class Agent:
                 rec.state,
             )
             self._spawn(rec, self._run_start(rec))
+        elif rec.state == "ready":
+            self._spawn(rec, self._run_resume(rec))
         elif rec.state == "draining":
             spent = (datetime.now(UTC) - rec.since).total_seconds()
             log.info("%s: %s was draining before the restart: stopping it", self.node, rec.replica)
@@ -446,8 +504,16 @@ class Agent:
     async def _run_start(self, rec: _Replica) -> None:
         report = self._reporter(rec)
         try:
+            runtime = None
+            if self.runtime.needs_model_runtime:
+                runtime = await self._model_runtime(rec.model)
             await self.runtime.start(
-                rec.replica, model=rec.model, profile=rec.profile, shards=rec.shards, report=report
+                rec.replica,
+                model=rec.model,
+                profile=rec.profile,
+                shards=rec.shards,
+                report=report,
+                runtime=runtime,
             )
         except asyncio.CancelledError:
             raise
@@ -455,8 +521,43 @@ class Agent:
             log.error("%s: %s: runtime failed to start it: %s", self.node, rec.replica, e)
             await report("failed", f"runtime: {type(e).__name__}: {e}")
 
-    async def _run_stop(self, rec: _Replica, grace_s: float) -> None:
+    async def _run_resume(self, rec: _Replica) -> None:
         report = self._reporter(rec)
+        try:
+            await self.runtime.resume(rec.replica, report=report)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("%s: %s: runtime failed to resume it: %s", self.node, rec.replica, e)
+            await report("failed", f"runtime: {type(e).__name__}: {e}")
+
+    async def _model_runtime(self, model: str) -> ev.ModelRuntime | None:
+        """The runtime of the last `model.declared` of `model` in the log, or None."""
+        found: ev.ModelRuntime | None = None
+        async for batch in bus_consume.read_range(
+            self.js,
+            1,
+            filter_subject=subjects.model_subject(model, self.root),
+            consumer=self.reader,
+        ):
+            for d in batch:
+                e = ingest.decode_checked(d.data, d.subject, self.root)
+                if isinstance(e, ev.ModelDeclaredEvent) and e.data.name == model:
+                    found = e.data.runtime
+        return found
+
+    async def _run_stop(self, rec: _Replica, grace_s: float, failed: str | None = None) -> None:
+        report = self._reporter(rec)
+        if failed is not None:
+            # A replica failed under it (its GPU went bad): stopped is said as failed.
+            inner = report
+
+            async def report(state: ev.ReplicaStateName, reason: str | None = None) -> None:
+                if state == "stopped":
+                    await inner("failed", failed)
+                elif state == "failed":
+                    await inner("failed", f"{failed}; {reason}")
+
         try:
             await self.runtime.stop(rec.replica, grace_s=grace_s, report=report)
         except asyncio.CancelledError:
@@ -543,13 +644,21 @@ class Agent:
             await _pause(self._halt, tick)
             now_m = time.monotonic()
             dt, last_tick = now_m - last_tick, now_m
+            real = self.runtime.served()
             for rec in list(self._replicas.values()):
                 rpm = self.traffic.get(rec.model)
-                if rpm is None or rec.state != "ready":
+                really = real.get(rec.replica)
+                if (rpm is None and really is None) or rec.state != "ready":
                     continue
                 served, reported_m = self._last_used.get(rec.replica, (None, -math.inf))
-                if self._rng.random() < 1.0 - math.exp(-rpm / 60.0 * dt):
+                if rpm is not None and self._rng.random() < 1.0 - math.exp(-rpm / 60.0 * dt):
                     served = datetime.now(UTC)
+                if (
+                    really is not None
+                    and really != self._reported_real.get(rec.replica)
+                    and (served is None or really > served)
+                ):
+                    served = really
                 self._last_used[rec.replica] = (served, reported_m)
                 if served is None or now_m - reported_m < self.used_interval_s:
                     continue
@@ -565,6 +674,106 @@ class Agent:
                     log.warning("%s: use of %s not stored: %s", self.node, rec.replica, err)
                     continue
                 self._last_used[rec.replica] = (None, now_m)
+                if really is not None:
+                    self._reported_real[rec.replica] = really
+
+    # ------------------------------------------------------------------ GPU health
+
+    def _apply_health(self) -> None:
+        gpus = tuple(
+            msgspec.structs.replace(g, healthy=g.index not in self._unhealthy)
+            for g in self.inventory.gpus
+        )
+        self.inventory = msgspec.structs.replace(self.inventory, gpus=gpus)
+
+    def _gpu_went_bad(self, index: int, why: str) -> None:
+        """GPU `index` is unhealthy: say so in the inventory, and fail its replica."""
+        if index in self._unhealthy or index not in {g.index for g in self.inventory.gpus}:
+            return
+        self._unhealthy[index] = why
+        _save_health(self._health_file, self._unhealthy)
+        self._apply_health()
+        log.warning(
+            "%s: GPU %d unhealthy: %s; the scheduler avoids it until "
+            "`llmgw gpu reset-health %s %d`",
+            self.node,
+            index,
+            why,
+            self.node,
+            index,
+        )
+        self._background(self._publish_inventory())
+        for rec in self._replicas.values():
+            if rec.state not in _HOLDING or rec.state == "draining":
+                continue
+            if index not in {g for s in rec.shards if s.node == self.node for g in s.gpus}:
+                continue
+            if rec.task is not None:
+                rec.task.cancel()
+            self._spawn(rec, self._run_stop(rec, 0.0, failed=f"GPU {index} unhealthy: {why}"))
+
+    def reset_health(self, index: int) -> str | None:
+        """Bring GPU `index` back; returns why it was unhealthy (None: it was not)."""
+        why = self._unhealthy.pop(index, None)
+        if why is not None:
+            _save_health(self._health_file, self._unhealthy)
+            self._apply_health()
+            log.warning("%s: GPU %d healthy again (was: %s), by request", self.node, index, why)
+        return why
+
+    async def _publish_inventory(self) -> None:
+        while True:
+            try:
+                await self._publish(
+                    ev.make(self.inventory, id=new_id(), time=datetime.now(UTC), source=self.source)
+                )
+                return
+            except PublishError as e:
+                if self._halt.is_set():
+                    return
+                log.warning("%s: inventory not stored yet: %s", self.node, e)
+                await asyncio.sleep(REPUBLISH_WAIT_S)
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _serve_ctl(self) -> None:
+        """Answer `llmgw gpu reset-health` and remind, now and then, of unhealthy GPUs."""
+
+        async def on_request(msg: Any) -> None:
+            try:
+                req = msgspec.json.decode(msg.data)
+                index = int(req["gpu"])
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+                await msg.respond(_json.encode({"error": 'expected {"gpu": INDEX}'}))
+                return
+            if index not in {g.index for g in self.inventory.gpus}:
+                await msg.respond(_json.encode({"error": f"node {self.node} has no GPU {index}"}))
+                return
+            was = self.reset_health(index)
+            if was is not None:
+                await self._publish_inventory()
+            await msg.respond(_json.encode({"gpu": index, "was": was}))
+
+        sub = await self.nc.subscribe(ctl_subject(self.node, self.root), cb=on_request)
+        try:
+            while not self._halt.is_set():
+                for index, why in sorted(self._unhealthy.items()):
+                    log.warning(
+                        "%s: GPU %d kept unhealthy (%s): `llmgw gpu reset-health %s %d` "
+                        "once it is fixed",
+                        self.node,
+                        index,
+                        why,
+                        self.node,
+                        index,
+                    )
+                await _pause(self._halt, UNHEALTHY_REMIND_S)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
 
 def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaState) -> None:
@@ -600,3 +809,21 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
     """Wait `seconds` unless `stop` is set first."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
+
+
+def _load_health(path: Path | None) -> dict[int, str]:
+    if path is None:
+        return {}
+    try:
+        raw = msgspec.json.decode(path.read_bytes(), type=dict[str, str])
+    except (FileNotFoundError, msgspec.DecodeError):
+        return {}
+    return {int(k): v for k, v in raw.items() if k.isdigit()}
+
+
+def _save_health(path: Path | None, unhealthy: dict[int, str]) -> None:
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(_json.encode({str(k): v for k, v in unhealthy.items()}))
+    tmp.replace(path)

@@ -5,13 +5,14 @@ runtime calls back `report(state, reason)` as each replica moves along its life.
 agent turns those reports into `replica.state` events; the runtime never publishes,
 never touches NATS, and never decides anything about the cluster. `SimulatedRuntime`
 walks the states with configurable delays so the whole control plane runs on a laptop;
-the real-GPU runtime (a later issue) plugs in here with the same Protocol.
+`services.agent.process.ProcessRuntime` runs real model servers behind the same Protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from datetime import datetime
 from typing import Protocol
 
 from schemas import events as ev
@@ -41,7 +42,17 @@ class Runtime(Protocol):
       `grace_s` to let it finish its requests. It is called for replicas this process may
       never have started (the agent restarted), and must stop them anyway.
     - `running` is what the runtime holds now, replica -> state, for heartbeats and status.
+    - `needs_model_runtime`: the agent passes `start` the model's declared `runtime`
+      (read from the log), or None when the model declares none.
+    - `adopt` is called once at the agent's start, before anything is re-driven, with the
+      replicas the log says hold GPUs on this node: the runtime takes back what it still
+      runs of them and stops whatever else it finds of its own.
+    - `resume` is called, after `adopt`, for each replica the log says is ready: it
+      reports ready (or failed, when the replica's server is gone) and watches it again.
+    - `served` is replica -> when it last served a request, as the runtime has seen it.
     """
+
+    needs_model_runtime: bool
 
     async def start(
         self,
@@ -51,11 +62,18 @@ class Runtime(Protocol):
         profile: str,
         shards: tuple[ev.ShardSpec, ...],
         report: Report,
+        runtime: ev.ModelRuntime | None = None,
     ) -> None: ...
 
     async def stop(self, replica: str, *, grace_s: float, report: Report) -> None: ...
 
     def running(self) -> dict[str, str]: ...
+
+    async def adopt(self, known: Mapping[str, ev.ReplicaState]) -> None: ...
+
+    async def resume(self, replica: str, *, report: Report) -> None: ...
+
+    def served(self) -> dict[str, datetime]: ...
 
 
 class SimulatedRuntime:
@@ -67,6 +85,8 @@ class SimulatedRuntime:
     The sleeps are the simulation itself: they stand for pulling an image and loading
     weights. A delay of 0 still yields to the loop once.
     """
+
+    needs_model_runtime = False
 
     def __init__(
         self,
@@ -97,6 +117,7 @@ class SimulatedRuntime:
         profile: str,
         shards: tuple[ev.ShardSpec, ...],
         report: Report,
+        runtime: ev.ModelRuntime | None = None,
     ) -> None:
         self._states[replica] = "starting"
         await report("starting")
@@ -120,3 +141,15 @@ class SimulatedRuntime:
 
     def running(self) -> dict[str, str]:
         return dict(self._states)
+
+    async def adopt(self, known: Mapping[str, ev.ReplicaState]) -> None:
+        # A simulated replica lives as long as the log says it does.
+        for r, s in known.items():
+            if s.state == "ready":
+                self._states[r] = "ready"
+
+    async def resume(self, replica: str, *, report: Report) -> None:
+        self._states[replica] = "ready"
+
+    def served(self) -> dict[str, datetime]:
+        return {}

@@ -1,4 +1,5 @@
-"""`llmgw agent`: run the agent of one node, today with a simulated runtime.
+"""`llmgw agent`: run the agent of one node: its model servers as processes on its GPUs,
+or, with `--simulate`, a simulated runtime.
 
 Registered by `services.cli` (see its `COMMAND_MODULES`); also run as
 `python -m services.cli agent`. A thin shell: parse the flags, connect, build an
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.cli import app as cli
@@ -32,16 +34,22 @@ DEFAULT_HEARTBEAT_S = 1.0
 def register(commands: cli.Commands) -> None:
     p = commands.add(
         "agent",
-        help="run the agent of one node (simulated GPUs for now)",
+        help="run the agent of one node (its model servers, or --simulate)",
         description=(
             "The agent of one GPU node: it publishes the node's inventory, heartbeats, and\n"
             "carries out the replica.start / replica.drain commands sent to the node,\n"
             "reporting each replica as it goes starting -> loading -> ready and\n"
             "draining -> stopped. Commands sent while it is down wait for it.\n"
             "\n"
-            "Only the simulated runtime exists so far: pass --simulate."
+            "Without --simulate each replica is its model's server (vllm, sglang or a\n"
+            "command, from the model's `runtime`) run as a process on its GPUs, which are\n"
+            "found with NVML, else nvidia-smi, else declared with --gpus. Servers listen on\n"
+            "--ports; their state and logs live in <data>/agent-<node>. A restarted agent\n"
+            "adopts the servers still running."
         ),
         epilog=cli.examples(
+            "llmgw agent --node gpu-a1",
+            "llmgw agent --node cpu-1 --gpus 2xH100-80GB --ports 21000-21099",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB",
             "llmgw agent --simulate --node gpu-b2 --gpus 2xL4-24GB --labels zone=b,rack=r7",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB --load-delay 10 \\",
@@ -57,10 +65,30 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--node", required=True, metavar="NAME", help="this node's name")
     p.add_argument(
         "--gpus",
-        required=True,
         type=_gpus,
         metavar="SPEC",
-        help="the node's GPUs, COUNTxMODEL-MEMORYGB, e.g. 8xH100-80GB",
+        help="the node's GPUs, COUNTxMODEL-MEMORYGB, e.g. 8xH100-80GB (required with "
+        "--simulate; otherwise found with NVML or nvidia-smi)",
+    )
+    p.add_argument(
+        "--ports",
+        type=_ports,
+        default=range(20000, 21000),
+        metavar="LOW-HIGH",
+        help="ports the model servers listen on (default 20000-20999)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the model servers listen on ({host}; default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--scrape",
+        type=cli.arg_positive,
+        default=5.0,
+        metavar="S",
+        help="seconds between reads of a ready server's metrics (default 5)",
     )
     p.add_argument(
         "--cpu",
@@ -155,6 +183,29 @@ def _gpus(text: str) -> spec.GpuSpec:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _host_memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return 0.0
+
+
+def _ports(text: str) -> range:
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo, hi = 0, -1
+    if not sep or not 1024 <= lo <= hi <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not LOW-HIGH, two ports from 1024 to 65535 (for example 20000-20999)"
+        )
+    return range(lo, hi + 1)
+
+
 def _labels(text: str) -> dict[str, str]:
     from services.agent import SpecError, spec
 
@@ -185,21 +236,61 @@ def _exit_after(n: int | None) -> Callable[[Any], None] | None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    if not args.simulate:
-        raise cli.UsageError(
-            "the real-GPU runtime is not built yet: run `llmgw agent --simulate ...` instead"
-        )
     from schemas import names
     from services.agent import Agent, AgentError, SimulatedRuntime, spec
-    from services.agent.agent import inbox_prefix
+    from services.agent.agent import HealthWatch, inbox_prefix
+    from services.agent.runtime import Runtime
 
     try:
         names.escape(args.node)
     except names.TokenError as e:
         raise cli.UsageError(f"--node: {e.why}") from None
+    if args.simulate and args.gpus is None:
+        raise cli.UsageError("--simulate needs --gpus, e.g. --gpus 8xH100-80GB")
     cli.setup_logging()
-    gpus: spec.GpuSpec = args.gpus
-    runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
+    runtime: Runtime
+    health: HealthWatch | None = None
+    health_file = None
+    if args.simulate:
+        gpu_list = spec.gpu_inventory(args.node, args.gpus)
+        runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
+    else:
+        from services.agent import gpus as host_gpus
+        from services.agent.process import ProcessRuntime
+
+        data = cli.data_dir(args) / f"agent-{names.escape(args.node)}"
+        data.mkdir(parents=True, exist_ok=True)
+        health_file = data / "health.json"
+        found = None if args.gpus is not None else host_gpus.discover()
+        nvml = found.nvml if found is not None else None
+        if args.gpus is not None:
+            gpu_list = spec.gpu_inventory(args.node, args.gpus)
+        elif found is not None:
+            gpu_list = found.gpus
+            logging.getLogger("llmgw.agent").info(
+                "%s: %d GPUs found with %s", args.node, len(gpu_list), found.by
+            )
+        else:
+            raise cli.UsageError(
+                "no NVIDIA driver here (no NVML, no nvidia-smi): declare the GPUs with "
+                "--gpus COUNTxMODEL-MEMORYGB, or run a simulated node with --simulate"
+            )
+        if nvml is not None:
+            health = nvml.watch
+        runtime = ProcessRuntime(
+            node=args.node,
+            data=data,
+            gpus=gpu_list,
+            uuids=found is not None,
+            ports=args.ports,
+            host=args.host,
+            nvml=nvml,
+            scrape_s=args.scrape,
+        )
+    count = len(gpu_list)
+    # A real host offers what it has; a simulated one is sized from its GPUs.
+    host_cpu = spec.CPU_PER_GPU * count if args.simulate else float(os.cpu_count() or 1)
+    host_memory = spec.MEMORY_GB_PER_GPU * count if args.simulate else _host_memory_gb()
 
     async def work(stop: asyncio.Event) -> None:
         async with cli.session(
@@ -209,11 +300,9 @@ async def _run(args: argparse.Namespace) -> int:
                 s.nc,
                 s.js,
                 node=args.node,
-                gpus=spec.gpu_inventory(args.node, gpus),
-                cpu_cores=args.cpu if args.cpu is not None else spec.CPU_PER_GPU * gpus.count,
-                memory_gb=(
-                    args.memory if args.memory is not None else spec.MEMORY_GB_PER_GPU * gpus.count
-                ),
+                gpus=gpu_list,
+                cpu_cores=args.cpu if args.cpu is not None else host_cpu,
+                memory_gb=args.memory if args.memory is not None else host_memory,
                 runtime=runtime,
                 root=s.root,
                 heartbeat_s=args.heartbeat,
@@ -222,6 +311,8 @@ async def _run(args: argparse.Namespace) -> int:
                 used_interval_s=args.used_interval,
                 ack_wait_s=args.ack_wait,
                 on_stored=_exit_after(args.exit_after_states),
+                health=health,
+                health_file=health_file,
             )
             await agent.run(stop)
 

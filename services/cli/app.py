@@ -47,6 +47,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.status",
     "services.cli.preemption",
     "services.cli.agent",
+    "services.cli.gpu",
     "services.cli.replay",
     "services.cli.snapshot",
 )

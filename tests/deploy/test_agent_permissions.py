@@ -141,6 +141,31 @@ def _cmd_consumer(name: str, filt: str) -> ConsumerConfig:
     )
 
 
+async def test_an_agent_reads_model_runtimes_and_answers_its_ctl_requests(env: Env) -> None:
+    """The process runtime needs a model's declaration (its `runtime`), and
+    `llmgw gpu reset-health` asks the agent on llmgw.ctl.<node>: both allowed, and
+    another node's ctl subject refused."""
+    a1 = env.a1
+    ack = await env.control.nc.jetstream().publish("llmgw.catalog.model.chat", b"declared")
+    seen = []
+    async for batch in consume.read_range(
+        a1.nc.jetstream(), 1, filter_subject="llmgw.catalog.model.chat", consumer=reader_name(A1)
+    ):
+        seen += [d.seq for d in batch]
+    assert seen == [ack.seq]
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(b"ok")
+
+    sub = await a1.nc.subscribe(f"llmgw.ctl.{A1}.gpu.reset-health", cb=answer)
+    await a1.nc.flush()
+    reply = await env.control.nc.request(f"llmgw.ctl.{A1}.gpu.reset-health", b"{}", timeout=5)
+    assert reply.data == b"ok"
+    await sub.unsubscribe()
+    assert a1.errors == []
+    await _subscribe_refused(a1, f"llmgw.ctl.{A2}.gpu.reset-health")
+
+
 @pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
 async def test_what_an_agent_needs_is_allowed(
     env: Env, wire: str, monkeypatch: pytest.MonkeyPatch

@@ -1,0 +1,616 @@
+"""The process runtime: each replica is a model server (vLLM, SGLang or a command) run as
+a supervised process on this host's GPUs.
+
+Run by `llmgw agent` without `--simulate`, behind the `Runtime` Protocol. A server gets
+CUDA_VISIBLE_DEVICES for its GPUs, a port from the agent's range, its own process group,
+a tag in its environment (see `procs`) and a log file under the agent's data directory;
+it is loading while alive and its health path does not answer 200, ready once it does.
+What runs is written to `state.json` in the data directory before it is reported, so an
+agent restarted (not the host) finds its servers and adopts them without restarting them.
+Nothing here publishes or decides: it reports states and served requests to the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+
+from schemas import events as ev
+from services.agent import procs
+from services.agent.gpus import Nvml
+from services.agent.runtime import Report
+
+log = logging.getLogger("llmgw.agent.process")
+
+DEFAULT_PORTS = range(20000, 21000)
+
+# POLL_S is how often a loading server's health path is asked, and a draining one's
+# in-flight requests. Loading takes minutes; a fifth of a second is noise next to it.
+POLL_S = 0.2
+# WATCH_S is how often a ready server is checked for having died, and SCRAPE_S how often
+# its metrics are read for use. Eight idle replicas must cost the agent under 1% of a core.
+WATCH_S = 1.0
+SCRAPE_S = 5.0
+# KILL_WAIT_S bounds how long the runtime waits, after SIGKILL, for a replica's processes
+# and GPU memory to be gone before it gives up and reports the replica failed.
+KILL_WAIT_S = 10.0
+# LOG_TAIL is how many lines of a server's log a failure carries in its reason.
+LOG_TAIL = 5
+HTTP_TIMEOUT_S = 2.0
+
+# The metrics each engine exposes: (requests served, a counter; requests in flight).
+METRICS = {
+    "vllm": ("vllm:request_success_total", "vllm:num_requests_running"),
+    "sglang": ("sglang:num_requests_total", "sglang:num_running_reqs"),
+}
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    """One server as the state file keeps it: enough to find it again and to verify it."""
+
+    replica: str
+    model: str
+    pid: int
+    started: int
+    """The process's start time (clock ticks since boot): a reused pid has another."""
+    port: int
+    gpus: tuple[int, ...]
+    tag: str
+    log: str
+    runtime: ev.ModelRuntime
+    term_sent: bool = False
+
+
+@dataclass(eq=False)
+class _Server:
+    e: Entry
+    popen: subprocess.Popen[bytes] | None = None
+    """None: adopted from a previous agent, not our child."""
+    watch: asyncio.Task[None] | None = None
+    stopping: bool = False
+    served: float | None = None
+    running: float | None = None
+    served_at: datetime | None = None
+    ready: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class ProcessRuntime:
+    """Runs replicas as model-server processes on this host (see the module docstring).
+
+    `gpus` are the node's GPUs as the inventory says them; `uuids` says whether their
+    uuids are the driver's (CUDA_VISIBLE_DEVICES then names them by uuid, else by index).
+    `nvml`, when there is one, is asked whether a stopped replica's GPUs are free of it.
+    """
+
+    needs_model_runtime = True
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        data: Path,
+        gpus: Sequence[ev.GpuInfo],
+        uuids: bool = False,
+        ports: range = DEFAULT_PORTS,
+        host: str = "127.0.0.1",
+        nvml: Nvml | None = None,
+        scrape_s: float = SCRAPE_S,
+        watch_s: float = WATCH_S,
+    ) -> None:
+        self.node = node
+        self.data = data
+        self.logs = data / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.state_file = data / "state.json"
+        self.gpus = {g.index: g for g in gpus}
+        self.uuids = uuids
+        self.ports = ports
+        self.host = host
+        self.nvml = nvml
+        self.scrape_s = scrape_s
+        self.watch_s = watch_s
+        self._servers: dict[str, _Server] = {}
+        self._lost: dict[str, str] = {}
+        self._reports: dict[str, Report] = {}
+        self._tag_prefix = f"llmgw/{node}/"
+
+    # ------------------------------------------------------------------ Protocol
+
+    def running(self) -> dict[str, str]:
+        return {r: "ready" if s.ready else "loading" for r, s in self._servers.items()}
+
+    def served(self) -> dict[str, datetime]:
+        """Replica -> when its metrics last showed it serving a request."""
+        return {r: s.served_at for r, s in self._servers.items() if s.served_at is not None}
+
+    async def adopt(self, known: Mapping[str, ev.ReplicaState]) -> None:
+        """Find the servers a previous agent left running, from the state file.
+
+        `known` is what the log says of this node's replicas that hold GPUs. A server is
+        adopted when its replica is one of them, and its pid, start time, port and GPUs
+        are those recorded; every other process carrying this node's tag is stopped. A
+        replica the log says is ready whose server is not found is remembered as lost,
+        and `resume` reports it failed."""
+        entries = self._load()
+        for e in entries:
+            s = known.get(e.replica)
+            mine = tuple(g for sh in s.shards if sh.node == self.node for g in sh.gpus) if s else ()
+            why = None
+            if s is None:
+                why = "the log says it is not running"
+            elif not procs.alive(e.pid, e.started):
+                why = f"pid {e.pid} is gone or is another process now"
+            elif tuple(sorted(mine)) != tuple(sorted(e.gpus)):
+                why = f"its GPUs {list(e.gpus)} are not the log's {list(mine)}"
+            elif not await _listening(self.host, e.port):
+                why = None if s.state in ("starting", "loading") else f"port {e.port} is closed"
+            if why is None:
+                log.info("%s: adopting %s (pid %d, port %d)", self.node, e.replica, e.pid, e.port)
+                self._servers[e.replica] = _Server(e=e, ready=s is not None and s.state == "ready")
+            else:
+                log.warning("%s: not adopting %s: %s; stopping it", self.node, e.replica, why)
+                await self._kill_all(e.tag, e.pid if procs.alive(e.pid, e.started) else None)
+        # Whatever else carries this node's tag is a server nobody can vouch for.
+        ours = {s.e.tag for s in self._servers.values()}
+        for tag, pids in procs.tagged(self._tag_prefix).items():
+            if tag not in ours:
+                log.warning("%s: stopping unknown server processes %s", self.node, sorted(pids))
+                await self._kill_all(tag, None)
+        for r, s in known.items():
+            if r not in self._servers and s.state in ("ready", "draining"):
+                self._lost[r] = "its server was not running when the agent restarted"
+        self._save()
+
+    async def resume(self, replica: str, *, report: Report) -> None:
+        """Watch again a replica the log says is ready (after a restart), or report it
+        failed when its server was not found."""
+        s = self._servers.get(replica)
+        if s is None:
+            await report("failed", self._lost.pop(replica, "no server for it on this host"))
+            return
+        self._reports[replica] = report
+        s.ready = True
+        log.info("%s: %s ready again (adopted, pid %d)", self.node, replica, s.e.pid)
+        await report("ready")
+        self._watch(s)
+
+    async def start(
+        self,
+        replica: str,
+        *,
+        model: str,
+        profile: str,
+        shards: tuple[ev.ShardSpec, ...],
+        report: Report,
+        runtime: ev.ModelRuntime | None = None,
+    ) -> None:
+        self._reports[replica] = report
+        s = self._servers.get(replica)
+        if s is None:
+            if runtime is None:
+                await report("failed", f"model {model} declares no runtime: nothing to run")
+                return
+            gpus = tuple(g for sh in shards if sh.node == self.node for g in sh.gpus)
+            refused = self._refusal(replica, runtime, gpus)
+            if refused is not None:
+                await report("failed", refused)
+                return
+            port = self._port()
+            if port is None:
+                await report(
+                    "failed",
+                    f"no free port in {self.ports.start}-{self.ports.stop - 1}: every one is taken",
+                )
+                return
+            await report("starting")
+            try:
+                s = self._spawn(replica, model, runtime, gpus, port, len(gpus))
+            except OSError as e:
+                await report("failed", f"could not run {runtime.engine}: {e}")
+                return
+        else:
+            await report("starting")
+        await report("loading")
+        await self._until_ready(s, report)
+
+    async def stop(self, replica: str, *, grace_s: float, report: Report) -> None:
+        await report("draining")
+        s = self._servers.get(replica)
+        if s is None:
+            # Never started here, or not adopted: whatever still carries its tag goes.
+            await self._kill_all(f"{self._tag_prefix}{replica}/", None)
+            await report("stopped")
+            return
+        s.stopping = True
+        if s.watch is not None and s.watch is not asyncio.current_task():
+            s.watch.cancel()
+        deadline = time.monotonic() + grace_s
+        # SIGTERM, once (a restarted agent does not send it again), is how vLLM and SGLang
+        # are told to stop taking requests and finish the ones they hold; a command server
+        # may do the same. What it still runs is read from its metrics until the grace ends.
+        if not s.e.term_sent:
+            s.e.term_sent = True
+            self._save()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(s.e.pid, signal.SIGTERM)
+        path = s.e.runtime.metrics_path
+        while time.monotonic() < deadline and self._leader_alive(s):
+            if path is not None:
+                m = await self._scrape(s)
+                if m is not None and m[1] is not None and m[1] <= 0:
+                    break
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        left = await self._kill_all(s.e.tag, self._leader(s), s)
+        self._servers.pop(replica, None)
+        self._reports.pop(replica, None)
+        self._save()
+        if left:
+            await report("failed", f"processes {sorted(left)} still hold it after SIGKILL")
+        else:
+            await report("stopped")
+
+    # ------------------------------------------------------------------ starting
+
+    def _refusal(self, replica: str, rt: ev.ModelRuntime, gpus: tuple[int, ...]) -> str | None:
+        missing = sorted(set(gpus) - set(self.gpus))
+        if missing:
+            return f"node {self.node} has no GPU {', '.join(map(str, missing))}"
+        for other in self._servers.values():
+            taken = set(gpus) & set(other.e.gpus)
+            if taken and other.e.replica != replica:
+                return (
+                    f"GPU {', '.join(map(str, sorted(taken)))} held by the server of "
+                    f"replica {other.e.replica}"
+                )
+        match rt.engine:
+            case "vllm" if shutil.which("vllm") is None:
+                return "engine vllm is not installed on this host (no `vllm` on PATH)"
+            case "sglang" if importlib.util.find_spec("sglang") is None:
+                return "engine sglang is not installed on this host (no sglang module)"
+            case "command" if shutil.which(rt.command[0] if rt.command else "") is None:
+                what = rt.command[0] if rt.command else "(empty)"
+                return f"command {what} is not installed on this host"
+        return None
+
+    def _port(self) -> int | None:
+        held = {s.e.port for s in self._servers.values()}
+        for p in self.ports:
+            if p not in held and _free(self.host, p):
+                return p
+        return None
+
+    def _argv(self, rt: ev.ModelRuntime, model: str, values: dict[str, str]) -> list[str]:
+        match rt.engine:
+            case "vllm":
+                base = ["vllm", "serve", model, "--host", "{host}", "--port", "{port}"]
+                base += ["--tensor-parallel-size", "{tp}"]
+            case "sglang":
+                base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+                base += ["--host", "{host}", "--port", "{port}", "--tp", "{tp}"]
+            case _:
+                base = list(rt.command)
+        return [_fill(a, values) for a in (*base, *rt.args)]
+
+    def _spawn(
+        self,
+        replica: str,
+        model: str,
+        rt: ev.ModelRuntime,
+        gpus: tuple[int, ...],
+        port: int,
+        tp: int,
+    ) -> _Server:
+        tag = f"{self._tag_prefix}{replica}/{os.urandom(4).hex()}"
+        values = {
+            "port": str(port),
+            "host": self.host,
+            "model": model,
+            "replica": replica,
+            "gpus": str(len(gpus)),
+            "tp": str(tp),
+        }
+        visible = ",".join(self.gpus[g].uuid if self.uuids else str(g) for g in gpus)
+        env = {
+            **os.environ,
+            **{k: _fill(v, values) for k, v in rt.env.items()},
+            "CUDA_VISIBLE_DEVICES": visible,
+            procs.TAG_ENV: tag,
+        }
+        argv = self._argv(rt, model, values)
+        logfile = self.logs / f"{replica}.log"
+        with logfile.open("ab") as out:
+            out.write(f"--- {datetime.now(UTC).isoformat()} {' '.join(argv)}\n".encode())
+            out.flush()
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.data,
+                start_new_session=True,
+            )
+        started = procs.start_time(popen.pid) or 0
+        e = Entry(
+            replica=replica,
+            model=model,
+            pid=popen.pid,
+            started=started,
+            port=port,
+            gpus=gpus,
+            tag=tag,
+            log=str(logfile),
+            runtime=rt,
+        )
+        s = _Server(e=e, popen=popen)
+        self._servers[replica] = s
+        self._save()
+        log.info(
+            "%s: %s: pid %d on port %d, CUDA_VISIBLE_DEVICES=%s",
+            self.node,
+            replica,
+            popen.pid,
+            port,
+            visible,
+        )
+        return s
+
+    async def _until_ready(self, s: _Server, report: Report) -> None:
+        rt = s.e.runtime
+        deadline = time.monotonic() + rt.ready_timeout
+        url_path = rt.health
+        while True:
+            if not self._leader_alive(s):
+                status = self._exit_status(s)
+                await self._kill_all(s.e.tag, None, s)
+                self._forget(s)
+                await report("failed", f"server exited{status} while loading{self._tail(s)}")
+                return
+            if await _get_status(self.host, s.e.port, url_path) == 200:
+                s.ready = True
+                await report("ready")
+                self._watch(s)
+                return
+            if time.monotonic() > deadline:
+                await self._kill_all(s.e.tag, self._leader(s), s)
+                self._forget(s)
+                await report("failed", f"not ready within {rt.ready_timeout:g}s{self._tail(s)}")
+                return
+            await asyncio.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ ready
+
+    def _watch(self, s: _Server) -> None:
+        s.watch = asyncio.create_task(self._watching(s), name=f"watch {s.e.replica}")
+
+    async def _watching(self, s: _Server) -> None:
+        """A ready server: report it failed if it dies; read its use from its metrics."""
+        next_scrape = 0.0
+        while not s.stopping:
+            if not self._leader_alive(s):
+                status = self._exit_status(s)
+                await self._kill_all(s.e.tag, None, s)
+                self._forget(s)
+                report = self._reports.pop(s.e.replica, None)
+                if report is not None:
+                    await report("failed", f"server exited{status}{self._tail(s)}")
+                return
+            now = time.monotonic()
+            if s.e.runtime.metrics_path is not None and now >= next_scrape:
+                next_scrape = now + self.scrape_s
+                await self._scrape(s)
+            await asyncio.sleep(self.watch_s)
+
+    async def _scrape(self, s: _Server) -> tuple[float | None, float | None] | None:
+        """Read the server's metrics: (served, in flight), and note when it last served.
+        A served counter below the last one is a restarted server: what it shows now is
+        all new."""
+        path = s.e.runtime.metrics_path
+        if path is None:
+            return None
+        body = await _get(self.host, s.e.port, path)
+        if body is None:
+            return None
+        names = METRICS.get(s.e.runtime.engine, METRICS["vllm"])
+        values = parse_metrics(body.decode(errors="replace"), names)
+        served, running = values.get(names[0]), values.get(names[1])
+        if served_since(s.served, served, running):
+            s.served_at = datetime.now(UTC)
+        if served is not None:
+            s.served = served
+        if running is not None:
+            s.running = running
+        return served, running
+
+    # ------------------------------------------------------------------ stopping
+
+    def _leader_alive(self, s: _Server) -> bool:
+        if s.popen is not None:
+            return s.popen.poll() is None
+        return procs.alive(s.e.pid, s.e.started)
+
+    def _leader(self, s: _Server) -> int | None:
+        """The leader's pid while it is the server's (its group is signalled through it);
+        None once it is gone, when the pid may be another process's."""
+        return s.e.pid if self._leader_alive(s) else None
+
+    def _exit_status(self, s: _Server) -> str:
+        if s.popen is not None and s.popen.returncode is not None:
+            rc = s.popen.returncode
+            return f" with signal {-rc}" if rc < 0 else f" with status {rc}"
+        return ""
+
+    async def _kill_all(self, tag: str, leader: int | None, s: _Server | None = None) -> set[int]:
+        """SIGKILL every process of the replica tagged `tag` until none is left and, with
+        NVML, none of them holds one of its GPUs. Returns what would not go."""
+        deadline = time.monotonic() + KILL_WAIT_S
+        seen: set[int] = set()
+        while True:
+            left = await asyncio.to_thread(procs.members, tag, leader)
+            if s is not None and s.popen is not None:
+                s.popen.poll()
+            seen |= left
+            if not left:
+                break
+            procs.kill(left, leader)
+            if time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(0.05)
+            leader = None  # the group is signalled; its leader may be gone and its pid reused
+        if s is not None and s.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                s.popen.wait(1.0)
+        if self.nvml is not None and s is not None and seen:
+            while time.monotonic() < deadline:
+                held = {p for g in s.e.gpus for p in self.nvml.pids(g)} & seen
+                if not held:
+                    break
+                await asyncio.sleep(0.1)
+        return set()
+
+    def _forget(self, s: _Server) -> None:
+        self._servers.pop(s.e.replica, None)
+        self._save()
+
+    def _tail(self, s: _Server) -> str:
+        try:
+            lines = Path(s.e.log).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = [ln for ln in lines if not ln.startswith("--- ")][-LOG_TAIL:]
+        return (": " + " | ".join(tail))[:2000] if tail else ""
+
+    # ------------------------------------------------------------------ state file
+
+    def _load(self) -> list[Entry]:
+        try:
+            raw = self.state_file.read_bytes()
+        except FileNotFoundError:
+            return []
+        try:
+            return msgspec.json.decode(raw, type=list[Entry])
+        except msgspec.DecodeError as e:
+            log.warning(
+                "%s: state file %s unreadable (%s): ignoring it", self.node, self.state_file, e
+            )
+            return []
+
+    def _save(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode([s.e for s in self._servers.values()]))
+        os.replace(tmp, self.state_file)
+
+
+def served_since(last: float | None, served: float | None, running: float | None) -> bool:
+    """Whether a server served requests since its last scrape: its served counter grew
+    (a counter below `last` is a restarted server, and all it shows is new), or requests
+    are running now. The first scrape only sets the baseline: what a server served before
+    the agent looked (an adopted one) was reported by the agent before."""
+    if running is not None and running > 0:
+        return True
+    if served is None or last is None:
+        return False
+    return served > last or (served < last and served > 0)
+
+
+def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
+    """The sum over label sets of each metric in `names`, from Prometheus text."""
+    out: dict[str, float] = {}
+    wanted = set(names)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for i, c in enumerate(line):
+            if c in "{ ":
+                name_end = i
+                break
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        try:
+            rest = line[name_end:]
+            if rest.startswith("{"):
+                rest = rest[rest.rfind("}") + 1 :]
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _fill(text: str, values: dict[str, str]) -> str:
+    for k, v in values.items():
+        text = text.replace("{" + k + "}", v)
+    return text
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers bind: a port in TIME_WAIT after the last server is free, a
+        # listening one is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+async def _listening(host: str, port: int) -> bool:
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host, port), HTTP_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return False
+    w.close()
+    with contextlib.suppress(OSError):
+        await w.wait_closed()
+    return True
+
+
+async def _request(host: str, port: int, path: str) -> tuple[int, bytes] | None:
+    """GET `path`: (status, body), or None when nothing answers in time."""
+    try:
+        async with asyncio.timeout(HTTP_TIMEOUT_S):
+            r, w = await asyncio.open_connection(host, port)
+            try:
+                w.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+                await w.drain()
+                raw = await r.read()
+            finally:
+                w.close()
+                with contextlib.suppress(OSError):
+                    await w.wait_closed()
+    except (OSError, TimeoutError):
+        return None
+    head, _, body = raw.partition(b"\r\n\r\n")
+    parts = head.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None
+    return int(parts[1]), body
+
+
+async def _get_status(host: str, port: int, path: str) -> int | None:
+    r = await _request(host, port, path)
+    return None if r is None else r[0]
+
+
+async def _get(host: str, port: int, path: str) -> bytes | None:
+    r = await _request(host, port, path)
+    return r[1] if r is not None and r[0] == 200 else None

@@ -1,0 +1,114 @@
+"""The host's process table, as the process runtime needs it: is a pid still the process
+we started, which processes belong to a replica, and stopping all of them.
+
+Called by `services.agent.process`. Linux only (it reads /proc). A replica's processes
+are found three ways, because each alone misses some: its process group (the server's
+leader and whatever it forks), the parent chain down from the leader, and the tag the
+agent puts in every server's environment (`LLMGW_REPLICA_TAG`), which a grandchild keeps
+after `setsid` and after its parent died and it was handed to init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+PROC = Path("/proc")
+
+# TAG_ENV is the environment variable that marks every process of a replica. It is
+# inherited by every descendant and survives setsid, double forks and re-parenting.
+TAG_ENV = "LLMGW_REPLICA_TAG"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (field 3 on), or None."""
+    try:
+        raw = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (None: no such process, or a zombie).
+
+    With the pid, it names one process for the life of the host: a pid reused by another
+    process has another start time."""
+    f = _stat(pid)
+    if f is None or f[0] in ("Z", "X"):
+        return None
+    return int(f[19])
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` runs (not a zombie), and is the process that started at `started`."""
+    t = start_time(pid)
+    return t is not None and (started is None or t == started)
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+
+
+def _tag_of(pid: int) -> str | None:
+    try:
+        env = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    key = TAG_ENV.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key) :].decode(errors="replace")
+    return None
+
+
+def members(tag: str, leader: int | None = None) -> set[int]:
+    """Every live process of the replica tagged `tag` (a prefix matches): its leader's
+    group, the leader's descendants, and every process carrying the tag."""
+    out: set[int] = set()
+    parents: dict[int, int] = {}
+    for pid in _pids():
+        f = _stat(pid)
+        if f is None or f[0] in ("Z", "X"):
+            continue
+        parents[pid] = int(f[1])
+        if leader is not None and (pid == leader or int(f[2]) == leader):
+            out.add(pid)
+            continue
+        t = _tag_of(pid)
+        if t is not None and t.startswith(tag):
+            out.add(pid)
+    if leader is not None:
+        grew = True
+        while grew:
+            grew = False
+            for pid, ppid in parents.items():
+                if ppid in out and pid not in out:
+                    out.add(pid)
+                    grew = True
+    out.discard(os.getpid())
+    return out
+
+
+def tagged(prefix: str) -> dict[str, set[int]]:
+    """Live processes whose tag starts with `prefix`, by tag."""
+    out: dict[str, set[int]] = {}
+    for pid in _pids():
+        if not alive(pid):
+            continue
+        t = _tag_of(pid)
+        if t is not None and t.startswith(prefix):
+            out.setdefault(t, set()).add(pid)
+    return out
+
+
+def kill(pids: set[int], leader: int | None = None) -> None:
+    """SIGKILL the leader's group and every pid given; gone ones are fine."""
+    if leader is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(leader, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
