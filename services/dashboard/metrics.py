@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -23,6 +24,10 @@ from prometheus_client.registry import Collector
 from schemas import events as ev
 from services.core.view import View
 from services.replay.subscribe import Changes
+
+# The `_created` series of every counter double what a scrape carries and no dashboard
+# here reads them.
+prometheus_client.disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
