@@ -9,6 +9,7 @@ It must not write anything.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 from pathlib import Path
@@ -20,12 +21,21 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from services.bus import DLQ_STREAM
 
+# LOCK_WAIT_S bounds the wait for the projector's lock; past it the lag is unknown
+# until the next check.
+LOCK_WAIT_S = 1.0
+
 
 def _projector_seq(db: Path) -> int | None:
+    """The projector's position, or None. Runs in a thread: the projector may hold the
+    database's lock, and waiting for it on the event loop would stall everything that
+    shares the loop (in `llmgw up`, the projector itself)."""
     if not db.exists():
         return None
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
+        with contextlib.closing(
+            sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=LOCK_WAIT_S)
+        ) as c:
             row = c.execute("SELECT seq FROM position WHERE id = 1").fetchone()
     except sqlite3.Error:
         return None
@@ -39,7 +49,7 @@ async def check(js: Any, db_path: Path | None) -> dict[str, Any]:
         info = await js.stream_info(subjects.STREAM)
         last = info.state.last_seq
         out: dict[str, Any] = {"last_seq": last, "projector": None}
-        at = _projector_seq(db_path) if db_path is not None else None
+        at = await asyncio.to_thread(_projector_seq, db_path) if db_path is not None else None
         if at is not None:
             lag_s = 0.0
             if at < last:

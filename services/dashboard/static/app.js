@@ -18,6 +18,7 @@ let past = null; // a past view document, while the slider is away from live
 let feed = [];
 let source = null;
 let drawQueued = false;
+let painted = false;
 let health = {};
 const colours = new Map();
 
@@ -126,6 +127,11 @@ function draw() {
   drawQuota(v);
   drawFeed();
   drawHealth();
+  // The first drawing of a listed view, for the first-paint benchmark.
+  if (!painted && live) {
+    painted = true;
+    performance.mark("llmgw:first-paint");
+  }
 }
 
 function holders(v) {
