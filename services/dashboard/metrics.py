@@ -27,7 +27,7 @@ from services.replay.subscribe import Changes
 
 # The `_created` series of every counter double what a scrape carries and no dashboard
 # here reads them.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
