@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from schemas import subjects
 from services.core.view import View
@@ -53,8 +54,12 @@ PING_S = 15.0
 
 def frame(event: str, data: Any, seq: int | None = None) -> bytes:
     head = f"id: {seq}\n" if seq is not None else ""
-    body = json.dumps(data, separators=(",", ":"))
-    return f"{head}event: {event}\ndata: {body}\n\n".encode()
+    # Invariant: one line of JSON (msgspec escapes newlines in strings), as SSE's
+    # `data:` needs.
+    return b"%sevent: %s\ndata: %s\n\n" % (head.encode(), event.encode(), _json(data))
+
+
+_json = msgspec.json.Encoder().encode
 
 
 class Client:

@@ -86,6 +86,12 @@ def start_dashboard(url: str, data: Path) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError("the dashboard did not start")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -181,6 +187,7 @@ async def fanout(rate: int, clients: int, seconds: float) -> None:
                 await asyncio.sleep(2)  # the clients connect and take their listing
                 sent: dict[int, float] = {}
                 rss = [(0.0, rss_mb(proc.pid))]
+                cpu0 = cpu_s(proc.pid)
                 t0 = time.monotonic()
                 tick = 0.01
                 per_tick = max(rate * tick, 1)
@@ -205,6 +212,7 @@ async def fanout(rate: int, clients: int, seconds: float) -> None:
                         next_rss += 5
                     await asyncio.sleep(tick)
                 rss.append((time.monotonic() - t0, rss_mb(proc.pid)))
+                busy = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
                 got: dict[int, list[float]] = {}
                 for _ in workers:
                     for seq, ts in q.get(timeout=seconds + 60).items():
@@ -224,6 +232,9 @@ async def fanout(rate: int, clients: int, seconds: float) -> None:
                         f"  event -> SSE frame: p50 {statistics.median(lat):.1f} ms, "
                         f"p99 {pct(lat, 0.99):.1f} ms, max {max(lat):.1f} ms"
                     )
+                print(
+                    f"  dashboard CPU: {busy:.0%} of one core; load average {os.getloadavg()[0]:.1f}"
+                )
                 print(
                     "  dashboard RSS (MB) by second: "
                     + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in rss)
