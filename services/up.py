@@ -293,6 +293,10 @@ async def _supervise(tasks: dict[asyncio.Task[Any], str], stop: asyncio.Event) -
         for t in done:
             if t is stopper:
                 continue
+            if stop.is_set() and t.exception() is None:
+                # It ended because it was asked to: the stop event woke it and the
+                # stopper in the same turn of the loop.
+                continue
             # A service ending before stop is a failure whatever it returned: the control
             # plane without it would look up and be wrong.
             exc = t.exception()

@@ -144,6 +144,7 @@ class Hub:
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the log until `stop`; list again whenever it cannot be followed on."""
         ticker = asyncio.create_task(self._summaries(stop), name="dashboard: summary")
+        said = ""
         try:
             while not stop.is_set():
                 follow = asyncio.create_task(self._follow(), name="dashboard: follow")
@@ -155,11 +156,11 @@ class Hub:
                     with contextlib.suppress(asyncio.CancelledError):
                         await follow
                     break
-                exc = follow.exception()
-                log.warning(
-                    "dashboard: following the log stopped (%s); listing again",
-                    exc or "the connection closed",
-                )
+                why = str(follow.exception() or "the connection closed")
+                if why != said:
+                    # Said once per cause: a broker with no log yet is retried quietly.
+                    log.warning("dashboard: following the log stopped (%s); listing again", why)
+                    said = why
                 self._reset("the log was listed again")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RETRY_S)

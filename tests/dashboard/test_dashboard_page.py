@@ -142,6 +142,16 @@ def test_the_tour_on_the_dashboard(up: tuple[str, dict[str, str]], page: Any) ->
     expect(batch).to_have_count(8)
     assert page.evaluate("window.__notReloaded") is True
 
+    # The feed, filtered by type, then by model.
+    page.locator("#f-type").select_option("replica.drain")
+    expect(page.locator("#feed li")).to_have_count(2)
+    expect(page.locator("#feed li[data-type='replica.drain']")).to_have_count(2)
+    page.locator("#f-type").select_option("")
+    page.locator("#f-model").fill("chat")
+    expect(page.locator("#feed li[data-type='scale.desired']")).to_have_count(1)
+    expect(page.locator("#feed li[data-type='replica.drain']")).to_have_count(2)
+    page.locator("#f-model").fill("")
+
     # A victim's explanation: the decision, and the rule that took it.
     page.locator("#feed li[data-type='replica.drain']").first.click()
     text = page.locator("#explain-text")
