@@ -14,13 +14,11 @@ for a bundle (a picture of a moment that has passed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from schemas import subjects
 from services import names
 from services.cli import app as cli
 from services.cli.replay import rebuild_view
@@ -380,45 +378,17 @@ def render_status(args: argparse.Namespace, view: View, where: str, now: datetim
 async def health(args: argparse.Namespace) -> dict[str, Any] | None:
     """The log's health beside a live plane: its last sequence, how far the projector
     (`<data>/view.sqlite`) is behind it in events and seconds, and the dead letters per
-    consumer. None when no broker answers (a stopped plane, a bundle)."""
-    import sqlite3
-
-    from nats.js.errors import NotFoundError
-
-    from services.bus import DLQ_STREAM
+    consumer (`services.dashboard.health`, which the dashboard shows too). None when no
+    broker answers (a stopped plane, a bundle)."""
+    from services.dashboard import health as log_health
     from services.up import DB_FILE
 
-    out: dict[str, Any] = {}
     async with cli.session(args, "llmgw status") as s:
-        info = await s.js.stream_info(subjects.STREAM)
-        last = info.state.last_seq
-        out["last_seq"] = last
         # The projector's view database is the one beside the `llmgw up` whose data
         # directory named this broker; a broker given by --nats may be anyone's.
         _, recorded_in = cli.resolve_with_origin(args)
-        db = cli.data_dir(args) / DB_FILE
-        projector: dict[str, Any] | None = None
-        if recorded_in is not None and db.exists():
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
-                row = c.execute("SELECT seq FROM position WHERE id = 1").fetchone()
-            at = int(row[0]) if row else 0
-            lag_s = 0.0
-            if at < last:
-                newest = await s.js.get_msg(subjects.STREAM, last)
-                oldest = await s.js.get_msg(subjects.STREAM, at + 1)
-                if newest.time is not None and oldest.time is not None:
-                    lag_s = max((newest.time - oldest.time).total_seconds(), 0.0)
-            projector = {"seq": at, "lag_events": max(last - at, 0), "lag_s": round(lag_s, 3)}
-        out["projector"] = projector
-        dead: dict[str, int] = {}
-        try:
-            dlq = await s.js.stream_info(DLQ_STREAM, subjects_filter=">")
-            for subject, n in (dlq.state.subjects or {}).items():
-                dead[subject.rsplit(".", 1)[-1]] = n
-        except NotFoundError:
-            pass
-        out["dead_letters"] = dict(sorted(dead.items()))
-    return out
+        db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
+        return await log_health.check(s.js, db) or None
 
 
 def health_line(h: dict[str, Any]) -> str:
