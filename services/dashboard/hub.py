@@ -132,6 +132,8 @@ class Hub:
         self.clients: set[Client] = set()
         self.listed = asyncio.Event()
         self.relisted = 0
+        self.listings = 0
+        """How many times the log was listed: a new listing may be another log."""
         """How many clients were told to re-list because they fell behind."""
         self._pending: list[tuple[int, bytes]] = []
         self._flush_at: asyncio.Handle | None = None
@@ -177,6 +179,7 @@ class Hub:
         async for seq, ch in subscribe.subscribe(self.js, start, root=self.root):
             if ch.type == subscribe.LIST:
                 self.view, self.seq = ch.view, seq
+                self.listings += 1
                 self.ring.clear()
                 self.recent.clear()
                 self._listing = None

@@ -163,7 +163,9 @@ class Dashboard:
             client_frames=self.client_frames,
             on_change=self.metrics.observe,
         )
-        self._past: OrderedDict[tuple[str, Any], Any] = OrderedDict()
+        # _past keeps the views of past sequences by (listing, seq): a view of a log
+        # listed before is not one of the log that replaced it.
+        self._past: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.app = _TokenGate(self._routes(), self.token)
         self._stop = asyncio.Event()
 
@@ -270,8 +272,12 @@ class Dashboard:
                 seq = int(q["seq"])
             except ValueError:
                 raise _BadRequest(f"seq: {q['seq']!r} is not a sequence number") from None
+            if seq > self.hub.seq:
+                # Past the head the view is still growing: never kept.
+                return (await rebuild.from_stream(self.js, until_seq=seq, root=self.root)).view
             return await self._past_view(
-                ("seq", seq), lambda: rebuild.from_stream(self.js, until_seq=seq, root=self.root)
+                (self.hub.listings, seq),
+                lambda: rebuild.from_stream(self.js, until_seq=seq, root=self.root),
             )
         if "at" in q:
             try:
@@ -280,15 +286,13 @@ class Dashboard:
                 raise _BadRequest(f"at: {q['at']!r} is not an RFC3339 time") from None
             if at.tzinfo is None:
                 raise _BadRequest("at: give a time with its zone (2026-11-29T14:00:00Z)")
-            return await self._past_view(
-                ("at", at), lambda: rebuild.from_stream(self.js, until_time=at, root=self.root)
-            )
+            return (await rebuild.from_stream(self.js, until_time=at, root=self.root)).view
         if self.hub.view is None:
             await asyncio.wait_for(self.hub.listed.wait(), 30)
         return self.hub.view
 
     async def _past_view(
-        self, key: tuple[str, Any], make: Callable[[], Awaitable[rebuild.Rebuilt]]
+        self, key: tuple[int, int], make: Callable[[], Awaitable[rebuild.Rebuilt]]
     ) -> Any:
         got = self._past.get(key)
         if got is None:
