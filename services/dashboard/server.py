@@ -384,15 +384,7 @@ class Dashboard:
             tl, v = await self._story(
                 req, kind, lambda k, n: history.Timeline(k, n, self.root), self._seq(req)
             )
-            s = v.state
-            known = (
-                set(s.replicas)
-                if kind == "replica"
-                else set(s.nodes)
-                if kind == "node"
-                else (set(s.models) | {r.model for r in s.replicas.values()})
-            )
-            tl.resolve(known)
+            tl.resolve(_known(v, kind))
             tl.require()
         except _BadRequest as e:
             return JSONResponse({"error": str(e)}, 400)
@@ -430,6 +422,16 @@ class Dashboard:
 
 class _BadRequest(Exception):
     pass
+
+
+def _known(v: Any, kind: str) -> set[str]:
+    """The names of that kind the view has, for a prefix or a "did you mean"."""
+    s = v.state
+    if kind == "replica":
+        return set(s.replicas)
+    if kind == "node":
+        return set(s.nodes)
+    return set(s.models) | {r.model for r in s.replicas.values()}
 
 
 def _policy(base: preemption.Config, q: Any) -> preemption.Config:
