@@ -6,6 +6,7 @@ Routes, all GET (anything else is 405: nothing here changes the cluster):
 - `/api/view[?seq=N|at=T]`: the whole view, live or rebuilt as it stood then;
 - `/api/events[?from_seq=N]`: Server-Sent Events, list then watch (`hub`);
 - `/api/explain/{replica|model|node}/NAME`, `/api/history/{kind}/NAME`, `/api/plan?model=M`;
+- `/api/health`: the log's last sequence, the projector's lag, dead letters, clients;
 - `/metrics`: Prometheus.
 With a token every route asks for it: `Authorization: Bearer T`, `?token=T` (the page's
 address), or the cookie the page's first load sets.

@@ -145,6 +145,17 @@ def _clients(url: str, n: int, seconds: float, out: Any) -> None:
     out.put(asyncio.run(main()))
 
 
+async def _clients_open(web: str) -> int:
+    import json
+    import urllib.request
+
+    def ask() -> int:
+        with urllib.request.urlopen(web + "api/health", timeout=10) as r:
+            return int(json.loads(r.read())["clients"])
+
+    return await asyncio.to_thread(ask)
+
+
 async def fanout(rate: int, clients: int, seconds: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         broker = EmbeddedBroker(Path(tmp) / "broker")
@@ -184,7 +195,11 @@ async def fanout(rate: int, clients: int, seconds: float) -> None:
                 host, port = re.match(r"http://([^:/]+):(\d+)/", web).groups()  # type: ignore[union-attr]
                 _, idle_w = await asyncio.open_connection(host, int(port))
                 idle_w.write(f"GET /api/events HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                await asyncio.sleep(2)  # the clients connect and take their listing
+                # Every client connected (and listed) before the first event.
+                deadline = time.monotonic() + 30
+                while await _clients_open(web) < clients + 1:
+                    assert time.monotonic() < deadline, "the clients did not connect"
+                    await asyncio.sleep(0.05)
                 sent: dict[int, float] = {}
                 rss = [(0.0, rss_mb(proc.pid))]
                 cpu0 = cpu_s(proc.pid)
