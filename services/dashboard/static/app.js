@@ -102,13 +102,21 @@ function setConn(text, cls) {
 
 // ------------------------------------------------------------------ drawing
 
+// A big cluster is redrawn at most every DRAW_GAP_MS: at a thousand events a second a
+// redraw per frame would spend the page's time drawing what the next one replaces.
+const DRAW_GAP_MS = 250;
+let drawnAt = 0;
+
 function queueDraw() {
   if (drawQueued) return;
   drawQueued = true;
-  requestAnimationFrame(() => {
+  const v = past || live;
+  const wait = v && v.nodes.size > 100 ? Math.max(0, drawnAt + DRAW_GAP_MS - performance.now()) : 0;
+  setTimeout(() => requestAnimationFrame(() => {
     drawQueued = false;
+    drawnAt = performance.now();
     draw();
-  });
+  }), wait);
 }
 
 function draw() {
