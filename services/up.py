@@ -28,6 +28,7 @@ from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url
 from services.core import preemption, scheduling
+from services.dashboard import Dashboard, DashboardError
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
@@ -36,6 +37,8 @@ from services.scheduler.service import Scheduler
 log = logging.getLogger("llmgw.up")
 
 DB_FILE = "view.sqlite"
+# URL_FILE holds the dashboard's address while `up` serves it.
+URL_FILE = "dashboard.url"
 
 
 class UpError(Exception):
@@ -64,6 +67,9 @@ class UpOptions:
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
     duplicate_window_s: float = 120.0
+    ui: str | None = None
+    """Where the dashboard listens (HOST:PORT); None: no dashboard."""
+    ui_token: str | None = None
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Running:
     projector: Projector | None
     agents: list[Agent]
     db_path: Path
+    dashboard_url: str | None = None
 
 
 # BROKER_RESTARTS is how many times `up` restarts a broker that died within
@@ -222,6 +229,20 @@ async def _serve(
                         traffic=opts.traffic,
                     )
                 )
+        dashboard: Dashboard | None = None
+        if opts.ui is not None:
+            dashboard = Dashboard(
+                js,
+                listen=opts.ui,
+                root=opts.root,
+                token=opts.ui_token,
+                db_path=db_path,
+                policy=opts.policy,
+            )
+            try:
+                ui_sock = dashboard.bind()
+            except DashboardError as e:
+                raise UpError(str(e)) from e
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
@@ -233,6 +254,12 @@ async def _serve(
             tasks[asyncio.create_task(_watch_broker(broker, stop), name="broker")] = "broker"
         for a in agents:
             tasks[asyncio.create_task(a.run(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+        if dashboard is not None:
+            tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
+            shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
+            running.dashboard_url = shown
+            (opts.data / URL_FILE).write_text(shown + "\n")
+            log.info("dashboard: %s", shown)
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",
             f", projector ({db_path})" if projector is not None else "",
@@ -244,6 +271,8 @@ async def _serve(
             on_ready(running)
         return await _supervise(tasks, stop)
     finally:
+        with contextlib.suppress(OSError):
+            (opts.data / URL_FILE).unlink()
         for conn in (agents_nc, nc):
             if conn is not None:
                 with contextlib.suppress(Exception):
@@ -263,6 +292,10 @@ async def _supervise(tasks: dict[asyncio.Task[Any], str], stop: asyncio.Event) -
         done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
             if t is stopper:
+                continue
+            if stop.is_set() and t.exception() is None:
+                # It ended because it was asked to: the stop event woke it and the
+                # stopper in the same turn of the loop.
                 continue
             # A service ending before stop is a failure whatever it returned: the control
             # plane without it would look up and be wrong.

@@ -50,6 +50,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.gpu",
     "services.cli.replay",
     "services.cli.snapshot",
+    "services.cli.dashboard",
 )
 
 ENV_NATS = "LLMGW_NATS"

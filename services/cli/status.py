@@ -14,13 +14,11 @@ for a bundle (a picture of a moment that has passed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from schemas import subjects
 from services import names
 from services.cli import app as cli
 from services.cli.replay import allow_gaps_option, rebuild_view
@@ -83,36 +81,8 @@ def register(commands: cli.Commands) -> None:
     )
 
 
-def _amount(a: Any) -> dict[str, float]:
-    return {"gpus": a.gpus, "cpu_cores": a.cpu_cores, "memory_gb": a.memory_gb}
-
-
-def quota_rows(view: View) -> list[dict[str, Any]]:
-    """Per owner: its guarantee, its limit (None: none), what it and its descendants use,
-    and how much of what its own replicas hold is borrowed (past a guarantee)."""
-    tree = view.quota
-    holdings = view.holdings()
-    usage = tree.usage(holdings)
-    borrowed_ids = tree.borrowed(holdings) if len(tree) else set()
-    borrowed: dict[str, int] = {}
-    for h in holdings:
-        if h.replica in borrowed_ids:
-            borrowed[h.owner] = borrowed.get(h.owner, 0) + h.amount.gpus
-    out = []
-    for owner in sorted(set(usage) | {q.name for q in tree.quotas()}):
-        q = tree.quota(owner)
-        out.append(
-            {
-                "owner": owner,
-                "parent": q.parent if q is not None else None,
-                "declared": q is not None,
-                "guarantee": _amount(q.guarantee) if q is not None else None,
-                "limit": _amount(q.limit) if q is not None and q.limit is not None else None,
-                "used": _amount(usage[owner]),  # Invariant: every declared owner is in usage
-                "borrowed_gpus": borrowed.get(owner, 0),
-            }
-        )
-    return out
+# quota_rows is the QUOTA table's data, shared with the dashboard.
+quota_rows = render.quota_rows
 
 
 def summary(
@@ -409,45 +379,17 @@ def render_status(args: argparse.Namespace, view: View, where: str, now: datetim
 async def health(args: argparse.Namespace) -> dict[str, Any] | None:
     """The log's health beside a live plane: its last sequence, how far the projector
     (`<data>/view.sqlite`) is behind it in events and seconds, and the dead letters per
-    consumer. None when no broker answers (a stopped plane, a bundle)."""
-    import sqlite3
-
-    from nats.js.errors import NotFoundError
-
-    from services.bus import DLQ_STREAM
+    consumer (`services.dashboard.health`, which the dashboard shows too). None when no
+    broker answers (a stopped plane, a bundle)."""
+    from services.dashboard import health as log_health
     from services.up import DB_FILE
 
-    out: dict[str, Any] = {}
     async with cli.session(args, "llmgw status") as s:
-        info = await s.js.stream_info(subjects.STREAM)
-        last = info.state.last_seq
-        out["last_seq"] = last
         # The projector's view database is the one beside the `llmgw up` whose data
         # directory named this broker; a broker given by --nats may be anyone's.
         _, recorded_in = cli.resolve_with_origin(args)
-        db = cli.data_dir(args) / DB_FILE
-        projector: dict[str, Any] | None = None
-        if recorded_in is not None and db.exists():
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
-                row = c.execute("SELECT seq FROM position WHERE id = 1").fetchone()
-            at = int(row[0]) if row else 0
-            lag_s = 0.0
-            if at < last:
-                newest = await s.js.get_msg(subjects.STREAM, last)
-                oldest = await s.js.get_msg(subjects.STREAM, at + 1)
-                if newest.time is not None and oldest.time is not None:
-                    lag_s = max((newest.time - oldest.time).total_seconds(), 0.0)
-            projector = {"seq": at, "lag_events": max(last - at, 0), "lag_s": round(lag_s, 3)}
-        out["projector"] = projector
-        dead: dict[str, int] = {}
-        try:
-            dlq = await s.js.stream_info(DLQ_STREAM, subjects_filter=">")
-            for subject, n in (dlq.state.subjects or {}).items():
-                dead[subject.rsplit(".", 1)[-1]] = n
-        except NotFoundError:
-            pass
-        out["dead_letters"] = dict(sorted(dead.items()))
-    return out
+        db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
+        return await log_health.check(s.js, db) or None
 
 
 def health_line(h: dict[str, Any]) -> str:

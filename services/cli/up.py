@@ -13,9 +13,11 @@ import os
 from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
+from services.cli.dashboard import add_listen_options
 from services.core import preemption, scheduling
 
 DEFAULT_PORT = 4222
+DEFAULT_UI = "127.0.0.1:8321"
 
 # UP_SCHEDULER_FLAGS are the scheduler's knobs `llmgw up` offers; the others keep their
 # defaults. The drain grace is the whole control plane's: the preemption service's drains
@@ -66,6 +68,9 @@ def register(commands: cli.Commands) -> None:
     g = p.add_argument_group("scheduler")
     flags.add(g, scheduling.Config, only=UP_SCHEDULER_FLAGS)
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
+    g = p.add_argument_group("dashboard")
+    g.add_argument("--no-ui", action="store_true", help="do not serve the web dashboard")
+    add_listen_options(g, DEFAULT_UI, flag="--ui-listen")
 
 
 def _port(requested: int | None) -> int | None:
@@ -82,9 +87,37 @@ def _port(requested: int | None) -> int | None:
     return DEFAULT_PORT
 
 
+def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The dashboard's address and token; the default port, when taken, becomes a free
+    one, as the broker's does."""
+    from services.dashboard.server import DashboardError, parse_listen, token_for
+
+    if args.no_ui:
+        return None, None
+    try:
+        host, port = parse_listen(args.listen)
+        token = token_for(host, args.token, cli.data_dir(args))
+    except ValueError as e:
+        raise cli.UsageError(f"--ui-listen: {e}") from None
+    except DashboardError as e:
+        raise cli.CliError(str(e)) from None
+    listen = args.listen
+    if listen == DEFAULT_UI:
+        import socket
+
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                listen = f"{host}:0"
+    return listen, token
+
+
 async def _up(args: argparse.Namespace) -> int:
     from services.agent import AgentError
     from services.up import UpError, UpOptions, run
+
+    ui, token = _ui(args)
 
     nats_url = getattr(args, "nats", None) or os.environ.get(cli.ENV_NATS) or None
     opts = UpOptions(
@@ -101,6 +134,8 @@ async def _up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         traffic=dict(args.traffic),
         projector=not args.no_projector,
+        ui=ui,
+        ui_token=token,
     )
     cli.setup_logging()
     try:

@@ -236,6 +236,38 @@ def _count_line(view: View, everything: bool) -> str:
     )
 
 
+def _amount(a: Any) -> dict[str, float]:
+    return {"gpus": a.gpus, "cpu_cores": a.cpu_cores, "memory_gb": a.memory_gb}
+
+
+def quota_rows(view: View) -> list[dict[str, Any]]:
+    """Per owner: its guarantee, its limit (None: none), what it and its descendants use,
+    and how much of what its own replicas hold is borrowed (past a guarantee)."""
+    tree = view.quota
+    holdings = view.holdings()
+    usage = tree.usage(holdings)
+    borrowed_ids = tree.borrowed(holdings) if len(tree) else set()
+    borrowed: dict[str, int] = {}
+    for h in holdings:
+        if h.replica in borrowed_ids:
+            borrowed[h.owner] = borrowed.get(h.owner, 0) + h.amount.gpus
+    out = []
+    for owner in sorted(set(usage) | {q.name for q in tree.quotas()}):
+        q = tree.quota(owner)
+        out.append(
+            {
+                "owner": owner,
+                "parent": q.parent if q is not None else None,
+                "declared": q is not None,
+                "guarantee": _amount(q.guarantee) if q is not None else None,
+                "limit": _amount(q.limit) if q is not None and q.limit is not None else None,
+                "used": _amount(usage[owner]),  # Invariant: every declared owner is in usage
+                "borrowed_gpus": borrowed.get(owner, 0),
+            }
+        )
+    return out
+
+
 def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:
     return {
         "id": r.id,

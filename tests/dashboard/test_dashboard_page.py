@@ -1,0 +1,176 @@
+"""The dashboard's page in a real browser (Debian's chromium, driven by Playwright) on a
+real `llmgw up --simulate`: the README tour seen on the second screen.
+
+It sees both nodes and their GPUs, applies the tour's cluster, scales `chat` up and sees
+the grid change without a reload: the victims drain and `chat` is placed. It opens a
+victim's explanation and reads its rule, moves the slider to before the scale-up and
+sees the old cluster, and goes back to live.
+
+A browser that cannot be found fails the test: it is never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+CHROMIUM = os.environ.get("LLMGW_CHROMIUM", "/usr/bin/chromium")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _llmgw(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
+    env["LLMGW_DATA"] = str(data)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            "0",
+            "--ui-listen",
+            "127.0.0.1:0",
+            "--simulate",
+            "2x8xH100-80GB",
+            "--min-lifetime",
+            "0",
+            "--hold",
+            "20",
+            "--start-delay",
+            "0.05",
+            "--load-delay",
+            "0.2",
+            # Victims stay draining long enough to be seen doing it.
+            "--stop-delay",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (data / "dashboard.url").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "llmgw up served no dashboard"
+            time.sleep(0.05)
+        yield (data / "dashboard.url").read_text().strip(), env
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    assert proc.returncode == 0, log
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture
+def page() -> Iterator[Any]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no browser at {CHROMIUM}: apt-get install -y chromium", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 800})
+        finally:
+            browser.close()
+
+
+def test_the_tour_on_the_dashboard(up: tuple[str, dict[str, str]], page: Any) -> None:
+    from playwright.sync_api import expect
+
+    url, env = up
+    expect.set_options(timeout=20_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.evaluate("window.__notReloaded = true")
+
+    # Both nodes and their GPUs, free.
+    expect(page.locator("#grid .node")).to_have_count(2)
+    expect(page.locator("#grid .node[data-node='sim-0'] .cell")).to_have_count(8)
+    expect(page.locator("#grid .node[data-node='sim-1'] .cell")).to_have_count(8)
+
+    # The tour's cluster fills both nodes: chat on 4 GPUs, batch on the other 12.
+    _llmgw(env, "apply", "-f", str(REPO / "deploy/examples/tour.yaml"))
+    chat = page.locator(".cell[data-model='chat']")
+    batch = page.locator(".cell[data-model='batch']")
+    expect(page.locator(".cell[data-model='chat'][data-state='ready']")).to_have_count(4)
+    expect(page.locator(".cell[data-model='batch'][data-state='ready']")).to_have_count(12)
+
+    # Scale chat up: no room, so victims are preempted; they drain, and chat is placed.
+    said = _llmgw(env, "scale", "chat", "2")
+    m = re.search(r"\(seq (\d+),", said)
+    assert m is not None, said
+    scaled_at = int(m.group(1))
+    expect(page.locator(".cell.draining[data-model='batch']").first).to_be_visible()
+    expect(chat).to_have_count(8)
+    expect(batch).to_have_count(8)
+    assert page.evaluate("window.__notReloaded") is True
+
+    # The feed, filtered by type, then by model.
+    page.locator("#f-type").select_option("replica.drain")
+    expect(page.locator("#feed li")).to_have_count(2)
+    expect(page.locator("#feed li[data-type='replica.drain']")).to_have_count(2)
+    page.locator("#f-type").select_option("")
+    page.locator("#f-model").fill("chat")
+    expect(page.locator("#feed li[data-type='scale.desired']")).to_have_count(1)
+    expect(page.locator("#feed li[data-type='replica.drain']")).to_have_count(2)
+    page.locator("#f-model").fill("")
+
+    # A victim's explanation: the decision, and the rule that took it.
+    page.locator("#feed li[data-type='replica.drain']").first.click()
+    text = page.locator("#explain-text")
+    expect(text).to_contain_text("why: preempted")
+    expect(text).to_contain_text(re.compile(r"rule\s+tier 2: lower class above its minimum"))
+    page.locator("#explain-close").click()
+
+    # Before the scale-up: the old cluster, one chat replica and all six batch ones.
+    page.locator("#slider").evaluate(
+        "(el, v) => { el.value = v; el.dispatchEvent(new Event('change')); }", scaled_at - 1
+    )
+    expect(page.locator("#moment")).to_contain_text(f"seq {scaled_at - 1}")
+    expect(chat).to_have_count(4)
+    expect(batch).to_have_count(12)
+    expect(page.locator("#live")).not_to_have_class("on")
+
+    # Live again: the head.
+    page.locator("#live").click()
+    expect(chat).to_have_count(8)
+    expect(page.locator("#live")).to_have_class("on")
+    assert page.evaluate("window.__notReloaded") is True
+    assert errors == []
