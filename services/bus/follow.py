@@ -104,7 +104,13 @@ async def follow(
     """
     same_gap, last_gap = 0, -1
 
+    # failing counts the reads failed in a row: the first is said, the rest of one outage
+    # are not (the connection already says the broker is away, once, and when it is back).
+    failing = 0
+
     async def checked(batch: list[Delivery]) -> None:
+        nonlocal failing
+        failing = 0
         want = position() + 1
         if batch[0].seq != want:
             raise SequenceGap(want, batch[0].seq)
@@ -173,7 +179,11 @@ async def follow(
                 return False
             except (nats.errors.Error, TimeoutError) as e:
                 # The broker went away or restarted: read again from where we are.
-                log.warning("%s: read failed (%s); retrying", name, e)
+                failing += 1
+                if failing == 1:
+                    log.warning("%s: read failed (%s); retrying until it works", name, e)
+                else:
+                    log.debug("%s: read failed again (%s)", name, e)
                 await restarted(e)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)

@@ -191,7 +191,8 @@ async def _seq_at_time(js: Any, first: int, last: int, t: datetime) -> int:
 
 
 async def _tail(args: argparse.Namespace) -> int:
-    from services.bus import consume
+    from services.bus import follow
+    from services.bus.errors import StreamReplaced
 
     show = _type_filter(args.types)
     if args.count is not None and args.count < 1:
@@ -236,7 +237,21 @@ async def _tail(args: argparse.Namespace) -> int:
                 out.write("\n".join(lines) + "\n")
                 out.flush()
 
-        await consume.read_ordered(s.js, from_seq=start, on_batch=on_batch, stop=stop)
+        # The follow loop, not a bare read: a broker that restarts, or a read that fails
+        # while it is away, is a pause; a stream replaced under it is one line.
+        seen = start - 1
+
+        async def tail_batch(batch: list[Any]) -> None:
+            nonlocal seen
+            await on_batch(batch)
+            seen = batch[-1].seq
+
+        try:
+            await follow.follow(
+                s.js, position=lambda: seen, on_batch=tail_batch, stop=stop, name="tail"
+            )
+        except StreamReplaced as e:
+            raise cli.CliError(f"{e}: the tail stops here; start it again") from None
     return 0
 
 

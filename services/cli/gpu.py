@@ -24,6 +24,7 @@ def register(commands: cli.Commands) -> None:
         "gpu",
         help="act on a node's GPUs",
         description="Act on a node's GPUs through its agent.",
+        epilog=cli.examples("llmgw gpu reset-health gpu-a1 3"),
     )
     p = g.add(
         "reset-health",
