@@ -292,6 +292,9 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     excluded: Annotated[tuple[Excluded, ...], Meta(max_length=MAX_ITEMS)] = ()
     trials: Annotated[tuple[Trial, ...], Meta(max_length=MAX_ITEMS)] = ()
     holds: Annotated[tuple[HoldSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
+    policy: Text = "reference"
+    """The policy that decided (reference, node-aware); a decision from before the
+    field was added was the reference's."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):

@@ -99,6 +99,12 @@ def register(commands: cli.Commands) -> None:
         default=_DEFAULTS.max_victims,
         help=f"most replicas one decision may stop (default {_DEFAULTS.max_victims})",
     )
+    p.add_argument(
+        "--policy",
+        choices=preemption.POLICIES,
+        default=_DEFAULTS.policy,
+        help=f"the search for victims (default {_DEFAULTS.policy})",
+    )
     p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
 
 
@@ -141,6 +147,7 @@ async def _plan(args: argparse.Namespace) -> int:
         eviction_grace_s=args.grace,
         min_lifetime_s=args.min_lifetime,
         max_victims=args.max_victims,
+        policy=args.policy,
     )
     d = preemption.plan(view, args.model, now, cfg)
     if args.json:
