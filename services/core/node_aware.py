@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol, TypeVar
 
 from services.core import catalog
@@ -78,13 +78,14 @@ def key(victims: Sequence[Victim], load_s: dict[str, float]) -> Key:
     )
 
 
-def load_costs(view: View) -> dict[str, float]:
-    """Per model, the seconds one of its replicas takes from placement to ready: the
-    median over its replicas in the log that became ready. A model never seen ready
-    costs 0: what it would throw away is unknown, and an unknown is not charged."""
+def load_costs(view: View, models: Container[str] | None = None) -> dict[str, float]:
+    """Per model (of `models`, default all), the seconds one of its replicas takes from
+    placement to ready: the median over its replicas in the log that became ready. A
+    model never seen ready costs 0: what it would throw away is unknown, and an unknown
+    is not charged."""
     took: dict[str, list[float]] = {}
     for r in view.state.replicas.values():
-        if r.ready_at is not None:
+        if r.ready_at is not None and (models is None or r.model in models):
             took.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
     return {m: max(statistics.median(xs), 0.0) for m, xs in took.items()}
 
@@ -186,20 +187,25 @@ def search(
         if c.node:
             by_node.setdefault(c.node, []).append(i)
     nodes: list[tuple[list[int], _Node]] = []
+    least = min((n.gpus for n in needs), default=0)
     if needs:
         for name in sorted(by_node):
             usage = inv.usage(name)
             if usage is None or not usage.schedulable:
                 continue
+            # A bound before anything is worked out per profile: the node's free GPUs and
+            # the most GPUs any max_victims of its candidates free. On a full cluster
+            # it passes over most nodes for a large model.
+            freed = sorted((cands[i].gpus for i in by_node[name]), reverse=True)
+            if len(usage.free) + sum(freed[:max_victims]) < least:
+                continue
             at = by_node[name]
             nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
-    load_s: dict[str, float] | None = None
-
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})
     for t in tiers:
         for k in range(1, max_victims + 1):
-            level: list[tuple[Key, tuple[C, ...]]] = []
+            level_sets: list[tuple[C, ...]] = []
             for at, node in nodes:
                 allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
                 if len(allowed) < k or not node.could(needs, allowed, k):
@@ -209,11 +215,11 @@ def search(
                     if max(node.cands[i].tier for i in chosen) != t:
                         continue
                     if node.fits(needs, chosen):
-                        vs = tuple(cands[at[i]] for i in chosen)
-                        if load_s is None:
-                            load_s = load_costs(view)
-                        level.append((key(vs, load_s), vs))
-            level.sort(key=lambda x: x[0])
+                        level_sets.append(tuple(cands[at[i]] for i in chosen))
+            if not level_sets:
+                continue
+            load_s = load_costs(view, {v.model for vs in level_sets for v in vs})
+            level = sorted(((key(vs, load_s), vs) for vs in level_sets), key=lambda x: x[0])
             for _, vs in level:
                 if fits(vs):
                     best = vs
@@ -226,8 +232,7 @@ def search(
     if any(p.shards > 1 for p in profiles):
         other = fallback()
         if other:
-            if load_s is None:
-                load_s = load_costs(view)
+            load_s = load_costs(view, {v.model for v in (*other, *best)})
             if not best or key(other, load_s) < key(best, load_s):
                 return other
     return best

@@ -37,6 +37,26 @@ from services.sim.scenario import ModelSpec, Scenario
 
 ROOT = subjects.DEFAULT_ROOT
 _GONE = frozenset({"stopped", "failed", "draining"})
+
+# _PASS_ON are the events after which a pass may decide something new: demand, the
+# catalog, quotas, nodes, and a hold that ended; and a replica that stopped or failed
+# (below). A replica starting, loading or ready, a use, a placement or a drain changes
+# nothing a pass decides (the scheduler counts a replica live from its placement), so
+# the engine does not pay a pass for them; the service's own tick covers the rest, as
+# the engine's timers do here.
+_PASS_ON: frozenset[type] = frozenset(
+    {
+        ev.ScaleDesiredEvent,
+        ev.ModelDeclaredEvent,
+        ev.ModelRemovedEvent,
+        ev.QuotaSetEvent,
+        ev.NodeInventoryEvent,
+        ev.NodeLostEvent,
+        ev.NodeCordonedEvent,
+        ev.NodeUncordonedEvent,
+        ev.HoldReleasedEvent,
+    }
+)
 START = datetime(2026, 1, 5, tzinfo=UTC)
 """Virtual time 0: a Monday, midnight UTC."""
 
@@ -156,6 +176,7 @@ class Engine:
         self._down: dict[str, float] = {}
         self._up_gpus = 0
         self._desired: dict[str, int] = dict.fromkeys(self.models, 0)
+        self._short: dict[str, int] | None = None
         self._waits: dict[str, tuple[int, float]] = {}
         self._preempted_at: dict[str, float] = {}
         self._last_request: dict[str, float] = {}
@@ -203,13 +224,22 @@ class Engine:
             m = self.m
             m.gpu_busy_s += self._ready_gpus * dt
             m.gpu_total_s += self._up_gpus * dt
-            view = self.view
-            for name, spec in self.models.items():
-                short = view.desired_for(name) - self._ready[name]
-                if short > 0:
-                    m.unserved_s[spec.cls] = m.unserved_s.get(spec.cls, 0.0) + short * dt
+            short = self._short
+            if short is None:
+                short = self._short = self._shortfall()
+            for cls, n in short.items():
+                m.unserved_s[cls] = m.unserved_s.get(cls, 0.0) + n * dt
         self.t = t
         self.now = START + timedelta(seconds=t)
+
+    def _shortfall(self) -> dict[str, int]:
+        """Per class, the replicas desired and not ready now."""
+        out: dict[str, int] = {}
+        for name, spec in self.models.items():
+            short = self._desired[name] - self._ready[name]
+            if short > 0:
+                out[spec.cls] = out.get(spec.cls, 0) + short
+        return out
 
     def _begin(self) -> None:
         sc = self.sc
@@ -350,7 +380,10 @@ class Engine:
     def _observe(self, e: ev.Event, node: str | None) -> None:
         if isinstance(e, ev.ReplicaUsedEvent):
             return
-        self._dirty = True
+        if type(e) in _PASS_ON or (
+            isinstance(e, ev.ReplicaStateEvent) and e.data.state in ("stopped", "failed")
+        ):
+            self._dirty = True
         if isinstance(e, ev.ReplicaStartEvent):
             d = e.data
             where = node or d.shards[0].node
@@ -405,6 +438,8 @@ class Engine:
         a.state = state
         if state in ("stopped", "failed"):
             a.gen += 1
+        if was_ready != (state == "ready"):
+            self._short = None
         if was_ready and state != "ready":
             self._ready[a.model] -= 1
             self._ready_gpus -= a.gpus
@@ -486,6 +521,7 @@ class Engine:
         want = self.view.desired_for(model)
         before = self._desired[model]
         self._desired[model] = want
+        self._short = None
         w = self._waits.get(model)
         if w is not None and want <= self._ready[model]:
             # Scaled back down before it was ready: the wait is over, not counted.
