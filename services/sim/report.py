@@ -91,8 +91,10 @@ def rows(results: Sequence[Result]) -> list[Row]:
     return out
 
 
-def worse(row: Row, a: int, b: int, tolerance: float = 1e-9) -> bool:
-    """Whether column a is worse than column b on a judged row (None is no figure)."""
+def worse(row: Row, a: int, b: int, tolerance: float = 1e-3) -> bool:
+    """Whether column a is worse than column b on a judged row (None is no figure), by
+    more than `tolerance` of the larger: a difference below what the table shows is
+    not a difference."""
     x, y = row.values[a], row.values[b]
     if not row.better or x is None or y is None:
         return False
