@@ -127,8 +127,9 @@ class Config:
     policy: Policy = field(
         default="reference",
         metadata={
+            "choices": POLICIES,
             "help": "how victims are searched for: reference (the first candidates in "
-            "tier order) or node-aware (the best set on the node the model would go to)"
+            "tier order) or node-aware (the best set on the node the model would go to)",
         },
     )
 
