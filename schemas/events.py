@@ -324,6 +324,9 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     excluded: Annotated[tuple[Excluded, ...], Meta(max_length=MAX_ITEMS)] = ()
     trials: Annotated[tuple[Trial, ...], Meta(max_length=MAX_ITEMS)] = ()
     holds: Annotated[tuple[HoldSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
+    policy: Text = "reference"
+    """The policy that decided (reference, node-aware); a decision from before the
+    field was added was the reference's."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):
@@ -352,6 +355,8 @@ class PolicyConfigured(Data, frozen=True, kw_only=True):
     drain_grace_s: Quantity
     holder: Text = ""
     """The process that recorded it (the lease holder's name)."""
+    policy: Text = "reference"
+    """The search for victims (reference, node-aware); older records were reference."""
 
 
 class ViewDigest(Data, frozen=True, kw_only=True):

@@ -6,7 +6,8 @@ entry in its metadata is a flag: its name is the field's, less a trailing `_s`, 
 dashes (`node_timeout_s` is `--node-timeout`), unless the metadata names a "flag"; its
 default and type are the field's. A field whose type is itself such a dataclass (the
 preemption service's `policy`) adds its own fields' flags. Optional metadata: "positive"
-(a float must be more than 0), "least" (an int's floor, 0 by default).
+(a float must be more than 0), "least" (an int's floor, 0 by default), "choices" (the
+values a text may take).
 
 It must stay light: the CLI imports it to print its help, without a broker library.
 """
@@ -77,6 +78,15 @@ def _nested(f: dataclasses.Field[Any]) -> type[Any] | None:
 
 
 def _parser(kind: type, meta: Any) -> Any:
+    if "choices" in meta:
+        choices = tuple(meta["choices"])
+
+        def choice(text: str) -> str:
+            if text not in choices:
+                raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+            return text
+
+        return choice
     if kind is float:
         positive = bool(meta.get("positive", False))
 

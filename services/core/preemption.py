@@ -41,7 +41,7 @@ from typing import Any, Literal
 import msgspec
 
 from schemas import events as ev
-from services.core import catalog, placement, quota
+from services.core import catalog, node_aware, placement, quota
 from services.core.view import ReplicaRecord, View, size_of
 
 Outcome = Literal[
@@ -71,6 +71,13 @@ WHY: dict[str, str] = {
 }
 
 
+# POLICIES names the searches for victims. Both take the same candidates, tiers,
+# exclusions, cap, dry run and pruning; they differ in which sets they try
+# (`services.core.node_aware`).
+Policy = Literal["reference", "node-aware"]
+POLICIES: tuple[str, ...] = ("reference", "node-aware")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     """The policy's knobs, with the reference's defaults (and the help text of their
@@ -92,6 +99,11 @@ class Config:
 
     max_victims: the most replicas one placement may stop. Past this the model is better
     reported as not fitting than paid for with half a cluster.
+
+    policy: which sets of victims are tried. "reference" tries the first candidates in
+    tier order, wherever they are, as the reference does; "node-aware" weighs every set
+    within the cap on the node the model would go to and takes the best
+    (`services.core.node_aware`).
     """
 
     hold_s: float = field(
@@ -112,6 +124,20 @@ class Config:
     max_victims: int = field(
         default=3, metadata={"least": 1, "help": "most replicas one placement may stop"}
     )
+    policy: Policy = field(
+        default="reference",
+        metadata={
+            "choices": POLICIES,
+            "help": "how victims are searched for: reference (the first candidates in "
+            "tier order) or node-aware (the best set on the node the model would go to)",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"unknown policy {self.policy!r}: expected one of {', '.join(POLICIES)}"
+            )
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +258,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             ),
             trials=tuple(ev.Trial(victims=t.victims, fits=t.fits) for t in self.trials),
             holds=self.holds,
+            policy=self.config.policy,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -393,13 +420,20 @@ def _preempt(
             **base,
         )
 
-    chosen, trials = _choose(view, profiles, avoided, cands, cfg.max_victims)
-    if not chosen:
+    if cfg.policy == "node-aware":
+        chosen, trials = _choose_node_aware(view, profiles, avoided, cands, cfg.max_victims)
+        why_not = (
+            f"{m.name} would not fit with any set of at most {cfg.max_victims} "
+            "candidate(s) stopped on the node(s) it could go to"
+        )
+    else:
+        chosen, trials = _choose(view, profiles, avoided, cands, cfg.max_victims)
         tried = min(len(cands), cfg.max_victims)
+        why_not = f"{m.name} would not fit even with its first {tried} candidate(s) stopped"
+    if not chosen:
         return Decision(
             outcome="no_fit",
-            reason=f"{m.name} would not fit even with its first {tried} candidate(s) stopped; "
-            "nothing is stopped",
+            reason=f"{why_not}; nothing is stopped",
             trials=trials,
             **base,
         )
@@ -824,24 +858,76 @@ def _choose(
     max_victims: int,
 ) -> tuple[list[Candidate], tuple[TrialResult, ...]]:
     """The victims to stop (empty when no set of at most max_victims makes room), and
-    every trial made on the way.
+    every trial made on the way: the reference's search.
 
     Candidates are added in order until the model fits; then every one whose stopping
     turns out not to be needed is kept after all, looking from the last added back.
     Without that second step an idle replica on the wrong node, tried first, would be
     stopped along with the one that actually made the room.
     """
-    trials: list[TrialResult] = []
+    tr = _Trials(view, profiles, avoid)
+    chosen: list[Candidate] = []
+    for c in cands:
+        if len(chosen) == max_victims:
+            break
+        chosen.append(c)
+        if not tr.fits_without(chosen, False):
+            continue
+        return tr.prune(chosen), tuple(tr.trials)
+    return [], tuple(tr.trials)
 
-    def fits_without(gone: Sequence[Candidate], pruning: bool) -> bool:
-        trial = view.inventory.clone()
+
+def _choose_node_aware(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    avoid: tuple[str, ...],
+    cands: Sequence[Candidate],
+    max_victims: int,
+) -> tuple[list[Candidate], tuple[TrialResult, ...]]:
+    """The node-aware search (`services.core.node_aware.search`) over the same candidates,
+    with the same dry run and pruning as the reference's: each set it proposes is tried
+    on a clone of the inventory, and only one that fits there is taken."""
+    tr = _Trials(view, profiles, avoid)
+    found = node_aware.search(
+        view,
+        profiles,
+        cands,
+        max_victims,
+        lambda gone: tr.fits_without(gone, False),
+        lambda: _choose(view, profiles, avoid, cands, max_victims)[0],
+    )
+    if not found:
+        return [], tuple(tr.trials)
+    chosen = list(found)
+    if not tr.trials or tr.trials[-1].victims != tuple(v.replica for v in chosen):
+        # The reference's set, taken for a profile of several shards: tried here too, so
+        # the decision's trials end with the set it stops.
+        tr.fits_without(chosen, False)
+    return tr.prune(chosen), tuple(tr.trials)
+
+
+class _Trials:
+    """The dry run both searches share: sets of victims tried on a clone of the
+    inventory, each trial recorded, and the pruning of victims whose stopping proved
+    unneeded."""
+
+    __slots__ = ("avoid", "profiles", "trials", "view")
+
+    def __init__(
+        self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
+    ) -> None:
+        self.view, self.profiles, self.avoid = view, profiles, avoid
+        self.trials: list[TrialResult] = []
+
+    def fits_without(self, gone: Sequence[Candidate], pruning: bool) -> bool:
+        trial = self.view.inventory.clone()
         for v in gone:
             trial.release_replica(v.replica)
         # place() tries without the avoided nodes first, then with them: a soft
         # preference never turns room that exists into a preemption.
-        found = placement.place(trial, profiles, avoid)
+        found = placement.place(trial, self.profiles, self.avoid)
         ok = isinstance(found, placement.Placement)
-        trials.append(
+        self.trials.append(
             TrialResult(
                 victims=tuple(v.replica for v in gone),
                 fits=ok,
@@ -851,18 +937,12 @@ def _choose(
         )
         return ok
 
-    chosen: list[Candidate] = []
-    for c in cands:
-        if len(chosen) == max_victims:
-            break
-        chosen.append(c)
-        if not fits_without(chosen, False):
-            continue
+    def prune(self, chosen: list[Candidate]) -> list[Candidate]:
+        """`chosen` (which fits) less every victim not needed, looking from the last back."""
         i = len(chosen) - 1
         while i >= 0 and len(chosen) > 1:
             fewer = chosen[:i] + chosen[i + 1 :]
-            if fits_without(fewer, True):
+            if self.fits_without(fewer, True):
                 chosen = fewer
             i -= 1
-        return chosen, tuple(trials)
-    return [], tuple(trials)
+        return chosen

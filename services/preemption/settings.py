@@ -35,6 +35,7 @@ def settings_of(config: Config, holder: str = "") -> ev.PolicyConfigured:
         max_victims=p.max_victims,
         drain_grace_s=config.drain_grace_s,
         holder=holder,
+        policy=p.policy,
     )
 
 
@@ -45,6 +46,7 @@ def policy_of(s: ev.PolicyConfigured) -> preemption.Config:
         eviction_grace_s=s.eviction_grace_s,
         min_lifetime_s=s.min_lifetime_s,
         max_victims=s.max_victims,
+        policy="node-aware" if s.policy == "node-aware" else "reference",
     )
 
 

@@ -220,6 +220,8 @@ class Explainer:
             seq, d = decision
             me = next((v for v in d.data.victims if v.replica == r.id), None)
             st.line(f"  decision   {self._ref(seq, d, st.now)}, outcome {d.data.outcome}")
+            st.line(f"  policy     {d.data.policy}")
+            st.facts["policy"] = d.data.policy
             if me is not None:
                 st.line(f"  rule       {tier_words(me.tier)}")
                 st.line(
@@ -532,7 +534,7 @@ class Explainer:
         for seq, d in mine:
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
             st.line(
-                f"  {self._ref(seq, d, st.now)}: {d.data.outcome}"
+                f"  {self._ref(seq, d, st.now)}: {d.data.outcome} ({d.data.policy})"
                 + (f"; victims {victims}" if victims else "")
             )
             for x in d.data.excluded:
@@ -543,6 +545,7 @@ class Explainer:
                 "seq": seq,
                 "id": d.id,
                 "outcome": d.data.outcome,
+                "policy": d.data.policy,
                 "victims": [v.replica for v in d.data.victims],
             }
             for seq, d in mine

@@ -15,7 +15,10 @@ Cases, each for a model needing 8 GPUs on one node:
   first candidates free a node;
 - fits: the critical model again, on the same cluster with one node's replicas gone.
 
-Target (issue 4): median <= 20 ms, p99 <= 50 ms.
+Each case is timed under both policies (`--policy` picks one): the reference's search
+and node-aware's (issue 14), on the same view.
+
+Target (issue 4, and issue 14 for node-aware): median <= 20 ms, p99 <= 50 ms.
 """
 
 from __future__ import annotations
@@ -186,8 +189,10 @@ def p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
-def report(label: str, view: View, model: str, now: datetime, runs: int, prof: bool) -> None:
-    cfg = Config()
+def report(
+    label: str, view: View, model: str, now: datetime, runs: int, prof: bool, policy: str
+) -> None:
+    cfg = Config(policy=policy)  # type: ignore[arg-type]
 
     def call() -> Decision:
         return plan(view, model, now, cfg)
@@ -195,7 +200,7 @@ def report(label: str, view: View, model: str, now: datetime, runs: int, prof: b
     d, wall, cpu, full = timed(call, runs)
     ms = [x * 1e3 for x in wall]
     print(
-        f"  {label:<10} {d.outcome:<10} median {statistics.median(ms):6.2f} ms"
+        f"  {label:<10} {policy:<10} {d.outcome:<10} median {statistics.median(ms):6.2f} ms"
         f"  p99 {p99(ms):6.2f} ms  max {max(ms):6.2f} ms"
         f"  (cpu median {statistics.median(cpu) * 1e3:6.2f} ms, {full} full gc)"
     )
@@ -216,6 +221,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=RUNS)
     ap.add_argument("--profile", action="store_true", help="cProfile 20 plans of each case")
+    ap.add_argument("--policy", default="reference,node-aware", help="the policies to time")
     args = ap.parse_args()
 
     t = time.perf_counter()
@@ -227,11 +233,14 @@ def main() -> None:
         f"({live} live) of {len(view.catalog)} models, {len(view.quota)} quota owners; "
         f"log built and folded in {built:.1f} s; {args.runs} runs each:"
     )
-    report("preempted", view, "chat", now, args.runs, args.profile)
-    report("no_fit", view, "batch", now, args.runs, args.profile)
+    pols = args.policy.split(",")
+    for pol in pols:
+        report("preempted", view, "chat", now, args.runs, args.profile, pol)
+        report("no_fit", view, "batch", now, args.runs, args.profile, pol)
     del view
     view, now = folded(empty_node="n0999")
-    report("fits", view, "chat", now, args.runs, args.profile)
+    for pol in pols:
+        report("fits", view, "chat", now, args.runs, args.profile, pol)
     print("  target: median <= 20 ms, p99 <= 50 ms")
 
 

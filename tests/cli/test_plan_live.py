@@ -83,6 +83,7 @@ def test_live_plan_uses_the_recorded_settings(
         "eviction_grace_s": 60.0,
         "min_lifetime_s": 0.0,
         "max_victims": 2,
+        "policy": "reference",
     }
     assert set(p["from"].values()) == {"log"}
     assert p["recorded"]["seq"] == len(s.events())
@@ -100,7 +101,8 @@ def test_a_flag_overrides_one_setting_and_the_output_says_so(
     assert code == 0, err
     first = out.splitlines()[0]
     assert first == (
-        "policy    hold 20s (log), grace 60s (log), min-lifetime 120s (flag), max-victims 2 (log)"
+        "policy    hold 20s (log), grace 60s (log), min-lifetime 120s (flag), max-victims 2 (log), "
+        "policy reference (log)"
     )
     # Every batch replica is younger than the flag's min-lifetime: none may go.
     assert "outcome   no_candidates" in out or "outcome   no_fit" in out, out
@@ -118,6 +120,7 @@ def test_a_log_with_no_record_uses_the_defaults(
         "eviction_grace_s": "default",
         "min_lifetime_s": "default",
         "max_victims": "default",
+        "policy": "default",
     }
     assert p["settings"]["hold_s"] == 7.0
     assert p["recorded"] is None

@@ -1,0 +1,238 @@
+"""The node-aware search for victims: the best set on the node the model would go to.
+
+Called by `services.core.preemption` when its config's policy is "node-aware", with the
+candidates the shared rules found (same tiers, exclusions and cap as the reference's)
+and a `fits` callback that tries a set on a clone of the inventory. It only proposes
+sets; the dry run, the pruning and the decision stay the caller's. No I/O, no clock.
+
+The reference takes candidates in tier order and tries only the first `max_victims`,
+wherever they are: an idle replica on a node that can never hold the model uses up a
+place. This search looks only at victims on one node, the node the model would then be
+placed on, and of all sets within the cap that make the model fit there it takes the
+best by `key`:
+
+1. the lowest highest tier;
+2. the fewest victims;
+3. the least model-loading work thrown away (GPU-seconds, `load_costs`);
+4. the longest idle (the set whose least idle victim has been idle longest);
+5. the smallest (GPUs, then memory);
+6. then by id.
+
+Every set the reference can take, once pruned, lies on one node for a one-shard
+profile, so it is among the sets weighed here: whenever the reference finds a set this
+one finds one no worse by these keys. For a model with a profile of several shards the
+reference's own search is run too (`fallback`), and the better of the two is taken.
+
+Bounded: sets are weighed level by level, (highest tier, size) in order, and a node is
+passed over at a level once even its largest allowed victims could not free enough,
+so on a full cluster of 1,000 nodes most nodes cost a sum or two.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable, Container, Sequence
+from typing import Protocol, TypeVar
+
+from services.core import catalog
+from services.core.inventory import NodeUsage, model_words
+from services.core.quota import EPSILON
+from services.core.view import View
+
+
+class Victim(Protocol):
+    """What the search reads of a candidate (`preemption.Candidate`)."""
+
+    @property
+    def replica(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def tier(self) -> int: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def memory_gb(self) -> float: ...
+    @property
+    def idle_s(self) -> float | None: ...
+
+
+C = TypeVar("C", bound=Victim)
+
+Key = tuple[int, int, float, float, int, float, tuple[str, ...]]
+
+
+def key(victims: Sequence[Victim], load_s: dict[str, float]) -> Key:
+    """The order of sets: lower is better (see the module's list)."""
+    return (
+        max(v.tier for v in victims),
+        len(victims),
+        sum(load_s.get(v.model, 0.0) * v.gpus for v in victims),
+        -min((v.idle_s or 0.0) for v in victims),
+        sum(v.gpus for v in victims),
+        sum(v.memory_gb for v in victims),
+        tuple(sorted(v.replica for v in victims)),
+    )
+
+
+def load_costs(view: View, models: Container[str] | None = None) -> dict[str, float]:
+    """Per model (of `models`, default all), the seconds one of its replicas takes from
+    placement to ready: the median over its replicas in the log that became ready. A
+    model never seen ready costs 0: what it would throw away is unknown, and an unknown
+    is not charged."""
+    took: dict[str, list[float]] = {}
+    for r in view.state.replicas.values():
+        if r.ready_at is not None and (models is None or r.model in models):
+            took.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
+    return {m: max(statistics.median(xs), 0.0) for m, xs in took.items()}
+
+
+class _Need:
+    """One one-shard profile, as a node's GPUs are counted against it."""
+
+    __slots__ = ("cpu", "gpus", "mem", "min_gb", "plain", "words")
+
+    def __init__(self, p: catalog.Profile) -> None:
+        self.gpus = p.gpus
+        self.cpu = p.cpu_cores - EPSILON
+        self.mem = p.memory_gb - EPSILON
+        self.min_gb = p.gpu_memory_gb
+        self.words = model_words(p.gpu_model) if p.gpu_model else frozenset()
+        self.plain = self.min_gb <= 0 and not self.words
+
+    def qualifies(self, u: NodeUsage, i: int) -> bool:
+        g = u.gpus.get(i)
+        return (
+            g is not None
+            and g.memory_gb >= self.min_gb
+            and self.words <= u.words.get(i, frozenset())
+        )
+
+
+class _Node:
+    """One node's candidates and what each would free there, per one-shard profile."""
+
+    __slots__ = ("cands", "cpu", "free_q", "freed", "mem", "usage")
+
+    def __init__(self, usage: NodeUsage, cands: list[Victim], needs: list[_Need]) -> None:
+        self.usage = usage
+        self.cands = cands
+        healthy = set(usage.healthy)
+        # Per profile: qualifying free GPUs, and per candidate the qualifying GPUs it frees.
+        self.free_q: list[int] = []
+        self.freed: list[list[int]] = []
+        self.cpu: list[float] = []
+        self.mem: list[float] = []
+        held = usage.held
+        gpus_of = []
+        for c in cands:
+            idx, cpu, mem = held.get(c.replica, ((), 0.0, 0.0))
+            gpus_of.append([i for i in idx if i in healthy])
+            self.cpu.append(cpu)
+            self.mem.append(mem)
+        for n in needs:
+            if n.plain:
+                self.free_q.append(len(usage.free))
+                self.freed.append([len(g) for g in gpus_of])
+            else:
+                self.free_q.append(sum(1 for i in usage.free if n.qualifies(usage, i)))
+                self.freed.append([sum(1 for i in g if n.qualifies(usage, i)) for g in gpus_of])
+
+    def fits(self, needs: list[_Need], chosen: tuple[int, ...]) -> bool:
+        """Whether stopping the candidates at `chosen` lets one of the profiles fit here."""
+        u = self.usage
+        cpu = u.free_cpu + sum(self.cpu[i] for i in chosen)
+        mem = u.free_memory + sum(self.mem[i] for i in chosen)
+        for j, n in enumerate(needs):
+            freed = self.freed[j]
+            if (
+                self.free_q[j] + sum(freed[i] for i in chosen) >= n.gpus
+                and cpu >= n.cpu
+                and mem >= n.mem
+            ):
+                return True
+        return False
+
+    def could(self, needs: list[_Need], allowed: list[int], k: int) -> bool:
+        """Whether any k of `allowed` could free enough GPUs for some profile: a bound
+        that passes over most nodes without weighing their sets."""
+        for j, n in enumerate(needs):
+            freed = self.freed[j]
+            best = sorted((freed[i] for i in allowed), reverse=True)[:k]
+            if self.free_q[j] + sum(best) >= n.gpus:
+                return True
+        return False
+
+
+def search(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    cands: Sequence[C],
+    max_victims: int,
+    fits: Callable[[Sequence[C]], bool],
+    fallback: Callable[[], Sequence[C]],
+) -> Sequence[C]:
+    """The best set of at most `max_victims` of `cands` whose stopping lets the model be
+    placed, confirmed by `fits` (the dry run); empty when there is none.
+
+    `fallback` is the reference's search, run only when a profile has several shards
+    (the model would go to several nodes, which one node's sets do not cover)."""
+    needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
+    inv = view.inventory
+    by_node: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        if c.node:
+            by_node.setdefault(c.node, []).append(i)
+    nodes: list[tuple[list[int], _Node]] = []
+    least = min((n.gpus for n in needs), default=0)
+    if needs:
+        for name in sorted(by_node):
+            usage = inv.usage(name)
+            if usage is None or not usage.schedulable:
+                continue
+            # A bound before anything is worked out per profile: the node's free GPUs and
+            # the most GPUs any max_victims of its candidates free. On a full cluster
+            # it passes over most nodes for a large model.
+            freed = sorted((cands[i].gpus for i in by_node[name]), reverse=True)
+            if len(usage.free) + sum(freed[:max_victims]) < least:
+                continue
+            at = by_node[name]
+            nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
+    best: Sequence[C] = ()
+    tiers = sorted({c.tier for c in cands})
+    for t in tiers:
+        for k in range(1, max_victims + 1):
+            level_sets: list[tuple[C, ...]] = []
+            for at, node in nodes:
+                allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
+                if len(allowed) < k or not node.could(needs, allowed, k):
+                    continue
+                for chosen in itertools.combinations(allowed, k):
+                    # A set whose highest tier is below t was weighed at an earlier level.
+                    if max(node.cands[i].tier for i in chosen) != t:
+                        continue
+                    if node.fits(needs, chosen):
+                        level_sets.append(tuple(cands[at[i]] for i in chosen))
+            if not level_sets:
+                continue
+            load_s = load_costs(view, {v.model for vs in level_sets for v in vs})
+            level = sorted(((key(vs, load_s), vs) for vs in level_sets), key=lambda x: x[0])
+            for _, vs in level:
+                if fits(vs):
+                    best = vs
+                    break
+            if best:
+                break
+        if best:
+            break
+
+    if any(p.shards > 1 for p in profiles):
+        other = fallback()
+        if other:
+            load_s = load_costs(view, {v.model for v in (*other, *best)})
+            if not best or key(other, load_s) < key(best, load_s):
+                return other
+    return best

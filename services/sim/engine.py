@@ -1,0 +1,640 @@
+"""The simulator's engine: one scenario, one preemption policy, in virtual time.
+
+Called by `llmgw simulate` (`services.cli.simulate`), the simulator's tests and its
+benchmark. Every event goes through what the services do with it: encoded, folded with
+`Ingest.raw` (the projector's and every follower's step), and, given a writer, written
+as a bundle line with `schemas.bundle.line`. The decisions are the services' own calls:
+`scheduling.plan` for the scheduler's pass, `reaction.react` for each `placement.failed`
+(which calls the policy), `reaction.releases` for holds (the hold rule
+`View.hold_end`). Only the agents, the operator's demand and the requests are modelled
+here: agents load in a model's load time (±10%), fail a start with its probability, stop
+in its stop time; nodes fail (their agents fall silent, so the scheduler's own
+heartbeat rule reports them lost) and come back with a fresh inventory.
+
+Time is seconds since the scenario's start, advanced by the engine from one scheduled
+happening to the next; nothing sleeps. A pass runs when something it reads changed,
+and again when a failure's backoff, a hold or a node's silence runs out. The same
+scenario, policy and seed give the same log, byte for byte.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any
+
+from schemas import bundle, codec, subjects
+from schemas import events as ev
+from services.core import preemption, reaction, scheduling
+from services.core.ingest import Ingest
+from services.core.view import View, digest
+from services.sim import oracle
+from services.sim.scenario import ModelSpec, Scenario
+
+ROOT = subjects.DEFAULT_ROOT
+_GONE = frozenset({"stopped", "failed", "draining"})
+
+# _PASS_ON are the events after which a pass may decide something new: demand, the
+# catalog, quotas, nodes, and a hold that ended; and a replica that stopped or failed
+# (below). A replica starting, loading or ready, a use, a placement or a drain changes
+# nothing a pass decides (the scheduler counts a replica live from its placement), so
+# the engine does not pay a pass for them; the service's own tick covers the rest, as
+# the engine's timers do here.
+_PASS_ON: frozenset[type] = frozenset(
+    {
+        ev.ScaleDesiredEvent,
+        ev.ModelDeclaredEvent,
+        ev.ModelRemovedEvent,
+        ev.QuotaSetEvent,
+        ev.NodeInventoryEvent,
+        ev.NodeLostEvent,
+        ev.NodeCordonedEvent,
+        ev.NodeUncordonedEvent,
+        ev.HoldReleasedEvent,
+    }
+)
+START = datetime(2026, 1, 5, tzinfo=UTC)
+"""Virtual time 0: a Monday, midnight UTC."""
+
+# USED_EVERY_S is how often an agent reports a replica used while requests keep coming:
+# as often as a real agent's report, not once per request.
+USED_EVERY_S = 10.0
+
+# DEMAND_STEP_S is how often a diurnal demand is evaluated.
+DEMAND_STEP_S = 900.0
+
+# MAX_PASSES bounds the passes run at one instant: each publishes what the last one
+# changed; a pass that publishes nothing new ends them.
+MAX_PASSES = 8
+
+# DEDUP_S is the broker's duplicate window: an id seen this recently is dropped, as
+# JetStream drops a retried publish.
+DEDUP_S = 120.0
+
+
+@dataclass(slots=True)
+class Metrics:
+    """What the report is made of, summed as the run goes."""
+
+    events: int = 0
+    scale_ups: dict[str, list[float]] = field(default_factory=dict)
+    """Per class, seconds from a scale-up of a critical/standard model to ready."""
+    unserved_s: dict[str, float] = field(default_factory=dict)
+    """Per class, replica-seconds desired and not ready."""
+    preempted_by_tier: dict[int, int] = field(default_factory=dict)
+    loading_thrown_gpu_s: float = 0.0
+    thrash: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    no_fit: int = 0
+    needless: int = 0
+    unchecked: int = 0
+    """no_fit decisions too large for the oracle."""
+    gpu_busy_s: float = 0.0
+    gpu_total_s: float = 0.0
+    requests: int = 0
+    requests_unserved: int = 0
+
+
+@dataclass(slots=True)
+class _Agent:
+    """What a node's agent knows of one replica it was asked to run."""
+
+    model: str
+    profile: str
+    shards: tuple[ev.ShardSpec, ...]
+    node: str
+    gpus: int
+    state: str = "pending"
+    gen: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    scenario: str
+    policy: str
+    seed: int
+    duration_s: float
+    metrics: Metrics
+    view: View
+    digest: str
+    wall_s: float = 0.0
+
+
+class Engine:
+    """One run. `run()` once; the view and metrics are read after."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: str,
+        *,
+        seed: int | None = None,
+        duration_s: float | None = None,
+        out: IO[bytes] | None = None,
+        oracle_limit: int = oracle.LIMIT,
+        policy_config: preemption.Config | None = None,
+        scheduler_config: scheduling.Config | None = None,
+    ) -> None:
+        self.sc = scenario
+        self.seed = scenario.seed if seed is None else seed
+        self.duration = scenario.duration_s if duration_s is None else duration_s
+        # One stream of draws per node and per model, so that the world (failures,
+        # requests, load times) is the same under every policy: only the decisions differ.
+        self._rngs: dict[str, random.Random] = {}
+        base = policy_config or preemption.Config()
+        self.pcfg = preemption.Config(
+            hold_s=base.hold_s,
+            eviction_grace_s=base.eviction_grace_s,
+            min_lifetime_s=base.min_lifetime_s,
+            max_victims=base.max_victims,
+            policy=policy,  # type: ignore[arg-type]
+        )
+        self.scfg = scheduler_config or scheduling.Config()
+        self.out = out
+        self.oracle_limit = oracle_limit
+        self.ingest = Ingest(View(), ROOT)
+        self.view = self.ingest.view
+        self.m = Metrics()
+        self.models: dict[str, ModelSpec] = {m.name: m for m in scenario.models}
+        self.t = 0.0
+        self.now = START
+        self._q: list[tuple[float, int, str, Any]] = []
+        self._order = 0
+        self._ids = 0
+        self._seen: dict[str, float] = {}
+        self._dirty = True
+        self._failures: dict[str, scheduling.Failure] = {}
+        self._agents: dict[str, _Agent] = {}
+        self._ready: dict[str, int] = dict.fromkeys(self.models, 0)
+        self._ready_ids: dict[str, dict[str, None]] = {m: {} for m in self.models}
+        self._ready_gpus = 0
+        self._node_gpus: dict[str, int] = {}
+        self._down: dict[str, float] = {}
+        self._up_gpus = 0
+        self._desired: dict[str, int] = dict.fromkeys(self.models, 0)
+        self._short: dict[str, int] | None = None
+        self._waits: dict[str, tuple[int, float]] = {}
+        self._preempted_at: dict[str, float] = {}
+        self._last_request: dict[str, float] = {}
+        self._used_at: dict[str, float] = {}
+        self._tick_at: float | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> Result:
+        self._begin()
+        q = self._q
+        while q and q[0][0] <= self.duration:
+            t = q[0][0]
+            self._advance(t)
+            while q and q[0][0] == t:
+                _, _, kind, arg = heapq.heappop(q)
+                self._handle(kind, arg)
+            self._settle()
+        self._advance(self.duration)
+        self.ingest.touched.clear()
+        return Result(
+            scenario=self.sc.name,
+            policy=self.pcfg.policy,
+            seed=self.seed,
+            duration_s=self.duration,
+            metrics=self.m,
+            view=self.view,
+            digest=digest(self.view.state),
+        )
+
+    def rng(self, stream: str) -> random.Random:
+        r = self._rngs.get(stream)
+        if r is None:
+            r = self._rngs[stream] = random.Random(f"{self.seed}:{stream}")
+        return r
+
+    def at(self, t: float, kind: str, arg: Any = None) -> None:
+        self._order += 1
+        heapq.heappush(self._q, (t, self._order, kind, arg))
+
+    def _advance(self, t: float) -> None:
+        """Time passes from self.t to t with nothing changing: sum what it held."""
+        dt = t - self.t
+        if dt > 0:
+            m = self.m
+            m.gpu_busy_s += self._ready_gpus * dt
+            m.gpu_total_s += self._up_gpus * dt
+            short = self._short
+            if short is None:
+                short = self._short = self._shortfall()
+            for cls, n in short.items():
+                m.unserved_s[cls] = m.unserved_s.get(cls, 0.0) + n * dt
+        self.t = t
+        self.now = START + timedelta(seconds=t)
+
+    def _shortfall(self) -> dict[str, int]:
+        """Per class, the replicas desired and not ready now."""
+        out: dict[str, int] = {}
+        for name, spec in self.models.items():
+            short = self._desired[name] - self._ready[name]
+            if short > 0:
+                out[spec.cls] = out.get(spec.cls, 0) + short
+        return out
+
+    def _begin(self) -> None:
+        sc = self.sc
+        for g in sc.nodes:
+            for name in g.names():
+                self._node_gpus[name] = g.gpus
+                self._up_gpus += g.gpus
+                self._inventory(name)
+                if g.mtbf_s:
+                    self.at(self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+        if sc.quota:
+            self.publish(ev.QuotaSet(owners=sc.quota), "operator")
+        for spec in sc.models:
+            self.publish(spec.declared(), "operator")
+        for spec in sc.models:
+            d = spec.demand
+            if d.kind == "requests":
+                self._next_request(spec, 0.0)
+            elif d.kind == "steps":
+                self._scale(spec, d.replicas)
+                for at, n in d.steps:
+                    self.at(at, "scale", (spec.name, n))
+            elif d.kind == "diurnal":
+                self.at(0.0, "diurnal", spec.name)
+            elif d.kind == "bursts":
+                self._scale(spec, d.base)
+                self.at(d.every_s * self.rng(spec.name).random(), "burst", spec.name)
+            else:
+                self._scale(spec, d.replicas)
+        self._settle()
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        if kind == "agent":
+            self._agent_step(*arg)
+        elif kind == "tick":
+            self._tick_at = None
+            self._dirty = True
+        elif kind == "request":
+            self._request(arg)
+        elif kind == "idle":
+            spec = self.models[arg]
+            last = self._last_request.get(arg, -math.inf)
+            if self.t - last >= spec.demand.idle_after_s and self._desired[arg] > 0:
+                self._scale(spec, 0)
+        elif kind == "scale":
+            self._scale(self.models[arg[0]], arg[1])
+        elif kind == "diurnal":
+            spec = self.models[arg]
+            self._scale(spec, _diurnal(spec, self.t))
+            self.at(self.t + DEMAND_STEP_S, "diurnal", arg)
+        elif kind == "burst":
+            spec = self.models[arg]
+            self._scale(spec, spec.demand.burst)
+            self.at(self.t + spec.demand.length_s, "scale", (arg, spec.demand.base))
+            nxt = spec.demand.every_s * (0.5 + self.rng(arg).random())
+            self.at(self.t + nxt, "burst", arg)
+        elif kind == "node_down":
+            self._node_down(arg)
+        elif kind == "node_up":
+            self._node_up(arg)
+
+    def _settle(self) -> None:
+        """Passes until nothing new is published, then the holds that ended; and when
+        the next pass is due by a timer, a tick then."""
+        for _ in range(MAX_PASSES):
+            if not self._dirty:
+                break
+            self._dirty = False
+            self._pass()
+        for e in reaction.releases(self.view, self.now):
+            self.emit(e)
+        if self._dirty:
+            self._pass()
+        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
+        for h in self.view.state.holds.values():
+            due.append((h.until - START).total_seconds() + 0.001)
+        for name, since in self._down.items():
+            rec = self.view.state.nodes.get(name)
+            if rec is not None and not rec.lost:
+                due.append(since + self.scfg.node_timeout_s + 0.001)
+        due = [x for x in due if x > self.t]
+        if due:
+            nxt = min(due)
+            if self._tick_at is None or nxt < self._tick_at:
+                self._tick_at = nxt
+                self.at(nxt, "tick")
+
+    def _pass(self) -> None:
+        silent = {n: self.t - since for n, since in self._down.items()}
+        plan = scheduling.plan(
+            self.view, self.now, self.scfg, failures=self._failures, silent=silent
+        )
+        for m in plan.satisfied:
+            self._failures.pop(m, None)
+        for o in plan.outputs:
+            if not self.emit(o.event, o.node):
+                continue
+            if o.failure is not None:
+                self._failures[o.failure[0]] = o.failure[1]
+            if isinstance(o.event, ev.PlacementFailedEvent):
+                self._react(o.event)
+
+    def _react(self, trigger: ev.PlacementFailedEvent) -> None:
+        r = reaction.react(self.view, trigger, self.now, self.pcfg)
+        d = r.decision
+        if d is not None:
+            self._count_decision(d)
+        for e, node in r.events:
+            self.emit(e, node)
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, data: ev.Data, source: str, node: str | None = None) -> bool:
+        """An event of the operator or an agent, with the next id."""
+        self._ids += 1
+        e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
+        return self.emit(e, node)
+
+    def emit(self, e: ev.Event, node: str | None = None) -> bool:
+        """Publish one event: dropped as a duplicate within the window, else folded and
+        written, and seen by the agents and the metrics. Whether it was stored."""
+        seen = self._seen.get(e.id)
+        if seen is not None and self.t - seen < DEDUP_S:
+            return False
+        self._seen[e.id] = self.t
+        subject = subjects.subject_for(e, ROOT, node=node)
+        body = codec.encode(e)
+        seq = self.ingest.seq + 1
+        self.ingest.raw(seq, subject, body)
+        if self.out is not None:
+            self.out.write(bundle.line(seq, subject, body) + b"\n")
+        self.m.events += 1
+        if seq % 4096 == 0:
+            self.ingest.touched.clear()
+        self._observe(e, node)
+        return True
+
+    def _observe(self, e: ev.Event, node: str | None) -> None:
+        if isinstance(e, ev.ReplicaUsedEvent):
+            return
+        if type(e) in _PASS_ON or (
+            isinstance(e, ev.ReplicaStateEvent) and e.data.state in ("stopped", "failed")
+        ):
+            self._dirty = True
+        if isinstance(e, ev.ReplicaStartEvent):
+            d = e.data
+            where = node or d.shards[0].node
+            a = self._agents[d.replica] = _Agent(
+                model=d.model,
+                profile=d.profile,
+                shards=d.shards,
+                node=where,
+                gpus=sum(len(s.gpus) for s in d.shards),
+            )
+            if where in self._down:
+                return  # a silent agent never hears it
+            spec = self.models.get(d.model)
+            rng = self.rng(f"load:{d.model}")
+            load = (spec.load_s if spec else 60.0) * rng.uniform(0.9, 1.1)
+            fail = spec is not None and rng.random() < spec.start_failure
+            failed_at = load * rng.random()
+            self.at(self.t + 1.0, "agent", (d.replica, a.gen, "starting"))
+            self.at(self.t + 2.0, "agent", (d.replica, a.gen, "loading"))
+            if fail:
+                self.at(self.t + 2.0 + failed_at, "agent", (d.replica, a.gen, "failed"))
+            else:
+                self.at(self.t + 2.0 + load, "agent", (d.replica, a.gen, "ready"))
+        elif isinstance(e, ev.ReplicaDrainEvent):
+            got = self._agents.get(e.data.replica)
+            if got is None or got.node in self._down or got.state in _GONE:
+                return
+            a = got
+            a.gen += 1
+            spec = self.models.get(a.model)
+            stop = spec.stop_s if spec else 10.0
+            self.at(self.t + 0.5, "agent", (e.data.replica, a.gen, "draining"))
+            self.at(self.t + 0.5 + stop, "agent", (e.data.replica, a.gen, "stopped"))
+        elif isinstance(e, ev.ReplicaStateEvent):
+            self._state_seen(e.data.replica, e.data.state)
+        elif isinstance(e, ev.NodeLostEvent):
+            for rid, a in self._agents.items():
+                if a.node == e.data.node and a.state not in ("stopped", "failed"):
+                    self._state_seen(rid, "failed")
+        elif isinstance(e, ev.ScaleDesiredEvent):
+            self._scaled(e.data.model)
+        elif isinstance(e, ev.PlacementDecidedEvent):
+            t = self._preempted_at.pop(e.data.model, None)
+            if t is not None and self.t - t <= self.pcfg.hold_s:
+                self.m.thrash += 1
+
+    def _state_seen(self, rid: str, state: str) -> None:
+        a = self._agents.get(rid)
+        if a is None:
+            return
+        was_ready = a.state == "ready"
+        a.state = state
+        if state in ("stopped", "failed"):
+            a.gen += 1
+        if was_ready != (state == "ready"):
+            self._short = None
+        if was_ready and state != "ready":
+            self._ready[a.model] -= 1
+            self._ready_gpus -= a.gpus
+            self._ready_ids[a.model].pop(rid, None)
+        elif state == "ready" and not was_ready:
+            self._ready[a.model] += 1
+            self._ready_gpus += a.gpus
+            self._ready_ids.setdefault(a.model, {})[rid] = None
+            self._check_wait(a.model)
+
+    # ------------------------------------------------------------------ agents
+
+    def _inventory(self, name: str) -> None:
+        g = next(g for g in self.sc.nodes if name in g.names())
+        gpus = tuple(
+            ev.GpuInfo(
+                index=i,
+                uuid=f"GPU-{name}-{i}",
+                model=f"NVIDIA {g.gpu}",
+                memory_gb=g.gpu_memory_gb,
+            )
+            for i in range(g.gpus)
+        )
+        self.publish(
+            ev.NodeInventory(node=name, gpus=gpus, cpu_cores=g.cpu, memory_gb=g.memory),
+            f"agent/{name}",
+            name,
+        )
+
+    def _agent_step(self, rid: str, gen: int, state: str) -> None:
+        a = self._agents.get(rid)
+        if a is None or a.gen != gen or a.node in self._down:
+            return
+        rec = self.view.state.replicas.get(rid)
+        if rec is None or rec.state in ("stopped", "failed"):
+            return
+        if ev.STATE_ORDER.get(state, 0) < ev.STATE_ORDER.get(rec.state, 0):
+            return
+        reason = "simulated start failure" if state == "failed" else None
+        self.publish(
+            ev.ReplicaState(
+                replica=rid,
+                model=a.model,
+                profile=a.profile,
+                state=state,  # type: ignore[arg-type]
+                shards=a.shards,
+                reason=reason,
+            ),
+            f"agent/{a.node}",
+            a.node,
+        )
+
+    def _node_down(self, name: str) -> None:
+        g = next(g for g in self.sc.nodes if name in g.names())
+        self._down[name] = self.t
+        self._up_gpus -= g.gpus
+        self._dirty = True
+        self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), "node_up", name)
+
+    def _node_up(self, name: str) -> None:
+        g = next(g for g in self.sc.nodes if name in g.names())
+        del self._down[name]
+        self._up_gpus += g.gpus
+        self._inventory(name)
+        if g.mtbf_s:
+            self.at(self.t + self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+
+    # ------------------------------------------------------------------ demand
+
+    def _scale(self, spec: ModelSpec, n: int) -> None:
+        if n == self._desired[spec.name] and self.t > 0:
+            return
+        self.publish(ev.ScaleDesired(model=spec.name, replicas=n), "operator")
+
+    def _scaled(self, model: str) -> None:
+        spec = self.models.get(model)
+        if spec is None:
+            return
+        want = self.view.desired_for(model)
+        before = self._desired[model]
+        self._desired[model] = want
+        self._short = None
+        w = self._waits.get(model)
+        if w is not None and want <= self._ready[model]:
+            # Scaled back down before it was ready: the wait is over, not counted.
+            del self._waits[model]
+            w = None
+        judged = spec.cls in ("critical", "standard") and self.t > 0
+        if judged and before < want > self._ready[model] and (w is None or w[0] < want):
+            # Timed from the first scale-up not yet met, to when all it asked for is ready.
+            self._waits[model] = (want, w[1] if w is not None else self.t)
+
+    def _check_wait(self, model: str) -> None:
+        w = self._waits.get(model)
+        if w is not None and self._ready[model] >= w[0]:
+            del self._waits[model]
+            cls = self.models[model].cls
+            self.m.scale_ups.setdefault(cls, []).append(self.t - w[1])
+
+    def _next_request(self, spec: ModelSpec, t: float) -> None:
+        """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle."""
+        d = spec.demand
+        peak = d.rate * (1 + d.daily) / 3600.0
+        if peak <= 0:
+            return
+        rng = self.rng(f"requests:{spec.name}")
+        while True:
+            t += rng.expovariate(peak)
+            if t > self.duration:
+                return
+            if rng.random() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
+                self.at(t, "request", spec.name)
+                return
+
+    def _request(self, model: str) -> None:
+        spec = self.models[model]
+        self.m.requests += 1
+        self._last_request[model] = self.t
+        self.at(self.t + spec.demand.idle_after_s, "idle", model)
+        ready = self._ready_ids.get(model)
+        if ready:
+            # The requests go to the replica that has served longest without a report.
+            rid = min(ready, key=lambda r: self._used_at.get(r, -math.inf))
+            if self.t - self._used_at.get(rid, -math.inf) >= USED_EVERY_S:
+                self._used_at[rid] = self.t
+                node = self._agents[rid].node
+                self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
+        else:
+            self.m.requests_unserved += 1
+        if self._desired[model] < spec.demand.replicas:
+            self._scale(spec, spec.demand.replicas)
+        self._next_request(spec, self.t)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _count_decision(self, d: preemption.Decision) -> None:
+        m = self.m
+        m.outcomes[d.outcome] = m.outcomes.get(d.outcome, 0) + 1
+        for v in d.victims:
+            m.preempted_by_tier[v.tier] = m.preempted_by_tier.get(v.tier, 0) + 1
+            spec = self.models.get(v.model)
+            m.loading_thrown_gpu_s += (spec.load_s if spec else 0.0) * v.gpus
+            self._preempted_at[v.model] = self.t
+        if d.outcome == "no_fit":
+            m.no_fit += 1
+            found = oracle.exists(self.view, d, self.pcfg.max_victims, self.oracle_limit)
+            if found is None:
+                m.unchecked += 1
+            elif found:
+                m.needless += 1
+
+
+def _cycle(amplitude: float, peak_hour: float, t: float) -> float:
+    """1 + amplitude * cos(the hour's distance from the peak), between 1 ± amplitude."""
+    hour = (t / 3600.0) % 24.0
+    return 1.0 + amplitude * math.cos(2 * math.pi * (hour - peak_hour) / 24.0)
+
+
+def _diurnal(spec: ModelSpec, t: float) -> int:
+    d = spec.demand
+    f = (_cycle(1.0, d.peak_hour, t)) / 2.0
+    return round(d.low + (d.high - d.low) * f)
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str,
+    *,
+    seed: int | None = None,
+    duration_s: float | None = None,
+    out: IO[bytes] | None = None,
+    oracle_limit: int | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Result:
+    """Run `scenario` under `policy`; `clock` (a monotonic clock the caller passes) only
+    measures the wall time the run took."""
+    eng = Engine(
+        scenario,
+        policy,
+        seed=seed,
+        duration_s=duration_s,
+        out=out,
+        oracle_limit=oracle.LIMIT if oracle_limit is None else oracle_limit,
+    )
+    t0 = clock() if clock else 0.0
+    r = eng.run()
+    if clock is None:
+        return r
+    return Result(
+        scenario=r.scenario,
+        policy=r.policy,
+        seed=r.seed,
+        duration_s=r.duration_s,
+        metrics=r.metrics,
+        view=r.view,
+        digest=r.digest,
+        wall_s=clock() - t0,
+    )

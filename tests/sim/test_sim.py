@@ -1,0 +1,150 @@
+"""The simulator: the real core in virtual time, its bundle, its report and its CLI.
+
+The bundle of a simulated run replays (with `services.replay.rebuild`, as `llmgw
+replay` does) to the simulator's final view, digest for digest; the same scenario and
+seed give the same bytes; every shipped scenario runs under both policies.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from services.core.view import digest
+from services.replay import rebuild
+from services.sim import engine, report
+from services.sim import scenario as scn
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((ROOT / "deploy/examples/sim").glob("*.yaml"))
+HOURS = 3600.0
+
+
+def test_the_four_scenarios_are_shipped() -> None:
+    assert {p.stem for p in SHIPPED} == {"homogeneous", "h100-l4", "multi-tenant", "on-demand"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_scenario_runs_under_both_policies(path: Path) -> None:
+    sc = scn.load(path)
+    results = [
+        engine.simulate(sc, pol, duration_s=6 * HOURS) for pol in ("reference", "node-aware")
+    ]
+    for r in results:
+        assert r.metrics.events > 100
+        assert r.view.state.rejected == 0, r.view.state.rejections[:3]
+        assert 0 < r.metrics.gpu_busy_s <= r.metrics.gpu_total_s
+    table = report.table(results)
+    assert "reference" in table and "node-aware" in table
+
+
+def test_a_simulated_bundle_replays_to_the_same_view(tmp_path: Path) -> None:
+    sc = scn.load(ROOT / "deploy/examples/sim/h100-l4.yaml")
+    path = tmp_path / "run.jsonl"
+    with path.open("wb") as fp:
+        r = engine.simulate(sc, "node-aware", duration_s=12 * HOURS, out=fp)
+    got = asyncio.run(rebuild.from_bundle(str(path)))
+    assert got.rejected == 0
+    assert got.view.state.seq == r.view.state.seq == r.metrics.events
+    assert digest(got.view.state) == r.digest
+    # Every decision records the policy that took it.
+    decided = [
+        json.loads(line)
+        for line in path.read_bytes().splitlines()
+        if b'"preemption.decided"' in line
+    ]
+    assert decided and {d["data"]["policy"] for d in decided} == {"node-aware"}
+
+
+def test_same_scenario_and_seed_same_log() -> None:
+    sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
+    a, b = io.BytesIO(), io.BytesIO()
+    ra = engine.simulate(sc, "reference", duration_s=4 * HOURS, out=a)
+    rb = engine.simulate(sc, "reference", duration_s=4 * HOURS, out=b)
+    assert a.getvalue() == b.getvalue() and ra.digest == rb.digest
+    rc = engine.simulate(sc, "reference", duration_s=4 * HOURS, seed=99)
+    assert rc.digest != ra.digest
+
+
+def test_the_h100_l4_case_reference_fails_needlessly_node_aware_does_not() -> None:
+    sc = scn.load(ROOT / "deploy/examples/sim/h100-l4.yaml")
+    ref = engine.simulate(sc, "reference", duration_s=12 * HOURS)
+    na = engine.simulate(sc, "node-aware", duration_s=12 * HOURS)
+    assert ref.metrics.needless > 0
+    assert na.metrics.needless == 0
+    assert ref.metrics.unchecked == na.metrics.unchecked == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        pytest.param("models: []\nnodes: [{count: 1}]", "models", id="no models"),
+        pytest.param(
+            "nodes: []\nmodels: [{name: a, profiles: [{name: p, gpus: 1}]}]", "nodes", id="no nodes"
+        ),
+        pytest.param(
+            "nodes: [{count: 1}]\nmodels: [{name: a, class: vip, profiles: [{name: p, gpus: 1}]}]",
+            "models[0].class",
+            id="bad class",
+        ),
+        pytest.param(
+            "nodes: [{count: 1}]\nmodels: [{name: a, profiles: [{name: p, gpus: 1}], load: soon}]",
+            "models[0].load",
+            id="bad duration",
+        ),
+        pytest.param(
+            "nodes: [{count: 1}]\nmodels: [{name: a, profiles: [{name: p, gpus: 1}],"
+            " demand: {kind: sometimes}}]",
+            "models[0].demand.kind",
+            id="bad demand",
+        ),
+    ],
+)
+def test_a_bad_scenario_names_the_field(tmp_path: Path, text: str, where: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(scn.ScenarioError) as got:
+        scn.load(p)
+    assert got.value.where == where
+
+
+def test_durations() -> None:
+    assert scn.seconds("7d") == 7 * 86400 and scn.seconds("90m") == 5400 and scn.seconds(30) == 30
+    with pytest.raises(scn.ScenarioError):
+        scn.seconds("-1h")
+
+
+def test_cli_simulate_json_and_bundles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import app
+
+    scen = str(ROOT / "deploy/examples/sim/multi-tenant.yaml")
+    code = app.main(["simulate", scen, "--duration", "3h", "--out", str(tmp_path), "--json"])
+    assert code in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["policies"] == ["reference", "node-aware"]
+    keys = {r["key"] for r in out["rows"]}
+    assert {"ready_p50_critical", "unserved_standard", "needless", "gpu_util", "thrash"} <= keys
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "multi-tenant-node-aware.jsonl",
+        "multi-tenant-reference.jsonl",
+    ]
+    code = app.main(["simulate", scen, "--policy", "greedy"])
+    assert code != 0
+
+
+def test_the_simulator_is_pure() -> None:
+    banned = {"nats", "aiosqlite", "asyncio", "opentelemetry", "time", "threading"}
+    for path in (ROOT / "services/sim").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for n in names:
+                assert n.split(".")[0] not in banned, f"{path.name} imports {n}"
