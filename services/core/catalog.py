@@ -99,16 +99,20 @@ class Catalog(Mapping[str, Model]):
     Iteration is in declaration order (a re-declaration keeps its place), which replay
     reproduces exactly.
 
-    A name always wins over an alias. When two models claim one alias, the later
-    declaration holds it; removing that model frees the alias rather than handing it
-    back, because who declared it earlier is no longer known without the log.
+    A name always wins over an alias. An alias names a model only while exactly one
+    declared model claims it: two claiming one alias make it ambiguous (it names neither,
+    and a command typed with it gets "did you mean" both), and it names the other again
+    once one of them is removed or drops it. The rule reads the declared models alone, not
+    the order they came in, so a view restored from a snapshot (whose models come back in
+    another order) resolves every alias as the view folded from the start does.
     """
 
     __slots__ = ("_aliases", "_models")
 
     def __init__(self, models: Mapping[str, Model] | None = None) -> None:
         self._models: dict[str, Model] = {}
-        self._aliases: dict[str, str] = {}
+        # Invariant: _aliases[a] is the set of declared models claiming alias a, never empty.
+        self._aliases: dict[str, set[str]] = {}
         for m in (models or {}).values():
             self.put(m)
 
@@ -120,7 +124,7 @@ class Catalog(Mapping[str, Model]):
         self._models[model.name] = model
         for alias in model.aliases:
             if alias != model.name:
-                self._aliases[alias] = model.name
+                self._aliases.setdefault(alias, set()).add(model.name)
 
     def remove(self, name: str) -> Model | None:
         """Forget a model; returns it, or None when it was not declared."""
@@ -134,13 +138,15 @@ class Catalog(Mapping[str, Model]):
         m = self._models.get(name_or_alias)
         if m is not None:
             return m
-        target = self._aliases.get(name_or_alias)
-        return None if target is None else self._models.get(target)
+        claimed = self._aliases.get(name_or_alias)
+        if claimed is None or len(claimed) != 1:
+            return None
+        return self._models.get(next(iter(claimed)))
 
     def copy(self) -> Catalog:
         out = Catalog()
         out._models = dict(self._models)
-        out._aliases = dict(self._aliases)
+        out._aliases = {a: set(names) for a, names in self._aliases.items()}
         return out
 
     def models(self) -> tuple[Model, ...]:
@@ -160,5 +166,8 @@ class Catalog(Mapping[str, Model]):
 
     def _drop_aliases(self, model: Model) -> None:
         for alias in model.aliases:
-            if self._aliases.get(alias) == model.name:
-                del self._aliases[alias]
+            claimed = self._aliases.get(alias)
+            if claimed is not None:
+                claimed.discard(model.name)
+                if not claimed:
+                    del self._aliases[alias]

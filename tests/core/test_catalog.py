@@ -70,6 +70,11 @@ def test_profile_lookup() -> None:
     assert m.profile("tp8") is None
 
 
+def _without(c: Catalog, name: str) -> Catalog:
+    c.remove(name)
+    return c
+
+
 def _catalog(*models: Model) -> Catalog:
     c = Catalog()
     for m in models:
@@ -92,8 +97,16 @@ def _catalog(*models: Model) -> Catalog:
         pytest.param(
             _catalog(Model(name="a", aliases=("x",)), Model(name="b", aliases=("x",))),
             "x",
-            "b",
-            id="the later declaration holds a shared alias",
+            None,
+            id="an alias two models claim names neither",
+        ),
+        pytest.param(
+            _without(
+                _catalog(Model(name="a", aliases=("x",)), Model(name="b", aliases=("x",))), "b"
+            ),
+            "x",
+            "a",
+            id="a shared alias names the other again once one is removed",
         ),
         pytest.param(
             _catalog(Model(name="a", aliases=("x",)), Model(name="a", aliases=("y",))),
