@@ -3,11 +3,18 @@
 Used by every service that records a fact or a decision, by `llmgw events publish` and
 `import`, and by benchmarks (`publish_many`). Every publish waits for JetStream's ack: a
 plain core-NATS publish onto a stream subject can be dropped under load and nobody is told.
+
+In a cluster, a publish that meets an election (no ack in time, JetStream unavailable, no
+stream leader answering) is sent again with the same `Nats-Msg-Id` until `retry_s` has
+passed: the server's duplicate window makes the retry of a publish that was in fact
+stored a no-op, so the event is stored once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -22,7 +29,29 @@ from schemas.events import Envelope
 from services.bus import tracing
 from services.bus.errors import PublishError
 
+log = logging.getLogger("llmgw.bus")
+
 MSG_ID = "Nats-Msg-Id"
+
+# ELECTION_RETRY_S is how long a publish is retried while the stream has no leader. A
+# three-server cluster elects a new one within a few seconds of losing one; twice the
+# server's own election timeouts leaves room for a slow machine, and stays well inside
+# the duplicate window (2 min) that makes the retries harmless.
+ELECTION_RETRY_S = 30.0
+
+# RETRY_PAUSE_S is the pause between two tries during an election.
+RETRY_PAUSE_S = 0.25
+
+# RETRYABLE are the errors of a publish that may be stored on a later try: no ack in
+# time (the leader died, or the ack was lost), JetStream unavailable (503: no leader
+# yet), and a connection being reconnected to another server. "No stream stores this
+# subject" is not one: it is what a missing stream says, and waiting does not make one.
+RETRYABLE: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionClosedError,
+)
 
 # PUBLISH_WINDOW is how many publishes publish_many keeps in flight before it waits for
 # their acks. Measured on 2 cores: past a few thousand the rate stops rising and only the
@@ -50,9 +79,17 @@ RawItem = tuple[str, bytes, str | None]
 class Publisher:
     """Publishes events under `root` on one JetStream context."""
 
-    def __init__(self, js: JetStreamContext, root: str = subjects.DEFAULT_ROOT) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        root: str = subjects.DEFAULT_ROOT,
+        *,
+        retry_s: float = ELECTION_RETRY_S,
+    ) -> None:
         self.js = js
         self.root = root
+        self.retry_s = retry_s
+        """How long a publish is retried through an election; 0: tried once."""
 
     async def publish(
         self, event: Envelope, *, subject: str | None = None, node: str | None = None
@@ -96,6 +133,24 @@ class Publisher:
     async def _publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None
     ) -> Published:
+        deadline = time.monotonic() + self.retry_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await self._publish_once(subject, body, headers)
+            except PublishError as e:
+                # Without a message id a retry could store the event twice.
+                retry = isinstance(e.__cause__, RETRYABLE) and MSG_ID in (headers or {})
+                if not retry or time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+                if tries == 1:
+                    log.info("publish on %s: %s; retrying with the same id", subject, e.why)
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _publish_once(
+        self, subject: str, body: bytes, headers: dict[str, str] | None
+    ) -> Published:
         try:
             ack = await self.js.publish(subject, body, headers=headers)
         except nats.js.errors.NoStreamResponseError as e:
@@ -121,7 +176,7 @@ class Publisher:
         and publishing the same items again is safe (their ids make them duplicates).
         """
         out: list[Published] = []
-        pending: list[tuple[str, asyncio.Future[PubAck]]] = []
+        pending: list[_Sent] = []
         with tracing.tracer().start_as_current_span(
             "send batch",
             kind=trace.SpanKind.PRODUCER,
@@ -143,7 +198,7 @@ class Publisher:
                 if msg_id is not None:
                     hdr[MSG_ID] = msg_id
                 fut = await self.js.publish_async(subj, body, headers=hdr or None)
-                pending.append((subj, fut))
+                pending.append(_Sent(subj, body, hdr or None, fut))
                 if len(pending) >= window:
                     out.extend(await self._settle(pending))
                     pending = []
@@ -152,26 +207,41 @@ class Publisher:
             span.set_attribute("messaging.batch.message_count", len(out))
         return out
 
-    async def _settle(self, pending: list[tuple[str, asyncio.Future[PubAck]]]) -> list[Published]:
-        futures = [f for _, f in pending]
+    async def _settle(self, pending: list[_Sent]) -> list[Published]:
+        futures = [p.ack for p in pending]
         try:
-            acks = await asyncio.wait_for(
+            acks: list[PubAck | BaseException] = await asyncio.wait_for(
                 asyncio.gather(*futures, return_exceptions=True), ACK_TIMEOUT_S
             )
-        except TimeoutError as e:
+        except TimeoutError:
             for f in futures:
                 f.cancel()
-            raise PublishError(
-                pending[0][0], f"no ack for a window within {ACK_TIMEOUT_S:g}s"
-            ) from e
+            acks = [nats.errors.TimeoutError() for _ in pending]
         out = []
-        for (subj, _), ack in zip(pending, acks, strict=True):
+        for i, (sent, ack) in enumerate(zip(pending, acks, strict=True)):
             if isinstance(ack, BaseException):
-                why = (
-                    "no stream stores this subject"
-                    if isinstance(ack, nats.js.errors.NoStreamResponseError)
-                    else (str(ack) or type(ack).__name__)
-                )
-                raise PublishError(subj, why) from ack
-            out.append(Published(seq=ack.seq, duplicate=bool(ack.duplicate), subject=subj))
+                if not isinstance(ack, RETRYABLE) or self.retry_s <= 0:
+                    why = (
+                        "no stream stores this subject"
+                        if isinstance(ack, nats.js.errors.NoStreamResponseError)
+                        else (str(ack) or type(ack).__name__)
+                    )
+                    raise PublishError(sent.subject, why) from ack
+                # An election: this one and every later one of the window again, in
+                # order, each with its own id. Those stored already come back as
+                # duplicates with the sequence they were stored at.
+                for again in pending[i:]:
+                    out.append(await self._publish(again.subject, again.body, again.headers))
+                break
+            out.append(Published(seq=ack.seq, duplicate=bool(ack.duplicate), subject=sent.subject))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """One message of a window in flight: what to send again if the ack does not come."""
+
+    subject: str
+    body: bytes
+    headers: dict[str, str] | None
+    ack: asyncio.Future[PubAck]
