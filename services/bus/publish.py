@@ -44,14 +44,18 @@ RETRY_PAUSE_S = 0.25
 
 # RETRYABLE are the errors of a publish that may be stored on a later try: no ack in
 # time (the leader died, or the ack was lost), JetStream unavailable (503: no leader
-# yet), and a connection being reconnected to another server. "No stream stores this
-# subject" is not one: it is what a missing stream says, and waiting does not make one.
+# yet), and a connection being reconnected to another server.
 RETRYABLE: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
     nats.js.errors.ServiceUnavailableError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionClosedError,
 )
+
+# RETRYABLE_IN_A_CLUSTER adds "no stream stores this subject": in a cluster it is also
+# what a subject says while its stream has no leader, measured after a kill -9 of the
+# leader. On a single server it means the stream is missing, and waiting makes none.
+RETRYABLE_IN_A_CLUSTER = (*RETRYABLE, nats.js.errors.NoStreamResponseError)
 
 # PUBLISH_WINDOW is how many publishes publish_many keeps in flight before it waits for
 # their acks. Measured on 2 cores: past a few thousand the rate stops rising and only the
@@ -90,6 +94,9 @@ class Publisher:
         self.root = root
         self.retry_s = retry_s
         """How long a publish is retried through an election; 0: tried once."""
+        target = getattr(js, "target", None)
+        clustered = target is not None and len(target.servers) > 1
+        self._retryable = RETRYABLE_IN_A_CLUSTER if clustered else RETRYABLE
 
     async def publish(
         self, event: Envelope, *, subject: str | None = None, node: str | None = None
@@ -141,7 +148,7 @@ class Publisher:
                 return await self._publish_once(subject, body, headers)
             except PublishError as e:
                 # Without a message id a retry could store the event twice.
-                retry = isinstance(e.__cause__, RETRYABLE) and MSG_ID in (headers or {})
+                retry = isinstance(e.__cause__, self._retryable) and MSG_ID in (headers or {})
                 if not retry or time.monotonic() + RETRY_PAUSE_S >= deadline:
                     raise
                 if tries == 1:
@@ -220,7 +227,7 @@ class Publisher:
         out = []
         for i, (sent, ack) in enumerate(zip(pending, acks, strict=True)):
             if isinstance(ack, BaseException):
-                if not isinstance(ack, RETRYABLE) or self.retry_s <= 0:
+                if not isinstance(ack, self._retryable) or self.retry_s <= 0:
                     why = (
                         "no stream stores this subject"
                         if isinstance(ack, nats.js.errors.NoStreamResponseError)
