@@ -108,7 +108,7 @@ def exporters_from_env(env: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return kinds, warnings
 
 
-def setup_from_env(service_name: str) -> TracerProvider | None:
+def setup_from_env(service_name: str, *, set_global: bool = True) -> TracerProvider | None:
     """Tracing as the standard OpenTelemetry variables ask (see `exporters_from_env`):
     spans to a collector over OTLP/HTTP (`OTEL_EXPORTER_OTLP_ENDPOINT`, and the exporter's
     own `OTEL_EXPORTER_OTLP_*` for headers, timeout, compression), to stderr as JSON
@@ -134,7 +134,7 @@ def setup_from_env(service_name: str) -> TracerProvider | None:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
             exporters.append(ConsoleSpanExporter())
-    p = setup_tracing(name, exporters[0])
+    p = setup_tracing(name, exporters[0], set_global=set_global)
     for more in exporters[1:]:
         p.add_span_processor(BatchSpanProcessor(more))
     return p
