@@ -67,7 +67,21 @@ async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> Strea
         and (c.num_replicas or 1) == (config.num_replicas or 1)
     ):
         return current
+    # What others recorded on the stream (where compaction put the archive) stays.
+    kept = {k: v for k, v in (c.metadata or {}).items() if not k.startswith("_nats")}
+    if kept:
+        config.metadata = {**kept, **(config.metadata or {})}
     return await js.update_stream(config)
+
+
+async def record(js: JetStreamContext, key: str, value: str, stream: str = STREAM) -> None:
+    """Set one metadata entry on `stream` (the archive's directory, say), keeping the rest."""
+    info = await js.stream_info(stream)
+    config = info.config
+    meta = {k: v for k, v in (config.metadata or {}).items() if not k.startswith("_nats")}
+    meta[key] = value
+    config.metadata = meta
+    await js.update_stream(config)
 
 
 async def ensure_stream(

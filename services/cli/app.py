@@ -49,6 +49,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.agent",
     "services.cli.replay",
     "services.cli.snapshot",
+    "services.cli.log",
 )
 
 ENV_NATS = "LLMGW_NATS"
