@@ -12,8 +12,8 @@ ready replica's use every `--used-interval` seconds (`replica.used`, stored): th
 real fleet puts on the control plane, without N consumers of its own.
 
 Phases:
-- fill: models at tp8 (one replica per node) scaled to `--fill` of the nodes: how long
-  until every replica is ready;
+- fill: models at tp8 (one replica per node) scaled to `--fill` of the nodes, by
+  `--fill-step` replicas at a time: how long until every replica is ready;
 - steady: nothing changes but heartbeats and use reports: stored events per second, the
   projector's lag (events behind the stream's end, sampled, and the time from a probe's
   ack to the projector's commit), the scheduler's decision latency (scale one probe
@@ -207,7 +207,9 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
     opts = UpOptions(
         data=data,
         nats_url=url,
-        scheduler=SchedulerConfig(tick_s=1.0, node_timeout_s=max(30.0, 10 * args.heartbeat)),
+        scheduler=SchedulerConfig(
+            tick_s=1.0, node_timeout_s=max(30.0, 10 * args.heartbeat), lease_ttl_s=args.lease_ttl
+        ),
     )
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
@@ -268,10 +270,15 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
                 )
             )
         per_model = int(args.nodes * args.fill) // len(MODELS)
-        for m in MODELS:
-            await pub.publish(_make(ev.ScaleDesired(model=m, replicas=per_model)))
         target = per_model * len(MODELS)
-        await poll(lambda: _true(sum(live(m) for m in MODELS) >= target), 600)
+        # In steps: one scheduler pass plans every placement it can make, synchronously,
+        # and a pass longer than the lease is thrown away (the lease lapses mid-pass).
+        step = max(args.fill_step // len(MODELS), 1)
+        for n in range(step, per_model + step, step):
+            n = min(n, per_model)
+            for m in MODELS:
+                await pub.publish(_make(ev.ScaleDesired(model=m, replicas=n)))
+            await poll(lambda n=n: _true(sum(live(m) for m in MODELS) >= n * len(MODELS)), 300)
         fill_s = time.perf_counter() - t0
         print(
             f"fill: {args.nodes:,} nodes, {target:,} tp8 replicas ready in {fill_s:.1f}s "
@@ -357,4 +364,6 @@ if __name__ == "__main__":
     ap.add_argument("--steady", type=float, default=40.0, metavar="S")
     ap.add_argument("--churn", type=float, default=40.0, metavar="S")
     ap.add_argument("--churn-step", type=int, default=200, metavar="N")
+    ap.add_argument("--fill-step", type=int, default=1000, metavar="N")
+    ap.add_argument("--lease-ttl", type=float, default=15.0, metavar="S")
     asyncio.run(main(ap.parse_args()))
