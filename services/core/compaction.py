@@ -38,7 +38,10 @@ def plan(first_seq: int, last_seq: int, before: int, snapshots: Iterable[int]) -
         return "the log is empty: nothing to compact"
     before = min(before, last_seq)
     if before <= first_seq:
-        return f"nothing before seq {before} is left on the stream (it starts at {first_seq})"
+        return (
+            f"nothing to compact: the stream starts at seq {first_seq}, "
+            f"at or after the cut (seq {before})"
+        )
     # Invariant: a snapshot at or past before-1 folds every event the cut removes.
     covering = [s for s in snapshots if s >= before - 1]
     return Cut(first_seq, before, min(covering) if covering else None)
