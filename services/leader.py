@@ -202,6 +202,9 @@ class Leader:
         for i in range(0, len(items), batch):
             if self.lease.remaining_s() < MIN_LEASE_LEFT_S:
                 raise LeaseLapsed(out, len(items) - i)
+            # A publish that meets an election is retried, but never started again past
+            # the lease: a standby may lead by then, and its decisions are the ones to keep.
+            self.publisher.retry_s = self.lease.remaining_s()
             raw = [
                 (subjects.subject_for(e, self.root, node), codec.encode(e), e.id)
                 for e, node in items[i : i + batch]
