@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from schemas import codec, subjects
@@ -44,12 +45,13 @@ RETRY_PAUSE_S = 0.25
 
 # RETRYABLE are the errors of a publish that may be stored on a later try: no ack in
 # time (the leader died, or the ack was lost), JetStream unavailable (503: no leader
-# yet), and a connection being reconnected to another server.
+# yet), and a connection lost or being reconnected to another server.
 RETRYABLE: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
     nats.js.errors.ServiceUnavailableError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionClosedError,
+    ConnectionError,
 )
 
 # RETRYABLE_IN_A_CLUSTER adds "no stream stores this subject": in a cluster it is also
@@ -104,8 +106,13 @@ class Publisher:
         """Publish one event on its subject (or `subject`) and wait for the ack."""
         subj = subject or subjects.subject_for(event, self.root, node)
         body = codec.encode(event)
+        parent = None
+        if event.causation and not trace.get_current_span().get_span_context().is_valid:
+            # Published outside any handler: the trace is the one of what it reacts to.
+            parent = tracing.recalled(event.causation)
         with tracing.tracer().start_as_current_span(
             f"send {subj}",
+            context=parent,
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 "messaging.system": tracing.SYSTEM,
@@ -164,7 +171,7 @@ class Publisher:
             raise PublishError(subject, "no stream stores this subject") from e
         except nats.errors.TimeoutError as e:
             raise PublishError(subject, "no ack from JetStream in time") from e
-        except nats.errors.Error as e:
+        except (nats.errors.Error, ConnectionError) as e:
             raise PublishError(subject, str(e) or type(e).__name__) from e
         return Published(seq=ack.seq, duplicate=bool(ack.duplicate), subject=subject)
 
@@ -174,6 +181,7 @@ class Publisher:
         *,
         window: int = PUBLISH_WINDOW,
         node: str | None = None,
+        parents: Sequence[otel_context.Context | None] | None = None,
     ) -> list[Published]:
         """Publish many events (or `(subject, body, msg_id)` tuples) pipelined, in order.
 
@@ -181,6 +189,10 @@ class Publisher:
         awaited. Order on the stream is the order given: one connection, one writer.
         Raises `PublishError` at the first failed message; the ones before it are stored,
         and publishing the same items again is safe (their ids make them duplicates).
+
+        `parents[i]`, when given and not None, is the trace item i joins: it gets a
+        PRODUCER span of its own there (a reaction in the trace of what it reacts to),
+        instead of the batch's span.
         """
         out: list[Published] = []
         pending: list[_Sent] = []
@@ -194,14 +206,19 @@ class Publisher:
             },
         ) as span:
             trace_headers = tracing.inject({}) if span.is_recording() else {}
-            for item in items:
+            given: Iterable[Envelope | RawItem] = items
+            for i, item in enumerate(given):
                 msg_id: str | None
                 if isinstance(item, Envelope):
                     subj = subjects.subject_for(item, self.root, node)
                     body, msg_id = codec.encode(item), item.id
                 else:
                     subj, body, msg_id = item
-                hdr = dict(trace_headers)
+                parent = parents[i] if parents is not None else None
+                if parent is not None and span.is_recording():
+                    hdr = self._own_span(subj, msg_id, parent)
+                else:
+                    hdr = dict(trace_headers)
                 if msg_id is not None:
                     hdr[MSG_ID] = msg_id
                 fut = await self.js.publish_async(subj, body, headers=hdr or None)
@@ -213,6 +230,27 @@ class Publisher:
                 out.extend(await self._settle(pending))
             span.set_attribute("messaging.batch.message_count", len(out))
         return out
+
+    def _own_span(
+        self, subject: str, msg_id: str | None, parent: otel_context.Context
+    ) -> dict[str, str]:
+        """Headers carrying a PRODUCER span for one message, a child of `parent`."""
+        one = tracing.tracer().start_span(
+            f"send {subject}",
+            context=parent,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": tracing.SYSTEM,
+                "messaging.destination.name": subject,
+                "messaging.message.id": msg_id or "",
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "publish",
+            },
+        )
+        try:
+            return tracing.inject({}, trace.set_span_in_context(one))
+        finally:
+            one.end()
 
     async def _settle(self, pending: list[_Sent]) -> list[Published]:
         futures = [p.ack for p in pending]

@@ -9,6 +9,7 @@ exporter: tracing must never be the reason a service cannot start.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
@@ -140,9 +141,46 @@ def setup_from_env(service_name: str, *, set_global: bool = True) -> TracerProvi
     return p
 
 
-def inject(headers: dict[str, str]) -> dict[str, str]:
-    """Add the current trace context (`traceparent`, `tracestate`) to message headers."""
-    propagate.inject(headers)
+# REMEMBERED bounds the trace contexts kept of the events a process has folded. A
+# reaction comes within seconds of what it reacts to; more would only hold memory.
+REMEMBERED = 65_536
+
+_seen: OrderedDict[str, tuple[int, Mapping[str, str]]] = OrderedDict()
+
+
+def remember(seq: int, headers: Mapping[str, str] | None, *keys: str | None) -> None:
+    """Keep the trace context an event carried (at stream sequence `seq`) under each of
+    `keys` (its id, its subject), so a reaction published later, by a service that read
+    the event from the log rather than in a handler, joins the event's trace."""
+    if not headers or "traceparent" not in headers:
+        return
+    for key in keys:
+        if key:
+            _seen[key] = (seq, headers)
+            _seen.move_to_end(key)
+    while len(_seen) > REMEMBERED:
+        _seen.popitem(last=False)
+
+
+def recalled(cause: str | None, *latest_of: str) -> otel_context.Context | None:
+    """The trace context of event id `cause` if remembered, else of the most recent event
+    remembered under any of `latest_of` (subjects), else None."""
+    if cause and cause in _seen:
+        return extract(_seen[cause][1])
+    found = [_seen[k] for k in latest_of if k in _seen]
+    if not found:
+        return None
+    return extract(max(found, key=lambda x: x[0])[1])
+
+
+def forget() -> None:
+    """Drop every remembered context (tests)."""
+    _seen.clear()
+
+
+def inject(headers: dict[str, str], context: otel_context.Context | None = None) -> dict[str, str]:
+    """Add the current trace context (or `context`'s) to message headers."""
+    propagate.inject(headers, context=context)
     return headers
 
 

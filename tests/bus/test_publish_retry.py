@@ -6,6 +6,7 @@ event twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -68,5 +69,6 @@ async def test_without_a_message_id_a_publish_is_not_retried(
         with pytest.raises(PublishError):
             await Publisher(js, retry_s=30).publish_raw(f"{subjects.DEFAULT_ROOT}.catalog.x", b"{}")
     finally:
-        await asyncio.to_thread(nats_server.start)
-        await nc.close()
+        # Closing a connection whose server is gone may say so; that is not the test.
+        with contextlib.suppress(ConnectionError):
+            await nc.close()
