@@ -218,12 +218,13 @@ class Leader:
                 (subjects.subject_for(e, self.root, node), codec.encode(e), e.id)
                 for e, node in items[i : i + batch]
             ]
-            parents = None
+            parent_of = None
             if tracing.enabled():
                 # Each reaction joins the trace of what it reacts to: its cause, else the
                 # latest word on its model (a placement answers the model's scale).
-                parents = [self._parent(e) for e, _ in items[i : i + batch]]
-            acks = await self.publisher.publish_many(raw, parents=parents)
+                now = items[i : i + batch]
+                parent_of = lambda j, now=now: self._parent(now[j][0])  # noqa: E731
+            acks = await self.publisher.publish_many(raw, parent_of=parent_of)
             self.written = max(self.written, *(a.seq for a in acks))
             out += acks
         return out

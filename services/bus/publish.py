@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import nats.errors
@@ -181,7 +181,7 @@ class Publisher:
         *,
         window: int = PUBLISH_WINDOW,
         node: str | None = None,
-        parents: Sequence[otel_context.Context | None] | None = None,
+        parent_of: Callable[[int], otel_context.Context | None] | None = None,
     ) -> list[Published]:
         """Publish many events (or `(subject, body, msg_id)` tuples) pipelined, in order.
 
@@ -190,9 +190,11 @@ class Publisher:
         Raises `PublishError` at the first failed message; the ones before it are stored,
         and publishing the same items again is safe (their ids make them duplicates).
 
-        `parents[i]`, when given and not None, is the trace item i joins: it gets a
+        `parent_of(i)`, when given and not None, is the trace item i joins: it gets a
         PRODUCER span of its own there (a reaction in the trace of what it reacts to),
-        instead of the batch's span.
+        instead of the batch's span. It is asked as item i is sent, when the items before
+        it are remembered (`tracing.remember`), so a reaction to an event of the same
+        batch finds its trace.
         """
         out: list[Published] = []
         pending: list[_Sent] = []
@@ -214,9 +216,10 @@ class Publisher:
                     body, msg_id = codec.encode(item), item.id
                 else:
                     subj, body, msg_id = item
-                parent = parents[i] if parents is not None else None
+                parent = parent_of(i) if parent_of is not None else None
                 if parent is not None and span.is_recording():
                     hdr = self._own_span(subj, msg_id, parent)
+                    tracing.remember(0, hdr, msg_id)
                 else:
                     hdr = dict(trace_headers)
                 if msg_id is not None:
