@@ -15,11 +15,15 @@ Two shapes of line, both one JSON document on one UTF-8 line:
   A log keeps such a message at its sequence, and so must a bundle, or a re-import would
   shift every sequence after it.
 Lines written by other tools (spaces, another key order) are read as JSON documents.
+
+A bundle may be gzip-compressed (the archive `llmgw log compact` writes is): every reader
+here opens one as it opens a plain one, by its first bytes, whatever its name.
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import re
 from collections.abc import Iterator
 from typing import IO, Any, NamedTuple, cast
@@ -119,10 +123,23 @@ class _Position(msgspec.Struct):
 _position = msgspec.json.Decoder(_Position)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_bundle(path: str) -> IO[bytes]:
+    """A bundle file opened for reading, through gzip when it is compressed."""
+    fp = open(path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
+    if fp.read(2) == GZIP_MAGIC:
+        fp.close()
+        return cast("IO[bytes]", gzip.open(path, "rb"))
+    fp.seek(0)
+    return fp
+
+
 def read(path: str) -> Iterator[Line]:
     """The lines of a bundle file in order, with their exact stored bodies (import);
     `BundleError` names FILE:LINE of a bad one."""
-    with open(path, "rb") as fp:
+    with open_bundle(path) as fp:
         yield from read_lines(fp, path)
 
 
@@ -142,7 +159,7 @@ def records(path: str) -> Iterator[tuple[int, str, bytes]]:
 def entries(path: str) -> Iterator[tuple[int, str, bytes, int, int]]:
     """`records` with each line's number and its STORED_KEY (0 when it has none):
     (seq, subject, data, lineno, stored_ns)."""
-    with open(path, "rb") as fp:
+    with open_bundle(path) as fp:
         yield from _scan(fp, path, False)
 
 

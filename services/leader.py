@@ -33,7 +33,7 @@ from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Published, Publisher
+from services.bus import Published, Publisher, tracing
 from services.follower import OnChange, ViewFollower
 from services.lease import Lease
 
@@ -191,6 +191,15 @@ class Leader:
         info = await self.js.stream_info(subjects.STREAM)
         return int(info.state.last_seq)
 
+    def _parent(self, e: ev.Event) -> Any:
+        model = getattr(e.data, "model", None)
+        latest = (
+            (subjects.scale_subject(model, self.root), subjects.model_subject(model, self.root))
+            if isinstance(model, str)
+            else ()
+        )
+        return tracing.recalled(e.causation, *latest)
+
     async def publish(self, items: Sequence[Outgoing], *, batch: int = BATCH) -> list[Published]:
         """Publish in order, pipelined, `batch` at a time, and wait for every ack.
 
@@ -202,11 +211,20 @@ class Leader:
         for i in range(0, len(items), batch):
             if self.lease.remaining_s() < MIN_LEASE_LEFT_S:
                 raise LeaseLapsed(out, len(items) - i)
+            # A publish that meets an election is retried, but never started again past
+            # the lease: a standby may lead by then, and its decisions are the ones to keep.
+            self.publisher.retry_s = self.lease.remaining_s()
             raw = [
                 (subjects.subject_for(e, self.root, node), codec.encode(e), e.id)
                 for e, node in items[i : i + batch]
             ]
-            acks = await self.publisher.publish_many(raw)
+            parent_of = None
+            if tracing.enabled():
+                # Each reaction joins the trace of what it reacts to: its cause, else the
+                # latest word on its model (a placement answers the model's scale).
+                now = items[i : i + batch]
+                parent_of = lambda j, now=now: self._parent(now[j][0])  # noqa: E731
+            acks = await self.publisher.publish_many(raw, parent_of=parent_of)
             self.written = max(self.written, *(a.seq for a in acks))
             out += acks
         return out

@@ -27,6 +27,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
+from services.bus import stream
+
 log = logging.getLogger("llmgw.lease")
 
 DEFAULT_BUCKET = "llmgw_leases"
@@ -63,6 +65,7 @@ class Lease:
         bucket: str = DEFAULT_BUCKET,
         on_change: OnChange | None = None,
         clock: Callable[[], float] = time.monotonic,
+        replicas: int | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl_s}")
@@ -73,6 +76,8 @@ class Lease:
         self.bucket = bucket
         self.on_change = on_change
         self._clock = clock
+        self.replicas = replicas
+        """Copies of the bucket when this lease creates it; None: 3 in a cluster, else 1."""
         self._kv: KeyValue | None = None
         self._rev: int | None = None
         """Revision of our own entry, while we hold the key."""
@@ -215,14 +220,20 @@ class Lease:
             kv = await self.js.key_value(self.bucket)
         except nats.js.errors.BucketNotFoundError:
             try:
-                kv = await self.js.create_key_value(
-                    KeyValueConfig(
-                        bucket=self.bucket,
-                        description="llmgw leader leases",
-                        history=1,
-                        ttl=self.ttl_s,
-                        storage=StorageType.FILE,
-                    )
+                # In a cluster the bucket is replicated like the log: a lease that lived on
+                # one server would make that server's death a control plane with no leader.
+                kv = await stream.with_replicas(
+                    lambda r: self.js.create_key_value(
+                        KeyValueConfig(
+                            bucket=self.bucket,
+                            description="llmgw leader leases",
+                            history=1,
+                            ttl=self.ttl_s,
+                            storage=StorageType.FILE,
+                            replicas=r,
+                        )
+                    ),
+                    self.replicas,
                 )
             except nats.js.errors.BadRequestError:
                 # Another process created it between our look and our create.

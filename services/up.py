@@ -70,6 +70,8 @@ class UpOptions:
     ui: str | None = None
     """Where the dashboard listens (HOST:PORT); None: no dashboard."""
     ui_token: str | None = None
+    replicas: int | None = None
+    """Copies of the log; None: 3 when the broker is a cluster, 1 on a single server."""
 
 
 @dataclass
@@ -195,7 +197,7 @@ async def _serve(
     agents_nc = await connect(url, "llmgw up agents") if nodes else None
     try:
         js = nc.jetstream()
-        await ensure_streams(js, opts.root, opts.duplicate_window_s)
+        await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
         me = f"{socket.gethostname()}-{os.getpid()}"
         scheduler = Scheduler(
             nc, js, root=opts.root, config=opts.scheduler, holder=f"{me}-scheduler"

@@ -115,6 +115,9 @@ async def follow(
         if batch[0].seq != want:
             raise SequenceGap(want, batch[0].seq)
         if tracing.enabled():
+            for d in batch:
+                if d.headers:
+                    tracing.remember(d.seq, d.headers, d.msg_id, d.subject)
             with _batch_span(batch, name, stream):
                 r = on_batch(batch)
                 if r is not None:

@@ -22,6 +22,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
+from services.bus import stream
 from services.core.view import SCHEMA, View, ViewState, decode_state, encode_state
 
 log = logging.getLogger("llmgw.projector")
@@ -44,13 +45,17 @@ async def bucket(js: JetStreamContext, name: str = BUCKET) -> ObjectStore:
     try:
         return await js.object_store(name)
     except NotFoundError:
-        return await js.create_object_store(
-            name,
-            config=ObjectStoreConfig(
-                bucket=name,
-                description="llmgw view snapshots (a shortcut; the log is the truth)",
-                storage=StorageType.FILE,
+        return await stream.with_replicas(
+            lambda r: js.create_object_store(
+                name,
+                config=ObjectStoreConfig(
+                    bucket=name,
+                    description="llmgw view snapshots (a shortcut; the log is the truth)",
+                    storage=StorageType.FILE,
+                    replicas=r,
+                ),
             ),
+            None,
         )
 
 

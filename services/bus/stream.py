@@ -1,12 +1,19 @@
 """Stream setup: the event log `LLMGW` and the dead-letter stream `LLMGW_DLQ`.
 
 Called once at start by every service and by `llmgw up`; create-or-update, so running it
-again (or from two services at once) is harmless. It never deletes or purges: the log is
-the only copy of the cluster's history.
+again (or from two services at once) is harmless. It never deletes or purges: only
+`llmgw log compact` does, and only what an archive and a snapshot already hold.
+
+Replicas: `replicas=None` asks for `CLUSTER_REPLICAS` and takes 1 when the server says it
+is not clustered, so the same call makes an R3 log in a cluster and an R1 log on a laptop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -15,6 +22,31 @@ from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
 from services.bus.errors import StreamConflict
 
 DLQ_STREAM = "LLMGW_DLQ"
+
+# CLUSTER_REPLICAS is how many copies of the log, the leases and the snapshots a cluster
+# keeps. Three is the least that survives losing one server: a replicated stream needs a
+# majority of its copies to take a write.
+CLUSTER_REPLICAS = 3
+
+# NOT_CLUSTERED is JetStream's error code for "replicas > 1 not supported in
+# non-clustered mode": a single server, where R1 is the only choice.
+NOT_CLUSTERED = 10074
+
+T = TypeVar("T")
+
+
+async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | None) -> T:
+    """`make(replicas)`; with `replicas=None`, `make(CLUSTER_REPLICAS)`, or `make(1)` when
+    the server is not clustered. Used for the streams, the lease bucket and snapshots."""
+    if replicas is not None:
+        return await make(replicas)
+    try:
+        return await make(CLUSTER_REPLICAS)
+    except nats.js.errors.APIError as e:
+        if e.err_code != NOT_CLUSTERED:
+            raise
+    return await make(1)
+
 
 # DLQ_MAX_AGE_S keeps dead letters a week. Long enough to look at after a weekend; they
 # are reports about the log, not the log, so they may expire.
@@ -35,16 +67,31 @@ async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> Strea
         and (c.num_replicas or 1) == (config.num_replicas or 1)
     ):
         return current
+    # What others recorded on the stream (where compaction put the archive) stays.
+    kept = {k: v for k, v in (c.metadata or {}).items() if not k.startswith("_nats")}
+    if kept:
+        config.metadata = {**kept, **(config.metadata or {})}
     return await js.update_stream(config)
+
+
+async def record(js: JetStreamContext, key: str, value: str, stream: str = STREAM) -> None:
+    """Set one metadata entry on `stream` (the archive's directory, say), keeping the rest."""
+    info = await js.stream_info(stream)
+    config = info.config
+    meta = {k: v for k, v in (config.metadata or {}).items() if not k.startswith("_nats")}
+    meta[key] = value
+    config.metadata = meta
+    await js.update_stream(config)
 
 
 async def ensure_stream(
     js: JetStreamContext,
     root: str = DEFAULT_ROOT,
     duplicate_window_s: float = 120.0,
-    replicas: int = 1,
+    replicas: int | None = None,
 ) -> StreamInfo:
-    """The event stream, created or brought to this configuration.
+    """The event stream, created or brought to this configuration (`replicas`: see the
+    module's docstring).
 
     It holds every subject under `root` except heartbeats (core NATS chatter) and the DLQ
     (reports, in their own stream). No limits: nothing is ever aged out of the log.
@@ -60,45 +107,52 @@ async def ensure_stream(
         theirs = sorted({s.split(".", 1)[0] for s in current.config.subjects or []})
         if theirs and theirs != [root]:
             raise StreamConflict(STREAM, ", ".join(theirs), root)
-    return await _create_or_update(
-        js,
-        StreamConfig(
-            name=STREAM,
-            description=f"llmgw event log under {root}",
-            subjects=stream_subjects(root),
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            duplicate_window=duplicate_window_s,
-            num_replicas=replicas,
-            max_age=0,
-        ),
+    return await with_replicas(
+        lambda r: _create_or_update(js, _log_config(root, duplicate_window_s, r)), replicas
+    )
+
+
+def _log_config(root: str, duplicate_window_s: float, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=STREAM,
+        description=f"llmgw event log under {root}",
+        subjects=stream_subjects(root),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=duplicate_window_s,
+        num_replicas=replicas,
+        max_age=0,
     )
 
 
 async def ensure_dlq_stream(
-    js: JetStreamContext, root: str = DEFAULT_ROOT, replicas: int = 1
+    js: JetStreamContext, root: str = DEFAULT_ROOT, replicas: int | None = None
 ) -> StreamInfo:
     """The dead-letter stream on `<root>.dlq.>`, kept `DLQ_MAX_AGE_S`."""
-    return await _create_or_update(
-        js,
-        StreamConfig(
-            name=DLQ_STREAM,
-            description=f"llmgw dead letters under {root}.dlq",
-            subjects=[f"{root}.dlq.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=DLQ_MAX_AGE_S,
-            num_replicas=replicas,
-        ),
+    return await with_replicas(lambda r: _create_or_update(js, _dlq_config(root, r)), replicas)
+
+
+def _dlq_config(root: str, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=DLQ_STREAM,
+        description=f"llmgw dead letters under {root}.dlq",
+        subjects=[f"{root}.dlq.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=DLQ_MAX_AGE_S,
+        num_replicas=replicas,
     )
 
 
 async def ensure_streams(
-    js: JetStreamContext, root: str = DEFAULT_ROOT, duplicate_window_s: float = 120.0
+    js: JetStreamContext,
+    root: str = DEFAULT_ROOT,
+    duplicate_window_s: float = 120.0,
+    replicas: int | None = None,
 ) -> StreamInfo:
     """Both streams; returns the event stream's info."""
-    info = await ensure_stream(js, root, duplicate_window_s)
-    await ensure_dlq_stream(js, root)
+    info = await ensure_stream(js, root, duplicate_window_s, replicas)
+    await ensure_dlq_stream(js, root, info.config.num_replicas or 1)
     return info

@@ -2,12 +2,14 @@
 messaging conventions.
 
 Used by `publish` (PRODUCER spans, `inject`) and `consume` (CONSUMER spans linked to the
-producer's context, `extract`), and by services at start (`setup_tracing`). It exports
-nothing unless given an exporter: tracing must never be the reason a service cannot start.
+producer's context, `extract`), and by services at start (`setup_from_env`: the standard
+`OTEL_*` variables, OTLP/HTTP to a collector). It exports nothing unless given an
+exporter: tracing must never be the reason a service cannot start.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
@@ -67,30 +69,118 @@ def setup_tracing(
     return p
 
 
-def setup_from_env(service_name: str) -> TracerProvider | None:
-    """Tracing as the standard OpenTelemetry variable asks: `OTEL_TRACES_EXPORTER=console`
-    prints every span (JSON) to stderr; unset or `none` records nothing. Another value is
-    one warning and no tracing: llmgw ships only the console exporter, and tracing must
-    never be the reason a service does not start."""
+# OTLP_ENDPOINT_VARS are the standard variables that name a collector. Either one set
+# turns the OTLP exporter on when OTEL_TRACES_EXPORTER does not say otherwise.
+OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+# OTLP_PROTOCOL_VARS say which OTLP transport; llmgw ships OTLP over HTTP (protobuf).
+OTLP_PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+
+
+def exporters_from_env(env: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(exporters to make, warnings) as the standard OpenTelemetry variables ask.
+
+    `OTEL_TRACES_EXPORTER` is a comma-separated list of `otlp`, `console`, `none`. Unset,
+    it is `otlp` when a collector's endpoint is set, else `none`. OTLP is spoken over
+    HTTP with protobuf; a request for gRPC or JSON is a warning and no OTLP exporter.
+    """
+    given = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not given:
+        given = "otlp" if any(env.get(v) for v in OTLP_ENDPOINT_VARS) else "none"
+    kinds: list[str] = []
+    warnings: list[str] = []
+    for kind in (k.strip() for k in given.split(",")):
+        if kind in ("", "none") or kind in kinds:
+            continue
+        if kind == "otlp":
+            protocol = next((env[v] for v in OTLP_PROTOCOL_VARS if env.get(v)), "http/protobuf")
+            if protocol.strip().lower() != "http/protobuf":
+                warnings.append(
+                    f"OTLP over {protocol} is not available here (only http/protobuf); "
+                    "no spans go to the collector"
+                )
+                continue
+        elif kind != "console":
+            warnings.append(
+                f"OTEL_TRACES_EXPORTER={kind} is not available here (only otlp and console)"
+            )
+            continue
+        kinds.append(kind)
+    return kinds, warnings
+
+
+def setup_from_env(service_name: str, *, set_global: bool = True) -> TracerProvider | None:
+    """Tracing as the standard OpenTelemetry variables ask (see `exporters_from_env`):
+    spans to a collector over OTLP/HTTP (`OTEL_EXPORTER_OTLP_ENDPOINT`, and the exporter's
+    own `OTEL_EXPORTER_OTLP_*` for headers, timeout, compression), to stderr as JSON
+    (`console`), or nowhere. `OTEL_SERVICE_NAME` names the service when set. What cannot
+    be honoured is one warning each: tracing must never be the reason a service does not
+    start."""
     import logging
     import os
 
-    kind = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    if kind in ("", "none"):
+    kinds, warnings = exporters_from_env(os.environ)
+    for w in warnings:
+        logging.getLogger("llmgw.bus").warning("tracing: %s", w)
+    if not kinds:
         return None
-    if kind != "console":
-        logging.getLogger("llmgw.bus").warning(
-            "OTEL_TRACES_EXPORTER=%s is not available here (only console); tracing is off", kind
-        )
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    exporters: list[SpanExporter] = []
+    for kind in kinds:
+        if kind == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter())
+        else:
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporters.append(ConsoleSpanExporter())
+    p = setup_tracing(name, exporters[0], set_global=set_global)
+    for more in exporters[1:]:
+        p.add_span_processor(BatchSpanProcessor(more))
+    return p
+
+
+# REMEMBERED bounds the trace contexts kept of the events a process has folded. A
+# reaction comes within seconds of what it reacts to; more would only hold memory.
+REMEMBERED = 65_536
+
+_seen: OrderedDict[str, tuple[int, Mapping[str, str]]] = OrderedDict()
+
+
+def remember(seq: int, headers: Mapping[str, str] | None, *keys: str | None) -> None:
+    """Keep the trace context an event carried (at stream sequence `seq`) under each of
+    `keys` (its id, its subject), so a reaction published later, by a service that read
+    the event from the log rather than in a handler, joins the event's trace."""
+    if not headers or "traceparent" not in headers:
+        return
+    for key in keys:
+        if key:
+            _seen[key] = (seq, headers)
+            _seen.move_to_end(key)
+    while len(_seen) > REMEMBERED:
+        _seen.popitem(last=False)
+
+
+def recalled(cause: str | None, *latest_of: str) -> otel_context.Context | None:
+    """The trace context of event id `cause` if remembered, else of the most recent event
+    remembered under any of `latest_of` (subjects), else None."""
+    if cause and cause in _seen:
+        return extract(_seen[cause][1])
+    found = [_seen[k] for k in latest_of if k in _seen]
+    if not found:
         return None
-    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-    return setup_tracing(service_name, ConsoleSpanExporter())
+    return extract(max(found, key=lambda x: x[0])[1])
 
 
-def inject(headers: dict[str, str]) -> dict[str, str]:
-    """Add the current trace context (`traceparent`, `tracestate`) to message headers."""
-    propagate.inject(headers)
+def forget() -> None:
+    """Drop every remembered context (tests)."""
+    _seen.clear()
+
+
+def inject(headers: dict[str, str], context: otel_context.Context | None = None) -> dict[str, str]:
+    """Add the current trace context (or `context`'s) to message headers."""
+    propagate.inject(headers, context=context)
     return headers
 
 

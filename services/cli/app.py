@@ -52,6 +52,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.snapshot",
     "services.cli.dashboard",
     "services.cli.simulate",
+    "services.cli.log",
 )
 
 ENV_NATS = "LLMGW_NATS"

@@ -309,6 +309,7 @@ async def rebuild_view(
             finally:
                 progress.close()
             _done(progress, got)
+            report_gaps(opened.where, got)  # a compacted log whose archive is not found
             return _Run(got, opened.where, progress.elapsed, opened.offline)
     except ReplayError as e:
         raise cli.CliError(str(e)) from None

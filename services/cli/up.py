@@ -44,6 +44,7 @@ def register(commands: cli.Commands) -> None:
             "llmgw up --simulate 4x8xH100-80GB",
             "llmgw up --simulate 2x8xH100-80GB+2x2xL4-24GB --hold 30 --load-delay 1",
             "llmgw up --nats nats://10.0.0.5:4222        # join an existing broker",
+            "llmgw up --nats nats://a:4222,nats://b:4222,nats://c:4222   # a cluster, R3",
             "llmgw --data /var/lib/llmgw up --port 4222",
         ),
         func=_up,
@@ -55,6 +56,13 @@ def register(commands: cli.Commands) -> None:
         default=None,
         metavar="N",
         help=f"port of the embedded broker (default {DEFAULT_PORT}, or a free one if it is taken; 0: a free one)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="copies of the log in a cluster (default 3 in a cluster, 1 on a single server)",
     )
     g = p.add_argument_group("simulated cluster")
     g.add_argument(
@@ -136,6 +144,7 @@ async def _up(args: argparse.Namespace) -> int:
         projector=not args.no_projector,
         ui=ui,
         ui_token=token,
+        replicas=args.replicas,
     )
     cli.setup_logging()
     try:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from schemas import subjects
 from services.core.ingest import Ingest
 from services.core.view import DecisionRecord, Rejection, View
-from services.replay import ports
-from services.replay.source import BundleSource, Item, Source, StreamSource
+from services.replay import archive, ports
+from services.replay.source import BundleSource, Item, LogSource, Source, StreamSource
 
 
 class Watcher(Protocol):
@@ -136,10 +137,12 @@ async def from_stream(
     use_snapshot: bool = True,
     label: str = "the stream",
     root: str = subjects.DEFAULT_ROOT,
+    archive_dir: str | Path | None = None,
 ) -> Rebuilt:
     """The view the live log gives, up to a sequence or a time, starting from the newest
     snapshot at or before the target when there is one (and no `watcher` needs
-    every event from the start)."""
+    every event from the start). What compaction took off the stream is read from the
+    archive (`archive.locate`); a run found nowhere is in `source.stats.gaps`."""
     start: View | None = None
     if use_snapshot and watcher is None:
         snap = await ports.snapshot_at_or_before(js, until_seq)
@@ -149,14 +152,32 @@ async def from_stream(
             until_time is None or (snap.state.time is not None and snap.state.time <= until_time)
         ):
             start = snap
-    src = StreamSource(
-        js,
-        from_seq=(start.state.seq + 1) if start is not None else 1,
-        until_seq=until_seq,
-        until_time=until_time,
-        label=label,
-        root=root,
-    )
+    from_seq = (start.state.seq + 1) if start is not None else 1
+    info = await js.stream_info(subjects.STREAM)
+    stream_first = info.state.first_seq or 1
+    src: Source
+    if from_seq < stream_first:
+        # Compacted: what the replay needs from before the stream's first event is in
+        # the archive (a snapshot past it would have spared the read).
+        src = LogSource(
+            js,
+            archive.locate(archive_dir, info.config.metadata),
+            stream_first=stream_first,
+            from_seq=from_seq,
+            until_seq=until_seq,
+            until_time=until_time,
+            label=label,
+            root=root,
+        )
+    else:
+        src = StreamSource(
+            js,
+            from_seq=from_seq,
+            until_seq=until_seq,
+            until_time=until_time,
+            label=label,
+            root=root,
+        )
     if progress is not None and start is not None and getattr(progress, "total", None):
         progress.total = max(progress.total - start.state.seq, 0)
     return await run(src, view=start, watcher=watcher, progress=progress)

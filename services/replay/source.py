@@ -1,7 +1,7 @@
 """Where replayed events come from: one shape over a `.jsonl` bundle and the live stream.
 
 Called by `rebuild` (and through it by every replay command and `subscribe`'s catch-up).
-A source yields batches of `Item(seq, subject, event)` in stream order, from `from_seq`
+`LogSource` reads a compacted log: the archive, then the stream, as one. A source yields batches of `Item(seq, subject, event)` in stream order, from `from_seq`
 to `until_seq`, or up to the first event whose own time is after `until_time`. A line or
 message that does not decode, or whose event does not belong on its subject, is counted
 in `stats` with its reason and skipped, as the projector dead-letters it: a bad event
@@ -16,12 +16,14 @@ import contextlib
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from schemas import bundle, subjects
 from schemas.errors import BundleError
 from schemas.events import Event
 from services.core import ingest
+from services.replay import archive
 
 # BATCH is how many bundle lines one batch carries: a bundle is read synchronously, and
 # a batch at a time keeps a progress bar moving without a call per event.
@@ -241,3 +243,96 @@ class StreamSource:
                     yield out
                 if self._cut.done:
                     return
+
+
+class LogSource:
+    """The log as one run: the archive's parts (`services.replay.archive`) for what
+    compaction took off the stream, then the stream from its first sequence on.
+
+    A run of sequences neither holds (no archive given, a part missing, a part that does
+    not match its checksum) is replayed past and named in `stats.gaps`: the view is then
+    one no cluster ever had, and the caller says so in one line."""
+
+    def __init__(
+        self,
+        js: Any,
+        archive_dir: Path | None,
+        *,
+        stream_first: int,
+        from_seq: int = 1,
+        until_seq: int | None = None,
+        until_time: datetime | None = None,
+        label: str = "the stream",
+        root: str = subjects.DEFAULT_ROOT,
+    ) -> None:
+        self.js = js
+        self.archive_dir = archive_dir
+        self.stream_first = stream_first
+        self.from_seq = from_seq
+        self.until_seq = until_seq
+        self.label = f"{archive_dir} + {label}" if archive_dir is not None else label
+        self.stats = Stats()
+        self.unreadable: list[str] = []
+        """Why each archive part skipped was not read."""
+        self._cut = _Cut(self.stats, until_seq, until_time, root)
+        self._stream = StreamSource(js, until_seq=until_seq, label=label, root=root)
+        self._stream.stats = self.stats
+        self._stream._cut = self._cut
+
+    def _past_cut(self, seq: int) -> bool:
+        return self.until_seq is not None and seq > self.until_seq
+
+    def _gap(self, first: int, last: int) -> None:
+        last = min(last, self.until_seq) if self.until_seq is not None else last
+        if first <= last:
+            self.stats.gaps.append((first, last))
+
+    async def batches(self) -> AsyncIterator[list[Item]]:
+        pos = self.from_seq
+        if pos < self.stream_first:
+            found = archive.parts(self.archive_dir) if self.archive_dir is not None else []
+            for part in found:
+                if part.last < pos:
+                    continue
+                if part.first >= self.stream_first or self._past_cut(part.first):
+                    break
+                if part.first > pos:
+                    self._gap(pos, part.first - 1)
+                why = archive.verify(part)
+                if why:
+                    self.unreadable.append(why)
+                    self._gap(max(pos, part.first), part.last)
+                else:
+                    async for out in self._part(part, pos):
+                        yield out
+                    if self._cut.done:
+                        return
+                pos = part.last + 1
+            if pos < self.stream_first:
+                self._gap(pos, self.stream_first - 1)
+                pos = self.stream_first
+        if self._past_cut(pos):
+            return
+        self._stream.from_seq = pos
+        async for out in self._stream.batches():
+            yield out
+
+    async def _part(self, part: archive.Part, pos: int) -> AsyncIterator[list[Item]]:
+        chunk: list[tuple[int, str, bytes, int]] = []
+        for seq, subject, line, _, stored_ns in bundle.entries(str(part.path)):
+            if seq < pos:
+                continue
+            if seq >= self.stream_first or self._past_cut(seq):
+                break
+            chunk.append((seq, subject, line, stored_ns))
+            if len(chunk) >= BATCH:
+                out = self._cut.take(chunk)
+                chunk = []
+                if out:
+                    yield out
+                if self._cut.done:
+                    return
+        if chunk:
+            out = self._cut.take(chunk)
+            if out:
+                yield out

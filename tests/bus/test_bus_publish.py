@@ -145,22 +145,37 @@ async def test_a_stream_of_another_root_is_refused_not_re_pointed(js) -> None:  
 
 
 @pytest.mark.parametrize(
-    ("value", "made"),
+    ("env", "kinds", "warned"),
     [
-        pytest.param(None, False, id="unset records nothing"),
-        pytest.param("none", False, id="none records nothing"),
-        pytest.param("otlp", False, id="an exporter not shipped is a warning, not a failure"),
-        pytest.param("console", True, id="console prints spans"),
+        pytest.param({}, [], False, id="unset records nothing"),
+        pytest.param({"OTEL_TRACES_EXPORTER": "none"}, [], False, id="none records nothing"),
+        pytest.param(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, ["otlp"], False, id="an endpoint"
+        ),
+        pytest.param(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"},
+            [],
+            False,
+            id="none wins over an endpoint",
+        ),
+        pytest.param(
+            {"OTEL_TRACES_EXPORTER": "otlp,console"}, ["otlp", "console"], False, id="both"
+        ),
+        pytest.param(
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            [],
+            True,
+            id="grpc is a warning, not a failure",
+        ),
+        pytest.param(
+            {"OTEL_TRACES_EXPORTER": "zipkin"}, [], True, id="an unknown exporter is a warning"
+        ),
+        pytest.param({"OTEL_TRACES_EXPORTER": "console"}, ["console"], False, id="console"),
     ],
 )
-def test_tracing_follows_otel_traces_exporter(
-    monkeypatch: pytest.MonkeyPatch, value: str | None, made: bool
+def test_tracing_follows_the_otel_variables(
+    env: dict[str, str], kinds: list[str], warned: bool
 ) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(tracing, "setup_tracing", lambda name, exporter=None: calls.append(name))
-    if value is None:
-        monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
-    else:
-        monkeypatch.setenv("OTEL_TRACES_EXPORTER", value)
-    tracing.setup_from_env("llmgw-test")
-    assert calls == (["llmgw-test"] if made else [])
+    made, warnings = tracing.exporters_from_env(env)
+    assert made == kinds
+    assert bool(warnings) == warned

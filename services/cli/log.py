@@ -1,0 +1,152 @@
+"""`llmgw log compact`: bound the log. Events before a cut go to a compressed archive and
+then off the stream; replay, `history` and `explain` read the archive and the stream as
+one log.
+
+Registered by `services.cli`. The order is the safety: a snapshot that covers the cut
+exists (one is taken when none does), the archive part is written, synced and checked
+against its checksum, the stream records where the archive is, and only then is the
+stream purged. A crash anywhere before the purge leaves the log whole; a second run
+writes the part again. Where to cut is `services.core.compaction`'s call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from services.cli import app as cli
+
+
+def register(commands: cli.Commands) -> None:
+    g = commands.group(
+        "log",
+        help="the event log itself: compact it",
+        description="Commands on the event log as a whole.",
+    )
+    p = g.add(
+        "compact",
+        help="archive the events before a cut, then purge them from the stream",
+        description=(
+            "Move the events before a cut off the stream into an archive (compressed JSONL\n"
+            "with a checksum, one file per compaction), so the stream stops growing forever.\n"
+            "First a snapshot at or after the cut is made sure of (taken if missing), then\n"
+            "the archive part is written and checked, then the stream is purged. Nothing is\n"
+            "purged that no snapshot covers. Replay, history and explain read the archive\n"
+            "and the stream as one log (the archive's directory is recorded on the stream;\n"
+            "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap."
+        ),
+        epilog=cli.examples(
+            "llmgw log compact --keep 30d",
+            "llmgw log compact --before 1000000 --archive /srv/llmgw-archive",
+        ),
+        func=_compact,
+    )
+    cut = p.add_mutually_exclusive_group(required=True)
+    cut.add_argument(
+        "--before", type=cli.arg_seq, metavar="SEQ", help="archive and purge every seq below SEQ"
+    )
+    cut.add_argument(
+        "--keep",
+        type=cli.arg_time,
+        metavar="AGE",
+        help="keep the events stored in the last AGE (30d, 12h), archive the older ones",
+    )
+    p.add_argument(
+        "--archive",
+        metavar="DIR",
+        help="the archive directory (default: the one recorded on the stream, else DATA/archive)",
+    )
+
+
+def _archive_dir(args: argparse.Namespace, metadata: dict[str, str] | None) -> Path:
+    """--archive, $LLMGW_ARCHIVE, the stream's record, else DATA/archive; absolute, since
+    the stream records it for replays run from anywhere."""
+    from services.replay import archive
+
+    where = archive.locate(args.archive, metadata) or (cli.data_dir(args) / "archive")
+    return Path(os.path.abspath(where))
+
+
+async def _first_stored_at(nc: Any, when: datetime, last: int) -> int:
+    """The sequence of the first event stored at or after `when`; last+1 when none is."""
+    import json
+
+    import nats.errors
+
+    from schemas import subjects
+
+    req = json.dumps({"start_time": when.isoformat().replace("+00:00", "Z")}).encode()
+    try:
+        msg = await nc.request(f"$JS.API.STREAM.MSG.GET.{subjects.STREAM}", req, timeout=5)
+    except nats.errors.Error as e:
+        raise cli.CliError(f"could not find where {when:%Y-%m-%dT%H:%M:%SZ} falls: {e}") from e
+    body = json.loads(msg.data)
+    if "error" in body:
+        if body["error"].get("code") == 404:
+            return last + 1
+        raise cli.CliError(f"could not find where {when:%Y-%m-%dT%H:%M:%SZ} falls: {body['error']}")
+    return int(body["message"]["seq"])
+
+
+async def _compact(args: argparse.Namespace) -> int:
+    from schemas import subjects
+    from services.bus import consume, snapshots, stream
+    from services.core import compaction, ingest
+    from services.core.view import SCHEMA
+    from services.replay import archive, rebuild
+
+    async with cli.session(args, "llmgw log compact") as s:
+        info = await s.js.stream_info(subjects.STREAM)
+        first, last = info.state.first_seq or 1, info.state.last_seq
+        where = _archive_dir(args, info.config.metadata)
+        before = args.before or await _first_stored_at(s.nc, args.keep, last)
+        stored = [seq for schema, seq, _ in await snapshots.listing(s.js) if schema == SCHEMA]
+        cut = compaction.plan(first, last, before, stored)
+        if isinstance(cut, str):
+            print(cut)
+            return 0
+        # 1. A snapshot covers every event the cut removes.
+        if cut.snapshot is None:
+            got = await rebuild.from_stream(s.js, until_seq=cut.before - 1, root=s.root)
+            if got.view.state.seq != cut.before - 1:
+                raise cli.CliError(
+                    f"could not fold the log to seq {cut.before - 1} for a snapshot "
+                    f"(reached {got.view.state.seq}); nothing was purged"
+                )
+            name = await snapshots.save(s.js, got.view.state)
+            print(f"saved snapshot {name} at seq {cut.before - 1}")
+        else:
+            print(f"snapshot at seq {cut.snapshot} covers the cut")
+        # 2. The archive holds every event the cut removes, checked.
+        writer = archive.Writer(where)
+        with writer:
+            expect = cut.first
+            async for batch in consume.read_range(s.js, cut.first, cut.before - 1):
+                for d in batch:
+                    if d.seq != expect:
+                        raise cli.CliError(
+                            f"the stream is missing seq {expect} (read {d.seq}); nothing was purged"
+                        )
+                    bound = d.time_ns if ingest.past_bound(d.data, d.time_ns) else 0
+                    writer.write(d.seq, d.subject, d.data, bound)
+                    expect += 1
+            if expect != cut.before:
+                raise cli.CliError(
+                    f"read the stream to seq {expect - 1}, not {cut.before - 1}; nothing was purged"
+                )
+            part = writer.finish()
+        why = archive.verify(part)
+        if why:
+            raise cli.CliError(f"the archive part just written is bad ({why}); nothing was purged")
+        # 3. The stream says where its beginning went; then it lets it go.
+        await stream.record(s.js, archive.METADATA_KEY, str(where))
+        await s.js.purge_stream(subjects.STREAM, seq=cut.before)
+    size = part.path.stat().st_size
+    print(
+        f"archived seq {cut.first}..{cut.before - 1} ({cut.count:,} events, {size:,} bytes) "
+        f"to {part.path}; the stream now starts at seq {cut.before}"
+    )
+    return 0

@@ -1,0 +1,169 @@
+"""A decision is one trace, received by an OTLP/HTTP collector written in the test
+(`tests/otlp.py`): `llmgw up` runs as an operator runs it, with
+`OTEL_EXPORTER_OTLP_ENDPOINT` pointing at the receiver; a critical model's
+`scale.desired`, sent inside a span of the test, leads to placement.failed ->
+preemption.decided -> replica.drain -> the agent's stop -> placement.decided -> ready,
+and every one of those messages is sent in that one trace, each span linked to a parent
+in it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from schemas import events as ev
+from services.bus import Publisher, connect, tracing
+from services.bus.broker import read_url
+from services.clock import new_id
+from services.follower import ViewFollower
+from tests.otlp import Receiver, receiver
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+__all__ = ["receiver"]
+
+
+async def _until(what: str, cond, within: float = 40.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.05)
+
+
+def _start_up(data: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`llmgw up` with a simulated cluster and short policy timings, as a process."""
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "services.cli", "--data", str(data), "up", "--port", "0",
+            "--simulate", "2x8xH100-80GB", "--min-lifetime", "0", "--max-victims", "3",
+            "--hold", "30", "--drain-grace", "1", "--tick", "0.2", "--start-delay", "0.02",
+            "--load-delay", "0.1", "--stop-delay", "0.05", "--heartbeat", "0.5",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+async def test_a_preemption_is_one_trace_at_the_collector(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "OTEL_"))}
+    env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    up = _start_up(data, env)
+    provider = tracing.setup_tracing(
+        "llmgw-test",
+        processor=SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces")),
+        set_global=False,
+    )
+    try:
+        await _until("the broker's url", lambda: read_url(data) is not None)
+        url = read_url(data)
+        assert url is not None
+        nc = await connect(url, "trace test")
+        js = nc.jetstream()
+        follower = ViewFollower(js, consumer="trace-test")
+        follower.start()
+        pub = Publisher(js)
+
+        async def publish(d: ev.Data) -> ev.Event:
+            now = datetime.now(UTC)
+            e = ev.make(d, id=new_id(now), time=now, source="test/operator")
+            await pub.publish(e)
+            return e
+
+        try:
+            await _until("two nodes", lambda: len(follower.view.state.nodes) == 2)
+            await publish(
+                ev.ModelDeclared(
+                    name="batch",
+                    cls="opportunistic",
+                    min=0,
+                    max=8,
+                    profiles=(ev.ProfileSpec(name="tp2", gpus=2),),
+                )
+            )
+            await publish(ev.ScaleDesired(model="batch", replicas=8))
+            await _until(
+                "8 batch replicas ready",
+                lambda: sum(r.state == "ready" for r in follower.view.replicas_of("batch")) == 8,
+            )
+            await publish(
+                ev.ModelDeclared(
+                    name="chat",
+                    cls="critical",
+                    min=0,
+                    profiles=(ev.ProfileSpec(name="tp4", gpus=4),),
+                )
+            )
+            with tracing.tracer().start_as_current_span("operator scales chat"):
+                scale = await publish(ev.ScaleDesired(model="chat", replicas=1))
+            await _until(
+                "chat ready",
+                lambda: any(r.state == "ready" for r in follower.view.replicas_of("chat")),
+            )
+            victims = [
+                r.id
+                for r in follower.view.replicas_of("batch")
+                if r.state in ("draining", "stopped")
+            ]
+            await _until(
+                "the victims stopped",
+                lambda: all(follower.view.replicas[v].state == "stopped" for v in victims),
+            )
+        finally:
+            await follower.stop()
+            await nc.close()
+    finally:
+        provider.shutdown()
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=40)
+        assert up.returncode == 0, err[-2000:]
+
+    spans = [s for _, s in receiver.spans]
+    root = next(
+        s
+        for s in spans
+        if s.kind == Span.SpanKind.SPAN_KIND_PRODUCER
+        and any(
+            a.key == "messaging.message.id" and a.value.string_value == scale.id
+            for a in s.attributes
+        )
+    )
+    in_trace = [s for s in spans if s.trace_id == root.trace_id]
+    ids = {s.span_id for s in in_trace}
+    assert all(
+        s.parent_span_id in ids
+        for s in in_trace
+        if s.span_id != root.span_id and s.name != "operator scales chat"
+    )
+
+    def sent(subject_part: str) -> list[Span]:
+        return [
+            s
+            for s in in_trace
+            if s.kind == Span.SpanKind.SPAN_KIND_PRODUCER and subject_part in s.name
+        ]
+
+    assert sent(".placement.failed.chat"), "placement.failed is not in the trace"
+    assert sent(".preemption.decided.chat"), "preemption.decided is not in the trace"
+    assert len(sent(".replica.drain")) == len(victims) >= 1, "a drain is not in the trace"
+    stops = [s for s in sent(".replica.") if any(v in s.name for v in victims)]
+    assert stops, "the agent's stop is not in the trace"
+    assert sent(".placement.decided.chat"), "placement.decided is not in the trace"
+    assert sent(".replica.start"), "replica.start is not in the trace"
+    chat_states = [s for s in sent(".node.") if "chat" in s.name]
+    assert chat_states, "the replica's ready is not in the trace"
