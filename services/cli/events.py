@@ -43,7 +43,7 @@ from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services.cli import app as cli
-from services.cli.replay import add_output_option
+from services.cli.output import add_output_option
 from services.clock import new_id
 from services.core.ingest import claimed_time, past_bound
 from services.replay import eventline

@@ -20,12 +20,12 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from services.cli import app as cli
+from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.core.view import View, digest
 from services.replay import diff as replay_diff
 from services.replay import explain, history, rebuild, render
@@ -61,75 +61,6 @@ def allow_gaps_option(p: argparse.ArgumentParser) -> None:
         help="replay a bundle whose seqs have gaps (events missing from the log) past them, "
         "saying so once on stderr; without it a gap is refused, naming its line",
     )
-
-
-OUTPUTS = ("table", "wide", "json", "name")
-
-
-def add_output_option(
-    p: argparse.ArgumentParser,
-    choices: Sequence[str] = OUTPUTS,
-    *,
-    help: str = "table (default), wide (more columns), json (one object), name (one per line)",
-    json_help: str = "same as -o json",
-) -> None:
-    """`-o table|wide|json|name` (into `args.output`), with `--json` as its alias."""
-    p.add_argument("-o", "--output", choices=choices, default="table", help=help)
-    p.add_argument("--json", dest="output", action="store_const", const="json", help=json_help)
-
-
-def add_watch_options(p: argparse.ArgumentParser) -> None:
-    """`-w/--watch` and `--count N`, for a listing that can follow the log."""
-    p.add_argument(
-        "-w", "--watch", action="store_true", help="redraw on every new event; Ctrl-C stops"
-    )
-    p.add_argument(
-        "--count",
-        type=cli.arg_count_1,
-        metavar="N",
-        help="with --watch: stop after N drawings (the first included)",
-    )
-
-
-def check_watch(args: argparse.Namespace, fixed: dict[str, bool]) -> None:
-    """One usage line for a --count without --watch, or a --watch beside an option that
-    fixes what is drawn (`fixed`: option -> given)."""
-    if args.count is not None and not args.watch:
-        raise cli.UsageError("--count goes with --watch")
-    given = [o for o, on in fixed.items() if on]
-    if args.watch and given:
-        if given == ["--log"]:
-            raise cli.UsageError("--watch follows the live log; a bundle (--log) does not change")
-        raise cli.UsageError(
-            f"--watch follows the live log to its end; {'/'.join(given)} fix what is shown"
-        )
-
-
-async def watch(args: argparse.Namespace, what: str, draw: Callable[[View, str], str]) -> int:
-    """Draw, then redraw on every event the log gets, until Ctrl-C or --count drawings.
-
-    The view is followed, not rebuilt: one listing, then each event folded as it comes
-    (services.replay.subscribe), so a redraw costs the drawing, not a replay. `draw`
-    makes one frame from the view and the broker's address."""
-    from services.replay import subscribe
-
-    tty = sys.stdout.isatty()
-    drawn = 0
-    async with cli.session(args, f"llmgw {what} --watch") as s:
-        try:
-            async for _seq, changes in subscribe.subscribe(s.js, None, root=s.root):
-                frame = draw(changes.view, s.url)
-                if tty:
-                    sys.stdout.write("\x1b[H\x1b[2J")  # clear, as watch(1) does
-                elif drawn and args.output != "json":
-                    print()
-                print(frame, flush=True)
-                drawn += 1
-                if args.count is not None and drawn >= args.count:
-                    break
-        except ReplayError as e:
-            raise cli.CliError(f"following the log: {e}") from None
-    return 0
 
 
 def _moment_options(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from services.cli import app as cli
-from services.cli.replay import add_output_option
+from services.cli.output import add_output_option
 from services.replay import render
 
 

@@ -20,14 +20,8 @@ from typing import Any
 
 from services import names
 from services.cli import app as cli
-from services.cli.replay import (
-    add_output_option,
-    add_watch_options,
-    allow_gaps_option,
-    check_watch,
-    rebuild_view,
-    watch,
-)
+from services.cli.output import add_output_option, add_watch_options, check_watch, watch
+from services.cli.replay import allow_gaps_option, rebuild_view
 from services.core.view import View, digest
 from services.replay import render
 
