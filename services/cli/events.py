@@ -43,6 +43,7 @@ from schemas.errors import BundleError, EventDecodeError
 from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services.cli import app as cli
+from services.cli.output import add_output_option
 from services.clock import new_id
 from services.core.ingest import claimed_time, past_bound
 from services.replay import eventline
@@ -121,7 +122,8 @@ def _register_tail(events: cli.Commands) -> None:
             "    1042 14:00:01 replica.state      gpu-a1/r-7 llama-70b ready\n"
             "TIME is the event's own time (UTC). A message that is not a valid event is\n"
             "shown as (undecodable) with the reason; it never stops the tail.\n"
-            "By default only new events are shown; --since starts earlier. Ctrl-C stops."
+            "By default only new events are shown; --since starts earlier. Ctrl-C stops.\n"
+            "-o json (or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
         ),
         epilog=cli.examples(
             "llmgw events tail",
@@ -129,6 +131,7 @@ def _register_tail(events: cli.Commands) -> None:
             "llmgw events tail --since 10m --type 'replica.*' --type node.lost",
             "llmgw events tail --since 2026-11-29T14:00:00Z --json > events.jsonl",
             "llmgw events tail --since 1 --count 100     # the first 100, then exit",
+            "llmgw events tail --since 1 -o name         # SEQ TYPE KEY, for scripts",
         ),
         func=_tail,
     )
@@ -149,11 +152,12 @@ def _register_tail(events: cli.Commands) -> None:
         "(RFC3339 like 2026-11-29T14:00:00Z, or an age like 90s, 10m, 2h, 1d). "
         "Default: only events stored from now on",
     )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print each message as export writes it: its bundle line (the stored JSON with "
-        "seq and subject in front)",
+    add_output_option(
+        p,
+        TAIL_OUTPUTS,
+        help="table (default: a line each), json (its bundle line), name (`SEQ TYPE KEY`)",
+        json_help="same as -o json: print each message as export writes it, its bundle "
+        "line (the stored JSON with seq and subject in front)",
     )
     p.add_argument(
         "-n",
@@ -162,6 +166,9 @@ def _register_tail(events: cli.Commands) -> None:
         metavar="N",
         help="exit after showing N events (undecodable messages count too)",
     )
+
+
+TAIL_OUTPUTS = ("table", "json", "name")
 
 
 def _type_filter(patterns: list[str]) -> Any:
@@ -224,8 +231,10 @@ async def _tail(args: argparse.Namespace) -> int:
                 event, why = _decode_or_reason(d.data)
                 if event is not None and not show(type_of(type(event))):
                     continue
-                if args.json:
+                if args.output == "json":
                     lines.append(bundle.line(d.seq, d.subject, d.data).decode())
+                elif args.output == "name":
+                    lines.append(_tail_name(d, event, s.root))
                 elif event is None:
                     lines.append(_tail_bad(d, why))
                 else:
@@ -253,6 +262,14 @@ async def _tail(args: argparse.Namespace) -> int:
         except StreamReplaced as e:
             raise cli.CliError(f"{e}: the tail stops here; start it again") from None
     return 0
+
+
+def _tail_name(d: Any, event: Any, root: str) -> str:
+    """`-o name`: `SEQ TYPE KEY`, the KEY being what the event is about."""
+    if event is None:
+        return f"{d.seq} (undecodable) {d.subject}"
+    key, _ = eventline.describe(event, d.subject, root)
+    return f"{d.seq} {type_of(type(event))} {key or '-'}"
 
 
 def _tail_bad(d: Any, why: str) -> str:

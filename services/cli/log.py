@@ -25,6 +25,10 @@ def register(commands: cli.Commands) -> None:
         "log",
         help="the event log itself: compact it",
         description="Commands on the event log as a whole.",
+        epilog=cli.examples(
+            "llmgw log compact --keep 30d --archive /var/lib/llmgw/archive",
+            "llmgw log compact --before 1200000",
+        ),
     )
     p = g.add(
         "compact",

@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from services.cli import app as cli
+from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.core.view import View, digest
 from services.replay import diff as replay_diff
 from services.replay import explain, history, rebuild, render
@@ -124,14 +125,20 @@ def _register_view(commands: cli.Commands) -> None:
             "                failed ones too, with what happened to them)\n"
             "  HOLDS         models kept from taking room back, until when, for whom\n"
             "A replica id too long for its grid cell is cut with `~` only where what is\n"
-            "left is unique; `llmgw explain replica` takes that prefix. --json lists every\n"
-            "replica, as the view keeps them."
+            "left is unique; `llmgw explain replica` takes that prefix. -o wide adds each\n"
+            "replica's GPUs, created, ready and last-used times; -o name prints node/NAME,\n"
+            "model/NAME and replica/ID a line; -o json (or --json) lists every replica, as\n"
+            "the view keeps them. With --watch it follows the log and redraws on every\n"
+            "new event, as `kubectl get -w` does."
         ),
         epilog=cli.examples(
             "llmgw view",
             "llmgw view --all                        # stopped and failed replicas too",
             "llmgw view --log incident.jsonl --at 2026-11-29T14:05:00Z",
             "llmgw view --seq 4200 --json | jq '.replicas[] | select(.state==\"draining\")'",
+            "llmgw view -o wide                      # GPUs, created/ready/last used",
+            "llmgw view -o name                      # node/gpu-a1, model/chat, replica/r-7",
+            "llmgw view --watch",
         ),
         func=_view,
     )
@@ -143,7 +150,8 @@ def _register_view(commands: cli.Commands) -> None:
         action="store_true",
         help="list stopped and failed replicas too, labelled by what happened to them",
     )
-    p.add_argument("--json", action="store_true", help="print the view as one JSON object")
+    add_output_option(p)
+    add_watch_options(p)
 
 
 def _register_history(commands: cli.Commands) -> None:
@@ -153,12 +161,16 @@ def _register_history(commands: cli.Commands) -> None:
         description=(
             "Every event that touched one replica, model or node, in order: sequence,\n"
             "time, type, a one-line summary, and REJECTED with the fold's reason when the\n"
-            "event was not applied (a state going backwards, a report from the wrong node)."
+            "event was not applied (a state going backwards, a report from the wrong node).\n"
+            "-o wide adds each event's id and causation (the event it reacted to); -o name\n"
+            "prints event/ID a line; -o json (or --json) one JSON object per event."
         ),
         epilog=cli.examples(
             "llmgw history replica r-7",
             "llmgw history model llama-70b --log incident.jsonl",
             "llmgw history node gpu-a1 --at 2026-11-29T14:05:00Z --json",
+            "llmgw history model chat -o wide        # event ids and what caused each",
+            "llmgw history replica r-7 -o name       # event/ID a line",
         ),
         func=_history,
     )
@@ -166,7 +178,12 @@ def _register_history(commands: cli.Commands) -> None:
     p.add_argument("name", metavar="NAME")
     _log_option(p)
     _moment_options(p)
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_output_option(
+        p,
+        help="table (default), wide (ids, causation), json (one object a line), name "
+        "(event/ID a line)",
+        json_help="same as -o json: one JSON object per line",
+    )
 
 
 def _register_explain(commands: cli.Commands) -> None:
@@ -414,14 +431,26 @@ async def _replay(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- view
 
 
+def view_frame(args: argparse.Namespace, v: View, label: str) -> str:
+    """One drawing of `llmgw view` in the chosen output."""
+    match args.output:
+        case "json":
+            return json.dumps(render.view_json(v), indent=2)
+        case "name":
+            return render.name_lines(v, everything=args.everything)
+        case _:
+            return render.view_text(v, label, args.everything, wide=args.output == "wide")
+
+
 async def _view(args: argparse.Namespace) -> int:
+    check_watch(
+        args, {"--log": bool(args.log), "--seq": args.seq is not None, "--at": args.at is not None}
+    )
+    if args.watch:
+        return await watch(args, "view", lambda v, where: view_frame(args, v, f"{where}, live"))
     run = await rebuild_view(args, verb="replaying", **_moment(args))
     _check_reached(args, run)
-    v = run.rebuilt.view
-    if args.json:
-        print(json.dumps(render.view_json(v), indent=2))
-    else:
-        print(render.view_text(v, f"{run.where}, {_moment_label(args)}", args.everything))
+    print(view_frame(args, run.rebuilt.view, f"{run.where}, {_moment_label(args)}"))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -429,8 +458,23 @@ async def _view(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- history
 
 
+class _Causes(history.Timeline):
+    """A timeline that also keeps, per entry, the event it reacted to (for -o wide)."""
+
+    def __init__(self, kind: str, name: str, root: str) -> None:
+        super().__init__(kind, name, root)
+        self.causation: dict[int, str | None] = {}
+
+    def after(self, item: Item, rejection: Any, view: View) -> None:
+        if self._hits:  # the event touched the entity: Timeline.after records it
+            self.causation[item.seq] = item.event.causation
+        super().after(item, rejection, view)
+
+
 async def _history(args: argparse.Namespace) -> int:
-    tl = history.Timeline(args.kind, args.name, cli.root(args))
+    tl = (_Causes if args.output == "wide" else history.Timeline)(
+        args.kind, args.name, cli.root(args)
+    )
     run = await rebuild_view(args, watcher=tl, verb="reading", **_moment(args))
     v = run.rebuilt.view
     try:
@@ -438,9 +482,12 @@ async def _history(args: argparse.Namespace) -> int:
         tl.require()
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
-    if args.json:
+    if args.output == "json":
         for entry in tl.entries:
             print(json.dumps(entry.to_json()))
+    elif args.output == "name":
+        for entry in tl.entries:
+            print(f"event/{entry.id}")
     else:
         rejected = sum(1 for x in tl.entries if x.rejected)
         note = f", {rejected} rejected" if rejected else ""
@@ -448,9 +495,29 @@ async def _history(args: argparse.Namespace) -> int:
             f"{args.kind} {tl.name}: {len(tl.entries)} events{note} "
             f"(view at seq {v.state.seq}, {render.stamp(v.state.time)})"
         )
-        print(history.text(tl.entries, v.state.time))
+        if isinstance(tl, _Causes):
+            print(_history_wide(tl, v.state.time))
+        else:
+            print(history.text(tl.entries, v.state.time))
     _report_skipped(run.rebuilt.source)
     return 0
+
+
+def _history_wide(tl: _Causes, now: datetime | None) -> str:
+    """The timeline with each event's id and causation."""
+    rows = [
+        [
+            str(e.seq),
+            render.stamp(e.time),
+            render.ago(e.time, now),
+            e.type,
+            e.id,
+            tl.causation.get(e.seq) or "-",
+            e.summary + (f"  REJECTED: {e.rejected}" if e.rejected else ""),
+        ]
+        for e in tl.entries
+    ]
+    return render.table(["SEQ", "TIME", "AGE", "TYPE", "ID", "CAUSATION", "SUMMARY"], rows)
 
 
 def _known(v: View, kind: str) -> set[str]:

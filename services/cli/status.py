@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import UTC, datetime
 from typing import Any
 
 from services import names
 from services.cli import app as cli
+from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.cli.replay import allow_gaps_option, rebuild_view
 from services.core.view import View, digest
 from services.replay import render
 
 LAST_DECISIONS = 10
-OUTPUTS = ("table", "wide", "json", "name")
 
 
 def register(commands: cli.Commands) -> None:
@@ -53,16 +52,7 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument("--log", metavar="BUNDLE", help="read a .jsonl bundle instead of the broker")
     allow_gaps_option(p)
-    p.add_argument(
-        "-o",
-        "--output",
-        choices=OUTPUTS,
-        default="table",
-        help="table (default), wide (more columns), json (one object), name (one per line)",
-    )
-    p.add_argument(
-        "--json", dest="output", action="store_const", const="json", help="same as -o json"
-    )
+    add_output_option(p)
     p.add_argument(
         "--decisions",
         type=cli.arg_count,
@@ -70,15 +60,7 @@ def register(commands: cli.Commands) -> None:
         metavar="N",
         help=f"how many recent decisions to show (default {LAST_DECISIONS})",
     )
-    p.add_argument(
-        "-w", "--watch", action="store_true", help="redraw on every new event; Ctrl-C stops"
-    )
-    p.add_argument(
-        "--count",
-        type=cli.arg_count_1,
-        metavar="N",
-        help="with --watch: stop after N drawings (the first included)",
-    )
+    add_watch_options(p)
 
 
 # quota_rows is the QUOTA table's data, shared with the dashboard.
@@ -353,16 +335,7 @@ def text(
 
 def name_lines(view: View) -> str:
     """`-o name`: one `kind/name` a line, for scripts (`xargs -n1 llmgw cordon`)."""
-    s = view.state
-    out = [f"node/{n}" for n in sorted(s.nodes)]
-    out += [f"model/{m}" for m in sorted(s.models)]
-    out += [
-        f"replica/{r.id}"
-        for r in sorted(s.replicas.values(), key=lambda r: r.id)
-        if r.holds_capacity
-    ]
-    out += [f"owner/{q.name}" for q in sorted(view.quota.quotas(), key=lambda q: q.name)]
-    return "\n".join(out)
+    return render.name_lines(view, owners=True)
 
 
 def render_status(args: argparse.Namespace, view: View, where: str, now: datetime | None) -> str:
@@ -411,12 +384,11 @@ def health_line(h: dict[str, Any]) -> str:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    if args.count is not None and not args.watch:
-        raise cli.UsageError("--count goes with --watch")
+    check_watch(args, {"--log": bool(args.log)})
     if args.watch:
-        if args.log:
-            raise cli.UsageError("--watch follows the live log; a bundle (--log) does not change")
-        return await _watch(args)
+        return await watch(
+            args, "status", lambda v, where: render_status(args, v, where, datetime.now(UTC))
+        )
     run = await rebuild_view(args, verb="reading the log")
     # A bundle, or the log of a stopped plane, is a picture of its last event; the live
     # log is judged at the wall clock.
@@ -432,31 +404,4 @@ async def _status(args: argparse.Namespace) -> int:
         first, _, rest = out.partition("\n")
         out = f"{first}\n{health_line(h)}\n{rest}"
     print(out)
-    return 0
-
-
-async def _watch(args: argparse.Namespace) -> int:
-    """Draw, then redraw on every event the log gets, until Ctrl-C or --count drawings.
-
-    The view is followed, not rebuilt: one listing, then each event folded as it comes
-    (services.replay.subscribe), so a redraw costs the drawing, not a replay."""
-    from services.replay import subscribe
-    from services.replay.errors import ReplayError
-
-    tty = sys.stdout.isatty()
-    drawn = 0
-    async with cli.session(args, "llmgw status --watch") as s:
-        try:
-            async for _seq, changes in subscribe.subscribe(s.js, None, root=s.root):
-                frame = render_status(args, changes.view, s.url, datetime.now(UTC))
-                if tty:
-                    sys.stdout.write("\x1b[H\x1b[2J")  # clear, as watch(1) does
-                elif drawn and args.output != "json":
-                    print()
-                print(frame, flush=True)
-                drawn += 1
-                if args.count is not None and drawn >= args.count:
-                    break
-        except ReplayError as e:
-            raise cli.CliError(f"following the log: {e}") from None
     return 0

@@ -147,7 +147,20 @@ def shown_replicas(view: View, everything: bool = False) -> list[ReplicaRecord]:
     return [r for r in view.state.replicas.values() if everything or r.holds_capacity]
 
 
-def replicas_text(view: View, everything: bool = False) -> str:
+def _shards(r: ReplicaRecord) -> str:
+    """`n1:0-3` / `n1:0,2+n2:1`: where its GPUs are."""
+    parts = []
+    for sh in r.shards:
+        gpus = sorted(sh.gpus)
+        if gpus and gpus == list(range(gpus[0], gpus[-1] + 1)) and len(gpus) > 1:
+            parts.append(f"{sh.node}:{gpus[0]}-{gpus[-1]}")
+        else:
+            parts.append(f"{sh.node}:{','.join(map(str, gpus))}")
+    return "+".join(parts) or "-"
+
+
+def replicas_text(view: View, everything: bool = False, *, wide: bool = False) -> str:
+    """Replicas by model; `wide` adds their GPUs and created/ready/last-used times."""
     s = view.state
     now = s.time
     shown = shown_replicas(view, everything)
@@ -166,26 +179,26 @@ def replicas_text(view: View, everything: bool = False) -> str:
         if hold is not None:
             head += f"  held for {hold.for_model} until {ago(hold.until, now)}"
         out.append(head)
-        rows = [
-            [
+        rows = []
+        for r in reps:
+            row = [
                 r.id,
                 r.state,
                 r.profile,
-                ",".join(r.nodes) or "-",
+                (_shards(r) if wide else ",".join(r.nodes)) or "-",
                 ago(r.ready_at, now),
                 "unknown"
                 if r.last_used_at is None
                 else duration(r.idle_s(now or r.last_used_at) or 0),
-                _replica_note(r),
             ]
-            for r in reps
-        ]
+            if wide:
+                row += [stamp(r.created_at), stamp(r.ready_at), stamp(r.last_used_at)]
+            rows.append([*row, _replica_note(r)])
+        cols = ["REPLICA", "STATE", "PROFILE", "GPUS" if wide else "NODES", "READY", "IDLE"]
+        if wide:
+            cols += ["CREATED", "READY AT", "LAST USED"]
         if rows:
-            out.append(
-                table(
-                    ["REPLICA", "STATE", "PROFILE", "NODES", "READY", "IDLE", "NOTE"], rows, "    "
-                )
-            )
+            out.append(table([*cols, "NOTE"], rows, "    "))
     return "\n".join(out) if out else "  (no models, no replicas)"
 
 
@@ -202,7 +215,7 @@ def holds_text(view: View) -> str:
     return table(["MODEL", "FOR", "UNTIL", "NOW"], rows) or "  (no holds)"
 
 
-def view_text(view: View, label: str = "", everything: bool = False) -> str:
+def view_text(view: View, label: str = "", everything: bool = False, *, wide: bool = False) -> str:
     s = view.state
     head = f"view at seq {s.seq}, time {stamp(s.time)}"
     if label:
@@ -216,7 +229,7 @@ def view_text(view: View, label: str = "", everything: bool = False) -> str:
         grid(view),
         "",
         f"REPLICAS BY MODEL  ({_count_line(view, everything)})",
-        replicas_text(view, everything),
+        replicas_text(view, everything, wide=wide),
         "",
         "HOLDS",
         holds_text(view),
@@ -224,6 +237,19 @@ def view_text(view: View, label: str = "", everything: bool = False) -> str:
     if s.rejected:
         parts += ["", f"{s.rejected:,} events rejected by the fold (see `llmgw history`)"]
     return "\n".join(parts)
+
+
+def name_lines(view: View, everything: bool = False, *, owners: bool = False) -> str:
+    """`-o name`: one `kind/name` a line, for scripts (`xargs -n1 llmgw cordon`): nodes,
+    models, the replicas holding GPUs (every one with `everything`), and with `owners` the
+    quota tree's owners."""
+    s = view.state
+    out = [f"node/{n}" for n in sorted(s.nodes)]
+    out += [f"model/{m}" for m in sorted(s.models)]
+    out += [f"replica/{r.id}" for r in sorted(shown_replicas(view, everything), key=lambda r: r.id)]
+    if owners:
+        out += [f"owner/{q.name}" for q in sorted(view.quota.quotas(), key=lambda q: q.name)]
+    return "\n".join(out)
 
 
 def _count_line(view: View, everything: bool) -> str:
