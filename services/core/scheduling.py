@@ -20,16 +20,17 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import msgspec
 
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import ReplicaRecord, View
+from services.core.view import LIVE_STATES, ReplicaRecord, View
 
 # DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests,
 # for the scheduler's drains and the preemption service's alike. Shorter cuts requests
@@ -239,16 +240,26 @@ def _live_by_model(
     timed_out: set[str] = set()
     failed: _FailedStarts = {}
     since = now - timedelta(seconds=_horizon_s(config))
+    holding = ev.HOLDING_STATES
+    live_states = LIVE_STATES
+    resolve = view.catalog.resolve
+    # Per model name, what it resolves to: once per model, not once per replica.
+    resolved: dict[str, catalog.Model | None] = {}
     for r in view.replicas.values():
         # A replica that holds nothing needs nothing from a pass, unless it is why a node
         # is avoided or a recent failed start. The view keeps every replica ever placed:
         # without this skip a pass costs a walk over the cluster's whole history.
-        if not r.holds_capacity:
-            if r.state == "failed" and r.updated_at >= since:
+        state = r.state
+        if state not in holding:
+            if state == "failed" and r.updated_at >= since:
                 _note_failed_start(failed, view, r)
             if r.drain_reason != "placement_timeout":
                 continue
-        m = view.catalog.resolve(r.model)
+        name = r.model
+        if name in resolved:
+            m = resolved[name]
+        else:
+            m = resolved[name] = resolve(name)
         if m is None:
             if r.holds_capacity and r.drained_by is None and r.state != "draining":
                 _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "model_removed", config)
@@ -262,19 +273,33 @@ def _live_by_model(
             _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "placement_timeout", config)
             timed_out.add(m.name)
             continue
-        by_model.setdefault(m.name, []).append(
-            _Rep(
-                r.id,
-                r.placed_by,
-                r.nodes,
-                r.live,
-                r.state,
-                r.created_at,
-                r.last_used_at,
-                r.drain_reason,
-                r.ready_at,
-            )
+        # r.nodes and r.live, inline: this loop is most of a pass on a large cluster.
+        shards = r.shards
+        nodes = (
+            (shards[0].node,) if len(shards) == 1 else tuple(dict.fromkeys(x.node for x in shards))
         )
+        live = (
+            state in live_states
+            and r.retiring_at is None
+            and r.preempted_for is None
+            and r.drain_reason != "placement_timeout"
+        )
+        rep = _Rep(
+            r.id,
+            r.placed_by,
+            nodes,
+            live,
+            state,
+            r.created_at,
+            r.last_used_at,
+            r.drain_reason,
+            r.ready_at,
+        )
+        reps = by_model.get(m.name)
+        if reps is None:
+            by_model[m.name] = [rep]
+        else:
+            reps.append(rep)
     return by_model, timed_out, failed
 
 
@@ -428,7 +453,11 @@ class _Pass:
         if self.inv is None:
             self.inv = view.inventory.clone()
         if self.usage is None:
-            self.usage = view.quota.usage(view.holdings())
+            # Usage is read only against a limit (within_limit, and the print of a
+            # quota_limit failure): with no limit anywhere, summing it is not needed.
+            tree = view.quota
+            limited = any(q.limit is not None for q in tree.quotas())
+            self.usage = tree.usage(view.holdings()) if limited else {}
         _place_missing(
             out,
             self.mk,
@@ -535,7 +564,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                _usage_print(usage, chain),
+                lambda: _usage_print(usage, chain),
                 token,
                 now,
                 failures,
@@ -561,7 +590,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                _inventory_print(pick),
+                lambda: _inventory_print(pick),
                 token,
                 now,
                 failures,
@@ -627,7 +656,7 @@ def _fail(
     live: int,
     desired: int,
     avoid: tuple[str, ...],
-    cluster_print: bytes,
+    cluster_print: Callable[[], bytes],
     token: str,
     now: datetime,
     failures: Mapping[str, Failure],
@@ -636,18 +665,18 @@ def _fail(
     """Report a model that cannot be placed: once per change in what it was decided on,
     at most once per quiet period; unchanged, again after a period that doubles each
     time up to its cap. Never once per pass."""
+    last = failures.get(m.name)
+    if last is not None and (now - last.at).total_seconds() < config.failed_quiet_s:
+        return  # said too lately: what it was decided on is not even looked at
     names = tuple(p.name for p in profiles)
     digest = hashlib.blake2b(
         _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
-        + cluster_print,
+        + cluster_print(),
         digest_size=16,
     ).hexdigest()
-    last = failures.get(m.name)
     repeats = 0
     if last is not None:
         since = (now - last.at).total_seconds()
-        if since < config.failed_quiet_s:
-            return
         if last.digest == digest:
             if since < failed_period_s(last.repeats, config):
                 return
@@ -689,14 +718,39 @@ def failed_period_s(repeats: int, config: Config) -> float:
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+# _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage
+# itself kept so that the id stays its own. A usage is replaced, never changed, so its
+# row never changes; a pass reprints a cluster where few nodes changed since the last.
+_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]] = {}
+_ROWS_MAX = 65536
+
+
 def _inventory_print(inv: inventory.Inventory) -> bytes:
     """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
-    return _encoder.encode(
-        [
-            (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
-            for u in sorted(inv.usages(), key=lambda u: u.node.name)
-        ]
-    )
+    rows = _ROWS
+    if len(rows) > _ROWS_MAX:
+        rows.clear()
+    out = []
+    for u in inv.usages():
+        got = rows.get(id(u))
+        if got is None or got[0] is not u:
+            row = (
+                u.node.name,
+                u.free,
+                u.schedulable,
+                round(u.free_cpu, 3),
+                round(u.free_memory, 3),
+            )
+            rows[id(u)] = (u, row)
+        else:
+            row = got[1]
+        out.append(row)
+    out.sort(key=_row_name)
+    return _encoder.encode(out)
+
+
+def _row_name(row: tuple[str, Any, bool, float, float]) -> str:
+    return row[0]
 
 
 def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:
