@@ -207,11 +207,11 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    by_model, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
+    by_model, live, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
     for m in _by_rank(view):
         if m.name not in timed_out:
-            pass_.reconcile(m, by_model.get(m.name, []))
+            pass_.reconcile(m, by_model.get(m.name, []), live.get(m.name, 0))
     return out
 
 
@@ -231,12 +231,16 @@ def _lost_nodes(
 
 def _live_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[_Rep]], set[str], _FailedStarts]:
-    """Per model, its replicas that hold capacity (or are why a node is avoided); the
-    models one of whose placements just timed out, drained here and left for the next
-    pass; and the recent failed starts. Replicas of models no longer in the catalog are
-    drained."""
-    by_model: dict[str, list[_Rep]] = {}
+) -> tuple[dict[str, list[ReplicaRecord]], dict[str, int], set[str], _FailedStarts]:
+    """Per model, its replicas that hold capacity (or are why a node is avoided) and how
+    many of them are live; the models one of whose placements just timed out, drained
+    here and left for the next pass; and the recent failed starts. Replicas of models no
+    longer in the catalog are drained.
+
+    The records are read, not copied: a pass folds nothing, so they stay as they are
+    until it ends, and most models need only their live count."""
+    by_model: dict[str, list[ReplicaRecord]] = {}
+    live: dict[str, int] = {}
     timed_out: set[str] = set()
     failed: _FailedStarts = {}
     since = now - timedelta(seconds=_horizon_s(config))
@@ -265,7 +269,7 @@ def _live_by_model(
                 _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "model_removed", config)
             continue
         if (
-            r.state == "pending"
+            state == "pending"
             and r.placed_by is not None
             and r.drained_by is None
             and (now - r.created_at).total_seconds() >= config.start_timeout_s
@@ -273,34 +277,37 @@ def _live_by_model(
             _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "placement_timeout", config)
             timed_out.add(m.name)
             continue
-        # r.nodes and r.live, inline: this loop is most of a pass on a large cluster.
-        shards = r.shards
-        nodes = (
-            (shards[0].node,) if len(shards) == 1 else tuple(dict.fromkeys(x.node for x in shards))
-        )
-        live = (
+        key = m.name
+        reps = by_model.get(key)
+        if reps is None:
+            by_model[key] = [r]
+            live[key] = 0
+        else:
+            reps.append(r)
+        # r.live, inline: this loop is most of a pass on a large cluster.
+        if (
             state in live_states
             and r.retiring_at is None
             and r.preempted_for is None
             and r.drain_reason != "placement_timeout"
-        )
-        rep = _Rep(
-            r.id,
-            r.placed_by,
-            nodes,
-            live,
-            state,
-            r.created_at,
-            r.last_used_at,
-            r.drain_reason,
-            r.ready_at,
-        )
-        reps = by_model.get(m.name)
-        if reps is None:
-            by_model[m.name] = [rep]
-        else:
-            reps.append(rep)
-    return by_model, timed_out, failed
+        ):
+            live[key] += 1
+    return by_model, live, timed_out, failed
+
+
+def _rep(r: ReplicaRecord) -> _Rep:
+    """What a pass reads of a replica of a model it places or scales down."""
+    return _Rep(
+        r.id,
+        r.placed_by,
+        r.nodes,
+        r.live,
+        r.state,
+        r.created_at,
+        r.last_used_at,
+        r.drain_reason,
+        r.ready_at,
+    )
 
 
 # ------------------------------------------------------------------ failed starts
@@ -436,11 +443,16 @@ class _Pass:
         self.inv: inventory.Inventory | None = None
         self.usage: dict[str, quota.Amount] | None = None
 
-    def reconcile(self, m: catalog.Model, reps: list[_Rep]) -> None:
-        """Drain what is above desired, or place what is missing, for one model."""
+    def reconcile(self, m: catalog.Model, recs: list[ReplicaRecord], n_live: int) -> None:
+        """Drain what is above desired, or place what is missing, for one model (its
+        replicas `recs`, `n_live` of them live)."""
         out, view = self.out, self.view
-        live = [r for r in reps if r.live]
         desired = view.desired_for(m.name)
+        if n_live == desired:
+            out.satisfied.append(m.name)
+            return
+        reps = [_rep(r) for r in recs]
+        live = [r for r in reps if r.live]
         if len(live) > desired:
             for v in _scale_down_order(live)[: len(live) - desired]:
                 _drain(out, self.mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", self.config)
