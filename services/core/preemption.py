@@ -324,7 +324,7 @@ def plan(
         # preempted for another no longer counts as live for it (`ReplicaRecord.live`).
         # It was given up; counted, the model would look at its minimum while below it,
         # and tier 3 would not take for it what the model is owed.
-        "live": view.live_count(m.name),
+        "live": _live_count(view, m.name),
         "min": m.min,
         "avoid": avoided,
         "config": cfg,
@@ -449,6 +449,12 @@ def _preempt(
         placement=last_fit.placement,
         **base,
     )
+
+
+def _live_count(view: View, model: str) -> int:
+    """`view.live_count(model)`: the same count, the model's replicas picked out first."""
+    mine = [r for r in view.state.replicas.values() if r.model == model]
+    return sum(1 for r in mine if r.live)
 
 
 def _counted_owners(view: View, owner: str) -> set[str]:

@@ -207,8 +207,9 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    by_model, live, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
+    by_model, live, named, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
+    pass_.named = named
     for m in _by_rank(view):
         if m.name not in timed_out:
             pass_.reconcile(m, by_model.get(m.name, []), live.get(m.name, 0))
@@ -231,9 +232,9 @@ def _lost_nodes(
 
 def _live_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[ReplicaRecord]], dict[str, int], set[str], _FailedStarts]:
+) -> tuple[dict[str, list[ReplicaRecord]], dict[str, int], _Live, set[str], _FailedStarts]:
     """Per model, its replicas that hold capacity (or are why a node is avoided) and how
-    many of them are live; the models one of whose placements just timed out, drained
+    many of them are live; the live count by the name each replica gives; the models one of whose placements just timed out, drained
     here and left for the next pass; and the recent failed starts. Replicas of models no
     longer in the catalog are drained.
 
@@ -241,6 +242,7 @@ def _live_by_model(
     until it ends, and most models need only their live count."""
     by_model: dict[str, list[ReplicaRecord]] = {}
     live: dict[str, int] = {}
+    named: dict[str, int] = {}
     timed_out: set[str] = set()
     failed: _FailedStarts = {}
     since = now - timedelta(seconds=_horizon_s(config))
@@ -260,6 +262,15 @@ def _live_by_model(
             if r.drain_reason != "placement_timeout":
                 continue
         name = r.model
+        # r.live, inline: this loop is most of a pass on a large cluster.
+        is_live = (
+            state in live_states
+            and r.retiring_at is None
+            and r.preempted_for is None
+            and r.drain_reason != "placement_timeout"
+        )
+        if is_live:
+            named[name] = named.get(name, 0) + 1
         if name in resolved:
             m = resolved[name]
         else:
@@ -284,15 +295,32 @@ def _live_by_model(
             live[key] = 0
         else:
             reps.append(r)
-        # r.live, inline: this loop is most of a pass on a large cluster.
-        if (
-            state in live_states
-            and r.retiring_at is None
-            and r.preempted_for is None
-            and r.drain_reason != "placement_timeout"
-        ):
+        if is_live:
             live[key] += 1
-    return by_model, live, timed_out, failed
+    return by_model, live, _Live(named), timed_out, failed
+
+
+class _Live:
+    """Per model name as replicas give it, how many are live: `View.live_count` for
+    every model at once, counted in the pass's one walk over the replicas."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def live_count(self, model: str) -> int:
+        return self.counts.get(model, 0)
+
+
+def _held(view: View, model: str, now: datetime, named: _Live) -> bool:
+    """`view.active_hold(model, now) is not None`, with the live count read from the
+    pass's walk rather than walked again: `View.hold_end`'s rule, to the letter."""
+    h = view.state.holds.get(model)
+    if h is None or now > h.until:
+        return False
+    to = view.catalog.resolve(h.for_model)
+    return not (to is not None and named.live_count(to.name) >= view.desired_for(to.name))
 
 
 def _rep(r: ReplicaRecord) -> _Rep:
@@ -414,6 +442,7 @@ class _Pass:
         "failures",
         "inv",
         "mk",
+        "named",
         "now",
         "out",
         "token",
@@ -441,6 +470,7 @@ class _Pass:
         self.failures = failures
         self.token = token
         self.inv: inventory.Inventory | None = None
+        self.named = _Live({})
         self.usage: dict[str, quota.Amount] | None = None
 
     def reconcile(self, m: catalog.Model, recs: list[ReplicaRecord], n_live: int) -> None:
@@ -460,7 +490,7 @@ class _Pass:
         if len(live) == desired:
             out.satisfied.append(m.name)
             return
-        if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
+        if _held(view, m.name, self.now, self.named) or view.awaiting(m.name):
             return
         if self.inv is None:
             self.inv = view.inventory.clone()
