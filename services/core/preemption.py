@@ -531,7 +531,8 @@ def _live_by_model(
             exclude(r, "retiring", "")
         elif r.preempted_for is not None:
             exclude(r, "already_preempted", f"already stopped for {r.preempted_for}")
-        elif not r.live:
+        elif r.state == "draining" or r.drain_reason == "placement_timeout":
+            # not r.live, for a replica holding capacity, neither retiring nor preempted
             exclude(r, "draining", "")
         else:
             reps = by_model.get(r.model)
