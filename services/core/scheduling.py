@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -767,13 +768,28 @@ _ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]
 _ROWS_MAX = 65536
 
 
+# _LAST_PRINT: the usages last printed and their print. Failing models of one pass, and
+# passes with nothing placed in between, print the very same usages.
+_LAST_PRINT: list[Any] = [(), b""]
+
+
 def _inventory_print(inv: inventory.Inventory) -> bytes:
     """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
+    usages = tuple(inv.usages())
+    last = _LAST_PRINT
+    if len(usages) == len(last[0]) and all(map(operator.is_, usages, last[0])):
+        return bytes(last[1])
+    printed = _print_rows(usages)
+    last[0], last[1] = usages, printed
+    return printed
+
+
+def _print_rows(usages: tuple[inventory.NodeUsage, ...]) -> bytes:
     rows = _ROWS
     if len(rows) > _ROWS_MAX:
         rows.clear()
     out = []
-    for u in inv.usages():
+    for u in usages:
         got = rows.get(id(u))
         if got is None or got[0] is not u:
             row = (
