@@ -324,7 +324,7 @@ def plan(
         # preempted for another no longer counts as live for it (`ReplicaRecord.live`).
         # It was given up; counted, the model would look at its minimum while below it,
         # and tier 3 would not take for it what the model is owed.
-        "live": view.live_count(m.name),
+        "live": _live_count(view, m.name),
         "min": m.min,
         "avoid": avoided,
         "config": cfg,
@@ -451,6 +451,12 @@ def _preempt(
     )
 
 
+def _live_count(view: View, model: str) -> int:
+    """`view.live_count(model)`: the same count, the model's replicas picked out first."""
+    mine = [r for r in view.state.replicas.values() if r.model == model]
+    return sum(1 for r in mine if r.live)
+
+
 def _counted_owners(view: View, owner: str) -> set[str]:
     """The owners whose replicas the quota math for `owner` reads: those sharing a level
     of its chain (its usage) and those under a guarantee (what is borrowed). Everyone
@@ -525,7 +531,8 @@ def _live_by_model(
             exclude(r, "retiring", "")
         elif r.preempted_for is not None:
             exclude(r, "already_preempted", f"already stopped for {r.preempted_for}")
-        elif not r.live:
+        elif r.state == "draining" or r.drain_reason == "placement_timeout":
+            # not r.live, for a replica holding capacity, neither retiring nor preempted
             exclude(r, "draining", "")
         else:
             reps = by_model.get(r.model)

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import msgspec
 
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import ReplicaRecord, View
+from services.core.view import LIVE_STATES, ReplicaRecord, View
 
 # DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests,
 # for the scheduler's drains and the preemption service's alike. Shorter cuts requests
@@ -206,11 +208,12 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    by_model, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
+    by_model, live, named, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
+    pass_.named = named
     for m in _by_rank(view):
         if m.name not in timed_out:
-            pass_.reconcile(m, by_model.get(m.name, []))
+            pass_.reconcile(m, by_model.get(m.name, []), live.get(m.name, 0))
     return out
 
 
@@ -230,31 +233,55 @@ def _lost_nodes(
 
 def _live_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[_Rep]], set[str], _FailedStarts]:
-    """Per model, its replicas that hold capacity (or are why a node is avoided); the
-    models one of whose placements just timed out, drained here and left for the next
-    pass; and the recent failed starts. Replicas of models no longer in the catalog are
-    drained."""
-    by_model: dict[str, list[_Rep]] = {}
+) -> tuple[dict[str, list[ReplicaRecord]], dict[str, int], _Live, set[str], _FailedStarts]:
+    """Per model, its replicas that hold capacity (or are why a node is avoided) and how
+    many of them are live; the live count by the name each replica gives; the models one of whose placements just timed out, drained
+    here and left for the next pass; and the recent failed starts. Replicas of models no
+    longer in the catalog are drained.
+
+    The records are read, not copied: a pass folds nothing, so they stay as they are
+    until it ends, and most models need only their live count."""
+    by_model: dict[str, list[ReplicaRecord]] = {}
+    live: dict[str, int] = {}
+    named: dict[str, int] = {}
     timed_out: set[str] = set()
     failed: _FailedStarts = {}
     since = now - timedelta(seconds=_horizon_s(config))
+    holding = ev.HOLDING_STATES
+    live_states = LIVE_STATES
+    resolve = view.catalog.resolve
+    # Per model name, what it resolves to: once per model, not once per replica.
+    resolved: dict[str, catalog.Model | None] = {}
     for r in view.replicas.values():
         # A replica that holds nothing needs nothing from a pass, unless it is why a node
         # is avoided or a recent failed start. The view keeps every replica ever placed:
         # without this skip a pass costs a walk over the cluster's whole history.
-        if not r.holds_capacity:
-            if r.state == "failed" and r.updated_at >= since:
+        state = r.state
+        if state not in holding:
+            if state == "failed" and r.updated_at >= since:
                 _note_failed_start(failed, view, r)
             if r.drain_reason != "placement_timeout":
                 continue
-        m = view.catalog.resolve(r.model)
+        name = r.model
+        # r.live, inline: this loop is most of a pass on a large cluster.
+        is_live = (
+            state in live_states
+            and r.retiring_at is None
+            and r.preempted_for is None
+            and r.drain_reason != "placement_timeout"
+        )
+        if is_live:
+            named[name] = named.get(name, 0) + 1
+        if name in resolved:
+            m = resolved[name]
+        else:
+            m = resolved[name] = resolve(name)
         if m is None:
             if r.holds_capacity and r.drained_by is None and r.state != "draining":
                 _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "model_removed", config)
             continue
         if (
-            r.state == "pending"
+            state == "pending"
             and r.placed_by is not None
             and r.drained_by is None
             and (now - r.created_at).total_seconds() >= config.start_timeout_s
@@ -262,20 +289,54 @@ def _live_by_model(
             _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "placement_timeout", config)
             timed_out.add(m.name)
             continue
-        by_model.setdefault(m.name, []).append(
-            _Rep(
-                r.id,
-                r.placed_by,
-                r.nodes,
-                r.live,
-                r.state,
-                r.created_at,
-                r.last_used_at,
-                r.drain_reason,
-                r.ready_at,
-            )
-        )
-    return by_model, timed_out, failed
+        key = m.name
+        reps = by_model.get(key)
+        if reps is None:
+            by_model[key] = [r]
+            live[key] = 0
+        else:
+            reps.append(r)
+        if is_live:
+            live[key] += 1
+    return by_model, live, _Live(named), timed_out, failed
+
+
+class _Live:
+    """Per model name as replicas give it, how many are live: `View.live_count` for
+    every model at once, counted in the pass's one walk over the replicas."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def live_count(self, model: str) -> int:
+        return self.counts.get(model, 0)
+
+
+def _held(view: View, model: str, now: datetime, named: _Live) -> bool:
+    """`view.active_hold(model, now) is not None`, with the live count read from the
+    pass's walk rather than walked again: `View.hold_end`'s rule, to the letter."""
+    h = view.state.holds.get(model)
+    if h is None or now > h.until:
+        return False
+    to = view.catalog.resolve(h.for_model)
+    return not (to is not None and named.live_count(to.name) >= view.desired_for(to.name))
+
+
+def _rep(r: ReplicaRecord) -> _Rep:
+    """What a pass reads of a replica of a model it places or scales down."""
+    return _Rep(
+        r.id,
+        r.placed_by,
+        r.nodes,
+        r.live,
+        r.state,
+        r.created_at,
+        r.last_used_at,
+        r.drain_reason,
+        r.ready_at,
+    )
 
 
 # ------------------------------------------------------------------ failed starts
@@ -382,6 +443,7 @@ class _Pass:
         "failures",
         "inv",
         "mk",
+        "named",
         "now",
         "out",
         "token",
@@ -409,13 +471,19 @@ class _Pass:
         self.failures = failures
         self.token = token
         self.inv: inventory.Inventory | None = None
+        self.named = _Live({})
         self.usage: dict[str, quota.Amount] | None = None
 
-    def reconcile(self, m: catalog.Model, reps: list[_Rep]) -> None:
-        """Drain what is above desired, or place what is missing, for one model."""
+    def reconcile(self, m: catalog.Model, recs: list[ReplicaRecord], n_live: int) -> None:
+        """Drain what is above desired, or place what is missing, for one model (its
+        replicas `recs`, `n_live` of them live)."""
         out, view = self.out, self.view
-        live = [r for r in reps if r.live]
         desired = view.desired_for(m.name)
+        if n_live == desired:
+            out.satisfied.append(m.name)
+            return
+        reps = [_rep(r) for r in recs]
+        live = [r for r in reps if r.live]
         if len(live) > desired:
             for v in _scale_down_order(live)[: len(live) - desired]:
                 _drain(out, self.mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", self.config)
@@ -423,12 +491,16 @@ class _Pass:
         if len(live) == desired:
             out.satisfied.append(m.name)
             return
-        if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
+        if _held(view, m.name, self.now, self.named) or view.awaiting(m.name):
             return
         if self.inv is None:
             self.inv = view.inventory.clone()
         if self.usage is None:
-            self.usage = view.quota.usage(view.holdings())
+            # Usage is read only against a limit (within_limit, and the print of a
+            # quota_limit failure): with no limit anywhere, summing it is not needed.
+            tree = view.quota
+            limited = any(q.limit is not None for q in tree.quotas())
+            self.usage = tree.usage(view.holdings()) if limited else {}
         _place_missing(
             out,
             self.mk,
@@ -535,7 +607,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                _usage_print(usage, chain),
+                lambda: _usage_print(usage, chain),
                 token,
                 now,
                 failures,
@@ -561,7 +633,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                _inventory_print(pick),
+                lambda: _inventory_print(pick),
                 token,
                 now,
                 failures,
@@ -627,7 +699,7 @@ def _fail(
     live: int,
     desired: int,
     avoid: tuple[str, ...],
-    cluster_print: bytes,
+    cluster_print: Callable[[], bytes],
     token: str,
     now: datetime,
     failures: Mapping[str, Failure],
@@ -636,18 +708,18 @@ def _fail(
     """Report a model that cannot be placed: once per change in what it was decided on,
     at most once per quiet period; unchanged, again after a period that doubles each
     time up to its cap. Never once per pass."""
+    last = failures.get(m.name)
+    if last is not None and (now - last.at).total_seconds() < config.failed_quiet_s:
+        return  # said too lately: what it was decided on is not even looked at
     names = tuple(p.name for p in profiles)
     digest = hashlib.blake2b(
         _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
-        + cluster_print,
+        + cluster_print(),
         digest_size=16,
     ).hexdigest()
-    last = failures.get(m.name)
     repeats = 0
     if last is not None:
         since = (now - last.at).total_seconds()
-        if since < config.failed_quiet_s:
-            return
         if last.digest == digest:
             if since < failed_period_s(last.repeats, config):
                 return
@@ -689,14 +761,54 @@ def failed_period_s(repeats: int, config: Config) -> float:
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+# _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage
+# itself kept so that the id stays its own. A usage is replaced, never changed, so its
+# row never changes; a pass reprints a cluster where few nodes changed since the last.
+_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]] = {}
+_ROWS_MAX = 65536
+
+
+# _LAST_PRINT: the usages last printed and their print. Failing models of one pass, and
+# passes with nothing placed in between, print the very same usages.
+_LAST_PRINT: list[Any] = [(), b""]
+
+
 def _inventory_print(inv: inventory.Inventory) -> bytes:
     """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
-    return _encoder.encode(
-        [
-            (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
-            for u in sorted(inv.usages(), key=lambda u: u.node.name)
-        ]
-    )
+    usages = tuple(inv.usages())
+    last = _LAST_PRINT
+    if len(usages) == len(last[0]) and all(map(operator.is_, usages, last[0])):
+        return bytes(last[1])
+    printed = _print_rows(usages)
+    last[0], last[1] = usages, printed
+    return printed
+
+
+def _print_rows(usages: tuple[inventory.NodeUsage, ...]) -> bytes:
+    rows = _ROWS
+    if len(rows) > _ROWS_MAX:
+        rows.clear()
+    out = []
+    for u in usages:
+        got = rows.get(id(u))
+        if got is None or got[0] is not u:
+            row = (
+                u.node.name,
+                u.free,
+                u.schedulable,
+                round(u.free_cpu, 3),
+                round(u.free_memory, 3),
+            )
+            rows[id(u)] = (u, row)
+        else:
+            row = got[1]
+        out.append(row)
+    out.sort(key=_row_name)
+    return _encoder.encode(out)
+
+
+def _row_name(row: tuple[str, Any, bool, float, float]) -> str:
+    return row[0]
 
 
 def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:

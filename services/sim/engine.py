@@ -182,6 +182,7 @@ class Engine:
         self._last_request: dict[str, float] = {}
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
+        self._released_at: tuple[int, datetime] | None = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -309,8 +310,10 @@ class Engine:
                 break
             self._dirty = False
             self._pass()
-        for e in reaction.releases(self.view, self.now):
-            self.emit(e)
+        if self._releases_due():
+            for e in reaction.releases(self.view, self.now):
+                self.emit(e)
+            self._released_at = (self.view.seq, self.now)
         if self._dirty:
             self._pass()
         due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
@@ -326,6 +329,19 @@ class Engine:
             if self._tick_at is None or nxt < self._tick_at:
                 self._tick_at = nxt
                 self.at(nxt, "tick")
+
+    def _releases_due(self) -> bool:
+        """Whether `reaction.releases` could say anything it did not say last time: the
+        view changed since, or a hold's end passed in between. Otherwise it would say
+        the same, which it said and was published (or there was nothing to say)."""
+        holds = self.view.state.holds
+        if not holds:
+            return False
+        last = self._released_at
+        if last is None or last[0] != self.view.seq:
+            return True
+        then, now = last[1], self.now
+        return any(then <= h.until < now for h in holds.values())
 
     def _pass(self) -> None:
         silent = {n: self.t - since for n, since in self._down.items()}
