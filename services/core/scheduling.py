@@ -510,7 +510,7 @@ class _Pass:
             self.usage,
             len(live),
             desired,
-            _avoided(reps, self.now, self.config),
+            _avoided(reps, self.now, self.config, self.failed_starts.get(m.name)),
             _backoffs(self.failed_starts[m.name], reps, self.now, self.config)
             if m.name in self.failed_starts
             else {},
@@ -551,9 +551,19 @@ def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
     return sorted(live, key=key)
 
 
-def _avoided(reps: list[_Rep], now: datetime, config: Config) -> tuple[str, ...]:
-    """Nodes where a placement of this model timed out lately: placed elsewhere if it can."""
-    out: set[str] = set()
+def _avoided(
+    reps: list[_Rep],
+    now: datetime,
+    config: Config,
+    failed: Mapping[str, object] | None = None,
+) -> tuple[str, ...]:
+    """Nodes where a placement of this model timed out lately, or where its start failed
+    lately (`failed`, its recent failed starts by node): placed elsewhere if it can.
+
+    The failed starts are avoided beyond their backoff: a backoff shorter than a pass
+    would otherwise let a model go back and forth between two nodes that refuse it while
+    a third, never tried, would serve it."""
+    out: set[str] = set(failed or ())
     for r in reps:
         if (
             r.drain_reason == "placement_timeout"
