@@ -103,6 +103,13 @@ class Config:
             "help": "the longest a model is kept off a node where its starts failed",
         },
     )
+    max_placements_per_pass: int = field(
+        default=500,
+        metadata={
+            "help": "placements one pass decides at most; the rest follow in the next pass",
+            "flag": "--max-placements",
+        },
+    )
     avoid_for_s: float = field(
         default=600.0,
         metadata={"help": "nodes where a placement timed out are avoided this long"},
@@ -601,6 +608,11 @@ def _place_missing(
     else:
         avoided = avoid
     for slot in range(desired - live):
+        # max_placements_per_pass keeps a pass short: a scale-up of thousands decided in
+        # one pass can outlast the leader's lease, which throws the pass away, again and
+        # again. The rest are placed by the next pass, which follows at once.
+        if out.placed >= config.max_placements_per_pass:
+            return
         allowed = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
         if not allowed:
             why = {
