@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,33 +16,9 @@ from schemas import events as ev
 from services.bus import EmbeddedBroker, connect, ensure_streams
 from services.cli import main
 from services.cli.events import ADVICE
+from tests.cli.test_cli_events import T0, run
 
 pytestmark = pytest.mark.timeout(120)
-
-T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_broker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("LLMGW_NATS", "LLMGW_ROOT", "LLMGW_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LLMGW_DATA", str(tmp_path / "no-llmgw-up-here"))
-
-
-@pytest.fixture
-def second_server(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    broker = EmbeddedBroker(tmp_path / "broker-2")
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def lines(n: int, start: int = 1) -> list[bytes]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -30,24 +30,6 @@ from services.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_broker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # A developer's own LLMGW_* settings must not point these tests at their cluster.
-    for name in ("LLMGW_NATS", "LLMGW_ROOT", "LLMGW_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LLMGW_DATA", str(tmp_path / "no-llmgw-up-here"))
-
-
-@pytest.fixture
-def second_server(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    broker = EmbeddedBroker(tmp_path / "broker-2")
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
