@@ -254,23 +254,60 @@ async def consume_durable(
         deliver_policy=DeliverPolicy.ALL,
     )
     psub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    # stale: the subscription is bound anew before the next fetch. In a cluster, a server
+    # that dies can take the consumer's leader with it; fetches then fail (no responders)
+    # or time out while messages wait, until the subscription finds the new leader.
+    stale, idle = False, 0
     try:
         while not stop.is_set():
+            if stale:
+                try:
+                    with contextlib.suppress(nats.errors.Error):
+                        await psub.unsubscribe()
+                    psub = await js.pull_subscribe(
+                        filter_subject, durable=durable, stream=stream, config=config
+                    )
+                    stale = False
+                except nats.errors.ConnectionClosedError:
+                    return
+                except (nats.errors.Error, TimeoutError) as e:
+                    log.debug("consumer %s: binding again failed: %s", durable, e)
+                    await _pause(stop, 0.5)
+                    continue
             try:
                 msgs = await psub.fetch(batch, timeout=fetch_timeout_s)
             except (TimeoutError, nats.errors.TimeoutError):
+                idle += 1
+                if idle % REBIND_AFTER_IDLE == 0:
+                    stale = await _waiting(psub)
                 continue
             except nats.errors.ConnectionClosedError:
                 return
             except nats.errors.Error as e:
                 log.warning("consumer %s: fetch failed: %s", durable, e)
+                stale = True
                 await _pause(stop, 0.5)
                 continue
+            idle = 0
             for msg in msgs:
                 await _handle_one(js, msg, durable, handler, max_deliver, backoff, root)
     finally:
         with contextlib.suppress(nats.errors.Error):
             await psub.unsubscribe()
+
+
+# REBIND_AFTER_IDLE is how many empty fetches in a row make a durable consumer ask
+# whether messages are waiting all the same (then its subscription is bound anew).
+REBIND_AFTER_IDLE = 5
+
+
+async def _waiting(psub: Any) -> bool:
+    """Whether the consumer holds messages that the empty fetches did not bring."""
+    try:
+        info = await psub.consumer_info()
+    except (nats.errors.Error, TimeoutError):
+        return True
+    return bool(info.num_pending)
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
