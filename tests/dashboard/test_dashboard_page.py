@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.up_process import UpProcess, llmgw
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,14 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _llmgw(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        cwd=REPO,
-    )
+    out = llmgw(*args, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout + out.stderr
 
@@ -45,55 +37,25 @@ def _llmgw(env: dict[str, str], *args: str) -> str:
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     data = tmp_path / "data"
-    env = {k: v for k, v in os.environ.items() if k != "LLMGW_NATS"}
-    env["LLMGW_DATA"] = str(data)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--port",
-            "0",
-            "--ui-listen",
-            "127.0.0.1:0",
-            "--simulate",
-            "2x8xH100-80GB",
-            "--min-lifetime",
-            "0",
-            "--hold",
-            "20",
-            "--start-delay",
-            "0.05",
-            "--load-delay",
-            "0.2",
-            # Victims stay draining long enough to be seen doing it.
-            "--stop-delay",
-            "3",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=REPO,
+    proc = UpProcess(
+        data,
+        tmp_path / "up.log",
+        *("--ui-listen", "127.0.0.1:0", "--simulate", "2x8xH100-80GB"),
+        *("--min-lifetime", "0", "--hold", "20", "--start-delay", "0.05", "--load-delay", "0.2"),
+        # Victims stay draining long enough to be seen doing it.
+        *("--stop-delay", "3"),
     )
     try:
         deadline = time.monotonic() + 30
         while not (data / "dashboard.url").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.alive(), proc.text()
             assert time.monotonic() < deadline, "llmgw up served no dashboard"
             time.sleep(0.05)
-        yield (data / "dashboard.url").read_text().strip(), env
+        yield (data / "dashboard.url").read_text().strip(), proc.env
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    assert proc.returncode == 0, log
-    assert "Traceback" not in log, log
+        code = proc.stop()
+    assert code == 0, proc.text()
+    assert "Traceback" not in proc.text(), proc.text()
 
 
 @pytest.fixture
