@@ -33,16 +33,7 @@ from services.bus.errors import SequenceGap
 
 
 def _reader(js, **kw) -> wire.WireOrderedReader:
-    args = dict(
-        from_seq=1,
-        filter_subject=None,
-        stream=subjects.STREAM,
-        until_seq=None,
-        to_end=False,
-        stop=None,
-        batch_max=100,
-        idle_heartbeat_s=consume.IDLE_HEARTBEAT_S,
-    )
+    args = _kw(batch_max=100, idle_heartbeat_s=consume.IDLE_HEARTBEAT_S)
     args.update(kw)
     return wire.WireOrderedReader(js, js.target, **args)  # type: ignore[arg-type]
 
@@ -62,30 +53,14 @@ def _kw(**kw):
 
 
 def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
-    kw = dict(
-        from_seq=1,
-        filter_subject=None,
-        stream=subjects.STREAM,
-        until_seq=None,
-        to_end=True,
-        stop=None,
-        batch_max=10,
-    )
+    kw = _kw(to_end=True)
     assert isinstance(consume._reader(js, **kw), wire.WireOrderedReader)
     monkeypatch.setenv(wire.ENV_WIRE, "0")
     assert isinstance(consume._reader(js, **kw), ordered.NatsOrderedReader)
 
 
 def test_what_the_wire_does_not_speak_reads_through_nats_py(js, nc):
-    kw = dict(
-        from_seq=1,
-        filter_subject=None,
-        stream=subjects.STREAM,
-        until_seq=None,
-        to_end=True,
-        stop=None,
-        batch_max=10,
-    )
+    kw = _kw(to_end=True)
     tls = JetStream(nc, dataclasses.replace(js.target, unsupported="nkeys_seed"))
     assert isinstance(consume._reader(tls, **kw), ordered.NatsOrderedReader)
     plain = JetStreamContext(nc)  # not made by bus.connect: nobody said where to connect
