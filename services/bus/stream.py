@@ -10,9 +10,12 @@ is not clustered, so the same call makes an R3 log in a cluster and an R1 log on
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import nats.errors
 import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.client import JetStreamContext
@@ -22,6 +25,8 @@ from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
 from services.bus.errors import StreamConflict
 
 DLQ_STREAM = "LLMGW_DLQ"
+
+log = logging.getLogger("llmgw.bus")
 
 # CLUSTER_REPLICAS is how many copies of the log, the leases and the snapshots a cluster
 # keeps. Three is the least that survives losing one server: a replicated stream needs a
@@ -53,7 +58,31 @@ async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | Non
 DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 
 
+# SETTLE_S is how long stream setup keeps asking while a cluster elects its leaders: a
+# create of a replicated stream waits for a stream leader, which on a busy or freshly
+# started cluster can take longer than one request's timeout.
+SETTLE_S = 60.0
+
+
 async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """`_apply(js, config)`, asked again while the cluster has no answer yet: a timeout or
+    "unavailable" during an election. Asking again is safe: `_apply` reads the stream
+    first, so a create that did land is found and left alone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_S
+    pause = 0.25
+    while True:
+        try:
+            return await _apply(js, config)
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
+            if loop.time() + pause >= deadline:
+                raise
+            log.info("stream %s: no answer yet (%s); asking again", config.name, e)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 2.0)
+
+
+async def _apply(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     assert config.name is not None
     try:
         current = await js.stream_info(config.name)

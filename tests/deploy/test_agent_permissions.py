@@ -159,7 +159,18 @@ async def test_an_agent_reads_model_runtimes_and_answers_its_ctl_requests(env: E
 
     sub = await a1.nc.subscribe(f"llmgw.ctl.{A1}.gpu.reset-health", cb=answer)
     await a1.nc.flush()
-    reply = await env.control.nc.request(f"llmgw.ctl.{A1}.gpu.reset-health", b"{}", timeout=5)
+    # The server has the subscription once the flush is answered; on a loaded machine its
+    # interest has been seen to arrive a moment later, so "no responders" is asked again.
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            reply = await env.control.nc.request(
+                f"llmgw.ctl.{A1}.gpu.reset-health", b"{}", timeout=5
+            )
+            break
+        except nats.errors.NoRespondersError:
+            assert asyncio.get_running_loop().time() < deadline, a1.errors
+            await asyncio.sleep(0.05)
     assert reply.data == b"ok"
     await sub.unsubscribe()
     assert a1.errors == []
