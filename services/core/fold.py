@@ -163,6 +163,7 @@ def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | No
         r = reps[rid]
         r.state, r.reason, r.updated_at = "failed", f"node lost: {e.data.reason}", e.time
         view.inventory.release_replica(rid)
+        view.note(r)
     return None
 
 
@@ -217,6 +218,7 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         if d.state == "ready":
             r.ready_at = e.time
         reps[d.replica] = r
+        view.note(r, ready=r.ready_at is not None)
         return None
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
@@ -242,8 +244,10 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     if d.reason is not None or d.state != r.state:
         r.reason = d.reason
     r.state, r.profile, r.shards, r.updated_at = d.state, d.profile, shards, e.time
-    if d.state == "ready" and r.ready_at is None:
+    first_ready = d.state == "ready" and r.ready_at is None
+    if first_ready:
         r.ready_at = e.time
+    view.note(r, ready=first_ready)
     return None
 
 
@@ -305,6 +309,7 @@ def _placement_decided(view: View, e: ev.PlacementDecidedEvent, subject: str | N
     if why is not None:
         return f"replica {d.replica}: {why}"
     view.state.replicas[d.replica] = r
+    view.note(r)
     where = ", ".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in shards)
     _decided(view, e, d.model, "placed", f"{d.replica} ({d.profile}) on {where}: {d.reason}")
     return None
@@ -352,6 +357,7 @@ def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> 
         r.retiring_at = e.time
     elif d.reason == "preempted":
         r.preempted_for = d.for_model
+    view.note(r)
     return None
 
 
@@ -624,7 +630,7 @@ def _about_lost(view: View, e: ev.NodeLostEvent) -> list[Key]:
     node = e.data.node
     out: list[Key] = [("node", node)]
     # The fold fails every replica that held capacity on a lost node.
-    for r in view.state.replicas.values():
+    for r in view.current():
         if r.holds_capacity and any(s.node == node for s in r.shards):
             out += (("replica", r.id), ("model", r.model))
     return out

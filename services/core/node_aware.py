@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 from services.core import catalog
@@ -78,16 +78,14 @@ def key(victims: Sequence[Victim], load_s: dict[str, float]) -> Key:
     )
 
 
-def load_costs(view: View, models: Container[str] | None = None) -> dict[str, float]:
+def load_costs(view: View, models: Iterable[str] | None = None) -> dict[str, float]:
     """Per model (of `models`, default all), the seconds one of its replicas takes from
     placement to ready: the median over its replicas in the log that became ready. A
     model never seen ready costs 0: what it would throw away is unknown, and an unknown
     is not charged."""
-    took: dict[str, list[float]] = {}
-    for r in view.state.replicas.values():
-        if r.ready_at is not None and (models is None or r.model in models):
-            took.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
-    return {m: max(statistics.median(xs), 0.0) for m, xs in took.items()}
+    took = view.load_times()
+    names = took if models is None else [m for m in models if m in took]
+    return {m: max(statistics.median(took[m]), 0.0) for m in names}
 
 
 class _Need:

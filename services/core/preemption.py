@@ -453,7 +453,7 @@ def _preempt(
 
 def _live_count(view: View, model: str) -> int:
     """`view.live_count(model)`: the same count, the model's replicas picked out first."""
-    mine = [r for r in view.state.replicas.values() if r.model == model]
+    mine = [r for r in view.current() if r.model == model]
     return sum(1 for r in mine if r.live)
 
 
@@ -522,9 +522,9 @@ def _live_by_model(
     """
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
-    for r in view.state.replicas.values():
+    for r in view.current():
         if r.state not in holding:
-            continue  # stopped or failed: holds nothing, nothing to weigh
+            continue  # drained for placement_timeout and stopped: holds nothing
         if r.model == m.name:
             exclude(r, "same_model", "")
         elif r.retiring_at is not None:

@@ -254,21 +254,18 @@ def _live_by_model(
     timed_out: set[str] = set()
     failed: _FailedStarts = {}
     since = now - timedelta(seconds=_horizon_s(config))
-    holding = ev.HOLDING_STATES
     live_states = LIVE_STATES
     resolve = view.catalog.resolve
     # Per model name, what it resolves to: once per model, not once per replica.
     resolved: dict[str, catalog.Model | None] = {}
-    for r in view.replicas.values():
-        # A replica that holds nothing needs nothing from a pass, unless it is why a node
-        # is avoided or a recent failed start. The view keeps every replica ever placed:
-        # without this skip a pass costs a walk over the cluster's whole history.
+    # A replica that holds nothing needs nothing from a pass, unless it is why a node is
+    # avoided (drained for placement_timeout) or a recent failed start. The view keeps
+    # every replica ever placed; its indexes give just these, so a pass does not cost a
+    # walk over the cluster's whole history.
+    for r in view.failed_since(since):
+        _note_failed_start(failed, view, r)
+    for r in view.current():
         state = r.state
-        if state not in holding:
-            if state == "failed" and r.updated_at >= since:
-                _note_failed_start(failed, view, r)
-            if r.drain_reason != "placement_timeout":
-                continue
         name = r.model
         # r.live, inline: this loop is most of a pass on a large cluster.
         is_live = (

@@ -15,8 +15,9 @@ two can never disagree about anything a snapshot would keep.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from datetime import datetime
 
 import msgspec
@@ -254,7 +255,19 @@ def _amount(r: ev.Resources) -> quota.Amount:
 class View:
     """The view with its derived indexes. Change it only through `fold.apply`."""
 
-    __slots__ = ("catalog", "inventory", "quota", "state")
+    __slots__ = (
+        "_current",
+        "_current_top",
+        "_failed",
+        "_failed_at",
+        "_loads",
+        "_ordinal",
+        "_unordered",
+        "catalog",
+        "inventory",
+        "quota",
+        "state",
+    )
 
     def __init__(self, state: ViewState | None = None) -> None:
         self.state = state if state is not None else ViewState()
@@ -264,9 +277,80 @@ class View:
             self.catalog.put(model_of(d))
         self.quota = quota_tree_of(s.quota)
         self.inventory = inventory.Inventory(node_of(n) for n in s.nodes.values())
+        # The replica indexes (see `note`): the view keeps every replica ever placed, and
+        # a pass or a policy call that walked them all would cost more each day a cluster
+        # runs. They are derived from the records alone, so a view rebuilt from a
+        # snapshot has the same.
+        self._ordinal: dict[str, int] = {}
+        self._current: dict[str, ReplicaRecord] = {}
+        self._current_top = -1
+        self._unordered = False
+        self._failed: list[tuple[datetime, int, str]] = []
+        self._failed_at: dict[str, tuple[datetime, int, str]] = {}
+        self._loads: dict[str, list[float]] = {}
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 self.inventory.restore(allocation_of(r))
+            self.note(r, ready=True)
+
+    # The replica indexes, kept by the fold.
+
+    def note(self, r: ReplicaRecord, ready: bool = False) -> None:
+        """Bring the replica indexes up to date with `r`, just created or changed. The
+        fold calls it after every change to a replica record; nothing else changes them.
+
+        - current: the replicas that hold capacity, or were drained for
+          placement_timeout (a pass still reads those), in the order they were created;
+        - failed: the failed ones by the time of their last report;
+        - loads: per model, each replica's seconds from placement to its first ready,
+          added when `ready` says this change was that first ready.
+        """
+        rid = r.id
+        n = self._ordinal.get(rid)
+        if n is None:
+            n = self._ordinal[rid] = len(self._ordinal)
+        if r.state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout":
+            if rid not in self._current:
+                if n < self._current_top:
+                    self._unordered = True
+                else:
+                    self._current_top = n
+                self._current[rid] = r
+        else:
+            self._current.pop(rid, None)
+        old = self._failed_at.get(rid)
+        key = (r.updated_at, n, rid) if r.state == "failed" else None
+        if old != key:
+            if old is not None:
+                del self._failed[bisect.bisect_left(self._failed, old)]
+                del self._failed_at[rid]
+            if key is not None:
+                bisect.insort(self._failed, key)
+                self._failed_at[rid] = key
+        if ready and r.ready_at is not None:
+            self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
+
+    def current(self) -> Iterable[ReplicaRecord]:
+        """The replicas that hold capacity, and those drained for placement_timeout, in
+        the order they were created (the order of `replicas`): what a pass and the policy
+        read, without the cluster's whole history."""
+        if self._unordered:
+            order = self._ordinal
+            self._current = dict(sorted(self._current.items(), key=lambda kv: order[kv[0]]))
+            self._unordered = False
+        return self._current.values()
+
+    def failed_since(self, since: datetime) -> list[ReplicaRecord]:
+        """The failed replicas whose last report is at or after `since`, in the order
+        they were created."""
+        i = bisect.bisect_left(self._failed, (since, -1, ""))
+        reps = self.state.replicas
+        return [reps[rid] for _, _, rid in sorted(self._failed[i:], key=lambda k: k[1])]
+
+    def load_times(self) -> dict[str, list[float]]:
+        """Per model, each replica's seconds from placement to its first ready (read
+        only)."""
+        return self._loads
 
     # Reading.
 
@@ -283,7 +367,7 @@ class View:
 
     def live_count(self, model: str) -> int:
         """How many replicas of a model hold capacity and are not on their way out."""
-        return sum(1 for r in self.state.replicas.values() if r.model == model and r.live)
+        return sum(1 for r in self.current() if r.model == model and r.live)
 
     def desired_for(self, model: str) -> int:
         """scale.desired clamped to [min, max], else min; 0 for an unknown model."""
@@ -340,7 +424,7 @@ class View:
         by_model: dict[str, str] = {}
         amounts: dict[tuple[str, str, int, int], quota.Amount] = {}
         holding = ev.HOLDING_STATES
-        for r in self.state.replicas.values():
+        for r in self.current():
             if r.state not in holding:
                 continue
             owner = by_model.get(r.model)

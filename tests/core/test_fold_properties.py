@@ -115,7 +115,7 @@ data = st.one_of(
         ev.ReplicaDrain,
         replica=st.sampled_from((*REPLICAS, "ghost")),
         model=model,
-        reason=st.sampled_from(("preempted", "scale_down", "node_drain")),
+        reason=st.sampled_from(("preempted", "scale_down", "node_drain", "placement_timeout")),
         for_model=st.sampled_from((None, "m0")),
     ),
     st.builds(
@@ -193,3 +193,71 @@ def test_fold_whole_equals_snapshot_plus_rest(
     for n in NODES:
         assert tail.view.inventory.free_gpus(n) == whole.view.inventory.free_gpus(n)
         assert tail.view.inventory.free_cpu(n) == whole.view.inventory.free_cpu(n)
+
+
+def _indexes(view: View) -> tuple[list[str], list[str], dict[str, list[float]]]:
+    """The view's replica indexes, loads sorted (their order is not kept)."""
+    loads = {m: sorted(xs) for m, xs in view.load_times().items()}
+    return [r.id for r in view.current()], [r.id for r in view.failed_since(T0)], loads
+
+
+def _walked(view: View) -> tuple[list[str], list[str], dict[str, list[float]]]:
+    """The same, by walking every replica ever placed."""
+    reps = view.replicas.values()
+    current = [
+        r.id for r in reps if r.state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout"
+    ]
+    failed = [r.id for r in reps if r.state == "failed" and r.updated_at >= T0]
+    loads: dict[str, list[float]] = {}
+    for r in reps:
+        if r.ready_at is not None:
+            loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
+    return current, failed, {m: sorted(xs) for m, xs in loads.items()}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=records(), data=st.data(), since=minutes)
+def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
+    log: list[tuple[str, bytes]], data: st.DataObject, since: datetime
+) -> None:
+    """The indexes a pass and the policy read instead of every replica ever placed (the
+    ones holding capacity or drained for placement_timeout, in creation order; the
+    failed ones since a time; the load times) say what the walk says, after any log,
+    live and from a snapshot taken anywhere in it."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    for view in (whole, restored):
+        assert _indexes(view) == _walked(view)
+        want = [
+            r.id for r in view.replicas.values() if r.state == "failed" and r.updated_at >= since
+        ]
+        assert [r.id for r in view.failed_since(since)] == want
+        for m in MODELS:
+            assert view.live_count(m) == sum(
+                1 for r in view.replicas.values() if r.model == m and r.live
+            )
+
+
+def test_a_stopped_replica_drained_for_placement_timeout_is_read_by_a_pass_again() -> None:
+    """A drain for placement_timeout that arrives after the replica stopped changes
+    nothing it holds, but a pass reads such a replica (it is why a node is avoided):
+    the index follows the drain, not only the state."""
+    sh = (ev.ShardSpec(node="n0", gpus=(0,)),)
+    gpu = ev.GpuInfo(index=0, uuid="GPU-0", model="H100", memory_gb=80.0)
+    log: list[ev.Data] = [
+        ev.NodeInventory(node="n0", gpus=(gpu,), cpu_cores=8.0, memory_gb=64.0),
+        ev.ModelDeclared(name="m0", cls="standard", profiles=(ev.ProfileSpec(name="p1", gpus=1),)),
+        ev.PlacementDecided(replica="r0", model="m0", profile="p1", shards=sh, reason="t"),
+        ev.ReplicaState(replica="r0", model="m0", profile="p1", state="stopped", shards=sh),
+        ev.ReplicaDrain(replica="r0", model="m0", reason="placement_timeout"),
+    ]
+    f = Ingest(None)
+    for i, d in enumerate(log, start=1):
+        e = ev.make(d, id=f"e{i}", time=T0 + timedelta(seconds=i), source="test")
+        f.raw(i, subjects.subject_for(e, node="n0"), codec.encode(e))
+    assert f.touched.rejections == []
+    assert [r.id for r in f.view.current()] == ["r0"]
+    assert _indexes(f.view) == _walked(f.view)

@@ -106,12 +106,15 @@ def of_type(events: list[Stored], cls: type[ev.Envelope]) -> list[Stored]:
 
 
 async def acked_through(js: JetStreamContext, seq: int, durable: str = "preemption") -> bool:
-    """Whether the service's consumer has acked every trigger up to `seq`."""
+    """Whether the service's consumer has acked every trigger up to `seq`: nothing left
+    to deliver, nothing delivered and unacked, and its ack floor there. (A filtered
+    consumer's floor can stand past a trigger not yet delivered, so the floor alone
+    does not say it was handled.)"""
     try:
         info = await js.consumer_info("LLMGW", durable)
     except Exception:
         return False
-    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending
+    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending and not info.num_pending
 
 
 @contextlib.asynccontextmanager
