@@ -9,7 +9,9 @@ a view older than the event it reacts to.
 
 It never writes the view anywhere and never folds past a gap: a missing sequence means
 the read is restarted from the last one folded (the view is exactly the log up to
-there), and a message deleted from the stream stops it with `LogHole`.
+there), and a message deleted from the stream stops it with `LogHole`. A stream
+replaced under it (deleted and created again) is another log: the view is rebuilt
+from that log's start, with one line saying so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from schemas import subjects
 from services.bus import consume, follow, snapshots
-from services.bus.errors import SequenceGap
+from services.bus.errors import SequenceGap, StreamReplaced
 from services.core.ingest import Gap, Ingest
 from services.core.view import Rejection, View
 
@@ -63,6 +65,8 @@ class ViewFollower:
         """Messages that did not decode or did not belong on their subject."""
         self.gaps = 0
         """Gaps seen (each one a restart of the read from `seq`)."""
+        self.replaced = 0
+        """Times the stream was found replaced, and the view rebuilt from the new log."""
         self.error: BaseException | None = None
         """What stopped the follower, if it stopped on its own."""
 
@@ -128,15 +132,29 @@ class ViewFollower:
                 self.gaps += 1
 
         try:
-            await follow.follow(
-                self.js,
-                position=lambda: self._folder.seq,
-                on_batch=self._on_batch,
-                stop=stop,
-                restart=restart,
-                name=f"follower {self.consumer}",
-                stream=self.stream,
-            )
+            while True:
+                try:
+                    await follow.follow(
+                        self.js,
+                        position=lambda: self._folder.seq,
+                        on_batch=self._on_batch,
+                        stop=stop,
+                        restart=restart,
+                        name=f"follower {self.consumer}",
+                        stream=self.stream,
+                    )
+                    break
+                except StreamReplaced as e:
+                    # Another log now: the view of the old one says nothing about it.
+                    # Start again from nothing and fold the new log from its start, as
+                    # the projector does; whoever decides on the view waits for it as
+                    # for any view behind the log.
+                    log.error(
+                        "follower %s: %s; rebuilding the view from the new log", self.consumer, e
+                    )
+                    self.replaced += 1
+                    self._folder = Ingest(None, self.root)
+                    self._notify()
         except BaseException as e:
             self.error = e
             self._notify()

@@ -110,6 +110,7 @@ class Leader:
         # in the stream before our first decision would be decided on a view that does
         # not hold that decision.
         self.written = 0
+        self._written_in = 0
         # standing_by_for is the holder this process last said it stands by for; None
         # while it leads or has not said so yet.
         self.standing_by_for: str | None = None
@@ -184,7 +185,15 @@ class Leader:
 
     async def caught_up(self, seq: int, timeout: float) -> None:  # noqa: ASYNC109
         """Return once the view holds `seq` and this process's own last publish."""
-        await self.follower.wait_for(max(seq, self.written), timeout)
+        await self.follower.wait_for(max(seq, self.own_last()), timeout)
+
+    def own_last(self) -> int:
+        """The sequence of this process's last publish in the log the view follows: 0
+        once the stream was replaced since (that publish was in the old log, whose
+        sequences the new one may not reach for a long while)."""
+        if self._written_in != self.follower.replaced:
+            self.written, self._written_in = 0, self.follower.replaced
+        return self.written
 
     async def last_seq(self) -> int:
         """The stream's last sequence, as the server says now."""
@@ -225,6 +234,6 @@ class Leader:
                 now = items[i : i + batch]
                 parent_of = lambda j, now=now: self._parent(now[j][0])  # noqa: E731
             acks = await self.publisher.publish_many(raw, parent_of=parent_of)
-            self.written = max(self.written, *(a.seq for a in acks))
+            self.written = max(self.own_last(), *(a.seq for a in acks))
             out += acks
         return out

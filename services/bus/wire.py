@@ -59,6 +59,10 @@ INACTIVE_THRESHOLD_S = 10.0
 
 REQUEST_TIMEOUT_S = 2.0
 RECONNECT_WAIT_S = 0.25
+# CREATE_WAIT_MAX_S caps the wait between refused consumer creates (a stream deleted, a
+# permission missing): long enough not to flood the broker and the log, short enough
+# that a stream created again is read within seconds.
+CREATE_WAIT_MAX_S = 4.0
 
 _json = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
@@ -453,7 +457,10 @@ class WireOrderedReader:
 
     async def _create(self) -> dict[str, Any]:
         """Subscribe a fresh inbox and create a consumer delivering to it from last_seq+1.
-        Reconnects and retries on failure; returns the consumer's info."""
+        Reconnects and retries on failure, waiting longer each time up to
+        CREATE_WAIT_MAX_S (a stream that is gone may be gone for a while); returns the
+        consumer's info. The same refusal again is said once, not on every try."""
+        failed, said = 0, ""
         while True:
             conn = self._conn
             if conn is None or conn.closed:
@@ -506,8 +513,16 @@ class WireOrderedReader:
             if err:
                 if self._stopped():
                     raise _Stopped
-                log.warning("wire reader: creating a consumer failed: %s", err)
-                await self._pause(RECONNECT_WAIT_S)
+                text = str(err.get("description", err)) if isinstance(err, dict) else str(err)
+                if text != said:
+                    log.warning("wire reader: creating a consumer failed: %s", err)
+                    said = text
+                else:
+                    log.debug("wire reader: creating a consumer failed again: %s", err)
+                failed += 1
+                await self._pause(
+                    min(RECONNECT_WAIT_S * 2 ** min(failed - 1, 8), CREATE_WAIT_MAX_S)
+                )
                 continue
             self._seen = time.monotonic()
             return resp  # type: ignore[no-any-return]

@@ -145,11 +145,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running
 
-    @property
-    def _written(self) -> int:
-        """The stream sequence of this process's last publish."""
-        return self.leader.written
-
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the log, listen for heartbeats, take part in the lease and reconcile
         while leading, until `stop` is set (see `Leader.run` for how it stops)."""

@@ -163,7 +163,9 @@ async def bench_bus(url: str, n: int, rounds: int, singles: int) -> dict[str, li
         """Scale to 0, wait for every drain to fold, report every replica stopped."""
         await pub.publish(_make(ev.ScaleDesired(model=MODEL, replicas=0)))
         await poll(
-            lambda: sched.view.live_count(MODEL) == 0 and sched.follower.seq >= sched._written
+            lambda: (
+                sched.view.live_count(MODEL) == 0 and sched.follower.seq >= sched.leader.own_last()
+            )
         )
         states = [
             _make(
@@ -198,7 +200,7 @@ async def bench_bus(url: str, n: int, rounds: int, singles: int) -> dict[str, li
             await pub.publish(_make(ev.ScaleDesired(model=MODEL, replicas=k)))
             t1 = await until(base + 1)
             out["single_ms"].append((t1 - t0) * 1e3)
-            await poll(lambda: sched.follower.seq >= sched._written, every=0.001)
+            await poll(lambda: sched.follower.seq >= sched.leader.own_last(), every=0.001)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

@@ -15,6 +15,7 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from schemas import subjects
 from services.bus import Publisher, ensure_streams, follow
+from services.follower import ViewFollower
 from services.projector.service import Projector
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,3 +89,34 @@ async def test_a_stream_replaced_under_a_running_projector_is_rebuilt_from(
         stop.set()
         await task
     assert p.view.state.seq == 1
+
+
+async def test_a_follower_rebuilds_its_view_from_a_replaced_stream(
+    js: JetStreamContext, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler's and the preemption service's view (ViewFollower) does as the
+    projector does: one line, then the new log from its start; it does not stop, which
+    would take the service (and `llmgw up`) down with it."""
+    monkeypatch.setattr(follow, "ORIGIN_CHECK_S", 0.2)
+    caplog.set_level(logging.INFO, "llmgw")
+    await ensure_streams(js)
+    pub = Publisher(js)
+    for i in range(3):
+        await pub.publish(_scale("old", i + 1, i))
+    f = ViewFollower(js, consumer="test")
+    f.start()
+    try:
+        await f.wait_for(3, timeout=20)
+        await js.delete_stream(subjects.STREAM)
+        await ensure_streams(js)
+        await pub.publish(_scale("new", 9, 0))
+        async with asyncio.timeout(30):
+            while f.view.state.desired != {"new": 9}:
+                assert f.error is None, f.error
+                await asyncio.sleep(0.05)
+    finally:
+        await f.stop()
+    assert f.error is None
+    assert f.view.state.seq == 1 and f.replaced == 1
+    said = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert len(said) == 1 and "follower test" in said[0]

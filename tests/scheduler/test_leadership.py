@@ -141,7 +141,7 @@ async def test_deposed_leader_publishes_nothing_more(
     await eventually(lambda: n_decided(cluster, 4))
     await a.scheduler.follower.caught_up(5)
     passes = a.scheduler.stats.passes
-    await eventually(lambda: a.scheduler.follower.seq >= b.scheduler._written)
+    await eventually(lambda: a.scheduler.follower.seq >= b.scheduler.leader.own_last())
     assert a.scheduler.stats.published == published_by_a
     assert a.scheduler.stats.passes == passes  # it does not even run a pass
     got = await decided(cluster)

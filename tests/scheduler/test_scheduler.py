@@ -30,7 +30,7 @@ async def settle(s: Running) -> None:
     """Wait until the scheduler's view holds everything in the stream and its own last
     publish (so "nothing more happened" is checked on a settled scheduler)."""
     await s.scheduler.follower.caught_up(5)
-    await eventually(lambda: s.scheduler.follower.seq >= s.scheduler._written)
+    await eventually(lambda: s.scheduler.follower.seq >= s.scheduler.leader.own_last())
 
 
 async def test_places_min_replicas_on_declare(cluster: Cluster, start_scheduler) -> None:
