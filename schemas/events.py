@@ -273,12 +273,19 @@ class ReplicaStart(Data, frozen=True, kw_only=True):
     shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
 
 
+# DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests
+# when it names none: the contract's default, and the one default of the scheduler's and
+# the preemption service's drains, `llmgw drain node` and the agent. Shorter cuts
+# requests off mid-answer; longer keeps the room from the model waiting for it.
+DRAIN_GRACE_S = 30.0
+
+
 class ReplicaDrain(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
     reason: DrainReason
     for_model: Text | None = None
-    grace_s: Quantity = 30.0
+    grace_s: Quantity = DRAIN_GRACE_S
 
 
 class Victim(Data, frozen=True, kw_only=True):

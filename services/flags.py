@@ -26,6 +26,20 @@ class _Adder(Protocol):
     def add_argument(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
+def service_parser(prog: str, description: str, config: type[Any]) -> argparse.ArgumentParser:
+    """The parser of one service run alone (`python -m services.scheduler`, `python -m
+    services.preemption`): where it connects, its subject root and lease holder name,
+    then the flags of its `config`."""
+    from schemas.subjects import DEFAULT_ROOT
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--nats", help="broker URL(s), comma-separated (default: $LLMGW_NATS)")
+    p.add_argument("--root", default=DEFAULT_ROOT, help="subject root token")
+    p.add_argument("--holder", help="lease holder name (default: host-pid)")
+    add(p, config)
+    return p
+
+
 def add(parser: _Adder, config: type[Any], *, only: Collection[str] | None = None) -> None:
     """Add a flag to `parser` (or an argument group) for each field of `config` with help
     text; with `only`, for those of these names."""

@@ -154,7 +154,7 @@ def register(commands: cli.Commands) -> None:
 
 # GRACE_S is the drain grace `drain node` gives by default: the contract's default, time
 # for in-flight requests to finish before an agent stops the replica.
-GRACE_S = 30.0
+GRACE_S = ev.DRAIN_GRACE_S
 
 
 def _force(p: argparse.ArgumentParser, what: str) -> None:

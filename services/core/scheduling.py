@@ -33,10 +33,9 @@ from schemas import ids
 from services.core import catalog, inventory, placement, quota
 from services.core.view import LIVE_STATES, ReplicaRecord, View
 
-# DRAIN_GRACE_S is the grace a `replica.drain` gives its replica to finish its requests,
-# for the scheduler's drains and the preemption service's alike. Shorter cuts requests
-# off mid-answer; longer keeps the room from the model waiting for it.
-DRAIN_GRACE_S = 30.0
+# DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains and the
+# preemption service's alike.
+DRAIN_GRACE_S = ev.DRAIN_GRACE_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from schemas import subjects
 from services import flags
 from services.preemption.config import Config
 from services.preemption.fault import Fault, FaultError
@@ -21,15 +20,11 @@ from services.runner import run_service
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m services.preemption",
-        description="Run one preemption service (leader or warm standby).",
+    return flags.service_parser(
+        "python -m services.preemption",
+        "Run one preemption service (leader or warm standby).",
+        Config,
     )
-    p.add_argument("--nats", help="broker URL (default: $LLMGW_NATS)")
-    p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
-    p.add_argument("--holder", help="lease holder name (default: host-pid)")
-    flags.add(p, Config)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

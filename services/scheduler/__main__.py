@@ -12,7 +12,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from schemas import subjects
 from services import flags
 from services.core.scheduling import Config
 from services.runner import run_service
@@ -20,15 +19,9 @@ from services.scheduler.service import Scheduler
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m services.scheduler",
-        description="Run one scheduler (leader or warm standby).",
+    return flags.service_parser(
+        "python -m services.scheduler", "Run one scheduler (leader or warm standby).", Config
     )
-    p.add_argument("--nats", help="broker URL (default: $LLMGW_NATS)")
-    p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
-    p.add_argument("--holder", help="lease holder name (default: host-pid)")
-    flags.add(p, Config)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
