@@ -147,6 +147,9 @@ class PreemptionService:
         self._released: set[str] = set()
         # _recorded: this term's settings are in the log (recorded, or found there).
         self._recorded = False
+        self.consuming = False
+        """True while leading with its backlog noted and its trigger consumer running: a
+        trigger stored from then on is new to this term, not a backlog to look up."""
         self.stats = Stats()
 
     # ------------------------------------------------------------------ running
@@ -176,6 +179,7 @@ class PreemptionService:
             watcher = asyncio.create_task(_set_when_any(inner, stop, self.leader.deposed))
             try:
                 self._backlog = await self.leader.last_seq()
+                self.consuming = True
                 await consume_durable(
                     self.js,
                     durable=self.config.durable,
@@ -198,6 +202,7 @@ class PreemptionService:
                     await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
                 continue
             finally:
+                self.consuming = False
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher

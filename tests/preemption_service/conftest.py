@@ -135,7 +135,9 @@ async def running(
     task = asyncio.create_task(svc.run(stop))
     try:
         if lead:
-            await until(lambda: svc.is_leader or task.done())
+            # Leading, and consuming: a trigger published before the service noted its
+            # backlog would count as backlog (looked up in the log, not decided anew).
+            await until(lambda: (svc.is_leader and svc.consuming) or task.done())
             if task.done():
                 task.result()
         yield svc, task

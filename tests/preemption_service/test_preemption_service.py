@@ -202,7 +202,7 @@ async def test_two_services_one_decision_and_standby_takes_over(
         a_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await a_task
-        await until(lambda: b.is_leader, within=a.config.lease_ttl_s + 2)
+        await until(lambda: b.is_leader and b.consuming, within=a.config.lease_ttl_s + 2)
 
         second = failed(s, "chat2")
         n = await publish(js, s, since=n)
