@@ -46,6 +46,7 @@ from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
 from services.clock import new_id
 from services.core import ingest
+from services.core.scheduling import DRAIN_GRACE_S
 
 log = logging.getLogger("llmgw.agent")
 
@@ -123,7 +124,7 @@ class _Replica:
     command: str
     correlation: str | None
     since: datetime
-    grace_s: float = 30.0
+    grace_s: float = DRAIN_GRACE_S
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
 
