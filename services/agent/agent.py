@@ -46,6 +46,7 @@ from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
 from services.clock import new_id
 from services.core import ingest
+from services.core.scheduling import DRAIN_GRACE_S
 
 log = logging.getLogger("llmgw.agent")
 
@@ -88,6 +89,10 @@ def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
 # event is set (`gpus.Nvml.watch`). It runs in a thread of its own.
 HealthWatch = Callable[[threading.Event, Callable[[int, str], None]], None]
 
+# FOUND_UNHEALTHY is why a GPU discovery found unhealthy is kept so: NVML counted
+# uncorrected ECC errors on it before the agent started (`gpus.Nvml.gpus`).
+FOUND_UNHEALTHY = "uncorrected ECC errors found at start"
+
 # UNHEALTHY_REMIND_S is how often the agent says again, in its log, which GPUs it keeps
 # unhealthy and how to bring them back: a GPU is never out quietly.
 UNHEALTHY_REMIND_S = 600.0
@@ -119,7 +124,7 @@ class _Replica:
     command: str
     correlation: str | None
     since: datetime
-    grace_s: float = 30.0
+    grace_s: float = DRAIN_GRACE_S
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
 
@@ -178,7 +183,28 @@ class Agent:
         self._health = health
         self._health_file = health_file
         # _unhealthy: GPU index -> why; kept in `health_file` so a restart remembers it.
+        # A GPU found unhealthy at discovery (uncorrected ECC errors already counted) is
+        # one of them: the inventory is rebuilt from this, so it is never published
+        # healthy, and `llmgw gpu reset-health` clears it like any other.
         self._unhealthy: dict[int, str] = _load_health(health_file)
+        found_bad = {
+            g.index: FOUND_UNHEALTHY
+            for g in self.inventory.gpus
+            if not g.healthy and g.index not in self._unhealthy
+        }
+        if found_bad:
+            self._unhealthy.update(found_bad)
+            _save_health(health_file, self._unhealthy)
+            for index in sorted(found_bad):
+                log.warning(
+                    "%s: GPU %d unhealthy: %s; the scheduler avoids it until "
+                    "`llmgw gpu reset-health %s %d`",
+                    node,
+                    index,
+                    FOUND_UNHEALTHY,
+                    node,
+                    index,
+                )
         self._apply_health()
         self.source = f"agent/{node}"
         self.durable = durable_name(node)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +51,16 @@ KILL_WAIT_S = 10.0
 LOG_TAIL = 5
 HTTP_TIMEOUT_S = 2.0
 
+# SGLANG_PYTHON is the interpreter SGLang's server runs under, as SGLang's documentation
+# launches it (`python3 -m sglang.launch_server`): the python3 on the server's PATH, where
+# SGLang is installed beside its CUDA libraries, as `vllm` is found on PATH. Not the
+# agent's own interpreter (sys.executable): that is llmgw's environment, which has no
+# reason to hold SGLang, and would tie the engine's version to the agent's.
+SGLANG_PYTHON = "python3"
+_HAS_SGLANG = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+# ENGINE_CHECK_S bounds the check that SGLang is importable (an interpreter's start).
+ENGINE_CHECK_S = 30.0
+
 # The metrics each engine exposes: (requests served, a counter; requests in flight).
 METRICS = {
     "vllm": ("vllm:request_success_total", "vllm:num_requests_running"),
@@ -74,6 +82,8 @@ class Entry(msgspec.Struct, kw_only=True):
     log: str
     runtime: ev.ModelRuntime
     term_sent: bool = False
+    boot: str = ""
+    """The host's boot the server started in (`procs.boot_id`); "" in older state files."""
 
 
 @dataclass(eq=False)
@@ -143,10 +153,11 @@ class ProcessRuntime:
         """Find the servers a previous agent left running, from the state file.
 
         `known` is what the log says of this node's replicas that hold GPUs. A server is
-        adopted when its replica is one of them, and its pid, start time, port and GPUs
-        are those recorded; every other process carrying this node's tag is stopped. A
-        replica the log says is ready whose server is not found is remembered as lost,
-        and `resume` reports it failed."""
+        adopted when its replica is one of them, and its pid, start time (in this boot),
+        GPUs and, unless it was starting or loading, port are those recorded; every
+        other process carrying this node's tag is stopped. A replica the log says is
+        ready whose server is not found is remembered as lost, and `resume` reports it
+        failed."""
         entries = self._load()
         for e in entries:
             s = known.get(e.replica)
@@ -154,18 +165,23 @@ class ProcessRuntime:
             why = None
             if s is None:
                 why = "the log says it is not running"
-            elif not procs.alive(e.pid, e.started):
+            elif not procs.same(e.pid, e.started, e.boot):
                 why = f"pid {e.pid} is gone or is another process now"
             elif tuple(sorted(mine)) != tuple(sorted(e.gpus)):
                 why = f"its GPUs {list(e.gpus)} are not the log's {list(mine)}"
+            elif s.state in ("starting", "loading"):
+                # Its port may not be open yet; that it is the same process (pid, start
+                # time, boot), on the same GPUs, is what is verified.
+                why = None
             elif not await _listening(self.host, e.port):
-                why = None if s.state in ("starting", "loading") else f"port {e.port} is closed"
+                why = f"port {e.port} is closed"
             if why is None:
                 log.info("%s: adopting %s (pid %d, port %d)", self.node, e.replica, e.pid, e.port)
                 self._servers[e.replica] = _Server(e=e, ready=s is not None and s.state == "ready")
             else:
                 log.warning("%s: not adopting %s: %s; stopping it", self.node, e.replica, why)
-                await self._kill_all(e.tag, e.pid if procs.alive(e.pid, e.started) else None)
+                leader = e.pid if procs.same(e.pid, e.started, e.boot) else None
+                await self._kill_all(e.tag, leader)
         # Whatever else carries this node's tag is a server nobody can vouch for.
         ours = {s.e.tag for s in self._servers.values()}
         for tag, pids in procs.tagged(self._tag_prefix).items():
@@ -207,7 +223,7 @@ class ProcessRuntime:
                 await report("failed", f"model {model} declares no runtime: nothing to run")
                 return
             gpus = tuple(g for sh in shards if sh.node == self.node for g in sh.gpus)
-            refused = self._refusal(replica, runtime, gpus)
+            refused = self._refusal(replica, runtime, gpus) or await self._engine_missing(runtime)
             if refused is not None:
                 await report("failed", refused)
                 return
@@ -260,8 +276,8 @@ class ProcessRuntime:
         self._servers.pop(replica, None)
         self._reports.pop(replica, None)
         self._save()
-        if left:
-            await report("failed", f"processes {sorted(left)} still hold it after SIGKILL")
+        if left is not None:
+            await report("failed", left)
         else:
             await report("stopped")
 
@@ -278,12 +294,24 @@ class ProcessRuntime:
                     f"GPU {', '.join(map(str, sorted(taken)))} held by the server of "
                     f"replica {other.e.replica}"
                 )
+        return None
+
+    async def _engine_missing(self, rt: ev.ModelRuntime) -> str | None:
+        """Why the engine `rt` names cannot run here (None: it can), found as the server
+        would be: on its PATH."""
+        path = _exec_path(rt)
         match rt.engine:
-            case "vllm" if shutil.which("vllm") is None:
+            case "vllm" if shutil.which("vllm", path=path) is None:
                 return "engine vllm is not installed on this host (no `vllm` on PATH)"
-            case "sglang" if importlib.util.find_spec("sglang") is None:
-                return "engine sglang is not installed on this host (no sglang module)"
-            case "command" if shutil.which(rt.command[0] if rt.command else "") is None:
+            case "sglang":
+                py = shutil.which(SGLANG_PYTHON, path=path)
+                if py is None:
+                    return (
+                        f"engine sglang is not installed on this host (no {SGLANG_PYTHON} on PATH)"
+                    )
+                if not await _exits_0([py, "-c", _HAS_SGLANG]):
+                    return f"engine sglang is not installed on this host (no sglang module in {py})"
+            case "command" if shutil.which(rt.command[0] if rt.command else "", path=path) is None:
                 what = rt.command[0] if rt.command else "(empty)"
                 return f"command {what} is not installed on this host"
         return None
@@ -301,7 +329,7 @@ class ProcessRuntime:
                 base = ["vllm", "serve", model, "--host", "{host}", "--port", "{port}"]
                 base += ["--tensor-parallel-size", "{tp}"]
             case "sglang":
-                base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+                base = [SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", model]
                 base += ["--host", "{host}", "--port", "{port}", "--tp", "{tp}"]
             case _:
                 base = list(rt.command)
@@ -357,6 +385,7 @@ class ProcessRuntime:
             tag=tag,
             log=str(logfile),
             runtime=rt,
+            boot=procs.boot_id(),
         )
         s = _Server(e=e, popen=popen)
         self._servers[replica] = s
@@ -456,11 +485,14 @@ class ProcessRuntime:
             return f" with signal {-rc}" if rc < 0 else f" with status {rc}"
         return ""
 
-    async def _kill_all(self, tag: str, leader: int | None, s: _Server | None = None) -> set[int]:
+    async def _kill_all(self, tag: str, leader: int | None, s: _Server | None = None) -> str | None:
         """SIGKILL every process of the replica tagged `tag` until none is left and, with
-        NVML, none of them holds one of its GPUs. Returns what would not go."""
+        NVML, none of them holds one of its GPUs. Returns why that is not so after
+        KILL_WAIT_S (None: all gone)."""
         deadline = time.monotonic() + KILL_WAIT_S
-        seen: set[int] = set()
+        # The leader counts even when it exited before this (on SIGTERM, say): the driver
+        # may still hold its GPU memory.
+        seen: set[int] = {s.e.pid} if s is not None else set()
         while True:
             left = await asyncio.to_thread(procs.members, tag, leader)
             if s is not None and s.popen is not None:
@@ -470,19 +502,32 @@ class ProcessRuntime:
                 break
             procs.kill(left, leader)
             if time.monotonic() > deadline:
-                return left
+                return f"processes {sorted(left)} still run {KILL_WAIT_S:g}s after SIGKILL"
             await asyncio.sleep(0.05)
             leader = None  # the group is signalled; its leader may be gone and its pid reused
         if s is not None and s.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 s.popen.wait(1.0)
-        if self.nvml is not None and s is not None and seen:
-            while time.monotonic() < deadline:
-                held = {p for g in s.e.gpus for p in self.nvml.pids(g)} & seen
-                if not held:
-                    break
-                await asyncio.sleep(0.1)
-        return set()
+        if self.nvml is None or s is None:
+            return None
+        # The driver frees a process's GPU memory after the process is gone, so NVML is
+        # asked after the kill, always, with a bound of its own: the kill may have used
+        # all of its time.
+        nvml_deadline = time.monotonic() + KILL_WAIT_S
+        while True:
+            held = await asyncio.to_thread(self._held, s.e.gpus, seen)
+            if not held:
+                return None
+            if time.monotonic() > nvml_deadline:
+                on = "; ".join(f"GPU {g}: pids {sorted(p)}" for g, p in sorted(held.items()))
+                return f"NVML still shows its processes {KILL_WAIT_S:g}s after SIGKILL ({on})"
+            await asyncio.sleep(0.1)
+
+    def _held(self, gpus: tuple[int, ...], pids: set[int]) -> dict[int, set[int]]:
+        """GPU -> which of `pids` NVML shows on it, for those of `gpus` that hold any."""
+        assert self.nvml is not None
+        out = {g: self.nvml.pids(g) & pids for g in gpus}
+        return {g: p for g, p in out.items() if p}
 
     def _forget(self, s: _Server) -> None:
         self._servers.pop(s.e.replica, None)
@@ -553,6 +598,31 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + value
     return out
+
+
+def _exec_path(rt: ev.ModelRuntime) -> str:
+    """The PATH a server of `rt` is run with (its `env` may set one)."""
+    return rt.env.get("PATH") or os.environ.get("PATH") or os.defpath
+
+
+async def _exits_0(argv: list[str]) -> bool:
+    """Whether `argv` runs and exits 0 within ENGINE_CHECK_S."""
+    try:
+        p = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        return False
+    try:
+        return await asyncio.wait_for(p.wait(), ENGINE_CHECK_S) == 0
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()
+        await p.wait()
+        return False
 
 
 def _fill(text: str, values: dict[str, str]) -> str:

@@ -48,6 +48,22 @@ def alive(pid: int, started: int | None = None) -> bool:
     return t is not None and (started is None or t == started)
 
 
+def boot_id() -> str:
+    """This boot of the host (the kernel's random boot id; "" where there is none). A pid
+    and start time name one process within a boot only: after a reboot, a process started
+    in the same order can have both."""
+    try:
+        return (PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def same(pid: int, started: int, boot: str) -> bool:
+    """Whether `pid` is still the process that started at `started` in boot `boot` (""
+    for a record that did not say its boot)."""
+    return alive(pid, started) and (not boot or boot == boot_id())
+
+
 def _pids() -> list[int]:
     return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
 

@@ -14,6 +14,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -24,6 +25,7 @@ from nats.js.errors import NotFoundError
 from schemas import events as ev
 from schemas import subjects
 from services.agent import Agent, NoStream, SimulatedRuntime, durable_name, spec
+from services.agent.agent import ctl_subject
 from services.bus import EmbeddedBroker, Publisher, connect, consume
 from services.bus.stream import ensure_stream
 from tests.agent.helpers import by_replica, drain_cmd, node_events, start_cmd, states, wait_for
@@ -147,6 +149,30 @@ async def test_inventory_at_start_and_heartbeats_on_core_nats_only(
     stored = [d.subject async for b in consume.read_range(js, 1) for d in b]
     assert stored
     assert not any(".heartbeat." in s for s in stored)
+
+
+async def test_a_gpu_found_unhealthy_at_discovery_is_published_unhealthy_until_reset(
+    nc: Client, js: JetStreamContext, running: Callable[..., Any], node: str, tmp_path: Any
+) -> None:
+    # As `gpus.Nvml.gpus` finds them: GPU 1 has uncorrected ECC errors already counted.
+    found = tuple(
+        msgspec.structs.replace(g, healthy=g.index != 1)
+        for g in spec.gpu_inventory(node, spec.parse_gpus("2xH100-80GB"))
+    )
+    health_file = tmp_path / "health.json"
+    await running(gpus=found, health_file=health_file)
+    inv = await wait_for(lambda: node_events(js, node, "inventory"), bool)
+    assert isinstance(inv[0], ev.NodeInventoryEvent)
+    assert [(g.index, g.healthy) for g in inv[0].data.gpus] == [(0, True), (1, False)]
+    assert "1" in json.loads(health_file.read_text())
+
+    # `llmgw gpu reset-health NODE 1` brings it back, in a new inventory.
+    reply = await nc.request(ctl_subject(node), b'{"gpu": 1}', timeout=5)
+    assert json.loads(reply.data) == {"gpu": 1, "was": "uncorrected ECC errors found at start"}
+    inv = await wait_for(lambda: node_events(js, node, "inventory"), lambda i: len(i) == 2)
+    assert isinstance(inv[1], ev.NodeInventoryEvent)
+    assert [(g.index, g.healthy) for g in inv[1].data.gpus] == [(0, True), (1, True)]
+    assert json.loads(health_file.read_text()) == {}
 
 
 def _async(f: Callable[[], Any]) -> Callable[[], Any]:
