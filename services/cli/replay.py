@@ -9,8 +9,10 @@ Choices a user relies on:
 - A moment is `--seq N` (the view right after event N) or `--at T` (the view before the
   first event whose own time is after T: the cluster's clock, the same on a re-imported
   log, as `events export --until-time` cuts).
-- Relative times ("3m ago") are relative to the view's own time, the latest event
-  folded, so an old incident reads as it stood then.
+- Relative times ("3m ago") count from now (the wall clock) when the command reads a
+  broker's log, live or stopped, at its head; with --at/--seq, or a bundle (--log), from
+  the view's own time, the latest event folded, so an old incident reads as it stood
+  then. The renderers are pure: `now` is passed to them from here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from services.cli import app as cli
@@ -368,6 +370,17 @@ def _report_skipped(src: Source) -> None:
         print(f"{cli.PROG}: {line}", file=sys.stderr)
 
 
+def wall_now(args: argparse.Namespace) -> datetime | None:
+    """What ages count from: the wall clock when a broker's log (live, or a stopped
+    plane's stored one) is read at its head; None (the view's own time) for a bundle or a
+    moment travelled to with --at/--seq, which is read as it stood then."""
+    if getattr(args, "log", None):
+        return None
+    if getattr(args, "seq", None) is not None or getattr(args, "at", None) is not None:
+        return None
+    return datetime.now(UTC)
+
+
 def _moment(args: argparse.Namespace) -> dict[str, Any]:
     return {"until_seq": args.seq, "until_time": args.at}
 
@@ -431,15 +444,15 @@ async def _replay(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- view
 
 
-def view_frame(args: argparse.Namespace, v: View, label: str) -> str:
-    """One drawing of `llmgw view` in the chosen output."""
+def view_frame(args: argparse.Namespace, v: View, label: str, now: datetime | None = None) -> str:
+    """One drawing of `llmgw view` in the chosen output, ages counted from `now`."""
     match args.output:
         case "json":
-            return json.dumps(render.view_json(v), indent=2)
+            return json.dumps(render.view_json(v, now), indent=2)
         case "name":
             return render.name_lines(v, everything=args.everything)
         case _:
-            return render.view_text(v, label, args.everything, wide=args.output == "wide")
+            return render.view_text(v, label, args.everything, wide=args.output == "wide", now=now)
 
 
 async def _view(args: argparse.Namespace) -> int:
@@ -447,10 +460,15 @@ async def _view(args: argparse.Namespace) -> int:
         args, {"--log": bool(args.log), "--seq": args.seq is not None, "--at": args.at is not None}
     )
     if args.watch:
-        return await watch(args, "view", lambda v, where: view_frame(args, v, f"{where}, live"))
+        return await watch(
+            args,
+            "view",
+            lambda v, where: view_frame(args, v, f"{where}, live", datetime.now(UTC)),
+        )
     run = await rebuild_view(args, verb="replaying", **_moment(args))
     _check_reached(args, run)
-    print(view_frame(args, run.rebuilt.view, f"{run.where}, {_moment_label(args)}"))
+    label = f"{run.where}, {_moment_label(args)}"
+    print(view_frame(args, run.rebuilt.view, label, wall_now(args)))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -492,13 +510,14 @@ async def _history(args: argparse.Namespace) -> int:
         rejected = sum(1 for x in tl.entries if x.rejected)
         note = f", {rejected} rejected" if rejected else ""
         print(
-            f"{args.kind} {tl.name}: {len(tl.entries)} events{note} "
+            f"{args.kind} {tl.name}: {render.plural(len(tl.entries), 'event')}{note} "
             f"(view at seq {v.state.seq}, {render.stamp(v.state.time)})"
         )
+        now = wall_now(args) or v.state.time
         if isinstance(tl, _Causes):
-            print(_history_wide(tl, v.state.time))
+            print(_history_wide(tl, now))
         else:
-            print(history.text(tl.entries, v.state.time))
+            print(history.text(tl.entries, now))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -537,7 +556,7 @@ async def _explain(args: argparse.Namespace) -> int:
     ex = explain.Explainer(args.name, cli.root(args), kind=args.kind)
     run = await rebuild_view(args, watcher=ex, verb="reading", **_moment(args))
     try:
-        story = ex.story(run.rebuilt.view)
+        story = ex.story(run.rebuilt.view, wall_now(args))
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
     if args.json:
