@@ -376,7 +376,7 @@ async def _export(args: argparse.Namespace) -> int:
     rate = count / max(progress.elapsed, 1e-9)
     kept = f", {raw:,} of them not JSON objects, kept as body_b64" if raw else ""
     print(
-        f"exported {count:,} events{span}{kept} to {where} in {progress.elapsed:.1f}s "
+        f"exported {_events(count)}{span}{kept} to {where} in {progress.elapsed:.1f}s "
         f"({rate:,.0f}/s)",
         file=report,
     )
@@ -634,7 +634,7 @@ async def _import(args: argparse.Namespace) -> int:
             next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
         except BusError as e:
             raise cli.CliError(
-                f"{e}; {done + progress.count:,} of {total:,} events are stored: run the same "
+                f"{e}; {done + progress.count:,} of {_events(total)} are stored: run the same "
                 "import again to go on from there"
             ) from None
         finally:
@@ -645,7 +645,7 @@ async def _import(args: argparse.Namespace) -> int:
     rate = progress.count / max(progress.elapsed, 1e-9)
     resumed = f", after the {done:,} an earlier import stored" if done else ""
     print(
-        f"imported {progress.count:,} events from {path} into {s.url} "
+        f"imported {_events(progress.count)} from {path} into {s.url} "
         f"(seq {first_stored}..{next_seq - 1}{resumed}) in {progress.elapsed:.1f}s "
         f"({rate:,.0f}/s)"
     )
@@ -919,3 +919,8 @@ def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope,
         event,
         data=msgspec.structs.replace(data, **changes),
     ), renamed
+
+
+def _events(n: int) -> str:
+    """`1 event`, `1,200 events`."""
+    return f"{n:,} event{'' if n == 1 else 's'}"

@@ -361,7 +361,7 @@ def _done(progress: cli.Progress, got: rebuild.Rebuilt) -> None:
 
 def replayed(got: rebuild.Rebuilt, elapsed_s: float) -> str:
     """`replayed N events to seq S in T s`."""
-    return f"replayed {got.folded:,} events to seq {got.seq} in {elapsed_s:.1f}s"
+    return f"replayed {render.plural(got.folded, 'event')} to seq {got.seq} in {elapsed_s:.1f}s"
 
 
 def _report_skipped(src: Source) -> None:
@@ -633,7 +633,7 @@ async def _diff(args: argparse.Namespace) -> int:
         print(
             f"from {names[0]} (view at seq {a.state.seq}, {render.stamp(a.state.time)}) "
             f"to {names[1]} (seq {b.state.seq}, {render.stamp(b.state.time)}): "
-            f"{len(changes)} changes"
+            f"{render.plural(len(changes), 'change')}"
         )
         for c in changes:
             print(c.line())

@@ -22,7 +22,7 @@ from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history
 from services.replay.errors import UnknownEntity
-from services.replay.render import ago, duration, stamp, table
+from services.replay.render import ago, duration, plural, stamp, table
 from services.replay.source import Item
 
 # TIER_MEANING says in words what each victim tier of the preemption policy is, in the
@@ -74,7 +74,7 @@ def guarantee_words(tree: quotas.QuotaTree, owner: str) -> str:
 
 
 def _gpus_of(a: quotas.Amount | None) -> str:
-    return "-" if a is None else f"{a.gpus} GPUs"
+    return "-" if a is None else plural(a.gpus, "GPU")
 
 
 def tier_words(tier: int) -> str:
@@ -232,7 +232,7 @@ class Explainer:
                 st.line(
                     f"             its class {me.cls}; above its model's minimum: "
                     f"{'yes' if me.above_min else 'no'}; idle {_idle(me.idle_s)}; "
-                    f"frees {me.gpus} GPUs"
+                    f"frees {plural(me.gpus, 'GPU')}"
                 )
                 st.facts["tier"] = me.tier
                 st.facts["tier_meaning"] = TIER_MEANING.get(me.tier)
@@ -253,7 +253,7 @@ class Explainer:
     def _considered(self, st: Story, d: ev.PreemptionDecided, me: str, view: View) -> None:
         victims = {v.replica for v in d.victims}
         cands = d.candidates
-        st.line(f"  considered {max(d.considered, len(cands))} candidates")
+        st.line(f"  considered {plural(max(d.considered, len(cands)), 'candidate')}")
         if cands:
             rows = [
                 [
@@ -400,7 +400,7 @@ class Explainer:
             s, sd = cause
             st.line(
                 f"  cause      {self._ref(s, sd, st.now)}: {sd.data.model} desired "
-                f"{sd.data.replicas} replicas (by {sd.source})"
+                f"{plural(sd.data.replicas, 'replica')} (by {sd.source})"
             )
             st.facts["cause"] = sd.id
 
@@ -622,7 +622,8 @@ class Explainer:
         st.line(table(["LEVEL", "GUARANTEE", "LIMIT", "USED"], rows, "  "))
         lent = [h.replica for h in mine if h.replica in borrowed]
         st.line(
-            f"  {len(lent)} of its {len(mine)} replicas holding GPUs are borrowed (past a guarantee)"
+            f"  {len(lent)} of its {plural(len(mine), 'replica')} holding GPUs "
+            f"{'is' if len(lent) == 1 else 'are'} borrowed (past a guarantee)"
             + (f": {', '.join(sorted(lent))}" if lent else "")
         )
         st.facts["quota"] = {
@@ -649,7 +650,7 @@ class Explainer:
         flags = [w for w, on in (("LOST", rec.lost), ("cordoned", rec.cordoned)) if on]
         gpus = sorted(rec.report.gpus, key=lambda g: g.index)
         st.line(
-            f"node {name}: {len(gpus)} GPUs, "
+            f"node {name}: {plural(len(gpus), 'GPU')}, "
             + (", ".join(flags) if flags else "schedulable")
             + f"; inventory reported {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
         )

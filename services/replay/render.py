@@ -242,7 +242,7 @@ def view_text(
     parts = [
         head,
         "",
-        f"NODES x GPUS  ({len(s.nodes)} nodes, {used}/{total} GPUs held; . free, x unhealthy)",
+        f"NODES x GPUS  ({plural(len(s.nodes), 'node')}, {used}/{plural(total, 'GPU')} held; . free, x unhealthy)",
         grid(view),
         "",
         f"REPLICAS BY MODEL  ({_count_line(view, everything)})",
@@ -273,7 +273,7 @@ def _count_line(view: View, everything: bool) -> str:
     total = len(view.state.replicas)
     holding = sum(1 for r in view.state.replicas.values() if r.holds_capacity)
     if everything or holding == total:
-        return f"{total} replicas, {holding} holding GPUs"
+        return f"{plural(total, 'replica')}, {holding} holding GPUs"
     return (
         f"{holding} holding GPUs; {total - holding} stopped or failed not shown, --all shows them"
     )
