@@ -123,7 +123,8 @@ def _register_tail(events: cli.Commands) -> None:
             "TIME is the event's own time (UTC). A message that is not a valid event is\n"
             "shown as (undecodable) with the reason; it never stops the tail.\n"
             "By default only new events are shown; --since starts earlier. Ctrl-C stops.\n"
-            "-o json (or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
+            "-o wide adds each event's id and causation (the event it reacted to); -o json\n"
+            "(or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
         ),
         epilog=cli.examples(
             "llmgw events tail",
@@ -132,6 +133,7 @@ def _register_tail(events: cli.Commands) -> None:
             "llmgw events tail --since 2026-11-29T14:00:00Z --json > events.jsonl",
             "llmgw events tail --since 1 --count 100     # the first 100, then exit",
             "llmgw events tail --since 1 -o name         # SEQ TYPE KEY, for scripts",
+            "llmgw events tail --since 10m -o wide       # with ids and causation",
         ),
         func=_tail,
     )
@@ -155,7 +157,8 @@ def _register_tail(events: cli.Commands) -> None:
     add_output_option(
         p,
         TAIL_OUTPUTS,
-        help="table (default: a line each), json (its bundle line), name (`SEQ TYPE KEY`)",
+        help="table (default: a line each), wide (a line each, with id= and cause=), "
+        "json (its bundle line), name (`SEQ TYPE KEY`)",
         json_help="same as -o json: print each message as export writes it, its bundle "
         "line (the stored JSON with seq and subject in front)",
     )
@@ -168,7 +171,7 @@ def _register_tail(events: cli.Commands) -> None:
     )
 
 
-TAIL_OUTPUTS = ("table", "json", "name")
+TAIL_OUTPUTS = ("table", "wide", "json", "name")
 
 
 def _type_filter(patterns: list[str]) -> Any:
@@ -238,7 +241,10 @@ async def _tail(args: argparse.Namespace) -> int:
                 elif event is None:
                     lines.append(_tail_bad(d, why))
                 else:
-                    lines.append(eventline.event_line(d.seq, event, d.subject, s.root))
+                    line = eventline.event_line(d.seq, event, d.subject, s.root)
+                    if args.output == "wide":
+                        line += f"  id={event.id} cause={event.causation or '-'}"
+                    lines.append(line)
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     stop.set()

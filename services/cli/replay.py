@@ -79,6 +79,10 @@ def _moment_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+EXPLAIN_OUTPUTS = ("table", "json", "name")
+DIFF_OUTPUTS = ("table", "json", "name")
+
+
 def _register_replay(commands: cli.Commands) -> None:
     p = commands.add(
         "replay",
@@ -206,14 +210,17 @@ def _register_explain(commands: cli.Commands) -> None:
             "  holds on it or that it caused, and its owner's quota\n"
             "node N: its GPUs and who holds each, cordoned or lost since when and by whom,\n"
             "  the replicas recently placed or drained there, its events the fold rejected\n"
-            "then the timeline. NAME may be any unique prefix (a shortened replica id)."
+            "then the timeline. NAME may be any unique prefix (a shortened replica id).\n"
+            "-o json (or --json) prints the key facts, the text's lines and the timeline's\n"
+            "entries; -o name the entity a prefix resolved to (replica/ID)."
         ),
         epilog=cli.examples(
             "llmgw explain replica r-7",
             "llmgw explain replica batch-2d2          # a unique prefix is enough",
             "llmgw explain replica r-7 --log incident.jsonl --at 2026-11-29T14:05:00Z",
             "llmgw explain model llama-70b --seq 4200",
-            "llmgw explain node gpu-a1 --json | jq .gpus",
+            "llmgw explain node gpu-a1 -o json | jq .gpus",
+            "llmgw explain replica batch-2d -o name   # replica/batch-2d2f9c41",
         ),
         func=_explain,
     )
@@ -221,10 +228,11 @@ def _register_explain(commands: cli.Commands) -> None:
     p.add_argument("name", metavar="NAME")
     _log_option(p)
     _moment_options(p)
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="the key facts, the text's lines and the timeline's entries as JSON",
+    add_output_option(
+        p,
+        EXPLAIN_OUTPUTS,
+        help="table (default: the story and its timeline), json (the key facts, the "
+        "text's lines and the timeline's entries), name (KIND/NAME it resolved to)",
     )
 
 
@@ -235,12 +243,16 @@ def _register_diff(commands: cli.Commands) -> None:
         description=(
             "Compare the view at two moments, each --at T or --seq N (give two; with one,\n"
             "the second is the end of the log): nodes, models and desired counts, replicas\n"
-            "added, removed or changed state, holds created and released."
+            "added, removed or changed state, holds created and released.\n"
+            "-o json (or --json) prints the changes as a JSON list; -o name KIND/NAME of\n"
+            "each entity that changed, once."
         ),
         epilog=cli.examples(
             "llmgw diff --at 2026-11-29T14:00:00Z --at 2026-11-29T14:05:00Z",
             "llmgw diff --seq 1000 --seq 1200 --log incident.jsonl",
             "llmgw diff --at 10m                      # the last ten minutes",
+            "llmgw diff --seq 1000 -o json | jq '.changes[] | select(.kind==\"replica\")'",
+            "llmgw diff --at 1h -o name               # replica/r-7, node/gpu-a1, ...",
         ),
         func=_diff,
     )
@@ -262,7 +274,12 @@ def _register_diff(commands: cli.Commands) -> None:
         metavar="N",
         help="a moment as a stream sequence; repeat for the second",
     )
-    p.add_argument("--json", action="store_true", help="the changes as a JSON list")
+    add_output_option(
+        p,
+        DIFF_OUTPUTS,
+        help="table (default: a line per change), json (the changes as a JSON list), "
+        "name (KIND/NAME of each entity that changed)",
+    )
 
 
 # ---------------------------------------------------------------------- shared
@@ -559,8 +576,10 @@ async def _explain(args: argparse.Namespace) -> int:
         story = ex.story(run.rebuilt.view, wall_now(args))
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
-    if args.json:
+    if args.output == "json":
         print(json.dumps(story.to_json(), indent=2, default=str))
+    elif args.output == "name":
+        print(f"{story.kind}/{story.name}")
     else:
         print(story.text())
     _report_skipped(run.rebuilt.source)
@@ -617,7 +636,10 @@ async def _diff(args: argparse.Namespace) -> int:
     if a.state.seq > b.state.seq:
         a, b = b, a
     changes = replay_diff.diff(a, b)
-    if args.json:
+    if args.output == "name":
+        for entity in dict.fromkeys(f"{c.kind}/{c.name}" for c in changes):
+            print(entity)
+    elif args.output == "json":
         print(
             json.dumps(
                 {
