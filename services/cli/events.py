@@ -559,7 +559,7 @@ async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked)
     else, so that a retry resumes and two logs are never merged."""
     from services.bus import consume
 
-    held = f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+    held = f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
     held += f"(seq {st.first_seq}..{st.last_seq})"
     if (
         st.first_seq != checked.first
@@ -597,7 +597,7 @@ async def _import(args: argparse.Namespace) -> int:
         st = info.state
         if st.messages and args.renumber:
             raise cli.CliError(
-                f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+                f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
                 f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
             )
         if st.messages:

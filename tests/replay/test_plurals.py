@@ -48,3 +48,9 @@ def test_placement_says_one_free_gpu() -> None:
     two = place(cluster(node("a"), node("b", n=0)), [Profile(name="pp", gpus=2, shards=2)])
     assert isinstance(two, NoFit)
     assert dict(two.reasons)["pp"].startswith("only 1 node fits a shard, 2 needed")
+
+
+def test_event_counts_in_the_cli_summaries() -> None:
+    from services.cli import events
+
+    assert events._events(1) == "1 event" and events._events(1200) == "1,200 events"
