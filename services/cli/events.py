@@ -123,7 +123,8 @@ def _register_tail(events: cli.Commands) -> None:
             "TIME is the event's own time (UTC). A message that is not a valid event is\n"
             "shown as (undecodable) with the reason; it never stops the tail.\n"
             "By default only new events are shown; --since starts earlier. Ctrl-C stops.\n"
-            "-o json (or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
+            "-o wide adds each event's id and causation (the event it reacted to); -o json\n"
+            "(or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
         ),
         epilog=cli.examples(
             "llmgw events tail",
@@ -132,6 +133,7 @@ def _register_tail(events: cli.Commands) -> None:
             "llmgw events tail --since 2026-11-29T14:00:00Z --json > events.jsonl",
             "llmgw events tail --since 1 --count 100     # the first 100, then exit",
             "llmgw events tail --since 1 -o name         # SEQ TYPE KEY, for scripts",
+            "llmgw events tail --since 10m -o wide       # with ids and causation",
         ),
         func=_tail,
     )
@@ -155,7 +157,8 @@ def _register_tail(events: cli.Commands) -> None:
     add_output_option(
         p,
         TAIL_OUTPUTS,
-        help="table (default: a line each), json (its bundle line), name (`SEQ TYPE KEY`)",
+        help="table (default: a line each), wide (a line each, with id= and cause=), "
+        "json (its bundle line), name (`SEQ TYPE KEY`)",
         json_help="same as -o json: print each message as export writes it, its bundle "
         "line (the stored JSON with seq and subject in front)",
     )
@@ -168,7 +171,7 @@ def _register_tail(events: cli.Commands) -> None:
     )
 
 
-TAIL_OUTPUTS = ("table", "json", "name")
+TAIL_OUTPUTS = ("table", "wide", "json", "name")
 
 
 def _type_filter(patterns: list[str]) -> Any:
@@ -238,7 +241,10 @@ async def _tail(args: argparse.Namespace) -> int:
                 elif event is None:
                     lines.append(_tail_bad(d, why))
                 else:
-                    lines.append(eventline.event_line(d.seq, event, d.subject, s.root))
+                    line = eventline.event_line(d.seq, event, d.subject, s.root)
+                    if args.output == "wide":
+                        line += f"  id={event.id} cause={event.causation or '-'}"
+                    lines.append(line)
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     stop.set()
@@ -376,7 +382,7 @@ async def _export(args: argparse.Namespace) -> int:
     rate = count / max(progress.elapsed, 1e-9)
     kept = f", {raw:,} of them not JSON objects, kept as body_b64" if raw else ""
     print(
-        f"exported {count:,} events{span}{kept} to {where} in {progress.elapsed:.1f}s "
+        f"exported {_events(count)}{span}{kept} to {where} in {progress.elapsed:.1f}s "
         f"({rate:,.0f}/s)",
         file=report,
     )
@@ -553,7 +559,7 @@ async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked)
     else, so that a retry resumes and two logs are never merged."""
     from services.bus import consume
 
-    held = f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+    held = f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
     held += f"(seq {st.first_seq}..{st.last_seq})"
     if (
         st.first_seq != checked.first
@@ -591,7 +597,7 @@ async def _import(args: argparse.Namespace) -> int:
         st = info.state
         if st.messages and args.renumber:
             raise cli.CliError(
-                f"stream {subjects.STREAM} at {s.url} already holds {st.messages:,} events "
+                f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
                 f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
             )
         if st.messages:
@@ -634,7 +640,7 @@ async def _import(args: argparse.Namespace) -> int:
             next_seq = await _flush(publisher, chunk, path, next_seq, progress, args.renumber)
         except BusError as e:
             raise cli.CliError(
-                f"{e}; {done + progress.count:,} of {total:,} events are stored: run the same "
+                f"{e}; {done + progress.count:,} of {_events(total)} are stored: run the same "
                 "import again to go on from there"
             ) from None
         finally:
@@ -645,7 +651,7 @@ async def _import(args: argparse.Namespace) -> int:
     rate = progress.count / max(progress.elapsed, 1e-9)
     resumed = f", after the {done:,} an earlier import stored" if done else ""
     print(
-        f"imported {progress.count:,} events from {path} into {s.url} "
+        f"imported {_events(progress.count)} from {path} into {s.url} "
         f"(seq {first_stored}..{next_seq - 1}{resumed}) in {progress.elapsed:.1f}s "
         f"({rate:,.0f}/s)"
     )
@@ -919,3 +925,8 @@ def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope,
         event,
         data=msgspec.structs.replace(data, **changes),
     ), renamed
+
+
+def _events(n: int) -> str:
+    """`1 event`, `1,200 events`."""
+    return f"{n:,} event{'' if n == 1 else 's'}"

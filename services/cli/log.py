@@ -150,7 +150,7 @@ async def _compact(args: argparse.Namespace) -> int:
         await s.js.purge_stream(subjects.STREAM, seq=cut.before)
     size = part.path.stat().st_size
     print(
-        f"archived seq {cut.first}..{cut.before - 1} ({cut.count:,} events, {size:,} bytes) "
+        f"archived seq {cut.first}..{cut.before - 1} ({cut.count:,} event{'' if cut.count == 1 else 's'}, {size:,} bytes) "
         f"to {part.path}; the stream now starts at seq {cut.before}"
     )
     return 0

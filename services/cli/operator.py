@@ -19,9 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
+import re
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
 
 from schemas import events as ev
 from services import clusterfile, names
@@ -249,11 +253,75 @@ def limits_note(decl: ev.ModelDeclared | None, replicas: int) -> str | None:
     )
 
 
+# _ENUM: msgspec's words for a value outside a Literal (`class: on_demand`).
+_ENUM = re.compile(r"^Invalid enum value (?P<value>'[^']*'|-?\d+)$")
+# _ROOTS: the contract type of each section's items, to find a field's allowed values.
+_ROOTS: dict[str, type[Any]] = {"models": ev.ModelDeclared, "quota": ev.OwnerQuota}
+
+
+def _choices(where: str) -> list[str]:
+    """The values a Literal field at a cluster-file path (`models[2].class`) allows;
+    [] when the path does not lead to one."""
+    mi = msgspec.inspect
+    parts = re.findall(r"[^.\[\]]+|\[\d+\]", where)
+    if not parts or parts[0] not in _ROOTS:
+        return []
+    info: Any = mi.type_info(_ROOTS[parts[0]])
+    rest = parts[1:]
+    if rest and rest[0].startswith("["):
+        rest = rest[1:]
+    for part in rest:
+        while True:
+            if isinstance(info, mi.Metadata):
+                info = info.type
+            elif isinstance(info, mi.UnionType):
+                kinds = [t for t in info.types if not isinstance(t, mi.NoneType)]
+                if len(kinds) != 1:
+                    return []
+                info = kinds[0]
+            else:
+                break
+        if part.startswith("["):
+            if not isinstance(info, mi.ListType | mi.VarTupleType):
+                return []
+            info = info.item_type
+        elif isinstance(info, mi.StructType):
+            got = next((f.type for f in info.fields if f.encode_name == part), None)
+            if got is None:
+                return []
+            info = got
+        elif isinstance(info, mi.DictType):
+            info = info.value_type
+        else:
+            return []
+    while isinstance(info, mi.Metadata):
+        info = info.type
+    if isinstance(info, mi.LiteralType):
+        return [str(v) for v in info.values]
+    return []
+
+
+def file_error(e: clusterfile.ClusterFileError) -> cli.CliError:
+    """A cluster file's mistake as the one line and exit 1 every wrong input gets, with
+    the closest allowed value for a value outside a field's set (`class: critcal`)."""
+    m = _ENUM.match(e.why)
+    choices = _choices(e.where) if m else []
+    if not m or not choices:
+        return cli.CliError(str(e))
+    value = m.group("value").strip("'")
+    hint = names.suggest(value, choices)
+    why = f"{value!r} is not one of {', '.join(choices)}"
+    if hint is not None:
+        why += f": did you mean `{hint}`?"
+    loc = f"{e.file}:{e.line}" if e.line else e.file
+    return cli.CliError(f"{loc}: {e.where}: {why}")
+
+
 async def _apply(args: argparse.Namespace) -> int:
     try:
         spec = clusterfile.load(args.file)
     except clusterfile.ClusterFileError as e:
-        raise cli.UsageError(str(e)) from None
+        raise file_error(e) from None
     async with _operating(args, "llmgw apply") as op:
         view = op.view
         state = view.state
@@ -287,12 +355,10 @@ async def _apply(args: argparse.Namespace) -> int:
                     )
                 model = key
             if model in scaled:
-                raise cli.UsageError(
-                    str(
-                        spec.error(
-                            f"scale.{key}",
-                            f"{model} is scaled twice (also as scale.{scaled[model]})",
-                        )
+                raise file_error(
+                    spec.error(
+                        f"scale.{key}",
+                        f"{model} is scaled twice (also as scale.{scaled[model]})",
                     )
                 )
             scaled[model] = key

@@ -19,12 +19,14 @@ from typing import IO, Any
 
 from services import flags
 from services.cli import app as cli
+from services.cli.output import add_output_option
 from services.cli.replay import allow_gaps_option
 from services.core import preemption
 from services.core.view import View
 from services.preemption import settings
 
 _DEFAULTS = preemption.Config()
+PLAN_OUTPUTS = ("table", "json", "name")
 
 
 def register(commands: cli.Commands) -> None:
@@ -50,7 +52,8 @@ def register(commands: cli.Commands) -> None:
             "--now, with the settings the log last recorded unless flags override them: the\n"
             "settings it used and where each came from, the victims it would stop, the holds\n"
             "it would create, every candidate in order with its tier, every replica it would\n"
-            "not take with why, and each set it tried. Nothing is published.\n"
+            "not take with why, and each set it tried. Nothing is published. -o json (or\n"
+            "--json) prints the decision as one JSON object, -o name replica/ID a victim.\n"
             "\n"
             "Tiers: 0 idle on-demand, 1 borrowed past another owner's guarantee, 2 lower\n"
             "class above its minimum, 3 same class above its minimum (while MODEL is below\n"
@@ -61,7 +64,8 @@ def register(commands: cli.Commands) -> None:
             "llmgw preemption plan --log incident.jsonl --model llama-70b",
             "llmgw preemption plan --log incident.jsonl --model llama-70b "
             "--now 2026-11-29T14:05:00Z --max-victims 1",
-            "llmgw preemption plan --log incident.jsonl --model llama-70b --json | jq .victims",
+            "llmgw preemption plan --log incident.jsonl --model llama-70b -o json | jq .victims",
+            "llmgw preemption plan --model llama-70b -o name   # replica/ID of each victim",
         ),
         func=_plan,
     )
@@ -92,7 +96,13 @@ def register(commands: cli.Commands) -> None:
     )
     flags.add(policy, preemption.Config)
     p.set_defaults(**{f.name: None for f in dataclasses.fields(preemption.Config)})
-    p.add_argument("--json", action="store_true", help="print the decision as one JSON object")
+    add_output_option(
+        p,
+        PLAN_OUTPUTS,
+        help="table (default), json (the decision as one JSON object), name (replica/ID "
+        "of each victim, a line)",
+        json_help="same as -o json",
+    )
 
 
 async def load(path: str, until_seq: int | None = None, *, allow_gaps: bool = False) -> View:
@@ -135,7 +145,8 @@ async def _plan(args: argparse.Namespace) -> int:
         raise cli.CliError(f"unknown model {args.model!r} in {where}; known models: {known}")
     if view.state.rejected:
         print(
-            f"note: the fold rejected {view.state.rejected} event(s) of {where}; "
+            f"note: the fold rejected {view.state.rejected} "
+            f"event{'' if view.state.rejected == 1 else 's'} of {where}; "
             "the view leaves them out",
             file=sys.stderr,
         )
@@ -144,7 +155,10 @@ async def _plan(args: argparse.Namespace) -> int:
         raise cli.CliError(f"{where} holds no events; pass --now to say when to decide")
     cfg, used = policy_for(args, view)
     d = preemption.plan(view, args.model, now, cfg)
-    if args.json:
+    if args.output == "name":
+        for v in d.victims:
+            print(f"replica/{v.replica}")
+    elif args.output == "json":
         out = d.to_json()
         out["policy"] = used
         print(json.dumps(out))

@@ -9,8 +9,10 @@ Choices a user relies on:
 - A moment is `--seq N` (the view right after event N) or `--at T` (the view before the
   first event whose own time is after T: the cluster's clock, the same on a re-imported
   log, as `events export --until-time` cuts).
-- Relative times ("3m ago") are relative to the view's own time, the latest event
-  folded, so an old incident reads as it stood then.
+- Relative times ("3m ago") count from now (the wall clock) when the command reads a
+  broker's log, live or stopped, at its head; with --at/--seq, or a bundle (--log), from
+  the view's own time, the latest event folded, so an old incident reads as it stood
+  then. The renderers are pure: `now` is passed to them from here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from services.cli import app as cli
@@ -75,6 +77,10 @@ def _moment_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seq", type=cli.arg_seq, metavar="N", help="the view right after stream sequence N"
     )
+
+
+EXPLAIN_OUTPUTS = ("table", "json", "name")
+DIFF_OUTPUTS = ("table", "json", "name")
 
 
 def _register_replay(commands: cli.Commands) -> None:
@@ -204,14 +210,17 @@ def _register_explain(commands: cli.Commands) -> None:
             "  holds on it or that it caused, and its owner's quota\n"
             "node N: its GPUs and who holds each, cordoned or lost since when and by whom,\n"
             "  the replicas recently placed or drained there, its events the fold rejected\n"
-            "then the timeline. NAME may be any unique prefix (a shortened replica id)."
+            "then the timeline. NAME may be any unique prefix (a shortened replica id).\n"
+            "-o json (or --json) prints the key facts, the text's lines and the timeline's\n"
+            "entries; -o name the entity a prefix resolved to (replica/ID)."
         ),
         epilog=cli.examples(
             "llmgw explain replica r-7",
             "llmgw explain replica batch-2d2          # a unique prefix is enough",
             "llmgw explain replica r-7 --log incident.jsonl --at 2026-11-29T14:05:00Z",
             "llmgw explain model llama-70b --seq 4200",
-            "llmgw explain node gpu-a1 --json | jq .gpus",
+            "llmgw explain node gpu-a1 -o json | jq .gpus",
+            "llmgw explain replica batch-2d -o name   # replica/batch-2d2f9c41",
         ),
         func=_explain,
     )
@@ -219,10 +228,11 @@ def _register_explain(commands: cli.Commands) -> None:
     p.add_argument("name", metavar="NAME")
     _log_option(p)
     _moment_options(p)
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="the key facts, the text's lines and the timeline's entries as JSON",
+    add_output_option(
+        p,
+        EXPLAIN_OUTPUTS,
+        help="table (default: the story and its timeline), json (the key facts, the "
+        "text's lines and the timeline's entries), name (KIND/NAME it resolved to)",
     )
 
 
@@ -233,12 +243,16 @@ def _register_diff(commands: cli.Commands) -> None:
         description=(
             "Compare the view at two moments, each --at T or --seq N (give two; with one,\n"
             "the second is the end of the log): nodes, models and desired counts, replicas\n"
-            "added, removed or changed state, holds created and released."
+            "added, removed or changed state, holds created and released.\n"
+            "-o json (or --json) prints the changes as a JSON list; -o name KIND/NAME of\n"
+            "each entity that changed, once."
         ),
         epilog=cli.examples(
             "llmgw diff --at 2026-11-29T14:00:00Z --at 2026-11-29T14:05:00Z",
             "llmgw diff --seq 1000 --seq 1200 --log incident.jsonl",
             "llmgw diff --at 10m                      # the last ten minutes",
+            "llmgw diff --seq 1000 -o json | jq '.changes[] | select(.kind==\"replica\")'",
+            "llmgw diff --at 1h -o name               # replica/r-7, node/gpu-a1, ...",
         ),
         func=_diff,
     )
@@ -260,7 +274,12 @@ def _register_diff(commands: cli.Commands) -> None:
         metavar="N",
         help="a moment as a stream sequence; repeat for the second",
     )
-    p.add_argument("--json", action="store_true", help="the changes as a JSON list")
+    add_output_option(
+        p,
+        DIFF_OUTPUTS,
+        help="table (default: a line per change), json (the changes as a JSON list), "
+        "name (KIND/NAME of each entity that changed)",
+    )
 
 
 # ---------------------------------------------------------------------- shared
@@ -359,13 +378,24 @@ def _done(progress: cli.Progress, got: rebuild.Rebuilt) -> None:
 
 def replayed(got: rebuild.Rebuilt, elapsed_s: float) -> str:
     """`replayed N events to seq S in T s`."""
-    return f"replayed {got.folded:,} events to seq {got.seq} in {elapsed_s:.1f}s"
+    return f"replayed {render.plural(got.folded, 'event')} to seq {got.seq} in {elapsed_s:.1f}s"
 
 
 def _report_skipped(src: Source) -> None:
     line = src.stats.summary()
     if line:
         print(f"{cli.PROG}: {line}", file=sys.stderr)
+
+
+def wall_now(args: argparse.Namespace) -> datetime | None:
+    """What ages count from: the wall clock when a broker's log (live, or a stopped
+    plane's stored one) is read at its head; None (the view's own time) for a bundle or a
+    moment travelled to with --at/--seq, which is read as it stood then."""
+    if getattr(args, "log", None):
+        return None
+    if getattr(args, "seq", None) is not None or getattr(args, "at", None) is not None:
+        return None
+    return datetime.now(UTC)
 
 
 def _moment(args: argparse.Namespace) -> dict[str, Any]:
@@ -431,15 +461,15 @@ async def _replay(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- view
 
 
-def view_frame(args: argparse.Namespace, v: View, label: str) -> str:
-    """One drawing of `llmgw view` in the chosen output."""
+def view_frame(args: argparse.Namespace, v: View, label: str, now: datetime | None = None) -> str:
+    """One drawing of `llmgw view` in the chosen output, ages counted from `now`."""
     match args.output:
         case "json":
-            return json.dumps(render.view_json(v), indent=2)
+            return json.dumps(render.view_json(v, now), indent=2)
         case "name":
             return render.name_lines(v, everything=args.everything)
         case _:
-            return render.view_text(v, label, args.everything, wide=args.output == "wide")
+            return render.view_text(v, label, args.everything, wide=args.output == "wide", now=now)
 
 
 async def _view(args: argparse.Namespace) -> int:
@@ -447,10 +477,15 @@ async def _view(args: argparse.Namespace) -> int:
         args, {"--log": bool(args.log), "--seq": args.seq is not None, "--at": args.at is not None}
     )
     if args.watch:
-        return await watch(args, "view", lambda v, where: view_frame(args, v, f"{where}, live"))
+        return await watch(
+            args,
+            "view",
+            lambda v, where: view_frame(args, v, f"{where}, live", datetime.now(UTC)),
+        )
     run = await rebuild_view(args, verb="replaying", **_moment(args))
     _check_reached(args, run)
-    print(view_frame(args, run.rebuilt.view, f"{run.where}, {_moment_label(args)}"))
+    label = f"{run.where}, {_moment_label(args)}"
+    print(view_frame(args, run.rebuilt.view, label, wall_now(args)))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -492,13 +527,14 @@ async def _history(args: argparse.Namespace) -> int:
         rejected = sum(1 for x in tl.entries if x.rejected)
         note = f", {rejected} rejected" if rejected else ""
         print(
-            f"{args.kind} {tl.name}: {len(tl.entries)} events{note} "
+            f"{args.kind} {tl.name}: {render.plural(len(tl.entries), 'event')}{note} "
             f"(view at seq {v.state.seq}, {render.stamp(v.state.time)})"
         )
+        now = wall_now(args) or v.state.time
         if isinstance(tl, _Causes):
-            print(_history_wide(tl, v.state.time))
+            print(_history_wide(tl, now))
         else:
-            print(history.text(tl.entries, v.state.time))
+            print(history.text(tl.entries, now))
     _report_skipped(run.rebuilt.source)
     return 0
 
@@ -537,11 +573,13 @@ async def _explain(args: argparse.Namespace) -> int:
     ex = explain.Explainer(args.name, cli.root(args), kind=args.kind)
     run = await rebuild_view(args, watcher=ex, verb="reading", **_moment(args))
     try:
-        story = ex.story(run.rebuilt.view)
+        story = ex.story(run.rebuilt.view, wall_now(args))
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
-    if args.json:
+    if args.output == "json":
         print(json.dumps(story.to_json(), indent=2, default=str))
+    elif args.output == "name":
+        print(f"{story.kind}/{story.name}")
     else:
         print(story.text())
     _report_skipped(run.rebuilt.source)
@@ -598,7 +636,10 @@ async def _diff(args: argparse.Namespace) -> int:
     if a.state.seq > b.state.seq:
         a, b = b, a
     changes = replay_diff.diff(a, b)
-    if args.json:
+    if args.output == "name":
+        for entity in dict.fromkeys(f"{c.kind}/{c.name}" for c in changes):
+            print(entity)
+    elif args.output == "json":
         print(
             json.dumps(
                 {
@@ -614,7 +655,7 @@ async def _diff(args: argparse.Namespace) -> int:
         print(
             f"from {names[0]} (view at seq {a.state.seq}, {render.stamp(a.state.time)}) "
             f"to {names[1]} (seq {b.state.seq}, {render.stamp(b.state.time)}): "
-            f"{len(changes)} changes"
+            f"{render.plural(len(changes), 'change')}"
         )
         for c in changes:
             print(c.line())

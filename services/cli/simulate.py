@@ -83,7 +83,9 @@ def _simulate(args: argparse.Namespace) -> int:
                     sc, pol, seed=args.seed, duration_s=duration, out=fp, clock=time.monotonic
                 )
             if not args.json:
-                print(f"wrote {path} ({r.metrics.events:,} events, digest {r.digest})")
+                print(
+                    f"wrote {path} ({r.metrics.events:,} event{'' if r.metrics.events == 1 else 's'}, digest {r.digest})"
+                )
         else:
             r = engine.simulate(sc, pol, seed=args.seed, duration_s=duration, clock=time.monotonic)
         results.append(r)

@@ -7,8 +7,9 @@ holds, in-flight preemptions, the last decisions and rejected events. With --wat
 follows the log and redraws on every event. It reads; it never publishes.
 
 Ages count from `now`, a parameter: the wall clock for the live broker (a quiet cluster's
-last event may be an hour old, and "1s ago" would be a lie), the time of the last event
-for a bundle (a picture of a moment that has passed).
+last event may be an hour old, and "1s ago" would be a lie) and for a stopped plane's
+stored log (how long ago it last heard anything), the time of the last event for a
+bundle (a picture of a moment that has passed).
 """
 
 from __future__ import annotations
@@ -390,9 +391,9 @@ async def _status(args: argparse.Namespace) -> int:
             args, "status", lambda v, where: render_status(args, v, where, datetime.now(UTC))
         )
     run = await rebuild_view(args, verb="reading the log")
-    # A bundle, or the log of a stopped plane, is a picture of its last event; the live
-    # log is judged at the wall clock.
-    now = None if args.log or run.offline else datetime.now(UTC)
+    # A bundle is a picture of its last event; a broker's log, the live one or a stopped
+    # plane's, is judged at the wall clock (how long ago the plane last heard anything).
+    now = None if args.log else datetime.now(UTC)
     h = None if args.log or run.offline else await health(args)
     if args.output == "json":
         doc = summary(run.rebuilt.view, args.decisions, now)

@@ -73,8 +73,13 @@ def place(
     return NoFit(reasons=tuple(reasons))
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """`1 free GPU`, `4 free GPUs`: a count with its noun, for the reasons users read."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def _describe(profile: Profile) -> str:
-    text = f"{profile.gpus} free GPUs"
+    text = _count(profile.gpus, "free GPU")
     if profile.gpu_model:
         text += f" {profile.gpu_model}"
     if profile.gpu_memory_gb > 0:
@@ -87,7 +92,7 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
     need = profile.gpus
     shards = profile.shards
     if need < 0 or shards < 1:
-        return f"invalid profile: {need} GPUs x {shards} shards"
+        return f"invalid profile: {_count(need, 'GPU')} x {_count(shards, 'shard')}"
     cpu = profile.cpu_cores - EPSILON
     mem = profile.memory_gb - EPSILON
     min_gb = profile.gpu_memory_gb
@@ -141,7 +146,8 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
     if fits or short_cpu or short_mem:
         parts = []
         if fits:
-            parts.append(f"only {len(fits)} node(s) fit a shard, {shards} needed on distinct nodes")
+            fit = "node fits" if len(fits) == 1 else "nodes fit"
+            parts.append(f"only {len(fits)} {fit} a shard, {shards} needed on distinct nodes")
         if short_cpu:
             parts.append(f"{short_cpu} had the GPUs but not {profile.cpu_cores:g} CPU cores")
         if short_mem:

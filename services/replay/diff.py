@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from schemas import events as ev
 from services.core.view import HoldRecord, NodeRecord, ReplicaRecord, View
-from services.replay.render import stamp
+from services.replay.render import plural, stamp
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ def _node_flags(n: NodeRecord) -> str:
 
 def _gpus(n: NodeRecord) -> str:
     bad = sum(1 for g in n.report.gpus if not g.healthy)
-    return f"{len(n.report.gpus)} GPUs" + (f" ({bad} unhealthy)" if bad else "")
+    return plural(len(n.report.gpus), "GPU") + (f" ({bad} unhealthy)" if bad else "")
 
 
 def _node(n: str, x: NodeRecord | None, y: NodeRecord | None) -> list[Change]:
@@ -160,4 +160,4 @@ def _hold(m: str, x: HoldRecord | None, y: HoldRecord | None) -> list[Change]:
 def _quota(x: tuple[ev.OwnerQuota, ...], y: tuple[ev.OwnerQuota, ...]) -> list[Change]:
     if x == y:
         return []
-    return [Change("quota", "tree", "replaced", f"{len(x)} -> {len(y)} owners")]
+    return [Change("quota", "tree", "replaced", f"{len(x)} -> {plural(len(y), 'owner')}")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
@@ -21,7 +22,7 @@ from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history
 from services.replay.errors import UnknownEntity
-from services.replay.render import ago, duration, stamp, table
+from services.replay.render import ago, duration, plural, stamp, table
 from services.replay.source import Item
 
 # TIER_MEANING says in words what each victim tier of the preemption policy is, in the
@@ -73,7 +74,7 @@ def guarantee_words(tree: quotas.QuotaTree, owner: str) -> str:
 
 
 def _gpus_of(a: quotas.Amount | None) -> str:
-    return "-" if a is None else f"{a.gpus} GPUs"
+    return "-" if a is None else plural(a.gpus, "GPU")
 
 
 def tier_words(tier: int) -> str:
@@ -99,6 +100,8 @@ class Explainer:
     failures: dict[str, deque[tuple[int, ev.PlacementFailedEvent]]] = field(default_factory=dict)
     node_marks: dict[tuple[str, str], tuple[int, ev.Envelope]] = field(default_factory=dict)
     """(node, event type) -> the latest cordon, uncordon or loss of it."""
+    now: datetime | None = None
+    """What ages are counted from; set by `story`."""
 
     def __post_init__(self) -> None:
         self.timeline = history.Timeline(self.kind, self.name, self.root)
@@ -146,8 +149,10 @@ class Explainer:
 
     # ---------------------------------------------------------------- the story
 
-    def story(self, view: View) -> Story:
-        """What the log says about the entity asked for, as of `view`."""
+    def story(self, view: View, now: datetime | None = None) -> Story:
+        """What the log says about the entity asked for, as of `view`; ages counted from
+        `now` (the wall clock at the live log's head), or the view's own time when None."""
+        self.now = now if now is not None else view.state.time
         if self.kind == "model":
             return self._model_story(view)
         if self.kind == "node":
@@ -161,7 +166,7 @@ class Explainer:
                 " as a replica the view kept (every event about it was rejected); "
                 "see `llmgw history replica`",
             )
-        st = Story(kind="replica", name=r.id, now=view.state.time, replica=r)
+        st = Story(kind="replica", name=r.id, now=self.now, replica=r)
         decl = view.state.models.get(r.model)
         cls = decl.cls if decl is not None else "undeclared"
         where = "+".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in r.shards) or "no GPUs"
@@ -227,7 +232,7 @@ class Explainer:
                 st.line(
                     f"             its class {me.cls}; above its model's minimum: "
                     f"{'yes' if me.above_min else 'no'}; idle {_idle(me.idle_s)}; "
-                    f"frees {me.gpus} GPUs"
+                    f"frees {plural(me.gpus, 'GPU')}"
                 )
                 st.facts["tier"] = me.tier
                 st.facts["tier_meaning"] = TIER_MEANING.get(me.tier)
@@ -248,7 +253,7 @@ class Explainer:
     def _considered(self, st: Story, d: ev.PreemptionDecided, me: str, view: View) -> None:
         victims = {v.replica for v in d.victims}
         cands = d.candidates
-        st.line(f"  considered {max(d.considered, len(cands))} candidates")
+        st.line(f"  considered {plural(max(d.considered, len(cands)), 'candidate')}")
         if cands:
             rows = [
                 [
@@ -326,7 +331,7 @@ class Explainer:
             return
         seq, h = made[0]
         now = st.now
-        state, release = self.hold_state(seq, h, view)
+        state, release = self.hold_state(seq, h, view, now)
         st.line(
             f"  hold       {r.model} held for {h.data.for_model} until {stamp(h.data.until)} "
             f"({ago(h.data.until, now)}), {state}; {self._ref(seq, h, now)}"
@@ -348,11 +353,12 @@ class Explainer:
         }
 
     def hold_state(
-        self, seq: int, h: ev.HoldCreatedEvent, view: View
+        self, seq: int, h: ev.HoldCreatedEvent, view: View, now: datetime | None = None
     ) -> tuple[str, tuple[int, ev.HoldReleasedEvent] | None]:
         """Where the hold made at `seq` stands: released (when and why, from the log's
-        `hold.released`), replaced by a later hold, still on, or over by itself."""
-        now = view.state.time
+        `hold.released`), replaced by a later hold, still on, or over by itself, at `now`
+        (None: the view's time)."""
+        now = now if now is not None else view.state.time
         m = h.data.model
         nxt = next((s for s, x in self.holds if s > seq and x.data.model == m), None)
         rel = next(
@@ -394,7 +400,7 @@ class Explainer:
             s, sd = cause
             st.line(
                 f"  cause      {self._ref(s, sd, st.now)}: {sd.data.model} desired "
-                f"{sd.data.replicas} replicas (by {sd.source})"
+                f"{plural(sd.data.replicas, 'replica')} (by {sd.source})"
             )
             st.facts["cause"] = sd.id
 
@@ -444,7 +450,7 @@ class Explainer:
             if m is not None:
                 name, decl = m.name, s.models.get(m.name)
                 self.timeline.name = name
-        st = Story(kind="model", name=name, now=s.time)
+        st = Story(kind="model", name=name, now=self.now)
         live, desired = view.live_count(name), view.desired_for(name)
         asked = s.desired.get(name)
         reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
@@ -574,7 +580,7 @@ class Explainer:
                 continue
             st.line(title)
             for seq, h in got:
-                state, _ = self.hold_state(seq, h, view)
+                state, _ = self.hold_state(seq, h, view, st.now)
                 st.line(
                     f"  {h.data.model} held for {h.data.for_model} until {stamp(h.data.until)}, "
                     f"{state}; seq {seq}"
@@ -616,7 +622,8 @@ class Explainer:
         st.line(table(["LEVEL", "GUARANTEE", "LIMIT", "USED"], rows, "  "))
         lent = [h.replica for h in mine if h.replica in borrowed]
         st.line(
-            f"  {len(lent)} of its {len(mine)} replicas holding GPUs are borrowed (past a guarantee)"
+            f"  {len(lent)} of its {plural(len(mine), 'replica')} holding GPUs "
+            f"{'is' if len(lent) == 1 else 'are'} borrowed (past a guarantee)"
             + (f": {', '.join(sorted(lent))}" if lent else "")
         )
         st.facts["quota"] = {
@@ -634,7 +641,7 @@ class Explainer:
         s = view.state
         name = self.timeline.resolve(s.nodes)
         rec = s.nodes.get(name)
-        st = Story(kind="node", name=name, now=s.time)
+        st = Story(kind="node", name=name, now=self.now)
         if rec is None:
             st.line(f"node {name} is not in the view (it never reported its inventory)")
             st.timeline = list(self.timeline.entries)
@@ -643,7 +650,7 @@ class Explainer:
         flags = [w for w, on in (("LOST", rec.lost), ("cordoned", rec.cordoned)) if on]
         gpus = sorted(rec.report.gpus, key=lambda g: g.index)
         st.line(
-            f"node {name}: {len(gpus)} GPUs, "
+            f"node {name}: {plural(len(gpus), 'GPU')}, "
             + (", ".join(flags) if flags else "schedulable")
             + f"; inventory reported {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
         )

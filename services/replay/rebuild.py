@@ -21,6 +21,7 @@ from schemas import subjects
 from services.core.ingest import Ingest
 from services.core.view import DecisionRecord, Rejection, View
 from services.replay import archive, ports
+from services.replay.render import plural
 from services.replay.source import BundleSource, Item, LogSource, Source, StreamSource
 
 
@@ -58,7 +59,7 @@ class Rebuilt:
 
         start = f" from the snapshot at seq {self.started_at}" if self.started_at else ""
         return (
-            f"folded {self.folded:,} events{start}, {self.rejected:,} rejected; "
+            f"folded {plural(self.folded, 'event')}{start}, {self.rejected:,} rejected; "
             f"reached seq {self.seq}; digest {digest(self.view.state)}"
         )
 

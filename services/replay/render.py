@@ -1,8 +1,10 @@
 """Text and JSON forms of a rebuilt view, for `llmgw view` (and pieces for the others).
 
 Called by `services.cli.replay`. Pure: it formats a `View` and never folds, reads or
-decides. Times are shown relative to the view's own time (the latest event folded),
-since a view of last Tuesday is read as it stood then, not against today's clock.
+decides. Times are shown relative to `now`, a parameter: the caller passes the wall
+clock when it reads the log at its head, so a quiet cluster's ages keep growing; left
+out (None) it is the view's own time (the latest event folded), since a view of last
+Tuesday is read as it stood then, not against today's clock.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def duration(s: float) -> str:
         return f"{h}h{m}m" if m else f"{h}h"
     d, h = divmod(s // 3600, 24)
     return f"{d}d{h}h" if h else f"{d}d"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 event`, `3 events`, `1,200 events`: a count with its noun."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
 def stamp(t: datetime | None) -> str:
@@ -159,10 +166,12 @@ def _shards(r: ReplicaRecord) -> str:
     return "+".join(parts) or "-"
 
 
-def replicas_text(view: View, everything: bool = False, *, wide: bool = False) -> str:
+def replicas_text(
+    view: View, everything: bool = False, *, wide: bool = False, now: datetime | None = None
+) -> str:
     """Replicas by model; `wide` adds their GPUs and created/ready/last-used times."""
     s = view.state
-    now = s.time
+    now = now if now is not None else s.time
     shown = shown_replicas(view, everything)
     models = sorted({r.model for r in shown} | set(s.models))
     out = []
@@ -202,9 +211,9 @@ def replicas_text(view: View, everything: bool = False, *, wide: bool = False) -
     return "\n".join(out) if out else "  (no models, no replicas)"
 
 
-def holds_text(view: View) -> str:
+def holds_text(view: View, now: datetime | None = None) -> str:
     s = view.state
-    now = s.time
+    now = now if now is not None else s.time
     rows = []
     for m in sorted(s.holds):
         h = s.holds[m]
@@ -215,7 +224,15 @@ def holds_text(view: View) -> str:
     return table(["MODEL", "FOR", "UNTIL", "NOW"], rows) or "  (no holds)"
 
 
-def view_text(view: View, label: str = "", everything: bool = False, *, wide: bool = False) -> str:
+def view_text(
+    view: View,
+    label: str = "",
+    everything: bool = False,
+    *,
+    wide: bool = False,
+    now: datetime | None = None,
+) -> str:
+    """`now`: the moment ages are counted from and holds judged at; None: the view's time."""
     s = view.state
     head = f"view at seq {s.seq}, time {stamp(s.time)}"
     if label:
@@ -225,17 +242,17 @@ def view_text(view: View, label: str = "", everything: bool = False, *, wide: bo
     parts = [
         head,
         "",
-        f"NODES x GPUS  ({len(s.nodes)} nodes, {used}/{total} GPUs held; . free, x unhealthy)",
+        f"NODES x GPUS  ({plural(len(s.nodes), 'node')}, {used}/{plural(total, 'GPU')} held; . free, x unhealthy)",
         grid(view),
         "",
         f"REPLICAS BY MODEL  ({_count_line(view, everything)})",
-        replicas_text(view, everything, wide=wide),
+        replicas_text(view, everything, wide=wide, now=now),
         "",
         "HOLDS",
-        holds_text(view),
+        holds_text(view, now),
     ]
     if s.rejected:
-        parts += ["", f"{s.rejected:,} events rejected by the fold (see `llmgw history`)"]
+        parts += ["", f"{plural(s.rejected, 'event')} rejected by the fold (see `llmgw history`)"]
     return "\n".join(parts)
 
 
@@ -256,7 +273,7 @@ def _count_line(view: View, everything: bool) -> str:
     total = len(view.state.replicas)
     holding = sum(1 for r in view.state.replicas.values() if r.holds_capacity)
     if everything or holding == total:
-        return f"{total} replicas, {holding} holding GPUs"
+        return f"{plural(total, 'replica')}, {holding} holding GPUs"
     return (
         f"{holding} holding GPUs; {total - holding} stopped or failed not shown, --all shows them"
     )
@@ -311,14 +328,16 @@ def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:
     }
 
 
-def view_json(view: View) -> dict[str, Any]:
-    """The machine form: stable keys, times as RFC3339 strings."""
+def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:
+    """The machine form: stable keys, times as RFC3339 strings; `idle_s` counted from
+    `now` (None: the view's time)."""
     s = view.state
-    now = s.time
     held = gpu_holders(view)
+    time = s.time
+    now = now if now is not None else time
     return {
         "seq": s.seq,
-        "time": None if now is None else stamp(now),
+        "time": None if time is None else stamp(time),
         "digest": digest(s),
         "nodes": [
             {

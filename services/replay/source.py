@@ -66,7 +66,9 @@ class Stats:
             return ""
         shown = "; ".join(f"seq {s}: {w}" for s, _, w in self.dead[:3])
         more = "; ..." if self.undecodable > 3 else ""
-        return f"skipped {self.undecodable:,} events that are not valid here ({shown}{more})"
+        return (
+            f"skipped {_count(self.undecodable, 'event')} that are not valid here ({shown}{more})"
+        )
 
     def gap_summary(self) -> str:
         """'' when no sequence was missing, else one line naming the first few gaps."""
@@ -78,7 +80,7 @@ class Stats:
         what = "seq" if lost == 1 else "seqs"
         return (
             f"the log has {_count(len(self.gaps), 'gap')}: {what} {', '.join(runs)}{more} "
-            f"missing ({lost:,} events); replayed past them"
+            f"missing ({_count(lost, 'event')}); replayed past them"
         )
 
 

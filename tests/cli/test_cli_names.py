@@ -105,7 +105,7 @@ def test_unknown_keys_in_toml(tmp_path: Path) -> None:
 def test_dry_run_refuses_an_unknown_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "cluster.yaml"
     f.write_text("models:\n  - name: a\n    mni: 1\n    profiles: [{name: p, gpus: 1}]\n")
-    assert cli.main(["--nats", "nats://127.0.0.1:1", "apply", "-f", str(f), "--dry-run"]) == 2
+    assert cli.main(["--nats", "nats://127.0.0.1:1", "apply", "-f", str(f), "--dry-run"]) == 1
     assert capsys.readouterr().err.startswith(f"llmgw: {f}:3: models[0].mni")
 
 
@@ -123,3 +123,35 @@ def test_suggest(typed: str, known: list[str], want: str | None) -> None:
 
 def test_plural() -> None:
     assert [names.plural(n, "GPU") for n in (0, 1, 2)] == ["0 GPUs", "1 GPU", "2 GPUs"]
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        pytest.param(
+            "class: critcal",
+            "models[0].class: 'critcal' is not one of critical, opportunistic, standard: "
+            "did you mean `critical`?",
+            id="class typo",
+        ),
+        pytest.param(
+            "class: on_demand",
+            "models[0].class: 'on_demand' is not one of critical, opportunistic, standard",
+            id="class unlike any",
+        ),
+        pytest.param(
+            "runtime: {engine: vlm}",
+            "models[0].runtime.engine: 'vlm' is not one of command, sglang, vllm: "
+            "did you mean `vllm`?",
+            id="nested engine",
+        ),
+    ],
+)
+def test_a_bad_enum_value_is_one_line_exit_1_with_the_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, says: str
+) -> None:
+    f = tmp_path / "cluster.yaml"
+    f.write_text(f"models:\n  - name: a\n    {line}\n    profiles: [{{name: p, gpus: 1}}]\n")
+    assert cli.main(["--nats", "nats://127.0.0.1:1", "apply", "-f", str(f), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"llmgw: {f}:3: {says}\n", err

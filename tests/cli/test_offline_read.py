@@ -55,10 +55,13 @@ def test_a_stopped_plane_is_read_from_its_stored_log(tmp_path: Path) -> None:
     _run_up_and_stop(tmp_path, data, env)
     assert not (data / "nats.url").exists()
     note = NOTE.format(data)
+    time.sleep(1.5)  # the plane's last event is now seconds old, and status says so
 
     status = _llmgw("status", env=env)
     assert status.returncode == 0, status.stderr
     assert status.stderr == note
+    assert "last event now" not in status.stdout.splitlines()[0], status.stdout
+    assert "s ago" in status.stdout.splitlines()[0], status.stdout
     assert any(x.strip().startswith("m ") and "2/2" in x for x in status.stdout.splitlines())
 
     view = _llmgw("view", env=env)

@@ -106,8 +106,16 @@ def test_tail_outputs(nats_server, tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 0 and table.splitlines()[0].split()[0] == "1"
     assert "{" not in table
 
+    # -o wide: the table's line, then the event's id and what caused it.
+    code, wide, err = _run(capsys, *tail, "-o", "wide")
+    assert code == 0, err
+    rows = wide.splitlines()
+    assert len(rows) == len(events)
+    for row, line, (_, _, e) in zip(rows, table.splitlines(), events, strict=True):
+        assert row == f"{line}  id={e.id} cause={e.causation or '-'}"
 
-@pytest.mark.parametrize("output", ["wide", "yaml"])
+
+@pytest.mark.parametrize("output", ["yaml"])
 def test_tail_refuses_other_outputs_in_one_line(
     capsys: pytest.CaptureFixture[str], output: str
 ) -> None:

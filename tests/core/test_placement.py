@@ -197,7 +197,7 @@ def test_place(
         pytest.param(
             cluster(node("a", n=8, model=A100)),
             [p("h", gpus=1, gpu_model="H100")],
-            "h: no node with 1 free GPUs H100; best had 0",
+            "h: no node with 1 free GPU H100; best had 0",
             id="no GPU of the model",
         ),
         pytest.param(
@@ -215,7 +215,7 @@ def test_place(
         pytest.param(
             cluster(node("a"), node("b", n=2)),
             [p("pp", gpus=4, shards=2)],
-            "pp: only 1 node(s) fit a shard, 2 needed on distinct nodes",
+            "pp: only 1 node fits a shard, 2 needed on distinct nodes",
             id="not enough nodes for the shards",
         ),
         pytest.param(
@@ -234,7 +234,7 @@ def test_place(
         pytest.param(
             cluster(node("a")),
             [p("bad", gpus=1, shards=0)],
-            "bad: invalid profile: 1 GPUs x 0 shards",
+            "bad: invalid profile: 1 GPU x 0 shards",
             id="invalid profile",
         ),
     ],

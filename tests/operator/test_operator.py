@@ -143,7 +143,7 @@ def test_scale_and_cordon_publish_events(nats_server) -> None:  # type: ignore[n
 def test_a_bad_file_is_one_line_and_publishes_nothing(nats_server, capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     f = tmp_path / "bad.yaml"
     f.write_text("models:\n  - name: a\n    min: -2\n    profiles: [{name: p, gpus: 1}]\n")
-    assert cli.main(["--nats", nats_server.url, "apply", "-f", str(f)]) == 2
+    assert cli.main(["--nats", nats_server.url, "apply", "-f", str(f)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{f}:3: models[0].min" in err, err
     assert _stored(nats_server.url) == []

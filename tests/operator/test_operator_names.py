@@ -126,7 +126,7 @@ def test_apply_refuses_a_scale_of_an_unknown_model_at_its_line(
     assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 1
     assert f"{f}:3: scale.ghost: unknown model 'ghost'" in _one_line_error(capsys)
     f.write_text("scale:\n  llama-70b: 1\n  big: 3\n")
-    assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 2
+    assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 1
     assert "scale.big: llama-70b is scaled twice (also as scale.llama-70b)" in _one_line_error(
         capsys
     )

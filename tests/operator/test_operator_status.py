@@ -44,7 +44,8 @@ def test_ages_count_from_now_not_from_the_last_event() -> None:
     assert "last event 1m ago" in out
     decisions = out.split("LAST DECISIONS")[1]
     assert "1h1m ago" in decisions
-    # Without a now, ages count from the last event (a bundle's moment).
+    # Without a now (only a bundle: `status --log`), ages count from its last event; a
+    # broker's log, live or a stopped plane's, passes the wall clock (test_offline_read).
     assert "last event now" in status.text(view, "here")
 
 
