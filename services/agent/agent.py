@@ -319,7 +319,14 @@ class Agent:
     async def _rebuild(self) -> None:
         """The node's replicas as its own events in the log say they are. Each message is
         decoded and checked by `ingest.decode_checked`, as the projector does: what the
-        projector dead-letters (a report on another node's subject) is not believed."""
+        projector dead-letters (a report on another node's subject) is not believed.
+
+        The fold itself is not run here: the agent may read only its node's subjects, and
+        the fold of that part of the log alone would judge a report without the
+        placement that made its replica (it would allocate the replica's GPUs at its first
+        report, against the node's inventory of then, and could reject what the whole
+        log's fold applied). What the agent keeps of the fold is its one rule for these
+        events, a state never goes backwards (`_remember`, by `ev.STATE_ORDER` as the fold)."""
         reps: dict[str, _Replica] = {}
         node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
         async for batch in bus_consume.read_range(
