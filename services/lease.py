@@ -47,6 +47,37 @@ MIN_SAFETY_S = 0.1
 OnChange = Callable[[bool], Awaitable[None] | None]
 
 
+async def ensure_bucket(
+    js: JetStreamContext, bucket: str, ttl_s: float, replicas: int | None = None
+) -> KeyValue:
+    """The lease bucket, created if missing with `ttl_s` and `replicas` (see
+    `stream.with_replicas`). `llmgw up` makes it first, with its `--replicas`; each lease
+    makes it when it finds none."""
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        # In a cluster the bucket is replicated like the log: a lease that lived on one
+        # server would make that server's death a control plane with no leader.
+        return await stream.with_replicas(
+            lambda r: js.create_key_value(
+                KeyValueConfig(
+                    bucket=bucket,
+                    description="llmgw leader leases",
+                    history=1,
+                    ttl=ttl_s,
+                    storage=StorageType.FILE,
+                    replicas=r,
+                )
+            ),
+            replicas,
+        )
+    except nats.js.errors.BadRequestError:
+        # Another process created it between our look and our create.
+        return await js.key_value(bucket)
+
+
 class Lease:
     """One named lease, held by `holder` (unique per process) while renewed.
 
@@ -216,28 +247,7 @@ class Lease:
     async def _bucket(self) -> KeyValue:
         if self._kv is not None:
             return self._kv
-        try:
-            kv = await self.js.key_value(self.bucket)
-        except nats.js.errors.BucketNotFoundError:
-            try:
-                # In a cluster the bucket is replicated like the log: a lease that lived on
-                # one server would make that server's death a control plane with no leader.
-                kv = await stream.with_replicas(
-                    lambda r: self.js.create_key_value(
-                        KeyValueConfig(
-                            bucket=self.bucket,
-                            description="llmgw leader leases",
-                            history=1,
-                            ttl=self.ttl_s,
-                            storage=StorageType.FILE,
-                            replicas=r,
-                        )
-                    ),
-                    self.replicas,
-                )
-            except nats.js.errors.BadRequestError:
-                # Another process created it between our look and our create.
-                kv = await self.js.key_value(self.bucket)
+        kv = await ensure_bucket(self.js, self.bucket, self.ttl_s, self.replicas)
         info = await self.js.stream_info(f"KV_{self.bucket}")
         bucket_ttl = info.config.max_age or 0.0
         # The bucket's TTL is the one the server enforces. A longer one than ours only

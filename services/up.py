@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
-from services.bus import EmbeddedBroker, connect, ensure_streams, tracing
+from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url
@@ -71,7 +72,8 @@ class UpOptions:
     """Where the dashboard listens (HOST:PORT); None: no dashboard."""
     ui_token: str | None = None
     replicas: int | None = None
-    """Copies of the log; None: 3 when the broker is a cluster, 1 on a single server."""
+    """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
+    cluster, 1 on a single server."""
 
 
 @dataclass
@@ -198,6 +200,10 @@ async def _serve(
     try:
         js = nc.jetstream()
         await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
+        # The leases and the snapshots are kept in as many copies as the log.
+        ttl = min(opts.scheduler.lease_ttl_s, PreemptionConfig().lease_ttl_s)
+        await lease.ensure_bucket(js, lease.DEFAULT_BUCKET, ttl, opts.replicas)
+        await snapshots.bucket(js, replicas=opts.replicas)
         me = f"{socket.gethostname()}-{os.getpid()}"
         scheduler = Scheduler(
             nc, js, root=opts.root, config=opts.scheduler, holder=f"{me}-scheduler"

@@ -40,8 +40,10 @@ def name_for(seq: int, schema: int = SCHEMA) -> str:
     return f"view-s{schema}-{seq:012d}"
 
 
-async def bucket(js: JetStreamContext, name: str = BUCKET) -> ObjectStore:
-    """The snapshot bucket, created if missing."""
+async def bucket(
+    js: JetStreamContext, name: str = BUCKET, replicas: int | None = None
+) -> ObjectStore:
+    """The snapshot bucket, created if missing (at `replicas`: see `stream.with_replicas`)."""
     try:
         return await js.object_store(name)
     except NotFoundError:
@@ -55,7 +57,7 @@ async def bucket(js: JetStreamContext, name: str = BUCKET) -> ObjectStore:
                     replicas=r,
                 ),
             ),
-            None,
+            replicas,
         )
 
 

@@ -62,7 +62,8 @@ def register(commands: cli.Commands) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="copies of the log in a cluster (default 3 in a cluster, 1 on a single server)",
+        help="copies of the log, the leader leases and the snapshots in a cluster "
+        "(default 3 in a cluster, 1 on a single server)",
     )
     g = p.add_argument_group("simulated cluster")
     g.add_argument(

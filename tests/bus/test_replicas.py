@@ -1,0 +1,91 @@
+"""How many copies of the plane's state a broker keeps: in a cluster, the log, the dead
+letters, the leader leases and the snapshots at R3 (the least that survives losing a
+server) unless `--replicas N` says otherwise; on a single server R1, where nothing else
+is possible."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from nats.js.client import JetStreamContext
+
+from services.bus import connect, ensure_streams, snapshots
+from services.bus.broker import EmbeddedBroker
+from services.lease import DEFAULT_BUCKET, Lease
+from services.up import Running, UpOptions, run
+from tests.bus.cluster import Cluster
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def _copies(js: JetStreamContext) -> dict[str, int]:
+    """Per stream of the plane, its replicas."""
+    out = {}
+    for name in ("LLMGW", "LLMGW_DLQ", f"KV_{DEFAULT_BUCKET}", f"OBJ_{snapshots.BUCKET}"):
+        info = await js.stream_info(name)
+        out[name] = info.config.num_replicas or 1
+    return out
+
+
+async def _make_all(js: JetStreamContext, replicas: int | None) -> None:
+    await ensure_streams(js, replicas=replicas)
+    lease = Lease(js, name="llmgw.test", holder="h", replicas=replicas)
+    assert await lease.acquire()
+    await lease.release()
+    await snapshots.bucket(js)
+
+
+async def test_a_cluster_keeps_three_copies_of_everything(nats_cluster: Cluster) -> None:
+    nc = await connect(nats_cluster.urls, "replicas")
+    try:
+        js = nc.jetstream()
+        await _make_all(js, None)
+        assert set((await _copies(js)).values()) == {3}
+    finally:
+        await nc.close()
+
+
+async def test_replicas_given_are_the_logs(nats_cluster: Cluster) -> None:
+    """`--replicas 1` (a throwaway cluster, say) is what the log and the dead letters
+    get; they are made to it, not to the default."""
+    nc = await connect(nats_cluster.urls, "replicas")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, replicas=1)
+        copies = {n: (await js.stream_info(n)).config.num_replicas for n in ("LLMGW", "LLMGW_DLQ")}
+        assert copies == {"LLMGW": 1, "LLMGW_DLQ": 1}
+    finally:
+        await nc.close()
+
+
+async def test_a_single_server_keeps_one_copy(nats_server: EmbeddedBroker) -> None:
+    nc = await connect(nats_server.url, "replicas")
+    try:
+        js = nc.jetstream()
+        await _make_all(js, None)
+        assert set((await _copies(js)).values()) == {1}
+    finally:
+        await nc.close()
+
+
+async def test_up_keeps_the_leases_and_snapshots_in_as_many_copies_as_the_log(
+    nats_cluster: Cluster, tmp_path: Path
+) -> None:
+    """`llmgw up --replicas 1` on a cluster: the log, the dead letters, the lease bucket
+    and the snapshot bucket are all made at R1 (a throwaway cluster), not only the log."""
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    opts = UpOptions(data=tmp_path / "data", nats_url=",".join(nats_cluster.urls), replicas=1)
+    task = asyncio.create_task(run(opts, stop, on_ready=ready.set_result))
+    try:
+        await asyncio.wait_for(ready, 30)
+        nc = await connect(nats_cluster.urls, "replicas")
+        try:
+            assert set((await _copies(nc.jetstream())).values()) == {1}
+        finally:
+            await nc.close()
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 40) == 0
