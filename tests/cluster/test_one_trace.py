@@ -75,7 +75,11 @@ async def test_a_preemption_is_one_trace_at_the_collector(
         assert url is not None
         nc = await connect(url, "trace test")
         js = nc.jetstream()
-        follower = ViewFollower(js, consumer="trace-test")
+        # Every event folded, to find the agent's stop and the replica's ready by state.
+        seen: list[ev.Event] = []
+        follower = ViewFollower(
+            js, consumer="trace-test", on_change=lambda seq, e, rejected: seen.append(e)
+        )
         follower.start()
         pub = Publisher(js)
 
@@ -158,12 +162,30 @@ async def test_a_preemption_is_one_trace_at_the_collector(
             if s.kind == Span.SpanKind.SPAN_KIND_PRODUCER and subject_part in s.name
         ]
 
-    assert sent(".placement.failed.chat"), "placement.failed is not in the trace"
-    assert sent(".preemption.decided.chat"), "preemption.decided is not in the trace"
-    assert len(sent(".replica.drain")) == len(victims) >= 1, "a drain is not in the trace"
-    stops = [s for s in sent(".replica.") if any(v in s.name for v in victims)]
-    assert stops, "the agent's stop is not in the trace"
-    assert sent(".placement.decided.chat"), "placement.decided is not in the trace"
-    assert sent(".replica.start"), "replica.start is not in the trace"
-    chat_states = [s for s in sent(".node.") if "chat" in s.name]
-    assert chat_states, "the replica's ready is not in the trace"
+    def message_id(s: Span) -> str:
+        return next(
+            (a.value.string_value for a in s.attributes if a.key == "messaging.message.id"), ""
+        )
+
+    def carrying(ids: set[str]) -> list[Span]:
+        return [s for s in sent("") if message_id(s) in ids]
+
+    states = [e for e in seen if isinstance(e, ev.ReplicaStateEvent)]
+    stopped = {e.id for e in states if e.data.replica in victims and e.data.state == "stopped"}
+    ready = {e.id for e in states if e.data.model == "chat" and e.data.state == "ready"}
+    hops = [
+        ("placement.failed", sent(".placement.failed.chat")),
+        ("preemption.decided", sent(".preemption.decided.chat")),
+        ("replica.drain", sent(".replica.drain")),
+        ("the agent's stop (stopped)", carrying(stopped)),
+        ("placement.decided", sent(".placement.decided.chat")),
+        ("replica.start", sent(".replica.start")),
+        ("the replica's ready", carrying(ready)),
+    ]
+    for hop, got in hops:
+        assert got, f"{hop} is not in the trace"
+    assert len(sent(".replica.drain")) == len(victims) >= 1
+    assert len(carrying(stopped)) == len(victims), "a victim's stop is not in the trace"
+    # In the order the chain happens: each hop is sent after the first of the one before.
+    firsts = [min(s.start_time_unix_nano for s in got) for _, got in hops]
+    assert firsts == sorted(firsts), [h for h, _ in hops]
