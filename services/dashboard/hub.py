@@ -48,6 +48,9 @@ SUMMARY_S = 1.0
 RECENT = 200
 # RETRY_S is the wait before listing again after the log could not be followed.
 RETRY_S = 1.0
+# CANCEL_AGAIN_S: how long a stopping hub waits for its follower to end before it
+# cancels it again (see `run`).
+CANCEL_AGAIN_S = 0.5
 # PING_S is how often an idle stream gets a comment, so proxies keep it open.
 PING_S = 15.0
 
@@ -154,7 +157,12 @@ class Hub:
                 await asyncio.wait([follow, stopped], return_when=asyncio.FIRST_COMPLETED)
                 stopped.cancel()
                 if not follow.done():
-                    follow.cancel()
+                    # A cancellation can be lost inside the NATS client (nats-py passes
+                    # over a CancelledError in places), leaving the follower waiting on
+                    # the tail for good: ask again until the task has ended.
+                    while not follow.done():
+                        follow.cancel()
+                        await asyncio.wait([follow], timeout=CANCEL_AGAIN_S)
                     with contextlib.suppress(asyncio.CancelledError):
                         await follow
                     break

@@ -2,8 +2,10 @@
 
 `llmgw up --nats u1,u2,u3 --simulate 2x8xH100-80GB` is run against real nats-servers on
 loopback. Mid-scale, one server is killed with kill -9: once the one that leads the log,
-once the one the control plane's own connection (the projector's) is on. The lease is
-taken again, the projector reads on, the scale completes; every acked event is stored
+once the one the projector's log reader is connected to (found on the reader the
+projector opened, and checked against the server's own list of connections). Each lease
+is written again after the kill by its holder; the projector's reader moves to another
+server and reads on; the scale completes; every acked event is stored
 once with no sequence hole; the SQLite view equals an offline replay; and the killed
 server, restarted on its store, rejoins and catches up.
 """
@@ -16,12 +18,13 @@ import urllib.request
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Publisher, connect, consume
+from services.bus import Publisher, connect, consume, wire
 from services.clock import new_id
 from services.core.scheduling import Config as SchedulerConfig
 from services.core.view import digest
@@ -40,15 +43,12 @@ def _server_of(cluster: Cluster, name: str) -> int:
     return [b.server_name for b in cluster.brokers].index(name)
 
 
-def _server_with_connection(cluster: Cluster, conn_name: str) -> int:
-    """Which server holds the client connection named `conn_name` (its monitoring port)."""
-    for i, b in enumerate(cluster.brokers):
-        url = f"http://127.0.0.1:{b.monitor_port}/connz"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            conns = json.load(r).get("connections") or []
-        if any(c.get("name") == conn_name for c in conns):
-            return i
-    raise AssertionError(f"no server holds a connection named {conn_name!r}")
+def _connections(cluster: Cluster, i: int) -> list[str]:
+    """The names of the client connections server `i` holds (its monitoring port)."""
+    url = f"http://127.0.0.1:{cluster.brokers[i].monitor_port}/connz?limit=1024"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        conns = json.load(r).get("connections") or []
+    return [str(c.get("name")) for c in conns]
 
 
 async def _until(what: str, cond, within: float = 40.0) -> None:  # type: ignore[no-untyped-def]
@@ -60,8 +60,38 @@ async def _until(what: str, cond, within: float = 40.0) -> None:  # type: ignore
         await asyncio.sleep(0.1)
 
 
+class ProjectorReaders:
+    """The ordered readers `llmgw up`'s projector opened, newest last: recorded as
+    `consume` makes them inside the task `up` runs the projector in."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.readers: list[Any] = []
+        make = consume._reader
+
+        def recording(*args: Any, **kw: Any) -> Any:
+            reader = make(*args, **kw)
+            task = asyncio.current_task()
+            if task is not None and task.get_name() == "projector":
+                self.readers.append(reader)
+            return reader
+
+        monkeypatch.setattr(consume, "_reader", recording)
+
+    def server(self, cluster: Cluster) -> int:
+        """The index in `cluster` of the server the newest reader is connected to."""
+        assert self.readers, "the projector opened no reader"
+        reader = self.readers[-1]
+        assert isinstance(reader, wire.WireOrderedReader), type(reader)
+        assert reader._conn is not None, "the projector's reader is not connected"
+        _, port = reader.target.servers[reader.server]
+        return [b.port for b in cluster.brokers].index(port)
+
+
 @pytest.fixture
-async def plane(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Running]]:
+async def plane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Cluster, Running, ProjectorReaders]]:
+    readers = ProjectorReaders(monkeypatch)
     with Cluster(tmp_path / "nats", 3) as cluster:
         opts = UpOptions(
             data=tmp_path / "data",
@@ -77,7 +107,7 @@ async def plane(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Running]]:
         ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(run(opts, stop, on_ready=ready.set_result))
         try:
-            yield cluster, await asyncio.wait_for(ready, 30)
+            yield cluster, await asyncio.wait_for(ready, 30), readers
         finally:
             stop.set()
             assert await asyncio.wait_for(task, 40) == 0
@@ -85,9 +115,9 @@ async def plane(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Running]]:
 
 @pytest.mark.parametrize("victim", ["stream leader", "projector's server"])
 async def test_the_plane_survives_a_server_killed_mid_scale(
-    plane: tuple[Cluster, Running], victim: str
+    plane: tuple[Cluster, Running, ProjectorReaders], victim: str
 ) -> None:
-    cluster, running = plane
+    cluster, running, readers = plane
     nc = await connect(cluster.urls, "test operator")
     js = nc.jetstream()
     follower = ViewFollower(js, consumer="cluster-test")
@@ -123,7 +153,21 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
             assert leader is not None and leader.leader is not None
             dead = _server_of(cluster, leader.leader)
         else:
-            dead = _server_with_connection(cluster, "llmgw up")
+            dead = readers.server(cluster)
+            # The server's own word: it holds a reader connection.
+            assert "llmgw-reader" in _connections(cluster, dead)
+
+        # The leases as they stand before the kill: their holders and revisions.
+        async def leading() -> bool:
+            return running.scheduler.is_leader and running.preemption.is_leader
+
+        await _until("the scheduler and preemption service lead before the kill", leading)
+        kv = await js.key_value(running.scheduler.lease.bucket)
+        leases = {
+            lease.name: (lease.holder, (await kv.get(lease.name)).revision)
+            for lease in (running.scheduler.lease, running.preemption.lease)
+        }
+        killed_readers = len(readers.readers)
         cluster.kill(dead)
 
         # The operator's own publish after the kill goes through the election.
@@ -133,11 +177,14 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
             return ready() == REPLICAS + 2
 
         await _until(f"{REPLICAS + 2} replicas ready after the kill", scaled, 60)
-
-        async def leading() -> bool:
-            return running.scheduler.is_leader and running.preemption.is_leader
-
         await _until("the scheduler and preemption service lead", leading)
+
+        # Each lease was written again after the kill (renewed, or taken anew once it
+        # lapsed), by its holder, on the servers left.
+        for key, (holder, rev) in leases.items():
+            entry = await kv.get(key)
+            assert entry.value is not None and entry.value.decode() == holder, key
+            assert entry.revision is not None and entry.revision > rev, (key, rev, entry)
 
         # Every acked event stored, once, with no hole.
         last = (await js.stream_info(subjects.STREAM)).state.last_seq
@@ -156,6 +203,10 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
         projector = running.projector
         assert projector is not None
         await projector.wait_for(last, timeout=30)
+        if victim == "projector's server":
+            # Its reader lost its server and read on from another one.
+            assert readers.server(cluster) != dead
+            assert len(readers.readers) > killed_readers or readers.readers[-1].resets > 0
         replayed = await rebuild.from_stream(js, until_seq=projector.committed, use_snapshot=False)
         db = await store.open_db(running.db_path)
         try:

@@ -97,6 +97,39 @@ async def test_view_live_and_past_is_the_replayed_view(js: Any, story: Any) -> N
         assert (await get(d.url + "api/view?seq=x")).status == 400
 
 
+async def test_view_at_a_past_time(js: Any, story: Any) -> None:
+    s, _ = story
+
+    def desired(doc: dict[str, Any], model: str) -> int:
+        return next(int(m["desired"]) for m in doc["models"] if m["name"] == model)
+
+    async with serving(js) as d:
+        await until("the hub at the head", lambda: d.hub.seq == len(s.events()))
+        first = desired((await get(d.url + "api/view")).json(), "lab")
+        await asyncio.sleep(0.05)
+        await scale(js, "lab", 3)
+        await asyncio.sleep(0.05)
+        between = datetime.now(UTC)
+        await asyncio.sleep(0.05)
+        last = await scale(js, "lab", 1)
+        await until("the last scale folded", lambda: d.hub.seq == last)
+        assert first != 3
+        assert desired((await get(d.url + "api/view")).json(), "lab") == 1
+        at = between.isoformat().replace("+00:00", "Z")
+        past = (await get(d.url + f"api/view?at={at}")).json()
+        assert desired(past, "lab") == 3, past["models"]
+        want = state.view_doc(
+            (await rebuild.from_stream(js, until_time=between)).view, with_digest=True
+        )
+        assert past["digest"] == want["digest"] and past["seq"] == last - 1
+        # Before either scale: the story's own desired count.
+        early = (await get(d.url + "api/view?at=2026-11-29T14:00:30Z")).json()
+        assert desired(early, "lab") == first
+        assert early["seq"] < len(s.events())
+        assert (await get(d.url + "api/view?at=yesterday")).status == 400
+        assert (await get(d.url + "api/view?at=2026-11-29T14:00:30")).status == 400
+
+
 async def test_list_then_watch_and_resume_with_last_event_id(js: Any, story: Any) -> None:
     s, _ = story
     async with serving(js) as d:
@@ -208,6 +241,62 @@ async def test_metrics(js: Any, story: Any) -> None:
             "llmgw_dashboard_clients 0.0",
         ):
             assert name in text, (name, text)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (smp.name, tuple(sorted(smp.labels.items()))): smp.value
+        for fam in text_string_to_metric_families(text)
+        for smp in fam.samples
+    }
+
+
+async def test_metrics_count_a_placement_and_decisions_by_outcome(js: Any, story: Any) -> None:
+    s, _ = story
+    async with serving(js) as d:
+        await until("the hub at the head", lambda: d.hub.seq == len(s.events()))
+        before = _samples((await get(d.url + "metrics")).body.decode())
+        count = ("llmgw_placement_latency_seconds_count", ())
+        placed = ("llmgw_decisions_total", (("outcome", "placed"), ("type", "placement.decided")))
+        # The story's policy decision, by its outcome, and its placement.failed.
+        preempted = (
+            "llmgw_decisions_total",
+            (("outcome", "preempted"), ("type", "preemption.decided")),
+        )
+        no_fit = ("llmgw_decisions_total", (("outcome", "no_fit"), ("type", "placement.failed")))
+        assert before[preempted] == 1.0, before
+        assert before[no_fit] == 1.0, before
+        # A scale-up asked now, then its placement: the latency histogram counts it.
+        await scale(js, "crit", 1)
+        now = datetime.now(UTC)
+        e = ev.make(
+            ev.PlacementDecided(
+                replica="crit-1",
+                model="crit",
+                profile="two",
+                shards=(ev.ShardSpec(node="n1", gpus=(0, 1)),),
+                reason="test",
+            ),
+            id=f"t-place-{now.timestamp()}",
+            time=now,
+            source="test",
+        )
+        from schemas import subjects
+
+        seq = (
+            await Publisher(js).publish_many(
+                [(subjects.subject_for(e, "llmgw"), codec.encode(e), e.id)]
+            )
+        )[-1].seq
+        await until("the placement folded", lambda: d.hub.seq >= seq)
+        after = _samples((await get(d.url + "metrics")).body.decode())
+        assert after[count] == before.get(count, 0.0) + 1, (before, after)
+        assert after[count] > 0
+        assert after[placed] == before.get(placed, 0.0) + 1, (before, after)
+        total = ("llmgw_placement_latency_seconds_sum", ())
+        assert after[total] >= before.get(total, 0.0)
 
 
 async def test_the_token_and_read_only(js: Any, story: Any) -> None:

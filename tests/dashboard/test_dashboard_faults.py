@@ -5,6 +5,7 @@ is told to re-list and then lists the new truth."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -90,3 +91,41 @@ async def test_a_replaced_log_makes_every_client_relist(
             fresh.close()
         view = (await get(d.url + "api/view")).json()
         assert view["seq"] == 1
+
+
+async def test_a_stopping_hub_ends_a_follower_that_lost_its_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancellation swallowed inside the follower (as the NATS client does in places)
+    must not keep the hub, and `llmgw dashboard` with it, from stopping."""
+    from services.dashboard.hub import Hub
+
+    started = asyncio.Event()
+    cancels = 0
+
+    async def follow_that_swallows_one(self: Hub) -> None:
+        nonlocal cancels
+        started.set()
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels > 1:
+                    raise
+                # The first one is lost, as `except CancelledError: pass` loses it.
+
+    monkeypatch.setattr(Hub, "_follow", follow_that_swallows_one)
+    hub = Hub(None)
+    stop = asyncio.Event()
+    task = asyncio.create_task(hub.run(stop))
+    await asyncio.wait_for(started.wait(), 5)
+    stop.set()
+    await asyncio.wait([task], timeout=3)
+    try:
+        assert task.done(), "the hub did not stop: its follower never ended"
+        assert cancels == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,10 +1,11 @@
 """The dashboard's page in a real browser (Debian's chromium, driven by Playwright) on a
 real `llmgw up --simulate`: the README tour seen on the second screen.
 
-It sees both nodes and their GPUs, applies the tour's cluster, scales `chat` up and sees
-the grid change without a reload: the victims drain and `chat` is placed. It opens a
+It sees both nodes and their GPUs, applies the tour's cluster and reads the models
+table, scales `chat` up and sees the grid change without a reload: the victims drain,
+their model is held for `chat` with a countdown that runs, and `chat` is placed. It opens a
 victim's explanation and reads its rule, moves the slider to before the scale-up and
-sees the old cluster, and goes back to live.
+sees the old cluster, goes back to live, and declares a quota tree and reads it per owner.
 
 A browser that cannot be found fails the test: it is never skipped.
 """
@@ -72,7 +73,9 @@ def page() -> Iterator[Any]:
             browser.close()
 
 
-def test_the_tour_on_the_dashboard(up: tuple[str, dict[str, str]], page: Any) -> None:
+def test_the_tour_on_the_dashboard(
+    up: tuple[str, dict[str, str]], page: Any, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect
 
     url, env = up
@@ -94,14 +97,41 @@ def test_the_tour_on_the_dashboard(up: tuple[str, dict[str, str]], page: Any) ->
     expect(page.locator(".cell[data-model='chat'][data-state='ready']")).to_have_count(4)
     expect(page.locator(".cell[data-model='batch'][data-state='ready']")).to_have_count(12)
 
+    # The models table: one row a model, its class, live/desired and bounds.
+    models = page.locator("#models tbody tr")
+    expect(models).to_have_count(2)
+    expect(page.locator("#models tr[data-model='chat'] td")).to_have_text(
+        ["chat", "critical", "default", "1/1", "1..2", ""]
+    )
+    expect(page.locator("#models tr[data-model='batch'] td")).to_have_text(
+        ["batch", "opportunistic", "default", "6/6", "0..6", ""]
+    )
+    expect(page.locator("#holds tbody")).to_contain_text("no holds")
+    # No quota tree yet: the models' owner shows, undeclared, with what it uses.
+    expect(page.locator("#quota tbody tr td")).to_have_text(
+        ["default (undeclared)", "-", "-", "16", "0"]
+    )
+
     # Scale chat up: no room, so victims are preempted; they drain, and chat is placed.
     said = _llmgw(env, "scale", "chat", "2")
     m = re.search(r"\(seq (\d+),", said)
     assert m is not None, said
     scaled_at = int(m.group(1))
     expect(page.locator(".cell.draining[data-model='batch']").first).to_be_visible()
+    # The victims' model is held for chat (20 s, --hold), and its countdown runs.
+    hold = page.locator("#holds tr[data-model='batch']")
+    expect(hold).to_have_count(1)
+    expect(hold.locator("td").nth(1)).to_have_text("chat")
+    expect(hold.locator("td.left")).to_have_text(re.compile(r"^\d+s$"))
+    first = int(hold.locator("td.left").inner_text()[:-1])
+    assert 0 < first <= 20, first
+    expect(hold.locator("td.left")).not_to_have_text(f"{first}s", timeout=5_000)
+    second = int(hold.locator("td.left").inner_text()[:-1])
+    assert second < first, (first, second)
     expect(chat).to_have_count(8)
     expect(batch).to_have_count(8)
+    expect(page.locator("#models tr[data-model='chat'] td").nth(3)).to_have_text("2/2")
+    expect(page.locator("#models tr[data-model='batch'] td").nth(3)).to_have_text("4/6")
     assert page.evaluate("window.__notReloaded") is True
 
     # The feed, filtered by type, then by model.
@@ -134,5 +164,23 @@ def test_the_tour_on_the_dashboard(up: tuple[str, dict[str, str]], page: Any) ->
     page.locator("#live").click()
     expect(chat).to_have_count(8)
     expect(page.locator("#live")).to_have_class("on")
+
+    # Quota per owner, once a tree is declared: the models' owner ("default", which
+    # uses all 16 GPUs, 4 borrowed past its guarantee of 12) and an owner of nothing.
+    quota = tmp_path / "quota.yaml"
+    quota.write_text(
+        "quota:\n"
+        "  - {name: default, guarantee: {gpus: 12}, limit: {gpus: 16}}\n"
+        "  - {name: research, guarantee: {gpus: 4}}\n"
+    )
+    _llmgw(env, "apply", "-f", str(quota))
+    rows = page.locator("#quota tbody tr")
+    expect(rows).to_have_count(2)
+    expect(page.locator("#quota tbody tr:has-text('default') td")).to_have_text(
+        ["default", "12", "16", "16", "4"]
+    )
+    expect(page.locator("#quota tbody tr:has-text('research') td")).to_have_text(
+        ["research", "4", "none", "0", "0"]
+    )
     assert page.evaluate("window.__notReloaded") is True
     assert errors == []

@@ -1,10 +1,13 @@
 """The Kubernetes manifests parse, and what one names another agrees: Secrets and their
 keys, the NATS servers and port of the Helm values, the replica counts, the node name
-from the downward API, the GPUs."""
+from the downward API, the real agent runtime on the node's GPUs; and every user an agent
+logs in as is declared to a real nats-server configured as the manifests and README say."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+import socket
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -90,33 +93,39 @@ def test_the_control_plane_is_a_leader_and_a_standby_on_every_nats_server() -> N
     servers = servers_of(url)
     where = {(urlsplit(u).hostname, urlsplit(u).port) for u in servers}
     assert where == _nats_hosts(_values())
-    users = {
-        u["user"]: u["password"] for u in _values()["config"]["merge"]["authorization"]["users"]
-    }
-    for u in servers:
-        parts = urlsplit(u)
-        assert users.get(parts.username) == parts.password, "the Secret's user is not the server's"
+    # That the servers know this user and password: the login test below.
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["data"] == env["LLMGW_DATA"]["value"] == c["args"][c["args"].index("--data") + 1]
     assert "data" in {v["name"] for v in spec["template"]["spec"]["volumes"]}
 
 
-def test_the_agent_runs_on_every_gpu_node_named_after_it() -> None:
+def _agent_container() -> tuple[dict[str, Any], dict[str, Any]]:
     (ds,) = _kind("DaemonSet")
     pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    return pod, c
+
+
+def _expand(text: str, values: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of an arg or env value."""
+    for k, v in values.items():
+        text = text.replace(f"$({k})", v)
+    assert "$(" not in text, text
+    return text
+
+
+def test_the_agent_runs_on_every_gpu_node_named_after_it() -> None:
+    (ds,) = _kind("DaemonSet")
+    pod, c = _agent_container()
     assert (
         ds["spec"]["selector"]["matchLabels"].items()
         <= ds["spec"]["template"]["metadata"]["labels"].items()
     )
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    (c,) = pod["containers"]
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     env = _env(c)
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     args = c["args"]
     assert args[0] == "agent" and args[args.index("--node") + 1] == "$(NODE_NAME)"
-    gpus = env[args[args.index("--gpus") + 1].strip("$()")]["value"]
-    count = int(gpus.split("x", 1)[0])
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == count
     ref = env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref["key"] in _secrets()[ref["name"]]
     # Variables a value refers to must be defined before it (Kubernetes expands in order).
@@ -126,3 +135,136 @@ def test_the_agent_runs_on_every_gpu_node_named_after_it() -> None:
         assert f"$({var})" in url and names.index(var) < names.index("LLMGW_NATS")
     servers = servers_of(url)
     assert {(urlsplit(u).hostname, urlsplit(u).port) for u in servers} == _nats_hosts(_values())
+
+
+def test_the_agent_is_the_real_process_runtime_on_the_nodes_gpus() -> None:
+    from services.cli.app import build_parser
+
+    pod, c = _agent_container()
+    env = _env(c)
+    # The real runtime: no --simulate, no GPUs declared by hand (NVML finds them).
+    assert "--simulate" not in c["args"] and "--gpus" not in c["args"]
+    got = {"NODE_NAME": "gpu-a1", "POD_IP": "10.1.2.3"}
+    argv = [_expand(a, got) for a in c["args"]]
+    a = build_parser().parse_args(argv)
+    assert a.simulate is False and a.node == "gpu-a1" and a.gpus is None
+    # Servers on the pod's IP, on a port range of their own.
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert a.host == "10.1.2.3" and len(a.ports) >= 100
+    # Every GPU of the node and NVML through the NVIDIA runtime; none taken from the
+    # device plugin (the agent hands them out), so a toleration keeps others off.
+    assert pod["runtimeClassName"] == "nvidia"
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]["value"].split(",")
+    assert "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]["value"].split(",")
+    for kind in ("limits", "requests"):
+        assert "nvidia.com/gpu" not in c.get("resources", {}).get(kind, {})
+    # NVML names a GPU's processes by host pid: the agent sees the host's.
+    assert pod["hostPID"] is True
+    # Its state and the servers' logs outlive the pod: the data directory is the host's.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert str(a.data_dir) in mounts
+    assert volumes[mounts[str(a.data_dir)]]["hostPath"]["path"] == str(a.data_dir)
+    # Dedicated nodes: the taint the README puts on them is tolerated here.
+    assert pod["nodeSelector"].get("llmgw.io/agent") == "true"
+    assert {
+        "key": "llmgw.io/gpu",
+        "operator": "Equal",
+        "value": "agent",
+        "effect": "NoSchedule",
+    } in pod["tolerations"]
+
+
+# The nodes of the test's Kubernetes cluster, as `kubectl get nodes` would name them.
+NODES = ["gpu-a1", "gpu-b7", "h100_rack2-n3"]
+
+
+def _users_secret() -> tuple[str, str, str]:
+    """The Secret nats-values.yaml mounts, where, and the file it includes from it."""
+    v = _values()
+    include = v["config"]["merge"]["$include"]
+    (mount,) = [p["value"] for p in v["container"]["patch"] if p["path"] == "/volumeMounts/-"]
+    (volume,) = [p["value"] for p in v["podTemplate"]["patch"] if p["path"] == "/spec/volumes/-"]
+    assert mount["name"] == volume["name"]
+    # The chart's config is /etc/nats-config/nats.conf; an include is relative to it.
+    path = PurePosixPath("/etc/nats-config") / include
+    assert path.parent == PurePosixPath(mount["mountPath"]), (include, mount)
+    return volume["secret"]["secretName"], mount["mountPath"], path.name
+
+
+def test_the_readme_writes_the_users_secret_the_values_mount() -> None:
+    name, _, included = _users_secret()
+    assert included == "users.conf"
+    readme = (DIR.parents[1] / "README.md").read_text()
+    assert f"create secret generic {name}" in readme
+    assert "--from-file=users.conf --from-file=deploy/nats/permissions.conf" in readme
+    assert "python deploy/nats/users.py" in readme
+    # The agents' password the README reads is the Secret the DaemonSet uses.
+    ref = _env(_agent_container()[1])["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert f"get secret {ref['name']} -o jsonpath='{{.data.{ref['key']}}}'" in readme
+    # The servers declare no users of their own beside the included ones.
+    assert "authorization" not in _values()["config"]["merge"]
+
+
+def test_every_user_an_agent_logs_in_as_is_declared_to_the_servers(tmp_path: Path) -> None:
+    """The README's steps on a real nats-server: users.conf from users.py for the nodes,
+    with the Secrets' passwords, mounted where the values say and included as the chart's
+    config does; then each agent logs in with the URL its pod builds, the control plane
+    with its Secret's URL, and a node nobody declared is refused."""
+    from tests.deploy import natsconf
+
+    secret, mount, included = _users_secret()
+    secrets = _secrets()
+    control = urlsplit(servers_of(secrets["llmgw-control-nats"]["url"])[0])
+    _, c = _agent_container()
+    env = _env(c)
+    ref = env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    agent_pw = secrets[ref["name"]][ref["key"]]
+
+    # Step 3: users.py for every node, the agents' password, the control password.
+    users = natsconf.users_module()
+    etc = tmp_path / "etc" / "nats-config"
+    files = etc / PurePosixPath(mount).relative_to("/etc/nats-config")
+    files.mkdir(parents=True)
+    (files / included).write_text(
+        users.render(dict.fromkeys(NODES, agent_pw), control_password=str(control.password))
+    )
+    (files / "permissions.conf").write_text((natsconf.DEPLOY / "permissions.conf").read_text())
+    # Step 4: the chart's nats.conf, with the values' include.
+    port, http = natsconf.free_port(), natsconf.free_port()
+    conf = etc / "nats.conf"
+    conf.write_text(
+        f"listen: 127.0.0.1:{port}\nhttp: 127.0.0.1:{http}\n"
+        f"jetstream {{ store_dir: {json.dumps(str(tmp_path / 'js'))} }}\n"
+        f"max_payload: {_values()['config']['merge']['max_payload']}\n"
+        f"include {json.dumps(_values()['config']['merge']['$include'])}\n"
+    )
+
+    def login(url: str) -> str:
+        """'' when `url`'s user logs in (CONNECT, then PONG to a PING), else the
+        server's answer."""
+        parts = urlsplit(url)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            f = sock.makefile("rb")
+            assert f.readline().startswith(b"INFO ")
+            hello = {"user": parts.username, "pass": parts.password, "verbose": False}
+            sock.sendall(b"CONNECT " + json.dumps(hello).encode() + b"\r\nPING\r\n")
+            answer = f.readline().decode().strip()
+            f.close()
+        return "" if answer == "PONG" else answer or "closed"
+
+    rendered = natsconf.Rendered(conf, port, http)
+    with natsconf.server(rendered, tmp_path / "nats.log"):
+        for node in NODES:
+            pod_env = {"NODE_NAME": node, "NATS_PASSWORD": agent_pw}
+            for url in servers_of(_expand(env["LLMGW_NATS"]["value"], pod_env)):
+                assert urlsplit(url).username == node
+                assert login(url) == "", (node, url)
+        assert login(secrets["llmgw-control-nats"]["url"].split(",")[0]) == ""
+        # Authentication is real: a node no one declared, a wrong password.
+        stranger = {"NODE_NAME": "gpu-z9", "NATS_PASSWORD": agent_pw}
+        assert login(servers_of(_expand(env["LLMGW_NATS"]["value"], stranger))[0]) != ""
+        wrong = {"NODE_NAME": NODES[0], "NATS_PASSWORD": "not-the-password"}
+        assert login(servers_of(_expand(env["LLMGW_NATS"]["value"], wrong))[0]) != ""
+    assert secret == "llmgw-nats-users"
