@@ -4,8 +4,10 @@
     python deploy/nats/users.py gpu-a1=SECRET1 gpu-a2=SECRET2 \\
         --control-password SECRET --viewer-password SECRET > /etc/llmgw/nats/users.conf
 
-Each agent user is agent.conf.in with @NODE@ as the node's subject token (the name as
-schemas.names escapes it) and @PASSWORD@ its password (default change-me-<node>). The
+Each agent user is agent.conf.in with @USER@ as the node's name as it is (the user the
+agent logs in as, whatever its name holds: dots too), @NODE@ as the node's subject token
+(the name as schemas.names escapes it, `~2E` for a dot) and @PASSWORD@ its password
+(default change-me-<node>). The
 roles CONTROL and VIEWER are defined in permissions.conf, which this file includes.
 """
 
@@ -27,8 +29,10 @@ TEMPLATE = HERE / "agent.conf.in"
 def agent_user(node: str, password: str | None = None) -> str:
     """The user entry of the agent of `node`, from agent.conf.in."""
     token = escape(node)
-    pw = password if password is not None else f"change-me-{token}"
-    return TEMPLATE.read_text().replace('"@PASSWORD@"', json.dumps(pw)).replace("@NODE@", token)
+    pw = password if password is not None else f"change-me-{node}"
+    text = TEMPLATE.read_text().replace('"@PASSWORD@"', json.dumps(pw))
+    text = text.replace('"@USER@"', json.dumps(node)).replace("@USER@", node)
+    return text.replace("@NODE@", token)
 
 
 def render(

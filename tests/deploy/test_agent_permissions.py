@@ -20,6 +20,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from schemas import subjects
 from services.agent.agent import durable_name, inbox_prefix, reader_name
 from services.bus import consume, ensure_streams
 from tests.deploy.natsconf import (
@@ -358,3 +359,22 @@ async def test_no_credentials_no_connection(env: Env) -> None:
 
 async def _quiet(e: Exception) -> None:
     pass
+
+
+async def test_a_node_named_with_dots_logs_in_as_its_name(tmp_path: Path) -> None:
+    """A cloud host's name (`ip-10-0-1-2.ec2.internal`): the agent logs in as the name as
+    it is, and its subjects are the name's subject token (dots escaped)."""
+    node = "ip-10-0-1-2.ec2.internal"
+    r = render_single(tmp_path / "nats", [node, A2])
+    with server(r, tmp_path / "nats.log"):
+        c = await _connect(r, node, agent_password(node), inbox_prefix(node))
+        try:
+            since = len(c.errors)
+            await c.nc.publish(subjects.inventory_subject(node), b"{}")
+            await c.nc.publish(subjects.heartbeat_subject(node), b"{}")
+            await c.nc.flush()
+            await _publish_refused(c, subjects.inventory_subject(A2))
+            assert c.violations(subjects.inventory_subject(node), since) == []
+            assert c.violations(subjects.heartbeat_subject(node), since) == []
+        finally:
+            await c.nc.close()
