@@ -54,6 +54,8 @@ class Stats:
     gaps: list[tuple[int, int]] = field(default_factory=list)
     """(first, last) of every run of sequences missing from a bundle, replayed past with
     `allow_gaps`."""
+    where: dict[int, str] = field(default_factory=dict)
+    """For a skipped message of a file, its `FILE:LINE`, by sequence."""
 
     def skip(self, seq: int, subject: str, why: str) -> None:
         self.undecodable += 1
@@ -64,10 +66,15 @@ class Stats:
         """'' when nothing was skipped, else one line naming the first few."""
         if not self.undecodable:
             return ""
-        shown = "; ".join(f"seq {s}: {w}" for s, _, w in self.dead[:3])
+        shown = "; ".join(
+            f"{self.where[s]}: seq {s}: {w}" if s in self.where else f"seq {s}: {w}"
+            for s, _, w in self.dead[:3]
+        )
         more = "; ..." if self.undecodable > 3 else ""
+        verb = "is" if self.undecodable == 1 else "are"
         return (
-            f"skipped {_count(self.undecodable, 'event')} that are not valid here ({shown}{more})"
+            f"skipped {_count(self.undecodable, 'event')} that {verb} not valid here "
+            f"({shown}{more})"
         )
 
     def gap_summary(self) -> str:
@@ -168,6 +175,8 @@ class BundleSource:
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         chunk: list[tuple[int, str, bytes, int]] = []
+        # The line of each message of the chunk, to name a skipped one by FILE:LINE.
+        lines: list[int] = []
         until_seq, from_seq = self.until_seq, self.from_seq
         last = 0
         for seq, subject, line, lineno, stored_ns in entries(self.path):
@@ -176,8 +185,8 @@ class BundleSource:
             if last and seq != last + 1 and seq > from_seq:
                 # The lines before the gap are taken first: a cut among them (a time)
                 # ends the replay before the gap matters.
-                out = self._cut.take(chunk) if chunk else []
-                chunk = []
+                out = self._take(chunk, lines) if chunk else []
+                chunk, lines = [], []
                 if out:
                     yield out
                 if self._cut.done:
@@ -187,17 +196,29 @@ class BundleSource:
             if seq < from_seq:
                 continue
             chunk.append((seq, subject, line, stored_ns))
+            lines.append(lineno)
             if len(chunk) >= BATCH:
-                out = self._cut.take(chunk)
-                chunk = []
+                out = self._take(chunk, lines)
+                chunk, lines = [], []
                 if out:
                     yield out
                 if self._cut.done:
                     return
         if chunk:
-            out = self._cut.take(chunk)
+            out = self._take(chunk, lines)
             if out:
                 yield out
+
+    def _take(self, chunk: list[tuple[int, str, bytes, int]], lines: list[int]) -> list[Item]:
+        """`_Cut.take`, with the FILE:LINE of each message it skips."""
+        st = self.stats
+        before = len(st.dead)
+        out = self._cut.take(chunk)
+        if len(st.dead) > before:
+            at = {c[0]: n for c, n in zip(chunk, lines, strict=True)}
+            for seq, _, _ in st.dead[before:]:
+                st.where[seq] = f"{self.path}:{at[seq]}"
+        return out
 
     def _gap(self, before: int, seq: int, lineno: int) -> None:
         if not self.allow_gaps:

@@ -274,9 +274,30 @@ def test_undecodable_lines_are_skipped_counted_and_reported(
     code, out, err = run(capsys, "view", "--log", str(bad))
     assert code == 0
     assert "view at seq 18" in out
-    assert "skipped 2 events that are not valid here (seq 4: Object missing required field" in err
-    assert "seq 6: not JSON" in err
+    # Each named by its file and line, as an error in a file is.
+    assert (
+        f"skipped 2 events that are not valid here ({bad}:4: seq 4: Object missing required field"
+        in err
+    )
+    assert f"{bad}:6: seq 6: not JSON" in err
     db = tmp_path / "bad.sqlite"
     assert cli.main(["replay", "--log", str(bad), "--db", str(db)]) == 0
     with sqlite3.connect(db) as conn:
         assert [r[0] for r in conn.execute("SELECT seq FROM dead_letters ORDER BY seq")] == [4, 6]
+
+
+def test_an_out_of_range_value_in_a_bundle_is_named_by_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The contract's ranges hold in a bundle as on the wire: an event past one is skipped
+    (the projector dead-letters it live), and the line it is on is named."""
+    line = (
+        '{"seq":%d,"subject":"llmgw.catalog.scale.x","type":"scale.desired","id":"a%d",'
+        '"time":"2026-01-01T00:00:00Z","source":"t","causation":null,"correlation":null,'
+        '"data":{"model":"x","replicas":%s}}'
+    )
+    path = tmp_path / "c.jsonl"
+    path.write_text(line % (1, 1, "3") + "\n" + line % (2, 2, "100000000000000000000") + "\n")
+    code, _, err = run(capsys, "view", "--log", str(path))
+    assert code == 0
+    assert f"skipped 1 event that is not valid here ({path}:2: seq 2: Expected `int` <=" in err
