@@ -583,6 +583,7 @@ class Progress:
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.started = time.monotonic()
         self._drawn = 0.0
+        self._shown = -1
 
     def advance(self, n: int = 1) -> None:
         self.count += n
@@ -604,14 +605,18 @@ class Progress:
             line = f"{self.verb} {self.count:,}  {rate:,.0f}/s"
         self.stream.write("\r" + line + "\x1b[K")
         self.stream.flush()
+        self._shown = self.count
 
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
     def close(self) -> None:
-        """Erase the bar, leaving the terminal line free for the summary."""
+        """Draw the final count (the last advances may have come within a tenth of a
+        second of a draw), then erase the bar, leaving the line free for the summary."""
         if self.enabled and self._drawn:
+            if self._shown != self.count:
+                self._draw(time.monotonic())
             self.stream.write("\r\x1b[K")
             self.stream.flush()
 

@@ -103,3 +103,18 @@ def second_server_url(tmp_path: Path) -> Iterator[str]:
         yield broker.url
     finally:
         broker.stop()
+
+
+def test_the_bar_shows_the_final_count_before_it_is_erased() -> None:
+    """Draws are a tenth of a second apart at least; the last advances may come sooner,
+    and the bar must not end short of what was done."""
+    from services.cli.app import Progress
+
+    term = _Terminal()
+    p = Progress("exporting", 50, term)
+    p.advance(10)
+    p.advance(40)  # within a tenth of a second of the first draw: not drawn then
+    p.close()
+    text = term.getvalue()
+    assert "10/50" in text and "50/50" in text
+    assert text.endswith("\r\x1b[K")
