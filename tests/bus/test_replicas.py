@@ -32,7 +32,12 @@ async def _copies(js: JetStreamContext) -> dict[str, int]:
 async def _make_all(js: JetStreamContext, replicas: int | None) -> None:
     await ensure_streams(js, replicas=replicas)
     lease = Lease(js, name="llmgw.test", holder="h", replicas=replicas)
-    assert await lease.acquire()
+    # A bucket just made on a cluster answers once its stream has a leader: a lease
+    # asks again, as `Lease.run` does every renewal.
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await lease.acquire():
+        assert asyncio.get_running_loop().time() < deadline, "the lease was never taken"
+        await asyncio.sleep(0.2)
     await lease.release()
     await snapshots.bucket(js)
 
