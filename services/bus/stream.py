@@ -39,18 +39,42 @@ NOT_CLUSTERED = 10074
 
 T = TypeVar("T")
 
+# SETTLE_S is how long setup (a stream, a bucket) keeps asking while a cluster elects its
+# leaders: a create of a replicated stream waits for a stream leader, which on a busy or
+# freshly started cluster can take longer than one request's timeout.
+SETTLE_S = 60.0
+
 
 async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | None) -> T:
     """`make(replicas)`; with `replicas=None`, `make(CLUSTER_REPLICAS)`, or `make(1)` when
-    the server is not clustered. Used for the streams, the lease bucket and snapshots."""
+    the server is not clustered. Used for the streams, the lease bucket and snapshots.
+    Each try is `settled`: asked again while a cluster elects its leaders."""
     if replicas is not None:
-        return await make(replicas)
+        return await settled(lambda: make(replicas))
     try:
-        return await make(CLUSTER_REPLICAS)
+        return await settled(lambda: make(CLUSTER_REPLICAS))
     except nats.js.errors.APIError as e:
         if e.err_code != NOT_CLUSTERED:
             raise
-    return await make(1)
+    return await settled(lambda: make(1))
+
+
+async def settled(make: Callable[[], Awaitable[T]]) -> T:
+    """`make()`, asked again while the cluster has no answer yet: a timeout or
+    "unavailable" during an election, up to SETTLE_S. Only for what is safe to ask again:
+    a create that finds what an earlier try made (the same stream, a bucket) and keeps it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_S
+    pause = 0.25
+    while True:
+        try:
+            return await make()
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
+            if loop.time() + pause >= deadline:
+                raise
+            log.info("no answer yet (%s); asking again", e)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 # DLQ_MAX_AGE_S keeps dead letters a week. Long enough to look at after a weekend; they
@@ -58,31 +82,9 @@ async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | Non
 DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 
 
-# SETTLE_S is how long stream setup keeps asking while a cluster elects its leaders: a
-# create of a replicated stream waits for a stream leader, which on a busy or freshly
-# started cluster can take longer than one request's timeout.
-SETTLE_S = 60.0
-
-
 async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
-    """`_apply(js, config)`, asked again while the cluster has no answer yet: a timeout or
-    "unavailable" during an election. Asking again is safe: `_apply` reads the stream
-    first, so a create that did land is found and left alone."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SETTLE_S
-    pause = 0.25
-    while True:
-        try:
-            return await _apply(js, config)
-        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
-            if loop.time() + pause >= deadline:
-                raise
-            log.info("stream %s: no answer yet (%s); asking again", config.name, e)
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 2.0)
-
-
-async def _apply(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """The stream made or brought to `config`. Safe to ask again (see `settled`): it reads
+    the stream first, so a create that did land is found and left alone."""
     assert config.name is not None
     try:
         current = await js.stream_info(config.name)
