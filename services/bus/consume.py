@@ -413,6 +413,7 @@ def _reader(
     stop: asyncio.Event | None,
     batch_max: int,
     consumer: str | None = None,
+    label: str | None = None,
 ) -> ordered.OrderedReader:
     """The wire reader (`services.bus.wire`) for a JetStream context of `bus.connect`,
     which carries where to connect, unless $LLMGW_BUS_WIRE=0 or the connection uses what
@@ -429,7 +430,7 @@ def _reader(
     )
     if wire.enabled() and isinstance(js, JetStream):
         if not js.target.unsupported:
-            return wire.WireOrderedReader(js, js.target, **kw)
+            return wire.WireOrderedReader(js, js.target, label=label, **kw)
         log.debug("wire reader not used: %s", js.target.unsupported)
     return ordered.NatsOrderedReader(js, **kw)
 
@@ -444,9 +445,11 @@ async def read_ordered(
     stop: asyncio.Event | None = None,
     until_seq: int | None = None,
     stream: str = subjects.STREAM,
+    label: str | None = None,
 ) -> int:
     """Hand every message from `from_seq` on to `on_batch`, in order, until `stop` is set or
-    `until_seq` is handed on. Returns the last stream sequence handed on.
+    `until_seq` is handed on. Returns the last stream sequence handed on. `label` names
+    the reader's connection (whose reader it is: "projector").
 
     Raises `SequenceGap` if a message went missing: without a filter every stream
     sequence must follow the one before; with one, every consumer sequence. The caller
@@ -461,6 +464,7 @@ async def read_ordered(
         to_end=False,
         stop=stop,
         batch_max=batch_max,
+        label=label,
     )
     async with contextlib.aclosing(reader.batches()) as batches:
         async for batch in batches:

@@ -167,6 +167,7 @@ async def follow(
                     stop=reading,
                     batch_max=batch_max,
                     stream=stream,
+                    label=name,
                 )
                 if replaced:
                     raise StreamReplaced(stream, origin or "?", replaced[0])

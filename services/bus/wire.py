@@ -374,9 +374,13 @@ class WireOrderedReader:
         batch_max: int,
         idle_heartbeat_s: float = ordered.IDLE_HEARTBEAT_S,
         consumer: str | None = None,
+        label: str | None = None,
     ) -> None:
         self.js = js
         self.target = target
+        # The connection's name as servers list it (`/connz`): "llmgw-reader (projector)"
+        # tells an operator (and a test) whose reader is on which server.
+        self.conn_name = f"llmgw-reader ({label})" if label else "llmgw-reader"
         # name: the one consumer name a reader confined by permissions may use (an agent,
         # see `consume.read_range`); None gives each consumer a name of its own.
         self.name = consumer
@@ -418,7 +422,7 @@ class WireOrderedReader:
                     host,
                     port,
                     auth,
-                    "llmgw-reader",
+                    self.conn_name,
                     tls=self.target.tls,
                     tls_hostname=self.target.tls_hostname,
                     inbox_prefix=self.target.inbox_prefix,

@@ -1,38 +1,40 @@
 """The control plane on a three-server JetStream cluster goes on when a server dies.
 
-`llmgw up --nats u1,u2,u3 --simulate 2x8xH100-80GB` is run against real nats-servers on
-loopback. Mid-scale, one server is killed with kill -9: once the one that leads the log,
-once the one the projector's log reader is connected to (found on the reader the
-projector opened, and checked against the server's own list of connections). Each lease
-is written again after the kill by its holder; the projector's reader moves to another
-server and reads on; the scale completes; every acked event is stored
-once with no sequence hole; the SQLite view equals an offline replay; and the killed
-server, restarted on its store, rejoins and catches up.
+`llmgw up --nats u1,u2,u3 --simulate 2x8xH100-80GB` runs as a process, as an operator
+runs it, against real nats-servers on loopback. Mid-scale, one server is killed with
+kill -9: once the one that leads the log, once the one the projector's log reader is
+connected to (the server's own list of connections names it: "llmgw-reader
+(projector)"). Each lease is written again after the kill by its holder; the projector's
+reader moves to another server and reads on; the scale completes; every acked event is
+stored once with no sequence hole; the SQLite view equals an offline replay; and the
+killed server, restarted on its store, rejoins and catches up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
+import nats.js.errors
 import pytest
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services.bus import Publisher, connect, consume, wire
+from services.bus import Publisher, connect, consume
 from services.clock import new_id
-from services.core.scheduling import Config as SchedulerConfig
-from services.core.view import digest
+from services.core.view import View, digest
 from services.follower import ViewFollower
+from services.lease import DEFAULT_BUCKET
 from services.projector import store
 from services.replay import rebuild
-from services.up import Running, UpOptions, run
+from services.up import DB_FILE
 from tests.bus.cluster import Cluster
+from tests.up_process import UpProcess
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
@@ -51,6 +53,13 @@ def _connections(cluster: Cluster, i: int) -> list[str]:
     return [str(c.get("name")) for c in conns]
 
 
+def _known_nodes(follower: ViewFollower, n: int) -> Callable[[], Awaitable[bool]]:
+    async def known() -> bool:
+        return len(follower.view.state.nodes) >= n
+
+    return known
+
+
 async def _until(what: str, cond, within: float = 40.0) -> None:  # type: ignore[no-untyped-def]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
@@ -60,64 +69,53 @@ async def _until(what: str, cond, within: float = 40.0) -> None:  # type: ignore
         await asyncio.sleep(0.1)
 
 
-class ProjectorReaders:
-    """The ordered readers `llmgw up`'s projector opened, newest last: recorded as
-    `consume` makes them inside the task `up` runs the projector in."""
+PROJECTOR = "llmgw-reader (projector)"
+LEASES = ("llmgw.scheduler", "llmgw.preemption")
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.readers: list[Any] = []
-        make = consume._reader
 
-        def recording(*args: Any, **kw: Any) -> Any:
-            reader = make(*args, **kw)
-            task = asyncio.current_task()
-            if task is not None and task.get_name() == "projector":
-                self.readers.append(reader)
-            return reader
-
-        monkeypatch.setattr(consume, "_reader", recording)
-
-    def server(self, cluster: Cluster) -> int:
-        """The index in `cluster` of the server the newest reader is connected to."""
-        assert self.readers, "the projector opened no reader"
-        reader = self.readers[-1]
-        assert isinstance(reader, wire.WireOrderedReader), type(reader)
-        assert reader._conn is not None, "the projector's reader is not connected"
-        _, port = reader.target.servers[reader.server]
-        return [b.port for b in cluster.brokers].index(port)
+def _server_with(cluster: Cluster, conn_name: str) -> int | None:
+    """The index of the live server holding a connection named `conn_name`."""
+    for i, b in enumerate(cluster.brokers):
+        if b.running and conn_name in _connections(cluster, i):
+            return i
+    return None
 
 
 @pytest.fixture
-async def plane(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[tuple[Cluster, Running, ProjectorReaders]]:
-    readers = ProjectorReaders(monkeypatch)
+def plane(tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
+    """Three servers and `llmgw up` on them as a process; (the cluster, its data dir)."""
     with Cluster(tmp_path / "nats", 3) as cluster:
-        opts = UpOptions(
-            data=tmp_path / "data",
-            nats_url=",".join(cluster.urls),
-            simulate="2x8xH100-80GB",
-            scheduler=SchedulerConfig(tick_s=0.2, node_timeout_s=60.0, drain_grace_s=1.0),
-            start_delay_s=0.05,
-            load_delay_s=2.0,
-            stop_delay_s=0.05,
-            heartbeat_s=1.0,
-        )
-        stop = asyncio.Event()
-        ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(run(opts, stop, on_ready=ready.set_result))
+        data = tmp_path / "data"
+        up = UpProcess(
+            data,
+            tmp_path / "up.log",
+            "--nats", ",".join(cluster.urls), "--simulate", "2x8xH100-80GB", "--no-ui",
+            "--tick", "0.2", "--node-timeout", "60", "--drain-grace", "1",
+            "--start-delay", "0.05", "--load-delay", "2", "--stop-delay", "0.05",
+            "--heartbeat", "1",
+        )  # fmt: skip
         try:
-            yield cluster, await asyncio.wait_for(ready, 30), readers
+            yield cluster, data
+            assert up.alive(), up.text()[-3000:]
         finally:
-            stop.set()
-            assert await asyncio.wait_for(task, 40) == 0
+            assert up.stop() == 0, up.text()[-3000:]
+        text = up.text()
+        assert "Traceback" not in text and "stopped unexpectedly" not in text, text[-3000:]
+
+
+async def _view_of(db_path: Path) -> View:
+    db = await store.open_db(db_path)
+    try:
+        return await store.load_view(db)
+    finally:
+        await db.close()
 
 
 @pytest.mark.parametrize("victim", ["stream leader", "projector's server"])
 async def test_the_plane_survives_a_server_killed_mid_scale(
-    plane: tuple[Cluster, Running, ProjectorReaders], victim: str
+    plane: tuple[Cluster, Path], victim: str
 ) -> None:
-    cluster, running, readers = plane
+    cluster, data = plane
     nc = await connect(cluster.urls, "test operator")
     js = nc.jetstream()
     follower = ViewFollower(js, consumer="cluster-test")
@@ -131,6 +129,7 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
         acked[e.id] = (await pub.publish(e)).seq
 
     try:
+        await _until("two nodes", _known_nodes(follower, 2))
         info = await js.stream_info(subjects.STREAM)
         assert info.config.num_replicas == 3, "a cluster gets an R3 log by default"
         await publish(
@@ -153,21 +152,28 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
             assert leader is not None and leader.leader is not None
             dead = _server_of(cluster, leader.leader)
         else:
-            dead = readers.server(cluster)
-            # The server's own word: it holds a reader connection.
-            assert "llmgw-reader" in _connections(cluster, dead)
+            # The server's own word: it holds the projector's reader connection.
+            found = _server_with(cluster, PROJECTOR)
+            assert found is not None, "no server holds the projector's reader"
+            dead = found
 
         # The leases as they stand before the kill: their holders and revisions.
+        kv = await js.key_value(DEFAULT_BUCKET)
+
         async def leading() -> bool:
-            return running.scheduler.is_leader and running.preemption.is_leader
+            for key in LEASES:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    if (await kv.get(key)).value:
+                        continue
+                return False
+            return True
 
         await _until("the scheduler and preemption service lead before the kill", leading)
-        kv = await js.key_value(running.scheduler.lease.bucket)
-        leases = {
-            lease.name: (lease.holder, (await kv.get(lease.name)).revision)
-            for lease in (running.scheduler.lease, running.preemption.lease)
-        }
-        killed_readers = len(readers.readers)
+        leases = {}
+        for key in LEASES:
+            entry = await kv.get(key)
+            assert entry.value is not None
+            leases[key] = (entry.value.decode(), entry.revision)
         cluster.kill(dead)
 
         # The operator's own publish after the kill goes through the election.
@@ -200,19 +206,21 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
         assert all(stored.get(i) == s for i, s in acked.items()), "an acked event is missing"
 
         # The projector read on, and its view is what an offline replay gives.
-        projector = running.projector
-        assert projector is not None
-        await projector.wait_for(last, timeout=30)
+        db_path = data / DB_FILE
+
+        async def projected() -> bool:
+            return (await _view_of(db_path)).seq >= last
+
+        await _until(f"the projector's view at seq {last}", projected, 30)
         if victim == "projector's server":
             # Its reader lost its server and read on from another one.
-            assert readers.server(cluster) != dead
-            assert len(readers.readers) > killed_readers or readers.readers[-1].resets > 0
-        replayed = await rebuild.from_stream(js, until_seq=projector.committed, use_snapshot=False)
-        db = await store.open_db(running.db_path)
-        try:
-            live = await store.load_view(db)
-        finally:
-            await db.close()
+            async def moved() -> bool:
+                at = _server_with(cluster, PROJECTOR)
+                return at is not None and at != dead
+
+            await _until("the projector's reader on another server", moved, 30)
+        live = await _view_of(db_path)
+        replayed = await rebuild.from_stream(js, until_seq=live.seq, use_snapshot=False)
         assert live.seq == replayed.view.seq
         assert digest(live.state) == digest(replayed.view.state)
 
