@@ -22,12 +22,11 @@ import pytest
 from schemas import events as ev
 from services.bus import Publisher, connect
 from services.clock import new_id
-from services.core.scheduling import Config as SchedulerConfig
 from services.core.view import View
 from services.follower import ViewFollower
-from services.up import Running, UpOptions, run
 from tests.agent import realagent as ra
 from tests.agent.test_process_runtime import _ports, _post
+from tests.up_process import UpProcess
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,28 +35,28 @@ UUIDS = ("GPU-11111111-2222-3333-4444-000000000000", "GPU-11111111-2222-3333-444
 
 
 @pytest.fixture
-async def plane(tmp_path: Path) -> AsyncIterator[tuple[Running, ViewFollower, Publisher]]:
-    opts = UpOptions(
-        data=tmp_path / "up",
-        scheduler=SchedulerConfig(
-            tick_s=0.2, failed_backoff_s=0.5, node_timeout_s=30.0, drain_grace_s=2.0
-        ),
-    )
-    stop = asyncio.Event()
-    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(run(opts, stop, on_ready=ready.set_result))
-    running = await asyncio.wait_for(ready, 20)
-    nc = await connect(running.url, "gpu-tour")
-    js = nc.jetstream()
-    follower = ViewFollower(js, consumer="gpu-tour")
-    follower.start()
+async def plane(tmp_path: Path) -> AsyncIterator[tuple[str, ViewFollower, Publisher]]:
+    """`llmgw up` as a process (the control plane, no simulated agents): its broker's URL,
+    a follower of its log and a publisher."""
+    up = UpProcess(
+        tmp_path / "up",
+        tmp_path / "up.log",
+        "--no-ui", "--tick", "0.2", "--node-timeout", "30",
+        "--drain-grace", "2",
+    )  # fmt: skip
     try:
-        yield running, follower, Publisher(js)
+        url = await asyncio.to_thread(up.wait_url)
+        nc = await connect(url, "gpu-tour")
+        js = nc.jetstream()
+        follower = ViewFollower(js, consumer="gpu-tour")
+        follower.start()
+        try:
+            yield url, follower, Publisher(js)
+        finally:
+            await follower.stop()
+            await nc.close()
     finally:
-        await follower.stop()
-        await nc.close()
-        stop.set()
-        assert await asyncio.wait_for(task, 30) == 0
+        assert await asyncio.to_thread(up.stop) == 0, up.text()[-3000:]
 
 
 async def _until(view: Callable[[], View], what: str, cond: Callable[[View], bool]) -> None:
@@ -83,10 +82,8 @@ def _cli(url: str, *argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_gpu_host_tour(
-    plane: tuple[Running, ViewFollower, Publisher], tmp_path: Path
-) -> None:
-    running, follower, pub = plane
+async def test_gpu_host_tour(plane: tuple[str, ViewFollower, Publisher], tmp_path: Path) -> None:
+    url, follower, pub = plane
     nvml = tmp_path / "nvml.json"
     nvml.write_text(
         json.dumps(
@@ -99,7 +96,7 @@ async def test_gpu_host_tour(
     )
     events = Path(str(nvml) + ".events")
     agent = ra.RealAgent(
-        running.url,
+        url,
         NODE,
         tmp_path,
         "--ports",
@@ -173,7 +170,7 @@ async def test_gpu_host_tour(
         assert again.shards[0].gpus == (1 - idx,)
 
         # Brought back by hand.
-        out = await asyncio.to_thread(_cli, running.url, "gpu", "reset-health", NODE, str(idx))
+        out = await asyncio.to_thread(_cli, url, "gpu", "reset-health", NODE, str(idx))
         assert out.returncode == 0, out.stderr
         assert f"GPU {idx} of {NODE} is healthy again (was: XID 79)" in out.stdout
         await _until(view, "GPU healthy", lambda v: gpus()[idx].healthy)
