@@ -320,12 +320,17 @@ async def test_not_adopted_when_its_gpus_differ(
     await _not_adopted(rt, entry)
 
 
+def _closed_port(rt: ProcessRuntime, entry: dict) -> int:  # type: ignore[type-arg]
+    """A port of the agent's range that the left server does not listen on."""
+    low = rt.ports.start
+    return next(p for p in range(low, low + 3) if p != entry["port"])
+
+
 async def test_not_adopted_when_its_port_is_closed(
     node: str, tmp_path: Path, left_running: tuple[ProcessRuntime, dict]
 ) -> None:
     rt, entry = left_running
-    low = rt.ports.start
-    closed = next(p for p in range(low, low + 3) if p != entry["port"])
+    closed = _closed_port(rt, entry)
     _edit_state(tmp_path, port=closed)
     await rt.adopt(_known("r-1", node, (0,), "ready"))
     await _not_adopted(rt, entry)
@@ -336,8 +341,7 @@ async def test_a_loading_server_is_adopted_without_its_port_only_if_it_is_the_sa
     node: str, tmp_path: Path, left_running: tuple[ProcessRuntime, dict], state: str
 ) -> None:
     rt, entry = left_running
-    low = rt.ports.start
-    closed = next(p for p in range(low, low + 3) if p != entry["port"])
+    closed = _closed_port(rt, entry)
     # Its port is not open yet (still loading): that alone does not refuse it...
     _edit_state(tmp_path, port=closed, started=entry["started"] + 1)
     # ...but another process under its pid does.
@@ -349,8 +353,7 @@ async def test_a_loading_server_that_is_the_same_process_is_adopted(
     node: str, tmp_path: Path, left_running: tuple[ProcessRuntime, dict]
 ) -> None:
     rt, entry = left_running
-    low = rt.ports.start
-    closed = next(p for p in range(low, low + 3) if p != entry["port"])
+    closed = _closed_port(rt, entry)
     _edit_state(tmp_path, port=closed)
     await rt.adopt(_known("r-1", node, (0,), "loading"))
     assert rt.running() == {"r-1": "loading"}
