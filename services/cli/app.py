@@ -403,7 +403,9 @@ def parse_time(text: str, *, now: datetime | None = None) -> datetime:
         age = timedelta(
             days=int(d or 0), hours=int(h or 0), minutes=int(mi or 0), seconds=float(se or 0)
         )
-        return (now or datetime.now(UTC)) - age
+        from services import clock
+
+        return (now or clock.utc_now()) - age
     try:
         t = datetime.fromisoformat(s.replace("z", "Z"))
     except ValueError:

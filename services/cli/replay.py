@@ -23,9 +23,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from services import clock
 from services.cli import app as cli
 from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.core.view import View, digest
@@ -395,7 +396,7 @@ def wall_now(args: argparse.Namespace) -> datetime | None:
         return None
     if getattr(args, "seq", None) is not None or getattr(args, "at", None) is not None:
         return None
-    return datetime.now(UTC)
+    return clock.utc_now()
 
 
 def _moment(args: argparse.Namespace) -> dict[str, Any]:
@@ -480,7 +481,7 @@ async def _view(args: argparse.Namespace) -> int:
         return await watch(
             args,
             "view",
-            lambda v, where: view_frame(args, v, f"{where}, live", datetime.now(UTC)),
+            lambda v, where: view_frame(args, v, f"{where}, live", clock.utc_now()),
         )
     run = await rebuild_view(args, verb="replaying", **_moment(args))
     _check_reached(args, run)

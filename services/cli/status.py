@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from services import names
+from services import clock, names
 from services.cli import app as cli
 from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.cli.replay import allow_gaps_option, rebuild_view
@@ -388,12 +388,12 @@ async def _status(args: argparse.Namespace) -> int:
     check_watch(args, {"--log": bool(args.log)})
     if args.watch:
         return await watch(
-            args, "status", lambda v, where: render_status(args, v, where, datetime.now(UTC))
+            args, "status", lambda v, where: render_status(args, v, where, clock.utc_now())
         )
     run = await rebuild_view(args, verb="reading the log")
     # A bundle is a picture of its last event; a broker's log, the live one or a stopped
     # plane's, is judged at the wall clock (how long ago the plane last heard anything).
-    now = None if args.log else datetime.now(UTC)
+    now = None if args.log else clock.utc_now()
     h = None if args.log or run.offline else await health(args)
     if args.output == "json":
         doc = summary(run.rebuilt.view, args.decisions, now)

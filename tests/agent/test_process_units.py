@@ -202,18 +202,31 @@ async def test_stop_waits_until_nvml_no_longer_shows_the_servers_processes(
     # The driver still holds the server's memory after it is gone, for a while.
     fake_nvml({"0": [pid]})
     rep = Reports()
+    # NVML's answers while the server is gone and the GPU still shows it.
+    asked_after_exit: list[set[int]] = []
+    pids_of = nvml.pids
 
-    async def free_later() -> None:
-        await asyncio.sleep(1.0)
+    def pids(index: int) -> set[int]:
+        got = pids_of(index)
+        if not procs.alive(pid):
+            asked_after_exit.append(got)
+        return got
+
+    nvml.pids = pids  # type: ignore[method-assign]
+
+    async def free_once_asked() -> None:
+        # The GPU is freed only once the agent has asked about it with the server gone:
+        # until then it must not report stopped.
+        while not any(pid in got for got in asked_after_exit):
+            assert not rep.states() or rep.states() == ["draining"], rep.got
+            await asyncio.sleep(0.01)
         fake_nvml({})
 
-    freed = asyncio.create_task(free_later())
-    t0 = time.monotonic()
+    freed = asyncio.create_task(free_once_asked())
     await rt.stop("r-1", grace_s=0.2, report=rep)
-    took = time.monotonic() - t0
-    await freed
+    await asyncio.wait_for(freed, 5)
     assert rep.states() == ["draining", "stopped"], rep.got
-    assert took >= 0.9, took
+    assert any(pid in got for got in asked_after_exit)
     assert not procs.alive(pid)
 
 

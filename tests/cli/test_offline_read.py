@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from services import clock
 from services.bus import broker
+from services.cli import main
 from tests.up_process import FAST, UpProcess, env_for, llmgw
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,20 +52,27 @@ def _run_up_and_stop(tmp_path: Path, data: Path, env: dict[str, str]) -> None:
     assert code == 0, up.text()
 
 
-def test_a_stopped_plane_is_read_from_its_stored_log(tmp_path: Path) -> None:
+def test_a_stopped_plane_is_read_from_its_stored_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "data"
     env = _env(data)
     _run_up_and_stop(tmp_path, data, env)
     assert not (data / "nats.url").exists()
     note = NOTE.format(data)
-    time.sleep(1.5)  # the plane's last event is now seconds old, and status says so
 
-    status = _llmgw("status", env=env)
-    assert status.returncode == 0, status.stderr
-    assert status.stderr == note
-    assert "last event now" not in status.stdout.splitlines()[0], status.stdout
-    assert "s ago" in status.stdout.splitlines()[0], status.stdout
-    assert any(x.strip().startswith("m ") and "2/2" in x for x in status.stdout.splitlines())
+    # Read an hour later (the command's clock, not a sleep): the plane's last event is an
+    # hour old, and status counts from the wall clock, not from that event.
+    later = clock.utc_now() + timedelta(hours=1)
+    monkeypatch.setattr(clock, "utc_now", lambda: later)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["status"]) == 0
+    out, err = capsys.readouterr()
+    assert err == note
+    first = out.splitlines()[0]
+    assert "last event now" not in first and ("60m ago" in first or "1h ago" in first), out
+    assert any(x.strip().startswith("m ") and "2/2" in x for x in out.splitlines())
 
     view = _llmgw("view", env=env)
     assert view.returncode == 0, view.stderr
