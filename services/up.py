@@ -29,7 +29,7 @@ from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url
 from services.core import preemption, scheduling
-from services.dashboard import Dashboard, DashboardError
+from services.dashboard.server import Dashboard, DashboardError
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector

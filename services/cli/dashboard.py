@@ -15,7 +15,7 @@ from services.cli import app as cli
 
 
 def register(commands: cli.Commands) -> None:
-    from services.dashboard.server import DEFAULT_LISTEN
+    from services.dashboard.listen import DEFAULT_LISTEN
 
     p = commands.add(
         "dashboard",

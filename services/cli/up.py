@@ -15,9 +15,10 @@ from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options
 from services.core import preemption, scheduling
+from services.dashboard.listen import DEFAULT_LISTEN
 
 DEFAULT_PORT = 4222
-DEFAULT_UI = "127.0.0.1:8321"
+DEFAULT_UI = DEFAULT_LISTEN
 
 # UP_SCHEDULER_FLAGS are the scheduler's knobs `llmgw up` offers; the others keep their
 # defaults. The drain grace is the whole control plane's: the preemption service's drains

@@ -48,13 +48,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from schemas import subjects
 from services.core import preemption
 from services.dashboard import health, hub, metrics, state
+from services.dashboard.listen import DEFAULT_LISTEN
 from services.replay import explain, history, rebuild
 from services.replay.errors import ReplayError, UnknownEntity
 
 log = logging.getLogger("llmgw.dashboard")
 
 STATIC = Path(__file__).parent / "static"
-DEFAULT_LISTEN = "127.0.0.1:8321"
 TOKEN_FILE = "dashboard.token"
 URL_FILE = "dashboard.url"
 COOKIE = "llmgw_token"
