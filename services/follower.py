@@ -156,8 +156,7 @@ class ViewFollower:
                     self._folder = Ingest(None, self.root)
                     self._notify()
         except BaseException as e:
-            self.error = e
-            self._notify()
+            self.error = e  # set before the waiters are woken (finally), so they see it
             raise
         finally:
             self._notify()

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
-from services.clock import new_id
+from services.clock import new_id, utc_now
 from services.core import ingest
 from services.core.scheduling import DRAIN_GRACE_S
 
@@ -253,7 +253,7 @@ class Agent:
             ev.make(
                 self.inventory,
                 id=new_id(),
-                time=datetime.now(UTC),
+                time=utc_now(),
                 source=self.source,
             )
         )
@@ -372,7 +372,7 @@ class Agent:
         elif rec.state == "ready":
             self._spawn(rec, self._run_resume(rec))
         elif rec.state == "draining":
-            spent = (datetime.now(UTC) - rec.since).total_seconds()
+            spent = (utc_now() - rec.since).total_seconds()
             log.info("%s: %s was draining before the restart: stopping it", self.node, rec.replica)
             self._spawn(rec, self._run_stop(rec, max(0.0, rec.grace_s - spent)))
 
@@ -624,7 +624,7 @@ class Agent:
         self, rec: _Replica, state: ev.ReplicaStateName, reason: str | None = None
     ) -> None:
         """Publish the replica's new state, and remember it once stored."""
-        now = datetime.now(UTC)
+        now = utc_now()
         e = ev.ReplicaStateEvent(
             id=ids.derived(rec.command, f"state:{state}"),
             time=now,
@@ -657,7 +657,7 @@ class Agent:
             body = _json.encode(
                 {
                     "node": self.node,
-                    "time": datetime.now(UTC).isoformat(),
+                    "time": utc_now().isoformat(),
                     "replicas": sum(1 for r in self._replicas.values() if r.state in _HOLDING),
                 }
             )
@@ -685,7 +685,7 @@ class Agent:
                     continue
                 served, reported_m = self._last_used.get(rec.replica, (None, -math.inf))
                 if rpm is not None and self._rng.random() < 1.0 - math.exp(-rpm / 60.0 * dt):
-                    served = datetime.now(UTC)
+                    served = utc_now()
                 if (
                     really is not None
                     and really != self._reported_real.get(rec.replica)
@@ -698,7 +698,7 @@ class Agent:
                 e = ev.make(
                     ev.ReplicaUsed(replica=rec.replica, at=served),
                     id=new_id(),
-                    time=datetime.now(UTC),
+                    time=utc_now(),
                     source=self.source,
                 )
                 try:
@@ -758,7 +758,7 @@ class Agent:
         while True:
             try:
                 await self._publish(
-                    ev.make(self.inventory, id=new_id(), time=datetime.now(UTC), source=self.source)
+                    ev.make(self.inventory, id=new_id(), time=utc_now(), source=self.source)
                 )
                 return
             except PublishError as e:

@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -32,6 +32,7 @@ from schemas import events as ev
 from services.agent import procs
 from services.agent.gpus import Nvml
 from services.agent.runtime import Report
+from services.clock import utc_now
 
 log = logging.getLogger("llmgw.agent.process")
 
@@ -363,7 +364,7 @@ class ProcessRuntime:
         argv = self._argv(rt, model, values)
         logfile = self.logs / f"{replica}.log"
         with logfile.open("ab") as out:
-            out.write(f"--- {datetime.now(UTC).isoformat()} {' '.join(argv)}\n".encode())
+            out.write(f"--- {utc_now().isoformat()} {' '.join(argv)}\n".encode())
             out.flush()
             popen = subprocess.Popen(
                 argv,
@@ -460,7 +461,7 @@ class ProcessRuntime:
         values = parse_metrics(body.decode(errors="replace"), names)
         served, running = values.get(names[0]), values.get(names[1])
         if served_since(s.served, served, running):
-            s.served_at = datetime.now(UTC)
+            s.served_at = utc_now()
         if served is not None:
             s.served = served
         if running is not None:

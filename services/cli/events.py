@@ -44,7 +44,7 @@ from schemas.events import EVENT_TYPES, Envelope, type_of
 from schemas.names import TokenError
 from services.cli import app as cli
 from services.cli.output import add_output_option
-from services.clock import new_id
+from services.clock import new_id, utc_now
 from services.core.ingest import claimed_time, past_bound
 from services.replay import eventline
 
@@ -825,7 +825,7 @@ async def _publish(args: argparse.Namespace) -> int:
         args.type,
         raw,
         source=args.source or _default_source(),
-        now=datetime.now(UTC),
+        now=utc_now(),
         id=args.id,
         causation=args.causation,
         correlation=args.correlation,

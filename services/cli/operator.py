@@ -22,7 +22,6 @@ import getpass
 import re
 import sys
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -30,7 +29,7 @@ import msgspec
 from schemas import events as ev
 from services import clusterfile, names
 from services.cli import app as cli
-from services.clock import new_id
+from services.clock import new_id, utc_now
 from services.core.view import LIVE_STATES, View
 
 
@@ -177,7 +176,7 @@ def _source() -> str:
 
 
 def _event(data: ev.Data) -> ev.Event:
-    now = datetime.now(UTC)
+    now = utc_now()
     return ev.make(data, id=new_id(now), time=now, source=_source())
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from services import clock, names
 from services.cli import app as cli
 from services.cli.output import add_output_option, add_watch_options, check_watch, watch
-from services.cli.replay import allow_gaps_option, rebuild_view
+from services.cli.replay import allow_gaps_option, rebuild_view, wall_now
 from services.core.view import View, digest
 from services.replay import render
 
@@ -393,7 +393,7 @@ async def _status(args: argparse.Namespace) -> int:
     run = await rebuild_view(args, verb="reading the log")
     # A bundle is a picture of its last event; a broker's log, the live one or a stopped
     # plane's, is judged at the wall clock (how long ago the plane last heard anything).
-    now = None if args.log else clock.utc_now()
+    now = wall_now(args)
     h = None if args.log or run.offline else await health(args)
     if args.output == "json":
         doc = summary(run.rebuilt.view, args.decisions, now)

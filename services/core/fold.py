@@ -618,10 +618,6 @@ def _about_quota(view: View, e: Any) -> tuple[Key, ...]:
     return (("quota", ""),)
 
 
-def _about_desired(view: View, e: ev.ScaleDesiredEvent) -> tuple[Key, ...]:
-    return (("model", e.data.model),)
-
-
 def _about_node(view: View, e: Any) -> tuple[Key, ...]:
     return (("node", e.data.node),)
 
@@ -657,10 +653,6 @@ def _about_drain(view: View, e: ev.ReplicaDrainEvent) -> list[Key]:
     return out
 
 
-def _about_failed(view: View, e: ev.PlacementFailedEvent) -> tuple[Key, ...]:
-    return (("model", e.data.model),)
-
-
 def _about_preemption(view: View, e: ev.PreemptionDecidedEvent) -> list[Key]:
     d = e.data
     out: list[Key] = [("model", d.for_model)]
@@ -673,7 +665,8 @@ def _about_hold(view: View, e: ev.HoldCreatedEvent) -> tuple[Key, ...]:
     return (("model", e.data.model), ("model", e.data.for_model))
 
 
-def _about_hold_model(view: View, e: Any) -> tuple[Key, ...]:
+def _about_data_model(view: View, e: Any) -> tuple[Key, ...]:
+    """The model its data names (`data.model`)."""
     return (("model", e.data.model),)
 
 
@@ -683,7 +676,7 @@ RULES: dict[type, Rule] = {
     ev.ModelDeclaredEvent: Rule(_model_declared, _touch_model, _about_model),
     ev.ModelRemovedEvent: Rule(_model_removed, _touch_model, _about_model),
     ev.QuotaSetEvent: Rule(_quota_set, _touch_quota, _about_quota),
-    ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_desired),
+    ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_data_model),
     ev.NodeInventoryEvent: Rule(_node_inventory, _touch_node, _about_node),
     ev.NodeLostEvent: Rule(_node_lost, _touch_lost, _about_lost, _before_lost),
     ev.NodeCordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
@@ -695,14 +688,14 @@ RULES: dict[type, Rule] = {
     ev.PlacementDecidedEvent: Rule(
         _placement_decided, _touch_allocation, _about_placed, _before_allocation, decision=True
     ),
-    ev.PlacementFailedEvent: Rule(_placement_failed, _no_touch, _about_failed, decision=True),
+    ev.PlacementFailedEvent: Rule(_placement_failed, _no_touch, _about_data_model, decision=True),
     ev.ReplicaStartEvent: Rule(_replica_start, _no_touch, _about_placed),
     ev.ReplicaDrainEvent: Rule(_replica_drain, _touch_replica, _about_drain),
     ev.PreemptionDecidedEvent: Rule(
         _preemption_decided, _touch_preempting, _about_preemption, decision=True
     ),
     ev.HoldCreatedEvent: Rule(_hold_created, _touch_hold, _about_hold),
-    ev.HoldReleasedEvent: Rule(_hold_released, _touch_hold, _about_hold_model),
+    ev.HoldReleasedEvent: Rule(_hold_released, _touch_hold, _about_data_model),
     ev.PolicyConfiguredEvent: Rule(_policy_configured, _no_touch, _about_nothing),
     ev.ViewDigestEvent: Rule(_ignored, _no_touch, _about_nothing),
 }

@@ -324,7 +324,7 @@ def plan(
         # preempted for another no longer counts as live for it (`ReplicaRecord.live`).
         # It was given up; counted, the model would look at its minimum while below it,
         # and tier 3 would not take for it what the model is owed.
-        "live": _live_count(view, m.name),
+        "live": view.live_count(m.name),
         "min": m.min,
         "avoid": avoided,
         "config": cfg,
@@ -449,12 +449,6 @@ def _preempt(
         placement=last_fit.placement,
         **base,
     )
-
-
-def _live_count(view: View, model: str) -> int:
-    """`view.live_count(model)`: the same count, the model's replicas picked out first."""
-    mine = [r for r in view.current() if r.model == model]
-    return sum(1 for r in mine if r.live)
 
 
 def _counted_owners(view: View, owner: str) -> set[str]:
@@ -709,7 +703,12 @@ class _Weighing:
         self.borrowed = view.quota.borrowed(holdings) if self.any_guarantee else set()
         self.excluded: list[Exclusion] = []
         self.out: list[Candidate] = []
-        # Each candidate's `_order` key, built alongside it.
+        # Each candidate's order key, built alongside it: tier, then the longest idle
+        # (unknown counts as 0, a use after `now` below it), then the smaller, then the
+        # id. The smaller first: the least served is lost if it is enough, and the
+        # pruning after keeps a larger one only when it is needed. Without the size,
+        # equally idle victims (idle times are all unknown after a restart) would be
+        # tried in whatever order the replicas happened to be listed.
         self.keys: list[tuple[int, float, int, float, str]] = []
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
         try:
@@ -832,18 +831,6 @@ def _idle_for(r: ReplicaRecord, now: datetime) -> float | None:
     if used is None:
         return None
     return (now - used).total_seconds()
-
-
-def _order(c: Candidate) -> tuple[int, float, int, float, str]:
-    """Tier, then the longest idle (unknown counts as 0, a use after `now` below it),
-    then the smaller, then the id.
-
-    The smaller first: the least served is lost if it is enough, and the pruning after
-    keeps a larger one only when it is needed. Without the size, equally idle victims
-    (idle times are all unknown after a restart) would be tried in whatever order the
-    replicas happened to be listed.
-    """
-    return (c.tier, -(c.idle_s or 0.0), c.gpus, c.memory_gb, c.replica)
 
 
 def _not_lower(m: catalog.Model, cls: str, above_min: bool, below_min: bool) -> str:

@@ -24,6 +24,7 @@ from schemas.errors import BundleError
 from schemas.events import Event
 from services.core import ingest
 from services.replay import archive
+from services.replay.render import plural
 
 # BATCH is how many bundle lines one batch carries: a bundle is read synchronously, and
 # a batch at a time keeps a progress bar moving without a call per event.
@@ -73,7 +74,7 @@ class Stats:
         more = "; ..." if self.undecodable > 3 else ""
         verb = "is" if self.undecodable == 1 else "are"
         return (
-            f"skipped {_count(self.undecodable, 'event')} that {verb} not valid here "
+            f"skipped {plural(self.undecodable, 'event')} that {verb} not valid here "
             f"({shown}{more})"
         )
 
@@ -86,13 +87,9 @@ class Stats:
         lost = sum(b - a + 1 for a, b in self.gaps)
         what = "seq" if lost == 1 else "seqs"
         return (
-            f"the log has {_count(len(self.gaps), 'gap')}: {what} {', '.join(runs)}{more} "
-            f"missing ({_count(lost, 'event')}); replayed past them"
+            f"the log has {plural(len(self.gaps), 'gap')}: {what} {', '.join(runs)}{more} "
+            f"missing ({plural(lost, 'event')}); replayed past them"
         )
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 class Source(Protocol):
@@ -179,7 +176,7 @@ class BundleSource:
         lines: list[int] = []
         until_seq, from_seq = self.until_seq, self.from_seq
         last = 0
-        for seq, subject, line, lineno, stored_ns in entries(self.path):
+        for seq, subject, line, lineno, stored_ns in bundle.entries(self.path):
             if until_seq is not None and seq > until_seq:
                 break
             if last and seq != last + 1 and seq > from_seq:
@@ -226,10 +223,6 @@ class BundleSource:
                 self.path, lineno, f"{bundle.missing(before, seq)}; --allow-gaps replays past it"
             )
         self.stats.gaps.append((before + 1, seq - 1))
-
-
-# entries is the bundle reader replay uses: `schemas.bundle.entries`, the one reader.
-entries = bundle.entries
 
 
 class StreamSource:

@@ -19,6 +19,7 @@ scenario, policy and seed give the same log, byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -146,13 +147,7 @@ class Engine:
         # requests, load times) is the same under every policy: only the decisions differ.
         self._rngs: dict[str, random.Random] = {}
         base = policy_config or preemption.Config()
-        self.pcfg = preemption.Config(
-            hold_s=base.hold_s,
-            eviction_grace_s=base.eviction_grace_s,
-            min_lifetime_s=base.min_lifetime_s,
-            max_victims=base.max_victims,
-            policy=policy,  # type: ignore[arg-type]
-        )
+        self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
         self.out = out
         self.oracle_limit = oracle_limit
@@ -644,13 +639,4 @@ def simulate(
     r = eng.run()
     if clock is None:
         return r
-    return Result(
-        scenario=r.scenario,
-        policy=r.policy,
-        seed=r.seed,
-        duration_s=r.duration_s,
-        metrics=r.metrics,
-        view=r.view,
-        digest=r.digest,
-        wall_s=clock() - t0,
-    )
+    return dataclasses.replace(r, wall_s=clock() - t0)
