@@ -318,13 +318,10 @@ class _Live:
 
 
 def _held(view: View, model: str, now: datetime, named: _Live) -> bool:
-    """`view.active_hold(model, now) is not None`, with the live count read from the
-    pass's walk rather than walked again: `View.hold_end`'s rule, to the letter."""
+    """`view.active_hold(model, now) is not None`, by `View.hold_end` with the live count
+    read from the pass's walk rather than walked again."""
     h = view.state.holds.get(model)
-    if h is None or now > h.until:
-        return False
-    to = view.catalog.resolve(h.for_model)
-    return not (to is not None and named.live_count(to.name) >= view.desired_for(to.name))
+    return h is not None and view.hold_end(h.for_model, h.until, now, named.live_count) is None
 
 
 def _rep(r: ReplicaRecord) -> _Rep:

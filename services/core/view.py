@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from datetime import datetime
 
 import msgspec
@@ -387,7 +387,13 @@ class View:
             return None
         return h
 
-    def hold_end(self, for_model: str, until: datetime, now: datetime) -> str | None:
+    def hold_end(
+        self,
+        for_model: str,
+        until: datetime,
+        now: datetime,
+        live_count: Callable[[str], int] | None = None,
+    ) -> str | None:
         """Why a hold given to `for_model` until `until` has ended at `now`; None while it
         is on. The one rule for when a hold ends, for the policy, the scheduler and the
         release of holds alike.
@@ -398,11 +404,15 @@ class View:
         instant. It ends early once the model it was given to has what it asked for, its
         live count at its desired count ("satisfied"): past that, keeping the room from
         the held model only leaves it idle.
+
+        `live_count` (default `View.live_count`) counts a model's live replicas: a pass
+        that has counted them all already passes its count.
         """
         if now > until:
             return "expired"
         to = self.catalog.resolve(for_model)
-        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
+        count = live_count if live_count is not None else self.live_count
+        if to is not None and count(to.name) >= self.desired_for(to.name):
             return "satisfied"
         return None
 

@@ -196,7 +196,7 @@ class Scheduler:
         if not self.lease.is_leader:
             return None
         if not self._synced:
-            await self.follower.wait_for(await self.leader.last_seq(), FOLLOW_TIMEOUT_S)
+            await self.follower.caught_up(FOLLOW_TIMEOUT_S)
             # The lease may have changed hands while we waited; then this sync is not
             # this term's.
             if not self.lease.is_leader:
