@@ -199,11 +199,13 @@ async def _serve(
     agents_nc = await connect(url, "llmgw up agents") if nodes else None
     try:
         js = nc.jetstream()
-        await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
-        # The leases and the snapshots are kept in as many copies as the log.
+        info = await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
+        # The leases and the snapshots are kept in as many copies as the log: the number
+        # the log was made with, so a single server is not asked for three again.
+        copies = info.config.num_replicas or 1
         ttl = min(opts.scheduler.lease_ttl_s, PreemptionConfig().lease_ttl_s)
-        await lease.ensure_bucket(js, lease.DEFAULT_BUCKET, ttl, opts.replicas)
-        await snapshots.bucket(js, replicas=opts.replicas)
+        await lease.ensure_bucket(js, lease.DEFAULT_BUCKET, ttl, copies)
+        await snapshots.bucket(js, replicas=copies)
         me = f"{socket.gethostname()}-{os.getpid()}"
         scheduler = Scheduler(
             nc, js, root=opts.root, config=opts.scheduler, holder=f"{me}-scheduler"
