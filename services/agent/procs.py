@@ -13,33 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from pathlib import Path
 
-PROC = Path("/proc")
+from services.pids import PROC, start_time, stat_fields
 
 # TAG_ENV is the environment variable that marks every process of a replica. It is
 # inherited by every descendant and survives setsid, double forks and re-parenting.
 TAG_ENV = "LLMGW_REPLICA_TAG"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (field 3 on), or None."""
-    try:
-        raw = (PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def start_time(pid: int) -> int | None:
-    """When `pid` started, in clock ticks since boot (None: no such process, or a zombie).
-
-    With the pid, it names one process for the life of the host: a pid reused by another
-    process has another start time."""
-    f = _stat(pid)
-    if f is None or f[0] in ("Z", "X"):
-        return None
-    return int(f[19])
 
 
 def alive(pid: int, started: int | None = None) -> bool:
@@ -86,7 +65,7 @@ def members(tag: str, leader: int | None = None) -> set[int]:
     out: set[int] = set()
     parents: dict[int, int] = {}
     for pid in _pids():
-        f = _stat(pid)
+        f = stat_fields(pid)
         if f is None or f[0] in ("Z", "X"):
             continue
         parents[pid] = int(f[1])

@@ -36,6 +36,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from services import pids
 from services.bus.errors import BrokerError
 
 URL_FILE = "nats.url"
@@ -112,18 +113,6 @@ def password(data_dir: Path) -> str:
     return made
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of process `pid` (clock ticks since boot), or None when no
-    such process is alive. Two processes that share a pid never share this."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
-
-
 def stop_orphan(data_dir: Path, timeout: float = 10.0) -> int | None:
     """Stop the broker a killed `llmgw up` left serving `data_dir`; its pid, or None.
 
@@ -137,19 +126,19 @@ def stop_orphan(data_dir: Path, timeout: float = 10.0) -> int | None:
         pid, start = int(pid_s), int(start_s)
     except (OSError, ValueError):
         return None
-    if process_start_time(pid) != start or not _is_nats_server(pid):
+    if pids.start_time(pid) != start or not _is_nats_server(pid):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return None
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while process_start_time(pid) == start and time.monotonic() < deadline:
+    while pids.start_time(pid) == start and time.monotonic() < deadline:
         time.sleep(0.05)
-    if process_start_time(pid) == start:
+    if pids.start_time(pid) == start:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        while process_start_time(pid) == start and time.monotonic() < deadline + timeout:
+        while pids.start_time(pid) == start and time.monotonic() < deadline + timeout:
             time.sleep(0.05)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -347,7 +336,7 @@ class EmbeddedBroker:
                     str(self.log_path),
                 )
             time.sleep(0.02)
-        start = process_start_time(self._proc.pid)
+        start = pids.start_time(self._proc.pid)
         if start is not None:
             _write_private(self.data_dir / PID_FILE, f"{self._proc.pid} {start}\n")
         write_url(self.data_dir, self.url)

@@ -11,9 +11,11 @@ is not clustered, so the same call makes an R3 log in a cluster and an R1 log on
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from datetime import datetime
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -22,7 +24,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
-from services.bus.errors import StreamConflict
+from services.bus.errors import BusError, StreamConflict
 
 DLQ_STREAM = "LLMGW_DLQ"
 
@@ -113,6 +115,24 @@ async def record(js: JetStreamContext, key: str, value: str, stream: str = STREA
     meta[key] = value
     config.metadata = meta
     await js.update_stream(config)
+
+
+async def first_stored_at(nc: Any, when: datetime, last: int, stream: str = STREAM) -> int:
+    """The sequence of the first message `stream` stored at or after `when` (last + 1
+    when none is): one request, which the server answers from its own record of when
+    each message was stored (a message's time is the broker's, not its event's)."""
+    req = json.dumps({"start_time": when.isoformat().replace("+00:00", "Z")}).encode()
+    where = f"could not find where {when:%Y-%m-%dT%H:%M:%SZ} falls in stream {stream}"
+    try:
+        msg = await nc.request(f"$JS.API.STREAM.MSG.GET.{stream}", req, timeout=5)
+    except nats.errors.Error as e:
+        raise BusError(f"{where}: {e}") from e
+    body = json.loads(msg.data)
+    if "error" in body:
+        if body["error"].get("code") == 404:
+            return last + 1
+        raise BusError(f"{where}: {body['error'].get('description', body['error'])}")
+    return int(body["message"]["seq"])
 
 
 async def ensure_stream(

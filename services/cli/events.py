@@ -184,24 +184,8 @@ def _type_filter(patterns: list[str]) -> Any:
     return (lambda kind: kind in wanted) if patterns else (lambda kind: True)
 
 
-async def _seq_at_time(js: Any, first: int, last: int, t: datetime) -> int:
-    """The first stream sequence stored at or after `t` (last + 1 if none): a binary
-    search over stored times, which only grow along the stream."""
-    lo, hi = first, last + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        # next=True with subject `>` finds the first message at or after `mid`, stepping
-        # over deleted sequences.
-        msg = await js.get_msg(subjects.STREAM, seq=mid, subject=">", next=True)
-        if msg.time is not None and msg.time >= t:
-            hi = mid
-        else:
-            lo = (msg.seq or mid) + 1
-    return lo
-
-
 async def _tail(args: argparse.Namespace) -> int:
-    from services.bus import follow
+    from services.bus import follow, stream
     from services.bus.errors import StreamReplaced
 
     show = _type_filter(args.types)
@@ -219,7 +203,7 @@ async def _tail(args: argparse.Namespace) -> int:
         elif isinstance(since, int):
             start = since
         else:
-            start = await _seq_at_time(s.js, state.first_seq, state.last_seq, since)
+            start = await stream.first_stored_at(s.nc, since, state.last_seq)
         shown = 0
         import asyncio
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from services.cli import app as cli
 
@@ -74,27 +72,6 @@ def _archive_dir(args: argparse.Namespace, metadata: dict[str, str] | None) -> P
     return Path(os.path.abspath(where))
 
 
-async def _first_stored_at(nc: Any, when: datetime, last: int) -> int:
-    """The sequence of the first event stored at or after `when`; last+1 when none is."""
-    import json
-
-    import nats.errors
-
-    from schemas import subjects
-
-    req = json.dumps({"start_time": when.isoformat().replace("+00:00", "Z")}).encode()
-    try:
-        msg = await nc.request(f"$JS.API.STREAM.MSG.GET.{subjects.STREAM}", req, timeout=5)
-    except nats.errors.Error as e:
-        raise cli.CliError(f"could not find where {when:%Y-%m-%dT%H:%M:%SZ} falls: {e}") from e
-    body = json.loads(msg.data)
-    if "error" in body:
-        if body["error"].get("code") == 404:
-            return last + 1
-        raise cli.CliError(f"could not find where {when:%Y-%m-%dT%H:%M:%SZ} falls: {body['error']}")
-    return int(body["message"]["seq"])
-
-
 async def _compact(args: argparse.Namespace) -> int:
     from schemas import subjects
     from services.bus import consume, snapshots, stream
@@ -106,7 +83,7 @@ async def _compact(args: argparse.Namespace) -> int:
         info = await s.js.stream_info(subjects.STREAM)
         first, last = info.state.first_seq or 1, info.state.last_seq
         where = _archive_dir(args, info.config.metadata)
-        before = args.before or await _first_stored_at(s.nc, args.keep, last)
+        before = args.before or await stream.first_stored_at(s.nc, args.keep, last)
         stored = [seq for schema, seq, _ in await snapshots.listing(s.js) if schema == SCHEMA]
         cut = compaction.plan(first, last, before, stored)
         if isinstance(cut, str):

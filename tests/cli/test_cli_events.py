@@ -398,6 +398,50 @@ def test_a_stale_recorded_url_is_named(
 # ---------------------------------------------------------------------- tail
 
 
+async def _stored_time(url: str, seq: int) -> datetime:
+    """When the broker stored message `seq`, cut to the microsecond below (a datetime's
+    resolution), so a --since of it is not past the message."""
+    nc = await connect(url, "test-reader")
+    try:
+        msg = await nc.jetstream().get_msg("LLMGW", seq)
+        assert msg.time is not None
+        return msg.time
+    finally:
+        await nc.close()
+
+
+def test_tail_since_a_time_starts_where_the_broker_stored_it(
+    nats_server: EmbeddedBroker, capsys: pytest.CaptureFixture[str], rng: random.Random
+) -> None:
+    """--since TIME starts at the first message stored at or after TIME, by the broker's
+    storage times (the events' own times are all in the past here): two batches are
+    published, and a time between them starts the tail at the second."""
+    events = mixed_events(6, rng)
+    publish(nats_server.url, events[:3])
+    publish(nats_server.url, events[3:])
+    second = asyncio.run(_stored_time(nats_server.url, 4))
+    third = asyncio.run(_stored_time(nats_server.url, 3))
+    assert third <= second
+    since = second.isoformat().replace("+00:00", "Z")
+    code, out, err = run(
+        capsys,
+        "--nats",
+        nats_server.url,
+        "events",
+        "tail",
+        "--since",
+        since,
+        "-o",
+        "name",
+        "--count",
+        "3",
+    )
+    assert code == 0, err
+    seqs = [int(line.split()[0]) for line in out.splitlines()]
+    # Stored in the same microsecond as the last of the first batch, seq 3 would start it.
+    assert seqs == ([3, 4, 5] if third == second else [4, 5, 6]), out
+
+
 def test_tail_shows_events_and_undecodable_messages_in_place(
     nats_server: EmbeddedBroker, capsys: pytest.CaptureFixture[str], rng: random.Random
 ) -> None:
