@@ -19,8 +19,10 @@ scenario, policy and seed give the same log, byte for byte.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -57,6 +59,12 @@ _PASS_ON: frozenset[type] = frozenset(
         ev.NodeUncordonedEvent,
         ev.HoldReleasedEvent,
     }
+)
+# _TIMERS are the events that can move a timer's due time: a hold made or ended, and a
+# node lost or reporting again (a silent node's timer runs until it is reported lost).
+# The engine's own node failures and repairs move them too.
+_TIMERS: frozenset[type] = frozenset(
+    {ev.HoldCreatedEvent, ev.HoldReleasedEvent, ev.NodeLostEvent, ev.NodeInventoryEvent}
 )
 START = datetime(2026, 1, 5, tzinfo=UTC)
 """Virtual time 0: a Monday, midnight UTC."""
@@ -156,9 +164,13 @@ class Engine:
         self.m = Metrics()
         self.models: dict[str, ModelSpec] = {m.name: m for m in scenario.models}
         self.t = 0.0
-        self.now = START
-        self._q: list[tuple[float, int, str, Any]] = []
-        self._order = 0
+        self._now_t = 0.0
+        self._now = START
+        # The queue: (time, order, handler, its argument). The order is unique, so two
+        # entries never compare their handlers, and happenings at one time run in the
+        # order they were scheduled.
+        self._q: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._order = itertools.count(1)
         self._ids = 0
         self._seen: dict[str, float] = {}
         self._dirty = True
@@ -177,6 +189,7 @@ class Engine:
         self._last_request: dict[str, float] = {}
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
+        self._timers: list[float] | None = None
         self._released_at: tuple[int, datetime] | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -184,12 +197,14 @@ class Engine:
     def run(self) -> Result:
         self._begin()
         q = self._q
-        while q and q[0][0] <= self.duration:
+        pop = heapq.heappop
+        end = self.duration
+        while q and q[0][0] <= end:
             t = q[0][0]
             self._advance(t)
             while q and q[0][0] == t:
-                _, _, kind, arg = heapq.heappop(q)
-                self._handle(kind, arg)
+                _, _, handle, arg = pop(q)
+                handle(arg)
             self._settle()
         self._advance(self.duration)
         self.ingest.touched.clear()
@@ -209,9 +224,18 @@ class Engine:
             r = self._rngs[stream] = random.Random(f"{self.seed}:{stream}")
         return r
 
-    def at(self, t: float, kind: str, arg: Any = None) -> None:
-        self._order += 1
-        heapq.heappush(self._q, (t, self._order, kind, arg))
+    def at(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
+        """At virtual time t, `handle(arg)`."""
+        heapq.heappush(self._q, (t, next(self._order), handle, arg))
+
+    @property
+    def now(self) -> datetime:
+        """The virtual time as a datetime, made when first asked for at an instant: most
+        instants (a request's idle timer running out) publish nothing and never ask."""
+        if self._now_t != self.t:
+            self._now = START + timedelta(seconds=self.t)
+            self._now_t = self.t
+        return self._now
 
     def _advance(self, t: float) -> None:
         """Time passes from self.t to t with nothing changing: sum what it held."""
@@ -223,10 +247,11 @@ class Engine:
             short = self._short
             if short is None:
                 short = self._short = self._shortfall()
-            for cls, n in short.items():
-                m.unserved_s[cls] = m.unserved_s.get(cls, 0.0) + n * dt
+            if short:
+                unserved = m.unserved_s
+                for cls, n in short.items():
+                    unserved[cls] = unserved.get(cls, 0.0) + n * dt
         self.t = t
-        self.now = START + timedelta(seconds=t)
 
     def _shortfall(self) -> dict[str, int]:
         """Per class, the replicas desired and not ready now."""
@@ -245,7 +270,7 @@ class Engine:
                 self._up_gpus += g.gpus
                 self._inventory(name)
                 if g.mtbf_s:
-                    self.at(self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+                    self.at(self.rng(name).expovariate(1.0 / g.mtbf_s), self._node_down, name)
         if sc.quota:
             self.publish(ev.QuotaSet(owners=sc.quota), "operator")
         for spec in sc.models:
@@ -257,73 +282,86 @@ class Engine:
             elif d.kind == "steps":
                 self._scale(spec, d.replicas)
                 for at, n in d.steps:
-                    self.at(at, "scale", (spec.name, n))
+                    self.at(at, self._on_scale, (spec.name, n))
             elif d.kind == "diurnal":
-                self.at(0.0, "diurnal", spec.name)
+                self.at(0.0, self._on_diurnal, spec.name)
             elif d.kind == "bursts":
                 self._scale(spec, d.base)
-                self.at(d.every_s * self.rng(spec.name).random(), "burst", spec.name)
+                self.at(d.every_s * self.rng(spec.name).random(), self._on_burst, spec.name)
             else:
                 self._scale(spec, d.replicas)
         self._settle()
 
-    def _handle(self, kind: str, arg: Any) -> None:
-        if kind == "agent":
-            self._agent_step(*arg)
-        elif kind == "tick":
-            self._tick_at = None
-            self._dirty = True
-        elif kind == "request":
-            self._request(arg)
-        elif kind == "idle":
-            spec = self.models[arg]
-            last = self._last_request.get(arg, -math.inf)
-            if self.t - last >= spec.demand.idle_after_s and self._desired[arg] > 0:
-                self._scale(spec, 0)
-        elif kind == "scale":
-            self._scale(self.models[arg[0]], arg[1])
-        elif kind == "diurnal":
-            spec = self.models[arg]
-            self._scale(spec, _diurnal(spec, self.t))
-            self.at(self.t + DEMAND_STEP_S, "diurnal", arg)
-        elif kind == "burst":
-            spec = self.models[arg]
-            self._scale(spec, spec.demand.burst)
-            self.at(self.t + spec.demand.length_s, "scale", (arg, spec.demand.base))
-            nxt = spec.demand.every_s * (0.5 + self.rng(arg).random())
-            self.at(self.t + nxt, "burst", arg)
-        elif kind == "node_down":
-            self._node_down(arg)
-        elif kind == "node_up":
-            self._node_up(arg)
+    def _on_agent(self, arg: tuple[str, int, str]) -> None:
+        self._agent_step(*arg)
+
+    def _on_tick(self, arg: None) -> None:
+        self._tick_at = None
+        self._dirty = True
+
+    def _on_idle(self, model: str) -> None:
+        spec = self.models[model]
+        last = self._last_request.get(model, -math.inf)
+        if self.t - last >= spec.demand.idle_after_s and self._desired[model] > 0:
+            self._scale(spec, 0)
+
+    def _on_scale(self, arg: tuple[str, int]) -> None:
+        self._scale(self.models[arg[0]], arg[1])
+
+    def _on_diurnal(self, model: str) -> None:
+        spec = self.models[model]
+        self._scale(spec, _diurnal(spec, self.t))
+        self.at(self.t + DEMAND_STEP_S, self._on_diurnal, model)
+
+    def _on_burst(self, model: str) -> None:
+        spec = self.models[model]
+        self._scale(spec, spec.demand.burst)
+        self.at(self.t + spec.demand.length_s, self._on_scale, (model, spec.demand.base))
+        nxt = spec.demand.every_s * (0.5 + self.rng(model).random())
+        self.at(self.t + nxt, self._on_burst, model)
 
     def _settle(self) -> None:
         """Passes until nothing new is published, then the holds that ended; and when
         the next pass is due by a timer, a tick then."""
-        for _ in range(MAX_PASSES):
-            if not self._dirty:
-                break
-            self._dirty = False
-            self._pass()
+        if self._dirty:
+            for _ in range(MAX_PASSES):
+                if not self._dirty:
+                    break
+                self._dirty = False
+                self._pass()
         if self._releases_due():
             for e in reaction.releases(self.view, self.now):
                 self.emit(e)
             self._released_at = (self.view.seq, self.now)
         if self._dirty:
             self._pass()
-        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
-        for h in self.view.state.holds.values():
-            due.append((h.until - START).total_seconds() + 0.001)
+        t = self.t
+        nxt = t + self.scfg.failed_backoff_s if self._failures else math.inf
+        if nxt <= t:
+            nxt = math.inf
+        timers = self._timers
+        if timers is None:
+            timers = self._timers = self._timer_dues()
+        if timers:
+            i = bisect.bisect_right(timers, t)
+            if i < len(timers) and timers[i] < nxt:
+                nxt = timers[i]
+        if nxt != math.inf and (self._tick_at is None or nxt < self._tick_at):
+            self._tick_at = nxt
+            self.at(nxt, self._on_tick)
+
+    def _timer_dues(self) -> list[float]:
+        """When each hold ends and each silent node's agent is due to be reported lost,
+        in order: what a pass must see run out besides a failure's backoff. Kept until
+        an event of _TIMERS or a node's failure or repair changes it."""
+        dues = [(h.until - START).total_seconds() + 0.001 for h in self.view.state.holds.values()]
+        nodes = self.view.state.nodes
         for name, since in self._down.items():
-            rec = self.view.state.nodes.get(name)
+            rec = nodes.get(name)
             if rec is not None and not rec.lost:
-                due.append(since + self.scfg.node_timeout_s + 0.001)
-        due = [x for x in due if x > self.t]
-        if due:
-            nxt = min(due)
-            if self._tick_at is None or nxt < self._tick_at:
-                self._tick_at = nxt
-                self.at(nxt, "tick")
+                dues.append(since + self.scfg.node_timeout_s + 0.001)
+        dues.sort()
+        return dues
 
     def _releases_due(self) -> bool:
         """Whether `reaction.releases` could say anything it did not say last time: the
@@ -381,7 +419,7 @@ class Engine:
         seq = self.ingest.seq + 1
         self.ingest.raw(seq, subject, body)
         if self.out is not None:
-            self.out.write(bundle.line(seq, subject, body) + b"\n")
+            self.out.write(bundle.event_line(seq, subject, body) + b"\n")
         self.m.events += 1
         if seq % 4096 == 0:
             self.ingest.touched.clear()
@@ -389,57 +427,71 @@ class Engine:
         return True
 
     def _observe(self, e: ev.Event, node: str | None) -> None:
-        if isinstance(e, ev.ReplicaUsedEvent):
-            return
-        if type(e) in _PASS_ON or (
-            isinstance(e, ev.ReplicaStateEvent) and e.data.state in ("stopped", "failed")
-        ):
+        kind = type(e)
+        if kind is ev.ReplicaUsedEvent:
+            return  # the commonest event by far, and nothing here follows from it
+        if kind in _PASS_ON:
             self._dirty = True
-        if isinstance(e, ev.ReplicaStartEvent):
-            d = e.data
-            where = node or d.shards[0].node
-            a = self._agents[d.replica] = _Agent(
-                model=d.model,
-                profile=d.profile,
-                shards=d.shards,
-                node=where,
-                gpus=sum(len(s.gpus) for s in d.shards),
-            )
-            if where in self._down:
-                return  # a silent agent never hears it
-            spec = self.models.get(d.model)
-            rng = self.rng(f"load:{d.model}")
-            load = (spec.load_s if spec else 60.0) * rng.uniform(0.9, 1.1)
-            fail = spec is not None and rng.random() < spec.start_failure
-            failed_at = load * rng.random()
-            self.at(self.t + 1.0, "agent", (d.replica, a.gen, "starting"))
-            self.at(self.t + 2.0, "agent", (d.replica, a.gen, "loading"))
-            if fail:
-                self.at(self.t + 2.0 + failed_at, "agent", (d.replica, a.gen, "failed"))
-            else:
-                self.at(self.t + 2.0 + load, "agent", (d.replica, a.gen, "ready"))
-        elif isinstance(e, ev.ReplicaDrainEvent):
-            got = self._agents.get(e.data.replica)
-            if got is None or got.node in self._down or got.state in _GONE:
-                return
-            a = got
-            a.gen += 1
-            spec = self.models.get(a.model)
-            stop = spec.stop_s if spec else 10.0
-            self.at(self.t + 0.5, "agent", (e.data.replica, a.gen, "draining"))
-            self.at(self.t + 0.5 + stop, "agent", (e.data.replica, a.gen, "stopped"))
-        elif isinstance(e, ev.ReplicaStateEvent):
-            self._state_seen(e.data.replica, e.data.state)
-        elif isinstance(e, ev.NodeLostEvent):
-            for rid, a in self._agents.items():
-                if a.node == e.data.node and a.state not in ("stopped", "failed"):
-                    self._state_seen(rid, "failed")
-        elif isinstance(e, ev.ScaleDesiredEvent):
-            self._scaled(e.data.model)
-        elif isinstance(e, ev.PlacementDecidedEvent):
-            t = self._preempted_at.pop(e.data.model, None)
-            if t is not None and self.t - t <= self.pcfg.hold_s:
-                self.m.thrash += 1
+        if kind in _TIMERS:
+            self._timers = None
+        seen = _OBSERVERS.get(kind)
+        if seen is not None:
+            seen(self, e, node)
+
+    def _started(self, e: ev.ReplicaStartEvent, node: str | None) -> None:
+        d = e.data
+        where = node or d.shards[0].node
+        a = self._agents[d.replica] = _Agent(
+            model=d.model,
+            profile=d.profile,
+            shards=d.shards,
+            node=where,
+            gpus=sum(len(s.gpus) for s in d.shards),
+        )
+        if where in self._down:
+            return  # a silent agent never hears it
+        spec = self.models.get(d.model)
+        rng = self.rng(f"load:{d.model}")
+        load = (spec.load_s if spec else 60.0) * rng.uniform(0.9, 1.1)
+        fail = spec is not None and rng.random() < spec.start_failure
+        failed_at = load * rng.random()
+        step = self._on_agent
+        self.at(self.t + 1.0, step, (d.replica, a.gen, "starting"))
+        self.at(self.t + 2.0, step, (d.replica, a.gen, "loading"))
+        if fail:
+            self.at(self.t + 2.0 + failed_at, step, (d.replica, a.gen, "failed"))
+        else:
+            self.at(self.t + 2.0 + load, step, (d.replica, a.gen, "ready"))
+
+    def _drained(self, e: ev.ReplicaDrainEvent, node: str | None) -> None:
+        got = self._agents.get(e.data.replica)
+        if got is None or got.node in self._down or got.state in _GONE:
+            return
+        a = got
+        a.gen += 1
+        spec = self.models.get(a.model)
+        stop = spec.stop_s if spec else 10.0
+        self.at(self.t + 0.5, self._on_agent, (e.data.replica, a.gen, "draining"))
+        self.at(self.t + 0.5 + stop, self._on_agent, (e.data.replica, a.gen, "stopped"))
+
+    def _reported(self, e: ev.ReplicaStateEvent, node: str | None) -> None:
+        state = e.data.state
+        if state in ("stopped", "failed"):
+            self._dirty = True
+        self._state_seen(e.data.replica, state)
+
+    def _lost(self, e: ev.NodeLostEvent, node: str | None) -> None:
+        for rid, a in self._agents.items():
+            if a.node == e.data.node and a.state not in ("stopped", "failed"):
+                self._state_seen(rid, "failed")
+
+    def _scale_seen(self, e: ev.ScaleDesiredEvent, node: str | None) -> None:
+        self._scaled(e.data.model)
+
+    def _placed(self, e: ev.PlacementDecidedEvent, node: str | None) -> None:
+        t = self._preempted_at.pop(e.data.model, None)
+        if t is not None and self.t - t <= self.pcfg.hold_s:
+            self.m.thrash += 1
 
     def _state_seen(self, rid: str, state: str) -> None:
         a = self._agents.get(rid)
@@ -459,6 +511,7 @@ class Engine:
             self._ready[a.model] += 1
             self._ready_gpus += a.gpus
             self._ready_ids.setdefault(a.model, {})[rid] = None
+            self._used_at.setdefault(rid, -math.inf)
             self._check_wait(a.model)
 
     # ------------------------------------------------------------------ agents
@@ -506,17 +559,19 @@ class Engine:
     def _node_down(self, name: str) -> None:
         g = next(g for g in self.sc.nodes if name in g.names())
         self._down[name] = self.t
+        self._timers = None
         self._up_gpus -= g.gpus
         self._dirty = True
-        self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), "node_up", name)
+        self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
 
     def _node_up(self, name: str) -> None:
         g = next(g for g in self.sc.nodes if name in g.names())
         del self._down[name]
+        self._timers = None
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:
-            self.at(self.t + self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+            self.at(self.t + self.rng(name).expovariate(1.0 / g.mtbf_s), self._node_down, name)
 
     # ------------------------------------------------------------------ demand
 
@@ -562,19 +617,21 @@ class Engine:
             if t > self.duration:
                 return
             if rng.random() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
-                self.at(t, "request", spec.name)
+                self.at(t, self._request, spec.name)
                 return
 
     def _request(self, model: str) -> None:
         spec = self.models[model]
         self.m.requests += 1
         self._last_request[model] = self.t
-        self.at(self.t + spec.demand.idle_after_s, "idle", model)
+        self.at(self.t + spec.demand.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
-            rid = min(ready, key=lambda r: self._used_at.get(r, -math.inf))
-            if self.t - self._used_at.get(rid, -math.inf) >= USED_EVERY_S:
+            # Every ready replica has its time in _used_at (-inf until first used).
+            used_at = self._used_at
+            rid = min(ready, key=used_at.__getitem__)
+            if self.t - used_at[rid] >= USED_EVERY_S:
                 self._used_at[rid] = self.t
                 node = self._agents[rid].node
                 self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
@@ -640,3 +697,15 @@ def simulate(
     if clock is None:
         return r
     return dataclasses.replace(r, wall_s=clock() - t0)
+
+
+# _OBSERVERS: what the engine does on seeing an event of each type (dispatched by type:
+# `_observe` runs for every event published).
+_OBSERVERS: dict[type, Callable[[Engine, Any, str | None], None]] = {
+    ev.ReplicaStartEvent: Engine._started,
+    ev.ReplicaDrainEvent: Engine._drained,
+    ev.ReplicaStateEvent: Engine._reported,
+    ev.NodeLostEvent: Engine._lost,
+    ev.ScaleDesiredEvent: Engine._scale_seen,
+    ev.PlacementDecidedEvent: Engine._placed,
+}
