@@ -154,6 +154,7 @@ class Engine:
         # One stream of draws per node and per model, so that the world (failures,
         # requests, load times) is the same under every policy: only the decisions differ.
         self._rngs: dict[str, random.Random] = {}
+        self._request_rngs: dict[str, random.Random] = {}
         base = policy_config or preemption.Config()
         self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
@@ -329,7 +330,7 @@ class Engine:
                     break
                 self._dirty = False
                 self._pass()
-        if self._releases_due():
+        if self.view.state.holds and self._releases_due():
             for e in reaction.releases(self.view, self.now):
                 self.emit(e)
             self._released_at = (self.view.seq, self.now)
@@ -405,31 +406,40 @@ class Engine:
         """An event of the operator or an agent, with the next id."""
         self._ids += 1
         e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
-        return self.emit(e, node)
+        # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
+        self._store(e, node)
+        return True
 
     def emit(self, e: ev.Event, node: str | None = None) -> bool:
-        """Publish one event: dropped as a duplicate within the window, else folded and
-        written, and seen by the agents and the metrics. Whether it was stored."""
-        seen = self._seen.get(e.id)
+        """Publish one event: dropped as a duplicate within the window, else stored
+        (`_store`). Whether it was stored."""
+        eid = e.id
+        seen = self._seen.get(eid)
         if seen is not None and self.t - seen < DEDUP_S:
             return False
-        self._seen[e.id] = self.t
-        subject = subjects.subject_for(e, ROOT, node=node)
+        self._seen[eid] = self.t
+        self._store(e, node)
+        return True
+
+    def _store(self, e: ev.Event, node: str | None) -> None:
+        """Fold and write one event, and let the agents and the metrics see it."""
+        subject = subjects.subject_for(e, ROOT, node)
         body = codec.encode(e)
-        seq = self.ingest.seq + 1
-        self.ingest.raw(seq, subject, body)
-        if self.out is not None:
-            self.out.write(bundle.event_line(seq, subject, body) + b"\n")
+        ingest = self.ingest
+        seq = ingest.view.state.seq + 1
+        ingest.raw(seq, subject, body)
+        out = self.out
+        if out is not None:
+            out.write(bundle.event_line(seq, subject, body) + b"\n")
         self.m.events += 1
         if seq % 4096 == 0:
-            self.ingest.touched.clear()
-        self._observe(e, node)
-        return True
+            ingest.touched.clear()
+        if type(e) is not ev.ReplicaUsedEvent:
+            # The commonest event by far, and nothing the engine does follows from it.
+            self._observe(e, node)
 
     def _observe(self, e: ev.Event, node: str | None) -> None:
         kind = type(e)
-        if kind is ev.ReplicaUsedEvent:
-            return  # the commonest event by far, and nothing here follows from it
         if kind in _PASS_ON:
             self._dirty = True
         if kind in _TIMERS:
@@ -611,35 +621,39 @@ class Engine:
         peak = d.rate * (1 + d.daily) / 3600.0
         if peak <= 0:
             return
-        rng = self.rng(f"requests:{spec.name}")
+        rng = self._request_rngs.get(spec.name)
+        if rng is None:
+            rng = self._request_rngs[spec.name] = self.rng(f"requests:{spec.name}")
+        draw, uniform, end = rng.expovariate, rng.random, self.duration
         while True:
-            t += rng.expovariate(peak)
-            if t > self.duration:
+            t += draw(peak)
+            if t > end:
                 return
-            if rng.random() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
+            if uniform() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
                 self.at(t, self._request, spec.name)
                 return
 
     def _request(self, model: str) -> None:
         spec = self.models[model]
+        t = self.t
         self.m.requests += 1
-        self._last_request[model] = self.t
-        self.at(self.t + spec.demand.idle_after_s, self._on_idle, model)
+        self._last_request[model] = t
+        self.at(t + spec.demand.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
             # Every ready replica has its time in _used_at (-inf until first used).
             used_at = self._used_at
             rid = min(ready, key=used_at.__getitem__)
-            if self.t - used_at[rid] >= USED_EVERY_S:
-                self._used_at[rid] = self.t
+            if t - used_at[rid] >= USED_EVERY_S:
+                used_at[rid] = t
                 node = self._agents[rid].node
                 self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
         else:
             self.m.requests_unserved += 1
         if self._desired[model] < spec.demand.replicas:
             self._scale(spec, spec.demand.replicas)
-        self._next_request(spec, self.t)
+        self._next_request(spec, t)
 
     # ------------------------------------------------------------------ decisions
 
