@@ -336,6 +336,14 @@ class Engine:
             self._released_at = (self.view.seq, self.now)
         if self._dirty:
             self._pass()
+        nxt = self._next_due()
+        if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
+            self._tick_at = nxt
+            self.at(nxt, self._on_tick)
+
+    def _next_due(self) -> float | None:
+        """When a pass is next due by a timer, after now: a failure's backoff, a hold's
+        end or a silent node's timeout; None when none is."""
         t = self.t
         nxt = t + self.scfg.failed_backoff_s if self._failures else math.inf
         if nxt <= t:
@@ -343,13 +351,10 @@ class Engine:
         timers = self._timers
         if timers is None:
             timers = self._timers = self._timer_dues()
-        if timers:
-            i = bisect.bisect_right(timers, t)
-            if i < len(timers) and timers[i] < nxt:
-                nxt = timers[i]
-        if nxt != math.inf and (self._tick_at is None or nxt < self._tick_at):
-            self._tick_at = nxt
-            self.at(nxt, self._on_tick)
+        i = bisect.bisect_right(timers, t)
+        if i < len(timers) and timers[i] < nxt:
+            nxt = timers[i]
+        return None if nxt == math.inf else nxt
 
     def _timer_dues(self) -> list[float]:
         """When each hold ends and each silent node's agent is due to be reported lost,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import collections
 import io
 import json
 from pathlib import Path
@@ -69,6 +70,36 @@ def test_same_scenario_and_seed_same_log() -> None:
     assert a.getvalue() == b.getvalue() and ra.digest == rb.digest
     rc = engine.simulate(sc, "reference", duration_s=4 * HOURS, seed=99)
     assert rc.digest != ra.digest
+
+
+class _TimersChecked(engine.Engine):
+    """An engine that checks, at every instant, the next due time it finds with its kept
+    timers against the plain walk of every failure, hold and silent node."""
+
+    seen: collections.Counter[str]
+
+    def _next_due(self) -> float | None:
+        got = super()._next_due()
+        s = self.view.state
+        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
+        due += [(h.until - engine.START).total_seconds() + 0.001 for h in s.holds.values()]
+        silent = [n for n in self._down if not s.nodes[n].lost]
+        due += [self._down[n] + self.scfg.node_timeout_s + 0.001 for n in silent]
+        due = [x for x in due if x > self.t]
+        assert got == (min(due) if due else None), self.t
+        self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=bool(self._failures))
+        return got
+
+
+@pytest.mark.parametrize("policy", ["reference", "node-aware"])
+def test_the_kept_timers_give_what_a_walk_of_every_timer_gives(policy: str) -> None:
+    sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
+    eng = _TimersChecked(sc, policy, duration_s=24 * HOURS)
+    eng.seen = collections.Counter()
+    eng.run()
+    # The day had holds, silent nodes and failures backing off, so each kind of timer
+    # was checked while it changed.
+    assert min(eng.seen[k] for k in ("holds", "silent", "failures")) > 0, eng.seen
 
 
 def test_the_h100_l4_case_reference_fails_needlessly_node_aware_does_not() -> None:
