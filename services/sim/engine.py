@@ -36,7 +36,7 @@ from services.core import preemption, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.view import View, digest
 from services.sim import oracle
-from services.sim.scenario import ModelSpec, Scenario
+from services.sim.scenario import ModelSpec, NodeGroup, Scenario
 
 ROOT = subjects.DEFAULT_ROOT
 _GONE = frozenset({"stopped", "failed", "draining"})
@@ -66,6 +66,8 @@ _PASS_ON: frozenset[type] = frozenset(
 _TIMERS: frozenset[type] = frozenset(
     {ev.HoldCreatedEvent, ev.HoldReleasedEvent, ev.NodeLostEvent, ev.NodeInventoryEvent}
 )
+_Entry = tuple[float, int, Callable[[Any], None], Any]
+"""A happening scheduled: (time, order, handler, its argument)."""
 START = datetime(2026, 1, 5, tzinfo=UTC)
 """Virtual time 0: a Monday, midnight UTC."""
 
@@ -170,8 +172,13 @@ class Engine:
         # The queue: (time, order, handler, its argument). The order is unique, so two
         # entries never compare their handlers, and happenings at one time run in the
         # order they were scheduled.
-        self._q: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._q: list[_Entry] = []
         self._order = itertools.count(1)
+        # Each node's group by the node's name (the first group to name it).
+        self._groups: dict[str, NodeGroup] = {}
+        for g in scenario.nodes:
+            for name in g.names():
+                self._groups.setdefault(name, g)
         self._ids = 0
         self._seen: dict[str, float] = {}
         self._dirty = True
@@ -234,7 +241,7 @@ class Engine:
         """The virtual time as a datetime, made when first asked for at an instant: most
         instants (a request's idle timer running out) publish nothing and never ask."""
         if self._now_t != self.t:
-            self._now = START + timedelta(seconds=self.t)
+            self._now = START + timedelta(0, self.t)  # 0 days, t seconds
             self._now_t = self.t
         return self._now
 
@@ -532,7 +539,7 @@ class Engine:
     # ------------------------------------------------------------------ agents
 
     def _inventory(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         gpus = tuple(
             ev.GpuInfo(
                 index=i,
@@ -572,7 +579,7 @@ class Engine:
         )
 
     def _node_down(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         self._down[name] = self.t
         self._timers = None
         self._up_gpus -= g.gpus
@@ -580,7 +587,7 @@ class Engine:
         self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
 
     def _node_up(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         del self._down[name]
         self._timers = None
         self._up_gpus += g.gpus
