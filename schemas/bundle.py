@@ -1,8 +1,9 @@
 """JSONL bundles: one stored message a line, its stream `seq` and `subject` in front.
 
-The one reader and writer of bundles: `llmgw events export` writes with `line`, and
-import, replay (`services.replay.source`) and `llmgw preemption plan` read with `read`,
-so no two of them can disagree about a line. Reading streams line by line, so a bundle of
+The one reader and writer of bundles: `llmgw events export` writes with `line` (the
+simulator with `event_line`, the same line for a body the codec wrote), and import,
+replay (`services.replay.source`) and `llmgw preemption plan` read with `read`, so no two
+of them can disagree about a line. Reading streams line by line, so a bundle of
 any size never sits in memory. Pure: no I/O beyond the bundle file, and it never judges
 whether a body is a valid event; that is the codec's job.
 

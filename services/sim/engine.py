@@ -3,13 +3,14 @@
 Called by `llmgw simulate` (`services.cli.simulate`), the simulator's tests and its
 benchmark. Every event goes through what the services do with it: encoded, folded with
 `Ingest.raw` (the projector's and every follower's step), and, given a writer, written
-as a bundle line with `schemas.bundle.line`. The decisions are the services' own calls:
-`scheduling.plan` for the scheduler's pass, `reaction.react` for each `placement.failed`
-(which calls the policy), `reaction.releases` for holds (the hold rule
-`View.hold_end`). Only the agents, the operator's demand and the requests are modelled
-here: agents load in a model's load time (±10%), fail a start with its probability, stop
-in its stop time; nodes fail (their agents fall silent, so the scheduler's own
-heartbeat rule reports them lost) and come back with a fresh inventory.
+as a bundle line with `schemas.bundle.event_line` (`line` for a body the codec wrote).
+The decisions are the services' own calls: `scheduling.plan` for the scheduler's pass,
+`reaction.react` for each `placement.failed` (which calls the policy),
+`reaction.releases` for holds (the hold rule `View.hold_end`). Only the agents, the
+operator's demand and the requests are modelled here: agents load in a model's load
+time (±10%), fail a start with its probability, stop in its stop time; nodes fail (their
+agents fall silent, so the scheduler's own heartbeat rule reports them lost) and come
+back with a fresh inventory.
 
 Time is seconds since the scenario's start, advanced by the engine from one scheduled
 happening to the next; nothing sleeps. A pass runs when something it reads changed,
