@@ -199,7 +199,11 @@ class Engine:
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
         self._timers: list[float] | None = None
-        self._released_at: tuple[int, datetime] | None = None
+        # The last call of `reaction.releases`: the view's seq and _changes then, its
+        # time, and whether every release it said took effect.
+        self._released_at: tuple[int, int, datetime, bool] | None = None
+        self._changes = 0
+        """Events stored that are not a replica.used."""
 
     # ------------------------------------------------------------------ the loop
 
@@ -339,9 +343,12 @@ class Engine:
                 self._dirty = False
                 self._pass()
         if self.view.state.holds and self._releases_due():
-            for e in reaction.releases(self.view, self.now):
+            released = reaction.releases(self.view, self.now)
+            for e in released:
                 self.emit(e)
-            self._released_at = (self.view.seq, self.now)
+            holds = self.view.state.holds
+            took = all(e.data.model not in holds for e in released)
+            self._released_at = (self.view.seq, self._changes, self.now, took)
         if self._dirty:
             self._pass()
         nxt = self._next_due()
@@ -378,16 +385,24 @@ class Engine:
         return dues
 
     def _releases_due(self) -> bool:
-        """Whether `reaction.releases` could say anything it did not say last time: the
-        view changed since, or a hold's end passed in between. Otherwise it would say
-        the same, which it said and was published (or there was nothing to say)."""
+        """Whether `reaction.releases` could say anything it did not say last time.
+
+        It could when something it reads changed since: an event other than a
+        replica.used (which moves only a replica's last use, read by no hold's end), or
+        a hold's end passed in between. When what it said last time did not all take
+        effect (a release dropped as a duplicate), any event could let it say that
+        again, as the view changed. Otherwise it would say the same as last time, every
+        release of which took effect: nothing."""
         holds = self.view.state.holds
         if not holds:
             return False
         last = self._released_at
-        if last is None or last[0] != self.view.seq:
+        if last is None:
             return True
-        then, now = last[1], self.now
+        seq, changes, then, took = last
+        if changes != self._changes or (not took and seq != self.view.seq):
+            return True
+        now = self.now
         return any(then <= h.until < now for h in holds.values())
 
     def _pass(self) -> None:
@@ -449,6 +464,7 @@ class Engine:
             ingest.touched.clear()
         if type(e) is not ev.ReplicaUsedEvent:
             # The commonest event by far, and nothing the engine does follows from it.
+            self._changes += 1
             self._observe(e, node)
 
     def _observe(self, e: ev.Event, node: str | None) -> None:
