@@ -3,9 +3,9 @@
 The one reader and writer of bundles: `llmgw events export` writes with `line` (the
 simulator with `event_line`, the same line for a body the codec wrote), and import,
 replay (`services.replay.source`) and `llmgw preemption plan` read with `read`, so no two
-of them can disagree about a line. Reading streams line by line, so a bundle of
-any size never sits in memory. Pure: no I/O beyond the bundle file, and it never judges
-whether a body is a valid event; that is the codec's job.
+of them can disagree about a line. Reading streams line by line, so a bundle of any size
+never sits in memory. Pure: no I/O beyond the bundle file, and it never judges whether a
+body is a valid event; that is the codec's job.
 
 Two shapes of line, both one JSON document on one UTF-8 line:
 - `{"seq":N,"subject":S,...}`: a body that is a compact JSON object (every event the
