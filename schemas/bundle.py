@@ -1,10 +1,11 @@
 """JSONL bundles: one stored message a line, its stream `seq` and `subject` in front.
 
-The one reader and writer of bundles: `llmgw events export` writes with `line`, and
-import, replay (`services.replay.source`) and `llmgw preemption plan` read with `read`,
-so no two of them can disagree about a line. Reading streams line by line, so a bundle of
-any size never sits in memory. Pure: no I/O beyond the bundle file, and it never judges
-whether a body is a valid event; that is the codec's job.
+The one reader and writer of bundles: `llmgw events export` writes with `line` (the
+simulator with `event_line`, the same line for a body the codec wrote), and import,
+replay (`services.replay.source`) and `llmgw preemption plan` read with `read`, so no two
+of them can disagree about a line. Reading streams line by line, so a bundle of any size
+never sits in memory. Pure: no I/O beyond the bundle file, and it never judges whether a
+body is a valid event; that is the codec's job.
 
 Two shapes of line, both one JSON document on one UTF-8 line:
 - `{"seq":N,"subject":S,...}`: a body that is a compact JSON object (every event the
@@ -105,6 +106,19 @@ def line(seq: int, subject: str, body: bytes, stored_ns: int = 0) -> bytes:
         )
     if not inline(body):
         return b'%s,"%s":"%s"}' % (head, RAW_KEY.encode(), base64.b64encode(body))
+    return _inlined(head, body)
+
+
+def event_line(seq: int, subject: str, body: bytes) -> bytes:
+    """`line` of a body `schemas.codec.encode` wrote, without `inline`'s parse of it (the
+    simulator writes every event it makes): such a body is always inline, being compact
+    UTF-8 JSON of one envelope, an object whose fields (`type`, `id`, `time`, `source`,
+    `causation`, `correlation`, `data`) are none of a line's position."""
+    return _inlined(b'{"seq":%d,"subject":%s' % (seq, _encoder.encode(subject)), body)
+
+
+def _inlined(head: bytes, body: bytes) -> bytes:
+    """The line of an inline body: the position, then the body's own fields."""
     if body[1:2] == b"}":
         return head + body[1:]
     return head + b"," + body[1:]

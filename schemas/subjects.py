@@ -162,26 +162,27 @@ def subject_for(event: ev.Envelope, root: str = DEFAULT_ROOT, node: str | None =
     and go on that node's subject: pass `node`, else the node of the first shard is used.
     """
     t = type(event)
+    d: Any = event.data  # type: ignore[attr-defined]
+    # The replica reports first: they are most of a log.
+    if t is ev.ReplicaUsedEvent:
+        if node is None:
+            raise ValueError("a replica.used needs the reporting node")
+        return replica_subject(node, d.replica, root)
+    if t is ev.ReplicaStateEvent:
+        n = node or (d.shards[0].node if d.shards else None)
+        if n is None:
+            raise ValueError("a replica.state with no shards needs the reporting node")
+        return replica_subject(n, d.replica, root)
     named = _BY_NAME.get(t)
     if named is not None:
         build, field = named
-        return build(getattr(event.data, field), root)  # type: ignore[attr-defined]
-    d: Any = event.data  # type: ignore[attr-defined]
+        return build(getattr(d, field), root)
     if t is ev.QuotaSetEvent:
         return quota_subject(root)
     if t is ev.ViewDigestEvent:
         return digest_subject(root)
     if t is ev.PolicyConfiguredEvent:
         return policy_subject(root)
-    if t is ev.ReplicaStateEvent:
-        n = node or (d.shards[0].node if d.shards else None)
-        if n is None:
-            raise ValueError("a replica.state with no shards needs the reporting node")
-        return replica_subject(n, d.replica, root)
-    if t is ev.ReplicaUsedEvent:
-        if node is None:
-            raise ValueError("a replica.used needs the reporting node")
-        return replica_subject(node, d.replica, root)
     if t is ev.ReplicaStartEvent:
         return command_subject(node or d.shards[0].node, "start", root)
     if t is ev.ReplicaDrainEvent:

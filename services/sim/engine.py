@@ -3,13 +3,14 @@
 Called by `llmgw simulate` (`services.cli.simulate`), the simulator's tests and its
 benchmark. Every event goes through what the services do with it: encoded, folded with
 `Ingest.raw` (the projector's and every follower's step), and, given a writer, written
-as a bundle line with `schemas.bundle.line`. The decisions are the services' own calls:
-`scheduling.plan` for the scheduler's pass, `reaction.react` for each `placement.failed`
-(which calls the policy), `reaction.releases` for holds (the hold rule
-`View.hold_end`). Only the agents, the operator's demand and the requests are modelled
-here: agents load in a model's load time (±10%), fail a start with its probability, stop
-in its stop time; nodes fail (their agents fall silent, so the scheduler's own
-heartbeat rule reports them lost) and come back with a fresh inventory.
+as a bundle line with `schemas.bundle.event_line` (`line` for a body the codec wrote).
+The decisions are the services' own calls: `scheduling.plan` for the scheduler's pass,
+`reaction.react` for each `placement.failed` (which calls the policy),
+`reaction.releases` for holds (the hold rule `View.hold_end`). Only the agents, the
+operator's demand and the requests are modelled here: agents load in a model's load
+time (±10%), fail a start with its probability, stop in its stop time; nodes fail (their
+agents fall silent, so the scheduler's own heartbeat rule reports them lost) and come
+back with a fresh inventory.
 
 Time is seconds since the scenario's start, advanced by the engine from one scheduled
 happening to the next; nothing sleeps. A pass runs when something it reads changed,
@@ -19,8 +20,10 @@ scenario, policy and seed give the same log, byte for byte.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -34,7 +37,7 @@ from services.core import preemption, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.view import View, digest
 from services.sim import oracle
-from services.sim.scenario import ModelSpec, Scenario
+from services.sim.scenario import ModelSpec, NodeGroup, Scenario
 
 ROOT = subjects.DEFAULT_ROOT
 _GONE = frozenset({"stopped", "failed", "draining"})
@@ -58,6 +61,14 @@ _PASS_ON: frozenset[type] = frozenset(
         ev.HoldReleasedEvent,
     }
 )
+# _TIMERS are the events that can move a timer's due time: a hold made or ended, and a
+# node lost or reporting again (a silent node's timer runs until it is reported lost).
+# The engine's own node failures and repairs move them too.
+_TIMERS: frozenset[type] = frozenset(
+    {ev.HoldCreatedEvent, ev.HoldReleasedEvent, ev.NodeLostEvent, ev.NodeInventoryEvent}
+)
+_Entry = tuple[float, int, Callable[[Any], None], Any]
+"""A happening scheduled: (time, order, handler, its argument)."""
 START = datetime(2026, 1, 5, tzinfo=UTC)
 """Virtual time 0: a Monday, midnight UTC."""
 
@@ -146,6 +157,7 @@ class Engine:
         # One stream of draws per node and per model, so that the world (failures,
         # requests, load times) is the same under every policy: only the decisions differ.
         self._rngs: dict[str, random.Random] = {}
+        self._request_rngs: dict[str, random.Random] = {}
         base = policy_config or preemption.Config()
         self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
@@ -156,9 +168,18 @@ class Engine:
         self.m = Metrics()
         self.models: dict[str, ModelSpec] = {m.name: m for m in scenario.models}
         self.t = 0.0
-        self.now = START
-        self._q: list[tuple[float, int, str, Any]] = []
-        self._order = 0
+        self._now_t = 0.0
+        self._now = START
+        # The queue: (time, order, handler, its argument). The order is unique, so two
+        # entries never compare their handlers, and happenings at one time run in the
+        # order they were scheduled.
+        self._q: list[_Entry] = []
+        self._order = itertools.count(1)
+        # Each node's group by the node's name (the first group to name it).
+        self._groups: dict[str, NodeGroup] = {}
+        for g in scenario.nodes:
+            for name in g.names():
+                self._groups.setdefault(name, g)
         self._ids = 0
         self._seen: dict[str, float] = {}
         self._dirty = True
@@ -177,19 +198,26 @@ class Engine:
         self._last_request: dict[str, float] = {}
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
-        self._released_at: tuple[int, datetime] | None = None
+        self._timers: list[float] | None = None
+        # The last call of `reaction.releases`: the view's seq and _changes then, its
+        # time, and whether every release it said took effect.
+        self._released_at: tuple[int, int, datetime, bool] | None = None
+        self._changes = 0
+        """Events stored that are not a replica.used."""
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Result:
         self._begin()
         q = self._q
-        while q and q[0][0] <= self.duration:
+        pop = heapq.heappop
+        end = self.duration
+        while q and q[0][0] <= end:
             t = q[0][0]
             self._advance(t)
             while q and q[0][0] == t:
-                _, _, kind, arg = heapq.heappop(q)
-                self._handle(kind, arg)
+                _, _, handle, arg = pop(q)
+                handle(arg)
             self._settle()
         self._advance(self.duration)
         self.ingest.touched.clear()
@@ -209,9 +237,18 @@ class Engine:
             r = self._rngs[stream] = random.Random(f"{self.seed}:{stream}")
         return r
 
-    def at(self, t: float, kind: str, arg: Any = None) -> None:
-        self._order += 1
-        heapq.heappush(self._q, (t, self._order, kind, arg))
+    def at(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
+        """At virtual time t, `handle(arg)`."""
+        heapq.heappush(self._q, (t, next(self._order), handle, arg))
+
+    @property
+    def now(self) -> datetime:
+        """The virtual time as a datetime, made when first asked for at an instant: most
+        instants (a request's idle timer running out) publish nothing and never ask."""
+        if self._now_t != self.t:
+            self._now = START + timedelta(0, self.t)  # 0 days, t seconds
+            self._now_t = self.t
+        return self._now
 
     def _advance(self, t: float) -> None:
         """Time passes from self.t to t with nothing changing: sum what it held."""
@@ -223,10 +260,11 @@ class Engine:
             short = self._short
             if short is None:
                 short = self._short = self._shortfall()
-            for cls, n in short.items():
-                m.unserved_s[cls] = m.unserved_s.get(cls, 0.0) + n * dt
+            if short:
+                unserved = m.unserved_s
+                for cls, n in short.items():
+                    unserved[cls] = unserved.get(cls, 0.0) + n * dt
         self.t = t
-        self.now = START + timedelta(seconds=t)
 
     def _shortfall(self) -> dict[str, int]:
         """Per class, the replicas desired and not ready now."""
@@ -245,7 +283,7 @@ class Engine:
                 self._up_gpus += g.gpus
                 self._inventory(name)
                 if g.mtbf_s:
-                    self.at(self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+                    self.at(self.rng(name).expovariate(1.0 / g.mtbf_s), self._node_down, name)
         if sc.quota:
             self.publish(ev.QuotaSet(owners=sc.quota), "operator")
         for spec in sc.models:
@@ -257,85 +295,114 @@ class Engine:
             elif d.kind == "steps":
                 self._scale(spec, d.replicas)
                 for at, n in d.steps:
-                    self.at(at, "scale", (spec.name, n))
+                    self.at(at, self._on_scale, (spec.name, n))
             elif d.kind == "diurnal":
-                self.at(0.0, "diurnal", spec.name)
+                self.at(0.0, self._on_diurnal, spec.name)
             elif d.kind == "bursts":
                 self._scale(spec, d.base)
-                self.at(d.every_s * self.rng(spec.name).random(), "burst", spec.name)
+                self.at(d.every_s * self.rng(spec.name).random(), self._on_burst, spec.name)
             else:
                 self._scale(spec, d.replicas)
         self._settle()
 
-    def _handle(self, kind: str, arg: Any) -> None:
-        if kind == "agent":
-            self._agent_step(*arg)
-        elif kind == "tick":
-            self._tick_at = None
-            self._dirty = True
-        elif kind == "request":
-            self._request(arg)
-        elif kind == "idle":
-            spec = self.models[arg]
-            last = self._last_request.get(arg, -math.inf)
-            if self.t - last >= spec.demand.idle_after_s and self._desired[arg] > 0:
-                self._scale(spec, 0)
-        elif kind == "scale":
-            self._scale(self.models[arg[0]], arg[1])
-        elif kind == "diurnal":
-            spec = self.models[arg]
-            self._scale(spec, _diurnal(spec, self.t))
-            self.at(self.t + DEMAND_STEP_S, "diurnal", arg)
-        elif kind == "burst":
-            spec = self.models[arg]
-            self._scale(spec, spec.demand.burst)
-            self.at(self.t + spec.demand.length_s, "scale", (arg, spec.demand.base))
-            nxt = spec.demand.every_s * (0.5 + self.rng(arg).random())
-            self.at(self.t + nxt, "burst", arg)
-        elif kind == "node_down":
-            self._node_down(arg)
-        elif kind == "node_up":
-            self._node_up(arg)
+    def _on_agent(self, arg: tuple[str, int, str]) -> None:
+        self._agent_step(*arg)
+
+    def _on_tick(self, arg: None) -> None:
+        self._tick_at = None
+        self._dirty = True
+
+    def _on_idle(self, model: str) -> None:
+        spec = self.models[model]
+        last = self._last_request.get(model, -math.inf)
+        if self.t - last >= spec.demand.idle_after_s and self._desired[model] > 0:
+            self._scale(spec, 0)
+
+    def _on_scale(self, arg: tuple[str, int]) -> None:
+        self._scale(self.models[arg[0]], arg[1])
+
+    def _on_diurnal(self, model: str) -> None:
+        spec = self.models[model]
+        self._scale(spec, _diurnal(spec, self.t))
+        self.at(self.t + DEMAND_STEP_S, self._on_diurnal, model)
+
+    def _on_burst(self, model: str) -> None:
+        spec = self.models[model]
+        self._scale(spec, spec.demand.burst)
+        self.at(self.t + spec.demand.length_s, self._on_scale, (model, spec.demand.base))
+        nxt = spec.demand.every_s * (0.5 + self.rng(model).random())
+        self.at(self.t + nxt, self._on_burst, model)
 
     def _settle(self) -> None:
         """Passes until nothing new is published, then the holds that ended; and when
         the next pass is due by a timer, a tick then."""
-        for _ in range(MAX_PASSES):
-            if not self._dirty:
-                break
-            self._dirty = False
-            self._pass()
-        if self._releases_due():
-            for e in reaction.releases(self.view, self.now):
+        if self._dirty:
+            for _ in range(MAX_PASSES):
+                if not self._dirty:
+                    break
+                self._dirty = False
+                self._pass()
+        if self.view.state.holds and self._releases_due():
+            released = reaction.releases(self.view, self.now)
+            for e in released:
                 self.emit(e)
-            self._released_at = (self.view.seq, self.now)
+            holds = self.view.state.holds
+            took = all(e.data.model not in holds for e in released)
+            self._released_at = (self.view.seq, self._changes, self.now, took)
         if self._dirty:
             self._pass()
-        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
-        for h in self.view.state.holds.values():
-            due.append((h.until - START).total_seconds() + 0.001)
+        nxt = self._next_due()
+        if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
+            self._tick_at = nxt
+            self.at(nxt, self._on_tick)
+
+    def _next_due(self) -> float | None:
+        """When a pass is next due by a timer, after now: a failure's backoff, a hold's
+        end or a silent node's timeout; None when none is."""
+        t = self.t
+        nxt = t + self.scfg.failed_backoff_s if self._failures else math.inf
+        if nxt <= t:
+            nxt = math.inf
+        timers = self._timers
+        if timers is None:
+            timers = self._timers = self._timer_dues()
+        i = bisect.bisect_right(timers, t)
+        if i < len(timers) and timers[i] < nxt:
+            nxt = timers[i]
+        return None if nxt == math.inf else nxt
+
+    def _timer_dues(self) -> list[float]:
+        """When each hold ends and each silent node's agent is due to be reported lost,
+        in order: what a pass must see run out besides a failure's backoff. Kept until
+        an event of _TIMERS or a node's failure or repair changes it."""
+        dues = [(h.until - START).total_seconds() + 0.001 for h in self.view.state.holds.values()]
+        nodes = self.view.state.nodes
         for name, since in self._down.items():
-            rec = self.view.state.nodes.get(name)
+            rec = nodes.get(name)
             if rec is not None and not rec.lost:
-                due.append(since + self.scfg.node_timeout_s + 0.001)
-        due = [x for x in due if x > self.t]
-        if due:
-            nxt = min(due)
-            if self._tick_at is None or nxt < self._tick_at:
-                self._tick_at = nxt
-                self.at(nxt, "tick")
+                dues.append(since + self.scfg.node_timeout_s + 0.001)
+        dues.sort()
+        return dues
 
     def _releases_due(self) -> bool:
-        """Whether `reaction.releases` could say anything it did not say last time: the
-        view changed since, or a hold's end passed in between. Otherwise it would say
-        the same, which it said and was published (or there was nothing to say)."""
+        """Whether `reaction.releases` could say anything it did not say last time.
+
+        It could when something it reads changed since: an event other than a
+        replica.used (which moves only a replica's last use, read by no hold's end), or
+        a hold's end passed in between. When what it said last time did not all take
+        effect (a release dropped as a duplicate), any event could let it say that
+        again, as the view changed. Otherwise it would say the same as last time, every
+        release of which took effect: nothing."""
         holds = self.view.state.holds
         if not holds:
             return False
         last = self._released_at
-        if last is None or last[0] != self.view.seq:
+        if last is None:
             return True
-        then, now = last[1], self.now
+        seq, changes, then, took = last
+        if changes != self._changes or (not took and seq != self.view.seq):
+            return True
+        now = self.now
         return any(then <= h.until < now for h in holds.values())
 
     def _pass(self) -> None:
@@ -367,79 +434,103 @@ class Engine:
         """An event of the operator or an agent, with the next id."""
         self._ids += 1
         e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
-        return self.emit(e, node)
-
-    def emit(self, e: ev.Event, node: str | None = None) -> bool:
-        """Publish one event: dropped as a duplicate within the window, else folded and
-        written, and seen by the agents and the metrics. Whether it was stored."""
-        seen = self._seen.get(e.id)
-        if seen is not None and self.t - seen < DEDUP_S:
-            return False
-        self._seen[e.id] = self.t
-        subject = subjects.subject_for(e, ROOT, node=node)
-        body = codec.encode(e)
-        seq = self.ingest.seq + 1
-        self.ingest.raw(seq, subject, body)
-        if self.out is not None:
-            self.out.write(bundle.line(seq, subject, body) + b"\n")
-        self.m.events += 1
-        if seq % 4096 == 0:
-            self.ingest.touched.clear()
-        self._observe(e, node)
+        # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
+        self._store(e, node)
         return True
 
+    def emit(self, e: ev.Event, node: str | None = None) -> bool:
+        """Publish one event: dropped as a duplicate within the window, else stored
+        (`_store`). Whether it was stored."""
+        eid = e.id
+        seen = self._seen.get(eid)
+        if seen is not None and self.t - seen < DEDUP_S:
+            return False
+        self._seen[eid] = self.t
+        self._store(e, node)
+        return True
+
+    def _store(self, e: ev.Event, node: str | None) -> None:
+        """Fold and write one event, and let the agents and the metrics see it."""
+        subject = subjects.subject_for(e, ROOT, node)
+        body = codec.encode(e)
+        ingest = self.ingest
+        seq = ingest.view.state.seq + 1
+        ingest.raw(seq, subject, body)
+        out = self.out
+        if out is not None:
+            out.write(bundle.event_line(seq, subject, body) + b"\n")
+        self.m.events += 1
+        if seq % 4096 == 0:
+            ingest.touched.clear()
+        if type(e) is not ev.ReplicaUsedEvent:
+            # The commonest event by far, and nothing the engine does follows from it.
+            self._changes += 1
+            self._observe(e, node)
+
     def _observe(self, e: ev.Event, node: str | None) -> None:
-        if isinstance(e, ev.ReplicaUsedEvent):
-            return
-        if type(e) in _PASS_ON or (
-            isinstance(e, ev.ReplicaStateEvent) and e.data.state in ("stopped", "failed")
-        ):
+        kind = type(e)
+        if kind in _PASS_ON:
             self._dirty = True
-        if isinstance(e, ev.ReplicaStartEvent):
-            d = e.data
-            where = node or d.shards[0].node
-            a = self._agents[d.replica] = _Agent(
-                model=d.model,
-                profile=d.profile,
-                shards=d.shards,
-                node=where,
-                gpus=sum(len(s.gpus) for s in d.shards),
-            )
-            if where in self._down:
-                return  # a silent agent never hears it
-            spec = self.models.get(d.model)
-            rng = self.rng(f"load:{d.model}")
-            load = (spec.load_s if spec else 60.0) * rng.uniform(0.9, 1.1)
-            fail = spec is not None and rng.random() < spec.start_failure
-            failed_at = load * rng.random()
-            self.at(self.t + 1.0, "agent", (d.replica, a.gen, "starting"))
-            self.at(self.t + 2.0, "agent", (d.replica, a.gen, "loading"))
-            if fail:
-                self.at(self.t + 2.0 + failed_at, "agent", (d.replica, a.gen, "failed"))
-            else:
-                self.at(self.t + 2.0 + load, "agent", (d.replica, a.gen, "ready"))
-        elif isinstance(e, ev.ReplicaDrainEvent):
-            got = self._agents.get(e.data.replica)
-            if got is None or got.node in self._down or got.state in _GONE:
-                return
-            a = got
-            a.gen += 1
-            spec = self.models.get(a.model)
-            stop = spec.stop_s if spec else 10.0
-            self.at(self.t + 0.5, "agent", (e.data.replica, a.gen, "draining"))
-            self.at(self.t + 0.5 + stop, "agent", (e.data.replica, a.gen, "stopped"))
-        elif isinstance(e, ev.ReplicaStateEvent):
-            self._state_seen(e.data.replica, e.data.state)
-        elif isinstance(e, ev.NodeLostEvent):
-            for rid, a in self._agents.items():
-                if a.node == e.data.node and a.state not in ("stopped", "failed"):
-                    self._state_seen(rid, "failed")
-        elif isinstance(e, ev.ScaleDesiredEvent):
-            self._scaled(e.data.model)
-        elif isinstance(e, ev.PlacementDecidedEvent):
-            t = self._preempted_at.pop(e.data.model, None)
-            if t is not None and self.t - t <= self.pcfg.hold_s:
-                self.m.thrash += 1
+        if kind in _TIMERS:
+            self._timers = None
+        seen = _OBSERVERS.get(kind)
+        if seen is not None:
+            seen(self, e, node)
+
+    def _started(self, e: ev.ReplicaStartEvent, node: str | None) -> None:
+        d = e.data
+        where = node or d.shards[0].node
+        a = self._agents[d.replica] = _Agent(
+            model=d.model,
+            profile=d.profile,
+            shards=d.shards,
+            node=where,
+            gpus=sum(len(s.gpus) for s in d.shards),
+        )
+        if where in self._down:
+            return  # a silent agent never hears it
+        spec = self.models.get(d.model)
+        rng = self.rng(f"load:{d.model}")
+        load = (spec.load_s if spec else 60.0) * rng.uniform(0.9, 1.1)
+        fail = spec is not None and rng.random() < spec.start_failure
+        failed_at = load * rng.random()
+        step = self._on_agent
+        self.at(self.t + 1.0, step, (d.replica, a.gen, "starting"))
+        self.at(self.t + 2.0, step, (d.replica, a.gen, "loading"))
+        if fail:
+            self.at(self.t + 2.0 + failed_at, step, (d.replica, a.gen, "failed"))
+        else:
+            self.at(self.t + 2.0 + load, step, (d.replica, a.gen, "ready"))
+
+    def _drained(self, e: ev.ReplicaDrainEvent, node: str | None) -> None:
+        got = self._agents.get(e.data.replica)
+        if got is None or got.node in self._down or got.state in _GONE:
+            return
+        a = got
+        a.gen += 1
+        spec = self.models.get(a.model)
+        stop = spec.stop_s if spec else 10.0
+        self.at(self.t + 0.5, self._on_agent, (e.data.replica, a.gen, "draining"))
+        self.at(self.t + 0.5 + stop, self._on_agent, (e.data.replica, a.gen, "stopped"))
+
+    def _reported(self, e: ev.ReplicaStateEvent, node: str | None) -> None:
+        state = e.data.state
+        if state in ("stopped", "failed"):
+            self._dirty = True
+        self._state_seen(e.data.replica, state)
+
+    def _lost(self, e: ev.NodeLostEvent, node: str | None) -> None:
+        for rid, a in self._agents.items():
+            if a.node == e.data.node and a.state not in ("stopped", "failed"):
+                self._state_seen(rid, "failed")
+
+    def _scale_seen(self, e: ev.ScaleDesiredEvent, node: str | None) -> None:
+        self._scaled(e.data.model)
+
+    def _placed(self, e: ev.PlacementDecidedEvent, node: str | None) -> None:
+        t = self._preempted_at.pop(e.data.model, None)
+        if t is not None and self.t - t <= self.pcfg.hold_s:
+            self.m.thrash += 1
 
     def _state_seen(self, rid: str, state: str) -> None:
         a = self._agents.get(rid)
@@ -459,12 +550,13 @@ class Engine:
             self._ready[a.model] += 1
             self._ready_gpus += a.gpus
             self._ready_ids.setdefault(a.model, {})[rid] = None
+            self._used_at.setdefault(rid, -math.inf)
             self._check_wait(a.model)
 
     # ------------------------------------------------------------------ agents
 
     def _inventory(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         gpus = tuple(
             ev.GpuInfo(
                 index=i,
@@ -504,19 +596,21 @@ class Engine:
         )
 
     def _node_down(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         self._down[name] = self.t
+        self._timers = None
         self._up_gpus -= g.gpus
         self._dirty = True
-        self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), "node_up", name)
+        self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
 
     def _node_up(self, name: str) -> None:
-        g = next(g for g in self.sc.nodes if name in g.names())
+        g = self._groups[name]
         del self._down[name]
+        self._timers = None
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:
-            self.at(self.t + self.rng(name).expovariate(1.0 / g.mtbf_s), "node_down", name)
+            self.at(self.t + self.rng(name).expovariate(1.0 / g.mtbf_s), self._node_down, name)
 
     # ------------------------------------------------------------------ demand
 
@@ -556,33 +650,39 @@ class Engine:
         peak = d.rate * (1 + d.daily) / 3600.0
         if peak <= 0:
             return
-        rng = self.rng(f"requests:{spec.name}")
+        rng = self._request_rngs.get(spec.name)
+        if rng is None:
+            rng = self._request_rngs[spec.name] = self.rng(f"requests:{spec.name}")
+        draw, uniform, end = rng.expovariate, rng.random, self.duration
         while True:
-            t += rng.expovariate(peak)
-            if t > self.duration:
+            t += draw(peak)
+            if t > end:
                 return
-            if rng.random() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
-                self.at(t, "request", spec.name)
+            if uniform() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
+                self.at(t, self._request, spec.name)
                 return
 
     def _request(self, model: str) -> None:
         spec = self.models[model]
+        t = self.t
         self.m.requests += 1
-        self._last_request[model] = self.t
-        self.at(self.t + spec.demand.idle_after_s, "idle", model)
+        self._last_request[model] = t
+        self.at(t + spec.demand.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
-            rid = min(ready, key=lambda r: self._used_at.get(r, -math.inf))
-            if self.t - self._used_at.get(rid, -math.inf) >= USED_EVERY_S:
-                self._used_at[rid] = self.t
+            # Every ready replica has its time in _used_at (-inf until first used).
+            used_at = self._used_at
+            rid = min(ready, key=used_at.__getitem__)
+            if t - used_at[rid] >= USED_EVERY_S:
+                used_at[rid] = t
                 node = self._agents[rid].node
                 self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
         else:
             self.m.requests_unserved += 1
         if self._desired[model] < spec.demand.replicas:
             self._scale(spec, spec.demand.replicas)
-        self._next_request(spec, self.t)
+        self._next_request(spec, t)
 
     # ------------------------------------------------------------------ decisions
 
@@ -640,3 +740,15 @@ def simulate(
     if clock is None:
         return r
     return dataclasses.replace(r, wall_s=clock() - t0)
+
+
+# _OBSERVERS: what the engine does on seeing an event of each type (dispatched by type:
+# `_observe` runs for every event published).
+_OBSERVERS: dict[type, Callable[[Engine, Any, str | None], None]] = {
+    ev.ReplicaStartEvent: Engine._started,
+    ev.ReplicaDrainEvent: Engine._drained,
+    ev.ReplicaStateEvent: Engine._reported,
+    ev.NodeLostEvent: Engine._lost,
+    ev.ScaleDesiredEvent: Engine._scale_seen,
+    ev.PlacementDecidedEvent: Engine._placed,
+}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import collections
 import io
 import json
 from pathlib import Path
 
 import pytest
 
+from services.core import reaction
 from services.core.view import digest
 from services.replay import rebuild
 from services.sim import engine, report
@@ -69,6 +71,53 @@ def test_same_scenario_and_seed_same_log() -> None:
     assert a.getvalue() == b.getvalue() and ra.digest == rb.digest
     rc = engine.simulate(sc, "reference", duration_s=4 * HOURS, seed=99)
     assert rc.digest != ra.digest
+
+
+class _Checked(engine.Engine):
+    """An engine that checks its shortcuts, at every instant, against the plain rules:
+    the next due time it finds with its kept timers against a walk of every failure,
+    hold and silent node; and, where it skips `reaction.releases` that the plain rule
+    (call it whenever the view changed or a hold's end passed) would call, that the call
+    would say nothing."""
+
+    seen: collections.Counter[str]
+
+    def _next_due(self) -> float | None:
+        got = super()._next_due()
+        s = self.view.state
+        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
+        due += [(h.until - engine.START).total_seconds() + 0.001 for h in s.holds.values()]
+        silent = [n for n in self._down if not s.nodes[n].lost]
+        due += [self._down[n] + self.scfg.node_timeout_s + 0.001 for n in silent]
+        due = [x for x in due if x > self.t]
+        assert got == (min(due) if due else None), self.t
+        self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=bool(self._failures))
+        return got
+
+    def _releases_due(self) -> bool:
+        got = super()._releases_due()
+        last, holds, now = self._released_at, self.view.state.holds, self.now
+        plain = bool(holds) and (
+            last is None
+            or last[0] != self.view.seq
+            or any(last[2] <= h.until < now for h in holds.values())
+        )
+        if plain and not got:
+            assert reaction.releases(self.view, now) == [], self.t
+            self.seen["releases skipped"] += 1
+        return got
+
+
+@pytest.mark.parametrize("policy", ["reference", "node-aware"])
+def test_the_engine_s_shortcuts_give_what_the_plain_rules_give(policy: str) -> None:
+    sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
+    eng = _Checked(sc, policy, duration_s=24 * HOURS)
+    eng.seen = collections.Counter()
+    eng.run()
+    # The day had holds, silent nodes and failures backing off, so each kind of timer
+    # was checked while it changed, and releases were skipped.
+    kinds = ("holds", "silent", "failures", "releases skipped")
+    assert min(eng.seen[k] for k in kinds) > 0, eng.seen
 
 
 def test_the_h100_l4_case_reference_fails_needlessly_node_aware_does_not() -> None:
