@@ -31,7 +31,7 @@ import msgspec
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import LIVE_STATES, ReplicaRecord, View
+from services.core.view import ReplicaRecord, View
 
 # DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains and the
 # preemption service's alike.
@@ -214,12 +214,14 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    by_model, live, named, timed_out, failed_starts = _live_by_model(out, mk, view, now, config)
+    names, timed_out = _names_by_model(out, mk, view, now, config)
+    failed_starts: _FailedStarts = {}
+    for r in view.failed_since(now - timedelta(seconds=_horizon_s(config))):
+        _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
-    pass_.named = named
     for m in _by_rank(view):
         if m.name not in timed_out:
-            pass_.reconcile(m, by_model.get(m.name, []), live.get(m.name, 0))
+            pass_.reconcile(m, names.get(m.name, ()))
     return out
 
 
@@ -237,106 +239,44 @@ def _lost_nodes(
         out.lost += 1
 
 
-def _live_by_model(
+def _names_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[ReplicaRecord]], dict[str, int], _Live, set[str], _FailedStarts]:
-    """Per model, its replicas that hold capacity (or are why a node is avoided) and how
-    many of them are live; the live count by the name each replica gives; the models one of whose placements just timed out, drained
-    here and left for the next pass; and the recent failed starts. Replicas of models no
-    longer in the catalog are drained.
+) -> tuple[dict[str, list[str]], set[str]]:
+    """Per declared model, the names its current replicas give (its own, its aliases);
+    and the models one of whose placements just timed out, drained here and left for the
+    next pass. Replicas of models no longer in the catalog are drained.
 
-    The records are read, not copied: a pass folds nothing, so they stay as they are
-    until it ends, and most models need only their live count."""
-    by_model: dict[str, list[ReplicaRecord]] = {}
-    live: dict[str, int] = {}
-    named: dict[str, int] = {}
+    The view indexes the current replicas and their live counts by the name they give,
+    and the pending placements apart, so a pass reads per name rather than walking
+    every replica: a model with all it wants costs its live count alone."""
+    names: dict[str, list[str]] = {}
     timed_out: set[str] = set()
-    failed: _FailedStarts = {}
-    since = now - timedelta(seconds=_horizon_s(config))
-    live_states = LIVE_STATES
+    # drains: (creation order, replica, reason), emitted in the order the replicas were
+    # created, as a walk over them would.
+    drains: list[tuple[int, ReplicaRecord, ev.DrainReason]] = []
     resolve = view.catalog.resolve
-    # Per model name, what it resolves to: once per model, not once per replica.
-    resolved: dict[str, catalog.Model | None] = {}
-    # A replica that holds nothing needs nothing from a pass, unless it is why a node is
-    # avoided (drained for placement_timeout) or a recent failed start. The view keeps
-    # every replica ever placed; its indexes give just these, so a pass does not cost a
-    # walk over the cluster's whole history.
-    for r in view.failed_since(since):
-        _note_failed_start(failed, view, r)
-    for r in view.current():
-        state = r.state
-        name = r.model
-        # r.live, inline: this loop is most of a pass on a large cluster.
-        is_live = (
-            state in live_states
-            and r.retiring_at is None
-            and r.preempted_for is None
-            and r.drain_reason != "placement_timeout"
-        )
-        if is_live:
-            named[name] = named.get(name, 0) + 1
-        if name in resolved:
-            m = resolved[name]
-        else:
-            m = resolved[name] = resolve(name)
+    for name in view.current_models():
+        m = resolve(name)
         if m is None:
-            if r.holds_capacity and r.drained_by is None and r.state != "draining":
-                _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "model_removed", config)
+            for r in view.current_of(name):
+                if r.holds_capacity and r.drained_by is None and r.state != "draining":
+                    drains.append((view.ordinal(r.id), r, "model_removed"))
             continue
-        if (
-            state == "pending"
-            and r.placed_by is not None
-            and r.drained_by is None
-            and (now - r.created_at).total_seconds() >= config.start_timeout_s
-        ):
-            _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, "placement_timeout", config)
-            timed_out.add(m.name)
-            continue
-        key = m.name
-        reps = by_model.get(key)
-        if reps is None:
-            by_model[key] = [r]
-            live[key] = 0
+        got = names.get(m.name)
+        if got is None:
+            names[m.name] = [name]
         else:
-            reps.append(r)
-        if is_live:
-            live[key] += 1
-    return by_model, live, _Live(named), timed_out, failed
-
-
-class _Live:
-    """Per model name as replicas give it, how many are live: `View.live_count` for
-    every model at once, counted in the pass's one walk over the replicas."""
-
-    __slots__ = ("counts",)
-
-    def __init__(self, counts: dict[str, int]) -> None:
-        self.counts = counts
-
-    def live_count(self, model: str) -> int:
-        return self.counts.get(model, 0)
-
-
-def _held(view: View, model: str, now: datetime, named: _Live) -> bool:
-    """`view.active_hold(model, now) is not None`, by `View.hold_end` with the live count
-    read from the pass's walk rather than walked again."""
-    h = view.state.holds.get(model)
-    return h is not None and view.hold_end(h.for_model, h.until, now, named.live_count) is None
-
-
-def _rep(r: ReplicaRecord) -> _Rep:
-    """What a pass reads of a replica of a model it places or scales down."""
-    return _Rep(
-        r.id,
-        r.placed_by,
-        r.nodes,
-        r.live,
-        r.state,
-        r.created_at,
-        r.last_used_at,
-        r.drain_reason,
-        r.ready_at,
-    )
+            got.append(name)
+    for r in view.pending_placed():
+        m = resolve(r.model)
+        if m is not None and (now - r.created_at).total_seconds() >= config.start_timeout_s:
+            drains.append((view.ordinal(r.id), r, "placement_timeout"))
+            timed_out.add(m.name)
+    if drains:
+        drains.sort(key=operator.itemgetter(0))
+        for _, r, why in drains:
+            _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, why, config)
+    return names, timed_out
 
 
 # ------------------------------------------------------------------ failed starts
@@ -395,7 +335,7 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
 
 def _backoffs(
     failed: Mapping[str, list[tuple[datetime, datetime]]],
-    reps: Iterable[_Rep],
+    reps: Iterable[ReplicaRecord],
     now: datetime,
     config: Config,
 ) -> dict[str, Backoff]:
@@ -443,7 +383,6 @@ class _Pass:
         "failures",
         "inv",
         "mk",
-        "named",
         "now",
         "out",
         "token",
@@ -471,18 +410,19 @@ class _Pass:
         self.failures = failures
         self.token = token
         self.inv: inventory.Inventory | None = None
-        self.named = _Live({})
         self.usage: dict[str, quota.Amount] | None = None
 
-    def reconcile(self, m: catalog.Model, recs: list[ReplicaRecord], n_live: int) -> None:
-        """Drain what is above desired, or place what is missing, for one model (its
-        replicas `recs`, `n_live` of them live)."""
+    def reconcile(self, m: catalog.Model, names: Iterable[str]) -> None:
+        """Drain what is above desired, or place what is missing, for one model (whose
+        current replicas give `names`)."""
         out, view = self.out, self.view
         desired = view.desired_for(m.name)
-        if n_live == desired:
+        if sum(view.live_count(n) for n in names) == desired:
             out.satisfied.append(m.name)
             return
-        reps = [_rep(r) for r in recs]
+        # The records are read, not copied: a pass folds nothing, so they stay as they
+        # are until it ends.
+        reps = [r for n in names for r in view.current_of(n)]
         live = [r for r in reps if r.live]
         if len(live) > desired:
             for v in _scale_down_order(live)[: len(live) - desired]:
@@ -491,7 +431,7 @@ class _Pass:
         if len(live) == desired:
             out.satisfied.append(m.name)
             return
-        if _held(view, m.name, self.now, self.named) or view.awaiting(m.name):
+        if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
             return
         if self.inv is None:
             self.inv = view.inventory.clone()
@@ -521,20 +461,7 @@ class _Pass:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Rep:
-    id: str
-    placed_by: str | None
-    nodes: tuple[str, ...]
-    live: bool
-    state: str
-    created_at: datetime
-    last_used_at: datetime | None
-    drain_reason: str | None
-    ready_at: datetime | None = None
-
-
-def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
+def _scale_down_order(live: list[ReplicaRecord]) -> list[ReplicaRecord]:
     """Which live replicas to drain first when a model has too many.
 
     Not yet ready before ready (the least invested); then the least recently used, where
@@ -543,7 +470,7 @@ def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
     """
     far = datetime.max.replace(tzinfo=live[0].created_at.tzinfo) if live else None
 
-    def key(r: _Rep) -> tuple[bool, datetime, float, str]:
+    def key(r: ReplicaRecord) -> tuple[bool, datetime, float, str]:
         used = r.last_used_at if r.last_used_at is not None else far
         assert used is not None
         return (r.state == "ready", used, -r.created_at.timestamp(), r.id)
@@ -552,7 +479,7 @@ def _scale_down_order(live: list[_Rep]) -> list[_Rep]:
 
 
 def _avoided(
-    reps: list[_Rep],
+    reps: list[ReplicaRecord],
     now: datetime,
     config: Config,
     failed: Mapping[str, object] | None = None,
