@@ -3,7 +3,9 @@
 Called by `services.scheduler.service.Scheduler` on every relevant event and on a tick,
 and by the benchmark on its own. Plain functions over a `View`, the time `now`, and what
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
-changes the view: placements within a pass are tried on a clone of the inventory.
+changes the view: placements within a pass are tried on a clone of the inventory. What
+the module keeps between calls (placements that found nothing, by inventory version; the
+print of the cluster; failure digests) saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
 off the node it failed on for a delay that doubles with each retry that failed again, up
@@ -556,7 +558,7 @@ def _place_missing(
                 config,
             )
             return
-        found = placement.place(pick, allowed, avoid)
+        found = _place(pick, allowed, avoid)
         if isinstance(found, placement.NoFit):
             why = dict(found.reasons)
             for p in m.profiles:
@@ -609,6 +611,30 @@ def _place_missing(
     out.satisfied.append(m.name)
 
 
+# _MISSES: placements that found nothing, by the inventory's version, the profiles and
+# the avoided nodes. Models of one profile fail one after another on an inventory that
+# did not change in between, and passes with nothing placed between them see the same
+# inventory again: what did not fit then does not fit now, for the very same reasons.
+_MISSES: dict[tuple[int, tuple[catalog.Profile, ...], tuple[str, ...]], placement.NoFit] = {}
+_MISSES_MAX = 4096
+
+
+def _place(
+    inv: inventory.Inventory, profiles: list[catalog.Profile], avoid: tuple[str, ...]
+) -> placement.Placement | placement.NoFit:
+    """`placement.place`, remembering what found nothing for as long as it holds."""
+    key = (inv.version, tuple(profiles), avoid)
+    miss = _MISSES.get(key)
+    if miss is not None:
+        return miss
+    found = placement.place(inv, profiles, avoid)
+    if isinstance(found, placement.NoFit):
+        if len(_MISSES) >= _MISSES_MAX:
+            _MISSES.clear()
+        _MISSES[key] = found
+    return found
+
+
 def _reason(
     m: catalog.Model,
     p: catalog.Profile,
@@ -654,11 +680,15 @@ def _fail(
     if last is not None and (now - last.at).total_seconds() < config.failed_quiet_s:
         return  # said too lately: what it was decided on is not even looked at
     names = tuple(p.name for p in profiles)
-    digest = hashlib.blake2b(
-        _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
-        + cluster_print(),
-        digest_size=16,
-    ).hexdigest()
+    key = (
+        _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())]),
+        cluster_print(),
+    )
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.clear()
+        digest = _DIGESTS[key] = hashlib.blake2b(key[0] + key[1], digest_size=16).hexdigest()
     repeats = 0
     if last is not None:
         since = (now - last.at).total_seconds()
@@ -702,6 +732,12 @@ def failed_period_s(repeats: int, config: Config) -> float:
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
+# _DIGESTS: each failure's digest by what it hashes (what it was decided on, the print of
+# the cluster). A model that still does not fit is decided on the same again, pass after
+# pass, and hashing the print of a large cluster costs more than finding it here.
+_DIGESTS: dict[tuple[bytes, bytes], str] = {}
+_DIGESTS_MAX = 4096
+
 
 # _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage
 # itself kept so that the id stays its own. A usage is replaced, never changed, so its
@@ -710,19 +746,18 @@ _ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]
 _ROWS_MAX = 65536
 
 
-# _LAST_PRINT: the usages last printed and their print. Failing models of one pass, and
-# passes with nothing placed in between, print the very same usages.
-_LAST_PRINT: list[Any] = [(), b""]
+# _LAST_PRINT: the inventory version last printed and its print. Failing models of one
+# pass, and passes with nothing placed in between, print the very same inventory.
+_LAST_PRINT: list[Any] = [-1, b""]
 
 
 def _inventory_print(inv: inventory.Inventory) -> bytes:
     """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
-    usages = tuple(inv.usages())
     last = _LAST_PRINT
-    if len(usages) == len(last[0]) and all(map(operator.is_, usages, last[0])):
+    if inv.version == last[0]:
         return bytes(last[1])
-    printed = _print_rows(usages)
-    last[0], last[1] = usages, printed
+    printed = _print_rows(tuple(inv.usages()))
+    last[0], last[1] = inv.version, printed
     return printed
 
 
