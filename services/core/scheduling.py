@@ -216,14 +216,22 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    names, timed_out = _names_by_model(out, mk, view, now, config)
+    names, live, timed_out = _names_by_model(out, mk, view, now, config)
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(now - timedelta(seconds=_horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
-    for m in _by_rank(view):
-        if m.name not in timed_out:
-            pass_.reconcile(m, names.get(m.name, ()))
+    satisfied = out.satisfied
+    for m in view.catalog.by_rank():
+        name = m.name
+        if name in timed_out:
+            continue
+        desired = view.desired_of(m)
+        n_live = live.get(name, 0)
+        if n_live == desired:
+            satisfied.append(name)
+        else:
+            pass_.reconcile(m, names.get(name, ()), n_live, desired)
     return out
 
 
@@ -243,15 +251,17 @@ def _lost_nodes(
 
 def _names_by_model(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[str]], set[str]]:
-    """Per declared model, the names its current replicas give (its own, its aliases);
-    and the models one of whose placements just timed out, drained here and left for the
-    next pass. Replicas of models no longer in the catalog are drained.
+) -> tuple[dict[str, list[str]], dict[str, int], set[str]]:
+    """Per declared model, the names its current replicas give (its own, its aliases)
+    and how many of them are live; and the models one of whose placements just timed
+    out, drained here and left for the next pass. Replicas of models no longer in the
+    catalog are drained.
 
     The view indexes the current replicas and their live counts by the name they give,
     and the pending placements apart, so a pass reads per name rather than walking
     every replica: a model with all it wants costs its live count alone."""
     names: dict[str, list[str]] = {}
+    live: dict[str, int] = {}
     timed_out: set[str] = set()
     # drains: (creation order, replica, reason), emitted in the order the replicas were
     # created, as a walk over them would.
@@ -267,8 +277,10 @@ def _names_by_model(
         got = names.get(m.name)
         if got is None:
             names[m.name] = [name]
+            live[m.name] = view.live_count(name)
         else:
             got.append(name)
+            live[m.name] += view.live_count(name)
     for r in view.pending_placed():
         m = resolve(r.model)
         if m is not None and (now - r.created_at).total_seconds() >= config.start_timeout_s:
@@ -278,7 +290,7 @@ def _names_by_model(
         drains.sort(key=operator.itemgetter(0))
         for _, r, why in drains:
             _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, why, config)
-    return names, timed_out
+    return names, live, timed_out
 
 
 # ------------------------------------------------------------------ failed starts
@@ -368,13 +380,6 @@ def _backoffs(
     return out
 
 
-def _by_rank(view: View) -> list[catalog.Model]:
-    """The declared models, the highest class first, then by name: a higher class is
-    placed before a lower one takes the room."""
-    models = [m for n in view.state.models if (m := view.catalog.resolve(n)) is not None]
-    return sorted(models, key=lambda m: (-catalog.class_rank(m.cls), m.name))
-
-
 class _Pass:
     """What one pass shares across models: the outputs, the inventory placements are tried
     on and the owners' usage, both made only when a model needs placing."""
@@ -414,24 +419,17 @@ class _Pass:
         self.inv: inventory.Inventory | None = None
         self.usage: dict[str, quota.Amount] | None = None
 
-    def reconcile(self, m: catalog.Model, names: Iterable[str]) -> None:
-        """Drain what is above desired, or place what is missing, for one model (whose
-        current replicas give `names`)."""
+    def reconcile(self, m: catalog.Model, names: Iterable[str], n_live: int, desired: int) -> None:
+        """Drain what is above desired, or place what is missing, for one model whose
+        current replicas give `names`, `n_live` of them live, not `desired`."""
         out, view = self.out, self.view
-        desired = view.desired_for(m.name)
-        if sum(view.live_count(n) for n in names) == desired:
-            out.satisfied.append(m.name)
-            return
         # The records are read, not copied: a pass folds nothing, so they stay as they
         # are until it ends.
         reps = [r for n in names for r in view.current_of(n)]
-        live = [r for r in reps if r.live]
-        if len(live) > desired:
-            for v in _scale_down_order(live)[: len(live) - desired]:
+        if n_live > desired:
+            live = [r for r in reps if r.live]
+            for v in _scale_down_order(live)[: n_live - desired]:
                 _drain(out, self.mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", self.config)
-            return
-        if len(live) == desired:
-            out.satisfied.append(m.name)
             return
         if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
             return
@@ -450,7 +448,7 @@ class _Pass:
             m,
             self.inv,
             self.usage,
-            len(live),
+            n_live,
             desired,
             _avoided(reps, self.now, self.config, self.failed_starts.get(m.name)),
             _backoffs(self.failed_starts[m.name], reps, self.now, self.config)
@@ -680,15 +678,14 @@ def _fail(
     if last is not None and (now - last.at).total_seconds() < config.failed_quiet_s:
         return  # said too lately: what it was decided on is not even looked at
     names = tuple(p.name for p in profiles)
-    key = (
-        _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())]),
-        cluster_print(),
-    )
-    digest = _DIGESTS.get(key)
+    decided = _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
+    printed = cluster_print()
+    memo = _DIGESTS
+    if printed is not memo[0] and printed != memo[0]:
+        memo[0], memo[1] = printed, {}
+    digest = memo[1].get(decided)
     if digest is None:
-        if len(_DIGESTS) >= _DIGESTS_MAX:
-            _DIGESTS.clear()
-        digest = _DIGESTS[key] = hashlib.blake2b(key[0] + key[1], digest_size=16).hexdigest()
+        digest = memo[1][decided] = hashlib.blake2b(decided + printed, digest_size=16).hexdigest()
     repeats = 0
     if last is not None:
         since = (now - last.at).total_seconds()
@@ -732,11 +729,11 @@ def failed_period_s(repeats: int, config: Config) -> float:
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
-# _DIGESTS: each failure's digest by what it hashes (what it was decided on, the print of
-# the cluster). A model that still does not fit is decided on the same again, pass after
-# pass, and hashing the print of a large cluster costs more than finding it here.
-_DIGESTS: dict[tuple[bytes, bytes], str] = {}
-_DIGESTS_MAX = 4096
+# _DIGESTS: the print of the cluster last hashed, and each failure's digest with it by
+# what the failure was decided on. A model that still does not fit is decided on the
+# same again, pass after pass, and hashing the print of a large cluster costs more than
+# finding it here.
+_DIGESTS: list[Any] = [b"", {}]
 
 
 # _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage

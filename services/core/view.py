@@ -431,8 +431,10 @@ class View:
     def desired_for(self, model: str) -> int:
         """scale.desired clamped to [min, max], else min; 0 for an unknown model."""
         m = self.catalog.resolve(model)
-        if m is None:
-            return 0
+        return 0 if m is None else self.desired_of(m)
+
+    def desired_of(self, m: catalog.Model) -> int:
+        """`desired_for` a model already resolved."""
         asked = self.state.desired.get(m.name)
         if asked is None:
             return m.min

@@ -101,21 +101,27 @@ def test_a_remembered_miss_is_what_placement_finds() -> None:
 
 def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
     """A failure's digest is the hash of what it was decided on and the cluster's print,
-    whether hashed now or found from an earlier pass."""
-    inv = Inventory([_node(f"n{i}", n=2) for i in range(3)])
-    big = PROFILES[3]
-    m = Model(name="m", profiles=(big,))
+    whether hashed now or found from an earlier pass, as the cluster changes under it."""
+    rng = random.Random(3)
+    inv = Inventory([_node(f"n{i}") for i in range(6)])
+    big = Profile(name="big", gpus=16)
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    found = placement.place(inv, [big], ())
-    assert isinstance(found, placement.NoFit)
-    why = dict(found.reasons)
-    plain = hashlib.blake2b(
-        scheduling._encoder.encode(["no_fit", "m", ("big",), (), 0, 1, sorted(why.items())])
-        + scheduling._inventory_print(inv),
-        digest_size=16,
-    ).hexdigest()
-    scheduling._DIGESTS.clear()
-    for _ in range(2):
+    n = 0
+    for _ in range(300):
+        if rng.random() < 0.3:
+            n = _change(rng, inv, n)
+        found = placement.place(inv, [big], ())
+        assert isinstance(found, placement.NoFit)
+        why = dict(found.reasons)
+        m = Model(name=rng.choice(("m", "w")), profiles=(big,))
+        live = rng.randint(0, 1)
+        plain = hashlib.blake2b(
+            scheduling._encoder.encode(
+                ["no_fit", m.name, ("big",), (), live, 2, sorted(why.items())]
+            )
+            + scheduling._inventory_print(inv),
+            digest_size=16,
+        ).hexdigest()
         out = scheduling.Plan()
         scheduling._fail(
             out,
@@ -124,8 +130,8 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
             "no_fit",
             [big],
             why,
-            0,
-            1,
+            live,
+            2,
             (),
             lambda: scheduling._inventory_print(inv),
             "t",
