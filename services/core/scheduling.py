@@ -23,7 +23,7 @@ import hashlib
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -439,8 +439,7 @@ class _Pass:
             # Usage is read only against a limit (within_limit, and the print of a
             # quota_limit failure): with no limit anywhere, summing it is not needed.
             tree = view.quota
-            limited = any(q.limit is not None for q in tree.quotas())
-            self.usage = tree.usage(view.holdings()) if limited else {}
+            self.usage = tree.usage(view.holdings()) if tree.limited else {}
         _place_missing(
             out,
             self.mk,
@@ -516,7 +515,8 @@ def _place_missing(
     failures: Mapping[str, Failure],
     config: Config,
 ) -> None:
-    chain = [q.name for q in view.quota.governing(m.owner)]
+    tree = view.quota
+    chain = [q.name for q in tree.governing(m.owner)]
     # pick: what placement may choose from. Nodes the model backs off from are cordoned
     # there for it alone (a hard rule, unlike `avoid`); allocations go to both.
     pick = inv
@@ -533,7 +533,11 @@ def _place_missing(
         # again. The rest are placed by the next pass, which follows at once.
         if out.placed >= config.max_placements_per_pass:
             return
-        allowed = [p for p in m.profiles if view.quota.within_limit(m.owner, usage, p.need())]
+        allowed = (
+            [p for p in m.profiles if tree.within_limit(m.owner, usage, p.need())]
+            if tree.limited
+            else m.profiles
+        )
         if not allowed:
             why = {
                 p.name: f"owner {m.owner} would pass its limit with {_gpus(p.need().gpus)} more"
@@ -559,9 +563,10 @@ def _place_missing(
         found = _place(pick, allowed, avoid)
         if isinstance(found, placement.NoFit):
             why = dict(found.reasons)
-            for p in m.profiles:
-                if p not in allowed:
-                    why[p.name] = f"owner {m.owner} would pass its limit"
+            if allowed is not m.profiles:
+                for p in m.profiles:
+                    if p not in allowed:
+                        why[p.name] = f"owner {m.owner} would pass its limit"
             if blocked:
                 notes = "; ".join(blocked[n].note() for n in sorted(blocked))
                 why = {k: f"{v} ({notes})" for k, v in why.items()}
@@ -618,7 +623,7 @@ _MISSES_MAX = 4096
 
 
 def _place(
-    inv: inventory.Inventory, profiles: list[catalog.Profile], avoid: tuple[str, ...]
+    inv: inventory.Inventory, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
 ) -> placement.Placement | placement.NoFit:
     """`placement.place`, remembering what found nothing for as long as it holds."""
     key = (inv.version, tuple(profiles), avoid)
