@@ -216,22 +216,26 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    names, live, timed_out = _names_by_model(out, mk, view, now, config)
+    others, timed_out = _other_names(out, mk, view, now, config)
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(now - timedelta(seconds=_horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
     satisfied = out.satisfied
+    live_count = view.live_count
     for m in view.catalog.by_rank():
         name = m.name
         if name in timed_out:
             continue
         desired = view.desired_of(m)
-        n_live = live.get(name, 0)
+        n_live = live_count(name)
+        aliases = others.get(name) if others else None
+        if aliases:
+            n_live += sum(live_count(a) for a in aliases)
         if n_live == desired:
             satisfied.append(name)
         else:
-            pass_.reconcile(m, names.get(name, ()), n_live, desired)
+            pass_.reconcile(m, [name, *aliases] if aliases else (name,), n_live, desired)
     return out
 
 
@@ -249,40 +253,34 @@ def _lost_nodes(
         out.lost += 1
 
 
-def _names_by_model(
+def _other_names(
     out: Plan, mk: _Maker, view: View, now: datetime, config: Config
-) -> tuple[dict[str, list[str]], dict[str, int], set[str]]:
-    """Per declared model, the names its current replicas give (its own, its aliases)
-    and how many of them are live; and the models one of whose placements just timed
-    out, drained here and left for the next pass. Replicas of models no longer in the
-    catalog are drained.
+) -> tuple[dict[str, list[str]], set[str]]:
+    """Per declared model, the names other than its own that its current replicas give
+    (its aliases); and the models one of whose placements just timed out, drained here
+    and left for the next pass. Replicas of models no longer in the catalog are drained.
 
     The view indexes the current replicas and their live counts by the name they give,
     and the pending placements apart, so a pass reads per name rather than walking
     every replica: a model with all it wants costs its live count alone."""
-    names: dict[str, list[str]] = {}
-    live: dict[str, int] = {}
+    others: dict[str, list[str]] = {}
     timed_out: set[str] = set()
     # drains: (creation order, replica, reason), emitted in the order the replicas were
     # created, as a walk over them would.
     drains: list[tuple[int, ReplicaRecord, ev.DrainReason]] = []
-    resolve = view.catalog.resolve
-    for name in view.current_models():
-        m = resolve(name)
+    cat = view.catalog
+    # A declared model's name resolves to that model (a name wins over an alias): only
+    # the other names need resolving.
+    for name in [n for n in view.current_models() if n not in cat]:
+        m = cat.resolve(name)
         if m is None:
             for r in view.current_of(name):
                 if r.holds_capacity and r.drained_by is None and r.state != "draining":
                     drains.append((view.ordinal(r.id), r, "model_removed"))
-            continue
-        got = names.get(m.name)
-        if got is None:
-            names[m.name] = [name]
-            live[m.name] = view.live_count(name)
         else:
-            got.append(name)
-            live[m.name] += view.live_count(name)
+            others.setdefault(m.name, []).append(name)
     for r in view.pending_placed():
-        m = resolve(r.model)
+        m = cat.resolve(r.model)
         if m is not None and (now - r.created_at).total_seconds() >= config.start_timeout_s:
             drains.append((view.ordinal(r.id), r, "placement_timeout"))
             timed_out.add(m.name)
@@ -290,7 +288,7 @@ def _names_by_model(
         drains.sort(key=operator.itemgetter(0))
         for _, r, why in drains:
             _drain(out, mk, r.id, r.model, r.placed_by, r.nodes, why, config)
-    return names, live, timed_out
+    return others, timed_out
 
 
 # ------------------------------------------------------------------ failed starts
@@ -516,7 +514,6 @@ def _place_missing(
     config: Config,
 ) -> None:
     tree = view.quota
-    chain = [q.name for q in tree.governing(m.owner)]
     # pick: what placement may choose from. Nodes the model backs off from are cordoned
     # there for it alone (a hard rule, unlike `avoid`); allocations go to both.
     pick = inv
@@ -553,7 +550,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                lambda: _usage_print(usage, chain),
+                lambda: _usage_print(usage, _chain(tree, m)),
                 token,
                 now,
                 failures,
@@ -598,7 +595,7 @@ def _place_missing(
         if pick is not inv:
             pick.allocate(alloc)
         need = p.need()
-        for q in chain:
+        for q in _chain(tree, m):
             usage[q] = usage.get(q, quota.ZERO).plus(need)
         shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
         reason = _reason(m, p, found.shards, inv, avoided)
@@ -636,6 +633,11 @@ def _place(
             _MISSES.clear()
         _MISSES[key] = found
     return found
+
+
+def _chain(tree: quota.QuotaTree, m: catalog.Model) -> list[str]:
+    """The quotas whose usage a replica of the model counts towards, nearest first."""
+    return [q.name for q in tree.governing(m.owner)]
 
 
 def _reason(
@@ -680,9 +682,10 @@ def _fail(
     at most once per quiet period; unchanged, again after a period that doubles each
     time up to its cap. Never once per pass."""
     last = failures.get(m.name)
-    if last is not None and (now - last.at).total_seconds() < config.failed_quiet_s:
+    since = 0.0 if last is None else (now - last.at).total_seconds()
+    if last is not None and since < config.failed_quiet_s:
         return  # said too lately: what it was decided on is not even looked at
-    names = tuple(p.name for p in profiles)
+    names = tuple([p.name for p in profiles])
     decided = _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
     printed = cluster_print()
     memo = _DIGESTS
@@ -692,12 +695,10 @@ def _fail(
     if digest is None:
         digest = memo[1][decided] = hashlib.blake2b(decided + printed, digest_size=16).hexdigest()
     repeats = 0
-    if last is not None:
-        since = (now - last.at).total_seconds()
-        if last.digest == digest:
-            if since < failed_period_s(last.repeats, config):
-                return
-            repeats = last.repeats + 1
+    if last is not None and last.digest == digest:
+        if since < failed_period_s(last.repeats, config):
+            return
+        repeats = last.repeats + 1
     data = ev.PlacementFailed(
         model=m.name,
         profiles=names,

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from schemas import codec, subjects
 from schemas import events as ev
+from services.core import scheduling
+from services.core.catalog import class_rank
 from services.core.ingest import Ingest
 from services.core.view import View, decode_state, digest, encode_state
 
@@ -395,3 +397,89 @@ def test_the_replica_indexes_hold_through_busy_replica_lives(
     restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=busy_records(), data=st.data(), later=st.integers(0, 300))
+def test_a_pass_on_the_indexes_decides_what_a_walk_over_every_replica_would(
+    log: list[tuple[str, bytes]], data: st.DataObject, later: int
+) -> None:
+    """The scheduler's pass reads the indexes: it drains the replicas of removed models
+    and the placements past their start timeout in the order of `replicas`, and counts a
+    model satisfied, as a walk over every replica says; live and from a snapshot (whose
+    `replicas` come back in id order, so its drains may come in another order, but the
+    same ones)."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    assert whole.state.time is not None
+    now = whole.state.time + timedelta(seconds=later)
+    config = scheduling.Config()
+    plans = [scheduling.plan(v, now, config) for v in (whole, restored)]
+    assert sorted(codec.encode(o.event) for o in plans[0].outputs) == sorted(
+        codec.encode(o.event) for o in plans[1].outputs
+    )
+    assert plans[0].satisfied == plans[1].satisfied
+    for view, plan in zip((whole, restored), plans, strict=True):
+        _check_pass(view, plan, now, config)
+
+
+def _check_pass(
+    view: View, plan: scheduling.Plan, now: datetime, config: scheduling.Config
+) -> None:
+    resolve = view.catalog.resolve
+    drains: list[tuple[str, str]] = []
+    timed_out: set[str] = set()
+    for r in view.replicas.values():
+        m = resolve(r.model)
+        if not r.shards:
+            continue  # a drain goes to a node; this replica has none to go to
+        if m is None:
+            if r.holds_capacity and r.drained_by is None and r.state != "draining":
+                drains.append((r.id, "model_removed"))
+        elif (
+            r.state == "pending"
+            and r.placed_by is not None
+            and r.drained_by is None
+            and (now - r.created_at).total_seconds() >= config.start_timeout_s
+        ):
+            drains.append((r.id, "placement_timeout"))
+            timed_out.add(m.name)
+    got = [(o.event.data.replica, o.event.data.reason) for o in plan.outputs[: len(drains)]]
+    assert got == drains
+    assert not any(
+        isinstance(o.event, ev.ReplicaDrainEvent)
+        and o.event.data.reason in ("model_removed", "placement_timeout")
+        for o in plan.outputs[len(drains) :]
+    )
+    ranked = sorted(view.catalog.models(), key=lambda m: (-class_rank(m.cls), m.name))
+    for m in ranked:
+        reps = [r for r in view.replicas.values() if r.live and resolve(r.model) is m]
+        live = len(reps)
+        desired = view.desired_for(m.name)
+        placed = sum(
+            1
+            for o in plan.outputs
+            if isinstance(o.event, ev.PlacementDecidedEvent) and o.event.data.model == m.name
+        )
+        stopped = sum(
+            1
+            for o in plan.outputs
+            if isinstance(o.event, ev.ReplicaDrainEvent)
+            and o.event.data.reason == "scale_down"
+            and o.event.data.model == m.name
+        )
+        if m.name in timed_out:
+            assert m.name not in plan.satisfied
+            assert placed == stopped == 0
+            continue
+        assert placed <= max(desired - live, 0)
+        assert stopped <= max(live - desired, 0)
+        if all(r.shards for r in reps):  # a replica with no shard gets no drain
+            assert stopped == max(live - desired, 0)
+        if live == desired:
+            assert m.name in plan.satisfied
+    order = [m.name for m in ranked]
+    assert plan.satisfied == sorted(plan.satisfied, key=order.index)
