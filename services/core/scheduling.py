@@ -271,7 +271,7 @@ def _other_names(
     cat = view.catalog
     # A declared model's name resolves to that model (a name wins over an alias): only
     # the other names need resolving.
-    for name in [n for n in view.current_models() if n not in cat]:
+    for name in sorted(view.current_models() - view.state.models.keys()):
         m = cat.resolve(name)
         if m is None:
             for r in view.current_of(name):

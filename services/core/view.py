@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime
 
 import msgspec
@@ -383,7 +383,7 @@ class View:
         of = self._of_model.get(model)
         return () if of is None else of.values()
 
-    def current_models(self) -> Iterable[str]:
+    def current_models(self) -> KeysView[str]:
         """The model names, as replicas give them, that some current replica gives."""
         return self._of_model.keys()
 
