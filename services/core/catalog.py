@@ -107,12 +107,14 @@ class Catalog(Mapping[str, Model]):
     another order) resolves every alias as the view folded from the start does.
     """
 
-    __slots__ = ("_aliases", "_models")
+    __slots__ = ("_aliases", "_models", "_ranked")
 
     def __init__(self, models: Mapping[str, Model] | None = None) -> None:
         self._models: dict[str, Model] = {}
         # Invariant: _aliases[a] is the set of declared models claiming alias a, never empty.
         self._aliases: dict[str, set[str]] = {}
+        # _ranked: `by_rank()` until a model is declared or removed.
+        self._ranked: tuple[Model, ...] | None = None
         for m in (models or {}).values():
             self.put(m)
 
@@ -122,6 +124,7 @@ class Catalog(Mapping[str, Model]):
         if old is not None:
             self._drop_aliases(old)
         self._models[model.name] = model
+        self._ranked = None
         for alias in model.aliases:
             if alias != model.name:
                 self._aliases.setdefault(alias, set()).add(model.name)
@@ -131,6 +134,7 @@ class Catalog(Mapping[str, Model]):
         old = self._models.pop(name, None)
         if old is not None:
             self._drop_aliases(old)
+            self._ranked = None
         return old
 
     def resolve(self, name_or_alias: str) -> Model | None:
@@ -147,10 +151,21 @@ class Catalog(Mapping[str, Model]):
         out = Catalog()
         out._models = dict(self._models)
         out._aliases = {a: set(names) for a, names in self._aliases.items()}
+        out._ranked = self._ranked
         return out
 
     def models(self) -> tuple[Model, ...]:
         return tuple(self._models.values())
+
+    def by_rank(self) -> tuple[Model, ...]:
+        """The declared models, the highest class first, then by name: the order the
+        scheduler places them in, so a higher class is placed before a lower one takes
+        the room. Sorted again only after a model is declared or removed."""
+        if self._ranked is None:
+            self._ranked = tuple(
+                sorted(self._models.values(), key=lambda m: (-class_rank(m.cls), m.name))
+            )
+        return self._ranked
 
     def __getitem__(self, name: str) -> Model:
         return self._models[name]

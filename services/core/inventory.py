@@ -8,6 +8,7 @@ No I/O, no clock.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -166,11 +167,19 @@ def _whole(x: float) -> bool:
     return x % 1 == 0 and -_EXACT < x < _EXACT
 
 
+# _VERSIONS numbers the states of every inventory in the process (see `Inventory.version`).
+_VERSIONS = itertools.count()
+
+
 class Inventory:
     """Nodes by name and allocations by replica id.
 
     Mutable, with a cheap `clone()`: each node's `NodeUsage` is replaced on write, never
     changed in place, so a clone shares every node it has not touched.
+
+    `version` names what the nodes hold: it changes on every write to a node, and no two
+    inventories that differ share one, so a result worked out from `usages()` (a
+    placement that found nothing) holds for as long as the version stays.
 
     Invariant: a GPU is held by at most one replica, and every allocation's shards name
     known nodes and GPU indices that node reported when the allocation was made.
@@ -178,21 +187,24 @@ class Inventory:
     hold there stays held until released.
     """
 
-    __slots__ = ("_allocations", "_nodes", "_order")
+    __slots__ = ("_allocations", "_nodes", "_order", "version")
 
     def __init__(self, nodes: Iterable[Node] = ()) -> None:
         self._nodes: dict[str, NodeUsage] = {}
         self._allocations: dict[str, Allocation] = {}
         self._order: tuple[str, ...] | None = None
+        self.version = next(_VERSIONS)
         for n in nodes:
             self.set_node(n)
 
     def clone(self) -> Inventory:
-        """A copy whose changes never touch this one, nor this one's touch it."""
+        """A copy whose changes never touch this one, nor this one's touch it. It has
+        this one's version until either changes."""
         out = Inventory.__new__(Inventory)
         out._nodes = self._nodes.copy()
         out._allocations = self._allocations.copy()
         out._order = self._order
+        out.version = self.version
         return out
 
     # Nodes.
@@ -208,10 +220,12 @@ class Inventory:
         if current is None:
             self._nodes[node.name] = NodeUsage(node, {})
             self._order = None
+            self.version = next(_VERSIONS)
             return
         if current.node.cordoned and not node.cordoned:
             node = msgspec.structs.replace(node, cordoned=True)
         self._nodes[node.name] = current.with_node(node)
+        self.version = next(_VERSIONS)
 
     def remove_node(self, name: str) -> tuple[str, ...]:
         """Forget a node and release every replica with a shard on it; returns their ids."""
@@ -223,6 +237,7 @@ class Inventory:
             self.release_replica(replica)
         del self._nodes[name]
         self._order = None
+        self.version = next(_VERSIONS)
         return gone
 
     def set_lost(self, name: str, lost: bool) -> bool:
@@ -238,6 +253,7 @@ class Inventory:
         if usage is None:
             return False
         self._nodes[name] = usage.with_node(msgspec.structs.replace(usage.node, **flags))
+        self.version = next(_VERSIONS)
         return True
 
     def nodes(self) -> tuple[Node, ...]:
@@ -360,6 +376,7 @@ class Inventory:
             self._nodes[shard.node] = usage.with_replica(
                 allocation.replica, (shard.gpus, entry_cpu, entry_mem)
             )
+        self.version = next(_VERSIONS)
         self._allocations[allocation.replica] = allocation
 
     def release_replica(self, replica_id: str) -> bool:
@@ -374,6 +391,7 @@ class Inventory:
             held = dict(usage.held)
             del held[replica_id]
             self._nodes[shard.node] = usage.with_held(held)
+            self.version = next(_VERSIONS)
         return True
 
     def allocation(self, replica_id: str) -> Allocation | None:

@@ -110,16 +110,16 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
     for usage in inventory.usages():
         if not usage.schedulable:
             continue
-        name = usage.node.name
-        if name in avoid:
+        if avoid and usage.node.name in avoid:
             continue
         schedulable += 1
         free = usage.free
         n_free = len(free)
         # A node with fewer free GPUs than the best seen so far can neither fit nor
-        # change the reason, so it costs one comparison.
+        # change the reason, so it costs one comparison (its name is not even read).
         if n_free < need and n_free <= best_had:
             continue
+        name = usage.node.name
         left = n_free - need
         if cut_left >= 0 and (left > cut_left or (left == cut_left and name > cut_name)):
             continue

@@ -102,7 +102,7 @@ class QuotaTree:
     seen twice and is listed in `errors`; a cycle must never hang the fold.
     """
 
-    __slots__ = ("_any_guarantee", "_chains", "_guaranteed", "_quotas", "errors")
+    __slots__ = ("_any_guarantee", "_chains", "_guaranteed", "_quotas", "errors", "limited")
 
     def __init__(self, quotas: Iterable[Quota] = ()) -> None:
         self._quotas: dict[str, Quota] = {}
@@ -121,6 +121,9 @@ class QuotaTree:
             for name, chain in self._chains.items()
         }
         self._any_guarantee = any(q.guarantee.any() for q in self._quotas.values())
+        # limited: whether any quota has a limit; without one, `within_limit` holds for
+        # every owner and need, and nobody need sum usage to ask it.
+        self.limited = any(q.limit is not None for q in self._quotas.values())
         self.errors: tuple[str, ...] = tuple(dict.fromkeys(problems))
 
     def _walk(self, name: str, problems: list[str]) -> tuple[Quota, ...]:

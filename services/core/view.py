@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime
 
 import msgspec
@@ -260,8 +260,12 @@ class View:
         "_current_top",
         "_failed",
         "_failed_at",
+        "_live",
+        "_live_ids",
         "_loads",
+        "_of_model",
         "_ordinal",
+        "_pending",
         "_unordered",
         "catalog",
         "inventory",
@@ -285,6 +289,10 @@ class View:
         self._current: dict[str, ReplicaRecord] = {}
         self._current_top = -1
         self._unordered = False
+        self._of_model: dict[str, dict[str, ReplicaRecord]] = {}
+        self._live: dict[str, int] = {}
+        self._live_ids: set[str] = set()
+        self._pending: dict[str, ReplicaRecord] = {}
         self._failed: list[tuple[datetime, int, str]] = []
         self._failed_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
@@ -300,24 +308,53 @@ class View:
         fold calls it after every change to a replica record; nothing else changes them.
 
         - current: the replicas that hold capacity, or were drained for
-          placement_timeout (a pass still reads those), in the order they were created;
+          placement_timeout (a pass still reads those), in the order they were created,
+          and the same per model name as the replica gives it;
+        - live: per model name as the replica gives it, how many are `live`;
+        - pending: the placed replicas still pending and not asked to stop, which a
+          pass checks against its start timeout;
         - failed: the failed ones by the time of their last report;
         - loads: per model, each replica's seconds from placement to its first ready,
           added when `ready` says this change was that first ready.
         """
         rid = r.id
+        name = r.model
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
-        if r.state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout":
+        state = r.state
+        if state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout":
             if rid not in self._current:
                 if n < self._current_top:
                     self._unordered = True
                 else:
                     self._current_top = n
                 self._current[rid] = r
+                of = self._of_model.get(name)
+                if of is None:
+                    self._of_model[name] = {rid: r}
+                else:
+                    of[rid] = r
+        elif self._current.pop(rid, None) is not None:
+            of = self._of_model[name]
+            del of[rid]
+            if not of:
+                del self._of_model[name]
+        if r.live:
+            if rid not in self._live_ids:
+                self._live_ids.add(rid)
+                self._live[name] = self._live.get(name, 0) + 1
+        elif rid in self._live_ids:
+            self._live_ids.remove(rid)
+            left = self._live[name] - 1
+            if left:
+                self._live[name] = left
+            else:
+                del self._live[name]
+        if state == "pending" and r.placed_by is not None and r.drained_by is None:
+            self._pending[rid] = r
         else:
-            self._current.pop(rid, None)
+            self._pending.pop(rid, None)
         old = self._failed_at.get(rid)
         key = (r.updated_at, n, rid) if r.state == "failed" else None
         if old != key:
@@ -339,6 +376,27 @@ class View:
             self._current = dict(sorted(self._current.items(), key=lambda kv: order[kv[0]]))
             self._unordered = False
         return self._current.values()
+
+    def current_of(self, model: str) -> Iterable[ReplicaRecord]:
+        """The current replicas (see `current`) whose model is `model` as they give it,
+        in no set order."""
+        of = self._of_model.get(model)
+        return () if of is None else of.values()
+
+    def current_models(self) -> KeysView[str]:
+        """The model names, as replicas give them, that some current replica gives."""
+        return self._of_model.keys()
+
+    def pending_placed(self) -> list[ReplicaRecord]:
+        """The placed replicas still pending and not asked to stop, in the order they
+        were created: the ones a pass may find past its start timeout."""
+        order = self._ordinal
+        return sorted(self._pending.values(), key=lambda r: order[r.id])
+
+    def ordinal(self, replica: str) -> int:
+        """Where a replica comes in the order replicas were created (the order of
+        `replicas`)."""
+        return self._ordinal[replica]
 
     def failed_since(self, since: datetime) -> list[ReplicaRecord]:
         """The failed replicas whose last report is at or after `since`, in the order
@@ -366,14 +424,17 @@ class View:
         return (r for r in self.state.replicas.values() if r.model == model)
 
     def live_count(self, model: str) -> int:
-        """How many replicas of a model hold capacity and are not on their way out."""
-        return sum(1 for r in self.current() if r.model == model and r.live)
+        """How many replicas of a model hold capacity and are not on their way out (by
+        the name the replicas give, not resolved)."""
+        return self._live.get(model, 0)
 
     def desired_for(self, model: str) -> int:
         """scale.desired clamped to [min, max], else min; 0 for an unknown model."""
         m = self.catalog.resolve(model)
-        if m is None:
-            return 0
+        return 0 if m is None else self.desired_of(m)
+
+    def desired_of(self, m: catalog.Model) -> int:
+        """`desired_for` a model already resolved."""
         asked = self.state.desired.get(m.name)
         if asked is None:
             return m.min
@@ -387,13 +448,7 @@ class View:
             return None
         return h
 
-    def hold_end(
-        self,
-        for_model: str,
-        until: datetime,
-        now: datetime,
-        live_count: Callable[[str], int] | None = None,
-    ) -> str | None:
+    def hold_end(self, for_model: str, until: datetime, now: datetime) -> str | None:
         """Why a hold given to `for_model` until `until` has ended at `now`; None while it
         is on. The one rule for when a hold ends, for the policy, the scheduler and the
         release of holds alike.
@@ -404,15 +459,11 @@ class View:
         instant. It ends early once the model it was given to has what it asked for, its
         live count at its desired count ("satisfied"): past that, keeping the room from
         the held model only leaves it idle.
-
-        `live_count` (default `View.live_count`) counts a model's live replicas: a pass
-        that has counted them all already passes its count.
         """
         if now > until:
             return "expired"
         to = self.catalog.resolve(for_model)
-        count = live_count if live_count is not None else self.live_count
-        if to is not None and count(to.name) >= self.desired_for(to.name):
+        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
             return "satisfied"
         return None
 

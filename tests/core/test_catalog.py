@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -152,3 +154,23 @@ def test_copy_is_independent() -> None:
     c.remove("a")
     assert snap.resolve("x") is not None
     assert c.resolve("x") is None
+
+
+def test_by_rank_is_the_declared_models_sorted_after_any_declarations_and_removals() -> None:
+    """The order kept between declarations is the one sorted afresh: highest class
+    first, then by name, for the catalog and its copies alike."""
+    rng = random.Random(1)
+    cat = Catalog()
+    copies = [cat]
+    for _ in range(500):
+        c = rng.choice(copies)
+        name = f"m{rng.randrange(8)}"
+        if rng.random() < 0.7:
+            c.put(Model(name=name, cls=rng.choice((*CLASSES, "unknown")), profiles=()))
+        else:
+            c.remove(name)
+        if rng.random() < 0.05:
+            copies.append(c.copy())
+        for k in copies:
+            want = sorted(k.models(), key=lambda m: (-class_rank(m.cls), m.name))
+            assert list(k.by_rank()) == want

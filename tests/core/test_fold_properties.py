@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import codec, subjects
 from schemas import events as ev
+from services.core import scheduling
+from services.core.catalog import class_rank
 from services.core.ingest import Ingest
 from services.core.view import View, decode_state, digest, encode_state
 
@@ -195,13 +198,35 @@ def test_fold_whole_equals_snapshot_plus_rest(
         assert tail.view.inventory.free_cpu(n) == whole.view.inventory.free_cpu(n)
 
 
-def _indexes(view: View) -> tuple[list[str], list[str], dict[str, list[float]]]:
-    """The view's replica indexes, loads sorted (their order is not kept)."""
+Indexes = tuple[
+    list[str],
+    list[str],
+    dict[str, list[float]],
+    dict[str, list[str]],
+    dict[str, int],
+    list[str],
+    list[str],
+]
+
+
+def _indexes(view: View) -> Indexes:
+    """The view's replica indexes, loads sorted (their order is not kept), the current
+    replicas per model sorted (nor is theirs), and every replica in `ordinal` order."""
     loads = {m: sorted(xs) for m, xs in view.load_times().items()}
-    return [r.id for r in view.current()], [r.id for r in view.failed_since(T0)], loads
+    of_model = {m: sorted(r.id for r in view.current_of(m)) for m in view.current_models()}
+    live = {m: view.live_count(m) for m in (*MODELS, "a0", "a1", "ghost")}
+    return (
+        [r.id for r in view.current()],
+        [r.id for r in view.failed_since(T0)],
+        loads,
+        of_model,
+        {m: n for m, n in live.items() if n},
+        [r.id for r in view.pending_placed()],
+        sorted(view.replicas, key=view.ordinal),
+    )
 
 
-def _walked(view: View) -> tuple[list[str], list[str], dict[str, list[float]]]:
+def _walked(view: View) -> Indexes:
     """The same, by walking every replica ever placed."""
     reps = view.replicas.values()
     current = [
@@ -209,10 +234,29 @@ def _walked(view: View) -> tuple[list[str], list[str], dict[str, list[float]]]:
     ]
     failed = [r.id for r in reps if r.state == "failed" and r.updated_at >= T0]
     loads: dict[str, list[float]] = {}
+    of_model: dict[str, list[str]] = {}
+    live: dict[str, int] = {}
     for r in reps:
         if r.ready_at is not None:
             loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
-    return current, failed, {m: sorted(xs) for m, xs in loads.items()}
+        if r.id in current:
+            of_model.setdefault(r.model, []).append(r.id)
+        if r.live:
+            live[r.model] = live.get(r.model, 0) + 1
+    pending = [
+        r.id
+        for r in reps
+        if r.state == "pending" and r.placed_by is not None and r.drained_by is None
+    ]
+    return (
+        current,
+        failed,
+        {m: sorted(xs) for m, xs in loads.items()},
+        {m: sorted(ids) for m, ids in of_model.items()},
+        live,
+        pending,
+        list(view.replicas),
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -221,8 +265,9 @@ def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
     log: list[tuple[str, bytes]], data: st.DataObject, since: datetime
 ) -> None:
     """The indexes a pass and the policy read instead of every replica ever placed (the
-    ones holding capacity or drained for placement_timeout, in creation order; the
-    failed ones since a time; the load times) say what the walk says, after any log,
+    ones holding capacity or drained for placement_timeout, in creation order and per
+    model; the live counts per model; the pending placements; the failed ones since a
+    time; the load times; the creation order) say what the walk says, after any log,
     live and from a snapshot taken anywhere in it."""
     recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
     split = data.draw(st.integers(0, len(recs)))
@@ -261,3 +306,180 @@ def test_a_stopped_replica_drained_for_placement_timeout_is_read_by_a_pass_again
     assert f.touched.rejections == []
     assert [r.id for r in f.view.current()] == ["r0"]
     assert _indexes(f.view) == _walked(f.view)
+
+
+# A busier universe for the replica indexes: every replica has its own GPU (r<i> on node
+# n<i%3>, GPU i//3), so placements and reports are accepted and many replicas of one
+# model live, stop, fail, drain and come back together; a model with an alias, and one
+# removed and declared again.
+BUSY = tuple(f"r{i}" for i in range(9))
+
+
+def _home(rid: str) -> ev.ShardSpec:
+    i = int(rid[1:])
+    return ev.ShardSpec(node=NODES[i % 3], gpus=(i // 3,))
+
+
+busy_data = st.one_of(
+    st.builds(
+        ev.PlacementDecided,
+        replica=st.sampled_from(BUSY),
+        model=st.sampled_from(("m0", "m1", "a0")),
+        profile=st.just("p1"),
+        shards=st.just(()),
+        reason=st.just("fit"),
+    ),
+    st.builds(
+        ev.ReplicaState,
+        replica=st.sampled_from(BUSY),
+        model=st.sampled_from(("m0", "m1", "a0")),
+        profile=st.just("p1"),
+        state=st.sampled_from(STATES),
+        shards=st.just(()),
+    ),
+    st.builds(
+        ev.ReplicaDrain,
+        replica=st.sampled_from(BUSY),
+        model=st.just("m0"),
+        reason=st.sampled_from(("preempted", "scale_down", "node_drain", "placement_timeout")),
+        for_model=st.sampled_from((None, "m1")),
+    ),
+    st.builds(ev.NodeLost, node=node, reason=st.just("heartbeats")),
+    st.builds(ev.ModelRemoved, name=st.just("m1")),
+    st.just(
+        ev.ModelDeclared(name="m1", cls="standard", profiles=(ev.ProfileSpec(name="p1", gpus=1),))
+    ),
+)
+
+
+def _busy_setup() -> list[ev.Data]:
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"u{i}", model="H100", memory_gb=80.0) for i in range(3))
+    p = (ev.ProfileSpec(name="p1", gpus=1),)
+    return [
+        *(ev.NodeInventory(node=n, gpus=gpus, cpu_cores=64.0, memory_gb=512.0) for n in NODES),
+        ev.ModelDeclared(name="m0", cls="standard", aliases=("a0",), profiles=p),
+        ev.ModelDeclared(name="m1", cls="standard", profiles=p),
+    ]
+
+
+@st.composite
+def busy_records(draw: st.DrawFn) -> list[tuple[str, bytes]]:
+    """(subject, body) pairs: the set-up, then replica events on their replica's node."""
+    log = _busy_setup() + draw(st.lists(busy_data, max_size=80))
+    out: list[tuple[str, bytes]] = []
+    t = T0
+    for i, d in enumerate(log):
+        t += timedelta(seconds=draw(st.integers(0, 120)))
+        home = None
+        if isinstance(d, ev.PlacementDecided | ev.ReplicaState):
+            sh = _home(d.replica)
+            home = sh.node
+            if isinstance(d, ev.PlacementDecided) or draw(st.booleans()):
+                d = msgspec.structs.replace(d, shards=(sh,))
+        elif isinstance(d, ev.ReplicaDrain):
+            home = _home(d.replica).node
+        e = ev.make(d, id=f"e{i}", time=t, source="test")
+        out.append((subjects.subject_for(e, node=home), codec.encode(e)))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=busy_records(), data=st.data())
+def test_the_replica_indexes_hold_through_busy_replica_lives(
+    log: list[tuple[str, bytes]], data: st.DataObject
+) -> None:
+    """The same, on logs where most events are accepted and many replicas of one model
+    (under its name and its alias) change together."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    for view in (whole, restored):
+        assert _indexes(view) == _walked(view)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=busy_records(), data=st.data(), later=st.integers(0, 300))
+def test_a_pass_on_the_indexes_decides_what_a_walk_over_every_replica_would(
+    log: list[tuple[str, bytes]], data: st.DataObject, later: int
+) -> None:
+    """The scheduler's pass reads the indexes: it drains the replicas of removed models
+    and the placements past their start timeout in the order of `replicas`, and counts a
+    model satisfied, as a walk over every replica says; live and from a snapshot (whose
+    `replicas` come back in id order, so its drains may come in another order, but the
+    same ones)."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    assert whole.state.time is not None
+    now = whole.state.time + timedelta(seconds=later)
+    config = scheduling.Config()
+    plans = [scheduling.plan(v, now, config) for v in (whole, restored)]
+    assert sorted(codec.encode(o.event) for o in plans[0].outputs) == sorted(
+        codec.encode(o.event) for o in plans[1].outputs
+    )
+    assert plans[0].satisfied == plans[1].satisfied
+    for view, plan in zip((whole, restored), plans, strict=True):
+        _check_pass(view, plan, now, config)
+
+
+def _check_pass(
+    view: View, plan: scheduling.Plan, now: datetime, config: scheduling.Config
+) -> None:
+    resolve = view.catalog.resolve
+    drains: list[tuple[str, str]] = []
+    timed_out: set[str] = set()
+    for r in view.replicas.values():
+        m = resolve(r.model)
+        if not r.shards:
+            continue  # a drain goes to a node; this replica has none to go to
+        if m is None:
+            if r.holds_capacity and r.drained_by is None and r.state != "draining":
+                drains.append((r.id, "model_removed"))
+        elif (
+            r.state == "pending"
+            and r.placed_by is not None
+            and r.drained_by is None
+            and (now - r.created_at).total_seconds() >= config.start_timeout_s
+        ):
+            drains.append((r.id, "placement_timeout"))
+            timed_out.add(m.name)
+    got = [(o.event.data.replica, o.event.data.reason) for o in plan.outputs[: len(drains)]]
+    assert got == drains
+    assert not any(
+        isinstance(o.event, ev.ReplicaDrainEvent)
+        and o.event.data.reason in ("model_removed", "placement_timeout")
+        for o in plan.outputs[len(drains) :]
+    )
+    ranked = sorted(view.catalog.models(), key=lambda m: (-class_rank(m.cls), m.name))
+    for m in ranked:
+        reps = [r for r in view.replicas.values() if r.live and resolve(r.model) is m]
+        live = len(reps)
+        desired = view.desired_for(m.name)
+        placed = sum(
+            1
+            for o in plan.outputs
+            if isinstance(o.event, ev.PlacementDecidedEvent) and o.event.data.model == m.name
+        )
+        stopped = sum(
+            1
+            for o in plan.outputs
+            if isinstance(o.event, ev.ReplicaDrainEvent)
+            and o.event.data.reason == "scale_down"
+            and o.event.data.model == m.name
+        )
+        if m.name in timed_out:
+            assert m.name not in plan.satisfied
+            assert placed == stopped == 0
+            continue
+        assert placed <= max(desired - live, 0)
+        assert stopped <= max(live - desired, 0)
+        if all(r.shards for r in reps):  # a replica with no shard gets no drain
+            assert stopped == max(live - desired, 0)
+        if live == desired:
+            assert m.name in plan.satisfied
+    order = [m.name for m in ranked]
+    assert plan.satisfied == sorted(plan.satisfied, key=order.index)

@@ -270,7 +270,11 @@ def test_has_guarantee(quotas: list[Quota], owner: str, expected: bool) -> None:
 def test_within_limit(
     quotas: list[Quota], owner: str, usage: dict[str, Amount], need: int, expected: bool
 ) -> None:
-    assert QuotaTree(quotas).within_limit(owner, usage, g(need)) is expected
+    tree = QuotaTree(quotas)
+    assert tree.within_limit(owner, usage, g(need)) is expected
+    # `limited` says whether any quota has a limit: a tree without one allows anything.
+    assert tree.limited is any(x.limit is not None for x in quotas)
+    assert tree.limited or expected
 
 
 def test_epsilon_is_small() -> None:
