@@ -140,8 +140,11 @@ class Config:
             )
 
 
-class Candidate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class Candidate(msgspec.Struct, frozen=True, gc=False):
     """A replica that may be stopped for the model, and where it stands in the order.
+
+    Its fields may be given in order: the policy makes hundreds per call, and msgspec
+    matches a dozen keywords in about three times the time it takes them in order.
 
     `idle_s` None means nobody ever reported the replica used, which is not the same as
     idle: it orders as 0, and is tier 0 only under a grace of 0 (see `_idle_for`).
@@ -837,19 +840,21 @@ class _Weighing:
             size = sized[0]
             if not idle_decides:
                 idle = _idle_for(r, now)
+            # In field order: replica, model, cls, owner, tier, above_min, idle_s, gpus,
+            # cpu_cores, memory_gb, node, borrowed.
             cand = Candidate(
-                replica=rid,
-                model=name,
-                cls=cls,
-                owner=owner,
-                tier=tier,
-                above_min=above_min,
-                idle_s=idle,
-                gpus=size.gpus,
-                cpu_cores=size.cpu_cores,
-                memory_gb=size.memory_gb,
-                node=node,
-                borrowed=is_borrowed,
+                rid,
+                name,
+                cls,
+                owner,
+                tier,
+                above_min,
+                idle,
+                size.gpus,
+                size.cpu_cores,
+                size.memory_gb,
+                node,
+                is_borrowed,
             )
             ranked.append((tier, -idle if idle else _NEVER_IDLE, sized[1], rid, cand))
 
