@@ -142,12 +142,12 @@ class _Node:
     def fits(self, needs: list[_Need], chosen: tuple[int, ...]) -> bool:
         """Whether stopping the candidates at `chosen` lets one of the profiles fit here."""
         u = self.usage
-        cpu = u.free_cpu + sum(self.cpu[i] for i in chosen)
-        mem = u.free_memory + sum(self.mem[i] for i in chosen)
+        cpu = u.free_cpu + sum([self.cpu[i] for i in chosen])
+        mem = u.free_memory + sum([self.mem[i] for i in chosen])
         for j, n in enumerate(needs):
             freed = self.freed[j]
             if (
-                self.free_q[j] + sum(freed[i] for i in chosen) >= n.gpus
+                self.free_q[j] + sum([freed[i] for i in chosen]) >= n.gpus
                 and cpu >= n.cpu
                 and mem >= n.mem
             ):
@@ -159,7 +159,7 @@ class _Node:
         that passes over most nodes without weighing their sets."""
         for j, n in enumerate(needs):
             freed = self.freed[j]
-            best = sorted((freed[i] for i in allowed), reverse=True)[:k]
+            best = sorted([freed[i] for i in allowed], reverse=True)[:k]
             if self.free_q[j] + sum(best) >= n.gpus:
                 return True
         return False

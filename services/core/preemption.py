@@ -509,11 +509,8 @@ def _candidates(
         else:
             w.weigh(name, other, reps)
     # Both orders end in the replica id, which is unique: neither depends on the order
-    # the replicas were weighed in. The candidates are sorted by id, then by the rest of
-    # their key, keeping that order among equals: the order of the whole key, at a
-    # fraction of its comparisons, since most candidates share the rest of theirs.
-    w.ranked.sort(key=_by_id)
-    w.ranked.sort(key=_by_rank)
+    # the replicas were weighed in.
+    w.ranked.sort()
     return (
         tuple([c[-1] for c in w.ranked]),
         tuple(
@@ -878,8 +875,6 @@ class _Weighing:
 
 
 _newest = operator.attrgetter("created_at", "id")
-_by_id = operator.itemgetter(3)
-_by_rank = operator.itemgetter(0, 1, 2)
 _UNKNOWN = ("unknown_model", WHY["unknown_model"])
 # The idle part of the order key of a replica never reported used (or used at `now`):
 # one object, which the sort compares at once.
