@@ -68,13 +68,13 @@ Key = tuple[int, int, float, float, int, float, tuple[str, ...]]
 def key(victims: Sequence[Victim], load_s: dict[str, float]) -> Key:
     """The order of sets: lower is better (see the module's list)."""
     return (
-        max(v.tier for v in victims),
+        max([v.tier for v in victims]),
         len(victims),
-        sum(load_s.get(v.model, 0.0) * v.gpus for v in victims),
-        -min((v.idle_s or 0.0) for v in victims),
-        sum(v.gpus for v in victims),
-        sum(v.memory_gb for v in victims),
-        tuple(sorted(v.replica for v in victims)),
+        sum([load_s.get(v.model, 0.0) * v.gpus for v in victims]),
+        -min([v.idle_s or 0.0 for v in victims]),
+        sum([v.gpus for v in victims]),
+        sum([v.memory_gb for v in victims]),
+        tuple(sorted([v.replica for v in victims])),
     )
 
 
@@ -142,12 +142,12 @@ class _Node:
     def fits(self, needs: list[_Need], chosen: tuple[int, ...]) -> bool:
         """Whether stopping the candidates at `chosen` lets one of the profiles fit here."""
         u = self.usage
-        cpu = u.free_cpu + sum(self.cpu[i] for i in chosen)
-        mem = u.free_memory + sum(self.mem[i] for i in chosen)
+        cpu = u.free_cpu + sum([self.cpu[i] for i in chosen])
+        mem = u.free_memory + sum([self.mem[i] for i in chosen])
         for j, n in enumerate(needs):
             freed = self.freed[j]
             if (
-                self.free_q[j] + sum(freed[i] for i in chosen) >= n.gpus
+                self.free_q[j] + sum([freed[i] for i in chosen]) >= n.gpus
                 and cpu >= n.cpu
                 and mem >= n.mem
             ):
@@ -159,7 +159,7 @@ class _Node:
         that passes over most nodes without weighing their sets."""
         for j, n in enumerate(needs):
             freed = self.freed[j]
-            best = sorted((freed[i] for i in allowed), reverse=True)[:k]
+            best = sorted([freed[i] for i in allowed], reverse=True)[:k]
             if self.free_q[j] + sum(best) >= n.gpus:
                 return True
         return False
@@ -194,26 +194,31 @@ def search(
             # A bound before anything is worked out per profile: the node's free GPUs and
             # the most GPUs any max_victims of its candidates free. On a full cluster
             # it passes over most nodes for a large model.
-            freed = sorted((cands[i].gpus for i in by_node[name]), reverse=True)
+            at = by_node[name]
+            freed = sorted([cands[i].gpus for i in at], reverse=True)
             if len(usage.free) + sum(freed[:max_victims]) < least:
                 continue
-            at = by_node[name]
             nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})
     for t in tiers:
+        # Per node, its candidates of tier t or below, and whether each is of tier t. A
+        # set whose highest tier is below t was weighed at an earlier level, so a node
+        # with no candidate of tier t has no set at this one.
+        open_at = []
+        for at, node in nodes:
+            allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
+            top = [c.tier == t for c in node.cands]
+            if any(top):
+                open_at.append((at, node, allowed, top))
         for k in range(1, max_victims + 1):
             level_sets: list[tuple[C, ...]] = []
-            for at, node in nodes:
-                allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
+            for at, node, allowed, top in open_at:
                 if len(allowed) < k or not node.could(needs, allowed, k):
                     continue
                 for chosen in itertools.combinations(allowed, k):
-                    # A set whose highest tier is below t was weighed at an earlier level.
-                    if max(node.cands[i].tier for i in chosen) != t:
-                        continue
-                    if node.fits(needs, chosen):
-                        level_sets.append(tuple(cands[at[i]] for i in chosen))
+                    if True in [top[i] for i in chosen] and node.fits(needs, chosen):
+                        level_sets.append(tuple([cands[at[i]] for i in chosen]))
             if not level_sets:
                 continue
             load_s = load_costs(view, {v.model for vs in level_sets for v in vs})

@@ -33,7 +33,7 @@ worse than not preempting.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -140,8 +140,11 @@ class Config:
             )
 
 
-class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+class Candidate(msgspec.Struct, frozen=True, gc=False):
     """A replica that may be stopped for the model, and where it stands in the order.
+
+    Its fields may be given in order: the policy makes hundreds per call, and msgspec
+    matches a dozen keywords in about three times the time it takes them in order.
 
     `idle_s` None means nobody ever reported the replica used, which is not the same as
     idle: it orders as 0, and is tier 0 only under a grace of 0 (see `_idle_for`).
@@ -185,7 +188,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
-class Exclusion(msgspec.Struct, frozen=True, kw_only=True):
+class Exclusion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A replica holding capacity that is not a candidate, and why (a code of `WHY`)."""
 
     replica: str
@@ -244,19 +247,26 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """The model this one gave up room to, when it is held."""
     config: Config = Config()
 
-    def to_event_data(self, trigger_id: str = "") -> ev.PreemptionDecided:
-        """The `preemption.decided` data; `trigger_id` is the placement.failed it answers."""
+    def to_event_data(self, trigger_id: str = "", shown: int | None = None) -> ev.PreemptionDecided:
+        """The `preemption.decided` data; `trigger_id` is the placement.failed it answers.
+
+        With `shown`, only the first `shown` candidates and exclusions are listed (what
+        the published event keeps, see `services.core.reaction.bounded`); `considered`
+        is the whole count either way."""
         return ev.PreemptionDecided(
             for_model=self.model,
             outcome=self.outcome,
-            victims=tuple(v.to_victim() for v in self.victims),
+            victims=tuple([v.to_victim() for v in self.victims]),
             considered=len(self.candidates),
             trigger=trigger_id,
-            candidates=tuple(c.to_victim() for c in self.candidates),
+            candidates=tuple([c.to_victim() for c in self.candidates[:shown]]),
             excluded=tuple(
-                ev.Excluded(replica=x.replica, model=x.model, why=x.why) for x in self.excluded
+                [
+                    ev.Excluded(replica=x.replica, model=x.model, why=x.why)
+                    for x in self.excluded[:shown]
+                ]
             ),
-            trials=tuple(ev.Trial(victims=t.victims, fits=t.fits) for t in self.trials),
+            trials=tuple([ev.Trial(victims=t.victims, fits=t.fits) for t in self.trials]),
             holds=self.holds,
             policy=self.config.policy,
         )
@@ -467,6 +477,12 @@ def _counted_owners(view: View, owner: str) -> set[str]:
     }
 
 
+# The exclusions as `_candidates` collects them: per replica id, (model, why, detail),
+# one tuple shared by every replica of a model excluded for the same reason. Each
+# becomes an `Exclusion` once, in the order of the ids, which sort as plain strings.
+_Excluded = dict[str, tuple[str, str, str]]
+
+
 def _candidates(
     view: View,
     m: catalog.Model,
@@ -485,23 +501,38 @@ def _candidates(
     longest unused first.
     """
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
-    by_model = _live_by_model(view, m, w.exclude)
-    known = []
-    for name in sorted(by_model):
+    excluded = w.excluded
+    for name, reps in _live_by_model(view, m, excluded).items():
         other = view.catalog.resolve(name)
         if other is None:
-            for r in by_model[name]:
-                w.exclude(r, "unknown_model")
+            _exclude_all(excluded, reps, (name, *_UNKNOWN))
         else:
-            known.append((name, other, by_model[name]))
-    w.weigh(known)
-    w.excluded.sort(key=_replica)
-    order = sorted(range(len(w.keys)), key=w.keys.__getitem__)
-    return tuple([w.out[i] for i in order]), tuple(w.excluded)
+            w.weigh(name, other, reps)
+    # Both orders end in the replica id, which is unique: neither depends on the order
+    # the replicas were weighed in.
+    w.ranked.sort()
+    return (
+        tuple([c[-1] for c in w.ranked]),
+        tuple(
+            [
+                Exclusion(replica=rid, model=x[0], why=x[1], detail=x[2])
+                for rid in sorted(excluded)
+                for x in (excluded[rid],)
+            ]
+        ),
+    )
+
+
+def _exclude_all(
+    excluded: _Excluded, reps: list[ReplicaRecord], entry: tuple[str, str, str]
+) -> None:
+    """Exclude every one of `reps` with the same (model, why, detail)."""
+    for r in reps:
+        excluded[r.id] = entry
 
 
 def _live_by_model(
-    view: View, m: catalog.Model, exclude: Callable[[ReplicaRecord, str, str], None]
+    view: View, m: catalog.Model, excluded: _Excluded
 ) -> dict[str, list[ReplicaRecord]]:
     """Per model, its live replicas; every other replica holding capacity is excluded by
     the rules that read only its own state (same model, retiring, already preempted,
@@ -516,22 +547,25 @@ def _live_by_model(
     """
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
+    mine = m.name
     for r in view.current():
         if r.state not in holding:
             continue  # drained for placement_timeout and stopped: holds nothing
-        if r.model == m.name:
-            exclude(r, "same_model", "")
+        model = r.model
+        if model == mine:
+            excluded[r.id] = (model, "same_model", WHY["same_model"])
         elif r.retiring_at is not None:
-            exclude(r, "retiring", "")
+            excluded[r.id] = (model, "retiring", WHY["retiring"])
         elif r.preempted_for is not None:
-            exclude(r, "already_preempted", f"already stopped for {r.preempted_for}")
+            why = f"already stopped for {r.preempted_for}"
+            excluded[r.id] = (model, "already_preempted", why)
         elif r.state == "draining" or r.drain_reason == "placement_timeout":
             # not r.live, for a replica holding capacity, neither retiring nor preempted
-            exclude(r, "draining", "")
+            excluded[r.id] = (model, "draining", WHY["draining"])
         else:
-            reps = by_model.get(r.model)
+            reps = by_model.get(model)
             if reps is None:
-                by_model[r.model] = [r]
+                by_model[model] = [r]
             else:
                 reps.append(r)
     return by_model
@@ -544,6 +578,7 @@ class _Peer:
         "cls",
         "covered",
         "critical",
+        "excluded",
         "idle_decides",
         "lower",
         "owner",
@@ -573,6 +608,9 @@ class _Peer:
         """The outcomes of the tier rules, by `_tiers`' index."""
         self.whys: dict[int, tuple[str, str]] = {}
         """Per untiered index, the exclusion (code, detail) it stands for."""
+        self.excluded: tuple[str, str] | None = None
+        """The exclusion every replica of the model gets, when the tier rules take none
+        and give them all the same reason."""
 
 
 def _class_tier(p: _Peer, idle_past_grace: bool, above_min: bool, below_min: bool) -> int | None:
@@ -674,11 +712,10 @@ class _Weighing:
         "borrowed",
         "cfg",
         "excluded",
-        "keys",
         "m",
         "now",
-        "out",
         "peers",
+        "ranked",
         "reclaim",
         "settled",
         "view",
@@ -701,119 +738,147 @@ class _Weighing:
         # has every replica under a guarantee; one of an owner under none is borrowed.
         self.any_guarantee = view.quota.any_guarantee()
         self.borrowed = view.quota.borrowed(holdings) if self.any_guarantee else set()
-        self.excluded: list[Exclusion] = []
-        self.out: list[Candidate] = []
-        # Each candidate's order key, built alongside it: tier, then the longest idle
-        # (unknown counts as 0, a use after `now` below it), then the smaller, then the
-        # id. The smaller first: the least served is lost if it is enough, and the
-        # pruning after keeps a larger one only when it is needed. Without the size,
-        # equally idle victims (idle times are all unknown after a restart) would be
-        # tried in whatever order the replicas happened to be listed.
-        self.keys: list[tuple[int, float, int, float, str]] = []
+        self.excluded: _Excluded = {}
+        # Each candidate behind its order key: tier, then the longest idle (unknown
+        # counts as 0, a use after `now` below it), then the smaller, then the id. The
+        # smaller first: the least served is lost if it is enough, and the pruning after
+        # keeps a larger one only when it is needed. Without the size, equally idle
+        # victims (idle times are all unknown after a restart) would be tried in
+        # whatever order the replicas happened to be listed.
+        self.ranked: list[tuple[int, float, tuple[int, float], str, Candidate]] = []
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
         try:
             self.settled = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
         except (OverflowError, ValueError):
             self.settled = datetime.min.replace(tzinfo=now.tzinfo)
 
-    def exclude(self, r: ReplicaRecord, why: str, detail: str = "") -> None:
-        self.excluded.append(
-            Exclusion(replica=r.id, model=r.model, why=why, detail=detail or WHY[why])
-        )
-
-    def weigh(self, models: list[tuple[str, catalog.Model, list[ReplicaRecord]]]) -> None:
-        """Weigh the live replicas of each model (its name, declaration and replicas):
+    def weigh(self, name: str, other: catalog.Model, reps: list[ReplicaRecord]) -> None:
+        """Weigh the live replicas of one model (its name, declaration and replicas):
         each becomes a candidate or an exclusion."""
+        p = self._peer(other)
+        if p.excluded is not None:
+            _exclude_all(self.excluded, reps, (name, *p.excluded))
+            return
+        # What stopping one replica frees, per profile and shape (see `_part`).
+        shaped: dict[tuple[str, int, int], tuple[quota.Amount, tuple[int, float]]] = {}
+        above = len(reps) - other.min
+        if above <= 0 or above >= len(reps):
+            self._part(name, p, reps, above > 0, shaped)
+        else:
+            # Ties in creation time by id, so the same log always marks the same
+            # replicas as above the minimum.
+            reps.sort(key=_newest, reverse=True)
+            self._part(name, p, reps[:above], True, shaped)
+            self._part(name, p, reps[above:], False, shaped)
+
+    def _part(
+        self,
+        name: str,
+        p: _Peer,
+        reps: list[ReplicaRecord],
+        above_min: bool,
+        shaped: dict[tuple[str, int, int], tuple[quota.Amount, tuple[int, float]]],
+    ) -> None:
+        """Weigh replicas of one model on the same side of its minimum. `shaped` is the
+        model's, per profile and shape: what stopping one replica frees (size_of) and
+        the part of the order key it gives, one object for all, so that equal parts of
+        two keys are the same object, which the sort compares at once."""
+        tiers, whys, idle_decides, covered = p.tiers, p.whys, p.idle_decides, p.covered
+        excluded = self.excluded
+        if not idle_decides and not covered:
+            # Neither idle time nor a guarantee tells one replica from another: one
+            # outcome of the tier rules for all.
+            at = above_min * 2 + self.any_guarantee
+            if tiers[at] < 0:
+                _exclude_all(excluded, reps, (name, *whys[at]))
+                return
         now, grace = self.now, self.cfg.eviction_grace_s
         borrowed, all_borrowed = self.borrowed, self.any_guarantee
         settled, lifetime = self.settled, self.cfg.min_lifetime_s
-        view, out, keys, excluded = self.view, self.out, self.keys, self.excluded
-        for name, other, reps in models:
-            p = self._peer(other)
-            tiers = p.tiers
-            # Ties in creation time by id, so the same log always marks the same replicas
-            # as above the minimum.
-            reps.sort(key=_newest, reverse=True)
-            above = max(len(reps) - other.min, 0)
-            # What stopping one replica frees (size_of), per profile and shape.
-            shaped: dict[tuple[str, int, int], quota.Amount] = {}
-            idle_decides, covered, cls, owner = p.idle_decides, p.covered, p.cls, p.owner
-            for i, r in enumerate(reps):
-                above_min = i < above
-                if idle_decides:
-                    # Unknown idleness counts as 0 against the grace, as the
-                    # reference's `idleFor(rep, now) >= EvictionGrace`: under a grace
-                    # of 0 a never-used on-demand replica is tier 0 (0 >= 0).
-                    idle = _idle_for(r, now)
-                    past_grace = (0.0 if idle is None else idle) >= grace
-                else:
-                    idle, past_grace = None, False
-                is_borrowed = r.id in borrowed if covered else all_borrowed
-                at = past_grace * 4 + above_min * 2 + is_borrowed
-                tier = tiers[at]
-                if tier < 0:
-                    excluded.append(self._untiered(r, p, at, above_min))
+        view, ranked = self.view, self.ranked
+        cls, owner = p.cls, p.owner
+        for r in reps:
+            if idle_decides:
+                # Unknown idleness counts as 0 against the grace, as the
+                # reference's `idleFor(rep, now) >= EvictionGrace`: under a grace
+                # of 0 a never-used on-demand replica is tier 0 (0 >= 0).
+                idle = _idle_for(r, now)
+                past_grace = (0.0 if idle is None else idle) >= grace
+            else:
+                idle, past_grace = None, False
+            rid = r.id
+            is_borrowed = rid in borrowed if covered else all_borrowed
+            at = past_grace * 4 + above_min * 2 + is_borrowed
+            tier = tiers[at]
+            if tier < 0:
+                excluded[rid] = (name, *whys[at])
+                continue
+            # Ready at or before `settled`, a replica is at least a second past the
+            # minimum lifetime: only those ready later need the exact age.
+            ready = r.ready_at
+            if ready is not None and ready > settled:
+                young = _young(r, now, lifetime)
+                if young:
+                    excluded[rid] = (name, "young", young)
                     continue
-                # Ready at or before `settled`, a replica is at least a second past the
-                # minimum lifetime: only those ready later need the exact age.
-                ready = r.ready_at
-                if ready is not None and ready > settled:
-                    young = _young(r, now, lifetime)
-                    if young:
-                        self.exclude(r, "young", young)
-                        continue
-                shards = r.shards
-                if len(shards) == 1:
-                    node, gpus = shards[0].node, len(shards[0].gpus)
-                elif (where := _where(r)) is not None:
-                    node, gpus = where
-                else:
-                    self.exclude(r, "multi_node", f"spread over {', '.join(r.nodes)}")
-                    continue
-                shape = (r.profile, gpus, len(shards))
-                size = shaped.get(shape)
-                if size is None:
-                    size = shaped[shape] = size_of(view, r)
-                if not idle_decides:
-                    idle = _idle_for(r, now)
-                out.append(
-                    Candidate(
-                        replica=r.id,
-                        model=name,
-                        cls=cls,
-                        owner=owner,
-                        tier=tier,
-                        above_min=above_min,
-                        idle_s=idle,
-                        gpus=size.gpus,
-                        cpu_cores=size.cpu_cores,
-                        memory_gb=size.memory_gb,
-                        node=node,
-                        borrowed=is_borrowed,
-                    )
-                )
-                keys.append((tier, -(idle or 0.0), size.gpus, size.memory_gb, r.id))
+            shards = r.shards
+            if len(shards) == 1:
+                node, gpus = shards[0].node, len(shards[0].gpus)
+            elif (where := _where(r)) is not None:
+                node, gpus = where
+            else:
+                excluded[rid] = (name, "multi_node", f"spread over {', '.join(r.nodes)}")
+                continue
+            shape = (r.profile, gpus, len(shards))
+            sized = shaped.get(shape)
+            if sized is None:
+                size = size_of(view, r)
+                sized = shaped[shape] = (size, (size.gpus, size.memory_gb))
+            size = sized[0]
+            if not idle_decides:
+                idle = _idle_for(r, now)
+            # In field order: replica, model, cls, owner, tier, above_min, idle_s, gpus,
+            # cpu_cores, memory_gb, node, borrowed.
+            cand = Candidate(
+                rid,
+                name,
+                cls,
+                owner,
+                tier,
+                above_min,
+                idle,
+                size.gpus,
+                size.cpu_cores,
+                size.memory_gb,
+                node,
+                is_borrowed,
+            )
+            ranked.append((tier, -idle if idle else _NEVER_IDLE, sized[1], rid, cand))
 
     def _peer(self, other: catalog.Model) -> _Peer:
         """What the rules read of `other`, with the outcomes of the tier rules for its
-        replicas; the same for every model of one class, owner and on-demand flag."""
+        replicas and the exclusion each untiered outcome stands for; the same for every
+        model of one class, owner and on-demand flag."""
         key = (other.cls, other.owner, other.on_demand)
         p = self.peers.get(key)
         if p is None:
             p = self.peers[key] = _Peer(other, self.m, self.any_guarantee, self.view.quota)
             p.tiers = _tiers(p, self.below_min, self.reclaim)
+            p.whys = {
+                at: _why_not(p, self.m, tier, bool(at & 2), self.below_min)
+                for at, tier in enumerate(p.tiers)
+                if tier < 0
+            }
+            if len(p.whys) == len(p.tiers) and len(set(p.whys.values())) == 1:
+                p.excluded = p.whys[0]
         return p
-
-    def _untiered(self, r: ReplicaRecord, p: _Peer, at: int, above_min: bool) -> Exclusion:
-        """The exclusion of a replica no tier rule lets be taken (`p.tiers[at]`)."""
-        why = p.whys.get(at)
-        if why is None:
-            why = p.whys[at] = _why_not(p, self.m, p.tiers[at], above_min, self.below_min)
-        return Exclusion(replica=r.id, model=r.model, why=why[0], detail=why[1])
 
 
 _newest = operator.attrgetter("created_at", "id")
-_replica = operator.attrgetter("replica")
+_UNKNOWN = ("unknown_model", WHY["unknown_model"])
+# The idle part of the order key of a replica never reported used (or used at `now`):
+# one object, which the sort compares at once.
+_NEVER_IDLE = -0.0
 
 
 def _idle_for(r: ReplicaRecord, now: datetime) -> float | None:

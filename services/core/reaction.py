@@ -103,7 +103,7 @@ def decision_events(
     correlation = trigger.correlation or tid
     decided_id = ids.derived(tid, "decided")
     decided = ev.make(
-        bounded(decision.to_event_data(tid)),
+        bounded(decision.to_event_data(tid, SHOWN)),
         id=decided_id,
         time=now,
         source=SOURCE,
@@ -183,7 +183,9 @@ def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
     """The decision with its candidate and exclusion lists cut to the first SHOWN of each.
 
     `considered` keeps the whole count, and every victim and trial is among the first
-    candidates, so the cut loses only replicas the policy never reached.
+    candidates, so the cut loses only replicas the policy never reached. A decision's
+    events make its data with only those listed (`Decision.to_event_data`'s `shown`),
+    rather than convert every candidate to cut most of them here.
     """
     if len(data.candidates) <= SHOWN and len(data.excluded) <= SHOWN:
         return data

@@ -15,8 +15,11 @@ of several shards every set of the candidates is tried.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections import Counter
+from operator import attrgetter
 
 from services.core import placement
 from services.core.preemption import Candidate, Decision
@@ -27,6 +30,7 @@ from services.core.view import View
 LIMIT = 3000
 
 
+@functools.cache
 def sets(n: int, max_victims: int) -> int:
     """How many sets of 1 to max_victims of n candidates there are."""
     return sum(math.comb(n, k) for k in range(1, min(n, max_victims) + 1))
@@ -41,14 +45,19 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
     profiles = [p for p in m.profiles if p.name in d.profiles]
     groups: list[tuple[Candidate, ...]]
     if all(p.shards == 1 for p in profiles):
+        # Counted per node before any group is built: on a large cluster the answer is
+        # most often that there are too many sets to try.
+        per_node = Counter(map(_node, d.candidates))
+        if sum([sets(n, max_victims) for n in per_node.values()]) > limit:
+            return None
         by_node: dict[str, list[Candidate]] = {}
         for c in d.candidates:
             by_node.setdefault(c.node, []).append(c)
         groups = [tuple(g) for g in by_node.values()]
     else:
         groups = [d.candidates]
-    if sum(sets(len(g), max_victims) for g in groups) > limit:
-        return None
+        if sets(len(d.candidates), max_victims) > limit:
+            return None
     least = min((p.gpus for p in profiles), default=0)
     for g in groups:
         if len(groups) > 1 and not _could(view, g, least, max_victims):
@@ -61,6 +70,9 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
                 if isinstance(placement.place(inv, profiles, d.avoid), placement.Placement):
                     return True
     return False
+
+
+_node = attrgetter("node")
 
 
 def _could(view: View, group: tuple[Candidate, ...], least: int, max_victims: int) -> bool:

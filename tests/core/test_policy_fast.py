@@ -1,0 +1,243 @@
+"""The policy's shortcuts against the plain computation, over random clusters.
+
+`preemption._candidates` weighs a model's replicas in bulk where one outcome of the tier
+rules covers them all, sorts only the models whose minimum splits them, and collects the
+exclusions per replica id; `Decision.to_event_data(shown=...)` converts only what a
+published event lists; the oracle counts sets before it builds any group. Each is checked
+here against the computation it stands for, written out replica by replica from the same
+rules, on views folded from random logs and on the same views rebuilt from a snapshot
+(whose replicas come in another order).
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.core import catalog, preemption, quota
+from services.core.preemption import WHY, Candidate, Config, Exclusion, plan
+from services.core.reaction import bounded
+from services.core.view import ReplicaRecord, View, decode_state, encode_state, size_of
+from services.sim import oracle
+from tests.scenario import Scenario
+
+CLASSES = ("opportunistic", "standard", "critical")
+
+
+def build(rng: random.Random) -> tuple[Scenario, list[str]]:
+    """A random cluster: nodes of 8 GPUs, models of every class (some on several nodes),
+    owners with and without guarantees, and replicas in every state the rules read:
+    young, never used, used after now, retiring, preempted, draining, equal creation
+    times."""
+    s = Scenario()
+    nodes = [f"n{i}" for i in range(rng.randint(1, 6))]
+    for n in nodes:
+        s.node(n, "8xH100-80GB")
+    owners = ["o0", "o1", "o2"]
+    if rng.random() < 0.7:
+        s.quota({o: {"gpus": rng.choice([0, 2, 4, 8, 16])} for o in owners})
+    models = []
+    wide = []
+    size: dict[str, int] = {}
+    for i in range(rng.randint(2, 8)):
+        name = f"m{i}"
+        models.append(name)
+        gpus = size[name] = rng.choice([1, 1, 2, 4])
+        profiles = [f"p{gpus}:{gpus}"]
+        if rng.random() < 0.3:
+            profiles.append("wide:2:2")
+            wide.append(name)
+        s.model(
+            name,
+            cls=rng.choice(CLASSES),
+            min=rng.choice([0, 0, 1, 2, 3]),
+            max=12,
+            profiles=profiles,
+            owner=rng.choice(owners),
+        )
+    free = {n: list(range(8)) for n in nodes}
+    for r in range(rng.randint(0, 40)):
+        model = rng.choice(models)
+        rid = f"r{rng.randrange(1000):03d}-{r}"
+        created = f"-{rng.choice([1, 2, 2, 3, 5])}h"
+        ready = rng.choice(["-4h", "-50m", "-90s", "-1s"])
+        used = rng.choice([None, None, "-2h", "-20m", "-1m", "+5m"])
+        if model in wide and rng.random() < 0.3 and len(nodes) > 1:
+            a, b = rng.sample(nodes, 2)
+            if not free[a] or not free[b]:
+                continue
+            on = [(a, [free[a].pop()]), (b, [free[b].pop()])]
+            s.replica(rid, model, on=on, profile="wide", created=created, ready=ready)
+            continue
+        node = rng.choice(nodes)
+        if len(free[node]) < size[model]:
+            continue
+        taken = [free[node].pop() for _ in range(size[model])]
+        state = rng.choice(["ready"] * 6 + ["loading", "pending", "draining"])
+        s.replica(
+            rid,
+            model,
+            on=(node, taken),
+            state=state,
+            created=created,
+            ready=ready,
+            used=used if state in ("ready", "draining") else None,
+        )
+        roll = rng.random()
+        if roll < 0.06:
+            s.drain(rid, "scale_down")
+        elif roll < 0.12:
+            s.drain(rid, "preempted", for_model=rng.choice(models))
+    return s, models
+
+
+def plain(
+    view: View,
+    m: catalog.Model,
+    now: datetime,
+    cfg: Config,
+    holdings: list[quota.Holding],
+    reclaim: bool,
+    below_min: bool,
+) -> tuple[tuple[Candidate, ...], tuple[Exclusion, ...]]:
+    """`_candidates` replica by replica: every rule read afresh for each one, every
+    model's replicas sorted, every exclusion an `Exclusion` at once."""
+    tree = view.quota
+    any_guarantee = tree.any_guarantee()
+    borrowed = tree.borrowed(holdings) if any_guarantee else set()
+    out: list[Candidate] = []
+    excluded: list[Exclusion] = []
+
+    def exclude(rid: str, model: str, why: str, detail: str = "") -> None:
+        excluded.append(Exclusion(replica=rid, model=model, why=why, detail=detail or WHY[why]))
+
+    by_model: dict[str, list[ReplicaRecord]] = {}
+    for r in view.current():
+        if not r.holds_capacity:
+            continue
+        if r.model == m.name:
+            exclude(r.id, r.model, "same_model")
+        elif r.retiring_at is not None:
+            exclude(r.id, r.model, "retiring")
+        elif r.preempted_for is not None:
+            exclude(r.id, r.model, "already_preempted", f"already stopped for {r.preempted_for}")
+        elif not r.live:
+            exclude(r.id, r.model, "draining")
+        else:
+            by_model.setdefault(r.model, []).append(r)
+    for name, reps in by_model.items():
+        other = view.catalog.resolve(name)
+        if other is None:
+            for r in reps:
+                exclude(r.id, name, "unknown_model")
+            continue
+        p = preemption._Peer(other, m, any_guarantee, tree)
+        reps = sorted(reps, key=lambda r: (r.created_at, r.id), reverse=True)
+        above = max(len(reps) - other.min, 0)
+        for i, r in enumerate(reps):
+            above_min = i < above
+            idle = preemption._idle_for(r, now)
+            past = p.idle_decides and (0.0 if idle is None else idle) >= cfg.eviction_grace_s
+            is_borrowed = r.id in borrowed if p.covered else any_guarantee
+            by_class = preemption._class_tier(p, past, above_min, below_min)
+            tier = preemption._owner_tier(p, by_class, above_min, is_borrowed, reclaim)
+            if tier is None or tier == "guaranteed":
+                code = preemption._GUARANTEED if tier else preemption._UNTIERED
+                why, detail = preemption._why_not(p, m, code, above_min, below_min)
+                exclude(r.id, name, why, detail)
+                continue
+            young = preemption._young(r, now, cfg.min_lifetime_s)
+            if young:
+                exclude(r.id, name, "young", young)
+                continue
+            where = preemption._where(r)
+            if where is None:
+                exclude(r.id, name, "multi_node", f"spread over {', '.join(r.nodes)}")
+                continue
+            size = size_of(view, r)
+            assert isinstance(tier, int)
+            out.append(
+                Candidate(
+                    replica=r.id,
+                    model=name,
+                    cls=p.cls,
+                    owner=p.owner,
+                    tier=tier,
+                    above_min=above_min,
+                    idle_s=idle,
+                    gpus=size.gpus,
+                    cpu_cores=size.cpu_cores,
+                    memory_gb=size.memory_gb,
+                    node=where[0],
+                    borrowed=is_borrowed,
+                )
+            )
+    out.sort(key=lambda c: (c.tier, -(c.idle_s or 0.0), c.gpus, c.memory_gb, c.replica))
+    excluded.sort(key=lambda x: x.replica)
+    return tuple(out), tuple(excluded)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 600.0]), st.sampled_from([0.0, 120.0]))
+def test_candidates_equal_the_plain_computation(seed: int, grace: float, lifetime: float) -> None:
+    s, models = build(random.Random(seed))
+    cfg = Config(eviction_grace_s=grace, min_lifetime_s=lifetime)
+    folded = s.view()
+    rebuilt = View(decode_state(encode_state(folded.state)))
+    for v in (folded, rebuilt):
+        holdings = v.holdings()
+        for name in models:
+            m = v.catalog[name]
+            for reclaim in (False, True):
+                for below_min in (False, True):
+                    args = (v, m, s.now, cfg, holdings, reclaim, below_min)
+                    fast = preemption._candidates(*args)
+                    assert fast == plain(*args)
+    for name in models:
+        a, b = plan(folded, name, s.now, cfg), plan(rebuilt, name, s.now, cfg)
+        assert a == b
+        assert msgspec.json.encode(a) == msgspec.json.encode(b)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["reference", "node-aware"]))
+def test_a_published_decision_lists_what_the_cut_keeps(seed: int, policy: str) -> None:
+    s, models = build(random.Random(seed))
+    v = View(decode_state(encode_state(s.view().state)))
+    for name in models:
+        d = plan(v, name, s.now, Config(policy=policy))  # type: ignore[arg-type]
+        whole = d.to_event_data("t")
+        assert whole.considered == len(whole.candidates) == len(d.candidates)
+        assert d.to_event_data("t", SHOWN_ALL) == whole
+        for shown in (0, 1, 3):
+            cut = msgspec.structs.replace(
+                whole, candidates=whole.candidates[:shown], excluded=whole.excluded[:shown]
+            )
+            assert d.to_event_data("t", shown) == cut
+        assert bounded(whole) == bounded(d.to_event_data("t", 50))
+
+
+SHOWN_ALL = 10_000
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.integers(0, 60), st.integers(1, 3))
+def test_the_oracle_answers_none_exactly_past_its_limit(seed: int, limit: int, k: int) -> None:
+    s, models = build(random.Random(seed))
+    v = s.view()
+    for name in models:
+        d = plan(v, name, s.now, Config(max_victims=k))
+        m = v.catalog[name]
+        profiles = [p for p in m.profiles if p.name in d.profiles]
+        by_node: dict[str, int] = {}
+        for c in d.candidates:
+            by_node[c.node] = by_node.get(c.node, 0) + 1
+        groups = list(by_node.values())
+        if any(p.shards > 1 for p in profiles):
+            groups = [len(d.candidates)]
+        over = sum(oracle.sets(n, k) for n in groups) > limit
+        assert (oracle.exists(v, d, k, limit) is None) == over
