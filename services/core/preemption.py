@@ -33,16 +33,24 @@ worse than not preempting.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from schemas import events as ev
 from services.core import catalog, node_aware, placement, quota
 from services.core.view import ReplicaRecord, View, size_of
+
+
+class _Named(Protocol):
+    @property
+    def replica(self) -> str: ...
+
+
+_C = TypeVar("_C", bound=_Named)
 
 Outcome = Literal[
     "fits",
@@ -250,16 +258,17 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     def to_event_data(self, trigger_id: str = "", shown: int | None = None) -> ev.PreemptionDecided:
         """The `preemption.decided` data; `trigger_id` is the placement.failed it answers.
 
-        With `shown`, only the first `shown` candidates and exclusions are listed (what
-        the published event keeps, see `services.core.reaction.bounded`); `considered`
-        is the whole count either way."""
+        With `shown`, only the first `shown` candidates and exclusions are listed, and
+        the victims past them (`listed`; what the published event keeps, see
+        `services.core.reaction.bounded`); `considered` is the whole count either way."""
+        victims = {v.replica for v in self.victims}
         return ev.PreemptionDecided(
             for_model=self.model,
             outcome=self.outcome,
             victims=tuple([v.to_victim() for v in self.victims]),
             considered=len(self.candidates),
             trigger=trigger_id,
-            candidates=tuple([c.to_victim() for c in self.candidates[:shown]]),
+            candidates=tuple([c.to_victim() for c in listed(self.candidates, victims, shown)]),
             excluded=tuple(
                 [
                     ev.Excluded(replica=x.replica, model=x.model, why=x.why)
@@ -285,6 +294,16 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             "excluded": [{"replica": x.replica, "why": x.why} for x in self.excluded],
             "trials": [{"victims": list(t.victims), "fits": t.fits} for t in self.trials],
         }
+
+
+def listed(candidates: Sequence[_C], victims: Container[str], shown: int | None) -> list[_C]:
+    """The candidates a published decision lists: the first `shown` in order (all when
+    None), then every victim past them, in order. The reference's victims are always
+    among the first (it tries the candidates in order); node-aware's may come from
+    anywhere in the order, and `llmgw explain` of a victim shows its own row."""
+    if shown is None or len(candidates) <= shown:
+        return list(candidates)
+    return [*candidates[:shown], *(c for c in candidates[shown:] if c.replica in victims)]
 
 
 def _rfc3339(t: datetime) -> str:

@@ -180,17 +180,22 @@ def releases(
 
 
 def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
-    """The decision with its candidate and exclusion lists cut to the first SHOWN of each.
+    """The decision with its candidate and exclusion lists cut to the first SHOWN of each,
+    and the victims past them (`preemption.listed`).
 
-    `considered` keeps the whole count, and every victim and trial is among the first
-    candidates, so the cut loses only replicas the policy never reached. A decision's
-    events make its data with only those listed (`Decision.to_event_data`'s `shown`),
-    rather than convert every candidate to cut most of them here.
+    `considered` keeps the whole count. The reference's victims and trials are among the
+    first candidates, so the cut loses only replicas it never reached; node-aware's
+    victims can be anywhere in the order, and are kept after the first SHOWN. A
+    decision's events make their data with only those listed (`Decision.to_event_data`'s
+    `shown`), rather than convert every candidate to cut most of them here.
     """
     if len(data.candidates) <= SHOWN and len(data.excluded) <= SHOWN:
         return data
+    victims = {v.replica for v in data.victims}
     return msgspec.structs.replace(
-        data, candidates=data.candidates[:SHOWN], excluded=data.excluded[:SHOWN]
+        data,
+        candidates=tuple(preemption.listed(data.candidates, victims, SHOWN)),
+        excluded=data.excluded[:SHOWN],
     )
 
 

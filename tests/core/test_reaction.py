@@ -157,3 +157,42 @@ def test_hold_end_is_one_rule_for_the_policy_and_the_releases() -> None:
     assert released.data.reason == "satisfied"
     publish(view, [released])
     assert "batch" not in view.state.holds
+
+
+def test_a_published_decision_lists_a_victim_past_the_first_shown_candidates() -> None:
+    """Node-aware may stop a replica far down the order: the event lists the first SHOWN
+    candidates and then that victim, so `llmgw explain` of it finds its own row."""
+    s = Scenario()
+    s.node("h1", "1xH100-80GB")
+    s.model("whisper", cls="opportunistic", min=0, max=99, profiles=["l4:1"])
+    s.model("small", cls="opportunistic", min=0, max=1, profiles=["one:1"])
+    s.model(
+        "big", cls="critical", min=1, profiles=[ev.ProfileSpec(name="h", gpus=1, gpu_model="H100")]
+    )
+    n = reaction.SHOWN + 6
+    for i in range(n // 4):
+        s.node(f"l{i}", "4xL4-24GB")
+        for g in range(4):
+            # Idle for hours: tier 0, ahead of every other candidate, and on L4s.
+            s.replica(f"w{i}-{g}", "whisper", on=(f"l{i}", [g]), ready="-5h", used="-3h")
+    s.replica("h1-a", "small", on=("h1", [0]), ready="-5h", used="-1m")
+    e = s.emit(ev.PlacementFailed(model="big", profiles=("h",), live=0, desired=1, reason="no_fit"))
+    assert isinstance(e, ev.PlacementFailedEvent)
+    view = s.view()
+
+    ref = reaction.react(view, e, s.now, CFG)
+    assert ref.decision is not None and ref.decision.outcome == "no_fit"
+
+    r = reaction.react(view, e, s.now, Config(hold_s=60.0, policy="node-aware"))
+    d = r.decision
+    assert d is not None and d.outcome == "preempted"
+    assert [v.replica for v in d.victims] == ["h1-a"]
+    assert d.candidates[-1].replica == "h1-a" and len(d.candidates) == n + 1
+    decided = r.events[0][0]
+    assert isinstance(decided, ev.PreemptionDecidedEvent)
+    listed = [c.replica for c in decided.data.candidates]
+    assert listed == [c.replica for c in d.candidates[: reaction.SHOWN]] + ["h1-a"]
+    assert decided.data.considered == n + 1
+    # The cut of a whole decision's data keeps the same.
+    whole = reaction.bounded(d.to_event_data(e.id))
+    assert whole == decided.data
