@@ -184,6 +184,7 @@ class Engine:
         self._seen: dict[str, float] = {}
         self._dirty = True
         self._failures: dict[str, scheduling.Failure] = {}
+        self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._ready: dict[str, int] = dict.fromkeys(self.models, 0)
         self._ready_ids: dict[str, dict[str, None]] = {m: {} for m in self.models}
@@ -360,7 +361,7 @@ class Engine:
         """When a pass is next due by a timer, after now: a failure's backoff, a hold's
         end or a silent node's timeout; None when none is."""
         t = self.t
-        nxt = t + self.scfg.failed_backoff_s if self._failures else math.inf
+        nxt = t + self.scfg.failed_backoff_s if self._failing else math.inf
         if nxt <= t:
             nxt = math.inf
         timers = self._timers
@@ -410,15 +411,20 @@ class Engine:
         plan = scheduling.plan(
             self.view, self.now, self.scfg, failures=self._failures, silent=silent
         )
-        for m in plan.satisfied:
-            self._failures.pop(m, None)
+        # The failure memory as the scheduler service keeps it: a model placed in full
+        # keeps when it was last reported (`scheduling.remember`), and a failure is
+        # remembered once the broker has it, a duplicate included.
+        failures = scheduling.remember(self._failures, plan.satisfied, self.now, self.scfg)
+        self._failures = failures
         for o in plan.outputs:
-            if not self.emit(o.event, o.node):
-                continue
+            stored = self.emit(o.event, o.node)
             if o.failure is not None:
-                self._failures[o.failure[0]] = o.failure[1]
-            if isinstance(o.event, ev.PlacementFailedEvent):
+                failures[o.failure[0]] = o.failure[1]
+            if stored and isinstance(o.event, ev.PlacementFailedEvent):
                 self._react(o.event)
+        # Only a failure still standing is due again after its backoff; a cleared one
+        # waits for the model to fail again, which an event makes a pass find.
+        self._failing = any(f.digest for f in failures.values())
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
         r = reaction.react(self.view, trigger, self.now, self.pcfg)

@@ -85,13 +85,16 @@ class _Checked(engine.Engine):
     def _next_due(self) -> float | None:
         got = super()._next_due()
         s = self.view.state
-        due = [self.t + self.scfg.failed_backoff_s] if self._failures else []
+        # A failure still standing (not cleared by the model's placement since) is due
+        # again after its backoff.
+        standing = any(f.digest for f in self._failures.values())
+        due = [self.t + self.scfg.failed_backoff_s] if standing else []
         due += [(h.until - engine.START).total_seconds() + 0.001 for h in s.holds.values()]
         silent = [n for n in self._down if not s.nodes[n].lost]
         due += [self._down[n] + self.scfg.node_timeout_s + 0.001 for n in silent]
         due = [x for x in due if x > self.t]
         assert got == (min(due) if due else None), self.t
-        self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=bool(self._failures))
+        self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=standing)
         return got
 
     def _releases_due(self) -> bool:
