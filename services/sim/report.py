@@ -112,7 +112,9 @@ def verdict(results: Sequence[Result], candidate: str, against: str = "reference
     return [r.label for r in rows(results) if worse(r, a, b)]
 
 
-def _fmt(v: float | None) -> str:
+def fmt(v: float | None) -> str:
+    """A figure as the report prints it: "-" for none, whole numbers with thousands
+    separators, others to one decimal (two below 10)."""
     if v is None:
         return "-"
     if v == int(v) and abs(v) < 1e12:
@@ -123,7 +125,7 @@ def _fmt(v: float | None) -> str:
 def table(results: Sequence[Result]) -> str:
     """The report as a fixed-width table."""
     head = ["", *(r.policy for r in results)]
-    body = [[row.label, *(_fmt(v) for v in row.values)] for row in rows(results)]
+    body = [[row.label, *(fmt(v) for v in row.values)] for row in rows(results)]
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     lines = []
     for line in [head, *body]:
