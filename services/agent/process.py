@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import events as ev
+from services import pids
 from services.agent import procs
 from services.agent.gpus import Nvml
 from services.agent.runtime import Report
@@ -185,9 +186,9 @@ class ProcessRuntime:
                 await self._kill_all(e.tag, leader)
         # Whatever else carries this node's tag is a server nobody can vouch for.
         ours = {s.e.tag for s in self._servers.values()}
-        for tag, pids in procs.tagged(self._tag_prefix).items():
+        for tag, found in procs.tagged(self._tag_prefix).items():
             if tag not in ours:
-                log.warning("%s: stopping unknown server processes %s", self.node, sorted(pids))
+                log.warning("%s: stopping unknown server processes %s", self.node, sorted(found))
                 await self._kill_all(tag, None)
         for r, s in known.items():
             if r not in self._servers and s.state in ("ready", "draining"):
@@ -375,7 +376,7 @@ class ProcessRuntime:
                 cwd=self.data,
                 start_new_session=True,
             )
-        started = procs.start_time(popen.pid) or 0
+        started = pids.start_time(popen.pid) or 0
         e = Entry(
             replica=replica,
             model=model,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from schemas import events as ev
+from services import pids
 from services.agent import gpus, process, procs, spec
 from services.agent.process import ProcessRuntime
 from tests.agent import realagent as ra
@@ -386,7 +387,7 @@ async def test_a_pid_and_start_time_from_another_boot_is_not_adopted(
     assert entry["boot"] == procs.boot_id() != ""
     stranger = _stranger()
     try:
-        started = procs.start_time(stranger.pid)
+        started = pids.start_time(stranger.pid)
         _edit_state(tmp_path, pid=stranger.pid, started=started, boot="an-earlier-boot")
         await rt.adopt(_known("r-1", node, (0,), "loading"))
         assert "r-1" not in rt.running()
