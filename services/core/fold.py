@@ -625,9 +625,9 @@ def _about_node(view: View, e: Any) -> tuple[Key, ...]:
 def _about_lost(view: View, e: ev.NodeLostEvent) -> list[Key]:
     node = e.data.node
     out: list[Key] = [("node", node)]
-    # The fold fails every replica that held capacity on a lost node.
+    # The fold fails every replica that held capacity on a lost node: the current ones.
     for r in view.current():
-        if r.holds_capacity and any(s.node == node for s in r.shards):
+        if any(s.node == node for s in r.shards):
             out += (("replica", r.id), ("model", r.model))
     return out
 

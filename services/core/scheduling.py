@@ -216,11 +216,22 @@ def plan(
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
         return out
-    others, timed_out = _other_names(out, mk, view, now, config)
+    # late: per model name as the replicas give it, the placements drained for
+    # placement_timeout that a pass may still read. Their nodes are avoided for
+    # avoid_for_s after they were created (`_avoided`); a first ready ends a backoff
+    # only when it came after the last failure, and a backoff still on now had that
+    # failure less than start_backoff_max_s ago (`_backoffs`). An older one changes
+    # neither, and the view keeps them by the later of the two times, so the old ones
+    # are not read at all.
+    recent_s = max(config.avoid_for_s, config.start_backoff_max_s)
+    late: dict[str, list[ReplicaRecord]] = {}
+    for r in view.timed_out_since(now - timedelta(seconds=recent_s)):
+        late.setdefault(r.model, []).append(r)
+    others, timed_out = _other_names(out, mk, view, now, config, late.keys())
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(now - timedelta(seconds=_horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
-    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts)
+    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts, late)
     satisfied = out.satisfied
     live_count = view.live_count
     for m in view.catalog.by_rank():
@@ -254,11 +265,17 @@ def _lost_nodes(
 
 
 def _other_names(
-    out: Plan, mk: _Maker, view: View, now: datetime, config: Config
+    out: Plan,
+    mk: _Maker,
+    view: View,
+    now: datetime,
+    config: Config,
+    late: Iterable[str],
 ) -> tuple[dict[str, list[str]], set[str]]:
-    """Per declared model, the names other than its own that its current replicas give
-    (its aliases); and the models one of whose placements just timed out, drained here
-    and left for the next pass. Replicas of models no longer in the catalog are drained.
+    """Per declared model, the names other than its own (its aliases) given by its
+    current replicas or its recent timed-out placements (`late`: the names those give);
+    and the models one of whose placements just timed out, drained here and left for
+    the next pass. Replicas of models no longer in the catalog are drained.
 
     The view indexes the current replicas and their live counts by the name they give,
     and the pending placements apart, so a pass reads per name rather than walking
@@ -271,11 +288,11 @@ def _other_names(
     cat = view.catalog
     # A declared model's name resolves to that model (a name wins over an alias): only
     # the other names need resolving.
-    for name in sorted(view.current_models() - view.state.models.keys()):
+    for name in sorted((view.current_models() | late) - view.state.models.keys()):
         m = cat.resolve(name)
         if m is None:
-            for r in view.current_of(name):
-                if r.holds_capacity and r.drained_by is None and r.state != "draining":
+            for r in view.current_of(name):  # each holds capacity
+                if r.drained_by is None and r.state != "draining":
                     drains.append((view.ordinal(r.id), r, "model_removed"))
         else:
             others.setdefault(m.name, []).append(name)
@@ -387,6 +404,7 @@ class _Pass:
         "failed_starts",
         "failures",
         "inv",
+        "late",
         "mk",
         "now",
         "out",
@@ -405,8 +423,10 @@ class _Pass:
         failures: Mapping[str, Failure],
         token: str,
         failed_starts: _FailedStarts,
+        late: Mapping[str, list[ReplicaRecord]],
     ) -> None:
         self.out = out
+        self.late = late
         self.failed_starts = failed_starts
         self.mk = mk
         self.view = view
@@ -419,7 +439,8 @@ class _Pass:
 
     def reconcile(self, m: catalog.Model, names: Iterable[str], n_live: int, desired: int) -> None:
         """Drain what is above desired, or place what is missing, for one model whose
-        current replicas give `names`, `n_live` of them live, not `desired`."""
+        current replicas and recently timed-out placements give `names`, `n_live` of
+        them live, not `desired`."""
         out, view = self.out, self.view
         # The records are read, not copied: a pass folds nothing, so they stay as they
         # are until it ends.
@@ -438,6 +459,7 @@ class _Pass:
             # quota_limit failure): with no limit anywhere, summing it is not needed.
             tree = view.quota
             self.usage = tree.usage(view.holdings()) if tree.limited else {}
+        late = [r for n in names for r in self.late.get(n, ())]
         _place_missing(
             out,
             self.mk,
@@ -447,8 +469,10 @@ class _Pass:
             self.usage,
             n_live,
             desired,
-            _avoided(reps, self.now, self.config, self.failed_starts.get(m.name)),
-            _backoffs(self.failed_starts[m.name], reps, self.now, self.config)
+            _avoided(late, self.now, self.config, self.failed_starts.get(m.name)),
+            # A timed-out placement that holds capacity is in both lists: read twice, it
+            # still ends a backoff once.
+            _backoffs(self.failed_starts[m.name], [*reps, *late], self.now, self.config)
             if m.name in self.failed_starts
             else {},
             self.token,
@@ -476,23 +500,22 @@ def _scale_down_order(live: list[ReplicaRecord]) -> list[ReplicaRecord]:
 
 
 def _avoided(
-    reps: list[ReplicaRecord],
+    timed_out: list[ReplicaRecord],
     now: datetime,
     config: Config,
     failed: Mapping[str, object] | None = None,
 ) -> tuple[str, ...]:
-    """Nodes where a placement of this model timed out lately, or where its start failed
-    lately (`failed`, its recent failed starts by node): placed elsewhere if it can.
+    """Nodes where a placement of this model timed out lately (of `timed_out`, its
+    placements drained for placement_timeout, those created within `avoid_for_s`), or
+    where its start failed lately (`failed`, its recent failed starts by node): placed
+    elsewhere if it can.
 
     The failed starts are avoided beyond their backoff: a backoff shorter than a pass
     would otherwise let a model go back and forth between two nodes that refuse it while
     a third, never tried, would serve it."""
     out: set[str] = set(failed or ())
-    for r in reps:
-        if (
-            r.drain_reason == "placement_timeout"
-            and (now - r.created_at).total_seconds() < config.avoid_for_s
-        ):
+    for r in timed_out:
+        if (now - r.created_at).total_seconds() < config.avoid_for_s:
             out.update(r.nodes)
     return tuple(sorted(out))
 

@@ -266,6 +266,8 @@ class View:
         "_of_model",
         "_ordinal",
         "_pending",
+        "_timed_out",
+        "_timed_out_at",
         "_unordered",
         "catalog",
         "inventory",
@@ -295,6 +297,8 @@ class View:
         self._pending: dict[str, ReplicaRecord] = {}
         self._failed: list[tuple[datetime, int, str]] = []
         self._failed_at: dict[str, tuple[datetime, int, str]] = {}
+        self._timed_out: list[tuple[datetime, int, str]] = []
+        self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
@@ -307,12 +311,18 @@ class View:
         """Bring the replica indexes up to date with `r`, just created or changed. The
         fold calls it after every change to a replica record; nothing else changes them.
 
-        - current: the replicas that hold capacity, or were drained for
-          placement_timeout (a pass still reads those), in the order they were created,
-          and the same per model name as the replica gives it;
+        - current: the replicas that hold capacity, in the order they were created, and
+          the same per model name as the replica gives it. One that stops leaves it, so
+          what reads it (a pass, the policy, quota usage, a lost node's replicas) costs
+          what the cluster holds now, not what it ever held;
         - live: per model name as the replica gives it, how many are `live`;
         - pending: the placed replicas still pending and not asked to stop, which a
           pass checks against its start timeout;
+        - timed out: the replicas drained for placement_timeout, holding capacity or
+          not, by the later of their creation and their first ready. A pass avoids the
+          nodes of those created lately, and the first ready of one ends a backoff on
+          its node even once it has stopped; read by time, it costs a pass the recent
+          ones, however many timed out before;
         - failed: the failed ones by the time of their last report;
         - loads: per model, each replica's seconds from placement to its first ready,
           added when `ready` says this change was that first ready.
@@ -323,7 +333,7 @@ class View:
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
         state = r.state
-        if state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout":
+        if state in ev.HOLDING_STATES:
             if rid not in self._current:
                 if n < self._current_top:
                     self._unordered = True
@@ -355,22 +365,26 @@ class View:
             self._pending[rid] = r
         else:
             self._pending.pop(rid, None)
-        old = self._failed_at.get(rid)
-        key = (r.updated_at, n, rid) if r.state == "failed" else None
-        if old != key:
-            if old is not None:
-                del self._failed[bisect.bisect_left(self._failed, old)]
-                del self._failed_at[rid]
-            if key is not None:
-                bisect.insort(self._failed, key)
-                self._failed_at[rid] = key
+        _move(
+            self._failed,
+            self._failed_at,
+            rid,
+            (r.updated_at, n, rid) if state == "failed" else None,
+        )
+        if r.drain_reason == "placement_timeout":
+            # A drain's reason never changes and its ready_at is set once: the key moves
+            # at most once, at a ready after the timeout.
+            at = r.created_at if r.ready_at is None else max(r.created_at, r.ready_at)
+            _move(self._timed_out, self._timed_out_at, rid, (at, n, rid))
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
 
     def current(self) -> Iterable[ReplicaRecord]:
-        """The replicas that hold capacity, and those drained for placement_timeout, in
-        the order they were created (the order of `replicas`): what a pass and the policy
-        read, without the cluster's whole history."""
+        """The replicas that hold capacity, in the order they were created (the order of
+        `replicas`): what a pass and the policy read, without the cluster's whole
+        history. A replica drained for placement_timeout is here while it holds capacity
+        and leaves when it stops, like any other; a pass finds it later by
+        `timed_out_since`."""
         if self._unordered:
             order = self._ordinal
             self._current = dict(sorted(self._current.items(), key=lambda kv: order[kv[0]]))
@@ -404,6 +418,15 @@ class View:
         i = bisect.bisect_left(self._failed, (since, -1, ""))
         reps = self.state.replicas
         return [reps[rid] for _, _, rid in sorted(self._failed[i:], key=lambda k: k[1])]
+
+    def timed_out_since(self, since: datetime) -> list[ReplicaRecord]:
+        """The replicas drained for placement_timeout, holding capacity or not, whose
+        creation or first ready is at or after `since`, in the order they were created.
+        A reader that needs those created after one time, or first ready after another,
+        reads from the earlier of the two, and no further back."""
+        i = bisect.bisect_left(self._timed_out, (since, -1, ""))
+        reps = self.state.replicas
+        return [reps[rid] for _, _, rid in sorted(self._timed_out[i:], key=lambda k: k[1])]
 
     def load_times(self) -> dict[str, list[float]]:
         """Per model, each replica's seconds from placement to its first ready (read
@@ -484,10 +507,7 @@ class View:
         # model and shape rather than once per replica.
         by_model: dict[str, str] = {}
         amounts: dict[tuple[str, str, int, int], quota.Amount] = {}
-        holding = ev.HOLDING_STATES
         for r in self.current():
-            if r.state not in holding:
-                continue
             owner = by_model.get(r.model)
             if owner is None:
                 m = self.catalog.resolve(r.model)
@@ -510,6 +530,25 @@ class View:
     def copy(self) -> View:
         """An independent copy (through the snapshot encoding)."""
         return View(decode_state(encode_state(self.state)))
+
+
+def _move(
+    index: list[tuple[datetime, int, str]],
+    keys: dict[str, tuple[datetime, int, str]],
+    rid: str,
+    key: tuple[datetime, int, str] | None,
+) -> None:
+    """Put `rid` at `key` in a list kept sorted by time (`keys`: where each one is), or
+    take it out when `key` is None."""
+    old = keys.get(rid)
+    if old == key:
+        return
+    if old is not None:
+        del index[bisect.bisect_left(index, old)]
+        del keys[rid]
+    if key is not None:
+        bisect.insort(index, key)
+        keys[rid] = key
 
 
 def profile_of(view: View, r: ReplicaRecord) -> catalog.Profile | None:

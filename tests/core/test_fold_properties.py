@@ -9,6 +9,7 @@ encoding (`encode_state` -> `decode_state` -> `View(state)`), as the projector s
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -20,7 +21,7 @@ from schemas import events as ev
 from services.core import scheduling
 from services.core.catalog import class_rank
 from services.core.ingest import Ingest
-from services.core.view import View, decode_state, digest, encode_state
+from services.core.view import ReplicaRecord, View, decode_state, digest, encode_state
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 NODES = ("n0", "n1", "n2")
@@ -201,6 +202,7 @@ def test_fold_whole_equals_snapshot_plus_rest(
 Indexes = tuple[
     list[str],
     list[str],
+    list[str],
     dict[str, list[float]],
     dict[str, list[str]],
     dict[str, int],
@@ -218,6 +220,7 @@ def _indexes(view: View) -> Indexes:
     return (
         [r.id for r in view.current()],
         [r.id for r in view.failed_since(T0)],
+        [r.id for r in view.timed_out_since(T0)],
         loads,
         of_model,
         {m: n for m, n in live.items() if n},
@@ -229,10 +232,9 @@ def _indexes(view: View) -> Indexes:
 def _walked(view: View) -> Indexes:
     """The same, by walking every replica ever placed."""
     reps = view.replicas.values()
-    current = [
-        r.id for r in reps if r.state in ev.HOLDING_STATES or r.drain_reason == "placement_timeout"
-    ]
+    current = [r.id for r in reps if r.state in ev.HOLDING_STATES]
     failed = [r.id for r in reps if r.state == "failed" and r.updated_at >= T0]
+    timed_out = _timed_out_walked(view, T0)
     loads: dict[str, list[float]] = {}
     of_model: dict[str, list[str]] = {}
     live: dict[str, int] = {}
@@ -251,6 +253,7 @@ def _walked(view: View) -> Indexes:
     return (
         current,
         failed,
+        timed_out,
         {m: sorted(xs) for m, xs in loads.items()},
         {m: sorted(ids) for m, ids in of_model.items()},
         live,
@@ -259,16 +262,27 @@ def _walked(view: View) -> Indexes:
     )
 
 
+def _timed_out_walked(view: View, since: datetime) -> list[str]:
+    """The replicas drained for placement_timeout created, or first ready, at or after
+    `since`, by walking every replica."""
+    return [
+        r.id
+        for r in view.replicas.values()
+        if r.drain_reason == "placement_timeout"
+        and (r.created_at >= since or (r.ready_at is not None and r.ready_at >= since))
+    ]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(log=records(), data=st.data(), since=minutes)
 def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
     log: list[tuple[str, bytes]], data: st.DataObject, since: datetime
 ) -> None:
     """The indexes a pass and the policy read instead of every replica ever placed (the
-    ones holding capacity or drained for placement_timeout, in creation order and per
-    model; the live counts per model; the pending placements; the failed ones since a
-    time; the load times; the creation order) say what the walk says, after any log,
-    live and from a snapshot taken anywhere in it."""
+    ones holding capacity, in creation order and per model; the live counts per model;
+    the pending placements; the failed ones and the ones drained for placement_timeout
+    since a time; the load times; the creation order) say what the walk says, after any
+    log, live and from a snapshot taken anywhere in it."""
     recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
     split = data.draw(st.integers(0, len(recs)))
     whole = fold(None, recs).view
@@ -280,6 +294,7 @@ def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
             r.id for r in view.replicas.values() if r.state == "failed" and r.updated_at >= since
         ]
         assert [r.id for r in view.failed_since(since)] == want
+        assert [r.id for r in view.timed_out_since(since)] == _timed_out_walked(view, since)
         for m in MODELS:
             assert view.live_count(m) == sum(
                 1 for r in view.replicas.values() if r.model == m and r.live
@@ -289,7 +304,8 @@ def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
 def test_a_stopped_replica_drained_for_placement_timeout_is_read_by_a_pass_again() -> None:
     """A drain for placement_timeout that arrives after the replica stopped changes
     nothing it holds, but a pass reads such a replica (it is why a node is avoided):
-    the index follows the drain, not only the state."""
+    it is not current, yet the index of timed-out placements follows the drain, not
+    only the state."""
     sh = (ev.ShardSpec(node="n0", gpus=(0,)),)
     gpu = ev.GpuInfo(index=0, uuid="GPU-0", model="H100", memory_gb=80.0)
     log: list[ev.Data] = [
@@ -304,7 +320,8 @@ def test_a_stopped_replica_drained_for_placement_timeout_is_read_by_a_pass_again
         e = ev.make(d, id=f"e{i}", time=T0 + timedelta(seconds=i), source="test")
         f.raw(i, subjects.subject_for(e, node="n0"), codec.encode(e))
     assert f.touched.rejections == []
-    assert [r.id for r in f.view.current()] == ["r0"]
+    assert [r.id for r in f.view.current()] == []
+    assert [r.id for r in f.view.timed_out_since(T0)] == ["r0"]
     assert _indexes(f.view) == _walked(f.view)
 
 
@@ -397,6 +414,123 @@ def test_the_replica_indexes_hold_through_busy_replica_lives(
     restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
+
+
+# Timed-out lives: two models scaled to a few replicas each (one of them under its name
+# and its alias); each replica is placed, perhaps drained for placement_timeout, perhaps
+# comes up, perhaps stops or fails, in that order in the log but at times of their own,
+# so a first ready can be stamped before the placement or long after it (the index's key
+# moves), and the lives of the replicas interleave.
+@st.composite
+def timed_out_records(draw: st.DrawFn) -> list[tuple[str, bytes]]:
+    minute = timedelta(minutes=1)
+    steps: list[tuple[int, str, str, datetime]] = []
+    for rid in BUSY[:6]:
+        placed = T0 + draw(st.integers(0, 40)) * minute
+        life = [("place", placed)]
+        if draw(st.booleans()):
+            life.append(("timeout", placed + draw(st.integers(0, 30)) * minute))
+        if draw(st.booleans()):
+            life.append(("ready", placed + draw(st.integers(-5, 30)) * minute))
+        if draw(st.booleans()):
+            end = placed + draw(st.integers(1, 40)) * minute
+            life.append((draw(st.sampled_from(("stopped", "failed"))), end))
+        at = sorted(draw(st.lists(st.integers(0, 99), min_size=len(life), max_size=len(life))))
+        steps += [(pos, rid, kind, t) for pos, (kind, t) in zip(at, life, strict=True)]
+    out: list[tuple[str, bytes]] = []
+    wanted = [ev.ScaleDesired(model=m, replicas=draw(st.integers(0, 5))) for m in ("m0", "m1")]
+    for i, d in enumerate([*_busy_setup(), *wanted]):
+        e = ev.make(d, id=f"s{i}", time=T0, source="test")
+        out.append((subjects.subject_for(e), codec.encode(e)))
+    for i, (_, rid, kind, t) in enumerate(sorted(steps, key=lambda s: s[0])):
+        sh = _home(rid)
+        name = ("m0", "a0", "m1")[int(rid[1:]) % 3]
+        data: ev.Data
+        if kind == "place":
+            data = ev.PlacementDecided(
+                replica=rid, model=name, profile="p1", shards=(sh,), reason="fit"
+            )
+        elif kind == "timeout":
+            data = ev.ReplicaDrain(replica=rid, model=name, reason="placement_timeout")
+        else:
+            data = ev.ReplicaState(replica=rid, model=name, profile="p1", state=kind, shards=(sh,))
+        e = ev.make(data, id=f"e{i}", time=t, source="test")
+        out.append((subjects.subject_for(e, node=sh.node), codec.encode(e)))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=timed_out_records(), data=st.data())
+def test_the_timed_out_index_is_what_a_walk_finds_from_any_time(
+    log: list[tuple[str, bytes]], data: st.DataObject
+) -> None:
+    """The placements drained for placement_timeout, read from any time (each creation
+    and first ready, and the second either side), are what a walk over every replica
+    finds, live and from a snapshot; a stopped one is no longer current."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    second = timedelta(seconds=1)
+    for view in (whole, restored):
+        assert _indexes(view) == _walked(view)
+        times = {t for r in view.replicas.values() for t in (r.created_at, r.ready_at) if t}
+        for at in sorted({*times, *(t - second for t in times), *(t + second for t in times)}):
+            assert [r.id for r in view.timed_out_since(at)] == _timed_out_walked(view, at)
+
+
+class _Walked(View):
+    """A view whose pass finds its replicas by walking every one ever placed: per model
+    name, those holding capacity and every one drained for placement_timeout however
+    old, as the current replicas were before a stopped one left them, and all of the
+    latter as the timed-out placements."""
+
+    __slots__ = ()
+
+    def _read(self) -> list[ReplicaRecord]:
+        return [
+            r
+            for r in self.replicas.values()
+            if r.holds_capacity or r.drain_reason == "placement_timeout"
+        ]
+
+    def current_of(self, model: str) -> list[ReplicaRecord]:
+        return [r for r in self._read() if r.model == model]
+
+    def current_models(self) -> KeysView[str]:
+        return dict.fromkeys(r.model for r in self._read()).keys()
+
+    def timed_out_since(self, since: datetime) -> list[ReplicaRecord]:
+        return [r for r in self.replicas.values() if r.drain_reason == "placement_timeout"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=timed_out_records(), data=st.data())
+def test_a_pass_on_the_timed_out_index_decides_what_a_walk_would(
+    log: list[tuple[str, bytes]], data: st.DataObject
+) -> None:
+    """A pass reads the current replicas, which hold capacity, and the timed-out
+    placements from a time on (the nodes it avoids, the backoffs a late ready ends): it
+    decides what a pass that walked every replica ever placed would, at times just
+    inside and just past each of those windows after any time in the log, whether its
+    nodes are avoided for longer than a backoff lasts or not."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    view = fold(None, recs).view
+    raw = encode_state(view.state)
+    config = scheduling.Config(avoid_for_s=data.draw(st.sampled_from((1.0, 600.0))))
+    times = sorted(
+        {t for r in view.replicas.values() for t in (r.created_at, r.ready_at, r.updated_at) if t}
+    )
+    windows = (config.avoid_for_s, config.start_backoff_s, config.start_backoff_max_s)
+    after = data.draw(st.sampled_from([0.0, *(w + d for w in windows for d in (-5.0, 5.0))]))
+    now = data.draw(st.sampled_from(times)) + timedelta(seconds=after)
+    bounded = scheduling.plan(View(decode_state(raw)), now, config)
+    walked = scheduling.plan(_Walked(decode_state(raw)), now, config)
+    assert [codec.encode(o.event) for o in bounded.outputs] == [
+        codec.encode(o.event) for o in walked.outputs
+    ]
+    assert bounded.satisfied == walked.satisfied
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

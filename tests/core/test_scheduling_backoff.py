@@ -256,3 +256,84 @@ def test_placement_reasons_count_gpus_in_words() -> None:
         o.event.data.reason for o in out.outputs if isinstance(o.event.data, ev.PlacementDecided)
     ]
     assert reasons == ["best fit: p on gpu-0, 1 GPU left", "best fit: p on gpu-0, 0 GPUs left"]
+
+
+def test_a_timed_out_placement_leaves_the_current_replicas_once_stopped() -> None:
+    """A placement drained for placement_timeout that has stopped holds nothing: it is
+    not among the current replicas, however old, yet while it is recent the pass still
+    avoids its node, and once it is old the node is a node like any other."""
+    sim = Sim()
+    sim.node("gpu-0", gpus=8)
+    sim.node("gpu-1", gpus=2)  # the best fit for one GPU, while it is not avoided
+    sim.model("m", min=0)
+    timeout = int(CONFIG.start_timeout_s)
+
+    def scale(replicas: int, at: int) -> str:
+        """The node of the placement a scale-up to `replicas` at `at` makes."""
+        sim.add(ev.ScaleDesired(model="m", replicas=replicas), T0 + timedelta(seconds=at))
+        ((_, node),) = _starts(sim.run(1, start=at))
+        return node
+
+    def time_out(replicas: int, at: int) -> str:
+        """Scale m up to `replicas` at `at`, its new placement on a mute gpu-1 timing out
+        and placed again, then its agent reporting it stopped; returns its id."""
+        sim.mute.add("gpu-1")
+        seen = len(sim.log)
+        assert scale(replicas, at) == "gpu-1"
+        sim.run(timeout + 1, start=at + 1)
+        (drain,) = [e for e in sim.log[seen:] if isinstance(e, ev.ReplicaDrainEvent)]
+        assert drain.data.reason == "placement_timeout"
+        sim.mute.clear()
+        d = drain.data
+        stopped = ev.ReplicaState(replica=d.replica, model="m", profile="p", state="stopped")
+        sim.add(stopped, T0 + timedelta(seconds=at + timeout + 2))
+        return d.replica
+
+    old = time_out(1, 0)
+    assert scale(2, 300) == "gpu-0"  # its node is avoided for avoid_for_s
+    later = int(3 * CONFIG.avoid_for_s)
+    recent = time_out(3, later)
+    assert {sim.view.replicas[r].state for r in (old, recent)} == {"stopped"}
+    assert old not in [r.id for r in sim.view.current()]
+    assert recent not in [r.id for r in sim.view.current_of("m")]
+    decided = [e for e in sim.log if isinstance(e, ev.PlacementDecidedEvent)]
+    assert decided[-1].data.reason.endswith("; avoiding gpu-1")
+    assert scale(4, later + 300) == "gpu-0"  # the recent one is still avoided
+    assert scale(5, later + int(CONFIG.avoid_for_s) + 200) == "gpu-1"
+
+
+@pytest.mark.parametrize("came_up", [True, False], ids=["came up", "never came up"])
+def test_a_timed_out_placement_that_came_up_late_ends_a_backoff_once_stopped(
+    came_up: bool,
+) -> None:
+    """A placement drained for placement_timeout whose start came late, after another
+    start failed on its node, shows the node can start the model: the backoff there ends,
+    though it has stopped since and its node is no longer avoided (avoid_for_s is short
+    here, so only the backoff's own window keeps it in reach of a pass)."""
+    sim = Sim(dataclasses.replace(CONFIG, avoid_for_s=1.0))
+    sim.node("gpu-0")
+    sim.model("m")
+
+    def say(data: ev.Data, second: int) -> None:
+        sim.add(data, T0 + timedelta(seconds=second))
+
+    def on(gpu: int) -> tuple[ev.ShardSpec, ...]:
+        return (ev.ShardSpec(node="gpu-0", gpus=(gpu,)),)
+
+    def state(replica: str, gpu: int, s: ev.ReplicaStateName) -> ev.ReplicaState:
+        return ev.ReplicaState(replica=replica, model="m", profile="p", state=s, shards=on(gpu))
+
+    say(ev.PlacementDecided(replica="late", model="m", profile="p", shards=on(0), reason="-"), 0)
+    say(ev.ReplicaDrain(replica="late", model="m", reason="placement_timeout"), 120)
+    say(ev.PlacementDecided(replica="no", model="m", profile="p", shards=on(1), reason="-"), 200)
+    say(state("no", 1, "failed"), 201)  # backs off until 211
+    if came_up:
+        say(state("late", 0, "ready"), 203)
+    say(state("late", 0, "stopped"), 204)
+    assert [r.id for r in sim.view.current()] == []
+    out = sim.tick(T0 + timedelta(seconds=205))
+    if came_up:
+        assert _starts([(205, out)]) == [(205, "gpu-0")]
+    else:
+        (failed,) = [o.event for o in out.outputs if isinstance(o.event, ev.PlacementFailedEvent)]
+        assert "gpu-0 backing off until 09:03:31" in failed.data.why["p"]
