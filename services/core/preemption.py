@@ -567,26 +567,32 @@ def _live_by_model(
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
     mine = m.name
-    for r in view.current():
-        if r.state not in holding:
-            continue  # drained for placement_timeout and stopped: holds nothing
-        model = r.model
-        if model == mine:
-            excluded[r.id] = (model, "same_model", WHY["same_model"])
-        elif r.retiring_at is not None:
-            excluded[r.id] = (model, "retiring", WHY["retiring"])
-        elif r.preempted_for is not None:
-            why = f"already stopped for {r.preempted_for}"
-            excluded[r.id] = (model, "already_preempted", why)
-        elif r.state == "draining" or r.drain_reason == "placement_timeout":
-            # not r.live, for a replica holding capacity, neither retiring nor preempted
-            excluded[r.id] = (model, "draining", WHY["draining"])
-        else:
-            reps = by_model.get(model)
-            if reps is None:
-                by_model[model] = [r]
+    same = (mine, "same_model", WHY["same_model"])
+    for model in view.current_models():
+        reps = list(view.current_of(model))
+        if model != mine and view.live_count(model) == len(reps):
+            # Every current replica of the model is live (a live one is always current):
+            # none is excluded by its own state, and no replica needs to be looked at.
+            by_model[model] = reps
+            continue
+        live = []
+        for r in reps:
+            if r.state not in holding:
+                continue  # drained for placement_timeout and stopped: holds nothing
+            if model == mine:
+                excluded[r.id] = same
+            elif r.retiring_at is not None:
+                excluded[r.id] = (model, "retiring", WHY["retiring"])
+            elif r.preempted_for is not None:
+                why = f"already stopped for {r.preempted_for}"
+                excluded[r.id] = (model, "already_preempted", why)
+            elif r.state == "draining" or r.drain_reason == "placement_timeout":
+                # not r.live, for a replica holding capacity, neither retiring nor preempted
+                excluded[r.id] = (model, "draining", WHY["draining"])
             else:
-                reps.append(r)
+                live.append(r)
+        if live:
+            by_model[model] = live
     return by_model
 
 

@@ -31,8 +31,8 @@ CLASSES = ("opportunistic", "standard", "critical")
 def build(rng: random.Random) -> tuple[Scenario, list[str]]:
     """A random cluster: nodes of 8 GPUs, models of every class (some on several nodes),
     owners with and without guarantees, and replicas in every state the rules read:
-    young, never used, used after now, retiring, preempted, draining, equal creation
-    times."""
+    young, never used, used after now, retiring, preempted, draining, drained for
+    placement_timeout (stopped or not), failed, equal creation times."""
     s = Scenario()
     nodes = [f"n{i}" for i in range(rng.randint(1, 6))]
     for n in nodes:
@@ -92,6 +92,13 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
             s.drain(rid, "scale_down")
         elif roll < 0.12:
             s.drain(rid, "preempted", for_model=rng.choice(models))
+        elif roll < 0.18:
+            # Given up on by the scheduler: still current, and once stopped, holding nothing.
+            s.drain(rid, "placement_timeout")
+            if rng.random() < 0.5:
+                s.state(rid, "stopped")
+        elif roll < 0.21:
+            s.state(rid, "failed")
     return s, models
 
 
@@ -213,10 +220,13 @@ def test_a_published_decision_lists_what_the_cut_keeps(seed: int, policy: str) -
         whole = d.to_event_data("t")
         assert whole.considered == len(whole.candidates) == len(d.candidates)
         assert d.to_event_data("t", SHOWN_ALL) == whole
+        victims = {v.replica for v in whole.victims}
         for shown in (0, 1, 3):
-            cut = msgspec.structs.replace(
-                whole, candidates=whole.candidates[:shown], excluded=whole.excluded[:shown]
+            # The first `shown`, then every victim past them (`preemption.listed`).
+            listed = whole.candidates[:shown] + tuple(
+                c for c in whole.candidates[shown:] if c.replica in victims
             )
+            cut = msgspec.structs.replace(whole, candidates=listed, excluded=whole.excluded[:shown])
             assert d.to_event_data("t", shown) == cut
         assert bounded(whole) == bounded(d.to_event_data("t", 50))
 
