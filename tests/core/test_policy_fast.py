@@ -32,7 +32,8 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
     """A random cluster: nodes of 8 GPUs, models of every class (some on several nodes),
     owners with and without guarantees, and replicas in every state the rules read:
     young, never used, used after now, retiring, preempted, draining, drained for
-    placement_timeout (stopped or not), failed, equal creation times."""
+    placement_timeout (stopped or not), failed, equal creation times; replicas of one
+    profile in two shapes."""
     s = Scenario()
     nodes = [f"n{i}" for i in range(rng.randint(1, 6))]
     for n in nodes:
@@ -74,9 +75,12 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
             s.replica(rid, model, on=on, profile="wide", created=created, ready=ready)
             continue
         node = rng.choice(nodes)
-        if len(free[node]) < size[model]:
+        # Now and then more GPUs than the profile asks (declared again with another
+        # size since): the same profile in two shapes.
+        gpus = size[model] + (rng.random() < 0.1)
+        if len(free[node]) < gpus:
             continue
-        taken = [free[node].pop() for _ in range(size[model])]
+        taken = [free[node].pop() for _ in range(gpus)]
         state = rng.choice(["ready"] * 6 + ["loading", "pending", "draining"])
         s.replica(
             rid,
@@ -147,7 +151,7 @@ def plain(
         above = max(len(reps) - other.min, 0)
         for i, r in enumerate(reps):
             above_min = i < above
-            idle = preemption._idle_for(r, now)
+            idle = None if r.last_used_at is None else (now - r.last_used_at).total_seconds()
             past = p.idle_decides and (0.0 if idle is None else idle) >= cfg.eviction_grace_s
             is_borrowed = r.id in borrowed if p.covered else any_guarantee
             by_class = preemption._class_tier(p, past, above_min, below_min)
