@@ -553,9 +553,10 @@ def _exclude_all(
 def _live_by_model(
     view: View, m: catalog.Model, excluded: _Excluded
 ) -> dict[str, list[ReplicaRecord]]:
-    """Per model, its live replicas; every other replica holding capacity is excluded by
-    the rules that read only its own state (same model, retiring, already preempted,
-    draining).
+    """Per model (by the name its replicas give), its live replicas; every other replica
+    holding capacity is excluded by the rules that read only its own state (same model,
+    retiring, already preempted, draining). Read model by model from the view's index, so
+    a model whose current replicas are all live costs a count, not a look at each.
 
     Draining is this project's reading of what the reference leaves to its replica
     states (`State.Counts`, a package we do not have): a draining replica is on its way
