@@ -222,11 +222,7 @@ def search(
             if not level_sets:
                 continue
             load_s = load_costs(view, {v.model for vs in level_sets for v in vs})
-            level = sorted(((key(vs, load_s), vs) for vs in level_sets), key=lambda x: x[0])
-            for _, vs in level:
-                if fits(vs):
-                    best = vs
-                    break
+            best = _first_fit(level_sets, load_s, fits)
             if best:
                 break
         if best:
@@ -239,3 +235,33 @@ def search(
             if not best or key(other, load_s) < key(best, load_s):
                 return other
     return best
+
+
+def _first_fit(
+    level_sets: list[tuple[C, ...]],
+    load_s: dict[str, float],
+    fits: Callable[[Sequence[C]], bool],
+) -> Sequence[C]:
+    """The first of one level's sets, in `key` order, that `fits` confirms; empty when
+    none does.
+
+    Every set of a level has the same highest tier and the same number of victims, so
+    `key` orders them by the work thrown away first: they are sorted by that alone, and
+    the whole key is worked out only for the sets tied with the one tried, usually the
+    first few of the level rather than all of it."""
+    thrown = [sum([load_s.get(v.model, 0.0) * v.gpus for v in vs]) for vs in level_sets]
+    order = sorted(range(len(level_sets)), key=thrown.__getitem__)
+    i, n = 0, len(order)
+    while i < n:
+        # The sets tied on the work thrown away, in `key` order.
+        j, least = i + 1, thrown[order[i]]
+        while j < n and thrown[order[j]] == least:
+            j += 1
+        tied = [level_sets[x] for x in order[i:j]]
+        if len(tied) > 1:
+            tied.sort(key=lambda vs: key(vs, load_s))
+        for vs in tied:
+            if fits(vs):
+                return vs
+        i = j
+    return ()

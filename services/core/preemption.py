@@ -155,7 +155,7 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
     matches a dozen keywords in about three times the time it takes them in order.
 
     `idle_s` None means nobody ever reported the replica used, which is not the same as
-    idle: it orders as 0, and is tier 0 only under a grace of 0 (see `_idle_for`).
+    idle: it orders as 0, and is tier 0 only under a grace of 0 (see `_Weighing._part`).
     Negative when its last use was stamped after the decision's `now`.
     """
 
@@ -553,9 +553,10 @@ def _exclude_all(
 def _live_by_model(
     view: View, m: catalog.Model, excluded: _Excluded
 ) -> dict[str, list[ReplicaRecord]]:
-    """Per model, its live replicas; every other replica holding capacity is excluded by
-    the rules that read only its own state (same model, retiring, already preempted,
-    draining).
+    """Per model (by the name its replicas give), its live replicas; every other replica
+    holding capacity is excluded by the rules that read only its own state (same model,
+    retiring, already preempted, draining). Read model by model from the view's index, so
+    a model whose current replicas are all live costs a count, not a look at each.
 
     Draining is this project's reading of what the reference leaves to its replica
     states (`State.Counts`, a package we do not have): a draining replica is on its way
@@ -567,26 +568,32 @@ def _live_by_model(
     by_model: dict[str, list[ReplicaRecord]] = {}
     holding = ev.HOLDING_STATES
     mine = m.name
-    for r in view.current():
-        if r.state not in holding:
-            continue  # drained for placement_timeout and stopped: holds nothing
-        model = r.model
-        if model == mine:
-            excluded[r.id] = (model, "same_model", WHY["same_model"])
-        elif r.retiring_at is not None:
-            excluded[r.id] = (model, "retiring", WHY["retiring"])
-        elif r.preempted_for is not None:
-            why = f"already stopped for {r.preempted_for}"
-            excluded[r.id] = (model, "already_preempted", why)
-        elif r.state == "draining" or r.drain_reason == "placement_timeout":
-            # not r.live, for a replica holding capacity, neither retiring nor preempted
-            excluded[r.id] = (model, "draining", WHY["draining"])
-        else:
-            reps = by_model.get(model)
-            if reps is None:
-                by_model[model] = [r]
+    same = (mine, "same_model", WHY["same_model"])
+    for model in view.current_models():
+        reps = list(view.current_of(model))
+        if model != mine and view.live_count(model) == len(reps):
+            # Every current replica of the model is live (a live one is always current):
+            # none is excluded by its own state, and no replica needs to be looked at.
+            by_model[model] = reps
+            continue
+        live = []
+        for r in reps:
+            if r.state not in holding:
+                continue  # drained for placement_timeout and stopped: holds nothing
+            if model == mine:
+                excluded[r.id] = same
+            elif r.retiring_at is not None:
+                excluded[r.id] = (model, "retiring", WHY["retiring"])
+            elif r.preempted_for is not None:
+                why = f"already stopped for {r.preempted_for}"
+                excluded[r.id] = (model, "already_preempted", why)
+            elif r.state == "draining" or r.drain_reason == "placement_timeout":
+                # not r.live, for a replica holding capacity, neither retiring nor preempted
+                excluded[r.id] = (model, "draining", WHY["draining"])
             else:
-                reps.append(r)
+                live.append(r)
+        if live:
+            by_model[model] = live
     return by_model
 
 
@@ -721,6 +728,13 @@ def _where(r: ReplicaRecord) -> tuple[str, int] | None:
     return "", 0
 
 
+# What stopping a replica of one profile and shape frees, as `_part` keeps it per
+# profile: the GPUs and shards of the shape it was worked out for, then the freed GPUs,
+# CPU cores and memory (size_of), and the part of the order key they give, one object
+# for all equal sizes (`_Weighing.sizes`).
+_Sized = tuple[int, int, int, float, float, tuple[int, float]]
+
+
 class _Weighing:
     """One pass of `_candidates`: what every model's replicas are weighed against, and
     the candidates and exclusions found so far."""
@@ -737,6 +751,7 @@ class _Weighing:
         "ranked",
         "reclaim",
         "settled",
+        "sizes",
         "view",
     )
 
@@ -765,6 +780,10 @@ class _Weighing:
         # victims (idle times are all unknown after a restart) would be tried in
         # whatever order the replicas happened to be listed.
         self.ranked: list[tuple[int, float, tuple[int, float], str, Candidate]] = []
+        # The size part of the order key, one object per size across all models: most
+        # candidates are never reported used, so their keys are equal up to the size,
+        # which the sort then compares at once, and only then the ids.
+        self.sizes: dict[tuple[int, float], tuple[int, float]] = {}
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
         try:
             self.settled = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
@@ -778,8 +797,8 @@ class _Weighing:
         if p.excluded is not None:
             _exclude_all(self.excluded, reps, (name, *p.excluded))
             return
-        # What stopping one replica frees, per profile and shape (see `_part`).
-        shaped: dict[tuple[str, int, int], tuple[quota.Amount, tuple[int, float]]] = {}
+        # What stopping one replica frees, per profile (see `_part`).
+        shaped: dict[str, _Sized] = {}
         above = len(reps) - other.min
         if above <= 0 or above >= len(reps):
             self._part(name, p, reps, above > 0, shaped)
@@ -796,42 +815,51 @@ class _Weighing:
         p: _Peer,
         reps: list[ReplicaRecord],
         above_min: bool,
-        shaped: dict[tuple[str, int, int], tuple[quota.Amount, tuple[int, float]]],
+        shaped: dict[str, _Sized],
     ) -> None:
         """Weigh replicas of one model on the same side of its minimum. `shaped` is the
-        model's, per profile and shape: what stopping one replica frees (size_of) and
-        the part of the order key it gives, one object for all, so that equal parts of
-        two keys are the same object, which the sort compares at once."""
+        model's, per profile: what stopping one replica of the last shape seen frees."""
         tiers, whys, idle_decides, covered = p.tiers, p.whys, p.idle_decides, p.covered
         excluded = self.excluded
-        if not idle_decides and not covered:
-            # Neither idle time nor a guarantee tells one replica from another: one
-            # outcome of the tier rules for all.
-            at = above_min * 2 + self.any_guarantee
-            if tiers[at] < 0:
+        # Neither idle time nor a guarantee tells one replica from another: one outcome
+        # of the tier rules for all, looked up once.
+        alike = not idle_decides and not covered
+        tier, is_borrowed = 0, self.any_guarantee
+        if alike:
+            at = above_min * 2 + is_borrowed
+            tier = tiers[at]
+            if tier < 0:
                 _exclude_all(excluded, reps, (name, *whys[at]))
                 return
         now, grace = self.now, self.cfg.eviction_grace_s
-        borrowed, all_borrowed = self.borrowed, self.any_guarantee
+        borrowed = self.borrowed
         settled, lifetime = self.settled, self.cfg.min_lifetime_s
-        view, ranked = self.view, self.ranked
+        view, append = self.view, self.ranked.append
         cls, owner = p.cls, p.owner
         for r in reps:
-            if idle_decides:
-                # Unknown idleness counts as 0 against the grace, as the
-                # reference's `idleFor(rep, now) >= EvictionGrace`: under a grace
-                # of 0 a never-used on-demand replica is tier 0 (0 >= 0).
-                idle = _idle_for(r, now)
-                past_grace = (0.0 if idle is None else idle) >= grace
-            else:
-                idle, past_grace = None, False
+            # How long the replica has gone unused, as the reference's idleFor: `now`
+            # minus its last use, unclamped; None when nobody has said, which is not
+            # the same as idle (the rules count it as 0). A use stamped after `now`
+            # (clock skew between hosts, `--now` in the past) is a negative idle time,
+            # and the replica sorts after an equal one never reported used. Clamped to
+            # 0 it would tie with that one and the id would choose the victim instead,
+            # a choice the reference does not make. (`ReplicaRecord.idle_s` clamps: it
+            # is what people are shown, not what the policy orders by.)
+            used = r.last_used_at
+            idle = None if used is None else (now - used).total_seconds()
             rid = r.id
-            is_borrowed = rid in borrowed if covered else all_borrowed
-            at = past_grace * 4 + above_min * 2 + is_borrowed
-            tier = tiers[at]
-            if tier < 0:
-                excluded[rid] = (name, *whys[at])
-                continue
+            if not alike:
+                # Unknown idleness counts as 0 against the grace, as the reference's
+                # `idleFor(rep, now) >= EvictionGrace`: under a grace of 0 a never-used
+                # on-demand replica is tier 0 (0 >= 0).
+                past_grace = idle_decides and (0.0 if idle is None else idle) >= grace
+                if covered:
+                    is_borrowed = rid in borrowed
+                at = past_grace * 4 + above_min * 2 + is_borrowed
+                tier = tiers[at]
+                if tier < 0:
+                    excluded[rid] = (name, *whys[at])
+                    continue
             # Ready at or before `settled`, a replica is at least a second past the
             # minimum lifetime: only those ready later need the exact age.
             ready = r.ready_at
@@ -841,21 +869,27 @@ class _Weighing:
                     excluded[rid] = (name, "young", young)
                     continue
             shards = r.shards
-            if len(shards) == 1:
-                node, gpus = shards[0].node, len(shards[0].gpus)
+            n = len(shards)
+            if n == 1:
+                shard = shards[0]
+                node, gpus = shard.node, len(shard.gpus)
             elif (where := _where(r)) is not None:
                 node, gpus = where
             else:
                 excluded[rid] = (name, "multi_node", f"spread over {', '.join(r.nodes)}")
                 continue
-            shape = (r.profile, gpus, len(shards))
-            sized = shaped.get(shape)
-            if sized is None:
+            sized = shaped.get(r.profile)
+            if sized is None or sized[0] != gpus or sized[1] != n:
                 size = size_of(view, r)
-                sized = shaped[shape] = (size, (size.gpus, size.memory_gb))
-            size = sized[0]
-            if not idle_decides:
-                idle = _idle_for(r, now)
+                part = (size.gpus, size.memory_gb)
+                sized = shaped[r.profile] = (
+                    gpus,
+                    n,
+                    size.gpus,
+                    size.cpu_cores,
+                    size.memory_gb,
+                    self.sizes.setdefault(part, part),
+                )
             # In field order: replica, model, cls, owner, tier, above_min, idle_s, gpus,
             # cpu_cores, memory_gb, node, borrowed.
             cand = Candidate(
@@ -866,13 +900,13 @@ class _Weighing:
                 tier,
                 above_min,
                 idle,
-                size.gpus,
-                size.cpu_cores,
-                size.memory_gb,
+                sized[2],
+                sized[3],
+                sized[4],
                 node,
                 is_borrowed,
             )
-            ranked.append((tier, -idle if idle else _NEVER_IDLE, sized[1], rid, cand))
+            append((tier, -idle if idle else _NEVER_IDLE, sized[5], rid, cand))
 
     def _peer(self, other: catalog.Model) -> _Peer:
         """What the rules read of `other`, with the outcomes of the tier rules for its
@@ -898,23 +932,6 @@ _UNKNOWN = ("unknown_model", WHY["unknown_model"])
 # The idle part of the order key of a replica never reported used (or used at `now`):
 # one object, which the sort compares at once.
 _NEVER_IDLE = -0.0
-
-
-def _idle_for(r: ReplicaRecord, now: datetime) -> float | None:
-    """_idle_for is how long a replica has gone unused, in seconds, as the reference's
-    idleFor: `now` minus its last use, unclamped; None when nobody has said, which is not
-    the same as idle (the rules count it as 0).
-
-    A use stamped after `now` (clock skew between hosts, `--now` in the past) is a
-    negative idle time, and the replica sorts after an equal one never reported used.
-    Clamped to 0 it would tie with that one and the id would choose the victim instead,
-    a choice the reference does not make. (`ReplicaRecord.idle_s` clamps: it is what
-    people are shown, not what the policy orders by.)
-    """
-    used = r.last_used_at
-    if used is None:
-        return None
-    return (now - used).total_seconds()
 
 
 def _not_lower(m: catalog.Model, cls: str, above_min: bool, below_min: bool) -> str:

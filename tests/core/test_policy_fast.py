@@ -1,24 +1,28 @@
 """The policy's shortcuts against the plain computation, over random clusters.
 
-`preemption._candidates` weighs a model's replicas in bulk where one outcome of the tier
-rules covers them all, sorts only the models whose minimum splits them, and collects the
-exclusions per replica id; `Decision.to_event_data(shown=...)` converts only what a
-published event lists; the oracle counts sets before it builds any group. Each is checked
-here against the computation it stands for, written out replica by replica from the same
-rules, on views folded from random logs and on the same views rebuilt from a snapshot
-(whose replicas come in another order).
+`preemption._candidates` groups the live replicas by model from the view's per-model
+index, weighs a model's replicas in bulk where one outcome of the tier rules covers them
+all, sorts only the models whose minimum splits them, keeps what a replica frees per
+profile, and collects the exclusions per replica id; `Decision.to_event_data(shown=...)`
+converts only what a published event lists; the oracle counts sets before it builds any
+group; the node-aware search orders a level by the work thrown away and works out the
+whole key only for ties. Each is checked here against the computation it stands for,
+written out replica by replica from the same rules, on views folded from random logs and
+on the same views rebuilt from a snapshot (whose replicas come in another order).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.core import catalog, preemption, quota
+from services.core import catalog, node_aware, preemption, quota
 from services.core.preemption import WHY, Candidate, Config, Exclusion, plan
 from services.core.reaction import bounded
 from services.core.view import ReplicaRecord, View, decode_state, encode_state, size_of
@@ -31,8 +35,9 @@ CLASSES = ("opportunistic", "standard", "critical")
 def build(rng: random.Random) -> tuple[Scenario, list[str]]:
     """A random cluster: nodes of 8 GPUs, models of every class (some on several nodes),
     owners with and without guarantees, and replicas in every state the rules read:
-    young, never used, used after now, retiring, preempted, draining, equal creation
-    times."""
+    young, never used, used after now, retiring, preempted, draining, drained for
+    placement_timeout (stopped or not), failed, equal creation times; replicas of one
+    profile in two shapes."""
     s = Scenario()
     nodes = [f"n{i}" for i in range(rng.randint(1, 6))]
     for n in nodes:
@@ -74,9 +79,12 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
             s.replica(rid, model, on=on, profile="wide", created=created, ready=ready)
             continue
         node = rng.choice(nodes)
-        if len(free[node]) < size[model]:
+        # Now and then more GPUs than the profile asks (declared again with another
+        # size since): the same profile in two shapes.
+        gpus = size[model] + (rng.random() < 0.1)
+        if len(free[node]) < gpus:
             continue
-        taken = [free[node].pop() for _ in range(size[model])]
+        taken = [free[node].pop() for _ in range(gpus)]
         state = rng.choice(["ready"] * 6 + ["loading", "pending", "draining"])
         s.replica(
             rid,
@@ -92,6 +100,13 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
             s.drain(rid, "scale_down")
         elif roll < 0.12:
             s.drain(rid, "preempted", for_model=rng.choice(models))
+        elif roll < 0.18:
+            # Given up on by the scheduler: still current, and once stopped, holding nothing.
+            s.drain(rid, "placement_timeout")
+            if rng.random() < 0.5:
+                s.state(rid, "stopped")
+        elif roll < 0.21:
+            s.state(rid, "failed")
     return s, models
 
 
@@ -140,7 +155,7 @@ def plain(
         above = max(len(reps) - other.min, 0)
         for i, r in enumerate(reps):
             above_min = i < above
-            idle = preemption._idle_for(r, now)
+            idle = None if r.last_used_at is None else (now - r.last_used_at).total_seconds()
             past = p.idle_decides and (0.0 if idle is None else idle) >= cfg.eviction_grace_s
             is_borrowed = r.id in borrowed if p.covered else any_guarantee
             by_class = preemption._class_tier(p, past, above_min, below_min)
@@ -213,10 +228,13 @@ def test_a_published_decision_lists_what_the_cut_keeps(seed: int, policy: str) -
         whole = d.to_event_data("t")
         assert whole.considered == len(whole.candidates) == len(d.candidates)
         assert d.to_event_data("t", SHOWN_ALL) == whole
+        victims = {v.replica for v in whole.victims}
         for shown in (0, 1, 3):
-            cut = msgspec.structs.replace(
-                whole, candidates=whole.candidates[:shown], excluded=whole.excluded[:shown]
+            # The first `shown`, then every victim past them (`preemption.listed`).
+            listed = whole.candidates[:shown] + tuple(
+                c for c in whole.candidates[shown:] if c.replica in victims
             )
+            cut = msgspec.structs.replace(whole, candidates=listed, excluded=whole.excluded[:shown])
             assert d.to_event_data("t", shown) == cut
         assert bounded(whole) == bounded(d.to_event_data("t", 50))
 
@@ -241,3 +259,51 @@ def test_the_oracle_answers_none_exactly_past_its_limit(seed: int, limit: int, k
             groups = [len(d.candidates)]
         over = sum(oracle.sets(n, k) for n in groups) > limit
         assert (oracle.exists(v, d, k, limit) is None) == over
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_level_is_tried_in_key_order(seed: int) -> None:
+    """`node_aware._first_fit` tries one level's sets in the order of their whole keys,
+    and stops at the same set, as sorting them all by `node_aware.key` would."""
+    rng = random.Random(seed)
+    models = [f"m{i}" for i in range(rng.randint(1, 4))]
+    # Equal loads and unknown ones (0), so that many sets tie on the work thrown away.
+    load_s = {m: rng.choice([0.0, 30.0, 30.0, 90.5]) for m in models if rng.random() < 0.8}
+    cands = [
+        Candidate(
+            f"r{i:02d}",
+            rng.choice(models),
+            "standard",
+            "o0",
+            2,
+            True,
+            rng.choice([None, None, 5.0, 600.0, -3.0]),
+            rng.choice([1, 2]),
+            8.0,
+            rng.choice([40.0, 80.0]),
+            "n0",
+            False,
+        )
+        for i in range(rng.randint(1, 7))
+    ]
+    level = list(itertools.combinations(cands, rng.randint(1, 3)))
+    rng.shuffle(level)
+    fitting = {vs for vs in level if rng.random() < 0.3}
+
+    def trying(tried: list[Sequence[Candidate]]) -> Callable[[Sequence[Candidate]], bool]:
+        def fits(vs: Sequence[Candidate]) -> bool:
+            tried.append(vs)
+            return vs in fitting
+
+        return fits
+
+    fast_tried: list[Sequence[Candidate]] = []
+    fast = node_aware._first_fit(level, load_s, trying(fast_tried))
+    plain_tried: list[Sequence[Candidate]] = []
+    fits = trying(plain_tried)
+    found = next(
+        (vs for vs in sorted(level, key=lambda vs: node_aware.key(vs, load_s)) if fits(vs)), ()
+    )
+    assert fast == found
+    assert fast_tried == plain_tried
