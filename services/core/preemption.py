@@ -566,7 +566,6 @@ def _live_by_model(
     on its way to whoever waits for it.
     """
     by_model: dict[str, list[ReplicaRecord]] = {}
-    holding = ev.HOLDING_STATES
     mine = m.name
     same = (mine, "same_model", WHY["same_model"])
     for model in view.current_models():
@@ -578,8 +577,7 @@ def _live_by_model(
             continue
         live = []
         for r in reps:
-            if r.state not in holding:
-                continue  # drained for placement_timeout and stopped: holds nothing
+            # Every current replica holds capacity (`View.current`).
             if model == mine:
                 excluded[r.id] = same
             elif r.retiring_at is not None:
