@@ -177,6 +177,17 @@ def fold(view: View | None, recs: list[tuple[int, str, bytes]]) -> Ingest:
     return f
 
 
+def whole_and_restored(log: list[tuple[str, bytes]], data: st.DataObject) -> tuple[View, View]:
+    """The log folded whole, and folded to a drawn point, snapshotted, restored and
+    folded on to its end."""
+    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
+    split = data.draw(st.integers(0, len(recs)))
+    whole = fold(None, recs).view
+    head = fold(None, recs[:split])
+    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    return whole, restored
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(log=records(), data=st.data())
 def test_fold_whole_equals_snapshot_plus_rest(
@@ -283,11 +294,7 @@ def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
     the pending placements; the failed ones and the ones drained for placement_timeout
     since a time; the load times; the creation order) say what the walk says, after any
     log, live and from a snapshot taken anywhere in it."""
-    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
-    split = data.draw(st.integers(0, len(recs)))
-    whole = fold(None, recs).view
-    head = fold(None, recs[:split])
-    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    whole, restored = whole_and_restored(log, data)
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
         want = [
@@ -407,11 +414,7 @@ def test_the_replica_indexes_hold_through_busy_replica_lives(
 ) -> None:
     """The same, on logs where most events are accepted and many replicas of one model
     (under its name and its alias) change together."""
-    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
-    split = data.draw(st.integers(0, len(recs)))
-    whole = fold(None, recs).view
-    head = fold(None, recs[:split])
-    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    whole, restored = whole_and_restored(log, data)
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
 
@@ -467,11 +470,7 @@ def test_the_timed_out_index_is_what_a_walk_finds_from_any_time(
     """The placements drained for placement_timeout, read from any time (each creation
     and first ready, and the second either side), are what a walk over every replica
     finds, live and from a snapshot; a stopped one is no longer current."""
-    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
-    split = data.draw(st.integers(0, len(recs)))
-    whole = fold(None, recs).view
-    head = fold(None, recs[:split])
-    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    whole, restored = whole_and_restored(log, data)
     second = timedelta(seconds=1)
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
@@ -543,11 +542,7 @@ def test_a_pass_on_the_indexes_decides_what_a_walk_over_every_replica_would(
     model satisfied, as a walk over every replica says; live and from a snapshot (whose
     `replicas` come back in id order, so its drains may come in another order, but the
     same ones)."""
-    recs = [(i, s, b) for i, (s, b) in enumerate(log, start=1)]
-    split = data.draw(st.integers(0, len(recs)))
-    whole = fold(None, recs).view
-    head = fold(None, recs[:split])
-    restored = fold(View(decode_state(encode_state(head.view.state))), recs[split:]).view
+    whole, restored = whole_and_restored(log, data)
     assert whole.state.time is not None
     now = whole.state.time + timedelta(seconds=later)
     config = scheduling.Config()
