@@ -327,7 +327,9 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     trigger: Text = ""
     """Id of the placement.failed this decision answers."""
     candidates: Annotated[tuple[Victim, ...], Meta(max_length=MAX_ITEMS)] = ()
-    """Every candidate in the order the policy tried them (extension)."""
+    """The candidates in the order the policy weighs them (extension): the first 50, then
+    any victim past them (node-aware's can be anywhere in the order); `considered` is
+    how many there were."""
     excluded: Annotated[tuple[Excluded, ...], Meta(max_length=MAX_ITEMS)] = ()
     trials: Annotated[tuple[Trial, ...], Meta(max_length=MAX_ITEMS)] = ()
     holds: Annotated[tuple[HoldSpec, ...], Meta(max_length=MAX_ITEMS)] = ()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -111,6 +112,9 @@ def _parser(kind: type, meta: Any) -> Any:
                 raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
             if not v >= 0:  # also refuses NaN
                 raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+            if not math.isfinite(v):
+                # A time is added to a date somewhere, and a date cannot be inf away.
+                raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds")
             if positive and v == 0:
                 raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
             return v

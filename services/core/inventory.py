@@ -179,7 +179,10 @@ class Inventory:
 
     `version` names what the nodes hold: it changes on every write to a node, and no two
     inventories that differ share one, so a result worked out from `usages()` (a
-    placement that found nothing) holds for as long as the version stays.
+    placement that found nothing) holds for as long as the version stays. That holds
+    because `clone()` is the one way to copy an inventory, and the numbers are this
+    process's: an inventory is never pickled or `copy.copy`'d (the view is rebuilt from
+    its state instead).
 
     Invariant: a GPU is held by at most one replica, and every allocation's shards name
     known nodes and GPU indices that node reported when the allocation was made.

@@ -42,7 +42,7 @@ import msgspec
 
 from schemas import events as ev
 from services.core import catalog, node_aware, placement, quota
-from services.core.view import ReplicaRecord, View, size_of
+from services.core.view import ReplicaRecord, View, before, size_of
 
 
 class _Named(Protocol):
@@ -783,10 +783,7 @@ class _Weighing:
         # which the sort then compares at once, and only then the ids.
         self.sizes: dict[tuple[int, float], tuple[int, float]] = {}
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
-        try:
-            self.settled = now - timedelta(seconds=cfg.min_lifetime_s + 1.0)
-        except (OverflowError, ValueError):
-            self.settled = datetime.min.replace(tzinfo=now.tzinfo)
+        self.settled = before(now, cfg.min_lifetime_s + 1.0)
 
     def weigh(self, name: str, other: catalog.Model, reps: list[ReplicaRecord]) -> None:
         """Weigh the live replicas of one model (its name, declaration and replicas):

@@ -33,7 +33,7 @@ import msgspec
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import ReplicaRecord, View
+from services.core.view import ReplicaRecord, View, before
 
 # DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains and the
 # preemption service's alike.
@@ -225,11 +225,11 @@ def plan(
     # are not read at all.
     recent_s = max(config.avoid_for_s, config.start_backoff_max_s)
     late: dict[str, list[ReplicaRecord]] = {}
-    for r in view.timed_out_since(now - timedelta(seconds=recent_s)):
+    for r in view.timed_out_since(before(now, recent_s)):
         late.setdefault(r.model, []).append(r)
     others, timed_out = _other_names(out, mk, view, now, config, late.keys())
     failed_starts: _FailedStarts = {}
-    for r in view.failed_since(now - timedelta(seconds=_horizon_s(config))):
+    for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts, late)
     satisfied = out.satisfied
@@ -339,7 +339,10 @@ def start_delay_s(rounds: int, config: Config) -> float:
 def _horizon_s(config: Config) -> float:
     """How far back a failed start can still count: far enough for the longest run of
     failed rounds that the delay stops growing at, each at most two caps apart."""
-    steps = math.ceil(math.log2(max(config.start_backoff_max_s / config.start_backoff_s, 1.0)))
+    ratio = config.start_backoff_max_s / config.start_backoff_s
+    if not math.isfinite(ratio):
+        return math.inf  # a cap of inf: every failed start counts
+    steps = math.ceil(math.log2(max(ratio, 1.0)))
     return (steps + 2) * 2.0 * config.start_backoff_max_s
 
 
@@ -712,7 +715,7 @@ def _fail(
     decided = _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
     printed = cluster_print()
     memo = _DIGESTS
-    if printed is not memo[0] and printed != memo[0]:
+    if (printed is not memo[0] and printed != memo[0]) or len(memo[1]) >= _DIGESTS_MAX:
         memo[0], memo[1] = printed, {}
     digest = memo[1].get(decided)
     if digest is None:
@@ -763,6 +766,9 @@ _encoder = msgspec.json.Encoder(order="sorted")
 # same again, pass after pass, and hashing the print of a large cluster costs more than
 # finding it here.
 _DIGESTS: list[Any] = [b"", {}]
+# _DIGESTS_MAX bounds them for one print: a cluster that stays the same while a failure's
+# reasons keep changing (a backoff's "until" time) would add one every quiet period.
+_DIGESTS_MAX = 4096
 
 
 # _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Container, Iterable, Iterator, KeysView
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import msgspec
 
@@ -37,6 +37,15 @@ RECENT_REJECTIONS = 100
 
 # LIVE_STATES hold capacity and count towards a model's replicas.
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
+
+
+def before(now: datetime, seconds: float) -> datetime:
+    """`seconds` before `now`; the earliest time there is when that reaches past it (a
+    setting of inf, "for ever", or merely huge)."""
+    try:
+        return now - timedelta(seconds=seconds)
+    except (OverflowError, ValueError):
+        return datetime.min.replace(tzinfo=now.tzinfo)
 
 
 class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):

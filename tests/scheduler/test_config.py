@@ -101,3 +101,23 @@ def test_scheduler_backoff_flags_set_their_fields() -> None:
         failed_quiet_s=1.0,
         failed_backoff_max_s=600.0,
     )
+
+
+@pytest.mark.parametrize("flag", ["--avoid-for", "--start-backoff-max", "--node-timeout"])
+def test_a_time_flag_refuses_inf(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        scheduler_parser().parse_args([flag, "inf"])
+    assert "'inf' must be a finite number of seconds" in capsys.readouterr().err
+
+
+def test_a_pass_takes_times_past_any_date() -> None:
+    """A Config made in code may still say "for ever": the pass reads back to the
+    earliest date there is instead of failing."""
+    from datetime import UTC, datetime
+
+    from services.core.view import View
+
+    now = datetime(2026, 1, 5, tzinfo=UTC)
+    huge = scheduling.Config(avoid_for_s=float("inf"), start_backoff_max_s=float("inf"))
+    assert scheduling.plan(View(), now, huge).outputs == []
+    assert scheduling.plan(View(), now, scheduling.Config(avoid_for_s=1e12)).outputs == []
