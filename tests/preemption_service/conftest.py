@@ -106,15 +106,28 @@ def of_type(events: list[Stored], cls: type[ev.Envelope]) -> list[Stored]:
 
 
 async def acked_through(js: JetStreamContext, seq: int, durable: str = "preemption") -> bool:
-    """Whether the service's consumer has acked every trigger up to `seq`: nothing left
-    to deliver, nothing delivered and unacked, and its ack floor there. (A filtered
-    consumer's floor can stand past a trigger not yet delivered, so the floor alone
-    does not say it was handled.)"""
+    """Whether the service's consumer has acked every trigger up to `seq`: it delivered
+    the last of them, its ack floor is there, and nothing delivered is unacked.
+
+    The last trigger's own sequence is what says it was reached: a filtered consumer's
+    floor can stand past a trigger not yet delivered, and right after a publish its count
+    of what is left to deliver may not include the new trigger yet."""
     try:
         info = await js.consumer_info("LLMGW", durable)
     except Exception:
         return False
-    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending and not info.num_pending
+    triggers = [
+        x.seq
+        for x in await stored(js)
+        if x.seq <= seq and isinstance(x.event, ev.PlacementFailedEvent)
+    ]
+    last = triggers[-1] if triggers else 0
+    return (
+        info.delivered.stream_seq >= last
+        and info.ack_floor.stream_seq >= last
+        and not info.num_ack_pending
+        and not info.num_pending
+    )
 
 
 @contextlib.asynccontextmanager

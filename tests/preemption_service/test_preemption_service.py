@@ -194,6 +194,9 @@ async def test_two_services_one_decision_and_standby_takes_over(
         running(nats_server.url, holder="b", clock=clock, lead=False) as (b, _),
     ):
         n = await publish(js, s)
+        # The decision first, then the acks: right after a publish, the consumer's info
+        # can show nothing pending before the broker has counted the new trigger.
+        await until(lambda: a.stats.decided == 1)
         await until(lambda: acked_through(js, n))
         assert not b.is_leader
         assert (a.stats.decided, b.stats.decided) == (1, 0)
@@ -206,8 +209,9 @@ async def test_two_services_one_decision_and_standby_takes_over(
 
         second = failed(s, "chat2")
         n = await publish(js, s, since=n)
+        await until(lambda: b.stats.decided == 1)
         await until(lambda: acked_through(js, n))
-        assert b.stats.decided == 1
+        assert a.stats.decided == 1
 
     log = await stored(js)
     decided = [x.event for x in of_type(log, ev.PreemptionDecidedEvent)]
