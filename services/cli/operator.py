@@ -436,7 +436,7 @@ def _confirm(question: str, yes: bool) -> None:
 async def _delete_model(args: argparse.Namespace) -> int:
     async with _operating(args, "llmgw delete model") as op:
         model = _resolve_model(op.view, args.model)
-        live = op.view.live_count(model)
+        live = op.view.live_for(model)
         _confirm(
             f"remove model {model}? its {names.plural(live, 'live replica')} will be drained",
             args.yes,

@@ -116,7 +116,7 @@ def summary(
                 "max": decl.effective_max if decl else None,
                 "aliases": list(decl.aliases) if decl else [],
                 "profiles": [p.name for p in decl.profiles] if decl else [],
-                "live": view.live_count(name),
+                "live": view.live_for(name),
                 "desired": view.desired_for(name),
                 "asked": s.desired.get(name),
                 "states": states,

@@ -147,6 +147,15 @@ class Catalog(Mapping[str, Model]):
             return None
         return self._models.get(next(iter(claimed)))
 
+    def names_of(self, m: Model) -> tuple[str, ...]:
+        """The names that resolve to `m`: its own, then each alias it still holds alone
+        (no model has it as a name, and no other model claims it)."""
+        out = [m.name]
+        for a in m.aliases:
+            if a != m.name and a not in self._models and self._aliases.get(a) == {m.name}:
+                out.append(a)
+        return tuple(out)
+
     def copy(self) -> Catalog:
         out = Catalog()
         out._models = dict(self._models)

@@ -353,7 +353,7 @@ def plan(
         # preempted for another no longer counts as live for it (`ReplicaRecord.live`).
         # It was given up; counted, the model would look at its minimum while below it,
         # and tier 3 would not take for it what the model is owed.
-        "live": view.live_count(m.name),
+        "live": view.live_of(m),
         "min": m.min,
         "avoid": avoided,
         "config": cfg,
@@ -566,11 +566,17 @@ def _live_by_model(
     on its way to whoever waits for it.
     """
     by_model: dict[str, list[ReplicaRecord]] = {}
-    mine = m.name
-    same = (mine, "same_model", WHY["same_model"])
+    # The model's own replicas, under its name or an alias that names it (those placed
+    # before a rename): never a victim for a replica of the same model.
+    mine = set(view.catalog.names_of(m))
     for model in view.current_models():
         reps = list(view.current_of(model))
-        if model != mine and view.live_count(model) == len(reps):
+        if model in mine:
+            same = (model, "same_model", WHY["same_model"])
+            for r in reps:
+                excluded[r.id] = same
+            continue
+        if view.live_count(model) == len(reps):
             # Every current replica of the model is live (a live one is always current):
             # none is excluded by its own state, and no replica needs to be looked at.
             by_model[model] = reps
@@ -578,9 +584,7 @@ def _live_by_model(
         live = []
         for r in reps:
             # Every current replica holds capacity (`View.current`).
-            if model == mine:
-                excluded[r.id] = same
-            elif r.retiring_at is not None:
+            if r.retiring_at is not None:
                 excluded[r.id] = (model, "retiring", WHY["retiring"])
             elif r.preempted_for is not None:
                 why = f"already stopped for {r.preempted_for}"

@@ -233,16 +233,14 @@ def plan(
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts, late)
     satisfied = out.satisfied
-    live_count = view.live_count
+    live_of = view.live_of
     for m in view.catalog.by_rank():
         name = m.name
         if name in timed_out:
             continue
         desired = view.desired_of(m)
-        n_live = live_count(name)
+        n_live = live_of(m)
         aliases = others.get(name) if others else None
-        if aliases:
-            n_live += sum(live_count(a) for a in aliases)
         if n_live == desired:
             satisfied.append(name)
         else:

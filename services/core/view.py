@@ -457,8 +457,24 @@ class View:
 
     def live_count(self, model: str) -> int:
         """How many replicas of a model hold capacity and are not on their way out (by
-        the name the replicas give, not resolved)."""
+        the name the replicas give, not resolved; `live_of` counts a declared model)."""
         return self._live.get(model, 0)
+
+    def live_for(self, model: str) -> int:
+        """`live_of` the model a name or alias resolves to; for a name no declared model
+        has, the replicas that give it."""
+        m = self.catalog.resolve(model)
+        return self.live_count(model) if m is None else self.live_of(m)
+
+    def live_of(self, m: catalog.Model) -> int:
+        """How many replicas of a declared model are live, under its name or an alias
+        that names it: replicas placed before a model was renamed run under its old
+        name, and they are its replicas all the same. What the pass, the end of a hold
+        and the policy's minimum count."""
+        live = self._live
+        if not m.aliases:
+            return live.get(m.name, 0)
+        return sum(live.get(n, 0) for n in self.catalog.names_of(m))
 
     def desired_for(self, model: str) -> int:
         """scale.desired clamped to [min, max], else min; 0 for an unknown model."""
@@ -495,7 +511,7 @@ class View:
         if now > until:
             return "expired"
         to = self.catalog.resolve(for_model)
-        if to is not None and self.live_count(to.name) >= self.desired_for(to.name):
+        if to is not None and self.live_of(to) >= self.desired_of(to):
             return "satisfied"
         return None
 

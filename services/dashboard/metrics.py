@@ -111,7 +111,7 @@ class Metrics(Collector):
                 cause = times.get(e.causation or "") or self._asked.get(d.model)
                 if cause is not None:
                     self.placement_latency.observe(max((e.time - cause).total_seconds(), 0.0))
-                if ch.view.live_count(d.model) >= ch.view.desired_for(d.model):
+                if ch.view.live_for(d.model) >= ch.view.desired_for(d.model):
                     self._asked.pop(d.model, None)
             case ev.PlacementFailedEvent(data=d):
                 self.decisions.labels("placement.failed", d.reason).inc()

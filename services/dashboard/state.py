@@ -38,7 +38,7 @@ def node_json(view: View, name: str) -> dict[str, Any] | None:
 def model_json(view: View, name: str) -> dict[str, Any] | None:
     s = view.state
     d = s.models.get(name)
-    live = view.live_count(name)
+    live = view.live_for(name)
     if d is None and not live:
         return None
     hold = s.holds.get(name)

@@ -451,7 +451,7 @@ class Explainer:
                 name, decl = m.name, s.models.get(m.name)
                 self.timeline.name = name
         st = Story(kind="model", name=name, now=self.now)
-        live, desired = view.live_count(name), view.desired_for(name)
+        live, desired = view.live_for(name), view.desired_for(name)
         asked = s.desired.get(name)
         reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
         if decl is None:

@@ -183,7 +183,7 @@ def replicas_text(
             head += f"  ({decl.cls}, owner {decl.owner}, min {decl.min} max {decl.effective_max})"
         else:
             head += "  (not declared)"
-        head += f"  live {view.live_count(m)}/{view.desired_for(m)}"
+        head += f"  live {view.live_for(m)}/{view.desired_for(m)}"
         hold = s.holds.get(m)
         if hold is not None:
             head += f"  held for {hold.for_model} until {ago(hold.until, now)}"
@@ -363,7 +363,7 @@ def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:
                 "min": d.min,
                 "max": d.effective_max,
                 "desired": view.desired_for(m),
-                "live": view.live_count(m),
+                "live": view.live_for(m),
             }
             for m, d in sorted(s.models.items())
         },

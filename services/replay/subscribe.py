@@ -72,7 +72,7 @@ def entity_json(view: View, key: str) -> Any:
         return None if r is None else render.replica_json(r, s.time)
     if kind == "model":
         d = s.models.get(name)
-        live = view.live_count(name)
+        live = view.live_for(name)
         if d is None and not live:
             return None
         return {
