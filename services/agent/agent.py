@@ -40,13 +40,13 @@ from nats.js.errors import NotFoundError
 
 from schemas import events as ev
 from schemas import ids, names, subjects
+from schemas.events import DRAIN_GRACE_S
 from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
 from services.clock import new_id, utc_now
 from services.core import ingest
-from services.core.scheduling import DRAIN_GRACE_S
 
 log = logging.getLogger("llmgw.agent")
 

@@ -148,16 +148,11 @@ def register(commands: cli.Commands) -> None:
     p.add_argument(
         "--grace",
         type=cli.arg_seconds,
-        default=GRACE_S,
+        default=ev.DRAIN_GRACE_S,
         metavar="SECONDS",
-        help=f"how long each replica has to finish its requests (default {GRACE_S:g})",
+        help=f"how long each replica has to finish its requests (default {ev.DRAIN_GRACE_S:g})",
     )
     _yes(p)
-
-
-# GRACE_S is the drain grace `drain node` gives by default: the contract's default, time
-# for in-flight requests to finish before an agent stops the replica.
-GRACE_S = ev.DRAIN_GRACE_S
 
 
 def _force(p: argparse.ArgumentParser, what: str) -> None:

@@ -572,9 +572,7 @@ def _live_by_model(
     for model in view.current_models():
         reps = list(view.current_of(model))
         if model in mine:
-            same = (model, "same_model", WHY["same_model"])
-            for r in reps:
-                excluded[r.id] = same
+            _exclude_all(excluded, reps, (model, "same_model", WHY["same_model"]))
             continue
         if view.live_count(model) == len(reps):
             # Every current replica of the model is live (a live one is always current):

@@ -22,8 +22,8 @@ import msgspec
 
 from schemas import events as ev
 from schemas import ids
+from schemas.events import DRAIN_GRACE_S
 from services.core import preemption
-from services.core.scheduling import DRAIN_GRACE_S
 from services.core.view import View
 
 SOURCE = "preemption"

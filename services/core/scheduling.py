@@ -35,8 +35,7 @@ from schemas import ids
 from services.core import catalog, inventory, placement, quota
 from services.core.view import ReplicaRecord, View, before
 
-# DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains and the
-# preemption service's alike.
+# DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains.
 DRAIN_GRACE_S = ev.DRAIN_GRACE_S
 
 

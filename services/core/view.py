@@ -424,18 +424,23 @@ class View:
     def failed_since(self, since: datetime) -> list[ReplicaRecord]:
         """The failed replicas whose last report is at or after `since`, in the order
         they were created."""
-        i = bisect.bisect_left(self._failed, (since, -1, ""))
-        reps = self.state.replicas
-        return [reps[rid] for _, _, rid in sorted(self._failed[i:], key=lambda k: k[1])]
+        return self._since(self._failed, since)
 
     def timed_out_since(self, since: datetime) -> list[ReplicaRecord]:
         """The replicas drained for placement_timeout, holding capacity or not, whose
         creation or first ready is at or after `since`, in the order they were created.
         A reader that needs those created after one time, or first ready after another,
         reads from the earlier of the two, and no further back."""
-        i = bisect.bisect_left(self._timed_out, (since, -1, ""))
+        return self._since(self._timed_out, since)
+
+    def _since(
+        self, index: list[tuple[datetime, int, str]], since: datetime
+    ) -> list[ReplicaRecord]:
+        """The replicas of a time index (see `_move`) keyed at or after `since`, in the
+        order they were created."""
+        i = bisect.bisect_left(index, (since, -1, ""))
         reps = self.state.replicas
-        return [reps[rid] for _, _, rid in sorted(self._timed_out[i:], key=lambda k: k[1])]
+        return [reps[rid] for _, _, rid in sorted(index[i:], key=lambda k: k[1])]
 
     def load_times(self) -> dict[str, list[float]]:
         """Per model, each replica's seconds from placement to its first ready (read

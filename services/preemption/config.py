@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.events import DRAIN_GRACE_S
 from services.core import preemption
-from services.core.scheduling import DRAIN_GRACE_S
 
 DURABLE = "preemption"
 

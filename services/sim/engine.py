@@ -157,7 +157,6 @@ class Engine:
         # One stream of draws per node and per model, so that the world (failures,
         # requests, load times) is the same under every policy: only the decisions differ.
         self._rngs: dict[str, random.Random] = {}
-        self._request_rngs: dict[str, random.Random] = {}
         base = policy_config or preemption.Config()
         self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
@@ -656,9 +655,7 @@ class Engine:
         peak = d.rate * (1 + d.daily) / 3600.0
         if peak <= 0:
             return
-        rng = self._request_rngs.get(spec.name)
-        if rng is None:
-            rng = self._request_rngs[spec.name] = self.rng(f"requests:{spec.name}")
+        rng = self.rng(f"requests:{spec.name}")
         draw, uniform, end = rng.expovariate, rng.random, self.duration
         while True:
             t += draw(peak)
