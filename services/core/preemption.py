@@ -32,8 +32,9 @@ worse than not preempting.
 
 from __future__ import annotations
 
+import bisect
 import operator
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol, TypeVar
@@ -498,8 +499,131 @@ def _counted_owners(view: View, owner: str) -> set[str]:
 
 # The exclusions as `_candidates` collects them: per replica id, (model, why, detail),
 # one tuple shared by every replica of a model excluded for the same reason. Each
-# becomes an `Exclusion` once, in the order of the ids, which sort as plain strings.
+# becomes an `Exclusion` once, in its model's block (`_Block`).
 _Excluded = dict[str, tuple[str, str, str]]
+
+# A candidate behind its order key (see `_Weighing.ranked`).
+_Ranked = tuple[int, float, tuple[int, float], str, Candidate]
+
+# KEPT bounds the weighings the policy keeps per view (`_kept`): one per model it was
+# last asked about, with the two flags that change the tier rules. A full cluster asks
+# about the few models that do not fit, again and again; past this many the oldest go.
+KEPT = 64
+
+
+class _Block:
+    """One model's replicas (by the name they give) weighed for one model m: its
+    candidates behind their order keys and its exclusions by replica id, and what they
+    were worked out from: the view's `version` of the name, the model it resolves to
+    (m itself for m's own replicas), and the time. Used again while all of that holds and time
+    has only gone forward, unless it read the time or the quota usage of its moment
+    (`timely`)."""
+
+    __slots__ = ("excluded", "other", "ranked", "since", "timely", "version")
+
+    def __init__(
+        self,
+        version: int,
+        other: catalog.Model | None,
+        since: datetime,
+        timely: bool,
+        ranked: list[_Ranked],
+        excluded: list[tuple[str, Exclusion]],
+    ) -> None:
+        self.version, self.other, self.since = version, other, since
+        self.timely, self.ranked, self.excluded = timely, ranked, excluded
+
+
+class _Kept:
+    """What the policy keeps on a view for one model m, flags and settings (`_kept`):
+    the latest block of every model holding capacity, and the candidates and exclusions
+    of all those blocks, each list in its order, with the two tuples made of them."""
+
+    __slots__ = ("blocks", "excluded", "m", "ranked", "result", "tree")
+
+    def __init__(self, m: catalog.Model, tree: quota.QuotaTree) -> None:
+        self.m, self.tree = m, tree
+        self.blocks: dict[str, _Block] = {}
+        self.ranked: list[_Ranked] = []
+        self.excluded: list[tuple[str, Exclusion]] = []
+        self.result: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]] | None = None
+
+    def update(self, fresh: dict[str, _Block]) -> None:
+        """Make the lists those of `fresh`: the entries of every block no longer there
+        go, those of every new block come in at their place."""
+        old = self.blocks
+        gone = {name: b for name, b in old.items() if fresh.get(name) is not b}
+        new = [b for name, b in fresh.items() if old.get(name) is not b]
+        self.blocks = fresh
+        if not gone and not new:
+            return
+        self.ranked = _merged(
+            _without(self.ranked, [c for b in gone.values() for c in b.ranked], gone, _model_of),
+            [c for b in new for c in b.ranked],
+        )
+        self.excluded = _merged(
+            _without(
+                self.excluded, [x for b in gone.values() for x in b.excluded], gone, _excluded_of
+            ),
+            [x for b in new for x in b.excluded],
+        )
+        self.result = None
+
+
+def _model_of(c: _Ranked) -> str:
+    return c[-1].model
+
+
+def _excluded_of(x: tuple[str, Exclusion]) -> str:
+    return x[1].model
+
+
+# An entry of `_Kept`'s lists: a candidate behind its order key, or an exclusion behind
+# its replica id.
+_E = TypeVar("_E", _Ranked, tuple[str, Exclusion])
+
+
+def _without(
+    ordered: list[_E], old: list[_E], gone: Container[str], model: Callable[[_E], str]
+) -> list[_E]:
+    """`ordered` less the entries `old` (each in it once), which are those whose
+    `model` is in `gone`. A few are found by halving and taken out one by one; many, by
+    one walk through the list."""
+    if len(old) <= _FEW:
+        for x in old:
+            del ordered[bisect.bisect_left(ordered, x)]
+        return ordered
+    return [x for x in ordered if model(x) not in gone]
+
+
+def _merged(ordered: list[_E], more: list[_E]) -> list[_E]:
+    """`ordered` (in order) with `more` put in order: a few are put in place one by one,
+    which compares each with a handful of entries, where sorting again would compare
+    every entry with the next one to find them already in order."""
+    if len(more) <= _FEW:
+        for x in more:
+            bisect.insort(ordered, x)
+        return ordered
+    ordered = ordered + more
+    ordered.sort()
+    return ordered
+
+
+_FEW = 32
+
+
+def _kept(view: View, m: catalog.Model, cfg: Config, reclaim: bool, below_min: bool) -> _Kept:
+    """What is kept on `view` for m under these flags and settings: new when nothing
+    is, or when m's declaration or the quota tree is new since."""
+    memo: dict[tuple[object, ...], _Kept] = view.memo.setdefault("preemption", {})
+    key = (m.name, reclaim, below_min, cfg.eviction_grace_s, cfg.min_lifetime_s)
+    kept = memo.pop(key, None)
+    if kept is None or kept.m is not m or kept.tree is not view.quota:
+        kept = _Kept(m, view.quota)
+        while len(memo) >= KEPT:
+            del memo[next(iter(memo))]  # the least recently used
+    memo[key] = kept  # last in the dict: the most recently used
+    return kept
 
 
 def _candidates(
@@ -518,28 +642,39 @@ def _candidates(
     guarantees when m's owner is within its own, then what lower classes grew into under
     load, then the same within m's class, then lower classes' minimums; within each, the
     longest unused first.
+
+    Weighed model by model into blocks kept on the view for the next call about m
+    (`_Block`, `_Kept`): on a full cluster the same few models are reported again and
+    again as the cluster changes, and between two calls most models' replicas have not
+    changed at all. Only the blocks of models that changed are weighed again, and only
+    their entries move in the two ordered lists. A block that read the time (a replica
+    used, so its idle time counts, or ready only lately, so its age may) or the quota
+    usage of the moment (a replica under a guarantee, borrowed or not) is weighed again
+    on every call.
     """
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
-    excluded = w.excluded
-    for name, reps in _live_by_model(view, m, excluded).items():
-        other = view.catalog.resolve(name)
-        if other is None:
-            _exclude_all(excluded, reps, (name, *_UNKNOWN))
-        else:
-            w.weigh(name, other, reps)
-    # Both orders end in the replica id, which is unique: neither depends on the order
-    # the replicas were weighed in.
-    w.ranked.sort()
-    return (
-        tuple([c[-1] for c in w.ranked]),
-        tuple(
-            [
-                Exclusion(replica=rid, model=x[0], why=x[1], detail=x[2])
-                for rid in sorted(excluded)
-                for x in (excluded[rid],)
-            ]
-        ),
-    )
+    kept = _kept(view, m, cfg, reclaim, below_min)
+    blocks = kept.blocks
+    fresh: dict[str, _Block] = {}
+    resolve = view.catalog.resolve
+    version_of = view.version
+    for model in view.current_models():
+        version = version_of(model)
+        other = resolve(model)
+        b = blocks.get(model)
+        if b is None or b.timely or b.version != version or b.other is not other or now < b.since:
+            b = w.block(model, other, version)
+        fresh[model] = b
+    kept.update(fresh)
+    if kept.result is None:
+        # Both orders start (exclusions) or end (candidates) in the replica id, which is
+        # unique: neither depends on the order the models were weighed in, and no
+        # comparison reaches the objects behind the keys.
+        kept.result = (
+            tuple([c[-1] for c in kept.ranked]),
+            tuple([x for _, x in kept.excluded]),
+        )
+    return kept.result
 
 
 def _exclude_all(
@@ -550,13 +685,11 @@ def _exclude_all(
         excluded[r.id] = entry
 
 
-def _live_by_model(
-    view: View, m: catalog.Model, excluded: _Excluded
-) -> dict[str, list[ReplicaRecord]]:
-    """Per model (by the name its replicas give), its live replicas; every other replica
-    holding capacity is excluded by the rules that read only its own state (same model,
-    retiring, already preempted, draining). Read model by model from the view's index, so
-    a model whose current replicas are all live costs a count, not a look at each.
+def _live(view: View, model: str, excluded: _Excluded) -> list[ReplicaRecord]:
+    """The live replicas of one model (by the name its replicas give); every other
+    replica of it holding capacity is excluded by the rules that read only its own state
+    (retiring, already preempted, draining). Read from the view's index, so a model
+    whose current replicas are all live costs a count, not a look at each.
 
     Draining is this project's reading of what the reference leaves to its replica
     states (`State.Counts`, a package we do not have): a draining replica is on its way
@@ -565,36 +698,25 @@ def _live_by_model(
     stopping, so choosing it would stop nothing more, and the room it frees is already
     on its way to whoever waits for it.
     """
-    by_model: dict[str, list[ReplicaRecord]] = {}
-    # The model's own replicas, under its name or an alias that names it (those placed
-    # before a rename): never a victim for a replica of the same model.
-    mine = set(view.catalog.names_of(m))
-    for model in view.current_models():
-        reps = list(view.current_of(model))
-        if model in mine:
-            _exclude_all(excluded, reps, (model, "same_model", WHY["same_model"]))
-            continue
-        if view.live_count(model) == len(reps):
-            # Every current replica of the model is live (a live one is always current):
-            # none is excluded by its own state, and no replica needs to be looked at.
-            by_model[model] = reps
-            continue
-        live = []
-        for r in reps:
-            # Every current replica holds capacity (`View.current`).
-            if r.retiring_at is not None:
-                excluded[r.id] = (model, "retiring", WHY["retiring"])
-            elif r.preempted_for is not None:
-                why = f"already stopped for {r.preempted_for}"
-                excluded[r.id] = (model, "already_preempted", why)
-            elif r.state == "draining" or r.drain_reason == "placement_timeout":
-                # not r.live, for a replica holding capacity, neither retiring nor preempted
-                excluded[r.id] = (model, "draining", WHY["draining"])
-            else:
-                live.append(r)
-        if live:
-            by_model[model] = live
-    return by_model
+    reps = list(view.current_of(model))
+    if view.live_count(model) == len(reps):
+        # Every current replica of the model is live (a live one is always current):
+        # none is excluded by its own state, and no replica needs to be looked at.
+        return reps
+    live = []
+    for r in reps:
+        # Every current replica holds capacity (`View.current`).
+        if r.retiring_at is not None:
+            excluded[r.id] = (model, "retiring", WHY["retiring"])
+        elif r.preempted_for is not None:
+            why = f"already stopped for {r.preempted_for}"
+            excluded[r.id] = (model, "already_preempted", why)
+        elif r.state == "draining" or r.drain_reason == "placement_timeout":
+            # not r.live, for a replica holding capacity, neither retiring nor preempted
+            excluded[r.id] = (model, "draining", WHY["draining"])
+        else:
+            live.append(r)
+    return live
 
 
 class _Peer:
@@ -736,8 +858,8 @@ _Sized = tuple[int, int, int, float, float, tuple[int, float]]
 
 
 class _Weighing:
-    """One pass of `_candidates`: what every model's replicas are weighed against, and
-    the candidates and exclusions found so far."""
+    """One call of `_candidates`: what every model's replicas are weighed against, and
+    the candidates and exclusions of the model being weighed (`block`)."""
 
     __slots__ = (
         "any_guarantee",
@@ -752,6 +874,7 @@ class _Weighing:
         "reclaim",
         "settled",
         "sizes",
+        "timely",
         "view",
     )
 
@@ -779,13 +902,45 @@ class _Weighing:
         # keeps a larger one only when it is needed. Without the size, equally idle
         # victims (idle times are all unknown after a restart) would be tried in
         # whatever order the replicas happened to be listed.
-        self.ranked: list[tuple[int, float, tuple[int, float], str, Candidate]] = []
+        self.ranked: list[_Ranked] = []
         # The size part of the order key, one object per size across all models: most
         # candidates are never reported used, so their keys are equal up to the size,
         # which the sort then compares at once, and only then the ids.
         self.sizes: dict[tuple[int, float], tuple[int, float]] = {}
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
         self.settled = before(now, cfg.min_lifetime_s + 1.0)
+        self.timely = False
+        """Whether the block being weighed read the time or the quota usage of now."""
+
+    def block(self, name: str, other: catalog.Model | None, version: int) -> _Block:
+        """Weigh the replicas of one model (by the name they give; `other` is what it
+        resolves to, None when nothing does) into a block."""
+        self.ranked, self.excluded, self.timely = [], {}, False
+        if other is self.m:
+            # The model's own replicas, under its name or an alias that names it (those
+            # placed before a rename; `Catalog.names_of`): never a victim for a replica
+            # of the same model.
+            _exclude_all(self.excluded, list(self.view.current_of(name)), (name, *_SAME))
+        else:
+            reps = _live(self.view, name, self.excluded)
+            if reps and other is None:
+                _exclude_all(self.excluded, reps, (name, *_UNKNOWN))
+            elif reps and other is not None:
+                self.weigh(name, other, reps)
+        self.ranked.sort()
+        return _Block(
+            version,
+            other,
+            self.now,
+            self.timely,
+            self.ranked,
+            sorted(
+                [
+                    (rid, Exclusion(replica=rid, model=x[0], why=x[1], detail=x[2]))
+                    for rid, x in self.excluded.items()
+                ]
+            ),
+        )
 
     def weigh(self, name: str, other: catalog.Model, reps: list[ReplicaRecord]) -> None:
         """Weigh the live replicas of one model (its name, declaration and replicas):
@@ -821,6 +976,8 @@ class _Weighing:
         # Neither idle time nor a guarantee tells one replica from another: one outcome
         # of the tier rules for all, looked up once.
         alike = not idle_decides and not covered
+        if covered:
+            self.timely = True  # borrowed or not is the quota usage of now
         tier, is_borrowed = 0, self.any_guarantee
         if alike:
             at = above_min * 2 + is_borrowed
@@ -843,7 +1000,11 @@ class _Weighing:
             # a choice the reference does not make. (`ReplicaRecord.idle_s` clamps: it
             # is what people are shown, not what the policy orders by.)
             used = r.last_used_at
-            idle = None if used is None else (now - used).total_seconds()
+            if used is None:
+                idle = None
+            else:
+                idle = (now - used).total_seconds()
+                self.timely = True
             rid = r.id
             if not alike:
                 # Unknown idleness counts as 0 against the grace, as the reference's
@@ -861,6 +1022,7 @@ class _Weighing:
             # minimum lifetime: only those ready later need the exact age.
             ready = r.ready_at
             if ready is not None and ready > settled:
+                self.timely = True  # its age, or whether it is young, is of now
                 young = _young(r, now, lifetime)
                 if young:
                     excluded[rid] = (name, "young", young)
@@ -926,6 +1088,7 @@ class _Weighing:
 
 _newest = operator.attrgetter("created_at", "id")
 _UNKNOWN = ("unknown_model", WHY["unknown_model"])
+_SAME = ("same_model", WHY["same_model"])
 # The idle part of the order key of a replica never reported used (or used at `now`):
 # one object, which the sort compares at once.
 _NEVER_IDLE = -0.0

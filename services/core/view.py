@@ -19,6 +19,7 @@ import bisect
 import hashlib
 from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime, timedelta
+from typing import Any
 
 import msgspec
 
@@ -278,8 +279,10 @@ class View:
         "_timed_out",
         "_timed_out_at",
         "_unordered",
+        "_versions",
         "catalog",
         "inventory",
+        "memo",
         "quota",
         "state",
     )
@@ -309,6 +312,11 @@ class View:
         self._timed_out: list[tuple[datetime, int, str]] = []
         self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
+        self._versions: dict[str, int] = {}
+        self.memo: dict[str, Any] = {}
+        """What a reader keeps between calls, derived from the view and checked against
+        `version` before it is used (the policy's weighing per model). Like the indexes,
+        never in a snapshot: a copy or a rebuilt view starts without it."""
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 self.inventory.restore(allocation_of(r))
@@ -338,6 +346,7 @@ class View:
         """
         rid = r.id
         name = r.model
+        self.changed(name)
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
@@ -387,6 +396,19 @@ class View:
             _move(self._timed_out, self._timed_out_at, rid, (at, n, rid))
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
+
+    def changed(self, model: str) -> None:
+        """A replica of `model` (the name it gives) changed: its `version` moves on. The
+        fold calls it through `note`, and for a replica's use, which `note` does not
+        index."""
+        v = self._versions
+        v[model] = v.get(model, 0) + 1
+
+    def version(self, model: str) -> int:
+        """A number that changes whenever a replica giving the model name `model`
+        changes in any way (`changed`): what a reader that keeps something worked out
+        from those replicas compares to know it still holds."""
+        return self._versions.get(model, 0)
 
     def current(self) -> Iterable[ReplicaRecord]:
         """The replicas that hold capacity, in the order they were created (the order of

@@ -16,13 +16,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.core import catalog, node_aware, preemption, quota
+from services.core import catalog, fold, node_aware, preemption, quota
 from services.core.preemption import WHY, Candidate, Config, Exclusion, plan
 from services.core.reaction import bounded
 from services.core.view import ReplicaRecord, View, decode_state, encode_state, size_of
@@ -218,6 +218,54 @@ def test_candidates_equal_the_plain_computation(seed: int, grace: float, lifetim
         assert msgspec.json.encode(a) == msgspec.json.encode(b)
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 600.0]), st.sampled_from([0.0, 120.0]))
+def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
+    seed: int, grace: float, lifetime: float
+) -> None:
+    """What `_candidates` keeps on a view between calls (`preemption._Kept`) is used
+    again only while it still holds: the log is folded one event at a time, and after
+    each the kept answer is checked against the plain one, with time mostly going
+    forward (replicas growing out of "young" and into idleness) and now and then back.
+    Past the random cluster, the log goes on: replicas used for the first time and again,
+    a model declared anew with another minimum, the quota tree replaced, drains."""
+    rng = random.Random(seed)
+    s, models = build(rng)
+    s.at("+30s")
+    reps = list(s._replicas)
+    for rid in rng.sample(reps, min(4, len(reps))):
+        s.used(rid, at=rng.choice(["-20m", "-1m", "+0s"]))
+    if rng.random() < 0.5:
+        name = rng.choice(models)
+        d = s._models[name]
+        s.model(
+            name,
+            cls=d.cls,
+            min=rng.choice([0, 1, 4]),
+            max=d.max,
+            profiles=list(d.profiles),
+            owner=d.owner,
+        )
+    if rng.random() < 0.5:
+        s.quota({o: {"gpus": rng.choice([0, 4, 8])} for o in ("o0", "o1")})
+    for rid in rng.sample(reps, min(3, len(reps))):
+        s.drain(rid, rng.choice(["scale_down", "preempted"]), for_model=models[0])
+    cfg = Config(eviction_grace_s=grace, min_lifetime_s=lifetime)
+    view = View()
+    now = s.now - timedelta(hours=1)
+    for seq, subject, e in s.events():
+        fold.apply(view, e, seq=seq, subject=subject)
+        now += timedelta(seconds=rng.choice([-1800.0, -90.0, 0.0, 1.0, 60.0, 200.0, 900.0]))
+        holdings = view.holdings()
+        for name in rng.sample(models, min(3, len(models))):
+            m = view.catalog.resolve(name)
+            if m is None:
+                continue
+            reclaim, below_min = rng.random() < 0.5, rng.random() < 0.5
+            args = (view, m, now, cfg, holdings, reclaim, below_min)
+            assert preemption._candidates(*args) == plain(*args)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1), st.sampled_from(["reference", "node-aware"]))
 def test_a_published_decision_lists_what_the_cut_keeps(seed: int, policy: str) -> None:
@@ -307,3 +355,22 @@ def test_a_level_is_tried_in_key_order(seed: int) -> None:
     )
     assert fast == found
     assert fast_tried == plain_tried
+
+
+def test_the_weighings_kept_on_a_view_are_bounded() -> None:
+    """A view keeps the weighings of the last `KEPT` models (and flags) it was asked
+    about, not of every model ever asked about."""
+    s = Scenario()
+    s.node("n0", "8xH100-80GB")
+    names = [f"m{i}" for i in range(preemption.KEPT + 10)]
+    for name in names:
+        s.model(name, cls="critical", min=1, profiles=["big:8"])
+    s.model("filler", cls="opportunistic", min=0, profiles=["one:1"])
+    for i in range(8):
+        s.replica(f"f{i}", "filler", on=("n0", [i]), ready="-1h")
+    v = s.view()
+    for name in names:
+        assert plan(v, name, s.now).outcome == "no_fit"
+    kept = v.memo["preemption"]
+    assert len(kept) == preemption.KEPT
+    assert {k[0] for k in kept} == set(names[-preemption.KEPT :])
