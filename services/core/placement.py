@@ -55,18 +55,33 @@ class NoFit(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def place(
-    inventory: Inventory, profiles: Sequence[Profile], avoid: Iterable[str] = ()
+    inventory: Inventory,
+    profiles: Sequence[Profile],
+    avoid: Iterable[str] = (),
+    *,
+    within: Iterable[str] | None = None,
 ) -> Placement | NoFit:
-    """The first profile that fits, best fit, preferring nodes not in `avoid`."""
+    """The first profile that fits, best fit, preferring nodes not in `avoid`.
+
+    `within` is for a caller that knows no other node can fit any of the profiles: an
+    inventory where nothing fitted, with replicas released since on those nodes only,
+    each profile of one shard (a shard fits one node, and only a node with more free
+    than before can fit now). The placement is the same as with every node looked at,
+    since best fit ranks a node by its own free GPUs and name, not by the order nodes
+    are looked at in; the reasons of a NoFit speak of those nodes only.
+    """
     avoided = frozenset(avoid)
+    usages: Inventory | list[NodeUsage] = inventory
+    if within is not None:
+        usages = [u for u in map(inventory.usage, sorted(set(within))) if u is not None]
     if avoided:
         for profile in profiles:
-            found = _fit(inventory, profile, avoided)
+            found = _fit(usages, profile, avoided)
             if isinstance(found, tuple):
                 return Placement(profile=profile, shards=found)
     reasons: list[tuple[str, str]] = []
     for profile in profiles:
-        found = _fit(inventory, profile, frozenset())
+        found = _fit(usages, profile, frozenset())
         if isinstance(found, tuple):
             return Placement(profile=profile, shards=found)
         reasons.append((profile.name, found))
@@ -87,8 +102,11 @@ def _describe(profile: Profile) -> str:
     return text
 
 
-def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple[Shard, ...] | str:
-    """The shards for one profile, or why it does not fit."""
+def _fit(
+    usages: Inventory | list[NodeUsage], profile: Profile, avoid: frozenset[str]
+) -> tuple[Shard, ...] | str:
+    """The shards for one profile, or why it does not fit: on every node of an
+    inventory, or on the nodes of a list of their usages."""
     need = profile.gpus
     shards = profile.shards
     if need < 0 or shards < 1:
@@ -107,7 +125,7 @@ def _fit(inventory: Inventory, profile: Profile, avoid: frozenset[str]) -> tuple
     best_had = -1
     short_cpu = short_mem = 0
     schedulable = 0
-    for usage in inventory.usages():
+    for usage in usages.usages() if isinstance(usages, Inventory) else usages:
         if not usage.schedulable:
             continue
         if avoid and usage.node.name in avoid:

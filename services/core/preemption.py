@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol, TypeVar
@@ -43,6 +43,7 @@ import msgspec
 
 from schemas import events as ev
 from services.core import catalog, node_aware, placement, quota
+from services.core.inventory import Inventory
 from services.core.view import ReplicaRecord, View, before, size_of
 
 
@@ -297,14 +298,17 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
-def listed(candidates: Sequence[_C], victims: Container[str], shown: int | None) -> list[_C]:
+def listed(candidates: Sequence[_C], victims: Collection[str], shown: int | None) -> list[_C]:
     """The candidates a published decision lists: the first `shown` in order (all when
     None), then every victim past them, in order. The reference's victims are always
     among the first (it tries the candidates in order); node-aware's may come from
     anywhere in the order, and `llmgw explain` of a victim shows its own row."""
     if shown is None or len(candidates) <= shown:
         return list(candidates)
-    return [*candidates[:shown], *(c for c in candidates[shown:] if c.replica in victims)]
+    head = list(candidates[:shown])
+    if len(victims) == sum(c.replica in victims for c in head):
+        return head  # no victim past them: the rest need not be looked at
+    return [*head, *(c for c in candidates[shown:] if c.replica in victims)]
 
 
 def _rfc3339(t: datetime) -> str:
@@ -1126,7 +1130,7 @@ def _choose(
         if len(chosen) == max_victims:
             break
         chosen.append(c)
-        if not tr.fits_without(chosen, False):
+        if not tr.fits_with_one_more(chosen):
             continue
         return tr.prune(chosen), tuple(tr.trials)
     return [], tuple(tr.trials)
@@ -1166,21 +1170,46 @@ class _Trials:
     inventory, each trial recorded, and the pruning of victims whose stopping proved
     unneeded."""
 
-    __slots__ = ("avoid", "profiles", "trials", "view")
+    __slots__ = ("avoid", "grown", "one_shard", "profiles", "trials", "view")
 
     def __init__(
         self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
     ) -> None:
         self.view, self.profiles, self.avoid = view, profiles, avoid
         self.trials: list[TrialResult] = []
+        # Both searches run only once the model fits nowhere as the cluster stands
+        # (`plan`); with every profile of one shard, room can then only appear on the
+        # nodes victims are stopped on (`placement.place`'s `within`).
+        self.one_shard = all(p.shards == 1 for p in profiles)
+        self.grown: tuple[list[Candidate], Inventory] | None = None
+        """The set `fits_with_one_more` last tried, and the inventory without it."""
 
     def fits_without(self, gone: Sequence[Candidate], pruning: bool) -> bool:
         trial = self.view.inventory.clone()
         for v in gone:
             trial.release_replica(v.replica)
+        return self._try(trial, gone, pruning)
+
+    def fits_with_one_more(self, gone: list[Candidate]) -> bool:
+        """`fits_without(gone)`, where `gone` is the set this was last asked about with
+        one more victim: the reference adds candidates one at a time, and the inventory
+        without the last set is the one to release the new victim from."""
+        grown = self.grown
+        if grown is None or grown[0] != gone[:-1]:
+            trial = self.view.inventory.clone()
+            for v in gone[:-1]:
+                trial.release_replica(v.replica)
+        else:
+            trial = grown[1]
+        trial.release_replica(gone[-1].replica)
+        self.grown = (list(gone), trial)
+        return self._try(trial, gone, False)
+
+    def _try(self, trial: Inventory, gone: Sequence[Candidate], pruning: bool) -> bool:
         # place() tries without the avoided nodes first, then with them: a soft
         # preference never turns room that exists into a preemption.
-        found = placement.place(trial, self.profiles, self.avoid)
+        within = {v.node for v in gone} if self.one_shard else None
+        found = placement.place(trial, self.profiles, self.avoid, within=within)
         ok = isinstance(found, placement.Placement)
         self.trials.append(
             TrialResult(

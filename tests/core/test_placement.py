@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.core.catalog import Profile
 from services.core.inventory import Allocation, Gpu, Inventory, Node, Shard
@@ -252,3 +256,61 @@ def test_deterministic_across_insertion_order() -> None:
     b = Inventory(reversed(nodes))
     profiles = [p(gpus=3, shards=3)]
     assert place(a, profiles) == place(b, profiles)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_within_the_released_nodes_places_as_every_node_would(seed: int) -> None:
+    """`place(..., within=nodes)`: on an inventory where no profile of one shard fitted,
+    with replicas released since on those nodes only, looking at those nodes gives the
+    placement a look at every node gives (and no placement when it gives none)."""
+    rng = random.Random(seed)
+    nodes = [
+        node(
+            f"n{i}",
+            n=rng.choice([4, 8]),
+            model=rng.choice([H100, A100]),
+            gb=rng.choice([40, 80]),
+            cpu=rng.choice([16, 64]),
+            sick=tuple(rng.sample(range(4), rng.choice([0, 0, 1]))),
+            cordoned=rng.random() < 0.1,
+        )
+        for i in range(rng.randint(1, 8))
+    ]
+    inv = Inventory(nodes)
+    held = []
+    for n in nodes:
+        free = list(range(len(n.gpus)))
+        rng.shuffle(free)
+        while free:
+            take = [free.pop() for _ in range(min(len(free), rng.choice([1, 1, 2, 4])))]
+            rid = f"r{len(held)}"
+            inv.allocate(
+                Allocation(
+                    replica=rid,
+                    shards=(Shard(node=n.name, gpus=tuple(sorted(take))),),
+                    cpu_cores=rng.choice([0.0, 2.0]),
+                    memory_gb=rng.choice([0.0, 64.0]),
+                )
+            )
+            held.append((rid, n.name))
+    profiles = [
+        p(
+            f"p{k}",
+            gpus=rng.choice([1, 2, 4, 8]),
+            gpu_model=rng.choice([None, "H100"]),
+            cpu_cores=rng.choice([0.0, 8.0, 60.0]),
+        )
+        for k in range(rng.randint(1, 2))
+    ]
+    avoid = rng.sample([n.name for n in nodes], rng.choice([0, 0, 1]))
+    assert isinstance(place(inv, profiles, avoid), NoFit)  # every GPU is held
+    released = rng.sample(held, rng.randint(1, min(4, len(held))))
+    for rid, _ in released:
+        inv.release_replica(rid)
+    whole = place(inv, profiles, avoid)
+    within = place(inv, profiles, avoid, within=[name for _, name in released])
+    if isinstance(whole, Placement):
+        assert within == whole
+    else:
+        assert isinstance(within, NoFit)

@@ -374,3 +374,45 @@ def test_the_weighings_kept_on_a_view_are_bounded() -> None:
     kept = v.memo["preemption"]
     assert len(kept) == preemption.KEPT
     assert {k[0] for k in kept} == set(names[-preemption.KEPT :])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["reference", "node-aware"]), st.integers(1, 4))
+def test_trials_on_the_victims_nodes_decide_as_trials_on_every_node(
+    seed: int, policy: str, k: int
+) -> None:
+    """The dry run's shortcuts: the reference's growing sets release each victim from
+    the inventory the last set left (`_Trials.fits_with_one_more`), and with every
+    profile of one shard a trial looks only at the victims' nodes (`place`'s `within`).
+    Decisions, trials and placements are what a fresh clone and a look at every node
+    give."""
+    rng = random.Random(seed)
+    s, models = build(rng)
+    # Most GPUs left free taken by idle replicas of a filler model, so that most models
+    # do not fit and the trials have victims on several nodes to try.
+    s.model("filler", cls="opportunistic", min=0, profiles=["f1:1"], owner="o0")
+    free = s.view().inventory
+    for n in free.names():
+        for g in free.free_gpus(n):
+            if rng.random() < 0.8:
+                s.replica(f"fill-{n}-{g}", "filler", on=(n, [g]), ready="-3h", used="-1h")
+    v = s.view()
+    cfg = Config(policy=policy, max_victims=k)  # type: ignore[arg-type]
+    fast = [plan(v, name, s.now, cfg) for name in models]
+    slow_trials = preemption._Trials
+    v.memo.clear()
+
+    class Plain(slow_trials):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            self.one_shard = False
+
+        def fits_with_one_more(self, gone: list[Candidate]) -> bool:
+            return bool(self.fits_without(gone, False))
+
+    preemption._Trials = Plain  # type: ignore[misc]
+    try:
+        plain_decisions = [plan(v, name, s.now, cfg) for name in models]
+    finally:
+        preemption._Trials = slow_trials  # type: ignore[misc]
+    assert fast == plain_decisions
