@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Callable, Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -53,6 +53,7 @@ class _Named(Protocol):
 
 
 _C = TypeVar("_C", bound=_Named)
+_O = TypeVar("_O")
 
 Outcome = Literal[
     "fits",
@@ -538,18 +539,78 @@ class _Block:
         self.timely, self.ranked, self.excluded = timely, ranked, excluded
 
 
+class _Ordered(Generic[_O]):
+    """Entries in order, each a key ending in its object (a candidate behind its order
+    key, an exclusion behind its replica id; the key's last part is never compared,
+    since the part before it, a replica id, is unique), and the objects alone in the
+    same order, so that a tuple of them costs a copy rather than a walk."""
+
+    __slots__ = ("keys", "objs")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[Any, ...]] = []
+        self.objs: list[_O] = []
+
+    def remove(self, old: list[tuple[Any, ...]], gone: Container[str]) -> None:
+        """Take out `old` (each here once): every entry whose object's model is in
+        `gone`. A few are found by halving; many, by one walk through the list."""
+        keys, objs = self.keys, self.objs
+        if len(old) <= _FEW:
+            for k in old:
+                i = bisect.bisect_left(keys, k)
+                del keys[i]
+                del objs[i]
+            return
+        self.keys = keys = [k for k in keys if k[-1].model not in gone]
+        self.objs = [k[-1] for k in keys]
+
+    def add(self, new: list[tuple[Any, ...]]) -> None:
+        """Put `new` in at their places: a few one by one, which compares each with a
+        handful of entries, where sorting again would compare every entry with the next
+        to find them already in order."""
+        keys, objs = self.keys, self.objs
+        if len(new) <= _FEW:
+            for k in new:
+                i = bisect.bisect_left(keys, k)
+                keys.insert(i, k)
+                objs.insert(i, k[-1])
+            return
+        keys += new
+        keys.sort()
+        self.objs = [k[-1] for k in keys]
+
+    def with_(self, extra: list[tuple[Any, ...]]) -> tuple[_O, ...]:
+        """The objects, with those of `extra` (in order, none of them here) in their
+        places: copied a run at a time between them."""
+        keys, objs = self.keys, self.objs
+        out: list[_O] = []
+        last = 0
+        for k in extra:
+            i = bisect.bisect_left(keys, k, last)
+            out += objs[last:i]
+            out.append(k[-1])
+            last = i
+        out += objs[last:]
+        return tuple(out)
+
+
+_FEW = 32
+
+
 class _Kept:
     """What the policy keeps on a view for one model m, flags and settings (`_kept`):
-    the latest block of every model holding capacity, and the candidates and exclusions
-    of all those blocks, each list in its order, with the two tuples made of them."""
+    the latest block of every model holding capacity that did not read the time, the
+    candidates and exclusions of all those blocks in their orders, and what `_peer`
+    worked out (which reads only m, the flags and the quota tree)."""
 
-    __slots__ = ("blocks", "excluded", "m", "ranked", "result", "tree")
+    __slots__ = ("blocks", "excluded", "m", "peers", "ranked", "result", "tree")
 
     def __init__(self, m: catalog.Model, tree: quota.QuotaTree) -> None:
         self.m, self.tree = m, tree
         self.blocks: dict[str, _Block] = {}
-        self.ranked: list[_Ranked] = []
-        self.excluded: list[tuple[str, Exclusion]] = []
+        self.ranked: _Ordered[Candidate] = _Ordered()
+        self.excluded: _Ordered[Exclusion] = _Ordered()
+        self.peers: dict[tuple[str, str, bool], _Peer] = {}
         self.result: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]] | None = None
 
     def update(self, fresh: dict[str, _Block]) -> None:
@@ -561,59 +622,11 @@ class _Kept:
         self.blocks = fresh
         if not gone and not new:
             return
-        self.ranked = _merged(
-            _without(self.ranked, [c for b in gone.values() for c in b.ranked], gone, _model_of),
-            [c for b in new for c in b.ranked],
-        )
-        self.excluded = _merged(
-            _without(
-                self.excluded, [x for b in gone.values() for x in b.excluded], gone, _excluded_of
-            ),
-            [x for b in new for x in b.excluded],
-        )
+        self.ranked.remove([c for b in gone.values() for c in b.ranked], gone)
+        self.ranked.add([c for b in new for c in b.ranked])
+        self.excluded.remove([x for b in gone.values() for x in b.excluded], gone)
+        self.excluded.add([x for b in new for x in b.excluded])
         self.result = None
-
-
-def _model_of(c: _Ranked) -> str:
-    return c[-1].model
-
-
-def _excluded_of(x: tuple[str, Exclusion]) -> str:
-    return x[1].model
-
-
-# An entry of `_Kept`'s lists: a candidate behind its order key, or an exclusion behind
-# its replica id.
-_E = TypeVar("_E", _Ranked, tuple[str, Exclusion])
-
-
-def _without(
-    ordered: list[_E], old: list[_E], gone: Container[str], model: Callable[[_E], str]
-) -> list[_E]:
-    """`ordered` less the entries `old` (each in it once), which are those whose
-    `model` is in `gone`. A few are found by halving and taken out one by one; many, by
-    one walk through the list."""
-    if len(old) <= _FEW:
-        for x in old:
-            del ordered[bisect.bisect_left(ordered, x)]
-        return ordered
-    return [x for x in ordered if model(x) not in gone]
-
-
-def _merged(ordered: list[_E], more: list[_E]) -> list[_E]:
-    """`ordered` (in order) with `more` put in order: a few are put in place one by one,
-    which compares each with a handful of entries, where sorting again would compare
-    every entry with the next one to find them already in order."""
-    if len(more) <= _FEW:
-        for x in more:
-            bisect.insort(ordered, x)
-        return ordered
-    ordered = ordered + more
-    ordered.sort()
-    return ordered
-
-
-_FEW = 32
 
 
 def _kept(view: View, m: catalog.Model, cfg: Config, reclaim: bool, below_min: bool) -> _Kept:
@@ -658,26 +671,34 @@ def _candidates(
     """
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
     kept = _kept(view, m, cfg, reclaim, below_min)
+    w.peers = kept.peers
     blocks = kept.blocks
     fresh: dict[str, _Block] = {}
     resolve = view.catalog.resolve
     version_of = view.version
+    timely: list[_Block] = []
     for model in view.current_models():
         version = version_of(model)
         other = resolve(model)
         b = blocks.get(model)
-        if b is None or b.timely or b.version != version or b.other is not other or now < b.since:
+        if b is None or b.version != version or b.other is not other or now < b.since:
             b = w.block(model, other, version)
+            if b.timely:
+                timely.append(b)
+                continue
         fresh[model] = b
     kept.update(fresh)
-    if kept.result is None:
-        # Both orders start (exclusions) or end (candidates) in the replica id, which is
-        # unique: neither depends on the order the models were weighed in, and no
-        # comparison reaches the objects behind the keys.
-        kept.result = (
-            tuple([c[-1] for c in kept.ranked]),
-            tuple([x for _, x in kept.excluded]),
+    # Both orders start (exclusions) or end (candidates) in the replica id, which is
+    # unique: neither depends on the order the models were weighed in, and no
+    # comparison reaches the objects behind the keys.
+    if timely:
+        # Weighed for this call only: put in among the kept ones, not kept with them.
+        return (
+            kept.ranked.with_(sorted([c for b in timely for c in b.ranked])),
+            kept.excluded.with_(sorted([x for b in timely for x in b.excluded])),
         )
+    if kept.result is None:
+        kept.result = (tuple(kept.ranked.objs), tuple(kept.excluded.objs))
     return kept.result
 
 

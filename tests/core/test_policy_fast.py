@@ -251,19 +251,26 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
     for rid in rng.sample(reps, min(3, len(reps))):
         s.drain(rid, rng.choice(["scale_down", "preempted"]), for_model=models[0])
     cfg = Config(eviction_grace_s=grace, min_lifetime_s=lifetime)
-    view = View()
-    now = s.now - timedelta(hours=1)
-    for seq, subject, e in s.events():
-        fold.apply(view, e, seq=seq, subject=subject)
-        now += timedelta(seconds=rng.choice([-1800.0, -90.0, 0.0, 1.0, 60.0, 200.0, 900.0]))
-        holdings = view.holdings()
-        for name in rng.sample(models, min(3, len(models))):
-            m = view.catalog.resolve(name)
-            if m is None:
-                continue
-            reclaim, below_min = rng.random() < 0.5, rng.random() < 0.5
-            args = (view, m, now, cfg, holdings, reclaim, below_min)
-            assert preemption._candidates(*args) == plain(*args)
+    few = preemption._FEW
+    # The kept lists take entries out and put them in one by one up to _FEW of them,
+    # past that in one walk and one sort: both ways are checked.
+    for preemption._FEW in (0, 1_000):
+        try:
+            view = View()
+            now = s.now - timedelta(hours=1)
+            for seq, subject, e in s.events():
+                fold.apply(view, e, seq=seq, subject=subject)
+                now += timedelta(seconds=rng.choice([-1800.0, -90.0, 0, 1, 60, 200, 900]))
+                holdings = view.holdings()
+                for name in rng.sample(models, min(3, len(models))):
+                    m = view.catalog.resolve(name)
+                    if m is None:
+                        continue
+                    reclaim, below_min = rng.random() < 0.5, rng.random() < 0.5
+                    args = (view, m, now, cfg, holdings, reclaim, below_min)
+                    assert preemption._candidates(*args) == plain(*args)
+        finally:
+            preemption._FEW = few
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
