@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -553,9 +553,9 @@ class _Ordered(Generic[_O]):
         self.keys: list[tuple[Any, ...]] = []
         self.objs: list[_O] = []
 
-    def remove(self, old: list[tuple[Any, ...]], gone: Container[str]) -> None:
-        """Take out `old` (each here once): every entry whose object's model is in
-        `gone`. A few are found by halving; many, by one walk through the list."""
+    def remove(self, old: list[tuple[Any, ...]]) -> None:
+        """Take out `old`, entries that are here (the very objects). A few are found by
+        halving; many, by one walk through the list."""
         keys, objs = self.keys, self.objs
         if len(old) <= _FEW:
             for k in old:
@@ -563,7 +563,8 @@ class _Ordered(Generic[_O]):
                 del keys[i]
                 del objs[i]
             return
-        self.keys = keys = [k for k in keys if k[-1].model not in gone]
+        drop = {id(k) for k in old}
+        self.keys = keys = [k for k in keys if id(k) not in drop]
         self.objs = [k[-1] for k in keys]
 
     def add(self, new: list[tuple[Any, ...]]) -> None:
@@ -617,18 +618,51 @@ class _Kept:
 
     def update(self, fresh: dict[str, _Block]) -> None:
         """Make the lists those of `fresh`: the entries of every block no longer there
-        go, those of every new block come in at their place."""
+        go, those of every new block come in at their place. A model weighed again
+        mostly weighs as before (one replica of many changed): only the entries that
+        differ move, and the new block takes the equal ones already here."""
         old = self.blocks
-        gone = {name: b for name, b in old.items() if fresh.get(name) is not b}
-        new = [b for name, b in fresh.items() if old.get(name) is not b]
         self.blocks = fresh
-        if not gone and not new:
-            return
-        self.ranked.remove([c for b in gone.values() for c in b.ranked], gone)
-        self.ranked.add([c for b in new for c in b.ranked])
-        self.excluded.remove([x for b in gone.values() for x in b.excluded], gone)
-        self.excluded.add([x for b in new for x in b.excluded])
-        self.result = None
+        out_r: list[tuple[Any, ...]] = []
+        in_r: list[tuple[Any, ...]] = []
+        out_x: list[tuple[Any, ...]] = []
+        in_x: list[tuple[Any, ...]] = []
+        for name, b in old.items():
+            nb = fresh.get(name)
+            if nb is None:
+                out_r += b.ranked
+                out_x += b.excluded
+            elif nb is not b:
+                _diff(b.ranked, nb.ranked, out_r, in_r)
+                _diff(b.excluded, nb.excluded, out_x, in_x)
+        for name, nb in fresh.items():
+            if name not in old:
+                in_r += nb.ranked
+                in_x += nb.excluded
+        if out_r or in_r or out_x or in_x:
+            self.ranked.remove(out_r)
+            self.ranked.add(in_r)
+            self.excluded.remove(out_x)
+            self.excluded.add(in_x)
+            self.result = None
+
+
+def _diff(
+    old: list[Any], new: list[Any], out: list[tuple[Any, ...]], into: list[tuple[Any, ...]]
+) -> None:
+    """Between a model's old and new entries (each a key whose part before last is the
+    replica id): those to take out of a kept list into `out`, those to put in into
+    `into`. An equal entry stays, and `new` takes the old object, the one in the list."""
+    olds = {k[-2]: k for k in old}
+    for i, k in enumerate(new):
+        o = olds.pop(k[-2], None)
+        if o is not None and o == k:
+            new[i] = o
+            continue
+        into.append(k)
+        if o is not None:
+            out.append(o)
+    out += olds.values()
 
 
 def _kept(view: View, m: catalog.Model, cfg: Config, reclaim: bool, below_min: bool) -> _Kept:
