@@ -199,6 +199,10 @@ class Engine:
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
         self._timers: list[float] | None = None
+        # Whether `_next_due` was asked since anything it reads changed (a failure's
+        # standing, the timers, the pending tick). While it was, asking again later
+        # cannot schedule an earlier tick: see `_settle`.
+        self._due_known = False
         # The last call of `reaction.releases`: the view's seq and _changes then, its
         # time, and whether every release it said took effect.
         self._released_at: tuple[int, int, datetime, bool] | None = None
@@ -310,6 +314,7 @@ class Engine:
 
     def _on_tick(self, arg: None) -> None:
         self._tick_at = None
+        self._due_known = False
         self._dirty = True
 
     def _on_idle(self, model: str) -> None:
@@ -335,7 +340,17 @@ class Engine:
 
     def _settle(self) -> None:
         """Passes until nothing new is published, then the holds that ended; and when
-        the next pass is due by a timer, a tick then."""
+        the next pass is due by a timer, a tick then.
+
+        Most instants (a request, its idle timer) change nothing this reads: nothing
+        made a pass due, no hold stands, and the next due time was found since the last
+        change (`_due_known`). Such an instant returns at once. Skipping `_next_due`
+        there is exact: with the failures, timers and pending tick unchanged, the due
+        time it finds only grows with the clock (a backoff counted from now, the first
+        timer after now), and it found one no earlier than the pending tick last time,
+        or none, so it would schedule nothing now."""
+        if not self._dirty and self._due_known and not self.view.state.holds:
+            return
         if self._dirty:
             for _ in range(MAX_PASSES):
                 if not self._dirty:
@@ -351,10 +366,12 @@ class Engine:
             self._released_at = (self.view.seq, self._changes, self.now, took)
         if self._dirty:
             self._pass()
-        nxt = self._next_due()
-        if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
-            self._tick_at = nxt
-            self.at(nxt, self._on_tick)
+        if not self._due_known:
+            self._due_known = True
+            nxt = self._next_due()
+            if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
+                self._tick_at = nxt
+                self.at(nxt, self._on_tick)
 
     def _next_due(self) -> float | None:
         """When a pass is next due by a timer, after now: a failure's backoff, a hold's
@@ -424,6 +441,7 @@ class Engine:
         # Only a failure still standing is due again after its backoff; a cleared one
         # waits for the model to fail again, which an event makes a pass find.
         self._failing = any(f.digest for f in failures.values())
+        self._due_known = False
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
         r = reaction.react(self.view, trigger, self.now, self.pcfg)
@@ -478,6 +496,7 @@ class Engine:
             self._dirty = True
         if kind in _TIMERS:
             self._timers = None
+            self._due_known = False
         seen = _OBSERVERS.get(kind)
         if seen is not None:
             seen(self, e, node)
@@ -604,6 +623,7 @@ class Engine:
         g = self._groups[name]
         self._down[name] = self.t
         self._timers = None
+        self._due_known = False
         self._up_gpus -= g.gpus
         self._dirty = True
         self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
@@ -612,6 +632,7 @@ class Engine:
         g = self._groups[name]
         del self._down[name]
         self._timers = None
+        self._due_known = False
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:

@@ -76,7 +76,8 @@ def test_same_scenario_and_seed_same_log() -> None:
 class _Checked(engine.Engine):
     """An engine that checks its shortcuts, at every instant, against the plain rules:
     the next due time it finds with its kept timers against a walk of every failure,
-    hold and silent node; and, where it skips `reaction.releases` that the plain rule
+    hold and silent node; that an instant where it does not look for a due time has no
+    tick to schedule; and, where it skips `reaction.releases` that the plain rule
     (call it whenever the view changed or a hold's end passed) would call, that the call
     would say nothing."""
 
@@ -96,6 +97,14 @@ class _Checked(engine.Engine):
         assert got == (min(due) if due else None), self.t
         self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=standing)
         return got
+
+    def _settle(self) -> None:
+        # However `_settle` returned (early, or without asking `_next_due`), asking the
+        # plain rule now finds no due time before the tick already pending.
+        super()._settle()
+        nxt = engine.Engine._next_due(self)
+        assert nxt is None or (self._tick_at is not None and self._tick_at <= nxt), self.t
+        self.seen["settled"] += 1
 
     def _releases_due(self) -> bool:
         got = super()._releases_due()
