@@ -125,6 +125,27 @@ class _Agent:
 
 
 @dataclass(frozen=True, slots=True)
+class _Arrivals:
+    """What every arrival of one model driven by requests reads, looked up once: a run
+    has hundreds of thousands of requests, and each would otherwise name its stream of
+    draws anew and walk the model's demand for the same numbers."""
+
+    spec: ModelSpec
+    draw: Callable[[float], float]
+    """The stream's `expovariate`: the time to the next candidate arrival."""
+    uniform: Callable[[], float]
+    """The same stream's `random`: whether the daily cycle keeps that arrival."""
+    peak: float
+    """Arrivals per second at the peak of the day."""
+    top: float
+    """1 + the daily amplitude: the cycle's peak, the scale of the thinning draw."""
+    daily: float
+    peak_hour: float
+    idle_after_s: float
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     scenario: str
     policy: str
@@ -206,6 +227,7 @@ class Engine:
         # The last call of `reaction.releases`: the view's seq and _changes then, its
         # time, and whether every release it said took effect.
         self._released_at: tuple[int, int, datetime, bool] | None = None
+        self._arrivals: dict[str, _Arrivals] = {}
         self._changes = 0
         """Events stored that are not a replica.used."""
 
@@ -295,7 +317,19 @@ class Engine:
         for spec in sc.models:
             d = spec.demand
             if d.kind == "requests":
-                self._next_request(spec, 0.0)
+                rng = self.rng(f"requests:{spec.name}")
+                a = self._arrivals[spec.name] = _Arrivals(
+                    spec=spec,
+                    draw=rng.expovariate,
+                    uniform=rng.random,
+                    peak=d.rate * (1 + d.daily) / 3600.0,
+                    top=1 + d.daily,
+                    daily=d.daily,
+                    peak_hour=d.peak_hour,
+                    idle_after_s=d.idle_after_s,
+                    replicas=d.replicas,
+                )
+                self._next_request(a, 0.0)
             elif d.kind == "steps":
                 self._scale(spec, d.replicas)
                 for at, n in d.steps:
@@ -318,10 +352,10 @@ class Engine:
         self._dirty = True
 
     def _on_idle(self, model: str) -> None:
-        spec = self.models[model]
+        a = self._arrivals[model]
         last = self._last_request.get(model, -math.inf)
-        if self.t - last >= spec.demand.idle_after_s and self._desired[model] > 0:
-            self._scale(spec, 0)
+        if self.t - last >= a.idle_after_s and self._desired[model] > 0:
+            self._scale(a.spec, 0)
 
     def _on_scale(self, arg: tuple[str, int]) -> None:
         self._scale(self.models[arg[0]], arg[1])
@@ -670,28 +704,26 @@ class Engine:
             cls = self.models[model].cls
             self.m.scale_ups.setdefault(cls, []).append(self.t - w[1])
 
-    def _next_request(self, spec: ModelSpec, t: float) -> None:
+    def _next_request(self, a: _Arrivals, t: float) -> None:
         """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle."""
-        d = spec.demand
-        peak = d.rate * (1 + d.daily) / 3600.0
+        peak = a.peak
         if peak <= 0:
             return
-        rng = self.rng(f"requests:{spec.name}")
-        draw, uniform, end = rng.expovariate, rng.random, self.duration
+        draw, uniform, top, end = a.draw, a.uniform, a.top, self.duration
         while True:
             t += draw(peak)
             if t > end:
                 return
-            if uniform() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
-                self.at(t, self._request, spec.name)
+            if uniform() * top <= _cycle(a.daily, a.peak_hour, t):
+                self.at(t, self._request, a.spec.name)
                 return
 
     def _request(self, model: str) -> None:
-        spec = self.models[model]
+        a = self._arrivals[model]
         t = self.t
         self.m.requests += 1
         self._last_request[model] = t
-        self.at(t + spec.demand.idle_after_s, self._on_idle, model)
+        self.at(t + a.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
@@ -704,9 +736,9 @@ class Engine:
                 self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
         else:
             self.m.requests_unserved += 1
-        if self._desired[model] < spec.demand.replicas:
-            self._scale(spec, spec.demand.replicas)
-        self._next_request(spec, t)
+        if self._desired[model] < a.replicas:
+            self._scale(a.spec, a.replicas)
+        self._next_request(a, t)
 
     # ------------------------------------------------------------------ decisions
 
