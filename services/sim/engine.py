@@ -131,6 +131,12 @@ class _Agent:
     gpus: int
     state: str = "pending"
     gen: int = 0
+    source: str = ""
+    """The agent's name as the source of its reports: `agent/NODE`."""
+    subject: str = ""
+    """The subject of its reports on the replica (replica.state, replica.used), made
+    once: a replica reports use every USED_EVERY_S while requests keep coming, tens of
+    thousands of times a day."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,12 +542,15 @@ class Engine:
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(self, data: ev.Data, source: str, node: str | None = None) -> bool:
-        """An event of the operator or an agent, with the next id."""
+    def publish(
+        self, data: ev.Data, source: str, node: str | None = None, subject: str | None = None
+    ) -> bool:
+        """An event of the operator or an agent, with the next id; `subject` when the
+        caller has it at hand (`subjects.subject_for` of the event and node)."""
         self._ids += 1
         e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
-        self._store(e, node)
+        self._store(e, node, subject)
         return True
 
     def emit(self, e: ev.Event, node: str | None = None) -> bool:
@@ -555,7 +564,7 @@ class Engine:
         self._store(e, node)
         return True
 
-    def _store(self, e: ev.Event, node: str | None) -> None:
+    def _store(self, e: ev.Event, node: str | None, subject: str | None = None) -> None:
         """Fold and write one event, and let the agents and the metrics see it.
 
         A service folds what `Ingest.raw` makes of the body: the event decoded, checked
@@ -566,12 +575,16 @@ class Engine:
         to the same bytes again (so no field's type changed on the way, a float read back
         from an int, a tuple from a list). `check_bodies` folds through `Ingest.raw` as a
         service does and raises where that does not hold; the simulator's tests run every
-        shipped scenario so, and compare its bundle with an unchecked run's."""
-        subject = subjects.subject_for(e, ROOT, node)
+        shipped scenario so, and compare its bundle with an unchecked run's; with it, a
+        `subject` given is checked to be the event's too."""
+        if subject is None:
+            subject = subjects.subject_for(e, ROOT, node)
         body = codec.encode(e)
         ingest = self.ingest
         seq = ingest.view.state.seq + 1
         if self.check_bodies:
+            if subject != subjects.subject_for(e, ROOT, node):
+                raise RuntimeError(f"the engine gave {e.id} the subject {subject!r}")
             got = ingest.raw(seq, subject, body)
             if got is None or got != e or codec.encode(got) != body:
                 why = self.ingest.verdict if got is None else "it reads back otherwise"
@@ -618,6 +631,8 @@ class Engine:
             shards=d.shards,
             node=where,
             gpus=sum(len(s.gpus) for s in d.shards),
+            source=f"agent/{where}",
+            subject=subjects.replica_subject(where, d.replica, ROOT),
         )
         if where in self._down:
             return  # a silent agent never hears it
@@ -723,8 +738,9 @@ class Engine:
                 shards=a.shards,
                 reason=reason,
             ),
-            f"agent/{a.node}",
+            a.source,
             a.node,
+            a.subject,
         )
 
     def _node_down(self, name: str) -> None:
@@ -807,8 +823,13 @@ class Engine:
             rid = min(ready, key=used_at.__getitem__)
             if t - used_at[rid] >= USED_EVERY_S:
                 used_at[rid] = t
-                node = self._agents[rid].node
-                self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
+                agent = self._agents[rid]
+                self.publish(
+                    ev.ReplicaUsed(replica=rid, at=self.now),
+                    agent.source,
+                    agent.node,
+                    agent.subject,
+                )
         else:
             self.m.requests_unserved += 1
         if self._desired[model] < a.replicas:
