@@ -1,9 +1,11 @@
 """The simulator's engine: one scenario, one preemption policy, in virtual time.
 
 Called by `llmgw simulate` (`services.cli.simulate`), the simulator's tests and its
-benchmark. Every event goes through what the services do with it: encoded, folded with
-`Ingest.raw` (the projector's and every follower's step), and, given a writer, written
-as a bundle line with `schemas.bundle.event_line` (`line` for a body the codec wrote).
+benchmark. Every event goes through what the services do with it: encoded, folded as
+`Ingest.raw` (the projector's and every follower's step) folds its body, and, given a
+writer, written as a bundle line with `schemas.bundle.event_line` (`line` for a body
+the codec wrote). The fold is of the event made, not of its body decoded again: the
+same event, as the codec gives back every event the engine makes (see `_store`).
 The decisions are the services' own calls: `scheduling.plan` for the scheduler's pass,
 `reaction.react` for each `placement.failed` (which calls the policy),
 `reaction.releases` for holds (the hold rule `View.hold_end`). Only the agents, the
@@ -21,6 +23,7 @@ scenario, policy and seed give the same log, byte for byte.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -83,6 +86,12 @@ DEMAND_STEP_S = 900.0
 # changed; a pass that publishes nothing new ends them.
 MAX_PASSES = 8
 
+# WRITE_LINES is how many bundle lines the engine holds before writing them to `out`
+# at once: a week of a large cluster is hundreds of MB in hundreds of thousands of
+# lines, and one write per line costs the file's buffering (and a system call every few
+# lines) about three times what joining a batch does.
+WRITE_LINES = 1024
+
 # DEDUP_S is the broker's duplicate window: an id seen this recently is dropped, as
 # JetStream drops a retried publish.
 DEDUP_S = 120.0
@@ -122,6 +131,33 @@ class _Agent:
     gpus: int
     state: str = "pending"
     gen: int = 0
+    source: str = ""
+    """The agent's name as the source of its reports: `agent/NODE`."""
+    subject: str = ""
+    """The subject of its reports on the replica (replica.state, replica.used), made
+    once: a replica reports use every USED_EVERY_S while requests keep coming, tens of
+    thousands of times a day."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrivals:
+    """What every arrival of one model driven by requests reads, looked up once: a run
+    has hundreds of thousands of requests, and each would otherwise name its stream of
+    draws anew and walk the model's demand for the same numbers."""
+
+    spec: ModelSpec
+    draw: Callable[[float], float]
+    """The stream's `expovariate`: the time to the next candidate arrival."""
+    uniform: Callable[[], float]
+    """The same stream's `random`: whether the daily cycle keeps that arrival."""
+    peak: float
+    """Arrivals per second at the peak of the day."""
+    top: float
+    """1 + the daily amplitude: the cycle's peak, the scale of the thinning draw."""
+    daily: float
+    peak_hour: float
+    idle_after_s: float
+    replicas: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +186,7 @@ class Engine:
         oracle_limit: int = oracle.LIMIT,
         policy_config: preemption.Config | None = None,
         scheduler_config: scheduling.Config | None = None,
+        check_bodies: bool = False,
     ) -> None:
         self.sc = scenario
         self.seed = scenario.seed if seed is None else seed
@@ -161,7 +198,10 @@ class Engine:
         self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
         self.out = out
+        self._lines: list[bytes] = []
+        """Bundle lines (each followed by its newline) not yet written to `out`."""
         self.oracle_limit = oracle_limit
+        self.check_bodies = check_bodies
         self.ingest = Ingest(View(), ROOT)
         self.view = self.ingest.view
         self.m = Metrics()
@@ -174,6 +214,11 @@ class Engine:
         # order they were scheduled.
         self._q: list[_Entry] = []
         self._order = itertools.count(1)
+        # Beside the queue, the entries that come in order as they are scheduled (each
+        # request's idle timer, `at_later`): kept in a FIFO, since a heap pays a push and
+        # a pop of its depth for each of these hundreds of thousands. `run` takes the
+        # first of both by (time, order), so happenings run in exactly the same order.
+        self._fifo: collections.deque[_Entry] = collections.deque()
         # Each node's group by the node's name (the first group to name it).
         self._groups: dict[str, NodeGroup] = {}
         for g in scenario.nodes:
@@ -199,28 +244,24 @@ class Engine:
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
         self._timers: list[float] | None = None
+        # Whether `_next_due` was asked since anything it reads changed (a failure's
+        # standing, the timers, the pending tick). While it was, asking again later
+        # cannot schedule an earlier tick: see `_settle`.
+        self._due_known = False
         # The last call of `reaction.releases`: the view's seq and _changes then, its
         # time, and whether every release it said took effect.
         self._released_at: tuple[int, int, datetime, bool] | None = None
+        self._arrivals: dict[str, _Arrivals] = {}
         self._changes = 0
         """Events stored that are not a replica.used."""
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Result:
-        self._begin()
-        q = self._q
-        pop = heapq.heappop
-        end = self.duration
-        while q and q[0][0] <= end:
-            t = q[0][0]
-            self._advance(t)
-            while q and q[0][0] == t:
-                _, _, handle, arg = pop(q)
-                handle(arg)
-            self._settle()
-        self._advance(self.duration)
-        self.ingest.touched.clear()
+        try:
+            self._run()
+        finally:
+            self._write()
         return Result(
             scenario=self.sc.name,
             policy=self.pcfg.policy,
@@ -231,6 +272,35 @@ class Engine:
             digest=digest(self.view.state),
         )
 
+    def _run(self) -> None:
+        self._begin()
+        q, fifo = self._q, self._fifo
+        pop, popleft = heapq.heappop, fifo.popleft
+        end = self.duration
+        while True:
+            # The next instant: the earlier of the queue's and the FIFO's first.
+            if fifo and (not q or fifo[0] < q[0]):
+                t = fifo[0][0]
+            elif q:
+                t = q[0][0]
+            else:
+                break
+            if t > end:
+                break
+            self._advance(t)
+            while True:
+                # Each happening at t in (time, order), from whichever holds it first.
+                if fifo and fifo[0][0] == t and (not q or fifo[0] < q[0]):
+                    _, _, handle, arg = popleft()
+                elif q and q[0][0] == t:
+                    _, _, handle, arg = pop(q)
+                else:
+                    break
+                handle(arg)
+            self._settle()
+        self._advance(self.duration)
+        self.ingest.touched.clear()
+
     def rng(self, stream: str) -> random.Random:
         r = self._rngs.get(stream)
         if r is None:
@@ -240,6 +310,17 @@ class Engine:
     def at(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
         """At virtual time t, `handle(arg)`."""
         heapq.heappush(self._q, (t, next(self._order), handle, arg))
+
+    def at_later(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
+        """`at`, for a time most likely no earlier than any scheduled with `at_later`
+        before: such an entry goes to the FIFO (its order only grows, so the FIFO stays
+        sorted); one that would not keep the FIFO sorted goes to the queue."""
+        entry = (t, next(self._order), handle, arg)
+        fifo = self._fifo
+        if not fifo or fifo[-1][0] <= t:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._q, entry)
 
     @property
     def now(self) -> datetime:
@@ -291,7 +372,19 @@ class Engine:
         for spec in sc.models:
             d = spec.demand
             if d.kind == "requests":
-                self._next_request(spec, 0.0)
+                rng = self.rng(f"requests:{spec.name}")
+                a = self._arrivals[spec.name] = _Arrivals(
+                    spec=spec,
+                    draw=rng.expovariate,
+                    uniform=rng.random,
+                    peak=d.rate * (1 + d.daily) / 3600.0,
+                    top=1 + d.daily,
+                    daily=d.daily,
+                    peak_hour=d.peak_hour,
+                    idle_after_s=d.idle_after_s,
+                    replicas=d.replicas,
+                )
+                self._next_request(a, 0.0)
             elif d.kind == "steps":
                 self._scale(spec, d.replicas)
                 for at, n in d.steps:
@@ -310,13 +403,14 @@ class Engine:
 
     def _on_tick(self, arg: None) -> None:
         self._tick_at = None
+        self._due_known = False
         self._dirty = True
 
     def _on_idle(self, model: str) -> None:
-        spec = self.models[model]
+        a = self._arrivals[model]
         last = self._last_request.get(model, -math.inf)
-        if self.t - last >= spec.demand.idle_after_s and self._desired[model] > 0:
-            self._scale(spec, 0)
+        if self.t - last >= a.idle_after_s and self._desired[model] > 0:
+            self._scale(a.spec, 0)
 
     def _on_scale(self, arg: tuple[str, int]) -> None:
         self._scale(self.models[arg[0]], arg[1])
@@ -335,7 +429,17 @@ class Engine:
 
     def _settle(self) -> None:
         """Passes until nothing new is published, then the holds that ended; and when
-        the next pass is due by a timer, a tick then."""
+        the next pass is due by a timer, a tick then.
+
+        Most instants (a request, its idle timer) change nothing this reads: nothing
+        made a pass due, no hold stands, and the next due time was found since the last
+        change (`_due_known`). Such an instant returns at once. Skipping `_next_due`
+        there is exact: with the failures, timers and pending tick unchanged, the due
+        time it finds only grows with the clock (a backoff counted from now, the first
+        timer after now), and it found one no earlier than the pending tick last time,
+        or none, so it would schedule nothing now."""
+        if not self._dirty and self._due_known and not self.view.state.holds:
+            return
         if self._dirty:
             for _ in range(MAX_PASSES):
                 if not self._dirty:
@@ -351,10 +455,12 @@ class Engine:
             self._released_at = (self.view.seq, self._changes, self.now, took)
         if self._dirty:
             self._pass()
-        nxt = self._next_due()
-        if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
-            self._tick_at = nxt
-            self.at(nxt, self._on_tick)
+        if not self._due_known:
+            self._due_known = True
+            nxt = self._next_due()
+            if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
+                self._tick_at = nxt
+                self.at(nxt, self._on_tick)
 
     def _next_due(self) -> float | None:
         """When a pass is next due by a timer, after now: a failure's backoff, a hold's
@@ -424,6 +530,7 @@ class Engine:
         # Only a failure still standing is due again after its backoff; a cleared one
         # waits for the model to fail again, which an event makes a pass find.
         self._failing = any(f.digest for f in failures.values())
+        self._due_known = False
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
         r = reaction.react(self.view, trigger, self.now, self.pcfg)
@@ -435,12 +542,15 @@ class Engine:
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(self, data: ev.Data, source: str, node: str | None = None) -> bool:
-        """An event of the operator or an agent, with the next id."""
+    def publish(
+        self, data: ev.Data, source: str, node: str | None = None, subject: str | None = None
+    ) -> bool:
+        """An event of the operator or an agent, with the next id; `subject` when the
+        caller has it at hand (`subjects.subject_for` of the event and node)."""
         self._ids += 1
         e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
-        self._store(e, node)
+        self._store(e, node, subject)
         return True
 
     def emit(self, e: ev.Event, node: str | None = None) -> bool:
@@ -454,16 +564,39 @@ class Engine:
         self._store(e, node)
         return True
 
-    def _store(self, e: ev.Event, node: str | None) -> None:
-        """Fold and write one event, and let the agents and the metrics see it."""
-        subject = subjects.subject_for(e, ROOT, node)
+    def _store(self, e: ev.Event, node: str | None, subject: str | None = None) -> None:
+        """Fold and write one event, and let the agents and the metrics see it.
+
+        A service folds what `Ingest.raw` makes of the body: the event decoded, checked
+        against its subject, then `Ingest.event`. The engine folds the event it made with
+        `Ingest.event` directly, sparing a decode of every body it just encoded (a tenth
+        of what a run spends outside the decisions). That is the same fold as long as the
+        codec gives back every event the engine makes: equal, on its subject, and encoded
+        to the same bytes again (so no field's type changed on the way, a float read back
+        from an int, a tuple from a list). `check_bodies` folds through `Ingest.raw` as a
+        service does and raises where that does not hold; the simulator's tests run every
+        shipped scenario so, and compare its bundle with an unchecked run's; with it, a
+        `subject` given is checked to be the event's too."""
+        if subject is None:
+            subject = subjects.subject_for(e, ROOT, node)
         body = codec.encode(e)
         ingest = self.ingest
         seq = ingest.view.state.seq + 1
-        ingest.raw(seq, subject, body)
-        out = self.out
-        if out is not None:
-            out.write(bundle.event_line(seq, subject, body) + b"\n")
+        if self.check_bodies:
+            if subject != subjects.subject_for(e, ROOT, node):
+                raise RuntimeError(f"the engine gave {e.id} the subject {subject!r}")
+            got = ingest.raw(seq, subject, body)
+            if got is None or got != e or codec.encode(got) != body:
+                why = self.ingest.verdict if got is None else "it reads back otherwise"
+                raise RuntimeError(f"the engine made a {type(e).__name__} {e.id}: {why}")
+        else:
+            ingest.event(seq, subject, e)
+        if self.out is not None:
+            lines = self._lines
+            lines.append(bundle.event_line(seq, subject, body))
+            lines.append(b"\n")
+            if len(lines) >= 2 * WRITE_LINES:
+                self._write()
         self.m.events += 1
         if seq % 4096 == 0:
             ingest.touched.clear()
@@ -472,12 +605,19 @@ class Engine:
             self._changes += 1
             self._observe(e, node)
 
+    def _write(self) -> None:
+        """Write the bundle lines held (`WRITE_LINES`) to `out`, in one piece."""
+        if self.out is not None and self._lines:
+            self.out.write(b"".join(self._lines))
+            self._lines.clear()
+
     def _observe(self, e: ev.Event, node: str | None) -> None:
         kind = type(e)
         if kind in _PASS_ON:
             self._dirty = True
         if kind in _TIMERS:
             self._timers = None
+            self._due_known = False
         seen = _OBSERVERS.get(kind)
         if seen is not None:
             seen(self, e, node)
@@ -491,6 +631,8 @@ class Engine:
             shards=d.shards,
             node=where,
             gpus=sum(len(s.gpus) for s in d.shards),
+            source=f"agent/{where}",
+            subject=subjects.replica_subject(where, d.replica, ROOT),
         )
         if where in self._down:
             return  # a silent agent never hears it
@@ -596,14 +738,16 @@ class Engine:
                 shards=a.shards,
                 reason=reason,
             ),
-            f"agent/{a.node}",
+            a.source,
             a.node,
+            a.subject,
         )
 
     def _node_down(self, name: str) -> None:
         g = self._groups[name]
         self._down[name] = self.t
         self._timers = None
+        self._due_known = False
         self._up_gpus -= g.gpus
         self._dirty = True
         self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
@@ -612,6 +756,7 @@ class Engine:
         g = self._groups[name]
         del self._down[name]
         self._timers = None
+        self._due_known = False
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:
@@ -649,28 +794,27 @@ class Engine:
             cls = self.models[model].cls
             self.m.scale_ups.setdefault(cls, []).append(self.t - w[1])
 
-    def _next_request(self, spec: ModelSpec, t: float) -> None:
+    def _next_request(self, a: _Arrivals, t: float) -> None:
         """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle."""
-        d = spec.demand
-        peak = d.rate * (1 + d.daily) / 3600.0
+        peak = a.peak
         if peak <= 0:
             return
-        rng = self.rng(f"requests:{spec.name}")
-        draw, uniform, end = rng.expovariate, rng.random, self.duration
+        draw, uniform, top, end = a.draw, a.uniform, a.top, self.duration
         while True:
             t += draw(peak)
             if t > end:
                 return
-            if uniform() * (1 + d.daily) <= _cycle(d.daily, d.peak_hour, t):
-                self.at(t, self._request, spec.name)
+            if uniform() * top <= _cycle(a.daily, a.peak_hour, t):
+                self.at(t, self._request, a.spec.name)
                 return
 
     def _request(self, model: str) -> None:
-        spec = self.models[model]
+        a = self._arrivals[model]
         t = self.t
         self.m.requests += 1
         self._last_request[model] = t
-        self.at(t + spec.demand.idle_after_s, self._on_idle, model)
+        # The idle timers come in order: the same wait (most often) after each request.
+        self.at_later(t + a.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
@@ -679,13 +823,18 @@ class Engine:
             rid = min(ready, key=used_at.__getitem__)
             if t - used_at[rid] >= USED_EVERY_S:
                 used_at[rid] = t
-                node = self._agents[rid].node
-                self.publish(ev.ReplicaUsed(replica=rid, at=self.now), f"agent/{node}", node)
+                agent = self._agents[rid]
+                self.publish(
+                    ev.ReplicaUsed(replica=rid, at=self.now),
+                    agent.source,
+                    agent.node,
+                    agent.subject,
+                )
         else:
             self.m.requests_unserved += 1
-        if self._desired[model] < spec.demand.replicas:
-            self._scale(spec, spec.demand.replicas)
-        self._next_request(spec, t)
+        if self._desired[model] < a.replicas:
+            self._scale(a.spec, a.replicas)
+        self._next_request(a, t)
 
     # ------------------------------------------------------------------ decisions
 
@@ -727,9 +876,10 @@ def simulate(
     out: IO[bytes] | None = None,
     oracle_limit: int | None = None,
     clock: Callable[[], float] | None = None,
+    check_bodies: bool = False,
 ) -> Result:
     """Run `scenario` under `policy`; `clock` (a monotonic clock the caller passes) only
-    measures the wall time the run took."""
+    measures the wall time the run took; `check_bodies` see `Engine._store`."""
     eng = Engine(
         scenario,
         policy,
@@ -737,6 +887,7 @@ def simulate(
         duration_s=duration_s,
         out=out,
         oracle_limit=oracle.LIMIT if oracle_limit is None else oracle_limit,
+        check_bodies=check_bodies,
     )
     t0 = clock() if clock else 0.0
     r = eng.run()

@@ -48,11 +48,16 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
         # Counted per node before any group is built: on a large cluster the answer is
         # most often that there are too many sets to try.
         per_node = Counter(map(_node, d.candidates))
-        if sum([sets(n, max_victims) for n in per_node.values()]) > limit:
+        # Summed per count of candidates, not per node: a couple of hundred nodes hold
+        # a handful of distinct counts, and nodes with as many give as many sets.
+        counts = Counter(per_node.values())
+        if sum(sets(n, max_victims) * k for n, k in counts.items()) > limit:
             return None
-        by_node: dict[str, list[Candidate]] = {}
+        # Each node's list made up front (in the order nodes first appear, as before),
+        # so the loop over the candidates only appends.
+        by_node: dict[str, list[Candidate]] = {n: [] for n in per_node}
         for c in d.candidates:
-            by_node.setdefault(c.node, []).append(c)
+            by_node[c.node].append(c)
         groups = [tuple(g) for g in by_node.values()]
     else:
         groups = [d.candidates]
@@ -79,6 +84,13 @@ def _could(view: View, group: tuple[Candidate, ...], least: int, max_victims: in
     """Whether one node's candidates could free enough GPUs for the smallest profile: its
     free GPUs and the most any `max_victims` of them hold. Only a bound, to pass over a
     node without trying its sets; a node that passes is tried in full."""
-    node = group[0].node
-    freed = sorted((c.gpus for c in group), reverse=True)[:max_victims]
-    return len(view.inventory.free_gpus(node)) + sum(freed) >= least
+    free = len(view.inventory.free_gpus(group[0].node))
+    if free >= least:
+        return True  # room already, whatever its candidates hold
+    held = [c.gpus for c in group]
+    if len(held) > max_victims:
+        # Sorted only where there are more candidates than victims: most nodes' few
+        # candidates are summed as they are.
+        held.sort(reverse=True)
+        del held[max_victims:]
+    return free + sum(held) >= least
