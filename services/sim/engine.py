@@ -561,28 +561,35 @@ class Engine:
         if seen is not None and self.t - seen < DEDUP_S:
             return False
         self._seen[eid] = self.t
-        self._store(e, node)
+        self._store(e, node, made_here=False)
         return True
 
-    def _store(self, e: ev.Event, node: str | None, subject: str | None = None) -> None:
+    def _store(
+        self, e: ev.Event, node: str | None, subject: str | None = None, made_here: bool = True
+    ) -> None:
         """Fold and write one event, and let the agents and the metrics see it.
 
         A service folds what `Ingest.raw` makes of the body: the event decoded, checked
-        against its subject, then `Ingest.event`. The engine folds the event it made with
-        `Ingest.event` directly, sparing a decode of every body it just encoded (a tenth
-        of what a run spends outside the decisions). That is the same fold as long as the
-        codec gives back every event the engine makes: equal, on its subject, and encoded
-        to the same bytes again (so no field's type changed on the way, a float read back
-        from an int, a tuple from a list). `check_bodies` folds through `Ingest.raw` as a
-        service does and raises where that does not hold; the simulator's tests run every
-        shipped scenario so, and compare its bundle with an unchecked run's; with it, a
-        `subject` given is checked to be the event's too."""
+        against its subject, then `Ingest.event`; one it cannot is a dead letter. The
+        services' events (`emit`: the scheduler's, the policy's, the holds') are folded
+        so here too, since they are what the simulator tries out. The events the engine
+        makes itself (`publish`: the operator's and the agents', most of them a replica's
+        use) are folded as made, with `Ingest.event`, sparing a decode of every body just
+        encoded. That is the same fold as long as the codec gives back every event the
+        engine makes: equal, on its subject, and encoded to the same bytes again (so no
+        field's type changed on the way, a float read back from an int, a tuple from a
+        list). `check_bodies` folds those through `Ingest.raw` too and raises where that
+        does not hold; the simulator's tests run every shipped scenario so, and compare
+        its bundle with an unchecked run's; with it, a `subject` given is checked to be
+        the event's too."""
         if subject is None:
             subject = subjects.subject_for(e, ROOT, node)
         body = codec.encode(e)
         ingest = self.ingest
         seq = ingest.view.state.seq + 1
-        if self.check_bodies:
+        if not made_here:
+            ingest.raw(seq, subject, body)
+        elif self.check_bodies:
             if subject != subjects.subject_for(e, ROOT, node):
                 raise RuntimeError(f"the engine gave {e.id} the subject {subject!r}")
             got = ingest.raw(seq, subject, body)

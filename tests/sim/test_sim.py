@@ -96,6 +96,21 @@ def test_checking_bodies_catches_an_event_the_codec_would_not_give_back() -> Non
             assert eng.view.state.seq == 1
 
 
+def test_a_services_event_a_follower_could_not_decode_is_a_dead_letter() -> None:
+    # The services' events are what the simulator tries out: folded from their bodies,
+    # as every follower folds them, whatever `check_bodies` says.
+    sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
+    model = sc.models[0].name
+    eng = engine.Engine(sc, "reference", duration_s=HOURS)
+    bad = ev.make(
+        ev.ScaleDesired(model=model, replicas=-1), id="x-1", time=engine.START, source="scheduler"
+    )
+    assert eng.emit(bad)
+    assert eng.view.state.seq == 1
+    assert eng.view.desired_for(model) == 0
+    assert [d.seq for d in eng.ingest.touched.dead] == [1]
+
+
 def test_same_scenario_and_seed_same_log() -> None:
     sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
     a, b = io.BytesIO(), io.BytesIO()
