@@ -584,8 +584,11 @@ class _Ordered(Generic[_O]):
 
     def with_(self, extra: list[tuple[Any, ...]]) -> tuple[_O, ...]:
         """The objects, with those of `extra` (in order, none of them here) in their
-        places: copied a run at a time between them."""
+        places: a few found by halving and the runs between them copied, many by one
+        merge (a sort of two runs in order)."""
         keys, objs = self.keys, self.objs
+        if len(extra) > _FEW:
+            return tuple([k[-1] for k in sorted(keys + extra)])
         out: list[_O] = []
         last = 0
         for k in extra:
