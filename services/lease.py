@@ -73,9 +73,13 @@ async def ensure_bucket(
             ),
             replicas,
         )
-    except nats.js.errors.BadRequestError:
-        # Another process created it between our look and our create.
-        return await js.key_value(bucket)
+    except nats.js.errors.BadRequestError as e:
+        # Another process created it between our look and our create; when it is not
+        # there after all, the refusal was about something else and is the answer.
+        try:
+            return await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            raise e from None
 
 
 class Lease:

@@ -46,6 +46,13 @@ T = TypeVar("T")
 # freshly started cluster can take longer than one request's timeout.
 SETTLE_S = 60.0
 
+# NO_PEERS is JetStream's "no suitable peers for placement" (a 400): too few servers to
+# hold the copies asked for. Right after a cluster elects its meta leader, the leader
+# may not know every server yet and answers so; it is asked again for PLACEMENT_S, which
+# covers a cluster still starting but not one that lacks the servers for good.
+NO_PEERS = 10005
+PLACEMENT_S = 15.0
+
 
 async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | None) -> T:
     """`make(replicas)`; with `replicas=None`, `make(CLUSTER_REPLICAS)`, or `make(1)` when
@@ -63,10 +70,14 @@ async def with_replicas(make: Callable[[int], Awaitable[T]], replicas: int | Non
 
 async def settled(make: Callable[[], Awaitable[T]]) -> T:
     """`make()`, asked again while the cluster has no answer yet: a timeout or
-    "unavailable" during an election, up to SETTLE_S. Only for what is safe to ask again:
-    a create that finds what an earlier try made (the same stream, a bucket) and keeps it."""
+    "unavailable" during an election, up to SETTLE_S, and "no suitable peers" while a
+    starting cluster's leader does not know all its servers, up to PLACEMENT_S (then a
+    `BusError` that says what to do). Only for what is safe to ask again: a create that
+    finds what an earlier try made (the same stream, a bucket) and keeps it."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + SETTLE_S
+    start = loop.time()
+    deadline = start + SETTLE_S
+    placing = start + PLACEMENT_S
     pause = 0.25
     while True:
         try:
@@ -75,6 +86,16 @@ async def settled(make: Callable[[], Awaitable[T]]) -> T:
             if loop.time() + pause >= deadline:
                 raise
             log.info("no answer yet (%s); asking again", e)
+        except nats.js.errors.APIError as e:
+            if e.err_code != NO_PEERS:
+                raise
+            if loop.time() + pause >= placing:
+                raise BusError(
+                    f"the cluster has no servers to place the copies on "
+                    f"({e.description}), still after {loop.time() - start:.0f}s: start "
+                    "the servers it is missing, or ask for fewer copies (--replicas)"
+                ) from e
+            log.info("the cluster cannot place the copies yet (%s); asking again", e)
         await asyncio.sleep(pause)
         pause = min(pause * 2, 2.0)
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 from nats.js.client import JetStreamContext
 
-from services.bus import connect, ensure_streams, snapshots
+from services.bus import connect, ensure_streams, snapshots, stream
 from services.bus.broker import EmbeddedBroker
-from services.lease import DEFAULT_BUCKET, Lease
+from services.bus.errors import BusError
+from services.lease import DEFAULT_BUCKET, Lease, ensure_bucket
 from services.up import Running, UpOptions, run
 from tests.bus.cluster import Cluster
 
@@ -94,3 +96,40 @@ async def test_up_keeps_the_leases_and_snapshots_in_as_many_copies_as_the_log(
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 40) == 0
+
+
+async def test_setup_asks_again_while_a_starting_cluster_cannot_place_copies() -> None:
+    """Right after a cluster elects its meta leader, the leader may not know every server
+    yet and refuses replicated streams with "no suitable peers for placement" (a 400,
+    err_code 10005): setup asks again, as it does while there is no leader at all."""
+    tries = 0
+
+    async def make() -> str:
+        nonlocal tries
+        tries += 1
+        if tries < 3:
+            raise nats.js.errors.BadRequestError(
+                code=400, err_code=stream.NO_PEERS, description="no suitable peers for placement"
+            )
+        return "made"
+
+    assert await stream.settled(make) == "made"
+    assert tries == 3
+
+
+async def test_too_few_servers_for_the_copies_asked_is_one_clear_error(
+    nats_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five copies of the lease bucket on three servers: after asking for PLACEMENT_S,
+    one error that says why and what to do (it was a BucketNotFoundError from the look
+    for a bucket that a refused create had not made)."""
+    monkeypatch.setattr(stream, "PLACEMENT_S", 1.0)
+    nc = await connect(nats_cluster.urls, "replicas")
+    try:
+        js = nc.jetstream()
+        with pytest.raises(BusError, match=r"no servers to place the copies on.*--replicas"):
+            await ensure_bucket(js, "five_copies", 5.0, 5)
+        with pytest.raises(BusError, match="no servers to place the copies on"):
+            await snapshots.bucket(js, "five_copies_obj", replicas=5)
+    finally:
+        await nc.close()
