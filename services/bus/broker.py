@@ -72,6 +72,11 @@ def find_binary() -> str:
     )
 
 
+# PICKS is how many ports `EmbeddedBroker.start` picks, each free when picked, before
+# it gives up on finding one that stays free until the server binds it.
+PICKS = 3
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS may hand it out again later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -285,11 +290,24 @@ class EmbeddedBroker:
         return conf
 
     def start(self, timeout: float = 10.0) -> str:
-        """Start the server, wait until JetStream answers, record and return its URL."""
+        """Start the server, wait until JetStream answers, record and return its URL.
+
+        A port it picked itself (none was given, and it never started) is free when
+        picked but may be taken by another process before the server binds it: then it
+        picks another, up to PICKS times. A port given is the caller's promise, and its
+        being taken is the error."""
         if self.running:
             return self.url
-        self.launch()
-        return self.wait_ready(timeout)
+        picked = self.port is None
+        for attempt in range(1, PICKS + 1):
+            self.launch()
+            try:
+                return self.wait_ready(timeout)
+            except BrokerError as e:
+                if not picked or attempt == PICKS or "address already in use" not in e.why:
+                    raise
+                self.port = None  # taken since it was picked: pick another
+        raise AssertionError("unreachable")
 
     def launch(self) -> None:
         """Start the process and return at once; `wait_ready` waits for it. (A server of a

@@ -56,6 +56,25 @@ def test_a_taken_port_is_one_clear_error(tmp_path, nats_server):
     assert not other.running
 
 
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(
+    tmp_path, nats_server, monkeypatch
+):
+    # The port picked is free when picked, and taken by another process before the
+    # server binds it (here, the test's broker has it): the broker picks another.
+    ports = iter([nats_server.port])
+    real = free_port
+
+    def picked(host: str = "127.0.0.1") -> int:
+        return next(ports, None) or real(host)
+
+    monkeypatch.setattr("services.bus.broker.free_port", picked)
+    with EmbeddedBroker(tmp_path) as b:
+        assert b.running and b.port != nats_server.port
+        assert read_url(tmp_path) == b.url
+    log = (tmp_path / "nats-server.log").read_text()
+    assert "address already in use" in log and "Server is ready" in log
+
+
 async def test_nobody_listening_is_one_line_saying_how_to_start_one():
     url = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
