@@ -75,9 +75,10 @@ async def settled(make: Callable[[], Awaitable[T]]) -> T:
     `BusError` that says what to do). Only for what is safe to ask again: a create that
     finds what an earlier try made (the same stream, a bucket) and keeps it."""
     loop = asyncio.get_running_loop()
-    start = loop.time()
-    deadline = start + SETTLE_S
-    placing = start + PLACEMENT_S
+    deadline = loop.time() + SETTLE_S
+    # Counted from the first refusal to place: it comes right after an election, which
+    # may itself have taken a while of timeouts.
+    refused: float | None = None
     pause = 0.25
     while True:
         try:
@@ -89,10 +90,13 @@ async def settled(make: Callable[[], Awaitable[T]]) -> T:
         except nats.js.errors.APIError as e:
             if e.err_code != NO_PEERS:
                 raise
-            if loop.time() + pause >= placing:
+            now = loop.time()
+            if refused is None:
+                refused, pause = now, 0.25
+            if now + pause >= min(refused + PLACEMENT_S, deadline):
                 raise BusError(
                     f"the cluster has no servers to place the copies on "
-                    f"({e.description}), still after {loop.time() - start:.0f}s: start "
+                    f"({e.description}), still after {now - refused:.0f}s: start "
                     "the servers it is missing, or ask for fewer copies (--replicas)"
                 ) from e
             log.info("the cluster cannot place the copies yet (%s); asking again", e)

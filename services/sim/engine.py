@@ -4,8 +4,9 @@ Called by `llmgw simulate` (`services.cli.simulate`), the simulator's tests and 
 benchmark. Every event goes through what the services do with it: encoded, folded as
 `Ingest.raw` (the projector's and every follower's step) folds its body, and, given a
 writer, written as a bundle line with `schemas.bundle.event_line` (`line` for a body
-the codec wrote). The fold is of the event made, not of its body decoded again: the
-same event, as the codec gives back every event the engine makes (see `_store`).
+the codec wrote). The agents' reports on their replicas are folded as made rather than
+from their bodies decoded again: the same events, as the codec gives each back (see
+`_store`).
 The decisions are the services' own calls: `scheduling.plan` for the scheduler's pass,
 `reaction.react` for each `placement.failed` (which calls the policy),
 `reaction.releases` for holds (the hold rule `View.hold_end`). Only the agents, the
@@ -261,7 +262,7 @@ class Engine:
         try:
             self._run()
         finally:
-            self._write()
+            self.flush()
         return Result(
             scenario=self.sc.name,
             policy=self.pcfg.policy,
@@ -543,14 +544,21 @@ class Engine:
     # ------------------------------------------------------------------ publishing
 
     def publish(
-        self, data: ev.Data, source: str, node: str | None = None, subject: str | None = None
+        self,
+        data: ev.Data,
+        source: str,
+        node: str | None = None,
+        subject: str | None = None,
+        *,
+        as_made: bool = False,
     ) -> bool:
         """An event of the operator or an agent, with the next id; `subject` when the
-        caller has it at hand (`subjects.subject_for` of the event and node)."""
+        caller has it at hand (`subjects.subject_for` of the event and node). `as_made`:
+        an agent's report on a replica, folded as made (see `_store`)."""
         self._ids += 1
         e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
-        self._store(e, node, subject)
+        self._store(e, node, subject, as_made)
         return True
 
     def emit(self, e: ev.Event, node: str | None = None) -> bool:
@@ -561,33 +569,43 @@ class Engine:
         if seen is not None and self.t - seen < DEDUP_S:
             return False
         self._seen[eid] = self.t
-        self._store(e, node, made_here=False)
+        self._store(e, node)
         return True
 
     def _store(
-        self, e: ev.Event, node: str | None, subject: str | None = None, made_here: bool = True
+        self, e: ev.Event, node: str | None, subject: str | None = None, as_made: bool = False
     ) -> None:
         """Fold and write one event, and let the agents and the metrics see it.
 
         A service folds what `Ingest.raw` makes of the body: the event decoded, checked
-        against its subject, then `Ingest.event`; one it cannot is a dead letter. The
-        services' events (`emit`: the scheduler's, the policy's, the holds') are folded
-        so here too, since they are what the simulator tries out. The events the engine
-        makes itself (`publish`: the operator's and the agents', most of them a replica's
-        use) are folded as made, with `Ingest.event`, sparing a decode of every body just
-        encoded. That is the same fold as long as the codec gives back every event the
-        engine makes: equal, on its subject, and encoded to the same bytes again (so no
-        field's type changed on the way, a float read back from an int, a tuple from a
-        list). `check_bodies` folds those through `Ingest.raw` too and raises where that
-        does not hold; the simulator's tests run every shipped scenario so, and compare
-        its bundle with an unchecked run's; with it, a `subject` given is checked to be
-        the event's too."""
+        against its subject, then `Ingest.event`; one it cannot is a dead letter. So are
+        they folded here: the services' events (`emit`), which are what the simulator
+        tries out, and the operator's and the nodes' reports, made from the scenario.
+        The agents' reports on their replicas (`as_made`: a replica's use and its states,
+        nine events in ten, made from events already folded) are folded as made, with
+        `Ingest.event`, sparing a decode of every body just encoded. That is the same
+        fold as long as the codec gives each back: equal, on its subject, and encoded to
+        the same bytes again (so no field's type changed on the way, a float read back
+        from an int, a tuple from a list). `check_bodies` folds those through
+        `Ingest.raw` too and raises where that does not hold; the simulator's tests run
+        every shipped scenario so, and compare its bundle with an unchecked run's; with
+        it, a `subject` given is checked to be the event's too.
+
+        The bundle line is held before the fold, so a run that stops on an error has
+        written every event it folded (`run` writes what is held on every exit;
+        `flush` for a caller that publishes without running)."""
         if subject is None:
             subject = subjects.subject_for(e, ROOT, node)
         body = codec.encode(e)
         ingest = self.ingest
         seq = ingest.view.state.seq + 1
-        if not made_here:
+        if self.out is not None:
+            lines = self._lines
+            lines.append(bundle.event_line(seq, subject, body))
+            lines.append(b"\n")
+            if len(lines) >= 2 * WRITE_LINES:
+                self.flush()
+        if not as_made:
             ingest.raw(seq, subject, body)
         elif self.check_bodies:
             if subject != subjects.subject_for(e, ROOT, node):
@@ -598,12 +616,6 @@ class Engine:
                 raise RuntimeError(f"the engine made a {type(e).__name__} {e.id}: {why}")
         else:
             ingest.event(seq, subject, e)
-        if self.out is not None:
-            lines = self._lines
-            lines.append(bundle.event_line(seq, subject, body))
-            lines.append(b"\n")
-            if len(lines) >= 2 * WRITE_LINES:
-                self._write()
         self.m.events += 1
         if seq % 4096 == 0:
             ingest.touched.clear()
@@ -612,7 +624,7 @@ class Engine:
             self._changes += 1
             self._observe(e, node)
 
-    def _write(self) -> None:
+    def flush(self) -> None:
         """Write the bundle lines held (`WRITE_LINES`) to `out`, in one piece."""
         if self.out is not None and self._lines:
             self.out.write(b"".join(self._lines))
@@ -710,21 +722,7 @@ class Engine:
     # ------------------------------------------------------------------ agents
 
     def _inventory(self, name: str) -> None:
-        g = self._groups[name]
-        gpus = tuple(
-            ev.GpuInfo(
-                index=i,
-                uuid=f"GPU-{name}-{i}",
-                model=f"NVIDIA {g.gpu}",
-                memory_gb=g.gpu_memory_gb,
-            )
-            for i in range(g.gpus)
-        )
-        self.publish(
-            ev.NodeInventory(node=name, gpus=gpus, cpu_cores=g.cpu, memory_gb=g.memory),
-            f"agent/{name}",
-            name,
-        )
+        self.publish(self._groups[name].inventory(name), f"agent/{name}", name)
 
     def _agent_step(self, rid: str, gen: int, state: str) -> None:
         a = self._agents.get(rid)
@@ -748,6 +746,7 @@ class Engine:
             a.source,
             a.node,
             a.subject,
+            as_made=True,
         )
 
     def _node_down(self, name: str) -> None:
@@ -836,6 +835,7 @@ class Engine:
                     agent.source,
                     agent.node,
                     agent.subject,
+                    as_made=True,
                 )
         else:
             self.m.requests_unserved += 1

@@ -88,6 +88,19 @@ class NodeGroup:
     def names(self) -> list[str]:
         return [f"{self.prefix}{i:03d}" for i in range(self.count)]
 
+    def inventory(self, name: str) -> ev.NodeInventory:
+        """What the agent on node `name` of the group reports when it (re)starts."""
+        gpus = tuple(
+            ev.GpuInfo(
+                index=i,
+                uuid=f"GPU-{name}-{i}",
+                model=f"NVIDIA {self.gpu}",
+                memory_gb=self.gpu_memory_gb,
+            )
+            for i in range(self.gpus)
+        )
+        return ev.NodeInventory(node=name, gpus=gpus, cpu_cores=self.cpu, memory_gb=self.memory)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Demand:
@@ -171,6 +184,12 @@ def parse(raw: dict[str, Any], default_name: str = "scenario") -> Scenario:
         quota = tuple(msgspec.convert(q, ev.OwnerQuota) for q in raw.get("quota") or ())
     except msgspec.ValidationError as e:
         raise ScenarioError("quota", str(e)) from e
+    # What the scenario makes the nodes and the operator say must be what the contract
+    # lets a follower fold: a mistake here is the field's, not a dead letter mid-run.
+    for i, g in enumerate(nodes):
+        _within_contract(g.inventory(g.names()[-1]), f"nodes[{i}]")
+    for i, m in enumerate(models):
+        _within_contract(m.declared(), f"models[{i}]")
     return Scenario(
         name=str(raw.get("name") or default_name),
         description=str(raw.get("description") or ""),
@@ -180,6 +199,14 @@ def parse(raw: dict[str, Any], default_name: str = "scenario") -> Scenario:
         duration_s=seconds(raw.get("duration", "7d"), "duration"),
         seed=int(raw.get("seed", 1)),
     )
+
+
+def _within_contract(data: ev.Data, where: str) -> None:
+    """`data` as the contract reads it (docs/contract.md): its ranges and lengths."""
+    try:
+        msgspec.convert(msgspec.to_builtins(data), type(data))
+    except msgspec.ValidationError as e:
+        raise ScenarioError(where, f"not within the event contract: {e}") from e
 
 
 def _list(raw: Any, key: str, where: str) -> list[Any]:

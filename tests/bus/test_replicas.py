@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.js.client import JetStreamContext
@@ -115,6 +116,28 @@ async def test_setup_asks_again_while_a_starting_cluster_cannot_place_copies() -
 
     assert await stream.settled(make) == "made"
     assert tries == 3
+
+
+async def test_the_wait_for_placement_counts_from_the_first_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An election that took a while of timeouts does not use up the wait for the
+    refusals to place that come right after it."""
+    monkeypatch.setattr(stream, "PLACEMENT_S", 1.0)
+    tries = 0
+
+    async def make() -> str:
+        nonlocal tries
+        tries += 1
+        if tries <= 4:  # about 1.75 s of timeouts: past PLACEMENT_S
+            raise nats.errors.TimeoutError
+        if tries <= 5:
+            raise nats.js.errors.BadRequestError(
+                code=400, err_code=stream.NO_PEERS, description="no suitable peers for placement"
+            )
+        return "made"
+
+    assert await stream.settled(make) == "made"
 
 
 async def test_too_few_servers_for_the_copies_asked_is_one_clear_error(

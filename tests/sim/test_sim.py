@@ -84,16 +84,26 @@ def test_checking_bodies_catches_an_event_the_codec_would_not_give_back() -> Non
     sc = scn.load(ROOT / "deploy/examples/sim/on-demand.yaml")
     model = sc.models[0].name
     for checked, bad in ((True, -1), (True, 2.0), (False, -1)):
-        eng = engine.Engine(sc, "reference", duration_s=HOURS, check_bodies=checked)
+        out = io.BytesIO()
+        eng = engine.Engine(sc, "reference", duration_s=HOURS, check_bodies=checked, out=out)
         # Out of the contract's range: a service dead-letters it. A float where the
         # contract says int: it encodes as 2.0, which does not decode as an int.
         data = ev.ScaleDesired(model=model, replicas=bad)  # type: ignore[arg-type]
         if checked:
             with pytest.raises(RuntimeError, match="ScaleDesired"):
-                eng.publish(data, "operator")
+                eng.publish(data, "operator", as_made=True)
         else:
-            eng.publish(data, "operator")  # unchecked, folded as made
-            assert eng.view.state.seq == 1
+            eng.publish(data, "operator", as_made=True)  # unchecked, folded as made
+            assert eng.view.state.seq == 1 and not eng.ingest.touched.dead
+        # Folded or refused, the event is in the bundle once held lines are written.
+        eng.flush()
+        assert out.getvalue().count(b"scale.desired") == 1
+    # Not an agent's report: folded from its body, as a follower folds it, so the
+    # contract's range makes it a dead letter whatever check_bodies says.
+    eng = engine.Engine(sc, "reference", duration_s=HOURS)
+    eng.publish(ev.ScaleDesired(model=model, replicas=-1), "operator")
+    assert eng.view.state.seq == 1 and eng.view.desired_for(model) == 0
+    assert [d.seq for d in eng.ingest.touched.dead] == [1]
 
 
 def test_a_services_event_a_follower_could_not_decode_is_a_dead_letter() -> None:
@@ -211,6 +221,23 @@ def test_the_h100_l4_case_reference_fails_needlessly_node_aware_does_not() -> No
             " demand: {kind: sometimes}}]",
             "models[0].demand.kind",
             id="bad demand",
+        ),
+        pytest.param(
+            "nodes: [{count: 1, cpu: -1}]\nmodels: [{name: a, profiles: [{name: p, gpus: 1}]}]",
+            "nodes[0]",
+            id="a node outside the contract (a follower would dead-letter its inventory)",
+        ),
+        pytest.param(
+            "nodes: [{count: 1, gpus: 2000}]\nmodels: [{name: a, profiles: [{name: p, gpus: 1}]}]",
+            "nodes[0]",
+            id="more GPUs than the contract's indices",
+        ),
+        pytest.param(
+            "nodes: [{count: 1}]\nmodels: [{name: "
+            + "a" * 300
+            + ", profiles: [{name: p, gpus: 1}]}]",
+            "models[0]",
+            id="a model name longer than the contract's",
         ),
     ],
 )
