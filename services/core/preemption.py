@@ -521,9 +521,9 @@ KEPT = 32
 class _Block:
     """One model's replicas (by the name they give) weighed for one model m: its
     candidates behind their order keys and its exclusions by replica id, and what they
-    were worked out from: the view's `version` of the name, the model it resolves to
-    (m itself for m's own replicas), and the time. Used again while all of that holds and time
-    has only gone forward, unless it read the time or the quota usage of its moment
+    were worked out from: the view's `version` of the name, the model it resolves to (m
+    itself for m's own replicas), and the time. Used again while all of that holds and
+    time has only gone forward, unless it read the time or the quota usage of its moment
     (`timely`)."""
 
     __slots__ = ("excluded", "other", "ranked", "since", "timely", "version")
