@@ -299,15 +299,16 @@ class EmbeddedBroker:
         if self.running:
             return self.url
         picked = self.port is None
-        for attempt in range(1, PICKS + 1):
+        attempt = 1
+        while True:
             self.launch()
             try:
                 return self.wait_ready(timeout)
             except BrokerError as e:
                 if not picked or attempt == PICKS or "address already in use" not in e.why:
                     raise
-                self.port = None  # taken since it was picked: pick another
-        raise AssertionError("unreachable")
+            self.port = None  # taken since it was picked: pick another
+            attempt += 1
 
     def launch(self) -> None:
         """Start the process and return at once; `wait_ready` waits for it. (A server of a

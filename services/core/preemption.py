@@ -708,9 +708,8 @@ def _candidates(
     usage of the moment (a replica under a guarantee, borrowed or not) is weighed again
     on every call.
     """
-    w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min)
     kept = _kept(view, m, cfg, reclaim, below_min)
-    w.peers = kept.peers
+    w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min, kept.peers)
     blocks = kept.blocks
     fresh: dict[str, _Block] = {}
     resolve = view.catalog.resolve
@@ -951,9 +950,12 @@ class _Weighing:
         holdings: list[quota.Holding],
         reclaim: bool,
         below_min: bool,
+        peers: dict[tuple[str, str, bool], _Peer],
     ) -> None:
         self.view, self.m, self.now, self.cfg = view, m, now, cfg
         self.reclaim, self.below_min = reclaim, below_min
+        # What `_peer` worked out, kept with the blocks (`_Kept.peers`).
+        self.peers = peers
         # borrowed only matters across owners with a guarantee in play; with no
         # guarantee anywhere no replica is covered, and no owner can reclaim. `holdings`
         # has every replica under a guarantee; one of an owner under none is borrowed.
@@ -971,7 +973,6 @@ class _Weighing:
         # candidates are never reported used, so their keys are equal up to the size,
         # which the sort then compares at once, and only then the ids.
         self.sizes: dict[tuple[int, float], tuple[int, float]] = {}
-        self.peers: dict[tuple[str, str, bool], _Peer] = {}
         self.settled = before(now, cfg.min_lifetime_s + 1.0)
         self.timely = False
         """Whether the block being weighed read the time or the quota usage of now."""
