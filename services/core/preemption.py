@@ -521,24 +521,38 @@ KEPT = 32
 class _Block:
     """One model's replicas (by the name they give) weighed for one model m: its
     candidates behind their order keys and its exclusions by replica id, and what they
-    were worked out from: the view's `version` of the name, the model it resolves to (m
-    itself for m's own replicas), and the time. Used again while all of that holds and
-    time has only gone forward, unless it read the time or the quota usage of its moment
+    were worked out from: the view's `version` of the name (its `state_version` when no
+    replica's last use was read: `reads_use`), the model it resolves to (m itself for
+    m's own replicas), and the time. Used again while all of that holds and time has
+    only gone forward, unless it read the time or the quota usage of its moment
     (`timely`)."""
 
-    __slots__ = ("excluded", "other", "ranked", "since", "timely", "version")
+    __slots__ = ("excluded", "other", "ranked", "reads_use", "since", "state", "timely", "version")
 
     def __init__(
         self,
         version: int,
+        state: int,
         other: catalog.Model | None,
         since: datetime,
         timely: bool,
+        reads_use: bool,
         ranked: list[_Ranked],
         excluded: list[tuple[str, Exclusion]],
     ) -> None:
-        self.version, self.other, self.since = version, other, since
-        self.timely, self.ranked, self.excluded = timely, ranked, excluded
+        self.version, self.state, self.other, self.since = version, state, other, since
+        self.timely, self.reads_use = timely, reads_use
+        self.ranked, self.excluded = ranked, excluded
+
+    def holds(self, version: int, state: int, other: catalog.Model | None, now: datetime) -> bool:
+        """Whether the block still holds at `now`, with the name's `version` and
+        `state_version` and what the name resolves to then: a later use of one of its
+        replicas changes nothing a block that never read one says."""
+        return (
+            (version == self.version or (not self.reads_use and state == self.state))
+            and other is self.other
+            and now >= self.since
+        )
 
 
 class _Ordered(Generic[_O]):
@@ -713,14 +727,15 @@ def _candidates(
     blocks = kept.blocks
     fresh: dict[str, _Block] = {}
     resolve = view.catalog.resolve
-    version_of = view.version
+    version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
     for model in view.current_models():
         version = version_of(model)
+        state = state_of(model)
         other = resolve(model)
         b = blocks.get(model)
-        if b is None or b.version != version or b.other is not other or now < b.since:
-            b = w.block(model, other, version)
+        if b is None or not b.holds(version, state, other, now):
+            b = w.block(model, other, version, state)
             if b.timely:
                 timely.append(b)
                 continue
@@ -934,6 +949,7 @@ class _Weighing:
         "now",
         "peers",
         "ranked",
+        "reads_use",
         "reclaim",
         "settled",
         "sizes",
@@ -976,11 +992,13 @@ class _Weighing:
         self.settled = before(now, cfg.min_lifetime_s + 1.0)
         self.timely = False
         """Whether the block being weighed read the time or the quota usage of now."""
+        self.reads_use = False
+        """Whether it read when any of its replicas was last used."""
 
-    def block(self, name: str, other: catalog.Model | None, version: int) -> _Block:
+    def block(self, name: str, other: catalog.Model | None, version: int, state: int) -> _Block:
         """Weigh the replicas of one model (by the name they give; `other` is what it
         resolves to, None when nothing does) into a block."""
-        self.ranked, self.excluded, self.timely = [], {}, False
+        self.ranked, self.excluded, self.timely, self.reads_use = [], {}, False, False
         if other is self.m:
             # The model's own replicas, under its name or an alias that names it (those
             # placed before a rename; `Catalog.names_of`): never a victim for a replica
@@ -995,9 +1013,11 @@ class _Weighing:
         self.ranked.sort()
         return _Block(
             version,
+            state,
             other,
             self.now,
             self.timely,
+            self.reads_use,
             self.ranked,
             sorted(
                 [
@@ -1050,6 +1070,9 @@ class _Weighing:
             if tier < 0:
                 _exclude_all(excluded, reps, (name, *whys[at]))
                 return
+        # Past the exclusion of them all above, each replica's last use is read: its
+        # idle time orders a candidate, and may decide its tier.
+        self.reads_use = True
         now, grace = self.now, self.cfg.eviction_grace_s
         borrowed = self.borrowed
         settled, lifetime = self.settled, self.cfg.min_lifetime_s

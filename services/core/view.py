@@ -276,6 +276,7 @@ class View:
         "_of_model",
         "_ordinal",
         "_pending",
+        "_states",
         "_timed_out",
         "_timed_out_at",
         "_unordered",
@@ -313,6 +314,7 @@ class View:
         self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
         self._versions: dict[str, int] = {}
+        self._states: dict[str, int] = {}
         self.memo: dict[str, Any] = {}
         """What a reader keeps between calls, derived from the view and checked against
         `version` before it is used (the policy's weighing per model). Like the indexes,
@@ -397,18 +399,28 @@ class View:
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
 
-    def changed(self, model: str) -> None:
-        """A replica of `model` (the name it gives) changed: its `version` moves on. The
-        fold calls it through `note`, and for a replica's use, which `note` does not
-        index."""
+    def changed(self, model: str, use: bool = False) -> None:
+        """A replica of `model` (the name it gives) changed: its `version` moves on, and
+        its `state_version` unless the change was only a later use (`use`). The fold
+        calls it through `note`, and for a replica's use, which `note` does not index."""
         v = self._versions
         v[model] = v.get(model, 0) + 1
+        if not use:
+            s = self._states
+            s[model] = s.get(model, 0) + 1
 
     def version(self, model: str) -> int:
         """A number that changes whenever a replica giving the model name `model`
         changes in any way (`changed`): what a reader that keeps something worked out
         from those replicas compares to know it still holds."""
         return self._versions.get(model, 0)
+
+    def state_version(self, model: str) -> int:
+        """`version`, except that a replica's use does not move it: for what was worked
+        out without reading when any of those replicas was last used. On-demand replicas
+        report use every few seconds while they serve, and most of what is kept about
+        them (that they may not be stopped for a given model, say) never reads it."""
+        return self._states.get(model, 0)
 
     def current(self) -> Iterable[ReplicaRecord]:
         """The replicas that hold capacity, in the order they were created (the order of
