@@ -397,7 +397,11 @@ def plan(
         )
     base["profiles"] = tuple(p.name for p in profiles)
 
-    found = placement.place(view.inventory, profiles, avoided)
+    answers = placements(view)
+    key = (tuple(profiles), avoided, ())
+    found = answers.get(key)
+    if found is None:
+        found = answers[key] = placement.place(view.inventory, profiles, avoided)
     if isinstance(found, placement.Placement):
         return Decision(
             outcome="fits",
@@ -1249,55 +1253,103 @@ def _choose_node_aware(
     return tr.prune(chosen), tuple(tr.trials)
 
 
+# PLACED bounds the placements `placements` keeps for one state of a view's inventory.
+PLACED = 4096
+
+# A placement as the policy keeps it: by the profiles, the avoided nodes and the
+# replicas released (none for where the model goes as the cluster stands).
+_PlacedKey = tuple[tuple[catalog.Profile, ...], tuple[str, ...], tuple[str, ...]]
+
+
+def placements(view: View) -> dict[_PlacedKey, placement.Placement | placement.NoFit]:
+    """Where models go on the view's inventory as it stands, as worked out so far: per
+    (profiles, avoided nodes, replicas released), what `placement.place` said.
+
+    Kept on the view (`View.memo`) for as long as the inventory's `version` stays, and
+    dropped at the first call after it moves: a pass reports the models it cannot place
+    one after another, the policy answers each before the fold changes the inventory (a
+    decision holds no capacity, and victims hold theirs until their agents report them
+    stopped), and one shape of profiles is tried with the same first victims again and
+    again. An answer depends on nothing else: the inventory the version names, the
+    profiles (compared by value), the avoided nodes and the replicas released. A
+    `NoFit`'s reasons may speak of the victims' nodes only (`placement.place`'s
+    `within`); the policy reads only whether it fits."""
+    version = view.inventory.version
+    kept: tuple[int, dict[_PlacedKey, placement.Placement | placement.NoFit]] | None
+    kept = view.memo.get("placements")
+    if kept is None or kept[0] != version or len(kept[1]) >= PLACED:
+        kept = view.memo["placements"] = (version, {})
+    return kept[1]
+
+
 class _Trials:
     """The dry run both searches share: sets of victims tried on a clone of the
     inventory, each trial recorded, and the pruning of victims whose stopping proved
-    unneeded."""
+    unneeded. A set tried before on the inventory as it stands is answered from
+    `placements` without a clone."""
 
-    __slots__ = ("avoid", "grown", "one_shard", "profiles", "trials", "view")
+    __slots__ = ("answers", "avoid", "grown", "one_shard", "profiles", "shape", "trials", "view")
 
     def __init__(
         self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
     ) -> None:
         self.view, self.profiles, self.avoid = view, profiles, avoid
+        self.shape = tuple(profiles)
+        self.answers = placements(view)
         self.trials: list[TrialResult] = []
         # Both searches run only once the model fits nowhere as the cluster stands
         # (`plan`); with every profile of one shard, room can then only appear on the
         # nodes victims are stopped on (`placement.place`'s `within`).
         self.one_shard = all(p.shards == 1 for p in profiles)
         self.grown: tuple[list[Candidate], Inventory] | None = None
-        """The set `fits_with_one_more` last tried, and the inventory without it."""
+        """The set `fits_with_one_more` last tried on a clone, and the clone without it."""
 
     def fits_without(self, gone: Sequence[Candidate], pruning: bool) -> bool:
-        trial = self.view.inventory.clone()
-        for v in gone:
-            trial.release_replica(v.replica)
-        return self._try(trial, gone, pruning)
+        ids = tuple([v.replica for v in gone])
+        found = self.answers.get((self.shape, self.avoid, ids))
+        if found is None:
+            trial = self.view.inventory.clone()
+            for v in gone:
+                trial.release_replica(v.replica)
+            found = self._place(trial, gone, ids)
+        return self._record(ids, found, pruning)
 
     def fits_with_one_more(self, gone: list[Candidate]) -> bool:
         """`fits_without(gone)`, where `gone` is the set this was last asked about with
-        one more victim: the reference adds candidates one at a time, and the inventory
-        without the last set is the one to release the new victim from."""
-        grown = self.grown
-        if grown is None or grown[0] != gone[:-1]:
-            trial = self.view.inventory.clone()
-            for v in gone[:-1]:
-                trial.release_replica(v.replica)
-        else:
-            trial = grown[1]
-        trial.release_replica(gone[-1].replica)
-        self.grown = (list(gone), trial)
-        return self._try(trial, gone, False)
+        one more victim: the reference adds candidates one at a time, and the clone
+        without the last set tried on one is the one to release the new victim from."""
+        ids = tuple([v.replica for v in gone])
+        found = self.answers.get((self.shape, self.avoid, ids))
+        if found is None:
+            grown = self.grown
+            if grown is None or grown[0] != gone[:-1]:
+                trial = self.view.inventory.clone()
+                for v in gone[:-1]:
+                    trial.release_replica(v.replica)
+            else:
+                trial = grown[1]
+            trial.release_replica(gone[-1].replica)
+            self.grown = (list(gone), trial)
+            found = self._place(trial, gone, ids)
+        return self._record(ids, found, False)
 
-    def _try(self, trial: Inventory, gone: Sequence[Candidate], pruning: bool) -> bool:
+    def _place(
+        self, trial: Inventory, gone: Sequence[Candidate], ids: tuple[str, ...]
+    ) -> placement.Placement | placement.NoFit:
         # place() tries without the avoided nodes first, then with them: a soft
         # preference never turns room that exists into a preemption.
         within = {v.node for v in gone} if self.one_shard else None
         found = placement.place(trial, self.profiles, self.avoid, within=within)
+        self.answers[self.shape, self.avoid, ids] = found
+        return found
+
+    def _record(
+        self, ids: tuple[str, ...], found: placement.Placement | placement.NoFit, pruning: bool
+    ) -> bool:
         ok = isinstance(found, placement.Placement)
         self.trials.append(
             TrialResult(
-                victims=tuple(v.replica for v in gone),
+                victims=ids,
                 fits=ok,
                 placement=found if isinstance(found, placement.Placement) else None,
                 pruning=pruning,

@@ -418,8 +418,60 @@ def test_trials_on_the_victims_nodes_decide_as_trials_on_every_node(
             return bool(self.fits_without(gone, False))
 
     preemption._Trials = Plain  # type: ignore[misc]
+    kept = preemption.placements
+    preemption.placements = _never_kept  # type: ignore[assignment]
     try:
         plain_decisions = [plan(v, name, s.now, cfg) for name in models]
     finally:
         preemption._Trials = slow_trials  # type: ignore[misc]
+        preemption.placements = kept
     assert fast == plain_decisions
+
+
+def _never_kept(view: View) -> dict[object, object]:
+    """`preemption.placements` keeping nothing: every placement worked out afresh."""
+    return {}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["reference", "node-aware"]))
+def test_placements_kept_for_the_inventory_decide_as_placements_worked_out_afresh(
+    seed: int, policy: str
+) -> None:
+    """The placements the policy keeps while the inventory's version stays (`placements`):
+    the log is folded one event at a time, the policy asked about a few models after
+    each (the same shapes of profile again and again), and every decision is what the
+    policy decides with nothing kept; then the same on a view rebuilt from a snapshot,
+    whose inventory is another object with other versions."""
+    rng = random.Random(seed)
+    s, models = build(rng)
+    s.model("filler", cls="opportunistic", min=0, profiles=["f1:1"], owner="o0")
+    free = s.view().inventory
+    for n in free.names():
+        for g in free.free_gpus(n):
+            if rng.random() < 0.7:
+                s.replica(f"fill-{n}-{g}", "filler", on=(n, [g]), ready="-3h", used="-1h")
+    reps = list(s._replicas)
+    for rid in rng.sample(reps, min(3, len(reps))):
+        s.state(rid, "stopped")
+    cfg = Config(policy=policy)  # type: ignore[arg-type]
+    kept = preemption.placements
+    view = View()
+    asked = 0
+    for seq, subject, e in s.events():
+        fold.apply(view, e, seq=seq, subject=subject)
+        for name in rng.sample(models, min(3, len(models))):
+            if view.catalog.resolve(name) is None:
+                continue
+            a = plan(view, name, s.now, cfg)
+            preemption.placements = _never_kept  # type: ignore[assignment]
+            try:
+                b = plan(view, name, s.now, cfg)
+            finally:
+                preemption.placements = kept
+            assert a == b
+            asked += 1
+    rebuilt = View(decode_state(encode_state(view.state)))
+    for name in models:
+        assert plan(rebuilt, name, s.now, cfg) == plan(view, name, s.now, cfg)
+    assert asked
