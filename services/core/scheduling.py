@@ -177,7 +177,52 @@ def _ms(t: datetime | None) -> int:
 def _anchor(t: datetime | None, key: str) -> str:
     """A ULID made of a time and a key: a stable parent for derived ids that still sort
     by time."""
-    return ids.ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
+    return _ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
+
+
+# _PAIRS: every 10 bits as the two digits of a ULID (Crockford's base32) that write them.
+_DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = tuple(a + b for a in _DIGITS for b in _DIGITS)
+
+
+def _ulid(ms: int, entropy: bytes) -> str:
+    """`ids.ulid`, written two digits at a time: a pass makes one per decision.
+
+    The 48 bits of time, after 2 zero bits, are the first 10 digits; the 80 of entropy
+    the last 16."""
+    if not 0 <= ms < 1 << 48 or len(entropy) != 10:
+        return ids.ulid(ms, entropy)  # which says what is wrong
+    p = _PAIRS
+    n = int.from_bytes(entropy, "big")
+    return (
+        p[ms >> 40]
+        + p[(ms >> 30) & 1023]
+        + p[(ms >> 20) & 1023]
+        + p[(ms >> 10) & 1023]
+        + p[ms & 1023]
+        + p[n >> 70]
+        + p[(n >> 60) & 1023]
+        + p[(n >> 50) & 1023]
+        + p[(n >> 40) & 1023]
+        + p[(n >> 30) & 1023]
+        + p[(n >> 20) & 1023]
+        + p[(n >> 10) & 1023]
+        + p[n & 1023]
+    )
+
+
+def _parent_ms(parent: str) -> int:
+    """The time `ids.derived` keeps of a parent id: its own when it is a ULID, else 0."""
+    try:
+        return ids.ulid_ms(parent)
+    except ValueError:
+        return 0
+
+
+def _derived(parent: str, label: str, ms: int | None = None) -> str:
+    """`ids.derived`, by `_ulid`; `ms`: the parent's `_parent_ms`, when known."""
+    digest = hashlib.blake2b(f"{parent}\x00{label}".encode(), digest_size=10).digest()
+    return _ulid(_parent_ms(parent) if ms is None else ms, digest)
 
 
 def view_token(view: View) -> str:
@@ -258,7 +303,7 @@ def _lost_nodes(
             continue
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
-        out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
+        out.outputs.append(Output(mk(lost, _derived(parent, "node.lost"))))
         out.lost += 1
 
 
@@ -406,7 +451,7 @@ class _Pass:
     `owned` tells whether `inv` is the pass's own copy, which takes the allocations."""
 
     __slots__ = (
-        "_token",
+        "_parent",
         "config",
         "failed_starts",
         "failures",
@@ -439,17 +484,19 @@ class _Pass:
         self.now = now
         self.config = config
         self.failures = failures
-        self._token: str | None = None
+        self._parent: tuple[str, int] | None = None
         self.inv: inventory.Inventory = view.inventory
         self.owned = False
         self.usage: dict[str, quota.Amount] | None = None
 
-    def token(self) -> str:
-        """`view_token` of the pass's view, made the first time a decision needs it."""
-        token = self._token
-        if token is None:
-            token = self._token = view_token(self.view)
-        return token
+    def parent(self) -> tuple[str, int]:
+        """The parent of the pass's decisions, `view_token`, and the time the ids derived
+        from it keep (see `_parent_ms`): made the first time a decision needs them."""
+        got = self._parent
+        if got is None:
+            token = view_token(self.view)
+            got = self._parent = (token, _parent_ms(token))
+        return got
 
     def own(self) -> inventory.Inventory:
         """The pass's own copy of the inventory, made before its first allocation."""
@@ -545,7 +592,7 @@ def _place_missing(
     blocked: Mapping[str, Backoff],
 ) -> None:
     out, mk, view, now, config = pass_.out, pass_.mk, pass_.view, pass_.now, pass_.config
-    failures, token = pass_.failures, pass_.token
+    failures, parent = pass_.failures, pass_.parent
     tree = view.quota
     # pick: what placement may choose from. Nodes the model backs off from are cordoned
     # there for it alone (a hard rule, unlike `avoid`); allocations go to both.
@@ -592,7 +639,7 @@ def _place_missing(
                 desired,
                 avoided,
                 over.digest_with(avoided, functools.partial(_quota_print, usage, tree, m)),
-                token,
+                parent,
                 now,
                 failures,
                 config,
@@ -637,7 +684,7 @@ def _place_missing(
             desired,
             avoided,
             known.digest_with(avoided, functools.partial(_inventory_print, pick)),
-            token,
+            parent,
             now,
             failures,
             config,
@@ -664,7 +711,9 @@ def _take(
     inv = pass_.own()
     if shared:
         pick = inv
-    pid = ids.derived(pass_.token(), f"place\x00{m.name}\x00{slot}")
+    # A derived id keeps its parent's time: the token's, for the placement and its starts.
+    token, ms = pass_.parent()
+    pid = _derived(token, f"place\x00{m.name}\x00{slot}", ms)
     rid = replica_id(m.name, pid)
     p = found.profile
     alloc = inventory.Allocation(
@@ -686,7 +735,7 @@ def _take(
     out.outputs.append(Output(mk(decided, pid)))
     start = ev.ReplicaStart(replica=rid, model=m.name, profile=p.name, shards=shards)
     for s in found.shards:
-        sid = ids.derived(pid, f"start\x00{s.node}")
+        sid = _derived(pid, f"start\x00{s.node}", ms)
         out.outputs.append(Output(mk(start, sid, causation=pid), node=s.node))
     out.placed += 1
     return pick
@@ -754,14 +803,15 @@ def _fail(
     desired: int,
     avoid: tuple[str, ...],
     digest_of: Callable[[], str],
-    token: Callable[[], str],
+    parent: Callable[[], tuple[str, int]],
     now: datetime,
     failures: Mapping[str, Failure],
     config: Config,
 ) -> None:
     """Report a model that cannot be placed: once per change in what it was decided on
     (`digest_of`, see `_failure_digest`), at most once per quiet period; unchanged, again
-    after a period that doubles each time up to its cap. Never once per pass."""
+    after a period that doubles each time up to its cap. Never once per pass. `parent`:
+    the parent of the id and its time (see `_Pass.parent`), asked for only to report."""
     last = failures.get(m.name)
     since = 0.0 if last is None else (now - last.at).total_seconds()
     if last is not None and since < config.failed_quiet_s:
@@ -781,7 +831,8 @@ def _fail(
         reason=reason,
         why=dict(why),
     )
-    fid = ids.derived(token(), f"failed\x00{m.name}")
+    token, ms = parent()
+    fid = _derived(token, f"failed\x00{m.name}", ms)
     out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now, repeats))))
     out.failed += 1
 
@@ -987,7 +1038,7 @@ def _drain(
     if not nodes:
         return  # no node to send it to; a replica with no shards holds nothing
     for node in nodes:
-        did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
+        did = _derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
         out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
     out.drained += 1
 
