@@ -19,7 +19,6 @@ JetStream's duplicate window keeps one copy.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import operator
@@ -278,12 +277,12 @@ def plan(
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late)
     satisfied = out.satisfied
-    live_of = view.live_of
+    desired_of, live_of = view.desired_of, view.live_of
     for m in view.catalog.by_rank():
         name = m.name
         if name in timed_out:
             continue
-        desired = view.desired_of(m)
+        desired = desired_of(m)
         n_live = live_of(m)
         aliases = others.get(name) if others else None
         if n_live == desired:
@@ -539,7 +538,9 @@ class _Pass:
             self.usage,
             n_live,
             desired,
-            _avoided(late, self.now, self.config, starts),
+            # With neither, nothing to avoid: spared the call on every pass of a model
+            # that keeps failing.
+            _avoided(late, self.now, self.config, starts) if late or starts else (),
             blocked,
         )
 
@@ -638,7 +639,7 @@ def _place_missing(
                 live + slot,
                 desired,
                 avoided,
-                over.digest_with(avoided, functools.partial(_quota_print, usage, tree, m)),
+                over.digest_with(avoided, _quota_print, usage, tree, m),
                 parent,
                 now,
                 failures,
@@ -683,7 +684,7 @@ def _place_missing(
             live + slot,
             desired,
             avoided,
-            known.digest_with(avoided, functools.partial(_inventory_print, pick)),
+            known.digest_with(avoided, _inventory_print, pick),
             parent,
             now,
             failures,
@@ -892,11 +893,13 @@ class _NoFit:
         self.digest: str | None = None
 
     def digest_with(
-        self, avoided: tuple[str, ...], printed: Callable[[], bytes]
+        self, avoided: tuple[str, ...], printed: Callable[..., bytes], *of: Any
     ) -> Callable[[], str]:
         """How `_fail` gets the digest of this failure avoiding `avoided`, with what
-        `printed` prints of the cluster (or of the owner's usage): made once, when first
-        asked for."""
+        `printed(*of)` prints of the cluster (or of the owner's usage): made once, when
+        first asked for."""
+        if self.digest is not None:
+            return self._made
 
         def digest() -> str:
             got = self.digest
@@ -910,12 +913,16 @@ class _NoFit:
                     live,
                     desired,
                     self.why,
-                    printed(),
+                    printed(*of),
                 )
                 self.digest = got
             return got
 
         return digest
+
+    def _made(self) -> str:
+        assert self.digest is not None  # Invariant: only given out once made.
+        return self.digest
 
 
 # _NO_FITS: per model name, its last placement that found nothing (see `_NoFit`); one per
