@@ -963,10 +963,11 @@ _DIGESTS: list[Any] = [b"", {}]
 _DIGESTS_MAX = 4096
 
 
-# _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage
-# itself kept so that the id stays its own. A usage is replaced, never changed, so its
-# row never changes; a pass reprints a cluster where few nodes changed since the last.
-_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]] = {}
+# _ROWS: each node usage's row of `_inventory_print` (its node's name, and the row as
+# JSON), by the usage's id, with the usage itself kept so that the id stays its own. A
+# usage is replaced, never changed, so its row never changes; a pass reprints a cluster
+# where few nodes changed since the last.
+_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, bytes]]] = {}
 _ROWS_MAX = 65536
 
 
@@ -986,29 +987,32 @@ def _inventory_print(inv: inventory.Inventory) -> bytes:
 
 
 def _print_rows(usages: tuple[inventory.NodeUsage, ...]) -> bytes:
+    """The JSON array of each node's row, by node name: the rows are encoded one by one,
+    and joined as the encoder joins the items of an array (with a comma, no space)."""
     rows = _ROWS
     if len(rows) > _ROWS_MAX:
         rows.clear()
     out = []
+    encode = _encoder.encode
     for u in usages:
         got = rows.get(id(u))
         if got is None or got[0] is not u:
+            name = u.node.name
             row = (
-                u.node.name,
-                u.free,
-                u.schedulable,
-                round(u.free_cpu, 3),
-                round(u.free_memory, 3),
+                name,
+                encode(
+                    (name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
+                ),
             )
             rows[id(u)] = (u, row)
         else:
             row = got[1]
         out.append(row)
     out.sort(key=_row_name)
-    return _encoder.encode(out)
+    return b"[" + b",".join([r[1] for r in out]) + b"]"
 
 
-def _row_name(row: tuple[str, Any, bool, float, float]) -> str:
+def _row_name(row: tuple[str, bytes]) -> str:
     return row[0]
 
 
