@@ -938,7 +938,12 @@ def remember(
     reported (its next failure is news, but waits out the quiet period), and what is older
     than any period it could still matter to is forgotten."""
     keep = 2 * max(config.failed_backoff_max_s, config.failed_quiet_s)
-    out = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
+    # A failure's age in seconds only grows the earlier it was said: when the oldest is
+    # kept, all are, and the memory is kept whole without working out each one's age.
+    if failures and (now - min([f.at for f in failures.values()])).total_seconds() < keep:
+        out = dict(failures)
+    else:
+        out = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
     for m in satisfied:
         f = out.get(m)
         if f is not None and f.digest:

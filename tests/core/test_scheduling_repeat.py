@@ -191,3 +191,25 @@ def test_a_derived_id_is_the_one_ids_derives() -> None:
     for bad in (-1, 1 << 48):
         with pytest.raises(ValueError):
             planner._ulid(bad, bytes(10))
+
+
+def test_the_failure_memory_keeps_what_the_plain_rule_keeps() -> None:
+    """`remember` keeps the memory whole when its oldest failure is young enough; what it
+    keeps is what working out each failure's age keeps, at the edge of the period too."""
+    rng = random.Random(5)
+    config = planner.Config(failed_backoff_max_s=rng.choice((1.5, 60.0)), failed_quiet_s=1.0)
+    keep = 2 * max(config.failed_backoff_max_s, config.failed_quiet_s)
+    now = T0 + timedelta(hours=1)
+    for _ in range(2000):
+        failures = {}
+        for i in range(rng.randint(0, 6)):
+            age = rng.choice((keep, keep - 1e-6, keep + 1e-6, rng.uniform(0, 2 * keep)))
+            at = now - timedelta(seconds=age)
+            failures[f"m{i}"] = planner.Failure(rng.choice(("", "d")), at, rng.randint(0, 3))
+        satisfied = rng.sample(sorted(failures), rng.randint(0, len(failures)))
+        want = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
+        for m in satisfied:
+            f = want.get(m)
+            if f is not None and f.digest:
+                want[m] = f.cleared()
+        assert planner.remember(failures, satisfied, now, config) == want
