@@ -4,8 +4,9 @@ Called by `services.scheduler.service.Scheduler` on every relevant event and on 
 and by the benchmark on its own. Plain functions over a `View`, the time `now`, and what
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
 changes the view: placements within a pass are tried on a clone of the inventory. What
-the module keeps between calls (placements that found nothing, by inventory version; the
-print of the cluster; failure digests) saves work, never changes an answer.
+the module keeps between calls (placements that found nothing, by inventory version; each
+model's last one with its reasons and digest; the print of the cluster; failure digests)
+saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
 off the node it failed on for a delay that doubles with each retry that failed again, up
@@ -179,7 +180,8 @@ def _anchor(t: datetime | None, key: str) -> str:
     return _ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
 
 
-# _PAIRS: every 10 bits as the two digits of a ULID (Crockford's base32) that write them.
+# _DIGITS: a ULID's digits (Crockford's base32); _PAIRS: every 10 bits as the two digits
+# that write them.
 _DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = tuple(a + b for a in _DIGITS for b in _DIGITS)
 
