@@ -4,8 +4,9 @@ Called by `services.scheduler.service.Scheduler` on every relevant event and on 
 and by the benchmark on its own. Plain functions over a `View`, the time `now`, and what
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
 changes the view: placements within a pass are tried on a clone of the inventory. What
-the module keeps between calls (placements that found nothing, by inventory version; the
-print of the cluster; failure digests) saves work, never changes an answer.
+the module keeps between calls (placements that found nothing, by inventory version; each
+model's last one with its reasons and digest; the print of the cluster; failure digests)
+saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
 off the node it failed on for a delay that doubles with each retry that failed again, up
@@ -176,7 +177,53 @@ def _ms(t: datetime | None) -> int:
 def _anchor(t: datetime | None, key: str) -> str:
     """A ULID made of a time and a key: a stable parent for derived ids that still sort
     by time."""
-    return ids.ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
+    return _ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
+
+
+# _DIGITS: a ULID's digits (Crockford's base32); _PAIRS: every 10 bits as the two digits
+# that write them.
+_DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = tuple(a + b for a in _DIGITS for b in _DIGITS)
+
+
+def _ulid(ms: int, entropy: bytes) -> str:
+    """`ids.ulid`, written two digits at a time: a pass makes one per decision.
+
+    The 48 bits of time, after 2 zero bits, are the first 10 digits; the 80 of entropy
+    the last 16."""
+    if not 0 <= ms < 1 << 48 or len(entropy) != 10:
+        return ids.ulid(ms, entropy)  # which says what is wrong
+    p = _PAIRS
+    n = int.from_bytes(entropy, "big")
+    return (
+        p[ms >> 40]
+        + p[(ms >> 30) & 1023]
+        + p[(ms >> 20) & 1023]
+        + p[(ms >> 10) & 1023]
+        + p[ms & 1023]
+        + p[n >> 70]
+        + p[(n >> 60) & 1023]
+        + p[(n >> 50) & 1023]
+        + p[(n >> 40) & 1023]
+        + p[(n >> 30) & 1023]
+        + p[(n >> 20) & 1023]
+        + p[(n >> 10) & 1023]
+        + p[n & 1023]
+    )
+
+
+def _parent_ms(parent: str) -> int:
+    """The time `ids.derived` keeps of a parent id: its own when it is a ULID, else 0."""
+    try:
+        return ids.ulid_ms(parent)
+    except ValueError:
+        return 0
+
+
+def _derived(parent: str, label: str, ms: int | None = None) -> str:
+    """`ids.derived`, by `_ulid`; `ms`: the parent's `_parent_ms`, when known."""
+    digest = hashlib.blake2b(f"{parent}\x00{label}".encode(), digest_size=10).digest()
+    return _ulid(_parent_ms(parent) if ms is None else ms, digest)
 
 
 def view_token(view: View) -> str:
@@ -230,14 +277,14 @@ def plan(
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
-    pass_ = _Pass(out, mk, view, now, config, failures or {}, view_token(view), failed_starts, late)
+    pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late)
     satisfied = out.satisfied
-    live_of = view.live_of
+    desired_of, live_of = view.desired_of, view.live_of
     for m in view.catalog.by_rank():
         name = m.name
         if name in timed_out:
             continue
-        desired = view.desired_of(m)
+        desired = desired_of(m)
         n_live = live_of(m)
         aliases = others.get(name) if others else None
         if n_live == desired:
@@ -257,7 +304,7 @@ def _lost_nodes(
             continue
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
-        out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
+        out.outputs.append(Output(mk(lost, _derived(parent, "node.lost"))))
         out.lost += 1
 
 
@@ -397,9 +444,15 @@ def _backoffs(
 
 class _Pass:
     """What one pass shares across models: the outputs, the inventory placements are tried
-    on and the owners' usage, both made only when a model needs placing."""
+    on and the owners' usage, both made only when a model needs placing, and the parent
+    id of its decisions, made only when it decides something.
+
+    The inventory is the view's own until a placement is taken: reading it is reading a
+    clone of it (same nodes, same version), and a pass where nothing fits copies nothing.
+    `owned` tells whether `inv` is the pass's own copy, which takes the allocations."""
 
     __slots__ = (
+        "_parent",
         "config",
         "failed_starts",
         "failures",
@@ -408,7 +461,7 @@ class _Pass:
         "mk",
         "now",
         "out",
-        "token",
+        "owned",
         "usage",
         "view",
     )
@@ -421,7 +474,6 @@ class _Pass:
         now: datetime,
         config: Config,
         failures: Mapping[str, Failure],
-        token: str,
         failed_starts: _FailedStarts,
         late: Mapping[str, list[ReplicaRecord]],
     ) -> None:
@@ -433,9 +485,26 @@ class _Pass:
         self.now = now
         self.config = config
         self.failures = failures
-        self.token = token
-        self.inv: inventory.Inventory | None = None
+        self._parent: tuple[str, int] | None = None
+        self.inv: inventory.Inventory = view.inventory
+        self.owned = False
         self.usage: dict[str, quota.Amount] | None = None
+
+    def parent(self) -> tuple[str, int]:
+        """The parent of the pass's decisions, `view_token`, and the time the ids derived
+        from it keep (see `_parent_ms`): made the first time a decision needs them."""
+        got = self._parent
+        if got is None:
+            token = view_token(self.view)
+            got = self._parent = (token, _parent_ms(token))
+        return got
+
+    def own(self) -> inventory.Inventory:
+        """The pass's own copy of the inventory, made before its first allocation."""
+        if not self.owned:
+            self.inv = self.inv.clone()
+            self.owned = True
+        return self.inv
 
     def reconcile(self, m: catalog.Model, names: Iterable[str], n_live: int, desired: int) -> None:
         """Drain what is above desired, or place what is missing, for one model whose
@@ -444,41 +513,37 @@ class _Pass:
         out, view = self.out, self.view
         # The records are read, not copied: a pass folds nothing, so they stay as they
         # are until it ends.
-        reps = [r for n in names for r in view.current_of(n)]
         if n_live > desired:
-            live = [r for r in reps if r.live]
+            live = [r for n in names for r in view.current_of(n) if r.live]
             for v in _scale_down_order(live)[: n_live - desired]:
                 _drain(out, self.mk, v.id, m.name, v.placed_by, v.nodes, "scale_down", self.config)
             return
         if view.active_hold(m.name, self.now) is not None or view.awaiting(m.name):
             return
-        if self.inv is None:
-            self.inv = view.inventory.clone()
         if self.usage is None:
             # Usage is read only against a limit (within_limit, and the print of a
             # quota_limit failure): with no limit anywhere, summing it is not needed.
             tree = view.quota
             self.usage = tree.usage(view.holdings()) if tree.limited else {}
-        late = [r for n in names for r in self.late.get(n, ())]
+        late = [r for n in names for r in self.late.get(n, ())] if self.late else []
+        starts = self.failed_starts.get(m.name)
+        if starts is None:
+            blocked: dict[str, Backoff] = {}
+        else:
+            reps = [r for n in names for r in view.current_of(n)]
+            # A timed-out placement that holds capacity is in both lists: read twice, it
+            # still ends a backoff once.
+            blocked = _backoffs(starts, [*reps, *late], self.now, self.config)
         _place_missing(
-            out,
-            self.mk,
-            view,
+            self,
             m,
-            self.inv,
             self.usage,
             n_live,
             desired,
-            _avoided(late, self.now, self.config, self.failed_starts.get(m.name)),
-            # A timed-out placement that holds capacity is in both lists: read twice, it
-            # still ends a backoff once.
-            _backoffs(self.failed_starts[m.name], [*reps, *late], self.now, self.config)
-            if m.name in self.failed_starts
-            else {},
-            self.token,
-            self.now,
-            self.failures,
-            self.config,
+            # With neither, nothing to avoid: spared the call on every pass of a model
+            # that keeps failing.
+            _avoided(late, self.now, self.config, starts) if late or starts else (),
+            blocked,
         )
 
 
@@ -521,27 +586,22 @@ def _avoided(
 
 
 def _place_missing(
-    out: Plan,
-    mk: _Maker,
-    view: View,
+    pass_: _Pass,
     m: catalog.Model,
-    inv: inventory.Inventory,
     usage: dict[str, quota.Amount],
     live: int,
     desired: int,
     avoid: tuple[str, ...],
     blocked: Mapping[str, Backoff],
-    token: str,
-    now: datetime,
-    failures: Mapping[str, Failure],
-    config: Config,
 ) -> None:
+    out, mk, view, now, config = pass_.out, pass_.mk, pass_.view, pass_.now, pass_.config
+    failures, parent = pass_.failures, pass_.parent
     tree = view.quota
     # pick: what placement may choose from. Nodes the model backs off from are cordoned
     # there for it alone (a hard rule, unlike `avoid`); allocations go to both.
-    pick = inv
+    pick = pass_.inv
     if blocked:
-        pick = inv.clone()
+        pick = pick.clone()
         for node in blocked:
             pick.set_cordoned(node, True)
         avoided = tuple(sorted({*avoid, *blocked}))
@@ -563,25 +623,46 @@ def _place_missing(
                 p.name: f"owner {m.owner} would pass its limit with {_gpus(p.need().gpus)} more"
                 for p in m.profiles
             }
+            over = _NoFit(
+                m,
+                "quota_limit",
+                (-1, avoided, live + slot, desired),
+                m.profiles,
+                tuple([p.name for p in m.profiles]),
+                why,
+            )
             _fail(
                 out,
                 mk,
                 m,
                 "quota_limit",
-                m.profiles,
+                over.names,
                 why,
                 live + slot,
                 desired,
                 avoided,
-                lambda: _usage_print(usage, _chain(tree, m)),
-                token,
+                over.digest_with(avoided, _quota_print, usage, tree, m),
+                parent,
                 now,
                 failures,
                 config,
             )
             return
-        found = _place(pick, allowed, avoid)
-        if isinstance(found, placement.NoFit):
+        key = (pick.version, avoid, live + slot, desired)
+        known = None if blocked else _NO_FITS.get(m.name)
+        if (
+            known is None
+            or known.key != key
+            or known.model is not m
+            or (known.allowed is not allowed and known.allowed != allowed)
+        ):
+            found = _place(pick, allowed, avoid)
+            if isinstance(found, placement.Placement):
+                taken = _take(pass_, m, found, pick, usage, slot, avoided)
+                if taken is None:
+                    return  # Invariant: place() only offers what the inventory can take.
+                pick = taken
+                continue
             why = dict(found.reasons)
             if allowed is not m.profiles:
                 for p in m.profiles:
@@ -590,48 +671,77 @@ def _place_missing(
             if blocked:
                 notes = "; ".join(blocked[n].note() for n in sorted(blocked))
                 why = {k: f"{v} ({notes})" for k, v in why.items()}
-            _fail(
-                out,
-                mk,
-                m,
-                "no_fit",
-                allowed,
-                why,
-                live + slot,
-                desired,
-                avoided,
-                lambda: _inventory_print(pick),
-                token,
-                now,
-                failures,
-                config,
-            )
-            return
-        pid = ids.derived(token, f"place\x00{m.name}\x00{slot}")
-        rid = replica_id(m.name, pid)
-        p = found.profile
-        alloc = inventory.Allocation(
-            replica=rid, shards=found.shards, cpu_cores=p.cpu_cores, memory_gb=p.memory_gb
+            known = _NoFit(m, "no_fit", key, allowed, tuple([p.name for p in allowed]), why)
+            if not blocked:
+                if len(_NO_FITS) >= _NO_FITS_MAX:
+                    _NO_FITS.clear()
+                _NO_FITS[m.name] = known
+        _fail(
+            out,
+            mk,
+            m,
+            "no_fit",
+            known.names,
+            known.why,
+            live + slot,
+            desired,
+            avoided,
+            known.digest_with(avoided, _inventory_print, pick),
+            parent,
+            now,
+            failures,
+            config,
         )
-        if inv.try_allocate(alloc) is not None:
-            return  # Invariant: place() only offers what the inventory can take.
-        if pick is not inv:
-            pick.allocate(alloc)
-        need = p.need()
-        for q in _chain(tree, m):
-            usage[q] = usage.get(q, quota.ZERO).plus(need)
-        shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
-        reason = _reason(m, p, found.shards, inv, avoided)
-        decided = ev.PlacementDecided(
-            replica=rid, model=m.name, profile=p.name, shards=shards, reason=reason
-        )
-        out.outputs.append(Output(mk(decided, pid)))
-        start = ev.ReplicaStart(replica=rid, model=m.name, profile=p.name, shards=shards)
-        for s in found.shards:
-            sid = ids.derived(pid, f"start\x00{s.node}")
-            out.outputs.append(Output(mk(start, sid, causation=pid), node=s.node))
-        out.placed += 1
+        return
     out.satisfied.append(m.name)
+
+
+def _take(
+    pass_: _Pass,
+    m: catalog.Model,
+    found: placement.Placement,
+    pick: inventory.Inventory,
+    usage: dict[str, quota.Amount],
+    slot: int,
+    avoided: tuple[str, ...],
+) -> inventory.Inventory | None:
+    """Take a placement `found` on `pick`: allocate it in the pass's inventory (and in
+    `pick` when that is a copy of its own), count it in the owner's usage, and add the
+    placement.decided and its replica.start commands. The pick to go on with; None, and
+    nothing taken, when the inventory refuses it."""
+    out, mk = pass_.out, pass_.mk
+    shared = pick is pass_.inv
+    inv = pass_.own()
+    if shared:
+        pick = inv
+    # A derived id keeps its parent's time: the token's, for the placement and its starts.
+    token, ms = pass_.parent()
+    pid = _derived(token, f"place\x00{m.name}\x00{slot}", ms)
+    rid = replica_id(m.name, pid)
+    p = found.profile
+    alloc = inventory.Allocation(
+        replica=rid, shards=found.shards, cpu_cores=p.cpu_cores, memory_gb=p.memory_gb
+    )
+    if inv.try_allocate(alloc) is not None:
+        return None
+    if pick is not inv:
+        pick.allocate(alloc)
+    need = p.need()
+    tree = pass_.view.quota
+    for q in _chain(tree, m):
+        usage[q] = usage.get(q, quota.ZERO).plus(need)
+    shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
+    reason = _reason(m, p, found.shards, inv, avoided)
+    decided = ev.PlacementDecided(
+        replica=rid, model=m.name, profile=p.name, shards=shards, reason=reason
+    )
+    out.outputs.append(Output(mk(decided, pid)))
+    start = ev.ReplicaStart(replica=rid, model=m.name, profile=p.name, shards=shards)
+    for s in found.shards:
+        sid = _derived(pid, f"start\x00{s.node}", ms)
+        out.outputs.append(Output(mk(start, sid, causation=pid), node=s.node))
+    out.placed += 1
+    return pick
 
 
 # _MISSES: placements that found nothing, by the inventory's version, the profiles and
@@ -690,33 +800,26 @@ def _fail(
     mk: _Maker,
     m: catalog.Model,
     reason: str,
-    profiles: Iterable[catalog.Profile],
+    names: tuple[str, ...],
     why: dict[str, str],
     live: int,
     desired: int,
     avoid: tuple[str, ...],
-    cluster_print: Callable[[], bytes],
-    token: str,
+    digest_of: Callable[[], str],
+    parent: Callable[[], tuple[str, int]],
     now: datetime,
     failures: Mapping[str, Failure],
     config: Config,
 ) -> None:
-    """Report a model that cannot be placed: once per change in what it was decided on,
-    at most once per quiet period; unchanged, again after a period that doubles each
-    time up to its cap. Never once per pass."""
+    """Report a model that cannot be placed: once per change in what it was decided on
+    (`digest_of`, see `_failure_digest`), at most once per quiet period; unchanged, again
+    after a period that doubles each time up to its cap. Never once per pass. `parent`:
+    the parent of the id and its time (see `_Pass.parent`), asked for only to report."""
     last = failures.get(m.name)
     since = 0.0 if last is None else (now - last.at).total_seconds()
     if last is not None and since < config.failed_quiet_s:
         return  # said too lately: what it was decided on is not even looked at
-    names = tuple([p.name for p in profiles])
-    decided = _encoder.encode([reason, m.name, names, avoid, live, desired, sorted(why.items())])
-    printed = cluster_print()
-    memo = _DIGESTS
-    if (printed is not memo[0] and printed != memo[0]) or len(memo[1]) >= _DIGESTS_MAX:
-        memo[0], memo[1] = printed, {}
-    digest = memo[1].get(decided)
-    if digest is None:
-        digest = memo[1][decided] = hashlib.blake2b(decided + printed, digest_size=16).hexdigest()
+    digest = digest_of()
     repeats = 0
     if last is not None and last.digest == digest:
         if since < failed_period_s(last.repeats, config):
@@ -729,11 +832,105 @@ def _fail(
         live=live,
         desired=desired,
         reason=reason,
-        why=why,
+        why=dict(why),
     )
-    fid = ids.derived(token, f"failed\x00{m.name}")
+    token, ms = parent()
+    fid = _derived(token, f"failed\x00{m.name}", ms)
     out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now, repeats))))
     out.failed += 1
+
+
+def _failure_digest(
+    reason: str,
+    model: str,
+    names: tuple[str, ...],
+    avoid: tuple[str, ...],
+    live: int,
+    desired: int,
+    why: Mapping[str, str],
+    printed: bytes,
+) -> str:
+    """The digest of what a failure was decided on and of the print of the cluster (or
+    of the owner's usage) it was decided with."""
+    decided = _encoder.encode([reason, model, names, avoid, live, desired, sorted(why.items())])
+    memo = _DIGESTS
+    if (printed is not memo[0] and printed != memo[0]) or len(memo[1]) >= _DIGESTS_MAX:
+        memo[0], memo[1] = printed, {}
+    digest: str | None = memo[1].get(decided)
+    if digest is None:
+        digest = memo[1][decided] = hashlib.blake2b(decided + printed, digest_size=16).hexdigest()
+    return digest
+
+
+class _NoFit:
+    """A model's placement that found nothing (or, as "quota_limit", that nothing was
+    allowed to try), as its failure is reported: the inputs it was decided on (`key`: the version of the inventory placement chose from, the nodes
+    it avoided, the live and desired counts; the model, the profiles allowed), the
+    profiles' names, the reasons per profile, and the failure's digest once made.
+
+    What `_place_missing` keeps of the last one per model (`_NO_FITS`), for models with
+    no node they back off from (those choose from a copy of their own, a new version
+    each pass). On the same inputs, placement finds nothing again for the same reasons
+    (see `_MISSES`), and the print of the cluster is that of the same version: the
+    names, the reasons and the digest come out the same, and a model that keeps failing
+    on an unchanged cluster is not placed, explained and hashed again on every pass."""
+
+    __slots__ = ("allowed", "digest", "key", "model", "names", "reason", "why")
+
+    def __init__(
+        self,
+        model: catalog.Model,
+        reason: str,
+        key: tuple[int, tuple[str, ...], int, int],
+        allowed: Sequence[catalog.Profile],
+        names: tuple[str, ...],
+        why: dict[str, str],
+    ) -> None:
+        self.model = model
+        self.reason = reason
+        self.key = key
+        self.allowed = allowed
+        self.names = names
+        self.why = why
+        self.digest: str | None = None
+
+    def digest_with(
+        self, avoided: tuple[str, ...], printed: Callable[..., bytes], *of: Any
+    ) -> Callable[[], str]:
+        """How `_fail` gets the digest of this failure avoiding `avoided`, with what
+        `printed(*of)` prints of the cluster (or of the owner's usage): made once, when
+        first asked for."""
+        if self.digest is not None:
+            return self._made
+
+        def digest() -> str:
+            got = self.digest
+            if got is None:
+                _, _, live, desired = self.key
+                got = _failure_digest(
+                    self.reason,
+                    self.model.name,
+                    self.names,
+                    avoided,
+                    live,
+                    desired,
+                    self.why,
+                    printed(*of),
+                )
+                self.digest = got
+            return got
+
+        return digest
+
+    def _made(self) -> str:
+        assert self.digest is not None  # Invariant: only given out once made.
+        return self.digest
+
+
+# _NO_FITS: per model name, its last placement that found nothing (see `_NoFit`); one per
+# model of the catalog, cleared in the unlikely case it holds more than _NO_FITS_MAX.
+_NO_FITS: dict[str, _NoFit] = {}
+_NO_FITS_MAX = 4096
 
 
 def remember(
@@ -743,7 +940,12 @@ def remember(
     reported (its next failure is news, but waits out the quiet period), and what is older
     than any period it could still matter to is forgotten."""
     keep = 2 * max(config.failed_backoff_max_s, config.failed_quiet_s)
-    out = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
+    # A failure's age in seconds only grows the earlier it was said: when the oldest is
+    # kept, all are, and the memory is kept whole without working out each one's age.
+    if failures and (now - min([f.at for f in failures.values()])).total_seconds() < keep:
+        out = dict(failures)
+    else:
+        out = {m: f for m, f in failures.items() if (now - f.at).total_seconds() < keep}
     for m in satisfied:
         f = out.get(m)
         if f is not None and f.digest:
@@ -768,10 +970,11 @@ _DIGESTS: list[Any] = [b"", {}]
 _DIGESTS_MAX = 4096
 
 
-# _ROWS: each node usage's row of `_inventory_print`, by the usage's id, with the usage
-# itself kept so that the id stays its own. A usage is replaced, never changed, so its
-# row never changes; a pass reprints a cluster where few nodes changed since the last.
-_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, Any, bool, float, float]]] = {}
+# _ROWS: each node usage's row of `_inventory_print` (its node's name, and the row as
+# JSON), by the usage's id, with the usage itself kept so that the id stays its own. A
+# usage is replaced, never changed, so its row never changes; a pass reprints a cluster
+# where few nodes changed since the last.
+_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, bytes]]] = {}
 _ROWS_MAX = 65536
 
 
@@ -791,34 +994,44 @@ def _inventory_print(inv: inventory.Inventory) -> bytes:
 
 
 def _print_rows(usages: tuple[inventory.NodeUsage, ...]) -> bytes:
+    """The JSON array of each node's row, by node name: the rows are encoded one by one,
+    and joined as the encoder joins the items of an array (with a comma, no space)."""
     rows = _ROWS
     if len(rows) > _ROWS_MAX:
         rows.clear()
     out = []
+    encode = _encoder.encode
     for u in usages:
         got = rows.get(id(u))
         if got is None or got[0] is not u:
+            name = u.node.name
             row = (
-                u.node.name,
-                u.free,
-                u.schedulable,
-                round(u.free_cpu, 3),
-                round(u.free_memory, 3),
+                name,
+                encode(
+                    (name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
+                ),
             )
             rows[id(u)] = (u, row)
         else:
             row = got[1]
         out.append(row)
     out.sort(key=_row_name)
-    return _encoder.encode(out)
+    return b"[" + b",".join([r[1] for r in out]) + b"]"
 
 
-def _row_name(row: tuple[str, Any, bool, float, float]) -> str:
+def _row_name(row: tuple[str, bytes]) -> str:
     return row[0]
 
 
 def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:
     return _encoder.encode([(q, usage.get(q, quota.ZERO)) for q in chain])
+
+
+def _quota_print(
+    usage: Mapping[str, quota.Amount], tree: quota.QuotaTree, m: catalog.Model
+) -> bytes:
+    """What a quota_limit failure of `m` saw: the usage of each quota governing it."""
+    return _usage_print(usage, _chain(tree, m))
 
 
 def _drain(
@@ -843,7 +1056,7 @@ def _drain(
     if not nodes:
         return  # no node to send it to; a replica with no shards holds nothing
     for node in nodes:
-        did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
+        did = _derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
         out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
     out.drained += 1
 

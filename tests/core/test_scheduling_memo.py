@@ -128,13 +128,15 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
             scheduling._Maker(now, "test"),
             m,
             "no_fit",
-            [big],
+            ("big",),
             why,
             live,
             2,
             (),
-            lambda: scheduling._inventory_print(inv),
-            "t",
+            scheduling._NoFit(
+                m, "no_fit", (inv.version, (), live, 2), [big], ("big",), why
+            ).digest_with((), lambda: scheduling._inventory_print(inv)),
+            lambda: ("t", 0),
             now,
             {},
             scheduling.Config(),
