@@ -177,53 +177,7 @@ def _ms(t: datetime | None) -> int:
 def _anchor(t: datetime | None, key: str) -> str:
     """A ULID made of a time and a key: a stable parent for derived ids that still sort
     by time."""
-    return _ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
-
-
-# _DIGITS: a ULID's digits (Crockford's base32); _PAIRS: every 10 bits as the two digits
-# that write them.
-_DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_PAIRS = tuple(a + b for a in _DIGITS for b in _DIGITS)
-
-
-def _ulid(ms: int, entropy: bytes) -> str:
-    """`ids.ulid`, written two digits at a time: a pass makes one per decision.
-
-    The 48 bits of time, after 2 zero bits, are the first 10 digits; the 80 of entropy
-    the last 16."""
-    if not 0 <= ms < 1 << 48 or len(entropy) != 10:
-        return ids.ulid(ms, entropy)  # which says what is wrong
-    p = _PAIRS
-    n = int.from_bytes(entropy, "big")
-    return (
-        p[ms >> 40]
-        + p[(ms >> 30) & 1023]
-        + p[(ms >> 20) & 1023]
-        + p[(ms >> 10) & 1023]
-        + p[ms & 1023]
-        + p[n >> 70]
-        + p[(n >> 60) & 1023]
-        + p[(n >> 50) & 1023]
-        + p[(n >> 40) & 1023]
-        + p[(n >> 30) & 1023]
-        + p[(n >> 20) & 1023]
-        + p[(n >> 10) & 1023]
-        + p[n & 1023]
-    )
-
-
-def _parent_ms(parent: str) -> int:
-    """The time `ids.derived` keeps of a parent id: its own when it is a ULID, else 0."""
-    try:
-        return ids.ulid_ms(parent)
-    except ValueError:
-        return 0
-
-
-def _derived(parent: str, label: str, ms: int | None = None) -> str:
-    """`ids.derived`, by `_ulid`; `ms`: the parent's `_parent_ms`, when known."""
-    digest = hashlib.blake2b(f"{parent}\x00{label}".encode(), digest_size=10).digest()
-    return _ulid(_parent_ms(parent) if ms is None else ms, digest)
+    return ids.ulid(_ms(t), hashlib.blake2b(key.encode(), digest_size=10).digest())
 
 
 def view_token(view: View) -> str:
@@ -304,7 +258,7 @@ def _lost_nodes(
             continue
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
-        out.outputs.append(Output(mk(lost, _derived(parent, "node.lost"))))
+        out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
         out.lost += 1
 
 
@@ -492,11 +446,11 @@ class _Pass:
 
     def parent(self) -> tuple[str, int]:
         """The parent of the pass's decisions, `view_token`, and the time the ids derived
-        from it keep (see `_parent_ms`): made the first time a decision needs them."""
+        from it keep (see `ids.kept_ms`): made the first time a decision needs them."""
         got = self._parent
         if got is None:
             token = view_token(self.view)
-            got = self._parent = (token, _parent_ms(token))
+            got = self._parent = (token, ids.kept_ms(token))
         return got
 
     def own(self) -> inventory.Inventory:
@@ -716,7 +670,7 @@ def _take(
         pick = inv
     # A derived id keeps its parent's time: the token's, for the placement and its starts.
     token, ms = pass_.parent()
-    pid = _derived(token, f"place\x00{m.name}\x00{slot}", ms)
+    pid = ids.derived(token, f"place\x00{m.name}\x00{slot}", ms)
     rid = replica_id(m.name, pid)
     p = found.profile
     alloc = inventory.Allocation(
@@ -738,7 +692,7 @@ def _take(
     out.outputs.append(Output(mk(decided, pid)))
     start = ev.ReplicaStart(replica=rid, model=m.name, profile=p.name, shards=shards)
     for s in found.shards:
-        sid = _derived(pid, f"start\x00{s.node}", ms)
+        sid = ids.derived(pid, f"start\x00{s.node}", ms)
         out.outputs.append(Output(mk(start, sid, causation=pid), node=s.node))
     out.placed += 1
     return pick
@@ -835,7 +789,7 @@ def _fail(
         why=dict(why),
     )
     token, ms = parent()
-    fid = _derived(token, f"failed\x00{m.name}", ms)
+    fid = ids.derived(token, f"failed\x00{m.name}", ms)
     out.outputs.append(Output(mk(data, fid), failure=(m.name, Failure(digest, now, repeats))))
     out.failed += 1
 
@@ -1056,7 +1010,7 @@ def _drain(
     if not nodes:
         return  # no node to send it to; a replica with no shards holds nothing
     for node in nodes:
-        did = _derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
+        did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
         out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
     out.drained += 1
 

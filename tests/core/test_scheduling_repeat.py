@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from schemas import events as ev
-from schemas import ids
 from services.core import fold
 from services.core import scheduling as planner
 from services.core.view import View
@@ -175,22 +174,6 @@ def test_a_pass_decides_the_same_with_its_memos_as_without(seed: int) -> None:
         failed += p.failed
         placed += p.placed
     assert failed > 5 and placed > 5
-
-
-def test_a_derived_id_is_the_one_ids_derives() -> None:
-    rng = random.Random(7)
-    for _ in range(3000):
-        ms = rng.choice((0, 1, (1 << 48) - 1, rng.randrange(1 << 48)))
-        entropy = rng.randbytes(10)
-        assert planner._ulid(ms, entropy) == ids.ulid(ms, entropy)
-        parent = rng.choice((ids.ulid(ms, entropy), f"t{ms}", "", "0" * 26))
-        label = rng.choice(("failed\x00m", f"place\x00m\x00{ms % 7}", "é"))
-        want = ids.derived(parent, label)
-        assert planner._derived(parent, label) == want
-        assert planner._derived(parent, label, planner._parent_ms(parent)) == want
-    for bad in (-1, 1 << 48):
-        with pytest.raises(ValueError):
-            planner._ulid(bad, bytes(10))
 
 
 def test_the_failure_memory_keeps_what_the_plain_rule_keeps() -> None:
