@@ -555,7 +555,7 @@ class Engine:
         caller has it at hand (`subjects.subject_for` of the event and node). `as_made`:
         an agent's report on a replica, folded as made (see `_store`)."""
         self._ids += 1
-        e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
+        e = ev.make(data, id="sim-" + str(self._ids).zfill(9), time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
         self._store(e, node, subject, as_made)
         return True
