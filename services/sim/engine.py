@@ -33,6 +33,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from math import cos
 from typing import IO, Any
 
 from schemas import bundle, codec, subjects
@@ -216,9 +217,10 @@ class Engine:
         self._q: list[_Entry] = []
         self._order = itertools.count(1)
         # Beside the queue, the entries that come in order as they are scheduled (each
-        # request's idle timer, `at_later`): kept in a FIFO, since a heap pays a push and
-        # a pop of its depth for each of these hundreds of thousands. `run` takes the
-        # first of both by (time, order), so happenings run in exactly the same order.
+        # request's idle timer, see `_request`): kept in a FIFO, since a heap pays a push
+        # and a pop of its depth for each of these hundreds of thousands. An entry that
+        # would not keep the FIFO sorted goes to the queue instead. `run` takes the first
+        # of both by (time, order), so happenings run in exactly the same order.
         self._fifo: collections.deque[_Entry] = collections.deque()
         # Each node's group by the node's name (the first group to name it).
         self._groups: dict[str, NodeGroup] = {}
@@ -255,6 +257,10 @@ class Engine:
         self._arrivals: dict[str, _Arrivals] = {}
         self._changes = 0
         """Events stored that are not a replica.used."""
+        # The handlers of every request and its idle timer, bound once: hundreds of
+        # thousands of each are scheduled.
+        self._on_request = self._request
+        self._on_idle = self._idle
 
     # ------------------------------------------------------------------ the loop
 
@@ -277,6 +283,8 @@ class Engine:
         self._begin()
         q, fifo = self._q, self._fifo
         pop, popleft = heapq.heappop, fifo.popleft
+        advance, settle = self._advance, self._settle
+        view = self.view
         end = self.duration
         while True:
             # The next instant: the earlier of the queue's and the FIFO's first.
@@ -288,7 +296,7 @@ class Engine:
                 break
             if t > end:
                 break
-            self._advance(t)
+            advance(t)
             while True:
                 # Each happening at t in (time, order), from whichever holds it first.
                 if fifo and fifo[0][0] == t and (not q or fifo[0] < q[0]):
@@ -298,7 +306,9 @@ class Engine:
                 else:
                     break
                 handle(arg)
-            self._settle()
+            # `_settle`'s own first test, made here: most instants return there.
+            if self._dirty or not self._due_known or view.state.holds:
+                settle()
         self._advance(self.duration)
         self.ingest.touched.clear()
 
@@ -311,17 +321,6 @@ class Engine:
     def at(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
         """At virtual time t, `handle(arg)`."""
         heapq.heappush(self._q, (t, next(self._order), handle, arg))
-
-    def at_later(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
-        """`at`, for a time most likely no earlier than any scheduled with `at_later`
-        before: such an entry goes to the FIFO (its order only grows, so the FIFO stays
-        sorted); one that would not keep the FIFO sorted goes to the queue."""
-        entry = (t, next(self._order), handle, arg)
-        fifo = self._fifo
-        if not fifo or fifo[-1][0] <= t:
-            fifo.append(entry)
-        else:
-            heapq.heappush(self._q, entry)
 
     @property
     def now(self) -> datetime:
@@ -407,7 +406,7 @@ class Engine:
         self._due_known = False
         self._dirty = True
 
-    def _on_idle(self, model: str) -> None:
+    def _idle(self, model: str) -> None:
         a = self._arrivals[model]
         last = self._last_request.get(model, -math.inf)
         if self.t - last >= a.idle_after_s and self._desired[model] > 0:
@@ -556,7 +555,7 @@ class Engine:
         caller has it at hand (`subjects.subject_for` of the event and node). `as_made`:
         an agent's report on a replica, folded as made (see `_store`)."""
         self._ids += 1
-        e = ev.make(data, id=f"sim-{self._ids:09d}", time=self.now, source=source)
+        e = ev.make(data, id="sim-" + str(self._ids).zfill(9), time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
         self._store(e, node, subject, as_made)
         return True
@@ -801,17 +800,20 @@ class Engine:
             self.m.scale_ups.setdefault(cls, []).append(self.t - w[1])
 
     def _next_request(self, a: _Arrivals, t: float) -> None:
-        """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle."""
+        """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle
+        (`_cycle`, written out here: most arrivals take two or three draws)."""
         peak = a.peak
         if peak <= 0:
             return
         draw, uniform, top, end = a.draw, a.uniform, a.top, self.duration
+        daily, peak_hour = a.daily, a.peak_hour
         while True:
             t += draw(peak)
             if t > end:
                 return
-            if uniform() * top <= _cycle(a.daily, a.peak_hour, t):
-                self.at(t, self._request, a.spec.name)
+            hour = (t / 3600.0) % 24.0
+            if uniform() * top <= 1.0 + daily * cos(_TWO_PI * (hour - peak_hour) / 24.0):
+                heapq.heappush(self._q, (t, next(self._order), self._on_request, a.spec.name))
                 return
 
     def _request(self, model: str) -> None:
@@ -819,14 +821,22 @@ class Engine:
         t = self.t
         self.m.requests += 1
         self._last_request[model] = t
-        # The idle timers come in order: the same wait (most often) after each request.
-        self.at_later(t + a.idle_after_s, self._on_idle, model)
+        # The idle timers come in order, the same wait (most often) after each request:
+        # to the FIFO, whose order only grows, unless this one would not keep it sorted.
+        due = t + a.idle_after_s
+        entry = (due, next(self._order), self._on_idle, model)
+        fifo = self._fifo
+        if not fifo or fifo[-1][0] <= due:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._q, entry)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
             # Every ready replica has its time in _used_at (-inf until first used).
             used_at = self._used_at
-            rid = min(ready, key=used_at.__getitem__)
+            one = len(ready) == 1
+            rid = next(iter(ready)) if one else min(ready, key=used_at.__getitem__)
             if t - used_at[rid] >= USED_EVERY_S:
                 used_at[rid] = t
                 agent = self._agents[rid]
@@ -862,10 +872,13 @@ class Engine:
                 m.needless += 1
 
 
+_TWO_PI = 2 * math.pi
+
+
 def _cycle(amplitude: float, peak_hour: float, t: float) -> float:
     """1 + amplitude * cos(the hour's distance from the peak), between 1 ± amplitude."""
     hour = (t / 3600.0) % 24.0
-    return 1.0 + amplitude * math.cos(2 * math.pi * (hour - peak_hour) / 24.0)
+    return 1.0 + amplitude * cos(_TWO_PI * (hour - peak_hour) / 24.0)
 
 
 def _diurnal(spec: ModelSpec, t: float) -> int:

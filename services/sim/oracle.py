@@ -10,7 +10,18 @@ checked). Pure.
 When every profile has one shard, a set that makes room and is as small as it can be
 lies on one node (a victim elsewhere could be kept), so the sets tried are those of each
 node's own candidates: every set that matters, at a fraction of the cost. With a profile
-of several shards every set of the candidates is tried.
+of several shards every set of the candidates is tried. `limit` counts those sets, of
+every size from 1 to `max_victims`.
+
+Fewer are placed than counted, with the same answer. Stopping a replica only adds to
+what its nodes have free (its GPUs, and its CPU and memory, never negative), so whatever
+fits without a set fits without any set that holds it: a group's sets of the largest
+size it allows are the only ones placed, since every smaller set lies within one of
+them. A model that fits as the cluster stands fits with the first set tried, so that is
+one placement on the whole inventory; one that does not can then, with one shard per
+profile, only fit on the nodes a set stops replicas on, and only those are looked at
+(`placement.place`'s `within`). One clone serves every set: its victims are released,
+the model placed, and their allocations restored.
 """
 
 from __future__ import annotations
@@ -19,14 +30,16 @@ import functools
 import itertools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from operator import attrgetter
 
 from services.core import placement
+from services.core.inventory import Inventory
 from services.core.preemption import Candidate, Decision
 from services.core.view import View
 
-# LIMIT is the most sets the oracle tries for one decision: every one of them is a
-# placement on a cloned inventory, fine on the small clusters it is meant for.
+# LIMIT is the most sets the oracle counts for one decision: on the small clusters it
+# is meant for, few enough to try.
 LIMIT = 3000
 
 
@@ -43,54 +56,67 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
     if m is None:
         return False
     profiles = [p for p in m.profiles if p.name in d.profiles]
-    groups: list[tuple[Candidate, ...]]
-    if all(p.shards == 1 for p in profiles):
+    one_shard = all(p.shards == 1 for p in profiles)
+    groups: list[Sequence[Candidate]]
+    if one_shard:
         # Counted per node before any group is built: on a large cluster the answer is
-        # most often that there are too many sets to try.
+        # most often that there are too many sets to try. (Counter counts in C: a
+        # loop here would take twice its time over the hundreds of candidates.)
         per_node = Counter(map(_node, d.candidates))
         # Summed per count of candidates, not per node: a couple of hundred nodes hold
         # a handful of distinct counts, and nodes with as many give as many sets.
         counts = Counter(per_node.values())
         if sum(sets(n, max_victims) * k for n, k in counts.items()) > limit:
             return None
-        # Each node's list made up front (in the order nodes first appear, as before),
-        # so the loop over the candidates only appends.
+        # Each node's list made up front (in the order nodes first appear), so the loop
+        # over the candidates only appends.
         by_node: dict[str, list[Candidate]] = {n: [] for n in per_node}
         for c in d.candidates:
             by_node[c.node].append(c)
-        groups = [tuple(g) for g in by_node.values()]
+        groups = list(by_node.values())
     else:
         groups = [d.candidates]
         if sets(len(d.candidates), max_victims) > limit:
             return None
     least = min((p.gpus for p in profiles), default=0)
+    usage = view.inventory.usage
+    trial: Inventory | None = None
     for g in groups:
-        if len(groups) > 1 and not _could(view, g, least, max_victims):
+        if not g:
             continue
-        for k in range(1, min(len(g), max_victims) + 1):
-            for chosen in itertools.combinations(g, k):
-                inv = view.inventory.clone()
-                for c in chosen:
-                    inv.release_replica(c.replica)
-                if isinstance(placement.place(inv, profiles, d.avoid), placement.Placement):
-                    return True
+        if len(groups) > 1:
+            # Whether the node's candidates could free enough GPUs for the smallest
+            # profile: its free GPUs and the most any `max_victims` of them hold. Only a
+            # bound, to pass over a node without trying its sets.
+            u = usage(g[0].node)
+            free = 0 if u is None else len(u.free)
+            if free < least:
+                held = [c.gpus for c in g]
+                if len(held) > max_victims:
+                    # Sorted only where there are more candidates than victims: most
+                    # nodes' few candidates are summed as they are.
+                    held.sort(reverse=True)
+                    del held[max_victims:]
+                if free + sum(held) < least:
+                    continue
+        if trial is None:
+            # The first group with a set to try: if the model fits as the cluster
+            # stands, that set makes room.
+            if isinstance(placement.place(view.inventory, profiles, d.avoid), placement.Placement):
+                return True
+            trial = view.inventory.clone()
+        for chosen in itertools.combinations(g, min(len(g), max_victims)):
+            gone = [a for a in map(trial.allocation, [c.replica for c in chosen]) if a]
+            for a in gone:
+                trial.release_replica(a.replica)
+            within = {s.node for a in gone for s in a.shards} if one_shard else None
+            if isinstance(
+                placement.place(trial, profiles, d.avoid, within=within), placement.Placement
+            ):
+                return True
+            for a in gone:
+                trial.restore(a)
     return False
 
 
 _node = attrgetter("node")
-
-
-def _could(view: View, group: tuple[Candidate, ...], least: int, max_victims: int) -> bool:
-    """Whether one node's candidates could free enough GPUs for the smallest profile: its
-    free GPUs and the most any `max_victims` of them hold. Only a bound, to pass over a
-    node without trying its sets; a node that passes is tried in full."""
-    free = len(view.inventory.free_gpus(group[0].node))
-    if free >= least:
-        return True  # room already, whatever its candidates hold
-    held = [c.gpus for c in group]
-    if len(held) > max_victims:
-        # Sorted only where there are more candidates than victims: most nodes' few
-        # candidates are summed as they are.
-        held.sort(reverse=True)
-        del held[max_victims:]
-    return free + sum(held) >= least
