@@ -572,8 +572,9 @@ class _Ordered(Generic[_O]):
         self.objs: list[_O] = []
 
     def remove(self, old: list[tuple[Any, ...]]) -> None:
-        """Take out `old`, entries that are here (the very objects). A few are found by
-        halving; many, by one walk through the list."""
+        """Take out `old`, entries that are here (equal ones: a block weighed for another
+        model may have put in its own objects). A few are found by halving; many, by one
+        walk through the list, by replica id."""
         keys, objs = self.keys, self.objs
         if len(old) <= _FEW:
             for k in old:
@@ -581,8 +582,8 @@ class _Ordered(Generic[_O]):
                 del keys[i]
                 del objs[i]
             return
-        drop = {id(k) for k in old}
-        self.keys = keys = [k for k in keys if id(k) not in drop]
+        drop = {k[-2] for k in old}
+        self.keys = keys = [k for k in keys if k[-2] not in drop]
         self.objs = [k[-1] for k in keys]
 
     def add(self, new: list[tuple[Any, ...]]) -> None:
@@ -673,12 +674,12 @@ def _diff(
 ) -> None:
     """Between a model's old and new entries (each a key whose part before last is the
     replica id): those to take out of a kept list into `out`, those to put in into
-    `into`. An equal entry stays, and `new` takes the old object, the one in the list."""
+    `into`. An equal entry stays. Neither list is changed: blocks are shared between
+    the models weighed alike (`_shared`)."""
     olds = {k[-2]: k for k in old}
-    for i, k in enumerate(new):
+    for k in new:
         o = olds.pop(k[-2], None)
         if o is not None and o == k:
-            new[i] = o
             continue
         into.append(k)
         if o is not None:
@@ -698,6 +699,25 @@ def _kept(view: View, m: catalog.Model, cfg: Config, reclaim: bool, below_min: b
             del memo[next(iter(memo))]  # the least recently used
     memo[key] = kept  # last in the dict: the most recently used
     return kept
+
+
+# SHARED bounds the blocks `_shared` keeps on a view: the latest of each model's replicas
+# for each way of weighing them.
+SHARED = 4096
+
+
+def _shared(view: View) -> dict[tuple[object, ...], _Block]:
+    """The blocks weighed for any model, by the model whose replicas they weigh and what
+    of the model weighed for they read: its class and owner, the two flags and the
+    settings, and its name only where the words of an exclusion name it (another model
+    of its rank). Weighed for one model, a block is the same for every model alike: the
+    next one asked about takes it rather than weighing those replicas again. Kept with
+    the quota tree they were weighed under; a block is used only while it `holds`."""
+    got: tuple[quota.QuotaTree, dict[tuple[object, ...], _Block]] | None
+    got = view.memo.get("blocks")
+    if got is None or got[0] is not view.quota or len(got[1]) >= SHARED:
+        got = view.memo["blocks"] = (view.quota, {})
+    return got[1]
 
 
 def _candidates(
@@ -721,7 +741,9 @@ def _candidates(
     (`_Block`, `_Kept`): on a full cluster the same few models are reported again and
     again as the cluster changes, and between two calls most models' replicas have not
     changed at all. Only the blocks of models that changed are weighed again, and only
-    their entries move in the two ordered lists. A block that read the time (a replica
+    their entries move in the two ordered lists; a block another model weighed alike
+    since is taken as it is (`_shared`): a full cluster asks about dozens of models, and
+    all of one class and owner weigh the replicas of the rest alike. A block that read the time (a replica
     used, so its idle time counts, or ready only lately, so its age may) or the quota
     usage of the moment (a replica under a guarantee, borrowed or not) is weighed again
     on every call.
@@ -733,13 +755,33 @@ def _candidates(
     resolve = view.catalog.resolve
     version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
+    shared = _shared(view)
+    alike = (
+        effective_class(m),
+        m.owner,
+        reclaim,
+        below_min,
+        cfg.eviction_grace_s,
+        cfg.min_lifetime_s,
+    )
+    rank = catalog.class_rank(m.cls)
     for model in view.current_models():
         version = version_of(model)
         state = state_of(model)
         other = resolve(model)
         b = blocks.get(model)
         if b is None or not b.holds(version, state, other, now):
-            b = w.block(model, other, version, state)
+            if other is m:
+                b = w.block(model, other, version, state)
+            else:
+                # A model of m's rank is excluded in words that name m (`_not_lower`).
+                named = other is not None and catalog.class_rank(effective_class(other)) == rank
+                key = (model, alike, m.name if named else None)
+                b = shared.get(key)
+                if b is None or not b.holds(version, state, other, now):
+                    b = w.block(model, other, version, state)
+                    if not b.timely:
+                        shared[key] = b
             if b.timely:
                 timely.append(b)
                 continue

@@ -228,7 +228,9 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
     each the kept answer is checked against the plain one, with time mostly going
     forward (replicas growing out of "young" and into idleness) and now and then back.
     Past the random cluster, the log goes on: replicas used for the first time and again,
-    a model declared anew with another minimum, the quota tree replaced, drains."""
+    a model declared anew with another minimum, the quota tree replaced, drains. Each call
+    is for a model and settings drawn at random, so what one model's weighing keeps is
+    taken by the next only where it holds for it too (`preemption._shared`)."""
     rng = random.Random(seed)
     s, models = build(rng)
     s.at("+30s")
@@ -250,7 +252,13 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
         s.quota({o: {"gpus": rng.choice([0, 4, 8])} for o in ("o0", "o1")})
     for rid in rng.sample(reps, min(3, len(reps))):
         s.drain(rid, rng.choice(["scale_down", "preempted"]), for_model=models[0])
-    cfg = Config(eviction_grace_s=grace, min_lifetime_s=lifetime)
+    # Asked now under these settings, now under others: what is kept under one (and
+    # shared between the models weighed alike) is never taken for the other.
+    cfgs = [
+        Config(eviction_grace_s=grace, min_lifetime_s=lifetime),
+        Config(eviction_grace_s=600.0 - grace, min_lifetime_s=lifetime),
+        Config(eviction_grace_s=grace, min_lifetime_s=120.0 - lifetime),
+    ]
     few = preemption._FEW
     # The kept lists take entries out and put them in one by one up to _FEW of them,
     # past that in one walk and one sort: both ways are checked.
@@ -267,10 +275,53 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
                     if m is None:
                         continue
                     reclaim, below_min = rng.random() < 0.5, rng.random() < 0.5
-                    args = (view, m, now, cfg, holdings, reclaim, below_min)
+                    args = (view, m, now, rng.choice(cfgs), holdings, reclaim, below_min)
                     assert preemption._candidates(*args) == plain(*args)
         finally:
             preemption._FEW = few
+
+
+def test_a_weighing_is_shared_only_between_models_and_settings_it_holds_for() -> None:
+    """Models of every class, three standard ones of one owner and one of another (under
+    a guarantee), asking under two grace periods and two minimum lifetimes, reclaiming
+    or not: the replicas of the others (ready a minute ago or long since, idle, never
+    used) are weighed once per way of weighing them (`preemption._shared`), and each
+    answer is the plain one."""
+    s = Scenario()
+    s.node("n0", "8xH100-80GB")
+    s.model("a", cls="standard", min=0, profiles=["p1:1"], owner="o0")
+    s.model("b", cls="standard", min=0, profiles=["p1:1"], owner="o0")
+    s.model("a2", cls="standard", min=0, profiles=["p1:1"], owner="o0")
+    s.model("c", cls="standard", min=0, profiles=["p1:1"], owner="o1")
+    s.model("crit", cls="critical", min=0, profiles=["p1:1"], owner="o0")
+    s.model("od", cls="opportunistic", min=0, profiles=["p1:1"], owner="o0")
+    s.model("batch", cls="opportunistic", min=1, profiles=["p1:1"], owner="o1")
+    s.replica("od-1", "od", on=("n0", [0]), ready="-60s", used="-20m")
+    s.replica("od-2", "od", on=("n0", [1]), ready="-60s")
+    s.model("low", cls="opportunistic", min=0, profiles=["p1:1"], owner="o0")
+    s.replica("b-1", "b", on=("n0", [2]), ready="-2h")
+    s.replica("b-2", "b", on=("n0", [5]), ready="-60s")
+    s.replica("low-1", "low", on=("n0", [6]), ready="-3h")
+    s.replica("batch-1", "batch", on=("n0", [3]), ready="-60s")
+    s.replica("batch-2", "batch", on=("n0", [4]), ready="-3h")
+    s.quota({"o1": {"gpus": 1}})
+    view = s.view()
+    holdings = view.holdings()
+    asked = [
+        (name, Config(eviction_grace_s=grace, min_lifetime_s=lifetime), reclaim, below_min)
+        for grace in (0.0, 600.0)
+        for lifetime in (0.0, 120.0)
+        for name in ("a", "a2", "b", "c", "crit", "od")
+        for reclaim in (False, True)
+        for below_min in (False, True)
+    ]
+    for _ in range(2):
+        for name, cfg, reclaim, below_min in asked:
+            m = view.catalog[name]
+            now = s.now + timedelta(seconds=30)
+            args = (view, m, now, cfg, holdings, reclaim, below_min)
+            assert preemption._candidates(*args) == plain(*args)
+    assert view.memo["blocks"][1]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
