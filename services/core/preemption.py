@@ -623,15 +623,16 @@ _FEW = 32
 
 
 class _Kept:
-    """What the policy keeps on a view for one model m, flags and settings (`_kept`):
-    the latest block of every model holding capacity that did not read the time, the
+    """What the policy keeps on a view for the models alike in class and owner, under
+    the same flags and settings (`_kept`, `_alike`): the latest block of every model
+    holding capacity that did not read the time, but the last one asked about, the
     candidates and exclusions of all those blocks in their orders, and what `_peer`
-    worked out (which reads only m, the flags and the quota tree)."""
+    worked out (which reads only what `_alike` names and the quota tree)."""
 
-    __slots__ = ("blocks", "excluded", "m", "peers", "ranked", "result", "tree")
+    __slots__ = ("blocks", "excluded", "peers", "ranked", "result", "tree")
 
-    def __init__(self, m: catalog.Model, tree: quota.QuotaTree) -> None:
-        self.m, self.tree = m, tree
+    def __init__(self, tree: quota.QuotaTree) -> None:
+        self.tree = tree
         self.blocks: dict[str, _Block] = {}
         self.ranked: _Ordered[Candidate] = _Ordered()
         self.excluded: _Ordered[Exclusion] = _Ordered()
@@ -687,17 +688,31 @@ def _diff(
     out += olds.values()
 
 
-def _kept(view: View, m: catalog.Model, cfg: Config, reclaim: bool, below_min: bool) -> _Kept:
-    """What is kept on `view` for m under these flags and settings: new when nothing
-    is, or when m's declaration or the quota tree is new since."""
+def _alike(m: catalog.Model, cfg: Config, reclaim: bool, below_min: bool) -> tuple[object, ...]:
+    """What weighing the replicas of other models reads of m, the flags and the settings:
+    m's class and owner (the tier rules, and the words of an exclusion), the two flags
+    and the two settings. Every model alike in these weighs another's replicas alike;
+    only its own replicas are weighed otherwise (`same_model`)."""
+    return (
+        effective_class(m),
+        m.owner,
+        reclaim,
+        below_min,
+        cfg.eviction_grace_s,
+        cfg.min_lifetime_s,
+    )
+
+
+def _kept(view: View, alike: tuple[object, ...]) -> _Kept:
+    """What is kept on `view` for the models `alike`: new when nothing is, or when the
+    quota tree is new since."""
     memo: dict[tuple[object, ...], _Kept] = view.memo.setdefault("preemption", {})
-    key = (m.name, reclaim, below_min, cfg.eviction_grace_s, cfg.min_lifetime_s)
-    kept = memo.pop(key, None)
-    if kept is None or kept.m is not m or kept.tree is not view.quota:
-        kept = _Kept(m, view.quota)
+    kept = memo.pop(alike, None)
+    if kept is None or kept.tree is not view.quota:
+        kept = _Kept(view.quota)
         while len(memo) >= KEPT:
             del memo[next(iter(memo))]  # the least recently used
-    memo[key] = kept  # last in the dict: the most recently used
+    memo[alike] = kept  # last in the dict: the most recently used
     return kept
 
 
@@ -707,12 +722,12 @@ SHARED = 4096
 
 
 def _shared(view: View) -> dict[tuple[object, ...], _Block]:
-    """The blocks weighed for any model, by the model whose replicas they weigh and what
-    of the model weighed for they read: its class and owner, the two flags and the
-    settings, and its name only where the words of an exclusion name it (another model
-    of its rank). Weighed for one model, a block is the same for every model alike: the
-    next one asked about takes it rather than weighing those replicas again. Kept with
-    the quota tree they were weighed under; a block is used only while it `holds`."""
+    """The blocks weighed so far, by the model whose replicas they weigh and what they
+    read of the model weighed for (`_alike`; None for a model's own replicas, all
+    same_model). The models alike share their kept lists (`_kept`), but for the last
+    one asked about, whose own block is left out of them: when the next one asks, the
+    block comes back from here rather than being weighed again. Kept with the quota
+    tree they were weighed under; a block is used only while it `holds`."""
     got: tuple[quota.QuotaTree, dict[tuple[object, ...], _Block]] | None
     got = view.memo.get("blocks")
     if got is None or got[0] is not view.quota or len(got[1]) >= SHARED:
@@ -741,14 +756,17 @@ def _candidates(
     (`_Block`, `_Kept`): on a full cluster the same few models are reported again and
     again as the cluster changes, and between two calls most models' replicas have not
     changed at all. Only the blocks of models that changed are weighed again, and only
-    their entries move in the two ordered lists; a block another model weighed alike
-    since is taken as it is (`_shared`): a full cluster asks about dozens of models, and
-    all of one class and owner weigh the replicas of the rest alike. A block that read the time (a replica
+    their entries move in the two ordered lists. What is kept is shared by all the
+    models alike (`_alike`: of one class and owner, under the same flags and settings),
+    which weigh the replicas of the rest alike: a full cluster asks about dozens of
+    models, a few kinds of them. Each model's own replicas are excluded as same_model
+    for the call, not kept in the lists the others share. A block that read the time (a replica
     used, so its idle time counts, or ready only lately, so its age may) or the quota
     usage of the moment (a replica under a guarantee, borrowed or not) is weighed again
     on every call.
     """
-    kept = _kept(view, m, cfg, reclaim, below_min)
+    alike = _alike(m, cfg, reclaim, below_min)
+    kept = _kept(view, alike)
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min, kept.peers)
     blocks = kept.blocks
     fresh: dict[str, _Block] = {}
@@ -756,32 +774,28 @@ def _candidates(
     version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
     shared = _shared(view)
-    alike = (
-        effective_class(m),
-        m.owner,
-        reclaim,
-        below_min,
-        cfg.eviction_grace_s,
-        cfg.min_lifetime_s,
-    )
-    rank = catalog.class_rank(m.cls)
+    # m's own replicas (under its name or an alias) are not in the kept lists, which the
+    # next model alike may take: their same_model exclusions are put in for this call.
+    own: list[_Block] = []
     for model in view.current_models():
         version = version_of(model)
         state = state_of(model)
         other = resolve(model)
+        if other is m:
+            key: tuple[object, ...] = (model, None)
+            b = shared.get(key)
+            if b is None or not b.holds(version, state, other, now):
+                b = shared[key] = w.block(model, other, version, state)
+            own.append(b)
+            continue
         b = blocks.get(model)
         if b is None or not b.holds(version, state, other, now):
-            if other is m:
+            key = (model, alike)
+            b = shared.get(key)
+            if b is None or not b.holds(version, state, other, now):
                 b = w.block(model, other, version, state)
-            else:
-                # A model of m's rank is excluded in words that name m (`_not_lower`).
-                named = other is not None and catalog.class_rank(effective_class(other)) == rank
-                key = (model, alike, m.name if named else None)
-                b = shared.get(key)
-                if b is None or not b.holds(version, state, other, now):
-                    b = w.block(model, other, version, state)
-                    if not b.timely:
-                        shared[key] = b
+                if not b.timely:
+                    shared[key] = b
             if b.timely:
                 timely.append(b)
                 continue
@@ -790,11 +804,11 @@ def _candidates(
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.
-    if timely:
+    if timely or own:
         # Weighed for this call only: put in among the kept ones, not kept with them.
         return (
             kept.ranked.with_(sorted([c for b in timely for c in b.ranked])),
-            kept.excluded.with_(sorted([x for b in timely for x in b.excluded])),
+            kept.excluded.with_(sorted([x for b in (*timely, *own) for x in b.excluded])),
         )
     if kept.result is None:
         kept.result = (tuple(kept.ranked.objs), tuple(kept.excluded.objs))
@@ -1232,10 +1246,15 @@ def _not_lower(m: catalog.Model, cls: str, above_min: bool, below_min: bool) -> 
     mine = effective_class(m)
     if catalog.class_rank(cls) > catalog.class_rank(mine):
         return f"{cls} ranks above {mine}"
+    # The words name m's class, not m: what is weighed for one model is shared with every
+    # model of its class and owner (`_kept`).
     if not above_min:
-        return f"{cls} like {m.name}, and part of its model's minimum"
+        return f"{cls} like the model to place, and part of its own model's minimum"
     if not below_min:
-        return f"{cls} like {m.name}, above its minimum, but {m.name} is not below its own"
+        return (
+            f"{cls} like the model to place, above its minimum, but the model to place "
+            "is not below its own"
+        )
     return WHY["not_lower_class"]
 
 

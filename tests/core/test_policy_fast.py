@@ -285,7 +285,7 @@ def test_a_weighing_is_shared_only_between_models_and_settings_it_holds_for() ->
     """Models of every class, three standard ones of one owner and one of another (under
     a guarantee), asking under two grace periods and two minimum lifetimes, reclaiming
     or not: the replicas of the others (ready a minute ago or long since, idle, never
-    used) are weighed once per way of weighing them (`preemption._shared`), and each
+    used) are weighed once per kind of model asking (`preemption._kept`, `_shared`), and each
     answer is the plain one."""
     s = Scenario()
     s.node("n0", "8xH100-80GB")
@@ -416,22 +416,24 @@ def test_a_level_is_tried_in_key_order(seed: int) -> None:
 
 
 def test_the_weighings_kept_on_a_view_are_bounded() -> None:
-    """A view keeps the weighings of the last `KEPT` models (and flags) it was asked
-    about, not of every model ever asked about."""
+    """A view keeps the weighings for the last `KEPT` kinds of model (class, owner,
+    flags and settings) it was asked about, not for every kind ever asked about; the
+    models of one kind share theirs."""
     s = Scenario()
     s.node("n0", "8xH100-80GB")
     names = [f"m{i}" for i in range(preemption.KEPT + 10)]
     for name in names:
-        s.model(name, cls="critical", min=1, profiles=["big:8"])
+        s.model(name, cls="critical", min=1, profiles=["big:8"], owner=f"o-{name}")
+    s.model("twin", cls="critical", min=1, profiles=["big:8"], owner=f"o-{names[-1]}")
     s.model("filler", cls="opportunistic", min=0, profiles=["one:1"])
     for i in range(8):
         s.replica(f"f{i}", "filler", on=("n0", [i]), ready="-1h")
     v = s.view()
-    for name in names:
+    for name in [*names, "twin"]:
         assert plan(v, name, s.now).outcome == "no_fit"
     kept = v.memo["preemption"]
     assert len(kept) == preemption.KEPT
-    assert {k[0] for k in kept} == set(names[-preemption.KEPT :])
+    assert {k[1] for k in kept} == {f"o-{n}" for n in names[-preemption.KEPT :]}
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
