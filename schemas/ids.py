@@ -16,7 +16,8 @@ _ULID = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
 # _PAIRS: every 10 bits as the two digits that write them; a ULID is written two digits at
 # a time, as the scheduler and the policy make one for every decision they publish.
 _PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
-_VALUE = {c: i for i, c in enumerate(_CROCKFORD)}
+# _PLAIN: Crockford's digits as the digits `int(..., 32)` reads.
+_PLAIN = str.maketrans(_CROCKFORD, "0123456789ABCDEFGHIJKLMNOPQRSTUV")
 
 
 def ulid(ms: int, entropy: bytes) -> str:
@@ -49,16 +50,12 @@ def ulid_ms(value: str) -> int:
     """The Unix milliseconds a ULID was made at."""
     if not _ULID.match(value):
         raise ValueError(f"not a ULID: {value!r}")
-    n = 0
-    v = _VALUE
-    for c in value[:10]:
-        n = n * 32 + v[c]
-    return n
+    return int(value[:10].translate(_PLAIN), 32)
 
 
 def kept_ms(parent: str) -> int:
     """The time `derived` keeps of a parent id: its own when it is a ULID, else 0."""
-    return ulid_ms(parent) if _ULID.match(parent) else 0
+    return int(parent[:10].translate(_PLAIN), 32) if _ULID.match(parent) else 0
 
 
 def derived(parent: str, label: str, ms: int | None = None) -> str:
