@@ -601,25 +601,46 @@ class _Ordered(Generic[_O]):
         keys.sort()
         self.objs = [k[-1] for k in keys]
 
-    def with_(self, extra: list[tuple[Any, ...]]) -> tuple[_O, ...]:
-        """The objects, with those of `extra` (in order, none of them here) in their
-        places: a few found by halving and the runs between them copied, many by one
-        merge (a sort of two runs in order)."""
+    def with_(
+        self,
+        extra: list[tuple[Any, ...]],
+        without: Sequence[tuple[Any, ...]] = (),
+    ) -> tuple[_O, ...]:
+        """The objects, less those of `without` (entries that are here) and with those of
+        `extra` (in order; none of their replicas here but for those of `without`) in
+        their places: each found by halving, on the key without its object (an entry
+        of `extra` may share its replica id with one of `without`), and the runs
+        between them copied; past a few in a long list, by one walk and one merge (a
+        sort of two runs in order)."""
         keys, objs = self.keys, self.objs
-        if len(extra) > _FEW:
+        if len(extra) + len(without) > _FEW + len(keys) // 8:
+            if without:
+                drop = {k[-2] for k in without}
+                keys = [k for k in keys if k[-2] not in drop]
             return tuple([k[-1] for k in sorted(keys + extra)])
+        # (place, 0, object to put in before the entry there) or (place, 1, None: the
+        # entry there left out); at one place, what is put in comes first.
+        cuts: list[tuple[int, int, Any]] = [
+            (bisect.bisect_left(keys, k[:-1]), 1, None) for k in without
+        ]
+        cuts += [(bisect.bisect_left(keys, k[:-1]), 0, k[-1]) for k in extra]
+        if without:
+            cuts.sort(key=_place)
         out: list[_O] = []
         last = 0
-        for k in extra:
-            i = bisect.bisect_left(keys, k, last)
+        for i, skip, obj in cuts:
             out += objs[last:i]
-            out.append(k[-1])
-            last = i
+            if skip:
+                last = i + 1
+            else:
+                out.append(obj)
+                last = i
         out += objs[last:]
         return tuple(out)
 
 
 _FEW = 32
+_place = operator.itemgetter(0, 1)
 
 
 class _Kept:
@@ -774,20 +795,22 @@ def _candidates(
     version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
     shared = _shared(view)
-    # m's own replicas (under its name or an alias) are not in the kept lists, which the
-    # next model alike may take: their same_model exclusions are put in for this call.
+    # m's own replicas (under its name or an alias) are kept as those of any other model,
+    # for the next model alike; for this call they are taken out (`without`) and put in
+    # again as same_model exclusions (`own`).
     own: list[_Block] = []
+    without: list[_Block] = []
     for model in view.current_models():
         version = version_of(model)
         state = state_of(model)
         other = resolve(model)
-        if other is m:
+        mine = other is m
+        if mine:
             key: tuple[object, ...] = (model, None)
             b = shared.get(key)
             if b is None or not b.holds(version, state, other, now):
-                b = shared[key] = w.block(model, other, version, state)
+                b = shared[key] = w.block(model, other, version, state, own=True)
             own.append(b)
-            continue
         b = blocks.get(model)
         if b is None or not b.holds(version, state, other, now):
             key = (model, alike)
@@ -797,8 +820,11 @@ def _candidates(
                 if not b.timely:
                     shared[key] = b
             if b.timely:
-                timely.append(b)
+                if not mine:
+                    timely.append(b)
                 continue
+        if mine:
+            without.append(b)
         fresh[model] = b
     kept.update(fresh)
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
@@ -807,8 +833,14 @@ def _candidates(
     if timely or own:
         # Weighed for this call only: put in among the kept ones, not kept with them.
         return (
-            kept.ranked.with_(sorted([c for b in timely for c in b.ranked])),
-            kept.excluded.with_(sorted([x for b in (*timely, *own) for x in b.excluded])),
+            kept.ranked.with_(
+                sorted([c for b in timely for c in b.ranked]),
+                sorted([c for b in without for c in b.ranked]),
+            ),
+            kept.excluded.with_(
+                sorted([x for b in (*timely, *own) for x in b.excluded]),
+                sorted([x for b in without for x in b.excluded]),
+            ),
         )
     if kept.result is None:
         kept.result = (tuple(kept.ranked.objs), tuple(kept.excluded.objs))
@@ -1055,11 +1087,15 @@ class _Weighing:
         self.reads_use = False
         """Whether it read when any of its replicas was last used."""
 
-    def block(self, name: str, other: catalog.Model | None, version: int, state: int) -> _Block:
+    def block(
+        self, name: str, other: catalog.Model | None, version: int, state: int, own: bool = False
+    ) -> _Block:
         """Weigh the replicas of one model (by the name they give; `other` is what it
-        resolves to, None when nothing does) into a block."""
+        resolves to, None when nothing does) into a block. `own`: m's own replicas,
+        each excluded as same_model; without it, m's replicas are weighed as those of
+        any other model, as every model alike with m weighs them."""
         self.ranked, self.excluded, self.timely, self.reads_use = [], {}, False, False
-        if other is self.m:
+        if own:
             # The model's own replicas, under its name or an alias that names it (those
             # placed before a rename; `Catalog.names_of`): never a victim for a replica
             # of the same model.
