@@ -162,7 +162,8 @@ class Plan:
     drained: int = 0
     lost: int = 0
     satisfied: list[str] = field(default_factory=list)
-    """Models placed in full this pass, whose failure memory can be forgotten."""
+    """Models with all they want this pass (those that had it, those it placed in full),
+    in rank order, whose failure memory can be forgotten."""
 
 
 # ------------------------------------------------------------------ ids
@@ -232,19 +233,29 @@ def plan(
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late)
-    satisfied = out.satisfied
-    desired_of, live_of = view.desired_of, view.live_of
-    for m in view.catalog.by_rank():
+    # Most models have what they want: the loop over the catalog gives their names apart,
+    # and only the others are reconciled. `satisfied` is in rank order: the models placed
+    # in full (which reconcile adds, in rank order) go back among the others.
+    on, off = view.off_target()
+    for _, m, n_live, desired in off:
         name = m.name
         if name in timed_out:
             continue
-        desired = desired_of(m)
-        n_live = live_of(m)
         aliases = others.get(name) if others else None
-        if n_live == desired:
-            satisfied.append(name)
-        else:
-            pass_.reconcile(m, [name, *aliases] if aliases else (name,), n_live, desired)
+        pass_.reconcile(m, [name, *aliases] if aliases else (name,), n_live, desired)
+    full = out.satisfied
+    if full:
+        at = {m.name: pos for pos, m, _, _ in off}
+        merged: list[str] = []
+        done = 0
+        for name in full:
+            pos = at[name]
+            merged += on[done:pos]
+            merged.append(name)
+            done = pos
+        merged += on[done:]
+        on = merged
+    out.satisfied = [name for name in on if name not in timed_out] if timed_out else on
     return out
 
 
@@ -286,7 +297,10 @@ def _other_names(
     cat = view.catalog
     # A declared model's name resolves to that model (a name wins over an alias): only
     # the other names need resolving.
-    for name in sorted((view.current_models() | late) - view.state.models.keys()):
+    declared = view.state.models.keys()
+    names = view.current_models() - declared
+    names.update([name for name in late if name not in declared])
+    for name in sorted(names):
         m = cat.resolve(name)
         if m is None:
             for r in view.current_of(name):  # each holds capacity

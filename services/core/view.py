@@ -527,6 +527,26 @@ class View:
             return m.min
         return min(max(asked, m.min), m.max)
 
+    def off_target(self) -> tuple[list[str], list[tuple[int, catalog.Model, int, int]]]:
+        """The declared models in rank order (`Catalog.by_rank`), split in two: the names
+        of those whose `live_of` is their `desired_of`, and each other one with its live
+        and desired counts, after how many of the first it comes in rank order. What a
+        pass reads of every model, in one loop rather than two calls per model (see
+        `_targets` for what is kept of the catalog)."""
+        live = self._live
+        asked_of = self.state.desired
+        on: list[str] = []
+        off: list[tuple[int, catalog.Model, int, int]] = []
+        for m, name, lo, hi, names in _targets(self.catalog):
+            asked = asked_of.get(name)
+            desired = lo if asked is None else (hi if asked > hi else lo if asked < lo else asked)
+            n = live.get(name, 0) if names is None else sum([live.get(a, 0) for a in names])
+            if n == desired:
+                on.append(name)
+            else:
+                off.append((len(on), m, n, desired))
+        return on, off
+
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
         """The hold keeping a model from taking room back, if one is still on (see
         `hold_end`)."""
@@ -594,6 +614,30 @@ class View:
     def copy(self) -> View:
         """An independent copy (through the snapshot encoding)."""
         return View(decode_state(encode_state(self.state)))
+
+
+# _TARGETS: for the catalog whose `by_rank` tuple it holds, each model's row as
+# `View.off_target` reads it: the model, its name, min and max, and the names that
+# resolve to it when it has more than its own (else None). A catalog makes a new tuple
+# whenever a model is declared or removed, and a copy shares it only while it declares
+# the same models; which names resolve to a model follows from the declared models
+# alone. So the tuple, kept here so that its id stays its own, names the rows exactly.
+# One entry: the view a scheduler reads (and its copies) has one catalog at a time.
+_TARGETS: list[Any] = [None, ()]
+
+
+def _targets(
+    cat: catalog.Catalog,
+) -> tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...]:
+    ranked = cat.by_rank()
+    if ranked is not _TARGETS[0]:
+        rows = []
+        for m in ranked:
+            names = cat.names_of(m) if m.aliases else (m.name,)
+            rows.append((m, m.name, m.min, m.max, names if len(names) > 1 else None))
+        _TARGETS[0], _TARGETS[1] = ranked, tuple(rows)
+    rows_: tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...] = _TARGETS[1]
+    return rows_
 
 
 def _move(
