@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -804,7 +804,8 @@ def _fail(
     digest = digest_of()
     repeats = 0
     if last is not None and last.digest == digest:
-        if since < failed_period_s(last.repeats, config):
+        r = last.repeats
+        if since < (_periods(config)[r] if 0 <= r < 63 else failed_period_s(r, config)):
             return
         repeats = last.repeats + 1
     data = ev.PlacementFailed(
@@ -943,6 +944,20 @@ def failed_period_s(repeats: int, config: Config) -> float:
     return min(config.failed_backoff_s * 2.0 ** min(repeats, 62), config.failed_backoff_max_s)
 
 
+def _periods(config: Config) -> tuple[float, ...]:
+    """`failed_period_s` for 0 to 62 repeats, by repeats: worked out once per config
+    (`_PERIODS`: the last config, kept, and its periods; a config is frozen, so the
+    same object has the same periods)."""
+    last = _PERIODS
+    if last[0] is not config:
+        last[0], last[1] = config, tuple([failed_period_s(r, config) for r in range(63)])
+    periods: tuple[float, ...] = last[1]
+    return periods
+
+
+_PERIODS: list[Any] = [None, ()]
+
+
 _encoder = msgspec.json.Encoder(order="sorted")
 
 # _DIGESTS: the print of the cluster last hashed, and each failure's digest with it by
@@ -955,13 +970,14 @@ _DIGESTS: list[Any] = [b"", {}]
 _DIGESTS_MAX = 4096
 
 
-# _ROWS: each node usage's row of `_inventory_print` (the row as JSON), by the usage's
-# id; _ROWS_KEPT holds each of those usages, so that while its row is kept no other
-# object has its id. A usage is replaced, never changed, so its row never changes; a
-# pass reprints a cluster where few nodes changed since the last.
-_ROWS: dict[int, bytes] = {}
-_ROWS_KEPT: dict[int, inventory.NodeUsage] = {}
-_ROWS_MAX = 65536
+# _ROWS: the last print's node names (the inventory's sorted `names`), the usage of each
+# and its row of `_inventory_print` (the row as JSON), in the same order. A usage is
+# replaced, never changed, so its row never changes, and the list keeps each usage it
+# names alive, so that no other object can be taken for it. A pass reprints a cluster
+# where few nodes changed since the last: telling which takes one identity check a
+# node, and only their rows are encoded again. One entry: the inventory of a pass and
+# the copies it cordons nodes in differ in a few usages.
+_ROWS: list[Any] = [(), [], []]
 
 
 # _LAST_PRINT: the inventory version last printed and its print. Failing models of one
@@ -974,37 +990,40 @@ def _inventory_print(inv: inventory.Inventory) -> bytes:
     last = _LAST_PRINT
     if inv.version == last[0]:
         return bytes(last[1])
-    printed = _print_rows(list(map(inv.usage, inv.names())))
+    names = inv.names()
+    usages = list(map(inv.usage, names))
+    printed = _print_rows(names, usages)
     last[0], last[1] = inv.version, printed
     return printed
 
 
-def _print_rows(usages: list[inventory.NodeUsage | None]) -> bytes:
-    """The JSON array of each node's row, the nodes given by name: the rows are encoded
-    one by one, and joined as the encoder joins the items of an array (with a comma, no
-    space). Only the rows of usages not printed before are encoded; finding the others
-    is one lookup each."""
-    rows, kept = _ROWS, _ROWS_KEPT
-    if len(rows) > _ROWS_MAX:
-        rows.clear()
-        kept.clear()
-    parts: list[bytes | None] = list(map(rows.get, map(id, usages)))
-    if None in parts:
-        encode = _encoder.encode
+def _print_rows(names: tuple[str, ...], usages: list[inventory.NodeUsage | None]) -> bytes:
+    """The JSON array of each node's row, the nodes in name order (`names`, with their
+    `usages`): the rows are encoded one by one, and joined as the encoder joins the
+    items of an array (with a comma, no space). A row of the last print is used again
+    for the very same usage of the same node."""
+    last = _ROWS
+    if names is last[0] or names == last[0]:
+        parts: list[bytes] = last[2].copy()
+        changed = list(map(operator.is_not, usages, last[1]))
         i = -1
         while True:
             try:
-                i = parts.index(None, i + 1)
+                i = changed.index(True, i + 1)
             except ValueError:
                 break
-            u = usages[i]
-            assert u is not None  # Invariant: `names` are the inventory's own.
-            row = encode(
-                (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
-            )
-            parts[i] = rows[id(u)] = row
-            kept[id(u)] = u
-    return b"[" + b",".join(cast("list[bytes]", parts)) + b"]"
+            parts[i] = _row(usages[i])
+    else:
+        parts = [_row(u) for u in usages]
+    last[0], last[1], last[2] = names, usages, parts
+    return b"[" + b",".join(parts) + b"]"
+
+
+def _row(u: inventory.NodeUsage | None) -> bytes:
+    assert u is not None  # Invariant: a print's names are its inventory's own.
+    return _encoder.encode(
+        (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
+    )
 
 
 def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:

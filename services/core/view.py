@@ -532,12 +532,17 @@ class View:
         of those whose `live_of` is their `desired_of`, and each other one with its live
         and desired counts, after how many of the first it comes in rank order. What a
         pass reads of every model, in one loop rather than two calls per model (see
-        `_targets` for what is kept of the catalog)."""
+        `_targets` for what is kept of the catalog), or none at all when the counts it
+        reads are those it read last time (see `_OFF_TARGET`)."""
         live = self._live
         asked_of = self.state.desired
+        rows = _targets(self.catalog)
+        last = _OFF_TARGET
+        if rows is last[0] and live == last[1] and asked_of == last[2]:
+            return list(last[3]), list(last[4])
         on: list[str] = []
         off: list[tuple[int, catalog.Model, int, int]] = []
-        for m, name, lo, hi, names in _targets(self.catalog):
+        for m, name, lo, hi, names in rows:
             asked = asked_of.get(name)
             desired = lo if asked is None else (hi if asked > hi else lo if asked < lo else asked)
             n = live.get(name, 0) if names is None else sum([live.get(a, 0) for a in names])
@@ -545,7 +550,8 @@ class View:
                 on.append(name)
             else:
                 off.append((len(on), m, n, desired))
-        return on, off
+        last[:] = [rows, dict(live), dict(asked_of), on, off]
+        return list(on), list(off)
 
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
         """The hold keeping a model from taking room back, if one is still on (see
@@ -624,6 +630,15 @@ class View:
 # alone. So the tuple, kept here so that its id stays its own, names the rows exactly.
 # One entry: the view a scheduler reads (and its copies) has one catalog at a time.
 _TARGETS: list[Any] = [None, ()]
+
+
+# _OFF_TARGET: the last `View.off_target` and what it read: the catalog's rows (see
+# `_TARGETS`), a copy of the live counts by name and of the desired counts, and the
+# two lists it gave (copies are given out). What it gives follows from those three
+# alone, compared as they are (the counts are plain ints by name), so equal ones give
+# the same. One entry: comparing two dicts of a few dozen counts costs a fraction of
+# the loop, and most passes follow no change to either.
+_OFF_TARGET: list[Any] = [None, {}, {}, [], []]
 
 
 def _targets(

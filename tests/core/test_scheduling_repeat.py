@@ -29,7 +29,6 @@ def _memos() -> list[Any]:
         planner._DIGESTS,
         planner._LAST_PRINT,
         planner._ROWS,
-        planner._ROWS_KEPT,
     ]
 
 
@@ -51,8 +50,7 @@ def _forget() -> None:
     planner._MISSES.clear()
     planner._DIGESTS[:] = [b"", {}]
     planner._LAST_PRINT[:] = [-1, b""]
-    planner._ROWS.clear()
-    planner._ROWS_KEPT.clear()
+    planner._ROWS[:] = [(), [], []]
 
 
 def _plain(p: planner.Plan) -> tuple[object, ...]:

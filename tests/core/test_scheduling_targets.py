@@ -99,13 +99,16 @@ class Run:
 
 
 def test_off_target_splits_the_models_as_the_plain_counts_do() -> None:
-    for seed in range(8):
+    for seed in range(12):
         run = Run(seed)
         copies: list[View] = []
         for i in range(400):
             run.step()
             assert run.view.off_target() == _plain(run.view)
+            # Now and then a copy made earlier, or the view's latest copy: what is kept
+            # of the last call must hold for whichever view asks next.
             if i % 50 == 0:
                 copies.append(run.view.copy())
-            for c in copies:
-                assert c.off_target() == _plain(c)
+            if i % 7 == 0:
+                for c in copies:
+                    assert c.off_target() == _plain(c)
