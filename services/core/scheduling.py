@@ -24,7 +24,7 @@ import hashlib
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -263,11 +263,19 @@ def plan(
 def _lost_nodes(
     out: Plan, mk: _Maker, view: View, silent: Mapping[str, float], config: Config
 ) -> None:
-    """A `node.lost` for every node silent past the timeout and not yet lost."""
-    for node, secs in sorted(silent.items()):
-        rec = view.state.nodes.get(node)
-        if rec is None or rec.lost or secs < config.node_timeout_s:
-            continue
+    """A `node.lost` for every node silent past the timeout and not yet lost, by name."""
+    if not silent:
+        return
+    nodes, timeout = view.state.nodes, config.node_timeout_s
+    due = []
+    for node, secs in silent.items():
+        if not secs < timeout:  # (a NaN counts as past it, as it always did)
+            rec = nodes.get(node)
+            if rec is not None and not rec.lost:
+                due.append((node, secs, rec))
+    if len(due) > 1:
+        due.sort(key=operator.itemgetter(0))
+    for node, secs, rec in due:
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
@@ -280,7 +288,7 @@ def _other_names(
     view: View,
     now: datetime,
     config: Config,
-    late: Iterable[str],
+    late: Collection[str],
 ) -> tuple[dict[str, list[str]], set[str]]:
     """Per declared model, the names other than its own (its aliases) given by its
     current replicas or its recent timed-out placements (`late`: the names those give);
@@ -299,8 +307,11 @@ def _other_names(
     # A declared model's name resolves to that model (a name wins over an alias): only
     # the other names need resolving.
     declared = view.state.models.keys()
-    names = view.current_models() - declared
-    names.update([name for name in late if name not in declared])
+    current = view.current_models()
+    # Mostly every name a replica gives is declared: known without making a set.
+    names = set() if current <= declared else current - declared
+    if late:
+        names.update([name for name in late if name not in declared])
     for name in sorted(names):
         m = cat.resolve(name)
         if m is None:
