@@ -5,8 +5,9 @@ and by the benchmark on its own. Plain functions over a `View`, the time `now`, 
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
 changes the view: placements within a pass are tried on a clone of the inventory. What
 the module keeps between calls (placements that found nothing, by inventory version; each
-model's last one with its reasons and digest; the print of the cluster; failure digests)
-saves work, never changes an answer.
+model's last one with its reasons and digest; the print of the cluster and its rows;
+failure digests; the last config's horizon and periods), and what the view keeps of its
+last count of the models (`View.off_target`), saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
 off the node it failed on for a delay that doubles with each retry that failed again, up
