@@ -848,15 +848,25 @@ def _failure_digest(
     """The digest of what a failure was decided on and of the print of the cluster (or
     of the owner's usage) it was decided with."""
     decided = _encoder.encode([reason, model, names, avoid, live, desired, sorted(why.items())])
-    memo = _DIGESTS
-    if (printed is not memo[0] and printed != memo[0]) or len(memo[1]) >= _DIGESTS_MAX:
-        memo[0], memo[1] = printed, {}
-    digest: str | None = memo[1].get(decided)
+    memos = _DIGESTS
+    for i, memo in enumerate(memos):
+        if memo[0] is printed or memo[0] == printed:
+            if i:
+                memos.insert(0, memos.pop(i))
+            by: dict[bytes, str] = memo[1]
+            break
+    else:
+        by = {}
+        memos.insert(0, [printed, by])
+        del memos[_DIGESTS_PRINTS:]
+    if len(by) >= _DIGESTS_MAX:
+        by.clear()
+    digest = by.get(decided)
     if digest is None:
         # The hash of decided + printed, fed in two parts rather than joined first.
         h = hashlib.blake2b(decided, digest_size=16)
         h.update(printed)
-        digest = memo[1][decided] = h.hexdigest()
+        digest = by[decided] = h.hexdigest()
     return digest
 
 
@@ -972,13 +982,18 @@ _PERIODS: list[Any] = [None, ()]
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
-# _DIGESTS: the print of the cluster last hashed, and each failure's digest with it by
-# what the failure was decided on. A model that still does not fit is decided on the
-# same again, pass after pass, and hashing the print of a large cluster costs more than
-# finding it here.
-_DIGESTS: list[Any] = [b"", {}]
-# _DIGESTS_MAX bounds them for one print: a cluster that stays the same while a failure's
-# reasons keep changing (a backoff's "until" time) would add one every quiet period.
+# _DIGESTS: the prints of the cluster last hashed, the latest first, each with each
+# failure's digest with it by what the failure was decided on, as [print, digests]. A
+# model that still does not fit is decided on the same again, pass after pass, and
+# hashing the print of a large cluster costs more than finding it here; and a cluster
+# often comes back to a print it had a few prints before (a replica placed, then
+# failed and released), where the same failures are decided on again. Found by the
+# print itself (compared whole), so the digest is the one hashing would give.
+_DIGESTS: list[list[Any]] = []
+# _DIGESTS_PRINTS bounds the prints kept, _DIGESTS_MAX the digests for one print: a
+# cluster that stays the same while a failure's reasons keep changing (a backoff's
+# "until" time) would add one every quiet period.
+_DIGESTS_PRINTS = 8
 _DIGESTS_MAX = 4096
 
 

@@ -53,7 +53,7 @@ def _restore(saved: list[Any]) -> None:
 def _forget() -> None:
     planner._NO_FITS.clear()
     planner._MISSES.clear()
-    planner._DIGESTS[:] = [b"", {}]
+    planner._DIGESTS[:] = []
     planner._LAST_PRINT[:] = [-1, b""]
     planner._ROWS[:] = [(), [], []]
     planner._HORIZON[:] = [None, 0.0]
