@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime, timedelta
 from typing import Any
@@ -447,8 +448,8 @@ class View:
     def pending_placed(self) -> list[ReplicaRecord]:
         """The placed replicas still pending and not asked to stop, in the order they
         were created: the ones a pass may find past its start timeout."""
-        order = self._ordinal
-        return sorted(self._pending.values(), key=lambda r: order[r.id])
+        pending = self._pending  # by replica id
+        return [pending[rid] for rid in sorted(pending, key=self._ordinal.__getitem__)]
 
     def ordinal(self, replica: str) -> int:
         """Where a replica comes in the order replicas were created (the order of
@@ -474,7 +475,7 @@ class View:
         order they were created."""
         i = bisect.bisect_left(index, (since, -1, ""))
         reps = self.state.replicas
-        return [reps[rid] for _, _, rid in sorted(index[i:], key=lambda k: k[1])]
+        return [reps[rid] for _, _, rid in sorted(index[i:], key=operator.itemgetter(1))]
 
     def load_times(self) -> dict[str, list[float]]:
         """Per model, each replica's seconds from placement to its first ready (read
