@@ -5,8 +5,9 @@ and by the benchmark on its own. Plain functions over a `View`, the time `now`, 
 the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock. It never
 changes the view: placements within a pass are tried on a clone of the inventory. What
 the module keeps between calls (placements that found nothing, by inventory version; each
-model's last one with its reasons and digest; the print of the cluster; failure digests)
-saves work, never changes an answer.
+model's last one with its reasons and digest; the print of the cluster and its rows;
+failure digests; the last config's horizon and periods), and what the view keeps of its
+last count of the models (`View.off_target`), saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
 off the node it failed on for a delay that doubles with each retry that failed again, up
@@ -24,7 +25,7 @@ import hashlib
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -144,10 +145,11 @@ class Failure:
         return Failure("", self.at)
 
 
-@dataclass(frozen=True, slots=True)
-class Output:
+class Output(msgspec.Struct, frozen=True, gc=False):
     """One event to publish, the node whose command subject it goes on (commands only),
-    and the model whose failure memory it updates (placement.failed only)."""
+    and the model whose failure memory it updates (placement.failed only). A struct
+    rather than a frozen dataclass: a pass makes one per event, and it is made in a
+    fraction of the time."""
 
     event: ev.Event
     node: str | None = None
@@ -162,7 +164,8 @@ class Plan:
     drained: int = 0
     lost: int = 0
     satisfied: list[str] = field(default_factory=list)
-    """Models placed in full this pass, whose failure memory can be forgotten."""
+    """Models with all they want this pass (those that had it, those it placed in full),
+    in rank order, whose failure memory can be forgotten."""
 
 
 # ------------------------------------------------------------------ ids
@@ -232,30 +235,48 @@ def plan(
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
     pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late)
-    satisfied = out.satisfied
-    desired_of, live_of = view.desired_of, view.live_of
-    for m in view.catalog.by_rank():
+    # Most models have what they want: the loop over the catalog gives their names apart,
+    # and only the others are reconciled. `satisfied` is in rank order: the models placed
+    # in full (which reconcile adds, in rank order) go back among the others.
+    on, off = view.off_target()
+    for _, m, n_live, desired in off:
         name = m.name
         if name in timed_out:
             continue
-        desired = desired_of(m)
-        n_live = live_of(m)
         aliases = others.get(name) if others else None
-        if n_live == desired:
-            satisfied.append(name)
-        else:
-            pass_.reconcile(m, [name, *aliases] if aliases else (name,), n_live, desired)
+        pass_.reconcile(m, [name, *aliases] if aliases else (name,), n_live, desired)
+    full = out.satisfied
+    if full:
+        at = {m.name: pos for pos, m, _, _ in off}
+        merged: list[str] = []
+        done = 0
+        for name in full:
+            pos = at[name]
+            merged += on[done:pos]
+            merged.append(name)
+            done = pos
+        merged += on[done:]
+        on = merged
+    out.satisfied = [name for name in on if name not in timed_out] if timed_out else on
     return out
 
 
 def _lost_nodes(
     out: Plan, mk: _Maker, view: View, silent: Mapping[str, float], config: Config
 ) -> None:
-    """A `node.lost` for every node silent past the timeout and not yet lost."""
-    for node, secs in sorted(silent.items()):
-        rec = view.state.nodes.get(node)
-        if rec is None or rec.lost or secs < config.node_timeout_s:
-            continue
+    """A `node.lost` for every node silent past the timeout and not yet lost, by name."""
+    if not silent:
+        return
+    nodes, timeout = view.state.nodes, config.node_timeout_s
+    due = []
+    for node, secs in silent.items():
+        if not secs < timeout:  # (a NaN counts as past it, as it always did)
+            rec = nodes.get(node)
+            if rec is not None and not rec.lost:
+                due.append((node, secs, rec))
+    if len(due) > 1:
+        due.sort(key=operator.itemgetter(0))
+    for node, secs, rec in due:
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
         lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
@@ -268,7 +289,7 @@ def _other_names(
     view: View,
     now: datetime,
     config: Config,
-    late: Iterable[str],
+    late: Collection[str],
 ) -> tuple[dict[str, list[str]], set[str]]:
     """Per declared model, the names other than its own (its aliases) given by its
     current replicas or its recent timed-out placements (`late`: the names those give);
@@ -286,7 +307,13 @@ def _other_names(
     cat = view.catalog
     # A declared model's name resolves to that model (a name wins over an alias): only
     # the other names need resolving.
-    for name in sorted((view.current_models() | late) - view.state.models.keys()):
+    declared = view.state.models.keys()
+    current = view.current_models()
+    # Mostly every name a replica gives is declared: known without making a set.
+    names = set() if current <= declared else current - declared
+    if late:
+        names.update([name for name in late if name not in declared])
+    for name in sorted(names):
         m = cat.resolve(name)
         if m is None:
             for r in view.current_of(name):  # each holds capacity
@@ -336,7 +363,20 @@ def start_delay_s(rounds: int, config: Config) -> float:
 
 def _horizon_s(config: Config) -> float:
     """How far back a failed start can still count: far enough for the longest run of
-    failed rounds that the delay stops growing at, each at most two caps apart."""
+    failed rounds that the delay stops growing at, each at most two caps apart. Worked
+    out once per config (`_HORIZON`: the last config, kept, and its horizon; a config
+    is frozen, so the same object has the same horizon)."""
+    last = _HORIZON
+    if last[0] is not config:
+        last[0], last[1] = config, _horizon_of(config)
+    horizon: float = last[1]
+    return horizon
+
+
+_HORIZON: list[Any] = [None, 0.0]
+
+
+def _horizon_of(config: Config) -> float:
     ratio = config.start_backoff_max_s / config.start_backoff_s
     if not math.isfinite(ratio):
         return math.inf  # a cap of inf: every failed start counts
@@ -776,7 +816,8 @@ def _fail(
     digest = digest_of()
     repeats = 0
     if last is not None and last.digest == digest:
-        if since < failed_period_s(last.repeats, config):
+        r = last.repeats
+        if since < (_periods(config)[r] if 0 <= r < 63 else failed_period_s(r, config)):
             return
         repeats = last.repeats + 1
     data = ev.PlacementFailed(
@@ -807,12 +848,25 @@ def _failure_digest(
     """The digest of what a failure was decided on and of the print of the cluster (or
     of the owner's usage) it was decided with."""
     decided = _encoder.encode([reason, model, names, avoid, live, desired, sorted(why.items())])
-    memo = _DIGESTS
-    if (printed is not memo[0] and printed != memo[0]) or len(memo[1]) >= _DIGESTS_MAX:
-        memo[0], memo[1] = printed, {}
-    digest: str | None = memo[1].get(decided)
+    memos = _DIGESTS
+    for i, memo in enumerate(memos):
+        if memo[0] is printed or memo[0] == printed:
+            if i:
+                memos.insert(0, memos.pop(i))
+            by: dict[bytes, str] = memo[1]
+            break
+    else:
+        by = {}
+        memos.insert(0, [printed, by])
+        del memos[_DIGESTS_PRINTS:]
+    if len(by) >= _DIGESTS_MAX:
+        by.clear()
+    digest = by.get(decided)
     if digest is None:
-        digest = memo[1][decided] = hashlib.blake2b(decided + printed, digest_size=16).hexdigest()
+        # The hash of decided + printed, fed in two parts rather than joined first.
+        h = hashlib.blake2b(decided, digest_size=16)
+        h.update(printed)
+        digest = by[decided] = h.hexdigest()
     return digest
 
 
@@ -912,24 +966,45 @@ def failed_period_s(repeats: int, config: Config) -> float:
     return min(config.failed_backoff_s * 2.0 ** min(repeats, 62), config.failed_backoff_max_s)
 
 
+def _periods(config: Config) -> tuple[float, ...]:
+    """`failed_period_s` for 0 to 62 repeats, by repeats: worked out once per config
+    (`_PERIODS`: the last config, kept, and its periods; a config is frozen, so the
+    same object has the same periods)."""
+    last = _PERIODS
+    if last[0] is not config:
+        last[0], last[1] = config, tuple([failed_period_s(r, config) for r in range(63)])
+    periods: tuple[float, ...] = last[1]
+    return periods
+
+
+_PERIODS: list[Any] = [None, ()]
+
+
 _encoder = msgspec.json.Encoder(order="sorted")
 
-# _DIGESTS: the print of the cluster last hashed, and each failure's digest with it by
-# what the failure was decided on. A model that still does not fit is decided on the
-# same again, pass after pass, and hashing the print of a large cluster costs more than
-# finding it here.
-_DIGESTS: list[Any] = [b"", {}]
-# _DIGESTS_MAX bounds them for one print: a cluster that stays the same while a failure's
-# reasons keep changing (a backoff's "until" time) would add one every quiet period.
+# _DIGESTS: the prints of the cluster last hashed, the latest first, each with each
+# failure's digest with it by what the failure was decided on, as [print, digests]. A
+# model that still does not fit is decided on the same again, pass after pass, and
+# hashing the print of a large cluster costs more than finding it here; and a cluster
+# often comes back to a print it had a few prints before (a replica placed, then
+# failed and released), where the same failures are decided on again. Found by the
+# print itself (compared whole), so the digest is the one hashing would give.
+_DIGESTS: list[list[Any]] = []
+# _DIGESTS_PRINTS bounds the prints kept, _DIGESTS_MAX the digests for one print: a
+# cluster that stays the same while a failure's reasons keep changing (a backoff's
+# "until" time) would add one every quiet period.
+_DIGESTS_PRINTS = 8
 _DIGESTS_MAX = 4096
 
 
-# _ROWS: each node usage's row of `_inventory_print` (its node's name, and the row as
-# JSON), by the usage's id, with the usage itself kept so that the id stays its own. A
-# usage is replaced, never changed, so its row never changes; a pass reprints a cluster
-# where few nodes changed since the last.
-_ROWS: dict[int, tuple[inventory.NodeUsage, tuple[str, bytes]]] = {}
-_ROWS_MAX = 65536
+# _ROWS: the last print's node names (the inventory's sorted `names`), the usage of each
+# and its row of `_inventory_print` (the row as JSON), in the same order. A usage is
+# replaced, never changed, so its row never changes, and the list keeps each usage it
+# names alive, so that no other object can be taken for it. A pass reprints a cluster
+# where few nodes changed since the last: telling which takes one identity check a
+# node, and only their rows are encoded again. One entry: the inventory of a pass and
+# the copies it cordons nodes in differ in a few usages.
+_ROWS: list[Any] = [(), [], []]
 
 
 # _LAST_PRINT: the inventory version last printed and its print. Failing models of one
@@ -942,39 +1017,40 @@ def _inventory_print(inv: inventory.Inventory) -> bytes:
     last = _LAST_PRINT
     if inv.version == last[0]:
         return bytes(last[1])
-    printed = _print_rows(tuple(inv.usages()))
+    names = inv.names()
+    usages = list(map(inv.usage, names))
+    printed = _print_rows(names, usages)
     last[0], last[1] = inv.version, printed
     return printed
 
 
-def _print_rows(usages: tuple[inventory.NodeUsage, ...]) -> bytes:
-    """The JSON array of each node's row, by node name: the rows are encoded one by one,
-    and joined as the encoder joins the items of an array (with a comma, no space)."""
-    rows = _ROWS
-    if len(rows) > _ROWS_MAX:
-        rows.clear()
-    out = []
-    encode = _encoder.encode
-    for u in usages:
-        got = rows.get(id(u))
-        if got is None or got[0] is not u:
-            name = u.node.name
-            row = (
-                name,
-                encode(
-                    (name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
-                ),
-            )
-            rows[id(u)] = (u, row)
-        else:
-            row = got[1]
-        out.append(row)
-    out.sort(key=_row_name)
-    return b"[" + b",".join([r[1] for r in out]) + b"]"
+def _print_rows(names: tuple[str, ...], usages: list[inventory.NodeUsage | None]) -> bytes:
+    """The JSON array of each node's row, the nodes in name order (`names`, with their
+    `usages`): the rows are encoded one by one, and joined as the encoder joins the
+    items of an array (with a comma, no space). A row of the last print is used again
+    for the very same usage of the same node."""
+    last = _ROWS
+    if names is last[0] or names == last[0]:
+        parts: list[bytes] = last[2].copy()
+        changed = list(map(operator.is_not, usages, last[1]))
+        i = -1
+        while True:
+            try:
+                i = changed.index(True, i + 1)
+            except ValueError:
+                break
+            parts[i] = _row(usages[i])
+    else:
+        parts = [_row(u) for u in usages]
+    last[0], last[1], last[2] = names, usages, parts
+    return b"[" + b",".join(parts) + b"]"
 
 
-def _row_name(row: tuple[str, bytes]) -> str:
-    return row[0]
+def _row(u: inventory.NodeUsage | None) -> bytes:
+    assert u is not None  # Invariant: a print's names are its inventory's own.
+    return _encoder.encode(
+        (u.node.name, u.free, u.schedulable, round(u.free_cpu, 3), round(u.free_memory, 3))
+    )
 
 
 def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:

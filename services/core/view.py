@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime, timedelta
 from typing import Any
@@ -447,8 +448,8 @@ class View:
     def pending_placed(self) -> list[ReplicaRecord]:
         """The placed replicas still pending and not asked to stop, in the order they
         were created: the ones a pass may find past its start timeout."""
-        order = self._ordinal
-        return sorted(self._pending.values(), key=lambda r: order[r.id])
+        pending = self._pending  # by replica id
+        return [pending[rid] for rid in sorted(pending, key=self._ordinal.__getitem__)]
 
     def ordinal(self, replica: str) -> int:
         """Where a replica comes in the order replicas were created (the order of
@@ -474,7 +475,7 @@ class View:
         order they were created."""
         i = bisect.bisect_left(index, (since, -1, ""))
         reps = self.state.replicas
-        return [reps[rid] for _, _, rid in sorted(index[i:], key=lambda k: k[1])]
+        return [reps[rid] for _, _, rid in sorted(index[i:], key=operator.itemgetter(1))]
 
     def load_times(self) -> dict[str, list[float]]:
         """Per model, each replica's seconds from placement to its first ready (read
@@ -526,6 +527,32 @@ class View:
         if asked is None:
             return m.min
         return min(max(asked, m.min), m.max)
+
+    def off_target(self) -> tuple[list[str], list[tuple[int, catalog.Model, int, int]]]:
+        """The declared models in rank order (`Catalog.by_rank`), split in two: the names
+        of those whose `live_of` is their `desired_of`, and each other one with its live
+        and desired counts, after how many of the first it comes in rank order. What a
+        pass reads of every model, in one loop rather than two calls per model (see
+        `_targets` for what is kept of the catalog), or none at all when the counts it
+        reads are those it read last time (see `_OFF_TARGET`)."""
+        live = self._live
+        asked_of = self.state.desired
+        rows = _targets(self.catalog)
+        last = _OFF_TARGET
+        if rows is last[0] and live == last[1] and asked_of == last[2]:
+            return list(last[3]), list(last[4])
+        on: list[str] = []
+        off: list[tuple[int, catalog.Model, int, int]] = []
+        for m, name, lo, hi, names in rows:
+            asked = asked_of.get(name)
+            desired = lo if asked is None else (hi if asked > hi else lo if asked < lo else asked)
+            n = live.get(name, 0) if names is None else sum([live.get(a, 0) for a in names])
+            if n == desired:
+                on.append(name)
+            else:
+                off.append((len(on), m, n, desired))
+        last[:] = [rows, dict(live), dict(asked_of), on, off]
+        return list(on), list(off)
 
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
         """The hold keeping a model from taking room back, if one is still on (see
@@ -594,6 +621,39 @@ class View:
     def copy(self) -> View:
         """An independent copy (through the snapshot encoding)."""
         return View(decode_state(encode_state(self.state)))
+
+
+# _TARGETS: for the catalog whose `by_rank` tuple it holds, each model's row as
+# `View.off_target` reads it: the model, its name, min and max, and the names that
+# resolve to it when it has more than its own (else None). A catalog makes a new tuple
+# whenever a model is declared or removed, and a copy shares it only while it declares
+# the same models; which names resolve to a model follows from the declared models
+# alone. So the tuple, kept here so that its id stays its own, names the rows exactly.
+# One entry: the view a scheduler reads (and its copies) has one catalog at a time.
+_TARGETS: list[Any] = [None, ()]
+
+
+# _OFF_TARGET: the last `View.off_target` and what it read: the catalog's rows (see
+# `_TARGETS`), a copy of the live counts by name and of the desired counts, and the
+# two lists it gave (copies are given out). What it gives follows from those three
+# alone, compared as they are (the counts are plain ints by name), so equal ones give
+# the same. One entry: comparing two dicts of a few dozen counts costs a fraction of
+# the loop, and most passes follow no change to either.
+_OFF_TARGET: list[Any] = [None, {}, {}, [], []]
+
+
+def _targets(
+    cat: catalog.Catalog,
+) -> tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...]:
+    ranked = cat.by_rank()
+    if ranked is not _TARGETS[0]:
+        rows = []
+        for m in ranked:
+            names = cat.names_of(m) if m.aliases else (m.name,)
+            rows.append((m, m.name, m.min, m.max, names if len(names) > 1 else None))
+        _TARGETS[0], _TARGETS[1] = ranked, tuple(rows)
+    rows_: tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...] = _TARGETS[1]
+    return rows_
 
 
 def _move(

@@ -143,3 +143,26 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
         )
         failure = out.outputs[0].failure
         assert failure is not None and failure[1].digest == plain
+
+
+def test_a_digest_found_among_earlier_prints_is_the_hash_of_what_it_was_decided_on() -> None:
+    """Prints come back after others (more of them than are kept, too), equal but not the
+    same object, and the same failures are decided on again with them: every digest is
+    the hash of the failure and the print it is asked with."""
+    rng = random.Random(9)
+    prints = [f"[print {i}]".encode() * rng.randint(1, 50) for i in range(20)]
+    for _ in range(4000):
+        printed = bytes(bytearray(rng.choice(prints)))
+        model = rng.choice(("a", "b", "c"))
+        live, desired = rng.randint(0, 2), rng.randint(1, 3)
+        why = {"p": rng.choice(("no node", "short of CPU"))}
+        plain = hashlib.blake2b(
+            scheduling._encoder.encode(
+                ["no_fit", model, ("p",), (), live, desired, sorted(why.items())]
+            )
+            + printed,
+            digest_size=16,
+        ).hexdigest()
+        got = scheduling._failure_digest("no_fit", model, ("p",), (), live, desired, why, printed)
+        assert got == plain
+    assert len(scheduling._DIGESTS) <= scheduling._DIGESTS_PRINTS

@@ -56,3 +56,51 @@ def test_the_print_reused_is_the_print_worked_out() -> None:
             inv.set_cordoned(node, rng.random() < 0.5)
         assert scheduling._inventory_print(inv) == _fresh(inv)
         assert scheduling._inventory_print(inv) == _fresh(inv)
+
+
+def test_the_print_reused_across_inventories_and_node_sets_is_the_print_worked_out() -> None:
+    """Prints alternate between an inventory and copies of it that differ in a few nodes
+    (as a pass and the copies it cordons nodes in do), and nodes come and go: each print
+    is the one worked out afresh, whatever was printed just before."""
+    rng = random.Random(11)
+    inv = Inventory([_node(f"n{i:02d}") for i in range(10)])
+    copies: list[Inventory] = [inv]
+    n = 0
+    for _ in range(600):
+        base = rng.choice(copies)
+        roll = rng.random()
+        if roll < 0.1:
+            base.set_node(_node(f"n{rng.randrange(14):02d}"))
+        elif roll < 0.15 and len(base) > 1:
+            base.remove_node(rng.choice(base.names()))
+        elif roll < 0.3:
+            c = base.clone()
+            c.set_cordoned(rng.choice(c.names()), True)
+            copies = [*copies[-3:], c]
+        else:
+            node = rng.choice(base.names())
+            free = base.free_gpus(node)
+            if free:
+                n += 1
+                base.allocate(
+                    Allocation(
+                        replica=f"r{n}",
+                        shards=(Shard(node=node, gpus=(free[0],)),),
+                        cpu_cores=1.0,
+                        memory_gb=2.0,
+                    )
+                )
+        for c in rng.sample(copies, len(copies)):
+            assert scheduling._inventory_print(c) == _fresh(c)
+
+
+def test_the_periods_kept_are_the_periods_worked_out() -> None:
+    for config in (
+        scheduling.Config(),
+        scheduling.Config(failed_backoff_s=0.7, failed_backoff_max_s=1e300),
+        scheduling.Config(failed_backoff_s=3.0, failed_backoff_max_s=5.0),
+    ):
+        periods = scheduling._periods(config)
+        assert len(periods) == 63
+        for r in range(63):
+            assert periods[r] == scheduling.failed_period_s(r, config)

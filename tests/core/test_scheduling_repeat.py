@@ -15,6 +15,7 @@ import pytest
 from schemas import events as ev
 from services.core import fold
 from services.core import scheduling as planner
+from services.core import view as view_module
 from services.core.view import View
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,6 +30,10 @@ def _memos() -> list[Any]:
         planner._DIGESTS,
         planner._LAST_PRINT,
         planner._ROWS,
+        planner._HORIZON,
+        planner._PERIODS,
+        view_module._TARGETS,
+        view_module._OFF_TARGET,
     ]
 
 
@@ -48,9 +53,13 @@ def _restore(saved: list[Any]) -> None:
 def _forget() -> None:
     planner._NO_FITS.clear()
     planner._MISSES.clear()
-    planner._DIGESTS[:] = [b"", {}]
+    planner._DIGESTS[:] = []
     planner._LAST_PRINT[:] = [-1, b""]
-    planner._ROWS.clear()
+    planner._ROWS[:] = [(), [], []]
+    planner._HORIZON[:] = [None, 0.0]
+    planner._PERIODS[:] = [None, ()]
+    view_module._TARGETS[:] = [None, ()]
+    view_module._OFF_TARGET[:] = [None, {}, {}, [], []]
 
 
 def _plain(p: planner.Plan) -> tuple[object, ...]:
