@@ -137,12 +137,9 @@ class Ingest:
     `verdict` is the last message's outcome: its `Rejection`, its `Dead` record, or None
     when folded. With `keep_about`, `keys` is what the last event was `about`, found
     before it was folded (a subscriber's keys; off for the projector, which pays per event).
-    With `marks` off, `touched` gets no keys (its nodes, replicas, models and the rest stay
-    empty; its decisions, rejections, dead letters and count are kept): for a caller that
-    writes no rows, such as the simulator, which folds every event it makes.
     """
 
-    __slots__ = ("keep_about", "keys", "marks", "root", "strict", "touched", "verdict", "view")
+    __slots__ = ("keep_about", "keys", "root", "strict", "touched", "verdict", "view")
 
     def __init__(
         self,
@@ -151,13 +148,11 @@ class Ingest:
         strict: bool = True,
         *,
         keep_about: bool = False,
-        marks: bool = True,
     ) -> None:
         self.view = view if view is not None else View()
         self.root = root
         self.strict = strict
         self.keep_about = keep_about
-        self.marks = marks
         self.touched = Touched()
         self.verdict: Rejection | Dead | None = None
         self.keys: set[Key] = set()
@@ -188,24 +183,19 @@ class Ingest:
 
     def event(self, seq: int, subject: str | None, e: ev.Envelope) -> Rejection | None:
         """Fold an event already decoded and checked (`decode_checked`), marking what it
-        changed (with `marks`); returns its rejection, or None when applied."""
+        changed; returns its rejection, or None when applied."""
         view = self.view
         t = self.touched
         t.count += 1
         rule = RULES.get(type(e))
         if self.keep_about:
             self.keys = about(view, e, subject or "")
-        if not self.marks:
-            rej = fold.apply_rule(view, rule, e, seq, subject)
-            if rej is not None:
-                t.rejections.append(rej)
+        before = rule.before(view, e) if rule is not None and rule.before is not None else None
+        rej = fold.apply_rule(view, rule, e, seq, subject)
+        if rej is None:
+            rule.touch(view, e, t, before)  # type: ignore[union-attr]
         else:
-            before = rule.before(view, e) if rule is not None and rule.before is not None else None
-            rej = fold.apply_rule(view, rule, e, seq, subject)
-            if rej is None:
-                rule.touch(view, e, t, before)  # type: ignore[union-attr]
-            else:
-                t.rejections.append(rej)
+            t.rejections.append(rej)
         if rule is not None and rule.decision:
             decs = view.state.decisions
             if decs:

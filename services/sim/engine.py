@@ -204,8 +204,7 @@ class Engine:
         """Bundle lines (without their newlines) not yet written to `out`."""
         self.oracle_limit = oracle_limit
         self.check_bodies = check_bodies
-        # No keys marked in `touched`: the engine stores no rows (see `Ingest`).
-        self.ingest = Ingest(View(), ROOT, marks=False)
+        self.ingest = Ingest(View(), ROOT)
         self.view = self.ingest.view
         self.m = Metrics()
         self.models: dict[str, ModelSpec] = {m.name: m for m in scenario.models}
