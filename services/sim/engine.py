@@ -201,7 +201,7 @@ class Engine:
         self.scfg = scheduler_config or scheduling.Config()
         self.out = out
         self._lines: list[bytes] = []
-        """Bundle lines (each followed by its newline) not yet written to `out`."""
+        """Bundle lines (without their newlines) not yet written to `out`."""
         self.oracle_limit = oracle_limit
         self.check_bodies = check_bodies
         self.ingest = Ingest(View(), ROOT)
@@ -601,8 +601,7 @@ class Engine:
         if self.out is not None:
             lines = self._lines
             lines.append(bundle.event_line(seq, subject, body))
-            lines.append(b"\n")
-            if len(lines) >= 2 * WRITE_LINES:
+            if len(lines) >= WRITE_LINES:
                 self.flush()
         if not as_made:
             ingest.raw(seq, subject, body)
@@ -626,7 +625,8 @@ class Engine:
     def flush(self) -> None:
         """Write the bundle lines held (`WRITE_LINES`) to `out`, in one piece."""
         if self.out is not None and self._lines:
-            self.out.write(b"".join(self._lines))
+            self._lines.append(b"")  # the last line's newline
+            self.out.write(b"\n".join(self._lines))
             self._lines.clear()
 
     def _observe(self, e: ev.Event, node: str | None) -> None:
@@ -839,14 +839,17 @@ class Engine:
             rid = next(iter(ready)) if one else min(ready, key=used_at.__getitem__)
             if t - used_at[rid] >= USED_EVERY_S:
                 used_at[rid] = t
+                # `publish` written out: the envelope made as `ev.make` makes it.
                 agent = self._agents[rid]
-                self.publish(
-                    ev.ReplicaUsed(replica=rid, at=self.now),
-                    agent.source,
-                    agent.node,
-                    agent.subject,
-                    as_made=True,
+                self._ids += 1
+                now = self.now
+                e = ev.ReplicaUsedEvent(
+                    id="sim-" + str(self._ids).zfill(9),
+                    time=now,
+                    source=agent.source,
+                    data=ev.ReplicaUsed(replica=rid, at=now),
                 )
+                self._store(e, agent.node, agent.subject, True)
         else:
             self.m.requests_unserved += 1
         if self._desired[model] < a.replicas:

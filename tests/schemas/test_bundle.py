@@ -105,6 +105,19 @@ def test_an_encoded_event_s_line_is_the_line_of_its_body(event: events.Event, se
     assert bundle.event_line(seq, 'llmgw.a\\b"c', body) == bundle.line(seq, 'llmgw.a\\b"c', body)
 
 
+@settings(max_examples=200, deadline=None)
+@given(subjects=st.lists(st.text(max_size=12), min_size=1, max_size=8), seq=st.integers(1, 99))
+def test_event_line_keeps_each_subject_s_json_apart(subjects: list[str], seq: int) -> None:
+    # The subject's JSON is kept per subject: a subject seen before, or another one, or
+    # the kept ones begun again, writes what line writes.
+    body = b'{"type":"quota.set","id":"x"}'
+    for subject in [*subjects, *reversed(subjects)]:
+        for b in (body, b"{}"):
+            assert bundle.event_line(seq, subject, b) == bundle.line(seq, subject, b)
+    bundle._SUBJECT_JSON.clear()
+    assert bundle.event_line(seq, subjects[0], body) == bundle.line(seq, subjects[0], body)
+
+
 def test_lines_from_other_writers_are_read() -> None:
     recs = _read(
         b'{"subject": "llmgw.catalog.quota", "seq": 1, "type": "quota.set"}\n'
