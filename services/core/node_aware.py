@@ -195,9 +195,14 @@ def search(
             # the most GPUs any max_victims of its candidates free. On a full cluster
             # it passes over most nodes for a large model.
             at = by_node[name]
-            freed = sorted([cands[i].gpus for i in at], reverse=True)
-            if len(usage.free) + sum(freed[:max_victims]) < least:
-                continue
+            free = len(usage.free)
+            if free < least:
+                if len(at) <= max_victims:
+                    most = sum([cands[i].gpus for i in at])
+                else:
+                    most = sum(sorted([cands[i].gpus for i in at], reverse=True)[:max_victims])
+                if free + most < least:
+                    continue
             nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})
