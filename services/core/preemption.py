@@ -514,11 +514,13 @@ _Excluded = dict[str, tuple[str, str, str]]
 # A candidate behind its order key (see `_Weighing.ranked`).
 _Ranked = tuple[int, float, tuple[int, float], str, Candidate]
 
-# KEPT bounds the weighings the policy keeps per view (`_kept`): one per model it was
-# last asked about, with the two flags that change the tier rules. A full cluster asks
-# about the few models that do not fit, again and again; past this many the least
-# recently asked about go. Each holds an entry per replica holding capacity: about
-# 0.9 MB on a cluster of 4,000 replicas none of which was ever used (bench_policy's).
+# KEPT bounds the weighings the policy keeps per view (`_kept`): one per kind of model it
+# was last asked about (`_alike`: class, owner, the two flags that change the tier rules,
+# the two settings). A full cluster asks about the few models that do not fit, again
+# and again; past this many kinds the least recently asked about go. Each holds an
+# entry per replica holding capacity: about 0.9 MB on a cluster of 4,000 replicas none
+# of which was ever used (bench_policy's). Besides, `_own` keeps one block per model
+# name, its replicas as same_model exclusions.
 KEPT = 32
 
 
@@ -646,9 +648,10 @@ _place = operator.itemgetter(0, 1)
 class _Kept:
     """What the policy keeps on a view for the models alike in class and owner, under
     the same flags and settings (`_kept`, `_alike`): the latest block of every model
-    holding capacity that did not read the time, but the last one asked about, the
-    candidates and exclusions of all those blocks in their orders, and what `_peer`
-    worked out (which reads only what `_alike` names and the quota tree)."""
+    holding capacity that did not read the time (a model's own replicas weighed as any
+    other's, as the others alike weigh them), the candidates and exclusions of all those
+    blocks in their orders, and what `_peer` worked out (which reads only what `_alike`
+    names and the quota tree)."""
 
     __slots__ = ("blocks", "excluded", "peers", "ranked", "result", "tree")
 
@@ -696,8 +699,7 @@ def _diff(
 ) -> None:
     """Between a model's old and new entries (each a key whose part before last is the
     replica id): those to take out of a kept list into `out`, those to put in into
-    `into`. An equal entry stays. Neither list is changed: blocks are shared between
-    the models weighed alike (`_shared`)."""
+    `into`. An equal entry stays; neither list is changed."""
     olds = {k[-2]: k for k in old}
     for k in new:
         o = olds.pop(k[-2], None)
@@ -737,23 +739,20 @@ def _kept(view: View, alike: tuple[object, ...]) -> _Kept:
     return kept
 
 
-# SHARED bounds the blocks `_shared` keeps on a view: the latest of each model's replicas
-# for each way of weighing them.
-SHARED = 4096
+# OWN bounds the blocks `_own` keeps on a view: one per model name asked about.
+OWN = 4096
 
 
-def _shared(view: View) -> dict[tuple[object, ...], _Block]:
-    """The blocks weighed so far, by the model whose replicas they weigh and what they
-    read of the model weighed for (`_alike`; None for a model's own replicas, all
-    same_model). The models alike share their kept lists (`_kept`), but for the last
-    one asked about, whose own block is left out of them: when the next one asks, the
-    block comes back from here rather than being weighed again. Kept with the quota
-    tree they were weighed under; a block is used only while it `holds`."""
-    got: tuple[quota.QuotaTree, dict[tuple[object, ...], _Block]] | None
-    got = view.memo.get("blocks")
-    if got is None or got[0] is not view.quota or len(got[1]) >= SHARED:
-        got = view.memo["blocks"] = (view.quota, {})
-    return got[1]
+def _own(view: View) -> dict[str, _Block]:
+    """Per model name, the block of its replicas weighed for the model the name resolves
+    to: every one a same_model exclusion. Kept apart from the lists the models alike
+    share (`_Kept`), where those replicas are weighed as any other's: a call leaves those
+    out and puts these in. It reads neither the time nor the quota tree; a block is used
+    only while it `holds`."""
+    got: dict[str, _Block] | None = view.memo.get("own")
+    if got is None or len(got) >= OWN:
+        got = view.memo["own"] = {}
+    return got
 
 
 def _candidates(
@@ -773,18 +772,17 @@ def _candidates(
     load, then the same within m's class, then lower classes' minimums; within each, the
     longest unused first.
 
-    Weighed model by model into blocks kept on the view for the next call about m
-    (`_Block`, `_Kept`): on a full cluster the same few models are reported again and
-    again as the cluster changes, and between two calls most models' replicas have not
-    changed at all. Only the blocks of models that changed are weighed again, and only
-    their entries move in the two ordered lists. What is kept is shared by all the
-    models alike (`_alike`: of one class and owner, under the same flags and settings),
-    which weigh the replicas of the rest alike: a full cluster asks about dozens of
-    models, a few kinds of them. Each model's own replicas are excluded as same_model
-    for the call, not kept in the lists the others share. A block that read the time (a replica
-    used, so its idle time counts, or ready only lately, so its age may) or the quota
-    usage of the moment (a replica under a guarantee, borrowed or not) is weighed again
-    on every call.
+    Weighed model by model into blocks kept on the view for the next call about a model
+    alike (`_Block`, `_Kept`, `_alike`: of one class and owner, under the same flags and
+    settings, which weigh the replicas of the rest alike): on a full cluster dozens of
+    models of a few kinds are reported again and again as the cluster changes, and
+    between two calls most models' replicas have not changed at all. Only the blocks of
+    models that changed are weighed again, and only their entries move in the two
+    ordered lists. m's own replicas are kept there as any other's; the call leaves them
+    out and puts them in as same_model exclusions (`_own`). A block that read the time
+    (a replica used, so its idle time counts, or ready only lately, so its age may) or
+    the quota usage of the moment (a replica under a guarantee, borrowed or not) is
+    weighed again on every call.
     """
     alike = _alike(m, cfg, reclaim, below_min)
     kept = _kept(view, alike)
@@ -794,7 +792,7 @@ def _candidates(
     resolve = view.catalog.resolve
     version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
-    shared = _shared(view)
+    owns = _own(view)
     # m's own replicas (under its name or an alias) are kept as those of any other model,
     # for the next model alike; for this call they are taken out (`without`) and put in
     # again as same_model exclusions (`own`).
@@ -806,19 +804,13 @@ def _candidates(
         other = resolve(model)
         mine = other is m
         if mine:
-            key: tuple[object, ...] = (model, None)
-            b = shared.get(key)
+            b = owns.get(model)
             if b is None or not b.holds(version, state, other, now):
-                b = shared[key] = w.block(model, other, version, state, own=True)
+                b = owns[model] = w.block(model, other, version, state, own=True)
             own.append(b)
         b = blocks.get(model)
         if b is None or not b.holds(version, state, other, now):
-            key = (model, alike)
-            b = shared.get(key)
-            if b is None or not b.holds(version, state, other, now):
-                b = w.block(model, other, version, state)
-                if not b.timely:
-                    shared[key] = b
+            b = w.block(model, other, version, state)
             if b.timely:
                 if not mine:
                     timely.append(b)

@@ -317,9 +317,11 @@ class View:
         self._versions: dict[str, int] = {}
         self._states: dict[str, int] = {}
         self.memo: dict[str, Any] = {}
-        """What a reader keeps between calls, derived from the view and checked against
-        `version` before it is used (the policy's weighing per model). Like the indexes,
-        never in a snapshot: a copy or a rebuilt view starts without it."""
+        """What a reader keeps between calls, derived from the view and checked before it
+        is used against what it was worked out from (the policy's weighings, against
+        `version` and `state_version`; its placements, against the inventory's
+        version). Like the indexes, never in a snapshot: a copy or a rebuilt view starts
+        without it."""
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 self.inventory.restore(allocation_of(r))

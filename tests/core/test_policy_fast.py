@@ -230,7 +230,7 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
     Past the random cluster, the log goes on: replicas used for the first time and again,
     a model declared anew with another minimum, the quota tree replaced, drains. Each call
     is for a model and settings drawn at random, so what one model's weighing keeps is
-    taken by the next only where it holds for it too (`preemption._shared`)."""
+    taken by the next only where it holds for it too (`preemption._alike`)."""
     rng = random.Random(seed)
     s, models = build(rng)
     s.at("+30s")
@@ -285,7 +285,7 @@ def test_a_weighing_is_shared_only_between_models_and_settings_it_holds_for() ->
     """Models of every class, three standard ones of one owner and one of another (under
     a guarantee), asking under two grace periods and two minimum lifetimes, reclaiming
     or not: the replicas of the others (ready a minute ago or long since, idle, never
-    used) are weighed once per kind of model asking (`preemption._kept`, `_shared`), and each
+    used) are weighed once per kind of model asking (`preemption._kept`, `_alike`), and each
     answer is the plain one."""
     s = Scenario()
     s.node("n0", "8xH100-80GB")
@@ -321,7 +321,13 @@ def test_a_weighing_is_shared_only_between_models_and_settings_it_holds_for() ->
             now = s.now + timedelta(seconds=30)
             args = (view, m, now, cfg, holdings, reclaim, below_min)
             assert preemption._candidates(*args) == plain(*args)
-    assert view.memo["blocks"][1]
+    # A kind per class and owner asking (four), reclaiming or not, below its minimum or
+    # not, under each of the four settings, the last KEPT of them kept; each model's own
+    # replicas once.
+    kinds = {preemption._alike(view.catalog[n], c, r, b) for n, c, r, b in asked}
+    assert len(kinds) == 4 * 2 * 2 * 4
+    assert len(view.memo["preemption"]) == preemption.KEPT
+    assert set(view.memo["own"]) == {"od", "b"}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
