@@ -48,6 +48,13 @@ When = datetime | str
 Shards = tuple[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]]
 
 
+def stopped(r: Any) -> ev.ReplicaState:
+    """An agent's report that replica record `r` stopped, on the shards it has."""
+    return ev.ReplicaState(
+        replica=r.id, model=r.model, profile=r.profile, state="stopped", shards=r.shards
+    )
+
+
 def profile(spec: str | ev.ProfileSpec) -> ev.ProfileSpec:
     """A ProfileSpec from `name:gpus[:shards][@memory_gb]`."""
     if isinstance(spec, ev.ProfileSpec):

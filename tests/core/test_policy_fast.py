@@ -110,6 +110,20 @@ def build(rng: random.Random) -> tuple[Scenario, list[str]]:
     return s, models
 
 
+def filled(rng: random.Random, share: float) -> tuple[Scenario, list[str]]:
+    """`build`, with about `share` of the GPUs left free taken by idle replicas of a
+    filler model: most models then do not fit, and trials have victims on several nodes
+    to try."""
+    s, models = build(rng)
+    s.model("filler", cls="opportunistic", min=0, profiles=["f1:1"], owner="o0")
+    free = s.view().inventory
+    for n in free.names():
+        for g in free.free_gpus(n):
+            if rng.random() < share:
+                s.replica(f"fill-{n}-{g}", "filler", on=(n, [g]), ready="-3h", used="-1h")
+    return s, models
+
+
 def plain(
     view: View,
     m: catalog.Model,
@@ -453,15 +467,7 @@ def test_trials_on_the_victims_nodes_decide_as_trials_on_every_node(
     Decisions, trials and placements are what a fresh clone and a look at every node
     give."""
     rng = random.Random(seed)
-    s, models = build(rng)
-    # Most GPUs left free taken by idle replicas of a filler model, so that most models
-    # do not fit and the trials have victims on several nodes to try.
-    s.model("filler", cls="opportunistic", min=0, profiles=["f1:1"], owner="o0")
-    free = s.view().inventory
-    for n in free.names():
-        for g in free.free_gpus(n):
-            if rng.random() < 0.8:
-                s.replica(f"fill-{n}-{g}", "filler", on=(n, [g]), ready="-3h", used="-1h")
+    s, models = filled(rng, 0.8)
     v = s.view()
     cfg = Config(policy=policy, max_victims=k)  # type: ignore[arg-type]
     fast = [plan(v, name, s.now, cfg) for name in models]
@@ -503,13 +509,7 @@ def test_placements_kept_for_the_inventory_decide_as_placements_worked_out_afres
     policy decides with nothing kept; then the same on a view rebuilt from a snapshot,
     whose inventory is another object with other versions."""
     rng = random.Random(seed)
-    s, models = build(rng)
-    s.model("filler", cls="opportunistic", min=0, profiles=["f1:1"], owner="o0")
-    free = s.view().inventory
-    for n in free.names():
-        for g in free.free_gpus(n):
-            if rng.random() < 0.7:
-                s.replica(f"fill-{n}-{g}", "filler", on=(n, [g]), ready="-3h", used="-1h")
+    s, models = filled(rng, 0.7)
     reps = list(s._replicas)
     for rid in rng.sample(reps, min(3, len(reps))):
         s.state(rid, "stopped")

@@ -17,6 +17,7 @@ from services.core import fold
 from services.core import scheduling as planner
 from services.core import view as view_module
 from services.core.view import View
+from tests.scenario import stopped
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,13 +127,7 @@ class Run:
             if live:
                 r = rng.choice(live)
                 self.add(
-                    ev.ReplicaState(
-                        replica=r.id,
-                        model=r.model,
-                        profile=r.profile,
-                        state="stopped",
-                        shards=r.shards,
-                    ),
+                    stopped(r),
                     now,
                 )
 

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from schemas import events as ev
 from services.core import catalog, fold
 from services.core.view import View
+from tests.scenario import stopped
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 NAMES = ("a", "b", "c", "d", "e")
@@ -86,15 +87,7 @@ class Run:
             live = [r for r in self.view.replicas.values() if r.live]
             if live:
                 r = rng.choice(live)
-                self.add(
-                    ev.ReplicaState(
-                        replica=r.id,
-                        model=r.model,
-                        profile=r.profile,
-                        state="stopped",
-                        shards=r.shards,
-                    )
-                )
+                self.add(stopped(r))
                 self.free.extend(s for sh in r.shards for s in sh.gpus)
 
 
