@@ -524,9 +524,11 @@ async def until_signalled(
     except asyncio.CancelledError:
         if not stop.is_set():
             raise
-        print(
-            f"{PROG}: did not stop within {grace_s:g}s of the signal; stopped it", file=sys.stderr
-        )
+        if signals > 1:
+            why = "a second signal: stopped without waiting for it to finish"
+        else:
+            why = f"did not stop within {grace_s:g}s of the signal; stopped it"
+        print(f"{PROG}: {why}", file=sys.stderr)
         return 130
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -42,7 +42,7 @@ def test_work_stuck_starting_is_cancelled_after_the_grace(
     assert err.count("\n") == 1 and "did not stop within" in err
 
 
-def test_a_second_signal_stops_at_once() -> None:
+def test_a_second_signal_stops_at_once(capsys: pytest.CaptureFixture[str]) -> None:
     async def stuck(stop: asyncio.Event) -> int:
         os.kill(os.getpid(), signal.SIGINT)
         await stop.wait()
@@ -60,3 +60,6 @@ def test_a_second_signal_stops_at_once() -> None:
 
     assert asyncio.run(main()) == 130
     assert loop_time[0] < 30
+    # It says why it stopped: not a grace run out, which did not happen.
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a second signal" in err and "within" not in err
