@@ -531,9 +531,20 @@ class _Block:
     replica's last use was read: `reads_use`), the model it resolves to (m itself for
     m's own replicas), and the time. Used again while all of that holds and time has
     only gone forward, unless it read the time or the quota usage of its moment
-    (`timely`)."""
+    (`timely`): such a block is used again only at the very time it was weighed at, and
+    only if it did not read the quota usage (`usage`)."""
 
-    __slots__ = ("excluded", "other", "ranked", "reads_use", "since", "state", "timely", "version")
+    __slots__ = (
+        "excluded",
+        "other",
+        "ranked",
+        "reads_use",
+        "since",
+        "state",
+        "timely",
+        "usage",
+        "version",
+    )
 
     def __init__(
         self,
@@ -543,11 +554,12 @@ class _Block:
         since: datetime,
         timely: bool,
         reads_use: bool,
+        usage: bool,
         ranked: list[_Ranked],
         excluded: list[tuple[str, Exclusion]],
     ) -> None:
         self.version, self.state, self.other, self.since = version, state, other, since
-        self.timely, self.reads_use = timely, reads_use
+        self.timely, self.reads_use, self.usage = timely, reads_use, usage
         self.ranked, self.excluded = ranked, excluded
 
     def holds(self, version: int, state: int, other: catalog.Model | None, now: datetime) -> bool:
@@ -559,6 +571,15 @@ class _Block:
             and other is self.other
             and now >= self.since
         )
+
+    def holds_at(
+        self, version: int, state: int, other: catalog.Model | None, now: datetime
+    ) -> bool:
+        """Whether a block that read the time (`timely`) still holds: as `holds`, at the
+        very time it was weighed at (every idle time and age it read is the same then),
+        and only if it did not read the quota usage of its moment, which moves with
+        replicas of other models (`usage`)."""
+        return not self.usage and now == self.since and self.holds(version, state, other, now)
 
 
 class _Ordered(Generic[_O]):
@@ -586,7 +607,7 @@ class _Ordered(Generic[_O]):
             return
         drop = {k[-2] for k in old}
         self.keys = keys = [k for k in keys if k[-2] not in drop]
-        self.objs = [k[-1] for k in keys]
+        self.objs = list(map(_last, keys))
 
     def add(self, new: list[tuple[Any, ...]]) -> None:
         """Put `new` in at their places: a few one by one, which compares each with a
@@ -601,7 +622,7 @@ class _Ordered(Generic[_O]):
             return
         keys += new
         keys.sort()
-        self.objs = [k[-1] for k in keys]
+        self.objs = list(map(_last, keys))
 
     def with_(
         self,
@@ -619,7 +640,7 @@ class _Ordered(Generic[_O]):
             if without:
                 drop = {k[-2] for k in without}
                 keys = [k for k in keys if k[-2] not in drop]
-            return tuple([k[-1] for k in sorted(keys + extra)])
+            return tuple(map(_last, sorted(keys + extra)))
         # (place, 0, object to put in before the entry there) or (place, 1, None: the
         # entry there left out); at one place, what is put in comes first.
         cuts: list[tuple[int, int, Any]] = [
@@ -643,6 +664,9 @@ class _Ordered(Generic[_O]):
 
 _FEW = 32
 _place = operator.itemgetter(0, 1)
+# An entry's object (see `_Ordered`): mapped over a list, a third quicker than a
+# comprehension that indexes each.
+_last = operator.itemgetter(-1)
 
 
 class _Kept:
@@ -651,9 +675,11 @@ class _Kept:
     holding capacity that did not read the time (a model's own replicas weighed as any
     other's, as the others alike weigh them), the candidates and exclusions of all those
     blocks in their orders, and what `_peer` worked out (which reads only what `_alike`
-    names and the quota tree)."""
+    names and the quota tree); besides, the blocks of the last call that read the time
+    (`timely`, one per model name at most), and that call's answer when it put some in
+    (`merged`)."""
 
-    __slots__ = ("blocks", "excluded", "peers", "ranked", "result", "tree")
+    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "result", "timely", "tree")
 
     def __init__(self, tree: quota.QuotaTree) -> None:
         self.tree = tree
@@ -662,6 +688,20 @@ class _Kept:
         self.excluded: _Ordered[Exclusion] = _Ordered()
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
         self.result: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]] | None = None
+        self.timely: dict[str, _Block] = {}
+        """Per model name, its block weighed at the last call, when that read the time:
+        used again by a call at the same time (`_Block.holds_at`). Replaced each call."""
+        self.merged: (
+            tuple[
+                tuple[tuple[_Block, ...], ...],
+                tuple[tuple[Candidate, ...], tuple[Exclusion, ...]],
+            ]
+            | None
+        ) = None
+        """The last answer that put blocks in among the kept lists or took some out, with
+        those blocks (the timely ones put in, m's own exclusions, m's replicas taken
+        out), compared by identity: the same blocks put in among the same lists give
+        the same answer. Dropped whenever the lists change (`update`)."""
 
     def update(self, fresh: dict[str, _Block]) -> None:
         """Make the lists those of `fresh`: the entries of every block no longer there
@@ -692,6 +732,7 @@ class _Kept:
             self.excluded.remove(out_x)
             self.excluded.add(in_x)
             self.result = None
+            self.merged = None
 
 
 def _diff(
@@ -782,7 +823,9 @@ def _candidates(
     out and puts them in as same_model exclusions (`_own`). A block that read the time
     (a replica used, so its idle time counts, or ready only lately, so its age may) or
     the quota usage of the moment (a replica under a guarantee, borrowed or not) is
-    weighed again on every call.
+    weighed again on every call, but for one that read only the time, asked about again
+    at that same time (`_Block.holds_at`); when every block put in and taken out is the
+    one of the last such call, so is the answer (`_Kept.merged`).
     """
     alike = _alike(m, cfg, reclaim, below_min)
     kept = _kept(view, alike)
@@ -798,6 +841,10 @@ def _candidates(
     # again as same_model exclusions (`own`).
     own: list[_Block] = []
     without: list[_Block] = []
+    # The blocks that read the time, for a next call at the same time: a pass reports the
+    # models it cannot place one after another at one time.
+    was_timely = kept.timely
+    now_timely: dict[str, _Block] = {}
     for model in view.current_models():
         version = version_of(model)
         state = state_of(model)
@@ -810,21 +857,29 @@ def _candidates(
             own.append(b)
         b = blocks.get(model)
         if b is None or not b.holds(version, state, other, now):
-            b = w.block(model, other, version, state)
+            b = was_timely.get(model)
+            if b is None or not b.holds_at(version, state, other, now):
+                b = w.block(model, other, version, state)
             if b.timely:
+                now_timely[model] = b
                 if not mine:
                     timely.append(b)
                 continue
         if mine:
             without.append(b)
         fresh[model] = b
+    kept.timely = now_timely
     kept.update(fresh)
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.
     if timely or own:
+        blocks_in = (tuple(timely), tuple(own), tuple(without))
+        merged = kept.merged
+        if merged is not None and merged[0] == blocks_in:
+            return merged[1]
         # Weighed for this call only: put in among the kept ones, not kept with them.
-        return (
+        answer = (
             kept.ranked.with_(
                 sorted([c for b in timely for c in b.ranked]),
                 sorted([c for b in without for c in b.ranked]),
@@ -834,6 +889,8 @@ def _candidates(
                 sorted([x for b in without for x in b.excluded]),
             ),
         )
+        kept.merged = (blocks_in, answer)
+        return answer
     if kept.result is None:
         kept.result = (tuple(kept.ranked.objs), tuple(kept.excluded.objs))
     return kept.result
@@ -1038,6 +1095,7 @@ class _Weighing:
         "settled",
         "sizes",
         "timely",
+        "usage",
         "view",
     )
 
@@ -1078,6 +1136,8 @@ class _Weighing:
         """Whether the block being weighed read the time or the quota usage of now."""
         self.reads_use = False
         """Whether it read when any of its replicas was last used."""
+        self.usage = False
+        """Whether it read the quota usage of now (a replica under a guarantee)."""
 
     def block(
         self, name: str, other: catalog.Model | None, version: int, state: int, own: bool = False
@@ -1087,6 +1147,7 @@ class _Weighing:
         each excluded as same_model; without it, m's replicas are weighed as those of
         any other model, as every model alike with m weighs them."""
         self.ranked, self.excluded, self.timely, self.reads_use = [], {}, False, False
+        self.usage = False
         if own:
             # The model's own replicas, under its name or an alias that names it (those
             # placed before a rename; `Catalog.names_of`): never a victim for a replica
@@ -1106,6 +1167,7 @@ class _Weighing:
             self.now,
             self.timely,
             self.reads_use,
+            self.usage,
             self.ranked,
             sorted(
                 [
@@ -1150,7 +1212,7 @@ class _Weighing:
         # of the tier rules for all, looked up once.
         alike = not idle_decides and not covered
         if covered:
-            self.timely = True  # borrowed or not is the quota usage of now
+            self.timely = self.usage = True  # borrowed or not is the quota usage of now
         tier, is_borrowed = 0, self.any_guarantee
         if alike:
             at = above_min * 2 + is_borrowed
