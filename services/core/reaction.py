@@ -101,7 +101,8 @@ def decision_events(
     holds. Ids derive from the trigger's, so the same decision is the same events."""
     tid = trigger.id
     correlation = trigger.correlation or tid
-    decided_id = ids.derived(tid, "decided")
+    ms = ids.kept_ms(tid)  # every id of the reaction derives from the trigger's
+    decided_id = ids.derived(tid, "decided", ms)
     decided = ev.make(
         bounded(decision.to_event_data(tid, SHOWN)),
         id=decided_id,
@@ -110,7 +111,7 @@ def decision_events(
         causation=tid,
         correlation=correlation,
     )
-    mk = _Maker(tid, decided_id, correlation, now)
+    mk = _Maker(tid, decided_id, correlation, now, ms)
     return (
         (decided, None),
         *(
@@ -200,15 +201,19 @@ def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
 
 
 class _Maker:
-    """Makes the drains and holds of one decision, stamped with its ids and time."""
+    """Makes the drains and holds of one decision, stamped with its ids and time. `ms`:
+    the trigger's `ids.kept_ms`, when the caller has it already."""
 
-    __slots__ = ("correlation", "decided_id", "now", "tid")
+    __slots__ = ("correlation", "decided_id", "ms", "now", "tid")
 
-    def __init__(self, tid: str, decided_id: str, correlation: str, now: datetime) -> None:
+    def __init__(
+        self, tid: str, decided_id: str, correlation: str, now: datetime, ms: int | None = None
+    ) -> None:
         self.tid = tid
         self.decided_id = decided_id
         self.correlation = correlation
         self.now = now
+        self.ms = ids.kept_ms(tid) if ms is None else ms
 
     def drain(
         self, replica: str, model: str, node: str, for_model: str, grace_s: float
@@ -221,7 +226,7 @@ class _Maker:
                 for_model=for_model,
                 grace_s=grace_s,
             ),
-            id=ids.derived(self.tid, f"drain:{replica}"),
+            id=ids.derived(self.tid, f"drain:{replica}", self.ms),
             time=self.now,
             source=SOURCE,
             causation=self.decided_id,
@@ -230,7 +235,7 @@ class _Maker:
         return e, node
 
     def hold_id(self, model: str) -> str:
-        return ids.derived(self.tid, f"hold:{model}")
+        return ids.derived(self.tid, f"hold:{model}", self.ms)
 
     def hold(self, h: ev.HoldSpec) -> Outgoing:
         e = ev.make(
