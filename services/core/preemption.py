@@ -595,9 +595,9 @@ class _Ordered(Generic[_O]):
         self.objs: list[_O] = []
 
     def remove(self, old: list[tuple[Any, ...]]) -> None:
-        """Take out `old`, entries that are here (equal ones: a block weighed for another
-        model may have put in its own objects). A few are found by halving; many, by one
-        walk through the list, by replica id."""
+        """Take out `old`, entries that are here (or equal ones: an entry an earlier block
+        put in stays while the blocks after it weigh it the same). A few are found by
+        halving; many, by one walk through the list, by replica id."""
         keys, objs = self.keys, self.objs
         if len(old) <= _FEW:
             for k in old:
@@ -676,10 +676,9 @@ class _Kept:
     other's, as the others alike weigh them), the candidates and exclusions of all those
     blocks in their orders, and what `_peer` worked out (which reads only what `_alike`
     names and the quota tree); besides, the blocks of the last call that read the time
-    (`timely`, one per model name at most), and that call's answer when it put some in
-    (`merged`)."""
+    (`timely`, one per model name at most), and the last answer (`merged`)."""
 
-    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "result", "timely", "tree")
+    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "timely", "tree")
 
     def __init__(self, tree: quota.QuotaTree) -> None:
         self.tree = tree
@@ -687,7 +686,6 @@ class _Kept:
         self.ranked: _Ordered[Candidate] = _Ordered()
         self.excluded: _Ordered[Exclusion] = _Ordered()
         self.peers: dict[tuple[str, str, bool], _Peer] = {}
-        self.result: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]] | None = None
         self.timely: dict[str, _Block] = {}
         """Per model name, its block weighed at the last call, when that read the time:
         used again by a call at the same time (`_Block.holds_at`). Replaced each call."""
@@ -698,10 +696,11 @@ class _Kept:
             ]
             | None
         ) = None
-        """The last answer that put blocks in among the kept lists or took some out, with
-        those blocks (the timely ones put in, m's own exclusions, m's replicas taken
-        out), compared by identity: the same blocks put in among the same lists give
-        the same answer. Dropped whenever the lists change (`update`)."""
+        """The last answer, with the blocks it put in among the kept lists or took out
+        (the timely ones put in, m's own exclusions, m's replicas taken out; none when
+        it is the lists as they are), compared by identity: the same blocks put in
+        among the same lists give the same answer. Dropped whenever the lists change
+        (`update`)."""
 
     def update(self, fresh: dict[str, _Block]) -> None:
         """Make the lists those of `fresh`: the entries of every block no longer there
@@ -731,7 +730,6 @@ class _Kept:
             self.ranked.add(in_r)
             self.excluded.remove(out_x)
             self.excluded.add(in_x)
-            self.result = None
             self.merged = None
 
 
@@ -873,27 +871,23 @@ def _candidates(
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.
-    if timely or own:
-        blocks_in = (tuple(timely), tuple(own), tuple(without))
-        merged = kept.merged
-        if merged is not None and merged[0] == blocks_in:
-            return merged[1]
-        # Weighed for this call only: put in among the kept ones, not kept with them.
-        answer = (
-            kept.ranked.with_(
-                sorted([c for b in timely for c in b.ranked]),
-                sorted([c for b in without for c in b.ranked]),
-            ),
-            kept.excluded.with_(
-                sorted([x for b in (*timely, *own) for x in b.excluded]),
-                sorted([x for b in without for x in b.excluded]),
-            ),
-        )
-        kept.merged = (blocks_in, answer)
-        return answer
-    if kept.result is None:
-        kept.result = (tuple(kept.ranked.objs), tuple(kept.excluded.objs))
-    return kept.result
+    blocks_in = (tuple(timely), tuple(own), tuple(without))
+    merged = kept.merged
+    if merged is not None and merged[0] == blocks_in:
+        return merged[1]
+    # Weighed for this call only: put in among the kept ones, not kept with them.
+    answer = (
+        kept.ranked.with_(
+            sorted([c for b in timely for c in b.ranked]),
+            sorted([c for b in without for c in b.ranked]),
+        ),
+        kept.excluded.with_(
+            sorted([x for b in (*timely, *own) for x in b.excluded]),
+            sorted([x for b in without for x in b.excluded]),
+        ),
+    )
+    kept.merged = (blocks_in, answer)
+    return answer
 
 
 def _exclude_all(
