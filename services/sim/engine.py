@@ -554,15 +554,11 @@ class Engine:
         """An event of the operator or an agent, with the next id; `subject` when the
         caller has it at hand (`subjects.subject_for` of the event and node). `as_made`:
         an agent's report on a replica, folded as made (see `_store`)."""
-        e = ev.make(data, id=self._next_id(), time=self.now, source=source)
+        self._ids += 1
+        e = ev.make(data, id="sim-" + str(self._ids).zfill(9), time=self.now, source=source)
         # No duplicate to look for: the services' ids are ULIDs, and a ULID has no "-".
         self._store(e, node, subject, as_made)
         return True
-
-    def _next_id(self) -> str:
-        """The id of the next event the engine makes itself: `sim-` and its number."""
-        self._ids += 1
-        return "sim-" + str(self._ids).zfill(9)
 
     def emit(self, e: ev.Event, node: str | None = None) -> bool:
         """Publish one event: dropped as a duplicate within the window, else stored
@@ -843,16 +839,14 @@ class Engine:
             rid = next(iter(ready)) if one else min(ready, key=used_at.__getitem__)
             if t - used_at[rid] >= USED_EVERY_S:
                 used_at[rid] = t
-                # `publish` written out: the envelope made as `ev.make` makes it.
                 agent = self._agents[rid]
-                now = self.now
-                e = ev.ReplicaUsedEvent(
-                    id=self._next_id(),
-                    time=now,
-                    source=agent.source,
-                    data=ev.ReplicaUsed(replica=rid, at=now),
+                self.publish(
+                    ev.ReplicaUsed(replica=rid, at=self.now),
+                    agent.source,
+                    agent.node,
+                    agent.subject,
+                    as_made=True,
                 )
-                self._store(e, agent.node, agent.subject, True)
         else:
             self.m.requests_unserved += 1
         if self._desired[model] < a.replicas:
