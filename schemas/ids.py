@@ -50,12 +50,17 @@ def ulid_ms(value: str) -> int:
     """The Unix milliseconds a ULID was made at."""
     if not _ULID.match(value):
         raise ValueError(f"not a ULID: {value!r}")
-    return int(value[:10].translate(_PLAIN), 32)
+    return _ms(value)
 
 
 def kept_ms(parent: str) -> int:
     """The time `derived` keeps of a parent id: its own when it is a ULID, else 0."""
-    return int(parent[:10].translate(_PLAIN), 32) if _ULID.match(parent) else 0
+    return _ms(parent) if _ULID.match(parent) else 0
+
+
+def _ms(value: str) -> int:
+    """The time part of a string known to be a ULID: its first 10 digits."""
+    return int(value[:10].translate(_PLAIN), 32)
 
 
 def derived(parent: str, label: str, ms: int | None = None) -> str:

@@ -6,7 +6,7 @@ the scheduler remembers of its last failures; no I/O, no asyncio, no wall clock.
 changes the view: placements within a pass are tried on a clone of the inventory. What
 the module keeps between calls (placements that found nothing, by inventory version; each
 model's last one with its reasons and digest; the print of the cluster and its rows;
-failure digests; the last config's horizon and periods), and what the view keeps of its
+failure digests), and what the view keeps of its
 last count of the models (`View.off_target`), saves work, never changes an answer.
 
 Failed starts back off: a replica that failed before it was ever ready keeps its model
@@ -363,20 +363,7 @@ def start_delay_s(rounds: int, config: Config) -> float:
 
 def _horizon_s(config: Config) -> float:
     """How far back a failed start can still count: far enough for the longest run of
-    failed rounds that the delay stops growing at, each at most two caps apart. Worked
-    out once per config (`_HORIZON`: the last config, kept, and its horizon; a config
-    is frozen, so the same object has the same horizon)."""
-    last = _HORIZON
-    if last[0] is not config:
-        last[0], last[1] = config, _horizon_of(config)
-    horizon: float = last[1]
-    return horizon
-
-
-_HORIZON: list[Any] = [None, 0.0]
-
-
-def _horizon_of(config: Config) -> float:
+    failed rounds that the delay stops growing at, each at most two caps apart."""
     ratio = config.start_backoff_max_s / config.start_backoff_s
     if not math.isfinite(ratio):
         return math.inf  # a cap of inf: every failed start counts
@@ -817,7 +804,7 @@ def _fail(
     repeats = 0
     if last is not None and last.digest == digest:
         r = last.repeats
-        if since < (_periods(config)[r] if 0 <= r < 63 else failed_period_s(r, config)):
+        if since < failed_period_s(r, config):
             return
         repeats = last.repeats + 1
     data = ev.PlacementFailed(
@@ -964,20 +951,6 @@ def remember(
 def failed_period_s(repeats: int, config: Config) -> float:
     """How long an unchanged failure said `repeats` times again waits to be said again."""
     return min(config.failed_backoff_s * 2.0 ** min(repeats, 62), config.failed_backoff_max_s)
-
-
-def _periods(config: Config) -> tuple[float, ...]:
-    """`failed_period_s` for 0 to 62 repeats, by repeats: worked out once per config
-    (`_PERIODS`: the last config, kept, and its periods; a config is frozen, so the
-    same object has the same periods)."""
-    last = _PERIODS
-    if last[0] is not config:
-        last[0], last[1] = config, tuple([failed_period_s(r, config) for r in range(63)])
-    periods: tuple[float, ...] = last[1]
-    return periods
-
-
-_PERIODS: list[Any] = [None, ()]
 
 
 _encoder = msgspec.json.Encoder(order="sorted")

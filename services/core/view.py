@@ -320,7 +320,8 @@ class View:
         """What a reader keeps between calls, derived from the view and checked before it
         is used against what it was worked out from (the policy's weighings, against
         `version` and `state_version`; its placements, against the inventory's
-        version). Like the indexes, never in a snapshot: a copy or a rebuilt view starts
+        version; the scheduler's counts per model, against the counts and the
+        catalog). Like the indexes, never in a snapshot: a copy or a rebuilt view starts
         without it."""
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
@@ -536,12 +537,19 @@ class View:
         and desired counts, after how many of the first it comes in rank order. What a
         pass reads of every model, in one loop rather than two calls per model (see
         `_targets` for what is kept of the catalog), or none at all when the counts it
-        reads are those it read last time (see `_OFF_TARGET`)."""
+        reads are those it read last time.
+
+        Kept in `memo` ("off_target"): the catalog's rows, a copy of the live counts by
+        name and of the desired counts, and the two lists it gave (copies are given
+        out). What it gives follows from those three alone, compared as they are (the
+        counts are plain ints by name), so equal ones give the same; comparing two dicts
+        of a few dozen counts costs a fraction of the loop, and most passes follow no
+        change to either."""
         live = self._live
         asked_of = self.state.desired
-        rows = _targets(self.catalog)
-        last = _OFF_TARGET
-        if rows is last[0] and live == last[1] and asked_of == last[2]:
+        rows = self._targets()
+        last = self.memo.get("off_target")
+        if last is not None and rows is last[0] and live == last[1] and asked_of == last[2]:
             return list(last[3]), list(last[4])
         on: list[str] = []
         off: list[tuple[int, catalog.Model, int, int]] = []
@@ -553,8 +561,27 @@ class View:
                 on.append(name)
             else:
                 off.append((len(on), m, n, desired))
-        last[:] = [rows, dict(live), dict(asked_of), on, off]
+        self.memo["off_target"] = (rows, dict(live), dict(asked_of), on, off)
         return list(on), list(off)
+
+    def _targets(self) -> tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...]:
+        """Each declared model's row as `off_target` reads it, in rank order: the model,
+        its name, min and max, and the names that resolve to it when it has more than its
+        own (else None). Kept in `memo` ("targets") with the catalog's `by_rank` tuple:
+        a catalog makes a new one whenever a model is declared or removed, and which
+        names resolve to a model follows from the declared models alone, so the tuple
+        (held here, so that it stays the same object) names the rows exactly."""
+        cat = self.catalog
+        ranked = cat.by_rank()
+        got = self.memo.get("targets")
+        if got is None or got[0] is not ranked:
+            rows = []
+            for m in ranked:
+                names = cat.names_of(m) if m.aliases else (m.name,)
+                rows.append((m, m.name, m.min, m.max, names if len(names) > 1 else None))
+            got = self.memo["targets"] = (ranked, tuple(rows))
+        rows_: tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...] = got[1]
+        return rows_
 
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
         """The hold keeping a model from taking room back, if one is still on (see
@@ -623,39 +650,6 @@ class View:
     def copy(self) -> View:
         """An independent copy (through the snapshot encoding)."""
         return View(decode_state(encode_state(self.state)))
-
-
-# _TARGETS: for the catalog whose `by_rank` tuple it holds, each model's row as
-# `View.off_target` reads it: the model, its name, min and max, and the names that
-# resolve to it when it has more than its own (else None). A catalog makes a new tuple
-# whenever a model is declared or removed, and a copy shares it only while it declares
-# the same models; which names resolve to a model follows from the declared models
-# alone. So the tuple, kept here so that its id stays its own, names the rows exactly.
-# One entry: the view a scheduler reads (and its copies) has one catalog at a time.
-_TARGETS: list[Any] = [None, ()]
-
-
-# _OFF_TARGET: the last `View.off_target` and what it read: the catalog's rows (see
-# `_TARGETS`), a copy of the live counts by name and of the desired counts, and the
-# two lists it gave (copies are given out). What it gives follows from those three
-# alone, compared as they are (the counts are plain ints by name), so equal ones give
-# the same. One entry: comparing two dicts of a few dozen counts costs a fraction of
-# the loop, and most passes follow no change to either.
-_OFF_TARGET: list[Any] = [None, {}, {}, [], []]
-
-
-def _targets(
-    cat: catalog.Catalog,
-) -> tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...]:
-    ranked = cat.by_rank()
-    if ranked is not _TARGETS[0]:
-        rows = []
-        for m in ranked:
-            names = cat.names_of(m) if m.aliases else (m.name,)
-            rows.append((m, m.name, m.min, m.max, names if len(names) > 1 else None))
-        _TARGETS[0], _TARGETS[1] = ranked, tuple(rows)
-    rows_: tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...] = _TARGETS[1]
-    return rows_
 
 
 def _move(

@@ -92,15 +92,3 @@ def test_the_print_reused_across_inventories_and_node_sets_is_the_print_worked_o
                 )
         for c in rng.sample(copies, len(copies)):
             assert scheduling._inventory_print(c) == _fresh(c)
-
-
-def test_the_periods_kept_are_the_periods_worked_out() -> None:
-    for config in (
-        scheduling.Config(),
-        scheduling.Config(failed_backoff_s=0.7, failed_backoff_max_s=1e300),
-        scheduling.Config(failed_backoff_s=3.0, failed_backoff_max_s=5.0),
-    ):
-        periods = scheduling._periods(config)
-        assert len(periods) == 63
-        for r in range(63):
-            assert periods[r] == scheduling.failed_period_s(r, config)

@@ -15,7 +15,6 @@ import pytest
 from schemas import events as ev
 from services.core import fold
 from services.core import scheduling as planner
-from services.core import view as view_module
 from services.core.view import View
 from tests.scenario import stopped
 
@@ -31,10 +30,6 @@ def _memos() -> list[Any]:
         planner._DIGESTS,
         planner._LAST_PRINT,
         planner._ROWS,
-        planner._HORIZON,
-        planner._PERIODS,
-        view_module._TARGETS,
-        view_module._OFF_TARGET,
     ]
 
 
@@ -57,10 +52,6 @@ def _forget() -> None:
     planner._DIGESTS[:] = []
     planner._LAST_PRINT[:] = [-1, b""]
     planner._ROWS[:] = [(), [], []]
-    planner._HORIZON[:] = [None, 0.0]
-    planner._PERIODS[:] = [None, ()]
-    view_module._TARGETS[:] = [None, ()]
-    view_module._OFF_TARGET[:] = [None, {}, {}, [], []]
 
 
 def _plain(p: planner.Plan) -> tuple[object, ...]:
@@ -133,10 +124,13 @@ class Run:
 
     def tick(self, now: datetime) -> planner.Plan:
         kept = planner.plan(self.view, now, self.config, failures=self.memory)
-        saved = _save()
+        saved, kept_on_view = _save(), dict(self.view.memo)
         _forget()
+        self.view.memo.clear()
         fresh = planner.plan(self.view, now, self.config, failures=self.memory)
         _restore(saved)
+        self.view.memo.clear()
+        self.view.memo.update(kept_on_view)
         assert _plain(kept) == _plain(fresh)
         for o in kept.outputs:
             self.add_event(o.event)
