@@ -21,6 +21,7 @@ JetStream's duplicate window keeps one copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import operator
@@ -604,25 +605,19 @@ def _place_missing(
                 p.name: f"owner {m.owner} would pass its limit with {_gpus(p.need().gpus)} more"
                 for p in m.profiles
             }
-            over = _NoFit(
-                m,
-                "quota_limit",
-                (-1, avoided, live + slot, desired),
-                m.profiles,
-                tuple([p.name for p in m.profiles]),
-                why,
-            )
+            names = tuple([p.name for p in m.profiles])
+            at = live + slot
             _fail(
                 out,
                 mk,
                 m,
                 "quota_limit",
-                over.names,
+                names,
                 why,
-                live + slot,
+                at,
                 desired,
                 avoided,
-                over.digest_with(avoided, _quota_print, usage, tree, m),
+                functools.partial(_quota_digest, m, names, avoided, at, desired, why, usage, tree),
                 parent,
                 now,
                 failures,
@@ -652,7 +647,7 @@ def _place_missing(
             if blocked:
                 notes = "; ".join(blocked[n].note() for n in sorted(blocked))
                 why = {k: f"{v} ({notes})" for k, v in why.items()}
-            known = _NoFit(m, "no_fit", key, allowed, tuple([p.name for p in allowed]), why)
+            known = _NoFit(m, key, allowed, tuple([p.name for p in allowed]), why)
             if not blocked:
                 if len(_NO_FITS) >= _NO_FITS_MAX:
                     _NO_FITS.clear()
@@ -667,7 +662,7 @@ def _place_missing(
             live + slot,
             desired,
             avoided,
-            known.digest_with(avoided, _inventory_print, pick),
+            known.digest_with(avoided, pick),
             parent,
             now,
             failures,
@@ -858,8 +853,7 @@ def _failure_digest(
 
 
 class _NoFit:
-    """A model's placement that found nothing (or, as "quota_limit", that nothing was
-    allowed to try), as its failure is reported: the inputs it was decided on (`key`: the version of the inventory placement chose from, the nodes
+    """A model's placement that found nothing, as its failure is reported: the inputs it was decided on (`key`: the version of the inventory placement chose from, the nodes
     it avoided, the live and desired counts; the model, the profiles allowed), the
     profiles' names, the reasons per profile, and the failure's digest once made.
 
@@ -870,31 +864,26 @@ class _NoFit:
     names, the reasons and the digest come out the same, and a model that keeps failing
     on an unchanged cluster is not placed, explained and hashed again on every pass."""
 
-    __slots__ = ("allowed", "digest", "key", "model", "names", "reason", "why")
+    __slots__ = ("allowed", "digest", "key", "model", "names", "why")
 
     def __init__(
         self,
         model: catalog.Model,
-        reason: str,
         key: tuple[int, tuple[str, ...], int, int],
         allowed: Sequence[catalog.Profile],
         names: tuple[str, ...],
         why: dict[str, str],
     ) -> None:
         self.model = model
-        self.reason = reason
         self.key = key
         self.allowed = allowed
         self.names = names
         self.why = why
         self.digest: str | None = None
 
-    def digest_with(
-        self, avoided: tuple[str, ...], printed: Callable[..., bytes], *of: Any
-    ) -> Callable[[], str]:
-        """How `_fail` gets the digest of this failure avoiding `avoided`, with what
-        `printed(*of)` prints of the cluster (or of the owner's usage): made once, when
-        first asked for."""
+    def digest_with(self, avoided: tuple[str, ...], inv: inventory.Inventory) -> Callable[[], str]:
+        """How `_fail` gets the digest of this failure avoiding `avoided`, with the print
+        of the cluster `inv` (`_inventory_print`): made once, when first asked for."""
         if self.digest is not None:
             return self._made
 
@@ -903,14 +892,14 @@ class _NoFit:
             if got is None:
                 _, _, live, desired = self.key
                 got = _failure_digest(
-                    self.reason,
+                    "no_fit",
                     self.model.name,
                     self.names,
                     avoided,
                     live,
                     desired,
                     self.why,
-                    printed(*of),
+                    _inventory_print(inv),
                 )
                 self.digest = got
             return got
@@ -1026,15 +1015,20 @@ def _row(u: inventory.NodeUsage | None) -> bytes:
     )
 
 
-def _usage_print(usage: Mapping[str, quota.Amount], chain: list[str]) -> bytes:
-    return _encoder.encode([(q, usage.get(q, quota.ZERO)) for q in chain])
-
-
-def _quota_print(
-    usage: Mapping[str, quota.Amount], tree: quota.QuotaTree, m: catalog.Model
-) -> bytes:
-    """What a quota_limit failure of `m` saw: the usage of each quota governing it."""
-    return _usage_print(usage, _chain(tree, m))
+def _quota_digest(
+    m: catalog.Model,
+    names: tuple[str, ...],
+    avoided: tuple[str, ...],
+    live: int,
+    desired: int,
+    why: Mapping[str, str],
+    usage: Mapping[str, quota.Amount],
+    tree: quota.QuotaTree,
+) -> str:
+    """The digest of a quota_limit failure of `m`, with what it saw: the usage of each
+    quota governing it."""
+    printed = _encoder.encode([(q, usage.get(q, quota.ZERO)) for q in _chain(tree, m)])
+    return _failure_digest("quota_limit", m.name, names, avoided, live, desired, why, printed)
 
 
 def _drain(

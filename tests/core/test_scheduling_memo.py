@@ -133,9 +133,9 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
             live,
             2,
             (),
-            scheduling._NoFit(
-                m, "no_fit", (inv.version, (), live, 2), [big], ("big",), why
-            ).digest_with((), lambda: scheduling._inventory_print(inv)),
+            scheduling._NoFit(m, (inv.version, (), live, 2), [big], ("big",), why).digest_with(
+                (), inv
+            ),
             lambda: ("t", 0),
             now,
             {},
