@@ -71,17 +71,21 @@ def place(
     are looked at in; the reasons of a NoFit speak of those nodes only.
     """
     avoided = frozenset(avoid)
-    usages: Inventory | list[NodeUsage] = inventory
+    chosen: list[NodeUsage] | None = None
     if within is not None:
-        usages = [u for u in map(inventory.usage, sorted(set(within))) if u is not None]
+        chosen = [u for u in map(inventory.usage, sorted(set(within))) if u is not None]
+
+    def usages() -> Iterable[NodeUsage]:
+        return inventory.usages() if chosen is None else chosen
+
     if avoided:
         for profile in profiles:
-            found = _fit(usages, profile, avoided)
+            found = _fit(usages(), profile, avoided)
             if isinstance(found, tuple):
                 return Placement(profile=profile, shards=found)
     reasons: list[tuple[str, str]] = []
     for profile in profiles:
-        found = _fit(usages, profile, frozenset())
+        found = _fit(usages(), profile, frozenset())
         if isinstance(found, tuple):
             return Placement(profile=profile, shards=found)
         reasons.append((profile.name, found))
@@ -103,10 +107,9 @@ def _describe(profile: Profile) -> str:
 
 
 def _fit(
-    usages: Inventory | list[NodeUsage], profile: Profile, avoid: frozenset[str]
+    usages: Iterable[NodeUsage], profile: Profile, avoid: frozenset[str]
 ) -> tuple[Shard, ...] | str:
-    """The shards for one profile, or why it does not fit: on every node of an
-    inventory, or on the nodes of a list of their usages."""
+    """The shards for one profile, or why it does not fit, on the nodes of `usages`."""
     need = profile.gpus
     shards = profile.shards
     if need < 0 or shards < 1:
@@ -125,7 +128,7 @@ def _fit(
     best_had = -1
     short_cpu = short_mem = 0
     schedulable = 0
-    for usage in usages.usages() if isinstance(usages, Inventory) else usages:
+    for usage in usages:
         if not usage.schedulable:
             continue
         if avoid and usage.node.name in avoid:
