@@ -165,6 +165,20 @@ class _Node:
         return False
 
 
+def could_free(free: int, held: list[int], least: int, max_victims: int) -> bool:
+    """Whether a node with `free` free GPUs could have `least` free once at most
+    `max_victims` of the replicas holding `held` GPUs on it stop: a bound that passes
+    over a node without weighing its sets. `held` may be reordered."""
+    if free >= least:
+        return True  # room enough already, whatever its candidates hold
+    if len(held) > max_victims:
+        # Sorted only where there are more candidates than victims: most nodes' few
+        # candidates are summed as they are.
+        held.sort(reverse=True)
+        del held[max_victims:]
+    return free + sum(held) >= least
+
+
 def search(
     view: View,
     profiles: Sequence[catalog.Profile],
@@ -195,14 +209,8 @@ def search(
             # the most GPUs any max_victims of its candidates free. On a full cluster
             # it passes over most nodes for a large model.
             at = by_node[name]
-            free = len(usage.free)
-            if free < least:
-                if len(at) <= max_victims:
-                    most = sum([cands[i].gpus for i in at])
-                else:
-                    most = sum(sorted([cands[i].gpus for i in at], reverse=True)[:max_victims])
-                if free + most < least:
-                    continue
+            if not could_free(len(usage.free), [cands[i].gpus for i in at], least, max_victims):
+                continue
             nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
-from services.core import placement
+from services.core import node_aware, placement
 from services.core.inventory import Inventory
 from services.core.preemption import Candidate, Decision
 from services.core.view import View
@@ -90,15 +90,8 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
             # bound, to pass over a node without trying its sets.
             u = usage(g[0].node)
             free = 0 if u is None else len(u.free)
-            if free < least:
-                held = [c.gpus for c in g]
-                if len(held) > max_victims:
-                    # Sorted only where there are more candidates than victims: most
-                    # nodes' few candidates are summed as they are.
-                    held.sort(reverse=True)
-                    del held[max_victims:]
-                if free + sum(held) < least:
-                    continue
+            if not node_aware.could_free(free, [c.gpus for c in g], least, max_victims):
+                continue
         if trial is None:
             # The first group with a set to try: if the model fits as the cluster
             # stands, that set makes room.
