@@ -217,7 +217,7 @@ class Engine:
         self._q: list[_Entry] = []
         self._order = itertools.count(1)
         # Beside the queue, the entries that come in order as they are scheduled (each
-        # request's idle timer, see `_request`): kept in a FIFO, since a heap pays a push
+        # request's idle timer, `at_later`): kept in a FIFO, since a heap pays a push
         # and a pop of its depth for each of these hundreds of thousands. An entry that
         # would not keep the FIFO sorted goes to the queue instead. `run` takes the first
         # of both by (time, order), so happenings run in exactly the same order.
@@ -284,7 +284,6 @@ class Engine:
         q, fifo = self._q, self._fifo
         pop, popleft = heapq.heappop, fifo.popleft
         advance, settle = self._advance, self._settle
-        view = self.view
         end = self.duration
         while True:
             # The next instant: the earlier of the queue's and the FIFO's first.
@@ -306,9 +305,7 @@ class Engine:
                 else:
                     break
                 handle(arg)
-            # `_settle`'s own first test, made here: most instants return there.
-            if self._dirty or not self._due_known or view.state.holds:
-                settle()
+            settle()
         self._advance(self.duration)
         self.ingest.touched.clear()
 
@@ -321,6 +318,17 @@ class Engine:
     def at(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
         """At virtual time t, `handle(arg)`."""
         heapq.heappush(self._q, (t, next(self._order), handle, arg))
+
+    def at_later(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
+        """`at`, for a time most likely no earlier than any scheduled with `at_later`
+        before: such an entry goes to the FIFO (its order only grows, so the FIFO stays
+        sorted); one that would not keep the FIFO sorted goes to the queue."""
+        entry = (t, next(self._order), handle, arg)
+        fifo = self._fifo
+        if not fifo or fifo[-1][0] <= t:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._q, entry)
 
     @property
     def now(self) -> datetime:
@@ -461,6 +469,12 @@ class Engine:
             if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
                 self._tick_at = nxt
                 self.at(nxt, self._on_tick)
+
+    def _timers_changed(self) -> None:
+        """A hold or a silent node came or went: the timers are worked out again, and
+        with them when the next pass is due."""
+        self._timers = None
+        self._due_known = False
 
     def _next_due(self) -> float | None:
         """When a pass is next due by a timer, after now: a failure's backoff, a hold's
@@ -634,8 +648,7 @@ class Engine:
         if kind in _PASS_ON:
             self._dirty = True
         if kind in _TIMERS:
-            self._timers = None
-            self._due_known = False
+            self._timers_changed()
         seen = _OBSERVERS.get(kind)
         if seen is not None:
             seen(self, e, node)
@@ -751,8 +764,7 @@ class Engine:
     def _node_down(self, name: str) -> None:
         g = self._groups[name]
         self._down[name] = self.t
-        self._timers = None
-        self._due_known = False
+        self._timers_changed()
         self._up_gpus -= g.gpus
         self._dirty = True
         self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
@@ -760,8 +772,7 @@ class Engine:
     def _node_up(self, name: str) -> None:
         g = self._groups[name]
         del self._down[name]
-        self._timers = None
-        self._due_known = False
+        self._timers_changed()
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:
@@ -801,7 +812,7 @@ class Engine:
 
     def _next_request(self, a: _Arrivals, t: float) -> None:
         """The next arrival after t: Poisson at the peak rate, thinned by the daily cycle
-        (`_cycle`, written out here: most arrivals take two or three draws)."""
+        (`_cycle`)."""
         peak = a.peak
         if peak <= 0:
             return
@@ -811,9 +822,8 @@ class Engine:
             t += draw(peak)
             if t > end:
                 return
-            hour = (t / 3600.0) % 24.0
-            if uniform() * top <= 1.0 + daily * cos(_TWO_PI * (hour - peak_hour) / 24.0):
-                heapq.heappush(self._q, (t, next(self._order), self._on_request, a.spec.name))
+            if uniform() * top <= _cycle(daily, peak_hour, t):
+                self.at(t, self._on_request, a.spec.name)
                 return
 
     def _request(self, model: str) -> None:
@@ -821,15 +831,8 @@ class Engine:
         t = self.t
         self.m.requests += 1
         self._last_request[model] = t
-        # The idle timers come in order, the same wait (most often) after each request:
-        # to the FIFO, whose order only grows, unless this one would not keep it sorted.
-        due = t + a.idle_after_s
-        entry = (due, next(self._order), self._on_idle, model)
-        fifo = self._fifo
-        if not fifo or fifo[-1][0] <= due:
-            fifo.append(entry)
-        else:
-            heapq.heappush(self._q, entry)
+        # The idle timers come in order: the same wait (most often) after each request.
+        self.at_later(t + a.idle_after_s, self._on_idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
