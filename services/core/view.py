@@ -526,10 +526,7 @@ class View:
 
     def desired_of(self, m: catalog.Model) -> int:
         """`desired_for` a model already resolved."""
-        asked = self.state.desired.get(m.name)
-        if asked is None:
-            return m.min
-        return min(max(asked, m.min), m.max)
+        return _desired(self.state.desired.get(m.name), m.min, m.max)
 
     def off_target(self) -> tuple[list[str], list[tuple[int, catalog.Model, int, int]]]:
         """The declared models in rank order (`Catalog.by_rank`), split in two: the names
@@ -554,8 +551,7 @@ class View:
         on: list[str] = []
         off: list[tuple[int, catalog.Model, int, int]] = []
         for m, name, lo, hi, names in rows:
-            asked = asked_of.get(name)
-            desired = lo if asked is None else (hi if asked > hi else lo if asked < lo else asked)
+            desired = _desired(asked_of.get(name), lo, hi)
             n = live.get(name, 0) if names is None else sum([live.get(a, 0) for a in names])
             if n == desired:
                 on.append(name)
@@ -650,6 +646,12 @@ class View:
     def copy(self) -> View:
         """An independent copy (through the snapshot encoding)."""
         return View(decode_state(encode_state(self.state)))
+
+
+def _desired(asked: int | None, lo: int, hi: int) -> int:
+    """What a model's scale.desired (None: never said) asks for, clamped to its min and
+    max (a catalog's max is never below its min)."""
+    return lo if asked is None else min(max(asked, lo), hi)
 
 
 def _move(
