@@ -57,27 +57,9 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
         return False
     profiles = [p for p in m.profiles if p.name in d.profiles]
     one_shard = all(p.shards == 1 for p in profiles)
-    groups: list[Sequence[Candidate]]
-    if one_shard:
-        # Counted per node before any group is built: on a large cluster the answer is
-        # most often that there are too many sets to try. (Counter counts in C: a
-        # loop here would take twice its time over the hundreds of candidates.)
-        per_node = Counter(map(_node, d.candidates))
-        # Summed per count of candidates, not per node: a couple of hundred nodes hold
-        # a handful of distinct counts, and nodes with as many give as many sets.
-        counts = Counter(per_node.values())
-        if sum(sets(n, max_victims) * k for n, k in counts.items()) > limit:
-            return None
-        # Each node's list made up front (in the order nodes first appear), so the loop
-        # over the candidates only appends.
-        by_node: dict[str, list[Candidate]] = {n: [] for n in per_node}
-        for c in d.candidates:
-            by_node[c.node].append(c)
-        groups = list(by_node.values())
-    else:
-        groups = [d.candidates]
-        if sets(len(d.candidates), max_victims) > limit:
-            return None
+    groups = _groups(view, d.candidates, one_shard, max_victims, limit)
+    if groups is None:
+        return None
     least = min((p.gpus for p in profiles), default=0)
     usage = view.inventory.usage
     trial: Inventory | None = None
@@ -110,6 +92,46 @@ def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> boo
             for a in gone:
                 trial.restore(a)
     return False
+
+
+def _groups(
+    view: View, candidates: Sequence[Candidate], one_shard: bool, max_victims: int, limit: int
+) -> list[Sequence[Candidate]] | None:
+    """The groups of candidates whose sets are tried: each node's own with one shard per
+    profile, else all of them in one; None when they hold more than `limit` sets.
+
+    The last answer is kept on the view (`View.memo`, "oracle") with what it was worked
+    out from: a model failing again and again is decided on the same candidates, and
+    most decisions on a large cluster are answered None from the count alone. The tuple
+    of candidates compares as cheaply as it is equal (most are the very objects of the
+    last decision's), far less than counting them per node."""
+    key = (candidates, one_shard, max_victims, limit)
+    kept: tuple[tuple[object, ...], list[Sequence[Candidate]] | None] | None
+    kept = view.memo.get("oracle")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    groups: list[Sequence[Candidate]] | None
+    if one_shard:
+        # Counted per node before any group is built: on a large cluster the answer is
+        # most often that there are too many sets to try. (Counter counts in C: a
+        # loop here would take twice its time over the hundreds of candidates.)
+        per_node = Counter(map(_node, candidates))
+        # Summed per count of candidates, not per node: a couple of hundred nodes hold
+        # a handful of distinct counts, and nodes with as many give as many sets.
+        counts = Counter(per_node.values())
+        if sum(sets(n, max_victims) * k for n, k in counts.items()) > limit:
+            groups = None
+        else:
+            # Each node's list made up front (in the order nodes first appear), so the
+            # loop over the candidates only appends.
+            by_node: dict[str, list[Candidate]] = {n: [] for n in per_node}
+            for c in candidates:
+                by_node[c.node].append(c)
+            groups = list(by_node.values())
+    else:
+        groups = None if sets(len(candidates), max_victims) > limit else [candidates]
+    view.memo["oracle"] = (key, groups)
+    return groups
 
 
 _node = attrgetter("node")

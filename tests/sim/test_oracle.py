@@ -14,6 +14,7 @@ import random
 from collections import Counter
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from schemas import events as ev
@@ -174,3 +175,28 @@ def test_the_cases_it_meets_are_all_met() -> None:
             seen.add((one, reference_exists(v, d, 3, 10**6)))
             seen.add((one, reference_exists(v, d, 3, 0)))
     assert seen >= {(one, answer) for one in (True, False) for answer in (True, False, None)}
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_what_it_keeps_between_decisions_gives_their_own_answers(seed: int) -> None:
+    """The oracle keeps its last grouping on the view (`oracle._groups`): decisions one
+    after another on one view, at one cap and limit, some on the very candidates of
+    the one before (the same tuple, an equal one, or for a model of other profiles),
+    each answered as the plain reference answers it (at times at another cap or
+    limit)."""
+    rng = random.Random(seed)
+    s, models = cluster(rng)
+    v = s.view(strict=False)
+    decisions = [made_up(rng, v, models) for _ in range(4)]
+    decisions += [plan(v, model, NOW, Config()) for model in models]
+    for d in list(decisions):
+        other = rng.choice(models)
+        names = tuple(p.name for p in v.catalog[other].profiles)
+        # Equal candidates, not the same tuple; and the same tuple for another model.
+        decisions.append(msgspec.structs.replace(d, candidates=tuple(list(d.candidates))))
+        decisions.append(msgspec.structs.replace(d, model=other, profiles=names))
+    small = rng.randint(0, 40)
+    for d in decisions + rng.sample(decisions, len(decisions)):
+        # Mostly what the call before asked, at times another cap or limit.
+        k, limit = rng.choice([(3, oracle.LIMIT)] * 3 + [(1, small), (2, small), (3, small)])
+        assert oracle.exists(v, d, k, limit) is reference_exists(v, d, k, limit), d.model
