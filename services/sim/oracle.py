@@ -106,11 +106,11 @@ def _groups(
     of candidates compares as cheaply as it is equal (most are the very objects of the
     last decision's), far less than counting them per node."""
     key = (candidates, one_shard, max_victims, limit)
-    kept: tuple[tuple[object, ...], list[Sequence[Candidate]] | None] | None
+    groups: list[Sequence[Candidate]] | None
     kept = view.memo.get("oracle")
     if kept is not None and kept[0] == key:
-        return kept[1]
-    groups: list[Sequence[Candidate]] | None
+        groups = kept[1]
+        return groups
     if one_shard:
         # Counted per node before any group is built: on a large cluster the answer is
         # most often that there are too many sets to try. (Counter counts in C: a
