@@ -24,7 +24,6 @@ scenario, policy and seed give the same log, byte for byte.
 from __future__ import annotations
 
 import bisect
-import collections
 import dataclasses
 import heapq
 import itertools
@@ -216,12 +215,6 @@ class Engine:
         # order they were scheduled.
         self._q: list[_Entry] = []
         self._order = itertools.count(1)
-        # Beside the queue, the entries that come in order as they are scheduled (each
-        # request's idle timer, `at_later`): kept in a FIFO, since a heap pays a push
-        # and a pop of its depth for each of these hundreds of thousands. An entry that
-        # would not keep the FIFO sorted goes to the queue instead. `run` takes the first
-        # of both by (time, order), so happenings run in exactly the same order.
-        self._fifo: collections.deque[_Entry] = collections.deque()
         # Each node's group by the node's name (the first group to name it).
         self._groups: dict[str, NodeGroup] = {}
         for g in scenario.nodes:
@@ -244,6 +237,8 @@ class Engine:
         self._waits: dict[str, tuple[int, float]] = {}
         self._preempted_at: dict[str, float] = {}
         self._last_request: dict[str, float] = {}
+        self._idle_timer: set[str] = set()
+        """The models driven by requests with an idle timer scheduled (`_idle`)."""
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
         self._timers: list[float] | None = None
@@ -257,10 +252,8 @@ class Engine:
         self._arrivals: dict[str, _Arrivals] = {}
         self._changes = 0
         """Events stored that are not a replica.used."""
-        # The handlers of every request and its idle timer, bound once: hundreds of
-        # thousands of each are scheduled.
+        # The handler of every request, bound once: hundreds of thousands are scheduled.
         self._on_request = self._request
-        self._on_idle = self._idle
 
     # ------------------------------------------------------------------ the loop
 
@@ -281,29 +274,18 @@ class Engine:
 
     def _run(self) -> None:
         self._begin()
-        q, fifo = self._q, self._fifo
-        pop, popleft = heapq.heappop, fifo.popleft
+        q = self._q
+        pop = heapq.heappop
         advance, settle = self._advance, self._settle
         end = self.duration
-        while True:
-            # The next instant: the earlier of the queue's and the FIFO's first.
-            if fifo and (not q or fifo[0] < q[0]):
-                t = fifo[0][0]
-            elif q:
-                t = q[0][0]
-            else:
-                break
+        while q:
+            t = q[0][0]
             if t > end:
                 break
             advance(t)
-            while True:
-                # Each happening at t in (time, order), from whichever holds it first.
-                if fifo and fifo[0][0] == t and (not q or fifo[0] < q[0]):
-                    _, _, handle, arg = popleft()
-                elif q and q[0][0] == t:
-                    _, _, handle, arg = pop(q)
-                else:
-                    break
+            # Each happening at t, in the order they were scheduled.
+            while q and q[0][0] == t:
+                _, _, handle, arg = pop(q)
                 handle(arg)
             settle()
         self._advance(self.duration)
@@ -319,21 +301,11 @@ class Engine:
         """At virtual time t, `handle(arg)`."""
         heapq.heappush(self._q, (t, next(self._order), handle, arg))
 
-    def at_later(self, t: float, handle: Callable[[Any], None], arg: Any = None) -> None:
-        """`at`, for a time most likely no earlier than any scheduled with `at_later`
-        before: such an entry goes to the FIFO (its order only grows, so the FIFO stays
-        sorted); one that would not keep the FIFO sorted goes to the queue."""
-        entry = (t, next(self._order), handle, arg)
-        fifo = self._fifo
-        if not fifo or fifo[-1][0] <= t:
-            fifo.append(entry)
-        else:
-            heapq.heappush(self._q, entry)
-
     @property
     def now(self) -> datetime:
         """The virtual time as a datetime, made when first asked for at an instant: most
-        instants (a request's idle timer running out) publish nothing and never ask."""
+        instants (a request served by a replica reported used lately) publish nothing and
+        never ask."""
         if self._now_t != self.t:
             self._now = START + timedelta(0, self.t)  # 0 days, t seconds
             self._now_t = self.t
@@ -415,8 +387,18 @@ class Engine:
         self._dirty = True
 
     def _idle(self, model: str) -> None:
+        """A model's idle timer: scaled to zero once `idle_after` has passed since its
+        last request. One timer per model at a time, set at a request when none is, and
+        set again for the last request's time when later requests came meanwhile: it
+        runs out when the last request's own timer would, and no earlier instant need
+        be made for every request's."""
         a = self._arrivals[model]
         last = self._last_request.get(model, -math.inf)
+        due = last + a.idle_after_s
+        if due > self.t:
+            self.at(due, self._idle, model)
+            return
+        self._idle_timer.discard(model)
         if self.t - last >= a.idle_after_s and self._desired[model] > 0:
             self._scale(a.spec, 0)
 
@@ -831,8 +813,9 @@ class Engine:
         t = self.t
         self.m.requests += 1
         self._last_request[model] = t
-        # The idle timers come in order: the same wait (most often) after each request.
-        self.at_later(t + a.idle_after_s, self._on_idle, model)
+        if model not in self._idle_timer:
+            self._idle_timer.add(model)
+            self.at(t + a.idle_after_s, self._idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
