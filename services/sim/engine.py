@@ -303,9 +303,9 @@ class Engine:
 
     @property
     def now(self) -> datetime:
-        """The virtual time as a datetime, made when first asked for at an instant: most
-        instants (a request served by a replica reported used lately) publish nothing and
-        never ask."""
+        """The virtual time as a datetime, made when first asked for at an instant: one
+        that publishes nothing (a request served by a replica reported used lately, an
+        idle timer set again) never asks."""
         if self._now_t != self.t:
             self._now = START + timedelta(0, self.t)  # 0 days, t seconds
             self._now_t = self.t
