@@ -678,7 +678,7 @@ class _Kept:
     names and the quota tree); besides, the blocks of the last call that read the time
     (`timely`, one per model name at most), and the last answer (`merged`)."""
 
-    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "timely", "tree")
+    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "timely", "tree", "walked")
 
     def __init__(self, tree: quota.QuotaTree) -> None:
         self.tree = tree
@@ -689,6 +689,14 @@ class _Kept:
         self.timely: dict[str, _Block] = {}
         """Per model name, its block weighed at the last call, when that read the time:
         used again by a call at the same time (`_Block.holds_at`). Replaced each call."""
+        self.walked: tuple[int, tuple[catalog.Model, ...], datetime] | None = None
+        """When every model's block was last checked: `View.changes`, the catalog's
+        `by_rank()` and the time. A pass reports the models it cannot place one after
+        another at one time, and between two of their calls most often nothing changed
+        (a decision changes no replica until its victims' drains are folded): while
+        these stay, every block checked then holds, those that read the time or the
+        quota usage of the moment too (no replica changed, so neither did the usage;
+        the quota tree is the one of these lists, `_kept`)."""
         self.merged: (
             tuple[
                 tuple[tuple[_Block, ...], ...],
@@ -829,7 +837,6 @@ def _candidates(
     kept = _kept(view, alike)
     w = _Weighing(view, m, now, cfg, holdings, reclaim, below_min, kept.peers)
     blocks = kept.blocks
-    fresh: dict[str, _Block] = {}
     resolve = view.catalog.resolve
     version_of, state_of = view.version, view.state_version
     timely: list[_Block] = []
@@ -839,35 +846,57 @@ def _candidates(
     # again as same_model exclusions (`own`).
     own: list[_Block] = []
     without: list[_Block] = []
-    # The blocks that read the time, for a next call at the same time: a pass reports the
-    # models it cannot place one after another at one time.
-    was_timely = kept.timely
-    now_timely: dict[str, _Block] = {}
-    for model in view.current_models():
-        version = version_of(model)
-        state = state_of(model)
-        other = resolve(model)
-        mine = other is m
-        if mine:
+    walked = (view.changes, view.catalog.by_rank(), now)
+    last = kept.walked
+    if last is not None and last[0] == walked[0] and last[1] is walked[1] and last[2] == now:
+        # Nothing changed since every block was checked, at this very time: each kept
+        # block holds, and so does each that read the time (`walked`). Only m's own
+        # names are looked at, as the walk below looks at them.
+        current = view.current_models()
+        mine_names = [n for n in view.catalog.names_of(m) if n in current]
+        for model in mine_names:
+            version = version_of(model)
+            state = state_of(model)
             b = owns.get(model)
-            if b is None or not b.holds(version, state, other, now):
-                b = owns[model] = w.block(model, other, version, state, own=True)
+            if b is None or not b.holds(version, state, m, now):
+                b = owns[model] = w.block(model, m, version, state, own=True)
             own.append(b)
-        b = blocks.get(model)
-        if b is None or not b.holds(version, state, other, now):
-            b = was_timely.get(model)
-            if b is None or not b.holds_at(version, state, other, now):
-                b = w.block(model, other, version, state)
-            if b.timely:
-                now_timely[model] = b
-                if not mine:
-                    timely.append(b)
-                continue
-        if mine:
-            without.append(b)
-        fresh[model] = b
-    kept.timely = now_timely
-    kept.update(fresh)
+            b = blocks.get(model)
+            if b is not None:
+                without.append(b)
+        timely = [b for name, b in kept.timely.items() if name not in mine_names]
+    else:
+        fresh: dict[str, _Block] = {}
+        # The blocks that read the time, for a next call at the same time: a pass
+        # reports the models it cannot place one after another at one time.
+        was_timely = kept.timely
+        now_timely: dict[str, _Block] = {}
+        for model in view.current_models():
+            version = version_of(model)
+            state = state_of(model)
+            other = resolve(model)
+            mine = other is m
+            if mine:
+                b = owns.get(model)
+                if b is None or not b.holds(version, state, other, now):
+                    b = owns[model] = w.block(model, other, version, state, own=True)
+                own.append(b)
+            b = blocks.get(model)
+            if b is None or not b.holds(version, state, other, now):
+                b = was_timely.get(model)
+                if b is None or not b.holds_at(version, state, other, now):
+                    b = w.block(model, other, version, state)
+                if b.timely:
+                    now_timely[model] = b
+                    if not mine:
+                        timely.append(b)
+                    continue
+            if mine:
+                without.append(b)
+            fresh[model] = b
+        kept.timely = now_timely
+        kept.update(fresh)
+        kept.walked = walked
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.

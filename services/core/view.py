@@ -283,6 +283,7 @@ class View:
         "_unordered",
         "_versions",
         "catalog",
+        "changes",
         "inventory",
         "memo",
         "quota",
@@ -316,6 +317,9 @@ class View:
         self._loads: dict[str, list[float]] = {}
         self._versions: dict[str, int] = {}
         self._states: dict[str, int] = {}
+        self.changes = 0
+        """How many times `changed` was called: while it stays, no model's `version` or
+        `state_version` moved, and no model name came into or left `current_models`."""
         self.memo: dict[str, Any] = {}
         """What a reader keeps between calls, derived from the view and checked before it
         is used against what it was worked out from (the policy's weighings, against
@@ -409,6 +413,7 @@ class View:
         calls it through `note`, and for a replica's use, which `note` does not index."""
         v = self._versions
         v[model] = v.get(model, 0) + 1
+        self.changes += 1
         if not use:
             s = self._states
             s[model] = s.get(model, 0) + 1

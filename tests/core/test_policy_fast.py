@@ -22,6 +22,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from schemas import events as ev
 from services.core import catalog, fold, node_aware, preemption, quota
 from services.core.preemption import WHY, Candidate, Config, Exclusion, plan
 from services.core.reaction import bounded
@@ -145,10 +146,11 @@ def plain(
         excluded.append(Exclusion(replica=rid, model=model, why=why, detail=detail or WHY[why]))
 
     by_model: dict[str, list[ReplicaRecord]] = {}
+    mine = view.catalog.names_of(m)  # m's own name, and an old one it holds alone
     for r in view.current():
         if not r.holds_capacity:
             continue
-        if r.model == m.name:
+        if r.model in mine:
             exclude(r.id, r.model, "same_model")
         elif r.retiring_at is not None:
             exclude(r.id, r.model, "retiring")
@@ -293,6 +295,59 @@ def test_kept_weighings_equal_the_plain_computation_as_the_log_grows(
                     assert preemption._candidates(*args) == plain(*args)
         finally:
             preemption._FEW = few
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_calls_at_one_time_read_every_change_folded_between_them(seed: int) -> None:
+    """Calls at one time, with nothing folded between them, check no model's block again
+    (`_Kept.walked`); anything folded between them makes them look again: a replica's
+    use, a drain, its stop, a model declared anew (another minimum, class or alias, with
+    no replica changing) or removed, the quota tree replaced. Every answer is the plain
+    one."""
+    rng = random.Random(seed)
+    s, models = build(rng)
+    now = s.now
+    reps = list(s._replicas)
+    for _ in range(12):
+        roll = rng.random()
+        if roll < 0.4:
+            name = rng.choice(models)
+            d = s._models[name]
+            s.model(
+                name,
+                cls=rng.choice(CLASSES),
+                min=rng.choice([0, 1, 4]),
+                max=d.max,
+                profiles=list(d.profiles),
+                owner=d.owner,
+                aliases=rng.choice([[], [rng.choice(models)]]),
+            )
+        elif roll < 0.48:
+            # The replicas of a model removed are another's where it holds the name as
+            # an alias, else of no model.
+            s.emit(ev.ModelRemoved(name=rng.choice(models)))
+        elif roll < 0.55:
+            s.quota({o: {"gpus": rng.choice([0, 4, 8])} for o in ("o0", "o1", "o2")})
+        elif reps and roll < 0.8:
+            s.used(rng.choice(reps), at=rng.choice(["-20m", "-1m", "+0s"]))
+        elif reps:
+            rid = rng.choice(reps)
+            s.drain(rid, rng.choice(["scale_down", "preempted"]), for_model=models[0])
+            if rng.random() < 0.5:
+                s.state(rid, "stopped")
+    cfg = Config(eviction_grace_s=rng.choice([0.0, 600.0]))
+    view = View()
+    for seq, subject, e in s.events():
+        fold.apply(view, e, seq=seq, subject=subject)
+        holdings = view.holdings()
+        for _ in range(rng.randint(0, 4)):
+            m = view.catalog.resolve(rng.choice(models))
+            if m is None:
+                continue
+            reclaim, below_min = rng.random() < 0.5, rng.random() < 0.5
+            args = (view, m, now, cfg, holdings, reclaim, below_min)
+            assert preemption._candidates(*args) == plain(*args)
 
 
 def test_a_weighing_is_shared_only_between_models_and_settings_it_holds_for() -> None:
