@@ -676,9 +676,20 @@ class _Kept:
     other's, as the others alike weigh them), the candidates and exclusions of all those
     blocks in their orders, and what `_peer` worked out (which reads only what `_alike`
     names and the quota tree); besides, the blocks of the last call that read the time
-    (`timely`, one per model name at most), and the last answer (`merged`)."""
+    (`timely`, one per model name at most), and the last answer of each list (`merged_ranked`,
+    `merged_excluded`)."""
 
-    __slots__ = ("blocks", "excluded", "merged", "peers", "ranked", "timely", "tree", "walked")
+    __slots__ = (
+        "blocks",
+        "excluded",
+        "merged_excluded",
+        "merged_ranked",
+        "peers",
+        "ranked",
+        "timely",
+        "tree",
+        "walked",
+    )
 
     def __init__(self, tree: quota.QuotaTree) -> None:
         self.tree = tree
@@ -697,18 +708,17 @@ class _Kept:
         these stay, every block checked then holds, those that read the time or the
         quota usage of the moment too (no replica changed, so neither did the usage;
         the quota tree is the one of these lists, `_kept`)."""
-        self.merged: (
-            tuple[
-                tuple[tuple[_Block, ...], ...],
-                tuple[tuple[Candidate, ...], tuple[Exclusion, ...]],
-            ]
-            | None
+        self.merged_ranked: (
+            tuple[tuple[tuple[_Block, ...], tuple[_Block, ...]], tuple[Candidate, ...]] | None
         ) = None
-        """The last answer, with the blocks it put in among the kept lists or took out
-        (the timely ones put in, m's own exclusions, m's replicas taken out; none when
-        it is the lists as they are), compared by identity: the same blocks put in
-        among the same lists give the same answer. Dropped whenever the lists change
-        (`update`)."""
+        """The last candidates answered, with the blocks whose candidates it put in among
+        the kept ones (the timely ones) and took out (m's replicas as any other's),
+        compared by identity: the same blocks put in and taken out of the same list
+        give the same answer. Dropped whenever the lists change (`update`)."""
+        self.merged_excluded: (
+            tuple[tuple[tuple[_Block, ...], tuple[_Block, ...]], tuple[Exclusion, ...]] | None
+        ) = None
+        """The same for the exclusions (m's own put in besides the timely ones)."""
 
     def update(self, fresh: dict[str, _Block]) -> None:
         """Make the lists those of `fresh`: the entries of every block no longer there
@@ -738,7 +748,7 @@ class _Kept:
             self.ranked.add(in_r)
             self.excluded.remove(out_x)
             self.excluded.add(in_x)
-            self.merged = None
+            self.merged_ranked = self.merged_excluded = None
 
 
 def _diff(
@@ -831,7 +841,7 @@ def _candidates(
     the quota usage of the moment (a replica under a guarantee, borrowed or not) is
     weighed again on every call, but for one that read only the time, asked about again
     at that same time (`_Block.holds_at`); when every block put in and taken out is the
-    one of the last such call, so is the answer (`_Kept.merged`).
+    one of the last such call, so is the answer (`_Kept.merged_ranked`, `merged_excluded`).
     """
     alike = _alike(m, cfg, reclaim, below_min)
     kept = _kept(view, alike)
@@ -900,23 +910,33 @@ def _candidates(
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.
-    blocks_in = (tuple(timely), tuple(own), tuple(without))
-    merged = kept.merged
-    if merged is not None and merged[0] == blocks_in:
-        return merged[1]
-    # Weighed for this call only: put in among the kept ones, not kept with them.
-    answer = (
-        kept.ranked.with_(
-            sorted([c for b in timely for c in b.ranked]),
-            sorted([c for b in without for c in b.ranked]),
-        ),
-        kept.excluded.with_(
-            sorted([x for b in (*timely, *own) for x in b.excluded]),
-            sorted([x for b in without for x in b.excluded]),
-        ),
+    # Each list's answer is kept apart, with the blocks that put entries in or took
+    # them out: models alike whose own replicas are none of the candidates (at their
+    # minimum, say) get the same candidates, the same tuple.
+    r_in = (tuple([b for b in timely if b.ranked]), tuple([b for b in without if b.ranked]))
+    ranked = kept.merged_ranked
+    if ranked is None or ranked[0] != r_in:
+        ranked = kept.merged_ranked = (
+            r_in,
+            kept.ranked.with_(
+                sorted([c for b in r_in[0] for c in b.ranked]),
+                sorted([c for b in r_in[1] for c in b.ranked]),
+            ),
+        )
+    x_in = (
+        tuple([b for b in (*timely, *own) if b.excluded]),
+        tuple([b for b in without if b.excluded]),
     )
-    kept.merged = (blocks_in, answer)
-    return answer
+    excluded = kept.merged_excluded
+    if excluded is None or excluded[0] != x_in:
+        excluded = kept.merged_excluded = (
+            x_in,
+            kept.excluded.with_(
+                sorted([x for b in x_in[0] for x in b.excluded]),
+                sorted([x for b in x_in[1] for x in b.excluded]),
+            ),
+        )
+    return ranked[1], excluded[1]
 
 
 def _exclude_all(
