@@ -226,6 +226,9 @@ class Engine:
         self._failures: dict[str, scheduling.Failure] = {}
         self._failing = False
         self._agents: dict[str, _Agent] = {}
+        self._on_node: dict[str, dict[str, _Agent]] = {}
+        """Per node, the agents of its replicas not known to be stopped or failed (and
+        some that are, until the node is next lost): what a node's loss fails."""
         self._ready: dict[str, int] = dict.fromkeys(self.models, 0)
         self._ready_ids: dict[str, dict[str, None]] = {m: {} for m in self.models}
         self._ready_gpus = 0
@@ -234,6 +237,8 @@ class Engine:
         self._up_gpus = 0
         self._desired: dict[str, int] = dict.fromkeys(self.models, 0)
         self._short: dict[str, int] | None = None
+        self._accrued_t = 0.0
+        """Until when the metrics' sums are summed (`_accrue`)."""
         self._waits: dict[str, tuple[int, float]] = {}
         self._preempted_at: dict[str, float] = {}
         self._last_request: dict[str, float] = {}
@@ -276,19 +281,20 @@ class Engine:
         self._begin()
         q = self._q
         pop = heapq.heappop
-        advance, settle = self._advance, self._settle
+        settle = self._settle
         end = self.duration
         while q:
             t = q[0][0]
             if t > end:
                 break
-            advance(t)
+            self.t = t
             # Each happening at t, in the order they were scheduled.
             while q and q[0][0] == t:
                 _, _, handle, arg = pop(q)
                 handle(arg)
             settle()
-        self._advance(self.duration)
+        self.t = self.duration
+        self._accrue()
         self.ingest.touched.clear()
 
     def rng(self, stream: str) -> random.Random:
@@ -311,9 +317,12 @@ class Engine:
             self._now_t = self.t
         return self._now
 
-    def _advance(self, t: float) -> None:
-        """Time passes from self.t to t with nothing changing: sum what it held."""
-        dt = t - self.t
+    def _accrue(self) -> None:
+        """Sum what the cluster held since the last change (`_accrued_t`) until now:
+        called before anything summed changes (the GPUs ready or up, a model's desired
+        or ready count), and at the end of the run. Between two changes nothing summed
+        moves, however many instants pass."""
+        dt = self.t - self._accrued_t
         if dt > 0:
             m = self.m
             m.gpu_busy_s += self._ready_gpus * dt
@@ -325,7 +334,7 @@ class Engine:
                 unserved = m.unserved_s
                 for cls, n in short.items():
                     unserved[cls] = unserved.get(cls, 0.0) + n * dt
-        self.t = t
+            self._accrued_t = self.t
 
     def _shortfall(self) -> dict[str, int]:
         """Per class, the replicas desired and not ready now."""
@@ -647,6 +656,7 @@ class Engine:
             source=f"agent/{where}",
             subject=subjects.replica_subject(where, d.replica, ROOT),
         )
+        self._on_node.setdefault(where, {})[d.replica] = a
         if where in self._down:
             return  # a silent agent never hears it
         spec = self.models.get(d.model)
@@ -680,9 +690,12 @@ class Engine:
         self._state_seen(e.data.replica, state)
 
     def _lost(self, e: ev.NodeLostEvent, node: str | None) -> None:
-        for rid, a in self._agents.items():
-            if a.node == e.data.node and a.state not in ("stopped", "failed"):
-                self._state_seen(rid, "failed")
+        on = self._on_node.get(e.data.node)
+        if on:
+            for rid, a in list(on.items()):
+                if a.state not in ("stopped", "failed"):
+                    self._state_seen(rid, "failed")
+                del on[rid]  # failed now, if it was not stopped or failed before
 
     def _scale_seen(self, e: ev.ScaleDesiredEvent, node: str | None) -> None:
         self._scaled(e.data.model)
@@ -701,6 +714,7 @@ class Engine:
         if state in ("stopped", "failed"):
             a.gen += 1
         if was_ready != (state == "ready"):
+            self._accrue()
             self._short = None
         if was_ready and state != "ready":
             self._ready[a.model] -= 1
@@ -747,6 +761,7 @@ class Engine:
         g = self._groups[name]
         self._down[name] = self.t
         self._timers_changed()
+        self._accrue()
         self._up_gpus -= g.gpus
         self._dirty = True
         self.at(self.t + g.repair_s * self.rng(name).uniform(0.5, 1.5), self._node_up, name)
@@ -755,6 +770,7 @@ class Engine:
         g = self._groups[name]
         del self._down[name]
         self._timers_changed()
+        self._accrue()
         self._up_gpus += g.gpus
         self._inventory(name)
         if g.mtbf_s:
@@ -773,6 +789,7 @@ class Engine:
             return
         want = self.view.desired_for(model)
         before = self._desired[model]
+        self._accrue()
         self._desired[model] = want
         self._short = None
         w = self._waits.get(model)
