@@ -23,6 +23,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -134,6 +135,10 @@ def _parallel(
     running: dict[Connection, tuple[int, SpawnProcess]] = {}
     started = given = 0
     installed, old_term = _raise_on_sigterm()
+    if os.name == "posix":
+        # Started now, not by the first worker's start: starting it unblocks SIGINT and
+        # SIGTERM, which would leave that worker open to a Ctrl-C in its first moments.
+        resource_tracker.ensure_running()
     try:
         while given < len(policies):
             while started < len(policies) and len(running) < jobs:

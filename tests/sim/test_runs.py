@@ -41,6 +41,17 @@ def _procs() -> list[tuple[int, str, int, int, str]]:
     return out
 
 
+def _sigint_held(pid: int) -> bool:
+    """Whether the process has SIGINT blocked or ignored (True once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return True
+    masks = dict(line.split(":\t") for line in status if line.startswith(("SigBlk", "SigIgn")))
+    bit = 1 << (signal.SIGINT - 1)
+    return bool((int(masks["SigBlk"], 16) | int(masks["SigIgn"], 16)) & bit)
+
+
 def _no_workers_left() -> None:
     assert multiprocessing.active_children() == []
     workers = [p for p in _procs() if p[2] == os.getpid() and "spawn_main" in p[4]]
@@ -146,9 +157,13 @@ def test_a_signal_stops_every_worker(
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             workers = [x for x in _procs() if x[2] == p.pid and "spawn_main" in x[4]]
+            # From its first moment (importing, before it can ignore SIGINT itself) a
+            # worker has SIGINT blocked or ignored: a Ctrl-C is the parent's to act on.
+            for pid, *_ in workers:
+                assert _sigint_held(pid), f"worker {pid} is open to SIGINT"
             if len(workers) == 2 and all(x[1] != "Z" for x in workers):
                 break
-            time.sleep(0.02)
+            time.sleep(0.005)
         else:
             pytest.fail("the two workers did not start")
         if group:
@@ -157,8 +172,8 @@ def test_a_signal_stops_every_worker(
             p.send_signal(sig)
         out, err = p.communicate(timeout=30)
     finally:
-        if p.poll() is None:
-            p.kill()
+        if p.poll() is None:  # the test failed: take its whole group down
+            os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     assert p.returncode == code, err
     assert "Traceback" not in err and "wrote " not in out
