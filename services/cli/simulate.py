@@ -3,7 +3,8 @@
 Registered by `services.cli`. Runs the scenario once per policy with `services.sim`
 (no broker, no sleeping), writes each run's log as a bundle under --out (so `llmgw
 replay`, `view`, `explain` and `diff --log` read a simulated incident), and prints the
-report, one column per policy, or with --json the same as one JSON object.
+report, one column per policy, or with --json the same as one JSON object. The policies
+run side by side, each in its own process, up to --jobs at once (`services.sim.runs`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.cli import app as cli
+
+if TYPE_CHECKING:
+    from services.sim import engine
 
 
 def register(commands: cli.Commands) -> None:
@@ -31,6 +36,7 @@ def register(commands: cli.Commands) -> None:
             "llmgw simulate deploy/examples/sim/h100-l4.yaml",
             "llmgw simulate deploy/examples/sim/homogeneous.yaml --duration 1d --json",
             "llmgw simulate SCENARIO.yaml --policy node-aware --out runs/ --seed 7",
+            "llmgw simulate deploy/examples/sim/homogeneous.yaml --duration 2d --jobs 1",
         ),
         func=_simulate,
     )
@@ -52,12 +58,23 @@ def register(commands: cli.Commands) -> None:
         metavar="DIR",
         help="write each policy's log as DIR/<scenario>-<policy>.jsonl (default: not written)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help=(
+            "how many policies run at once, each in its own process (default: as many as "
+            "the CPUs this process may use, at most one per policy); 1 runs them one after "
+            "another in this process. Only the wall time depends on N: the report and the "
+            "bundles are the same"
+        ),
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from services.core import preemption
-    from services.sim import engine, report
+    from services.sim import report, runs
     from services.sim import scenario as scn
 
     try:
@@ -71,24 +88,32 @@ def _simulate(args: argparse.Namespace) -> int:
         raise cli.UsageError(
             f"--policy {args.policy!r}: expected some of {', '.join(preemption.POLICIES)}"
         )
+    if args.jobs is not None and args.jobs < 1:
+        raise cli.UsageError(f"--jobs {args.jobs}: expected 1 or more processes")
     out_dir = Path(args.out) if args.out else None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for pol in policies:
-        if out_dir is not None:
-            path = out_dir / f"{sc.name}-{pol}.jsonl"
-            with path.open("wb") as fp:
-                r = engine.simulate(
-                    sc, pol, seed=args.seed, duration_s=duration, out=fp, clock=time.monotonic
-                )
-            if not args.json:
-                print(
-                    f"wrote {path} ({r.metrics.events:,} event{'' if r.metrics.events == 1 else 's'}, digest {r.digest})"
-                )
-        else:
-            r = engine.simulate(sc, pol, seed=args.seed, duration_s=duration, clock=time.monotonic)
-        results.append(r)
+
+    def wrote(r: engine.Result) -> None:
+        if out_dir is not None and not args.json:
+            n = r.metrics.events
+            path = runs.bundle_path(out_dir, sc, r.policy)
+            print(f"wrote {path} ({n:,} event{'' if n == 1 else 's'}, digest {r.digest})")
+
+    jobs = runs.workers(len(policies), args.jobs)
+    t0 = time.monotonic()
+    try:
+        results = runs.run(
+            sc,
+            policies,
+            seed=args.seed,
+            duration_s=duration,
+            out_dir=out_dir,
+            jobs=jobs,
+            clock=time.monotonic,
+            on_result=wrote,
+        )
+    except runs.Failed as e:
+        raise cli.CliError(str(e)) from None
+    wall = time.monotonic() - t0
     if args.json:
         print(json.dumps(report.to_json(results)))
         return 0
@@ -96,8 +121,17 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"scenario {sc.name}, seed {results[0].seed}, {days:g} simulated day(s)")
     print(report.table(results))
     for r in results:
-        rate = r.metrics.events / r.wall_s if r.wall_s > 0 else 0.0
-        print(f"{r.policy}: {r.wall_s:.1f} s wall, {rate:,.0f} events/s", file=sys.stderr)
+        print(
+            f"{r.policy}: {r.wall_s:.1f} s wall, {_rate(r.metrics.events, r.wall_s)}",
+            file=sys.stderr,
+        )
+    if jobs > 1:
+        events = sum(r.metrics.events for r in results)
+        print(
+            f"{len(results)} policies in {jobs} processes: {wall:.1f} s wall, "
+            f"{_rate(events, wall)} in all",
+            file=sys.stderr,
+        )
     if len(results) > 1 and "reference" in policies and "node-aware" in policies:
         rows = report.verdict(results, "node-aware")
         print(
@@ -106,3 +140,7 @@ def _simulate(args: argparse.Namespace) -> int:
             else "node-aware is worse than reference on: " + "; ".join(rows)
         )
     return 0
+
+
+def _rate(events: int, wall_s: float) -> str:
+    return f"{events / wall_s if wall_s > 0 else 0.0:,.0f} events/s"

@@ -168,7 +168,9 @@ class Result:
     seed: int
     duration_s: float
     metrics: Metrics
-    view: View
+    view: View | None
+    """The final view; None in a result sent back by a worker process (`services.sim.runs`):
+    it is the whole simulated cluster, and the report reads only the metrics and digest."""
     digest: str
     wall_s: float = 0.0
 
