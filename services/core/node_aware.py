@@ -115,7 +115,7 @@ class _Node:
 
     __slots__ = ("cands", "cpu", "free_q", "freed", "mem", "usage")
 
-    def __init__(self, usage: NodeUsage, cands: list[Victim], needs: list[_Need]) -> None:
+    def __init__(self, usage: NodeUsage, cands: Sequence[Victim], needs: list[_Need]) -> None:
         self.usage = usage
         self.cands = cands
         healthy = set(usage.healthy)
@@ -193,25 +193,16 @@ def search(
     `fallback` is the reference's search, run only when a profile has several shards
     (the model would go to several nodes, which one node's sets do not cover)."""
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
-    inv = view.inventory
-    by_node: dict[str, list[int]] = {}
-    for i, c in enumerate(cands):
-        if c.node:
-            by_node.setdefault(c.node, []).append(i)
     nodes: list[tuple[list[int], _Node]] = []
     least = min((n.gpus for n in needs), default=0)
     if needs:
-        for name in sorted(by_node):
-            usage = inv.usage(name)
-            if usage is None or not usage.schedulable:
-                continue
+        for at, usage, mine, held in _on_nodes(view, cands):
             # A bound before anything is worked out per profile: the node's free GPUs and
             # the most GPUs any max_victims of its candidates free. On a full cluster
             # it passes over most nodes for a large model.
-            at = by_node[name]
-            if not could_free(len(usage.free), [cands[i].gpus for i in at], least, max_victims):
+            if not could_free(len(usage.free), list(held), least, max_victims):
                 continue
-            nodes.append((at, _Node(usage, [cands[i] for i in at], needs)))
+            nodes.append((at, _Node(usage, mine, needs)))
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})
     for t in tiers:
@@ -248,6 +239,39 @@ def search(
             if not best or key(other, load_s) < key(best, load_s):
                 return other
     return best
+
+
+def _on_nodes(
+    view: View, cands: Sequence[C]
+) -> list[tuple[list[int], NodeUsage, list[C], list[int]]]:
+    """Per schedulable node with candidates, in name order: where its candidates are in
+    `cands`, its usage, the candidates, and the GPUs each holds.
+
+    The last answer is kept on the view (`View.memo`, "node_aware") with the very tuple
+    of candidates and the inventory's version it was worked out from (a usage is
+    replaced, and the version moves, whenever a node changes): the policy answers the
+    models alike that a pass reports one after another with the same tuple (see
+    `preemption._Kept`). A list of candidates, which can change, is never kept."""
+    inv = view.inventory
+    kept = view.memo.get("node_aware")
+    if kept is not None and kept[0] is cands and kept[1] == inv.version:
+        got: list[tuple[list[int], NodeUsage, list[C], list[int]]] = kept[2]
+        return got
+    by_node: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        if c.node:
+            by_node.setdefault(c.node, []).append(i)
+    out = []
+    for name in sorted(by_node):
+        usage = inv.usage(name)
+        if usage is None or not usage.schedulable:
+            continue
+        at = by_node[name]
+        mine = [cands[i] for i in at]
+        out.append((at, usage, mine, [c.gpus for c in mine]))
+    if type(cands) is tuple:
+        view.memo["node_aware"] = (cands, inv.version, out)
+    return out
 
 
 def _first_fit(

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import catalog, fold, node_aware, preemption, quota
-from services.core.preemption import WHY, Candidate, Config, Exclusion, plan
+from services.core.preemption import WHY, Candidate, Config, Decision, Exclusion, plan
 from services.core.reaction import bounded
 from services.core.view import ReplicaRecord, View, decode_state, encode_state, size_of
 from services.sim import oracle
@@ -589,3 +589,55 @@ def test_placements_kept_for_the_inventory_decide_as_placements_worked_out_afres
     for name in models:
         assert plan(rebuilt, name, s.now, cfg) == plan(view, name, s.now, cfg)
     assert asked
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_the_nodes_kept_for_a_tuple_of_candidates_search_as_nodes_worked_out_afresh(
+    seed: int,
+) -> None:
+    """The node-aware search keeps its candidates grouped by node for the very tuple it
+    was given and the inventory's version (`node_aware._on_nodes`): the same tuple asked
+    about again after the inventory changed (a replica stopped, a node cordoned), and a
+    list changed in place between two calls, are searched as with nothing kept."""
+    rng = random.Random(seed)
+    s, models = filled(rng, 0.8)
+    view = View()
+    folded = 0
+
+    def catch_up() -> None:
+        nonlocal folded
+        for seq, subject, e in list(s.events())[folded:]:
+            fold.apply(view, e, seq=seq, subject=subject)
+            folded += 1
+
+    catch_up()
+    cfg = Config(policy="node-aware", max_victims=rng.randint(1, 3))
+    asked = [d for d in (plan(view, m, s.now, cfg) for m in models) if d.candidates]
+
+    def search(d: Decision, cands: Sequence[Candidate], fresh: bool) -> Sequence[Candidate]:
+        if fresh:
+            view.memo.pop("node_aware", None)
+        m = view.catalog.resolve(d.model)
+        assert m is not None
+        profiles = [p for p in m.profiles if p.name in d.profiles]
+        tr = preemption._Trials(view, profiles, d.avoid)
+        return node_aware.search(
+            view, profiles, cands, cfg.max_victims, lambda gone: tr.fits_without(gone, False), list
+        )
+
+    for d in asked:
+        search(d, d.candidates, False)
+        for c in rng.sample(d.candidates, min(2, len(d.candidates))):
+            if rng.random() < 0.6:
+                s.state(c.replica, "stopped")
+            else:
+                s.emit(ev.NodeCordoned(node=c.node))
+        catch_up()
+        kept = search(d, d.candidates, False)
+        assert kept == search(d, d.candidates, True)
+        changing = list(d.candidates)
+        search(d, changing, False)
+        rng.shuffle(changing)
+        del changing[: rng.randint(0, len(changing))]
+        assert search(d, changing, False) == search(d, changing, True)
