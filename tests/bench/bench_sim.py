@@ -6,7 +6,10 @@ Run from the repository root: `python tests/bench/bench_sim.py [--days N] [--nod
 Besides the wall time, each run prints where it went: the scheduler's passes
 (`scheduling.plan`), the policy's reactions (`reaction.react`, the policy's `plan` inside),
 and the rest (the engine, and encoding, folding and writing every event), timed around
-those two calls.
+those two calls. Then the policies run again side by side, each in its own process, as
+`llmgw simulate` runs them (`services.sim.runs`, `--jobs`), each bundle written to a
+temporary directory: the wall time of the whole, and the events of all the runs per
+second of it (`--jobs 1` skips this).
 
 Cluster: 200 nodes (160 x 8 H100, 40 x 4 L4, failing about once a week each and back
 within the hour), 60 models: 12 critical and 24 standard with diurnal demand, 8
@@ -32,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.sim import engine
+from services.sim import engine, runs
 from services.sim import scenario as scn
 
 
@@ -162,6 +165,12 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--policy", default="reference,node-aware")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes for the side-by-side run (default: as llmgw simulate's; 1 skips it)",
+    )
     args = ap.parse_args()
     sc = cluster(args.nodes)
     print(
@@ -194,6 +203,27 @@ def main() -> None:
         print(
             f"             scheduler passes {passes}; policy reactions {reacts}; "
             f"the rest {rest:.2f} s ({rest / m.events * 1e6:.1f} us per event)"
+        )
+    policies = args.policy.split(",")
+    jobs = runs.workers(len(policies), args.jobs)
+    if jobs > 1:
+        with tempfile.TemporaryDirectory() as out:
+            t0 = time.perf_counter()
+            rs = runs.run(
+                sc,
+                policies,
+                duration_s=args.days * 86400,
+                out_dir=Path(out),
+                jobs=jobs,
+                clock=time.perf_counter,
+            )
+            wall = time.perf_counter() - t0
+        events = sum(r.metrics.events for r in rs)
+        each = ", ".join(f"{r.policy} {r.wall_s:.1f} s" for r in rs)
+        print(
+            f"  side by side ({len(rs)} policies in {jobs} processes, as llmgw simulate): "
+            f"{wall:6.1f} s wall  {events:>9,} events  {events / wall:>9,.0f} events/s in all "
+            f"({each})"
         )
     print("  target: >= 50,000 events/s; a week of 200 nodes within 60 s")
 
