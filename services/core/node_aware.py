@@ -193,16 +193,7 @@ def search(
     `fallback` is the reference's search, run only when a profile has several shards
     (the model would go to several nodes, which one node's sets do not cover)."""
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
-    nodes: list[tuple[list[int], _Node]] = []
-    least = min((n.gpus for n in needs), default=0)
-    if needs:
-        for at, usage, mine, held in _on_nodes(view, cands):
-            # A bound before anything is worked out per profile: the node's free GPUs and
-            # the most GPUs any max_victims of its candidates free. On a full cluster
-            # it passes over most nodes for a large model.
-            if not could_free(len(usage.free), list(held), least, max_victims):
-                continue
-            nodes.append((at, _Node(usage, mine, needs)))
+    nodes = _on_nodes(view, cands, needs, max_victims) if needs else []
     best: Sequence[C] = ()
     tiers = sorted({c.tier for c in cands})
     for t in tiers:
@@ -242,36 +233,69 @@ def search(
 
 
 def _on_nodes(
-    view: View, cands: Sequence[C]
-) -> list[tuple[list[int], NodeUsage, list[C], list[int]]]:
-    """Per schedulable node with candidates, in name order: where its candidates are in
-    `cands`, its usage, the candidates, and the GPUs each holds.
+    view: View, cands: Sequence[C], needs: list[_Need], max_victims: int
+) -> list[tuple[list[int], _Node]]:
+    """Per schedulable node with candidates, in name order, where its candidates are in
+    `cands` and what they would free there for `needs` (`_Node`); only the nodes where
+    at most `max_victims` of them could free enough GPUs for the smallest need: a bound
+    before anything is worked out per profile, which on a full cluster passes over most
+    nodes for a large model.
 
-    The last answer is kept on the view (`View.memo`, "node_aware") with the very tuple
-    of candidates and the inventory's version it was worked out from (a usage is
-    replaced, and the version moves, whenever a node changes): the policy answers the
-    models alike that a pass reports one after another with the same tuple (see
-    `preemption._Kept`). A list of candidates, which can change, is never kept."""
+    Kept on the view (`View.memo`, "node_aware") with the very tuple of candidates and
+    the inventory's version they were worked out from (a node's usage is replaced, and
+    the version moves, whenever it changes): the grouping by node, and the nodes per
+    kind of need (which GPUs qualify for each, the smallest's GPUs) and cap. The policy
+    answers the models alike that a pass reports one after another with the same tuple
+    (see `preemption._Kept`), and most ask for a profile of a shape asked for before. A
+    list of candidates, which can change, is never kept."""
     inv = view.inventory
-    kept = view.memo.get("node_aware")
-    if kept is not None and kept[0] is cands and kept[1] == inv.version:
-        got: list[tuple[list[int], NodeUsage, list[C], list[int]]] = kept[2]
-        return got
-    by_node: dict[str, list[int]] = {}
-    for i, c in enumerate(cands):
-        if c.node:
-            by_node.setdefault(c.node, []).append(i)
-    out = []
-    for name in sorted(by_node):
-        usage = inv.usage(name)
-        if usage is None or not usage.schedulable:
-            continue
-        at = by_node[name]
-        mine = [cands[i] for i in at]
-        out.append((at, usage, mine, [c.gpus for c in mine]))
-    if type(cands) is tuple:
-        view.memo["node_aware"] = (cands, inv.version, out)
-    return out
+    kept: _OnNodes[C] | None = view.memo.get("node_aware")
+    if kept is None or kept[0] is not cands or kept[1] != inv.version:
+        by_node: dict[str, list[int]] = {}
+        for i, c in enumerate(cands):
+            if c.node:
+                by_node.setdefault(c.node, []).append(i)
+        grouped = []
+        for name in sorted(by_node):
+            usage = inv.usage(name)
+            if usage is None or not usage.schedulable:
+                continue
+            at = by_node[name]
+            mine = [cands[i] for i in at]
+            grouped.append((at, usage, mine, [c.gpus for c in mine]))
+        kept = (cands, inv.version, grouped, {})
+        if type(cands) is tuple:
+            view.memo["node_aware"] = kept
+    per_need = kept[3]
+    # A node's candidates are counted against each need by the GPUs that qualify (its
+    # `min_gb` and `words`, in the needs' order); the bound reads the smallest need's
+    # GPUs and the cap. Nothing else of a need is kept in a `_Node`.
+    least = min(n.gpus for n in needs)
+    kind = (tuple([(n.min_gb, n.words) for n in needs]), least, max_victims)
+    got = per_need.get(kind)
+    if got is None:
+        got = [
+            (at, _Node(usage, mine, needs))
+            for at, usage, mine, held in kept[2]
+            if could_free(len(usage.free), list(held), least, max_victims)
+        ]
+        if len(per_need) < _KINDS:
+            per_need[kind] = got
+    return got
+
+
+# _KINDS bounds the kinds of need `_on_nodes` keeps nodes for, per tuple of candidates.
+_KINDS = 64
+
+# What `_on_nodes` keeps: the candidates, the inventory's version, per schedulable node
+# (where its candidates are, its usage, the candidates, the GPUs each holds), and the
+# nodes worked out per kind of need and cap.
+_OnNodes = tuple[
+    Sequence[C],
+    int,
+    list[tuple[list[int], NodeUsage, list[C], list[int]]],
+    dict[tuple[object, ...], list[tuple[list[int], "_Node"]]],
+]
 
 
 def _first_fit(

@@ -641,3 +641,54 @@ def test_the_nodes_kept_for_a_tuple_of_candidates_search_as_nodes_worked_out_afr
         rng.shuffle(changing)
         del changing[: rng.randint(0, len(changing))]
         assert search(d, changing, False) == search(d, changing, True)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_the_nodes_kept_per_kind_of_need_search_as_nodes_worked_out_afresh(seed: int) -> None:
+    """The node-aware search keeps, per tuple of candidates, the nodes worked out for
+    each kind of need and cap (`node_aware._on_nodes`): one tuple searched for profiles
+    of every shape (GPUs, GPU memory and model, CPU, memory), one after another and
+    again, under every cap, each as with nothing kept."""
+    rng = random.Random(seed)
+    s, models = filled(rng, rng.choice([0.5, 0.8, 1.0]))
+    # GPUs of another model and memory: which GPUs qualify differs from node to node.
+    s.node("l0", "4xL4-24GB")
+    for g in range(4):
+        s.replica(f"fill-l0-{g}", "filler", on=("l0", [g]), ready="-3h", used="-1h")
+    view = s.view()
+    decided = [plan(view, m, s.now, Config(policy="node-aware")) for m in models]
+    cands = next((d.candidates for d in decided if d.candidates), None)
+    if cands is None:
+        return
+    # Two kinds of GPU asked for, each in every size: sizes of one kind share which GPUs
+    # qualify, and differ in the bound.
+    kinds = [
+        (rng.choice([0.0, 24.0, 80.0, 100.0]), rng.choice([None, "H100", "L4"])) for _ in range(2)
+    ]
+    shapes = [
+        catalog.Profile(
+            name=f"s{i}-{gpus}",
+            gpus=gpus,
+            gpu_memory_gb=gb,
+            gpu_model=gpu_model,
+            cpu_cores=rng.choice([0.0, 8.0, 5000.0]),
+            memory_gb=rng.choice([0.0, 64.0, 10.0**6]),
+        )
+        for i, (gb, gpu_model) in enumerate(kinds)
+        for gpus in (1, 2, 4, 8)
+    ]
+    asks = [([p], k) for p in shapes for k in (1, 2, 3)]
+    asks += [(rng.sample(shapes, 2), rng.randint(1, 3)) for _ in range(4)]
+    # The most demanding first (the fewest nodes pass the bound), then the rest, then
+    # all again in another order: nodes kept for one kind are never taken for another.
+    asks.sort(key=lambda ask: (-min(p.gpus for p in ask[0]), ask[1]))
+    for profiles, k in asks + rng.sample(asks, len(asks)):
+        trials = preemption._Trials(view, profiles, ())
+
+        def fits(vs: Sequence[Candidate], trials: preemption._Trials = trials) -> bool:
+            return bool(trials.fits_without(vs, False))
+
+        kept = node_aware.search(view, profiles, cands, k, fits, list)
+        view.memo.pop("node_aware", None)
+        assert kept == node_aware.search(view, profiles, cands, k, fits, list)
