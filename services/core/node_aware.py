@@ -195,6 +195,7 @@ def search(
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     nodes = _on_nodes(view, cands, needs, max_victims) if needs else []
     best: Sequence[C] = ()
+    load_s: dict[str, float] | None = None
     tiers = sorted({c.tier for c in cands})
     for t in tiers:
         # Per node, its candidates of tier t or below, and whether each is of tier t. A
@@ -207,17 +208,35 @@ def search(
             if any(top):
                 open_at.append((at, node, allowed, top))
         for k in range(1, max_victims + 1):
-            level_sets: list[tuple[C, ...]] = []
+            # The level's sets: every k of a node's allowed candidates with one of tier
+            # t, as (where they are, the node, which of its candidates), in order.
+            level: list[tuple[list[int], _Node, tuple[int, ...]]] = []
             for at, node, allowed, top in open_at:
                 if len(allowed) < k or not node.could(needs, allowed, k):
                     continue
                 for chosen in itertools.combinations(allowed, k):
-                    if True in [top[i] for i in chosen] and node.fits(needs, chosen):
-                        level_sets.append(tuple([cands[at[i]] for i in chosen]))
-            if not level_sets:
+                    if True in [top[i] for i in chosen]:
+                        level.append((at, node, chosen))
+            if not level:
                 continue
-            load_s = load_costs(view, {v.model for vs in level_sets for v in vs})
-            best = _first_fit(level_sets, load_s, fits)
+            if load_s is None:
+                load_s = load_costs(view, {c.model for c in cands})
+            # The work each set throws away, summed as `key` sums it.
+            thrown = []
+            works: dict[int, list[float]] = {}
+            for _at, node, chosen in level:
+                w = works.get(id(node))
+                if w is None:
+                    w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
+                thrown.append(sum([w[i] for i in chosen]))
+
+            def made(entry: tuple[list[int], _Node, tuple[int, ...]]) -> tuple[C, ...] | None:
+                at, node, chosen = entry
+                if not node.fits(needs, chosen):
+                    return None
+                return tuple([cands[at[i]] for i in chosen])
+
+            best = _first_of(level, thrown, load_s, fits, made)
             if best:
                 break
         if best:
@@ -311,14 +330,37 @@ def _first_fit(
     the whole key is worked out only for the sets tied with the one tried, usually the
     first few of the level rather than all of it."""
     thrown = [sum([load_s.get(v.model, 0.0) * v.gpus for v in vs]) for vs in level_sets]
-    order = sorted(range(len(level_sets)), key=thrown.__getitem__)
+    return _first_of(level_sets, thrown, load_s, fits, _as_is)
+
+
+def _as_is(vs: tuple[C, ...]) -> tuple[C, ...]:
+    return vs
+
+
+_E = TypeVar("_E")
+
+
+def _first_of(
+    level: Sequence[_E],
+    thrown: list[float],
+    load_s: dict[str, float],
+    fits: Callable[[Sequence[C]], bool],
+    made: Callable[[_E], tuple[C, ...] | None],
+) -> Sequence[C]:
+    """`_first_fit` of a level given as entries, each with the work it throws away, that
+    `made` makes into a set (None: it is no set of the level after all). A search's
+    level holds every combination with a candidate of its tier, and whether one frees
+    enough on its node is asked only of those in the order up to the one taken: the
+    same sets, in the same order, as if those that do not had been left out first
+    (the sort is stable, and leaving some out keeps the others' order)."""
+    order = sorted(range(len(level)), key=thrown.__getitem__)
     i, n = 0, len(order)
     while i < n:
         # The sets tied on the work thrown away, in `key` order.
         j, least = i + 1, thrown[order[i]]
         while j < n and thrown[order[j]] == least:
             j += 1
-        tied = [level_sets[x] for x in order[i:j]]
+        tied = [vs for x in order[i:j] if (vs := made(level[x])) is not None]
         if len(tied) > 1:
             tied.sort(key=lambda vs: key(vs, load_s))
         for vs in tied:

@@ -692,3 +692,72 @@ def test_the_nodes_kept_per_kind_of_need_search_as_nodes_worked_out_afresh(seed:
         kept = node_aware.search(view, profiles, cands, k, fits, list)
         view.memo.pop("node_aware", None)
         assert kept == node_aware.search(view, profiles, cands, k, fits, list)
+
+
+def eager_search(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    cands: Sequence[Candidate],
+    max_victims: int,
+    fits: Callable[[Sequence[Candidate]], bool],
+) -> Sequence[Candidate]:
+    """`node_aware.search` of one-shard profiles as first written: each level's sets all
+    made and checked on their node before any is ordered."""
+    needs = [node_aware._Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
+    nodes = node_aware._on_nodes(view, cands, needs, max_victims) if needs else []
+    for t in sorted({c.tier for c in cands}):
+        for k in range(1, max_victims + 1):
+            level_sets = [
+                tuple([cands[at[i]] for i in chosen])
+                for at, node in nodes
+                for chosen in itertools.combinations(
+                    [i for i, c in enumerate(node.cands) if c.tier <= t], k
+                )
+                if any(node.cands[i].tier == t for i in chosen) and node.fits(needs, chosen)
+            ]
+            if level_sets:
+                load_s = node_aware.load_costs(view, {v.model for vs in level_sets for v in vs})
+                best = node_aware._first_fit(level_sets, load_s, fits)
+                if best:
+                    return best
+    return ()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3))
+def test_a_level_s_sets_are_checked_on_their_node_only_as_far_as_the_one_taken(
+    seed: int, k: int
+) -> None:
+    """The node-aware search orders a level's sets by the work they throw away before it
+    asks whether they free enough on their node, and asks only up to the set taken: the
+    same set, and the same dry runs in the same order, as when every set of the level is
+    checked on its node first."""
+    rng = random.Random(seed)
+    s, models = filled(rng, rng.choice([0.5, 0.8, 1.0]))
+    view = s.view()
+    for d in (plan(view, m, s.now, Config(policy="node-aware")) for m in models):
+        m = view.catalog.resolve(d.model)
+        if not d.candidates or m is None:
+            continue
+        profiles = [p for p in m.profiles if p.name in d.profiles and p.shards == 1]
+        runs: list[list[tuple[str, ...]]] = []
+        found = []
+        for search in (node_aware.search, eager_search):
+            trials = preemption._Trials(view, profiles, d.avoid)
+            tried: list[tuple[str, ...]] = []
+
+            def fits(
+                vs: Sequence[Candidate],
+                trials: preemption._Trials = trials,
+                tried: list[tuple[str, ...]] = tried,
+            ) -> bool:
+                tried.append(tuple(v.replica for v in vs))
+                return bool(trials.fits_without(vs, False))
+
+            if search is eager_search:
+                found.append(eager_search(view, profiles, d.candidates, k, fits))
+            else:
+                found.append(node_aware.search(view, profiles, d.candidates, k, fits, list))
+            runs.append(tried)
+        assert found[0] == found[1]
+        assert runs[0] == runs[1]
