@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -708,16 +708,12 @@ class _Kept:
         these stay, every block checked then holds, those that read the time or the
         quota usage of the moment too (no replica changed, so neither did the usage;
         the quota tree is the one of these lists, `_kept`)."""
-        self.merged_ranked: (
-            tuple[tuple[tuple[_Block, ...], tuple[_Block, ...]], tuple[Candidate, ...]] | None
-        ) = None
+        self.merged_ranked: tuple[_MergedKey, tuple[Candidate, ...]] | None = None
         """The last candidates answered, with the blocks whose candidates it put in among
         the kept ones (the timely ones) and took out (m's replicas as any other's),
         compared by identity: the same blocks put in and taken out of the same list
         give the same answer. Dropped whenever the lists change (`update`)."""
-        self.merged_excluded: (
-            tuple[tuple[tuple[_Block, ...], tuple[_Block, ...]], tuple[Exclusion, ...]] | None
-        ) = None
+        self.merged_excluded: tuple[_MergedKey, tuple[Exclusion, ...]] | None = None
         """The same for the exclusions (m's own put in besides the timely ones)."""
 
     def update(self, fresh: dict[str, _Block]) -> None:
@@ -910,33 +906,45 @@ def _candidates(
     # Both orders start (exclusions) or end (candidates) in the replica id, which is
     # unique: neither depends on the order the models were weighed in, and no
     # comparison reaches the objects behind the keys.
-    # Each list's answer is kept apart, with the blocks that put entries in or took
-    # them out: models alike whose own replicas are none of the candidates (at their
-    # minimum, say) get the same candidates, the same tuple.
-    r_in = (tuple([b for b in timely if b.ranked]), tuple([b for b in without if b.ranked]))
-    ranked = kept.merged_ranked
-    if ranked is None or ranked[0] != r_in:
-        ranked = kept.merged_ranked = (
-            r_in,
-            kept.ranked.with_(
-                sorted([c for b in r_in[0] for c in b.ranked]),
-                sorted([c for b in r_in[1] for c in b.ranked]),
-            ),
-        )
-    x_in = (
-        tuple([b for b in (*timely, *own) if b.excluded]),
-        tuple([b for b in without if b.excluded]),
+    # Each list's answer is kept apart (`_merged`): models alike whose own replicas are
+    # none of the candidates (at their minimum, say) get the same candidates, the same
+    # tuple.
+    ranked = kept.merged_ranked = _merged(
+        kept.merged_ranked, kept.ranked, timely, without, _ranked_of
     )
-    excluded = kept.merged_excluded
-    if excluded is None or excluded[0] != x_in:
-        excluded = kept.merged_excluded = (
-            x_in,
-            kept.excluded.with_(
-                sorted([x for b in x_in[0] for x in b.excluded]),
-                sorted([x for b in x_in[1] for x in b.excluded]),
-            ),
-        )
+    excluded = kept.merged_excluded = _merged(
+        kept.merged_excluded, kept.excluded, (*timely, *own), without, _excluded_of
+    )
     return ranked[1], excluded[1]
+
+
+# The blocks that put entries in among a kept list and those that took them out, each
+# only if it has entries of that list, compared by identity (see `_merged`).
+_MergedKey = tuple[tuple["_Block", ...], tuple["_Block", ...]]
+
+
+def _merged(
+    last: tuple[_MergedKey, tuple[_O, ...]] | None,
+    ordered: _Ordered[_O],
+    put_in: Iterable[_Block],
+    taken_out: Iterable[_Block],
+    entries: Callable[[_Block], list[Any]],
+) -> tuple[_MergedKey, tuple[_O, ...]]:
+    """`ordered`'s objects with the `entries` of the blocks `put_in` put in and those of
+    `taken_out` taken out, with the blocks that have any: `last` when it was worked out
+    from the very same blocks (the list is the same while `last` is kept: `_Kept.update`
+    drops it when the list changes)."""
+    key = (tuple([b for b in put_in if entries(b)]), tuple([b for b in taken_out if entries(b)]))
+    if last is not None and last[0] == key:
+        return last
+    return key, ordered.with_(
+        sorted([e for b in key[0] for e in entries(b)]),
+        sorted([e for b in key[1] for e in entries(b)]),
+    )
+
+
+_ranked_of = operator.attrgetter("ranked")
+_excluded_of = operator.attrgetter("excluded")
 
 
 def _exclude_all(
