@@ -148,11 +148,12 @@ class Catalog(Mapping[str, Model]):
         return self._models.get(next(iter(claimed)))
 
     def names_of(self, m: Model) -> tuple[str, ...]:
-        """The names that resolve to `m`: its own, then each alias it still holds alone
-        (no model has it as a name, and no other model claims it)."""
+        """The names that resolve to `m`, each once: its own, then each alias it still
+        holds alone (no model has it as a name, and no other model claims it). An alias
+        listed twice is one name: its replicas counted once."""
         out = [m.name]
         for a in m.aliases:
-            if a != m.name and a not in self._models and self._aliases.get(a) == {m.name}:
+            if a not in out and a not in self._models and self._aliases.get(a) == {m.name}:
                 out.append(a)
         return tuple(out)
 

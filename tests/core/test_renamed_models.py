@@ -38,6 +38,33 @@ def test_the_names_of_a_model_are_its_own_and_the_aliases_it_holds_alone() -> No
     # b is a model's own name, y is claimed by two: only x names a alone.
     assert c.names_of(a) == ("a", "x")
     assert [c.resolve(n) for n in c.names_of(a)] == [a, a]
+    # An alias listed twice (the contract does not forbid it) is one name.
+    twice = catalog.Model(name="d", aliases=("z", "z", "d"))
+    c.put(twice)
+    assert c.names_of(twice) == ("d", "z")
+
+
+def test_an_alias_listed_twice_counts_its_replicas_once() -> None:
+    """A model declared with one alias twice: its replicas under the old name count once
+    toward it (live), and the policy excludes each once, on a first call and on a call
+    at the same time that checks nothing again, as on a view rebuilt from the log."""
+    s = Scenario()
+    s.node("n0", "2xH100-80GB")
+    s.model("old", cls="opportunistic", min=1, profiles=["p:1"], owner="o")
+    s.replica("r-old", "old", on=("n0", [0]), ready="-3h")
+    s.emit(ev.ModelRemoved(name="old"))
+    s.model("big", cls="critical", min=1, profiles=["p:2"], owner="o", aliases=["old", "old"])
+    s.model("filler", cls="opportunistic", min=0, profiles=["p:1"], owner="o")
+    s.replica("r-f", "filler", on=("n0", [1]), ready="-3h")
+    v = s.view()
+    m = v.catalog.resolve("big")
+    assert m is not None
+    assert v.live_of(m) == 1
+    first = preemption.plan(v, "big", s.now)
+    again = preemption.plan(v, "big", s.now)
+    fresh = preemption.plan(s.view(), "big", s.now)
+    assert [x.replica for x in first.excluded].count("r-old") == 1
+    assert first == again == fresh
 
 
 def test_replicas_under_the_old_name_are_live_for_the_renamed_model() -> None:
