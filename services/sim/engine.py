@@ -429,8 +429,10 @@ class Engine:
         self.at(self.t + nxt, self._on_burst, model)
 
     def _settle(self) -> None:
-        """Passes until nothing new is published, then the holds that ended; and when
-        the next pass is due by a timer, a tick then.
+        """Passes until nothing new is published, then the holds that ended and, when
+        one was released, passes again; and when the next pass is due by a timer, a
+        tick then. Nothing is left due for whatever instant comes next (but past
+        MAX_PASSES), so an instant that changes nothing changes no log.
 
         Most instants (a request, its idle timer) change nothing this reads: nothing
         made a pass due, no hold stands, and the next due time was found since the last
@@ -441,12 +443,7 @@ class Engine:
         or none, so it would schedule nothing now."""
         if not self._dirty and self._due_known and not self.view.state.holds:
             return
-        if self._dirty:
-            for _ in range(MAX_PASSES):
-                if not self._dirty:
-                    break
-                self._dirty = False
-                self._pass()
+        self._passes()
         if self.view.state.holds and self._releases_due():
             released = reaction.releases(self.view, self.now)
             for e in released:
@@ -454,14 +451,23 @@ class Engine:
             holds = self.view.state.holds
             took = all(e.data.model not in holds for e in released)
             self._released_at = (self.view.seq, self._changes, self.now, took)
-        if self._dirty:
-            self._pass()
+            # A hold released makes a pass due now, not at whatever instant comes next.
+            self._passes()
         if not self._due_known:
             self._due_known = True
             nxt = self._next_due()
             if nxt is not None and (self._tick_at is None or nxt < self._tick_at):
                 self._tick_at = nxt
                 self.at(nxt, self._on_tick)
+
+    def _passes(self) -> None:
+        """Passes while one is due, each publishing what the last changed; at most
+        MAX_PASSES at one instant (the rest are due at the next)."""
+        for _ in range(MAX_PASSES):
+            if not self._dirty:
+                break
+            self._dirty = False
+            self._pass()
 
     def _timers_changed(self) -> None:
         """A hold or a silent node came or went: the timers are worked out again, and

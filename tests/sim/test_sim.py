@@ -12,6 +12,7 @@ import asyncio
 import collections
 import io
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,102 @@ def test_the_simulator_is_pure() -> None:
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in banned, f"{path.name} imports {n}"
+
+
+# Models of two shards on nodes that fail every few hours: holds are made and released
+# again and again, each release making a pass due.
+_SHARDED = {
+    "name": "sharded",
+    "seed": 3,
+    "nodes": [{"prefix": "h", "count": 6, "gpus": 8, "gpu": "H100", "mtbf": "6h", "repair": "30m"}],
+    "models": [
+        {
+            "name": "big",
+            "class": "critical",
+            "min": 1,
+            "max": 3,
+            "profiles": [{"name": "tp16", "gpus": 8, "shards": 2}],
+            "load": "200s",
+            "stop": "20s",
+            "demand": {"kind": "diurnal", "low": 1, "high": 3, "peak_hour": 14},
+        },
+        {
+            "name": "mid",
+            "class": "standard",
+            "min": 1,
+            "max": 6,
+            "profiles": [{"name": "tp2x2", "gpus": 2, "shards": 2}, {"name": "tp4", "gpus": 4}],
+            "load": "60s",
+            "stop": "10s",
+            "demand": {"kind": "diurnal", "low": 1, "high": 6, "peak_hour": 10},
+        },
+        {
+            "name": "od",
+            "class": "opportunistic",
+            "min": 0,
+            "max": 8,
+            "profiles": [{"name": "tp1", "gpus": 1}],
+            "load": "20s",
+            "stop": "5s",
+            "demand": {
+                "kind": "requests",
+                "rate": 60,
+                "daily": 0.5,
+                "peak_hour": 12,
+                "idle_after": "15m",
+                "replicas": 8,
+            },
+        },
+    ],
+}
+
+
+def _nothing(arg: object) -> None:
+    """A happening that does nothing."""
+
+
+@pytest.mark.parametrize("policy", ["reference", "node-aware"])
+def test_an_instant_that_changes_nothing_changes_no_log(policy: str) -> None:
+    """Thousands of happenings that do nothing, at random times, leave the log as it
+    was, byte for byte: nothing an instant settles is left due for whatever instant
+    comes next (a hold released makes its pass run at once). So the engine may make or
+    spare such instants (one idle timer per model, not one per request) freely."""
+    sc = scn.parse(_SHARDED)
+    days = 3 * 24 * HOURS
+    plain, busy = io.BytesIO(), io.BytesIO()
+    engine.simulate(sc, policy, duration_s=days, out=plain)
+    eng = engine.Engine(sc, policy, duration_s=days, out=busy)
+    rng = random.Random(11)
+    for _ in range(20_000):
+        eng.at(rng.uniform(0.0, days), _nothing)
+    eng.run()
+    assert busy.getvalue() == plain.getvalue()
+    assert eng.view.state.seq > 1_000
+
+
+class _TimerPerRequest(engine.Engine):
+    """The engine with an idle timer for every request, as it once was: each scales the
+    model to zero if no request came since."""
+
+    def _request(self, model: str) -> None:
+        super()._request(model)
+        self.at(self.t + self._arrivals[model].idle_after_s, self._idle_then, model)
+
+    def _idle_then(self, model: str) -> None:
+        a = self._arrivals[model]
+        if self.t - self._last_request[model] >= a.idle_after_s and self._desired[model] > 0:
+            self._scale(a.spec, 0)
+
+
+@pytest.mark.parametrize("policy", ["reference", "node-aware"])
+def test_one_idle_timer_per_model_gives_the_log_of_one_per_request(policy: str) -> None:
+    """A model driven by requests has one idle timer at a time, set again for the last
+    request's time: the log is the one an idle timer for every request gives, byte for
+    byte, with holds released and passes made due by them in between."""
+    sc = scn.parse(_SHARDED)
+    days = 3 * 24 * HOURS
+    one, each = io.BytesIO(), io.BytesIO()
+    ra = engine.Engine(sc, policy, duration_s=days, out=one).run()
+    _TimerPerRequest(sc, policy, duration_s=days, out=each).run()
+    assert one.getvalue() == each.getvalue()
+    assert ra.metrics.requests > 1_000 and "hold.released" in one.getvalue().decode()
