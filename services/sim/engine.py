@@ -228,9 +228,10 @@ class Engine:
         self._failures: dict[str, scheduling.Failure] = {}
         self._failing = False
         self._agents: dict[str, _Agent] = {}
-        self._on_node: dict[str, dict[str, _Agent]] = {}
-        """Per node, the agents of its replicas not known to be stopped or failed (and
-        some that are, until the node is next lost): what a node's loss fails."""
+        self._on_node: dict[str, set[str]] = {}
+        """Per node, the replicas started there since it was last lost (one of several
+        shards on each of its nodes): what a node's loss fails, those not stopped or
+        failed by then."""
         self._ready: dict[str, int] = dict.fromkeys(self.models, 0)
         self._ready_ids: dict[str, dict[str, None]] = {m: {} for m in self.models}
         self._ready_gpus = 0
@@ -664,7 +665,7 @@ class Engine:
             source=f"agent/{where}",
             subject=subjects.replica_subject(where, d.replica, ROOT),
         )
-        self._on_node.setdefault(where, {})[d.replica] = a
+        self._on_node.setdefault(where, set()).add(d.replica)
         if where in self._down:
             return  # a silent agent never hears it
         spec = self.models.get(d.model)
@@ -698,12 +699,12 @@ class Engine:
         self._state_seen(e.data.replica, state)
 
     def _lost(self, e: ev.NodeLostEvent, node: str | None) -> None:
-        on = self._on_node.get(e.data.node)
-        if on:
-            for rid, a in list(on.items()):
-                if a.state not in ("stopped", "failed"):
-                    self._state_seen(rid, "failed")
-                del on[rid]  # failed now, if it was not stopped or failed before
+        # A replica of several shards fails with any of its nodes. Its agent is the one
+        # its last start made (`_started`, once per shard's node).
+        for rid in sorted(self._on_node.pop(e.data.node, ())):
+            a = self._agents.get(rid)
+            if a is not None and a.state not in ("stopped", "failed"):
+                self._state_seen(rid, "failed")
 
     def _scale_seen(self, e: ev.ScaleDesiredEvent, node: str | None) -> None:
         self._scaled(e.data.model)

@@ -384,3 +384,17 @@ def test_one_idle_timer_per_model_gives_the_log_of_one_per_request(policy: str) 
     _TimerPerRequest(sc, policy, duration_s=days, out=each).run()
     assert one.getvalue() == each.getvalue()
     assert ra.metrics.requests > 1_000 and "hold.released" in one.getvalue().decode()
+
+
+def test_a_replica_of_several_shards_fails_with_any_of_its_nodes() -> None:
+    """Nodes fail every few hours under replicas of two shards: a replica counts as
+    ready only while every node it is on is up, so the GPUs ready never outnumber the
+    GPUs up, and no replica counted ready at the end has a shard on a node down."""
+    sc = scn.parse(_SHARDED)
+    eng = engine.Engine(sc, "reference", duration_s=3 * 24 * HOURS)
+    r = eng.run()
+    assert 0 < r.metrics.gpu_busy_s <= r.metrics.gpu_total_s
+    replicas = eng.view.state.replicas
+    for ready in eng._ready_ids.values():
+        for rid in ready:
+            assert not {s.node for s in replicas[rid].shards} & set(eng._down), rid
