@@ -17,10 +17,13 @@ costs about 0.3 s a worker, which runs of several seconds do not notice.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker
@@ -134,18 +137,20 @@ def _parallel(
     results: list[Result | None] = [None] * len(policies)
     running: dict[Connection, tuple[int, SpawnProcess]] = {}
     started = given = 0
-    installed, old_term = _raise_on_sigterm()
-    if os.name == "posix":
-        # Started now, not by the first worker's start: starting it unblocks SIGINT and
-        # SIGTERM, which would leave that worker open to a Ctrl-C in its first moments.
-        resource_tracker.ensure_running()
+    installed, old_term = False, None
     try:
+        installed, old_term = _raise_on_sigterm()
+        if os.name == "posix":
+            # Started now, not by the first worker's start: starting it unblocks SIGINT
+            # and SIGTERM, which would leave that worker open to a Ctrl-C in its first
+            # moments.
+            resource_tracker.ensure_running()
         while given < len(policies):
             while started < len(policies) and len(running) < jobs:
                 theirs, ours = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_work,
-                    args=(ours, scenario, policies[started], *args),
+                    args=(ours, os.getpid(), scenario, policies[started], *args),
                     name=f"simulate {policies[started]}",
                     daemon=True,
                 )
@@ -206,6 +211,7 @@ def _receive(conn: Connection, proc: SpawnProcess, policy: str) -> Result:
 
 def _work(
     conn: Connection,
+    parent: int,
     scenario: Scenario,
     policy: str,
     seed: int | None,
@@ -216,6 +222,7 @@ def _work(
     """A worker: one run, its bundle written here, its result (or exception) sent back."""
     # A Ctrl-C at the terminal reaches the whole process group; the parent stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(parent)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
     msg: tuple[str, Any, str]
@@ -225,11 +232,35 @@ def _work(
     except Exception as e:
         msg = ("error", e, traceback.format_exc())
     try:
+        # Read back here first: an exception can pickle and yet not unpickle (one whose
+        # constructor takes other arguments than its `args`).
+        pickle.loads(pickle.dumps(msg))
         conn.send(msg)
-    except Exception as e:  # an exception that does not pickle: its words still do
+    except Exception as e:  # its words still do
         err = msg[1] if msg[0] == "error" else e
         conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}"), msg[2]))
     conn.close()
+
+
+# PR_SET_PDEATHSIG: prctl's option to have a signal sent when the parent dies (Linux).
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """Have this worker killed when the command that started it dies, however it dies
+    (killed with SIGKILL, or by the kernel for memory, it stops no worker itself): a
+    run no one will read is not left to take a core for minutes. (Strictly, when the
+    thread that started it ends: `run` is called from the command's main thread.) Linux
+    only; elsewhere a worker finds out at its end, when its result cannot be sent."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
 
 
 def _raise_on_sigterm() -> tuple[bool, _Handler]:

@@ -182,3 +182,58 @@ def test_a_signal_stops_every_worker(
     while any(x[3] == p.pid and x[1] != "Z" for x in _procs()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [x for x in _procs() if x[3] == p.pid and x[1] != "Z"] == []
+
+
+class _TwoArgs(Exception):
+    """An exception that pickles and does not unpickle: its constructor takes two
+    arguments, its `args` hold one."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+
+
+def _failing_clock() -> float:
+    raise _TwoArgs("the clock", "stopped")
+
+
+def test_a_worker_s_exception_that_does_not_read_back_keeps_its_words() -> None:
+    sc = scn.load(SCENARIO)
+    with pytest.raises(RuntimeError, match=r"^_TwoArgs: the clock: stopped$"):
+        runs.run(sc, ["reference", "node-aware"], duration_s=3600.0, jobs=2, clock=_failing_clock)
+    _no_workers_left()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers die with it on Linux")
+def test_workers_die_with_a_command_killed_outright() -> None:
+    """The command killed with SIGKILL (or by the kernel for memory) stops no worker
+    itself: the workers go with it rather than simulate a year no one will read."""
+    argv = [sys.executable, "-m", "services.cli", "simulate", SCENARIO, "--duration", "365d"]
+    p = subprocess.Popen(
+        [*argv, "--jobs", "2"],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = [x[0] for x in _procs() if x[2] == p.pid and "spawn_main" in x[4]]
+            if len(workers) == 2:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the two workers did not start")
+        time.sleep(0.5)  # past their start: simulating
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            alive = [x[0] for x in _procs() if x[0] in workers and x[1] != "Z"]
+            time.sleep(0.05)
+        assert alive == []
+    finally:
+        for x in _procs():
+            if x[3] == p.pid and x[1] != "Z":
+                os.kill(x[0], signal.SIGKILL)
