@@ -838,6 +838,8 @@ def _candidates(
     weighed again on every call, but for one that read only the time, asked about again
     at that same time (`_Block.holds_at`); when every block put in and taken out is the
     one of the last such call, so is the answer (`_Kept.merged_ranked`, `merged_excluded`).
+    A call at the time of the last walk through every model, with nothing folded since
+    (`_Kept.walked`), walks through m's own names only.
     """
     alike = _alike(m, cfg, reclaim, below_min)
     kept = _kept(view, alike)

@@ -323,8 +323,10 @@ class View:
         self.memo: dict[str, Any] = {}
         """What a reader keeps between calls, derived from the view and checked before it
         is used against what it was worked out from (the policy's weighings, against
-        `version` and `state_version`; its placements, against the inventory's
-        version; the scheduler's counts per model, against the counts and the
+        `version` and `state_version`, and its last check of them all, against
+        `changes`, the catalog and the time; its placements, node-aware's candidates
+        by node and the oracle's grouping, against the inventory's version or the very
+        candidates; the scheduler's counts per model, against the counts and the
         catalog). Like the indexes, never in a snapshot: a copy or a rebuilt view starts
         without it."""
         for r in s.replicas.values():
