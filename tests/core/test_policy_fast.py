@@ -643,6 +643,19 @@ def test_the_nodes_kept_for_a_tuple_of_candidates_search_as_nodes_worked_out_afr
         assert search(d, changing, False) == search(d, changing, True)
 
 
+def two_kinds(rng: random.Random) -> tuple[View, tuple[Candidate, ...]]:
+    """`filled`, with a node of L4 GPUs (other model, other memory) full of idle filler
+    replicas: which GPUs qualify for a profile differs from node to node. With the
+    candidates of the first node-aware decision that has any (none when none has)."""
+    s, models = filled(rng, rng.choice([0.5, 0.8, 1.0]))
+    s.node("l0", "4xL4-24GB")
+    for g in range(4):
+        s.replica(f"fill-l0-{g}", "filler", on=("l0", [g]), ready="-3h", used="-1h")
+    view = s.view()
+    decided = [plan(view, m, s.now, Config(policy="node-aware")) for m in models]
+    return view, next((d.candidates for d in decided if d.candidates), ())
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1))
 def test_the_nodes_kept_per_kind_of_need_search_as_nodes_worked_out_afresh(seed: int) -> None:
@@ -651,15 +664,8 @@ def test_the_nodes_kept_per_kind_of_need_search_as_nodes_worked_out_afresh(seed:
     of every shape (GPUs, GPU memory and model, CPU, memory), one after another and
     again, under every cap, each as with nothing kept."""
     rng = random.Random(seed)
-    s, models = filled(rng, rng.choice([0.5, 0.8, 1.0]))
-    # GPUs of another model and memory: which GPUs qualify differs from node to node.
-    s.node("l0", "4xL4-24GB")
-    for g in range(4):
-        s.replica(f"fill-l0-{g}", "filler", on=("l0", [g]), ready="-3h", used="-1h")
-    view = s.view()
-    decided = [plan(view, m, s.now, Config(policy="node-aware")) for m in models]
-    cands = next((d.candidates for d in decided if d.candidates), None)
-    if cands is None:
+    view, cands = two_kinds(rng)
+    if not cands:
         return
     # Two kinds of GPU asked for, each in every size: sizes of one kind share which GPUs
     # qualify, and differ in the bound.
@@ -732,14 +738,8 @@ def test_a_level_s_sets_are_checked_on_their_node_only_as_far_as_the_one_taken()
     searched = 0
     for seed in range(40):
         rng = random.Random(seed)
-        s, models = filled(rng, rng.choice([0.5, 0.8, 1.0]))
-        s.node("l0", "4xL4-24GB")
-        for g in range(4):
-            s.replica(f"fill-l0-{g}", "filler", on=("l0", [g]), ready="-3h", used="-1h")
-        view = s.view()
-        decided = [plan(view, m, s.now, Config(policy="node-aware")) for m in models]
-        cands = next((d.candidates for d in decided if d.candidates), None)
-        if cands is None:
+        view, cands = two_kinds(rng)
+        if not cands:
             continue
         for _ in range(6):
             profiles = [
