@@ -99,42 +99,45 @@ def run(
     """
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    args = (seed, duration_s, out_dir, clock)
+    each = [_Run(scenario, pol, seed, duration_s, out_dir, clock) for pol in policies]
     if workers(len(policies), jobs) == 1:
         results = []
-        for pol in policies:
-            results.append(_one(scenario, pol, *args))
+        for one in each:
+            results.append(one.go())
             if on_result is not None:
                 on_result(results[-1])
         return results
-    return _parallel(scenario, policies, args, workers(len(policies), jobs), on_result)
+    return _parallel(each, workers(len(policies), jobs), on_result)
 
 
-def _one(
-    scenario: Scenario,
-    policy: str,
-    seed: int | None,
-    duration_s: float | None,
-    out_dir: Path | None,
-    clock: Callable[[], float] | None,
-) -> Result:
-    if out_dir is None:
-        return engine.simulate(scenario, policy, seed=seed, duration_s=duration_s, clock=clock)
-    with bundle_path(out_dir, scenario, policy).open("wb") as fp:
-        return engine.simulate(
-            scenario, policy, seed=seed, duration_s=duration_s, out=fp, clock=clock
-        )
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One policy's run, as `run` was asked for it: what a worker is sent."""
+
+    scenario: Scenario
+    policy: str
+    seed: int | None
+    duration_s: float | None
+    out_dir: Path | None
+    clock: Callable[[], float] | None
+
+    def go(self) -> Result:
+        """The run, its bundle written under `out_dir` when there is one."""
+        sc, pol = self.scenario, self.policy
+        kw: dict[str, Any] = {"seed": self.seed, "duration_s": self.duration_s, "clock": self.clock}
+        if self.out_dir is None:
+            return engine.simulate(sc, pol, **kw)
+        with bundle_path(self.out_dir, sc, pol).open("wb") as fp:
+            return engine.simulate(sc, pol, out=fp, **kw)
 
 
 def _parallel(
-    scenario: Scenario,
-    policies: Sequence[str],
-    args: tuple[Any, ...],
+    each: Sequence[_Run],
     jobs: int,
     on_result: Callable[[Result], None] | None,
 ) -> list[Result]:
     ctx = multiprocessing.get_context(START_METHOD)
-    results: list[Result | None] = [None] * len(policies)
+    results: list[Result | None] = [None] * len(each)
     running: dict[Connection, tuple[int, SpawnProcess]] = {}
     started = given = 0
     installed, old_term = False, None
@@ -145,13 +148,13 @@ def _parallel(
             # and SIGTERM, which would leave that worker open to a Ctrl-C in its first
             # moments.
             resource_tracker.ensure_running()
-        while given < len(policies):
-            while started < len(policies) and len(running) < jobs:
+        while given < len(each):
+            while started < len(each) and len(running) < jobs:
                 theirs, ours = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_work,
-                    args=(ours, os.getpid(), scenario, policies[started], *args),
-                    name=f"simulate {policies[started]}",
+                    args=(ours, os.getpid(), each[started]),
+                    name=f"simulate {each[started].policy}",
                     daemon=True,
                 )
                 # Blocked while it starts, so that a Ctrl-C now is the parent's to act on
@@ -172,10 +175,10 @@ def _parallel(
                 # Still counted as running until its result is in: a signal while it is
                 # read leaves it to be stopped below.
                 i, proc = running[conn]
-                results[i] = _receive(conn, proc, policies[i])
+                results[i] = _receive(conn, proc, each[i].policy)
                 del running[conn]
                 conn.close()
-            while given < len(policies) and (r := results[given]) is not None:
+            while given < len(each) and (r := results[given]) is not None:
                 if on_result is not None:
                     on_result(r)
                 given += 1
@@ -209,16 +212,7 @@ def _receive(conn: Connection, proc: SpawnProcess, policy: str) -> Result:
     return value
 
 
-def _work(
-    conn: Connection,
-    parent: int,
-    scenario: Scenario,
-    policy: str,
-    seed: int | None,
-    duration_s: float | None,
-    out_dir: Path | None,
-    clock: Callable[[], float] | None,
-) -> None:
+def _work(conn: Connection, parent: int, one: _Run) -> None:
     """A worker: one run, its bundle written here, its result (or exception) sent back."""
     # A Ctrl-C at the terminal reaches the whole process group; the parent stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -227,7 +221,7 @@ def _work(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
     msg: tuple[str, Any, str]
     try:
-        r = _one(scenario, policy, seed, duration_s, out_dir, clock)
+        r = one.go()
         msg = ("ok", dataclasses.replace(r, view=None), "")
     except Exception as e:
         msg = ("error", e, traceback.format_exc())
