@@ -7,7 +7,8 @@ bundles). It must not interpret events beyond showing them: no folding, no decis
 Choices a user relies on:
 - `export` writes every stored message, garbage included (`schemas.bundle`), so
   sequences survive the round trip; `import` needs an empty stream, or one holding
-  exactly the bundle's start (an import that stopped part way: a retry resumes), and
+  exactly the bundle's start (an import that stopped part way, renumbered or not: a
+  retry resumes), and
   refuses anything else, so that order, ids and sequence numbers come back exactly as
   exported (a bundle that starts at seq 500 is stored from 500 again) and a re-export
   is byte-equal. It checks the whole file before it publishes anything (positions,
@@ -415,8 +416,9 @@ def _register_import(events: cli.Commands) -> None:
         "import",
         help="load a .jsonl bundle into an empty stream",
         description=(
-            "Publish a bundle's events into an EMPTY stream, in order, each with its id as\n"
-            "Nats-Msg-Id and on its recorded subject, so the stream holds the same events\n"
+            "Publish a bundle's events into an EMPTY stream, in order, each on its recorded\n"
+            "subject (and with ID@SEQ as Nats-Msg-Id, so an id the log holds at two seqs is\n"
+            "stored twice, as it was), so the stream holds the same events\n"
             "at the same sequence numbers as the one exported (a bundle that starts at\n"
             "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
             "same file.\n"
@@ -432,7 +434,8 @@ def _register_import(events: cli.Commands) -> None:
             "\n"
             "A stream that holds anything but this bundle's start is refused (merging two\n"
             "logs would re-order history). One that holds its start, byte for byte (an\n"
-            "import that stopped part way), is resumed: run the same import again. A\n"
+            "import that stopped part way, killed or cut off, --renumber or not), is\n"
+            "resumed: run the same import again. A\n"
             "progress bar shows on a terminal; a one-line summary at the end."
         ),
         epilog=cli.examples(
@@ -537,25 +540,30 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
     return _Checked(count, first, last)
 
 
-async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked) -> int:
+async def _already_stored(
+    s: cli.Session, st: Any, path: str, checked: _Checked, renumber: bool
+) -> int:
     """How many of the bundle's first lines a used stream already holds, exactly (an
     import that stopped part way, or one run twice); a `CliError` when it holds anything
-    else, so that a retry resumes and two logs are never merged."""
+    else, so that a retry resumes and two logs are never merged. With `renumber` the
+    lines were stored one after another from wherever the stream stood, so only their
+    subjects and bodies are compared, not their seqs."""
     from services.bus import consume
 
     held = f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
     held += f"(seq {st.first_seq}..{st.last_seq})"
     if (
-        st.first_seq != checked.first
-        or st.last_seq > checked.last
-        or st.messages != st.last_seq - st.first_seq + 1
+        st.messages != st.last_seq - st.first_seq + 1
+        or st.messages > checked.lines
+        or (not renumber and (st.first_seq != checked.first or st.last_seq > checked.last))
     ):
         raise cli.CliError(f"{held}, not the start of {path}: {ADVICE}")
     with contextlib.closing(_lines(path)) as lines:
         async for batch in consume.read_range(s.js, st.first_seq, st.last_seq):
             for d in batch:
                 rec = next(lines)
-                if (d.seq, d.subject, d.data) != (rec.seq, rec.subject, rec.body):
+                seq = d.seq if renumber else rec.seq
+                if (d.seq, d.subject, d.data) != (seq, rec.subject, rec.body):
                     raise cli.CliError(
                         f"{held}, and seq {d.seq} differs from {path}:{rec.lineno}: it is "
                         f"not this bundle's start; {ADVICE}"
@@ -579,15 +587,10 @@ async def _import(args: argparse.Namespace) -> int:
     async with cli.session(args, "llmgw events import") as s:
         info = await _event_stream(s, create=True)
         st = info.state
-        if st.messages and args.renumber:
-            raise cli.CliError(
-                f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
-                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
-            )
         if st.messages:
-            # A retry of an import that stopped part way: what is there must be this
-            # bundle's start, byte for byte; the rest follows it.
-            done = await _already_stored(s, st, path, checked)
+            # A retry of an import that stopped part way (renumbered or not): what is
+            # there must be this bundle's start, byte for byte; the rest follows it.
+            done = await _already_stored(s, st, path, checked, args.renumber)
             if done == total:
                 print(
                     f"nothing to import: {s.url} already holds all {total:,} events of "
@@ -653,7 +656,7 @@ async def _flush(
     """Publish `chunk` pipelined; check each landed where the bundle says it was."""
     if not chunk:
         return next_seq
-    items = [(r.subject, r.body, _body_id(r.body)) for r in chunk]
+    items = [(r.subject, r.body, _msg_id(r)) for r in chunk]
     acks = await publisher.publish_many(items)
     for i, (rec, ack) in enumerate(zip(chunk, acks, strict=True)):
         want = next_seq + i if renumber else rec.seq
@@ -678,13 +681,19 @@ class _IdOnly(msgspec.Struct):
 _id_only = msgspec.json.Decoder(_IdOnly)
 
 
-def _body_id(body: bytes) -> str | None:
-    """The event id in a stored body, sent as Nats-Msg-Id as the original publish did."""
+def _msg_id(rec: bundle.Line) -> str:
+    """The Nats-Msg-Id a line is imported with: its event id with its bundle seq.
+
+    Not the bare id, as the original publish sent: a log may hold one id at two seqs
+    (published again after the broker's duplicate window, or by hand with --id), and a
+    faithful copy must store both, where the bare id would drop the second as a
+    duplicate in the middle of the import. A bundle's seqs never repeat, so the key is
+    one per line, and a line re-sent by the publish path's retry is still a duplicate."""
     try:
-        value = _id_only.decode(body).id
+        value = _id_only.decode(rec.body).id
     except (msgspec.MsgspecError, RecursionError):
-        return None
-    return value if isinstance(value, str) and value else None
+        value = None
+    return f"{value}@{rec.seq}" if isinstance(value, str) and value else f"@{rec.seq}"
 
 
 # ---------------------------------------------------------------------- publish
