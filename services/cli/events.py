@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -47,6 +47,7 @@ from services.cli import app as cli
 from services.cli.output import add_output_option
 from services.clock import new_id, utc_now
 from services.core.ingest import claimed_time, past_bound
+from services.core.view import encode_state
 from services.replay import eventline
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
@@ -286,7 +287,16 @@ def _register_export(events: cli.Commands) -> None:
             "\n"
             "--until-time cuts at the first event whose own `time` is later than T (the\n"
             "cluster's clock, which a re-imported log keeps). A stored message that is not\n"
-            'a JSON object is kept at its place as {"seq":N,"subject":S,"body_b64":RAW}.'
+            'a JSON object is kept at its place as {"seq":N,"subject":S,"body_b64":RAW}.\n'
+            "\n"
+            "A bundle replays as the log does. Of a compacted log (`llmgw log compact`) it\n"
+            "holds the archive's events too, from seq 1 (the archive is found as replay\n"
+            "finds it: --archive, $LLMGW_ARCHIVE, the stream's record). One that starts\n"
+            "later (--from-seq N, or an archive that is gone) starts with a snapshot line,\n"
+            "the view as it stood before its first event: the view at N-1, or the stored\n"
+            "snapshot that covers where the stream starts, said in one line. With neither\n"
+            "it is refused, naming the seqs missing; --allow-gaps writes what there is.\n"
+            "A stopped `llmgw up`'s data directory is exported from its stored log."
         ),
         epilog=cli.examples(
             "llmgw events export --out all.jsonl",
@@ -304,7 +314,8 @@ def _register_export(events: cli.Commands) -> None:
         "--from-seq",
         type=cli.arg_seq,
         metavar="N",
-        help="first sequence (default: the first stored)",
+        help="first sequence (default: 1, through the archive of a compacted log); past 1 "
+        "the bundle starts with the view at N-1 as a snapshot line",
     )
     p.add_argument(
         "--until-seq",
@@ -319,10 +330,22 @@ def _register_export(events: cli.Commands) -> None:
         help="stop before the first event whose time is after T (RFC3339 or an age like 10m)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--archive",
+        metavar="DIR",
+        help="where `llmgw log compact` put the events it took off the stream (default: "
+        "$LLMGW_ARCHIVE, else the directory the stream records)",
+    )
+    p.add_argument(
+        "--allow-gaps",
+        action="store_true",
+        help="when neither the archive nor a stored snapshot covers the start, export "
+        "from where the stream starts (its readers then need --allow-gaps too)",
+    )
 
 
 async def _export(args: argparse.Namespace) -> int:
-    from services.bus import consume
+    from services.cli import offline
 
     if args.from_seq and args.until_seq and args.until_seq < args.from_seq:
         raise cli.UsageError(f"--until-seq {args.until_seq} is before --from-seq {args.from_seq}")
@@ -330,48 +353,154 @@ async def _export(args: argparse.Namespace) -> int:
     if not to_stdout:
         _check_out(args.out, args.force)
     report = sys.stderr if to_stdout else sys.stdout
-    async with cli.session(args, "llmgw events export") as s:
+    async with offline.session(args, "llmgw events export") as opened:
+        s = opened.session
         info = await _event_stream(s, create=False)
-        first = max(args.from_seq or 1, info.state.first_seq)
         last = (
             info.state.last_seq
             if args.until_seq is None
             else min(args.until_seq, info.state.last_seq)
         )
+        start = await _export_start(s, info, args, opened.where)
+        first = start.first
         total = max(last - first + 1, 0)
         progress = cli.Progress("exporting", total)
         raw = 0
         with _bundle_out(args.out) as fp:
             count, last_seq = 0, 0
+            if start.snapshot is not None:
+                fp.write(bundle.snapshot_line(start.snapshot.seq, encode_state(start.snapshot)))
+                fp.write(b"\n")
             if total:
-                async for batch in consume.read_range(s.js, first, last):
+                async for batch in _stored(s, start, first, last):
                     done = False
-                    for d in batch:
+                    for seq, subject, body, bound in batch:
                         if args.until_time is not None:
-                            t = claimed_time(d.data)
+                            t = claimed_time(body)
                             if t is not None and t > args.until_time:
                                 done = True
                                 break
-                        if not bundle.inline(d.data):
+                        if not bundle.inline(body):
                             raw += 1
-                        bound = d.time_ns if past_bound(d.data, d.time_ns) else 0
-                        fp.write(bundle.line(d.seq, d.subject, d.data, bound) + b"\n")
+                        fp.write(bundle.line(seq, subject, body, bound) + b"\n")
                         count += 1
-                        last_seq = d.seq
+                        last_seq = seq
                     progress.advance(len(batch))
                     if done:
                         break
         progress.close()
     span = f" (seq {first}..{last_seq})" if count else ""
+    if start.snapshot is not None:
+        span += f" after a snapshot of seq {start.snapshot.seq}"
     where = "stdout" if to_stdout else args.out
     rate = count / max(progress.elapsed, 1e-9)
     kept = f", {raw:,} of them not JSON objects, kept as body_b64" if raw else ""
+    archived = f", seq {first}..{start.archived} from the archive" if start.archived else ""
     print(
-        f"exported {_events(count)}{span}{kept} to {where} in {progress.elapsed:.1f}s "
-        f"({rate:,.0f}/s)",
+        f"exported {_events(count)}{span}{archived}{kept} to {where} in "
+        f"{progress.elapsed:.1f}s ({rate:,.0f}/s)",
         file=report,
     )
     return 0
+
+
+class _Start(NamedTuple):
+    """Where an export starts: its first seq, the snapshot of the seq before it (None
+    when it starts at seq 1, or past a gap it was allowed), and the archive's parts it
+    reads before the stream (`archived`: the last seq they give, 0 when none)."""
+
+    first: int
+    snapshot: Any
+    parts: list[Any]
+    archived: int
+
+
+async def _export_start(s: cli.Session, info: Any, args: argparse.Namespace, where: str) -> _Start:
+    """The start of the bundle, so that it replays as the log does: from seq 1 through
+    the archive of a compacted log (found as `archive.locate` finds it); from --from-seq N
+    with the view at N-1 folded in as its first line; else, when the archive does not
+    hold the beginning, from the stored snapshot that covers what the stream still has,
+    said in one line. Nothing covers it: a `CliError` naming the missing seqs, unless
+    --allow-gaps (then the bundle starts where the stream does, and says nothing of
+    what it misses: its readers will)."""
+    from services.bus import snapshots
+    from services.replay import archive, rebuild
+
+    stream_first = info.state.first_seq or 1
+    want = args.from_seq or 1
+    directory = archive.locate(args.archive, info.config.metadata)
+    held = archive.cover(directory, want, stream_first) if want < stream_first else None
+    if held is None or not held.missing:
+        parts = held.parts if held is not None else []
+        archived = parts[-1].last if parts else 0
+        if want == 1:
+            return _Start(1, None, parts, archived)
+        got = await rebuild.from_stream(
+            s.js, until_seq=want - 1, label=where, root=s.root, archive_dir=directory
+        )
+        if not got.source.stats.gaps and got.seq == want - 1:
+            return _Start(want, got.view.state, parts, archived)
+        missing = got.source.stats.gaps[0] if got.source.stats.gaps else (got.seq + 1, want - 1)
+    else:
+        missing = held.missing[0]
+    a, b = missing
+    run = f"seq {a} is" if a == b else f"seqs {a}-{b} are"
+    whys = f" ({'; '.join(held.unreadable)})" if held is not None and held.unreadable else ""
+    found = (
+        f"the archive {directory} does not hold them{whys}"
+        if directory is not None
+        else "no archive was found (--archive DIR)"
+    )
+    # The stored snapshot that covers what the stream still holds, past the request.
+    for _, seq, _ in await snapshots.listing(s.js):
+        if seq < max(want, stream_first) - 1:
+            continue
+        state = await snapshots.latest_at_or_before(s.js, seq)
+        if state is not None and state.seq >= max(want, stream_first) - 1:
+            print(
+                f"{cli.PROG}: note: {run} not on the stream and {found}: the bundle starts "
+                f"from the stored snapshot of seq {state.seq}",
+                file=sys.stderr,
+            )
+            return _Start(state.seq + 1, state, [], 0)
+    if args.allow_gaps:
+        return _Start(max(want, stream_first), None, [], 0)
+    raise cli.CliError(
+        f"{run} not on the stream, {found}, and no stored snapshot covers them: a bundle "
+        "without them would replay wrong; --allow-gaps exports what there is"
+    )
+
+
+async def _stored(
+    s: cli.Session, start: _Start, first: int, last: int
+) -> AsyncIterator[list[tuple[int, str, bytes, int]]]:
+    """(seq, subject, body, stored ns when the body's time is past the bound, else 0) of
+    every message `first..last`: the archive's parts first, then the stream."""
+    from services.bus import consume
+
+    pos = first
+    for part in start.parts:
+        chunk: list[tuple[int, str, bytes, int]] = []
+        with contextlib.closing(_lines(str(part.path))) as lines:
+            for rec in lines:
+                if rec.seq < pos:
+                    continue
+                if rec.seq > last:
+                    break
+                chunk.append((rec.seq, rec.subject, rec.body, rec.stored_ns))
+                if len(chunk) >= IMPORT_CHUNK:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+        pos = part.last + 1
+    if pos > last:
+        return
+    async for batch in consume.read_range(s.js, pos, last):
+        yield [
+            (d.seq, d.subject, d.data, d.time_ns if past_bound(d.data, d.time_ns) else 0)
+            for d in batch
+        ]
 
 
 def _check_out(out: str, force: bool) -> None:
@@ -490,6 +619,8 @@ class _Checked(NamedTuple):
     lines: int
     first: int
     last: int
+    snapshot: Any = None
+    """The view of the snapshot the bundle starts with (`bundle.snapshot`), or None."""
 
 
 def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _Checked:
@@ -499,7 +630,10 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
     `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
     count, first, last = 0, 0, 0
     progress = cli.Progress("checking", None)
+    snapshot = None
     try:
+        snapshot = _snapshot_of(path)
+        last = snapshot.seq if snapshot is not None else 0
         for rec in bundle.read(path):
             where = f"{path}:{rec.lineno}: seq {rec.seq}"
             why = _subject_problem(rec.subject, root)
@@ -537,7 +671,26 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
         raise cli.CliError(f"{path}: {e.strerror}") from None
     finally:
         progress.close()
-    return _Checked(count, first, last)
+    return _Checked(count, first, last, snapshot)
+
+
+def _snapshot_of(path: str) -> Any:
+    """The view state of the snapshot a bundle starts with, or None; a `BundleError` for
+    one this version cannot read."""
+    from services.core.view import SCHEMA, decode_state
+
+    head = bundle.snapshot(path)
+    if head is None:
+        return None
+    try:
+        state = decode_state(head[1])
+    except msgspec.MsgspecError as e:
+        raise BundleError(path, 1, f"the snapshot does not decode as a view ({e})") from None
+    if state.schema != SCHEMA or state.seq != head[0]:
+        raise BundleError(
+            path, 1, f"the snapshot is of view schema {state.schema}; this llmgw reads {SCHEMA}"
+        )
+    return state
 
 
 async def _already_stored(
@@ -609,6 +762,11 @@ async def _import(args: argparse.Namespace) -> int:
                 f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: "
                 f"{ADVICE}; or --renumber"
             )
+        if checked.snapshot is not None and not args.renumber:
+            # The view before the bundle's first event, where the stream's replays start.
+            from services.bus import snapshots
+
+            await snapshots.save(s.js, checked.snapshot)
         publisher = Publisher(s.js, root)
         progress = cli.Progress("importing", total - done)
         first_stored = next_seq

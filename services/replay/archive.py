@@ -91,6 +91,46 @@ def verify(part: Part) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class Cover:
+    """What the archive holds of a run of seqs: the parts to read, in log order, and the
+    runs (first, last) no readable part holds, with why each unreadable part was not."""
+
+    parts: list[Part]
+    missing: list[tuple[int, int]]
+    unreadable: list[str]
+
+    def in_order(self) -> list[Part | tuple[int, int]]:
+        """The parts and the missing runs as one list, in log order."""
+        return sorted(
+            [*self.parts, *self.missing], key=lambda x: x.first if isinstance(x, Part) else x[0]
+        )
+
+
+def cover(directory: Path | None, first: int, before: int) -> Cover:
+    """What `directory` (None: no archive found) holds of seqs `first..before-1`: each
+    part is checked against its checksum (`verify`), and one that fails is a missing run."""
+    out = Cover([], [], [])
+    pos = first
+    for part in parts(directory) if directory is not None else []:
+        if part.last < pos:
+            continue
+        if part.first >= before:
+            break
+        if part.first > pos:
+            out.missing.append((pos, part.first - 1))
+        why = verify(part)
+        if why:
+            out.unreadable.append(why)
+            out.missing.append((max(pos, part.first), min(part.last, before - 1)))
+        else:
+            out.parts.append(part)
+        pos = part.last + 1
+    if pos < before:
+        out.missing.append((pos, before - 1))
+    return out
+
+
 def locate(explicit: str | Path | None, metadata: dict[str, str] | None) -> Path | None:
     """The archive directory: given, else $LLMGW_ARCHIVE, else the stream's record."""
     where = explicit or os.environ.get(ENV_ARCHIVE) or (metadata or {}).get(METADATA_KEY)
