@@ -189,8 +189,13 @@ async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
     control_js = env.control.nc.jetstream()
     served = asyncio.create_task(agent_consumers.serve(env.control.nc, control_js, "llmgw", stop))
     try:
-        await env.control.nc.flush()
-        reply = await a1.nc.request(agent_consumers.hello_subject(A1), b"", timeout=5)
+        async with asyncio.timeout(10):
+            while True:  # until the responder's subscription is in
+                try:
+                    reply = await a1.nc.request(agent_consumers.hello_subject(A1), b"", timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    await asyncio.sleep(0.02)
         assert json.loads(reply.data) == {"ok": True}
     finally:
         stop.set()
