@@ -47,6 +47,12 @@ from services.core import view as core_view
 _AT = re.compile(r"^(?P<why>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
 _TOP = ("models", "quota", "owners", "scale")
 
+# MAX_DEPTH bounds how deeply a cluster file nests. A real one is six levels deep (models,
+# a model, its runtime, its env, ...); thousands of `[` would exhaust the parsers' and the
+# checks' recursion, a traceback instead of a line.
+MAX_DEPTH = 32
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels: not a cluster file"
+
 
 class ClusterFileError(Exception):
     """A cluster file that cannot be applied; str() is the one line to show."""
@@ -289,7 +295,7 @@ def _line_for(lines: dict[str, int], where: str) -> int | None:
 class _Refused(Exception):
     """What a cluster file's YAML may not use, found at `line` (at field `where`)."""
 
-    def __init__(self, line: int, why: str, where: str = "") -> None:
+    def __init__(self, line: int | None, why: str, where: str = "") -> None:
         super().__init__(why)
         self.line, self.why, self.where = line, why, where
 
@@ -298,17 +304,26 @@ class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader without aliases. A cluster file has no use for them and a
     hostile one does: nine lines of anchors each aliasing the last nine times are a
     hundred million nodes to walk (`llmgw apply --dry-run` past 4 GB). The first `*alias` is
-    refused as it is read, before anything is built."""
+    refused as it is read, before anything is built; so is a node past MAX_DEPTH."""
+
+    _depth = 0
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()  # type: ignore[no-untyped-call]
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        at = event.start_mark.line + 1 if event.start_mark is not None else None
+        if isinstance(event, yaml.AliasEvent):
             raise _Refused(
-                event.start_mark.line + 1,
+                at,
                 f"YAML aliases are not accepted in a cluster file (*{event.anchor}): "
                 "write the value out where it is used",
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(at, _TOO_DEEP)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
@@ -367,7 +382,24 @@ def _toml(text: str, name: str) -> tuple[Any, dict[str, int]]:
         raise ClusterFileError(
             name, int(m.group(1)) if m else None, "", f"not valid TOML: {e}"
         ) from e
+    except RecursionError:
+        # tomllib has no bound of its own: its recursion running out is the bound.
+        raise ClusterFileError(name, None, "", _TOO_DEEP) from None
+    if _deeper_than(doc, MAX_DEPTH):
+        raise ClusterFileError(name, None, "", _TOO_DEEP)
     return doc, _toml_lines(text)
+
+
+def _deeper_than(doc: Any, limit: int) -> bool:
+    """Whether `doc` nests lists and tables more than `limit` deep (walked without recursion)."""
+    stack = [(doc, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _toml_lines(text: str) -> dict[str, int]:

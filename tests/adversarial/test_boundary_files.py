@@ -7,6 +7,8 @@ FILE:LINE: field: why, and nothing is published:
   with the owner it meant; accepted when the file lists the owner under `owners:` or
   `--new-owner` names it, the deliberate cases. Checked against the file's quota tree,
   and against the tree in force when the file has none.
+And against a running plane: after each file `up` is alive, nothing of the file is on
+the log, a sentinel still applies and the view equals an offline replay.
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.js.client import JetStreamContext
 
+from schemas import codec, subjects
 from schemas import events as ev
 from services import cli, clusterfile
+from services.bus import consume
+from tests.adversarial import test_bad_input as bad_input
+from tests.adversarial.test_bad_input import Plane, _replayed_equals_live, _settle
 from tests.operator.test_operator import _stored
 
 pytestmark = pytest.mark.timeout(30)
+
+# The adversarial suite's running plane (`llmgw up`, two simulated nodes), this module's own.
+plane = bad_input.plane
+js = bad_input.js
 
 # BOMB is the nine lines: `i` expanded is 9**9 (387 million) strings.
 BOMB = """\
@@ -45,7 +56,8 @@ def _refused(tmp_path: Path, text: str, name: str = "hostile.yaml") -> clusterfi
     with pytest.raises(clusterfile.ClusterFileError) as info:
         clusterfile.load(f)
     assert "\n" not in str(info.value)
-    assert str(info.value).startswith(f"{f}:{info.value.line}: "), str(info.value)
+    at = f"{f}:{info.value.line}" if info.value.line else str(f)
+    assert str(info.value).startswith(f"{at}: "), str(info.value)
     return info.value
 
 
@@ -56,6 +68,18 @@ def test_an_alias_bomb_is_refused_at_its_first_alias_at_once(tmp_path: Path) -> 
     assert time.monotonic() - began < 0.5
     assert e.line == 2
     assert "YAML aliases are not accepted in a cluster file (*a)" in str(e)
+
+
+@pytest.mark.parametrize(("name", "line"), [("deep.yaml", 1), ("deep.toml", None)])
+def test_a_file_nested_thousands_deep_is_one_line_not_a_traceback(
+    tmp_path: Path, name: str, line: int | None
+) -> None:
+    sep = ": " if name.endswith(".yaml") else " = "
+    began = time.monotonic()
+    e = _refused(tmp_path, "models" + sep + "[" * 5000 + "]" * 5000 + "\n", name)
+    # PyYAML's scanner looks a thousand brackets ahead whatever the depth: bounded, if slow.
+    assert time.monotonic() - began < 3
+    assert e.line == line and "nested deeper than 32 levels" in str(e), str(e)
 
 
 def test_an_alias_anywhere_is_refused_a_merge_key_too(tmp_path: Path) -> None:
@@ -158,3 +182,34 @@ def test_apply_refuses_each_and_publishes_nothing(  # type: ignore[no-untyped-de
     assert cli.main(["--nats", url, "apply", "-f", str(typo), "--new-owner", "reserch"]) == 0
     last = _stored(url)[-1].data
     assert isinstance(last, ev.ModelDeclared) and last.owner == "reserch"
+
+
+async def test_hostile_files_leave_a_running_plane_as_it_was(
+    plane: Plane, js: JetStreamContext, tmp_path: Path
+) -> None:
+    files = {
+        "bomb.yaml": BOMB,
+        "twice.yaml": SWEEP.format(owner="default") + "scale: {sweep: 1}\nscale: {sweep: 64}\n",
+        "typo.yaml": TREE + SWEEP.format(owner="reserch"),
+        "deep.yaml": "models: " + "[" * 5000 + "]" * 5000 + "\n",
+    }
+    before = (await js.stream_info(subjects.STREAM)).state.last_seq
+    for n, (name, text) in enumerate(files.items(), start=1):
+        f = tmp_path / name
+        f.write_text(text)
+        r = plane.up.llmgw("apply", "-f", str(f))
+        assert r.returncode == 1, (name, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"llmgw: {f}:") and r.stderr.count("\n") == 1, r.stderr
+        assert r.stdout == "", r.stdout
+        live = await _settle(js, plane, tmp_path, 100 + n)
+        assert plane.alive()
+    # Nothing of the files is on the log: the sentinels and the plane's own events only.
+    after = (await js.stream_info(subjects.STREAM)).state.last_seq
+    got = [
+        codec.decode(d.data).data
+        async for batch in consume.read_range(js, before + 1, after)
+        for d in batch
+    ]
+    assert not [d for d in got if isinstance(d, ev.ModelDeclared | ev.QuotaSet)], got
+    assert not [d for d in got if isinstance(d, ev.ScaleDesired) and d.model == "sweep"], got
+    await _replayed_equals_live(js, live, tmp_path)
