@@ -24,6 +24,7 @@ from typing import Any
 
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
+from services.agent import consumers as agent_consumers
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
@@ -260,6 +261,10 @@ async def _serve(
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
             asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
+            # Agents make no consumers of their own: they ask for them (agent.consumers).
+            asyncio.create_task(
+                agent_consumers.serve(nc, js, opts.root, stop), name="agent consumers"
+            ): "agent consumers",
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
