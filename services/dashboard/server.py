@@ -264,7 +264,10 @@ class Dashboard:
 
     def __post_init__(self) -> None:
         self.metrics = metrics.Metrics(
-            lambda: self.hub.view, lambda: self.health, lambda: len(self.hub.clients)
+            lambda: self.hub.view,
+            lambda: self.health,
+            lambda: len(self.hub.clients),
+            lambda: getattr(self, "replays", None),
         )
         self.hub = hub.Hub(
             self.js,

@@ -51,6 +51,8 @@ DECIDED_WITHIN_S = 1.0
 # RENEWED_WITHIN_S bounds the gap between two renewals of a lease: it is renewed every
 # ttl/3 (5 s / 3 in `up`), so a longer gap is a loop that stalled.
 RENEWED_WITHIN_S = 3.0
+# ALLOWED is the name the plane is told to answer for (`--allow-host`), as behind a proxy.
+ALLOWED = "dash.example"
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         base / "data",
         base / "up.log",
         *("--simulate", "2x8xH100-80GB", "--ui-listen", "127.0.0.1:0", *FAST),
+        *("--allow-host", ALLOWED),
     )
     try:
         url = up.wait_url()
@@ -164,7 +167,7 @@ async def test_a_rebound_host_reads_nothing(
             assert r.status == 403, (path, headers, r.status)
             assert b"cross-origin requests are refused" in r.body
     for path in ROUTES:
-        for host in (here, f"localhost:{here.split(':')[1]}"):
+        for host in (here, f"localhost:{here.split(':')[1]}", ALLOWED):
             r = await get(ui + path, {"Host": host, "Sec-Fetch-Site": "same-origin"})
             assert r.status == 200, (path, host, r.status, r.body[:200])
             assert "access-control-allow-origin" not in r.headers

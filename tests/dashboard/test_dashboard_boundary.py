@@ -91,6 +91,10 @@ async def test_past_the_bound_a_replay_is_503_with_retry_after(
             release.set()
         assert (await get(d.url + "api/explain/model/lab?seq=7")).status == 200
         assert d.replays.refused == 1
+        text = (await get(d.url + "metrics")).body.decode()
+        assert 'llmgw_dashboard_replays_total{outcome="busy"} 1.0' in text
+        assert 'llmgw_dashboard_replays_total{outcome="replayed"} 3.0' in text
+        assert "llmgw_dashboard_replays_running 0.0" in text
 
 
 def test_which_hosts_the_dashboard_answers_for() -> None:
