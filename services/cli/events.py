@@ -125,6 +125,8 @@ def _register_tail(events: cli.Commands) -> None:
             "TIME is the event's own time (UTC). A message that is not a valid event is\n"
             "shown as (undecodable) with the reason; it never stops the tail.\n"
             "By default only new events are shown; --since starts earlier. Ctrl-C stops.\n"
+            "On a stopped `llmgw up`'s data directory, --since reads its stored log to the\n"
+            "end and exits.\n"
             "-o wide adds each event's id and causation (the event it reacted to); -o json\n"
             "(or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
         ),
@@ -196,8 +198,14 @@ async def _tail(args: argparse.Namespace) -> int:
     out = sys.stdout
     # It may run for days: what it logs (a lost connection) carries the time.
     cli.setup_logging()
-    async with cli.session(args, "llmgw events tail") as s:
-        info = await _event_stream(s, create=True)
+    from services.cli import offline
+
+    # With --since, a stopped plane's stored log is read to its end (nothing more will
+    # come); without, there is nothing to show but what a live plane stores next.
+    opener = offline.session if args.since is not None else _live
+    async with opener(args, "llmgw events tail") as opened:
+        s = opened.session
+        info = await _event_stream(s, create=not opened.offline)
         state = info.state
         since = args.since
         if since is None:
@@ -248,12 +256,30 @@ async def _tail(args: argparse.Namespace) -> int:
             seen = batch[-1].seq
 
         try:
-            await follow.follow(
-                s.js, position=lambda: seen, on_batch=tail_batch, stop=stop, name="tail"
-            )
+            if opened.offline:
+                from services.bus import consume
+
+                if start <= state.last_seq:
+                    async for batch in consume.read_range(s.js, start, state.last_seq):
+                        await tail_batch(batch)
+                        if stop.is_set():
+                            break
+            else:
+                await follow.follow(
+                    s.js, position=lambda: seen, on_batch=tail_batch, stop=stop, name="tail"
+                )
         except StreamReplaced as e:
             raise cli.CliError(f"{e}: the tail stops here; start it again") from None
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _live(args: argparse.Namespace, name: str) -> AsyncIterator[Any]:
+    """`offline.session`'s shape over the live broker alone."""
+    from services.cli.offline import Opened
+
+    async with cli.session(args, name) as s:
+        yield Opened(s, s.url)
 
 
 def _tail_name(d: Any, event: Any, root: str) -> str:
@@ -428,6 +454,8 @@ async def _export_start(s: cli.Session, info: Any, args: argparse.Namespace, whe
 
     stream_first = info.state.first_seq or 1
     want = args.from_seq or 1
+    if want > info.state.last_seq:
+        return _Start(want, None, [], 0)  # past the end: nothing to export, nothing to cover
     directory = archive.locate(args.archive, info.config.metadata)
     held = archive.cover(directory, want, stream_first) if want < stream_first else None
     if held is None or not held.missing:
