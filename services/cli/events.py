@@ -454,6 +454,8 @@ async def _export_start(s: cli.Session, info: Any, args: argparse.Namespace, whe
 
     stream_first = info.state.first_seq or 1
     want = args.from_seq or 1
+    if want > info.state.last_seq:
+        return _Start(want, None, [], 0)  # past the end: nothing to export, nothing to cover
     directory = archive.locate(args.archive, info.config.metadata)
     held = archive.cover(directory, want, stream_first) if want < stream_first else None
     if held is None or not held.missing:

@@ -102,3 +102,7 @@ async def test_a_compacted_log_exports_whole_or_from_its_snapshot(
     code, out, err = await asyncio.to_thread(_main, capsys, *export, "--allow-gaps")
     assert code == 0 and f"(seq {cut}..{last})" in out, err
     assert gapped.read_bytes() == hole.read_bytes()
+    # Past the end there is nothing to export, and nothing to cover.
+    past = [*url, "events", "export", "-o", str(tmp_path / "past.jsonl")]
+    code, out, err = await asyncio.to_thread(_main, capsys, *past, "--from-seq", str(last + 5))
+    assert code == 0 and out.startswith("exported 0 events to "), err
