@@ -72,6 +72,8 @@ class UpOptions:
     ui: str | None = None
     """Where the dashboard listens (HOST:PORT); None: no dashboard."""
     ui_token: str | None = None
+    ui_hosts: tuple[str, ...] = ()
+    """`Host` names the dashboard answers for besides loopback ones (`--allow-host`)."""
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
@@ -249,6 +251,7 @@ async def _serve(
                 token=opts.ui_token,
                 db_path=db_path,
                 policy=opts.policy,
+                allow_hosts=opts.ui_hosts,
             )
             try:
                 ui_sock = dashboard.bind()

@@ -49,6 +49,7 @@ from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
+from services.bus.publish import OTHER
 from services.clock import new_id, utc_now
 from services.core import ingest
 
@@ -210,7 +211,7 @@ class Agent:
         self.durable = durable_name(node)
         self.reader = reader_name(node)
         self._rng = rng or random.Random()
-        self._publisher = Publisher(js, root)
+        self._publisher = Publisher(js, root, stored_at=self._stored_at)
         self._reading = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._halt = asyncio.Event()
@@ -357,6 +358,19 @@ class Agent:
         except (nats.errors.Error, TimeoutError) as e:
             return f"{why}, and this user may not make them ({e or type(e).__name__})"
         return None
+
+    async def _stored_at(self, stream: str, seq: int) -> str | None:
+        """The subject of the message at `seq`, for a duplicate ack (`Publisher`): read
+        through the agent's reader, which sees its own node's subjects only; a message
+        it does not see there is on another's (`OTHER`)."""
+        if stream != subjects.STREAM:
+            return None
+        async with self._reading:
+            reader = bus_consume.read_pulled(self.js, self.reader, seq, batch_max=1)
+            async with contextlib.aclosing(reader) as batches:
+                async for batch in batches:
+                    return batch[0].subject if batch[0].seq == seq else OTHER
+        return OTHER
 
     async def _read(self, only: str) -> AsyncIterator[list[bus_consume.Delivery]]:
         """The agent's own history from the first sequence, the subjects `only` matches,

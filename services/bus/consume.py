@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -152,7 +152,8 @@ async def dead_letter(
         )
     )
     headers = {
-        "Nats-Msg-Id": f"dlq.{consumer}.{seq}",
+        # Scoped by subject, as every publish's (services.bus.publish.scoped_id).
+        "Nats-Msg-Id": f"{subjects.dlq_subject(consumer, root)} dlq.{consumer}.{seq}",
         "Llmgw-Dlq-Consumer": consumer,
         "Llmgw-Dlq-Subject": subject,
         "Llmgw-Dlq-Seq": str(seq),
@@ -532,7 +533,7 @@ async def read_pulled(
     only: str | None = None,
     stream: str = subjects.STREAM,
     batch_max: int = BATCH_MAX,
-) -> AsyncIterator[list[Delivery]]:
+) -> AsyncGenerator[list[Delivery], None]:
     """Batches of what the pull consumer `consumer` (made by someone else, no acks,
     deliver-all) holds from `from_seq` to the end of the stream as it is when each
     message is sent, then it stops; `only` keeps the subjects it matches.

@@ -43,7 +43,11 @@ def register(commands: cli.Commands) -> None:
             "the archive part is written and checked, then the stream is purged. Nothing is\n"
             "purged that no snapshot covers. Replay, history and explain read the archive\n"
             "and the stream as one log (the archive's directory is recorded on the stream;\n"
-            "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap."
+            "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap; `events export`\n"
+            "writes the archive's events too.\n"
+            "A part is written as .writing-<pid>.jsonl.gz first: one that a killed run left\n"
+            "is removed by the next. A write that fails (a full disk) names its file, and\n"
+            "nothing is purged."
         ),
         epilog=cli.examples(
             "llmgw log compact --keep 30d",

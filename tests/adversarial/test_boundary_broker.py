@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 import pytest
@@ -25,11 +26,16 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 
-from schemas import subjects
+from schemas import codec, ids, subjects
+from schemas import events as ev
 from services.agent import SimulatedRuntime, gpu_inventory, parse_gpus
 from services.agent import consumers as agent_consumers
 from services.agent.agent import Agent, ctl_subject, durable_name, inbox_prefix, reader_name
+from services.bus import Publisher, consume
+from services.bus.publish import COLLISIONS, scoped_id
+from services.clock import new_id
 from tests.adversarial.test_bad_input import Plane, _replayed_equals_live, _settle
+from tests.agent.helpers import drain_cmd, start_cmd
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
     Rendered,
@@ -44,6 +50,7 @@ pytestmark = [pytest.mark.timeout(60)]
 
 A1, A2 = "gpu-a1", "gpu-a2"  # the attacker's node, and the node it attacks
 BAD_GPU = 3
+MODEL_OF_TEST = "two-node"
 
 
 @dataclass
@@ -222,3 +229,66 @@ async def test_an_agent_cannot_clear_another_nodes_quarantine(
         said = [r.message for r in caplog.records if "healthy again" in r.message]
         assert len(said) == 1 and "by request of ops@bastion" in said[0], said
     await _checks(boundary, js, tmp_path, 1)
+
+
+async def test_a_taken_message_id_keeps_no_event_off_the_log(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica with shards on gpu-a1 and gpu-a2: gpu-a1 sees the placement, so it can
+    derive gpu-a2's start command, gpu-a2's state reports and a drain, and send each id
+    first on its own subject (scoped as publishers scope them, and bare as they were).
+    Every one of gpu-a2's events and the plane's commands is stored all the same, and
+    each taken id is said."""
+    caplog.set_level(logging.INFO)
+    replica = f"r-two-{tmp_path.name[-6:]}"
+    placement = new_id()
+    start = msgspec.structs.replace(
+        start_cmd(replica, A2, (0, 1), model=MODEL_OF_TEST),
+        id=ids.derived(placement, f"start\x00{A2}"),
+        causation=placement,
+    )
+    start = msgspec.structs.replace(
+        start,
+        data=msgspec.structs.replace(
+            start.data,
+            shards=(ev.ShardSpec(node=A1, gpus=(0, 1)), ev.ShardSpec(node=A2, gpus=(0, 1))),
+        ),
+    )
+    drain = msgspec.structs.replace(
+        drain_cmd(replica, model=MODEL_OF_TEST), id=ids.derived(placement, f"drain\x00{A2}")
+    )
+    report = subjects.replica_subject(A2, replica)
+    taken = [
+        (subjects.command_subject(A2, "start"), start.id),
+        (subjects.command_subject(A2, "drain"), drain.id),
+        *[(report, ids.derived(start.id, f"state:{s}")) for s in ("starting", "loading", "ready")],
+        *[(report, ids.derived(drain.id, f"state:{s}")) for s in ("draining", "stopped")],
+    ]
+    nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+    try:
+        ajs = nc.jetstream()
+        own = subjects.replica_subject(A1, replica)
+        for subject, eid in taken:
+            for header in (scoped_id(subject, eid), eid):
+                await ajs.publish(own, b"{}", headers={"Nats-Msg-Id": header})
+    finally:
+        await nc.close()
+    before = sum(COLLISIONS.values())
+    plane = Publisher(js)
+    async with _victim(boundary, tmp_path) as victim:
+        await plane.publish(start, node=A2)
+        await _until(
+            "gpu-a2 to report its shard ready", lambda: victim.replicas() == {replica: "ready"}
+        )
+        await plane.publish(drain, node=A2)
+        await _until("gpu-a2 to stop it", lambda: victim.replicas() == {replica: "stopped"})
+    stored: dict[tuple[str, str], int] = {}
+    async for batch in consume.read_range(js, 1, filter_subject=f"llmgw.*.{A2}.>"):
+        for d in batch:
+            with contextlib.suppress(Exception):
+                stored[(d.subject, codec.decode(d.data).id)] = d.seq
+    assert [t for t in taken if t not in stored] == []
+    assert sum(COLLISIONS.values()) - before == len(taken)
+    said = [r.message for r in caplog.records if "was taken by seq" in r.message]
+    assert len(said) == len(taken), said
+    await _checks(boundary, js, tmp_path, 2)

@@ -6,6 +6,7 @@ a log collector reads:
   reconnected lines, and the spans of the console exporter (their attributes);
 - a wrong password (`status`, `events tail`): the error line;
 - `--help` with the URL in $LLMGW_NATS;
+- `llmgw up` on its own broker, which it restarts after a kill -9, and `status` beside it;
 - every file left in the data directories but the three kept for the password (0600).
 
 And the one redaction they go through (`services.bus.urls.public_url`), on the shapes of
@@ -146,6 +147,32 @@ def test_the_password_is_in_no_output_of_any_connection_path(tmp_path: Path) -> 
     said = {p.log.name: p.text() for p in procs}
     assert "lost the connection to nats://127.0.0.1:" in said["up.log"], said["up.log"][-2000:]
     assert '"trace_id"' in said["up.log"], "no span printed: the attributes went unscanned"
+
+
+def test_the_embedded_brokers_password_is_in_no_output_through_its_restart(
+    tmp_path: Path,
+) -> None:
+    """`llmgw up` on its own broker, which it restarts after a kill -9; a command beside
+    it finds the broker through the data directory."""
+    data = tmp_path / "data"
+    up = UpProcess(data, tmp_path / "up.log", "--no-ui", env={"OTEL_TRACES_EXPORTER": "console"})
+    try:
+        up.wait_url()
+        secret = (data / PASSWORD_FILE).read_text().strip()
+        assert secret
+        _says(up, "up: ")
+        pid = int((data / "nats-server.pid").read_text().split()[0])
+        os.kill(pid, 9)
+        _says(up, "broker: restarted on")
+        _says(up, "reconnected to")
+        beside = up.llmgw("status")
+        assert beside.returncode == 0, beside.stderr
+    finally:
+        up.stop()
+    outputs = [up.text(), beside.stdout, beside.stderr]
+    assert not [o for o in outputs if secret in o]
+    files = [f for f in data.rglob("*") if f.is_file() and f.name not in KEPT]
+    assert files and not [f for f in files if secret.encode() in f.read_bytes()]
 
 
 @pytest.mark.parametrize(

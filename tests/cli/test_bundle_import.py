@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import io
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -250,6 +249,30 @@ def test_one_id_at_two_seqs_is_imported_as_the_log_held_it(
     assert back.read_bytes() == path.read_bytes()
 
 
+async def _kill_when_stored(url: str, argv: list[str]) -> None:
+    """Run `llmgw ARGV` and kill -9 it as soon as the stream holds anything."""
+    nc = await connect(url, "test-watcher")
+    p = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *argv,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        deadline = time.monotonic() + 30
+        while not (await js.stream_info("LLMGW")).state.messages:
+            assert time.monotonic() < deadline and p.returncode is None
+            await asyncio.sleep(0.002)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(p.wait(), 10)
+        await nc.close()
+
+
 def test_a_renumbered_import_killed_part_way_resumes(
     nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -258,19 +281,7 @@ def test_a_renumbered_import_killed_part_way_resumes(
     path = write(tmp_path / "big.jsonl", rows[:5] + rows[10:])
     total = len(rows) - 5
     argv = ["--nats", nats_server.url, "events", "import", str(path), "--renumber"]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while (held := stored(nats_server.url)[0]) == 0:
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.005)
-    finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait(10)
+    asyncio.run(_kill_when_stored(nats_server.url, argv))
     held = stored(nats_server.url)[0]
     assert 0 < held < total, "the import was killed part way"
     code, out, err = run(capsys, *argv)
