@@ -210,8 +210,7 @@ class _Op:
         why = await liveness.no_scheduler(self.s.js, self.s.root, clock.utc_now(), recorded_in)
         if why is not None:
             print(
-                f"{cli.PROG}: warning: {why}; it is stored, and acted on once a "
-                "scheduler leads",
+                f"{cli.PROG}: warning: {why}; it is stored, and acted on once a scheduler leads",
                 file=sys.stderr,
             )
 
