@@ -28,3 +28,9 @@ class Busy(Exception):
             f"busy: {running} replays of past moments are running or waiting; "
             f"try again in {retry_after_s} s"
         )
+
+
+class Unlisted(Exception):
+    """The dashboard has not listed the log yet (503): the broker does not answer."""
+
+    WHY = "the dashboard has not read the log yet (the broker does not answer?)"

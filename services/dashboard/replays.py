@@ -54,6 +54,10 @@ RETRY_AFTER_S = 2
 # KEEP and KEEP_BYTES bound the answers kept for past moments.
 KEEP = 64
 KEEP_BYTES = 32 * 1024 * 1024
+# REPLAY_S bounds one replay, waiting for its turn excluded: a broker that does not answer
+# (the worker's reader reconnects until it does) must not hold a turn for good. A log of
+# a million events folds in well under it.
+REPLAY_S = 120.0
 # CLOSE_S bounds the wait for the worker thread when the dashboard stops.
 CLOSE_S = 5.0
 
@@ -149,11 +153,12 @@ class Replays:
             self.ran += 1
             wjs = await self._worker()
             if wjs is None:
-                got = await work(self.js)
+                got = await asyncio.wait_for(work(self.js), REPLAY_S)
             else:
                 assert self._loop is not None
                 fut = asyncio.run_coroutine_threadsafe(work(wjs), self._loop)
-                got = await asyncio.wrap_future(fut)
+                # A timeout cancels the replay on the worker's loop too.
+                got = await asyncio.wait_for(asyncio.wrap_future(fut), REPLAY_S)
         if key is not None and got.final:
             self._keep(key, got)
         return got

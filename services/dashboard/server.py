@@ -53,7 +53,7 @@ from schemas import subjects
 from services.bus.errors import BrokerUnavailable
 from services.core import preemption
 from services.dashboard import health, hub, metrics, query, replays, state
-from services.dashboard.errors import BadRequest, Busy, DashboardError
+from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.replay import explain, history
 
@@ -65,8 +65,10 @@ URL_FILE = "dashboard.url"
 COOKIE = "llmgw_token"
 # HEALTH_S is how often the log's health (projector lag, dead letters) is read.
 HEALTH_S = 2.0
+# LISTED_S bounds how long a request for the live view waits for the first listing.
+LISTED_S = 30.0
 # HOST_NAME is what `--allow-host` takes: a DNS name (or an address), nothing else.
-HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]{2,45}")
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]{2,45}")
 
 __all__ = ["BadRequest", "Dashboard", "DashboardError"]
 
@@ -117,7 +119,7 @@ def host_of(header: str) -> str | None:
     elif not re.fullmatch(r"[0-9]{1,5}", port):
         return None
     name = name.rstrip(".")
-    return name if name and re.fullmatch(r"[a-z0-9.-]+", name) else None
+    return name if name and re.fullmatch(r"[a-z0-9._-]+", name) else None
 
 
 @dataclass(frozen=True)
@@ -263,11 +265,14 @@ class Dashboard:
     """`Host` names served besides loopback ones (`--allow-host`, `Hosts`)."""
 
     def __post_init__(self) -> None:
+        # Answers for past moments are kept by what they name and the listing they are
+        # of: a view of a log listed before is not one of the log that replaced it.
+        self.replays = replays.Replays(self.js)
         self.metrics = metrics.Metrics(
             lambda: self.hub.view,
             lambda: self.health,
             lambda: len(self.hub.clients),
-            lambda: getattr(self, "replays", None),
+            lambda: self.replays,
         )
         self.hub = hub.Hub(
             self.js,
@@ -276,9 +281,6 @@ class Dashboard:
             client_frames=self.client_frames,
             on_change=self.metrics.observe,
         )
-        # Answers for past moments are kept by what they name and the listing they are
-        # of: a view of a log listed before is not one of the log that replaced it.
-        self.replays = replays.Replays(self.js)
         host, _ = parse_listen(self.listen)
         hosts = Hosts(is_loopback(host), frozenset(parse_hosts(self.allow_hosts)))
         self.app = _Gate(self._routes(), self.token, hosts)
@@ -365,7 +367,7 @@ class Dashboard:
 
     async def _check_health(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            got = await health.check(self.js, self.db_path)
+            got = await health.check(self.js, self.db_path, self.root)
             if got:
                 self.health = got
             with contextlib.suppress(TimeoutError):
@@ -385,8 +387,12 @@ class Dashboard:
         return resp
 
     async def _live(self) -> Any:
+        """The live view; `Unlisted` while the hub has not listed the log yet."""
         if self.hub.view is None:
-            await asyncio.wait_for(self.hub.listed.wait(), 30)
+            try:
+                await asyncio.wait_for(self.hub.listed.wait(), LISTED_S)
+            except TimeoutError:
+                raise Unlisted from None
         return self.hub.view
 
     def _live_fields(self) -> dict[str, Any]:
@@ -406,8 +412,14 @@ class Dashboard:
             got = await self.replays.answer(key, work)
         except Busy as e:
             return _unavailable(str(e), e.retry_after_s)
-        except (BrokerUnavailable, TimeoutError) as e:
+        except BrokerUnavailable as e:
             return _unavailable(f"the broker does not answer: {e}", replays.RETRY_AFTER_S)
+        except TimeoutError:
+            return _unavailable(
+                f"the replay did not end within {replays.REPLAY_S:.0f} s (the broker does "
+                "not answer?)",
+                replays.RETRY_AFTER_S,
+            )
         return Response(got.body, got.status, media_type="application/json")
 
     async def _view(self, req: Request) -> Response:
@@ -418,7 +430,11 @@ class Dashboard:
         except BadRequest as e:
             return _bad(e)
         if m is None:
-            doc = state.view_doc(await self._live(), everything=everything, with_digest=True)
+            try:
+                v = await self._live()
+            except Unlisted:
+                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+            doc = state.view_doc(v, everything=everything, with_digest=True)
             return JSONResponse({**doc, **self._live_fields()})
         resp = await self._replay(
             self._moment_key("view", m, everything),
@@ -501,7 +517,11 @@ class Dashboard:
         except BadRequest as e:
             return _bad(e)
         if m is None:
-            status, doc = replays.plan_of(await self._live(), model, cfg)
+            try:
+                v = await self._live()
+            except Unlisted:
+                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+            status, doc = replays.plan_of(v, model, cfg)
             return JSONResponse(doc, status)
         return await self._replay(
             self._moment_key("plan", m, model, cfg),
