@@ -1,0 +1,14 @@
+"""The gateway's defaults the CLI names in `--help`: constants of their own, so that the
+command line need not import the web server to show them."""
+
+DEFAULT_LISTEN = "127.0.0.1:8322"
+"""Where `llmgw gateway` and `llmgw up` serve it by default: loopback, beside the
+dashboard's 8321."""
+
+# MAX_BODY is the largest request body taken (16 MiB): far past any chat a person
+# writes, and small enough that a flood of them cannot take the gateway's memory.
+MAX_BODY = 16 * 1024 * 1024
+# UPSTREAM_TIMEOUT_S bounds each wait on a replica once connected: for its answer to
+# begin, and between two chunks of a stream. A long generation streams; a replica
+# silent this long is stuck (504, or the stream closed).
+UPSTREAM_TIMEOUT_S = 300.0
