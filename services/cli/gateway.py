@@ -77,20 +77,12 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
 
 
 def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
-    """`--listen` (`flag`) checked: HOST:PORT, and loopback unless `--no-auth`; `UsageError`."""
-    from services.dashboard.server import is_loopback
-    from services.gateway.server import parse_listen
+    """`--listen` (`flag`) checked: HOST:PORT, and loopback unless `--no-auth`."""
+    from services.gateway.listen import refusal
 
-    try:
-        host, _ = parse_listen(args.gateway_listen)
-    except ValueError as e:
-        raise cli.UsageError(f"{flag}: {e}") from None
-    if not is_loopback(host) and not args.no_auth:
-        raise cli.UsageError(
-            f"{flag} {args.gateway_listen}: the gateway has no API keys yet, so off "
-            "loopback anyone who reaches it could use every model; give --no-auth to "
-            "serve it anyway"
-        )
+    why = refusal(args.gateway_listen, args.no_auth)
+    if why is not None:
+        raise cli.UsageError(f"{flag} {why}")
     if args.max_body < 1:
         raise cli.UsageError(f"--max-body: {args.max_body} is not a positive size")
     return str(args.gateway_listen)

@@ -220,7 +220,22 @@ class Gateway:
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"seq": self.follower.seq, "inflight": self.router.inflight})
+        """The view's seq, what is routable per declared model, in flight per replica."""
+        view = self.follower.view
+        routable = {}
+        for name in sorted(view.state.models):
+            m = view.catalog.resolve(name)
+            if m is not None:
+                routable[name] = sorted(r.id for r in routing.candidates(view, m))
+        return web.json_response(
+            {
+                "seq": self.follower.seq,
+                "routable": routable,
+                "inflight": self.router.inflight,
+                "requests": self.counts.requests,
+                "retries": self.counts.retries,
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         view = self.follower.view
