@@ -18,6 +18,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -75,11 +77,21 @@ DEAD_LETTERS: Counter[str] = Counter()
 
 
 # DLQ_KEEP_BYTES bounds how much of a dead message its record keeps. A record must always
-# fit under the broker's max payload, whatever came in: a body near 1 MiB, base64'd, would
-# not, and a consumer retrying a dead letter that can never be stored stalls for good.
-# The size and hash of the whole body are kept beside the prefix, so the original can
-# still be identified in the stream (by `seq`) or in an export.
-DLQ_KEEP_BYTES = 64 * 1024
+# fit under the DLQ's max message size (stream.DLQ_MAX_MSG_BYTES, 16 KiB), whatever came
+# in: a consumer retrying a dead letter that can never be stored stalls for good. And a
+# flood of bad messages, which each of the plane's consumers dead-letters, must cost the
+# DLQ a few KiB per message, not the message again. The size and hash of the whole body
+# are kept beside the prefix, so the original can still be identified in the stream (by
+# `seq`) or in an export.
+DLQ_KEEP_BYTES = 4 * 1024
+
+# DLQ_SAY_EVERY_S: a consumer's dead letters are logged one line for the first, then at
+# most one line per this many seconds, saying how many more there were: a flood of bad
+# input is said, not echoed line by line.
+DLQ_SAY_EVERY_S = 30.0
+
+# _said: consumer -> (monotonic time of its last line, dead letters since not logged).
+_said: dict[str, tuple[float, int]] = {}
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +149,16 @@ async def dead_letter(
     after a crash) stores it once.
     """
     js = nc.jetstream() if isinstance(nc, Client) else nc
+    body, headers = _dead_letter_message(root, consumer, reason, subject, seq, data)
+    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
+    DEAD_LETTERS[consumer] += 1
+    _say(consumer, seq, headers["Llmgw-Dlq-Subject"], headers["Llmgw-Dlq-Reason"])
+    return ack.seq
+
+
+def _dead_letter_message(
+    root: str, consumer: str, reason: str, subject: str, seq: int, data: bytes
+) -> tuple[bytes, dict[str, str]]:
     reason = _one_line(reason)
     subject = _one_line(subject)
     body = _dlq_encoder.encode(
@@ -159,10 +181,18 @@ async def dead_letter(
         "Llmgw-Dlq-Seq": str(seq),
         "Llmgw-Dlq-Reason": reason,
     }
-    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
-    DEAD_LETTERS[consumer] += 1
-    log.warning("dead letter for %s: seq %d on %s: %s", consumer, seq, subject, reason)
-    return ack.seq
+    return body, headers
+
+
+def _say(consumer: str, seq: int, subject: str, reason: str) -> None:
+    now = time.monotonic()
+    last, quiet = _said.get(consumer, (-math.inf, 0))
+    if now - last < DLQ_SAY_EVERY_S:
+        _said[consumer] = (last, quiet + 1)
+        return
+    _said[consumer] = (now, 0)
+    more = f" ({quiet} more since the last line)" if quiet else ""
+    log.warning("dead letter for %s: seq %d on %s: %s%s", consumer, seq, subject, reason, more)
 
 
 class Dead(Protocol):
@@ -181,11 +211,31 @@ class Dead(Protocol):
 async def dead_letters(
     js: JetStreamContext, root: str, consumer: str, records: Sequence[Dead]
 ) -> None:
-    """`dead_letter` for each of a folder's dead records, in order."""
-    for x in records:
-        await dead_letter(
-            js, root, consumer, reason=x.reason, subject=x.subject, seq=x.seq, data=x.data
-        )
+    """`dead_letter` for each of a folder's dead records, in order, sent without waiting
+    for each ack (a flood of bad input is thousands of them) and returning once every
+    one is stored; raises at the first that is not."""
+    subject = subjects.dlq_subject(consumer, root)
+    for start in range(0, len(records), DLQ_WINDOW):
+        window = records[start : start + DLQ_WINDOW]
+        sent = []
+        for x in window:
+            body, headers = _dead_letter_message(root, consumer, x.reason, x.subject, x.seq, x.data)
+            sent.append(await js.publish_async(subject, body, headers=headers))
+        try:
+            await asyncio.wait_for(asyncio.gather(*sent), DLQ_ACK_TIMEOUT_S)
+        except TimeoutError:
+            for f in sent:
+                f.cancel()
+            raise nats.errors.TimeoutError from None
+        for x in window:
+            DEAD_LETTERS[consumer] += 1
+            _say(consumer, x.seq, _one_line(x.subject), _one_line(x.reason))
+
+
+# DLQ_WINDOW is how many dead letters `dead_letters` keeps in flight; DLQ_ACK_TIMEOUT_S
+# bounds the wait for their acks (nats-py's async publishes have no timeout of their own).
+DLQ_WINDOW = 500
+DLQ_ACK_TIMEOUT_S = 10.0
 
 
 # ------------------------------------------------------------------ spans
