@@ -367,7 +367,7 @@ class Dashboard:
 
     async def _check_health(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            got = await health.check(self.js, self.db_path)
+            got = await health.check(self.js, self.db_path, self.root)
             if got:
                 self.health = got
             with contextlib.suppress(TimeoutError):
