@@ -29,7 +29,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.client import JetStreamContext
 from opentelemetry import trace
 
@@ -42,6 +42,7 @@ from services.bus.errors import BusError, Permanent, Retry
 from services.bus.ordered import BATCH_MAX as BATCH_MAX
 from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
 from services.bus.ordered import Delivery as Delivery
+from services.bus.publish import Published, Publisher
 
 log = logging.getLogger("llmgw.bus")
 
@@ -151,9 +152,23 @@ async def dead_letter(
     js = nc.jetstream() if isinstance(nc, Client) else nc
     body, headers = _dead_letter_message(root, consumer, reason, subject, seq, data)
     ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
+    stored = await _own(js, root, body, headers, ack)
     DEAD_LETTERS[consumer] += 1
     _say(consumer, seq, headers["Llmgw-Dlq-Subject"], headers["Llmgw-Dlq-Reason"])
-    return ack.seq
+    return stored
+
+
+async def _own(
+    js: JetStreamContext, root: str, body: bytes, headers: dict[str, str], ack: PubAck
+) -> int:
+    """The DLQ sequence of a dead letter, once a duplicate ack is shown to be its own
+    (`Publisher.own`: an id taken by someone else's message is said, and the letter
+    stored again)."""
+    if not ack.duplicate:
+        return ack.seq
+    subject = subjects.dlq_subject(headers["Llmgw-Dlq-Consumer"], root)
+    sent = Published(ack.seq, True, subject, ack.stream or "")
+    return (await Publisher(js, root, retry_s=0).own(subject, body, headers, sent)).seq
 
 
 def _dead_letter_message(
@@ -220,13 +235,16 @@ async def dead_letters(
         sent = []
         for x in window:
             body, headers = _dead_letter_message(root, consumer, x.reason, x.subject, x.seq, x.data)
-            sent.append(await js.publish_async(subject, body, headers=headers))
+            sent.append((body, headers, await js.publish_async(subject, body, headers=headers)))
+        futures = [f for _, _, f in sent]
         try:
-            await asyncio.wait_for(asyncio.gather(*sent), DLQ_ACK_TIMEOUT_S)
+            acks = await asyncio.wait_for(asyncio.gather(*futures), DLQ_ACK_TIMEOUT_S)
         except TimeoutError:
-            for f in sent:
+            for f in futures:
                 f.cancel()
             raise nats.errors.TimeoutError from None
+        for (body, headers, _), ack in zip(sent, acks, strict=True):
+            await _own(js, root, body, headers, ack)
         for x in window:
             DEAD_LETTERS[consumer] += 1
             _say(consumer, x.seq, _one_line(x.subject), _one_line(x.reason))

@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,16 @@ from services.agent import SimulatedRuntime, gpu_inventory, parse_gpus
 from services.agent import consumers as agent_consumers
 from services.agent.agent import Agent, ctl_subject, durable_name, inbox_prefix, reader_name
 from services.bus import DLQ_STREAM, Publisher, consume
+from services.bus.consume import DeadLetter
 from services.bus.publish import COLLISIONS, scoped_id
 from services.bus.stream import DLQ_MAX_MSG_BYTES, MAX_MSG_BYTES
 from services.clock import new_id
-from tests.adversarial.test_bad_input import Plane, _replayed_equals_live, _settle
+from tests.adversarial.test_bad_input import (
+    Plane,
+    _dead_letter_for,
+    _replayed_equals_live,
+    _settle,
+)
 from tests.agent.helpers import drain_cmd, start_cmd
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
@@ -348,3 +355,42 @@ async def test_a_flood_from_one_agent_is_bounded_and_said(
     assert log.bytes - log0.bytes < FLOOD * (FLOOD_BYTES + 1024) + 1024**2
     said = boundary.plane.log.read_text().count("dead letter for") - said0
     assert said <= 2 * 4, said
+
+
+async def test_a_taken_id_keeps_no_dead_letter_off_the_dlq(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """The projector's dead letter for seq N has an id anyone can compute; gpu-a1 sends
+    it first on its own dead-letter subject. The projector's letter is stored all the
+    same, with its reason."""
+    last = (await js.stream_info(subjects.STREAM)).state.last_seq
+    nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+    try:
+        ajs = nc.jetstream()
+        own = subjects.dlq_subject(durable_name(A1))
+        for seq in range(last + 1, last + 6):
+            record = msgspec.json.encode(
+                DeadLetter(
+                    consumer=durable_name(A1),
+                    reason="forged",
+                    subject=own,
+                    seq=seq,
+                    data_b64="",
+                    at=datetime.now(UTC),
+                )
+            )
+            for header in (
+                scoped_id(subjects.dlq_subject("projector"), f"dlq.projector.{seq}"),
+                f"dlq.projector.{seq}",
+            ):
+                await ajs.publish(own, record, headers={"Nats-Msg-Id": header})
+    finally:
+        await nc.close()
+    bad = await js.publish(subjects.scale_subject("m-dlq"), b"hello {")
+    assert last < bad.seq <= last + 5
+    live = await _settle(js, boundary.plane, tmp_path, 4)
+    async with asyncio.timeout(10):
+        while (reason := await _dead_letter_for(js, bad.seq)) is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    assert "forged" not in reason
+    await _replayed_equals_live(js, live, tmp_path)
