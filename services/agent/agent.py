@@ -126,6 +126,8 @@ class _Replica:
     correlation: str | None
     since: datetime
     grace_s: float = DRAIN_GRACE_S
+    endpoint: str | None = None
+    """The endpoint its latest `replica.state` in the log named."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
 
@@ -247,6 +249,7 @@ class Agent:
                     profile=r.profile,
                     state=r.state,  # type: ignore[arg-type]
                     shards=r.shards,
+                    endpoint=r.endpoint,
                 )
                 for r in self._replicas.values()
                 if r.state in _HOLDING
@@ -693,6 +696,9 @@ class Agent:
                 state=state,
                 shards=rec.shards,
                 reason=reason,
+                # Endpoints are facts: a ready replica says where its server answers, so
+                # the gateway routes from the log instead of asking around.
+                endpoint=self.runtime.endpoint(rec.replica) if state == "ready" else None,
             ),
         )
         await self._publish(e)
@@ -909,8 +915,11 @@ def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaS
             command=command,
             correlation=e.correlation,
             since=e.time,
+            endpoint=s.endpoint,
         )
         return
+    if s.endpoint is not None:
+        rec.endpoint = s.endpoint
     # The log may hold a report the fold rejects (a state going backwards); the agent
     # follows the same rule, so what it resumes is what the cluster believes.
     if _ORDER[s.state] <= _ORDER[rec.state]:

@@ -142,6 +142,8 @@ async def _up(args: argparse.Namespace) -> int:
         load_delay_s=args.load_delay,
         stop_delay_s=args.stop_delay,
         heartbeat_s=args.heartbeat,
+        sim_ttft_s=args.sim_ttft,
+        sim_tps=args.sim_tps,
         traffic=dict(args.traffic),
         projector=not args.no_projector,
         ui=ui,
