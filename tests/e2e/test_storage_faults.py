@@ -1,13 +1,16 @@
 """A disk that fills and is freed again: `up` names the storage error in one line (cause
 and store), and once the space is back it restarts its broker on the same store, so the
-plane leads and decides again without a restart by hand. The disk is a small tmpfs
-mounted for the test (root only)."""
+plane leads and decides again without a restart by hand. The disk is a tmpfs mounted for
+the test (root only), as small as the streams allow: JetStream refuses a stream whose
+limit (the dead letters' 1 GiB) exceeds 75% of the disk's free space at its start."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -35,7 +38,11 @@ def _until(what: str, cond, up: UpProcess, within: float) -> float:  # type: ign
 def _fill(path: Path) -> None:
     """Write until the disk is full, to the last page."""
     with path.open("wb", buffering=0) as f:
-        for chunk in (1 << 20, 4096, 1):
+        free = shutil.disk_usage(path.parent).free
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(f.fileno(), 0, max(free - (1 << 20), 1))
+        f.seek(0, os.SEEK_END)
+        for chunk in (1 << 16, 4096, 1):
             with contextlib.suppress(OSError):
                 while True:
                     f.write(b"\0" * chunk)
@@ -60,7 +67,7 @@ def test_a_full_then_freed_disk_leaves_a_plane_that_decides(tmp_path: Path) -> N
     fs = tmp_path / "fs"
     fs.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(fs)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=1600m", "tmpfs", str(fs)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (root only): {mounted.stderr.decode().strip()}")
