@@ -342,7 +342,9 @@ class Agent:
         """None once both consumers exist, else why they do not."""
         try:
             msg = await self.nc.request(
-                consumers.hello_subject(self.node, self.root), b"", timeout=HELLO_WAIT_S
+                consumers.hello_subject(self.node, self.root),
+                _json.encode({"ack_wait_s": self.ack_wait_s}),
+                timeout=HELLO_WAIT_S,
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
