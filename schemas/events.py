@@ -238,6 +238,19 @@ class ShardSpec(Data, frozen=True, kw_only=True):
     gpus: Annotated[tuple[GpuIndex, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
 
 
+# An Endpoint is where a replica's server answers requests, as other hosts reach it:
+# `http://host:port` (a name, an IPv4 address or a bracketed IPv6 one), no path, no
+# credentials. The gateway joins its request paths to it; anything else in the field
+# (a path, a query, a user:password@) would be joined or printed where it must not be.
+Endpoint = Annotated[
+    str,
+    Meta(
+        max_length=300,
+        pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$",
+    ),
+]
+
+
 class ReplicaState(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
@@ -245,6 +258,8 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     state: ReplicaStateName
     shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)] = ()
     reason: Text | None = None
+    endpoint: Endpoint | None = None
+    """Where its server answers (`http://host:port`), said when it is ready; an extension."""
 
 
 class ReplicaUsed(Data, frozen=True, kw_only=True):

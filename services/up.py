@@ -24,6 +24,8 @@ from typing import Any
 
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
+from services.agent import consumers as agent_consumers
+from services.agent.responder import Timing
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
@@ -65,12 +67,17 @@ class UpOptions:
     load_delay_s: float = 2.0
     stop_delay_s: float = 0.5
     heartbeat_s: float = 1.0
+    sim_ttft_s: float = 0.05
+    sim_tps: float = 100.0
+    """The simulated servers' pace (each ready simulated replica answers requests)."""
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
     duplicate_window_s: float = 120.0
     ui: str | None = None
     """Where the dashboard listens (HOST:PORT); None: no dashboard."""
     ui_token: str | None = None
+    ui_hosts: tuple[str, ...] = ()
+    """`Host` names the dashboard answers for besides loopback ones (`--allow-host`)."""
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
@@ -197,6 +204,7 @@ async def _serve(
     # Agents get a connection of their own, as they would on their own hosts: the
     # control plane's consumers and the agents' commands do not queue behind each other.
     agents_nc = await connect(url, "llmgw up agents") if nodes else None
+    agents: list[Agent] = []
     try:
         js = nc.jetstream()
         info = await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
@@ -219,7 +227,6 @@ async def _serve(
         )
         db_path = opts.data / DB_FILE
         projector = Projector(js, db_path, opts.root) if opts.projector else None
-        agents: list[Agent] = []
         if agents_nc is not None:
             ajs = agents_nc.jetstream()
             for n in nodes:
@@ -232,7 +239,10 @@ async def _serve(
                         cpu_cores=n.cpu_cores,
                         memory_gb=n.memory_gb,
                         runtime=SimulatedRuntime(
-                            opts.start_delay_s, opts.load_delay_s, opts.stop_delay_s
+                            opts.start_delay_s,
+                            opts.load_delay_s,
+                            opts.stop_delay_s,
+                            serve=Timing(opts.sim_ttft_s, opts.sim_tps),
                         ),
                         root=opts.root,
                         heartbeat_s=opts.heartbeat_s,
@@ -248,6 +258,7 @@ async def _serve(
                 token=opts.ui_token,
                 db_path=db_path,
                 policy=opts.policy,
+                allow_hosts=opts.ui_hosts,
             )
             try:
                 ui_sock = dashboard.bind()
@@ -257,6 +268,10 @@ async def _serve(
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
             asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
+            # Agents make no consumers of their own: they ask for them (agent.consumers).
+            asyncio.create_task(
+                agent_consumers.serve(nc, js, opts.root, stop), name="agent consumers"
+            ): "agent consumers",
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
@@ -283,6 +298,9 @@ async def _serve(
     finally:
         with contextlib.suppress(OSError):
             (opts.data / URL_FILE).unlink()
+        for a in agents:
+            if isinstance(a.runtime, SimulatedRuntime):
+                await a.runtime.close()
         for conn in (agents_nc, nc):
             if conn is not None:
                 with contextlib.suppress(Exception):

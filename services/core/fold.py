@@ -276,6 +276,7 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             created_at=e.time,
             updated_at=e.time,
             reason=d.reason,
+            endpoint=d.endpoint,
         )
         if d.state in _HOLDING and shards:
             why = allocate(view, r)
@@ -310,6 +311,8 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     if d.reason is not None or d.state != r.state:
         r.reason = d.reason
     r.state, r.profile, r.shards, r.updated_at = d.state, d.profile, shards, e.time
+    if d.endpoint is not None:
+        r.endpoint = d.endpoint
     first_ready = d.state == "ready" and r.ready_at is None
     if first_ready:
         r.ready_at = e.time

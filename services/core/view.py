@@ -30,7 +30,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 3
+SCHEMA = 4
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -92,6 +92,10 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     """CPU cores per shard it holds, as allocated (its profile's when it was placed)."""
     memory_gb: float = 0.0
     """Memory per shard it holds, as allocated."""
+    endpoint: str | None = None
+    """Where its server answers (`http://host:port`): the latest `replica.state` that
+    named one. Kept after it stops (the record says where it was); only a ready one is
+    routed to."""
 
     @property
     def holds_capacity(self) -> bool:
