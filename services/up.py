@@ -401,7 +401,7 @@ async def _serve(
             watch = _watch_broker(broker, stop, nc, (scheduler.lease, preempt.lease))
             tasks[asyncio.create_task(watch, name="broker")] = "broker"
         for a in agents:
-            tasks[asyncio.create_task(a.run(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+            tasks[asyncio.create_task(a.serve(stop), name=f"agent {a.node}")] = f"agent {a.node}"
         if dashboard is not None:
             tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
             shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
