@@ -207,6 +207,19 @@ class NodeInventory(Data, frozen=True, kw_only=True):
 class NodeLost(Data, frozen=True, kw_only=True):
     node: Name
     reason: Text
+    grace_s: Quantity = 0.0
+    """How long the node's replicas keep their state and their GPUs after this: its
+    agent may still be serving them. 0 (every `node.lost` from before this field) fails
+    them at once; the scheduler's second `node.lost`, once the grace has passed and the
+    node has not come back, is a 0."""
+
+
+class NodeFound(Data, frozen=True, kw_only=True):
+    """A lost node heard from again (its agent's heartbeat): it takes placements again,
+    and its replicas, not failed yet, keep their state."""
+
+    node: Name
+    reason: Text = ""
 
 
 class NodeCordoned(Data, frozen=True, kw_only=True):
@@ -427,6 +440,10 @@ class NodeLostEvent(Envelope, frozen=True, kw_only=True, tag="node.lost"):
     data: NodeLost
 
 
+class NodeFoundEvent(Envelope, frozen=True, kw_only=True, tag="node.found"):
+    data: NodeFound
+
+
 class NodeCordonedEvent(Envelope, frozen=True, kw_only=True, tag="node.cordoned"):
     data: NodeCordoned
 
@@ -486,6 +503,7 @@ Event = (
     | ScaleDesiredEvent
     | NodeInventoryEvent
     | NodeLostEvent
+    | NodeFoundEvent
     | NodeCordonedEvent
     | NodeUncordonedEvent
     | ReplicaStateEvent
@@ -508,6 +526,7 @@ EVENT_CLASSES: tuple[type[Envelope], ...] = (
     ScaleDesiredEvent,
     NodeInventoryEvent,
     NodeLostEvent,
+    NodeFoundEvent,
     NodeCordonedEvent,
     NodeUncordonedEvent,
     ReplicaStateEvent,

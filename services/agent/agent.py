@@ -2,11 +2,16 @@
 
 Run by `llmgw agent` (one node per process) and by `llmgw up --simulate` (many simulated
 nodes in one process), each as `await Agent(...).run(stop)`. It publishes the node's
-`node.inventory` at start; heartbeats on core NATS (`<root>.heartbeat.<node>`, never the
-stream); consumes `<root>.cmd.<node>.>` through a durable consumer, so commands sent
+`node.inventory` at start, and again with its replicas' states after every reconnect to
+the broker (a node reported lost meanwhile is back by it); heartbeats on core NATS
+(`<root>.heartbeat.<node>`, never the stream); consumes `<root>.cmd.<node>.>` through a durable consumer, so commands sent
 while it is down wait for it; and turns what its `Runtime` reports into `replica.state`
 events on `<root>.node.<node>.replica.<replica>`. It decides nothing about the cluster:
 it does what the commands say, on its own node only, and says what happened.
+
+One agent per node: at start it asks on `<root>.heartbeat.<node>.agent` whether the node
+has a live agent already, and is refused (`NodeTaken`) if one answers, unless it takes
+over (`takeover`), when the other stops. It answers that question itself while it runs.
 
 Once only, across crashes: every state event's id is derived from the command that
 caused it and the state (`ids.derived(cmd.id, "state:ready")`), so a redelivered command
@@ -23,7 +28,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -45,7 +52,7 @@ from services.agent import consumers
 from services.agent.consumers import ACK_WAIT_S as ACK_WAIT_S
 from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
-from services.agent.errors import NoStream
+from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
@@ -83,7 +90,29 @@ CONTROL_INBOX = "_INBOX."
 # after the broker refused or did not answer. The ids make a second copy harmless.
 REPUBLISH_WAIT_S = 0.5
 
+# WHO_TIMEOUT_S bounds the wait for an answer to "has this node a live agent?". With no
+# agent there the broker says at once that nobody listens; the wait is only for a broker
+# that does not say (a user without the permission to ask).
+WHO_TIMEOUT_S = 0.5
+
+# TAKEOVER_WAIT_S bounds how long an agent taking over waits for the other to stop
+# answering before it goes on regardless.
+TAKEOVER_WAIT_S = 10.0
+
 _json = msgspec.json.Encoder()
+
+
+class _Who(msgspec.Struct):
+    """An agent's answer to who it is, and its question (`takeover`: stop, I replace you)."""
+
+    agent: str = "?"
+    pid: int = 0
+    host: str = "?"
+    since: str = "?"
+    takeover: bool = False
+
+
+_who = msgspec.json.Decoder(_Who)
 
 
 def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
@@ -162,6 +191,7 @@ class Agent:
         on_stored: Callable[[ev.ReplicaStateEvent], None] | None = None,
         health: HealthWatch | None = None,
         health_file: Path | None = None,
+        takeover: bool = False,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -222,6 +252,12 @@ class Agent:
         # _reported_real: replica -> the runtime's served time last reported.
         self._reported_real: dict[str, datetime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # instance: this process's own name among the node's agents, in heartbeats and in
+        # its answer to who it is; a restart on the same host and pid is another boot.
+        self.takeover = takeover
+        self.instance = _Who(agent=new_id(), pid=os.getpid(), host=socket.gethostname(), since="")
+        self.taken_over_by: str | None = None
+        self._taken = asyncio.Event()
 
     # ------------------------------------------------------------------ life
 
@@ -238,6 +274,9 @@ class Agent:
         from the log; it drains nothing and leaves the connection open for its owner.
         """
         self._halt = asyncio.Event()
+        self._taken = asyncio.Event()
+        await self._claim()
+        self.instance = msgspec.structs.replace(self.instance, since=utc_now().isoformat())
         if not await self._consumers(stop):
             return
         await self._rebuild()
@@ -281,6 +320,7 @@ class Agent:
         if self.traffic or self.runtime.needs_model_runtime:
             loops.append(asyncio.create_task(self._report_use(), name=f"{self.durable} use"))
         loops.append(asyncio.create_task(self._serve_ctl(), name=f"{self.durable} ctl"))
+        loops.append(asyncio.create_task(self._serve_who(), name=f"{self.durable} who"))
         watch_stop = threading.Event()
         watcher = None
         if self._health is not None:
@@ -310,6 +350,116 @@ class Agent:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
         log.info("%s: stopped", self.node)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """`run`, for an agent among a plane's services (`llmgw up --simulate`): taken
+        over by another agent of its node, it has stopped as asked, which is no failure
+        of the plane; it waits for `stop` like the services that still run."""
+        await self.run(stop)
+        if self.taken_over_by is not None:
+            await stop.wait()
+
+    async def _claim(self) -> None:
+        """Make sure no other agent of this node is alive: one that answers on the node's
+        agent subject refuses this one (`NodeTaken`), or, taking over, is asked to stop
+        and waited for (at most TAKEOVER_WAIT_S)."""
+        subject = subjects.agent_subject(self.node, self.root)
+        ask = _json.encode(msgspec.structs.replace(self.instance, takeover=self.takeover))
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        told = False
+        while True:
+            try:
+                msg = await self.nc.request(subject, ask, timeout=WHO_TIMEOUT_S)
+            except nats.errors.NoRespondersError:
+                return
+            except nats.errors.TimeoutError:
+                return  # nobody says (an agent from before this question): as before
+            try:
+                other = _who.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                other = _Who()
+            if other.agent == self.instance.agent:
+                return
+            said = f"pid {other.pid} on {other.host}, up since {other.since}"
+            if not self.takeover:
+                raise NodeTaken(self.node, said)
+            if not told:
+                log.warning("%s: taking over from its agent %s", self.node, said)
+                told = True
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: the agent %s still answers after %gs; going on",
+                    self.node,
+                    said,
+                    TAKEOVER_WAIT_S,
+                )
+                return
+            await asyncio.sleep(0.1)
+
+    async def _serve_who(self) -> None:
+        """Answer who this agent is on the node's agent subject; stop when another asks
+        to take over (the agent's run then ends)."""
+
+        async def on_request(msg: Any) -> None:
+            try:
+                asker = _who.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                asker = _Who()
+            if asker.agent == self.instance.agent:
+                return
+            await msg.respond(_json.encode(self.instance))
+            if asker.takeover and not self._taken.is_set():
+                self.taken_over_by = f"pid {asker.pid} on {asker.host}"
+                log.warning(
+                    "%s: taken over by the agent %s: stopping", self.node, self.taken_over_by
+                )
+                self._taken.set()
+                self._halt.set()  # every loop ends, and with them the run
+
+        sub = await self.nc.subscribe(subjects.agent_subject(self.node, self.root), cb=on_request)
+        try:
+            await self._halt.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _reconnect_count(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
+
+    async def _announce_again(self) -> None:
+        """After a reconnect: the node's whole inventory, and each replica holding GPUs in
+        the state it is in, once more. What the broker missed meanwhile is said; a node
+        reported lost is back. Each state keeps its id (from its command and state), so
+        a copy the log already holds within the duplicate window is dropped."""
+        await self._publish_inventory()
+        for rec in list(self._replicas.values()):
+            if rec.state not in _HOLDING:
+                continue
+            async with rec.lock:
+                e = ev.ReplicaStateEvent(
+                    id=ids.derived(rec.command, f"state:{rec.state}"),
+                    time=utc_now(),
+                    source=self.source,
+                    causation=rec.command,
+                    correlation=rec.correlation,
+                    data=ev.ReplicaState(
+                        replica=rec.replica,
+                        model=rec.model,
+                        profile=rec.profile,
+                        state=rec.state,  # type: ignore[arg-type]
+                        shards=rec.shards,
+                        endpoint=self.runtime.endpoint(rec.replica)
+                        if rec.state == "ready"
+                        else None,
+                    ),
+                )
+                try:
+                    await self._publish(e)
+                except PublishError as err:
+                    log.warning(
+                        "%s: %s %s not said again: %s", self.node, rec.replica, rec.state, err
+                    )
 
     async def _consumers(self, stop: asyncio.Event) -> bool:
         """Wait until the agent's two consumers exist (False: `stop` was set first).
@@ -342,7 +492,9 @@ class Agent:
         """None once both consumers exist, else why they do not."""
         try:
             msg = await self.nc.request(
-                consumers.hello_subject(self.node, self.root), b"", timeout=HELLO_WAIT_S
+                consumers.hello_subject(self.node, self.root),
+                _json.encode({"ack_wait_s": self.ack_wait_s}),
+                timeout=HELLO_WAIT_S,
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
@@ -405,9 +557,11 @@ class Agent:
                 match e:
                     case ev.ReplicaStateEvent(data=s):
                         _remember(reps, e, s)
-                    case ev.NodeLostEvent():
+                    case ev.NodeLostEvent(data=lost) if lost.grace_s == 0:
                         # The fold counts a lost node's replicas as failed and gives their
                         # GPUs to others: starting them again would double-book the GPUs.
+                        # (A loss with a grace leaves them as they are, until a second
+                        # `node.lost` without one.)
                         for rec in reps.values():
                             if rec.state in _HOLDING:
                                 rec.state, rec.since = "failed", e.time
@@ -714,12 +868,23 @@ class Agent:
 
     async def _heartbeats(self) -> None:
         subject = subjects.heartbeat_subject(self.node, self.root)
+        reconnects = self._reconnect_count()
         while not self._halt.is_set():
+            now_reconnects = self._reconnect_count()
+            if now_reconnects != reconnects:
+                reconnects = now_reconnects
+                log.info(
+                    "%s: reconnected: saying the inventory and replicas' states again",
+                    self.node,
+                )
+                self._background(self._announce_again())
             body = _json.encode(
                 {
                     "node": self.node,
                     "time": utc_now().isoformat(),
                     "replicas": sum(1 for r in self._replicas.values() if r.state in _HOLDING),
+                    "agent": self.instance.agent,
+                    "every": self.heartbeat_s,
                 }
             )
             try:

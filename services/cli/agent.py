@@ -56,6 +56,7 @@ def register(commands: cli.Commands) -> None:
             "llmgw agent --node cpu-1 --gpus 2xH100-80GB --ports 21000-21099",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB",
             "llmgw agent --simulate --node gpu-b2 --gpus 2xL4-24GB --labels zone=b,rack=r7",
+            "llmgw agent --node gpu-a1 --takeover   # replace the agent running for gpu-a1",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB --load-delay 10 \\",
             "    --traffic llama-70b=120 --traffic qwen-7b=2",
         ),
@@ -117,6 +118,12 @@ def register(commands: cli.Commands) -> None:
         "--labels", type=_labels, default={}, metavar="K=V,...", help="node labels, e.g. zone=a"
     )
     add_simulation_options(p)
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="replace the node's agent if one is alive (it stops); without it an agent "
+        "whose node has a live one is refused",
+    )
     p.add_argument(
         "--used-interval",
         type=cli.arg_positive,
@@ -367,6 +374,7 @@ async def _run(args: argparse.Namespace) -> int:
                 on_stored=_exit_after(args.exit_after_states),
                 health=health,
                 health_file=health_file,
+                takeover=args.takeover,
             )
             await agent.run(stop)
 

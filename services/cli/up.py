@@ -25,7 +25,13 @@ DEFAULT_UI = DEFAULT_LISTEN
 # UP_SCHEDULER_FLAGS are the scheduler's knobs `llmgw up` offers; the others keep their
 # defaults. The drain grace is the whole control plane's: the preemption service's drains
 # get the same.
-UP_SCHEDULER_FLAGS = ("tick_s", "node_timeout_s", "start_timeout_s", "drain_grace_s")
+UP_SCHEDULER_FLAGS = (
+    "tick_s",
+    "node_timeout_s",
+    "lost_grace_s",
+    "start_timeout_s",
+    "drain_grace_s",
+)
 
 
 def register(commands: cli.Commands) -> None:

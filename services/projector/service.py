@@ -25,9 +25,9 @@ import aiosqlite
 import nats.errors
 from nats.js.client import JetStreamContext
 
-from schemas import codec, ids, subjects
 from schemas import events as ev
-from services.bus import consume, follow, snapshots
+from schemas import ids, subjects
+from services.bus import Publisher, consume, follow, snapshots
 from services.bus.errors import SequenceGap, StreamReplaced
 from services.clock import utc_now
 from services.core.ingest import Gap, Ingest, Touched
@@ -352,10 +352,10 @@ class Projector:
         async def before(touched: Touched) -> None:
             await consume.dead_letters(self.js, self.root, self.consumer, touched.dead)
             for e in digests:
-                await self.js.publish(
-                    subjects.digest_subject(self.root),
-                    codec.encode(e),
-                    headers={"Nats-Msg-Id": e.id},
+                # Its id scoped and a duplicate ack checked (Publisher): nobody else's
+                # message keeps a digest off the log.
+                await Publisher(self.js, self.root).publish(
+                    e, subject=subjects.digest_subject(self.root)
                 )
             self.dead += len(touched.dead)
             self.digests += len(digests)

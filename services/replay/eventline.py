@@ -72,7 +72,10 @@ def describe(
         case ev.NodeInventoryEvent(data=d):
             return d.node, f"gpus={_gpus(d.gpus)} cpu={d.cpu_cores:g} mem={d.memory_gb:g}GB"
         case ev.NodeLostEvent(data=d):
-            return d.node, f"lost reason={d.reason}"
+            grace = f" grace={d.grace_s:g}s" if d.grace_s else ""
+            return d.node, f"lost reason={d.reason}{grace}"
+        case ev.NodeFoundEvent(data=d):
+            return d.node, f"found reason={d.reason}"
         case ev.NodeCordonedEvent(data=d):
             return d.node, "cordoned"
         case ev.NodeUncordonedEvent(data=d):

@@ -669,7 +669,20 @@ class Explainer:
                 marks.append({"flag": flag, "seq": seq, "time": stamp(e.time), "by": e.source})
             elif on:
                 st.line(f"  {flag}; the event that did it is not in the log replayed")
-        st.facts.update(lost=rec.lost, cordoned=rec.cordoned, marks=marks)
+        if rec.lost and rec.failing_at is not None:
+            st.line(
+                f"  its replicas keep their GPUs until {stamp(rec.failing_at)} "
+                f"({ago(rec.failing_at, st.now)}), the grace, and fail then unless it is "
+                "heard from"
+            )
+        elif rec.lost:
+            st.line("  its replicas were failed with it")
+        st.facts.update(
+            lost=rec.lost,
+            cordoned=rec.cordoned,
+            marks=marks,
+            failing_at=stamp(rec.failing_at) if rec.failing_at is not None else None,
+        )
         holders: dict[int, ReplicaRecord] = {}
         for r in s.replicas.values():
             if r.holds_capacity:
@@ -698,6 +711,27 @@ class Explainer:
                 "replica": holders[g.index].id if g.index in holders else None,
             }
             for g in gpus
+        ]
+        # The replicas the fold failed for what the node became: lost past its grace, or
+        # a report that no longer has their GPUs (fewer, another model, smaller).
+        failed = sorted(
+            (
+                r
+                for r in s.replicas.values()
+                if r.state == "failed"
+                and r.reason is not None
+                and r.reason.startswith(("node lost", f"node {name} no longer"))
+                and any(sh.node == name for sh in r.shards)
+            ),
+            key=lambda r: r.updated_at,
+        )[-RECENT:]
+        if failed:
+            st.line("")
+            st.line(f"replicas failed with the node (the last {len(failed)})")
+            for r in failed:
+                st.line(f"  {r.id} ({r.model}) {stamp(r.updated_at)}: {r.reason}")
+        st.facts["failed"] = [
+            {"replica": r.id, "model": r.model, "reason": r.reason} for r in failed
         ]
         entries = self.timeline.entries
         moves = [

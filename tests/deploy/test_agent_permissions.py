@@ -192,7 +192,9 @@ async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
         async with asyncio.timeout(10):
             while True:  # until the responder's subscription is in
                 try:
-                    reply = await a1.nc.request(agent_consumers.hello_subject(A1), b"", timeout=5)
+                    reply = await a1.nc.request(
+                        agent_consumers.hello_subject(A1), b'{"ack_wait_s": 2.5}', timeout=5
+                    )
                     break
                 except nats.errors.NoRespondersError:
                     await asyncio.sleep(0.02)
@@ -203,6 +205,8 @@ async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
     for name in (durable_name(A1), reader_name(A1)):
         info = await js.consumer_info("LLMGW", name)
         assert info.config.deliver_subject is None
+    # Its commands' redelivery, as it asked (`llmgw agent --ack-wait`).
+    assert (await js.consumer_info("LLMGW", durable_name(A1))).config.ack_wait == 2.5
     # Its own node's reports, stored.
     ack = await js.publish(f"llmgw.node.{A1}.inventory", b'{"x":1}')
     await js.publish(f"llmgw.node.{A1}.replica.r-1", b'{"x":2}')
