@@ -35,7 +35,7 @@ from services.bus.urls import public_url
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
-from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S
+from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
 from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -92,6 +92,7 @@ class UpOptions:
     """Where the gateway listens (HOST:PORT); None: no gateway."""
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
+    gateway_used_interval_s: float = USED_INTERVAL_S
 
 
 @dataclass
@@ -405,6 +406,7 @@ async def _serve(
                 root=opts.root,
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
+                used_interval_s=opts.gateway_used_interval_s,
             )
             try:
                 gw_sock = gateway.bind()

@@ -44,7 +44,7 @@ def register(commands: cli.Commands) -> None:
 
 
 def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
-    from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S
+    from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
 
     p.add_argument(
         flag,
@@ -73,6 +73,15 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         metavar="S",
         help="seconds a replica may take to begin its answer, or between two chunks of a "
         f"stream, before it is a 504 or a cut stream (default {UPSTREAM_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--used-interval",
+        dest="gateway_used_interval",
+        type=cli.arg_positive,
+        default=USED_INTERVAL_S,
+        metavar="S",
+        help="publish one replica's use (requests, tokens) at most this often "
+        f"(default {USED_INTERVAL_S:g})",
     )
 
 
@@ -103,6 +112,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 root=s.root,
                 max_body=args.max_body,
                 upstream_timeout_s=args.upstream_timeout,
+                used_interval_s=args.gateway_used_interval,
             )
             try:
                 sock = g.bind()

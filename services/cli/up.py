@@ -186,6 +186,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway=gateway,
         gateway_max_body=args.max_body,
         gateway_upstream_timeout_s=args.upstream_timeout,
+        gateway_used_interval_s=args.gateway_used_interval,
     )
     cli.setup_logging()
     try:

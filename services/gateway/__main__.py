@@ -9,7 +9,13 @@ import sys
 
 from schemas import subjects
 from services.gateway.errors import GatewayError
-from services.gateway.listen import DEFAULT_LISTEN, MAX_BODY, UPSTREAM_TIMEOUT_S, refusal
+from services.gateway.listen import (
+    DEFAULT_LISTEN,
+    MAX_BODY,
+    UPSTREAM_TIMEOUT_S,
+    USED_INTERVAL_S,
+    refusal,
+)
 from services.runner import run_service
 
 
@@ -21,6 +27,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-auth", action="store_true", help="serve off loopback without API keys")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
     p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)
+    p.add_argument("--used-interval", type=float, default=USED_INTERVAL_S)
     return p.parse_args(argv)
 
 
@@ -42,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             root=a.root,
             max_body=a.max_body,
             upstream_timeout_s=a.upstream_timeout,
+            used_interval_s=a.used_interval,
         ),
         failures=(GatewayError,),
     )

@@ -12,6 +12,10 @@ MAX_BODY = 16 * 1024 * 1024
 # begin, and between two chunks of a stream. A long generation streams; a replica
 # silent this long is stuck (504, or the stream closed).
 UPSTREAM_TIMEOUT_S = 300.0
+# USED_INTERVAL_S is the least time between two `replica.used` the gateway publishes for
+# one replica: the agents' default, so the log holds no more use reports with a gateway
+# than without one.
+USED_INTERVAL_S = 30.0
 
 
 def refusal(listen: str, no_auth: bool) -> str | None:

@@ -22,6 +22,10 @@ The HTTP stack is aiohttp, server and client: measured against uvicorn+httptools
 the same aiohttp client on one loaded 2-core host, the two were within each other's
 noise (README, "The gateway"); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
+
+Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
+requests and tokens (from the answers' `usage`) since its last report, at most once per
+`used_interval_s`, on the replica's node subject as its agent would.
 """
 
 from __future__ import annotations
@@ -29,23 +33,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 import msgspec
+import nats.errors
 from aiohttp import web
 
+from schemas import events as ev
 from schemas import subjects
 from services import names
+from services.bus import Publisher
+from services.bus.errors import BusError
+from services.clock import new_id, utc_now
 from services.core import routing
 from services.follower import ViewFollower
 from services.gateway.errors import GatewayError
-from services.gateway.listen import DEFAULT_LISTEN, MAX_BODY, UPSTREAM_TIMEOUT_S
+from services.gateway.listen import (
+    DEFAULT_LISTEN,
+    MAX_BODY,
+    UPSTREAM_TIMEOUT_S,
+    USED_INTERVAL_S,
+)
 
 log = logging.getLogger("llmgw.gateway")
+
+SOURCE = "gateway"
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -58,6 +77,11 @@ BODY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 # RETRY_AFTER_S is what a 503 tells a client to wait: about a scheduler pass.
 RETRY_AFTER_S = 1
+# USED_TICK_S is how often the reporter looks for use to report (the interval, when it
+# is shorter).
+USED_TICK_S = 1.0
+# TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
+TAIL_BYTES = 8192
 # CATCH_UP_S bounds the wait, at start, for the view to reach the end of the log; the
 # gateway serves with what it has folded after that rather than not at all.
 CATCH_UP_S = 30.0
@@ -80,6 +104,51 @@ class _Head(msgspec.Struct, forbid_unknown_fields=False):
 
 
 _head = msgspec.json.Decoder(_Head)
+
+
+class _Tokens(msgspec.Struct, forbid_unknown_fields=False):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Answer(msgspec.Struct, forbid_unknown_fields=False):
+    """What use reports read of an answer: its `usage`, nothing else."""
+
+    usage: _Tokens | None = None
+
+
+_answer = msgspec.json.Decoder(_Answer)
+
+
+def _usage(doc: bytes) -> tuple[int, int]:
+    """(prompt, completion) tokens an answer's `usage` says; (0, 0) when it says none."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0, 0
+    return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
+
+
+def _stream_usage(tail: bytes) -> tuple[int, int]:
+    """The usage of a stream's last `data:` event that has one (a client that asked for
+    `stream_options.include_usage` gets such a chunk last); (0, 0) without."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return _usage(line[6:])
+    return 0, 0
+
+
+@dataclass
+class _Use:
+    """Use of one replica not reported yet."""
+
+    node: str
+    at: datetime
+    requests: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    reported: float = -math.inf
+    """When (monotonic) its last report was stored."""
 
 
 class Refusal(Exception):
@@ -137,6 +206,7 @@ class Gateway:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    used_interval_s: float = USED_INTERVAL_S
     url: str = ""
     """http://HOST:PORT, once bound."""
     router: routing.Router = field(default_factory=routing.Router)
@@ -144,7 +214,9 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.follower = ViewFollower(self.js, root=self.root, consumer="gateway")
+        self.publisher = Publisher(self.js, self.root)
         self._http: aiohttp.ClientSession | None = None
+        self._use: dict[str, _Use] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,6 +276,7 @@ class Gateway:
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
             if on_ready is not None:
                 on_ready(self.url)
+            reporter = asyncio.create_task(self._report_use(stop), name="gateway: use")
             try:
                 stopper = asyncio.create_task(stop.wait())
                 await asyncio.wait([stopper, follow], return_when=asyncio.FIRST_COMPLETED)
@@ -214,6 +287,13 @@ class Gateway:
             finally:
                 await runner.cleanup()
                 await self._http.close()
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+                # What was served and not reported yet is reported on the way out.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(2):
+                        await self._publish_use(force=True)
         finally:
             await self.follower.stop()
 
@@ -372,12 +452,16 @@ class Gateway:
                 "text/event-stream"
             ):
                 data = await self._whole(upstream, r.id)
+                if upstream.status < 400:
+                    self._used(r, *_usage(data))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
             await resp.prepare(request)
+            tail = b""
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
+                    tail = (tail + chunk)[-TAIL_BYTES:]
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
                 # cut, and the client sees it end without `data: [DONE]`.
@@ -387,6 +471,8 @@ class Gateway:
                     request.transport.close()
                 return resp
             await resp.write_eof()
+            if upstream.status < 400:
+                self._used(r, *_stream_usage(tail))
             return resp
         except BaseException:
             # However it ends early (a client gone, a cancel): the upstream request ends
@@ -395,6 +481,63 @@ class Gateway:
             raise
         finally:
             upstream.release()
+
+    # ------------------------------------------------------------------ use
+
+    def _used(self, r: Any, tokens_in: int, tokens_out: int) -> None:
+        """Count one request `r` answered, for its next `replica.used`."""
+        u = self._use.get(r.id)
+        now = utc_now()
+        if u is None:
+            u = self._use[r.id] = _Use(node=r.shards[0].node if r.shards else "", at=now)
+        u.at, u.requests = now, u.requests + 1
+        u.tokens_in += tokens_in
+        u.tokens_out += tokens_out
+
+    async def _report_use(self, stop: asyncio.Event) -> None:
+        tick = min(self.used_interval_s, USED_TICK_S)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick)
+            await self._publish_use()
+
+    async def _publish_use(self, force: bool = False) -> None:
+        """One `replica.used` for each replica with use not reported, at most one per
+        `used_interval_s` (unless `force`), on its node's subject like its agent's."""
+        now_m = time.monotonic()
+        for rid, u in list(self._use.items()):
+            if not u.requests or not u.node:
+                continue
+            if not force and now_m - u.reported < self.used_interval_s:
+                continue
+            e = ev.make(
+                ev.ReplicaUsed(
+                    replica=rid,
+                    at=u.at,
+                    requests=u.requests,
+                    tokens_in=u.tokens_in,
+                    tokens_out=u.tokens_out,
+                ),
+                id=new_id(),
+                time=utc_now(),
+                source=SOURCE,
+            )
+            sent = (u.requests, u.tokens_in, u.tokens_out)
+            try:
+                await self.publisher.publish(e, node=u.node)
+            except (BusError, nats.errors.Error) as err:
+                log.warning("gateway: use of %s not reported yet: %s", rid, err)
+                continue
+            # Requests that ended while it was being published are the next report's.
+            u.requests -= sent[0]
+            u.tokens_in -= sent[1]
+            u.tokens_out -= sent[2]
+            u.reported = time.monotonic()
+        view = self.follower.view
+        for rid in [rid for rid, u in self._use.items() if not u.requests]:
+            r = view.replicas.get(rid)
+            if r is None or not r.holds_capacity:
+                del self._use[rid]
 
     async def _whole(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes:
         try:

@@ -25,7 +25,7 @@ from services.agent.responder import Responder, Timing
 from services.bus import Publisher
 from services.clock import utc_now
 from services.gateway.server import Gateway
-from tests.agent.helpers import new_id, wait_for
+from tests.agent.helpers import new_id, node_events, wait_for
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
@@ -110,7 +110,12 @@ class Plane:
 @pytest.fixture
 async def plane(js: JetStreamContext) -> AsyncIterator[Plane]:
     gw = Gateway(
-        js, listen="127.0.0.1:0", connect_timeout_s=2, upstream_timeout_s=1, max_body=65536
+        js,
+        listen="127.0.0.1:0",
+        connect_timeout_s=2,
+        upstream_timeout_s=1,
+        max_body=65536,
+        used_interval_s=0.3,
     )
     sock = gw.bind()
     stop = asyncio.Event()
@@ -374,3 +379,43 @@ async def test_a_stream_passes_through_byte_for_byte_and_a_disconnect_cancels_it
         return dict(plane.gateway.router.inflight), s.active
 
     await wait_for(counts, lambda c: c == ({}, 0), 5)
+
+
+async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interval(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.model("used")
+    s = await servers("us-1", "used")
+    await plane.ready("us-1", "used", s.endpoint)
+    out = 0
+    for _ in range(3):
+        _, _, body = await plane.chat("used", max_tokens=4)
+        out += json.loads(body)["usage"]["completion_tokens"]
+    # A stream whose client asked for the usage chunk counts its tokens; one that did not
+    # counts as a request (the chunk is not asked for on its behalf yet).
+    await plane.post(
+        "/v1/completions",
+        {
+            "model": "used",
+            "prompt": "x",
+            "stream": True,
+            "max_tokens": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    await plane.post("/v1/completions", {"model": "used", "prompt": "x", "stream": True})
+    out += 2
+
+    async def used() -> list[ev.ReplicaUsedEvent]:
+        es = await node_events(plane.gateway.js, plane.node)
+        return [e for e in es if isinstance(e, ev.ReplicaUsedEvent)]
+
+    reports = await wait_for(used, lambda u: sum(e.data.requests or 0 for e in u) == 5, 5)
+    assert {e.source for e in reports} == {"gateway"}
+    assert sum(e.data.tokens_out or 0 for e in reports) == out
+    assert sum(e.data.tokens_in or 0 for e in reports) > 0
+    gaps = [(b.time - a.time).total_seconds() for a, b in itertools.pairwise(reports)]
+    assert all(g >= 0.25 for g in gaps), gaps
+    # The fold takes it as any use: the replica's last use is the last request's.
+    await plane.gateway.follower.caught_up(5)
+    assert plane.gateway.follower.view.replicas["us-1"].last_used_at == reports[-1].data.at
