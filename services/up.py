@@ -34,6 +34,9 @@ from services.bus.errors import BrokerError
 from services.bus.urls import public_url
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
+from services.gateway.errors import GatewayError
+from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
@@ -44,6 +47,8 @@ log = logging.getLogger("llmgw.up")
 DB_FILE = "view.sqlite"
 # URL_FILE holds the dashboard's address while `up` serves it.
 URL_FILE = "dashboard.url"
+# GATEWAY_URL_FILE holds the gateway's base URL (http://HOST:PORT/v1) while `up` serves it.
+GATEWAY_URL_FILE = "gateway.url"
 
 
 class UpError(Exception):
@@ -83,6 +88,11 @@ class UpOptions:
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
+    gateway: str | None = None
+    """Where the gateway listens (HOST:PORT); None: no gateway."""
+    gateway_max_body: int = MAX_BODY
+    gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
+    gateway_used_interval_s: float = USED_INTERVAL_S
 
 
 @dataclass
@@ -97,6 +107,8 @@ class Running:
     agents: list[Agent]
     db_path: Path
     dashboard_url: str | None = None
+    gateway_url: str | None = None
+    """http://HOST:PORT/v1 of the gateway, when it runs."""
 
 
 # BROKER_RESTARTS is how many times `up` restarts a broker that died within
@@ -386,6 +398,20 @@ async def _serve(
                 ui_sock = dashboard.bind()
             except DashboardError as e:
                 raise UpError(str(e)) from e
+        gateway: Gateway | None = None
+        if opts.gateway is not None:
+            gateway = Gateway(
+                js,
+                listen=opts.gateway,
+                root=opts.root,
+                max_body=opts.gateway_max_body,
+                upstream_timeout_s=opts.gateway_upstream_timeout_s,
+                used_interval_s=opts.gateway_used_interval_s,
+            )
+            try:
+                gw_sock = gateway.bind()
+            except GatewayError as e:
+                raise UpError(str(e)) from e
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
@@ -408,6 +434,11 @@ async def _serve(
             running.dashboard_url = shown
             (opts.data / URL_FILE).write_text(shown + "\n")
             log.info("dashboard: %s", shown)
+        if gateway is not None:
+            tasks[asyncio.create_task(gateway.run(stop, gw_sock), name="gateway")] = "gateway"
+            running.gateway_url = f"{gateway.url}/v1"
+            (opts.data / GATEWAY_URL_FILE).write_text(running.gateway_url + "\n")
+            log.info("gateway: %s", running.gateway_url)
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",
             f", projector ({db_path})" if projector is not None else "",
@@ -419,8 +450,9 @@ async def _serve(
             on_ready(running)
         return await _supervise(tasks, stop)
     finally:
-        with contextlib.suppress(OSError):
-            (opts.data / URL_FILE).unlink()
+        for f in (URL_FILE, GATEWAY_URL_FILE):
+            with contextlib.suppress(OSError):
+                (opts.data / f).unlink()
         for a in agents:
             if isinstance(a.runtime, SimulatedRuntime):
                 await a.runtime.close()
