@@ -61,10 +61,14 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
+from services.gateway.metrics import CONTENT_TYPE, UNKNOWN, Metrics
 
 log = logging.getLogger("llmgw.gateway")
 
 SOURCE = "gateway"
+# Per-request values kept on the aiohttp request: the model's label and the arrival time.
+_MODEL = web.RequestKey("llmgw_model", str)
+_T0 = web.RequestKey("llmgw_t0", float)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -211,6 +215,7 @@ class Gateway:
     """http://HOST:PORT, once bound."""
     router: routing.Router = field(default_factory=routing.Router)
     counts: Counts = field(default_factory=Counts)
+    metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self) -> None:
         self.follower = ViewFollower(self.js, root=self.root, consumer="gateway")
@@ -243,6 +248,7 @@ class Gateway:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         return app
 
     async def run(
@@ -317,6 +323,9 @@ class Gateway:
             }
         )
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
     async def _models(self, request: web.Request) -> web.Response:
         view = self.follower.view
         data = []
@@ -340,6 +349,23 @@ class Gateway:
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         self.counts.requests += 1
+        t0 = time.perf_counter()
+        request[_MODEL] = UNKNOWN
+        request[_T0] = t0
+        status = 499  # the client went away before an answer (nginx's number for it)
+        try:
+            resp = await self._route(request)
+            status = resp.status
+            return resp
+        except Refusal as e:
+            status = e.status
+            raise
+        finally:
+            model = request[_MODEL]
+            self.metrics.requests.labels(model, str(status)).inc()
+            self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request)
         head = _parse(body)
         view = self.follower.view
@@ -353,6 +379,7 @@ class Gateway:
                 "unknown_model",
                 kind="invalid_request_error",
             )
+        request[_MODEL] = m.name
         session = request.headers.get("x-session-id") or (
             head.user if isinstance(head.user, str) and head.user else None
         )
@@ -366,12 +393,18 @@ class Gateway:
             tried.append(r.id)
             if attempt:
                 self.counts.retries += 1
+                self.metrics.retries.inc()
+            else:
+                self.metrics.overhead.observe(time.perf_counter() - request[_T0])
+            inflight = self.metrics.inflight.labels(m.name)
+            inflight.inc()
             try:
                 return await self._forward(request, r, body, stream)
             except _Unreachable as e:
                 log.info("gateway: %s: %s%s", r.id, e, "; trying another" if not attempt else "")
                 last = e
             finally:
+                inflight.dec()
                 self.router.done(r.id)
         if last is not None and last.garbage:
             raise Refusal(
@@ -452,15 +485,20 @@ class Gateway:
                 "text/event-stream"
             ):
                 data = await self._whole(upstream, r.id)
+                self._first_byte(request)
                 if upstream.status < 400:
                     self._used(r, *_usage(data))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
             await resp.prepare(request)
             tail = b""
+            first = True
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
+                    if first:
+                        self._first_byte(request)
+                        first = False
                     tail = (tail + chunk)[-TAIL_BYTES:]
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
@@ -481,6 +519,9 @@ class Gateway:
             raise
         finally:
             upstream.release()
+
+    def _first_byte(self, request: web.Request) -> None:
+        self.metrics.first_byte.labels(request[_MODEL]).observe(time.perf_counter() - request[_T0])
 
     # ------------------------------------------------------------------ use
 

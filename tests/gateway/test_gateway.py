@@ -291,6 +291,19 @@ async def test_a_failure_before_the_first_byte_is_tried_once_elsewhere(
     assert status == 503
     _error(status, h, body, "no_replica")
     assert plane.gateway.router.inflight == {}
+    # /metrics counts them: by model and status, the retries, none left in flight.
+    async with plane.http.get(f"{plane.url}/metrics") as r:
+        text = (await r.text()).splitlines()
+
+    def value(prefix: str) -> float:
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text if x.startswith(prefix))
+
+    assert value('llmgw_gateway_requests_total{model="retry",status="200"}') == 4
+    assert value('llmgw_gateway_requests_total{model="refused",status="503"}') == 1
+    assert value("llmgw_gateway_retries_total") >= 2
+    assert value('llmgw_gateway_inflight{model="retry"}') == 0
+    assert value('llmgw_gateway_time_to_first_byte_seconds_count{model="retry"}') == 4
+    assert value("llmgw_gateway_added_seconds_count") >= 5
 
 
 async def test_garbage_and_silence_from_a_replica_are_502_and_504(plane: Plane) -> None:
