@@ -266,6 +266,13 @@ class ReplicaUsed(Data, frozen=True, kw_only=True):
     replica: Name
     at: UtcTime
     """When the replica last served a request."""
+    requests: BigCount | None = None
+    """Extension, from the gateway: requests it served over the interval it reports;
+    None from an agent, which sees only that the server was used."""
+    tokens_in: BigCount | None = None
+    """Extension: prompt tokens of those requests, as their answers' `usage` said."""
+    tokens_out: BigCount | None = None
+    """Extension: completion tokens of those requests, as their answers' `usage` said."""
 
 
 # ---------------------------------------------------------------- decisions and commands

@@ -79,6 +79,8 @@ USED_INTERVAL_S = 30.0
 # asking again while nobody can make them.
 HELLO_WAIT_S = 5.0
 CONSUMERS_WAIT_S = 1.0
+# MAKE_AGAIN_S is how long after a refused attempt to make them itself the agent only asks.
+MAKE_AGAIN_S = 60.0
 
 # CONTROL_INBOX is where the replies to the control role's requests go (nats-py's default
 # inbox prefix, which only the control and viewer roles may subscribe to). A request to
@@ -249,6 +251,8 @@ class Agent:
         self._rng = rng or random.Random()
         self._publisher = Publisher(js, root, stored_at=self._stored_at)
         self._reading = asyncio.Lock()
+        # _make_after: when to try again making its own consumers if no plane answers.
+        self._make_after = -math.inf
         self._replicas: dict[str, _Replica] = {}
         self._halt = asyncio.Event()
         # _last_used: replica -> (when it last served, monotonic time it was reported).
@@ -502,7 +506,9 @@ class Agent:
         """None once both consumers exist, else why they do not."""
         try:
             msg = await self.nc.request(
-                consumers.hello_subject(self.node, self.root), b"", timeout=HELLO_WAIT_S
+                consumers.hello_subject(self.node, self.root),
+                _json.encode({"ack_wait_s": self.ack_wait_s}),
+                timeout=HELLO_WAIT_S,
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
@@ -512,13 +518,17 @@ class Agent:
             why = "no control plane answered"
         except nats.errors.Error as e:
             why = f"asking the control plane failed: {e}"
-        # Nobody made them: made here, on a broker that lets this user.
+        # Nobody made them: made here, on a broker that lets this user. A user that may
+        # not (the shipped permissions) is refused, and then only asks for a while.
+        if time.monotonic() < self._make_after:
+            return why
         try:
             await consumers.provide(self.js, self.node, self.root, self.ack_wait_s)
         except NotFoundError as e:
             url = self.nc.connected_url.geturl() if self.nc.connected_url else None
             raise NoStream(subjects.STREAM, url) from e
         except (nats.errors.Error, TimeoutError) as e:
+            self._make_after = time.monotonic() + MAKE_AGAIN_S
             return f"{why}, and this user may not make them ({e or type(e).__name__})"
         return None
 

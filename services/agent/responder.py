@@ -69,6 +69,9 @@ class Responder:
         self.host = host
         self.port = 0
         self.served: int = 0
+        """Requests answered (or being answered)."""
+        self.active: int = 0
+        """Requests being answered now; a client gone mid-answer ends its request."""
         self._runner: web.AppRunner | None = None
         self._n = 0
 
@@ -128,6 +131,13 @@ class Responder:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._answer(request, chat=chat)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body

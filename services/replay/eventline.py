@@ -85,7 +85,12 @@ def describe(
             reason = f" reason={d.reason}" if d.reason else ""
             return f"{where}/{d.replica}", f"{d.model} {d.state}{reason}"
         case ev.ReplicaUsedEvent(data=d):
-            return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}"
+            counts = (
+                ""
+                if d.requests is None
+                else (f" requests={d.requests} tokens_in={d.tokens_in} tokens_out={d.tokens_out}")
+            )
+            return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}{counts}"
         case ev.PlacementDecidedEvent(data=d):
             return d.replica, (
                 f"{d.model} profile={d.profile} on={_shards(d.shards)} reason={d.reason}"
