@@ -114,11 +114,14 @@ def up_alive(data: Path) -> bool | None:
 def commit_age(db: Path, now_ts: float) -> float | None:
     """Seconds since the projector last wrote its view `db`: the newest modification of
     the file and its WAL (in WAL mode a commit writes the WAL, a checkpoint the file);
-    None without a view."""
+    None without a view. An empty WAL is one a reader made (opening a view closed
+    cleanly creates it), not a commit."""
     times = []
     for p in (db, db.with_name(db.name + "-wal")):
         with contextlib.suppress(OSError):
-            times.append(p.stat().st_mtime)
+            st = p.stat()
+            if st.st_size:
+                times.append(st.st_mtime)
     return round(max(now_ts - max(times), 0.0), 1) if times else None
 
 

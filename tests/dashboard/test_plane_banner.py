@@ -4,15 +4,21 @@ log says; leaders are named with when their term began, which renewals keep."""
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from nats.js.client import JetStreamContext
 
+from schemas import codec, subjects
+from schemas import events as ev
 from services import liveness
+from services.clock import new_id
 from services.dashboard import health
 from services.lease import DEFAULT_BUCKET, Lease, decode_value
+from services.projector import store
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,3 +68,22 @@ async def test_leaders_are_named_with_their_term(js: JetStreamContext) -> None:
 def test_an_older_holders_value_reads_as_a_term_of_unknown_start() -> None:
     assert decode_value(b"host-1-scheduler") == ("host-1-scheduler", None)
     assert decode_value(None) == (None, None)
+
+
+async def test_a_projector_behind_the_log_that_stopped_committing_is_stale(
+    js: JetStreamContext, tmp_path: Path
+) -> None:
+    db_path = tmp_path / "view.sqlite"
+    db = await store.open_db(db_path)
+    await db.close()
+    # Its last commit a minute ago, and an event in the log since.
+    old = time.time() - 60
+    os.utime(db_path, (old, old))
+    now = datetime.now(UTC)
+    e = ev.make(ev.ScaleDesired(model="m", replicas=1), id=new_id(now), time=now, source="t")
+    await js.publish(subjects.subject_for(e), codec.encode(e))
+    plane = (await health.check(js, db_path))["plane"]
+    p = plane["projector"]
+    assert p["lag_events"] == 1 and p["commit_age_s"] >= 59 and p["stale"] is True, p
+    assert any(x.startswith("the projector is stale (1 events behind") for x in plane["problems"])
+    assert plane["running"] is False

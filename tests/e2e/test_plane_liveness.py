@@ -32,7 +32,8 @@ def test_status_says_a_killed_plane_is_not_running(tmp_path: Path) -> None:
             got = up.llmgw("status", "-o", "json")
             doc = json.loads(got.stdout) if got.stdout else {}
             plane = doc.get("plane") or {}
-            if got.returncode == 0 and plane.get("running") and doc["nodes"]:
+            heard = [n.get("heartbeat_age_s") is not None for n in doc.get("nodes", [])]
+            if got.returncode == 0 and plane.get("running") and heard and all(heard):
                 break
             assert time.monotonic() < deadline, (got.returncode, got.stdout[-2000:], got.stderr)
             time.sleep(0.2)
@@ -40,7 +41,6 @@ def test_status_says_a_killed_plane_is_not_running(tmp_path: Path) -> None:
         assert leads["scheduler"]["holder"].endswith("-scheduler") and leads["scheduler"]["since"]
         assert leads["preemption"]["live"] is True
         assert plane["projector"]["commit_age_s"] is not None and plane["up"]["running"] is True
-        assert doc["nodes"][0]["heartbeat_age_s"] is not None
         orphan = int((data / broker.PID_FILE).read_text().split()[0])
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait(10)
@@ -48,7 +48,7 @@ def test_status_says_a_killed_plane_is_not_running(tmp_path: Path) -> None:
         dead = up.llmgw("status")
         assert dead.returncode == 1, (dead.stdout, dead.stderr)
         first = dead.stdout.splitlines()[0]
-        assert first == f"PLANE NOT RUNNING: llmgw up is not running on {data}", dead.stdout
+        assert first.startswith(f"PLANE NOT RUNNING: llmgw up is not running on {data}"), first
         # The orphan broker answers: the log's own picture is still there, every node ready.
         assert "sim-0  ready" in dead.stdout and "none heard" in dead.stdout, dead.stdout
         assert "HEARTBEAT" in dead.stdout
