@@ -176,6 +176,8 @@ class Explainer:
             f"{stamp(r.created_at)}; ready {ago(r.ready_at, st.now) if r.ready_at else 'never'}; "
             f"idle {_idle(r.idle_s(st.now) if st.now else None)}"
         )
+        if r.endpoint is not None:
+            st.line(f"  its server answers at {r.endpoint} (replica.state endpoint)")
         st.line("")
         if r.preempted_for is not None or r.drain_reason == "preempted":
             self._preempted(st, r, view)

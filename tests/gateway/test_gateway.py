@@ -312,3 +312,20 @@ async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interva
     # The fold takes it as any use: the replica's last use is the last request's.
     await plane.gateway.follower.caught_up(5)
     assert plane.gateway.follower.view.replicas["us-1"].last_used_at == reports[-1].data.at
+
+
+async def test_a_body_that_never_ends_is_408_and_the_gateway_stays_up(plane: Plane) -> None:
+    plane.gateway.body_timeout_s = 0.3
+    host, port = plane.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": "x"'
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 408") and b"x-llmgw-reason: body_timeout" in head.lower()
+    writer.close()
+    await writer.wait_closed()
+    async with plane.http.get(f"{plane.url}/v1/models") as r:
+        assert r.status == 200
