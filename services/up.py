@@ -93,6 +93,8 @@ class UpOptions:
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_keys: Any = None
+    """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
 
 
 @dataclass
@@ -407,6 +409,7 @@ async def _serve(
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
+                keys=opts.gateway_keys,
             )
             try:
                 gw_sock = gateway.bind()

@@ -97,6 +97,10 @@ REPUBLISH_WAIT_S = 0.5
 # that does not say (a user without the permission to ask).
 WHO_TIMEOUT_S = 0.5
 
+# LOST_PAST_GRACE is why a replica the log failed with its node (lost past the grace,
+# while the agent was cut off) is stopped when the agent is back.
+LOST_PAST_GRACE = "failed with its node, lost past the grace while the agent was cut off"
+
 # TAKEOVER_WAIT_S bounds how long an agent taking over waits for the other to stop
 # answering before it goes on regardless.
 TAKEOVER_WAIT_S = 10.0
@@ -435,10 +439,16 @@ class Agent:
         """After a reconnect: the node's whole inventory, and each replica holding GPUs in
         the state it is in, once more. What the broker missed meanwhile is said; a node
         reported lost is back. Each state keeps its id (from its command and state), so
-        a copy the log already holds within the duplicate window is dropped."""
+        a copy the log already holds within the duplicate window is dropped. Replicas
+        the cluster failed meanwhile are stopped first (`_stop_failed_with_the_node`)."""
         await self._publish_inventory()
+        stopping: set[str] = set()
+        try:
+            stopping = await self._stop_failed_with_the_node()
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("%s: its log not read after the reconnect: %s", self.node, err)
         for rec in list(self._replicas.values()):
-            if rec.state not in _HOLDING:
+            if rec.state not in _HOLDING or rec.replica in stopping:
                 continue
             async with rec.lock:
                 e = ev.ReplicaStateEvent(
@@ -555,6 +565,21 @@ class Agent:
         report, against the node's inventory of then, and could reject what the whole
         log's fold applied). What the agent keeps of the fold is its one rule for these
         events, a state never goes backwards (`_remember`, by `ev.STATE_ORDER` as the fold)."""
+        reps = await self._own_replicas()
+        draining = {r.command for r in reps.values() if r.state == "draining"}
+        if draining:
+            drains = subjects.command_subject(self.node, "drain", self.root)
+            async for batch in self._read(drains):
+                for d in batch:
+                    e = ingest.decode_checked(d.data, d.subject, self.root)
+                    if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
+                        for rec in reps.values():
+                            if rec.command == e.id:
+                                rec.grace_s = e.data.grace_s
+        self._replicas = reps
+
+    async def _own_replicas(self) -> dict[str, _Replica]:
+        """The node's replicas as its own subjects in the log say they are (`_rebuild`)."""
         reps: dict[str, _Replica] = {}
         node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
         async for batch in self._read(node_subjects):
@@ -573,17 +598,28 @@ class Agent:
                         for rec in reps.values():
                             if rec.state in _HOLDING:
                                 rec.state, rec.since = "failed", e.time
-        draining = {r.command for r in reps.values() if r.state == "draining"}
-        if draining:
-            drains = subjects.command_subject(self.node, "drain", self.root)
-            async for batch in self._read(drains):
-                for d in batch:
-                    e = ingest.decode_checked(d.data, d.subject, self.root)
-                    if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
-                        for rec in reps.values():
-                            if rec.command == e.id:
-                                rec.grace_s = e.data.grace_s
-        self._replicas = reps
+        return reps
+
+    async def _stop_failed_with_the_node(self) -> set[str]:
+        """After a reconnect: a replica the log says was failed with the node (lost past
+        its grace while this agent was cut off) is stopped here too, said failed, so its
+        server frees GPUs the cluster has given to others. Returns their ids."""
+        logged = await self._own_replicas()
+        out: set[str] = set()
+        for rid, rec in list(self._replicas.items()):
+            got = logged.get(rid)
+            if rec.state not in _HOLDING or got is None or got.state != "failed":
+                continue
+            log.warning(
+                "%s: %s was failed with the node while the agent was cut off: stopping it",
+                self.node,
+                rid,
+            )
+            if rec.task is not None:
+                rec.task.cancel()
+            self._spawn(rec, self._run_stop(rec, 0.0, failed=LOST_PAST_GRACE))
+            out.add(rid)
+        return out
 
     def _redrive(self, rec: _Replica) -> None:
         """Carry on with a replica a crash left mid-way."""

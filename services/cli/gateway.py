@@ -29,12 +29,13 @@ def register(commands: cli.Commands) -> None:
             "streams pass through byte for byte; refusals are OpenAI errors with an\n"
             "x-llmgw-reason header. `llmgw up` serves it too, unless --no-gateway.\n"
             "\n"
-            "API keys are not built yet: off loopback it refuses to start unless\n"
-            "--no-auth says that anyone who reaches the port may use it."
+            "With --api-keys FILE every request needs a key of the file; off loopback\n"
+            "it refuses to start without one unless --no-auth says that anyone who\n"
+            "reaches the port may use it."
         ),
         epilog=cli.examples(
             "llmgw gateway",
-            "llmgw gateway --listen 0.0.0.0:8322 --no-auth",
+            "llmgw gateway --listen 0.0.0.0:8322 --api-keys /etc/llmgw/keys",
             "curl http://127.0.0.1:8322/v1/models",
             "python -m services.gateway --nats nats://10.0.0.5:4222",
         ),
@@ -54,10 +55,16 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         help=f"where the gateway listens (default {default}; port 0: a free one)",
     )
     p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="API keys, one `KEY OWNER` a line (mode 0600; keys of 16 characters or "
+        "more): a request without a valid `Authorization: Bearer KEY` is 401",
+    )
+    p.add_argument(
         "--no-auth",
         action="store_true",
-        help="serve off loopback without API keys (not built yet): anyone who reaches "
-        "the port may use every model",
+        help="serve off loopback without --api-keys: anyone who reaches the port may use "
+        "every model",
     )
     p.add_argument(
         "--max-body",
@@ -85,11 +92,25 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
     )
 
 
+def gateway_keys(args: argparse.Namespace) -> Any:
+    """The `--api-keys` file read (a `Keys`), or None; `CliError` naming what is wrong."""
+    if not args.api_keys:
+        return None
+    from services.gateway.errors import GatewayError
+    from services.gateway.keys import Keys
+
+    try:
+        return Keys.load(args.api_keys)
+    except GatewayError as e:
+        raise cli.UsageError(str(e)) from None
+
+
 def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
-    """`--listen` (`flag`) checked: HOST:PORT, and loopback unless `--no-auth`."""
+    """`--listen` (`flag`) checked: HOST:PORT, and loopback unless `--api-keys` or
+    `--no-auth`."""
     from services.gateway.listen import refusal
 
-    why = refusal(args.gateway_listen, args.no_auth)
+    why = refusal(args.gateway_listen, args.no_auth, bool(args.api_keys))
     if why is not None:
         raise cli.UsageError(f"{flag} {why}")
     if args.max_body < 1:
@@ -102,6 +123,7 @@ async def _gateway(args: argparse.Namespace) -> int:
     from services.gateway.server import Gateway
 
     listen = gateway_listen(args)
+    keys = gateway_keys(args)
     cli.setup_logging()
 
     async def work(stop: object) -> int:
@@ -113,6 +135,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 max_body=args.max_body,
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
+                keys=keys,
             )
             try:
                 sock = g.bind()

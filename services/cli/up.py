@@ -14,7 +14,7 @@ from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
-from services.cli.gateway import add_gateway_options, gateway_listen
+from services.cli.gateway import add_gateway_options, gateway_keys, gateway_listen
 from services.core import preemption, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.gateway.listen import DEFAULT_LISTEN as DEFAULT_GATEWAY
@@ -187,6 +187,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_max_body=args.max_body,
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
+        gateway_keys=gateway_keys(args) if gateway is not None else None,
     )
     cli.setup_logging()
     try:

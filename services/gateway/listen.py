@@ -18,9 +18,9 @@ UPSTREAM_TIMEOUT_S = 300.0
 USED_INTERVAL_S = 30.0
 
 
-def refusal(listen: str, no_auth: bool) -> str | None:
-    """Why the gateway must not listen on `listen` (HOST:PORT), or None. API keys are not
-    built yet: off loopback anyone who reaches the port could use every model, so that
+def refusal(listen: str, no_auth: bool, keys: bool = False) -> str | None:
+    """Why the gateway must not listen on `listen` (HOST:PORT), or None. Off loopback
+    without API keys (`keys`) anyone who reaches the port could use every model, so that
     takes `no_auth` said out loud."""
     import ipaddress
 
@@ -28,7 +28,7 @@ def refusal(listen: str, no_auth: bool) -> str | None:
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         return f"{listen!r} is not HOST:PORT (like {DEFAULT_LISTEN})"
-    if no_auth or host == "localhost":
+    if no_auth or keys or host == "localhost":
         return None
     try:
         if ipaddress.ip_address(host).is_loopback:
@@ -36,6 +36,6 @@ def refusal(listen: str, no_auth: bool) -> str | None:
     except ValueError:
         pass
     return (
-        f"{listen}: the gateway has no API keys yet, so off loopback anyone who reaches "
-        "it could use every model; give --no-auth to serve it anyway"
+        f"{listen}: off loopback without --api-keys anyone who reaches the gateway could "
+        "use every model; give --api-keys FILE, or --no-auth to serve it anyway"
     )

@@ -55,6 +55,7 @@ from services.clock import new_id, utc_now
 from services.core import routing
 from services.follower import ViewFollower
 from services.gateway.errors import GatewayError
+from services.gateway.keys import Keys
 from services.gateway.listen import (
     DEFAULT_LISTEN,
     MAX_BODY,
@@ -216,6 +217,8 @@ class Gateway:
     router: routing.Router = field(default_factory=routing.Router)
     counts: Counts = field(default_factory=Counts)
     metrics: Metrics = field(default_factory=Metrics)
+    keys: Keys | None = None
+    """API keys; None: every request is taken (loopback, or --no-auth)."""
 
     def __post_init__(self) -> None:
         self.follower = ViewFollower(self.js, root=self.root, consumer="gateway")
@@ -326,7 +329,22 @@ class Gateway:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    def _authorize(self, request: web.Request) -> str | None:
+        """The owner of the request's key; None with no keys configured. 401 else."""
+        if self.keys is None:
+            return None
+        owner = self.keys.owner(request.headers.get("Authorization"))
+        if owner is None:
+            raise Refusal(
+                401,
+                "no valid API key: send Authorization: Bearer KEY",
+                "invalid_api_key",
+                kind="invalid_request_error",
+            )
+        return owner
+
     async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
         view = self.follower.view
         data = []
         for d in sorted(view.state.models.values(), key=lambda d: d.name):
@@ -366,6 +384,7 @@ class Gateway:
             self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
         body = await self._read_body(request)
         head = _parse(body)
         view = self.follower.view
