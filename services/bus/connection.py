@@ -184,9 +184,9 @@ class Fault:
     this rule's. `clock` is a parameter, so a test runs an hour of faults in no time."""
 
     def __init__(
-        self, every_s: float = RECONNECT_REPORT_S, clock: Callable[[], float] = time.monotonic
+        self, every_s: float | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.every_s = every_s
+        self.every_s = RECONNECT_REPORT_S if every_s is None else every_s
         self._clock = clock
         self.since: float | None = None
         """When the fault began; None while there is none."""
@@ -246,7 +246,7 @@ class Outage:
         name: str,
         where: str,
         *,
-        every_s: float = RECONNECT_REPORT_S,
+        every_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name

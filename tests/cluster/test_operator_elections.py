@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,7 +28,7 @@ from services.bus import Publisher, connect, consume, ensure_streams, publish
 from services.clock import new_id
 from tests.bus.cluster import Cluster
 
-pytestmark = [pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 COMMANDS = 61
 # KILLS: when so many commands have finished, which server is killed: the log's leader
@@ -92,7 +92,7 @@ async def test_scale_during_server_kills_is_stored_every_time(
 
         killed = 0
         for at, which in KILLS:
-            await _until(f"{at} commands done", lambda: _ready(len(done) >= at))
+            await _until(f"{at} commands done", _done(done, at))
 
             async def named() -> bool:
                 return await leader() is not None
@@ -106,10 +106,7 @@ async def test_scale_during_server_kills_is_stored_every_time(
             killed += 1
             # Back once more commands got through (a new leader took over), so the next
             # kill leaves two of three again.
-            await _until(
-                "commands done after the kill",
-                lambda: _ready(len(done) >= min(at + 8, COMMANDS)),
-            )
+            await _until("commands done after the kill", _done(done, min(at + 8, COMMANDS)))
             await asyncio.to_thread(cluster.brokers[i].start, 30.0)
         codes = await asyncio.gather(*runs)
         pool.shutdown()
@@ -141,5 +138,8 @@ async def test_scale_during_server_kills_is_stored_every_time(
         await nc.close()
 
 
-async def _ready(value: bool) -> bool:
-    return value
+def _done(done: list[int], n: int) -> Callable[[], Awaitable[bool]]:
+    async def enough() -> bool:
+        return len(done) >= n
+
+    return enough
