@@ -17,6 +17,13 @@ Two shapes of line, both one JSON document on one UTF-8 line:
   shift every sequence after it.
 Lines written by other tools (spaces, another key order) are read as JSON documents.
 
+A bundle that does not start at seq 1 starts with a snapshot line,
+`{"snapshot":{"seq":S,"view":{...}}}`: the view as it stood after seq S (the canonical
+`ViewState` JSON), so the lines after it fold onto what the log did before them. It is
+only ever the first line; `read` and `entries` pass over it, `snapshot` reads it. A
+bundle that starts after seq 1 without one is missing its beginning, and its readers
+say so (`services.replay.source`).
+
 A bundle may be gzip-compressed (the archive `llmgw log compact` writes is): every reader
 here opens one as it opens a plain one, by its first bytes, whatever its name.
 """
@@ -69,6 +76,53 @@ class Line(NamedTuple):
     subject: str
     body: bytes
     lineno: int
+    stored_ns: int = 0
+    """Its STORED_KEY, 0 when it has none: `line(seq, subject, body, stored_ns)` writes
+    the line again."""
+
+
+# SNAPSHOT_KEY is the one key of a bundle's first line when it carries a snapshot.
+SNAPSHOT_KEY = "snapshot"
+_SNAPSHOT_HEAD = b'{"%s":' % SNAPSHOT_KEY.encode()
+
+
+class _SnapshotBody(msgspec.Struct):
+    seq: int
+    view: msgspec.Raw
+
+
+class _SnapshotLine(msgspec.Struct):
+    snapshot: _SnapshotBody
+
+
+_snapshot_line = msgspec.json.Decoder(_SnapshotLine)
+
+
+def snapshot_line(seq: int, view: bytes) -> bytes:
+    """The first line (without newline) of a bundle that starts after `seq`: `view` is
+    the canonical JSON of the view as it stood after `seq`."""
+    return b'{"%s":{"seq":%d,"view":%s}}' % (SNAPSHOT_KEY.encode(), seq, view)
+
+
+def snapshot(path: str) -> tuple[int, bytes] | None:
+    """(seq, view JSON) of the snapshot a bundle starts with, or None when it has none;
+    `BundleError` for a first line that claims to be one and is not."""
+    with open_bundle(path) as fp:
+        for lineno, raw in enumerate(fp, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue
+            if not raw.startswith(_SNAPSHOT_HEAD):
+                return None
+            try:
+                got = _snapshot_line.decode(raw).snapshot
+            except (msgspec.MsgspecError, RecursionError) as e:
+                raise BundleError(path, lineno, f"not a snapshot line ({e})") from None
+            why = seq_problem(got.seq)
+            if why:
+                raise BundleError(path, lineno, f"snapshot {why}")
+            return got.seq, bytes(got.view)
+    return None
 
 
 # ---------------------------------------------------------------------- writing
@@ -230,9 +284,14 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
     refuses it unless told to keep it)."""
     last = 0
     decode = _position.decode
+    first = True
     for lineno, raw in enumerate(fp, start=1):
         raw = raw.rstrip(b"\r\n")
         stored = 0
+        if first and raw.strip():
+            first = False
+            if raw.startswith(_SNAPSHOT_HEAD):
+                continue  # the snapshot the bundle starts from: `snapshot` reads it
         try:
             pos = decode(raw)
         except (msgspec.MsgspecError, RecursionError) as e:
@@ -265,7 +324,11 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
             why = seq_problem(seq)
             raise BundleError(name, lineno, why or f"seq {seq} does not follow {last}")
         last = seq
-        yield Line(seq, subject, data, lineno) if exact else (seq, subject, data, lineno, stored)
+        yield (
+            Line(seq, subject, data, lineno, stored)
+            if exact
+            else (seq, subject, data, lineno, stored)
+        )
 
 
 def _body_after(raw: bytes, end: int) -> bytes:

@@ -15,14 +15,24 @@ The shape (YAML shown; TOML uses `[[models]]`, `[[quota]]` and a `[scale]` table
         profiles: [{name: tp4, gpus: 4, gpu_memory_gb: 80}]
     quota:                        # quota.set's owners; replaces the whole tree
       - {name: team-a, guarantee: {gpus: 8}, limit: {gpus: 16}}
+    owners: [experiments]         # owners outside the tree on purpose (no event)
     scale:                        # scale.desired per model
       chat-70b: 2
+
+A model's owner must be an owner of the quota tree (the file's, else the one in force)
+when there is one: an owner outside it has no guarantee and no limit, so `owner: reserch`
+for `research` would escape research's limit. One outside it on purpose is listed under
+`owners:` (or named by `llmgw apply --new-owner`). A model with no owner is `default`'s.
+
+YAML aliases are refused (an alias bomb is a few lines), and so is a key given twice in
+one mapping (YAML would keep the last, silently).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +45,13 @@ from services import names
 from services.core import view as core_view
 
 _AT = re.compile(r"^(?P<why>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
-_TOP = ("models", "quota", "scale")
+_TOP = ("models", "quota", "owners", "scale")
+
+# MAX_DEPTH bounds how deeply a cluster file nests. A real one is six levels deep (models,
+# a model, its runtime, its env, ...); thousands of `[` would exhaust the parsers' and the
+# checks' recursion, a traceback instead of a line.
+MAX_DEPTH = 32
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels: not a cluster file"
 
 
 class ClusterFileError(Exception):
@@ -59,14 +75,42 @@ class ClusterFile:
     """The file's name, as errors show it."""
     lines: dict[str, int] = field(default_factory=dict)
     """The line of each field path (`scale.chat-70b`), for errors found after parsing."""
+    owners: tuple[str, ...] = ()
+    """Owners outside the quota tree on purpose (`owners:`); published as nothing."""
 
     def error(self, where: str, why: str) -> ClusterFileError:
         """An error at a field of this file, for a check made against the live cluster."""
         return ClusterFileError(self.name, _line_for(self.lines, where), where, why)
 
+    def owner_error(
+        self, tree: Iterable[str], new: Collection[str] = ()
+    ) -> ClusterFileError | None:
+        """The first model whose owner is not in the quota tree `tree` (its owners' names)
+        and not listed under `owners:` nor in `new` (`--new-owner`), with the closest
+        owner of the tree; None when all are, or when there is no tree to escape."""
+        known = set(tree)
+        if not known:
+            return None
+        for i, m in enumerate(self.models):
+            if m.owner in known or m.owner in self.owners or m.owner in new:
+                continue
+            where = f"models[{i}].owner"
+            said = (
+                f"`{m.owner}` is not an owner in the quota tree"
+                if where in self.lines or m.owner != "default"
+                else "no owner given, so `default`, which is not an owner in the quota tree"
+            )
+            return self.error(
+                where,
+                f"{said}{names.did_you_mean(m.owner, known, quote='`')} (an owner outside "
+                f"it has no limit: list it under `owners:`, or pass --new-owner {m.owner})",
+            )
+        return None
 
-def load(path: str | Path) -> ClusterFile:
-    """Read and validate a cluster file (.yaml/.yml or .toml)."""
+
+def load(path: str | Path, *, new_owners: Collection[str] = ()) -> ClusterFile:
+    """Read and validate a cluster file (.yaml/.yml or .toml); the owners of its models
+    against its own quota tree, if it has one, `new_owners` allowed outside it."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -76,10 +120,12 @@ def load(path: str | Path) -> ClusterFile:
         doc, lines = _toml(text, str(p))
     else:
         doc, lines = _yaml(text, str(p))
-    return parse(doc, lines, str(p))
+    return parse(doc, lines, str(p), new_owners=new_owners)
 
 
-def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
+def parse(
+    doc: Any, lines: dict[str, int], name: str, *, new_owners: Collection[str] = ()
+) -> ClusterFile:
     """Validate a parsed document; `lines` maps a field path (`models[0].min`) to its line."""
 
     def fail(where: str, why: str) -> ClusterFileError:
@@ -129,6 +175,14 @@ def parse(doc: Any, lines: dict[str, int], name: str) -> ClusterFile:
         if tree.errors:
             raise fail("quota", tree.errors[0])
         out.quota = ev.QuotaSet(owners=owners)
+    raw_owners = doc.get("owners") or []
+    if not isinstance(raw_owners, list):
+        raise fail("owners", "must be a list of owner names (owners outside the quota tree)")
+    out.owners = tuple(_convert(o, ev.Name, f"owners[{i}]", fail) for i, o in enumerate(raw_owners))
+    if out.quota is not None:
+        stray = out.owner_error((o.name for o in out.quota.owners), new_owners)
+        if stray is not None:
+            raise stray
     raw_scale = doc.get("scale") or {}
     if not isinstance(raw_scale, dict):
         raise fail("scale", "must map model names to replica counts")
@@ -238,30 +292,80 @@ def _line_for(lines: dict[str, int], where: str) -> int | None:
 # ---------------------------------------------------------------------- YAML
 
 
+class _Refused(Exception):
+    """What a cluster file's YAML may not use, found at `line` (at field `where`)."""
+
+    def __init__(self, line: int | None, why: str, where: str = "") -> None:
+        super().__init__(why)
+        self.line, self.why, self.where = line, why, where
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases. A cluster file has no use for them and a
+    hostile one does: nine lines of anchors each aliasing the last nine times are a
+    hundred million nodes to walk (`llmgw apply --dry-run` past 4 GB). The first `*alias` is
+    refused as it is read, before anything is built; so is a node past MAX_DEPTH."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        at = event.start_mark.line + 1 if event.start_mark is not None else None
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(
+                at,
+                f"YAML aliases are not accepted in a cluster file (*{event.anchor}): "
+                "write the value out where it is used",
+            )
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(at, _TOO_DEEP)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
+    loader = _Loader(text)
     try:
-        doc = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = loader.get_single_node()
+        lines: dict[str, int] = {}
+        if node is not None:
+            _lines(node, "", lines)
+        doc = loader.construct_document(node) if node is not None else None
+    except _Refused as e:
+        raise ClusterFileError(name, e.line, e.where, e.why) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(e, "problem", None) or str(e)
         raise ClusterFileError(name, line, "", f"not valid YAML: {problem}") from e
-    lines: dict[str, int] = {}
-    if node is not None:
-        _lines(node, "", lines)
+    finally:
+        loader.dispose()
     return doc, lines
 
 
 def _lines(node: yaml.Node, path: str, lines: dict[str, int]) -> None:
-    """Record the line of every field path below `node`."""
+    """Record the line of every field path below `node`. A key given twice in one
+    mapping is refused at its second line: YAML lets the last one win, silently, and a
+    file that says `min: 1` and, further down, `min: 0` means whichever nobody read."""
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, Any], int] = {}
         for k, v in node.value:
             child = f"{path}.{k.value}" if path else str(k.value)
-            lines[child] = k.start_mark.line + 1
+            at = k.start_mark.line + 1
+            if isinstance(k, yaml.ScalarNode):
+                key = (k.tag, k.value)
+                if key in first:
+                    raise _Refused(
+                        at, f"`{k.value}` is given twice (first at line {first[key]})", child
+                    )
+                first[key] = at
+            lines[child] = at
             _lines(v, child, lines)
-            lines[child] = k.start_mark.line + 1
+            lines[child] = at
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
             _lines(v, f"{path}[{i}]", lines)
@@ -278,7 +382,24 @@ def _toml(text: str, name: str) -> tuple[Any, dict[str, int]]:
         raise ClusterFileError(
             name, int(m.group(1)) if m else None, "", f"not valid TOML: {e}"
         ) from e
+    except RecursionError:
+        # tomllib has no bound of its own: its recursion running out is the bound.
+        raise ClusterFileError(name, None, "", _TOO_DEEP) from None
+    if _deeper_than(doc, MAX_DEPTH):
+        raise ClusterFileError(name, None, "", _TOO_DEEP)
     return doc, _toml_lines(text)
+
+
+def _deeper_than(doc: Any, limit: int) -> bool:
+    """Whether `doc` nests lists and tables more than `limit` deep (walked without recursion)."""
+    stack = [(doc, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _toml_lines(text: str) -> dict[str, int]:

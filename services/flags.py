@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -70,6 +70,14 @@ def build(config: type[T], args: argparse.Namespace, **given: Any) -> T:
         elif "help" in f.metadata and hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)
     return config(**values)
+
+
+def parser_of(f: dataclasses.Field[Any], default: Any) -> Callable[[str], Any]:
+    """What the flag of field `f` (whose default is `default`) parses its text with:
+    the same choices and floors, `argparse.ArgumentTypeError` with a message for a bad
+    value. For callers that take a config's values from elsewhere (a dashboard query)."""
+    fn: Callable[[str], Any] = _parser(type(default), f.metadata)
+    return fn
 
 
 def _fields(

@@ -24,6 +24,7 @@ from typing import Any
 
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
+from services.agent import consumers as agent_consumers
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
@@ -71,6 +72,8 @@ class UpOptions:
     ui: str | None = None
     """Where the dashboard listens (HOST:PORT); None: no dashboard."""
     ui_token: str | None = None
+    ui_hosts: tuple[str, ...] = ()
+    """`Host` names the dashboard answers for besides loopback ones (`--allow-host`)."""
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
@@ -248,6 +251,7 @@ async def _serve(
                 token=opts.ui_token,
                 db_path=db_path,
                 policy=opts.policy,
+                allow_hosts=opts.ui_hosts,
             )
             try:
                 ui_sock = dashboard.bind()
@@ -257,6 +261,10 @@ async def _serve(
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
             asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
+            # Agents make no consumers of their own: they ask for them (agent.consumers).
+            asyncio.create_task(
+                agent_consumers.serve(nc, js, opts.root, stop), name="agent consumers"
+            ): "agent consumers",
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"

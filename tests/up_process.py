@@ -35,15 +35,24 @@ def llmgw(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Co
 
 class UpProcess:
     """`llmgw up --port 0 ARGS` on `data`, its output in `log`, in a process group of its
-    own (so a test can kill it, and whatever it started, as a crash would)."""
+    own (so a test can kill it, and whatever it started, as a crash would). `command`
+    runs another long-lived command the same way (`("agent",)`, `("events", "tail")`);
+    `env` adds to the environment."""
 
-    def __init__(self, data: Path, log: Path, *args: str) -> None:
+    def __init__(
+        self,
+        data: Path,
+        log: Path,
+        *args: str,
+        command: tuple[str, ...] = ("up", "--port", "0"),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.data = data
         self.log = log
-        self.env = env_for(data)
+        self.env = env_for(data) | (env or {})
         self._out = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--port", "0", *args],
+            [sys.executable, "-m", "services.cli", *command, *args],
             stdout=self._out,
             stderr=subprocess.STDOUT,
             env=self.env,

@@ -26,7 +26,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -41,10 +41,15 @@ from nats.js.errors import NotFoundError
 from schemas import events as ev
 from schemas import ids, names, subjects
 from schemas.events import DRAIN_GRACE_S
+from services.agent import consumers
+from services.agent.consumers import ACK_WAIT_S as ACK_WAIT_S
+from services.agent.consumers import durable_name as durable_name
+from services.agent.consumers import reader_name as reader_name
 from services.agent.errors import NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
+from services.bus.publish import OTHER
 from services.clock import new_id, utc_now
 from services.core import ingest
 
@@ -62,21 +67,23 @@ _STARTING = frozenset({"pending", "starting", "loading"})
 # resolution ranks idle replicas just as well and keeps the log small.
 USED_INTERVAL_S = 30.0
 
-# ACK_WAIT_S is how long a command handed to an agent that died unacked waits before it
-# is delivered again. The handler only publishes one state before acking, so this is
-# about the crash, not the work: short enough that a restarted agent catches up at once.
-ACK_WAIT_S = 10.0
+# HELLO_WAIT_S bounds the wait for the control plane's answer about the agent's
+# consumers (it makes two consumers: milliseconds); CONSUMERS_WAIT_S is the pause before
+# asking again while nobody can make them.
+HELLO_WAIT_S = 5.0
+CONSUMERS_WAIT_S = 1.0
+
+# CONTROL_INBOX is where the replies to the control role's requests go (nats-py's default
+# inbox prefix, which only the control and viewer roles may subscribe to). A request to
+# the agent whose reply does not go there was not sent by an operator: the server's own
+# deliveries carry `$JS.ACK.` or no reply, and every agent has an inbox of its own.
+CONTROL_INBOX = "_INBOX."
 
 # REPUBLISH_WAIT_S is the pause before a background state report is published again
 # after the broker refused or did not answer. The ids make a second copy harmless.
 REPUBLISH_WAIT_S = 0.5
 
 _json = msgspec.json.Encoder()
-
-
-def durable_name(node: str) -> str:
-    """The agent's durable consumer: one per node, surviving the agent's restarts."""
-    return f"agent-{names.escape(node)}"
 
 
 def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
@@ -96,12 +103,6 @@ FOUND_UNHEALTHY = "uncorrected ECC errors found at start"
 # UNHEALTHY_REMIND_S is how often the agent says again, in its log, which GPUs it keeps
 # unhealthy and how to bring them back: a GPU is never out quietly.
 UNHEALTHY_REMIND_S = 600.0
-
-
-def reader_name(node: str) -> str:
-    """The one consumer name the agent reads its own history from the log with, so that
-    permissions can allow it that name and no other (deploy/nats/permissions.conf)."""
-    return f"agentlog-{names.escape(node)}"
 
 
 def inbox_prefix(node: str) -> str:
@@ -210,7 +211,8 @@ class Agent:
         self.durable = durable_name(node)
         self.reader = reader_name(node)
         self._rng = rng or random.Random()
-        self._publisher = Publisher(js, root)
+        self._publisher = Publisher(js, root, stored_at=self._stored_at)
+        self._reading = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._halt = asyncio.Event()
         # _last_used: replica -> (when it last served, monotonic time it was reported).
@@ -234,7 +236,8 @@ class Agent:
         from the log; it drains nothing and leaves the connection open for its owner.
         """
         self._halt = asyncio.Event()
-        await self._check_stream()
+        if not await self._consumers(stop):
+            return
         await self._rebuild()
         await self.runtime.adopt(
             {
@@ -305,14 +308,76 @@ class Agent:
                 raise r
         log.info("%s: stopped", self.node)
 
-    async def _check_stream(self) -> None:
-        # The agent does not create or configure the stream: that is the control plane's
-        # (its replicas, its duplicate window), and an agent's defaults would overwrite it.
+    async def _consumers(self, stop: asyncio.Event) -> bool:
+        """Wait until the agent's two consumers exist (False: `stop` was set first).
+
+        The agent creates neither the stream nor, where its permissions are the shipped
+        ones, a consumer: the control plane makes them (`consumers.serve`) when asked on
+        the hello subject. Where nobody answers, the agent makes them itself, which a
+        broker without permissions allows; where neither works it says so once, and asks
+        again every CONSUMERS_WAIT_S. Raises `NoStream` when the broker has no stream."""
+        said = False
+        while not stop.is_set():
+            why = await self._ask_for_consumers()
+            if why is None:
+                if said:
+                    log.info("%s: its consumers are there now", self.node)
+                return True
+            if not said:
+                log.warning(
+                    "%s: waiting for its consumers %s and %s: %s",
+                    self.node,
+                    self.durable,
+                    self.reader,
+                    why,
+                )
+                said = True
+            await _pause(stop, CONSUMERS_WAIT_S)
+        return False
+
+    async def _ask_for_consumers(self) -> str | None:
+        """None once both consumers exist, else why they do not."""
         try:
-            await self.js.stream_info(subjects.STREAM)
+            msg = await self.nc.request(
+                consumers.hello_subject(self.node, self.root), b"", timeout=HELLO_WAIT_S
+            )
+            answer = msgspec.json.decode(msg.data)
+            if isinstance(answer, dict) and answer.get("ok") is True:
+                return None
+            why = f"the control plane said: {answer.get('error') if isinstance(answer, dict) else answer}"
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, msgspec.DecodeError):
+            why = "no control plane answered"
+        except nats.errors.Error as e:
+            why = f"asking the control plane failed: {e}"
+        # Nobody made them: made here, on a broker that lets this user.
+        try:
+            await consumers.provide(self.js, self.node, self.root, self.ack_wait_s)
         except NotFoundError as e:
             url = self.nc.connected_url.geturl() if self.nc.connected_url else None
             raise NoStream(subjects.STREAM, url) from e
+        except (nats.errors.Error, TimeoutError) as e:
+            return f"{why}, and this user may not make them ({e or type(e).__name__})"
+        return None
+
+    async def _stored_at(self, stream: str, seq: int) -> str | None:
+        """The subject of the message at `seq`, for a duplicate ack (`Publisher`): read
+        through the agent's reader, which sees its own node's subjects only; a message
+        it does not see there is on another's (`OTHER`)."""
+        if stream != subjects.STREAM:
+            return None
+        async with self._reading:
+            reader = bus_consume.read_pulled(self.js, self.reader, seq, batch_max=1)
+            async with contextlib.aclosing(reader) as batches:
+                async for batch in batches:
+                    return batch[0].subject if batch[0].seq == seq else OTHER
+        return OTHER
+
+    async def _read(self, only: str) -> AsyncIterator[list[bus_consume.Delivery]]:
+        """The agent's own history from the first sequence, the subjects `only` matches,
+        through its reader (one read at a time: `_reading`)."""
+        async with self._reading:
+            async for batch in bus_consume.read_pulled(self.js, self.reader, 1, only=only):
+                yield batch
 
     # ------------------------------------------------------------------ the log
 
@@ -329,9 +394,7 @@ class Agent:
         events, a state never goes backwards (`_remember`, by `ev.STATE_ORDER` as the fold)."""
         reps: dict[str, _Replica] = {}
         node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
-        async for batch in bus_consume.read_range(
-            self.js, 1, filter_subject=node_subjects, consumer=self.reader
-        ):
+        async for batch in self._read(node_subjects):
             for d in batch:
                 e = ingest.decode_checked(d.data, d.subject, self.root)
                 if isinstance(e, str):
@@ -348,9 +411,7 @@ class Agent:
         draining = {r.command for r in reps.values() if r.state == "draining"}
         if draining:
             drains = subjects.command_subject(self.node, "drain", self.root)
-            async for batch in bus_consume.read_range(
-                self.js, 1, filter_subject=drains, consumer=self.reader
-            ):
+            async for batch in self._read(drains):
                 for d in batch:
                     e = ingest.decode_checked(d.data, d.subject, self.root)
                     if isinstance(e, ev.ReplicaDrainEvent) and e.id in draining:
@@ -387,6 +448,7 @@ class Agent:
             stop=self._halt,
             root=self.root,
             ack_wait_s=self.ack_wait_s,
+            bind=True,
         )
 
     async def _on_command(self, d: bus_consume.Delivery) -> None:
@@ -505,9 +567,7 @@ class Agent:
         """The last `replica.start` for `replica` sent to this node, from the log."""
         found = None
         starts = subjects.command_subject(self.node, "start", self.root)
-        async for batch in bus_consume.read_range(
-            self.js, 1, filter_subject=starts, consumer=self.reader
-        ):
+        async for batch in self._read(starts):
             for d in batch:
                 e = ingest.decode_checked(d.data, d.subject, self.root)
                 if isinstance(e, ev.ReplicaStartEvent) and e.data.replica == replica:
@@ -567,12 +627,7 @@ class Agent:
     async def _model_runtime(self, model: str) -> ev.ModelRuntime | None:
         """The runtime of the last `model.declared` of `model` in the log, or None."""
         found: ev.ModelRuntime | None = None
-        async for batch in bus_consume.read_range(
-            self.js,
-            1,
-            filter_subject=subjects.model_subject(model, self.root),
-            consumer=self.reader,
-        ):
+        async for batch in self._read(subjects.model_subject(model, self.root)):
             for d in batch:
                 e = ingest.decode_checked(d.data, d.subject, self.root)
                 if isinstance(e, ev.ModelDeclaredEvent) and e.data.name == model:
@@ -745,13 +800,15 @@ class Agent:
                 rec.task.cancel()
             self._spawn(rec, self._run_stop(rec, 0.0, failed=f"GPU {index} unhealthy: {why}"))
 
-    def reset_health(self, index: int) -> str | None:
+    def reset_health(self, index: int, by: str = "an operator") -> str | None:
         """Bring GPU `index` back; returns why it was unhealthy (None: it was not)."""
         why = self._unhealthy.pop(index, None)
         if why is not None:
             _save_health(self._health_file, self._unhealthy)
             self._apply_health()
-            log.warning("%s: GPU %d healthy again (was: %s), by request", self.node, index, why)
+            log.warning(
+                "%s: GPU %d healthy again (was: %s), by request of %s", self.node, index, why, by
+            )
         return why
 
     async def _publish_inventory(self) -> None:
@@ -775,22 +832,30 @@ class Agent:
     async def _serve_ctl(self) -> None:
         """Answer `llmgw gpu reset-health` and remind, now and then, of unhealthy GPUs."""
 
+        mine = ctl_subject(self.node, self.root)
+
         async def on_request(msg: Any) -> None:
+            refused = _refused(msg, mine)
+            if refused is not None:
+                # Not answered: a reply could go anywhere the sender named.
+                log.warning("%s: ctl request refused: %s", self.node, refused)
+                return
             try:
                 req = msgspec.json.decode(msg.data)
                 index = int(req["gpu"])
-            except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+                by = _one_line(str(req.get("by") or "an operator"))
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError):
                 await msg.respond(_json.encode({"error": 'expected {"gpu": INDEX}'}))
                 return
             if index not in {g.index for g in self.inventory.gpus}:
                 await msg.respond(_json.encode({"error": f"node {self.node} has no GPU {index}"}))
                 return
-            was = self.reset_health(index)
+            was = self.reset_health(index, by=f"{by} (a control-role client)")
             if was is not None:
                 await self._publish_inventory()
             await msg.respond(_json.encode({"gpu": index, "was": was}))
 
-        sub = await self.nc.subscribe(ctl_subject(self.node, self.root), cb=on_request)
+        sub = await self.nc.subscribe(mine, cb=on_request)
         try:
             while not self._halt.is_set():
                 for index, why in sorted(self._unhealthy.items()):
@@ -807,6 +872,28 @@ class Agent:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+def _refused(msg: Any, mine: str) -> str | None:
+    """Why a ctl request is not an operator's request to this node, or None.
+
+    It must arrive on this node's own ctl subject, and its reply must go to the control
+    role's inbox: only the control role may publish on ctl subjects (deploy/nats/
+    permissions.conf), and what the server itself sends there (a consumer's delivery, a
+    reply to another user's request that named this subject) carries `$JS.ACK.` or no
+    reply at all."""
+    if msg.subject != mine:
+        return f"it came on {_one_line(msg.subject)}, not {mine}"
+    reply = msg.reply or ""
+    if not reply.startswith(CONTROL_INBOX):
+        shown = _one_line(reply.split(".", 1)[0]) if reply else "none"
+        return f"its reply does not go to a control-role inbox (reply: {shown})"
+    return None
+
+
+def _one_line(text: str, limit: int = 128) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaState) -> None:

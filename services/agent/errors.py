@@ -6,6 +6,8 @@ and `llmgw up`, which show them as one line. This module does no I/O.
 
 from __future__ import annotations
 
+from services.bus.urls import public_url
+
 
 class AgentError(Exception):
     """Base of every error `services.agent` raises."""
@@ -24,12 +26,13 @@ class SpecError(AgentError, ValueError):
 
 
 class NoStream(AgentError):
-    """The broker has no event stream yet: the control plane has not been set up there."""
+    """The broker has no event stream yet: the control plane has not been set up there.
+    `url` is where, as connected (its credentials too); the message shows it without them."""
 
     def __init__(self, stream: str, url: str | None = None) -> None:
         self.stream = stream
         self.url = url
-        where = f" at {url}" if url else ""
+        where = f" at {public_url(url)}" if url else ""
         super().__init__(
             f"the broker{where} has no stream {stream}: start the control plane with "
             "`llmgw up` (or point --nats at one that runs it) before the agent"

@@ -35,6 +35,7 @@ from nats.js.client import JetStreamContext
 
 from services.bus.broker import read_url
 from services.bus.errors import BrokerRefused, BrokerUnavailable
+from services.bus.urls import public_url
 
 log = logging.getLogger("llmgw.bus")
 
@@ -328,7 +329,7 @@ async def connect(
     servers = servers_of(url)
     shown = ",".join(servers)
     initial = True
-    outage = Outage(name, shown)
+    outage = Outage(name, public_url(shown))
 
     async def on_error(e: Exception) -> None:
         # The initial attempt's failure is raised to the caller; logging it too is noise.
@@ -345,7 +346,7 @@ async def connect(
             outage.lost()
 
     async def on_reconnected() -> None:
-        outage.back(nc.connected_url.geturl() if nc.connected_url else shown)
+        outage.back(public_url(nc.connected_url.geturl() if nc.connected_url else shown))
 
     auth: dict[str, Any] = {}
     if user is not None:

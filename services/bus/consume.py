@@ -16,9 +16,10 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from schemas.errors import EventDecodeError
 from schemas.events import Event
 from services.bus import ordered, tracing, wire
 from services.bus.connection import Fault, JetStream
-from services.bus.errors import Permanent, Retry
+from services.bus.errors import BusError, Permanent, Retry
 from services.bus.ordered import BATCH_MAX as BATCH_MAX
 from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
 from services.bus.ordered import Delivery as Delivery
@@ -151,7 +152,8 @@ async def dead_letter(
         )
     )
     headers = {
-        "Nats-Msg-Id": f"dlq.{consumer}.{seq}",
+        # Scoped by subject, as every publish's (services.bus.publish.scoped_id).
+        "Nats-Msg-Id": f"{subjects.dlq_subject(consumer, root)} dlq.{consumer}.{seq}",
         "Llmgw-Dlq-Consumer": consumer,
         "Llmgw-Dlq-Subject": subject,
         "Llmgw-Dlq-Seq": str(seq),
@@ -233,8 +235,12 @@ async def consume_durable(
     root: str = subjects.DEFAULT_ROOT,
     stream: str = subjects.STREAM,
     fetch_timeout_s: float = 1.0,
+    bind: bool = False,
 ) -> None:
     """Run `handler` on every message of a durable pull consumer until `stop` is set.
+
+    With `bind` the consumer is only bound to, never created or configured: someone else
+    made it (an agent's, made by the control plane: `services.agent.consumers`).
 
     Explicit ack, one message at a time in stream order within each fetched batch. A
     handler that returns acks; `Retry` naks with its delay; `Permanent` or
@@ -253,7 +259,15 @@ async def consume_durable(
         filter_subject=filter_subject,
         deliver_policy=DeliverPolicy.ALL,
     )
-    psub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+
+    async def subscribe() -> Any:
+        if bind:
+            return await js.pull_subscribe_bind(durable, stream)
+        return await js.pull_subscribe(
+            filter_subject, durable=durable, stream=stream, config=config
+        )
+
+    psub = await subscribe()
     # stale: the subscription is bound anew before the next fetch. In a cluster, a server
     # that dies can take the consumer's leader with it; fetches then fail (no responders)
     # or time out while messages wait, until the subscription finds the new leader.
@@ -265,9 +279,7 @@ async def consume_durable(
                 try:
                     with contextlib.suppress(nats.errors.Error):
                         await psub.unsubscribe()
-                    psub = await js.pull_subscribe(
-                        filter_subject, durable=durable, stream=stream, config=config
-                    )
+                    psub = await subscribe()
                     stale = False
                 except nats.errors.ConnectionClosedError:
                     return
@@ -520,3 +532,73 @@ async def read_range(
     async with contextlib.aclosing(reader.batches()) as batches:
         async for batch in batches:
             yield batch
+
+
+# ------------------------------------------------------------------ a pull consumer, rewound
+
+# RESET_WAIT_S bounds the wait for the server's answer to a consumer reset or a fetch.
+RESET_WAIT_S = 5.0
+
+
+async def read_pulled(
+    js: JetStreamContext,
+    consumer: str,
+    from_seq: int = 1,
+    *,
+    only: str | None = None,
+    stream: str = subjects.STREAM,
+    batch_max: int = BATCH_MAX,
+) -> AsyncGenerator[list[Delivery], None]:
+    """Batches of what the pull consumer `consumer` (made by someone else, no acks,
+    deliver-all) holds from `from_seq` to the end of the stream as it is when each
+    message is sent, then it stops; `only` keeps the subjects it matches.
+
+    For a reader whose permissions allow it to pull one consumer and create none (an
+    agent): the consumer is reset to `from_seq` (`$JS.API.CONSUMER.RESET`, nats-server
+    2.14 and later), and pulled until the server says nothing is pending. One reader at a
+    time per consumer. Raises BusError when the server refuses or does not answer."""
+    api = getattr(js, "_prefix", "$JS.API")
+    try:
+        msg = await js._nc.request(
+            f"{api}.CONSUMER.RESET.{stream}.{consumer}",
+            json.dumps({"seq": max(1, from_seq)}).encode(),
+            timeout=RESET_WAIT_S,
+        )
+    except (nats.errors.Error, TimeoutError) as e:
+        raise BusError(f"consumer {consumer}: reset to {from_seq} not answered: {e}") from e
+    answer = json.loads(msg.data)
+    if "error" in answer:
+        why = answer["error"].get("description", answer["error"])
+        raise BusError(f"consumer {consumer}: reset to {from_seq} refused: {why}")
+    left = int(answer.get("num_pending", 0))
+    if left == 0:
+        return
+    psub = await js.pull_subscribe_bind(consumer, stream)
+    try:
+        while left > 0:
+            try:
+                msgs = await psub.fetch(min(batch_max, left), timeout=RESET_WAIT_S)
+            except (nats.errors.TimeoutError, TimeoutError) as e:
+                raise BusError(f"consumer {consumer}: {left} messages pending, none came") from e
+            out = []
+            for m in msgs:
+                d = delivery_of(m)
+                left = d.pending
+                if only is None or matches(d.subject, only):
+                    out.append(d)
+            if out:
+                yield out
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await psub.unsubscribe()
+
+
+def matches(subject: str, pattern: str) -> bool:
+    """Whether `subject` is one `pattern` (with NATS wildcards `*` and `>`) names."""
+    got, want = subject.split("."), pattern.split(".")
+    for i, w in enumerate(want):
+        if w == ">":
+            return len(got) > i
+        if i >= len(got) or (w != "*" and w != got[i]):
+            return False
+    return len(got) == len(want)

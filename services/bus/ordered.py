@@ -67,7 +67,9 @@ class Delivery:
 
     @property
     def msg_id(self) -> str | None:
-        return self.headers.get("Nats-Msg-Id") if self.headers else None
+        """The event id its `Nats-Msg-Id` carries (without the subject's scope)."""
+        header = self.headers.get("Nats-Msg-Id") if self.headers else None
+        return header.partition(" ")[2] or header if header else None
 
     def __repr__(self) -> str:
         return f"Delivery(seq={self.seq}, subject={self.subject!r}, {len(self.data)} bytes)"

@@ -8,6 +8,14 @@ In a cluster, a publish that meets an election (no ack in time, JetStream unavai
 stream leader answering) is sent again with the same `Nats-Msg-Id` until `retry_s` has
 passed: the server's duplicate window makes the retry of a publish that was in fact
 stored a no-op, so the event is stored once.
+
+Message ids are scoped by subject (`scoped_id`): `<subject> <event id>`, so one
+publisher's ids are not another's. The server's duplicate check is by id alone, and
+anyone may send any id in the header, so a duplicate ack is not believed either: the
+message stored at its sequence must be on this publish's subject (`StoredAt`), or the id
+was taken by someone else's message, which is said (one line, `COLLISIONS`) and the
+event published again under a fresh id. A real event is never kept off the log by a
+message it did not send.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -34,6 +44,30 @@ from services.bus.errors import PublishError
 log = logging.getLogger("llmgw.bus")
 
 MSG_ID = "Nats-Msg-Id"
+
+# COLLISIONS counts, per subject, the publishes in this process whose message id another
+# message had taken (a duplicate ack for a message on another subject), for tests and
+# status. Each one is also one error line, and the event was stored again.
+COLLISIONS: Counter[str] = Counter()
+
+# StoredAt says which subject the message at (stream, seq) is on: None when it cannot
+# be read (then a duplicate ack is believed, as before scoping), `OTHER` when it is one
+# the reader may not see.
+StoredAt = Callable[[str, int], Awaitable[str | None]]
+OTHER = "(a subject this publisher cannot read)"
+
+
+def scoped_id(subject: str, msg_id: str) -> str:
+    """The `Nats-Msg-Id` of message id `msg_id` published on `subject`. A subject holds
+    no space, so the id is everything after the first one (`event_id`)."""
+    return f"{subject} {msg_id}"
+
+
+def event_id(header: str) -> str:
+    """The event id a `Nats-Msg-Id` carries: scoped (`scoped_id`) or, in logs written
+    before ids were scoped, the id itself."""
+    return header.partition(" ")[2] or header
+
 
 # ELECTION_RETRY_S is how long a publish is retried while the stream has no leader. A
 # three-server cluster elects a new one within a few seconds of losing one; twice the
@@ -114,6 +148,8 @@ class Published:
     seq: int
     duplicate: bool
     subject: str
+    stream: str = ""
+    """The stream that stored it (empty where the ack did not say)."""
 
 
 RawItem = tuple[str, bytes, str | None]
@@ -128,10 +164,14 @@ class Publisher:
         root: str = subjects.DEFAULT_ROOT,
         *,
         retry_s: float = ELECTION_RETRY_S,
+        stored_at: StoredAt | None = None,
     ) -> None:
         self.js = js
         self.root = root
         self.retry_s = retry_s
+        self._stored_at = stored_at or self._get_subject
+        """Where a duplicate ack's message is looked up: by default the stream's message
+        get (the control role's); an agent reads through its own consumer."""
         """How long a publish is retried through an election; 0: tried once."""
         self._retryable = retryable(js)
 
@@ -158,8 +198,8 @@ class Publisher:
                 "messaging.message.body.size": len(body),
             },
         ) as span:
-            headers = tracing.inject({MSG_ID: event.id})
-            out = await self._publish(subj, body, headers)
+            headers = tracing.inject({MSG_ID: scoped_id(subj, event.id)})
+            out = await self._own(subj, body, headers, await self._publish(subj, body, headers))
             span.set_attribute("messaging.nats.stream.sequence", out.seq)
             if out.duplicate:
                 span.set_attribute("messaging.nats.duplicate", True)
@@ -175,9 +215,44 @@ class Publisher:
         """Publish bytes as they are (imports, tests of bad input) and wait for the ack."""
         hdr = dict(headers or {})
         if msg_id is not None:
-            hdr[MSG_ID] = msg_id
+            hdr[MSG_ID] = scoped_id(subject, msg_id)
         tracing.inject(hdr)
-        return await self._publish(subject, body, hdr or None)
+        return await self._own(subject, body, hdr, await self._publish(subject, body, hdr or None))
+
+    async def _own(
+        self, subject: str, body: bytes, headers: dict[str, str], out: Published
+    ) -> Published:
+        """`out`, once a duplicate ack is shown to be of this publisher's own message;
+        else the event published again under a fresh id, and that said."""
+        if not out.duplicate or MSG_ID not in headers:
+            return out
+        stored = await self._stored_at(out.stream, out.seq)
+        if stored is None or stored == subject:
+            return out
+        COLLISIONS[subject] += 1
+        taken = headers[MSG_ID]
+        fresh = {**headers, MSG_ID: f"{taken} {uuid.uuid4().hex}"}
+        again = await self._publish(subject, body, fresh)
+        log.error(
+            "publish on %s: message id %r was taken by seq %d on %s, not this event; "
+            "stored again at seq %d under a fresh id",
+            subject,
+            event_id(taken),
+            out.seq,
+            stored,
+            again.seq,
+        )
+        return again
+
+    async def _get_subject(self, stream: str, seq: int) -> str | None:
+        if not stream:
+            return None
+        try:
+            msg = await self.js.get_msg(stream, seq)
+        except (nats.errors.Error, TimeoutError) as e:
+            log.warning("duplicate ack for seq %d of %s not checked: %s", seq, stream, e)
+            return None
+        return msg.subject
 
     async def _publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None
@@ -212,7 +287,9 @@ class Publisher:
             raise PublishError(subject, "no ack from JetStream in time") from e
         except (nats.errors.Error, ConnectionError) as e:
             raise PublishError(subject, str(e) or type(e).__name__) from e
-        return Published(seq=ack.seq, duplicate=bool(ack.duplicate), subject=subject)
+        return Published(
+            seq=ack.seq, duplicate=bool(ack.duplicate), subject=subject, stream=ack.stream or ""
+        )
 
     async def publish_many(
         self,
@@ -262,7 +339,7 @@ class Publisher:
                 else:
                     hdr = dict(trace_headers)
                 if msg_id is not None:
-                    hdr[MSG_ID] = msg_id
+                    hdr[MSG_ID] = scoped_id(subj, msg_id)
                 fut = await self.js.publish_async(subj, body, headers=hdr or None)
                 pending.append(_Sent(subj, body, hdr or None, fut))
                 if len(pending) >= window:
@@ -320,7 +397,13 @@ class Publisher:
                 for again in pending[i:]:
                     out.append(await self._publish(again.subject, again.body, again.headers))
                 break
-            out.append(Published(seq=ack.seq, duplicate=bool(ack.duplicate), subject=sent.subject))
+            one = Published(
+                seq=ack.seq,
+                duplicate=bool(ack.duplicate),
+                subject=sent.subject,
+                stream=ack.stream or "",
+            )
+            out.append(await self._own(sent.subject, sent.body, sent.headers or {}, one))
         return out
 
 

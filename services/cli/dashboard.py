@@ -30,7 +30,10 @@ def register(commands: cli.Commands) -> None:
             "\n"
             "On loopback no token is asked; on any other address a token is (--token, or\n"
             "one made once and kept in <data>/dashboard.token), and the printed URL\n"
-            "carries it. `llmgw up` serves the dashboard too, unless --no-ui."
+            "carries it. It answers only for loopback names and addresses (and, off\n"
+            "loopback, any address) and the names given with --allow-host: a request for\n"
+            "another Host is 421, a cross-origin one 403. `llmgw up` serves the dashboard\n"
+            "too, unless --no-ui."
         ),
         epilog=cli.examples(
             "llmgw dashboard",
@@ -58,6 +61,26 @@ def add_listen_options(p: Any, default: str, flag: str = "--listen") -> None:
         help="the token the page and API ask for (default: none on loopback; elsewhere "
         "one kept in <data>/dashboard.token)",
     )
+    p.add_argument(
+        "--allow-host",
+        dest="allow_hosts",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host name the dashboard answers for besides loopback ones, as a browser "
+        "or proxy sends it (repeat or comma-separate; any other name is refused, so a "
+        "page of another site that rebinds its name to this address reads nothing)",
+    )
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--allow-host` as names, or `UsageError`."""
+    from services.dashboard.server import parse_hosts
+
+    try:
+        return parse_hosts(args.allow_hosts)
+    except ValueError as e:
+        raise cli.UsageError(f"--allow-host: {e}") from None
 
 
 def shown_url(url: str, token: str | None) -> str:
@@ -75,13 +98,16 @@ async def _dashboard(args: argparse.Namespace) -> int:
         raise cli.UsageError(f"--listen: {e}") from None
     except DashboardError as e:
         raise cli.CliError(str(e)) from None
+    hosts = allowed_hosts(args)
     _, recorded_in = cli.resolve_with_origin(args)
     db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
     cli.setup_logging()
 
     async def work(stop: object) -> int:
         async with cli.session(args, "llmgw dashboard") as s:
-            d = Dashboard(s.js, listen=args.listen, root=s.root, token=token, db_path=db)
+            d = Dashboard(
+                s.js, listen=args.listen, root=s.root, token=token, db_path=db, allow_hosts=hosts
+            )
             try:
                 sock = d.bind()
             except DashboardError as e:

@@ -7,7 +7,8 @@ bundles). It must not interpret events beyond showing them: no folding, no decis
 Choices a user relies on:
 - `export` writes every stored message, garbage included (`schemas.bundle`), so
   sequences survive the round trip; `import` needs an empty stream, or one holding
-  exactly the bundle's start (an import that stopped part way: a retry resumes), and
+  exactly the bundle's start (an import that stopped part way, renumbered or not: a
+  retry resumes), and
   refuses anything else, so that order, ids and sequence numbers come back exactly as
   exported (a bundle that starts at seq 500 is stored from 500 again) and a re-export
   is byte-equal. It checks the whole file before it publishes anything (positions,
@@ -31,7 +32,7 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -46,6 +47,7 @@ from services.cli import app as cli
 from services.cli.output import add_output_option
 from services.clock import new_id, utc_now
 from services.core.ingest import claimed_time, past_bound
+from services.core.view import encode_state
 from services.replay import eventline
 
 # IMPORT_CHUNK is how many records one pipelined publish_many call carries: enough to keep
@@ -123,6 +125,8 @@ def _register_tail(events: cli.Commands) -> None:
             "TIME is the event's own time (UTC). A message that is not a valid event is\n"
             "shown as (undecodable) with the reason; it never stops the tail.\n"
             "By default only new events are shown; --since starts earlier. Ctrl-C stops.\n"
+            "On a stopped `llmgw up`'s data directory, --since reads its stored log to the\n"
+            "end and exits.\n"
             "-o wide adds each event's id and causation (the event it reacted to); -o json\n"
             "(or --json) prints each as its bundle line; -o name `SEQ TYPE KEY`."
         ),
@@ -194,8 +198,14 @@ async def _tail(args: argparse.Namespace) -> int:
     out = sys.stdout
     # It may run for days: what it logs (a lost connection) carries the time.
     cli.setup_logging()
-    async with cli.session(args, "llmgw events tail") as s:
-        info = await _event_stream(s, create=True)
+    from services.cli import offline
+
+    # With --since, a stopped plane's stored log is read to its end (nothing more will
+    # come); without, there is nothing to show but what a live plane stores next.
+    opener = offline.session if args.since is not None else _live
+    async with opener(args, "llmgw events tail") as opened:
+        s = opened.session
+        info = await _event_stream(s, create=not opened.offline)
         state = info.state
         since = args.since
         if since is None:
@@ -246,12 +256,30 @@ async def _tail(args: argparse.Namespace) -> int:
             seen = batch[-1].seq
 
         try:
-            await follow.follow(
-                s.js, position=lambda: seen, on_batch=tail_batch, stop=stop, name="tail"
-            )
+            if opened.offline:
+                from services.bus import consume
+
+                if start <= state.last_seq:
+                    async for batch in consume.read_range(s.js, start, state.last_seq):
+                        await tail_batch(batch)
+                        if stop.is_set():
+                            break
+            else:
+                await follow.follow(
+                    s.js, position=lambda: seen, on_batch=tail_batch, stop=stop, name="tail"
+                )
         except StreamReplaced as e:
             raise cli.CliError(f"{e}: the tail stops here; start it again") from None
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _live(args: argparse.Namespace, name: str) -> AsyncIterator[Any]:
+    """`offline.session`'s shape over the live broker alone."""
+    from services.cli.offline import Opened
+
+    async with cli.session(args, name) as s:
+        yield Opened(s, s.url)
 
 
 def _tail_name(d: Any, event: Any, root: str) -> str:
@@ -285,7 +313,16 @@ def _register_export(events: cli.Commands) -> None:
             "\n"
             "--until-time cuts at the first event whose own `time` is later than T (the\n"
             "cluster's clock, which a re-imported log keeps). A stored message that is not\n"
-            'a JSON object is kept at its place as {"seq":N,"subject":S,"body_b64":RAW}.'
+            'a JSON object is kept at its place as {"seq":N,"subject":S,"body_b64":RAW}.\n'
+            "\n"
+            "A bundle replays as the log does. Of a compacted log (`llmgw log compact`) it\n"
+            "holds the archive's events too, from seq 1 (the archive is found as replay\n"
+            "finds it: --archive, $LLMGW_ARCHIVE, the stream's record). One that starts\n"
+            "later (--from-seq N, or an archive that is gone) starts with a snapshot line,\n"
+            "the view as it stood before its first event: the view at N-1, or the stored\n"
+            "snapshot that covers where the stream starts, said in one line. With neither\n"
+            "it is refused, naming the seqs missing; --allow-gaps writes what there is.\n"
+            "A stopped `llmgw up`'s data directory is exported from its stored log."
         ),
         epilog=cli.examples(
             "llmgw events export --out all.jsonl",
@@ -303,7 +340,8 @@ def _register_export(events: cli.Commands) -> None:
         "--from-seq",
         type=cli.arg_seq,
         metavar="N",
-        help="first sequence (default: the first stored)",
+        help="first sequence (default: 1, through the archive of a compacted log); past 1 "
+        "the bundle starts with the view at N-1 as a snapshot line",
     )
     p.add_argument(
         "--until-seq",
@@ -318,10 +356,22 @@ def _register_export(events: cli.Commands) -> None:
         help="stop before the first event whose time is after T (RFC3339 or an age like 10m)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--archive",
+        metavar="DIR",
+        help="where `llmgw log compact` put the events it took off the stream (default: "
+        "$LLMGW_ARCHIVE, else the directory the stream records)",
+    )
+    p.add_argument(
+        "--allow-gaps",
+        action="store_true",
+        help="when neither the archive nor a stored snapshot covers the start, export "
+        "from where the stream starts (its readers then need --allow-gaps too)",
+    )
 
 
 async def _export(args: argparse.Namespace) -> int:
-    from services.bus import consume
+    from services.cli import offline
 
     if args.from_seq and args.until_seq and args.until_seq < args.from_seq:
         raise cli.UsageError(f"--until-seq {args.until_seq} is before --from-seq {args.from_seq}")
@@ -329,48 +379,156 @@ async def _export(args: argparse.Namespace) -> int:
     if not to_stdout:
         _check_out(args.out, args.force)
     report = sys.stderr if to_stdout else sys.stdout
-    async with cli.session(args, "llmgw events export") as s:
+    async with offline.session(args, "llmgw events export") as opened:
+        s = opened.session
         info = await _event_stream(s, create=False)
-        first = max(args.from_seq or 1, info.state.first_seq)
         last = (
             info.state.last_seq
             if args.until_seq is None
             else min(args.until_seq, info.state.last_seq)
         )
+        start = await _export_start(s, info, args, opened.where)
+        first = start.first
         total = max(last - first + 1, 0)
         progress = cli.Progress("exporting", total)
         raw = 0
         with _bundle_out(args.out) as fp:
             count, last_seq = 0, 0
+            if start.snapshot is not None:
+                fp.write(bundle.snapshot_line(start.snapshot.seq, encode_state(start.snapshot)))
+                fp.write(b"\n")
             if total:
-                async for batch in consume.read_range(s.js, first, last):
+                async for batch in _stored(s, start, first, last):
                     done = False
-                    for d in batch:
+                    for seq, subject, body, bound in batch:
                         if args.until_time is not None:
-                            t = claimed_time(d.data)
+                            t = claimed_time(body)
                             if t is not None and t > args.until_time:
                                 done = True
                                 break
-                        if not bundle.inline(d.data):
+                        if not bundle.inline(body):
                             raw += 1
-                        bound = d.time_ns if past_bound(d.data, d.time_ns) else 0
-                        fp.write(bundle.line(d.seq, d.subject, d.data, bound) + b"\n")
+                        fp.write(bundle.line(seq, subject, body, bound) + b"\n")
                         count += 1
-                        last_seq = d.seq
+                        last_seq = seq
                     progress.advance(len(batch))
                     if done:
                         break
         progress.close()
     span = f" (seq {first}..{last_seq})" if count else ""
+    if start.snapshot is not None:
+        span += f" after a snapshot of seq {start.snapshot.seq}"
     where = "stdout" if to_stdout else args.out
     rate = count / max(progress.elapsed, 1e-9)
     kept = f", {raw:,} of them not JSON objects, kept as body_b64" if raw else ""
+    archived = f", seq {first}..{start.archived} from the archive" if start.archived else ""
     print(
-        f"exported {_events(count)}{span}{kept} to {where} in {progress.elapsed:.1f}s "
-        f"({rate:,.0f}/s)",
+        f"exported {_events(count)}{span}{archived}{kept} to {where} in "
+        f"{progress.elapsed:.1f}s ({rate:,.0f}/s)",
         file=report,
     )
     return 0
+
+
+class _Start(NamedTuple):
+    """Where an export starts: its first seq, the snapshot of the seq before it (None
+    when it starts at seq 1, or past a gap it was allowed), and the archive's parts it
+    reads before the stream (`archived`: the last seq they give, 0 when none)."""
+
+    first: int
+    snapshot: Any
+    parts: list[Any]
+    archived: int
+
+
+async def _export_start(s: cli.Session, info: Any, args: argparse.Namespace, where: str) -> _Start:
+    """The start of the bundle, so that it replays as the log does: from seq 1 through
+    the archive of a compacted log (found as `archive.locate` finds it); from --from-seq N
+    with the view at N-1 folded in as its first line; else, when the archive does not
+    hold the beginning, from the stored snapshot that covers what the stream still has,
+    said in one line. Nothing covers it: a `CliError` naming the missing seqs, unless
+    --allow-gaps (then the bundle starts where the stream does, and says nothing of
+    what it misses: its readers will)."""
+    from services.bus import snapshots
+    from services.replay import archive, rebuild
+
+    stream_first = info.state.first_seq or 1
+    want = args.from_seq or 1
+    if want > info.state.last_seq:
+        return _Start(want, None, [], 0)  # past the end: nothing to export, nothing to cover
+    directory = archive.locate(args.archive, info.config.metadata)
+    held = archive.cover(directory, want, stream_first) if want < stream_first else None
+    if held is None or not held.missing:
+        parts = held.parts if held is not None else []
+        archived = parts[-1].last if parts else 0
+        if want == 1:
+            return _Start(1, None, parts, archived)
+        got = await rebuild.from_stream(
+            s.js, until_seq=want - 1, label=where, root=s.root, archive_dir=directory
+        )
+        if not got.source.stats.gaps and got.seq == want - 1:
+            return _Start(want, got.view.state, parts, archived)
+        missing = got.source.stats.gaps[0] if got.source.stats.gaps else (got.seq + 1, want - 1)
+    else:
+        missing = held.missing[0]
+    a, b = missing
+    run = f"seq {a} is" if a == b else f"seqs {a}-{b} are"
+    whys = f" ({'; '.join(held.unreadable)})" if held is not None and held.unreadable else ""
+    found = (
+        f"the archive {directory} does not hold them{whys}"
+        if directory is not None
+        else "no archive was found (--archive DIR)"
+    )
+    # The stored snapshot that covers what the stream still holds, past the request.
+    for _, seq, _ in await snapshots.listing(s.js):
+        if seq < max(want, stream_first) - 1:
+            continue
+        state = await snapshots.latest_at_or_before(s.js, seq)
+        if state is not None and state.seq >= max(want, stream_first) - 1:
+            print(
+                f"{cli.PROG}: note: {run} not on the stream and {found}: the bundle starts "
+                f"from the stored snapshot of seq {state.seq}",
+                file=sys.stderr,
+            )
+            return _Start(state.seq + 1, state, [], 0)
+    if args.allow_gaps:
+        return _Start(max(want, stream_first), None, [], 0)
+    raise cli.CliError(
+        f"{run} not on the stream, {found}, and no stored snapshot covers them: a bundle "
+        "without them would replay wrong; --allow-gaps exports what there is"
+    )
+
+
+async def _stored(
+    s: cli.Session, start: _Start, first: int, last: int
+) -> AsyncIterator[list[tuple[int, str, bytes, int]]]:
+    """(seq, subject, body, stored ns when the body's time is past the bound, else 0) of
+    every message `first..last`: the archive's parts first, then the stream."""
+    from services.bus import consume
+
+    pos = first
+    for part in start.parts:
+        chunk: list[tuple[int, str, bytes, int]] = []
+        with contextlib.closing(_lines(str(part.path))) as lines:
+            for rec in lines:
+                if rec.seq < pos:
+                    continue
+                if rec.seq > last:
+                    break
+                chunk.append((rec.seq, rec.subject, rec.body, rec.stored_ns))
+                if len(chunk) >= IMPORT_CHUNK:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+        pos = part.last + 1
+    if pos > last:
+        return
+    async for batch in consume.read_range(s.js, pos, last):
+        yield [
+            (d.seq, d.subject, d.data, d.time_ns if past_bound(d.data, d.time_ns) else 0)
+            for d in batch
+        ]
 
 
 def _check_out(out: str, force: bool) -> None:
@@ -415,8 +573,9 @@ def _register_import(events: cli.Commands) -> None:
         "import",
         help="load a .jsonl bundle into an empty stream",
         description=(
-            "Publish a bundle's events into an EMPTY stream, in order, each with its id as\n"
-            "Nats-Msg-Id and on its recorded subject, so the stream holds the same events\n"
+            "Publish a bundle's events into an EMPTY stream, in order, each on its recorded\n"
+            "subject (and with ID@SEQ as Nats-Msg-Id, so an id the log holds at two seqs is\n"
+            "stored twice, as it was), so the stream holds the same events\n"
             "at the same sequence numbers as the one exported (a bundle that starts at\n"
             "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
             "same file.\n"
@@ -432,7 +591,8 @@ def _register_import(events: cli.Commands) -> None:
             "\n"
             "A stream that holds anything but this bundle's start is refused (merging two\n"
             "logs would re-order history). One that holds its start, byte for byte (an\n"
-            "import that stopped part way), is resumed: run the same import again. A\n"
+            "import that stopped part way, killed or cut off, --renumber or not), is\n"
+            "resumed: run the same import again. A\n"
             "progress bar shows on a terminal; a one-line summary at the end."
         ),
         epilog=cli.examples(
@@ -487,6 +647,8 @@ class _Checked(NamedTuple):
     lines: int
     first: int
     last: int
+    snapshot: Any = None
+    """The view of the snapshot the bundle starts with (`bundle.snapshot`), or None."""
 
 
 def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _Checked:
@@ -496,7 +658,10 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
     `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
     count, first, last = 0, 0, 0
     progress = cli.Progress("checking", None)
+    snapshot = None
     try:
+        snapshot = _snapshot_of(path)
+        last = snapshot.seq if snapshot is not None else 0
         for rec in bundle.read(path):
             where = f"{path}:{rec.lineno}: seq {rec.seq}"
             why = _subject_problem(rec.subject, root)
@@ -534,28 +699,52 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
         raise cli.CliError(f"{path}: {e.strerror}") from None
     finally:
         progress.close()
-    return _Checked(count, first, last)
+    return _Checked(count, first, last, snapshot)
 
 
-async def _already_stored(s: cli.Session, st: Any, path: str, checked: _Checked) -> int:
+def _snapshot_of(path: str) -> Any:
+    """The view state of the snapshot a bundle starts with, or None; a `BundleError` for
+    one this version cannot read."""
+    from services.core.view import SCHEMA, decode_state
+
+    head = bundle.snapshot(path)
+    if head is None:
+        return None
+    try:
+        state = decode_state(head[1])
+    except msgspec.MsgspecError as e:
+        raise BundleError(path, 1, f"the snapshot does not decode as a view ({e})") from None
+    if state.schema != SCHEMA or state.seq != head[0]:
+        raise BundleError(
+            path, 1, f"the snapshot is of view schema {state.schema}; this llmgw reads {SCHEMA}"
+        )
+    return state
+
+
+async def _already_stored(
+    s: cli.Session, st: Any, path: str, checked: _Checked, renumber: bool
+) -> int:
     """How many of the bundle's first lines a used stream already holds, exactly (an
     import that stopped part way, or one run twice); a `CliError` when it holds anything
-    else, so that a retry resumes and two logs are never merged."""
+    else, so that a retry resumes and two logs are never merged. With `renumber` the
+    lines were stored one after another from wherever the stream stood, so only their
+    subjects and bodies are compared, not their seqs."""
     from services.bus import consume
 
     held = f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
     held += f"(seq {st.first_seq}..{st.last_seq})"
     if (
-        st.first_seq != checked.first
-        or st.last_seq > checked.last
-        or st.messages != st.last_seq - st.first_seq + 1
+        st.messages != st.last_seq - st.first_seq + 1
+        or st.messages > checked.lines
+        or (not renumber and (st.first_seq != checked.first or st.last_seq > checked.last))
     ):
         raise cli.CliError(f"{held}, not the start of {path}: {ADVICE}")
     with contextlib.closing(_lines(path)) as lines:
         async for batch in consume.read_range(s.js, st.first_seq, st.last_seq):
             for d in batch:
                 rec = next(lines)
-                if (d.seq, d.subject, d.data) != (rec.seq, rec.subject, rec.body):
+                seq = d.seq if renumber else rec.seq
+                if (d.seq, d.subject, d.data) != (seq, rec.subject, rec.body):
                     raise cli.CliError(
                         f"{held}, and seq {d.seq} differs from {path}:{rec.lineno}: it is "
                         f"not this bundle's start; {ADVICE}"
@@ -579,15 +768,10 @@ async def _import(args: argparse.Namespace) -> int:
     async with cli.session(args, "llmgw events import") as s:
         info = await _event_stream(s, create=True)
         st = info.state
-        if st.messages and args.renumber:
-            raise cli.CliError(
-                f"stream {subjects.STREAM} at {s.url} already holds {_events(st.messages)} "
-                f"(seq {st.first_seq}..{st.last_seq}); import needs an empty stream: {ADVICE}"
-            )
         if st.messages:
-            # A retry of an import that stopped part way: what is there must be this
-            # bundle's start, byte for byte; the rest follows it.
-            done = await _already_stored(s, st, path, checked)
+            # A retry of an import that stopped part way (renumbered or not): what is
+            # there must be this bundle's start, byte for byte; the rest follows it.
+            done = await _already_stored(s, st, path, checked, args.renumber)
             if done == total:
                 print(
                     f"nothing to import: {s.url} already holds all {total:,} events of "
@@ -606,6 +790,11 @@ async def _import(args: argparse.Namespace) -> int:
                 f"{next_seq}), so the bundle cannot keep its sequences from {first_seq}: "
                 f"{ADVICE}; or --renumber"
             )
+        if checked.snapshot is not None and not args.renumber:
+            # The view before the bundle's first event, where the stream's replays start.
+            from services.bus import snapshots
+
+            await snapshots.save(s.js, checked.snapshot)
         publisher = Publisher(s.js, root)
         progress = cli.Progress("importing", total - done)
         first_stored = next_seq
@@ -653,7 +842,7 @@ async def _flush(
     """Publish `chunk` pipelined; check each landed where the bundle says it was."""
     if not chunk:
         return next_seq
-    items = [(r.subject, r.body, _body_id(r.body)) for r in chunk]
+    items = [(r.subject, r.body, _msg_id(r)) for r in chunk]
     acks = await publisher.publish_many(items)
     for i, (rec, ack) in enumerate(zip(chunk, acks, strict=True)):
         want = next_seq + i if renumber else rec.seq
@@ -678,13 +867,19 @@ class _IdOnly(msgspec.Struct):
 _id_only = msgspec.json.Decoder(_IdOnly)
 
 
-def _body_id(body: bytes) -> str | None:
-    """The event id in a stored body, sent as Nats-Msg-Id as the original publish did."""
+def _msg_id(rec: bundle.Line) -> str:
+    """The Nats-Msg-Id a line is imported with: its event id with its bundle seq.
+
+    Not the bare id, as the original publish sent: a log may hold one id at two seqs
+    (published again after the broker's duplicate window, or by hand with --id), and a
+    faithful copy must store both, where the bare id would drop the second as a
+    duplicate in the middle of the import. A bundle's seqs never repeat, so the key is
+    one per line, and a line re-sent by the publish path's retry is still a duplicate."""
     try:
-        value = _id_only.decode(body).id
+        value = _id_only.decode(rec.body).id
     except (msgspec.MsgspecError, RecursionError):
-        return None
-    return value if isinstance(value, str) and value else None
+        value = None
+    return f"{value}@{rec.seq}" if isinstance(value, str) and value else f"@{rec.seq}"
 
 
 # ---------------------------------------------------------------------- publish

@@ -42,6 +42,18 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("gpu", type=int, metavar="IDX", help="the GPU's index on the node")
 
 
+def _who() -> str:
+    """user@host of this operator."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
 async def _reset(args: argparse.Namespace) -> int:
     import nats.errors
 
@@ -56,7 +68,9 @@ async def _reset(args: argparse.Namespace) -> int:
         try:
             msg = await s.nc.request(
                 ctl_subject(args.node, s.root),
-                msgspec.json.encode({"gpu": args.gpu}),
+                # `by` is who asked, for the agent's log line: the request itself is
+                # authorised by the control role's permissions, not by this.
+                msgspec.json.encode({"gpu": args.gpu, "by": _who()}),
                 timeout=ANSWER_WAIT_S,
             )
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):

@@ -14,8 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.cli import app as cli
+
+if TYPE_CHECKING:
+    from services.core.compaction import Cut
+    from services.replay.archive import Part, Writer
 
 
 def register(commands: cli.Commands) -> None:
@@ -38,7 +43,11 @@ def register(commands: cli.Commands) -> None:
             "the archive part is written and checked, then the stream is purged. Nothing is\n"
             "purged that no snapshot covers. Replay, history and explain read the archive\n"
             "and the stream as one log (the archive's directory is recorded on the stream;\n"
-            "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap."
+            "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap; `events export`\n"
+            "writes the archive's events too.\n"
+            "A part is written as .writing-<pid>.jsonl.gz first: one that a killed run left\n"
+            "is removed by the next. A write that fails (a full disk) names its file, and\n"
+            "nothing is purged."
         ),
         epilog=cli.examples(
             "llmgw log compact --keep 30d",
@@ -74,10 +83,11 @@ def _archive_dir(args: argparse.Namespace, metadata: dict[str, str] | None) -> P
 
 async def _compact(args: argparse.Namespace) -> int:
     from schemas import subjects
-    from services.bus import consume, snapshots, stream
-    from services.core import compaction, ingest
+    from services.bus import snapshots, stream
+    from services.core import compaction
     from services.core.view import SCHEMA
     from services.replay import archive, rebuild
+    from services.replay.errors import ArchiveWriteError
 
     async with cli.session(args, "llmgw log compact") as s:
         info = await s.js.stream_info(subjects.STREAM)
@@ -102,23 +112,16 @@ async def _compact(args: argparse.Namespace) -> int:
         else:
             print(f"snapshot at seq {cut.snapshot} covers the cut")
         # 2. The archive holds every event the cut removes, checked.
-        writer = archive.Writer(where)
-        with writer:
-            expect = cut.first
-            async for batch in consume.read_range(s.js, cut.first, cut.before - 1):
-                for d in batch:
-                    if d.seq != expect:
-                        raise cli.CliError(
-                            f"the stream is missing seq {expect} (read {d.seq}); nothing was purged"
-                        )
-                    bound = d.time_ns if ingest.past_bound(d.data, d.time_ns) else 0
-                    writer.write(d.seq, d.subject, d.data, bound)
-                    expect += 1
-            if expect != cut.before:
-                raise cli.CliError(
-                    f"read the stream to seq {expect - 1}, not {cut.before - 1}; nothing was purged"
-                )
-            part = writer.finish()
+        try:
+            writer = archive.Writer(where)
+        except ArchiveWriteError as e:
+            raise cli.CliError(f"{e}; nothing was purged") from None
+        for gone in writer.swept:
+            print(f"removed {gone}, left by a compaction that was stopped while writing")
+        try:
+            part = await _write_part(s, writer, cut)
+        except ArchiveWriteError as e:
+            raise cli.CliError(f"{e}; nothing was purged") from None
         why = archive.verify(part)
         if why:
             raise cli.CliError(f"the archive part just written is bad ({why}); nothing was purged")
@@ -131,3 +134,27 @@ async def _compact(args: argparse.Namespace) -> int:
         f"to {part.path}; the stream now starts at seq {cut.before}"
     )
     return 0
+
+
+async def _write_part(s: cli.Session, writer: Writer, cut: Cut) -> Part:
+    """Copy the cut's events from the stream into the archive part `writer` writes."""
+    from services.bus import consume
+    from services.core import ingest
+
+    with writer:
+        expect = cut.first
+        async for batch in consume.read_range(s.js, cut.first, cut.before - 1):
+            for d in batch:
+                if d.seq != expect:
+                    raise cli.CliError(
+                        f"the stream is missing seq {expect} (read {d.seq}); nothing was purged"
+                    )
+                bound = d.time_ns if ingest.past_bound(d.data, d.time_ns) else 0
+                writer.write(d.seq, d.subject, d.data, bound)
+                expect += 1
+        if expect != cut.before:
+            raise cli.CliError(
+                f"read the stream to seq {expect - 1}, not {cut.before - 1}; nothing was purged"
+            )
+        part = writer.finish()
+    return part

@@ -1,7 +1,8 @@
 """Reading a stopped control plane: the log `llmgw up` left in its data directory.
 
 Called by the reading commands (`status`, `view`, `history`, `explain`, `diff`,
-`replay`) through `services.cli.replay.rebuild_view` in place of `cli.session`. When the
+`replay`, `preemption plan`) through `services.cli.replay.rebuild_view`, and by
+`events export`, `events tail --since` and `snapshot --list`, in place of `cli.session`. When the
 broker is found it is that session. When it is not (no URL recorded, or the recorded one
 answers nobody) and the data directory holds a stored log that no live `llmgw up` owns
 (its lock is free), it starts a temporary embedded broker on that store, on a free
@@ -13,14 +14,22 @@ empty cluster, which is a lie.
 It must not publish: the temporary broker serves this one command's reads and nobody
 else, and the directory is locked while it runs, so an `llmgw up` started meanwhile
 refuses rather than sharing the store.
+
+A data directory that cannot be written (a read-only mount, a copy without write
+permission) can be neither locked nor served: nats-server writes to its store as it
+starts. Its store is then copied to a temporary directory, read there, and the copy
+removed; the directory itself is never written. No `llmgw up` can be writing to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,14 +87,52 @@ async def session(args: argparse.Namespace, name: str) -> AsyncIterator[Opened]:
 async def _temporary(
     args: argparse.Namespace, name: str, data: Path, fd: int
 ) -> AsyncIterator[Opened]:
-    from services.bus import broker, connection
+    from services.bus import broker
 
     before = broker.read_url(data)
-    b = broker.EmbeddedBroker(data, auth=True)
+    try:
+        async with _served(args, name, data, data, "") as got:
+            yield got
+    finally:
+        # The URL the stopped `up` left (stale, but its own) is put back as it was.
+        if before is not None:
+            broker.write_url(data, before)
+        os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def _copied(
+    args: argparse.Namespace, name: str, data: Path, why: str
+) -> AsyncIterator[Opened]:
+    """The stored log of a directory that cannot be written, read from a copy."""
+    from services.bus import broker
+
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-read-"))
+    try:
+        try:
+            shutil.copytree(data / broker.STORE_DIR, tmp / broker.STORE_DIR, symlinks=True)
+        except OSError as e:
+            raise cli.CliError(
+                f"{data} is {why}, and its stored log cannot be copied to read it: {e}"
+            ) from None
+        async with _served(args, name, data, tmp, f" (a copy: {data} is {why})") as got:
+            yield got
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    args: argparse.Namespace, name: str, data: Path, store: Path, note: str
+) -> AsyncIterator[Opened]:
+    """A temporary embedded broker on the store in `store`, the stored log of `data`."""
+    from services.bus import broker, connection
+
+    b = broker.EmbeddedBroker(store, auth=True)
     try:
         b.start()
         print(
-            f"{cli.PROG}: llmgw up is not running on {data}; read from its stored log",
+            f"{cli.PROG}: llmgw up is not running on {data}; read from its stored log{note}",
             file=sys.stderr,
         )
         nc = await connection.connect(b.url, name)
@@ -97,10 +144,10 @@ async def _temporary(
                 await nc.close()
     finally:
         b.stop()
-        # The URL the stopped `up` left (stale, but its own) is put back as it was.
-        if before is not None:
-            broker.write_url(data, before)
-        os.close(fd)
+
+
+# _UNWRITABLE are the errors of a lock file that cannot be made or opened for writing.
+_UNWRITABLE = {errno.EROFS: "read-only", errno.EACCES: "not writable", errno.EPERM: "not writable"}
 
 
 def _offline(
@@ -109,7 +156,13 @@ def _offline(
     """The temporary reading session, or None when a live `llmgw up` holds the lock."""
     from services.bus import broker
 
-    fd = broker.lock_data_dir(data)
+    try:
+        fd = broker.lock_data_dir(data)
+    except OSError as e:
+        why = _UNWRITABLE.get(e.errno or 0)
+        if why is None:
+            raise
+        return _copied(args, name, data, why)
     if fd is None:
         return None
     return _temporary(args, name, data, fd)

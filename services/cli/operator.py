@@ -46,7 +46,9 @@ def register(commands: cli.Commands) -> None:
             "(remove one with `llmgw delete model NAME`).\n"
             "A mistake in the file is reported as FILE:LINE: field: why, and nothing is\n"
             "published; so is a scale of a model neither the file nor the cluster declares\n"
-            "(--force publishes it anyway)."
+            "(--force publishes it anyway), and a model whose owner is not in the quota\n"
+            "tree (--new-owner OWNER, or `owners:` in the file, for one new on purpose).\n"
+            "YAML aliases and a key given twice are refused."
         ),
         epilog=cli.examples(
             "llmgw apply -f deploy/examples/small.yaml",
@@ -59,6 +61,14 @@ def register(commands: cli.Commands) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="validate and list the changes; publish nothing"
+    )
+    p.add_argument(
+        "--new-owner",
+        action="append",
+        default=[],
+        metavar="OWNER",
+        help="let models be owned by OWNER although the quota tree has no such owner "
+        "(repeatable; or list it under `owners:` in the file)",
     )
     _force(p, "scale a model that no file or event declares")
 
@@ -359,12 +369,17 @@ def file_error(e: clusterfile.ClusterFileError) -> cli.CliError:
 
 async def _apply(args: argparse.Namespace) -> int:
     try:
-        spec = clusterfile.load(args.file)
+        spec = clusterfile.load(args.file, new_owners=args.new_owner)
     except clusterfile.ClusterFileError as e:
         raise file_error(e) from None
     async with _operating(args, "llmgw apply") as op:
         view = op.view
         state = view.state
+        if spec.quota is None:
+            # No tree in the file: the owners are checked against the one in force.
+            stray = spec.owner_error((o.name for o in state.quota), args.new_owner)
+            if stray is not None:
+                raise file_error(stray)
         declared = {m.name: m for m in spec.models}
         pending: list[tuple[str, ev.Data]] = []
         notes: list[str] = []

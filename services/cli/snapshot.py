@@ -53,12 +53,16 @@ async def _snapshot(args: argparse.Namespace) -> int:
 
     if args.output != "table" and not args.list:
         raise cli.UsageError(f"-o {args.output} goes with --list")
+    if args.list:
+        from services.cli import offline
+
+        # A read: a stopped plane's stored snapshots are listed from its data directory.
+        async with offline.session(args, "llmgw snapshot --list") as opened:
+            out = _listing(args.output, await snapshots.listing(opened.session.js), SCHEMA)
+        if out:
+            print(out)
+        return 0
     async with cli.session(args, "llmgw snapshot") as s:
-        if args.list:
-            out = _listing(args.output, await snapshots.listing(s.js), SCHEMA)
-            if out:
-                print(out)
-            return 0
         got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
         state = got.view.state
         if state.seq == 0:

@@ -13,7 +13,7 @@ import os
 from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
-from services.cli.dashboard import add_listen_options
+from services.cli.dashboard import add_listen_options, allowed_hosts
 from services.core import preemption, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
 
@@ -146,6 +146,7 @@ async def _up(args: argparse.Namespace) -> int:
         projector=not args.no_projector,
         ui=ui,
         ui_token=token,
+        ui_hosts=allowed_hosts(args),
         replicas=args.replicas,
     )
     cli.setup_logging()

@@ -18,7 +18,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from schemas import events as ev
@@ -46,10 +46,13 @@ class Metrics(Collector):
         view: Callable[[], View | None],
         health: Callable[[], dict[str, Any]],
         clients: Callable[[], int] = lambda: 0,
+        replays: Callable[[], Any] = lambda: None,
     ) -> None:
         self.view = view
         self.health = health
         self.clients = clients
+        self.replays = replays
+        """The server's `replays.Replays`, or None."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -181,6 +184,21 @@ class Metrics(Collector):
         clients = GaugeMetricFamily("llmgw_dashboard_clients", "Event streams open")
         clients.add_metric([], self.clients())
         yield clients
+        rp = self.replays()
+        if rp is not None:
+            done = CounterMetricFamily(
+                "llmgw_dashboard_replays",
+                "Requests for a past moment: replayed, or refused as busy (503)",
+                labels=["outcome"],
+            )
+            done.add_metric(["replayed"], rp.ran)
+            done.add_metric(["busy"], rp.refused)
+            yield done
+            running = GaugeMetricFamily(
+                "llmgw_dashboard_replays_running", "Replays of past moments running or waiting"
+            )
+            running.add_metric([], rp.running)
+            yield running
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,7 +9,11 @@ Routes, all GET (anything else is 405: nothing here changes the cluster):
 - `/api/health`: the log's last sequence, the projector's lag, dead letters, clients;
 - `/metrics`: Prometheus.
 With a token every route asks for it: `Authorization: Bearer T`, `?token=T` (the page's
-address), or the cookie the page's first load sets.
+address), or the cookie the page's first load sets. Every route answers only for a
+`Host` it serves (421 otherwise: DNS rebinding gets nothing) and only to its own origin
+(a cross-origin request is 403; no CORS header is ever sent); every query is parsed
+strictly (`query`: 400 with one line, never a 500). Whatever folds the log again runs
+on a worker thread, bounded and kept (`replays`).
 
 It must not publish or write to the broker; its only file is the token it may generate.
 """
@@ -22,14 +26,14 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import socket
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 from starlette.applications import Starlette
@@ -43,14 +47,15 @@ from starlette.responses import (
 )
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas import subjects
+from services.bus.errors import BrokerUnavailable
 from services.core import preemption
-from services.dashboard import health, hub, metrics, state
+from services.dashboard import health, hub, metrics, query, replays, state
+from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
-from services.replay import explain, history, rebuild
-from services.replay.errors import ReplayError, UnknownEntity
+from services.replay import explain, history
 
 log = logging.getLogger("llmgw.dashboard")
 
@@ -60,13 +65,12 @@ URL_FILE = "dashboard.url"
 COOKIE = "llmgw_token"
 # HEALTH_S is how often the log's health (projector lag, dead letters) is read.
 HEALTH_S = 2.0
-# PAST_VIEWS bounds the rebuilt past views kept: a slider dragged back and forth asks for
-# the same few moments again.
-PAST_VIEWS = 8
+# LISTED_S bounds how long a request for the live view waits for the first listing.
+LISTED_S = 30.0
+# HOST_NAME is what `--allow-host` takes: a DNS name (or an address), nothing else.
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]{2,45}")
 
-
-class DashboardError(Exception):
-    """Why the dashboard cannot serve; str() is the one line to show."""
+__all__ = ["BadRequest", "Dashboard", "DashboardError"]
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -78,12 +82,84 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def parse_hosts(names: Collection[str] | None) -> tuple[str, ...]:
+    """`--allow-host` values (each may be a comma-separated list) -> lower-cased names;
+    ValueError with a message."""
+    out: list[str] = []
+    for text in names or ():
+        for n in text.split(","):
+            n = n.strip().lower().rstrip(".")
+            if not HOST_NAME.fullmatch(n):
+                raise ValueError(f"{n!r} is not a host name (like dash.example.com)")
+            out.append(n)
+    return tuple(out)
+
+
+def host_of(header: str) -> str | None:
+    """The name or address a `Host` header names, lower-cased, without its port or
+    brackets; None when it is not a host[:port]."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        name, rest = h[1:end], h[end + 1 :]
+        if end < 0 or (rest and not re.fullmatch(r":[0-9]{1,5}", rest)):
+            return None
+        return name or None
+    name, sep, port = h.rpartition(":")
+    if not sep:
+        name = h
+    elif not re.fullmatch(r"[0-9]{1,5}", port):
+        return None
+    name = name.rstrip(".")
+    return name if name and re.fullmatch(r"[a-z0-9._-]+", name) else None
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The `Host` names a dashboard answers for. DNS rebinding needs a name: a page of
+    evil.example whose name is made to resolve to the dashboard's address reads it as
+    its own origin, and says `Host: evil.example`. So: loopback names and addresses
+    always (nothing can rebind `localhost`); on any other address also any address
+    literal (an address cannot be rebound); and the names given (`--allow-host`)."""
+
+    loopback: bool
+    names: frozenset[str] = frozenset()
+
+    def allows(self, header: str) -> bool:
+        name = host_of(header)
+        if name is None:
+            return False
+        if name in self.names or is_loopback(name):
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return not self.loopback
+
+
+def cross_origin(headers: Any, path: str) -> str | None:
+    """Why a request comes from another origin (a page elsewhere, in the user's
+    browser), or None. `Origin`, when sent, must be this host; `Sec-Fetch-Site`, when
+    sent, must be same-origin or none (typed in), except for a link to the page itself."""
+    origin = headers.get("origin")
+    if origin is not None:
+        parts = urlsplit(origin)
+        if origin == "null" or parts.netloc.lower() != headers.get("host", "").strip().lower():
+            return f"a request from {origin[:100]!r}, another origin"
+    site = headers.get("sec-fetch-site")
+    navigate = path == "/" and headers.get("sec-fetch-mode") == "navigate"
+    if site is not None and site not in ("same-origin", "none") and not navigate:
+        return f"a {site[:20]} request"
+    return None
 
 
 def token_for(host: str, given: str | None, data: Path | None) -> str | None:
@@ -108,31 +184,64 @@ def token_for(host: str, given: str | None, data: Path | None) -> str | None:
     return made
 
 
-class _TokenGate:
-    """Every request shows the token, or gets 401; only GET and HEAD pass at all."""
+# SAME_ORIGIN are the headers every answer carries: no other origin may embed or read
+# it, and no browser may guess its type.
+SAME_ORIGIN = [
+    (b"cross-origin-resource-policy", b"same-origin"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+]
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+
+class _Gate:
+    """Every request: only GET and HEAD (405); a `Host` this dashboard answers for
+    (421); from its own origin (403); with the token, when there is one (401)."""
+
+    def __init__(self, app: ASGIApp, token: str | None, hosts: Hosts) -> None:
         self.app = app
         self.token = token
+        self.hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+
+        async def same_origin(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *SAME_ORIGIN]
+            await send(message)
+
         if scope["method"] not in ("GET", "HEAD"):
-            await PlainTextResponse("read-only: only GET\n", 405)(scope, receive, send)
+            await PlainTextResponse("read-only: only GET\n", 405)(scope, receive, same_origin)
+            return
+        req = Request(scope)
+        host = req.headers.get("host", "")
+        if not self.hosts.allows(host):
+            await PlainTextResponse(
+                f"this dashboard does not answer for host {host[:100]!r} "
+                "(--allow-host NAME serves a name)\n",
+                421,
+            )(scope, receive, same_origin)
+            return
+        why = cross_origin(req.headers, scope["path"])
+        if why is not None:
+            await PlainTextResponse(f"cross-origin requests are refused: {why}\n", 403)(
+                scope, receive, same_origin
+            )
             return
         if self.token is not None:
-            req = Request(scope)
             shown = (
                 req.query_params.get("token")
                 or req.cookies.get(COOKIE)
                 or req.headers.get("authorization", "").removeprefix("Bearer ").strip()
             )
             if not shown or not hmac.compare_digest(shown.encode(), self.token.encode()):
-                await PlainTextResponse("a token is needed: ?token=T\n", 401)(scope, receive, send)
+                await PlainTextResponse("a token is needed: ?token=T\n", 401)(
+                    scope, receive, same_origin
+                )
                 return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive, same_origin)
 
 
 @dataclass
@@ -152,10 +261,15 @@ class Dashboard:
     url: str = ""
     """`http://host:port/` once bound."""
     health: dict[str, Any] = field(default_factory=dict)
+    allow_hosts: tuple[str, ...] = ()
+    """`Host` names served besides loopback ones (`--allow-host`, `Hosts`)."""
 
     def __post_init__(self) -> None:
         self.metrics = metrics.Metrics(
-            lambda: self.hub.view, lambda: self.health, lambda: len(self.hub.clients)
+            lambda: self.hub.view,
+            lambda: self.health,
+            lambda: len(self.hub.clients),
+            lambda: getattr(self, "replays", None),
         )
         self.hub = hub.Hub(
             self.js,
@@ -164,10 +278,12 @@ class Dashboard:
             client_frames=self.client_frames,
             on_change=self.metrics.observe,
         )
-        # _past keeps the views of past sequences by (listing, seq): a view of a log
-        # listed before is not one of the log that replaced it.
-        self._past: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self.app = _TokenGate(self._routes(), self.token)
+        # Answers for past moments are kept by what they name and the listing they are
+        # of: a view of a log listed before is not one of the log that replaced it.
+        self.replays = replays.Replays(self.js)
+        host, _ = parse_listen(self.listen)
+        hosts = Hosts(is_loopback(host), frozenset(parse_hosts(self.allow_hosts)))
+        self.app = _Gate(self._routes(), self.token, hosts)
         self._stop = asyncio.Event()
 
     def _routes(self) -> Starlette:
@@ -246,6 +362,7 @@ class Dashboard:
                 t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
+            await self.replays.close()
             sock.close()
 
     async def _check_health(self, stop: asyncio.Event) -> None:
@@ -259,70 +376,88 @@ class Dashboard:
     # ------------------------------------------------------------ routes
 
     async def _index(self, req: Request) -> Response:
+        try:
+            query.take(req.query_params.multi_items(), query.NONE)
+        except BadRequest as e:
+            return _bad(e)
         resp = FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
         shown = req.query_params.get("token")
         if self.token is not None and shown:
             resp.set_cookie(COOKIE, shown, httponly=True, samesite="strict")
         return resp
 
-    async def _at(self, req: Request) -> Any:
-        """The view the query names: `seq=N`, `at=T`, or the live one."""
-        q = req.query_params
-        if "seq" in q:
-            try:
-                seq = int(q["seq"])
-            except ValueError:
-                raise _BadRequest(f"seq: {q['seq']!r} is not a sequence number") from None
-            if seq > self.hub.seq:
-                # Past the head the view is still growing: never kept.
-                return (await rebuild.from_stream(self.js, until_seq=seq, root=self.root)).view
-            return await self._past_view(
-                (self.hub.listings, seq),
-                lambda: rebuild.from_stream(self.js, until_seq=seq, root=self.root),
-            )
-        if "at" in q:
-            try:
-                at = datetime.fromisoformat(q["at"].replace("Z", "+00:00"))
-            except ValueError:
-                raise _BadRequest(f"at: {q['at']!r} is not an RFC3339 time") from None
-            if at.tzinfo is None:
-                raise _BadRequest("at: give a time with its zone (2026-11-29T14:00:00Z)")
-            return (await rebuild.from_stream(self.js, until_time=at, root=self.root)).view
+    async def _live(self) -> Any:
+        """The live view; `Unlisted` while the hub has not listed the log yet."""
         if self.hub.view is None:
-            await asyncio.wait_for(self.hub.listed.wait(), 30)
+            try:
+                await asyncio.wait_for(self.hub.listed.wait(), LISTED_S)
+            except TimeoutError:
+                raise Unlisted from None
         return self.hub.view
 
-    async def _past_view(
-        self, key: tuple[int, int], make: Callable[[], Awaitable[rebuild.Rebuilt]]
-    ) -> Any:
-        got = self._past.get(key)
-        if got is None:
-            got = (await make()).view
-            self._past[key] = got
-            if len(self._past) > PAST_VIEWS:
-                self._past.popitem(last=False)
-        return got
+    def _live_fields(self) -> dict[str, Any]:
+        """What a view document says of the log now, whichever moment it shows."""
+        return {"dead_letters": self.health.get("dead_letters", {}), "head": self.hub.seq}
+
+    def _moment_key(self, what: str, m: query.Moment, *more: Hashable) -> Hashable | None:
+        """What an answer about moment `m` is kept by; None past the head, where the
+        view is still growing."""
+        if m.seq is not None and m.seq > self.hub.seq:
+            return None
+        return (self.hub.listings, what, m.seq, m.at, *more)
+
+    async def _replay(self, key: Hashable | None, work: replays.Work) -> Response:
+        """The answer of a replay, or 503 with Retry-After when too many run."""
+        try:
+            got = await self.replays.answer(key, work)
+        except Busy as e:
+            return _unavailable(str(e), e.retry_after_s)
+        except BrokerUnavailable as e:
+            return _unavailable(f"the broker does not answer: {e}", replays.RETRY_AFTER_S)
+        except TimeoutError:
+            return _unavailable(
+                f"the replay did not end within {replays.REPLAY_S:.0f} s (the broker does "
+                "not answer?)",
+                replays.RETRY_AFTER_S,
+            )
+        return Response(got.body, got.status, media_type="application/json")
 
     async def _view(self, req: Request) -> Response:
         try:
-            v = await self._at(req)
-        except _BadRequest as e:
-            return JSONResponse({"error": str(e)}, 400)
-        doc = state.view_doc(v, everything=req.query_params.get("all") == "1", with_digest=True)
-        doc["dead_letters"] = self.health.get("dead_letters", {})
-        doc["head"] = self.hub.seq
-        return JSONResponse(doc)
+            q = query.take(req.query_params.multi_items(), query.VIEW)
+            m = query.moment(q)
+            everything = query.switch(q, "all")
+        except BadRequest as e:
+            return _bad(e)
+        if m is None:
+            try:
+                v = await self._live()
+            except Unlisted:
+                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+            doc = state.view_doc(v, everything=everything, with_digest=True)
+            return JSONResponse({**doc, **self._live_fields()})
+        resp = await self._replay(
+            self._moment_key("view", m, everything),
+            lambda js: replays.view(js, m, everything, self.root),
+        )
+        if resp.status_code == 200:
+            # The kept document is of the past; what it says of the log now is added.
+            extra = replays.dumps(self._live_fields())
+            resp.body = bytes(resp.body[:-1]) + b"," + extra[1:]
+            resp.init_headers()
+        return resp
 
     async def _events(self, req: Request) -> Response:
-        raw = req.query_params.get("from_seq") or ""
-        last = req.headers.get("last-event-id", "")
-        from_seq: int | None = None
-        if last.isdigit():
-            from_seq = int(last) + 1
-        elif raw:
-            if not raw.isdigit() or int(raw) < 1:
-                return JSONResponse({"error": f"from_seq: {raw!r} is not a sequence >= 1"}, 400)
-            from_seq = int(raw)
+        try:
+            q = query.take(req.query_params.multi_items(), query.EVENTS)
+            from_seq: int | None = None
+            last = req.headers.get("last-event-id")
+            if last:
+                from_seq = query.sequence("Last-Event-ID", last) + 1
+            elif "from_seq" in q:
+                from_seq = query.sequence("from_seq", q["from_seq"], least=1)
+        except BadRequest as e:
+            return _bad(e)
         if self.hub.view is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.hub.listed.wait(), 30)
@@ -345,115 +480,75 @@ class Dashboard:
         finally:
             self.hub.detach(client)
 
-    async def _story(
-        self, req: Request, kind: str, make: Callable[[str, str], Any], seq: int | None
-    ) -> Any:
-        w = make(kind, req.path_params["name"])
-        got = await rebuild.from_stream(self.js, until_seq=seq, watcher=w, root=self.root)
-        return w, got.view
-
-    def _seq(self, req: Request) -> int | None:
-        raw = req.query_params.get("seq")
-        if raw is None:
-            return None
-        if not raw.isdigit():
-            raise _BadRequest(f"seq: {raw!r} is not a sequence number")
-        return int(raw)
-
-    async def _explain(self, req: Request) -> Response:
+    async def _story(self, req: Request, what: str, kinds: tuple[str, ...]) -> Response:
+        """`explain` or `history` of the entity the path names, up to `?seq=N`."""
         kind = req.path_params["kind"]
-        if kind not in explain.KINDS:
-            return JSONResponse({"error": f"explain: {kind!r} is not one of {explain.KINDS}"}, 404)
+        if kind not in kinds:
+            return JSONResponse({"error": f"{what}: {kind!r} is not one of {kinds}"}, 404)
         try:
-            w, v = await self._story(
-                req, kind, lambda k, n: explain.Explainer(n, self.root, kind=k), self._seq(req)
-            )
-            story = w.story(v)
-        except _BadRequest as e:
-            return JSONResponse({"error": str(e)}, 400)
-        except UnknownEntity as e:
-            return JSONResponse({"error": str(e)}, 404)
-        except ReplayError as e:
-            return JSONResponse({"error": str(e)}, 409)
-        return JSONResponse(_plain(story.to_json()))
-
-    async def _history(self, req: Request) -> Response:
-        kind = req.path_params["kind"]
-        if kind not in history.KINDS:
-            return JSONResponse({"error": f"history: {kind!r} is not one of {history.KINDS}"}, 404)
-        try:
-            tl, v = await self._story(
-                req, kind, lambda k, n: history.Timeline(k, n, self.root), self._seq(req)
-            )
-            tl.resolve(_known(v, kind))
-            tl.require()
-        except _BadRequest as e:
-            return JSONResponse({"error": str(e)}, 400)
-        except UnknownEntity as e:
-            return JSONResponse({"error": str(e)}, 404)
-        except ReplayError as e:
-            return JSONResponse({"error": str(e)}, 409)
-        return JSONResponse(
-            {"kind": kind, "name": tl.name, "entries": [e.to_json() for e in tl.entries]}
+            q = query.take(req.query_params.multi_items(), query.STORY)
+            seq = query.sequence("seq", q["seq"]) if "seq" in q else None
+            name = query.entity(kind, req.path_params["name"])
+        except BadRequest as e:
+            return _bad(e)
+        key = (
+            None
+            if seq is None or seq > self.hub.seq
+            else (self.hub.listings, what, kind, name, seq)
+        )
+        return await self._replay(
+            key, lambda js: replays.story(js, what, kind, name, seq, self.root)
         )
 
+    async def _explain(self, req: Request) -> Response:
+        return await self._story(req, "explain", explain.KINDS)
+
+    async def _history(self, req: Request) -> Response:
+        return await self._story(req, "history", history.KINDS)
+
     async def _plan(self, req: Request) -> Response:
-        q = req.query_params
-        model = q.get("model")
-        if not model:
-            return JSONResponse({"error": "plan: give ?model=M"}, 400)
         try:
-            v = await self._at(req)
-            cfg = _policy(self.policy, q)
-        except _BadRequest as e:
-            return JSONResponse({"error": str(e)}, 400)
-        if v.catalog.resolve(model) is None:
-            return JSONResponse({"error": f"unknown model {model!r}"}, 404)
-        if v.state.time is None:
-            return JSONResponse({"error": "the log holds no events"}, 409)
-        d = preemption.plan(v, model, v.state.time, cfg)
-        return JSONResponse(d.to_json())
+            q = query.take(req.query_params.multi_items(), query.PLAN)
+            if not q.get("model"):
+                raise BadRequest("model: give ?model=M, the model to plan for")
+            model = query.entity("model", q["model"])
+            m = query.moment(q)
+            cfg = query.policy(self.policy, q)
+        except BadRequest as e:
+            return _bad(e)
+        if m is None:
+            try:
+                v = await self._live()
+            except Unlisted:
+                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+            status, doc = replays.plan_of(v, model, cfg)
+            return JSONResponse(doc, status)
+        return await self._replay(
+            self._moment_key("plan", m, model, cfg),
+            lambda js: replays.plan(js, m, model, cfg, self.root),
+        )
 
     async def _health(self, req: Request) -> Response:
+        try:
+            query.take(req.query_params.multi_items(), query.NONE)
+        except BadRequest as e:
+            return _bad(e)
         return JSONResponse({**self.health, "head": self.hub.seq, "clients": len(self.hub.clients)})
 
     async def _metrics(self, req: Request) -> Response:
+        try:
+            query.take(req.query_params.multi_items(), query.NONE)
+        except BadRequest as e:
+            return _bad(e)
         return Response(self.metrics.render(), media_type=metrics.CONTENT_TYPE)
 
 
-class _BadRequest(Exception):
-    pass
+def _bad(e: BadRequest) -> Response:
+    return JSONResponse({"error": str(e)}, 400)
 
 
-def _known(v: Any, kind: str) -> set[str]:
-    """The names of that kind the view has, for a prefix or a "did you mean"."""
-    s = v.state
-    if kind == "replica":
-        return set(s.replicas)
-    if kind == "node":
-        return set(s.nodes)
-    return set(s.models) | {r.model for r in s.replicas.values()}
-
-
-def _policy(base: preemption.Config, q: Any) -> preemption.Config:
-    """The policy with the timings a `/api/plan` query changes (`min_lifetime_s`, ...)."""
-    import dataclasses
-
-    changes: dict[str, Any] = {}
-    for f in dataclasses.fields(base):
-        if f.name in q:
-            try:
-                changes[f.name] = type(getattr(base, f.name))(q[f.name])
-            except ValueError:
-                raise _BadRequest(f"{f.name}: {q[f.name]!r} is not a number") from None
-    return dataclasses.replace(base, **changes) if changes else base
-
-
-def _plain(doc: Any) -> Any:
-    """JSON-safe: times and other objects as strings."""
-    import json
-
-    return json.loads(json.dumps(doc, default=str))
+def _unavailable(why: str, retry_after_s: int) -> Response:
+    return JSONResponse({"error": why}, 503, headers={"Retry-After": str(retry_after_s)})
 
 
 class _Server(uvicorn.Server):

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from schemas import codec, ids, subjects
 from schemas import events as ev
 from services.bus import consume, follow, snapshots
 from services.bus.errors import SequenceGap, StreamReplaced
+from services.clock import utc_now
 from services.core.ingest import Gap, Ingest, Touched
 from services.core.view import View, decode_state, digest, encode_state
 from services.projector import store
@@ -116,6 +117,9 @@ class Projector:
         self._advanced = asyncio.Event()
         self.error: BaseException | None = None
         """What stopped `run`, if it stopped on an error."""
+        self._aside_at: int | None = None
+        """The position the view was rebuilt from when an unreadable one was last moved
+        aside (-1 until it is loaded); None: never."""
         self.stopped = False
 
     @property
@@ -136,10 +140,13 @@ class Projector:
                     raise RuntimeError(f"projector stopped at {self.committed}")
                 await self._advanced.wait()
 
-    async def _load(self, db: aiosqlite.Connection, *, rebuild: bool = False) -> None:
+    async def _load(
+        self, db: aiosqlite.Connection, *, rebuild: bool = False, snapshot: bool = False
+    ) -> None:
         """(Re)start from the view as committed: whatever was folded past it is dropped.
         With `rebuild`, or when the stream is not the one the view was folded from, the
-        view starts again empty, from the new log."""
+        view starts again empty, from the new log. An empty view starts from the newest
+        snapshot with `snapshot` (or `from_snapshot`)."""
         await self._settle()
         view = await store.load_view(db)
         origin, last = await follow.stream_origin(self.js, self.stream)
@@ -164,7 +171,7 @@ class Projector:
             await store.write_view(db, view)
         if origin is not None and kept != origin:
             await store.write_origin(db, self.stream, origin)
-        if view.seq == 0 and self.from_snapshot:
+        if view.seq == 0 and (self.from_snapshot or snapshot):
             snap = await snapshots.latest_view(self.js)
             if snap is not None:
                 # The rows start from the snapshot: decisions and rejections before it are
@@ -193,35 +200,35 @@ class Projector:
         self._advanced = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Fold until `stop` is set. Raises `LogHole` if a message was deleted from the log."""
-        db = await store.open_db(self.db_path)
-        self.db = db
+        """Fold until `stop` is set. Raises `LogHole` if a message was deleted from the log.
+
+        A view file that cannot be opened or read (`store.unreadable`) is moved aside and
+        the view folded again from the log, from its newest snapshot: the view is derived
+        from the log, and a damaged copy must not stop the plane. A new file that fails
+        again before anything was committed to it is not the file's fault, and stops it.
+        """
+        self.db = await self._open()
 
         async def restart(e: BaseException) -> None:
             # Nothing past the checkpoint is trusted: reload it and read again.
             if isinstance(e, SequenceGap | Gap):
                 self.gaps += 1
-            await self._load(db)
+            assert self.db is not None
+            await self._load(self.db)
 
         try:
-            await self._load(db)
-            log.info("projector: view at %d, reading on", self.seq)
             while True:
                 try:
-                    stopped = await follow.follow(
-                        self.js,
-                        position=lambda: self.folder.seq,
-                        on_batch=self._on_batch,
-                        stop=stop,
-                        restart=restart,
-                        name="projector",
-                        batch_max=min(self.batch_max, READ_CHUNK),
-                        stream=self.stream,
-                    )
+                    await self._load(self.db, snapshot=self._aside_at is not None)
+                    if self._aside_at is not None:
+                        self._aside_at = self.committed
+                    log.info("projector: view at %d, reading on", self.seq)
+                    stopped = await self._follow(stop, restart)
                     break
-                except StreamReplaced as e:
-                    log.error("projector: %s; rebuilding the view from the new log", e)
-                    await self._load(db, rebuild=True)
+                except Exception as e:
+                    if not store.unreadable(e) or self._aside_at in (-1, self.committed):
+                        raise
+                    await self._reopen(e)
             # What was folded is committed before the database closes.
             if stopped:
                 await self._flush()
@@ -237,9 +244,68 @@ class Projector:
                 with contextlib.suppress(Exception):
                     await self._committer.wait()
             self.stopped = True
-            self.db = None
-            await db.close()
+            db, self.db = self.db, None
+            if db is not None:
+                with contextlib.suppress(Exception):
+                    await db.close()
             self._advanced.set()
+
+    async def _follow(
+        self, stop: asyncio.Event, restart: Callable[[BaseException], Awaitable[None]]
+    ) -> bool:
+        """The follow loop, from the view as loaded; a replaced stream rebuilds the view."""
+        while True:
+            try:
+                return await follow.follow(
+                    self.js,
+                    position=lambda: self.folder.seq,
+                    on_batch=self._on_batch,
+                    stop=stop,
+                    restart=restart,
+                    name="projector",
+                    batch_max=min(self.batch_max, READ_CHUNK),
+                    stream=self.stream,
+                )
+            except StreamReplaced as e:
+                log.error("projector: %s; rebuilding the view from the new log", e)
+                assert self.db is not None
+                await self._load(self.db, rebuild=True)
+
+    async def _open(self) -> aiosqlite.Connection:
+        """The view database; an unreadable file is moved aside and a new one made."""
+        try:
+            return await store.open_db(self.db_path)
+        except Exception as e:
+            if not store.unreadable(e):
+                raise
+            self._set_aside(e)
+            return await store.open_db(self.db_path)
+
+    async def _reopen(self, e: BaseException) -> None:
+        """The view failed on reading or writing: close it, move it aside, open a new one."""
+        if self._committer is not None:
+            with contextlib.suppress(Exception):
+                await self._committer.wait()
+            self._committer = None
+        db, self.db = self.db, None
+        if db is not None:
+            with contextlib.suppress(Exception):
+                await db.close()
+        self._set_aside(e)
+        self.db = await store.open_db(self.db_path)
+
+    def _set_aside(self, e: BaseException) -> None:
+        path = Path(self.db_path)
+        aside = store.set_aside(path, utc_now())
+        self._aside_at = -1
+        log.error(
+            "projector: the view %s cannot be read (%s: %s); moved it aside to %s and "
+            "rebuilding it from the log",
+            path,
+            type(e).__name__,
+            e,
+            aside.name,
+        )
 
     async def _on_batch(self, batch: list[consume.Delivery]) -> None:
         """Fold a delivery; commit when caught up (at once, and wait for it), else when

@@ -13,7 +13,9 @@ one transaction, so a crash leaves the view as of some batch's end, never betwee
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 from collections.abc import Iterable
 from datetime import datetime
@@ -133,20 +135,91 @@ async def open_db(path: str | Path) -> aiosqlite.Connection:
     again from the log on the next start; FULL would cost an fsync per batch for
     nothing the log cannot give back. (A process crash loses nothing either way.)
     """
-    db = await aiosqlite.connect(str(path))
-    await db.execute("PRAGMA journal_mode=WAL")
-    await db.execute("PRAGMA synchronous=NORMAL")
-    # A 64 MiB page cache keeps the replicas' and GPUs' B-trees in memory at a million
-    # events; the default 2 MiB rereads them from the OS on every batch.
-    await db.execute("PRAGMA cache_size=-65536")
-    await db.execute("PRAGMA temp_store=MEMORY")
-    # Checkpoint the WAL every ~16 MiB rather than every 4 MiB: a large batch then does
-    # not pay for a checkpoint on nearly every commit. The file is cut back to 64 MiB.
-    await db.execute("PRAGMA wal_autocheckpoint=4096")
-    await db.execute("PRAGMA journal_size_limit=67108864")
-    await db.executescript(DDL)
-    await db.commit()
+    conn = aiosqlite.connect(str(path))
+    # The connection's thread is a daemon: a process that exits after a fault is never
+    # kept alive by a database nobody will close (its WAL makes a cut-off write safe).
+    # Older aiosqlite's connection is the thread itself.
+    thread: Any = getattr(conn, "_thread", conn)
+    thread.daemon = True
+    db = await conn
+    try:
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute("PRAGMA synchronous=NORMAL")
+        # A 64 MiB page cache keeps the replicas' and GPUs' B-trees in memory at a million
+        # events; the default 2 MiB rereads them from the OS on every batch.
+        await db.execute("PRAGMA cache_size=-65536")
+        await db.execute("PRAGMA temp_store=MEMORY")
+        # Checkpoint the WAL every ~16 MiB rather than every 4 MiB: a large batch then
+        # does not pay for a checkpoint on nearly every commit. The file is cut back to
+        # 64 MiB.
+        await db.execute("PRAGMA wal_autocheckpoint=4096")
+        await db.execute("PRAGMA journal_size_limit=67108864")
+        await db.executescript(DDL)
+        await db.commit()
+    except BaseException:
+        # A file that is not a database fails here, after the connection opened: close
+        # it, or its thread outlives the error.
+        with contextlib.suppress(Exception):
+            await db.close()
+        raise
     return db
+
+
+# UNREADABLE_CODES are the SQLite result codes that say the file is not a view this
+# build can read (damaged, not a database, not openable, another program's tables):
+# the view is derived from the log, so such a file is moved aside and folded again.
+# A full disk, a busy lock or an I/O error is not the file's fault and is not among them.
+UNREADABLE_CODES = frozenset(
+    {
+        sqlite3.SQLITE_ERROR,  # no such table / column: a schema from elsewhere
+        sqlite3.SQLITE_CORRUPT,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_SCHEMA,
+        sqlite3.SQLITE_MISMATCH,
+        sqlite3.SQLITE_FORMAT,
+        sqlite3.SQLITE_NOTADB,
+    }
+)
+
+
+def unreadable(e: BaseException) -> bool:
+    """Whether `e`, raised opening, loading or writing the view, says the file itself
+    cannot be used (see UNREADABLE_CODES); rows that do not decode, or a view of another
+    SCHEMA, say so too."""
+    if isinstance(e, sqlite3.DatabaseError):
+        code = getattr(e, "sqlite_errorcode", None)
+        # Without a code (a build that does not give one) only the damage classes count.
+        return (code & 0xFF) in UNREADABLE_CODES if code is not None else True
+    return isinstance(e, StoreError | msgspec.MsgspecError | KeyError | UnicodeDecodeError)
+
+
+def set_aside(path: Path, now: datetime) -> Path:
+    """Move the view file at `path` (a file, or whatever stands in its place) and its
+    `-wal`/`-shm`/`-journal` aside to `<path>.corrupt-<time>` (the sidecars keep their
+    suffix after it, so `sqlite3` still opens the copy whole); the new name. Raises
+    `StoreError` naming the path when it cannot be moved."""
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists() or aside.is_symlink():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise StoreError(f"cannot move the unreadable view {path} aside: {e.strerror}") from e
+    for suffix in ("-wal", "-shm", "-journal"):
+        # A sidecar left behind would be read as the new file's.
+        side = path.with_name(path.name + suffix)
+        try:
+            os.rename(side, aside.with_name(aside.name + suffix))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StoreError(f"cannot move {side} aside: {e.strerror}") from e
+    return aside
 
 
 def _t(d: datetime | None) -> str | None:

@@ -35,3 +35,13 @@ class Relist(ReplayError):
             or f"seq {from_seq} is older than the stream's first message ({first_seq}): "
             "re-list from the current view"
         )
+
+
+class ArchiveWriteError(ReplayError):
+    """An archive file could not be written (a full or read-only disk): `path` names it,
+    since the OS's own message for a failed write (ENOSPC) names no file."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"cannot write the archive file {path}: {why}")

@@ -17,9 +17,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from schemas import subjects
+import msgspec
+
+from schemas import bundle, subjects
+from schemas.errors import BundleError
 from services.core.ingest import Ingest
-from services.core.view import DecisionRecord, Rejection, View
+from services.core.view import SCHEMA, DecisionRecord, Rejection, View, decode_state
 from services.replay import archive, ports
 from services.replay.render import plural
 from services.replay.source import BundleSource, Item, LogSource, Source, StreamSource
@@ -120,12 +123,55 @@ async def from_bundle(
     root: str = subjects.DEFAULT_ROOT,
     allow_gaps: bool = False,
 ) -> Rebuilt:
-    """The view a bundle gives, up to a sequence or a time; a gap in its sequences is a
-    `BundleError` unless `allow_gaps` (`BundleSource`)."""
+    """The view a bundle gives, up to a sequence or a time, folded onto the snapshot it
+    starts with when it has one (`bundle.snapshot`); a gap in its sequences, or a start
+    after seq 1 that no snapshot covers, is a `BundleError` unless `allow_gaps`
+    (`BundleSource`)."""
+    start = _bundle_snapshot(path, until_seq, until_time)
     src = BundleSource(
-        path, until_seq=until_seq, until_time=until_time, root=root, allow_gaps=allow_gaps
+        path,
+        until_seq=until_seq,
+        until_time=until_time,
+        root=root,
+        allow_gaps=allow_gaps,
+        start_after=start.state.seq if start is not None else 0,
     )
-    return await run(src, watcher=watcher, progress=progress)
+    return await run(src, view=start, watcher=watcher, progress=progress)
+
+
+def _bundle_snapshot(path: str, until_seq: int | None, until_time: datetime | None) -> View | None:
+    """The view of the snapshot a bundle starts with, or None; a `BundleError` for one
+    this version cannot read or one past the moment asked for (the view before it is
+    not in the bundle)."""
+    got = bundle.snapshot(path)
+    if got is None:
+        return None
+    seq, raw = got
+    try:
+        state = decode_state(raw)
+    except msgspec.MsgspecError as e:
+        raise BundleError(path, 1, f"the snapshot does not decode as a view ({e})") from None
+    if state.seq != seq:
+        raise BundleError(
+            path, 1, f"the snapshot line says seq {seq} and its view seq {state.seq}: not trusted"
+        )
+    if state.schema != SCHEMA:
+        raise BundleError(
+            path,
+            1,
+            f"the snapshot is of view schema {state.schema}; this llmgw reads schema "
+            f"{SCHEMA}: export the log again with this version",
+        )
+    if (until_seq is not None and until_seq < seq) or (
+        until_time is not None and state.time is not None and until_time < state.time
+    ):
+        raise BundleError(
+            path,
+            1,
+            f"the bundle starts from a snapshot of seq {seq} ({state.time}): the moment "
+            "asked for is before it, and not in the bundle",
+        )
+    return View(state)
 
 
 async def from_stream(

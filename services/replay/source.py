@@ -150,7 +150,12 @@ class BundleSource:
     means events were lost (a hand-cut file, a broken copy): replaying past them would
     give a view no cluster ever had, without a word. So a gap before the cut is a
     `BundleError` naming its line, unless `allow_gaps`; then it is kept in `stats.gaps`
-    for the caller to say once. A gap past the cut is never looked at."""
+    for the caller to say once. A gap past the cut is never looked at.
+
+    The same holds for the bundle's start: its first line must follow `start_after`, the
+    seq of the snapshot it starts from (`bundle.snapshot`), or 0 when it has none. A
+    bundle of a compacted log cut without its archive starts after seq 1 with nothing
+    to fold its beginning from, and is a gap like any other."""
 
     def __init__(
         self,
@@ -161,9 +166,11 @@ class BundleSource:
         until_time: datetime | None = None,
         root: str = subjects.DEFAULT_ROOT,
         allow_gaps: bool = False,
+        start_after: int = 0,
     ) -> None:
         self.path = path
         self.from_seq = from_seq
+        self.start_after = start_after
         self.until_seq = until_seq
         self.allow_gaps = allow_gaps
         self.label = path
@@ -175,11 +182,11 @@ class BundleSource:
         # The line of each message of the chunk, to name a skipped one by FILE:LINE.
         lines: list[int] = []
         until_seq, from_seq = self.until_seq, self.from_seq
-        last = 0
+        last = self.start_after
         for seq, subject, line, lineno, stored_ns in bundle.entries(self.path):
             if until_seq is not None and seq > until_seq:
                 break
-            if last and seq != last + 1 and seq > from_seq:
+            if seq != last + 1 and seq > from_seq:
                 # The lines before the gap are taken first: a cut among them (a time)
                 # ends the replay before the gap matters.
                 out = self._take(chunk, lines) if chunk else []
@@ -220,9 +227,20 @@ class BundleSource:
     def _gap(self, before: int, seq: int, lineno: int) -> None:
         if not self.allow_gaps:
             raise BundleError(
-                self.path, lineno, f"{bundle.missing(before, seq)}; --allow-gaps replays past it"
+                self.path, lineno, f"{self._missing(before, seq)}; --allow-gaps replays past it"
             )
         self.stats.gaps.append((before + 1, seq - 1))
+
+    def _missing(self, before: int, seq: int) -> str:
+        """The gap in words; at the start, what would have covered it."""
+        if before > self.start_after:
+            return bundle.missing(before, seq)
+        run = f"seq {before + 1} is" if seq == before + 2 else f"seqs {before + 1}-{seq - 1} are"
+        held = f"its snapshot is of seq {before}" if before else "no snapshot in it covers them"
+        return (
+            f"the bundle starts at seq {seq}: {run} missing and {held} (a compacted log "
+            "exported or cut without its archive, or a hand-cut file)"
+        )
 
 
 class StreamSource:
@@ -295,39 +313,24 @@ class LogSource:
         self._stream.stats = self.stats
         self._stream._cut = self._cut
 
-    def _past_cut(self, seq: int) -> bool:
-        return self.until_seq is not None and seq > self.until_seq
-
-    def _gap(self, first: int, last: int) -> None:
-        last = min(last, self.until_seq) if self.until_seq is not None else last
-        if first <= last:
-            self.stats.gaps.append((first, last))
-
     async def batches(self) -> AsyncIterator[list[Item]]:
         pos = self.from_seq
         if pos < self.stream_first:
-            found = archive.parts(self.archive_dir) if self.archive_dir is not None else []
-            for part in found:
-                if part.last < pos:
+            before = self.stream_first
+            if self.until_seq is not None:
+                before = min(before, self.until_seq + 1)
+            held = archive.cover(self.archive_dir, pos, before)
+            self.unreadable.extend(held.unreadable)
+            for run in held.in_order():
+                if isinstance(run, tuple):
+                    self.stats.gaps.append(run)
                     continue
-                if part.first >= self.stream_first or self._past_cut(part.first):
-                    break
-                if part.first > pos:
-                    self._gap(pos, part.first - 1)
-                why = archive.verify(part)
-                if why:
-                    self.unreadable.append(why)
-                    self._gap(max(pos, part.first), part.last)
-                else:
-                    async for out in self._part(part, pos):
-                        yield out
-                    if self._cut.done:
-                        return
-                pos = part.last + 1
-            if pos < self.stream_first:
-                self._gap(pos, self.stream_first - 1)
-                pos = self.stream_first
-        if self._past_cut(pos):
+                async for out in self._part(run, pos):
+                    yield out
+                if self._cut.done:
+                    return
+            pos = self.stream_first
+        if self.until_seq is not None and pos > self.until_seq:
             return
         self._stream.from_seq = pos
         async for out in self._stream.batches():
@@ -338,7 +341,7 @@ class LogSource:
         for seq, subject, line, _, stored_ns in bundle.entries(str(part.path)):
             if seq < pos:
                 continue
-            if seq >= self.stream_first or self._past_cut(seq):
+            if seq >= self.stream_first or (self.until_seq is not None and seq > self.until_seq):
                 break
             chunk.append((seq, subject, line, stored_ns))
             if len(chunk) >= BATCH:

@@ -27,6 +27,7 @@ from schemas import subjects
 from services.agent import Agent, NoStream, SimulatedRuntime, durable_name, spec
 from services.agent.agent import ctl_subject
 from services.bus import EmbeddedBroker, Publisher, connect, consume
+from services.bus.publish import scoped_id
 from services.bus.stream import ensure_stream
 from tests.agent.helpers import by_replica, drain_cmd, node_events, start_cmd, states, wait_for
 
@@ -285,7 +286,7 @@ async def test_a_drain_that_overtakes_its_start_still_wins(
         ),
     )
     [msg] = await taken.fetch(1, timeout=5)
-    assert msg.headers and msg.headers["Nats-Msg-Id"] == start.id
+    assert msg.headers and msg.headers["Nats-Msg-Id"] == scoped_id(msg.subject, start.id)
     await taken.unsubscribe()
     drain = drain_cmd("r-9")
     await pub.publish(drain, node=node)

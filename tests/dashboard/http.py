@@ -24,8 +24,10 @@ async def _open(url: str, headers: dict[str, str] | None, method: str = "GET") -
     u = urlsplit(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
     path = u.path + (f"?{u.query}" if u.query else "")
-    head = f"{method} {path} HTTP/1.1\r\nHost: {u.netloc}\r\n"
-    for k, v in (headers or {}).items():
+    given = dict(headers or {})
+    # A `Host` given replaces the URL's (a test of which hosts the server answers for).
+    head = f"{method} {path} HTTP/1.1\r\nHost: {given.pop('Host', u.netloc)}\r\n"
+    for k, v in given.items():
         head += f"{k}: {v}\r\n"
     writer.write((head + "\r\n").encode())
     await writer.drain()

@@ -29,13 +29,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "nats"
 NATS_SERVER = str(Path(sys.executable).with_name("nats-server"))
 
-CONTROL_PASSWORD = "change-me-control"
-VIEWER_PASSWORD = "change-me-viewer"
+# The tests' own passwords: users.py refuses the examples' placeholders (change-me-*).
+CONTROL_PASSWORD = "test-control-pw"
+VIEWER_PASSWORD = "test-viewer-pw"
 ROUTE_PASSWORD = "change-me-route"
 
 
 def agent_password(node: str) -> str:
-    return f"change-me-{node}"
+    return f"test-pw-{node}"
 
 
 def users_module() -> ModuleType:
@@ -75,7 +76,10 @@ def render_users(into: Path, nodes: list[str]) -> None:
     into.mkdir(parents=True, exist_ok=True)
     for name in ("permissions.conf", "agent.conf.in"):
         (into / name).write_text((DEPLOY / name).read_text())
-    (into / "users.conf").write_text(users_module().render(dict.fromkeys(nodes)))
+    agents = {n: agent_password(n) for n in nodes}
+    (into / "users.conf").write_text(
+        users_module().render(agents, CONTROL_PASSWORD, VIEWER_PASSWORD)
+    )
 
 
 def render_single(into: Path, nodes: list[str]) -> Rendered:

@@ -21,6 +21,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.agent import consumers as agent_consumers
 from services.agent.agent import durable_name, inbox_prefix, reader_name
 from services.bus import consume, ensure_streams
 from tests.deploy.natsconf import (
@@ -132,13 +133,14 @@ async def _subscribe_refused(c: Conn, subject: str) -> None:
     await sub.unsubscribe()
 
 
-def _cmd_consumer(name: str, filt: str) -> ConsumerConfig:
+def _cmd_consumer(name: str, filt: str, **extra: Any) -> ConsumerConfig:
     return ConsumerConfig(
         name=name,
         durable_name=name,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         filter_subject=filt,
+        **extra,
     )
 
 
@@ -147,10 +149,11 @@ async def test_an_agent_reads_model_runtimes_and_answers_its_ctl_requests(env: E
     `llmgw gpu reset-health` asks the agent on llmgw.ctl.<node>: both allowed, and
     another node's ctl subject refused."""
     a1 = env.a1
+    await agent_consumers.provide(env.control.nc.jetstream(), A1)
     ack = await env.control.nc.jetstream().publish("llmgw.catalog.model.chat", b"declared")
     seen = []
-    async for batch in consume.read_range(
-        a1.nc.jetstream(), 1, filter_subject="llmgw.catalog.model.chat", consumer=reader_name(A1)
+    async for batch in consume.read_pulled(
+        a1.nc.jetstream(), reader_name(A1), 1, only="llmgw.catalog.model.chat"
     ):
         seen += [d.seq for d in batch]
     assert seen == [ack.seq]
@@ -178,63 +181,51 @@ async def test_an_agent_reads_model_runtimes_and_answers_its_ctl_requests(env: E
     await _subscribe_refused(a1, f"llmgw.ctl.{A2}.gpu.reset-health")
 
 
-@pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
-async def test_what_an_agent_needs_is_allowed(
-    env: Env, wire: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("LLMGW_BUS_WIRE", wire)
+async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
     a1 = env.a1
     js = a1.nc.jetstream()
+    # Its consumers, asked of the control plane on its hello subject.
+    stop = asyncio.Event()
+    control_js = env.control.nc.jetstream()
+    served = asyncio.create_task(agent_consumers.serve(env.control.nc, control_js, "llmgw", stop))
+    try:
+        async with asyncio.timeout(10):
+            while True:  # until the responder's subscription is in
+                try:
+                    reply = await a1.nc.request(agent_consumers.hello_subject(A1), b"", timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    await asyncio.sleep(0.02)
+        assert json.loads(reply.data) == {"ok": True}
+    finally:
+        stop.set()
+        await served
+    for name in (durable_name(A1), reader_name(A1)):
+        info = await js.consumer_info("LLMGW", name)
+        assert info.config.deliver_subject is None
     # Its own node's reports, stored.
     ack = await js.publish(f"llmgw.node.{A1}.inventory", b'{"x":1}')
     await js.publish(f"llmgw.node.{A1}.replica.r-1", b'{"x":2}')
     await a1.nc.publish(f"llmgw.heartbeat.{A1}", b"{}")
     await a1.nc.flush()
     # Its commands, through its durable consumer, filtered to them.
-    await env.control.nc.jetstream().publish(f"llmgw.cmd.{A1}.replica.start", b"cmd-a1")
-    await env.control.nc.jetstream().publish(f"llmgw.cmd.{A2}.replica.start", b"cmd-a2")
-    durable = durable_name(A1)
-    psub = await js.pull_subscribe(
-        f"llmgw.cmd.{A1}.>",
-        durable=durable,
-        stream="LLMGW",
-        config=_cmd_consumer(durable, f"llmgw.cmd.{A1}.>"),
-    )
+    await control_js.publish(f"llmgw.cmd.{A1}.replica.start", b"cmd-a1")
+    await control_js.publish(f"llmgw.cmd.{A2}.replica.start", b"cmd-a2")
+    psub = await js.pull_subscribe_bind(durable_name(A1), "LLMGW")
     msgs = await psub.fetch(10, timeout=5)
     assert [m.data for m in msgs] == [b"cmd-a1"]
     await msgs[0].ack_sync()
-    # Its own history, through its one reader consumer (the wire reader and nats-py's).
-    seen = []
-    async for batch in consume.read_range(
-        js, 1, filter_subject=f"llmgw.node.{A1}.>", consumer=reader_name(A1)
-    ):
-        seen += [d.seq for d in batch]
-    assert seen == [ack.seq, ack.seq + 1]
-    async for batch in consume.read_range(
-        js, 1, filter_subject=f"llmgw.cmd.{A1}.replica.start", consumer=reader_name(A1)
+    # Its own history, through its reader, from the first sequence every time.
+    for _ in range(2):
+        seen = []
+        async for batch in consume.read_pulled(js, reader_name(A1), 1, only=f"llmgw.node.{A1}.>"):
+            seen += [d.seq for d in batch]
+        assert seen == [ack.seq, ack.seq + 1]
+    async for batch in consume.read_pulled(
+        js, reader_name(A1), 1, only=f"llmgw.cmd.{A1}.replica.start"
     ):
         assert [d.data for d in batch] == [b"cmd-a1"]
     assert a1.errors == []
-
-
-@pytest.mark.parametrize("wire", ["1", "0"], ids=["wire-reader", "nats-py-reader"])
-async def test_an_agent_reader_answers_flow_control(
-    env: Env, wire: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A long history makes the server ask the reader for flow control (every 16 MiB or
-    so, on $JS.FC.LLMGW.<consumer>.*): the agent's reply must be allowed, or its read
-    stalls."""
-    monkeypatch.setenv("LLMGW_BUS_WIRE", wire)
-    js = env.a1.nc.jetstream()
-    body = b"x" * 900_000
-    acks = [await js.publish(f"llmgw.node.{A1}.replica.r-{i}", body) for i in range(48)]
-    n = 0
-    async for batch in consume.read_range(
-        js, 1, filter_subject=f"llmgw.node.{A1}.>", consumer=reader_name(A1)
-    ):
-        n += len(batch)
-    assert n == len(acks)
-    assert env.a1.errors == []
 
 
 async def test_other_nodes_and_the_operators_subjects_are_refused(env: Env) -> None:
@@ -248,6 +239,9 @@ async def test_other_nodes_and_the_operators_subjects_are_refused(env: Env) -> N
         "llmgw.catalog.scale.chat",
         "llmgw.preemption.decided.chat",
         f"llmgw.dlq.{durable_name(A2)}",
+        f"llmgw.hello.{A2}",
+        f"llmgw.ctl.{A2}.gpu.reset-health",
+        f"llmgw.ctl.{A1}.gpu.reset-health",
     ]:
         await _publish_refused(a1, subject)
     # No command is readable off the bus, its own neither: only through its consumer.
@@ -258,56 +252,79 @@ async def test_other_nodes_and_the_operators_subjects_are_refused(env: Env) -> N
     assert info.state.messages == 0
 
 
-async def test_consumers_beyond_its_own_filter_are_refused(env: Env) -> None:
+async def test_an_agent_creates_no_consumer(env: Env) -> None:
+    """Not even its own with its own filter: a create's body is the agent's, and a
+    `deliver_subject` in it makes the server re-send what the agent stored anywhere."""
     a1 = env.a1
     jsm = a1.nc.jetstream()
+    await agent_consumers.provide(env.control.nc.jetstream(), A1)
     api = "$JS.API.CONSUMER"
     mine, reader = durable_name(A1), reader_name(A1)
+    elsewhere = f"llmgw.ctl.{A2}.gpu.reset-health"
     cases = [
+        # Its own consumers, as made (an update), and pushing to another node's ctl subject,
+        # another node's heartbeat, the control plane's inbox, a DLQ subject.
+        (mine, f"llmgw.cmd.{A1}.>", {}),
+        (mine, f"llmgw.cmd.{A1}.>", {"deliver_subject": elsewhere}),
+        (reader, f"llmgw.node.{A1}.>", {"deliver_subject": f"llmgw.heartbeat.{A2}"}),
+        (reader, f"llmgw.node.{A1}.>", {"deliver_subject": "_INBOX.x"}),
+        (reader, "llmgw.catalog.model.*", {"deliver_subject": "llmgw.dlq.projector"}),
         # Its durable, reading everything, or another node's commands.
-        (mine, "llmgw.>"),
-        (mine, f"llmgw.cmd.{A2}.>"),
-        # Its reader, on another node's subjects or the log's decisions.
-        (reader, f"llmgw.node.{A2}.>"),
-        (reader, f"llmgw.cmd.{A2}.replica.start"),
-        (reader, "llmgw.placement.>"),
+        (mine, "llmgw.>", {}),
+        (mine, f"llmgw.cmd.{A2}.>", {}),
+        (reader, f"llmgw.node.{A2}.>", {}),
         # Another node's durable, or any other name (a control-plane consumer).
-        (durable_name(A2), f"llmgw.cmd.{A1}.>"),
-        ("preemption", f"llmgw.cmd.{A1}.>"),
+        (durable_name(A2), f"llmgw.cmd.{A1}.>", {}),
+        ("preemption", f"llmgw.cmd.{A1}.>", {}),
     ]
-    for name, filt in cases:
+    for name, filt, extra in cases:
         subject = f"{api}.CREATE.LLMGW.{name}.{filt}"
         await _refused(
             a1,
             subject,
-            lambda n=name, f=filt: jsm._jsm.add_consumer("LLMGW", _cmd_consumer(n, f)),
+            lambda n=name, f=filt, x=extra: jsm._jsm.add_consumer(
+                "LLMGW", _cmd_consumer(n, f, **x)
+            ),
         )
-    # The create subjects whose filter no permission can see: ephemeral, legacy durable.
+    # The create subjects whose filter no permission can see: ephemeral, legacy durable,
+    # and the multi-filter create of its own reader.
     body = json.dumps(
-        {"stream_name": "LLMGW", "config": {"filter_subject": "llmgw.>", "ack_policy": "none"}}
-    ).encode()
-    for subject in [f"{api}.CREATE.LLMGW", f"{api}.DURABLE.CREATE.LLMGW.{mine}"]:
-        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, body, timeout=30))
-    # Its own filter in the subject and another in the body: JetStream refuses it.
-    bad = json.dumps(
         {
             "stream_name": "LLMGW",
-            "config": {"name": reader, "filter_subject": "llmgw.>", "ack_policy": "none"},
+            "config": {"filter_subject": "llmgw.>", "ack_policy": "none", "deliver_subject": "x"},
         }
     ).encode()
-    resp = await a1.nc.request(f"{api}.CREATE.LLMGW.{reader}.llmgw.node.{A1}.>", bad, timeout=5)
-    assert "error" in json.loads(resp.data), resp.data
-    # Someone else's consumer: pulled, deleted, looked at, listed.
+    for subject in [
+        f"{api}.CREATE.LLMGW",
+        f"{api}.CREATE.LLMGW.{reader}",
+        f"{api}.DURABLE.CREATE.LLMGW.{mine}",
+    ]:
+        await _refused(a1, subject, lambda s=subject: a1.nc.request(s, body, timeout=30))
+    # Someone else's consumer, or its own deleted: pulled, reset, deleted, looked at, listed.
     for subject in [
         f"{api}.MSG.NEXT.LLMGW.{durable_name(A2)}",
+        f"{api}.MSG.NEXT.LLMGW.{reader_name(A2)}",
+        f"{api}.RESET.LLMGW.{reader_name(A2)}",
+        f"{api}.RESET.LLMGW.{mine}",
         f"{api}.DELETE.LLMGW.{durable_name(A2)}",
         f"{api}.DELETE.LLMGW.{mine}",
+        f"{api}.DELETE.LLMGW.{reader}",
         f"{api}.INFO.LLMGW.{durable_name(A2)}",
         f"{api}.LIST.LLMGW",
         f"{api}.NAMES.LLMGW",
         f"$JS.ACK.LLMGW.{durable_name(A2)}.1.1.1.1.1.0",
     ]:
         await _refused(a1, subject, lambda s=subject: a1.nc.request(s, b"{}", timeout=30))
+    # 0 consumers that push anywhere.
+    control_js = env.control.nc.jetstream()
+    made = [c async for c in _consumers(control_js)]
+    assert sorted(c.name for c in made) == sorted([mine, reader])
+    assert [c.name for c in made if c.config.deliver_subject] == []
+
+
+async def _consumers(js: Any) -> AsyncIterator[Any]:
+    for c in await js.consumers_info("LLMGW"):
+        yield c
 
 
 async def test_inboxes_stream_and_leases_are_refused(env: Env) -> None:
@@ -324,6 +341,7 @@ async def test_inboxes_stream_and_leases_are_refused(env: Env) -> None:
         f"{api}.PURGE.LLMGW",
         f"{api}.UPDATE.LLMGW",
         f"{api}.MSG.GET.LLMGW",
+        f"{api}.INFO.LLMGW",  # its subjects name every node, replica and model
         f"{api}.MSG.DELETE.LLMGW",
         "$JS.API.DIRECT.GET.LLMGW",
         f"{api}.DELETE.LLMGW_DLQ",

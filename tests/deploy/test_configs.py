@@ -1,6 +1,7 @@
-"""The shipped deploy/nats configs: nats-server accepts each one, users.conf is what
-users.py writes from agent.conf.in, monitoring listens on loopback only, and cluster
-routes authenticate."""
+"""The shipped deploy/nats configs: nats-server accepts each one with the users.conf
+users.py writes from agent.conf.in (none is shipped: a server started on the configs as
+they are has no users, not users with known passwords), monitoring listens on loopback
+only, and cluster routes authenticate."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.natsconf import DEPLOY, NATS_SERVER, render_cluster, render_single, users_module
+from tests.deploy.natsconf import (
+    DEPLOY,
+    NATS_SERVER,
+    render_cluster,
+    render_single,
+    render_users,
+    users_module,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,8 +32,11 @@ def _check(conf: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("name", SERVER_CONFIGS)
-def test_nats_server_accepts_every_shipped_config(name: str) -> None:
-    r = _check(DEPLOY / name)
+def test_nats_server_accepts_every_shipped_config(name: str, tmp_path: Path) -> None:
+    # As shipped, beside the users.conf users.py writes (none is shipped).
+    (tmp_path / name).write_text((DEPLOY / name).read_text())
+    render_users(tmp_path, ["gpu-a1", "gpu-a2"])
+    r = _check(tmp_path / name)
     assert r.returncode == 0, r.stderr
     assert "is valid" in r.stdout + r.stderr
 
@@ -39,9 +50,12 @@ def test_rendered_configs_are_accepted_too(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
 
 
-def test_shipped_users_conf_is_what_users_py_writes() -> None:
-    users = users_module()
-    assert (DEPLOY / "users.conf").read_text() == users.render({"gpu-a1": None, "gpu-a2": None})
+@pytest.mark.parametrize("name", SERVER_CONFIGS)
+def test_no_users_conf_is_shipped_so_none_has_a_known_password(name: str) -> None:
+    assert "include users.conf" in (DEPLOY / name).read_text()
+    assert not (DEPLOY / "users.conf").exists()
+    r = _check(DEPLOY / name)
+    assert r.returncode != 0 and "users.conf" in r.stdout + r.stderr
 
 
 def test_an_agent_user_names_only_its_own_node() -> None:

@@ -215,20 +215,30 @@ def test_every_user_an_agent_logs_in_as_is_declared_to_the_servers(tmp_path: Pat
     from tests.deploy import natsconf
 
     secret, mount, included = _users_secret()
-    secrets = _secrets()
+    users = natsconf.users_module()
+    # Step 2: the Secrets with passwords of one's own. The example's placeholders as they
+    # are would be refused by users.py in step 3.
+    example = _secrets()
+    with pytest.raises(users.UsersError, match="placeholder"):
+        users.render({}, urlsplit(example["llmgw-control-nats"]["url"]).password, "x")
+    secrets = {
+        name: {k: v.replace("change-me-", "test-k8s-") for k, v in data.items()}
+        for name, data in example.items()
+    }
     control = urlsplit(servers_of(secrets["llmgw-control-nats"]["url"])[0])
     _, c = _agent_container()
     env = _env(c)
     ref = env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     agent_pw = secrets[ref["name"]][ref["key"]]
+    with pytest.raises(users.UsersError, match="placeholder"):
+        users.render({NODES[0]: example[ref["name"]][ref["key"]]}, "x", "y")
 
     # Step 3: users.py for every node, the agents' password, the control password.
-    users = natsconf.users_module()
     etc = tmp_path / "etc" / "nats-config"
     files = etc / PurePosixPath(mount).relative_to("/etc/nats-config")
     files.mkdir(parents=True)
     (files / included).write_text(
-        users.render(dict.fromkeys(NODES, agent_pw), control_password=str(control.password))
+        users.render(dict.fromkeys(NODES, agent_pw), str(control.password), "test-k8s-viewer")
     )
     (files / "permissions.conf").write_text((natsconf.DEPLOY / "permissions.conf").read_text())
     # Step 4: the chart's nats.conf, with the values' include.

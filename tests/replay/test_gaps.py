@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from schemas import bundle
 from schemas.errors import BundleError
 from services import cli
+from services.core.view import digest, encode_state
 from services.replay import rebuild
 from services.replay.source import BundleSource
 from tests.replay.conftest import cluster
@@ -98,11 +100,58 @@ def test_a_gap_past_the_moment_asked_for_is_not_looked_at(
     assert code == 1 and f"{path}:10: seqs 10-11 are missing" in err
 
 
-def test_a_bundle_that_starts_late_has_no_gap(tmp_path: Path) -> None:
-    # An export --from-seq starts where it starts: only a hole between lines is a gap.
+@pytest.mark.parametrize("argv", READERS)
+def test_a_bundle_that_starts_late_without_a_snapshot_is_refused(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A compacted log exported without its archive: its beginning is a hole like any
+    # other, and replaying past it would show a cluster that never was.
     path = gapped(tmp_path, range(1, 4))
+    args = [a.format(tmp=tmp_path) for a in argv]
+    code, out, err = run(capsys, *args, "--log", str(path))
+    assert code == 1 and out == ""
+    assert err == (
+        f"llmgw: {path}:1: the bundle starts at seq 4: seqs 1-3 are missing and no snapshot "
+        "in it covers them (a compacted log exported or cut without its archive, or a "
+        "hand-cut file); --allow-gaps replays past it\n"
+    )
+    # Past the hole it goes on, saying so; what it then shows lacks what the hole held
+    # (`chat` was declared at seq 3: a plan for it is refused, in one line).
+    code, out, err = run(capsys, *args, "--log", str(path), "--allow-gaps")
+    note = f"llmgw: note: {path}: the log has 1 gap: seqs 1-3 missing (3 events); replayed"
+    assert err.startswith(note), err
+    if "plan" in args:
+        assert code == 1 and "unknown model 'chat'" in err and err.count("\n") == 2
+    else:
+        assert code == 0, err
+
+
+def test_a_bundle_that_starts_from_a_snapshot_replays_as_the_whole_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full = cluster().write(tmp_path / "full.jsonl")
+    whole = asyncio.run(rebuild.from_bundle(str(full)))
+    at_10 = asyncio.run(rebuild.from_bundle(str(full), until_seq=10))
+    lines = full.read_bytes().splitlines()[10:]
+    path = tmp_path / "from-11.jsonl"
+    path.write_bytes(b"\n".join([bundle.snapshot_line(10, encode_state(at_10.view.state)), *lines]))
     got = asyncio.run(rebuild.from_bundle(str(path)))
-    assert got.source.stats.gaps == [] and got.seq == 16
+    assert got.started_at == 10 and got.source.stats.gaps == []
+    assert digest(got.view.state) == digest(whole.view.state)
+    code, _, err = run(capsys, "view", "--log", str(path), "--seq", "5")
+    assert code == 1 and "the moment asked for is before it" in err and err.count("\n") == 1
+    # A snapshot line that does not say its view's seq is not trusted.
+    path.write_bytes(b"\n".join([bundle.snapshot_line(9, encode_state(at_10.view.state)), *lines]))
+    code, _, err = run(capsys, "view", "--log", str(path))
+    assert code == 1 and "says seq 9 and its view seq 10: not trusted" in err
+    # A snapshot whose next line does not follow it is a gap like any other.
+    at_9 = asyncio.run(rebuild.from_bundle(str(full), until_seq=9))
+    path.write_bytes(b"\n".join([bundle.snapshot_line(9, encode_state(at_9.view.state)), *lines]))
+    code, _, err = run(capsys, "view", "--log", str(path))
+    assert code == 1
+    assert (
+        f"{path}:2: the bundle starts at seq 11: seq 10 is missing and its snapshot is of " in err
+    )
 
 
 def test_the_source_keeps_the_gaps_it_was_allowed_past(tmp_path: Path) -> None:

@@ -1,0 +1,294 @@
+"""The adversarial suite at the broker's boundary: a compromised GPU host holds one agent's
+credentials under the shipped deploy/nats permissions, beside a running plane (`llmgw up
+--nats` as `control`, a real process) and the agent of another node, and tries to act for
+that node, keep its events off the log, or fill the broker. After each attack, as in
+test_bad_input: every process is alive, a sentinel event sent after it is applied, and
+the SQLite view equals an offline replay of the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
+
+from schemas import codec, ids, subjects
+from schemas import events as ev
+from services.agent import SimulatedRuntime, gpu_inventory, parse_gpus
+from services.agent import consumers as agent_consumers
+from services.agent.agent import Agent, ctl_subject, durable_name, inbox_prefix, reader_name
+from services.bus import Publisher, consume
+from services.bus.publish import COLLISIONS, scoped_id
+from services.clock import new_id
+from tests.adversarial.test_bad_input import Plane, _replayed_equals_live, _settle
+from tests.agent.helpers import drain_cmd, start_cmd
+from tests.deploy.natsconf import (
+    CONTROL_PASSWORD,
+    Rendered,
+    agent_password,
+    render_single,
+    server,
+    wait_for,
+)
+from tests.up_process import FAST, UpProcess
+
+pytestmark = [pytest.mark.timeout(60)]
+
+A1, A2 = "gpu-a1", "gpu-a2"  # the attacker's node, and the node it attacks
+BAD_GPU = 3
+MODEL_OF_TEST = "two-node"
+
+
+@dataclass
+class Boundary:
+    plane: Plane
+    rendered: Rendered
+    base: Path
+
+    def url(self, user: str) -> str:
+        password = CONTROL_PASSWORD if user == "control" else agent_password(user)
+        return self.rendered.url(user, password)
+
+
+@pytest.fixture(scope="module")
+def boundary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Boundary]:
+    base = tmp_path_factory.mktemp("boundary")
+    r = render_single(base / "nats", [A1, A2])
+    with server(r, base / "nats.log"):
+        control = r.url("control", CONTROL_PASSWORD)
+        up = UpProcess(base / "data", base / "up.log", "--nats", control, *FAST)
+        try:
+            wait_for(
+                "llmgw up to run its services",
+                lambda: (
+                    (up.alive() or pytest.fail(up.text()[-3000:]))
+                    and "preemption service" in up.text()
+                ),
+            )
+            yield Boundary(Plane(up, control), r, base)
+        finally:
+            up.stop()
+    text = up.text()
+    assert "Traceback" not in text, text[-3000:]
+
+
+async def _connect(url: str, inbox: str = "_INBOX") -> tuple[Client, list[str]]:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await nats.connect(url, inbox_prefix=inbox, error_cb=on_error, allow_reconnect=False)
+    return nc, errors
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def js(boundary: Boundary) -> AsyncIterator[JetStreamContext]:
+    nc, _ = await _connect(boundary.url("control"))
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def _victim(boundary: Boundary, tmp: Path) -> AsyncIterator[Agent]:
+    """The agent of A2, in this process, as A2's user: GPU BAD_GPU kept unhealthy."""
+    health = tmp / "health.json"
+    health.write_text(json.dumps({str(BAD_GPU): "uncorrected ECC errors"}))
+    nc, _ = await _connect(boundary.url(A2), inbox_prefix(A2))
+    agent = Agent(
+        nc,
+        nc.jetstream(),
+        node=A2,
+        gpus=gpu_inventory(A2, parse_gpus("8xH100-80GB")),
+        cpu_cores=64,
+        memory_gb=512,
+        runtime=SimulatedRuntime(0.01, 0.05, 0.01),
+        heartbeat_s=0.5,
+        health_file=health,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    control, _ = await _connect(boundary.url("control"))
+    try:
+        # Up once its ctl subject answers (a request that asks nothing: an error back).
+        async with asyncio.timeout(20):
+            while True:
+                assert not task.done(), task
+                with contextlib.suppress(nats.errors.NoRespondersError):
+                    await control.request(ctl_subject(A2), b"{}", timeout=5)
+                    break
+                await asyncio.sleep(0.02)
+        await control.close()
+        yield agent
+        assert not task.done(), task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await nc.close()
+
+
+async def _checks(boundary: Boundary, js: JetStreamContext, tmp: Path, n: int) -> None:
+    """Every process alive, the sentinel applied, the view equal to the log's replay."""
+    assert boundary.plane.alive(), boundary.plane.log.read_text()[-3000:]
+    live = await _settle(js, boundary.plane, tmp, n)
+    await _replayed_equals_live(js, live, tmp)
+
+
+async def _until(what: str, cond: Any, within: float = 10.0) -> None:
+    async with asyncio.timeout(within):
+        while not cond():  # noqa: ASYNC110 (a condition of a log, no event to wait on)
+            await asyncio.sleep(0.02)
+
+
+async def test_an_agent_cannot_clear_another_nodes_quarantine(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpu-a1 tries to make gpu-a2's agent bring back its faulty GPU: by a consumer that
+    pushes to gpu-a2's ctl subject (refused: agents create no consumer), and by naming
+    that subject as the reply of its own pull and API requests (the server delivers, and
+    gpu-a2's agent refuses a request no operator sent). An operator's request still works,
+    and the agent says who asked."""
+    caplog.set_level(logging.INFO, logger="llmgw.agent")
+    target = ctl_subject(A2)
+    async with _victim(boundary, tmp_path) as victim:
+        assert BAD_GPU in victim._unhealthy
+        nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+        try:
+            await agent_consumers.provide(js, A1)
+            ajs = nc.jetstream()
+            # 1. A push consumer of its own history, delivering to gpu-a2's ctl subject.
+            forged = json.dumps({"gpu": BAD_GPU}).encode()
+            await ajs.publish(subjects.inventory_subject(A1), forged)
+            for name, filt in [
+                (reader_name(A1), f"llmgw.node.{A1}.>"),
+                (durable_name(A1), f"llmgw.cmd.{A1}.>"),
+                ("push", f"llmgw.node.{A1}.>"),
+            ]:
+                config = ConsumerConfig(
+                    name=name,
+                    durable_name=name,
+                    ack_policy=AckPolicy.NONE,
+                    deliver_policy=DeliverPolicy.ALL,
+                    filter_subject=filt,
+                    deliver_subject=target,
+                )
+                with pytest.raises((nats.errors.Error, TimeoutError)):
+                    await ajs._jsm.add_consumer("LLMGW", config, timeout=1)
+            # The plane's own readers push to its inbox; nothing pushes anywhere else.
+            pushing = [
+                (c.name, c.config.deliver_subject)
+                for c in await js.consumers_info("LLMGW")
+                if c.config.deliver_subject and not c.config.deliver_subject.startswith("_INBOX.")
+            ]
+            assert pushing == []
+            # 2. Its own pull and API requests, answered to gpu-a2's ctl subject.
+            await nc.request(
+                f"$JS.API.CONSUMER.RESET.LLMGW.{reader_name(A1)}", b'{"seq": 1}', timeout=5
+            )
+            await nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.LLMGW.{reader_name(A1)}",
+                json.dumps({"batch": 5, "no_wait": True}).encode(),
+                reply=target,
+            )
+            await nc.publish(f"$JS.API.CONSUMER.INFO.LLMGW.{reader_name(A1)}", b"", reply=target)
+            await nc.flush()
+            await _until(
+                "gpu-a2's agent to refuse what the server delivered",
+                lambda: sum("ctl request refused" in r.message for r in caplog.records) >= 2,
+            )
+        finally:
+            await nc.close()
+        assert BAD_GPU in victim._unhealthy
+        assert not any("healthy again" in r.message for r in caplog.records)
+        # An operator's request (the control role) is answered, and the log says who.
+        cnc, _ = await _connect(boundary.url("control"))
+        try:
+            reply = await cnc.request(
+                target, json.dumps({"gpu": BAD_GPU, "by": "ops@bastion"}).encode(), timeout=5
+            )
+        finally:
+            await cnc.close()
+        assert json.loads(reply.data)["was"] == "uncorrected ECC errors"
+        assert BAD_GPU not in victim._unhealthy
+        said = [r.message for r in caplog.records if "healthy again" in r.message]
+        assert len(said) == 1 and "by request of ops@bastion" in said[0], said
+    await _checks(boundary, js, tmp_path, 1)
+
+
+async def test_a_taken_message_id_keeps_no_event_off_the_log(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica with shards on gpu-a1 and gpu-a2: gpu-a1 sees the placement, so it can
+    derive gpu-a2's start command, gpu-a2's state reports and a drain, and send each id
+    first on its own subject (scoped as publishers scope them, and bare as they were).
+    Every one of gpu-a2's events and the plane's commands is stored all the same, and
+    each taken id is said."""
+    caplog.set_level(logging.INFO)
+    replica = f"r-two-{tmp_path.name[-6:]}"
+    placement = new_id()
+    start = msgspec.structs.replace(
+        start_cmd(replica, A2, (0, 1), model=MODEL_OF_TEST),
+        id=ids.derived(placement, f"start\x00{A2}"),
+        causation=placement,
+    )
+    start = msgspec.structs.replace(
+        start,
+        data=msgspec.structs.replace(
+            start.data,
+            shards=(ev.ShardSpec(node=A1, gpus=(0, 1)), ev.ShardSpec(node=A2, gpus=(0, 1))),
+        ),
+    )
+    drain = msgspec.structs.replace(
+        drain_cmd(replica, model=MODEL_OF_TEST), id=ids.derived(placement, f"drain\x00{A2}")
+    )
+    report = subjects.replica_subject(A2, replica)
+    taken = [
+        (subjects.command_subject(A2, "start"), start.id),
+        (subjects.command_subject(A2, "drain"), drain.id),
+        *[(report, ids.derived(start.id, f"state:{s}")) for s in ("starting", "loading", "ready")],
+        *[(report, ids.derived(drain.id, f"state:{s}")) for s in ("draining", "stopped")],
+    ]
+    nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+    try:
+        ajs = nc.jetstream()
+        own = subjects.replica_subject(A1, replica)
+        for subject, eid in taken:
+            for header in (scoped_id(subject, eid), eid):
+                await ajs.publish(own, b"{}", headers={"Nats-Msg-Id": header})
+    finally:
+        await nc.close()
+    before = sum(COLLISIONS.values())
+    plane = Publisher(js)
+    async with _victim(boundary, tmp_path) as victim:
+        await plane.publish(start, node=A2)
+        await _until(
+            "gpu-a2 to report its shard ready", lambda: victim.replicas() == {replica: "ready"}
+        )
+        await plane.publish(drain, node=A2)
+        await _until("gpu-a2 to stop it", lambda: victim.replicas() == {replica: "stopped"})
+    stored: dict[tuple[str, str], int] = {}
+    async for batch in consume.read_range(js, 1, filter_subject=f"llmgw.*.{A2}.>"):
+        for d in batch:
+            with contextlib.suppress(Exception):
+                stored[(d.subject, codec.decode(d.data).id)] = d.seq
+    assert [t for t in taken if t not in stored] == []
+    assert sum(COLLISIONS.values()) - before == len(taken)
+    said = [r.message for r in caplog.records if "was taken by seq" in r.message]
+    assert len(said) == len(taken), said
+    await _checks(boundary, js, tmp_path, 2)
