@@ -121,17 +121,23 @@ async def ride_out(
     *,
     retry_s: float = ELECTION_RETRY_S,
     on_first: Callable[[BaseException], None] | None = None,
+    bounded: bool = False,
 ) -> T:
     """`call()`, made again every RETRY_PAUSE_S while it fails as an election makes things
     fail (`retry(error)`), until `retry_s` has passed; then its last error is raised.
     The one rule for riding out an election: a publish's, and that of the reads an
-    operator command makes before it publishes. `on_first` hears the first failure."""
+    operator command makes before it publishes. `on_first` hears the first failure.
+    `bounded`: a try still waiting at the deadline is cut off there (`TimeoutError`), for
+    a call that waits of its own accord (a log reader reconnecting) rather than fail."""
     deadline = time.monotonic() + retry_s
     tries = 0
     while True:
         tries += 1
         try:
-            return await call()
+            if not bounded:
+                return await call()
+            async with asyncio.timeout(max(deadline - time.monotonic(), RETRY_PAUSE_S)):
+                return await call()
         except Exception as e:
             if not retry(e) or time.monotonic() + RETRY_PAUSE_S >= deadline:
                 raise

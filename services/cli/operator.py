@@ -214,13 +214,16 @@ async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
 
     async with cli.session(args, name) as s:
         errors = publish.retryable(s.js)
+        # A try cut off at the deadline (TimeoutError) is the election outlasting it too.
+        given_up: tuple[type[BaseException], ...] = (*errors, TimeoutError)
         try:
             view = await publish.ride_out(
                 lambda: _read_cluster(s),
                 lambda e: isinstance(e, errors),
                 retry_s=publish.ELECTION_RETRY_S,
+                bounded=True,
             )
-        except errors as e:
+        except given_up as e:
             raise _unanswered(s, e) from None
         yield _Op(s, view)
 

@@ -58,6 +58,9 @@ async def test_scale_during_server_kills_is_stored_every_time(
     urls = ",".join(cluster.urls)
     nc = await connect(cluster.urls, "test operator")
     js = nc.jetstream()
+    # On a failure, the commands not started yet are dropped, not run against a cluster
+    # stopped under them.
+    stack = contextlib.ExitStack()
     try:
         await ensure_streams(js, replicas=3)
         now = datetime.now(UTC)
@@ -81,6 +84,7 @@ async def test_scale_during_server_kills_is_stored_every_time(
         # The test's own look at who leads: short waits, so it sees a new leader soon.
         probe = nc.jetstream(timeout=0.5)
         runs = [loop.run_in_executor(pool, scale, i) for i in range(COMMANDS)]
+        stack.callback(pool.shutdown, wait=False, cancel_futures=True)
 
         async def leader() -> str | None:
             with contextlib.suppress(
@@ -109,7 +113,6 @@ async def test_scale_during_server_kills_is_stored_every_time(
             await _until("commands done after the kill", _done(done, min(at + 8, COMMANDS)))
             await asyncio.to_thread(cluster.brokers[i].start, 30.0)
         codes = await asyncio.gather(*runs)
-        pool.shutdown()
         err = capsys.readouterr().err
         assert killed == len(KILLS)
         assert codes == [0] * COMMANDS, err
@@ -135,6 +138,7 @@ async def test_scale_during_server_kills_is_stored_every_time(
         ), err
         assert "\n" not in err
     finally:
+        stack.close()
         await nc.close()
 
 
