@@ -207,6 +207,19 @@ class NodeInventory(Data, frozen=True, kw_only=True):
 class NodeLost(Data, frozen=True, kw_only=True):
     node: Name
     reason: Text
+    grace_s: Quantity = 0.0
+    """How long the node's replicas keep their state and their GPUs after this: its
+    agent may still be serving them. 0 (every `node.lost` from before this field) fails
+    them at once; the scheduler's second `node.lost`, once the grace has passed and the
+    node has not come back, is a 0."""
+
+
+class NodeFound(Data, frozen=True, kw_only=True):
+    """A lost node heard from again (its agent's heartbeat): it takes placements again,
+    and its replicas, not failed yet, keep their state."""
+
+    node: Name
+    reason: Text = ""
 
 
 class NodeCordoned(Data, frozen=True, kw_only=True):
@@ -225,6 +238,19 @@ class ShardSpec(Data, frozen=True, kw_only=True):
     gpus: Annotated[tuple[GpuIndex, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
 
 
+# An Endpoint is where a replica's server answers requests, as other hosts reach it:
+# `http://host:port` (a name, an IPv4 address or a bracketed IPv6 one), no path, no
+# credentials. The gateway joins its request paths to it; anything else in the field
+# (a path, a query, a user:password@) would be joined or printed where it must not be.
+Endpoint = Annotated[
+    str,
+    Meta(
+        max_length=300,
+        pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$",
+    ),
+]
+
+
 class ReplicaState(Data, frozen=True, kw_only=True):
     replica: Name
     model: Name
@@ -232,12 +258,21 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     state: ReplicaStateName
     shards: Annotated[tuple[ShardSpec, ...], Meta(max_length=MAX_GPU_INDEX + 1)] = ()
     reason: Text | None = None
+    endpoint: Endpoint | None = None
+    """Where its server answers (`http://host:port`), said when it is ready; an extension."""
 
 
 class ReplicaUsed(Data, frozen=True, kw_only=True):
     replica: Name
     at: UtcTime
     """When the replica last served a request."""
+    requests: BigCount | None = None
+    """Extension, from the gateway: requests it served over the interval it reports;
+    None from an agent, which sees only that the server was used."""
+    tokens_in: BigCount | None = None
+    """Extension: prompt tokens of those requests, as their answers' `usage` said."""
+    tokens_out: BigCount | None = None
+    """Extension: completion tokens of those requests, as their answers' `usage` said."""
 
 
 # ---------------------------------------------------------------- decisions and commands
@@ -412,6 +447,10 @@ class NodeLostEvent(Envelope, frozen=True, kw_only=True, tag="node.lost"):
     data: NodeLost
 
 
+class NodeFoundEvent(Envelope, frozen=True, kw_only=True, tag="node.found"):
+    data: NodeFound
+
+
 class NodeCordonedEvent(Envelope, frozen=True, kw_only=True, tag="node.cordoned"):
     data: NodeCordoned
 
@@ -471,6 +510,7 @@ Event = (
     | ScaleDesiredEvent
     | NodeInventoryEvent
     | NodeLostEvent
+    | NodeFoundEvent
     | NodeCordonedEvent
     | NodeUncordonedEvent
     | ReplicaStateEvent
@@ -493,6 +533,7 @@ EVENT_CLASSES: tuple[type[Envelope], ...] = (
     ScaleDesiredEvent,
     NodeInventoryEvent,
     NodeLostEvent,
+    NodeFoundEvent,
     NodeCordonedEvent,
     NodeUncordonedEvent,
     ReplicaStateEvent,

@@ -77,6 +77,12 @@ def heartbeat_subject(node: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.heartbeat.{_t(node)}"
 
 
+def agent_subject(node: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, request/reply: the live agent of `node` answers who it is (an agent
+    starting asks, so that one node never has two)."""
+    return f"{root}.heartbeat.{_t(node)}.agent"
+
+
 def dlq_subject(consumer: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.dlq.{_t(consumer)}"
 
@@ -204,6 +210,7 @@ _BY_NAME: dict[type, tuple[Callable[[str, str], str], str]] = {
     ev.ScaleDesiredEvent: (scale_subject, "model"),
     ev.NodeInventoryEvent: (inventory_subject, "node"),
     ev.NodeLostEvent: (node_status_subject, "node"),
+    ev.NodeFoundEvent: (node_status_subject, "node"),
     ev.NodeCordonedEvent: (node_status_subject, "node"),
     ev.NodeUncordonedEvent: (node_status_subject, "node"),
     ev.PlacementDecidedEvent: (_decision("placement.decided"), "model"),

@@ -7,6 +7,12 @@ whose entries expire after `ttl_s` on the server; the holder renews it with a
 compare-and-set (`update(last=rev)`) every ttl/3. A standby tries to create the key on the
 same period and wins only once the key has expired or was released.
 
+An entry's value is `<holder> <since>`: the holder's name, then when its term began (UTC,
+ISO 8601), kept the same by every renewal of that term, so a reader (`llmgw status`, the
+dashboard, `services.liveness`) can say who leads and since when; the entry's own time
+on the server says when it was last renewed. A value of the holder's name alone (what
+older holders write) reads as a term of unknown start.
+
 It must not decide anything: it only says who may. It never takes a key that holds a
 live entry of another holder, and it never lets its holder believe it leads past the
 moment a standby could take over.
@@ -20,6 +26,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 import nats.errors
 import nats.js.errors
@@ -29,6 +36,7 @@ from nats.js.kv import KeyValue
 
 from services.bus import stream
 from services.bus.connection import Fault
+from services.clock import utc_now
 
 log = logging.getLogger("llmgw.lease")
 
@@ -46,6 +54,24 @@ SAFETY_FRACTION = 0.2
 MIN_SAFETY_S = 0.1
 
 OnChange = Callable[[bool], Awaitable[None] | None]
+
+
+def encode_value(holder: str, since: datetime) -> bytes:
+    """A lease entry's value: the holder, then when its term began."""
+    return f"{holder} {since.isoformat()}".encode()
+
+
+def decode_value(value: bytes | None) -> tuple[str | None, datetime | None]:
+    """(holder, since) from a lease entry's value; since None when not recorded (an
+    older holder's value, or one that does not parse)."""
+    if not value:
+        return None, None
+    text = value.decode(errors="replace")
+    holder, _, since = text.partition(" ")
+    try:
+        return holder, datetime.fromisoformat(since) if since else None
+    except ValueError:
+        return holder, None
 
 
 async def ensure_bucket(
@@ -102,6 +128,7 @@ class Lease:
         on_change: OnChange | None = None,
         clock: Callable[[], float] = time.monotonic,
         replicas: int | None = None,
+        wall: Callable[[], datetime] = utc_now,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl_s}")
@@ -112,6 +139,7 @@ class Lease:
         self.bucket = bucket
         self.on_change = on_change
         self._clock = clock
+        self._wall = wall
         self.replicas = replicas
         """Copies of the bucket when this lease creates it; None: 3 in a cluster, else 1."""
         self._kv: KeyValue | None = None
@@ -119,6 +147,11 @@ class Lease:
         """Revision of our own entry, while we hold the key."""
         self._deadline: float | None = None
         """Monotonic time until which we may believe we lead."""
+        self.since: datetime | None = None
+        """When this holder's term began (wall clock), while it holds the key."""
+        self.failing_since: float | None = None
+        """Monotonic time of the first of the attempts that have failed in a row (the
+        broker unreachable, or refusing the write); None after one that worked."""
         self._reported = False
         self._fault = Fault(clock=clock)
         self.terms = 0
@@ -151,7 +184,7 @@ class Lease:
             entry = await kv.get(self.name)
         except nats.js.errors.KeyNotFoundError:
             return None
-        return entry.value.decode() if entry.value else None
+        return decode_value(entry.value)[0]
 
     # ------------------------------------------------------------------ acting
 
@@ -165,8 +198,11 @@ class Lease:
         started = self._clock()
         try:
             if self._rev is not None:
+                since = self.since or self._wall()
                 try:
-                    self._rev = await kv.update(self.name, self.holder.encode(), last=self._rev)
+                    self._rev = await kv.update(
+                        self.name, encode_value(self.holder, since), last=self._rev
+                    )
                 except nats.js.errors.KeyWrongLastSequenceError:
                     # Our entry expired, or someone took the key after it did; only a
                     # create from scratch may tell which.
@@ -188,40 +224,54 @@ class Lease:
                     type(e).__name__,
                     e,
                 )
+            if self.failing_since is None:
+                self.failing_since = started
             await self._report()
             return self.is_leader
+        self.failing_since = None
         lasted = self._fault.ended()
         if lasted is not None:
             log.info("lease %s: the broker answers again after %.1fs", self.name, lasted)
         if self._rev is None:
             self._deadline = None
+            self.since = None
         else:
             self._deadline = started + self.ttl_s - self.margin_s
         await self._report()
         return self.is_leader
 
     async def _create(self, kv: KeyValue) -> int | None:
+        since = self._wall()
         try:
-            return await kv.create(self.name, self.holder.encode())
+            rev = await kv.create(self.name, encode_value(self.holder, since))
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
+        else:
+            self.since = since
+            return rev
         # The key exists. It may still be ours: a restart with the same holder name, or a
-        # renewal whose ack was lost. Then renew on its revision.
+        # renewal whose ack was lost. Then renew on its revision, in the same term.
         try:
             entry = await kv.get(self.name)
         except nats.js.errors.KeyNotFoundError:
             return None  # gone again in between; the next attempt may create it
-        if entry.value is not None and entry.value.decode() == self.holder:
+        holder, was = decode_value(entry.value)
+        if holder == self.holder:
+            since = was or since
             try:
-                return await kv.update(self.name, self.holder.encode(), last=entry.revision)
+                rev = await kv.update(
+                    self.name, encode_value(self.holder, since), last=entry.revision
+                )
             except nats.js.errors.KeyWrongLastSequenceError:
                 return None
+            self.since = since
+            return rev
         return None
 
     async def release(self) -> None:
         """Give the lease up now, so a standby takes over on its next attempt instead of
         waiting out the TTL. Only our own entry is deleted."""
-        rev, self._rev, self._deadline = self._rev, None, None
+        rev, self._rev, self._deadline, self.since = self._rev, None, None, None
         await self._report()
         if rev is None:
             return
@@ -234,6 +284,7 @@ class Lease:
         for tests and for a holder that knows its state is unsafe."""
         self._rev = None
         self._deadline = None
+        self.since = None
 
     async def run(self, stop: asyncio.Event, *, release: bool = True) -> None:
         """Acquire or renew every ttl/3 until `stop`; then release, or with

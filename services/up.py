@@ -16,7 +16,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +27,16 @@ from typing import Any
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
+from services.agent.responder import Timing
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
+from services.gateway.errors import GatewayError
+from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
@@ -41,6 +47,8 @@ log = logging.getLogger("llmgw.up")
 DB_FILE = "view.sqlite"
 # URL_FILE holds the dashboard's address while `up` serves it.
 URL_FILE = "dashboard.url"
+# GATEWAY_URL_FILE holds the gateway's base URL (http://HOST:PORT/v1) while `up` serves it.
+GATEWAY_URL_FILE = "gateway.url"
 
 
 class UpError(Exception):
@@ -66,6 +74,9 @@ class UpOptions:
     load_delay_s: float = 2.0
     stop_delay_s: float = 0.5
     heartbeat_s: float = 1.0
+    sim_ttft_s: float = 0.05
+    sim_tps: float = 100.0
+    """The simulated servers' pace (each ready simulated replica answers requests)."""
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
     duplicate_window_s: float = 120.0
@@ -77,6 +88,13 @@ class UpOptions:
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
+    gateway: str | None = None
+    """Where the gateway listens (HOST:PORT); None: no gateway."""
+    gateway_max_body: int = MAX_BODY
+    gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
+    gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_keys: Any = None
+    """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
 
 
 @dataclass
@@ -91,6 +109,8 @@ class Running:
     agents: list[Agent]
     db_path: Path
     dashboard_url: str | None = None
+    gateway_url: str | None = None
+    """http://HOST:PORT/v1 of the gateway, when it runs."""
 
 
 # BROKER_RESTARTS is how many times `up` restarts a broker that died within
@@ -123,33 +143,153 @@ def _claim(data: Path) -> int:
     return fd
 
 
-async def _watch_broker(broker: EmbeddedBroker, stop: asyncio.Event) -> None:
-    """Restart the embedded broker on the same port and store when it dies; raise
-    `UpError` when it died BROKER_RESTARTS times within BROKER_RESTART_WINDOW_S."""
-    deaths: list[float] = []
+# RESTART_GAP_S is the least time between two restarts of a broker that is alive but
+# cannot store the leases: a store that stays broken is said, not restarted in a loop.
+RESTART_GAP_S = 30.0
+# MIN_FREE_BYTES is the free space the store's disk needs before such a restart: on a
+# full disk a restart would only fail the same way; once space is back it is at once.
+MIN_FREE_BYTES = 1 << 20
+# STORAGE_SAY_S is how often one storage fault is said again while it lasts.
+STORAGE_SAY_S = 30.0
+
+
+@dataclass
+class _BrokerWatch:
+    """What `_watch_broker` keeps between looks: deaths, the faults said, the last restart."""
+
+    deaths: list[float] = field(default_factory=list)
+    said: dict[str, float] = field(default_factory=dict)
+    restarted_at: float | None = None
+    waiting_for_space: bool = False
+    connected_since: float | None = None
+    """Monotonic time the connection was last seen (re)made; None while it is down."""
+
+
+async def _watch_broker(
+    broker: EmbeddedBroker,
+    stop: asyncio.Event,
+    nc: Any = None,
+    leases: tuple[lease.Lease, ...] = (),
+) -> None:
+    """Look after the embedded broker until `stop`:
+
+    - restart it on the same port and store when it dies; raise `UpError` when it died
+      BROKER_RESTARTS times within BROKER_RESTART_WINDOW_S;
+    - say each storage error its log reports (a full disk, a quota, an I/O error) in one
+      line with the cause and the store's path, again at most every STORAGE_SAY_S;
+    - restart it when one of `leases` has failed to renew for longer than its TTL while
+      `nc` is connected: a server whose store failed a write keeps that stream failing
+      after the cause is gone (a disk filled, then freed), and the plane would stay
+      without a leader. Not twice within RESTART_GAP_S, and not before the store's disk
+      has MIN_FREE_BYTES free again.
+    """
+    w = _BrokerWatch()
     loop = asyncio.get_running_loop()
+    broker.new_log_lines()  # from here on
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), BROKER_CHECK_S)
-        status = broker.exit_status
-        if stop.is_set() or status is None:
+        if stop.is_set():
             continue
         now = loop.time()
-        deaths = [t for t in deaths if now - t < BROKER_RESTART_WINDOW_S] + [now]
-        if len(deaths) > BROKER_RESTARTS:
-            raise UpError(
-                f"nats-server died {len(deaths)} times in {BROKER_RESTART_WINDOW_S:g}s "
-                f"(last status {status}); see {broker.log_path}"
-            )
-        log.error(
-            "broker: nats-server exited with status %s; restarting it on the same store",
-            status,
-        )
+        _say_storage_faults(broker, w, now)
+        status = broker.exit_status
+        if status is not None:
+            await _restart_dead(broker, w, now, status)
+            continue
+        failing = _renewals_failing(leases, nc, w)
+        if failing is None or (w.restarted_at is not None and now - w.restarted_at < RESTART_GAP_S):
+            w.waiting_for_space = False
+            continue
+        free = _free_bytes(broker.store_dir)
+        if free is not None and free < MIN_FREE_BYTES:
+            if not w.waiting_for_space:
+                w.waiting_for_space = True
+                log.error(
+                    "broker: %s; the store %s has %d bytes free: restarting nats-server "
+                    "once it has space",
+                    failing,
+                    broker.store_dir,
+                    free,
+                )
+            continue
+        w.waiting_for_space = False
+        w.restarted_at = now
+        log.error("broker: %s; restarting nats-server on the same store", failing)
+        w.connected_since = None
+        await asyncio.to_thread(broker.stop)
         try:
             await asyncio.to_thread(broker.start)
         except BrokerError as e:
             raise UpError(f"could not restart nats-server: {e}") from e
         log.info("broker: restarted on %s", broker.address)
+
+
+async def _restart_dead(broker: EmbeddedBroker, w: _BrokerWatch, now: float, status: int) -> None:
+    w.deaths = [t for t in w.deaths if now - t < BROKER_RESTART_WINDOW_S] + [now]
+    if len(w.deaths) > BROKER_RESTARTS:
+        raise UpError(
+            f"nats-server died {len(w.deaths)} times in {BROKER_RESTART_WINDOW_S:g}s "
+            f"(last status {status}); see {broker.log_path}"
+        )
+    log.error(
+        "broker: nats-server exited with status %s; restarting it on the same store",
+        status,
+    )
+    w.connected_since = None
+    try:
+        await asyncio.to_thread(broker.start)
+    except BrokerError as e:
+        raise UpError(f"could not restart nats-server: {e}") from e
+    log.info("broker: restarted on %s", broker.address)
+
+
+def _say_storage_faults(broker: EmbeddedBroker, w: _BrokerWatch, now: float) -> None:
+    for line in broker.new_log_lines():
+        fault = bus_broker.storage_fault(line)
+        if fault is None:
+            continue
+        # One line per cause: the server says it once per failed write, of every stream.
+        if now - w.said.get(fault.cause, -STORAGE_SAY_S) < STORAGE_SAY_S:
+            continue
+        w.said[fault.cause] = now
+        what = f" writing the stream {fault.stream}" if fault.stream else ""
+        at = f" ({fault.path})" if fault.path else ""
+        log.error(
+            "broker: storage error in the store %s%s: %s%s; see %s",
+            broker.store_dir,
+            what,
+            fault.cause,
+            at,
+            broker.log_path,
+        )
+
+
+def _renewals_failing(leases: tuple[lease.Lease, ...], nc: Any, w: _BrokerWatch) -> str | None:
+    """Why the broker should be restarted: a lease whose renewals have failed for longer
+    than its TTL while the connection is up (no leader can be elected through it). Only
+    the time since the connection was last (re)made counts: a broker that was away is
+    the connection's business, and renewals resume once it is back."""
+    now = time.monotonic()
+    if nc is None or not nc.is_connected:
+        w.connected_since = None
+        return None
+    if w.connected_since is None:
+        w.connected_since = now
+    for x in leases:
+        if x.failing_since is None:
+            continue
+        lasted = now - max(x.failing_since, w.connected_since)
+        if lasted > x.ttl_s:
+            return f"renewals of the lease {x.name} have failed for {lasted:.0f}s while connected"
+    return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 async def run(
@@ -200,6 +340,7 @@ async def _serve(
     # Agents get a connection of their own, as they would on their own hosts: the
     # control plane's consumers and the agents' commands do not queue behind each other.
     agents_nc = await connect(url, "llmgw up agents") if nodes else None
+    agents: list[Agent] = []
     try:
         js = nc.jetstream()
         info = await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
@@ -222,7 +363,6 @@ async def _serve(
         )
         db_path = opts.data / DB_FILE
         projector = Projector(js, db_path, opts.root) if opts.projector else None
-        agents: list[Agent] = []
         if agents_nc is not None:
             ajs = agents_nc.jetstream()
             for n in nodes:
@@ -235,7 +375,10 @@ async def _serve(
                         cpu_cores=n.cpu_cores,
                         memory_gb=n.memory_gb,
                         runtime=SimulatedRuntime(
-                            opts.start_delay_s, opts.load_delay_s, opts.stop_delay_s
+                            opts.start_delay_s,
+                            opts.load_delay_s,
+                            opts.stop_delay_s,
+                            serve=Timing(opts.sim_ttft_s, opts.sim_tps),
                         ),
                         root=opts.root,
                         heartbeat_s=opts.heartbeat_s,
@@ -257,6 +400,21 @@ async def _serve(
                 ui_sock = dashboard.bind()
             except DashboardError as e:
                 raise UpError(str(e)) from e
+        gateway: Gateway | None = None
+        if opts.gateway is not None:
+            gateway = Gateway(
+                js,
+                listen=opts.gateway,
+                root=opts.root,
+                max_body=opts.gateway_max_body,
+                upstream_timeout_s=opts.gateway_upstream_timeout_s,
+                used_interval_s=opts.gateway_used_interval_s,
+                keys=opts.gateway_keys,
+            )
+            try:
+                gw_sock = gateway.bind()
+            except GatewayError as e:
+                raise UpError(str(e)) from e
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
@@ -269,15 +427,21 @@ async def _serve(
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
         if broker is not None:
-            tasks[asyncio.create_task(_watch_broker(broker, stop), name="broker")] = "broker"
+            watch = _watch_broker(broker, stop, nc, (scheduler.lease, preempt.lease))
+            tasks[asyncio.create_task(watch, name="broker")] = "broker"
         for a in agents:
-            tasks[asyncio.create_task(a.run(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+            tasks[asyncio.create_task(a.serve(stop), name=f"agent {a.node}")] = f"agent {a.node}"
         if dashboard is not None:
             tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
             shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
             running.dashboard_url = shown
             (opts.data / URL_FILE).write_text(shown + "\n")
             log.info("dashboard: %s", shown)
+        if gateway is not None:
+            tasks[asyncio.create_task(gateway.run(stop, gw_sock), name="gateway")] = "gateway"
+            running.gateway_url = f"{gateway.url}/v1"
+            (opts.data / GATEWAY_URL_FILE).write_text(running.gateway_url + "\n")
+            log.info("gateway: %s", running.gateway_url)
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",
             f", projector ({db_path})" if projector is not None else "",
@@ -289,8 +453,12 @@ async def _serve(
             on_ready(running)
         return await _supervise(tasks, stop)
     finally:
-        with contextlib.suppress(OSError):
-            (opts.data / URL_FILE).unlink()
+        for f in (URL_FILE, GATEWAY_URL_FILE):
+            with contextlib.suppress(OSError):
+                (opts.data / f).unlink()
+        for a in agents:
+            if isinstance(a.runtime, SimulatedRuntime):
+                await a.runtime.close()
         for conn in (agents_nc, nc):
             if conn is not None:
                 with contextlib.suppress(Exception):

@@ -2,11 +2,16 @@
 
 Run by `llmgw agent` (one node per process) and by `llmgw up --simulate` (many simulated
 nodes in one process), each as `await Agent(...).run(stop)`. It publishes the node's
-`node.inventory` at start; heartbeats on core NATS (`<root>.heartbeat.<node>`, never the
-stream); consumes `<root>.cmd.<node>.>` through a durable consumer, so commands sent
+`node.inventory` at start, and again with its replicas' states after every reconnect to
+the broker (a node reported lost meanwhile is back by it); heartbeats on core NATS
+(`<root>.heartbeat.<node>`, never the stream); consumes `<root>.cmd.<node>.>` through a durable consumer, so commands sent
 while it is down wait for it; and turns what its `Runtime` reports into `replica.state`
 events on `<root>.node.<node>.replica.<replica>`. It decides nothing about the cluster:
 it does what the commands say, on its own node only, and says what happened.
+
+One agent per node: at start it asks on `<root>.heartbeat.<node>.agent` whether the node
+has a live agent already, and is refused (`NodeTaken`) if one answers, unless it takes
+over (`takeover`), when the other stops. It answers that question itself while it runs.
 
 Once only, across crashes: every state event's id is derived from the command that
 caused it and the state (`ids.derived(cmd.id, "state:ready")`), so a redelivered command
@@ -23,7 +28,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -45,7 +52,7 @@ from services.agent import consumers
 from services.agent.consumers import ACK_WAIT_S as ACK_WAIT_S
 from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
-from services.agent.errors import NoStream
+from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
@@ -72,6 +79,8 @@ USED_INTERVAL_S = 30.0
 # asking again while nobody can make them.
 HELLO_WAIT_S = 5.0
 CONSUMERS_WAIT_S = 1.0
+# MAKE_AGAIN_S is how long after a refused attempt to make them itself the agent only asks.
+MAKE_AGAIN_S = 60.0
 
 # CONTROL_INBOX is where the replies to the control role's requests go (nats-py's default
 # inbox prefix, which only the control and viewer roles may subscribe to). A request to
@@ -83,7 +92,33 @@ CONTROL_INBOX = "_INBOX."
 # after the broker refused or did not answer. The ids make a second copy harmless.
 REPUBLISH_WAIT_S = 0.5
 
+# WHO_TIMEOUT_S bounds the wait for an answer to "has this node a live agent?". With no
+# agent there the broker says at once that nobody listens; the wait is only for a broker
+# that does not say (a user without the permission to ask).
+WHO_TIMEOUT_S = 0.5
+
+# LOST_PAST_GRACE is why a replica the log failed with its node (lost past the grace,
+# while the agent was cut off) is stopped when the agent is back.
+LOST_PAST_GRACE = "failed with its node, lost past the grace while the agent was cut off"
+
+# TAKEOVER_WAIT_S bounds how long an agent taking over waits for the other to stop
+# answering before it goes on regardless.
+TAKEOVER_WAIT_S = 10.0
+
 _json = msgspec.json.Encoder()
+
+
+class _Who(msgspec.Struct):
+    """An agent's answer to who it is, and its question (`takeover`: stop, I replace you)."""
+
+    agent: str = "?"
+    pid: int = 0
+    host: str = "?"
+    since: str = "?"
+    takeover: bool = False
+
+
+_who = msgspec.json.Decoder(_Who)
 
 
 def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
@@ -126,6 +161,8 @@ class _Replica:
     correlation: str | None
     since: datetime
     grace_s: float = DRAIN_GRACE_S
+    endpoint: str | None = None
+    """The endpoint its latest `replica.state` in the log named."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
 
@@ -160,6 +197,7 @@ class Agent:
         on_stored: Callable[[ev.ReplicaStateEvent], None] | None = None,
         health: HealthWatch | None = None,
         health_file: Path | None = None,
+        takeover: bool = False,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -213,6 +251,8 @@ class Agent:
         self._rng = rng or random.Random()
         self._publisher = Publisher(js, root, stored_at=self._stored_at)
         self._reading = asyncio.Lock()
+        # _make_after: when to try again making its own consumers if no plane answers.
+        self._make_after = -math.inf
         self._replicas: dict[str, _Replica] = {}
         self._halt = asyncio.Event()
         # _last_used: replica -> (when it last served, monotonic time it was reported).
@@ -220,6 +260,12 @@ class Agent:
         # _reported_real: replica -> the runtime's served time last reported.
         self._reported_real: dict[str, datetime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # instance: this process's own name among the node's agents, in heartbeats and in
+        # its answer to who it is; a restart on the same host and pid is another boot.
+        self.takeover = takeover
+        self.instance = _Who(agent=new_id(), pid=os.getpid(), host=socket.gethostname(), since="")
+        self.taken_over_by: str | None = None
+        self._taken = asyncio.Event()
 
     # ------------------------------------------------------------------ life
 
@@ -236,6 +282,9 @@ class Agent:
         from the log; it drains nothing and leaves the connection open for its owner.
         """
         self._halt = asyncio.Event()
+        self._taken = asyncio.Event()
+        await self._claim()
+        self.instance = msgspec.structs.replace(self.instance, since=utc_now().isoformat())
         if not await self._consumers(stop):
             return
         await self._rebuild()
@@ -247,6 +296,7 @@ class Agent:
                     profile=r.profile,
                     state=r.state,  # type: ignore[arg-type]
                     shards=r.shards,
+                    endpoint=r.endpoint,
                 )
                 for r in self._replicas.values()
                 if r.state in _HOLDING
@@ -278,6 +328,7 @@ class Agent:
         if self.traffic or self.runtime.needs_model_runtime:
             loops.append(asyncio.create_task(self._report_use(), name=f"{self.durable} use"))
         loops.append(asyncio.create_task(self._serve_ctl(), name=f"{self.durable} ctl"))
+        loops.append(asyncio.create_task(self._serve_who(), name=f"{self.durable} who"))
         watch_stop = threading.Event()
         watcher = None
         if self._health is not None:
@@ -307,6 +358,122 @@ class Agent:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
         log.info("%s: stopped", self.node)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """`run`, for an agent among a plane's services (`llmgw up --simulate`): taken
+        over by another agent of its node, it has stopped as asked, which is no failure
+        of the plane; it waits for `stop` like the services that still run."""
+        await self.run(stop)
+        if self.taken_over_by is not None:
+            await stop.wait()
+
+    async def _claim(self) -> None:
+        """Make sure no other agent of this node is alive: one that answers on the node's
+        agent subject refuses this one (`NodeTaken`), or, taking over, is asked to stop
+        and waited for (at most TAKEOVER_WAIT_S)."""
+        subject = subjects.agent_subject(self.node, self.root)
+        ask = _json.encode(msgspec.structs.replace(self.instance, takeover=self.takeover))
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        told = False
+        while True:
+            try:
+                msg = await self.nc.request(subject, ask, timeout=WHO_TIMEOUT_S)
+            except nats.errors.NoRespondersError:
+                return
+            except nats.errors.TimeoutError:
+                return  # nobody says (an agent from before this question): as before
+            try:
+                other = _who.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                other = _Who()
+            if other.agent == self.instance.agent:
+                return
+            said = f"pid {other.pid} on {other.host}, up since {other.since}"
+            if not self.takeover:
+                raise NodeTaken(self.node, said)
+            if not told:
+                log.warning("%s: taking over from its agent %s", self.node, said)
+                told = True
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: the agent %s still answers after %gs; going on",
+                    self.node,
+                    said,
+                    TAKEOVER_WAIT_S,
+                )
+                return
+            await asyncio.sleep(0.1)
+
+    async def _serve_who(self) -> None:
+        """Answer who this agent is on the node's agent subject; stop when another asks
+        to take over (the agent's run then ends)."""
+
+        async def on_request(msg: Any) -> None:
+            try:
+                asker = _who.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                asker = _Who()
+            if asker.agent == self.instance.agent:
+                return
+            await msg.respond(_json.encode(self.instance))
+            if asker.takeover and not self._taken.is_set():
+                self.taken_over_by = f"pid {asker.pid} on {asker.host}"
+                log.warning(
+                    "%s: taken over by the agent %s: stopping", self.node, self.taken_over_by
+                )
+                self._taken.set()
+                self._halt.set()  # every loop ends, and with them the run
+
+        sub = await self.nc.subscribe(subjects.agent_subject(self.node, self.root), cb=on_request)
+        try:
+            await self._halt.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _reconnect_count(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
+
+    async def _announce_again(self) -> None:
+        """After a reconnect: the node's whole inventory, and each replica holding GPUs in
+        the state it is in, once more. What the broker missed meanwhile is said; a node
+        reported lost is back. Each state keeps its id (from its command and state), so
+        a copy the log already holds within the duplicate window is dropped. Replicas
+        the cluster failed meanwhile are stopped first (`_stop_failed_with_the_node`)."""
+        await self._publish_inventory()
+        stopping: set[str] = set()
+        try:
+            stopping = await self._stop_failed_with_the_node()
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("%s: its log not read after the reconnect: %s", self.node, err)
+        for rec in list(self._replicas.values()):
+            if rec.state not in _HOLDING or rec.replica in stopping:
+                continue
+            async with rec.lock:
+                e = ev.ReplicaStateEvent(
+                    id=ids.derived(rec.command, f"state:{rec.state}"),
+                    time=utc_now(),
+                    source=self.source,
+                    causation=rec.command,
+                    correlation=rec.correlation,
+                    data=ev.ReplicaState(
+                        replica=rec.replica,
+                        model=rec.model,
+                        profile=rec.profile,
+                        state=rec.state,  # type: ignore[arg-type]
+                        shards=rec.shards,
+                        endpoint=self.runtime.endpoint(rec.replica)
+                        if rec.state == "ready"
+                        else None,
+                    ),
+                )
+                try:
+                    await self._publish(e)
+                except PublishError as err:
+                    log.warning(
+                        "%s: %s %s not said again: %s", self.node, rec.replica, rec.state, err
+                    )
 
     async def _consumers(self, stop: asyncio.Event) -> bool:
         """Wait until the agent's two consumers exist (False: `stop` was set first).
@@ -339,7 +506,9 @@ class Agent:
         """None once both consumers exist, else why they do not."""
         try:
             msg = await self.nc.request(
-                consumers.hello_subject(self.node, self.root), b"", timeout=HELLO_WAIT_S
+                consumers.hello_subject(self.node, self.root),
+                _json.encode({"ack_wait_s": self.ack_wait_s}),
+                timeout=HELLO_WAIT_S,
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
@@ -349,13 +518,17 @@ class Agent:
             why = "no control plane answered"
         except nats.errors.Error as e:
             why = f"asking the control plane failed: {e}"
-        # Nobody made them: made here, on a broker that lets this user.
+        # Nobody made them: made here, on a broker that lets this user. A user that may
+        # not (the shipped permissions) is refused, and then only asks for a while.
+        if time.monotonic() < self._make_after:
+            return why
         try:
             await consumers.provide(self.js, self.node, self.root, self.ack_wait_s)
         except NotFoundError as e:
             url = self.nc.connected_url.geturl() if self.nc.connected_url else None
             raise NoStream(subjects.STREAM, url) from e
         except (nats.errors.Error, TimeoutError) as e:
+            self._make_after = time.monotonic() + MAKE_AGAIN_S
             return f"{why}, and this user may not make them ({e or type(e).__name__})"
         return None
 
@@ -392,22 +565,7 @@ class Agent:
         report, against the node's inventory of then, and could reject what the whole
         log's fold applied). What the agent keeps of the fold is its one rule for these
         events, a state never goes backwards (`_remember`, by `ev.STATE_ORDER` as the fold)."""
-        reps: dict[str, _Replica] = {}
-        node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
-        async for batch in self._read(node_subjects):
-            for d in batch:
-                e = ingest.decode_checked(d.data, d.subject, self.root)
-                if isinstance(e, str):
-                    continue  # the fold's consumers dead-letter it; not ours to report
-                match e:
-                    case ev.ReplicaStateEvent(data=s):
-                        _remember(reps, e, s)
-                    case ev.NodeLostEvent():
-                        # The fold counts a lost node's replicas as failed and gives their
-                        # GPUs to others: starting them again would double-book the GPUs.
-                        for rec in reps.values():
-                            if rec.state in _HOLDING:
-                                rec.state, rec.since = "failed", e.time
+        reps = await self._own_replicas()
         draining = {r.command for r in reps.values() if r.state == "draining"}
         if draining:
             drains = subjects.command_subject(self.node, "drain", self.root)
@@ -419,6 +577,49 @@ class Agent:
                             if rec.command == e.id:
                                 rec.grace_s = e.data.grace_s
         self._replicas = reps
+
+    async def _own_replicas(self) -> dict[str, _Replica]:
+        """The node's replicas as its own subjects in the log say they are (`_rebuild`)."""
+        reps: dict[str, _Replica] = {}
+        node_subjects = f"{self.root}.node.{names.escape(self.node)}.>"
+        async for batch in self._read(node_subjects):
+            for d in batch:
+                e = ingest.decode_checked(d.data, d.subject, self.root)
+                if isinstance(e, str):
+                    continue  # the fold's consumers dead-letter it; not ours to report
+                match e:
+                    case ev.ReplicaStateEvent(data=s):
+                        _remember(reps, e, s)
+                    case ev.NodeLostEvent(data=lost) if lost.grace_s == 0:
+                        # The fold counts a lost node's replicas as failed and gives their
+                        # GPUs to others: starting them again would double-book the GPUs.
+                        # (A loss with a grace leaves them as they are, until a second
+                        # `node.lost` without one.)
+                        for rec in reps.values():
+                            if rec.state in _HOLDING:
+                                rec.state, rec.since = "failed", e.time
+        return reps
+
+    async def _stop_failed_with_the_node(self) -> set[str]:
+        """After a reconnect: a replica the log says was failed with the node (lost past
+        its grace while this agent was cut off) is stopped here too, said failed, so its
+        server frees GPUs the cluster has given to others. Returns their ids."""
+        logged = await self._own_replicas()
+        out: set[str] = set()
+        for rid, rec in list(self._replicas.items()):
+            got = logged.get(rid)
+            if rec.state not in _HOLDING or got is None or got.state != "failed":
+                continue
+            log.warning(
+                "%s: %s was failed with the node while the agent was cut off: stopping it",
+                self.node,
+                rid,
+            )
+            if rec.task is not None:
+                rec.task.cancel()
+            self._spawn(rec, self._run_stop(rec, 0.0, failed=LOST_PAST_GRACE))
+            out.add(rid)
+        return out
 
     def _redrive(self, rec: _Replica) -> None:
         """Carry on with a replica a crash left mid-way."""
@@ -693,6 +894,9 @@ class Agent:
                 state=state,
                 shards=rec.shards,
                 reason=reason,
+                # Endpoints are facts: a ready replica says where its server answers, so
+                # the gateway routes from the log instead of asking around.
+                endpoint=self.runtime.endpoint(rec.replica) if state == "ready" else None,
             ),
         )
         await self._publish(e)
@@ -708,12 +912,23 @@ class Agent:
 
     async def _heartbeats(self) -> None:
         subject = subjects.heartbeat_subject(self.node, self.root)
+        reconnects = self._reconnect_count()
         while not self._halt.is_set():
+            now_reconnects = self._reconnect_count()
+            if now_reconnects != reconnects:
+                reconnects = now_reconnects
+                log.info(
+                    "%s: reconnected: saying the inventory and replicas' states again",
+                    self.node,
+                )
+                self._background(self._announce_again())
             body = _json.encode(
                 {
                     "node": self.node,
                     "time": utc_now().isoformat(),
                     "replicas": sum(1 for r in self._replicas.values() if r.state in _HOLDING),
+                    "agent": self.instance.agent,
+                    "every": self.heartbeat_s,
                 }
             )
             try:
@@ -909,8 +1124,11 @@ def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaS
             command=command,
             correlation=e.correlation,
             since=e.time,
+            endpoint=s.endpoint,
         )
         return
+    if s.endpoint is not None:
+        rec.endpoint = s.endpoint
     # The log may hold a report the fold rejects (a state going backwards); the agent
     # follows the same rule, so what it resumes is what the cluster believes.
     if _ORDER[s.state] <= _ORDER[rec.state]:

@@ -42,6 +42,10 @@ ACK_WAIT_S = 10.0
 # (`services.bus.consume.consume_durable`'s default, which the agent's loop runs with).
 MAX_DELIVER = 5
 
+# ACK_WAIT_BOUNDS_S bounds the ack wait an agent may ask for its command consumer
+# (`llmgw agent --ack-wait`): its own commands' redelivery is all it sets.
+ACK_WAIT_BOUNDS_S = (0.1, 600.0)
+
 # QUEUE is the queue group of the responders: with several `llmgw up`, one answers.
 QUEUE = "llmgw-agent-consumers"
 
@@ -116,6 +120,16 @@ async def provide(
         await js.add_consumer(stream, reader_config(node, root))
 
 
+def _ack_wait(body: bytes) -> float:
+    try:
+        asked = msgspec.json.decode(body)
+        value = float(asked["ack_wait_s"]) if isinstance(asked, dict) else ACK_WAIT_S
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return ACK_WAIT_S
+    low, high = ACK_WAIT_BOUNDS_S
+    return min(max(value, low), high) if value == value else ACK_WAIT_S
+
+
 async def serve(
     nc: Client,
     js: JetStreamContext,
@@ -125,14 +139,15 @@ async def serve(
 ) -> None:
     """Answer agents' `<root>.hello.<node>` until `stop` is set: make the node's two
     consumers and say so, or say why not. The node is the subject's, which only that
-    node's agent may publish on; the body says nothing that is believed."""
+    node's agent may publish on; of the body only `ack_wait_s` is read (bounded by
+    ACK_WAIT_BOUNDS_S), the agent's own commands' redelivery."""
 
     async def on_hello(msg: Any) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
         answer: dict[str, Any]
         try:
             node = names.unescape(token)
-            await provide(js, node, root, stream=stream)
+            await provide(js, node, root, _ack_wait(msg.data), stream)
         except names.TokenError as e:
             answer = {"error": f"{token!r}: {e.why}"}
         except (nats.errors.Error, TimeoutError) as e:

@@ -37,3 +37,16 @@ class NoStream(AgentError):
             f"the broker{where} has no stream {stream}: start the control plane with "
             "`llmgw up` (or point --nats at one that runs it) before the agent"
         )
+
+
+class NodeTaken(AgentError):
+    """Another agent of the same node is alive (it answered): two agents of one node
+    would each report its inventory and replicas over the other's."""
+
+    def __init__(self, node: str, other: str) -> None:
+        self.node = node
+        self.other = other
+        super().__init__(
+            f"node {node} already has a live agent ({other}): stop it first, or start "
+            "this one with --takeover to replace it"
+        )

@@ -121,6 +121,7 @@ class ProcessRuntime:
         uuids: bool = False,
         ports: range = DEFAULT_PORTS,
         host: str = "127.0.0.1",
+        advertise: str | None = None,
         nvml: Nvml | None = None,
         scrape_s: float = SCRAPE_S,
         watch_s: float = WATCH_S,
@@ -134,6 +135,9 @@ class ProcessRuntime:
         self.uuids = uuids
         self.ports = ports
         self.host = host
+        self.advertise = advertise
+        """The address other hosts reach the servers at (`llmgw agent --advertise`);
+        None: `host`."""
         self.nvml = nvml
         self.scrape_s = scrape_s
         self.watch_s = watch_s
@@ -150,6 +154,14 @@ class ProcessRuntime:
     def served(self) -> dict[str, datetime]:
         """Replica -> when its metrics last showed it serving a request."""
         return {r: s.served_at for r, s in self._servers.items() if s.served_at is not None}
+
+    def endpoint(self, replica: str) -> str | None:
+        """`http://ADVERTISE:PORT` of a ready server: the port is the one it was given."""
+        s = self._servers.get(replica)
+        if s is None or not s.ready:
+            return None
+        host = self.advertise or self.host
+        return f"http://[{host}]:{s.e.port}" if ":" in host else f"http://{host}:{s.e.port}"
 
     async def adopt(self, known: Mapping[str, ev.ReplicaState]) -> None:
         """Find the servers a previous agent left running, from the state file.

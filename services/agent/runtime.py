@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Protocol
 
 from schemas import events as ev
+from services.agent.responder import Responder, Timing
 
 
 class Report(Protocol):
@@ -50,6 +51,9 @@ class Runtime(Protocol):
     - `resume` is called, after `adopt`, for each replica the log says is ready: it
       reports ready (or failed, when the replica's server is gone) and watches it again.
     - `served` is replica -> when it last served a request, as the runtime has seen it.
+    - `endpoint` is where a ready replica's server answers, as other hosts reach it
+      (`http://host:port`), or None when it has none to offer; the agent puts it in the
+      replica's `ready` report.
     """
 
     needs_model_runtime: bool
@@ -75,6 +79,8 @@ class Runtime(Protocol):
 
     def served(self) -> dict[str, datetime]: ...
 
+    def endpoint(self, replica: str) -> str | None: ...
+
 
 class SimulatedRuntime:
     """A runtime with no GPUs: replicas go starting -> loading -> ready after
@@ -84,6 +90,10 @@ class SimulatedRuntime:
 
     The sleeps are the simulation itself: they stand for pulling an image and loading
     weights. A delay of 0 still yields to the loop once.
+
+    With `serve` (a `responder.Timing`), each ready replica answers requests: a simulated
+    OpenAI-compatible server (`services.agent.responder`) on a loopback port, its
+    endpoint, closed once the replica has drained. Without it, replicas have no endpoint.
     """
 
     needs_model_runtime = False
@@ -95,6 +105,7 @@ class SimulatedRuntime:
         stop_delay_s: float = 0.5,
         *,
         fail_models: Collection[str] = (),
+        serve: Timing | None = None,
     ) -> None:
         for name, v in (
             ("start_delay_s", start_delay_s),
@@ -107,7 +118,12 @@ class SimulatedRuntime:
         self.load_delay_s = load_delay_s
         self.stop_delay_s = stop_delay_s
         self.fail_models = frozenset(fail_models)
+        self.serve = serve
         self._states: dict[str, str] = {}
+        self._models: dict[str, str] = {}
+        self._servers: dict[str, Responder] = {}
+        self._ports: dict[str, int] = {}
+        """Ports the log's endpoints name for replicas adopted after a restart."""
 
     async def start(
         self,
@@ -129,6 +145,8 @@ class SimulatedRuntime:
             self._states.pop(replica, None)
             await report("failed", "simulated: weights failed to load")
             return
+        self._models[replica] = model
+        await self._serve(replica)
         self._states[replica] = "ready"
         await report("ready")
 
@@ -136,8 +154,28 @@ class SimulatedRuntime:
         self._states[replica] = "draining"
         await report("draining")
         await asyncio.sleep(max(0.0, min(grace_s, self.stop_delay_s)))
+        server = self._servers.pop(replica, None)
+        if server is not None:
+            await server.close()
         self._states.pop(replica, None)
         await report("stopped")
+
+    async def _serve(self, replica: str) -> None:
+        if self.serve is None or replica in self._servers:
+            return
+        server = Responder(replica, self._models.get(replica, replica), self.serve)
+        await server.start(self._ports.pop(replica, 0))
+        self._servers[replica] = server
+
+    def endpoint(self, replica: str) -> str | None:
+        server = self._servers.get(replica)
+        return None if server is None else server.endpoint
+
+    async def close(self) -> None:
+        """Close the simulated servers (the process is going away)."""
+        for server in self._servers.values():
+            await server.close()
+        self._servers.clear()
 
     def running(self) -> dict[str, str]:
         return dict(self._states)
@@ -147,9 +185,17 @@ class SimulatedRuntime:
         for r, s in known.items():
             if s.state == "ready":
                 self._states[r] = "ready"
+                self._models[r] = s.model
+                # The log says where it answered: answer there again, so the endpoint
+                # it holds stays true (a fresh port only when that one is taken).
+                if s.endpoint is not None:
+                    port = s.endpoint.rpartition(":")[2]
+                    if port.isdigit():
+                        self._ports[r] = int(port)
 
     async def resume(self, replica: str, *, report: Report) -> None:
         self._states[replica] = "ready"
+        await self._serve(replica)
 
     def served(self) -> dict[str, datetime]:
         return {}

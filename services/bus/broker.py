@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -33,6 +34,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -150,6 +152,47 @@ def stop_orphan(data_dir: Path, timeout: float = 10.0) -> int | None:
     return pid
 
 
+# STORAGE_FAULTS are what the server's log says when its store cannot be written: a
+# full disk, a quota, a dying disk, a file system remounted read-only, or JetStream's own
+# limit on the store reached.
+STORAGE_FAULTS = (
+    "no space left on device",
+    "disk quota exceeded",
+    "input/output error",
+    "read-only file system",
+    "insufficient resources",
+    "resource limits exceeded",
+)
+
+_STORE_WRITE = re.compile(r"(?:stream|account) '(?:[^'>]*> )?(?P<stream>[^']+)'")
+_PATH = re.compile(r"(?:write|open|rename|sync|mkdir|create) (?P<path>/\S+?):")
+
+
+@dataclass(frozen=True)
+class StorageFault:
+    """A storage error from the server's log: its cause, the stream it was writing (or
+    None) and the file (or None)."""
+
+    cause: str
+    stream: str | None
+    path: str | None
+
+
+def storage_fault(line: str) -> StorageFault | None:
+    """The storage error a line of the server's log reports, if it is one."""
+    low = line.lower()
+    if "[err]" not in low and "[wrn]" not in low:
+        return None
+    cause = next((c for c in STORAGE_FAULTS if c in low), None)
+    if cause is None:
+        return None
+    stream = _STORE_WRITE.search(line)
+    path = _PATH.search(line)
+    return StorageFault(
+        cause, stream.group("stream") if stream else None, path.group("path") if path else None
+    )
+
+
 def _is_nats_server(pid: int) -> bool:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
@@ -229,6 +272,7 @@ class EmbeddedBroker:
         self.monitor_port: int | None = None
         self._password = password(self.data_dir) if auth else None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset: int | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -387,6 +431,23 @@ class EmbeddedBroker:
                 proc.kill()
             proc.wait()
             self._proc = None
+
+    def new_log_lines(self) -> list[str]:
+        """The lines the server wrote to its log since the last call (the first call
+        starts at the log's end as it stands: what came before is another life's)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                if self._log_offset is None or self._log_offset > end:
+                    self._log_offset = end
+                    return []
+                f.seek(self._log_offset)
+                data = f.read(end - self._log_offset)
+        except OSError:
+            return []
+        cut = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._log_offset += cut
+        return data[:cut].decode(errors="replace").splitlines()
 
     def _log_tail(self, lines: int = 5) -> str:
         try:

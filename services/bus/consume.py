@@ -18,6 +18,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -27,7 +29,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.client import JetStreamContext
 from opentelemetry import trace
 
@@ -40,6 +42,7 @@ from services.bus.errors import BusError, Permanent, Retry
 from services.bus.ordered import BATCH_MAX as BATCH_MAX
 from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
 from services.bus.ordered import Delivery as Delivery
+from services.bus.publish import Published, Publisher
 
 log = logging.getLogger("llmgw.bus")
 
@@ -75,11 +78,21 @@ DEAD_LETTERS: Counter[str] = Counter()
 
 
 # DLQ_KEEP_BYTES bounds how much of a dead message its record keeps. A record must always
-# fit under the broker's max payload, whatever came in: a body near 1 MiB, base64'd, would
-# not, and a consumer retrying a dead letter that can never be stored stalls for good.
-# The size and hash of the whole body are kept beside the prefix, so the original can
-# still be identified in the stream (by `seq`) or in an export.
-DLQ_KEEP_BYTES = 64 * 1024
+# fit under the DLQ's max message size (stream.DLQ_MAX_MSG_BYTES, 16 KiB), whatever came
+# in: a consumer retrying a dead letter that can never be stored stalls for good. And a
+# flood of bad messages, which each of the plane's consumers dead-letters, must cost the
+# DLQ a few KiB per message, not the message again. The size and hash of the whole body
+# are kept beside the prefix, so the original can still be identified in the stream (by
+# `seq`) or in an export.
+DLQ_KEEP_BYTES = 4 * 1024
+
+# DLQ_SAY_EVERY_S: a consumer's dead letters are logged one line for the first, then at
+# most one line per this many seconds, saying how many more there were: a flood of bad
+# input is said, not echoed line by line.
+DLQ_SAY_EVERY_S = 30.0
+
+# _said: consumer -> (monotonic time of its last line, dead letters since not logged).
+_said: dict[str, tuple[float, int]] = {}
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +150,30 @@ async def dead_letter(
     after a crash) stores it once.
     """
     js = nc.jetstream() if isinstance(nc, Client) else nc
+    body, headers = _dead_letter_message(root, consumer, reason, subject, seq, data)
+    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
+    stored = await _own(js, root, body, headers, ack)
+    DEAD_LETTERS[consumer] += 1
+    _say(consumer, seq, headers["Llmgw-Dlq-Subject"], headers["Llmgw-Dlq-Reason"])
+    return stored
+
+
+async def _own(
+    js: JetStreamContext, root: str, body: bytes, headers: dict[str, str], ack: PubAck
+) -> int:
+    """The DLQ sequence of a dead letter, once a duplicate ack is shown to be its own
+    (`Publisher.own`: an id taken by someone else's message is said, and the letter
+    stored again)."""
+    if not ack.duplicate:
+        return ack.seq
+    subject = subjects.dlq_subject(headers["Llmgw-Dlq-Consumer"], root)
+    sent = Published(ack.seq, True, subject, ack.stream or "")
+    return (await Publisher(js, root, retry_s=0).own(subject, body, headers, sent)).seq
+
+
+def _dead_letter_message(
+    root: str, consumer: str, reason: str, subject: str, seq: int, data: bytes
+) -> tuple[bytes, dict[str, str]]:
     reason = _one_line(reason)
     subject = _one_line(subject)
     body = _dlq_encoder.encode(
@@ -159,10 +196,18 @@ async def dead_letter(
         "Llmgw-Dlq-Seq": str(seq),
         "Llmgw-Dlq-Reason": reason,
     }
-    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
-    DEAD_LETTERS[consumer] += 1
-    log.warning("dead letter for %s: seq %d on %s: %s", consumer, seq, subject, reason)
-    return ack.seq
+    return body, headers
+
+
+def _say(consumer: str, seq: int, subject: str, reason: str) -> None:
+    now = time.monotonic()
+    last, quiet = _said.get(consumer, (-math.inf, 0))
+    if now - last < DLQ_SAY_EVERY_S:
+        _said[consumer] = (last, quiet + 1)
+        return
+    _said[consumer] = (now, 0)
+    more = f" ({quiet} more since the last line)" if quiet else ""
+    log.warning("dead letter for %s: seq %d on %s: %s%s", consumer, seq, subject, reason, more)
 
 
 class Dead(Protocol):
@@ -181,11 +226,34 @@ class Dead(Protocol):
 async def dead_letters(
     js: JetStreamContext, root: str, consumer: str, records: Sequence[Dead]
 ) -> None:
-    """`dead_letter` for each of a folder's dead records, in order."""
-    for x in records:
-        await dead_letter(
-            js, root, consumer, reason=x.reason, subject=x.subject, seq=x.seq, data=x.data
-        )
+    """`dead_letter` for each of a folder's dead records, in order, sent without waiting
+    for each ack (a flood of bad input is thousands of them) and returning once every
+    one is stored; raises at the first that is not."""
+    subject = subjects.dlq_subject(consumer, root)
+    for start in range(0, len(records), DLQ_WINDOW):
+        window = records[start : start + DLQ_WINDOW]
+        sent = []
+        for x in window:
+            body, headers = _dead_letter_message(root, consumer, x.reason, x.subject, x.seq, x.data)
+            sent.append((body, headers, await js.publish_async(subject, body, headers=headers)))
+        futures = [f for _, _, f in sent]
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futures), DLQ_ACK_TIMEOUT_S)
+        except TimeoutError:
+            for f in futures:
+                f.cancel()
+            raise nats.errors.TimeoutError from None
+        for (body, headers, _), ack in zip(sent, acks, strict=True):
+            await _own(js, root, body, headers, ack)
+        for x in window:
+            DEAD_LETTERS[consumer] += 1
+            _say(consumer, x.seq, _one_line(x.subject), _one_line(x.reason))
+
+
+# DLQ_WINDOW is how many dead letters `dead_letters` keeps in flight; DLQ_ACK_TIMEOUT_S
+# bounds the wait for their acks (nats-py's async publishes have no timeout of their own).
+DLQ_WINDOW = 500
+DLQ_ACK_TIMEOUT_S = 10.0
 
 
 # ------------------------------------------------------------------ spans

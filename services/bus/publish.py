@@ -205,7 +205,7 @@ class Publisher:
             },
         ) as span:
             headers = tracing.inject({MSG_ID: scoped_id(subj, event.id)})
-            out = await self._own(subj, body, headers, await self._publish(subj, body, headers))
+            out = await self.own(subj, body, headers, await self._publish(subj, body, headers))
             span.set_attribute("messaging.nats.stream.sequence", out.seq)
             if out.duplicate:
                 span.set_attribute("messaging.nats.duplicate", True)
@@ -223,13 +223,14 @@ class Publisher:
         if msg_id is not None:
             hdr[MSG_ID] = scoped_id(subject, msg_id)
         tracing.inject(hdr)
-        return await self._own(subject, body, hdr, await self._publish(subject, body, hdr or None))
+        return await self.own(subject, body, hdr, await self._publish(subject, body, hdr or None))
 
-    async def _own(
+    async def own(
         self, subject: str, body: bytes, headers: dict[str, str], out: Published
     ) -> Published:
         """`out`, once a duplicate ack is shown to be of this publisher's own message;
-        else the event published again under a fresh id, and that said."""
+        else the message published again under a fresh id, and that said. For a caller
+        that sent `body` with `headers` itself (pipelined dead letters)."""
         if not out.duplicate or MSG_ID not in headers:
             return out
         stored = await self._stored_at(out.stream, out.seq)
@@ -409,7 +410,7 @@ class Publisher:
                 subject=sent.subject,
                 stream=ack.stream or "",
             )
-            out.append(await self._own(sent.subject, sent.body, sent.headers or {}, one))
+            out.append(await self.own(sent.subject, sent.body, sent.headers or {}, one))
         return out
 
 

@@ -24,6 +24,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from schemas.codec import MAX_EVENT_BYTES
 from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
 from services.bus.errors import BusError, StreamConflict
 
@@ -108,6 +109,21 @@ async def settled(make: Callable[[], Awaitable[T]]) -> T:
 # DLQ_MAX_AGE_S keeps dead letters a week. Long enough to look at after a weekend; they
 # are reports about the log, not the log, so they may expire.
 DLQ_MAX_AGE_S = 7 * 24 * 3600.0
+
+# MAX_MSG_BYTES bounds one message of the log, whoever sends it: the contract's largest
+# event (codec.MAX_EVENT_BYTES, 256 KiB) and 32 KiB of headers (its id, the trace
+# context). deploy/nats's max_payload is the same number, for every connection; anything
+# larger is refused at the publish, so no agent stores more than this in one message.
+MAX_MSG_BYTES = MAX_EVENT_BYTES + 32 * 1024
+
+# The dead letters are bounded, per consumer and in all, so a flood of bad input (which
+# each of the plane's consumers dead-letters) cannot fill the disk: one record is at most
+# DLQ_MAX_MSG_BYTES (it keeps the first consume.DLQ_KEEP_BYTES of the message), one
+# consumer's subject keeps its newest DLQ_PER_CONSUMER, and the stream DLQ_MAX_BYTES, the
+# oldest going first. They are reports about the log, not the log.
+DLQ_MAX_MSG_BYTES = 16 * 1024
+DLQ_PER_CONSUMER = 10_000
+DLQ_MAX_BYTES = 1024**3
 
 
 def _differs(have: StreamConfig, want: StreamConfig) -> list[str]:
@@ -239,6 +255,7 @@ def _log_config(root: str, duplicate_window_s: float, replicas: int) -> StreamCo
         duplicate_window=duplicate_window_s,
         num_replicas=replicas,
         max_age=0,
+        max_msg_size=MAX_MSG_BYTES,
     )
 
 
@@ -262,6 +279,9 @@ def _dlq_config(root: str, replicas: int) -> StreamConfig:
         discard=DiscardPolicy.OLD,
         max_age=DLQ_MAX_AGE_S,
         num_replicas=replicas,
+        max_msg_size=DLQ_MAX_MSG_BYTES,
+        max_msgs_per_subject=DLQ_PER_CONSUMER,
+        max_bytes=DLQ_MAX_BYTES,
     )
 
 

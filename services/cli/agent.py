@@ -29,6 +29,10 @@ DEFAULT_START_DELAY_S = 0.5
 DEFAULT_LOAD_DELAY_S = 2.0
 DEFAULT_STOP_DELAY_S = 0.5
 DEFAULT_HEARTBEAT_S = 1.0
+# DEFAULT_SIM_* are a simulated server's pace (services.agent.responder.Timing): a first
+# token after 50 ms, then 100 tokens a second, like a small model on a fast GPU.
+DEFAULT_SIM_TTFT_S = 0.05
+DEFAULT_SIM_TPS = 100.0
 
 
 def register(commands: cli.Commands) -> None:
@@ -52,6 +56,7 @@ def register(commands: cli.Commands) -> None:
             "llmgw agent --node cpu-1 --gpus 2xH100-80GB --ports 21000-21099",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB",
             "llmgw agent --simulate --node gpu-b2 --gpus 2xL4-24GB --labels zone=b,rack=r7",
+            "llmgw agent --node gpu-a1 --takeover   # replace the agent running for gpu-a1",
             "llmgw agent --simulate --node gpu-a1 --gpus 8xH100-80GB --load-delay 10 \\",
             "    --traffic llama-70b=120 --traffic qwen-7b=2",
         ),
@@ -84,6 +89,13 @@ def register(commands: cli.Commands) -> None:
         help="address the model servers listen on ({host}; default 127.0.0.1)",
     )
     p.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="the address other hosts reach the model servers at, put in each ready "
+        "replica's endpoint (default: --host, or when that is every address (0.0.0.0, ::) "
+        "loopback if the broker is on loopback and this host's name otherwise)",
+    )
+    p.add_argument(
         "--scrape",
         type=cli.arg_positive,
         default=5.0,
@@ -106,6 +118,12 @@ def register(commands: cli.Commands) -> None:
         "--labels", type=_labels, default={}, metavar="K=V,...", help="node labels, e.g. zone=a"
     )
     add_simulation_options(p)
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="replace the node's agent if one is alive (it stops); without it an agent "
+        "whose node has a live one is refused",
+    )
     p.add_argument(
         "--used-interval",
         type=cli.arg_positive,
@@ -172,6 +190,38 @@ def add_simulation_options(p: Any) -> None:
         help="synthetic requests per minute to ready replicas of MODEL, reported as "
         "replica.used (repeatable); other models stay idle",
     )
+    p.add_argument(
+        "--sim-ttft",
+        type=cli.arg_seconds,
+        default=DEFAULT_SIM_TTFT_S,
+        metavar="S",
+        help="seconds a simulated server takes to its first token "
+        f"(default {DEFAULT_SIM_TTFT_S:g})",
+    )
+    p.add_argument(
+        "--sim-tps",
+        type=cli.arg_seconds,
+        default=DEFAULT_SIM_TPS,
+        metavar="N",
+        help=f"tokens a second a simulated server streams, 0: at once (default {DEFAULT_SIM_TPS:g})",
+    )
+
+
+def advertised(host: str, broker: Any) -> str:
+    """The address put in endpoints when --advertise names none: the servers' own address,
+    unless they listen on every address; then loopback when the broker is on loopback
+    (one host: whoever reaches the broker reaches loopback) and this host's name else."""
+    import ipaddress
+    import socket
+
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    broker_host = getattr(broker, "hostname", None) or ""
+    try:
+        loopback = ipaddress.ip_address(broker_host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = broker_host == "localhost"
+    return "127.0.0.1" if loopback else socket.getfqdn()
 
 
 def _gpus(text: str) -> spec.GpuSpec:
@@ -251,9 +301,17 @@ async def _run(args: argparse.Namespace) -> int:
     runtime: Runtime
     health: HealthWatch | None = None
     health_file = None
+    process_runtime = None
     if args.simulate:
+        from services.agent.responder import Timing
+
         gpu_list = spec.gpu_inventory(args.node, args.gpus)
-        runtime = SimulatedRuntime(args.start_delay, args.load_delay, args.stop_delay)
+        runtime = SimulatedRuntime(
+            args.start_delay,
+            args.load_delay,
+            args.stop_delay,
+            serve=Timing(args.sim_ttft, args.sim_tps),
+        )
     else:
         from services.agent import gpus as host_gpus
         from services.agent.process import ProcessRuntime
@@ -277,13 +335,14 @@ async def _run(args: argparse.Namespace) -> int:
             )
         if nvml is not None:
             health = nvml.watch
-        runtime = ProcessRuntime(
+        runtime = process_runtime = ProcessRuntime(
             node=args.node,
             data=data,
             gpus=gpu_list,
             uuids=found is not None,
             ports=args.ports,
             host=args.host,
+            advertise=args.advertise,
             nvml=nvml,
             scrape_s=args.scrape,
         )
@@ -296,6 +355,8 @@ async def _run(args: argparse.Namespace) -> int:
         async with cli.session(
             args, f"llmgw agent {args.node}", inbox_prefix=inbox_prefix(args.node)
         ) as s:
+            if process_runtime is not None and process_runtime.advertise is None:
+                process_runtime.advertise = advertised(args.host, s.nc.connected_url)
             agent = Agent(
                 s.nc,
                 s.js,
@@ -313,6 +374,7 @@ async def _run(args: argparse.Namespace) -> int:
                 on_stored=_exit_after(args.exit_after_states),
                 health=health,
                 health_file=health_file,
+                takeover=args.takeover,
             )
             await agent.run(stop)
 

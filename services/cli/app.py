@@ -51,6 +51,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.replay",
     "services.cli.snapshot",
     "services.cli.dashboard",
+    "services.cli.gateway",
     "services.cli.simulate",
     "services.cli.log",
 )

@@ -201,6 +201,19 @@ class _Op:
         out = await self.publisher.publish(event, node=node)
         return event, out.seq
 
+    async def warn_without_scheduler(self, args: argparse.Namespace) -> None:
+        """One line on stderr when no scheduler leads: what was published is stored, and
+        nothing acts on it until one does (a plane killed with -9 leaves its broker up)."""
+        from services import clock, liveness
+
+        _, recorded_in = cli.resolve_with_origin(args)
+        why = await liveness.no_scheduler(self.s.js, self.s.root, clock.utc_now(), recorded_in)
+        if why is not None:
+            print(
+                f"{cli.PROG}: warning: {why}; it is stored, and acted on once a scheduler leads",
+                file=sys.stderr,
+            )
+
 
 @contextlib.asynccontextmanager
 async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
@@ -438,6 +451,8 @@ async def _apply(args: argparse.Namespace) -> int:
             print(f"published {what}  (seq {seq})")
         for note in notes:
             print(note)
+        if pending and not args.dry_run:
+            await op.warn_without_scheduler(args)
     return 0
 
 
@@ -458,6 +473,7 @@ async def _scale(args: argparse.Namespace) -> int:
         note = limits_note(op.view.state.models.get(model), args.replicas)
         if note is not None:
             print(note)
+        await op.warn_without_scheduler(args)
     return 0
 
 

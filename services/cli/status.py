@@ -15,7 +15,9 @@ bundle (a picture of a moment that has passed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import time
 from datetime import datetime
 from typing import Any
 
@@ -188,8 +190,10 @@ def text(
     now: datetime | None = None,
     *,
     wide: bool = False,
+    beats: dict[str, float | None] | None = None,
 ) -> str:
-    """The tables; `now` as in `summary`."""
+    """The tables; `now` as in `summary`; with `beats` (per node, its last heartbeat's
+    age, None when none was heard) a HEARTBEAT column."""
     d = summary(view, decisions, now)
     now = now if now is not None else view.state.time
     last = view.state.time
@@ -213,14 +217,18 @@ def text(
             + (f" ({n['gpus'] - n['healthy']} unhealthy)" if n["healthy"] < n["gpus"] else ""),
             str(n["replicas"]),
         ]
+        if beats is not None:
+            row.append("-" if n["state"] == "lost" else _heartbeat(beats.get(n["node"])))
         if wide:
             row += [
                 n["gpu_model"] or "-",
                 ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
             ]
         node_rows.append(row)
-    node_head = ["NODE", "STATE", "GPUS USED", "REPLICAS"] + (
-        ["GPU MODEL", "LABELS"] if wide else []
+    node_head = (
+        ["NODE", "STATE", "GPUS USED", "REPLICAS"]
+        + (["HEARTBEAT"] if beats is not None else [])
+        + (["GPU MODEL", "LABELS"] if wide else [])
     )
     out.append(render.table(node_head, node_rows) or "  (no nodes have reported)")
     out.append("\nMODELS")
@@ -339,22 +347,35 @@ def name_lines(view: View) -> str:
     return render.name_lines(view, owners=True)
 
 
-def render_status(args: argparse.Namespace, view: View, where: str, now: datetime | None) -> str:
-    """What one drawing prints, in the chosen output."""
+def render_status(
+    args: argparse.Namespace,
+    view: View,
+    where: str,
+    now: datetime | None,
+    beats: dict[str, float | None] | None = None,
+) -> str:
+    """What one drawing prints, in the chosen output; `beats` the nodes' heartbeat ages."""
     match args.output:
         case "json":
             return json.dumps(summary(view, args.decisions, now), indent=2)
         case "name":
             return name_lines(view)
         case _:
-            return text(view, where, args.decisions, now, wide=args.output == "wide")
+            return text(view, where, args.decisions, now, wide=args.output == "wide", beats=beats)
 
 
-async def health(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The log's health beside a live plane: its last sequence, how far the projector
-    (`<data>/view.sqlite`) is behind it in events and seconds, and the dead letters per
-    consumer (`services.dashboard.health`, which the dashboard shows too). None when no
-    broker answers (a stopped plane, a bundle)."""
+async def health(
+    args: argparse.Namespace, view: View | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The log's health and the plane's liveness beside a live broker.
+
+    The health: the log's last sequence, how far the projector (`<data>/view.sqlite`)
+    is behind it in events and seconds, and the dead letters per consumer
+    (`services.dashboard.health`, which the dashboard shows too); None when the broker
+    does not answer. The plane (`services.liveness`): who leads, the projector's last
+    commit, whether the `up` of the data directory is alive, and, for the nodes of
+    `view`, the age of each one's last heartbeat."""
+    from services import liveness
     from services.dashboard import health as log_health
     from services.up import DB_FILE
 
@@ -363,7 +384,44 @@ async def health(args: argparse.Namespace) -> dict[str, Any] | None:
         # directory named this broker; a broker given by --nats may be anyone's.
         _, recorded_in = cli.resolve_with_origin(args)
         db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
-        return await log_health.check(s.js, db) or None
+        nodes = [] if view is None else [n for n, r in view.state.nodes.items() if not r.lost]
+        # Heartbeats are listened for while the rest is read.
+        beats = asyncio.ensure_future(liveness.heartbeats(s.nc, s.root, nodes, clock.utc_now()))
+        try:
+            h = await log_health.check(s.js, db, s.root) or None
+            if h is not None:
+                plane = h.pop("plane")
+            else:
+                plane = await liveness.check(
+                    s.js, s.root, clock.utc_now(), time.time(), data=recorded_in
+                )
+            plane["heartbeats"] = await beats
+        finally:
+            beats.cancel()
+        return h, plane
+
+
+def plane_lines(plane: dict[str, Any]) -> list[str]:
+    """The plane as the table shows it: a headline when it is not running, then who
+    leads and the projector's last commit."""
+    out = []
+    if not plane["running"]:
+        out.append("PLANE NOT RUNNING: " + "; ".join(plane["problems"]))
+    parts = []
+    for role, lead in (plane.get("leaders") or {}).items():
+        if lead is not None and lead["live"]:
+            since = f" since {lead['since']}" if lead["since"] else ""
+            parts.append(f"{role} {lead['holder']}{since}, renewed {lead['renewed_s_ago']:g}s ago")
+    p = plane.get("projector")
+    if p is not None and p.get("commit_age_s") is not None:
+        parts.append(f"projector's last commit {p['commit_age_s']:g}s ago")
+    if parts:
+        out.append("PLANE  " + "; ".join(parts))
+    return out
+
+
+def _heartbeat(age: float | None) -> str:
+    return "none heard" if age is None else f"{age:g}s ago"
 
 
 def health_line(h: dict[str, Any]) -> str:
@@ -385,6 +443,10 @@ def health_line(h: dict[str, Any]) -> str:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    """0, or 1 when the plane the log belongs to is not running (no leader, a stale
+    projector, its `up` gone): the status is printed all the same, headed by why."""
+    from services import liveness
+
     check_watch(args, {"--log": bool(args.log)})
     if args.watch:
         return await watch(
@@ -394,15 +456,31 @@ async def _status(args: argparse.Namespace) -> int:
     # A bundle is a picture of its last event; a broker's log, the live one or a stopped
     # plane's, is judged at the wall clock (how long ago the plane last heard anything).
     now = wall_now(args)
-    h = None if args.log or run.offline else await health(args)
+    view = run.rebuilt.view
+    h: dict[str, Any] | None = None
+    plane: dict[str, Any] | None = None
+    if run.offline:
+        plane = liveness.stopped(cli.data_dir(args))
+    elif not args.log:
+        h, plane = await health(args, view)
+    code = 0 if plane is None or plane["running"] else 1
     if args.output == "json":
-        doc = summary(run.rebuilt.view, args.decisions, now)
+        doc = summary(view, args.decisions, now)
+        if plane is not None:
+            beats = plane.get("heartbeats") or {}
+            for n in doc["nodes"]:
+                n["heartbeat_age_s"] = beats.get(n["node"])
         doc["log"] = h
+        doc["plane"] = plane
         print(json.dumps(doc, indent=2))
-        return 0
-    out = render_status(args, run.rebuilt.view, run.where, now)
-    if h is not None and args.output != "name":
+        return code
+    beats = None if plane is None else plane.get("heartbeats")
+    out = render_status(args, view, run.where, now, beats)
+    if args.output != "name":
         first, _, rest = out.partition("\n")
-        out = f"{first}\n{health_line(h)}\n{rest}"
+        head = [] if plane is None else plane_lines(plane)
+        headline = [x for x in head if x.startswith("PLANE NOT RUNNING")]
+        extra = ([health_line(h)] if h is not None else []) + [x for x in head if x not in headline]
+        out = "\n".join([*headline, first, *extra, rest])
     print(out)
-    return 0
+    return code

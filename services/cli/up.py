@@ -14,8 +14,10 @@ from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
+from services.cli.gateway import add_gateway_options, gateway_keys, gateway_listen
 from services.core import preemption, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
+from services.gateway.listen import DEFAULT_LISTEN as DEFAULT_GATEWAY
 
 DEFAULT_PORT = 4222
 DEFAULT_UI = DEFAULT_LISTEN
@@ -23,7 +25,13 @@ DEFAULT_UI = DEFAULT_LISTEN
 # UP_SCHEDULER_FLAGS are the scheduler's knobs `llmgw up` offers; the others keep their
 # defaults. The drain grace is the whole control plane's: the preemption service's drains
 # get the same.
-UP_SCHEDULER_FLAGS = ("tick_s", "node_timeout_s", "start_timeout_s", "drain_grace_s")
+UP_SCHEDULER_FLAGS = (
+    "tick_s",
+    "node_timeout_s",
+    "lost_grace_s",
+    "start_timeout_s",
+    "drain_grace_s",
+)
 
 
 def register(commands: cli.Commands) -> None:
@@ -81,6 +89,11 @@ def register(commands: cli.Commands) -> None:
     g = p.add_argument_group("dashboard")
     g.add_argument("--no-ui", action="store_true", help="do not serve the web dashboard")
     add_listen_options(g, DEFAULT_UI, flag="--ui-listen")
+    g = p.add_argument_group("gateway")
+    g.add_argument(
+        "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
+    )
+    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen")
 
 
 def _port(requested: int | None) -> int | None:
@@ -123,11 +136,31 @@ def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return listen, token
 
 
+def _gateway(args: argparse.Namespace) -> str | None:
+    """The gateway's address; the default port, when taken, becomes a free one."""
+    if args.no_gateway:
+        return None
+    listen = gateway_listen(args, "--gateway-listen")
+    if listen == DEFAULT_GATEWAY:
+        import socket
+
+        from services.gateway.server import parse_listen
+
+        host, port = parse_listen(listen)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                listen = f"{host}:0"
+    return listen
+
+
 async def _up(args: argparse.Namespace) -> int:
     from services.agent import AgentError
     from services.up import UpError, UpOptions, run
 
     ui, token = _ui(args)
+    gateway = _gateway(args)
 
     nats_url = getattr(args, "nats", None) or os.environ.get(cli.ENV_NATS) or None
     opts = UpOptions(
@@ -142,12 +175,19 @@ async def _up(args: argparse.Namespace) -> int:
         load_delay_s=args.load_delay,
         stop_delay_s=args.stop_delay,
         heartbeat_s=args.heartbeat,
+        sim_ttft_s=args.sim_ttft,
+        sim_tps=args.sim_tps,
         traffic=dict(args.traffic),
         projector=not args.no_projector,
         ui=ui,
         ui_token=token,
         ui_hosts=allowed_hosts(args),
         replicas=args.replicas,
+        gateway=gateway,
+        gateway_max_body=args.max_body,
+        gateway_upstream_timeout_s=args.upstream_timeout,
+        gateway_used_interval_s=args.gateway_used_interval,
+        gateway_keys=gateway_keys(args) if gateway is not None else None,
     )
     cli.setup_logging()
     try:

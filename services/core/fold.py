@@ -28,6 +28,7 @@ from typing import Any
 
 from schemas import events as ev
 from schemas import names
+from services.core.inventory import shortfall
 from services.core.view import (
     RECENT_DECISIONS,
     RECENT_REJECTIONS,
@@ -39,9 +40,11 @@ from services.core.view import (
     Rejection,
     ReplicaRecord,
     View,
+    after,
     allocate,
     model_of,
     node_of,
+    profile_of,
     quota_tree_of,
 )
 
@@ -146,25 +149,88 @@ def _node_inventory(view: View, e: ev.NodeInventoryEvent, subject: str | None) -
     )
     view.state.nodes[d.node] = rec
     view.inventory.set_node(node_of(rec))
+    view.note_node(rec)
+    # A report is the node's whole inventory: a replica whose GPUs it no longer has (or
+    # has as another model, or smaller than its profile asks) cannot be running there,
+    # and what it held is not there to hold. It fails, so GPUs in use never exceed GPUs
+    # present.
+    for rid, why in _uncovered(view, d):
+        _fail(view, view.state.replicas[rid], f"node {d.node} no longer has its GPUs: {why}", e)
     return None
 
 
+def _uncovered(view: View, d: ev.NodeInventory) -> list[tuple[str, str]]:
+    """The replicas holding GPUs on node `d.node` that its report `d` no longer covers,
+    with why (`inventory.shortfall`), in id order."""
+    held = view.inventory.replicas_on(d.node)
+    if not held:
+        return []
+    gpus = {g.index: g for g in d.gpus}
+    reps = view.state.replicas
+    out = []
+    for rid in held:
+        r = reps.get(rid)
+        if r is None:
+            continue
+        p = profile_of(view, r)
+        mine = [i for sh in r.shards if sh.node == d.node for i in sh.gpus]
+        why = (
+            shortfall(gpus, mine)
+            if p is None
+            else shortfall(gpus, mine, p.gpu_model, p.gpu_memory_gb)
+        )
+        if why is not None:
+            out.append((rid, why))
+    return out
+
+
+def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope) -> None:
+    """The fold's own failure of a replica (its node lost, its GPUs gone): capacity
+    released, and a report from it later is a state going backwards."""
+    r.state, r.reason, r.updated_at = "failed", reason, e.time
+    view.inventory.release_replica(r.id)
+    view.note(r)
+
+
 def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | None:
-    rec = view.state.nodes.get(e.data.node)
+    d = e.data
+    rec = view.state.nodes.get(d.node)
     if rec is None:
-        return f"unknown node {e.data.node}"
-    rec.lost, rec.lost_reason, rec.updated_at = True, e.data.reason, e.time
+        return f"unknown node {d.node}"
+    if d.grace_s > 0:
+        # Lost with a grace: no new placement, but its replicas keep their state and
+        # their GPUs, for its agent may still be serving them. The grace runs from the
+        # first word of the loss; a second such word does not stretch it.
+        if not rec.lost:
+            rec.failing_at = after(e.time, d.grace_s)
+        rec.lost, rec.lost_reason, rec.updated_at = True, d.reason, e.time
+        view.inventory.set_lost(rec.report.node, True)
+        view.note_node(rec)
+        return None
+    rec.lost, rec.lost_reason, rec.updated_at, rec.failing_at = True, d.reason, e.time, None
     view.inventory.set_lost(rec.report.node, True)
+    view.note_node(rec)
     # A lost node's replicas are gone with it: their capacity is released, and a report
     # from them later is a state going backwards, not a resurrection.
     # Invariant: every replica holding capacity on a node has its allocation there, so
     # the inventory's index finds them without scanning every replica of the cluster.
     reps = view.state.replicas
     for rid in view.inventory.replicas_on(rec.report.node):
-        r = reps[rid]
-        r.state, r.reason, r.updated_at = "failed", f"node lost: {e.data.reason}", e.time
-        view.inventory.release_replica(rid)
-        view.note(r)
+        _fail(view, reps[rid], f"node lost: {d.reason}", e)
+    return None
+
+
+def _node_found(view: View, e: ev.NodeFoundEvent, subject: str | None) -> str | None:
+    rec = view.state.nodes.get(e.data.node)
+    if rec is None:
+        return f"unknown node {e.data.node}"
+    if not rec.lost:
+        return None  # back already: its report came first
+    # Heard from again: it takes placements again, and what its replicas still hold
+    # (within the grace) they keep. Those already failed stay failed.
+    rec.lost, rec.lost_reason, rec.failing_at, rec.updated_at = False, None, None, e.time
+    view.inventory.set_lost(rec.report.node, False)
+    view.note_node(rec)
     return None
 
 
@@ -211,6 +277,7 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             created_at=e.time,
             updated_at=e.time,
             reason=d.reason,
+            endpoint=d.endpoint,
         )
         if d.state in _HOLDING and shards:
             why = allocate(view, r)
@@ -245,6 +312,8 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     if d.reason is not None or d.state != r.state:
         r.reason = d.reason
     r.state, r.profile, r.shards, r.updated_at = d.state, d.profile, shards, e.time
+    if d.endpoint is not None:
+        r.endpoint = d.endpoint
     first_ready = d.state == "ready" and r.ready_at is None
     if first_ready:
         r.ready_at = e.time
@@ -580,19 +649,23 @@ def _touch_node(view: View, e: Any, t: Touched, before: Any) -> None:
     t.nodes.add(e.data.node)
 
 
-def _before_lost(view: View, e: ev.NodeLostEvent) -> tuple[str, ...]:
+def _before_held(view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent) -> tuple[str, ...]:
     # Invariant: a replica holding capacity on a node is allocated there, so the
-    # inventory names every replica the loss can fail.
+    # inventory names every replica a loss or a new report can fail.
     return view.inventory.replicas_on(e.data.node)
 
 
-def _touch_lost(view: View, e: ev.NodeLostEvent, t: Touched, hit: tuple[str, ...]) -> None:
+def _touch_held(
+    view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent, t: Touched, hit: tuple[str, ...]
+) -> None:
+    """The node, and the replicas it held that the event failed (with their nodes)."""
     t.nodes.add(e.data.node)
     reps = view.state.replicas
     for rid in hit:
-        t.replicas.add(rid)
-        if rid in reps:
-            t.nodes.update(s.node for s in reps[rid].shards)
+        r = reps.get(rid)
+        if r is not None and not r.holds_capacity:
+            t.replicas.add(rid)
+            t.nodes.update(s.node for s in r.shards)
 
 
 def _touch_replica(view: View, e: Any, t: Touched, before: Any) -> None:
@@ -642,10 +715,20 @@ def _about_node(view: View, e: Any) -> tuple[Key, ...]:
     return (("node", e.data.node),)
 
 
+def _about_inventory(view: View, e: ev.NodeInventoryEvent) -> list[Key]:
+    out: list[Key] = [("node", e.data.node)]
+    # The replicas the report no longer covers: the fold fails them.
+    reps = view.state.replicas
+    for rid, _ in _uncovered(view, e.data):
+        out += (("replica", rid), ("model", reps[rid].model))
+    return out
+
+
 def _about_lost(view: View, e: ev.NodeLostEvent) -> list[Key]:
     node = e.data.node
     out: list[Key] = [("node", node)]
-    # The fold fails every replica that held capacity on a lost node: the current ones.
+    # The fold fails every replica that held capacity on a lost node (at once, or once
+    # its grace has passed): the current ones.
     for r in view.current():
         if any(s.node == node for s in r.shards):
             out += (("replica", r.id), ("model", r.model))
@@ -697,8 +780,9 @@ RULES: dict[type, Rule] = {
     ev.ModelRemovedEvent: Rule(_model_removed, _touch_model, _about_model),
     ev.QuotaSetEvent: Rule(_quota_set, _touch_quota, _about_quota),
     ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_data_model),
-    ev.NodeInventoryEvent: Rule(_node_inventory, _touch_node, _about_node),
-    ev.NodeLostEvent: Rule(_node_lost, _touch_lost, _about_lost, _before_lost),
+    ev.NodeInventoryEvent: Rule(_node_inventory, _touch_held, _about_inventory, _before_held),
+    ev.NodeLostEvent: Rule(_node_lost, _touch_held, _about_lost, _before_held),
+    ev.NodeFoundEvent: Rule(_node_found, _touch_node, _about_node),
     ev.NodeCordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
     ev.NodeUncordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
     ev.ReplicaStateEvent: Rule(

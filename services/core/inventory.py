@@ -27,6 +27,29 @@ def model_words(name: str) -> frozenset[str]:
     return frozenset(_WORD.findall(name.lower()))
 
 
+def shortfall(
+    gpus: Mapping[int, ev.GpuInfo],
+    indices: Iterable[int],
+    gpu_model: str | None = None,
+    gpu_memory_gb: float = 0.0,
+) -> str | None:
+    """Why the GPUs `indices` of a node, as its report now has them (`gpus`, by index),
+    no longer hold a shard of a profile asking for `gpu_model` and `gpu_memory_gb`
+    (placement's own test of a GPU: every word of the model, at least the memory); None
+    when they still do. What a report that shrank a node under its replicas does to them."""
+    gone = [i for i in indices if i not in gpus]
+    if gone:
+        return f"GPU {', '.join(map(str, gone))} {'is' if len(gone) == 1 else 'are'} gone"
+    words = model_words(gpu_model) if gpu_model else frozenset()
+    for i in indices:
+        g = gpus[i]
+        if words and not words <= model_words(g.model):
+            return f"GPU {i} is a {g.model}, not a {gpu_model}"
+        if g.memory_gb < gpu_memory_gb:
+            return f"GPU {i} has {g.memory_gb:g} GB, not {gpu_memory_gb:g}"
+    return None
+
+
 # Gpu is one GPU as its node reports it: the contract's own GpuInfo, so a node report
 # becomes the inventory's node without converting each GPU.
 Gpu = ev.GpuInfo

@@ -61,6 +61,14 @@ class Config:
             "help": "a node whose heartbeats stop this long is reported lost, once",
         },
     )
+    lost_grace_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a lost node's replicas keep their GPUs this long (its agent may still "
+            "serve them) and fail only if it is not heard from again by then; 0 fails "
+            "them at once",
+        },
+    )
     start_timeout_s: float = field(
         default=120.0,
         metadata={
@@ -164,6 +172,7 @@ class Plan:
     failed: int = 0
     drained: int = 0
     lost: int = 0
+    found: int = 0
     satisfied: list[str] = field(default_factory=list)
     """Models with all they want this pass (those that had it, those it placed in full),
     in rank order, whose failure memory can be forgotten."""
@@ -206,16 +215,19 @@ def plan(
     *,
     failures: Mapping[str, Failure] | None = None,
     silent: Mapping[str, float] | None = None,
+    heard: Collection[str] = (),
     source: str = "scheduler",
 ) -> Plan:
     """Everything one pass decides on `view` at `now`.
 
     `failures`: per model, the last placement.failed this scheduler published.
-    `silent`: per node, seconds since its last heartbeat (as the shell measured it).
+    `silent`: per node not lost, seconds since its last heartbeat (as the shell
+    measured it). `heard`: the lost nodes whose agent was heard from since.
     """
     out = Plan()
     mk = _Maker(now, source)
-    _lost_nodes(out, mk, view, silent or {}, config)
+    _found_nodes(out, mk, view, heard)
+    _lost_nodes(out, mk, view, now, silent or {}, heard, config)
     if out.lost:
         # A lost node fails its replicas in the fold. Placing before that is folded would
         # count them live and place on a node that is gone; the next pass sees it all.
@@ -262,12 +274,32 @@ def plan(
     return out
 
 
+def _found_nodes(out: Plan, mk: _Maker, view: View, heard: Collection[str]) -> None:
+    """A `node.found` for every lost node heard from again, by name."""
+    nodes = view.state.nodes
+    for node in sorted(heard):
+        rec = nodes.get(node)
+        if rec is None or not rec.lost:
+            continue
+        parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
+        found = ev.NodeFound(node=node, reason="heartbeat heard again")
+        out.outputs.append(Output(mk(found, ids.derived(parent, "node.found"))))
+        out.found += 1
+
+
 def _lost_nodes(
-    out: Plan, mk: _Maker, view: View, silent: Mapping[str, float], config: Config
+    out: Plan,
+    mk: _Maker,
+    view: View,
+    now: datetime,
+    silent: Mapping[str, float],
+    heard: Collection[str],
+    config: Config,
 ) -> None:
-    """A `node.lost` for every node silent past the timeout and not yet lost, by name."""
-    if not silent:
-        return
+    """A `node.lost` for every node silent past the timeout and not yet lost, with the
+    grace its replicas get (`lost_grace_s`); and a second, with none, for every lost
+    node whose grace has passed and that was not heard from: that one fails its
+    replicas. By name."""
     nodes, timeout = view.state.nodes, config.node_timeout_s
     due = []
     for node, secs in silent.items():
@@ -279,7 +311,19 @@ def _lost_nodes(
         due.sort(key=operator.itemgetter(0))
     for node, secs, rec in due:
         parent = _anchor(rec.updated_at, f"node\x00{node}\x00{rec.updated_at.isoformat()}")
-        lost = ev.NodeLost(node=node, reason=f"no heartbeat for {secs:.0f}s")
+        lost = ev.NodeLost(
+            node=node, reason=f"no heartbeat for {secs:.0f}s", grace_s=config.lost_grace_s
+        )
+        out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
+        out.lost += 1
+    for node in view.failing_nodes(now):
+        if node in heard:
+            continue
+        rec = nodes[node]
+        at = rec.failing_at
+        assert at is not None
+        parent = _anchor(at, f"node\x00{node}\x00failing\x00{at.isoformat()}")
+        lost = ev.NodeLost(node=node, reason=f"not heard from within the grace ({rec.lost_reason})")
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
         out.lost += 1
 

@@ -30,7 +30,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 3
+SCHEMA = 4
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -39,6 +39,14 @@ RECENT_REJECTIONS = 100
 
 # LIVE_STATES hold capacity and count towards a model's replicas.
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
+
+
+def after(t: datetime, seconds: float) -> datetime:
+    """`seconds` after `t`; the latest time there is when that reaches past it."""
+    try:
+        return t + timedelta(seconds=seconds)
+    except (OverflowError, ValueError):
+        return datetime.max.replace(tzinfo=t.tzinfo)
 
 
 def before(now: datetime, seconds: float) -> datetime:
@@ -84,6 +92,10 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     """CPU cores per shard it holds, as allocated (its profile's when it was placed)."""
     memory_gb: float = 0.0
     """Memory per shard it holds, as allocated."""
+    endpoint: str | None = None
+    """Where its server answers (`http://host:port`): the latest `replica.state` that
+    named one. Kept after it stops (the record says where it was); only a ready one is
+    routed to."""
 
     @property
     def holds_capacity(self) -> bool:
@@ -129,6 +141,9 @@ class NodeRecord(msgspec.Struct, kw_only=True, gc=False):
     lost: bool = False
     lost_reason: str | None = None
     updated_at: datetime
+    failing_at: datetime | None = None
+    """Lost with a grace (`node.lost`'s `grace_s`): when its replicas are failed unless
+    it is heard from first. None when not lost, or lost and its replicas failed."""
 
 
 class HoldRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -271,6 +286,7 @@ class View:
         "_current_top",
         "_failed",
         "_failed_at",
+        "_failing",
         "_live",
         "_live_ids",
         "_loads",
@@ -298,6 +314,9 @@ class View:
             self.catalog.put(model_of(d))
         self.quota = quota_tree_of(s.quota)
         self.inventory = inventory.Inventory(node_of(n) for n in s.nodes.values())
+        # _failing: the nodes lost with a grace still running (`NodeRecord.failing_at`),
+        # kept by the fold (`note_node`) so a pass does not walk every node for them.
+        self._failing = {n for n, r in s.nodes.items() if r.failing_at is not None}
         # The replica indexes (see `note`): the view keeps every replica ever placed, and
         # a pass or a policy call that walked them all would cost more each day a cluster
         # runs. They are derived from the records alone, so a view rebuilt from a
@@ -470,6 +489,24 @@ class View:
         """The failed replicas whose last report is at or after `since`, in the order
         they were created."""
         return self._since(self._failed, since)
+
+    def note_node(self, rec: NodeRecord) -> None:
+        """Bring the node index up to date with `rec`, just created or changed; the fold
+        calls it after each change to a node's `failing_at`."""
+        if rec.failing_at is None:
+            self._failing.discard(rec.report.node)
+        else:
+            self._failing.add(rec.report.node)
+
+    def failing_nodes(self, now: datetime) -> list[str]:
+        """The lost nodes whose grace has passed by `now` with their replicas not failed
+        yet (`NodeRecord.failing_at`), by name."""
+        if not self._failing:
+            return []
+        nodes = self.state.nodes
+        return sorted(
+            n for n in self._failing if (at := nodes[n].failing_at) is not None and at <= now
+        )
 
     def timed_out_since(self, since: datetime) -> list[ReplicaRecord]:
         """The replicas drained for placement_timeout, holding capacity or not, whose

@@ -1,5 +1,7 @@
 """The log's health, for the dashboard: its last sequence, the projector's lag in events
-and seconds, and the dead letters per consumer.
+and seconds, the dead letters per consumer, and whether the plane runs (`plane`, from
+`services.liveness`: who leads, the projector's last commit, the `up` of the data
+directory), which the page shows as a banner when it does not.
 
 Called by the dashboard's server every few seconds; what it returns is shown on the page
 and exported as metrics. The projector's position is read from its SQLite view
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,9 @@ import nats.errors
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
+from services import liveness
 from services.bus import DLQ_STREAM
+from services.clock import utc_now
 
 # LOCK_WAIT_S bounds the wait for the projector's lock; past it the lag is unknown
 # until the next check.
@@ -42,9 +47,10 @@ def _projector_seq(db: Path) -> int | None:
     return int(row[0]) if row else 0
 
 
-async def check(js: Any, db_path: Path | None) -> dict[str, Any]:
-    """`{"last_seq", "projector": {"seq", "lag_events", "lag_s"} | None, "dead_letters"}`;
-    an empty dict when the broker does not answer."""
+async def check(js: Any, db_path: Path | None, root: str = subjects.DEFAULT_ROOT) -> dict[str, Any]:
+    """`{"last_seq", "projector": {"seq", "lag_events", "lag_s"} | None, "dead_letters",
+    "plane"}`; an empty dict when the broker does not answer. The view `db_path` is the
+    one in an `llmgw up` data directory (its parent), whose `up` the plane is judged by."""
     try:
         info = await js.stream_info(subjects.STREAM)
         last = info.state.last_seq
@@ -68,6 +74,15 @@ async def check(js: Any, db_path: Path | None) -> dict[str, Any]:
             for subject, n in (dlq.state.subjects or {}).items():
                 dead[subject.rsplit(".", 1)[-1]] = n
         out["dead_letters"] = dict(sorted(dead.items()))
+        out["plane"] = await liveness.check(
+            js,
+            root,
+            utc_now(),
+            time.time(),
+            data=None if db_path is None else db_path.parent,
+            db=db_path,
+            projector=out["projector"],
+        )
         return out
     except (nats.errors.Error, TimeoutError, NotFoundError):
         return {}

@@ -265,11 +265,14 @@ class Dashboard:
     """`Host` names served besides loopback ones (`--allow-host`, `Hosts`)."""
 
     def __post_init__(self) -> None:
+        # Answers for past moments are kept by what they name and the listing they are
+        # of: a view of a log listed before is not one of the log that replaced it.
+        self.replays = replays.Replays(self.js)
         self.metrics = metrics.Metrics(
             lambda: self.hub.view,
             lambda: self.health,
             lambda: len(self.hub.clients),
-            lambda: getattr(self, "replays", None),
+            lambda: self.replays,
         )
         self.hub = hub.Hub(
             self.js,
@@ -278,9 +281,6 @@ class Dashboard:
             client_frames=self.client_frames,
             on_change=self.metrics.observe,
         )
-        # Answers for past moments are kept by what they name and the listing they are
-        # of: a view of a log listed before is not one of the log that replaced it.
-        self.replays = replays.Replays(self.js)
         host, _ = parse_listen(self.listen)
         hosts = Hosts(is_loopback(host), frozenset(parse_hosts(self.allow_hosts)))
         self.app = _Gate(self._routes(), self.token, hosts)
@@ -367,7 +367,7 @@ class Dashboard:
 
     async def _check_health(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            got = await health.check(self.js, self.db_path)
+            got = await health.check(self.js, self.db_path, self.root)
             if got:
                 self.health = got
             with contextlib.suppress(TimeoutError):

@@ -25,9 +25,9 @@ import aiosqlite
 import nats.errors
 from nats.js.client import JetStreamContext
 
-from schemas import codec, ids, subjects
 from schemas import events as ev
-from services.bus import consume, follow, snapshots
+from schemas import ids, subjects
+from services.bus import Publisher, consume, follow, snapshots
 from services.bus.errors import SequenceGap, StreamReplaced
 from services.clock import utc_now
 from services.core.ingest import Gap, Ingest, Touched
@@ -51,6 +51,10 @@ BATCH_MAX = 50_000
 # MAX_DELAY_S bounds how long folded events wait for a transaction when there is a
 # backlog and the database is idle; caught up, they are committed at once.
 MAX_DELAY_S = 0.2
+
+# FULL_RETRY_S is how long the projector waits, after a commit failed on a full disk,
+# before it reads on from its last commit and tries again.
+FULL_RETRY_S = 1.0
 
 # READ_CHUNK is the most messages handed to one `_on_batch` call (the reader's batch).
 READ_CHUNK = 5000
@@ -120,6 +124,8 @@ class Projector:
         self._aside_at: int | None = None
         """The position the view was rebuilt from when an unreadable one was last moved
         aside (-1 until it is loaded); None: never."""
+        self._full = False
+        """The last commit failed on a full disk, and none has worked since."""
         self.stopped = False
 
     @property
@@ -226,6 +232,11 @@ class Projector:
                     stopped = await self._follow(stop, restart)
                     break
                 except Exception as e:
+                    if store.full(e):
+                        # A full disk: what was folded since the last commit is folded
+                        # again from the log once a commit works; the plane runs on.
+                        await self._wait_for_space(e, stop)
+                        continue
                     if not store.unreadable(e) or self._aside_at in (-1, self.committed):
                         raise
                     await self._reopen(e)
@@ -270,6 +281,22 @@ class Projector:
                 log.error("projector: %s; rebuilding the view from the new log", e)
                 assert self.db is not None
                 await self._load(self.db, rebuild=True)
+
+    async def _wait_for_space(self, e: BaseException, stop: asyncio.Event) -> None:
+        """Say once per outage that the view cannot be written; wait FULL_RETRY_S."""
+        if not self._full:
+            self._full = True
+            log.error(
+                "projector: the view %s cannot be written (%s: %s); retrying every %gs, "
+                "from its last commit at %d",
+                self.db_path,
+                type(e).__name__,
+                e,
+                FULL_RETRY_S,
+                self.committed,
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), FULL_RETRY_S)
 
     async def _open(self) -> aiosqlite.Connection:
         """The view database; an unreadable file is moved aside and a new one made."""
@@ -352,15 +379,18 @@ class Projector:
         async def before(touched: Touched) -> None:
             await consume.dead_letters(self.js, self.root, self.consumer, touched.dead)
             for e in digests:
-                await self.js.publish(
-                    subjects.digest_subject(self.root),
-                    codec.encode(e),
-                    headers={"Nats-Msg-Id": e.id},
+                # Its id scoped and a duplicate ack checked (Publisher): nobody else's
+                # message keeps a digest off the log.
+                await Publisher(self.js, self.root).publish(
+                    e, subject=subjects.digest_subject(self.root)
                 )
             self.dead += len(touched.dead)
             self.digests += len(digests)
 
         async def after(seq: int) -> None:
+            if self._full:
+                self._full = False
+                log.info("projector: the view is written again, at %d", seq)
             self.committed = seq
             self._notify()
             for raw in snaps:

@@ -193,6 +193,14 @@ def unreadable(e: BaseException) -> bool:
     return isinstance(e, StoreError | msgspec.MsgspecError | KeyError | UnicodeDecodeError)
 
 
+def full(e: BaseException) -> bool:
+    """Whether `e` says the view's disk is full (or its file at its size limit): the file
+    is fine, and a later commit of the same rows may work."""
+    return isinstance(e, sqlite3.DatabaseError) and (
+        (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
+    ) in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+
+
 def set_aside(path: Path, now: datetime) -> Path:
     """Move the view file at `path` (a file, or whatever stands in its place) and its
     `-wal`/`-shm`/`-journal` aside to `<path>.corrupt-<time>` (the sidecars keep their

@@ -72,7 +72,10 @@ def describe(
         case ev.NodeInventoryEvent(data=d):
             return d.node, f"gpus={_gpus(d.gpus)} cpu={d.cpu_cores:g} mem={d.memory_gb:g}GB"
         case ev.NodeLostEvent(data=d):
-            return d.node, f"lost reason={d.reason}"
+            grace = f" grace={d.grace_s:g}s" if d.grace_s else ""
+            return d.node, f"lost reason={d.reason}{grace}"
+        case ev.NodeFoundEvent(data=d):
+            return d.node, f"found reason={d.reason}"
         case ev.NodeCordonedEvent(data=d):
             return d.node, "cordoned"
         case ev.NodeUncordonedEvent(data=d):
@@ -82,7 +85,12 @@ def describe(
             reason = f" reason={d.reason}" if d.reason else ""
             return f"{where}/{d.replica}", f"{d.model} {d.state}{reason}"
         case ev.ReplicaUsedEvent(data=d):
-            return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}"
+            counts = (
+                ""
+                if d.requests is None
+                else (f" requests={d.requests} tokens_in={d.tokens_in} tokens_out={d.tokens_out}")
+            )
+            return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}{counts}"
         case ev.PlacementDecidedEvent(data=d):
             return d.replica, (
                 f"{d.model} profile={d.profile} on={_shards(d.shards)} reason={d.reason}"

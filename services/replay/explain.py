@@ -176,6 +176,8 @@ class Explainer:
             f"{stamp(r.created_at)}; ready {ago(r.ready_at, st.now) if r.ready_at else 'never'}; "
             f"idle {_idle(r.idle_s(st.now) if st.now else None)}"
         )
+        if r.endpoint is not None:
+            st.line(f"  its server answers at {r.endpoint} (replica.state endpoint)")
         st.line("")
         if r.preempted_for is not None or r.drain_reason == "preempted":
             self._preempted(st, r, view)
@@ -669,7 +671,20 @@ class Explainer:
                 marks.append({"flag": flag, "seq": seq, "time": stamp(e.time), "by": e.source})
             elif on:
                 st.line(f"  {flag}; the event that did it is not in the log replayed")
-        st.facts.update(lost=rec.lost, cordoned=rec.cordoned, marks=marks)
+        if rec.lost and rec.failing_at is not None:
+            st.line(
+                f"  its replicas keep their GPUs until {stamp(rec.failing_at)} "
+                f"({ago(rec.failing_at, st.now)}), the grace, and fail then unless it is "
+                "heard from"
+            )
+        elif rec.lost:
+            st.line("  its replicas were failed with it")
+        st.facts.update(
+            lost=rec.lost,
+            cordoned=rec.cordoned,
+            marks=marks,
+            failing_at=stamp(rec.failing_at) if rec.failing_at is not None else None,
+        )
         holders: dict[int, ReplicaRecord] = {}
         for r in s.replicas.values():
             if r.holds_capacity:
@@ -698,6 +713,27 @@ class Explainer:
                 "replica": holders[g.index].id if g.index in holders else None,
             }
             for g in gpus
+        ]
+        # The replicas the fold failed for what the node became: lost past its grace, or
+        # a report that no longer has their GPUs (fewer, another model, smaller).
+        failed = sorted(
+            (
+                r
+                for r in s.replicas.values()
+                if r.state == "failed"
+                and r.reason is not None
+                and r.reason.startswith(("node lost", f"node {name} no longer"))
+                and any(sh.node == name for sh in r.shards)
+            ),
+            key=lambda r: r.updated_at,
+        )[-RECENT:]
+        if failed:
+            st.line("")
+            st.line(f"replicas failed with the node (the last {len(failed)})")
+            for r in failed:
+                st.line(f"  {r.id} ({r.model}) {stamp(r.updated_at)}: {r.reason}")
+        st.facts["failed"] = [
+            {"replica": r.id, "model": r.model, "reason": r.reason} for r in failed
         ]
         entries = self.timeline.entries
         moves = [

@@ -325,6 +325,7 @@ def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:
         "retiring_at": None if r.retiring_at is None else stamp(r.retiring_at),
         "preempted_for": r.preempted_for,
         "reason": r.reason,
+        "endpoint": r.endpoint,
     }
 
 

@@ -5,8 +5,10 @@ a lease in a JetStream KV bucket picks the one that acts; the others follow the 
 and stand by. The leader runs a pass of `services.core.scheduling.plan` on every relevant event
 (the follower's on_change) and on a tick, and publishes what the pass decided:
 `placement.decided` plus a `replica.start` on each shard's node, `placement.failed`,
-`replica.drain` (scale_down, model_removed, placement_timeout) and `node.lost` for nodes
-whose heartbeats (core NATS `<root>.heartbeat.<node>`) stopped.
+`replica.drain` (scale_down, model_removed, placement_timeout), `node.lost` for nodes
+whose heartbeats (core NATS `<root>.heartbeat.<node>`) stopped (with the grace its
+replicas get, then a second once that grace has passed), and `node.found` for a lost
+node heard from again.
 
 Rules of the shell:
 - It decides only on a view that holds everything it published itself: after a publish,
@@ -15,6 +17,9 @@ Rules of the shell:
   never places again what the old leader already placed.
 - It publishes only while its lease is valid, checked before each batch; a deposed or
   partitioned leader's belief ends before a standby can take over.
+- While its connection is down, and for one heartbeat period after it takes the lead or
+  its connection comes back, it reports no node lost: the heartbeats it missed meanwhile
+  say nothing of the nodes, and the first ones after the reconnect are on their way.
 
 The lease, the follower, the own-writes watermark and the publishing are
 `services.leader.Leader`'s, shared with the preemption service.
@@ -28,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -63,6 +70,20 @@ QUIET_TYPES: frozenset[type] = frozenset(
         ev.PlacementFailedEvent,
     }
 )
+
+# HEARTBEAT_S is the heartbeat period assumed of an agent until one says its own
+# (`every` in its heartbeat): the agent's default.
+HEARTBEAT_S = 1.0
+
+
+class _Beat(msgspec.Struct):
+    """What the scheduler reads of a heartbeat: how often its agent sends them."""
+
+    every: float = HEARTBEAT_S
+
+
+_beat = msgspec.json.Decoder(_Beat)
+
 
 # FOLLOW_TIMEOUT_S bounds the wait for the follower to fold the stream at takeover or to
 # fold our own last publish. Past it the pass is skipped and tried again, rather than
@@ -132,6 +153,14 @@ class Scheduler:
         # timeout from when we (or its new report) first knew of it.
         self._heard: dict[str, float] = {}
         self._since: dict[str, tuple[datetime, float]] = {}
+        # _lost_seen: per lost node, the loss we first saw it with and when, so only a
+        # heartbeat after it brings the node back. _every: the longest heartbeat period
+        # an agent said. _quiet_until: no node is reported lost before this (monotonic),
+        # one heartbeat period after taking the lead or a reconnect (_reconnects).
+        self._lost_seen: dict[str, tuple[datetime, float]] = {}
+        self._every = HEARTBEAT_S
+        self._quiet_until = 0.0
+        self._reconnects = self._reconnect_count()
 
     # ------------------------------------------------------------------ reading
 
@@ -158,6 +187,7 @@ class Scheduler:
     def _on_lease(self, leading: bool) -> None:
         self._synced = False
         if leading:
+            self._quiet()
             log.info("scheduler %s: leading", self.holder)
             self._wake.set()
         else:
@@ -168,12 +198,28 @@ class Scheduler:
             self._wake.set()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
+        if msg.reply:
+            return  # an agent starting asks whether its node has one already: no heartbeat
         token = msg.subject.rsplit(".", 1)[-1]
         try:
             node = names.unescape(token)
         except names.TokenError:
             return
         self._heard[node] = time.monotonic()
+        try:
+            every = _beat.decode(msg.data).every
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if every > self._every and every < self.config.node_timeout_s:
+            self._every = every
+
+    def _reconnect_count(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
+
+    def _quiet(self) -> None:
+        """Report no node lost for one heartbeat period from now."""
+        self._quiet_until = time.monotonic() + self._every
 
     async def _loop(self, stop: asyncio.Event) -> None:
         tick = self.config.tick_s
@@ -206,12 +252,21 @@ class Scheduler:
         await self.leader.caught_up(0, FOLLOW_TIMEOUT_S)
         view = self.follower.view
         now = self.clock()
+        if not getattr(self.nc, "is_connected", True):
+            # Cut off from the broker, it hears no heartbeat: no node is lost for that,
+            # and a loss decided now would be published on the reconnect, stale.
+            self._quiet_until = math.inf
+        reconnects = self._reconnect_count()
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self._quiet()
         out = planner.plan(
             view,
             now,
             self.config,
             failures=self._failures,
             silent=self._silence(view),
+            heard=self._heard_again(view),
             source=self.source,
         )
         self.stats.passes += 1
@@ -221,9 +276,12 @@ class Scheduler:
         return out
 
     def _silence(self, view: View) -> dict[str, float]:
-        """Per node not yet lost, seconds since it was last heard of."""
+        """Per node not yet lost, seconds since it was last heard of; none while quiet
+        after taking the lead or a reconnect (`_quiet`)."""
         now = time.monotonic()
         out: dict[str, float] = {}
+        if now < self._quiet_until:
+            return out
         for name, rec in view.state.nodes.items():
             if rec.lost:
                 continue
@@ -232,6 +290,21 @@ class Scheduler:
                 since = (rec.updated_at, now)
                 self._since[name] = since
             out[name] = now - max(self._heard.get(name, 0.0), since[1])
+        return out
+
+    def _heard_again(self, view: View) -> list[str]:
+        """The lost nodes heard from since this process first saw them lost."""
+        now = time.monotonic()
+        out: list[str] = []
+        for name, rec in view.state.nodes.items():
+            if not rec.lost:
+                continue
+            seen = self._lost_seen.get(name)
+            if seen is None or seen[0] != rec.updated_at:
+                seen = (rec.updated_at, now)
+                self._lost_seen[name] = seen
+            if self._heard.get(name, -1.0) > seen[1]:
+                out.append(name)
         return out
 
     async def _publish(self, out: planner.Plan) -> None:
@@ -253,13 +326,14 @@ class Scheduler:
         self.stats.failed += out.failed
         self.stats.drained += out.drained
         self.stats.lost += out.lost
-        if out.placed or out.failed or out.lost:
+        if out.placed or out.failed or out.lost or out.found:
             log.info(
-                "scheduler: placed %d, failed %d, drained %d, lost %d (view %d)",
+                "scheduler: placed %d, failed %d, drained %d, lost %d, found %d (view %d)",
                 out.placed,
                 out.failed,
                 out.drained,
                 out.lost,
+                out.found,
                 self.view.seq,
             )
 

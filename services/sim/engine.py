@@ -60,16 +60,24 @@ _PASS_ON: frozenset[type] = frozenset(
         ev.QuotaSetEvent,
         ev.NodeInventoryEvent,
         ev.NodeLostEvent,
+        ev.NodeFoundEvent,
         ev.NodeCordonedEvent,
         ev.NodeUncordonedEvent,
         ev.HoldReleasedEvent,
     }
 )
 # _TIMERS are the events that can move a timer's due time: a hold made or ended, and a
-# node lost or reporting again (a silent node's timer runs until it is reported lost).
-# The engine's own node failures and repairs move them too.
+# node lost, found or reporting again (a silent node's timer runs until it is reported
+# lost, a lost node's grace until its replicas are failed or it is back). The engine's
+# own node failures and repairs move them too.
 _TIMERS: frozenset[type] = frozenset(
-    {ev.HoldCreatedEvent, ev.HoldReleasedEvent, ev.NodeLostEvent, ev.NodeInventoryEvent}
+    {
+        ev.HoldCreatedEvent,
+        ev.HoldReleasedEvent,
+        ev.NodeLostEvent,
+        ev.NodeFoundEvent,
+        ev.NodeInventoryEvent,
+    }
 )
 _Entry = tuple[float, int, Callable[[Any], None], Any]
 """A happening scheduled: (time, order, handler, its argument)."""
@@ -501,6 +509,9 @@ class Engine:
             rec = nodes.get(name)
             if rec is not None and not rec.lost:
                 dues.append(since + self.scfg.node_timeout_s + 0.001)
+        for rec in nodes.values():
+            if rec.failing_at is not None:
+                dues.append((rec.failing_at - START).total_seconds() + 0.001)
         dues.sort()
         return dues
 

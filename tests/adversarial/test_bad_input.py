@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from nats.js.client import JetStreamContext
@@ -29,6 +30,7 @@ from nats.js.client import JetStreamContext
 from schemas import subjects
 from services.bus import DLQ_STREAM, consume
 from services.bus.consume import read_dead_letter
+from services.bus.stream import MAX_MSG_BYTES
 from services.core.ingest import Ingest
 from services.core.view import encode_state
 from services.projector import store
@@ -194,10 +196,11 @@ DECODE: dict[str, Bad] = {
         ),
         True,
     ),
-    "body near 1 MiB": Bad(S, b'{"id": "' + b"x" * (1000 * 1024) + b'"}', True),
+    # The largest body the stream takes (stream.MAX_MSG_BYTES, 288 KiB with headers).
+    "body near the bound": Bad(S, b'{"id": "' + b"x" * (MAX_MSG_BYTES - 2048) + b'"}', True),
     "body past 256 KiB": Bad(
         S,
-        _scale({"model": "m1", "replicas": 1})[:-1] + b', "pad": "' + b"y" * 300_000 + b'"}',
+        _scale({"model": "m1", "replicas": 1})[:-1] + b', "pad": "' + b"y" * 270_000 + b'"}',
         True,
     ),
     "time without a zone": Bad(
@@ -353,6 +356,18 @@ async def _dead_letter_for(js: JetStreamContext, seq: int) -> str | None:
 
 
 _case = iter(range(1, 10_000))
+
+
+async def test_a_body_past_the_bound_is_refused_at_the_publish(
+    plane: Plane, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Nearly 1 MiB: the stream refuses it (max_msg_size), nothing is stored."""
+    before = (await js.stream_info(subjects.STREAM)).state.last_seq
+    with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds"):
+        await _send(js, S, b'{"id": "' + b"x" * (1000 * 1024) + b'"}')
+    assert (await js.stream_info(subjects.STREAM)).state.last_seq == before
+    live = await _settle(js, plane, tmp_path, next(_case))
+    await _replayed_equals_live(js, live, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(DECODE))

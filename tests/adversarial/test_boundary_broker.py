@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,17 @@ from schemas import events as ev
 from services.agent import SimulatedRuntime, gpu_inventory, parse_gpus
 from services.agent import consumers as agent_consumers
 from services.agent.agent import Agent, ctl_subject, durable_name, inbox_prefix, reader_name
-from services.bus import Publisher, consume
+from services.bus import DLQ_STREAM, Publisher, consume
+from services.bus.consume import DeadLetter
 from services.bus.publish import COLLISIONS, scoped_id
+from services.bus.stream import DLQ_MAX_MSG_BYTES, MAX_MSG_BYTES
 from services.clock import new_id
-from tests.adversarial.test_bad_input import Plane, _replayed_equals_live, _settle
+from tests.adversarial.test_bad_input import (
+    Plane,
+    _dead_letter_for,
+    _replayed_equals_live,
+    _settle,
+)
 from tests.agent.helpers import drain_cmd, start_cmd
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
@@ -292,3 +300,97 @@ async def test_a_taken_message_id_keeps_no_event_off_the_log(
     said = [r.message for r in caplog.records if "was taken by seq" in r.message]
     assert len(said) == len(taken), said
     await _checks(boundary, js, tmp_path, 2)
+
+
+FLOOD, FLOOD_BYTES = 2_000, 200_000
+
+
+@pytest.mark.slow
+async def test_a_flood_from_one_agent_is_bounded_and_said(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """2,000 messages of 200 KB from gpu-a1 on its own subjects, as fast as it can send
+    them: a message over the payload bound is refused outright, the flood is stored (it
+    is on its own subjects) but each of the plane's dead letters for it costs at most
+    DLQ_MAX_MSG_BYTES, each consumer says it in a line or two, and another agent's events
+    and the plane's still are stored and applied."""
+    dlq0 = (await js.stream_info(DLQ_STREAM)).state
+    log0 = (await js.stream_info(subjects.STREAM)).state
+    said0 = boundary.plane.log.read_text().count("dead letter for")
+    nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+    try:
+        ajs = nc.jetstream()
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await ajs.publish(subjects.inventory_subject(A1), b"x" * (MAX_MSG_BYTES + 1))
+        body = b"x" * FLOOD_BYTES
+        acks = []
+        for i in range(0, FLOOD, 500):
+            futures = [
+                await ajs.publish_async(subjects.replica_subject(A1, f"flood-{i + j}"), body)
+                for j in range(500)
+            ]
+            acks += await asyncio.gather(*futures)
+    finally:
+        await nc.close()
+    assert len({a.seq for a in acks}) == FLOOD
+    # Another agent's events after it: gpu-a2's inventory, stored and applied.
+    async with _victim(boundary, tmp_path):
+        pass
+    await _checks(boundary, js, tmp_path, 3)
+    inventories = [
+        d.seq
+        async for b in consume.read_range(
+            js, acks[-1].seq, filter_subject=subjects.inventory_subject(A2)
+        )
+        for d in b
+    ]
+    assert inventories, "gpu-a2's inventory after the flood was not stored"
+    # The dead letters the flood cost: each record under the bound, few lines said.
+    dlq = (await js.stream_info(DLQ_STREAM)).state
+    grew = dlq.bytes - dlq0.bytes
+    letters = dlq.messages - dlq0.messages
+    assert letters >= FLOOD  # the projector's, at least
+    assert grew <= letters * DLQ_MAX_MSG_BYTES, (grew, letters)
+    log = (await js.stream_info(subjects.STREAM)).state
+    assert log.bytes - log0.bytes < FLOOD * (FLOOD_BYTES + 1024) + 1024**2
+    said = boundary.plane.log.read_text().count("dead letter for") - said0
+    assert said <= 2 * 4, said
+
+
+async def test_a_taken_id_keeps_no_dead_letter_off_the_dlq(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """The projector's dead letter for seq N has an id anyone can compute; gpu-a1 sends
+    it first on its own dead-letter subject. The projector's letter is stored all the
+    same, with its reason."""
+    last = (await js.stream_info(subjects.STREAM)).state.last_seq
+    nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
+    try:
+        ajs = nc.jetstream()
+        own = subjects.dlq_subject(durable_name(A1))
+        for seq in range(last + 1, last + 6):
+            record = msgspec.json.encode(
+                DeadLetter(
+                    consumer=durable_name(A1),
+                    reason="forged",
+                    subject=own,
+                    seq=seq,
+                    data_b64="",
+                    at=datetime.now(UTC),
+                )
+            )
+            for header in (
+                scoped_id(subjects.dlq_subject("projector"), f"dlq.projector.{seq}"),
+                f"dlq.projector.{seq}",
+            ):
+                await ajs.publish(own, record, headers={"Nats-Msg-Id": header})
+    finally:
+        await nc.close()
+    bad = await js.publish(subjects.scale_subject("m-dlq"), b"hello {")
+    assert last < bad.seq <= last + 5
+    live = await _settle(js, boundary.plane, tmp_path, 4)
+    async with asyncio.timeout(10):
+        while (reason := await _dead_letter_for(js, bad.seq)) is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    assert "forged" not in reason
+    await _replayed_equals_live(js, live, tmp_path)

@@ -170,6 +170,7 @@ def test_apply_refuses_each_and_publishes_nothing(  # type: ignore[no-untyped-de
     tree = tmp_path / "tree.yaml"
     tree.write_text(TREE + SWEEP.format(owner="research"))
     assert cli.main(["--nats", url, "apply", "-f", str(tree)]) == 0
+    assert "no scheduler leads" in capsys.readouterr().err  # a broker with no plane on it
     before = len(_stored(url))
     typo = tmp_path / "typo.yaml"
     typo.write_text(SWEEP.format(owner="reserch").replace("sweep", "sweep-2"))

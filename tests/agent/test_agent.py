@@ -345,3 +345,40 @@ async def test_no_stream_is_one_clear_error(nats_server: EmbeddedBroker, node: s
             await agent.run(asyncio.Event())
     finally:
         await conn.close()
+
+
+async def test_a_simulated_replica_serves_at_its_endpoint_until_it_stops(
+    js: JetStreamContext, running: Callable[..., Any], node: str
+) -> None:
+    import aiohttp
+
+    from services.agent.responder import Timing
+
+    await running(runtime=SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 0.0)))
+    pub = Publisher(js)
+    await pub.publish(start_cmd("r-9", node, (0,), model="qwen-7b", profile="one"))
+    got = await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-9": "ready"}))
+    endpoint = got[-1].data.endpoint
+    assert endpoint is not None and endpoint.startswith("http://127.0.0.1:")
+    assert [e.data.endpoint for e in got[:-1]] == [None, None]
+    body = {"model": "qwen-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{endpoint}/v1/chat/completions", json=body) as r:
+            answer = await r.json()
+        async with http.post(f"{endpoint}/v1/chat/completions", json=body) as r:
+            again = await r.json()
+        # Deterministic: the same request, the same words.
+        text = answer["choices"][0]["message"]["content"]
+        assert len(text.split()) == 3 and text == again["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] == 3
+        async with http.post(
+            f"{endpoint}/v1/completions", json={"model": "qwen-7b", "prompt": "x", "stream": True}
+        ) as r:
+            raw = await r.read()
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        assert raw.endswith(b"data: [DONE]\n\n") and raw.startswith(b"data: {")
+        await pub.publish(drain_cmd("r-9", grace_s=0.05), node=node)
+        await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-9": "stopped"}))
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with http.get(f"{endpoint}/health") as r:
+                pass

@@ -128,11 +128,15 @@ async def test_a_server_goes_ready_serves_is_used_and_drains(
         "0.2",
         "--scrape",
         "0.1",
+        "--advertise",
+        "proc-a.example",
     )
     await ra.publish(js, start_cmd("r-1", node, (1,), model="chat"))
     es = await ra.until_state(js, node, "r-1", "ready")
     assert [e.data.state for e in es] == ["starting", "loading", "ready"]
     srv = ra.servers(tmp_path, node)["r-1"]
+    # Ready says where the server answers: the advertised name, the port it was given.
+    assert [e.data.endpoint for e in es] == [None, None, f"http://proc-a.example:{srv['port']}"]
     # Pinned to its GPU, in a process group of its own, with its log in the data dir.
     assert _env_of(srv["pid"])["CUDA_VISIBLE_DEVICES"] == "1"
     assert os.getpgid(srv["pid"]) == srv["pid"]

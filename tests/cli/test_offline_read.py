@@ -86,10 +86,12 @@ def test_a_stopped_plane_is_read_from_its_stored_log(
     monkeypatch.setattr(clock, "utc_now", lambda: later)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert main(["status"]) == 0
+    # A stopped plane is not running: said first, and the exit status says it too.
+    assert main(["status"]) == 1
     out, err = capsys.readouterr()
     assert err == note
-    first = out.splitlines()[0]
+    headline, first = out.splitlines()[:2]
+    assert headline == f"PLANE NOT RUNNING: llmgw up is not running on {data}", headline
     assert "last event now" not in first and ("60m ago" in first or "1h ago" in first), out
     assert any(x.strip().startswith("m ") and "2/2" in x for x in out.splitlines())
 

@@ -30,7 +30,7 @@ from services.bus import Publisher, connect, consume
 from services.clock import new_id
 from services.core.view import View, digest
 from services.follower import ViewFollower
-from services.lease import DEFAULT_BUCKET
+from services.lease import DEFAULT_BUCKET, decode_value
 from services.projector import store
 from services.replay import rebuild
 from services.up import DB_FILE
@@ -180,7 +180,7 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
         for key in LEASES:
             entry = await kv.get(key)
             assert entry.value is not None
-            leases[key] = (entry.value.decode(), entry.revision)
+            leases[key] = (decode_value(entry.value)[0], entry.revision)
         cluster.kill(dead)
 
         # The operator's own publish after the kill goes through the election.
@@ -196,7 +196,7 @@ async def test_the_plane_survives_a_server_killed_mid_scale(
         # lapsed), by its holder, on the servers left.
         for key, (holder, rev) in leases.items():
             entry = await kv.get(key)
-            assert entry.value is not None and entry.value.decode() == holder, key
+            assert entry.value is not None and decode_value(entry.value)[0] == holder, key
             assert entry.revision is not None and entry.revision > rev, (key, rev, entry)
 
         # Every acked event stored, once, with no hole.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 
 from schemas import events as ev
@@ -236,9 +237,137 @@ def model_removed_unknown_is_rejected(log: Log) -> None:
     assert log.add(ev.ModelRemoved(name="nope")) == "model nope is not declared"
 
 
+def ready(log: Log, rid: str = "r1", shards: tuple[ev.ShardSpec, ...] = SHARDS) -> None:
+    for st in ("starting", "ready"):
+        assert log.add(state(rid, st, shards), 2) is None
+
+
+def lost_with_a_grace_keeps_its_replicas_until_a_loss_without_one(log: Log) -> None:
+    placed(log)
+    ready(log)
+    assert log.add(ev.NodeLost(node="n1", reason="no heartbeat", grace_s=60), 5) is None
+    rec = log.view.state.nodes["n1"]
+    assert rec.lost and not log.view.inventory.schedulable("n1")
+    assert rec.failing_at == at(6)
+    r = log.view.replicas["r1"]
+    assert r.state == "ready" and log.view.inventory.allocation("r1") is not None
+    # A second word of the loss does not stretch the grace.
+    assert log.add(ev.NodeLost(node="n1", reason="no heartbeat", grace_s=60), 5.5) is None
+    assert log.view.state.nodes["n1"].failing_at == at(6)
+    # The grace passed: a node.lost without one fails them.
+    assert log.add(ev.NodeLost(node="n1", reason="not heard from within the grace"), 6) is None
+    assert log.view.state.nodes["n1"].failing_at is None
+    r = log.view.replicas["r1"]
+    assert r.state == "failed" and r.reason == "node lost: not heard from within the grace"
+    assert log.view.inventory.allocation("r1") is None
+
+
+def found_brings_a_lost_node_back_with_its_replicas(log: Log) -> None:
+    placed(log)
+    ready(log)
+    log.add(ev.NodeLost(node="n1", reason="no heartbeat", grace_s=60), 5)
+    assert log.add(ev.NodeFound(node="n1", reason="heartbeat heard again"), 5.2) is None
+    rec = log.view.state.nodes["n1"]
+    assert not rec.lost and rec.failing_at is None and rec.lost_reason is None
+    assert log.view.inventory.schedulable("n1")
+    assert log.view.replicas["r1"].state == "ready"
+    assert log.view.inventory.free_gpus("n1") == [2, 3]
+    # Found when not lost: nothing to do; found when never known: rejected.
+    assert log.add(ev.NodeFound(node="n1"), 5.3) is None
+    assert log.add(ev.NodeFound(node="n9"), 5.3) == "unknown node n9"
+
+
+def a_report_within_the_grace_brings_it_back_too(log: Log) -> None:
+    placed(log)
+    ready(log)
+    log.add(ev.NodeLost(node="n1", reason="no heartbeat", grace_s=60), 5)
+    assert log.add(inventory(), 5.5) is None
+    assert not log.view.state.nodes["n1"].lost
+    assert log.view.state.nodes["n1"].failing_at is None
+    assert log.view.replicas["r1"].state == "ready"
+
+
+def found_after_the_grace_leaves_failed_replicas_failed(log: Log) -> None:
+    placed(log)
+    ready(log)
+    log.add(ev.NodeLost(node="n1", reason="gone"), 5)
+    assert log.add(ev.NodeFound(node="n1"), 6) is None
+    assert log.view.inventory.schedulable("n1")
+    assert log.view.replicas["r1"].state == "failed"
+    assert log.view.inventory.free_gpus("n1") == [0, 1, 2, 3]
+    assert log.add(state("r1", "ready"), 7) == "replica r1 cannot go from failed to ready"
+
+
+def a_smaller_report_fails_the_replicas_on_gpus_gone(log: Log) -> None:
+    placed(log)
+    ready(log)
+    other = (ev.ShardSpec(node="n1", gpus=(2, 3)),)
+    log.add(ev.PlacementDecided(replica="r2", model="m", profile="p", shards=other, reason="f"))
+    ready(log, "r2", other)
+    assert log.add(inventory(gpus=2), 5) is None
+    r2 = log.view.replicas["r2"]
+    assert r2.state == "failed" and not r2.holds_capacity
+    assert r2.reason == "node n1 no longer has its GPUs: GPU 2, 3 are gone"
+    assert log.view.replicas["r1"].state == "ready"
+    # GPUs in use never exceed GPUs present.
+    held = {i for a in log.view.inventory.allocations() for sh in a.shards for i in sh.gpus}
+    assert held == {0, 1} and log.view.inventory.free_gpus("n1") == []
+    # What it reports later is a state going backwards.
+    assert log.add(state("r2", "ready", other), 6) == "replica r2 cannot go from failed to ready"
+
+
+def another_gpu_model_fails_a_replica_of_a_profile_that_names_one(log: Log) -> None:
+    asks = ev.ModelDeclared(
+        name="m", profiles=(ev.ProfileSpec(name="p", gpus=2, gpu_model="H100"),)
+    )
+    log.add(asks)
+    log.add(inventory())
+    log.add(ev.PlacementDecided(replica="r1", model="m", profile="p", shards=SHARDS, reason="f"))
+    ready(log)
+    l4 = msgspec.structs.replace(
+        inventory(),
+        gpus=tuple(msgspec.structs.replace(g, model="L4") for g in inventory().gpus),
+    )
+    assert log.add(l4, 5) is None
+    r = log.view.replicas["r1"]
+    assert (
+        r.state == "failed"
+        and r.reason == "node n1 no longer has its GPUs: GPU 0 is a L4, not a H100"
+    )
+
+
+def less_gpu_memory_than_the_profile_fails_its_replica(log: Log) -> None:
+    asks = ev.ModelDeclared(
+        name="m", profiles=(ev.ProfileSpec(name="p", gpus=2, gpu_memory_gb=80),)
+    )
+    log.add(asks)
+    log.add(inventory())
+    log.add(ev.PlacementDecided(replica="r1", model="m", profile="p", shards=SHARDS, reason="f"))
+    small = msgspec.structs.replace(
+        inventory(),
+        gpus=tuple(msgspec.structs.replace(g, memory_gb=24) for g in inventory().gpus),
+    )
+    assert log.add(small, 5) is None
+    r = log.view.replicas["r1"]
+    assert (
+        r.state == "failed"
+        and r.reason == "node n1 no longer has its GPUs: GPU 0 has 24 GB, not 80"
+    )
+    # A report that still covers it (more GPUs, the same ones) changes nothing.
+    assert log.add(inventory(gpus=8), 6) is None
+    assert log.view.inventory.free_gpus("n1") == list(range(8))
+
+
 CASES: list[Callable[[Log], None]] = [
     inventory_replaces_the_last,
     lost_node_releases_capacity,
+    lost_with_a_grace_keeps_its_replicas_until_a_loss_without_one,
+    found_brings_a_lost_node_back_with_its_replicas,
+    a_report_within_the_grace_brings_it_back_too,
+    found_after_the_grace_leaves_failed_replicas_failed,
+    a_smaller_report_fails_the_replicas_on_gpus_gone,
+    another_gpu_model_fails_a_replica_of_a_profile_that_names_one,
+    less_gpu_memory_than_the_profile_fails_its_replica,
     cordon_outlives_reports,
     state_going_backwards_is_rejected,
     agent_on_the_wrong_node_is_rejected,

@@ -68,3 +68,40 @@ def test_about_names_the_entities_of_an_event_applied_or_not() -> None:
     keys = ingest.about(view, drain, subjects.command_subject("n1", "drain"))
     assert keys == {("replica", "r-1"), ("model", "m"), ("model", "big"), ("node", "n1")}
     assert sorted(map(ingest.label, keys)) == ["model/big", "model/m", "node/n1", "replica/r-1"]
+
+
+def test_a_report_that_fails_replicas_touches_them_and_is_about_them() -> None:
+    """A node's report that no longer has a replica's GPUs fails it in the fold: the
+    store rewrites its row (touched), and its history shows the report (about)."""
+    step = Ingest()
+
+    def report(gpus: int) -> ev.NodeInventory:
+        return ev.NodeInventory(
+            node="n1",
+            gpus=tuple(
+                ev.GpuInfo(index=i, uuid=f"g{i}", model="H100", memory_gb=80) for i in range(gpus)
+            ),
+            cpu_cores=64,
+            memory_gb=512,
+        )
+
+    _raw(step, ev.ModelDeclared(name="m", profiles=(ev.ProfileSpec(name="p", gpus=4),)), 1)
+    _raw(step, report(8), 2)
+    for n, gpus in ((3, (0, 1, 2, 3)), (4, (4, 5, 6, 7))):
+        shards = (ev.ShardSpec(node="n1", gpus=gpus),)
+        _raw(
+            step,
+            ev.PlacementDecided(replica=f"r{n}", model="m", profile="p", shards=shards, reason="f"),
+            n,
+        )
+    small = ev.make(report(4), id="e5", time=T, source="test")
+    assert ingest.about(step.view, small, subjects.subject_for(small)) == {
+        ("node", "n1"),
+        ("replica", "r4"),
+        ("model", "m"),
+    }
+    step.touched.clear()
+    assert _raw(step, report(4), 5) is not None
+    assert step.touched.replicas == {"r4"} and step.touched.nodes == {"n1"}
+    assert step.view.replicas["r4"].state == "failed"
+    assert step.view.replicas["r3"].state == "pending"

@@ -179,9 +179,10 @@ def test_up_prints_the_dashboard_url(tmp_path: Path) -> None:
 
 def test_up_no_ui_serves_no_dashboard(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    proc, seen, finish = _up_until_started(data, "--no-ui")
+    proc, seen, finish = _up_until_started(data, "--no-ui", "--no-gateway")
     try:
-        # Fully started (its services run, a command finds it), and no dashboard anywhere.
+        # Fully started (its services run, a command finds it), and no dashboard (nor
+        # gateway) anywhere.
         status = subprocess.run(
             [sys.executable, "-m", "services.cli", "status"],
             capture_output=True,
@@ -193,7 +194,8 @@ def test_up_no_ui_serves_no_dashboard(tmp_path: Path) -> None:
         assert status.returncode == 0, status.stdout + status.stderr
         assert (data / "nats.url").exists()
         assert not (data / "dashboard.url").exists()
-        assert not any("dashboard:" in x for x in seen), seen
+        assert not any("dashboard:" in x or "gateway:" in x for x in seen), seen
+        assert not (data / "gateway.url").exists()
         # The broker is a child process: `up` itself listens on nothing.
         assert _listening(proc.pid) == set()
     finally:

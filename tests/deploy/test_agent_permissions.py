@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,9 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.agent import SimulatedRuntime, gpu_inventory, parse_gpus
 from services.agent import consumers as agent_consumers
-from services.agent.agent import durable_name, inbox_prefix, reader_name
+from services.agent.agent import Agent, durable_name, inbox_prefix, reader_name
 from services.bus import consume, ensure_streams
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
@@ -192,7 +194,9 @@ async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
         async with asyncio.timeout(10):
             while True:  # until the responder's subscription is in
                 try:
-                    reply = await a1.nc.request(agent_consumers.hello_subject(A1), b"", timeout=5)
+                    reply = await a1.nc.request(
+                        agent_consumers.hello_subject(A1), b'{"ack_wait_s": 2.5}', timeout=5
+                    )
                     break
                 except nats.errors.NoRespondersError:
                     await asyncio.sleep(0.02)
@@ -203,6 +207,8 @@ async def test_what_an_agent_needs_is_allowed(env: Env) -> None:
     for name in (durable_name(A1), reader_name(A1)):
         info = await js.consumer_info("LLMGW", name)
         assert info.config.deliver_subject is None
+    # Its commands' redelivery, as it asked (`llmgw agent --ack-wait`).
+    assert (await js.consumer_info("LLMGW", durable_name(A1))).config.ack_wait == 2.5
     # Its own node's reports, stored.
     ack = await js.publish(f"llmgw.node.{A1}.inventory", b'{"x":1}')
     await js.publish(f"llmgw.node.{A1}.replica.r-1", b'{"x":2}')
@@ -396,3 +402,43 @@ async def test_a_node_named_with_dots_logs_in_as_its_name(tmp_path: Path) -> Non
             assert c.violations(subjects.heartbeat_subject(node), since) == []
         finally:
             await c.nc.close()
+
+
+async def test_an_agent_started_before_the_plane_waits_for_its_consumers(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No plane answers its hello and it may not make them itself: it says so once, and
+    comes up as soon as a plane answers."""
+    caplog.set_level(logging.INFO, logger="llmgw.agent")
+    agent = Agent(
+        env.a1.nc,
+        env.a1.nc.jetstream(timeout=1),
+        node=A1,
+        gpus=gpu_inventory(A1, parse_gpus("1xH100-80GB")),
+        cpu_cores=8,
+        memory_gb=64,
+        runtime=SimulatedRuntime(0.01, 0.01, 0.01),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    served = None
+    try:
+        async with asyncio.timeout(10):
+            while not any("waiting for its consumers" in r.message for r in caplog.records):
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+        control = env.control.nc
+        served = asyncio.create_task(
+            agent_consumers.serve(control, control.jetstream(), "llmgw", stop)
+        )
+        async with asyncio.timeout(10):
+            while not any(": up:" in r.message for r in caplog.records):
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        if served is not None:
+            await served
+    waits = [r.message for r in caplog.records if "waiting for its consumers" in r.message]
+    assert len(waits) == 1 and "may not make them" in waits[0], waits

@@ -85,6 +85,8 @@ def test_up_is_found_beside_it_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> No
     assert "up: stopping" in log and "broker: stopped" in log
     assert not (data / "nats.url").exists(), "a clean stop forgets the broker URL"
     # With nothing running, a command reads the stored log and says so in one line.
+    # The plane is not running, and status exits 1 for it, its output headed by why.
     after = _llmgw("status", env=env)
-    assert after.returncode == 0 and "llmgw up is not running" in after.stderr
+    assert after.returncode == 1 and "llmgw up is not running" in after.stderr
+    assert after.stdout.startswith("PLANE NOT RUNNING: llmgw up is not running on ")
     assert after.stderr.count("\n") == 1

@@ -132,8 +132,10 @@ def test_live_status_counts_ages_from_the_wall_clock(
     log = _cluster().write(tmp_path / "log.jsonl")
     assert cli.main(["--nats", nats_server.url, "events", "import", str(log)]) == 0
     capsys.readouterr()
-    assert cli.main(["--nats", nats_server.url, "status"]) == 0
-    head = capsys.readouterr().out.splitlines()[0]
+    # A broker with a log and no plane running on it: the status, headed by why, exit 1.
+    assert cli.main(["--nats", nats_server.url, "status"]) == 1
+    headline, head = capsys.readouterr().out.splitlines()[:2]
+    assert headline == "PLANE NOT RUNNING: no scheduler leads; no preemption leads", headline
     age = (datetime.now(UTC) - _cluster().view().state.time).days  # type: ignore[operator]
     assert f"last event {age}d" in head, head
 

@@ -146,3 +146,51 @@ def test_lost_node_is_reported_alone_and_once() -> None:
     log.apply(out)
     after = planner.plan(log.view, T0, config, silent={"a": 8.0})
     assert of(after, ev.NodeLostEvent) == []
+
+
+def test_a_lost_node_s_replicas_fail_only_once_its_grace_has_passed() -> None:
+    log = Log()
+    log.node("a")
+    log.model("m", gpus=1, min=1)
+    config = dataclasses.replace(CONFIG, node_timeout_s=5, lost_grace_s=30)
+    log.apply(planner.plan(log.view, T0, config))
+    (rid,) = log.view.replicas
+    out = planner.plan(log.view, T0, config, silent={"a": 6.0})
+    lost = of(out, ev.NodeLostEvent)[0].event
+    assert isinstance(lost, ev.NodeLostEvent) and lost.data.grace_s == 30
+    log.apply(out)
+    # Within the grace: no second loss, and the replica still counts (nothing placed).
+    within = planner.plan(log.view, T0 + timedelta(seconds=29), config)
+    assert within.outputs == []
+    assert log.view.replicas[rid].holds_capacity
+    # Past it: the second node.lost, without a grace, alone; the same from any scheduler.
+    past = planner.plan(log.view, T0 + timedelta(seconds=31), config)
+    final = of(past, ev.NodeLostEvent)[0].event
+    assert [type(o.event) for o in past.outputs] == [ev.NodeLostEvent]
+    assert isinstance(final, ev.NodeLostEvent) and final.data.grace_s == 0
+    assert final.data.reason == "not heard from within the grace (no heartbeat for 6s)"
+    again = planner.plan(log.view, T0 + timedelta(seconds=40), config)
+    assert of(again, ev.NodeLostEvent)[0].event.id == final.id
+    log.apply(past)
+    assert log.view.replicas[rid].state == "failed"
+    assert of(planner.plan(log.view, T0 + timedelta(seconds=50), config), ev.NodeLostEvent) == []
+
+
+def test_a_lost_node_heard_again_is_found_not_failed() -> None:
+    log = Log()
+    log.node("a")
+    log.model("m", gpus=1, min=1)
+    config = dataclasses.replace(CONFIG, node_timeout_s=5, lost_grace_s=30)
+    log.apply(planner.plan(log.view, T0, config))
+    log.apply(planner.plan(log.view, T0, config, silent={"a": 6.0}))
+    assert log.view.state.nodes["a"].lost
+    # Heard again, even past the grace: found, and no loss without a grace.
+    out = planner.plan(log.view, T0 + timedelta(seconds=31), config, heard=["a"])
+    assert [type(o.event) for o in out.outputs] == [ev.NodeFoundEvent]
+    log.apply(out)
+    assert not log.view.state.nodes["a"].lost
+    assert all(r.holds_capacity for r in log.view.replicas.values())
+    # A grace of 0 is the old rule: the first node.lost fails them at once.
+    now = dataclasses.replace(config, lost_grace_s=0)
+    lost = of(planner.plan(log.view, T0, now, silent={"a": 6.0}), ev.NodeLostEvent)[0].event
+    assert isinstance(lost, ev.NodeLostEvent) and lost.data.grace_s == 0

@@ -173,29 +173,67 @@ async def test_held_model_is_not_placed(cluster: Cluster, start_scheduler) -> No
 async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_scheduler) -> None:
     await cluster.node("gpu-a1")
     await cluster.node("gpu-a2")
-    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6))
+    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=0.5))
     await cluster.declare("m", gpus=8, min=2)
     await eventually(lambda: _at_least(cluster, Decided, 2))
     on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
     # A fake agent: heartbeats for gpu-a1 only, on core NATS.
     agent = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
     try:
-        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 1), within=3)
-        # Still one after many more passes: the fold marks the node lost, and a lost
-        # node is not reported again.
+        # Lost with a grace, then, the grace passed and the node still silent, lost for
+        # good: two node.lost, and no more after many more passes.
+        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 2), within=5)
         passes = s.scheduler.stats.passes
         await eventually(lambda: s.scheduler.stats.passes >= passes + 10)
         await settle(s)
     finally:
         agent.cancel()
-    (e,) = await cluster.of(ev.NodeLostEvent)
-    assert e.data.node == "gpu-a2"
-    assert e.data.reason.startswith("no heartbeat for ")
+    first, second = await cluster.of(ev.NodeLostEvent)
+    assert first.data.node == second.data.node == "gpu-a2"
+    assert first.data.reason.startswith("no heartbeat for ")
+    assert first.data.grace_s == 0.5
+    assert second.data.grace_s == 0
+    assert second.data.reason.startswith("not heard from within the grace")
+    # The replicas kept their state through the grace, and failed only at the second.
+    assert (second.time - first.time).total_seconds() >= 0.5
     view = s.scheduler.view
     assert view.state.nodes["gpu-a2"].lost
+    assert view.state.nodes["gpu-a2"].failing_at is None
     assert all(view.replicas[r].state == "failed" for r in on_a2)
     # Its replica's capacity was released; gpu-a1 is full, so the replacement cannot fit.
     await eventually(lambda: _at_least(cluster, Failed, 1))
+
+
+async def test_a_lost_node_heard_again_is_found_with_its_replicas(
+    cluster: Cluster, start_scheduler
+) -> None:
+    """Its agent never reconnected (nor sent a report): a heartbeat after the node.lost
+    is what brings it back, within the grace, its replicas as they were."""
+    await cluster.node("gpu-a1")
+    await cluster.node("gpu-a2")
+    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=60.0))
+    await cluster.declare("m", gpus=8, min=2)
+    await eventually(lambda: _at_least(cluster, Decided, 2))
+    on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
+    a1 = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
+    try:
+        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 1), within=3)
+        await settle(s)
+        assert s.scheduler.view.state.nodes["gpu-a2"].lost
+        assert all(s.scheduler.view.replicas[r].state != "failed" for r in on_a2)
+        a2 = asyncio.create_task(_beat(cluster, "gpu-a2", every=0.1))
+        try:
+            await eventually(lambda: _at_least(cluster, ev.NodeFoundEvent, 1), within=3)
+            await settle(s)
+        finally:
+            a2.cancel()
+    finally:
+        a1.cancel()
+    view = s.scheduler.view
+    rec = view.state.nodes["gpu-a2"]
+    assert not rec.lost and rec.failing_at is None
+    assert all(view.replicas[r].state != "failed" for r in on_a2)
+    assert len(await cluster.of(ev.NodeLostEvent)) == 1
 
 
 async def _beat(cluster: Cluster, node: str, every: float) -> None:

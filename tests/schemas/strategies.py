@@ -39,6 +39,10 @@ def for_type(t: mi.Type) -> st.SearchStrategy[Any]:
             lo = max(t.ge, -1e6) if t.ge is not None else -1e6
             hi = min(t.le, 1e6) if t.le is not None else 1e6
             return st.floats(min_value=lo, max_value=hi, allow_nan=False)
+        case mi.StrType() if t.pattern is not None:
+            return st.from_regex(t.pattern, fullmatch=True).filter(
+                lambda x: len(x) <= (t.max_length or 10**9)
+            )
         case mi.StrType():
             return _NAMES if (t.min_length or 0) > 0 else st.text(max_size=24)
         case mi.BoolType():

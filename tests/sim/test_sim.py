@@ -135,7 +135,7 @@ def test_same_scenario_and_seed_same_log() -> None:
 class _Checked(engine.Engine):
     """An engine that checks its shortcuts, at every instant, against the plain rules:
     the next due time it finds with its kept timers against a walk of every failure,
-    hold and silent node; that an instant where it does not look for a due time has no
+    hold, silent node and lost node's grace; that an instant where it does not look for a due time has no
     tick to schedule; and, where it skips `reaction.releases` that the plain rule
     (call it whenever the view changed or a hold's end passed) would call, that the call
     would say nothing."""
@@ -152,6 +152,12 @@ class _Checked(engine.Engine):
         due += [(h.until - engine.START).total_seconds() + 0.001 for h in s.holds.values()]
         silent = [n for n in self._down if not s.nodes[n].lost]
         due += [self._down[n] + self.scfg.node_timeout_s + 0.001 for n in silent]
+        # A lost node's grace, until its replicas are failed or it is back.
+        due += [
+            (r.failing_at - engine.START).total_seconds() + 0.001
+            for r in s.nodes.values()
+            if r.failing_at is not None
+        ]
         due = [x for x in due if x > self.t]
         assert got == (min(due) if due else None), self.t
         self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=standing)

@@ -210,9 +210,18 @@ function drawQuota(v) {
     .join("") || '<tr><td colspan="5" class="muted">no quota declared</td></tr>';
 }
 
+// The banner: a plane with no leader, a stale projector or its `up` gone is a headline.
+function drawBanner(plane) {
+  const b = $("#banner");
+  const down = plane && !plane.running;
+  b.hidden = !down;
+  b.textContent = down ? `The control plane is not running: ${(plane.problems || []).join("; ")}` : "";
+}
+
 function drawHealth() {
   const h = health;
   if (!h || h.last_seq === undefined) return;
+  drawBanner(h.plane);
   const p = h.projector;
   const dead = Object.entries(h.dead_letters || {});
   const total = dead.reduce((a, [, n]) => a + n, 0);

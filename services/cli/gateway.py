@@ -1,0 +1,151 @@
+"""`llmgw gateway`: serve the OpenAI-compatible gateway in front of the ready replicas.
+
+Registered by `services.cli`; the work is `services.gateway`. This module turns flags
+into a `Gateway`, prints its address, and turns Ctrl-C into a clean stop. The gateway
+follows the log; it publishes nothing yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from services.cli import app as cli
+
+
+def register(commands: cli.Commands) -> None:
+    from services.gateway.listen import DEFAULT_LISTEN
+
+    p = commands.add(
+        "gateway",
+        help="serve the OpenAI-compatible gateway (/v1) in front of the ready replicas",
+        description=(
+            "An OpenAI-compatible request path to the model replicas the plane runs:\n"
+            "POST /v1/chat/completions, /v1/completions, /v1/embeddings and GET\n"
+            "/v1/models, routed from the log (a replica is routed to while it is ready\n"
+            "and no drain of it is folded; least requests in flight; a session, by the\n"
+            "`user` field or an x-session-id header, stays on its replica). Bodies and\n"
+            "streams pass through byte for byte; refusals are OpenAI errors with an\n"
+            "x-llmgw-reason header. `llmgw up` serves it too, unless --no-gateway.\n"
+            "\n"
+            "With --api-keys FILE every request needs a key of the file; off loopback\n"
+            "it refuses to start without one unless --no-auth says that anyone who\n"
+            "reaches the port may use it."
+        ),
+        epilog=cli.examples(
+            "llmgw gateway",
+            "llmgw gateway --listen 0.0.0.0:8322 --api-keys /etc/llmgw/keys",
+            "curl http://127.0.0.1:8322/v1/models",
+            "python -m services.gateway --nats nats://10.0.0.5:4222",
+        ),
+        func=_gateway,
+    )
+    add_gateway_options(p, DEFAULT_LISTEN)
+
+
+def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
+    from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+
+    p.add_argument(
+        flag,
+        dest="gateway_listen",
+        default=default,
+        metavar="HOST:PORT",
+        help=f"where the gateway listens (default {default}; port 0: a free one)",
+    )
+    p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="API keys, one `KEY OWNER` a line (mode 0600; keys of 16 characters or "
+        "more): a request without a valid `Authorization: Bearer KEY` is 401",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve off loopback without --api-keys: anyone who reaches the port may use "
+        "every model",
+    )
+    p.add_argument(
+        "--max-body",
+        type=int,
+        default=MAX_BODY,
+        metavar="BYTES",
+        help=f"largest request body taken; a larger one is 413 (default {MAX_BODY})",
+    )
+    p.add_argument(
+        "--upstream-timeout",
+        type=cli.arg_positive,
+        default=UPSTREAM_TIMEOUT_S,
+        metavar="S",
+        help="seconds a replica may take to begin its answer, or between two chunks of a "
+        f"stream, before it is a 504 or a cut stream (default {UPSTREAM_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--used-interval",
+        dest="gateway_used_interval",
+        type=cli.arg_positive,
+        default=USED_INTERVAL_S,
+        metavar="S",
+        help="publish one replica's use (requests, tokens) at most this often "
+        f"(default {USED_INTERVAL_S:g})",
+    )
+
+
+def gateway_keys(args: argparse.Namespace) -> Any:
+    """The `--api-keys` file read (a `Keys`), or None; `CliError` naming what is wrong."""
+    if not args.api_keys:
+        return None
+    from services.gateway.errors import GatewayError
+    from services.gateway.keys import Keys
+
+    try:
+        return Keys.load(args.api_keys)
+    except GatewayError as e:
+        raise cli.UsageError(str(e)) from None
+
+
+def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
+    """`--listen` (`flag`) checked: HOST:PORT, and loopback unless `--api-keys` or
+    `--no-auth`."""
+    from services.gateway.listen import refusal
+
+    why = refusal(args.gateway_listen, args.no_auth, bool(args.api_keys))
+    if why is not None:
+        raise cli.UsageError(f"{flag} {why}")
+    if args.max_body < 1:
+        raise cli.UsageError(f"--max-body: {args.max_body} is not a positive size")
+    return str(args.gateway_listen)
+
+
+async def _gateway(args: argparse.Namespace) -> int:
+    from services.gateway.errors import GatewayError
+    from services.gateway.server import Gateway
+
+    listen = gateway_listen(args)
+    keys = gateway_keys(args)
+    cli.setup_logging()
+
+    async def work(stop: object) -> int:
+        async with cli.session(args, "llmgw gateway") as s:
+            g = Gateway(
+                s.js,
+                listen=listen,
+                root=s.root,
+                max_body=args.max_body,
+                upstream_timeout_s=args.upstream_timeout,
+                used_interval_s=args.gateway_used_interval,
+                keys=keys,
+            )
+            try:
+                sock = g.bind()
+            except GatewayError as e:
+                raise cli.CliError(str(e)) from None
+            print(f"gateway: {g.url}/v1", file=sys.stderr, flush=True)
+            try:
+                await g.run(stop, sock)  # type: ignore[arg-type]
+            except GatewayError as e:
+                raise cli.CliError(str(e)) from None
+        return 0
+
+    return await cli.until_signalled(work)

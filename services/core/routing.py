@@ -1,0 +1,113 @@
+"""Where a request goes: the gateway's routing rule, on the folded view.
+
+Pure: the view, the gateway's own counts of requests in flight, and a session key are
+data; this module does no I/O and reads no clock. `services.gateway` calls `Router.pick`
+for each request and `Router.done` when it ends.
+
+The rule (DESIGN.md, "The gateway"): a replica is routable while it is ready, has an
+endpoint, is not on its way out (no `replica.drain` folded: not retiring, not preempted,
+not drained for any reason) and none of its nodes is lost; a cordoned node's replicas
+keep the sessions they serve but take no new one. That is decided
+from the log alone, so a replica leaves routing the moment its drain is folded, before
+its agent has even heard of it. Among the routable replicas of the model: the one with
+the fewest requests in flight through this gateway, ties to the one picked longest ago;
+a request with a session key goes back to the replica that served its session while
+that replica stays routable. A pick is O(replicas of the model).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from services.core import catalog
+from services.core.view import ReplicaRecord, View
+
+# SESSIONS bounds the session keys a router remembers; the oldest is forgotten first. A
+# session forgotten is placed again like a new one: affinity is a preference, never a
+# promise, and an unbounded map keyed by what clients send is a leak.
+SESSIONS = 100_000
+
+
+def routable(view: View, r: ReplicaRecord, *, new_session: bool = True) -> bool:
+    """Whether requests may go to `r` (see the module docstring); a cordoned node's
+    replica takes only sessions it already serves (`new_session=False`)."""
+    # drained_by is set by any replica.drain (scale_down, preempted, node_drain, ...):
+    # the first instant the log says the replica is on its way out.
+    if r.state != "ready" or r.endpoint is None or r.drained_by is not None:
+        return False
+    nodes = view.state.nodes
+    for s in r.shards:
+        n = nodes.get(s.node)
+        if n is not None and (n.lost or (n.cordoned and new_session)):
+            return False
+    return True
+
+
+def candidates(view: View, m: catalog.Model, *, new_session: bool = True) -> list[ReplicaRecord]:
+    """The routable replicas of declared model `m`, under its name or an alias of it."""
+    out: list[ReplicaRecord] = []
+    for name in view.catalog.names_of(m):
+        out.extend(r for r in view.current_of(name) if routable(view, r, new_session=new_session))
+    return out
+
+
+@dataclass
+class Router:
+    """The gateway's routing state: requests in flight per replica, when each was last
+    picked (a counter, not a clock), and which replica each session last went to."""
+
+    inflight: dict[str, int] = field(default_factory=dict)
+    _picked: dict[str, int] = field(default_factory=dict)
+    _ticks: int = 0
+    _sessions: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+
+    def pick(
+        self,
+        view: View,
+        m: catalog.Model,
+        *,
+        session: str | None = None,
+        avoid: Collection[str] = (),
+    ) -> ReplicaRecord | None:
+        """The replica for one request of `m`, counted in flight; None when none is
+        routable (but those in `avoid`, already tried for this request)."""
+        chosen: ReplicaRecord | None = None
+        key = None if session is None else (m.name, session)
+        if key is not None:
+            rid = self._sessions.get(key)
+            if rid is not None and rid not in avoid:
+                r = view.state.replicas.get(rid)
+                if r is not None and routable(view, r, new_session=False):
+                    chosen = r
+        if chosen is None:
+            found = [r for r in candidates(view, m) if r.id not in avoid]
+            if not found:
+                return None
+            chosen = min(found, key=self._load)
+        self._ticks += 1
+        self._picked[chosen.id] = self._ticks
+        self.inflight[chosen.id] = self.inflight.get(chosen.id, 0) + 1
+        if key is not None:
+            self._sessions[key] = chosen.id
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > SESSIONS:
+                self._sessions.popitem(last=False)
+        return chosen
+
+    def done(self, replica: str) -> None:
+        """A request picked for `replica` has ended, however it ended."""
+        left = self.inflight.get(replica, 0) - 1
+        if left > 0:
+            self.inflight[replica] = left
+        else:
+            self.inflight.pop(replica, None)
+
+    def forget(self, gone: Iterable[str]) -> None:
+        """Drop what is kept of replicas that are gone (stopped, failed, removed)."""
+        for rid in gone:
+            self._picked.pop(rid, None)
+
+    def _load(self, r: ReplicaRecord) -> tuple[int, int, str]:
+        return (self.inflight.get(r.id, 0), self._picked.get(r.id, 0), r.id)

@@ -1,0 +1,68 @@
+"""`python -m services.gateway --nats URL [--listen HOST:PORT] [--root R]`: the gateway
+alone, as its own process (`llmgw gateway` is the same with the CLI's broker lookup).
+Stops on SIGTERM or SIGINT; a listen address refused is one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from schemas import subjects
+from services.gateway.errors import GatewayError
+from services.gateway.listen import (
+    DEFAULT_LISTEN,
+    MAX_BODY,
+    UPSTREAM_TIMEOUT_S,
+    USED_INTERVAL_S,
+    refusal,
+)
+from services.runner import run_service
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    p.add_argument("--nats", default=None, help="broker URL (default $LLMGW_NATS)")
+    p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT (default {DEFAULT_LISTEN})")
+    p.add_argument("--api-keys", metavar="FILE", help="API keys, one `KEY OWNER` a line (0600)")
+    p.add_argument("--no-auth", action="store_true", help="serve off loopback without API keys")
+    p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
+    p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)
+    p.add_argument("--used-interval", type=float, default=USED_INTERVAL_S)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    why = refusal(a.listen, a.no_auth, bool(a.api_keys))
+    if why is not None:
+        print(f"gateway: --listen {why}", file=sys.stderr)
+        return 2
+    from services.gateway.keys import Keys
+    from services.gateway.server import Gateway
+
+    try:
+        keys = Keys.load(a.api_keys) if a.api_keys else None
+    except GatewayError as e:
+        print(f"gateway: {e}", file=sys.stderr)
+        return 2
+
+    return run_service(
+        "gateway",
+        a.nats,
+        a.root,
+        lambda nc, js: Gateway(
+            js,
+            listen=a.listen,
+            root=a.root,
+            max_body=a.max_body,
+            upstream_timeout_s=a.upstream_timeout,
+            used_interval_s=a.used_interval,
+            keys=keys,
+        ),
+        failures=(GatewayError,),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The gateway's defaults the CLI names in `--help`: constants of their own, so that the
+command line need not import the web server to show them."""
+
+DEFAULT_LISTEN = "127.0.0.1:8322"
+"""Where `llmgw gateway` and `llmgw up` serve it by default: loopback, beside the
+dashboard's 8321."""
+
+# MAX_BODY is the largest request body taken (16 MiB): far past any chat a person
+# writes, and small enough that a flood of them cannot take the gateway's memory.
+MAX_BODY = 16 * 1024 * 1024
+# UPSTREAM_TIMEOUT_S bounds each wait on a replica once connected: for its answer to
+# begin, and between two chunks of a stream. A long generation streams; a replica
+# silent this long is stuck (504, or the stream closed).
+UPSTREAM_TIMEOUT_S = 300.0
+# USED_INTERVAL_S is the least time between two `replica.used` the gateway publishes for
+# one replica: the agents' default, so the log holds no more use reports with a gateway
+# than without one.
+USED_INTERVAL_S = 30.0
+
+
+def refusal(listen: str, no_auth: bool, keys: bool = False) -> str | None:
+    """Why the gateway must not listen on `listen` (HOST:PORT), or None. Off loopback
+    without API keys (`keys`) anyone who reaches the port could use every model, so that
+    takes `no_auth` said out loud."""
+    import ipaddress
+
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return f"{listen!r} is not HOST:PORT (like {DEFAULT_LISTEN})"
+    if no_auth or keys or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (
+        f"{listen}: off loopback without --api-keys anyone who reaches the gateway could "
+        "use every model; give --api-keys FILE, or --no-auth to serve it anyway"
+    )

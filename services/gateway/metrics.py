@@ -1,0 +1,82 @@
+"""Prometheus metrics of the gateway: `GET /metrics` on the gateway's own port.
+
+Called by `services.gateway.server` as each request ends. Requests by model and status,
+time to first byte and total duration, the gateway's own share of a request (parse and
+route, before the replica is asked), retries, and requests in flight per model. Model
+labels are declared models only (anything else is `(unknown)`), so what clients send
+cannot grow the series. One registry per gateway: two in one process (tests) do not
+share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+UNKNOWN = "(unknown)"
+
+# BUCKETS reach from the gateway's own sub-millisecond work to a long generation.
+BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "llmgw_gateway_requests",
+            "Requests answered, by model and HTTP status",
+            ["model", "status"],
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "llmgw_gateway_time_to_first_byte_seconds",
+            "From the request's arrival to the replica's first byte passed on",
+            ["model"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "llmgw_gateway_request_duration_seconds",
+            "From the request's arrival to its last byte",
+            ["model"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "llmgw_gateway_added_seconds",
+            "The gateway's own share: from the body read to the replica asked (parse, route)",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "llmgw_gateway_retries",
+            "Requests tried again on another replica after failing before their first byte",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "llmgw_gateway_inflight",
+            "Requests in flight through the gateway, by model",
+            ["model"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

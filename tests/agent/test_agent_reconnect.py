@@ -1,0 +1,76 @@
+"""An agent across a broker restart: it says its inventory and its replicas' states again
+after the reconnect, and stops a replica the log failed with its node meanwhile (lost
+past the grace while the agent was cut off), so its server frees GPUs given to others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+
+import pytest
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+
+from schemas import events as ev
+from services.agent import Agent, SimulatedRuntime, spec
+from services.agent.agent import LOST_PAST_GRACE
+from services.bus import EmbeddedBroker, Publisher
+from services.bus.stream import ensure_stream
+from tests.agent.helpers import by_replica, new_id, node_events, start_cmd, states, wait_for
+
+pytestmark = pytest.mark.timeout(30)
+
+NODE = "gpu-r1"
+
+
+async def test_after_a_reconnect_the_agent_says_it_all_again_and_stops_what_the_log_failed(
+    nats_server: EmbeddedBroker, nc: Client, js: JetStreamContext
+) -> None:
+    await ensure_stream(js)
+    runtime = SimulatedRuntime(0.02, 0.05, 0.05)
+    agent = Agent(
+        nc,
+        js,
+        node=NODE,
+        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("2xH100-80GB")),
+        cpu_cores=24,
+        memory_gb=256,
+        runtime=runtime,
+        heartbeat_s=0.05,
+        ack_wait_s=1.0,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        pub = Publisher(js)
+        await pub.publish(start_cmd("r-kept", NODE, (0,)))
+        await wait_for(
+            lambda: states(js, NODE), lambda s: by_replica(s).get("r-kept", [""])[-1] == "ready"
+        )
+        # The scheduler's second node.lost (the grace passed) while the agent is cut off:
+        # stored before the broker goes, read by the agent once it is back.
+        lost = ev.make(
+            ev.NodeLost(node=NODE, reason="not heard from within the grace"),
+            id=new_id(),
+            time=datetime.now(UTC),
+            source="scheduler",
+        )
+        await pub.publish(lost)
+        inventories = len(await node_events(js, NODE, "inventory"))
+        nats_server.kill()
+        await asyncio.to_thread(nats_server.start)
+
+        got = await wait_for(
+            lambda: states(js, NODE),
+            lambda s: by_replica(s).get("r-kept", [""])[-1] == "failed",
+            within_s=15,
+        )
+        (failed,) = [e for e in got if e.data.state == "failed"]
+        assert failed.data.reason == LOST_PAST_GRACE
+        assert "r-kept" not in runtime.running()
+        assert len(await node_events(js, NODE, "inventory")) > inventories
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)

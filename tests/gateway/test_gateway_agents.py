@@ -1,0 +1,64 @@
+"""The gateway in front of a real agent: `llmgw agent` (the process runtime) as a process,
+running the fake model server as real processes, each ready replica's endpoint the port
+the agent gave it. The openai package's requests reach them through the gateway; once a
+drain of one is folded, none reaches it, while its server is still up and draining."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from nats.js.client import JetStreamContext
+
+from services.bus import EmbeddedBroker
+from tests.agent import realagent as ra
+from tests.agent.helpers import drain_cmd, start_cmd
+from tests.agent.test_process_runtime import _agent, _ports, run_agent  # noqa: F401
+from tests.gateway.conftest import Plane
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_requests_reach_real_servers_and_leave_one_once_its_drain_is_folded(
+    nats_server: EmbeddedBroker,
+    js: JetStreamContext,
+    plane: Plane,
+    tmp_path: Path,
+    run_agent: list,  # noqa: F811
+) -> None:
+    node = "gw-real"
+    await ra.publish(js, ra.declared("real", ra.fake_runtime("--drain-s", "3")))
+    _agent(run_agent, nats_server.url, node, tmp_path, "--ports", _ports(4))
+    for rid, gpu in (("rr-1", 0), ("rr-2", 1)):
+        await ra.publish(js, start_cmd(rid, node, (gpu,), model="real"))
+    ready = [await ra.until_state(js, node, rid, "ready") for rid in ("rr-1", "rr-2")]
+    ports = {s["port"] for s in ra.servers(tmp_path, node).values()}
+    assert {es[-1].data.endpoint for es in ready} == {f"http://127.0.0.1:{p}" for p in ports}
+    await plane.gateway.follower.caught_up(5)
+
+    client = openai.AsyncOpenAI(base_url=f"{plane.url}/v1", api_key="unused", max_retries=0)
+    served = set()
+    for _ in range(4):
+        r = await client.chat.completions.with_raw_response.create(
+            model="real", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert r.parse().choices[0].message.content == "hi"
+        served.add(r.headers["x-llmgw-replica"])
+    assert served == {"rr-1", "rr-2"}
+
+    drain = drain_cmd("rr-1", model="real", grace_s=5.0)
+    p = await plane.pub.publish(drain, node=node)
+    await plane.gateway.follower.wait_for(p.seq, 5)
+    retries = plane.gateway.counts.retries
+    for _ in range(6):
+        r = await client.chat.completions.with_raw_response.create(
+            model="real", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert r.headers["x-llmgw-replica"] == "rr-2"
+    # Not one was tried on rr-1 and refused: the folded drain kept them away.
+    assert plane.gateway.counts.retries == retries
+    await client.close()
+    await ra.publish(js, drain_cmd("rr-2", model="real", grace_s=0.5), node=node)
+    for rid in ("rr-1", "rr-2"):
+        await ra.until_state(js, node, rid, "stopped")

@@ -1,0 +1,63 @@
+"""`llmgw gateway` and `python -m services.gateway` as an operator runs them: off loopback
+without --no-auth is refused in one line (exit 2); the module alone serves from a real
+broker and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from services.bus import EmbeddedBroker
+from tests.up_process import llmgw
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_off_loopback_without_keys_is_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {"LLMGW_DATA": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = llmgw("gateway", "--listen", "0.0.0.0:8322", env=env)
+    assert out.returncode == 2 and "--no-auth" in out.stderr and out.stderr.count("\n") == 1
+    out = llmgw("gateway", "--listen", "nowhere", env=env)
+    assert out.returncode == 2 and "is not HOST:PORT" in out.stderr
+
+
+def test_the_module_alone_serves_and_stops_on_sigterm(nats_server: EmbeddedBroker) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.gateway",
+            "--nats",
+            nats_server.url,
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                    assert json.loads(r.read()) == {"object": "list", "data": []}
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
