@@ -35,6 +35,7 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from services.bus import stream
+from services.bus.connection import Fault
 from services.clock import utc_now
 
 log = logging.getLogger("llmgw.lease")
@@ -152,6 +153,7 @@ class Lease:
         """Monotonic time of the first of the attempts that have failed in a row (the
         broker unreachable, or refusing the write); None after one that worked."""
         self._reported = False
+        self._fault = Fault(clock=clock)
         self.terms = 0
         """How many times this holder became leader."""
 
@@ -209,12 +211,27 @@ class Lease:
                 self._rev = await self._create(kv)
         except (nats.errors.Error, TimeoutError) as e:
             # Unreachable broker: keep the belief we have; the deadline ends it in time.
-            log.warning("lease %s: %s: %s", self.name, type(e).__name__, e)
+            # Said once, then once per period while it lasts (`Fault`), not every try.
+            if self._fault.began():
+                log.warning("lease %s: %s: %s", self.name, type(e).__name__, e)
+            elif n := self._fault.due():
+                log.warning(
+                    "lease %s: still failing after %.0fs: %d attempt(s) since the last "
+                    "line (%s: %s)",
+                    self.name,
+                    self._fault.lasted(),
+                    n,
+                    type(e).__name__,
+                    e,
+                )
             if self.failing_since is None:
                 self.failing_since = started
             await self._report()
             return self.is_leader
         self.failing_since = None
+        lasted = self._fault.ended()
+        if lasted is not None:
+            log.info("lease %s: the broker answers again after %.1fs", self.name, lasted)
         if self._rev is None:
             self._deadline = None
             self.since = None

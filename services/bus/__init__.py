@@ -8,6 +8,7 @@ from services.bus.broker import EmbeddedBroker, find_binary, free_port, read_url
 from services.bus.connection import connect, resolve_url
 from services.bus.errors import (
     BrokerError,
+    BrokerRefused,
     BrokerUnavailable,
     BusError,
     LogHole,
@@ -22,6 +23,7 @@ from services.bus.stream import DLQ_STREAM, ensure_dlq_stream, ensure_stream, en
 __all__ = [
     "DLQ_STREAM",
     "BrokerError",
+    "BrokerRefused",
     "BrokerUnavailable",
     "BusError",
     "EmbeddedBroker",

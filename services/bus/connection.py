@@ -34,7 +34,7 @@ from nats.js.api import DEFAULT_PREFIX
 from nats.js.client import JetStreamContext
 
 from services.bus.broker import read_url
-from services.bus.errors import BrokerUnavailable
+from services.bus.errors import BrokerRefused, BrokerUnavailable
 from services.bus.urls import public_url
 
 log = logging.getLogger("llmgw.bus")
@@ -177,27 +177,24 @@ class BusClient(Client):
         return JetStream(self, self.target, **opts)
 
 
-class Outage:
-    """What a connection says while it is away from the broker: one line when it is lost,
-    at most one line per `every_s` while reconnection attempts fail (how many, for how
-    long, the last error), and one line when it is back."""
+class Fault:
+    """The rule of one line per fault, for whatever can fail over and over while a broker
+    is away (a connection, a reader, a lease): a fault is said when it begins (`began`),
+    then at most once per `every_s` while it lasts (`due`), and its end once (`ended`).
+    What each line says is its owner's, who names itself in it; when a line is said is
+    this rule's. `clock` is a parameter, so a test runs an hour of faults in no time."""
 
     def __init__(
-        self,
-        name: str,
-        where: str,
-        *,
-        every_s: float = RECONNECT_REPORT_S,
-        clock: Callable[[], float] = time.monotonic,
+        self, every_s: float | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.name = name
-        self.where = where
-        self.every_s = every_s
+        self.every_s = RECONNECT_REPORT_S if every_s is None else every_s
         self._clock = clock
         self.since: float | None = None
-        """When the connection was lost; None while connected."""
-        self.attempts = 0
-        """Failed attempts to reconnect since then."""
+        """When the fault began; None while there is none."""
+        self.failures = 0
+        """Failures since the one that began it."""
+        self.repeated = False
+        """Whether a line was due after the first: the fault outlived one period."""
         self._reported = 0.0
         self._unreported = 0
 
@@ -205,12 +202,71 @@ class Outage:
     def ongoing(self) -> bool:
         return self.since is not None
 
+    def began(self) -> bool:
+        """A failure: True when it begins a fault (say it now), False during one."""
+        if self.since is not None:
+            return False
+        self.since = self._reported = self._clock()
+        self.failures = self._unreported = 0
+        self.repeated = False
+        return True
+
+    def due(self) -> int:
+        """Another failure during the fault (or the first, which begins one): how many
+        failures the line due now stands for, or 0 when no line is due."""
+        if self.began():
+            return 0
+        self.failures += 1
+        self._unreported += 1
+        now = self._clock()
+        if now - self._reported < self.every_s:
+            return 0
+        n, self._reported, self._unreported = self._unreported, now, 0
+        self.repeated = True
+        return n
+
+    def lasted(self) -> float:
+        """Seconds since the fault began (0 when there is none)."""
+        return 0.0 if self.since is None else self._clock() - self.since
+
+    def ended(self) -> float | None:
+        """The fault is over: how long it lasted, or None when there was none."""
+        if self.since is None:
+            return None
+        lasted, self.since = self.lasted(), None
+        return lasted
+
+
+class Outage:
+    """What a connection says while it is away from the broker (the `Fault` rule): one
+    line when it is lost, at most one line per `every_s` while reconnection attempts fail
+    (how many, for how long, the last error), and one line when it is back."""
+
+    def __init__(
+        self,
+        name: str,
+        where: str,
+        *,
+        every_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.where = where
+        self.fault = Fault(every_s, clock)
+
+    @property
+    def ongoing(self) -> bool:
+        return self.fault.ongoing
+
+    @property
+    def attempts(self) -> int:
+        """Failed attempts to reconnect since the connection was lost."""
+        return self.fault.failures
+
     def lost(self, why: BaseException | None = None) -> None:
         """The connection is gone (said once per outage)."""
-        if self.since is not None:
+        if not self.fault.began():
             return
-        self.since = self._reported = self._clock()
-        self.attempts = self._unreported = 0
         because = f" ({type(why).__name__}: {why})" if why is not None else ""
         log.warning(
             "nats %s: lost the connection to %s%s; reconnecting", self.name, self.where, because
@@ -218,40 +274,37 @@ class Outage:
 
     def failed(self, e: BaseException) -> None:
         """An attempt to reconnect failed."""
-        if self.since is None:
+        if not self.fault.ongoing:
             self.lost(e)
             return
-        self.attempts += 1
-        self._unreported += 1
-        now = self._clock()
-        if now - self._reported < self.every_s:
+        n = self.fault.due()
+        if not n:
             return
         log.warning(
             "nats %s: still reconnecting to %s after %.0fs: %d attempt(s) failed since the "
             "last line (%s: %s)",
             self.name,
             self.where,
-            now - self.since,
-            self._unreported,
+            self.fault.lasted(),
+            n,
             type(e).__name__,
             e,
         )
-        self._reported = now
-        self._unreported = 0
 
     def back(self, where: str) -> None:
         """The connection is back."""
-        if self.since is None:
+        attempts = self.fault.failures
+        lasted = self.fault.ended()
+        if lasted is None:
             log.info("nats %s: reconnected to %s", self.name, where)
             return
         log.info(
             "nats %s: reconnected to %s after %.1fs (%d failed attempt(s))",
             self.name,
             where,
-            self._clock() - self.since,
-            self.attempts,
+            lasted,
+            attempts,
         )
-        self.since = None
 
 
 async def connect(
@@ -266,7 +319,8 @@ async def connect(
     **options: Any,
 ) -> BusClient:
     """A connection to the broker at `url` (a cluster: a list of URLs, or one string of
-    comma-separated ones), or `BrokerUnavailable` if nobody answers now.
+    comma-separated ones), or `BrokerUnavailable` if nobody answers now
+    (`BrokerRefused` if a server answers and refuses the credentials).
 
     Once connected it reconnects forever, to any of the servers: a broker restart, or the
     loss of one server of a cluster, is a pause, not a crash. `options` go to nats-py
@@ -299,31 +353,50 @@ async def connect(
         auth = {"user": user, "password": password}
     elif token is not None:
         auth = {"token": token}
-    nc = BusClient(target_of(servers, user=user, password=password, token=token, options=options))
-    try:
-        # The first connect tries each server once more at most: nats-py's own loop, with
-        # reconnect forever, would retry dead addresses forever instead of telling the user.
-        await nc.connect(
-            servers=servers,
-            name=name,
-            connect_timeout=connect_timeout,  # type: ignore[arg-type]
-            allow_reconnect=False,
-            max_reconnect_attempts=1,
-            reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            **auth,
-            **options,
-        )
-    except (OSError, TimeoutError, nats.errors.Error) as e:
-        with_reason = str(e) or type(e).__name__
-        await _quiet_close(nc)
-        raise BrokerUnavailable(shown, with_reason) from e
+    target = target_of(servers, user=user, password=password, token=token, options=options)
+    # A cluster gets one try per server: a server that dies during the handshake fails
+    # that try (nats-py goes on to the next server only when the TCP connect fails).
+    tries = len(servers)
+    while True:
+        nc = BusClient(target)
+        try:
+            # The first connect tries each server once more at most: nats-py's own loop,
+            # with reconnect forever, would retry dead addresses forever instead of
+            # telling the user.
+            await nc.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=connect_timeout,  # type: ignore[arg-type]
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **auth,
+                **options,
+            )
+            break
+        except (OSError, TimeoutError, nats.errors.Error) as e:
+            with_reason = str(e) or type(e).__name__
+            await _quiet_close(nc)
+            if refused(e):
+                raise BrokerRefused(shown, "Authorization Violation") from e
+            tries -= 1
+            if tries <= 0:
+                raise BrokerUnavailable(shown, with_reason) from e
     nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = -1
     initial = False
     return nc
+
+
+def refused(e: BaseException) -> bool:
+    """Whether `e` is a server's refusal of the credentials: it answered, so there is a
+    server, and the user or password is what is wrong."""
+    return isinstance(e, nats.errors.AuthorizationError) or (
+        isinstance(e, nats.errors.Error) and "authorization violation" in str(e).lower()
+    )
 
 
 async def _quiet_close(nc: Client) -> None:

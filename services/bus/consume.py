@@ -37,7 +37,7 @@ from schemas import codec, subjects
 from schemas.errors import EventDecodeError
 from schemas.events import Event
 from services.bus import ordered, tracing, wire
-from services.bus.connection import JetStream
+from services.bus.connection import Fault, JetStream
 from services.bus.errors import BusError, Permanent, Retry
 from services.bus.ordered import BATCH_MAX as BATCH_MAX
 from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
@@ -340,6 +340,7 @@ async def consume_durable(
     # that dies can take the consumer's leader with it; fetches then fail (no responders)
     # or time out while messages wait, until the subscription finds the new leader.
     stale, idle = False, 0
+    fault = Fault()
     try:
         while not stop.is_set():
             if stale:
@@ -364,10 +365,24 @@ async def consume_durable(
             except nats.errors.ConnectionClosedError:
                 return
             except nats.errors.Error as e:
-                log.warning("consumer %s: fetch failed: %s", durable, e)
+                # Said once, then once per period while it lasts (`Fault`).
+                if fault.began():
+                    log.warning("consumer %s: fetch failed: %s", durable, e)
+                elif n := fault.due():
+                    log.warning(
+                        "consumer %s: fetch still failing after %.0fs: %d attempt(s) since "
+                        "the last line: %s",
+                        durable,
+                        fault.lasted(),
+                        n,
+                        e,
+                    )
                 stale = True
                 await _pause(stop, 0.5)
                 continue
+            repeated, lasted = fault.repeated, fault.ended()
+            if lasted is not None and repeated:
+                log.info("consumer %s: fetching again after %.0fs", durable, lasted)
             idle = 0
             for msg in msgs:
                 await _handle_one(js, msg, durable, handler, max_deliver, backoff, root)

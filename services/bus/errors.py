@@ -30,6 +30,23 @@ class BrokerUnavailable(BusError):
         )
 
 
+class BrokerRefused(BusError):
+    """A NATS server answered at `url` and refused the credentials given (or their lack).
+
+    Not a `BrokerUnavailable`: the server is there, and starting another will not help.
+    """
+
+    def __init__(self, url: str, why: str | None = None) -> None:
+        self.url = url
+        self.why = why
+        detail = f" ({why})" if why else ""
+        super().__init__(
+            f"the NATS server at {public_url(url)} refused the credentials{detail}: check "
+            "the user and password (or token) of the URL given with --nats or LLMGW_NATS, "
+            "or the data directory's broker.password"
+        )
+
+
 class BrokerError(BusError):
     """The embedded nats-server could not be found, started or stopped."""
 

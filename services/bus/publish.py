@@ -27,6 +27,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -103,6 +104,48 @@ PUBLISH_WINDOW = 2000
 ACK_TIMEOUT_S = 10.0
 
 
+T = TypeVar("T")
+
+
+def retryable(js: JetStreamContext) -> tuple[type[BaseException], ...]:
+    """The errors an election gives a client of `js`: RETRYABLE, or RETRYABLE_IN_A_CLUSTER
+    when its connection names more than one server."""
+    target = getattr(js, "target", None)
+    clustered = target is not None and len(target.servers) > 1
+    return RETRYABLE_IN_A_CLUSTER if clustered else RETRYABLE
+
+
+async def ride_out(
+    call: Callable[[], Awaitable[T]],
+    retry: Callable[[BaseException], bool],
+    *,
+    retry_s: float = ELECTION_RETRY_S,
+    on_first: Callable[[BaseException], None] | None = None,
+    bounded: bool = False,
+) -> T:
+    """`call()`, made again every RETRY_PAUSE_S while it fails as an election makes things
+    fail (`retry(error)`), until `retry_s` has passed; then its last error is raised.
+    The one rule for riding out an election: a publish's, and that of the reads an
+    operator command makes before it publishes. `on_first` hears the first failure.
+    `bounded`: a try still waiting at the deadline is cut off there (`TimeoutError`), for
+    a call that waits of its own accord (a log reader reconnecting) rather than fail."""
+    deadline = time.monotonic() + retry_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            if not bounded:
+                return await call()
+            async with asyncio.timeout(max(deadline - time.monotonic(), RETRY_PAUSE_S)):
+                return await call()
+        except Exception as e:
+            if not retry(e) or time.monotonic() + RETRY_PAUSE_S >= deadline:
+                raise
+            if tries == 1 and on_first is not None:
+                on_first(e)
+        await asyncio.sleep(RETRY_PAUSE_S)
+
+
 @dataclass(frozen=True, slots=True)
 class Published:
     """What JetStream said: the stream sequence, and whether it was a duplicate it dropped
@@ -136,9 +179,7 @@ class Publisher:
         """Where a duplicate ack's message is looked up: by default the stream's message
         get (the control role's); an agent reads through its own consumer."""
         """How long a publish is retried through an election; 0: tried once."""
-        target = getattr(js, "target", None)
-        clustered = target is not None and len(target.servers) > 1
-        self._retryable = RETRYABLE_IN_A_CLUSTER if clustered else RETRYABLE
+        self._retryable = retryable(js)
 
     async def publish(
         self, event: Envelope, *, subject: str | None = None, node: str | None = None
@@ -223,20 +264,24 @@ class Publisher:
     async def _publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None
     ) -> Published:
-        deadline = time.monotonic() + self.retry_s
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                return await self._publish_once(subject, body, headers)
-            except PublishError as e:
-                # Without a message id a retry could store the event twice.
-                retry = isinstance(e.__cause__, self._retryable) and MSG_ID in (headers or {})
-                if not retry or time.monotonic() + RETRY_PAUSE_S >= deadline:
-                    raise
-                if tries == 1:
-                    log.info("publish on %s: %s; retrying with the same id", subject, e.why)
-            await asyncio.sleep(RETRY_PAUSE_S)
+        def retry(e: BaseException) -> bool:
+            # Without a message id a retry could store the event twice.
+            return (
+                isinstance(e, PublishError)
+                and isinstance(e.__cause__, self._retryable)
+                and MSG_ID in (headers or {})
+            )
+
+        def said(e: BaseException) -> None:
+            why = e.why if isinstance(e, PublishError) else str(e)
+            log.info("publish on %s: %s; retrying with the same id", subject, why)
+
+        return await ride_out(
+            lambda: self._publish_once(subject, body, headers),
+            retry,
+            retry_s=self.retry_s,
+            on_first=said,
+        )
 
     async def _publish_once(
         self, subject: str, body: bytes, headers: dict[str, str] | None

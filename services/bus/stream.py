@@ -11,6 +11,7 @@ is not clustered, so the same call makes an R3 log in a cluster and an R1 log on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -127,30 +128,60 @@ DLQ_PER_CONSUMER = 10_000
 DLQ_MAX_BYTES = 256 * 1024**2
 
 
+def _differs(have: StreamConfig, want: StreamConfig) -> list[str]:
+    """The settings `want` gives that `have` does not have already. Only a setting `want`
+    gives counts (one that is not nats-py's default): one it leaves to the server (the
+    DLQ's duplicate window) is the server's to fill in, and reading it back is no change."""
+    out = []
+    for f in dataclasses.fields(StreamConfig):
+        value = getattr(want, f.name)
+        if f.name == "metadata" or value is None or value == f.default:
+            continue
+        got = getattr(have, f.name)
+        if f.name == "subjects":
+            value, got = sorted(value), sorted(got or [])
+        elif f.name == "num_replicas":
+            got = got or 1
+        if got != value:
+            out.append(f.name)
+    return out
+
+
 async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     """The stream made or brought to `config`. Safe to ask again (see `settled`): it reads
-    the stream first, so a create that did land is found and left alone."""
+    the stream first, so a create that did land is found and left alone. A stream that
+    has the configuration already is not written to: a command that only needs the
+    stream to be there must not fail on a write it did not need (a full disk refuses
+    every stream update)."""
     assert config.name is not None
     try:
         current = await js.stream_info(config.name)
     except NotFoundError:
         return await js.add_stream(config)
     c = current.config
-    if (
-        sorted(c.subjects or []) == sorted(config.subjects or [])
-        and c.duplicate_window == config.duplicate_window
-        and c.max_age == config.max_age
-        and (c.num_replicas or 1) == (config.num_replicas or 1)
-        and (c.max_msg_size or -1) == (config.max_msg_size or -1)
-        and (c.max_bytes or -1) == (config.max_bytes or -1)
-        and (c.max_msgs_per_subject or -1) == (config.max_msgs_per_subject or -1)
-    ):
+    if not _differs(c, config):
         return current
     # What others recorded on the stream (where compaction put the archive) stays.
     kept = {k: v for k, v in (c.metadata or {}).items() if not k.startswith("_nats")}
     if kept:
         config.metadata = {**kept, **(config.metadata or {})}
     return await js.update_stream(config)
+
+
+async def _replicas_kept(js: JetStreamContext, name: str, replicas: int | None) -> int | None:
+    """`replicas`, or for None the copies stream `name` has when it is there with as many
+    as it can have (CLUSTER_REPLICAS, or one on a server that is not clustered): then
+    nothing is asked of the server but a read. None still when the stream is missing or
+    has fewer copies in a cluster, for `with_replicas` to find out."""
+    if replicas is not None:
+        return replicas
+    try:
+        info = await settled(lambda: js.stream_info(name))
+    except NotFoundError:
+        return None
+    have = info.config.num_replicas or 1
+    clustered = info.cluster is not None and info.cluster.name is not None
+    return have if have == CLUSTER_REPLICAS or not clustered else None
 
 
 async def record(js: JetStreamContext, key: str, value: str, stream: str = STREAM) -> None:
@@ -181,6 +212,13 @@ async def first_stored_at(nc: Any, when: datetime, last: int, stream: str = STRE
     return int(body["message"]["seq"])
 
 
+def check_root(info: StreamInfo, root: str) -> None:
+    """`StreamConflict` when the event stream `info` describes stores another root's log."""
+    theirs = sorted({s.split(".", 1)[0] for s in info.config.subjects or []})
+    if theirs and theirs != [root]:
+        raise StreamConflict(STREAM, ", ".join(theirs), root)
+
+
 async def ensure_stream(
     js: JetStreamContext,
     root: str = DEFAULT_ROOT,
@@ -197,15 +235,14 @@ async def ensure_stream(
     re-pointed, since re-pointing would orphan that root's whole history.
     """
     try:
-        current = await js.stream_info(STREAM)
+        current = await settled(lambda: js.stream_info(STREAM))
     except NotFoundError:
         current = None
     if current is not None:
-        theirs = sorted({s.split(".", 1)[0] for s in current.config.subjects or []})
-        if theirs and theirs != [root]:
-            raise StreamConflict(STREAM, ", ".join(theirs), root)
+        check_root(current, root)
     return await with_replicas(
-        lambda r: _create_or_update(js, _log_config(root, duplicate_window_s, r)), replicas
+        lambda r: _create_or_update(js, _log_config(root, duplicate_window_s, r)),
+        await _replicas_kept(js, STREAM, replicas),
     )
 
 
@@ -228,7 +265,10 @@ async def ensure_dlq_stream(
     js: JetStreamContext, root: str = DEFAULT_ROOT, replicas: int | None = None
 ) -> StreamInfo:
     """The dead-letter stream on `<root>.dlq.>`, kept `DLQ_MAX_AGE_S`."""
-    return await with_replicas(lambda r: _create_or_update(js, _dlq_config(root, r)), replicas)
+    return await with_replicas(
+        lambda r: _create_or_update(js, _dlq_config(root, r)),
+        await _replicas_kept(js, DLQ_STREAM, replicas),
+    )
 
 
 def _dlq_config(root: str, replicas: int) -> StreamConfig:

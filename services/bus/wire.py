@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from services.bus import ordered
-from services.bus.connection import RECONNECT_REPORT_S, Target
+from services.bus.connection import Fault, Target
 from services.bus.ordered import Delivery, Item
 
 log = logging.getLogger("llmgw.bus")
@@ -381,6 +381,10 @@ class WireOrderedReader:
         # The connection's name as servers list it (`/connz`): "llmgw-reader (projector)"
         # tells an operator (and a test) whose reader is on which server.
         self.conn_name = f"llmgw-reader ({label})" if label else "llmgw-reader"
+        # who: how its log lines name it, so the readers of one process tell apart.
+        self.who = f"wire reader ({label})" if label else "wire reader"
+        # One fault (the broker away, consumers refused) is one line, then one a period.
+        self._fault = Fault()
         # name: the one consumer name a reader confined by permissions may use (an agent,
         # see `consume.read_range`); None gives each consumer a name of its own.
         self.name = consumer
@@ -414,7 +418,6 @@ class WireOrderedReader:
         servers = self.target.servers
         auth = self.target.auth()
         failed = 0
-        reported = time.monotonic()
         while True:
             host, port = servers[self.server]
             try:
@@ -435,22 +438,24 @@ class WireOrderedReader:
                 failed += 1
                 # One server: the client's connection already says it is away
                 # (services.bus.connection), so each attempt only at debug and a line
-                # per RECONNECT_REPORT_S. A cluster: the first failure names the server
-                # left for the next one.
+                # per period of the fault. A cluster: the first failure names the
+                # server left for the next one.
                 first = failed == 1 and len(servers) > 1
                 log.log(
                     logging.INFO if first else logging.DEBUG,
-                    "wire reader: connect to %s:%d failed: %s",
+                    "%s: connect to %s:%d failed: %s",
+                    self.who,
                     host,
                     port,
                     e,
                 )
-                if time.monotonic() - reported >= RECONNECT_REPORT_S:
-                    reported = time.monotonic()
+                if n := self._fault.due():
                     log.info(
-                        "wire reader: still cannot connect: %d attempt(s) failed, the last "
-                        "to %s:%d: %s",
-                        failed,
+                        "%s: still cannot connect after %.0fs: %d attempt(s) failed since "
+                        "the last line, the last to %s:%d: %s",
+                        self.who,
+                        self._fault.lasted(),
+                        n,
                         host,
                         port,
                         e,
@@ -508,7 +513,17 @@ class WireOrderedReader:
             except (ApiError, ConnectionError) as e:
                 if self._stopped():
                     raise _Stopped from e
-                log.info("wire reader: creating a consumer failed: %s", e)
+                if self._fault.began():
+                    log.info("%s: creating a consumer failed: %s", self.who, e)
+                elif n := self._fault.due():
+                    log.info(
+                        "%s: still cannot create a consumer after %.0fs: %d attempt(s) "
+                        "failed since the last line: %s",
+                        self.who,
+                        self._fault.lasted(),
+                        n,
+                        e,
+                    )
                 if isinstance(e, ApiError):
                     conn.close()  # a connection that does not answer is not trusted
                 await self._pause(RECONNECT_WAIT_S)
@@ -519,21 +534,32 @@ class WireOrderedReader:
                     raise _Stopped
                 text = str(err.get("description", err)) if isinstance(err, dict) else str(err)
                 if text != said:
-                    log.warning("wire reader: creating a consumer failed: %s", err)
+                    log.warning("%s: creating a consumer failed: %s", self.who, err)
                     said = text
                 else:
-                    log.debug("wire reader: creating a consumer failed again: %s", err)
+                    log.debug("%s: creating a consumer failed again: %s", self.who, err)
                 failed += 1
                 await self._pause(
                     min(RECONNECT_WAIT_S * 2 ** min(failed - 1, 8), CREATE_WAIT_MAX_S)
                 )
                 continue
             self._seen = time.monotonic()
+            repeated, lasted = self._fault.repeated, self._fault.ended()
+            if lasted is not None and repeated:
+                log.info(
+                    "%s: reading again from seq %d after %.0fs",
+                    self.who,
+                    self.last_seq + 1,
+                    lasted,
+                )
             return resp  # type: ignore[no-any-return]
 
     async def _reset(self, why: str) -> None:
         self.resets += 1
-        log.info("wire reader: recreating the consumer from seq %d: %s", self.last_seq + 1, why)
+        if self._fault.began():
+            log.info(
+                "%s: recreating the consumer from seq %d: %s", self.who, self.last_seq + 1, why
+            )
         old, conn = self._consumer, self._conn
         if conn is not None and not conn.closed and old:
             conn.publish(f"{self.prefix}.CONSUMER.DELETE.{self.stream}.{old}".encode())
@@ -577,7 +603,7 @@ class WireOrderedReader:
             try:
                 ci = await self._create()
             except Unsupported as e:
-                log.info("wire reader: %s; reading through nats-py", e)
+                log.info("%s: %s; reading through nats-py", self.who, e)
                 fallback = ordered.NatsOrderedReader(
                     self.js,
                     from_seq=self.last_seq + 1,

@@ -217,18 +217,67 @@ class _Op:
 
 @contextlib.asynccontextmanager
 async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
-    """Connect, make sure the streams exist, and rebuild the view to check names against."""
-    from services.bus import ensure_streams
+    """Connect, and rebuild the view to check names against (making the streams on a
+    broker that has no log yet).
+
+    Every read before the publish rides out an election as the publish does
+    (`publish.ride_out`, ELECTION_RETRY_S): a command meeting a server's death in a
+    cluster waits for the new leader instead of failing on its first read."""
+    from services.bus import publish
+
+    async with cli.session(args, name) as s:
+        errors = publish.retryable(s.js)
+        # A try cut off at the deadline (TimeoutError) is the election outlasting it too.
+        given_up: tuple[type[BaseException], ...] = (*errors, TimeoutError)
+        try:
+            view = await publish.ride_out(
+                lambda: _read_cluster(s),
+                lambda e: isinstance(e, errors),
+                retry_s=publish.ELECTION_RETRY_S,
+                bounded=True,
+            )
+        except given_up as e:
+            raise _unanswered(s, e) from None
+        yield _Op(s, view)
+
+
+async def _read_cluster(s: cli.Session) -> View:
+    """The view the log gives now. A broker without the event stream gets both streams
+    made; one with it is only read (a command must not fail on a write it did not
+    need, as every stream update fails on a full disk)."""
+    from nats.js.errors import NotFoundError
+
+    from schemas.subjects import STREAM
+    from services.bus import ensure_streams, stream
     from services.replay import rebuild
     from services.replay.errors import ReplayError
 
-    async with cli.session(args, name) as s:
+    try:
+        stream.check_root(await s.js.stream_info(STREAM), s.root)
+    except NotFoundError:
         await ensure_streams(s.js, s.root)
-        try:
-            got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
-        except ReplayError as e:
-            raise cli.CliError(f"cannot read the cluster's state: {e}") from None
-        yield _Op(s, got.view)
+    try:
+        got = await rebuild.from_stream(s.js, label=s.url, root=s.root)
+    except ReplayError as e:
+        raise cli.CliError(f"cannot read the cluster's state: {e}") from None
+    return got.view
+
+
+def _unanswered(s: cli.Session, e: BaseException) -> cli.CliError:
+    """The line for reads that met an election (or an absent broker) for the whole
+    ELECTION_RETRY_S: nothing was published, and why."""
+    from schemas.subjects import STREAM
+    from services.bus import publish
+
+    why = f"{type(e).__name__}: {e}".rstrip(": ")
+    after = f"reading the log before publishing, still after {publish.ELECTION_RETRY_S:g}s"
+    if len(s.js.target.servers) > 1:
+        return cli.CliError(
+            f"stream {STREAM} has no leader (election); nothing was published ({after}: {why})"
+        )
+    return cli.CliError(
+        f"the broker at {s.url} did not answer; nothing was published ({after}: {why})"
+    )
 
 
 def _resolve_model(view: View, name: str, *, force: bool | None = None) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 from schemas import events as ev
@@ -454,9 +455,27 @@ def _preemption_decided(
 def _hold_created(view: View, e: ev.HoldCreatedEvent, subject: str | None) -> str | None:
     d = e.data
     view.state.holds[d.model] = HoldRecord(
-        model=d.model, for_model=d.for_model, until=d.until, created_at=e.time, created_by=e.id
+        model=d.model,
+        for_model=d.for_model,
+        until=hold_until(view, e),
+        created_at=e.time,
+        created_by=e.id,
     )
     return None
+
+
+def hold_until(view: View, e: ev.HoldCreatedEvent) -> datetime:
+    """When a hold ends: its event's time (bounded by ingest against the broker's clock)
+    plus the hold the log's `policy.configured` records, whatever `until` it claims.
+
+    The policy computes `until` from the same clock as the event's time, so an honest
+    host gets what it claimed; a host whose clock was an hour fast claimed an hour too,
+    and the bound on event times cut only the time, not the `until`. Without a recorded
+    policy (a log older than `policy.configured`) the claim stands, as it always did."""
+    p = view.state.policy
+    if p is None:
+        return e.data.until
+    return e.time + timedelta(seconds=p.settings.hold_s)
 
 
 def _hold_released(view: View, e: ev.HoldReleasedEvent, subject: str | None) -> str | None:

@@ -86,6 +86,27 @@ async def test_nobody_listening_is_one_line_saying_how_to_start_one():
     assert time.monotonic() - t0 < 5
 
 
+async def test_wrong_credentials_are_not_a_missing_server(tmp_path, capsys):
+    from services import cli
+    from services.bus import BrokerRefused
+
+    with EmbeddedBroker(tmp_path / "auth", auth=True) as b:
+        password = (tmp_path / "auth" / "broker.password").read_text().strip()
+        wrong = b.url.replace(f":{password}@", ":not-the-password@")
+        for url in (wrong, b.address):  # a wrong password, and none at all
+            with pytest.raises(BrokerRefused) as e:
+                await connect(url, "test", connect_timeout=1)
+            msg = str(e.value)
+            assert msg.startswith(f"the NATS server at {b.address} refused the credentials")
+            assert "llmgw up" not in msg and "not-the-password" not in msg
+        # As a command says it: one line, exit 1, no credential in it.
+        code = await asyncio.to_thread(cli.main, ["--nats", wrong, "status"])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1, err
+        assert "refused the credentials" in err and "not-the-password" not in err
+        assert password not in err
+
+
 @pytest.mark.timeout(60)
 async def test_kill_9_and_restart_on_the_same_store_keeps_the_data(nats_server, events):
     nc = await connect(nats_server.url, "survivor")
