@@ -429,3 +429,51 @@ async def test_a_drained_simulated_replica_finishes_its_streams_within_the_grace
             assert not rest.endswith(b"data: [DONE]\n\n")
     await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-11": "stopped"}))
     assert time.monotonic() - t0 < 3
+
+
+async def test_a_restarted_simulated_agent_answers_at_the_endpoint_the_log_holds(
+    nc: Client, js: JetStreamContext, node: str
+) -> None:
+    import aiohttp
+
+    from services.agent.responder import Timing
+
+    def agent(runtime: SimulatedRuntime) -> Agent:
+        return Agent(
+            nc,
+            js,
+            node=node,
+            gpus=spec.gpu_inventory(node, spec.parse_gpus("2xH100-80GB")),
+            cpu_cores=24,
+            memory_gb=256,
+            runtime=runtime,
+            heartbeat_s=0.05,
+            ack_wait_s=1.0,
+        )
+
+    first = SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 0.0))
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent(first).run(stop))
+    await Publisher(js).publish(start_cmd("r-12", node, (0,), model="qwen-7b", profile="one"))
+    got = await wait_for(
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-12": "ready"})
+    )
+    endpoint = got[-1].data.endpoint
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await first.close()  # the process gone, and its servers with it
+    again = SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 0.0))
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent(again).run(stop))
+    try:
+        # Adopted from the log, it answers where the log says it does.
+        async def where() -> str | None:
+            return again.endpoint("r-12")
+
+        assert await wait_for(where, lambda e: e is not None, 5) == endpoint
+        async with aiohttp.ClientSession() as http, http.get(f"{endpoint}/health") as r:
+            assert r.status == 200
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await again.close()
