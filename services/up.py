@@ -94,6 +94,9 @@ class UpOptions:
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
     gateway_keys: Any = None
+    gateway_any_port: bool = False
+    """Take a free port when `gateway`'s is taken by the time it binds (the default
+    address: another `up` may take it between the check and the bind)."""
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
 
 
@@ -414,7 +417,13 @@ async def _serve(
             try:
                 gw_sock = gateway.bind()
             except GatewayError as e:
-                raise UpError(str(e)) from e
+                if not opts.gateway_any_port:
+                    raise UpError(str(e)) from e
+                gateway.listen = f"{opts.gateway.rpartition(':')[0]}:0"
+                try:
+                    gw_sock = gateway.bind()
+                except GatewayError as e2:
+                    raise UpError(str(e2)) from e2
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",

@@ -13,6 +13,7 @@ every replica), streams as server-sent events (`data: {...}` chunks, then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import socket
@@ -72,6 +73,8 @@ class Responder:
         """Requests answered (or being answered)."""
         self.active: int = 0
         """Requests being answered now; a client gone mid-answer ends its request."""
+        self._quiet = asyncio.Event()
+        self._quiet.set()
         self._runner: web.AppRunner | None = None
         self._n = 0
 
@@ -87,7 +90,11 @@ class Responder:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # shutdown_timeout: by `close` the drain's grace is spent (SimulatedRuntime.stop),
+        # so what is still being answered is cut, not waited for.
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1
+        )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         try:
@@ -96,6 +103,12 @@ class Responder:
             sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
         await web.SockSite(self._runner, sock).start()
+
+    async def quiet(self, within_s: float) -> bool:
+        """Wait until no request is being answered, at most `within_s`; whether it is so."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), max(within_s, 0.0))
+        return self.active == 0
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -132,10 +145,13 @@ class Responder:
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         self.active += 1
+        self._quiet.clear()
         try:
             return await self._answer(request, chat=chat)
         finally:
             self.active -= 1
+            if not self.active:
+                self._quiet.set()
 
     async def _answer(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._body(request)

@@ -11,12 +11,16 @@ walks the states with configurable delays so the whole control plane runs on a l
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Protocol
 
 from schemas import events as ev
 from services.agent.responder import Responder, Timing
+
+log = logging.getLogger("llmgw.agent")
 
 
 class Report(Protocol):
@@ -93,7 +97,8 @@ class SimulatedRuntime:
 
     With `serve` (a `responder.Timing`), each ready replica answers requests: a simulated
     OpenAI-compatible server (`services.agent.responder`) on a loopback port, its
-    endpoint, closed once the replica has drained. Without it, replicas have no endpoint.
+    endpoint. A drain lets the requests it is answering finish, up to the drain's grace,
+    then closes it. Without `serve`, replicas have no endpoint.
     """
 
     needs_model_runtime = False
@@ -153,9 +158,15 @@ class SimulatedRuntime:
     async def stop(self, replica: str, *, grace_s: float, report: Report) -> None:
         self._states[replica] = "draining"
         await report("draining")
+        start = time.monotonic()
         await asyncio.sleep(max(0.0, min(grace_s, self.stop_delay_s)))
         server = self._servers.pop(replica, None)
         if server is not None:
+            # The requests it is answering run to the drain's grace, not to the
+            # simulated stop: a drain that cut them would be a fault of its own.
+            left = grace_s - (time.monotonic() - start)
+            if not await server.quiet(left):
+                log.info("%s: cut %d requests at the end of its grace", replica, server.active)
             await server.close()
         self._states.pop(replica, None)
         await report("stopped")

@@ -120,10 +120,12 @@ MAX_MSG_BYTES = MAX_EVENT_BYTES + 32 * 1024
 # each of the plane's consumers dead-letters) cannot fill the disk: one record is at most
 # DLQ_MAX_MSG_BYTES (it keeps the first consume.DLQ_KEEP_BYTES of the message), one
 # consumer's subject keeps its newest DLQ_PER_CONSUMER, and the stream DLQ_MAX_BYTES, the
-# oldest going first. They are reports about the log, not the log.
+# oldest going first. They are reports about the log, not the log. DLQ_MAX_BYTES is also
+# reserved when the stream is made: JetStream refuses a stream whose bound exceeds 75% of
+# the store's free disk, so a larger one would stop `up` on a small disk.
 DLQ_MAX_MSG_BYTES = 16 * 1024
 DLQ_PER_CONSUMER = 10_000
-DLQ_MAX_BYTES = 1024**3
+DLQ_MAX_BYTES = 256 * 1024**2
 
 
 def _differs(have: StreamConfig, want: StreamConfig) -> list[str]:

@@ -188,6 +188,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
+        gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
     )
     cli.setup_logging()
     try:

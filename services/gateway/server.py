@@ -45,11 +45,12 @@ import aiohttp
 import msgspec
 import nats.errors
 from aiohttp import web
+from opentelemetry import trace
 
 from schemas import events as ev
 from schemas import subjects
 from services import names
-from services.bus import Publisher
+from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
 from services.core import routing
@@ -70,6 +71,7 @@ SOURCE = "gateway"
 # Per-request values kept on the aiohttp request: the model's label and the arrival time.
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
+_SPAN = web.RequestKey("llmgw_span", trace.Span)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -371,17 +373,28 @@ class Gateway:
         request[_MODEL] = UNKNOWN
         request[_T0] = t0
         status = 499  # the client went away before an answer (nginx's number for it)
-        try:
-            resp = await self._route(request)
-            status = resp.status
-            return resp
-        except Refusal as e:
-            status = e.status
-            raise
-        finally:
-            model = request[_MODEL]
-            self.metrics.requests.labels(model, str(status)).inc()
-            self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
+        # One span a request, SERVER kind, a child of the client's traceparent if it sent
+        # one; no-op (and next to free) unless tracing is set up (OTEL_* variables).
+        with tracing.tracer().start_as_current_span(
+            f"POST {request.path}",
+            context=tracing.extract(request.headers) if "traceparent" in request.headers else None,
+            kind=trace.SpanKind.SERVER,
+        ) as span:
+            request[_SPAN] = span
+            try:
+                resp = await self._route(request)
+                status = resp.status
+                return resp
+            except Refusal as e:
+                status = e.status
+                span.set_attribute("llmgw.reason", e.reason)
+                raise
+            finally:
+                model = request[_MODEL]
+                span.set_attribute("http.response.status_code", status)
+                span.set_attribute("gen_ai.request.model", model)
+                self.metrics.requests.labels(model, str(status)).inc()
+                self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request)
@@ -410,9 +423,12 @@ class Gateway:
             if r is None:
                 break
             tried.append(r.id)
+            span = request[_SPAN]
+            span.set_attribute("llmgw.replica", r.id)
             if attempt:
                 self.counts.retries += 1
                 self.metrics.retries.inc()
+                span.set_attribute("llmgw.retry", True)
             else:
                 self.metrics.overhead.observe(time.perf_counter() - request[_T0])
             inflight = self.metrics.inflight.labels(m.name)

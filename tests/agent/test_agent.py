@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -382,3 +383,49 @@ async def test_a_simulated_replica_serves_at_its_endpoint_until_it_stops(
         with pytest.raises(aiohttp.ClientConnectionError):
             async with http.get(f"{endpoint}/health") as r:
                 pass
+
+
+async def test_a_drained_simulated_replica_finishes_its_streams_within_the_grace(
+    js: JetStreamContext, running: Callable[..., Any], node: str
+) -> None:
+    import aiohttp
+
+    from services.agent.responder import Timing
+
+    await running(runtime=SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 20.0)))
+    pub = Publisher(js)
+    await pub.publish(start_cmd("r-10", node, (0,), model="qwen-7b", profile="one"))
+    got = await wait_for(
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-10": "ready"})
+    )
+    endpoint = got[-1].data.endpoint
+    body = {"model": "qwen-7b", "prompt": "x", "stream": True, "max_tokens": 10}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{endpoint}/v1/completions", json=body) as r,
+    ):
+        first = await r.content.readany()
+        # Drained mid-stream, with a grace longer than the stream: it runs to its end.
+        await pub.publish(drain_cmd("r-10", grace_s=5.0), node=node)
+        rest = await r.read()
+    assert (first + rest).endswith(b"data: [DONE]\n\n")
+    await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-10": "stopped"}))
+    # A stream longer than the grace is cut when the grace ends: stopped is not late.
+    await pub.publish(start_cmd("r-11", node, (1,), model="qwen-7b", profile="one"))
+    got = await wait_for(
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-11": "ready"})
+    )
+    endpoint = got[-1].data.endpoint
+    long = {**body, "max_tokens": 200}  # 10 s at 20 tokens a second
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{endpoint}/v1/completions", json=long) as r,
+    ):
+        await r.content.readany()
+        t0 = time.monotonic()
+        await pub.publish(drain_cmd("r-11", grace_s=0.3), node=node)
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            rest = await r.read()
+            assert not rest.endswith(b"data: [DONE]\n\n")
+    await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-11": "stopped"}))
+    assert time.monotonic() - t0 < 3

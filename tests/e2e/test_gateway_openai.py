@@ -7,7 +7,9 @@ request reaches the replica drained, while its server is still up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -74,6 +76,12 @@ class Plane:
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     base = tmp_path_factory.mktemp("gateway")
+    # The default port taken (by this test, or by whatever holds it already): `up` takes
+    # a free one and says which.
+    holder = socket.socket()
+    with contextlib.suppress(OSError):
+        holder.bind(("127.0.0.1", 8322))
+        holder.listen()
     up = UpProcess(
         base / "data",
         base / "up.log",
@@ -87,8 +95,6 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         "--sim-tps",
         "0",
         "--no-ui",
-        "--gateway-listen",
-        "127.0.0.1:0",
     )
     try:
         up.wait_url()
@@ -98,6 +104,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
             assert up.alive() and time.monotonic() < deadline, up.text()[-3000:]
             time.sleep(0.05)
         gateway = url_file.read_text().strip()
+        assert gateway.startswith("http://127.0.0.1:") and ":8322/" not in gateway
         # The one line an operator reads it from.
         assert f"gateway: {gateway}" in up.text()
         spec = base / "cluster.yaml"
@@ -108,6 +115,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         p.until("two ready replicas of chat", lambda: len(p.routable("chat")) == 2)
         yield p
     finally:
+        holder.close()
         assert up.stop() == 0, up.text()[-3000:]
     assert "Traceback" not in up.text()
 

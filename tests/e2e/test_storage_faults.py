@@ -2,7 +2,7 @@
 and store), and once the space is back it restarts its broker on the same store, so the
 plane leads and decides again without a restart by hand. The disk is a tmpfs mounted for
 the test (root only), as small as the streams allow: JetStream refuses a stream whose
-limit (the dead letters' 1 GiB) exceeds 75% of the disk's free space at its start."""
+limit (the dead letters' 256 MiB) exceeds 75% of the disk's free space at its start."""
 
 from __future__ import annotations
 
@@ -92,23 +92,28 @@ async def _decides(url: str, freed: float) -> float:
         except (nats.errors.Error, TimeoutError, OSError, PublishError):
             assert time.monotonic() - freed < WITHIN_S, "the scale was never stored"
             await asyncio.sleep(0.2)
-    nc = await nats.connect(url)
-    try:
-        while True:
-            view = (await rebuild.from_stream(nc.jetstream())).view
+    # The broker may be restarted under this read (that is what the plane does once the
+    # space is back): a read cut short is read again on a new connection.
+    while True:
+        try:
+            nc = await nats.connect(url)
+            try:
+                view = (await rebuild.from_stream(nc.jetstream())).view
+            finally:
+                await nc.close()
             if any(r.state == "ready" for r in view.replicas_of("m")):
                 return time.monotonic() - freed
-            assert time.monotonic() - freed < WITHIN_S, "the plane did not decide"
-            await asyncio.sleep(0.1)
-    finally:
-        await nc.close()
+        except (nats.errors.Error, TimeoutError, OSError):
+            pass
+        assert time.monotonic() - freed < WITHIN_S, "the plane did not decide"
+        await asyncio.sleep(0.1)
 
 
 def test_a_full_then_freed_disk_leaves_a_plane_that_decides(tmp_path: Path) -> None:
     fs = tmp_path / "fs"
     fs.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1600m", "tmpfs", str(fs)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=500m", "tmpfs", str(fs)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (root only): {mounted.stderr.decode().strip()}")

@@ -21,6 +21,7 @@ import pytest
 from schemas import events as ev
 from services.agent.responder import Responder, Timing
 from tests.agent.helpers import node_events, wait_for
+from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
 from tests.gateway.conftest import Plane
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
@@ -329,3 +330,49 @@ async def test_a_body_that_never_ends_is_408_and_the_gateway_stays_up(plane: Pla
     await writer.wait_closed()
     async with plane.http.get(f"{plane.url}/v1/models") as r:
         assert r.status == 200
+
+
+async def test_many_clients_gone_at_once_leave_nothing_in_flight(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.model("crowd")
+    s = await servers("cr-1", "crowd", Timing(0.0, 50.0))
+    await plane.ready("cr-1", "crowd", s.endpoint)
+    body = json.dumps({"model": "crowd", "prompt": "p", "stream": True, "max_tokens": 500})
+    responses = []
+    for _ in range(20):
+        r = await plane.http.post(f"{plane.url}/v1/completions", data=body)
+        await r.content.readany()
+        responses.append(r)
+    assert plane.gateway.router.inflight == {"cr-1": 20}
+    for r in responses:
+        r.close()  # twenty clients gone mid-stream, at once
+
+    async def counts() -> tuple[dict[str, int], int]:
+        return dict(plane.gateway.router.inflight), s.active
+
+    await wait_for(counts, lambda c: c == ({}, 0), 5)
+    status, _, _ = await plane.chat("crowd", max_tokens=1)
+    assert status == 200
+
+
+async def test_each_request_is_a_span_with_model_replica_status_and_retry(
+    plane: Plane,
+    servers: Callable[..., Awaitable[Responder]],
+    spans: Any,  # noqa: F811
+) -> None:
+    await plane.model("traced")
+    good = await servers("tr-good", "traced")
+    await plane.ready("tr-dead", "traced", _refusing())
+    await plane.ready("tr-good", "traced", good.endpoint)
+    for _ in range(2):
+        assert (await plane.chat("traced"))[0] == 200
+    assert (await plane.chat("nope"))[0] == 404
+    mine = [s for s in spans.get_finished_spans() if s.name == "POST /v1/chat/completions"]
+    assert len(mine) == 3
+    attrs = [dict(s.attributes or {}) for s in mine]
+    assert [a["http.response.status_code"] for a in attrs] == [200, 200, 404]
+    assert all(a["llmgw.replica"] == "tr-good" for a in attrs[:2])
+    assert any(a.get("llmgw.retry") for a in attrs[:2])
+    assert attrs[2]["llmgw.reason"] == "unknown_model"
+    assert attrs[0]["gen_ai.request.model"] == "traced"
