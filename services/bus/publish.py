@@ -136,8 +136,10 @@ async def ride_out(
         try:
             if not bounded:
                 return await call()
-            async with asyncio.timeout(max(deadline - time.monotonic(), RETRY_PAUSE_S)):
-                return await call()
+            # wait_for runs the try as a task of its own and cancels that one: a timeout
+            # context on this task could leave its cancel pending past a try that failed
+            # at the deadline, for the caller's next await to meet.
+            return await asyncio.wait_for(call(), max(deadline - time.monotonic(), RETRY_PAUSE_S))
         except Exception as e:
             if not retry(e) or time.monotonic() + RETRY_PAUSE_S >= deadline:
                 raise

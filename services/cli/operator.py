@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import getpass
 import re
 import sys
@@ -215,6 +216,11 @@ class _Op:
             )
 
 
+# REQUEST_TIMEOUT_S is how long an operator command waits for one answer of JetStream's
+# (a stream's info, a publish's ack) before it asks again, as the log readers do.
+REQUEST_TIMEOUT_S = 2.0
+
+
 @contextlib.asynccontextmanager
 async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
     """Connect, and rebuild the view to check names against (making the streams on a
@@ -225,7 +231,10 @@ async def _operating(args: argparse.Namespace, name: str) -> AsyncIterator[_Op]:
     cluster waits for the new leader instead of failing on its first read."""
     from services.bus import publish
 
-    async with cli.session(args, name) as s:
+    async with cli.session(args, name) as opened:
+        # Short waits for each answer: a request to a server that died is given up and
+        # asked again soon, within the election's retry, rather than waited on 5 s.
+        s = dataclasses.replace(opened, js=opened.nc.jetstream(timeout=REQUEST_TIMEOUT_S))
         errors = publish.retryable(s.js)
         # A try cut off at the deadline (TimeoutError) is the election outlasting it too.
         given_up: tuple[type[BaseException], ...] = (*errors, TimeoutError)
