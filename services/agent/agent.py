@@ -54,7 +54,7 @@ from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
 from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
-from services.bus import Permanent, Publisher, PublishError
+from services.bus import BusError, Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
 from services.bus.publish import OTHER
 from services.clock import new_id, utc_now
@@ -441,11 +441,16 @@ class Agent:
         reported lost is back. Each state keeps its id (from its command and state), so
         a copy the log already holds within the duplicate window is dropped. Replicas
         the cluster failed meanwhile are stopped first (`_stop_failed_with_the_node`)."""
-        await self._publish_inventory()
+        try:
+            await self._publish_inventory()
+        except (PublishError, BusError, nats.errors.Error, TimeoutError) as err:
+            # Its heartbeat still brings a lost node back (`node.found`); the inventory
+            # is said again at the next reconnect or change.
+            log.warning("%s: inventory not said again after the reconnect: %s", self.node, err)
         stopping: set[str] = set()
         try:
             stopping = await self._stop_failed_with_the_node()
-        except (nats.errors.Error, TimeoutError) as err:
+        except (BusError, nats.errors.Error, TimeoutError) as err:
             log.warning("%s: its log not read after the reconnect: %s", self.node, err)
         for rec in list(self._replicas.values()):
             if rec.state not in _HOLDING or rec.replica in stopping:
@@ -1042,7 +1047,15 @@ class Agent:
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._finished)
+
+    def _finished(self, t: asyncio.Task[None]) -> None:
+        """A background task's end. One that failed is said in one line, never left for
+        asyncio to report as an exception nobody retrieved."""
+        self._tasks.discard(t)
+        if not t.cancelled() and (err := t.exception()) is not None:
+            what = getattr(t.get_coro(), "__qualname__", t.get_name())
+            log.error("%s: %s failed: %s: %s", self.node, what, type(err).__name__, err)
 
     async def _serve_ctl(self) -> None:
         """Answer `llmgw gpu reset-health` and remind, now and then, of unhealthy GPUs."""

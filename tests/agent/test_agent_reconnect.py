@@ -74,3 +74,29 @@ async def test_after_a_reconnect_the_agent_says_it_all_again_and_stops_what_the_
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 5)
+
+
+async def test_a_background_task_that_fails_is_said_in_one_line(
+    nats_server: EmbeddedBroker, nc: Client, js: JetStreamContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-announce cut short by an election (its reset of the agent's reader not answered)
+    was left for asyncio to report as an exception nobody retrieved, with a traceback; it
+    is one line naming the node and the task."""
+    agent = Agent(
+        nc,
+        js,
+        node=NODE,
+        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("1xH100-80GB")),
+        cpu_cores=8,
+        memory_gb=64,
+        runtime=SimulatedRuntime(0.02, 0.05, 0.05),
+    )
+
+    async def cut_short() -> None:
+        raise TimeoutError("nats: timeout")
+
+    agent._background(cut_short())
+    await asyncio.sleep(0)  # the task runs to its end
+    await asyncio.sleep(0)
+    said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert said == [f"{NODE}: {cut_short.__qualname__} failed: TimeoutError: nats: timeout"]
