@@ -50,6 +50,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas import subjects
+from services import listen
 from services.bus.errors import BrokerUnavailable
 from services.core import preemption
 from services.dashboard import health, hub, metrics, query, replays, state
@@ -75,10 +76,7 @@ __all__ = ["BadRequest", "Dashboard", "DashboardError"]
 
 def parse_listen(text: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:8321` for IPv6) -> (host, port); ValueError with a message."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"{text!r} is not HOST:PORT (like {DEFAULT_LISTEN})")
-    return host.strip("[]"), int(port)
+    return listen.parse(text, DEFAULT_LISTEN)
 
 
 def is_loopback(host: str) -> bool:
@@ -303,20 +301,8 @@ class Dashboard:
     # ------------------------------------------------------------ lifecycle
 
     def bind(self) -> socket.socket:
-        host, port = parse_listen(self.listen)
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(fam, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise DashboardError(f"cannot listen on {self.listen}: {e.strerror}") from e
-        sock.listen(128)
-        sock.setblocking(False)
-        bound = sock.getsockname()[1]
-        shown = f"[{host}]" if fam == socket.AF_INET6 else host
-        self.url = f"http://{shown}:{bound}/"
+        sock, url = listen.bind(self.listen, DEFAULT_LISTEN, 128, DashboardError)
+        self.url = url + "/"
         return sock
 
     async def run(

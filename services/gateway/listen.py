@@ -24,10 +24,12 @@ def refusal(listen: str, no_auth: bool, keys: bool = False) -> str | None:
     takes `no_auth` said out loud."""
     import ipaddress
 
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        return f"{listen!r} is not HOST:PORT (like {DEFAULT_LISTEN})"
+    from services.listen import parse
+
+    try:
+        host, _ = parse(listen, DEFAULT_LISTEN)
+    except ValueError as e:
+        return str(e)
     if no_auth or keys or host == "localhost":
         return None
     try:

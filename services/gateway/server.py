@@ -49,7 +49,7 @@ from opentelemetry import trace
 
 from schemas import events as ev
 from schemas import subjects
-from services import names
+from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
@@ -231,20 +231,7 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     def bind(self) -> socket.socket:
-        host, port = parse_listen(self.listen)
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(fam, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise GatewayError(f"cannot listen on {self.listen}: {e.strerror}") from e
-        sock.listen(1024)
-        sock.setblocking(False)
-        bound = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{bound}"
+        sock, self.url = listen.bind(self.listen, DEFAULT_LISTEN, 1024, GatewayError)
         return sock
 
     def app(self) -> web.Application:
@@ -668,10 +655,7 @@ def _too_big(limit: int) -> Refusal:
 
 def parse_listen(text: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:8322` for IPv6) -> (host, port); ValueError with a message."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT (like {DEFAULT_LISTEN})")
-    return host.strip("[]"), int(port)
+    return listen.parse(text, DEFAULT_LISTEN)
 
 
 @web.middleware
