@@ -26,9 +26,7 @@ roles CONTROL and VIEWER are defined in permissions.conf, which this file includ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import secrets
 import stat
 import sys
@@ -40,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 from schemas.names import escape  # noqa: E402
+from services.files import write_private  # noqa: E402
 
 TEMPLATE = HERE / "agent.conf.in"
 ROLES = ("control", "viewer")
@@ -119,17 +118,6 @@ def _private(path: Path) -> None:
         raise UsersError(f"{path} is mode {mode:04o}, readable by others: `chmod 600 {path}` first")
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, readable by its owner alone (0600)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
-
-
 def passwords_for(
     names: Iterable[str], source: str, stdin: TextIO
 ) -> tuple[dict[str, str], list[str]]:
@@ -154,7 +142,7 @@ def passwords_for(
             have[n] = secrets.token_urlsafe(MADE_BYTES)
         added = "".join(f"{n}={have[n]}\n" for n in made)
         sep = "" if not text or text.endswith("\n") else "\n"
-        _write_private(path, text + sep + added)
+        write_private(path, text + sep + added)
     return have, made
 
 
@@ -189,7 +177,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         have, made = passwords_for([*ROLES, *a.nodes], a.passwords, stdin or sys.stdin)
         text = render({n: have[n] for n in a.nodes}, have["control"], have["viewer"])
         if a.out:
-            _write_private(Path(a.out), text)
+            write_private(Path(a.out), text)
     except (UsersError, OSError) as e:
         print(f"users.py: {e}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ from types import TracebackType
 
 from services import pids
 from services.bus.errors import BrokerError
+from services.files import write_private
 
 URL_FILE = "nats.url"
 LOG_FILE = "nats-server.log"
@@ -87,23 +88,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, readable by its owner alone (0600)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
-
-
 def write_url(data_dir: Path, url: str) -> None:
     """Record the URL of the broker serving `data_dir`, atomically, mode 0600 (it may
     carry the broker's password)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    _write_private(data_dir / URL_FILE, url + "\n")
+    write_private(data_dir / URL_FILE, url + "\n")
 
 
 def password(data_dir: Path) -> str:
@@ -116,7 +106,7 @@ def password(data_dir: Path) -> str:
             return text
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     made = secrets.token_urlsafe(24)
-    _write_private(path, made + "\n")
+    write_private(path, made + "\n")
     return made
 
 
@@ -321,7 +311,7 @@ class EmbeddedBroker:
             if self._password is not None
             else ""
         )
-        _write_private(
+        write_private(
             conf,
             "# Written by llmgw for its embedded broker; rewritten at every start.\n"
             f"server_name: {self.server_name}\n"
@@ -401,7 +391,7 @@ class EmbeddedBroker:
             time.sleep(0.02)
         start = pids.start_time(self._proc.pid)
         if start is not None:
-            _write_private(self.data_dir / PID_FILE, f"{self._proc.pid} {start}\n")
+            write_private(self.data_dir / PID_FILE, f"{self._proc.pid} {start}\n")
         write_url(self.data_dir, self.url)
         return self.url
 
