@@ -514,7 +514,7 @@ async def _history(args: argparse.Namespace) -> int:
     run = await rebuild_view(args, watcher=tl, verb="reading", **_moment(args))
     v = run.rebuilt.view
     try:
-        tl.resolve(_known(v, args.kind))
+        tl.resolve(history.known(v, args.kind))
         tl.require()
     except ReplayError as e:
         raise cli.CliError(str(e)) from None
@@ -555,16 +555,6 @@ def _history_wide(tl: _Causes, now: datetime | None) -> str:
         for e in tl.entries
     ]
     return render.table(["SEQ", "TIME", "AGE", "TYPE", "ID", "CAUSATION", "SUMMARY"], rows)
-
-
-def _known(v: View, kind: str) -> set[str]:
-    """The names of that kind the view has, for a prefix or a "did you mean"."""
-    s = v.state
-    if kind == "replica":
-        return set(s.replicas)
-    if kind == "node":
-        return set(s.nodes)
-    return set(s.models) | {r.model for r in s.replicas.values()}
 
 
 # ---------------------------------------------------------------------- explain

@@ -284,7 +284,7 @@ async def story(js: Any, what: str, kind: str, name: str, seq: int | None, root:
         else:
             w = history.Timeline(kind, name, root)
             got = await rebuild.from_stream(js, until_seq=seq, watcher=w, root=root)
-            w.resolve(known(got.view, kind))
+            w.resolve(history.known(got.view, kind))
             w.require()
             doc = {"kind": kind, "name": w.name, "entries": [e.to_json() for e in w.entries]}
     except UnknownEntity as e:
@@ -308,16 +308,6 @@ def plan_of(v: View, model: str, cfg: preemption.Config) -> tuple[int, dict[str,
     if v.state.time is None:
         return 409, {"error": "the log holds no events"}
     return 200, preemption.plan(v, model, v.state.time, cfg).to_json()
-
-
-def known(v: View, kind: str) -> set[str]:
-    """The names of that kind the view has, for a prefix or a "did you mean"."""
-    s = v.state
-    if kind == "replica":
-        return set(s.replicas)
-    if kind == "node":
-        return set(s.nodes)
-    return set(s.models) | {r.model for r in s.replicas.values()}
 
 
 def dumps(doc: Any) -> bytes:

@@ -112,6 +112,17 @@ class Timeline:
             raise UnknownEntity(kind, name, f"; see `llmgw view` for the {kind}s there are")
 
 
+def known(v: View, kind: str) -> set[str]:
+    """The names of that kind the view has, for a prefix or a "did you mean"
+    (`Timeline.resolve`)."""
+    s = v.state
+    if kind == "replica":
+        return set(s.replicas)
+    if kind == "node":
+        return set(s.nodes)
+    return set(s.models) | {r.model for r in s.replicas.values()}
+
+
 def text(entries: list[Entry], now: datetime | None) -> str:
     rows = [
         [
