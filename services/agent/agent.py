@@ -456,23 +456,7 @@ class Agent:
             if rec.state not in _HOLDING or rec.replica in stopping:
                 continue
             async with rec.lock:
-                e = ev.ReplicaStateEvent(
-                    id=ids.derived(rec.command, f"state:{rec.state}"),
-                    time=utc_now(),
-                    source=self.source,
-                    causation=rec.command,
-                    correlation=rec.correlation,
-                    data=ev.ReplicaState(
-                        replica=rec.replica,
-                        model=rec.model,
-                        profile=rec.profile,
-                        state=rec.state,  # type: ignore[arg-type]
-                        shards=rec.shards,
-                        endpoint=self.runtime.endpoint(rec.replica)
-                        if rec.state == "ready"
-                        else None,
-                    ),
-                )
+                e = self._state_event(rec, rec.state, utc_now())  # type: ignore[arg-type]
                 try:
                     await self._publish(e)
                 except PublishError as err:
@@ -886,7 +870,23 @@ class Agent:
     ) -> None:
         """Publish the replica's new state, and remember it once stored."""
         now = utc_now()
-        e = ev.ReplicaStateEvent(
+        e = self._state_event(rec, state, now, reason)
+        await self._publish(e)
+        rec.state, rec.since = state, now
+        if self._on_stored is not None:
+            self._on_stored(e)
+        log.info("%s: %s %s%s", self.node, rec.replica, state, f" ({reason})" if reason else "")
+
+    def _state_event(
+        self,
+        rec: _Replica,
+        state: ev.ReplicaStateName,
+        now: datetime,
+        reason: str | None = None,
+    ) -> ev.ReplicaStateEvent:
+        """The event saying `rec` is in `state`: its id derived from its command and the
+        state, so the same state said again (after a reconnect) is the same message."""
+        return ev.ReplicaStateEvent(
             id=ids.derived(rec.command, f"state:{state}"),
             time=now,
             source=self.source,
@@ -904,11 +904,6 @@ class Agent:
                 endpoint=self.runtime.endpoint(rec.replica) if state == "ready" else None,
             ),
         )
-        await self._publish(e)
-        rec.state, rec.since = state, now
-        if self._on_stored is not None:
-            self._on_stored(e)
-        log.info("%s: %s %s%s", self.node, rec.replica, state, f" ({reason})" if reason else "")
 
     async def _publish(self, e: ev.Event) -> None:
         await self._publisher.publish(e, node=self.node)
