@@ -29,7 +29,7 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable, Collection, Hashable
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,6 +392,25 @@ class Dashboard:
             return None
         return (self.hub.listings, what, m.seq, m.at, *more)
 
+    async def _at(
+        self,
+        what: str,
+        m: query.Moment | None,
+        now: Callable[[Any], Response],
+        then: Callable[[Any, query.Moment], Coroutine[Any, Any, replays.Answer]],
+        *more: Hashable,
+    ) -> Response:
+        """`what` (a route) at the moment `m`: `now` on the live view when no moment is
+        asked for (503 while the hub has not listed the log), else the replay
+        `then(js, m)`, kept by the moment and `more` (the route's arguments)."""
+        if m is None:
+            try:
+                v = await self._live()
+            except Unlisted:
+                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+            return now(v)
+        return await self._replay(self._moment_key(what, m, *more), lambda js: then(js, m))
+
     async def _replay(self, key: Hashable | None, work: replays.Work) -> Response:
         """The answer of a replay, or 503 with Retry-After when too many run."""
         try:
@@ -415,18 +434,15 @@ class Dashboard:
             everything = query.switch(q, "all")
         except BadRequest as e:
             return _bad(e)
-        if m is None:
-            try:
-                v = await self._live()
-            except Unlisted:
-                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+
+        def now(v: Any) -> Response:
             doc = state.view_doc(v, everything=everything, with_digest=True)
             return JSONResponse({**doc, **self._live_fields()})
-        resp = await self._replay(
-            self._moment_key("view", m, everything),
-            lambda js: replays.view(js, m, everything, self.root),
+
+        resp = await self._at(
+            "view", m, now, lambda js, at: replays.view(js, at, everything, self.root), everything
         )
-        if resp.status_code == 200:
+        if m is not None and resp.status_code == 200:
             # The kept document is of the past; what it says of the log now is added.
             extra = replays.dumps(self._live_fields())
             resp.body = bytes(resp.body[:-1]) + b"," + extra[1:]
@@ -502,16 +518,13 @@ class Dashboard:
             cfg = query.policy(self.policy, q)
         except BadRequest as e:
             return _bad(e)
-        if m is None:
-            try:
-                v = await self._live()
-            except Unlisted:
-                return _unavailable(Unlisted.WHY, replays.RETRY_AFTER_S)
+
+        def now(v: Any) -> Response:
             status, doc = replays.plan_of(v, model, cfg)
             return JSONResponse(doc, status)
-        return await self._replay(
-            self._moment_key("plan", m, model, cfg),
-            lambda js: replays.plan(js, m, model, cfg, self.root),
+
+        return await self._at(
+            "plan", m, now, lambda js, at: replays.plan(js, at, model, cfg, self.root), model, cfg
         )
 
     async def _health(self, req: Request) -> Response:
