@@ -152,34 +152,24 @@ def register(commands: cli.Commands) -> None:
 
 def add_simulation_options(p: Any) -> None:
     """The simulated runtime's flags, shared by `llmgw agent` and `llmgw up --simulate`."""
-    p.add_argument(
-        "--start-delay",
-        type=cli.arg_seconds,
-        default=DEFAULT_START_DELAY_S,
-        metavar="S",
-        help=f"simulated seconds from starting to loading (default {DEFAULT_START_DELAY_S:g})",
+    cli.add_number(
+        p, "--start-delay", DEFAULT_START_DELAY_S, "simulated seconds from starting to loading"
     )
-    p.add_argument(
-        "--load-delay",
-        type=cli.arg_seconds,
-        default=DEFAULT_LOAD_DELAY_S,
-        metavar="S",
-        help=f"simulated seconds from loading to ready (default {DEFAULT_LOAD_DELAY_S:g})",
+    cli.add_number(
+        p, "--load-delay", DEFAULT_LOAD_DELAY_S, "simulated seconds from loading to ready"
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--stop-delay",
-        type=cli.arg_seconds,
-        default=DEFAULT_STOP_DELAY_S,
-        metavar="S",
-        help="simulated seconds from draining to stopped, at most the drain's grace "
-        f"(default {DEFAULT_STOP_DELAY_S:g})",
+        DEFAULT_STOP_DELAY_S,
+        "simulated seconds from draining to stopped, at most the drain's grace",
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--heartbeat",
+        DEFAULT_HEARTBEAT_S,
+        "seconds between heartbeats",
         type=cli.arg_positive,
-        default=DEFAULT_HEARTBEAT_S,
-        metavar="S",
-        help=f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_S:g})",
     )
     p.add_argument(
         "--traffic",
@@ -190,20 +180,15 @@ def add_simulation_options(p: Any) -> None:
         help="synthetic requests per minute to ready replicas of MODEL, reported as "
         "replica.used (repeatable); other models stay idle",
     )
-    p.add_argument(
-        "--sim-ttft",
-        type=cli.arg_seconds,
-        default=DEFAULT_SIM_TTFT_S,
-        metavar="S",
-        help="seconds a simulated server takes to its first token "
-        f"(default {DEFAULT_SIM_TTFT_S:g})",
+    cli.add_number(
+        p, "--sim-ttft", DEFAULT_SIM_TTFT_S, "seconds a simulated server takes to its first token"
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--sim-tps",
-        type=cli.arg_seconds,
-        default=DEFAULT_SIM_TPS,
+        DEFAULT_SIM_TPS,
+        "tokens a second a simulated server streams, 0: at once",
         metavar="N",
-        help=f"tokens a second a simulated server streams, 0: at once (default {DEFAULT_SIM_TPS:g})",
     )
 
 

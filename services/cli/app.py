@@ -488,6 +488,35 @@ def arg_model_rate(text: str) -> tuple[str, float]:
         ) from None
 
 
+def add_number(
+    p: Any,
+    flag: str,
+    default: float,
+    what: str,
+    *,
+    type: Callable[[str], Any] = arg_seconds,
+    metavar: str = "S",
+    **more: Any,
+) -> None:
+    """Add `flag`, a number (seconds unless `type` says otherwise), `default` when not
+    given; its help is `what` and the default, so the two cannot disagree."""
+    shown = f"{default:g}" if isinstance(default, float) else f"{default}"
+    p.add_argument(
+        flag, type=type, default=default, metavar=metavar, help=f"{what} (default {shown})", **more
+    )
+
+
+def add_listen(p: Any, flag: str, default: str, dest: str, server: str) -> None:
+    """Add `flag`, the HOST:PORT `server` listens on, `default` when not given."""
+    p.add_argument(
+        flag,
+        dest=dest,
+        default=default,
+        metavar="HOST:PORT",
+        help=f"where the {server} listens (default {default}; port 0: a free one)",
+    )
+
+
 # STOP_GRACE_S is how long a long-running command (`up`, `agent`) may take to stop after
 # SIGINT or SIGTERM before its work is cancelled: time to finish a publish and close
 # cleanly, but never a process that must be killed by hand because it was stuck starting.

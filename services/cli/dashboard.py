@@ -47,13 +47,7 @@ def register(commands: cli.Commands) -> None:
 
 
 def add_listen_options(p: Any, default: str, flag: str = "--listen") -> None:
-    p.add_argument(
-        flag,
-        dest="listen",
-        default=default,
-        metavar="HOST:PORT",
-        help=f"where the dashboard listens (default {default}; port 0: a free one)",
-    )
+    cli.add_listen(p, flag, default, "listen", "dashboard")
     p.add_argument(
         "--token",
         default=None,

@@ -47,13 +47,7 @@ def register(commands: cli.Commands) -> None:
 def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
     from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
 
-    p.add_argument(
-        flag,
-        dest="gateway_listen",
-        default=default,
-        metavar="HOST:PORT",
-        help=f"where the gateway listens (default {default}; port 0: a free one)",
-    )
+    cli.add_listen(p, flag, default, "gateway_listen", "gateway")
     p.add_argument(
         "--api-keys",
         metavar="FILE",
@@ -66,29 +60,29 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         help="serve off loopback without --api-keys: anyone who reaches the port may use "
         "every model",
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--max-body",
+        MAX_BODY,
+        "largest request body taken; a larger one is 413",
         type=int,
-        default=MAX_BODY,
         metavar="BYTES",
-        help=f"largest request body taken; a larger one is 413 (default {MAX_BODY})",
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--upstream-timeout",
+        UPSTREAM_TIMEOUT_S,
+        "seconds a replica may take to begin its answer, or between two chunks of a "
+        "stream, before it is a 504 or a cut stream",
         type=cli.arg_positive,
-        default=UPSTREAM_TIMEOUT_S,
-        metavar="S",
-        help="seconds a replica may take to begin its answer, or between two chunks of a "
-        f"stream, before it is a 504 or a cut stream (default {UPSTREAM_TIMEOUT_S:g})",
     )
-    p.add_argument(
+    cli.add_number(
+        p,
         "--used-interval",
-        dest="gateway_used_interval",
+        USED_INTERVAL_S,
+        "publish one replica's use (requests, tokens) at most this often",
         type=cli.arg_positive,
-        default=USED_INTERVAL_S,
-        metavar="S",
-        help="publish one replica's use (requests, tokens) at most this often "
-        f"(default {USED_INTERVAL_S:g})",
+        dest="gateway_used_interval",
     )
 
 

@@ -56,12 +56,13 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--log", metavar="BUNDLE", help="read a .jsonl bundle instead of the broker")
     allow_gaps_option(p)
     add_output_option(p)
-    p.add_argument(
+    cli.add_number(
+        p,
         "--decisions",
+        LAST_DECISIONS,
+        "how many recent decisions to show",
         type=cli.arg_count,
-        default=LAST_DECISIONS,
         metavar="N",
-        help=f"how many recent decisions to show (default {LAST_DECISIONS})",
     )
     add_watch_options(p)
 
