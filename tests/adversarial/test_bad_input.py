@@ -11,6 +11,7 @@ it, and after each one:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import sys
@@ -59,15 +60,16 @@ class Plane:
         return self.up.alive()
 
 
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    base = tmp_path_factory.mktemp("adversarial")
-    up = UpProcess(base / "data", base / "up.log", "--simulate", "2x8xH100-80GB", *FAST)
+@contextlib.contextmanager
+def running_plane(base: Path, *args: str, bounds: str = "min: 1") -> Iterator[Plane]:
+    """`llmgw up --simulate 2x8xH100-80GB ARGS` on `base`, with MODEL applied (`bounds`,
+    its min and max); stopped at the end, its output free of tracebacks."""
+    up = UpProcess(base / "data", base / "up.log", "--simulate", "2x8xH100-80GB", *FAST, *args)
     try:
         url = up.wait_url()
         spec = base / "cluster.yaml"
         spec.write_text(
-            f"models:\n  - {{name: {MODEL}, class: opportunistic, min: 1,"
+            f"models:\n  - {{name: {MODEL}, class: opportunistic, {bounds},"
             " profiles: [{name: tp1, gpus: 1}]}\n"
         )
         applied = up.llmgw("apply", "-f", str(spec))
@@ -78,6 +80,12 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     text = up.text()
     assert "Traceback" not in text, text[-3000:]
     assert "stopped unexpectedly" not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    with running_plane(tmp_path_factory.mktemp("adversarial")) as p:
+        yield p
 
 
 @pytest_asyncio.fixture(loop_scope="function")

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,12 @@ from urllib.parse import quote
 
 import nats
 import pytest
-import pytest_asyncio
 from nats.js.client import JetStreamContext
 
 from schemas import subjects
 from services import lease
 from services.dashboard import replays
+from tests.adversarial import test_bad_input as bad_input
 from tests.adversarial.test_bad_input import (
     MODEL,
     Plane,
@@ -39,7 +39,6 @@ from tests.adversarial.test_bad_input import (
     _settle,
 )
 from tests.dashboard.http import Events, Reply, get
-from tests.up_process import FAST, UpProcess
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.module_broker]
 
@@ -58,36 +57,13 @@ ALLOWED = "dash.example"
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     base = tmp_path_factory.mktemp("dashboard-boundary")
-    up = UpProcess(
-        base / "data",
-        base / "up.log",
-        *("--simulate", "2x8xH100-80GB", "--ui-listen", "127.0.0.1:0", *FAST),
-        *("--allow-host", ALLOWED),
-    )
-    try:
-        url = up.wait_url()
-        spec = base / "cluster.yaml"
-        spec.write_text(
-            f"models:\n  - {{name: {MODEL}, class: opportunistic, min: 1, max: 4,"
-            " profiles: [{name: tp1, gpus: 1}]}\n"
-        )
-        applied = up.llmgw("apply", "-f", str(spec))
-        assert applied.returncode == 0, applied.stderr
-        yield Plane(up, url)
-    finally:
-        up.stop()
-    text = up.text()
-    assert "Traceback" not in text, text[-3000:]
-    assert "stopped unexpectedly" not in text, text[-3000:]
+    args = ("--ui-listen", "127.0.0.1:0", "--allow-host", ALLOWED)
+    with bad_input.running_plane(base, *args, bounds="min: 1, max: 4") as p:
+        yield p
 
 
-@pytest_asyncio.fixture(loop_scope="function")
-async def js(plane: Plane) -> AsyncIterator[JetStreamContext]:
-    nc = await nats.connect(plane.url)
-    try:
-        yield nc.jetstream()
-    finally:
-        await nc.close()
+# The adversarial suite's connection to the plane's broker.
+js = bad_input.js
 
 
 def _dashboard(plane: Plane) -> str:
