@@ -1,24 +1,59 @@
-"""Helpers for the agent tests: commands as the scheduler would send them, reading back
-what an agent stored, and waiting on real conditions with a deadline."""
+"""Helpers for the agent tests: an agent on a simulated runtime and its run, commands as
+the scheduler would send them, reading back what an agent stored, and waiting on real
+conditions with a deadline."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import codec, ids, names, subjects
 from schemas import events as ev
+from services.agent import Agent, SimulatedRuntime, spec
 from services.bus import consume
 
 _n = itertools.count()
 T = TypeVar("T")
+
+
+def sim_agent(
+    nc: Client, js: JetStreamContext, node: str, gpu_spec: str = "8xH100-80GB", **kw: Any
+) -> Agent:
+    """An agent of `node` as these tests run one: the GPUs of `gpu_spec` on a host of
+    12 cores and 128 GB a GPU, a quick simulated runtime, a heartbeat every 0.05 s and
+    commands redelivered after 1 s; `kw` overrides any of the agent's arguments."""
+    inventory = spec.gpu_inventory(node, spec.parse_gpus(gpu_spec))
+    args: dict[str, Any] = {
+        "gpus": inventory,
+        "cpu_cores": 12 * len(inventory),
+        "memory_gb": 128 * len(inventory),
+        "runtime": SimulatedRuntime(0.02, 0.05, 0.05),
+        "heartbeat_s": 0.05,
+        "ack_wait_s": 1.0,
+    }
+    return Agent(nc, js, node=node, **(args | kw))
+
+
+@contextlib.asynccontextmanager
+async def running_agent(agent: Agent) -> AsyncIterator[Agent]:
+    """`agent` run in a task while the block runs, then stopped (5 s at the most)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        yield agent
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
 
 
 def new_id() -> str:

@@ -26,11 +26,19 @@ from nats.js.errors import NotFoundError
 from schemas import events as ev
 from schemas import subjects
 from services.agent import Agent, NoStream, SimulatedRuntime, durable_name, spec
-from services.agent.agent import ctl_subject
+from services.agent.agent import ACK_WAIT_S, ctl_subject
 from services.bus import EmbeddedBroker, Publisher, connect, consume
 from services.bus.publish import scoped_id
 from services.bus.stream import ensure_stream
-from tests.agent.helpers import by_replica, drain_cmd, node_events, start_cmd, states, wait_for
+from tests.agent.helpers import (
+    by_replica,
+    drain_cmd,
+    node_events,
+    sim_agent,
+    start_cmd,
+    states,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
@@ -51,17 +59,7 @@ async def running(nc: Client, js: JetStreamContext, node: str) -> AsyncIterator[
     started: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
     async def start(**kw: Any) -> Agent:
-        args: dict[str, Any] = {
-            "node": node,
-            "gpus": spec.gpu_inventory(node, spec.parse_gpus("8xH100-80GB")),
-            "cpu_cores": 96,
-            "memory_gb": 1024,
-            "runtime": SimulatedRuntime(0.02, 0.05, 0.05),
-            "heartbeat_s": 0.05,
-            "ack_wait_s": 1.0,
-        }
-        args.update(kw)
-        agent = Agent(nc, js, **args)
+        agent = sim_agent(nc, js, node, **kw)
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         started.append((stop, task))
@@ -200,15 +198,13 @@ async def test_redelivered_commands_past_the_dedupe_window_do_nothing_twice(
         await pub.publish(c)
     await pub.publish(drain_cmd("r-2"), node=node)
     stop = asyncio.Event()
-    agent = Agent(
+    agent = sim_agent(
         nc,
         js,
-        node=node,
-        gpus=spec.gpu_inventory(node, spec.parse_gpus("4xH100-80GB")),
-        cpu_cores=48,
-        memory_gb=512,
+        node,
+        "4xH100-80GB",
         runtime=SimulatedRuntime(0.01, 0.01, 0.01),
-        heartbeat_s=0.05,
+        ack_wait_s=ACK_WAIT_S,
     )
     task = asyncio.create_task(agent.run(stop))
     want = {"r-1": "ready", "r-2": "stopped", "r-3": "ready"}
@@ -439,17 +435,7 @@ async def test_a_restarted_simulated_agent_answers_at_the_endpoint_the_log_holds
     from services.agent.responder import Timing
 
     def agent(runtime: SimulatedRuntime) -> Agent:
-        return Agent(
-            nc,
-            js,
-            node=node,
-            gpus=spec.gpu_inventory(node, spec.parse_gpus("2xH100-80GB")),
-            cpu_cores=24,
-            memory_gb=256,
-            runtime=runtime,
-            heartbeat_s=0.05,
-            ack_wait_s=1.0,
-        )
+        return sim_agent(nc, js, node, "2xH100-80GB", runtime=runtime)
 
     first = SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 0.0))
     stop = asyncio.Event()

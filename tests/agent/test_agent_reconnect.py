@@ -5,7 +5,6 @@ past the grace while the agent was cut off), so its server frees GPUs given to o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import UTC, datetime
 
 import pytest
@@ -13,11 +12,20 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
-from services.agent import Agent, SimulatedRuntime, spec
+from services.agent import SimulatedRuntime
 from services.agent.agent import LOST_PAST_GRACE
 from services.bus import EmbeddedBroker, Publisher
 from services.bus.stream import ensure_stream
-from tests.agent.helpers import by_replica, new_id, node_events, start_cmd, states, wait_for
+from tests.agent.helpers import (
+    by_replica,
+    new_id,
+    node_events,
+    running_agent,
+    sim_agent,
+    start_cmd,
+    states,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,20 +37,7 @@ async def test_after_a_reconnect_the_agent_says_it_all_again_and_stops_what_the_
 ) -> None:
     await ensure_stream(js)
     runtime = SimulatedRuntime(0.02, 0.05, 0.05)
-    agent = Agent(
-        nc,
-        js,
-        node=NODE,
-        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("2xH100-80GB")),
-        cpu_cores=24,
-        memory_gb=256,
-        runtime=runtime,
-        heartbeat_s=0.05,
-        ack_wait_s=1.0,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    try:
+    async with running_agent(sim_agent(nc, js, NODE, "2xH100-80GB", runtime=runtime)):
         pub = Publisher(js)
         await pub.publish(start_cmd("r-kept", NODE, (0,)))
         await wait_for(
@@ -70,10 +65,6 @@ async def test_after_a_reconnect_the_agent_says_it_all_again_and_stops_what_the_
         assert failed.data.reason == LOST_PAST_GRACE
         assert "r-kept" not in runtime.running()
         assert len(await node_events(js, NODE, "inventory")) > inventories
-    finally:
-        stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 5)
 
 
 async def test_a_background_task_that_fails_is_said_in_one_line(
@@ -82,15 +73,7 @@ async def test_a_background_task_that_fails_is_said_in_one_line(
     """A re-announce cut short by an election (its reset of the agent's reader not answered)
     was left for asyncio to report as an exception nobody retrieved, with a traceback; it
     is one line naming the node and the task."""
-    agent = Agent(
-        nc,
-        js,
-        node=NODE,
-        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("1xH100-80GB")),
-        cpu_cores=8,
-        memory_gb=64,
-        runtime=SimulatedRuntime(0.02, 0.05, 0.05),
-    )
+    agent = sim_agent(nc, js, NODE, "1xH100-80GB")
 
     async def cut_short() -> None:
         raise TimeoutError("nats: timeout")

@@ -4,8 +4,6 @@ the tries grow further apart, where without it a try followed every failure at o
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import AsyncIterator
@@ -15,8 +13,9 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
-from services.agent import Agent, SimulatedRuntime, spec
+from services.agent import Agent, SimulatedRuntime
 from services.core import scheduling as planner
+from tests.agent.helpers import running_agent, sim_agent
 from tests.scheduler.conftest import FAST, Cluster
 from tests.scheduler.helpers import eventually
 
@@ -30,23 +29,9 @@ CONFIG = dataclasses.replace(FAST, start_backoff_s=0.2, start_backoff_max_s=0.8,
 @pytest.fixture
 async def refusing_agent(nc: Client, js: JetStreamContext) -> AsyncIterator[Agent]:
     """The agent of NODE (8 H100), on a simulated runtime that fails every start of MODEL."""
-    agent = Agent(
-        nc,
-        js,
-        node=NODE,
-        gpus=spec.gpu_inventory(NODE, spec.parse_gpus("8xH100-80GB")),
-        cpu_cores=96,
-        memory_gb=1024,
-        runtime=SimulatedRuntime(0.01, 0.01, 0.01, fail_models={MODEL}),
-        heartbeat_s=0.05,
-        ack_wait_s=1.0,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    yield agent
-    stop.set()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.wait_for(task, 5)
+    runtime = SimulatedRuntime(0.01, 0.01, 0.01, fail_models={MODEL})
+    async with running_agent(sim_agent(nc, js, NODE, runtime=runtime)) as agent:
+        yield agent
 
 
 async def test_failed_starts_back_off_and_the_log_stays_bounded(
