@@ -19,6 +19,7 @@ from services.bus import Publisher
 from services.clock import utc_now
 from services.gateway.server import Gateway
 from tests.agent.helpers import new_id
+from tests.core.test_fold import inventory
 
 FAST = Timing(0.0, 0.0)
 _nodes = itertools.count(1)
@@ -45,18 +46,7 @@ class Plane:
         await self.gateway.follower.wait_for(p.seq, 5)
 
     async def inventory(self, node: str, gpus: int) -> None:
-        await self.say(
-            ev.NodeInventory(
-                node=node,
-                gpus=tuple(
-                    ev.GpuInfo(index=i, uuid=f"{node}-{i}", model="H100", memory_gb=80)
-                    for i in range(gpus)
-                ),
-                cpu_cores=64,
-                memory_gb=512,
-            ),
-            node=node,
-        )
+        await self.say(inventory(node, gpus), node=node)
 
     async def model(self, name: str, aliases: tuple[str, ...] = ()) -> None:
         await self.say(

@@ -12,6 +12,7 @@ from schemas import events as ev
 from services.core import fold
 from services.core import scheduling as planner
 from services.core.view import View
+from tests.core.test_fold import inventory
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -34,17 +35,7 @@ class Log:
             fold.apply(self.view, o.event, seq=self.n)
 
     def node(self, name: str, gpus: int = 8) -> None:
-        self.add(
-            ev.NodeInventory(
-                node=name,
-                gpus=tuple(
-                    ev.GpuInfo(index=i, uuid=f"{name}-{i}", model="H100", memory_gb=80)
-                    for i in range(gpus)
-                ),
-                cpu_cores=64,
-                memory_gb=512,
-            )
-        )
+        self.add(inventory(name, gpus))
 
     def model(self, name: str, gpus: int, shards: int = 1, min: int = 1, max: int = 4) -> None:
         p = ev.ProfileSpec(name="p", gpus=gpus, shards=shards)
