@@ -121,6 +121,14 @@ class _Who(msgspec.Struct):
 _who = msgspec.json.Decoder(_Who)
 
 
+def _who_of(data: bytes) -> _Who:
+    """What an agent says of itself; one that says nothing readable is nobody known."""
+    try:
+        return _who.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _Who()
+
+
 def ctl_subject(node: str, root: str = subjects.DEFAULT_ROOT) -> str:
     """Where an operator asks the agent of `node` to act now (core NATS, request/reply):
     `<root>.ctl.<node>.gpu.reset-health`. What the agent does is said in the log."""
@@ -382,10 +390,7 @@ class Agent:
                 return
             except nats.errors.TimeoutError:
                 return  # nobody says (an agent from before this question): as before
-            try:
-                other = _who.decode(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                other = _Who()
+            other = _who_of(msg.data)
             if other.agent == self.instance.agent:
                 return
             said = f"pid {other.pid} on {other.host}, up since {other.since}"
@@ -409,10 +414,7 @@ class Agent:
         to take over (the agent's run then ends)."""
 
         async def on_request(msg: Any) -> None:
-            try:
-                asker = _who.decode(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                asker = _Who()
+            asker = _who_of(msg.data)
             if asker.agent == self.instance.agent:
                 return
             await msg.respond(_json.encode(self.instance))
