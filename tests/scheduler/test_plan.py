@@ -139,12 +139,19 @@ def test_lost_node_is_reported_alone_and_once() -> None:
     assert of(after, ev.NodeLostEvent) == []
 
 
-def test_a_lost_node_s_replicas_fail_only_once_its_grace_has_passed() -> None:
+def _one_replica_on_a() -> tuple[Log, planner.Config]:
+    """Node a with one replica of m placed on it, under a node timeout of 5 s and a grace
+    of 30 s after the first node.lost."""
     log = Log()
     log.node("a")
     log.model("m", gpus=1, min=1)
     config = dataclasses.replace(CONFIG, node_timeout_s=5, lost_grace_s=30)
     log.apply(planner.plan(log.view, T0, config))
+    return log, config
+
+
+def test_a_lost_node_s_replicas_fail_only_once_its_grace_has_passed() -> None:
+    log, config = _one_replica_on_a()
     (rid,) = log.view.replicas
     out = planner.plan(log.view, T0, config, silent={"a": 6.0})
     lost = of(out, ev.NodeLostEvent)[0].event
@@ -168,11 +175,7 @@ def test_a_lost_node_s_replicas_fail_only_once_its_grace_has_passed() -> None:
 
 
 def test_a_lost_node_heard_again_is_found_not_failed() -> None:
-    log = Log()
-    log.node("a")
-    log.model("m", gpus=1, min=1)
-    config = dataclasses.replace(CONFIG, node_timeout_s=5, lost_grace_s=30)
-    log.apply(planner.plan(log.view, T0, config))
+    log, config = _one_replica_on_a()
     log.apply(planner.plan(log.view, T0, config, silent={"a": 6.0}))
     assert log.view.state.nodes["a"].lost
     # Heard again, even past the grace: found, and no loss without a grace.
