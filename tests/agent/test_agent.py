@@ -344,6 +344,18 @@ async def test_no_stream_is_one_clear_error(nats_server: EmbeddedBroker, node: s
         await conn.close()
 
 
+async def _serving(
+    js: JetStreamContext, running: Callable[..., Any], node: str, replica: str, serve: Any
+) -> list[ev.ReplicaStateEvent]:
+    """An agent of `node` whose simulated servers answer with the timing `serve`, and
+    `replica` (qwen-7b on GPU 0) started there: its states once it is ready."""
+    await running(runtime=SimulatedRuntime(0.01, 0.01, 0.01, serve=serve))
+    await Publisher(js).publish(start_cmd(replica, node, (0,), model="qwen-7b", profile="one"))
+    return await wait_for(
+        lambda: states(js, node), lambda s: _done(by_replica(s), {replica: "ready"})
+    )
+
+
 async def test_a_simulated_replica_serves_at_its_endpoint_until_it_stops(
     js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
@@ -351,10 +363,8 @@ async def test_a_simulated_replica_serves_at_its_endpoint_until_it_stops(
 
     from services.agent.responder import Timing
 
-    await running(runtime=SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 0.0)))
+    got = await _serving(js, running, node, "r-9", Timing(0.0, 0.0))
     pub = Publisher(js)
-    await pub.publish(start_cmd("r-9", node, (0,), model="qwen-7b", profile="one"))
-    got = await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), {"r-9": "ready"}))
     endpoint = got[-1].data.endpoint
     assert endpoint is not None and endpoint.startswith("http://127.0.0.1:")
     assert [e.data.endpoint for e in got[:-1]] == [None, None]
@@ -388,12 +398,8 @@ async def test_a_drained_simulated_replica_finishes_its_streams_within_the_grace
 
     from services.agent.responder import Timing
 
-    await running(runtime=SimulatedRuntime(0.01, 0.01, 0.01, serve=Timing(0.0, 20.0)))
+    got = await _serving(js, running, node, "r-10", Timing(0.0, 20.0))
     pub = Publisher(js)
-    await pub.publish(start_cmd("r-10", node, (0,), model="qwen-7b", profile="one"))
-    got = await wait_for(
-        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-10": "ready"})
-    )
     endpoint = got[-1].data.endpoint
     body = {"model": "qwen-7b", "prompt": "x", "stream": True, "max_tokens": 10}
     async with (
