@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -170,13 +171,23 @@ async def test_held_model_is_not_placed(cluster: Cluster, start_scheduler) -> No
     assert d.data.model == "opp"
 
 
-async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_scheduler) -> None:
+async def _one_replica_a_node(
+    cluster: Cluster, start_scheduler: Callable[..., Running], lost_grace_s: float
+) -> tuple[Running, list[str]]:
+    """gpu-a1 and gpu-a2 (8 GPUs each) with a replica of m on each, under a scheduler that
+    loses a node silent for 0.6 s, with `lost_grace_s`: the scheduler, and the replicas
+    on gpu-a2."""
     await cluster.node("gpu-a1")
     await cluster.node("gpu-a2")
-    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=0.5))
+    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=lost_grace_s))
     await cluster.declare("m", gpus=8, min=2)
     await eventually(lambda: _at_least(cluster, Decided, 2))
     on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
+    return s, on_a2
+
+
+async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_scheduler) -> None:
+    s, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=0.5)
     # A fake agent: heartbeats for gpu-a1 only, on core NATS.
     agent = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
     try:
@@ -209,12 +220,7 @@ async def test_a_lost_node_heard_again_is_found_with_its_replicas(
 ) -> None:
     """Its agent never reconnected (nor sent a report): a heartbeat after the node.lost
     is what brings it back, within the grace, its replicas as they were."""
-    await cluster.node("gpu-a1")
-    await cluster.node("gpu-a2")
-    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=60.0))
-    await cluster.declare("m", gpus=8, min=2)
-    await eventually(lambda: _at_least(cluster, Decided, 2))
-    on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
+    s, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=60.0)
     a1 = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
     try:
         await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 1), within=3)
