@@ -276,13 +276,20 @@ async def _kill_when_stored(url: str, argv: list[str]) -> None:
 def test_a_renumbered_import_killed_part_way_resumes(
     nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rows = lines(8_010)
+    # Large enough that the import cannot be over before it is killed, on a fast machine.
+    rows = lines(20_010)
     # A gap, so the bundle imports only with --renumber.
     path = write(tmp_path / "big.jsonl", rows[:5] + rows[10:])
     total = len(rows) - 5
     argv = ["--nats", nats_server.url, "events", "import", str(path), "--renumber"]
     asyncio.run(_kill_when_stored(nats_server.url, argv))
+    # What the killed import had sent may still be stored after it died: the count is
+    # read once it holds still.
     held = stored(nats_server.url)[0]
+    deadline = time.monotonic() + 5
+    while (now := stored(nats_server.url)[0]) != held and time.monotonic() < deadline:
+        held = now
+        time.sleep(0.05)
     assert 0 < held < total, "the import was killed part way"
     code, out, err = run(capsys, *argv)
     assert code == 0, err
