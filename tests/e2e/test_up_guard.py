@@ -87,7 +87,9 @@ def test_credentials_are_private_and_required(data: Path, tmp_path: Path) -> Non
             sock.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
             answer = sock.recv(4096)
         assert b"Authorization Violation" in answer, answer
-        # Every command beside it connects through the recorded URL, and never prints it.
+        # Every command beside it connects through the recorded URL, and never prints it;
+        # status exits 0 once the plane leads.
+        _wait(lambda: up.text().count(": leading") >= 2, "both leaders")
         status = _llmgw("status", env=_env(data))
         assert status.returncode == 0, status.stderr
         assert bus_broker.password(data) not in status.stdout + status.stderr
