@@ -21,12 +21,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+import nats.errors
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
 from schemas import subjects
 from services.bus import consume, follow, snapshots
-from services.bus.errors import SequenceGap, StreamReplaced
+from services.bus.errors import BusError, SequenceGap, StreamReplaced
 from services.core.ingest import Gap, Ingest
 from services.core.view import Rejection, View
 
@@ -79,10 +80,23 @@ class ViewFollower:
         return self._folder.view.state.seq
 
     async def load_snapshot(self, seq: int | None = None) -> bool:
-        """Start from the newest snapshot (at or before `seq`) if it is ahead of the view."""
+        """Start from the newest snapshot (at or before `seq`) if it is ahead of the view.
+        A snapshot only spares reading the log: one that cannot be read now (the broker
+        restarting, an election) is said in one line, and the log is read from the view's
+        position instead, rather than stopping whoever follows."""
         if self._task is not None:
             raise RuntimeError("load_snapshot before start")
-        state = await snapshots.latest_at_or_before(self.js, seq)
+        try:
+            state = await snapshots.latest_at_or_before(self.js, seq)
+        except (nats.errors.Error, BusError, TimeoutError) as e:
+            log.warning(
+                "follower %s: no snapshot read (%s: %s); reading the log from seq %d",
+                self.consumer,
+                type(e).__name__,
+                e,
+                self.seq + 1,
+            )
+            return False
         if state is None or state.seq <= self.seq:
             return False
         self._folder = Ingest(View(state), self.root)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from nats.js.client import JetStreamContext
 
-from services.bus import Publisher, snapshots
+from services.bus import EmbeddedBroker, Publisher, snapshots
+from services.bus.connection import connect
+from services.bus.stream import ensure_streams
 from services.core.ingest import Ingest
 from services.core.view import View, digest
 from services.follower import ViewFollower
@@ -80,3 +82,31 @@ async def test_follower_heals_an_injected_gap(js: JetStreamContext) -> None:
         assert digest(f.view.state) == digest(fold_items(items).state)
     finally:
         await f.stop()
+
+
+async def test_a_snapshot_that_cannot_be_read_is_said_and_the_log_read_instead(
+    nats_server: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower started while its broker restarts (what `up` met right after a kill -9
+    of its broker) reads the log from the view's position; the snapshot's timeout once
+    stopped the gateway, and `up` with it."""
+    nc = await connect(nats_server.url, "test")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        items = mix.items(9, 200, nodes=5)
+        await Publisher(js).publish_many(items)
+        nats_server.kill()
+        f = ViewFollower(js)
+        assert not await f.load_snapshot()
+        (line,) = [r.getMessage() for r in caplog.records if "no snapshot read" in r.getMessage()]
+        assert "reading the log from seq 1" in line, line
+        nats_server.start()
+        f.start()
+        try:
+            await f.caught_up(timeout=20)
+            assert digest(f.view.state) == digest(fold_items(items).state)
+        finally:
+            await f.stop()
+    finally:
+        await nc.close()
