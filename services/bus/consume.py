@@ -640,6 +640,13 @@ async def read_pulled(
         raise BusError(f"consumer {consumer}: reset to {from_seq} refused: {why}")
     left = int(answer.get("num_pending", 0))
     if left == 0:
+        # The reset's answer can count a consumer made a moment ago as having nothing
+        # pending while the stream holds what it filters: its own info is asked once.
+        try:
+            left = (await js.consumer_info(stream, consumer, timeout=RESET_WAIT_S)).num_pending or 0
+        except (nats.errors.Error, TimeoutError) as e:
+            raise BusError(f"consumer {consumer}: its info not answered: {e}") from e
+    if left == 0:
         return
     psub = await js.pull_subscribe_bind(consumer, stream)
     try:
