@@ -104,6 +104,35 @@ async def _event_stream(s: cli.Session, *, create: bool) -> Any:
     return info
 
 
+# STREAM_WAIT_S is how often a tail looks again for a stream not made yet.
+STREAM_WAIT_S = 1.0
+
+
+async def _stream_made(s: cli.Session) -> bool:
+    """Return once the event stream exists, said once while it does not; whether it had
+    to wait. A tail reads and makes nothing: the stream is the plane's to make (`llmgw
+    up`), with its limits, and a tail started first waits for it rather than make one."""
+    import asyncio
+
+    from nats.js.errors import NotFoundError
+
+    said = False
+    while True:
+        try:
+            await s.js.stream_info(subjects.STREAM)
+            return said
+        except NotFoundError:
+            if not said:
+                print(
+                    f"{cli.PROG}: no event stream {subjects.STREAM} at {s.url} yet; waiting "
+                    "for the plane (llmgw up) to make it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = True
+            await asyncio.sleep(STREAM_WAIT_S)
+
+
 def _decode_or_reason(body: bytes) -> tuple[Envelope | None, str]:
     try:
         return codec.decode(body), ""
@@ -205,11 +234,13 @@ async def _tail(args: argparse.Namespace) -> int:
     opener = offline.session if args.since is not None else _live
     async with opener(args, "llmgw events tail") as opened:
         s = opened.session
-        info = await _event_stream(s, create=not opened.offline)
+        waited = False if opened.offline else await _stream_made(s)
+        info = await _event_stream(s, create=False)
         state = info.state
         since = args.since
         if since is None:
-            start = state.last_seq + 1
+            # A stream made while it waited holds only what came after the tail began.
+            start = 1 if waited else state.last_seq + 1
         elif isinstance(since, int):
             start = since
         else:

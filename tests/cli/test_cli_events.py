@@ -10,6 +10,7 @@ import asyncio
 import os
 import queue
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -532,3 +533,47 @@ def test_live_tail_entry_point_survives_garbage_and_stops_on_ctrl_c(
         reader.join(timeout=5)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_a_tail_on_a_broker_without_the_stream_waits_for_it_and_makes_none(
+    nats_server: EmbeddedBroker,
+) -> None:
+    """A read command writes nothing: a tail started before the plane says once that it
+    waits, makes no stream, and shows the first event once the plane has made it."""
+    argv = ("--nats", nats_server.url, "events", "tail", "--count", "1")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stderr is not None
+        ready, _, _ = select.select([p.stderr], [], [], 15)
+        assert ready, "the tail said nothing within 15 s"
+        line = p.stderr.readline()
+        assert "no event stream LLMGW" in line and "waiting" in line, line
+
+        async def streams() -> list[str]:
+            nc = await connect(nats_server.url, "test-reader")
+            try:
+                return [i.config.name for i in await nc.jetstream().streams_info()]
+            finally:
+                await nc.close()
+
+        assert asyncio.run(streams()) == []
+        event = ev.make(
+            ev.ScaleDesired(model="m", replicas=1),
+            id=ids.ulid(int(time.time() * 1000), os.urandom(10)),
+            time=datetime.now(UTC),
+            source="test",
+        )
+        publish(nats_server.url, [event])
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        assert "scale.desired" in out, out
+        assert err.count("waiting") == 0, err  # said once, in the line read above
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
