@@ -96,7 +96,12 @@ async def _event_stream(s: cli.Session, *, create: bool) -> Any:
             ) from None
         return await stream.ensure_stream(s.js, s.root)
     have = sorted(info.config.subjects or [])
-    if have != sorted(subjects.stream_subjects(s.root)):
+    want = sorted(subjects.stream_subjects(s.root))
+    if have != want and set(have) < set(want):
+        # A stream made by an older llmgw for this root, before a subject was added (the
+        # gateway's demand): it is ours, brought up to date when we are to write to it.
+        return await stream.ensure_stream(s.js, s.root) if create else info
+    if have != want:
         raise cli.CliError(
             f"stream {subjects.STREAM} at {s.url} stores {', '.join(have)}, not the subjects "
             f"of root {s.root!r}: pass the matching --root"
