@@ -1116,7 +1116,7 @@ def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope,
         m = view.catalog.resolve(name)
         if m is None:
             hint = names.did_you_mean(name, names.model_names(models))
-            raise cli.CliError(
+            raise cli.NotFound(
                 f"--data: {f} {name!r}: unknown model{hint} (no model of that name or alias "
                 "is declared; --force publishes it as typed)"
             )
@@ -1130,7 +1130,7 @@ def known_names(event: Envelope, view: Any, node: str | None) -> tuple[Envelope,
     for where, n in typed:
         if n not in nodes:
             hint = names.did_you_mean(n, nodes)
-            raise cli.CliError(
+            raise cli.NotFound(
                 f"{where} {n!r}: unknown node{hint} (no node of that name has reported; "
                 "--force publishes it as typed)"
             )
