@@ -75,6 +75,9 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 _KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
@@ -521,6 +524,7 @@ class Gateway:
             if r is None:
                 break
             tried.append(r.id)
+            request[_PICKED_AT] = view.seq
             span = request[_SPAN]
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
@@ -614,6 +618,7 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
             if not stream or not upstream.headers.get("Content-Type", "").startswith(
                 "text/event-stream"
             ):
