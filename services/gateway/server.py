@@ -6,9 +6,11 @@ dashboard. It follows the log with the one follow loop and ingest every reader u
 leaves routing the instant its drain is folded (`services.core.routing`). It serves
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
 
-A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream` and
-`user`; the body goes to the replica byte for byte, and a streamed answer comes back
-chunk by chunk as the replica sends it, never re-encoded. A refusal is in the OpenAI
+A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
+`stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
+answer comes back chunk by chunk as the replica sends it, never re-encoded. One
+exception: a stream whose client did not ask for its usage chunk is asked for it, and
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is in the OpenAI
 error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
 `x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
 did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
@@ -67,6 +69,7 @@ from services.bus.errors import BusError
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, routing
 from services.follower import ViewFollower
+from services.gateway import streams
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Keys
 from services.gateway.listen import (
@@ -155,6 +158,7 @@ class _Head(msgspec.Struct, forbid_unknown_fields=False):
     model: Any = None
     stream: Any = False
     user: Any = None
+    stream_options: Any = msgspec.UNSET
 
 
 _head = msgspec.json.Decoder(_Head)
@@ -474,6 +478,13 @@ class Gateway:
             head.user if isinstance(head.user, str) and head.user else None
         )
         stream = head.stream is True
+        # strip: a stream whose client did not ask for its usage chunk is asked for it on
+        # the client's behalf, and the chunk taken out of what the client gets.
+        strip = (
+            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+        )
+        if strip:
+            body = streams.ask_for_usage(body, head.stream_options)
         limit = routing.admit_limit(view, m, self.inflight_factor)
         span = request[_SPAN]
         # Nobody overtakes a line: with requests of the model waiting, a new one joins
@@ -490,7 +501,7 @@ class Gateway:
             except _Answered as a:
                 return a.resp
         try:
-            return await self._send(request, m, r, body, stream, session, held)
+            return await self._send(request, m, r, body, stream, strip, session, held)
         except Refusal as e:
             if held is None:
                 raise
@@ -508,6 +519,7 @@ class Gateway:
         first: Any,
         body: bytes,
         stream: bool,
+        strip: bool,
         session: str | None,
         held: web.StreamResponse | None,
     ) -> web.StreamResponse:
@@ -539,7 +551,7 @@ class Gateway:
             inflight = self.metrics.inflight.labels(m.name)
             inflight.inc()
             try:
-                return await self._forward(request, r, body, stream, held)
+                return await self._forward(request, r, body, stream, strip, held)
             except _Unreachable as e:
                 log.info("gateway: %s: %s%s", r.id, e, "; trying another" if not attempt else "")
                 last = e
@@ -790,6 +802,7 @@ class Gateway:
         r: Any,
         body: bytes,
         stream: bool,
+        strip: bool = False,
         held: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
         """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
@@ -853,13 +866,21 @@ class Gateway:
                 resp = held
             tail = b""
             first = True
+            cut = streams.Strip() if strip else None
             try:
                 async for chunk in upstream.content.iter_any():
+                    if cut is not None:
+                        chunk = cut.feed(chunk)
+                        if not chunk:
+                            continue
+                    else:
+                        tail = (tail + chunk)[-TAIL_BYTES:]
                     await resp.write(chunk)
                     if first:
                         self._first_byte(request)
                         first = False
-                    tail = (tail + chunk)[-TAIL_BYTES:]
+                if cut is not None and (rest := cut.end()):
+                    await resp.write(rest)
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
                 # cut, and the client sees it end without `data: [DONE]`.
@@ -870,7 +891,7 @@ class Gateway:
                 return resp
             await resp.write_eof()
             if upstream.status < 400:
-                self._used(r, *_stream_usage(tail))
+                self._used(r, *(cut.tokens or (0, 0) if cut is not None else _stream_usage(tail)))
             return resp
         except BaseException:
             # However it ends early (a client gone, a cancel): the upstream request ends

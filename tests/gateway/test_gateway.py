@@ -263,6 +263,13 @@ async def test_a_stream_passes_through_byte_for_byte_and_a_disconnect_cancels_it
         return re.sub(rb'"created": \d+', b"", re.sub(rb"sm-1-\d+", b"", b))
 
     assert same(through) == same(direct) and through.endswith(b"data: [DONE]\n\n")
+    # The gateway asked for the usage chunk and took it out; a client that asks gets it.
+    assert b'"usage"' not in through
+    asking = {**body, "stream_options": {"include_usage": True}}
+    async with plane.http.post(f"{s.endpoint}/v1/completions", json=asking) as r:
+        direct = await r.read()
+    status, h, through = await plane.post("/v1/completions", asking)
+    assert same(through) == same(direct) and b'"choices": [], "usage"' in through
     # A client that goes away mid-stream: the upstream request ends at once.
     long = {**body, "max_tokens": 4000}
     async with plane.http.post(f"{plane.url}/v1/completions", json=long) as r:
@@ -285,8 +292,8 @@ async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interva
     for _ in range(3):
         _, _, body = await plane.chat("used", max_tokens=4)
         out += json.loads(body)["usage"]["completion_tokens"]
-    # A stream whose client asked for the usage chunk counts its tokens; one that did not
-    # counts as a request (the chunk is not asked for on its behalf yet).
+    # A stream counts its tokens whether its client asked for the usage chunk or not
+    # (the gateway asks on its behalf).
     await plane.post(
         "/v1/completions",
         {
@@ -297,8 +304,10 @@ async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interva
             "stream_options": {"include_usage": True},
         },
     )
-    await plane.post("/v1/completions", {"model": "used", "prompt": "x", "stream": True})
-    out += 2
+    await plane.post(
+        "/v1/completions", {"model": "used", "prompt": "x", "stream": True, "max_tokens": 3}
+    )
+    out += 2 + 3
 
     async def used() -> list[ev.ReplicaUsedEvent]:
         es = await node_events(plane.gateway.js, plane.node)
