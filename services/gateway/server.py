@@ -387,6 +387,7 @@ class Gateway:
                 "retries": self.counts.retries,
                 "held": self.room.held_by_model(),
                 "demanded": self.counts.demanded,
+                "wake_ms": _summary(self.counts.wakes),
             }
         )
 
@@ -694,19 +695,19 @@ class Gateway:
         while waiters:
             w = waiters[0]
             if w.fut.done():
-                waiters.popleft()
+                line.pop()
                 continue
             r = self.router.pick(view, m, session=w.session, limit=limit)
             if r is None:
                 break
-            waiters.popleft()
+            line.pop()
             if line.woken_at is not None:
                 w.woken_at, line.woken_at = line.woken_at, None
             w.fut.set_result(r)
 
     def _refuse(self, line: Line, refusal: Refusal) -> None:
         while line.waiters:
-            w = line.waiters.popleft()
+            w = line.pop()
             if not w.fut.done():
                 w.fut.set_exception(refusal)
         self.room.drop_if_idle(line)
@@ -741,7 +742,7 @@ class Gateway:
 
     async def _demand(self, line: Line) -> None:
         """Publish `model.demanded` for `line` at once, then at most once every
-        `demand_interval_s` while it has requests waiting."""
+        `demand_interval_s` while it has requests waiting; over once it empties."""
         try:
             while line.waiters and not self._stopping:
                 since = line.since
@@ -770,7 +771,11 @@ class Gateway:
                     self.metrics.demanded.labels(line.model).inc()
                 except (BusError, nats.errors.Error) as err:
                     log.warning("gateway: demand for %s not published: %s", line.model, err)
-                await asyncio.sleep(self.demand_interval_s)
+                # The next report a second on, unless the line empties first: then
+                # this wait for it is over, and the next request to wait starts another
+                # (published at once, as the first of its wait).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
         finally:
             line.demand = None
             self.room.drop_if_idle(line)
@@ -1011,6 +1016,19 @@ def _parse(body: bytes) -> _Head:
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     return head
+
+
+def _summary(xs: deque[float]) -> dict[str, float]:
+    """How many, and the median and 99th percentile in ms, of the latest wakes."""
+    if not xs:
+        return {"n": 0}
+    got = sorted(xs)
+    n = len(got)
+    return {
+        "n": n,
+        "p50": round(got[n // 2] * 1e3, 3),
+        "p99": round(got[min(n - 1, int(n * 0.99))] * 1e3, 3),
+    }
 
 
 def _unplaceable(u: coldstart.Unplaceable) -> Refusal:

@@ -64,9 +64,18 @@ class Line:
     woken_at: float | None = None
     """perf_counter() of the last ready of the model folded while it had waiters and not
     yet handed to the first request it released."""
+    emptied: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when its last waiter leaves (released, refused or gone): its demand stops."""
 
     def __len__(self) -> int:
         return len(self.waiters)
+
+    def pop(self) -> Waiter:
+        """The head of the line, taken out of it."""
+        w = self.waiters.popleft()
+        if not self.waiters:
+            self.emptied.set()
+        return w
 
     @property
     def since(self) -> datetime | None:
@@ -107,6 +116,7 @@ class WaitingRoom:
             fut=asyncio.get_running_loop().create_future(),
         )
         line.waiters.append(w)
+        line.emptied.clear()
         return w
 
     def leave(self, w: Waiter) -> None:
@@ -116,6 +126,8 @@ class WaitingRoom:
             return
         with contextlib.suppress(ValueError):
             line.waiters.remove(w)
+        if not line.waiters:
+            line.emptied.set()
         self.drop_if_idle(line)
 
     def drop_if_idle(self, line: Line) -> None:

@@ -262,8 +262,14 @@ async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
     before = len(plane.gateway.counts.wakes)
     for i in range(100):
         rid = f"ag-{i}"
+        demanded = plane.gateway.counts.demanded
         task = asyncio.create_task(plane.chat("again", max_tokens=1))
         await _held(plane, 1)
+        # Each start's first request is demanded at once, though the last demand was
+        # less than the interval (1 s) ago: it is the first of its wait.
+        await wait_for(
+            lambda: asyncio.sleep(0, plane.gateway.counts.demanded), lambda n: n > demanded, 0.5
+        )
         await _state(plane, rid, "again", "ready", s.endpoint)
         status, h, _ = await asyncio.wait_for(task, 5)
         assert status == 200 and h["x-llmgw-replica"] == rid
