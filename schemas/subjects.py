@@ -35,6 +35,11 @@ def scale_subject(model: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.catalog.scale.{_t(model)}"
 
 
+def demand_subject(model: str, root: str = DEFAULT_ROOT) -> str:
+    """Where the gateway says requests for `model` wait (`model.demanded`)."""
+    return f"{root}.gateway.demand.{_t(model)}"
+
+
 def inventory_subject(node: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.node.{_t(node)}.inventory"
 
@@ -98,6 +103,7 @@ def stream_subjects(root: str = DEFAULT_ROOT) -> list[str]:
         f"{root}.preemption.>",
         f"{root}.hold.>",
         f"{root}.view.>",
+        f"{root}.gateway.>",
     ]
 
 
@@ -138,6 +144,8 @@ def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
                 return Parsed("catalog.quota")
             case ["catalog", "scale", m]:
                 return Parsed("catalog.scale", model=unescape(m))
+            case ["gateway", "demand", m]:
+                return Parsed("gateway.demand", model=unescape(m))
             case ["node", n, "inventory"]:
                 return Parsed("node.inventory", node=unescape(n))
             case ["node", n, "status"]:
@@ -208,6 +216,7 @@ _BY_NAME: dict[type, tuple[Callable[[str, str], str], str]] = {
     ev.ModelDeclaredEvent: (model_subject, "name"),
     ev.ModelRemovedEvent: (model_subject, "name"),
     ev.ScaleDesiredEvent: (scale_subject, "model"),
+    ev.ModelDemandedEvent: (demand_subject, "model"),
     ev.NodeInventoryEvent: (inventory_subject, "node"),
     ev.NodeLostEvent: (node_status_subject, "node"),
     ev.NodeFoundEvent: (node_status_subject, "node"),

@@ -38,11 +38,20 @@ def register(commands: cli.Commands) -> None:
             "\n"
             "With --api-keys FILE every request needs a key of the file; off loopback\n"
             "it refuses to start without one unless --no-auth says that anyone who\n"
-            "reaches the port may use it."
+            "reaches the port may use it. A line of the file is `KEY OWNER [rpm=N]\n"
+            "[tpm=N]`: OWNER, an owner of the quota tree (checked once the log is read),\n"
+            "is who the key's requests are counted for (their span, replica.used's\n"
+            "by_owner, /metrics); rpm and tpm are its limits, requests and tokens\n"
+            "(prompt and completion) a minute, none by default. A key may burst to a\n"
+            "minute's worth and then goes at its rate; over it a request is 429 with\n"
+            "Retry-After and x-llmgw-reason saying which limit and for how long (a\n"
+            "request's tokens count when its answer ends, so a long one can take a key\n"
+            "past its tpm, and it waits until the minute pays it back)."
         ),
         epilog=cli.examples(
             "llmgw gateway",
             "llmgw gateway --listen 0.0.0.0:8322 --api-keys /etc/llmgw/keys",
+            "echo 'sk-team-a-0123456789abcdef team-a rpm=600 tpm=100000' > keys; chmod 600 keys",
             "curl http://127.0.0.1:8322/v1/models",
             "python -m services.gateway --nats nats://10.0.0.5:4222",
         ),
@@ -64,8 +73,9 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
     p.add_argument(
         "--api-keys",
         metavar="FILE",
-        help="API keys, one `KEY OWNER` a line (mode 0600; keys of 16 characters or "
-        "more): a request without a valid `Authorization: Bearer KEY` is 401",
+        help="API keys, one `KEY OWNER [rpm=N] [tpm=N]` a line (mode 0600; keys of 16 "
+        "characters or more; no limit unless rpm/tpm say one): a request without a valid "
+        "`Authorization: Bearer KEY` is 401, one over its key's limit 429",
     )
     p.add_argument(
         "--no-auth",

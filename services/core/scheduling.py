@@ -136,6 +136,10 @@ class Config:
             "help": "a standby takes over at most this long after the leader dies",
         },
     )
+    autoscale: bool = True
+    """Whether the scheduler runs the autoscaler (`services.core.autoscale`) before each
+    pass, scaling on-demand models from the gateway's demand and their use. Off, their
+    counts are the operator's alone."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 4
+SCHEMA = 5
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -199,6 +199,41 @@ class PolicyRecord(msgspec.Struct, kw_only=True, gc=False):
     source: str
 
 
+class DemandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A model's last `model.demanded`: requests the gateway held for it, as of `at`."""
+
+    waiting: int
+    """Requests held then."""
+    since: datetime
+    """When the longest-held of them arrived."""
+    at: datetime
+    """The event's time."""
+    inflight: int = 0
+    """Requests in flight on its replicas then, as the gateway counted."""
+    id: str
+    """Id of the model.demanded."""
+    answered_by: str | None = None
+    """Id of the first scale.desired for the model folded after it; None while none is.
+    An answered demand wakes nothing again: the count it asked for was decided, and a
+    model gone idle since is not woken by a wait that ended long ago."""
+
+
+class ScaleRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A model's last `scale.desired`, and who asked: what the autoscaler reads to leave
+    an operator's count alone, and to date a wake-up."""
+
+    replicas: int
+    at: datetime
+    id: str
+    source: str
+    reason: str | None = None
+    """The event's `reason`: None when an operator asked by hand."""
+
+    @property
+    def by_hand(self) -> bool:
+        return self.reason is None
+
+
 class ViewState(msgspec.Struct, kw_only=True):
     """The canonical view: everything snapshots keep and the digest covers."""
 
@@ -212,6 +247,10 @@ class ViewState(msgspec.Struct, kw_only=True):
     quota: tuple[ev.OwnerQuota, ...] = ()
     desired: dict[str, int] = msgspec.field(default_factory=dict)
     """scale.desired as asked, before clamping to the model's [min, max]."""
+    scaled: dict[str, ScaleRecord] = msgspec.field(default_factory=dict)
+    """Per model (as `desired` keys it) its last scale.desired: when, by whom, why."""
+    demand: dict[str, DemandRecord] = msgspec.field(default_factory=dict)
+    """Per model (resolved; an unknown name as given) its last model.demanded."""
     replicas: dict[str, ReplicaRecord] = msgspec.field(default_factory=dict)
     holds: dict[str, HoldRecord] = msgspec.field(default_factory=dict)
     preempting: dict[str, Preempting] = msgspec.field(default_factory=dict)

@@ -26,7 +26,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nats", default=None, help="broker URL (default $LLMGW_NATS)")
     p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT (default {DEFAULT_LISTEN})")
-    p.add_argument("--api-keys", metavar="FILE", help="API keys, one `KEY OWNER` a line (0600)")
+    p.add_argument(
+        "--api-keys", metavar="FILE", help="API keys, one `KEY OWNER [rpm=N] [tpm=N]` a line (0600)"
+    )
     p.add_argument("--no-auth", action="store_true", help="serve off loopback without API keys")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
     p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)

@@ -1,6 +1,7 @@
 """Prometheus metrics of the gateway: `GET /metrics` on the gateway's own port.
 
-Called by `services.gateway.server` as each request ends. Requests by model and status,
+Called by `services.gateway.server` as each request ends. Requests by model and status
+and by the owner of their API key (with their tokens, and refusals by a key's limit),
 time to first byte and total duration, the gateway's own share of a request (parse and
 route, before the replica is asked), retries, requests in flight and held per model,
 demand published, and the wake (a ready folded to the first held request's first byte). Model
@@ -15,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNKNOWN = "(unknown)"
+# NO_OWNER labels requests without an API key (a gateway without keys, a 401).
+NO_OWNER = "(none)"
 
 # BUCKETS reach from the gateway's own sub-millisecond work to a long generation.
 BUCKETS = (
@@ -70,6 +73,25 @@ class Metrics:
         self.retries = Counter(
             "llmgw_gateway_retries",
             "Requests tried again on another replica after failing before their first byte",
+            registry=r,
+        )
+        # Owners are those of the key file only (bounded by it), never what a client sends.
+        self.owner_requests = Counter(
+            "llmgw_gateway_owner_requests",
+            "Requests answered, by the owner of their API key and HTTP status",
+            ["owner", "status"],
+            registry=r,
+        )
+        self.owner_tokens = Counter(
+            "llmgw_gateway_owner_tokens",
+            "Tokens of the answers served, by the owner of their API key, in (prompt) or out",
+            ["owner", "direction"],
+            registry=r,
+        )
+        self.limited = Counter(
+            "llmgw_gateway_rate_limited",
+            "Requests refused with 429 by their key's limit, by owner and limit (rpm, tpm)",
+            ["owner", "limit"],
             registry=r,
         )
         self.inflight = Gauge(

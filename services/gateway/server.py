@@ -67,11 +67,11 @@ from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
-from services.core import catalog, coldstart, routing
+from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
 from services.gateway import streams
 from services.gateway.errors import GatewayError
-from services.gateway.keys import Keys
+from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
     DEFAULT_LISTEN,
     KEEPALIVE_S,
@@ -80,7 +80,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
-from services.gateway.metrics import CONTENT_TYPE, UNKNOWN, Metrics
+from services.gateway.metrics import CONTENT_TYPE, NO_OWNER, UNKNOWN, Metrics
 from services.gateway.waiting import Full, Line, WaitingRoom
 
 log = logging.getLogger("llmgw.gateway")
@@ -95,6 +95,7 @@ _SPAN = web.RequestKey("llmgw_span", trace.Span)
 _WOKEN = web.RequestKey("llmgw_woken", float)
 # _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
 _STATUS = web.RequestKey("llmgw_status", int)
+_KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -205,6 +206,8 @@ class _Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    owners: dict[str, list[int]] = field(default_factory=dict)
+    """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
     reported: float = -math.inf
     """When (monotonic) its last report was stored."""
 
@@ -220,6 +223,7 @@ class Refusal(Exception):
         *,
         kind: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
+        words: str = "",
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -227,11 +231,15 @@ class Refusal(Exception):
         self.reason = reason
         self.kind = kind
         self.headers = headers or {}
+        self.words = words
+        """For `x-llmgw-reason` after the code (`code: words`), when the code alone
+        would not tell an operator which limit and for how long."""
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
+        said = f"{self.reason}: {self.words}" if self.words else self.reason
         return web.json_response(
-            body, status=self.status, headers={"x-llmgw-reason": self.reason, **self.headers}
+            body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
         )
 
 
@@ -290,6 +298,8 @@ class Gateway:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     min_wait_s: float = MIN_WAIT_S
     demand_interval_s: float = DEMAND_INTERVAL_S
+    clock: Callable[[], float] = time.monotonic
+    """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
     def __post_init__(self) -> None:
         self.follower = ViewFollower(
@@ -300,6 +310,8 @@ class Gateway:
         self._http: aiohttp.ClientSession | None = None
         self._use: dict[str, _Use] = {}
         self._stopping = False
+        self._buckets: dict[bytes, ratelimit.Buckets] = {}
+        """Per key with limits (by digest): its buckets. Bounded by the key file."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -329,6 +341,11 @@ class Gateway:
         try:
             with contextlib.suppress(TimeoutError):
                 await self.follower.caught_up(CATCH_UP_S)
+            try:
+                self._check_owners()
+            except GatewayError:
+                sock.close()
+                raise
             self._http = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
                 timeout=aiohttp.ClientTimeout(
@@ -368,6 +385,18 @@ class Gateway:
         finally:
             await self.follower.stop()
 
+    def _check_owners(self) -> None:
+        """A key whose owner is not in the quota tree the log says (nor a declared
+        model's owner) stops the gateway with one line naming its FILE:LINE."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None:
+            raise GatewayError(why)
+
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -394,19 +423,47 @@ class Gateway:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    def _authorize(self, request: web.Request) -> str | None:
-        """The owner of the request's key; None with no keys configured. 401 else."""
+    def _authorize(self, request: web.Request) -> Key | None:
+        """The request's key; None with no keys configured. 401 else."""
         if self.keys is None:
             return None
-        owner = self.keys.owner(request.headers.get("Authorization"))
-        if owner is None:
+        key = self.keys.find(request.headers.get("Authorization"))
+        if key is None:
             raise Refusal(
                 401,
                 "no valid API key: send Authorization: Bearer KEY",
                 "invalid_api_key",
                 kind="invalid_request_error",
             )
-        return owner
+        return key
+
+    def _admit(self, key: Key) -> None:
+        """One more request of `key` taken by its limits, or a 429 saying which and for
+        how long (`services.core.ratelimit`)."""
+        limits = key.limits
+        if limits.rpm is None and limits.tpm is None:
+            return
+        a = ratelimit.admit(
+            limits, self._buckets.get(key.digest, ratelimit.Buckets()), self.clock()
+        )
+        self._buckets[key.digest] = a.buckets
+        if a.over is None:
+            return
+        retry = max(1, math.ceil(a.wait_s)) if math.isfinite(a.wait_s) else 3600
+        if a.over == "rpm":
+            said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
+        else:
+            said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
+        words = f"the key of {key.owner} is over {said}; try again in {retry}s"
+        self.metrics.limited.labels(key.owner, a.over).inc()
+        raise Refusal(
+            429,
+            f"rate limit: {words} ({self.keys.path if self.keys else 'keys'}:{key.line})",
+            "rate_limit_exceeded",
+            kind=kind,
+            headers={"Retry-After": str(retry)},
+            words=words,
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request)
@@ -444,6 +501,7 @@ class Gateway:
             kind=trace.SpanKind.SERVER,
         ) as span:
             request[_SPAN] = span
+            owner = NO_OWNER
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
@@ -454,13 +512,21 @@ class Gateway:
                 raise
             finally:
                 model = request[_MODEL]
+                key = request.get(_KEY)
+                if key is not None:
+                    owner = key.owner
+                    span.set_attribute("llmgw.owner", owner)
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        self._authorize(request)
+        key = self._authorize(request)
+        if key is not None:
+            request[_KEY] = key
+            self._admit(key)
         body = await self._read_body(request)
         head = _parse(body)
         view = self.follower.view
@@ -862,7 +928,7 @@ class Gateway:
                 data = await self._whole(upstream, r.id)
                 self._first_byte(request)
                 if upstream.status < 400:
-                    self._used(r, *_usage(data))
+                    self._used(r, *_usage(data), request.get(_KEY))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
             if held is None:
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -896,7 +962,8 @@ class Gateway:
                 return resp
             await resp.write_eof()
             if upstream.status < 400:
-                self._used(r, *(cut.tokens or (0, 0) if cut is not None else _stream_usage(tail)))
+                tokens = cut.tokens or (0, 0) if cut is not None else _stream_usage(tail)
+                self._used(r, *tokens, request.get(_KEY))
             return resp
         except BaseException:
             # However it ends early (a client gone, a cancel): the upstream request ends
@@ -916,8 +983,9 @@ class Gateway:
 
     # ------------------------------------------------------------------ use
 
-    def _used(self, r: Any, tokens_in: int, tokens_out: int) -> None:
-        """Count one request `r` answered, for its next `replica.used`."""
+    def _used(self, r: Any, tokens_in: int, tokens_out: int, key: Key | None = None) -> None:
+        """Count one request `r` answered (sent with `key`), for its next `replica.used`,
+        and charge its tokens to the key's limit."""
         u = self._use.get(r.id)
         now = utc_now()
         if u is None:
@@ -925,6 +993,19 @@ class Gateway:
         u.at, u.requests = now, u.requests + 1
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
+        if key is None:
+            return
+        o = u.owners.setdefault(key.owner, [0, 0, 0])
+        o[0] += 1
+        o[1] += tokens_in
+        o[2] += tokens_out
+        self.metrics.owner_tokens.labels(key.owner, "in").inc(tokens_in)
+        self.metrics.owner_tokens.labels(key.owner, "out").inc(tokens_out)
+        if key.limits.tpm is not None:
+            b = self._buckets.get(key.digest, ratelimit.Buckets())
+            self._buckets[key.digest] = ratelimit.charge(
+                key.limits, b, self.clock(), tokens_in + tokens_out
+            )
 
     async def _report_use(self, stop: asyncio.Event) -> None:
         tick = min(self.used_interval_s, USED_TICK_S)
@@ -942,6 +1023,11 @@ class Gateway:
                 continue
             if not force and now_m - u.reported < self.used_interval_s:
                 continue
+            by_owner = {
+                o: ev.OwnerUse(requests=n[0], tokens_in=n[1], tokens_out=n[2])
+                for o, n in u.owners.items()
+                if n[0]
+            }
             e = ev.make(
                 ev.ReplicaUsed(
                     replica=rid,
@@ -949,6 +1035,7 @@ class Gateway:
                     requests=u.requests,
                     tokens_in=u.tokens_in,
                     tokens_out=u.tokens_out,
+                    by_owner=by_owner,
                 ),
                 id=new_id(),
                 time=utc_now(),
@@ -964,6 +1051,13 @@ class Gateway:
             u.requests -= sent[0]
             u.tokens_in -= sent[1]
             u.tokens_out -= sent[2]
+            for o, d in by_owner.items():
+                n = u.owners[o]
+                n[0] -= d.requests
+                n[1] -= d.tokens_in
+                n[2] -= d.tokens_out
+                if not n[0]:
+                    del u.owners[o]
             u.reported = time.monotonic()
         view = self.follower.view
         for rid in [rid for rid, u in self._use.items() if not u.requests]:

@@ -58,7 +58,12 @@ def _start() -> tuple[EmbeddedBroker, list[subprocess.Popen[bytes]], int, int]:
     broker.start()
     up_port, gw_port = _free_port(), _free_port()
     upstream = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests/bench/bench_gateway.py"), "--serve-upstream", str(up_port)]
+        [
+            sys.executable,
+            str(ROOT / "tests/bench/bench_gateway.py"),
+            "--serve-upstream",
+            str(up_port),
+        ]
     )
     gateway = subprocess.Popen(
         [

@@ -54,10 +54,6 @@ class Plane:
             assert time.monotonic() < deadline, f"{what} not within {within_s}s"
             time.sleep(0.02)
 
-    def scale(self, model: str, n: int) -> None:
-        done = self.up.llmgw("scale", model, str(n))
-        assert done.returncode == 0, done.stderr
-
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
@@ -112,9 +108,8 @@ def test_a_held_stream_gets_keepalive_comments_then_its_tokens(plane: Plane) -> 
         lines = r.iter_lines()
         # Held: its 200 is sent, and comments keep the connection talking.
         assert next(lines) == ": waiting"
-        assert plane.health()["held"] == {"cold": 1}
-        # The operator (or the autoscaler, once it hears the demand) scales it up.
-        plane.scale("cold", 1)
+        # Its demand wakes the model: the autoscaler asks for a replica, and the
+        # stream gets its tokens once it is ready.
         got = list(lines)
     comments = [x for x in got if x.startswith(":")]
     data = [x for x in got if x.startswith("data: ")]
@@ -153,12 +148,8 @@ def test_a_burst_of_1000_at_a_model_at_zero_is_answered_every_one(plane: Plane) 
                 return e.status_code, time.monotonic() - t0, dict(e.response.headers)
 
         tasks = [asyncio.create_task(one()) for _ in range(1000)]
-        # Every request in: held up to the line's length, the rest refused at once.
-        while sum(t.done() for t in tasks) + plane.health()["held"].get("burst", 0) < 1000:
-            await asyncio.sleep(0.05)
-        held = plane.health()["held"].get("burst", 0)
-        assert held == 256, held
-        plane.scale("burst", 1)
+        # The first request's demand wakes the model (the autoscaler, in the scheduler);
+        # meanwhile the line takes 256 and the rest are refused at once.
         got = await asyncio.gather(*tasks)
         await client.close()
         return got
@@ -166,7 +157,10 @@ def test_a_burst_of_1000_at_a_model_at_zero_is_answered_every_one(plane: Plane) 
     got = asyncio.run(burst())
     statuses = [s for s, _, _ in got]
     assert len(got) == 1000
-    assert statuses.count(200) == 256 and statuses.count(429) == 744, set(statuses)
+    assert set(statuses) == {200, 429}
+    # At least the whole line is served; more when the model was up before the burst
+    # was all in (the start takes 0.5 s here).
+    assert statuses.count(200) >= 256
     for status, took, h in got:
         if status == 429:
             assert h["x-llmgw-reason"] == "queue_full" and int(h["retry-after"]) >= 1

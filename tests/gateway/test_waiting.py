@@ -268,7 +268,9 @@ async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
         # Each start's first request is demanded at once, though the last demand was
         # less than the interval (1 s) ago: it is the first of its wait.
         await wait_for(
-            lambda: asyncio.sleep(0, plane.gateway.counts.demanded), lambda n: n > demanded, 0.5
+            lambda: asyncio.sleep(0, plane.gateway.counts.demanded),
+            lambda n, d=demanded: n > d,  # type: ignore[misc]
+            0.5,
         )
         await _state(plane, rid, "again", "ready", s.endpoint)
         status, h, _ = await asyncio.wait_for(task, 5)
