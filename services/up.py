@@ -82,6 +82,8 @@ class UpOptions:
     heartbeat_s: float = 1.0
     sim_ttft_s: float = 0.05
     sim_tps: float = 100.0
+    sim_server_drains: bool = True
+    """Whether a simulated server lets its requests finish on a drain (`--sim-no-drain`)."""
     """The simulated servers' pace (each ready simulated replica answers requests)."""
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
@@ -390,6 +392,7 @@ async def _serve(
                             opts.load_delay_s,
                             opts.stop_delay_s,
                             serve=Timing(opts.sim_ttft_s, opts.sim_tps),
+                            server_drains=opts.sim_server_drains,
                         ),
                         root=opts.root,
                         heartbeat_s=opts.heartbeat_s,
@@ -423,6 +426,7 @@ async def _serve(
                 queue_per_model=opts.gateway_queue_per_model,
                 keepalive_s=opts.gateway_keepalive_s,
                 keys=opts.gateway_keys,
+                nc=nc,
             )
             try:
                 gw_sock = gateway.bind()

@@ -190,6 +190,13 @@ def add_simulation_options(p: Any) -> None:
         "tokens a second a simulated server streams, 0: at once",
         metavar="N",
     )
+    p.add_argument(
+        "--sim-no-drain",
+        action="store_true",
+        help="a simulated server stops at once on a drain, cutting the requests it is "
+        "answering (as a server that exits on SIGTERM); only the drain's wait for the "
+        "gateways' in-flight requests keeps them whole",
+    )
 
 
 def advertised(host: str, broker: Any) -> str:
@@ -296,6 +303,7 @@ async def _run(args: argparse.Namespace) -> int:
             args.load_delay,
             args.stop_delay,
             serve=Timing(args.sim_ttft, args.sim_tps),
+            server_drains=not args.sim_no_drain,
         )
     else:
         from services.agent import gpus as host_gpus

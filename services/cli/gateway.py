@@ -176,6 +176,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 keys=keys,
                 queue_per_model=args.queue_per_model,
                 keepalive_s=args.keepalive_interval,
+                nc=s.nc,
             )
             try:
                 sock = g.bind()
