@@ -76,6 +76,8 @@ class UpOptions:
     heartbeat_s: float = 1.0
     sim_ttft_s: float = 0.05
     sim_tps: float = 100.0
+    sim_server_drains: bool = True
+    """Whether a simulated server lets its requests finish on a drain (`--sim-no-drain`)."""
     """The simulated servers' pace (each ready simulated replica answers requests)."""
     sim_errors: dict[str, Errors] = field(default_factory=dict)
     """The simulated servers' errors by model ("": every model not named), --sim-errors."""
@@ -390,6 +392,7 @@ async def _serve(
                                 errors=opts.sim_errors,
                                 seed=opts.sim_seed,
                             ),
+                            server_drains=opts.sim_server_drains,
                         ),
                         root=opts.root,
                         heartbeat_s=opts.heartbeat_s,
@@ -421,6 +424,7 @@ async def _serve(
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
                 keys=opts.gateway_keys,
+                nc=nc,
             )
             try:
                 gw_sock = gateway.bind()

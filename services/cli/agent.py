@@ -212,6 +212,13 @@ def add_simulation_options(p: Any) -> None:
         metavar="N",
         help="the seed of --sim-errors: another seed, other requests fail (default 0)",
     )
+    p.add_argument(
+        "--sim-no-drain",
+        action="store_true",
+        help="a simulated server stops at once on a drain, cutting the requests it is "
+        "answering (as a server that exits on SIGTERM); only the drain's wait for the "
+        "gateways' in-flight requests keeps them whole",
+    )
 
 
 def _arg_sim_errors(text: str) -> tuple[str, Any]:
@@ -333,6 +340,7 @@ async def _run(args: argparse.Namespace) -> int:
             args.load_delay,
             args.stop_delay,
             serve=sim_timing(args),
+            server_drains=not args.sim_no_drain,
         )
     else:
         from services.agent import gpus as host_gpus

@@ -139,6 +139,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
                 keys=keys,
+                nc=s.nc,
             )
             try:
                 sock = g.bind()

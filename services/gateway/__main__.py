@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             upstream_timeout_s=a.upstream_timeout,
             used_interval_s=a.used_interval,
             keys=keys,
+            nc=nc,
         ),
         failures=(GatewayError,),
     )

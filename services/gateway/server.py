@@ -50,7 +50,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from schemas import events as ev
-from schemas import subjects
+from schemas import inflight, subjects
 from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
@@ -233,6 +233,11 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     keys: Keys | None = None
     """API keys; None: every request is taken (loopback, or --no-auth)."""
+    nc: Any = None
+    """The broker connection to answer draining agents on (`_answer_inflight`); None:
+    agents get no answer from this gateway, and stop their servers without it."""
+    id: str = field(default_factory=new_id)
+    """This gateway's own id, new at every start, in its answers to agents."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
@@ -292,6 +297,13 @@ class Gateway:
             )
             await runner.setup()
             await web.SockSite(runner, sock).start()
+            answers = None
+            if self.nc is not None:
+                # Answered once the view has caught up: before, it would say of a replica
+                # it has not folded yet that it routes nothing there, and then route there.
+                answers = await self.nc.subscribe(
+                    subjects.gateway_inflight_wildcard(self.root), cb=self._answer_inflight
+                )
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
             if on_ready is not None:
                 on_ready(self.url)
@@ -304,6 +316,9 @@ class Gateway:
                     follow.result()  # raises what stopped it
                     raise GatewayError("the gateway's follower of the log stopped")
             finally:
+                if answers is not None:
+                    with contextlib.suppress(nats.errors.Error):
+                        await answers.unsubscribe()
                 await runner.cleanup()
                 await self._http.close()
                 reporter.cancel()
@@ -329,6 +344,25 @@ class Gateway:
             raise GatewayError(why)
 
     # ------------------------------------------------------------------ handlers
+
+    async def _answer_inflight(self, msg: Any) -> None:
+        """A draining agent asks how many requests this gateway has in flight on one of
+        its replicas, and whether it would still route new ones there
+        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts")."""
+        rid = subjects.replica_of_inflight(msg.subject)
+        if rid is None or not msg.reply:
+            return
+        view = self.follower.view
+        r = view.replicas.get(rid)
+        answer = inflight.InflightAnswer(
+            gateway=self.id,
+            replica=rid,
+            inflight=self.router.inflight.get(rid, 0),
+            routable=r is not None and routing.routable(view, r, new_session=False),
+            seq=self.follower.seq,
+        )
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(inflight.encode(answer))
 
     async def _health(self, request: web.Request) -> web.Response:
         """The view's seq, what is routable per declared model, in flight per replica."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
@@ -89,9 +90,10 @@ class Plane:
 
 
 @pytest.fixture
-async def plane(js: JetStreamContext) -> AsyncIterator[Plane]:
+async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
     gw = Gateway(
         js,
+        nc=nc,
         listen="127.0.0.1:0",
         connect_timeout_s=2,
         upstream_timeout_s=1,
