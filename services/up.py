@@ -27,7 +27,7 @@ from typing import Any
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
-from services.agent.responder import Timing
+from services.agent.responder import Errors, Timing
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus.errors import BrokerError
@@ -85,6 +85,9 @@ class UpOptions:
     sim_server_drains: bool = True
     """Whether a simulated server lets its requests finish on a drain (`--sim-no-drain`)."""
     """The simulated servers' pace (each ready simulated replica answers requests)."""
+    sim_errors: dict[str, Errors] = field(default_factory=dict)
+    """The simulated servers' errors by model ("": every model not named), --sim-errors."""
+    sim_seed: int = 0
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
     duplicate_window_s: float = 120.0
@@ -391,7 +394,12 @@ async def _serve(
                             opts.start_delay_s,
                             opts.load_delay_s,
                             opts.stop_delay_s,
-                            serve=Timing(opts.sim_ttft_s, opts.sim_tps),
+                            serve=Timing(
+                                opts.sim_ttft_s,
+                                opts.sim_tps,
+                                errors=opts.sim_errors,
+                                seed=opts.sim_seed,
+                            ),
                             server_drains=opts.sim_server_drains,
                         ),
                         root=opts.root,

@@ -177,6 +177,8 @@ async def _up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         sim_ttft_s=args.sim_ttft,
         sim_tps=args.sim_tps,
+        sim_errors=dict(args.sim_errors),
+        sim_seed=args.sim_seed,
         sim_server_drains=not args.sim_no_drain,
         traffic=dict(args.traffic),
         projector=not args.no_projector,
