@@ -152,6 +152,9 @@ class Scheduler:
         # every change of leadership; no pass runs without it.
         self._synced = False
         self._failures: dict[str, Failure] = {}
+        # _memo: what the passes keep from one to the next (`scheduling.Memo`), this
+        # service's own; every entry is checked against what it was worked out from.
+        self._memo = planner.Memo()
         # _heard: per node, monotonic time of its last heartbeat. _since: per node, the
         # inventory report we first saw it with and when, so a node is given a full
         # timeout from when we (or its new report) first knew of it.
@@ -279,6 +282,7 @@ class Scheduler:
             silent=self._silence(view),
             heard=self._heard_again(view),
             source=self.source,
+            memo=self._memo,
         )
         self.stats.passes += 1
         self._failures = planner.remember(self._failures, out.satisfied, now, self.config)
