@@ -35,7 +35,13 @@ from services.bus.urls import public_url
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
-from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+from services.gateway.listen import (
+    KEEPALIVE_S,
+    MAX_BODY,
+    QUEUE_PER_MODEL,
+    UPSTREAM_TIMEOUT_S,
+    USED_INTERVAL_S,
+)
 from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -98,6 +104,8 @@ class UpOptions:
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_queue_per_model: int = QUEUE_PER_MODEL
+    gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
     gateway_any_port: bool = False
     """Take a free port when `gateway`'s is taken by the time it binds (the default
@@ -423,6 +431,8 @@ async def _serve(
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
+                queue_per_model=opts.gateway_queue_per_model,
+                keepalive_s=opts.gateway_keepalive_s,
                 keys=opts.gateway_keys,
                 nc=nc,
             )

@@ -190,6 +190,8 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_max_body=args.max_body,
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
+        gateway_queue_per_model=args.queue_per_model,
+        gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
     )

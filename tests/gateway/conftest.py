@@ -49,10 +49,21 @@ class Plane:
     async def inventory(self, node: str, gpus: int) -> None:
         await self.say(inventory(node, gpus), node=node)
 
-    async def model(self, name: str, aliases: tuple[str, ...] = ()) -> None:
+    async def model(
+        self,
+        name: str,
+        aliases: tuple[str, ...] = (),
+        target_inflight: int | None = None,
+        cls: str = "standard",
+    ) -> None:
         await self.say(
             ev.ModelDeclared(
-                name=name, min=0, aliases=aliases, profiles=(ev.ProfileSpec(name="p", gpus=1),)
+                name=name,
+                min=0,
+                aliases=aliases,
+                profiles=(ev.ProfileSpec(name="p", gpus=1),),
+                target_inflight=target_inflight,
+                cls=cls,  # type: ignore[arg-type]
             )
         )
 
@@ -99,6 +110,7 @@ async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
         upstream_timeout_s=1,
         max_body=65536,
         used_interval_s=0.3,
+        min_wait_s=0.3,
     )
     sock = gw.bind()
     stop = asyncio.Event()
