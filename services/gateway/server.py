@@ -90,6 +90,9 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 # _WOKEN: perf_counter() of the fold of the ready that released this request, when it
 # was the first that ready released; its first byte then measures the wake.
 _WOKEN = web.RequestKey("llmgw_woken", float)
@@ -615,6 +618,7 @@ class Gateway:
             if self.room.waiting(m.name)
             else self.router.pick(view, m, session=session, limit=limit)
         )
+        request[_PICKED_AT] = view.seq
         held: web.StreamResponse | None = None
         if r is None:
             try:
@@ -661,6 +665,7 @@ class Gateway:
                 )
                 if r is None:
                     break
+                request[_PICKED_AT] = self.follower.seq
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
@@ -774,6 +779,7 @@ class Gateway:
                     headers={"Retry-After": str(after.retry_after)},
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
+            request[_PICKED_AT] = w.seq
             taken = True
             if w.woken_at is not None:
                 request[_WOKEN] = w.woken_at
@@ -823,6 +829,7 @@ class Gateway:
             line.pop()
             if line.woken_at is not None:
                 w.woken_at, line.woken_at = line.woken_at, None
+            w.seq = view.seq
             w.fut.set_result(r)
 
     def _refuse(self, line: Line, refusal: Refusal) -> None:
@@ -966,6 +973,7 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
             sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             if held is not None and not (sse and upstream.status < 400):
                 # The 200 is sent: what the replica said instead of a stream goes as
