@@ -302,6 +302,14 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     """Where its server answers (`http://host:port`), said when it is ready; an extension."""
 
 
+class OwnerUse(Data, frozen=True, kw_only=True):
+    """One owner's share of a replica's use over the interval a `replica.used` reports."""
+
+    requests: BigCount = 0
+    tokens_in: BigCount = 0
+    tokens_out: BigCount = 0
+
+
 class ReplicaUsed(Data, frozen=True, kw_only=True):
     replica: Name
     at: UtcTime
@@ -313,6 +321,12 @@ class ReplicaUsed(Data, frozen=True, kw_only=True):
     """Extension: prompt tokens of those requests, as their answers' `usage` said."""
     tokens_out: BigCount | None = None
     """Extension: completion tokens of those requests, as their answers' `usage` said."""
+    by_owner: Annotated[dict[Name, OwnerUse], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension, from a gateway with API keys: those requests and tokens per owner of
+    the key that sent them (requests sent without a key are in no owner's); empty from
+    an agent, or a gateway without keys."""
 
 
 # ---------------------------------------------------------------- decisions and commands

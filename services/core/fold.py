@@ -536,16 +536,8 @@ def _has_node(shards: tuple[ev.ShardSpec, ...], node: str) -> bool:
     return False
 
 
-# _NODE_OF caches the node named by each subject: a cluster's subjects repeat (one per
-# node and replica), and the fold checks one on every replica report.
-_NODE_OF: dict[str, str | None] = {}
-
-
 def _subject_node(subject: str) -> str | None:
     """The node token of a `<root>.node.<node>....` subject, unescaped."""
-    node = _NODE_OF.get(subject, _MISSING)
-    if node is not _MISSING:
-        return node  # type: ignore[return-value]
     parts = subject.split(".", 3)
     if len(parts) < 3 or parts[1] != "node":
         node = None
@@ -556,14 +548,7 @@ def _subject_node(subject: str) -> str | None:
             node = names.unescape(parts[2])
         except names.TokenError:
             node = None
-    if len(_NODE_OF) >= _NODE_CACHE_MAX:
-        _NODE_OF.clear()
-    _NODE_OF[subject] = node
     return node
-
-
-_MISSING = object()
-_NODE_CACHE_MAX = 1 << 16
 
 
 def _command_node(subject: str) -> str | None:

@@ -95,6 +95,10 @@ def describe(
                 if d.requests is None
                 else (f" requests={d.requests} tokens_in={d.tokens_in} tokens_out={d.tokens_out}")
             )
+            if d.by_owner:
+                top = sorted(d.by_owner.items(), key=lambda kv: (-kv[1].requests, kv[0]))
+                counts += " by_owner=" + ",".join(f"{o}:{u.requests}" for o, u in top[:3])
+                counts += f",+{len(top) - 3}" if len(top) > 3 else ""
             return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}{counts}"
         case ev.PlacementDecidedEvent(data=d):
             return d.replica, (
