@@ -320,6 +320,8 @@ class Gateway:
         self._stopping = False
         self._buckets: dict[bytes, ratelimit.Buckets] = {}
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._owners_seen: tuple[Any, ...] | None = None
+        self._owners_said: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -414,6 +416,24 @@ class Gateway:
         )
         if why is not None:
             raise GatewayError(why)
+        self._owners_seen = (state.quota, len(state.models))
+
+    def _recheck_owners(self) -> None:
+        """Once the gateway serves, a quota tree that leaves a key's owner out is said
+        once in the log (its requests are still served and counted for that owner)."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        seen = (state.quota, len(state.models))
+        if seen == self._owners_seen:
+            return
+        self._owners_seen = seen
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None and why != self._owners_said:
+            log.warning("gateway: %s", why)
+        self._owners_said = why
 
     # ------------------------------------------------------------------ handlers
 
@@ -1055,6 +1075,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
             await self._publish_use()
+            self._recheck_owners()
 
     async def _publish_use(self, force: bool = False) -> None:
         """One `replica.used` for each replica with use not reported, at most one per
