@@ -119,6 +119,12 @@ def describe(
                 f"drain {d.model} reason={d.reason}{for_model} grace={d.grace_s:g}s"
             )
         case ev.PreemptionDecidedEvent(data=d):
+            if d.outcome == "fits":
+                # Room is free, yet the placement failed: nothing was done, nothing fixed.
+                return d.for_model, (
+                    f"no preemption (room free, model still unplaced) considered={d.considered}"
+                    + (f" why={d.reason}" if d.reason else "")
+                )
             return d.for_model, (
                 f"outcome={d.outcome} victims={_names(v.replica for v in d.victims)} "
                 f"considered={d.considered}"

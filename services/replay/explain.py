@@ -20,7 +20,7 @@ from schemas import events as ev
 from services.core import preemption
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
-from services.replay import history
+from services.replay import history, render
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, duration, plural, stamp, table
 from services.replay.source import Item
@@ -540,6 +540,10 @@ class Explainer:
         live, desired = view.live_for(name), view.desired_for(name)
         asked = s.desired.get(name)
         reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
+        failing = render.failing(view, name)
+        # The cause of an outage comes first: why its replicas fail, before the counts.
+        if failing is not None:
+            st.line(render.failing_line(name, failing))
         if decl is None:
             st.line(f"model {name} is not declared (removed, or never declared); live {live}")
         else:
@@ -566,6 +570,7 @@ class Explainer:
             cls=None if decl is None else decl.cls,
             owner=None if decl is None else decl.owner,
             below_by=max(short, 0),
+            failing=failing,
         )
         holding = [r for r in reps if r.holds_capacity]
         if holding:
