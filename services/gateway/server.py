@@ -10,10 +10,11 @@ A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
 `stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
-the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is in the OpenAI
-error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
-`x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
-did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
+in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
+an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
+key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -38,7 +39,8 @@ the plane has said it cannot place, a 503 with that decision's reason.
 
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
-`used_interval_s`, on the replica's node subject as its agent would.
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of
+the API keys that sent them (`by_owner`); each request's owner is in its span too.
 """
 
 from __future__ import annotations
