@@ -30,6 +30,7 @@ import msgspec
 from schemas import events as ev
 from services import clusterfile, names
 from services.cli import app as cli
+from services.cli import refs
 from services.clock import new_id, utc_now
 from services.core.view import LIVE_STATES, View
 
@@ -89,7 +90,7 @@ def register(commands: cli.Commands) -> None:
         ),
         func=_scale,
     )
-    p.add_argument("model", metavar="MODEL", help="model name or alias")
+    p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
     p.add_argument("replicas", metavar="N", type=cli.arg_count, help="desired replicas (>= 0)")
     _force(p, "publish for a model the cluster does not know")
 
@@ -108,7 +109,9 @@ def register(commands: cli.Commands) -> None:
             epilog=cli.examples(f"llmgw {name} gpu-a1"),
             func=_cordon,
         )
-        p.add_argument("node", metavar="NODE", help="node name")
+        p.add_argument(
+            "node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)"
+        )
         _force(p, "publish for a node that has not reported")
         p.set_defaults(cordon=name == "cordon")
 
@@ -129,7 +132,7 @@ def register(commands: cli.Commands) -> None:
         epilog=cli.examples("llmgw delete model chat-70b", "llmgw delete model big --yes"),
         func=_delete_model,
     )
-    p.add_argument("model", metavar="MODEL", help="model name or alias")
+    p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
     _yes(p)
 
     drain = commands.group(
@@ -155,7 +158,7 @@ def register(commands: cli.Commands) -> None:
         ),
         func=_drain_node,
     )
-    p.add_argument("node", metavar="NODE", help="node name")
+    p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)")
     p.add_argument(
         "--grace",
         type=cli.arg_seconds,
@@ -299,7 +302,7 @@ def _resolve_model(view: View, name: str, *, force: bool | None = None) -> str:
         return name
     hint = names.did_you_mean(name, names.model_names(view.state.models))
     also = "" if force is None else ", or pass --force to publish anyway"
-    raise cli.CliError(
+    raise cli.NotFound(
         f"unknown model {name!r}{hint} (no model of that name or alias is declared{also})"
     )
 
@@ -309,7 +312,7 @@ def _known_node(view: View, node: str, *, force: bool | None = None) -> None:
         return
     hint = names.did_you_mean(node, view.state.nodes)
     also = "" if force is None else ", or pass --force to publish anyway"
-    raise cli.CliError(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
+    raise cli.NotFound(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
 
 
 def limits_note(decl: ev.ModelDeclared | None, replicas: int) -> str | None:
@@ -423,8 +426,8 @@ async def _apply(args: argparse.Namespace) -> int:
                 if not args.force:
                     known = names.model_names(declared) | names.model_names(state.models)
                     # Checked against the live cluster, not the file's shape: a runtime
-                    # refusal (exit 1), as `llmgw scale` of an unknown model is.
-                    raise cli.CliError(
+                    # name not found (exit 3), as `llmgw scale` of an unknown model is.
+                    raise cli.NotFound(
                         str(
                             spec.error(
                                 f"scale.{key}",
@@ -514,7 +517,7 @@ def _confirm(question: str, yes: bool) -> None:
     if not (sys.stdin is not None and sys.stdin.isatty()):
         print(file=sys.stderr)  # the answer was not echoed: end the question's line
     if answer.strip().lower() not in ("y", "yes"):
-        raise cli.CliError("not confirmed; nothing published (--yes skips the question)")
+        raise cli.Refused("not confirmed; nothing published (--yes skips the question)")
 
 
 async def _delete_model(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from services import flags
 from services.cli import app as cli
+from services.cli import refs
 from services.cli.output import add_output_option
 from services.cli.replay import allow_gaps_option
 from services.core import preemption
@@ -75,7 +76,13 @@ def register(commands: cli.Commands) -> None:
         help="fold this bundle (llmgw events export) instead of the live broker's log",
     )
     allow_gaps_option(p)
-    p.add_argument("--model", required=True, metavar="NAME", help="the model to place (or alias)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME",
+        type=refs.arg("model"),
+        help="the model to place (or alias)",
+    )
     p.add_argument(
         "--seq",
         type=cli.arg_seq,
@@ -116,7 +123,7 @@ async def load(path: str, until_seq: int | None = None, *, allow_gaps: bool = Fa
     try:
         got = await rebuild.from_bundle(path, until_seq=until_seq, allow_gaps=allow_gaps)
     except ReplayError as e:
-        raise cli.CliError(str(e)) from None
+        raise cli.replay_error(e) from None
     except FileNotFoundError:
         raise cli.CliError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -142,7 +149,7 @@ async def _plan(args: argparse.Namespace) -> int:
             print(f"note: {line}", file=sys.stderr)
     if view.catalog.resolve(args.model) is None:
         known = ", ".join(sorted(view.catalog)) or "none"
-        raise cli.CliError(f"unknown model {args.model!r} in {where}; known models: {known}")
+        raise cli.NotFound(f"unknown model {args.model!r} in {where}; known models: {known}")
     if view.state.rejected:
         print(
             f"note: the fold rejected {view.state.rejected} "

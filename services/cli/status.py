@@ -180,6 +180,23 @@ def summary(
     }
 
 
+def model_note(m: dict[str, Any]) -> str:
+    """The NOTE of a model's row (one of `summary`'s models): why it is not as asked."""
+    note = []
+    if not m["declared"]:
+        note.append("not declared")
+    if m["held_for"]:
+        note.append(f"held for {m['held_for']} until {m['held_until']}")
+    if m["awaiting"]:
+        note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
+    if m["asked"] is not None and m["asked"] != m["desired"]:
+        bound = "max" if m["asked"] > m["desired"] else "min"
+        note.append(f"asked {m['asked']}, its {bound} is {m[bound]}")
+    if m["live"] < m["desired"] and not note:
+        note.append("below desired")
+    return "; ".join(note)
+
+
 def _gpus(a: dict[str, float] | None) -> str:
     return "-" if a is None else f"{a['gpus']:g}"
 
@@ -235,18 +252,6 @@ def text(
     out.append("\nMODELS")
     rows = []
     for m in d["models"]:
-        note = []
-        if not m["declared"]:
-            note.append("not declared")
-        if m["held_for"]:
-            note.append(f"held for {m['held_for']} until {m['held_until']}")
-        if m["awaiting"]:
-            note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
-        if m["asked"] is not None and m["asked"] != m["desired"]:
-            bound = "max" if m["asked"] > m["desired"] else "min"
-            note.append(f"asked {m['asked']}, its {bound} is {m[bound]}")
-        if m["live"] < m["desired"] and not note:
-            note.append("below desired")
         states = " ".join(f"{k}:{v}" for k, v in sorted(m["states"].items()))
         row = [
             m["model"],
@@ -261,7 +266,7 @@ def text(
                 ",".join(m["aliases"]) or "-",
                 ",".join(m["profiles"]) or "-",
             ]
-        rows.append([*row, "; ".join(note)])
+        rows.append([*row, model_note(m)])
     head = ["MODEL", "CLASS", "OWNER", "LIVE/DESIRED", "STATES"]
     if wide:
         head += ["MIN..MAX", "ALIASES", "PROFILES"]

@@ -68,7 +68,12 @@ def describe(
         case ev.QuotaSetEvent(data=d):
             return "quota", f"owners={_names(o.name for o in d.owners)}"
         case ev.ScaleDesiredEvent(data=d):
-            return d.model, f"replicas={d.replicas}"
+            return d.model, f"replicas={d.replicas}" + (
+                f" reason={d.reason}" if d.reason is not None else ""
+            )
+        case ev.ModelDemandedEvent(data=d):
+            inflight = f" inflight={d.inflight}" if d.inflight else ""
+            return d.model, f"demanded waiting={d.waiting} since={clock(d.since)}{inflight}"
         case ev.NodeInventoryEvent(data=d):
             return d.node, f"gpus={_gpus(d.gpus)} cpu={d.cpu_cores:g} mem={d.memory_gb:g}GB"
         case ev.NodeLostEvent(data=d):

@@ -154,7 +154,7 @@ def shown_replicas(view: View, everything: bool = False) -> list[ReplicaRecord]:
     return [r for r in view.state.replicas.values() if everything or r.holds_capacity]
 
 
-def _shards(r: ReplicaRecord) -> str:
+def shards_text(r: ReplicaRecord) -> str:
     """`n1:0-3` / `n1:0,2+n2:1`: where its GPUs are."""
     parts = []
     for sh in r.shards:
@@ -194,7 +194,7 @@ def replicas_text(
                 r.id,
                 r.state,
                 r.profile,
-                (_shards(r) if wide else ",".join(r.nodes)) or "-",
+                (shards_text(r) if wide else ",".join(r.nodes)) or "-",
                 ago(r.ready_at, now),
                 "unknown"
                 if r.last_used_at is None

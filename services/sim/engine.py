@@ -234,6 +234,8 @@ class Engine:
         self._seen: dict[str, float] = {}
         self._dirty = True
         self._failures: dict[str, scheduling.Failure] = {}
+        # What the scheduler's passes keep from one to the next, as the service keeps it.
+        self._memo = scheduling.Memo()
         self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -539,7 +541,7 @@ class Engine:
     def _pass(self) -> None:
         silent = {n: self.t - since for n, since in self._down.items()}
         plan = scheduling.plan(
-            self.view, self.now, self.scfg, failures=self._failures, silent=silent
+            self.view, self.now, self.scfg, failures=self._failures, silent=silent, memo=self._memo
         )
         # The failure memory as the scheduler service keeps it: a model placed in full
         # keeps when it was last reported (`scheduling.remember`), and a failure is

@@ -197,8 +197,7 @@ def report(
     cfg = Config(policy=policy)  # type: ignore[arg-type]
 
     def cold() -> Decision:
-        # Nothing kept on the view from an earlier call: every model is weighed.
-        view.memo.clear()
+        # The plain walk keeps nothing between calls: every call is cold.
         return plan(view, model, now, cfg)
 
     def warm() -> Decision:

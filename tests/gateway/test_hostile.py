@@ -506,7 +506,7 @@ async def test_a_replica_that_stalls_mid_stream_has_its_stream_cut(gw: Plane) ->
 async def test_clients_gone_at_once_mid_stream_mid_body_and_mid_wait_leave_nothing_behind(
     gw: Plane, servers: Callable[..., Awaitable[Responder]]
 ) -> None:
-    await gw.model("crowd")
+    await gw.model("crowd", target_inflight=25)  # fifty in flight at once
     slow = await servers("crowd-1", "crowd", Timing(0.0, 50.0))
     await gw.ready("crowd-1", "crowd", slow.endpoint)
     streams = []

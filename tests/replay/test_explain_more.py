@@ -70,10 +70,10 @@ def test_an_unknown_name_gets_a_did_you_mean(
 ) -> None:
     path = long_ids(tmp_path)
     code, _, err = run(capsys, "explain", "replica", "batch-2d2f9c4l", "--log", str(path))
-    assert code == 1
+    assert code == 3  # not found
     assert err == "llmgw: no replica 'batch-2d2f9c4l' in the log: did you mean `batch-2d2f9c41`?\n"
     code, _, err = run(capsys, "explain", "node", "n11", "--log", str(path))
-    assert code == 1 and err.count("\n") == 1 and "did you mean `n1`?" in err
+    assert code == 3 and err.count("\n") == 1 and "did you mean `n1`?" in err
 
 
 # ---------------------------------------------------------------- view

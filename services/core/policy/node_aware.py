@@ -1,6 +1,6 @@
 """The node-aware search for victims: the best set on the node the model would go to.
 
-Called by `services.core.preemption` when its config's policy is "node-aware", with the
+Called by `services.core.policy.plan` when its config's policy is "node-aware", with the
 candidates the shared rules found (same tiers, exclusions and cap as the reference's)
 and a `fits` callback that tries a set on a clone of the inventory. It only proposes
 sets; the dry run, the pruning and the decision stay the caller's. No I/O, no clock.
@@ -42,7 +42,7 @@ from services.core.view import View
 
 
 class Victim(Protocol):
-    """What the search reads of a candidate (`preemption.Candidate`)."""
+    """What the search reads of a candidate (`decision.Candidate`)."""
 
     @property
     def replica(self) -> str: ...
@@ -258,63 +258,23 @@ def _on_nodes(
     `cands` and what they would free there for `needs` (`_Node`); only the nodes where
     at most `max_victims` of them could free enough GPUs for the smallest need: a bound
     before anything is worked out per profile, which on a full cluster passes over most
-    nodes for a large model.
-
-    Kept on the view (`View.memo`, "node_aware") with the very tuple of candidates and
-    the inventory's version they were worked out from (a node's usage is replaced, and
-    the version moves, whenever it changes): the grouping by node, and the nodes per
-    kind of need (which GPUs qualify for each, the smallest's GPUs) and cap. The policy
-    answers the models alike that a pass reports one after another with the same tuple
-    (see `preemption._Kept`), and most ask for a profile of a shape asked for before. A
-    list of candidates, which can change, is never kept."""
+    nodes for a large model."""
     inv = view.inventory
-    kept: _OnNodes[C] | None = view.memo.get("node_aware")
-    if kept is None or kept[0] is not cands or kept[1] != inv.version:
-        by_node: dict[str, list[int]] = {}
-        for i, c in enumerate(cands):
-            if c.node:
-                by_node.setdefault(c.node, []).append(i)
-        grouped = []
-        for name in sorted(by_node):
-            usage = inv.usage(name)
-            if usage is None or not usage.schedulable:
-                continue
-            at = by_node[name]
-            mine = [cands[i] for i in at]
-            grouped.append((at, usage, mine, [c.gpus for c in mine]))
-        kept = (cands, inv.version, grouped, {})
-        if type(cands) is tuple:
-            view.memo["node_aware"] = kept
-    per_need = kept[3]
-    # A node's candidates are counted against each need by the GPUs that qualify (its
-    # `min_gb` and `words`, in the needs' order); the bound reads the smallest need's
-    # GPUs and the cap. Nothing else of a need is kept in a `_Node`.
+    by_node: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        if c.node:
+            by_node.setdefault(c.node, []).append(i)
     least = min(n.gpus for n in needs)
-    kind = (tuple([(n.min_gb, n.words) for n in needs]), least, max_victims)
-    got = per_need.get(kind)
-    if got is None:
-        got = [
-            (at, _Node(usage, mine, needs))
-            for at, usage, mine, held in kept[2]
-            if could_free(len(usage.free), list(held), least, max_victims)
-        ]
-        if len(per_need) < _KINDS:
-            per_need[kind] = got
-    return got
-
-
-# _KINDS bounds the kinds of need `_on_nodes` keeps nodes for, per tuple of candidates.
-_KINDS = 64
-
-# What `_on_nodes` keeps: the candidates, the inventory's version, per schedulable node
-# (where its candidates are, its usage, the candidates, the GPUs each holds), and the
-# nodes worked out per kind of need and cap.
-_OnNodes = tuple[
-    Sequence[C],
-    int,
-    list[tuple[list[int], NodeUsage, list[C], list[int]]],
-    dict[tuple[object, ...], list[tuple[list[int], "_Node"]]],
-]
+    out = []
+    for name in sorted(by_node):
+        usage = inv.usage(name)
+        if usage is None or not usage.schedulable:
+            continue
+        at = by_node[name]
+        mine = [cands[i] for i in at]
+        if could_free(len(usage.free), [c.gpus for c in mine], least, max_victims):
+            out.append((at, _Node(usage, mine, needs)))
+    return out
 
 
 def _first_fit(
