@@ -90,6 +90,9 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 # _WOKEN: perf_counter() of the fold of the ready that released this request, when it
 # was the first that ready released; its first byte then measures the wake.
 _WOKEN = web.RequestKey("llmgw_woken", float)
@@ -329,6 +332,8 @@ class Gateway:
         self._stopping = False
         self._buckets: dict[bytes, ratelimit.Buckets] = {}
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._owners_seen: tuple[Any, ...] | None = None
+        self._owners_said: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -427,6 +432,24 @@ class Gateway:
         )
         if why is not None:
             raise GatewayError(why)
+        self._owners_seen = (state.quota, len(state.models))
+
+    def _recheck_owners(self) -> None:
+        """Once the gateway serves, a quota tree that leaves a key's owner out is said
+        once in the log (its requests are still served and counted for that owner)."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        seen = (state.quota, len(state.models))
+        if seen == self._owners_seen:
+            return
+        self._owners_seen = seen
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None and why != self._owners_said:
+            log.warning("gateway: %s", why)
+        self._owners_said = why
 
     # ------------------------------------------------------------------ handlers
 
@@ -621,6 +644,7 @@ class Gateway:
             if self.room.waiting(m.name)
             else self.router.pick(view, m, session=session, limit=limit)
         )
+        request[_PICKED_AT] = view.seq
         held: web.StreamResponse | None = None
         if r is None:
             try:
@@ -667,6 +691,7 @@ class Gateway:
                 )
                 if r is None:
                     break
+                request[_PICKED_AT] = self.follower.seq
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
@@ -780,6 +805,7 @@ class Gateway:
                     headers={"Retry-After": str(after.retry_after)},
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
+            request[_PICKED_AT] = w.seq
             taken = True
             if w.woken_at is not None:
                 request[_WOKEN] = w.woken_at
@@ -829,6 +855,7 @@ class Gateway:
             line.pop()
             if line.woken_at is not None:
                 w.woken_at, line.woken_at = line.woken_at, None
+            w.seq = view.seq
             w.fut.set_result(r)
 
     def _refuse(self, line: Line, refusal: Refusal) -> None:
@@ -972,6 +999,7 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
             sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             if held is not None and not (sse and upstream.status < 400):
                 # The 200 is sent: what the replica said instead of a stream goes as
@@ -1073,6 +1101,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
             await self._publish_use()
+            self._recheck_owners()
 
     async def _publish_use(self, force: bool = False) -> None:
         """One `replica.used` for each replica with use not reported, at most one per
