@@ -3,7 +3,8 @@
 Called by `services.gateway.server` as each request ends. Requests by model and status
 and by the owner of their API key (with their tokens, and refusals by a key's limit),
 time to first byte and total duration, the gateway's own share of a request (parse and
-route, before the replica is asked), retries, and requests in flight per model. Model
+route, before the replica is asked), retries, requests in flight and held per model,
+demand published, and the wake (a ready folded to the first held request's first byte). Model
 labels are declared models only (anything else is `(unknown)`), so what clients send
 cannot grow the series. One registry per gateway: two in one process (tests) do not
 share counters.
@@ -97,6 +98,26 @@ class Metrics:
             "llmgw_gateway_inflight",
             "Requests in flight through the gateway, by model",
             ["model"],
+            registry=r,
+        )
+
+        self.held = Gauge(
+            "llmgw_gateway_held",
+            "Requests held in the waiting room, by model (for a start, or a free slot)",
+            ["model"],
+            registry=r,
+        )
+        self.demanded = Counter(
+            "llmgw_gateway_demanded",
+            "model.demanded events published, by model",
+            ["model"],
+            registry=r,
+        )
+        self.wake = Histogram(
+            "llmgw_gateway_wake_seconds",
+            "From the fold of a replica's ready to the first byte of the first held "
+            "request it released",
+            buckets=BUCKETS,
             registry=r,
         )
 

@@ -25,6 +25,17 @@ the same aiohttp client on one loaded 2-core host, the two were within each othe
 noise (README, "The gateway"); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
 
+A model that cannot take a request now does not refuse it: the request waits in the
+model's line (`services.gateway.waiting`), FIFO, up to `queue_per_model`, for as long as
+the model's start is predicted to take (`services.core.coldstart`) and no longer than
+the client waits; a held stream is sent its 200 and SSE comments (`: waiting`) every
+`keepalive_s` meanwhile. While requests wait the gateway publishes `model.demanded`
+(at once for the first, then at most once a second), which is what wakes an on-demand
+model from zero. The fold of a replica's ready releases the line, at most
+`target_inflight` x `INFLIGHT_FACTOR` in flight a replica, the rest as requests end.
+Past the line's length or its wait, a 429 with Retry-After the predicted start; a model
+the plane has said it cannot place, a 503 with that decision's reason.
+
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
 `used_interval_s`, on the replica's node subject as its agent would.
@@ -38,6 +49,7 @@ import logging
 import math
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,23 +62,26 @@ from aiohttp import web
 from opentelemetry import trace
 
 from schemas import events as ev
-from schemas import subjects
+from schemas import inflight, subjects
 from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
-from services.core import ratelimit, routing
+from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
 from services.gateway import streams
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
     DEFAULT_LISTEN,
+    KEEPALIVE_S,
     MAX_BODY,
+    QUEUE_PER_MODEL,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
 from services.gateway.metrics import CONTENT_TYPE, NO_OWNER, UNKNOWN, Metrics
+from services.gateway.waiting import Full, Line, WaitingRoom
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -75,6 +90,14 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
+# _WOKEN: perf_counter() of the fold of the ready that released this request, when it
+# was the first that ready released; its first byte then measures the wake.
+_WOKEN = web.RequestKey("llmgw_woken", float)
+# _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
+_STATUS = web.RequestKey("llmgw_status", int)
 _KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
@@ -93,6 +116,33 @@ RETRY_AFTER_S = 1
 USED_TICK_S = 1.0
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
+# MIN_WAIT_S is the least a held request waits for a model with a history of starts: a
+# model that loads in a second still needs the scheduler's pass and, to make room, a
+# victim's drain (30 s by default) before its start even begins.
+MIN_WAIT_S = 30.0
+# DEMAND_INTERVAL_S is the least time between two `model.demanded` of one model.
+DEMAND_INTERVAL_S = 1.0
+# CLIENT_TIMEOUT_SHARE is how much of the timeout a client says it reads with (the
+# openai package's `x-stainless-read-timeout`) a held request may spend waiting: it is
+# answered 429 a little before the client would give up on it unanswered.
+CLIENT_TIMEOUT_SHARE = 0.9
+# SSE_HEADERS are a held stream's, sent when it starts waiting.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+KEEPALIVE = b": waiting\n\n"
+
+# _WAKES are the events after whose fold a line may be served: a replica ready (or one
+# leaving, which frees nothing but changes who is routable), a node back, a model's
+# declaration (its target_inflight).
+_WAKES = (
+    ev.ReplicaStateEvent,
+    ev.ReplicaDrainEvent,
+    ev.NodeUncordonedEvent,
+    ev.NodeFoundEvent,
+    ev.ModelDeclaredEvent,
+)
+# _VERDICTS are the events after whose fold a line may learn its model cannot be placed.
+_VERDICTS = (ev.PreemptionDecidedEvent, ev.HoldCreatedEvent, ev.ModelRemovedEvent)
+
 # CATCH_UP_S bounds the wait, at start, for the view to reach the end of the log; the
 # gateway serves with what it has folded after that rather than not at all.
 CATCH_UP_S = 30.0
@@ -196,6 +246,14 @@ class Refusal(Exception):
         )
 
 
+class _Answered(Exception):
+    """A held stream answered already (its refusal sent as an SSE error event)."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        super().__init__("answered")
+        self.resp = resp
+
+
 class _Unreachable(Exception):
     """A replica failed before its first byte: worth one more try elsewhere."""
 
@@ -211,6 +269,11 @@ class Counts:
     requests: int = 0
     retries: int = 0
     refused: dict[int, int] = field(default_factory=dict)
+    demanded: int = 0
+    """`model.demanded` events published."""
+    wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first byte of the first request it
+    released, latest last."""
 
 
 @dataclass
@@ -233,16 +296,32 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     keys: Keys | None = None
     """API keys; None: every request is taken (loopback, or --no-auth)."""
+    queue_per_model: int = QUEUE_PER_MODEL
+    keepalive_s: float = KEEPALIVE_S
+    inflight_factor: float = routing.INFLIGHT_FACTOR
+    min_wait_s: float = MIN_WAIT_S
+    demand_interval_s: float = DEMAND_INTERVAL_S
+    nc: Any = None
+    """The broker connection to answer draining agents on (`_answer_inflight`); None:
+    agents get no answer from this gateway, and stop their servers without it."""
+    id: str = field(default_factory=new_id)
+    """This gateway's own id, new at every start, in its answers to agents."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
     def __post_init__(self) -> None:
-        self.follower = ViewFollower(self.js, root=self.root, consumer="gateway")
+        self.follower = ViewFollower(
+            self.js, root=self.root, consumer="gateway", on_change=self._on_fold
+        )
         self.publisher = Publisher(self.js, self.root)
+        self.room = WaitingRoom(self.queue_per_model)
         self._http: aiohttp.ClientSession | None = None
         self._use: dict[str, _Use] = {}
+        self._stopping = False
         self._buckets: dict[bytes, ratelimit.Buckets] = {}
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._owners_seen: tuple[Any, ...] | None = None
+        self._owners_said: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -292,6 +371,13 @@ class Gateway:
             )
             await runner.setup()
             await web.SockSite(runner, sock).start()
+            answers = None
+            if self.nc is not None:
+                # Answered once the view has caught up: before, it would say of a replica
+                # it has not folded yet that it routes nothing there, and then route there.
+                answers = await self.nc.subscribe(
+                    subjects.gateway_inflight_wildcard(self.root), cb=self._answer_inflight
+                )
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
             if on_ready is not None:
                 on_ready(self.url)
@@ -304,6 +390,9 @@ class Gateway:
                     follow.result()  # raises what stopped it
                     raise GatewayError("the gateway's follower of the log stopped")
             finally:
+                if answers is not None:
+                    with contextlib.suppress(nats.errors.Error):
+                        await answers.unsubscribe()
                 await runner.cleanup()
                 await self._http.close()
                 reporter.cancel()
@@ -327,8 +416,45 @@ class Gateway:
         )
         if why is not None:
             raise GatewayError(why)
+        self._owners_seen = (state.quota, len(state.models))
+
+    def _recheck_owners(self) -> None:
+        """Once the gateway serves, a quota tree that leaves a key's owner out is said
+        once in the log (its requests are still served and counted for that owner)."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        seen = (state.quota, len(state.models))
+        if seen == self._owners_seen:
+            return
+        self._owners_seen = seen
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None and why != self._owners_said:
+            log.warning("gateway: %s", why)
+        self._owners_said = why
 
     # ------------------------------------------------------------------ handlers
+
+    async def _answer_inflight(self, msg: Any) -> None:
+        """A draining agent asks how many requests this gateway has in flight on one of
+        its replicas, and whether it would still route new ones there
+        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts")."""
+        rid = subjects.replica_of_inflight(msg.subject)
+        if rid is None or not msg.reply:
+            return
+        view = self.follower.view
+        r = view.replicas.get(rid)
+        answer = inflight.InflightAnswer(
+            gateway=self.id,
+            replica=rid,
+            inflight=self.router.inflight.get(rid, 0),
+            routable=r is not None and routing.routable(view, r, new_session=False),
+            seq=self.follower.seq,
+        )
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(inflight.encode(answer))
 
     async def _health(self, request: web.Request) -> web.Response:
         """The view's seq, what is routable per declared model, in flight per replica."""
@@ -345,6 +471,9 @@ class Gateway:
                 "inflight": self.router.inflight,
                 "requests": self.counts.requests,
                 "retries": self.counts.retries,
+                "held": self.room.held_by_model(),
+                "demanded": self.counts.demanded,
+                "wake_ms": _summary(self.counts.wakes),
             }
         )
 
@@ -432,7 +561,7 @@ class Gateway:
             owner = NO_OWNER
             try:
                 resp = await self._route(request)
-                status = resp.status
+                status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
@@ -480,14 +609,64 @@ class Gateway:
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
+        limit = routing.admit_limit(view, m, self.inflight_factor)
+        span = request[_SPAN]
+        # Nobody overtakes a line: with requests of the model waiting, a new one joins
+        # them, even if a slot has just freed (the line is served first).
+        r = (
+            None
+            if self.room.waiting(m.name)
+            else self.router.pick(view, m, session=session, limit=limit)
+        )
+        request[_PICKED_AT] = view.seq
+        held: web.StreamResponse | None = None
+        if r is None:
+            try:
+                r, held = await self._wait(request, m, session, stream)
+            except _Answered as a:
+                return a.resp
+        try:
+            return await self._send(request, m, r, body, stream, strip, session, held)
+        except Refusal as e:
+            if held is None:
+                raise
+            # A held stream has had its 200: the refusal goes as the stream's one
+            # event, in the error shape the openai package raises from.
+            request[_STATUS] = e.status
+            span.set_attribute("llmgw.reason", e.reason)
+            await _sse_error(held, e)
+            return held
+
+    async def _send(
+        self,
+        request: web.Request,
+        m: catalog.Model,
+        first: Any,
+        body: bytes,
+        stream: bool,
+        strip: bool,
+        session: str | None,
+        held: web.StreamResponse | None,
+    ) -> web.StreamResponse:
+        """Send the request to `first` (picked and counted in flight), and once more to
+        another replica if it fails before its first byte."""
         tried: list[str] = []
         last: _Unreachable | None = None
+        span = request[_SPAN]
+        r = first
         for attempt in range(2):
-            r = self.router.pick(view, m, session=session, avoid=tried)
-            if r is None:
-                break
+            if attempt:
+                r = self.router.pick(
+                    self.follower.view,
+                    m,
+                    session=session,
+                    avoid=tried,
+                    limit=routing.admit_limit(self.follower.view, m, self.inflight_factor),
+                )
+                if r is None:
+                    break
+                request[_PICKED_AT] = self.follower.seq
             tried.append(r.id)
-            span = request[_SPAN]
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
                 self.counts.retries += 1
@@ -498,13 +677,13 @@ class Gateway:
             inflight = self.metrics.inflight.labels(m.name)
             inflight.inc()
             try:
-                return await self._forward(request, r, body, stream, strip)
+                return await self._forward(request, r, body, stream, strip, held)
             except _Unreachable as e:
                 log.info("gateway: %s: %s%s", r.id, e, "; trying another" if not attempt else "")
                 last = e
             finally:
                 inflight.dec()
-                self.router.done(r.id)
+                self._done(r)
         if last is not None and last.garbage:
             raise Refusal(
                 502, f"the replica answered garbage: {last}", "bad_upstream", kind="api_error"
@@ -521,6 +700,212 @@ class Gateway:
             kind="api_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _done(self, r: Any) -> None:
+        """A request sent to `r` has ended: its slot frees, and the line of its model
+        (if any waits) is served from it."""
+        self.router.done(r.id)
+        if not self.room.lines:
+            return
+        m = self.follower.view.catalog.resolve(r.model)
+        line = None if m is None else self.room.lines.get(m.name)
+        if line is not None and line.waiters:
+            self._serve(line)
+
+    # ------------------------------------------------------------------ waiting room
+
+    async def _wait(
+        self, request: web.Request, m: catalog.Model, session: str | None, stream: bool
+    ) -> tuple[Any, web.StreamResponse | None]:
+        """Hold the request in its model's line until a replica can take it: the
+        replica (counted in flight) and, for a stream, the 200 already sent. A Refusal
+        past the line's length or its wait, or for a model that cannot be placed."""
+        view = self.follower.view
+        now = utc_now()
+        line = self.room.lines.get(m.name)
+        since = line.since if line is not None and line.since is not None else now
+        cannot = coldstart.unplaceable(view, m, now, since)
+        if cannot is not None:
+            raise _unplaceable(cannot)
+        look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
+        bound = look.bound_s
+        told = _client_timeout(request) if not stream else None
+        if told is not None:
+            bound = min(bound, told * CLIENT_TIMEOUT_SHARE)
+        try:
+            w = self.room.join(m, session, now)
+        except Full:
+            raise Refusal(
+                429,
+                f"{self.room.per_model} requests already wait for {m.name}, the most one "
+                f"model may have waiting; it should be ready in about {look.retry_after}s",
+                "queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(look.retry_after)},
+            ) from None
+        line = self.room.lines[m.name]
+        span = request[_SPAN]
+        span.set_attribute("llmgw.held", True)
+        held_gauge = self.metrics.held.labels(m.name)
+        held_gauge.inc()
+        if line.demand is None:
+            line.demand = asyncio.create_task(self._demand(line), name=f"demand {m.name}")
+        self._serve(line)  # a slot may be free behind requests that have left
+        resp: web.StreamResponse | None = None
+        taken = False
+        try:
+            if stream and not w.fut.done():
+                resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await resp.prepare(request)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + bound
+            while not w.fut.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                step = left if resp is None else min(left, self.keepalive_s)
+                await asyncio.wait((w.fut,), timeout=step)
+                if not w.fut.done() and resp is not None and loop.time() < deadline:
+                    await resp.write(KEEPALIVE)
+            if not w.fut.done():
+                self.room.leave(w)
+                after = coldstart.outlook(self.follower.view, m, utc_now(), floor_s=0)
+                raise Refusal(
+                    429,
+                    f"{m.name} was not ready within the {bound:.0f}s this request could "
+                    f"wait; it should be ready in about {after.retry_after}s",
+                    "not_ready_in_time",
+                    kind="rate_limit_error",
+                    headers={"Retry-After": str(after.retry_after)},
+                )
+            r = w.fut.result()  # a Refusal given to the whole line raises here
+            request[_PICKED_AT] = w.seq
+            taken = True
+            if w.woken_at is not None:
+                request[_WOKEN] = w.woken_at
+            return r, resp
+        except Refusal as e:
+            if resp is None:
+                raise
+            request[_STATUS] = e.status
+            span.set_attribute("llmgw.reason", e.reason)
+            await _sse_error(resp, e)
+            raise _Answered(resp) from None
+        finally:
+            held_gauge.dec()
+            if not taken:
+                self.room.leave(w)
+                if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                    # Released to a replica as the client went away: its slot is free.
+                    self._done(w.fut.result())
+                elif not w.fut.done():
+                    w.fut.cancel()
+
+    def _serve(self, line: Line) -> None:
+        """Release the head of `line` to replicas with room, in order, each counted in
+        flight as it is released; a model no longer declared refuses its line (404)."""
+        view = self.follower.view
+        m = view.catalog.resolve(line.model)
+        if m is None:
+            self._refuse(
+                line,
+                Refusal(
+                    404,
+                    f"the model {line.model!r} was removed while the request waited",
+                    "unknown_model",
+                ),
+            )
+            return
+        limit = routing.admit_limit(view, m, self.inflight_factor)
+        waiters = line.waiters
+        while waiters:
+            w = waiters[0]
+            if w.fut.done():
+                line.pop()
+                continue
+            r = self.router.pick(view, m, session=w.session, limit=limit)
+            if r is None:
+                break
+            line.pop()
+            if line.woken_at is not None:
+                w.woken_at, line.woken_at = line.woken_at, None
+            w.seq = view.seq
+            w.fut.set_result(r)
+
+    def _refuse(self, line: Line, refusal: Refusal) -> None:
+        while line.waiters:
+            w = line.pop()
+            if not w.fut.done():
+                w.fut.set_exception(refusal)
+        self.room.drop_if_idle(line)
+
+    def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
+        """After each event the follower folds: with requests waiting, serve the lines a
+        ready (or another change of who is routable) can serve, critical first, and
+        refuse those of a model the plane has just said it cannot place."""
+        if not self.room.lines or rejection is not None:
+            return
+        if isinstance(event, ev.ReplicaStateEvent) and event.data.state == "ready":
+            m = self.follower.view.catalog.resolve(event.data.model)
+            line = None if m is None else self.room.lines.get(m.name)
+            if line is not None and line.waiters:
+                line.woken_at = time.perf_counter()
+        if isinstance(event, _VERDICTS):
+            view = self.follower.view
+            now = utc_now()
+            for line in list(self.room.ordered()):
+                m = view.catalog.resolve(line.model)
+                if m is None:
+                    self._serve(line)  # refuses it
+                    continue
+                since = line.since
+                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                if cannot is not None:
+                    self._refuse(line, _unplaceable(cannot))
+            return
+        if isinstance(event, _WAKES):
+            for line in list(self.room.ordered()):
+                self._serve(line)
+
+    async def _demand(self, line: Line) -> None:
+        """Publish `model.demanded` for `line` at once, then at most once every
+        `demand_interval_s` while it has requests waiting; over once it empties."""
+        try:
+            while line.waiters and not self._stopping:
+                since = line.since
+                assert since is not None
+                view = self.follower.view
+                m = view.catalog.resolve(line.model)
+                inflight = 0
+                if m is not None:
+                    inflight = sum(
+                        self.router.inflight.get(r.id, 0) for r in routing.candidates(view, m)
+                    )
+                e = ev.make(
+                    ev.ModelDemanded(
+                        model=line.model,
+                        waiting=min(len(line), ev.MAX_REPLICAS),
+                        since=since,
+                        inflight=min(inflight, ev.MAX_REPLICAS),
+                    ),
+                    id=new_id(),
+                    time=utc_now(),
+                    source=SOURCE,
+                )
+                try:
+                    await self.publisher.publish(e)
+                    self.counts.demanded += 1
+                    self.metrics.demanded.labels(line.model).inc()
+                except (BusError, nats.errors.Error) as err:
+                    log.warning("gateway: demand for %s not published: %s", line.model, err)
+                # The next report a second on, unless the line empties first: then
+                # this wait for it is over, and the next request to wait starts another
+                # (published at once, as the first of its wait).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
+        finally:
+            line.demand = None
+            self.room.drop_if_idle(line)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
@@ -544,8 +929,16 @@ class Gateway:
         return b"".join(chunks)
 
     async def _forward(
-        self, request: web.Request, r: Any, body: bytes, stream: bool, strip: bool = False
+        self,
+        request: web.Request,
+        r: Any,
+        body: bytes,
+        stream: bool,
+        strip: bool = False,
+        held: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
+        already sent) when there is one."""
         assert self._http is not None
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers}
         try:
@@ -580,16 +973,30 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
-            if not stream or not upstream.headers.get("Content-Type", "").startswith(
-                "text/event-stream"
-            ):
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
+            sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            if held is not None and not (sse and upstream.status < 400):
+                # The 200 is sent: what the replica said instead of a stream goes as
+                # the stream's error event.
+                data = await self._whole(upstream, r.id)
+                raise Refusal(
+                    502 if upstream.status < 400 else upstream.status,
+                    f"replica {r.id} answered {upstream.status}: "
+                    f"{data[:500].decode(errors='replace')}",
+                    "bad_upstream" if upstream.status < 400 else "upstream_error",
+                    kind="api_error",
+                )
+            if not stream or not sse:
                 data = await self._whole(upstream, r.id)
                 self._first_byte(request)
                 if upstream.status < 400:
                     self._used(r, *_usage(data), request.get(_KEY))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
-            resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await resp.prepare(request)
+            if held is None:
+                resp = web.StreamResponse(status=upstream.status, headers=out_headers)
+                await resp.prepare(request)
+            else:
+                resp = held
             tail = b""
             first = True
             cut = streams.Strip() if strip else None
@@ -629,7 +1036,12 @@ class Gateway:
             upstream.release()
 
     def _first_byte(self, request: web.Request) -> None:
-        self.metrics.first_byte.labels(request[_MODEL]).observe(time.perf_counter() - request[_T0])
+        t = time.perf_counter()
+        self.metrics.first_byte.labels(request[_MODEL]).observe(t - request[_T0])
+        woken = request.get(_WOKEN)
+        if woken is not None:
+            self.counts.wakes.append(t - woken)
+            self.metrics.wake.observe(t - woken)
 
     # ------------------------------------------------------------------ use
 
@@ -663,6 +1075,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
             await self._publish_use()
+            self._recheck_owners()
 
     async def _publish_use(self, force: bool = False) -> None:
         """One `replica.used` for each replica with use not reported, at most one per
@@ -760,6 +1173,48 @@ def _parse(body: bytes) -> _Head:
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     return head
+
+
+def _summary(xs: deque[float]) -> dict[str, float]:
+    """How many, and the median and 99th percentile in ms, of the latest wakes."""
+    if not xs:
+        return {"n": 0}
+    got = sorted(xs)
+    n = len(got)
+    return {
+        "n": n,
+        "p50": round(got[n // 2] * 1e3, 3),
+        "p99": round(got[min(n - 1, int(n * 0.99))] * 1e3, 3),
+    }
+
+
+def _unplaceable(u: coldstart.Unplaceable) -> Refusal:
+    headers = {}
+    if u.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(u.retry_after_s)))
+    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers)
+
+
+def _client_timeout(request: web.Request) -> float | None:
+    """The seconds the client says it waits for an answer (the openai package sends its
+    read timeout as `x-stainless-read-timeout`); None when it says nothing usable."""
+    raw = request.headers.get("x-stainless-read-timeout")
+    if raw is None:
+        return None
+    try:
+        t = float(raw)
+    except ValueError:
+        return None
+    return t if math.isfinite(t) and t > 0 else None
+
+
+async def _sse_error(resp: web.StreamResponse, e: Refusal) -> None:
+    """`e` as the one SSE event of a stream whose 200 is sent (`data: {"error": ...}`,
+    which the openai package raises as an APIError), and the stream's end."""
+    doc = {"error": {"message": e.message, "type": e.kind, "code": e.reason}}
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.write(b"data: " + msgspec.json.encode(doc) + b"\n\n")
+        await resp.write_eof()
 
 
 def _too_big(limit: int) -> Refusal:
