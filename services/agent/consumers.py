@@ -117,7 +117,6 @@ async def provide(
     into a pull one and is made again; it holds no position worth keeping. Raises
     NotFoundError when there is no stream, nats' errors when the broker refuses or does
     not answer."""
-    made = await bus_stream.ensure_node_stream(js, node, root)
     await js.add_consumer(stream, command_config(node, root, ack_wait_s))
     try:
         await js.add_consumer(stream, reader_config(node, root))
@@ -125,7 +124,9 @@ async def provide(
         with contextlib.suppress(NotFoundError):
             await js.delete_consumer(stream, reader_name(node))
         await js.add_consumer(stream, reader_config(node, root))
-    return made
+    # After the consumers: a user that may not make them (an agent under the shipped
+    # permissions, asking for itself) is refused there at once, not asked to wait here.
+    return await bus_stream.ensure_node_stream(js, node, root)
 
 
 def _ack_wait(body: bytes) -> float:

@@ -326,6 +326,14 @@ async def ensure_stream(
     )
 
 
+def is_log_of(info: StreamInfo, root: str) -> bool:
+    """Whether the event stream `info` describes stores exactly the log of `root`: its
+    subjects (`stream_subjects`), or those less the nodes' reports where node streams
+    bring them (`fed_by_nodes`)."""
+    have = sorted(info.config.subjects or [])
+    return have in (sorted(_log_subjects(root, False)), sorted(_log_subjects(root, True)))
+
+
 def _log_subjects(root: str, node_streams: bool) -> list[str]:
     if not node_streams:
         return stream_subjects(root)

@@ -96,7 +96,7 @@ async def _event_stream(s: cli.Session, *, create: bool) -> Any:
             ) from None
         return await stream.ensure_stream(s.js, s.root)
     have = sorted(info.config.subjects or [])
-    if have != sorted(subjects.stream_subjects(s.root)):
+    if not stream.is_log_of(info, s.root):
         raise cli.CliError(
             f"stream {subjects.STREAM} at {s.url} stores {', '.join(have)}, not the subjects "
             f"of root {s.root!r}: pass the matching --root"
