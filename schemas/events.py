@@ -110,6 +110,15 @@ class ProfileSpec(Data, frozen=True, kw_only=True):
 
 Engine = Literal["vllm", "sglang", "command"]
 
+# DEFAULT_TARGET_INFLIGHT is a model's `target_inflight` when it declares none: the
+# requests one replica is meant to serve at once. A continuous-batching server keeps its
+# throughput well past a handful; far more and the time to first token grows for all.
+DEFAULT_TARGET_INFLIGHT = 8
+# DEFAULT_IDLE_AFTER_S is a model's `idle_after_s` when it declares none: 15 minutes with
+# no request before an on-demand model goes back to zero. Shorter and a model whose users
+# pause for a coffee pays a cold start of minutes; longer and its GPUs sit idle.
+DEFAULT_IDLE_AFTER_S = 900.0
+
 
 class ModelRuntime(Data, frozen=True, kw_only=True):
     """How an agent on a GPU host runs a replica's model server (an extension of the
@@ -149,10 +158,22 @@ class ModelDeclared(Data, frozen=True, kw_only=True):
     profiles: Annotated[tuple[ProfileSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
     runtime: ModelRuntime | None = None
     """None: no server to run (simulated nodes only). An extension of the contract."""
+    target_inflight: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] | None = None
+    """Extension: the requests one replica is meant to serve at once, what the autoscaler
+    sizes an on-demand model by and the gateway admits per replica. None: the default,
+    `DEFAULT_TARGET_INFLIGHT`."""
+    idle_after_s: Quantity = DEFAULT_IDLE_AFTER_S
+    """Extension: seconds with no request after which the autoscaler takes an on-demand
+    model (min 0) back to zero replicas."""
 
     @property
     def effective_max(self) -> int:
         return self.max if self.max is not None else max(self.min, 1)
+
+    @property
+    def effective_target_inflight(self) -> int:
+        t = self.target_inflight
+        return DEFAULT_TARGET_INFLIGHT if t is None else t
 
 
 class ModelRemoved(Data, frozen=True, kw_only=True):
@@ -181,6 +202,25 @@ class QuotaSet(Data, frozen=True, kw_only=True):
 class ScaleDesired(Data, frozen=True, kw_only=True):
     model: Name
     replicas: Count
+    reason: Text | None = None
+    """Extension: why, in words (`demand: 3 waiting since 12:00:01`, `idle 15m`), said by
+    the autoscaler; None from an operator, who says how many by hand."""
+
+
+class ModelDemanded(Data, frozen=True, kw_only=True):
+    """Requests for a declared model are waiting in the gateway for a replica that can
+    serve them (none routable: at zero, starting, or all full). Published by the gateway
+    at once for the first held request and at most once a second per model while
+    requests wait; a fact of the log, folded as the model's last demand."""
+
+    model: Name
+    waiting: Count
+    """Requests held now."""
+    since: UtcTime
+    """When the longest-held of them arrived."""
+    inflight: Count = 0
+    """Extension: requests in flight on the model's replicas as the gateway counts them
+    (0 when none can serve), so the autoscaler can size past one replica."""
 
 
 # ---------------------------------------------------------------- nodes
@@ -262,6 +302,14 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     """Where its server answers (`http://host:port`), said when it is ready; an extension."""
 
 
+class OwnerUse(Data, frozen=True, kw_only=True):
+    """One owner's share of a replica's use over the interval a `replica.used` reports."""
+
+    requests: BigCount = 0
+    tokens_in: BigCount = 0
+    tokens_out: BigCount = 0
+
+
 class ReplicaUsed(Data, frozen=True, kw_only=True):
     replica: Name
     at: UtcTime
@@ -273,6 +321,12 @@ class ReplicaUsed(Data, frozen=True, kw_only=True):
     """Extension: prompt tokens of those requests, as their answers' `usage` said."""
     tokens_out: BigCount | None = None
     """Extension: completion tokens of those requests, as their answers' `usage` said."""
+    by_owner: Annotated[dict[Name, OwnerUse], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension, from a gateway with API keys: those requests and tokens per owner of
+    the key that sent them (requests sent without a key are in no owner's); empty from
+    an agent, or a gateway without keys."""
 
 
 # ---------------------------------------------------------------- decisions and commands
@@ -371,6 +425,11 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     policy: Text = "reference"
     """The policy that decided (reference, node-aware); a decision from before the
     field was added was the reference's."""
+    reason: Text = ""
+    """Why, in words (extension). A `fits` answers a placement that failed although the
+    room is there (the scheduler held the model back, a node backing off after failed
+    starts): it says that nothing was stopped and what still keeps the model unplaced.
+    Empty in a decision from before the field was added."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):
@@ -437,6 +496,10 @@ class QuotaSetEvent(Envelope, frozen=True, kw_only=True, tag="quota.set"):
 
 class ScaleDesiredEvent(Envelope, frozen=True, kw_only=True, tag="scale.desired"):
     data: ScaleDesired
+
+
+class ModelDemandedEvent(Envelope, frozen=True, kw_only=True, tag="model.demanded"):
+    data: ModelDemanded
 
 
 class NodeInventoryEvent(Envelope, frozen=True, kw_only=True, tag="node.inventory"):
@@ -508,6 +571,7 @@ Event = (
     | ModelRemovedEvent
     | QuotaSetEvent
     | ScaleDesiredEvent
+    | ModelDemandedEvent
     | NodeInventoryEvent
     | NodeLostEvent
     | NodeFoundEvent
@@ -531,6 +595,7 @@ EVENT_CLASSES: tuple[type[Envelope], ...] = (
     ModelRemovedEvent,
     QuotaSetEvent,
     ScaleDesiredEvent,
+    ModelDemandedEvent,
     NodeInventoryEvent,
     NodeLostEvent,
     NodeFoundEvent,

@@ -35,6 +35,11 @@ def scale_subject(model: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.catalog.scale.{_t(model)}"
 
 
+def demand_subject(model: str, root: str = DEFAULT_ROOT) -> str:
+    """Where the gateway says requests for `model` wait (`model.demanded`)."""
+    return f"{root}.gateway.demand.{_t(model)}"
+
+
 def inventory_subject(node: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.node.{_t(node)}.inventory"
 
@@ -83,6 +88,30 @@ def agent_subject(node: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.heartbeat.{_t(node)}.agent"
 
 
+def gateway_inflight_subject(node: str, replica: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, request and reply, not stored: the agent of `node` draining `replica`
+    asks every gateway how many of its requests are in flight there, and each answers
+    (`services.gateway.server`). The node is in the subject so that an agent may ask
+    only about its own replicas. Not under `<root>.gateway.`, which the stream stores."""
+    return f"{root}.inflight.{_t(node)}.{_t(replica)}"
+
+
+def gateway_inflight_wildcard(root: str = DEFAULT_ROOT) -> str:
+    """What a gateway subscribes to, to answer every agent's question."""
+    return f"{root}.inflight.*.*"
+
+
+def replica_of_inflight(subject: str) -> str | None:
+    """The replica a `gateway_inflight_subject` names; None for any other subject."""
+    toks = subject.split(".")
+    if len(toks) != 4 or toks[1] != "inflight":
+        return None
+    try:
+        return unescape(toks[3])
+    except TokenError:
+        return None
+
+
 def dlq_subject(consumer: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.dlq.{_t(consumer)}"
 
@@ -98,6 +127,7 @@ def stream_subjects(root: str = DEFAULT_ROOT) -> list[str]:
         f"{root}.preemption.>",
         f"{root}.hold.>",
         f"{root}.view.>",
+        f"{root}.gateway.>",
     ]
 
 
@@ -138,6 +168,8 @@ def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
                 return Parsed("catalog.quota")
             case ["catalog", "scale", m]:
                 return Parsed("catalog.scale", model=unescape(m))
+            case ["gateway", "demand", m]:
+                return Parsed("gateway.demand", model=unescape(m))
             case ["node", n, "inventory"]:
                 return Parsed("node.inventory", node=unescape(n))
             case ["node", n, "status"]:
@@ -208,6 +240,7 @@ _BY_NAME: dict[type, tuple[Callable[[str, str], str], str]] = {
     ev.ModelDeclaredEvent: (model_subject, "name"),
     ev.ModelRemovedEvent: (model_subject, "name"),
     ev.ScaleDesiredEvent: (scale_subject, "model"),
+    ev.ModelDemandedEvent: (demand_subject, "model"),
     ev.NodeInventoryEvent: (inventory_subject, "node"),
     ev.NodeLostEvent: (node_status_subject, "node"),
     ev.NodeFoundEvent: (node_status_subject, "node"),

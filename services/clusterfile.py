@@ -89,21 +89,19 @@ class ClusterFile:
         and not listed under `owners:` nor in `new` (`--new-owner`), with the closest
         owner of the tree; None when all are, or when there is no tree to escape."""
         known = set(tree)
-        if not known:
-            return None
         for i, m in enumerate(self.models):
-            if m.owner in known or m.owner in self.owners or m.owner in new:
+            if m.owner in self.owners or m.owner in new:
+                continue
+            said = names.outside_tree(m.owner, known)
+            if said is None:
                 continue
             where = f"models[{i}].owner"
-            said = (
-                f"`{m.owner}` is not an owner in the quota tree"
-                if where in self.lines or m.owner != "default"
-                else "no owner given, so `default`, which is not an owner in the quota tree"
-            )
+            if where not in self.lines and m.owner == "default":
+                said = said.replace("`default` is", "no owner given, so `default`, which is", 1)
             return self.error(
                 where,
-                f"{said}{names.did_you_mean(m.owner, known, quote='`')} (an owner outside "
-                f"it has no limit: list it under `owners:`, or pass --new-owner {m.owner})",
+                f"{said} (an owner outside it has no limit: list it under `owners:`, or "
+                f"pass --new-owner {m.owner})",
             )
         return None
 

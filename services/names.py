@@ -8,7 +8,7 @@ the parser (a mistyped command or flag). Pure: it takes the names as data, reads
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from schemas import events as ev
 
@@ -33,6 +33,17 @@ def did_you_mean(name: str, candidates: Iterable[str], *, quote: str = "") -> st
     """`: did you mean X?`, or "" when nothing is close."""
     s = suggest(name, candidates)
     return f": did you mean {quote}{s}{quote}?" if s is not None else ""
+
+
+def outside_tree(owner: str, tree: Collection[str]) -> str | None:
+    """Why `owner` is not an owner of the quota tree whose owners are `tree`, with the
+    closest of them (`` `reserch` is not an owner in the quota tree: did you mean
+    `research`? ``); None when it is one, or when there is no tree to be outside of.
+    The one check of an owner that a user names (a model's in a cluster file, a key's in
+    the gateway's key file): an owner outside the tree has no guarantee and no limit."""
+    if not tree or owner in tree:
+        return None
+    return f"`{owner}` is not an owner in the quota tree{did_you_mean(owner, tree, quote='`')}"
 
 
 def canonical_model(models: Mapping[str, ev.ModelDeclared], name: str) -> str | None:

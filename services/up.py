@@ -27,7 +27,7 @@ from typing import Any
 from services import lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
-from services.agent.responder import Timing
+from services.agent.responder import Errors, Timing
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
 from services.bus import node_streams as bus_node_streams
@@ -37,7 +37,13 @@ from services.bus.urls import has_credentials, public_url
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
-from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+from services.gateway.listen import (
+    KEEPALIVE_S,
+    MAX_BODY,
+    QUEUE_PER_MODEL,
+    UPSTREAM_TIMEOUT_S,
+    USED_INTERVAL_S,
+)
 from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -78,7 +84,12 @@ class UpOptions:
     heartbeat_s: float = 1.0
     sim_ttft_s: float = 0.05
     sim_tps: float = 100.0
+    sim_server_drains: bool = True
+    """Whether a simulated server lets its requests finish on a drain (`--sim-no-drain`)."""
     """The simulated servers' pace (each ready simulated replica answers requests)."""
+    sim_errors: dict[str, Errors] = field(default_factory=dict)
+    """The simulated servers' errors by model ("": every model not named), --sim-errors."""
+    sim_seed: int = 0
     traffic: dict[str, float] = field(default_factory=dict)
     projector: bool = True
     duplicate_window_s: float = 120.0
@@ -95,6 +106,8 @@ class UpOptions:
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_queue_per_model: int = QUEUE_PER_MODEL
+    gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
     gateway_any_port: bool = False
     """Take a free port when `gateway`'s is taken by the time it binds (the default
@@ -390,7 +403,13 @@ async def _serve(
                             opts.start_delay_s,
                             opts.load_delay_s,
                             opts.stop_delay_s,
-                            serve=Timing(opts.sim_ttft_s, opts.sim_tps),
+                            serve=Timing(
+                                opts.sim_ttft_s,
+                                opts.sim_tps,
+                                errors=opts.sim_errors,
+                                seed=opts.sim_seed,
+                            ),
+                            server_drains=opts.sim_server_drains,
                         ),
                         root=opts.root,
                         heartbeat_s=opts.heartbeat_s,
@@ -421,7 +440,10 @@ async def _serve(
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
+                queue_per_model=opts.gateway_queue_per_model,
+                keepalive_s=opts.gateway_keepalive_s,
                 keys=opts.gateway_keys,
+                nc=nc,
             )
             try:
                 gw_sock = gateway.bind()

@@ -49,7 +49,7 @@ from nats.js.errors import NotFoundError
 from schemas import events as ev
 from schemas import ids, names, subjects
 from schemas.events import DRAIN_GRACE_S
-from services.agent import consumers
+from services.agent import consumers, gateways
 from services.agent.consumers import ACK_WAIT_S as ACK_WAIT_S
 from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
@@ -170,6 +170,9 @@ class _Replica:
     correlation: str | None
     since: datetime
     grace_s: float = DRAIN_GRACE_S
+    drain_seq: int = 0
+    """The stream seq of its drain (0: not known): a gateway whose view is behind it may
+    still route requests here."""
     endpoint: str | None = None
     """The endpoint its latest `replica.state` in the log named."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -207,6 +210,7 @@ class Agent:
         health: HealthWatch | None = None,
         health_file: Path | None = None,
         takeover: bool = False,
+        gateway_wait: bool = True,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -228,6 +232,13 @@ class Agent:
         self.used_interval_s = used_interval_s
         self.ack_wait_s = ack_wait_s
         self._on_stored = on_stored
+        # gateway_wait: a drain waits, up to its grace, for the gateways to have nothing
+        # in flight on the replica before its server is stopped (services.agent.gateways).
+        # Off, the server is stopped at once and only its own metrics are waited for.
+        self.gateway_wait = gateway_wait
+        # _gateways_seen: whether the last drain found a gateway answering, so that a
+        # plane without one is said once, not at every drain.
+        self._gateways_seen: bool | None = None
         self._health = health
         self._health_file = health_file
         # _unhealthy: GPU index -> why; kept in `health_file` so a restart remembers it.
@@ -576,6 +587,7 @@ class Agent:
                         for rec in reps.values():
                             if rec.command == e.id:
                                 rec.grace_s = e.data.grace_s
+                                rec.drain_seq = d.seq
         self._replicas = reps
 
     async def _own_replicas(self) -> dict[str, _Replica]:
@@ -660,7 +672,7 @@ class Agent:
             case ev.ReplicaStartEvent():
                 await self._on_start(e, redelivered=d.delivered > 1)
             case ev.ReplicaDrainEvent():
-                await self._on_drain(e, redelivered=d.delivered > 1)
+                await self._on_drain(e, redelivered=d.delivered > 1, seq=d.seq)
             case _:
                 raise Permanent(f"{subjects.type_tag(e)} is not a command an agent carries out")
 
@@ -704,7 +716,9 @@ class Agent:
         if rec.state == "starting":
             self._spawn(rec, self._run_start(rec))
 
-    async def _on_drain(self, cmd: ev.ReplicaDrainEvent, *, redelivered: bool) -> None:
+    async def _on_drain(
+        self, cmd: ev.ReplicaDrainEvent, *, redelivered: bool, seq: int = 0
+    ) -> None:
         c = cmd.data
         again = " (redelivered)" if redelivered else ""
         log.info(
@@ -732,6 +746,7 @@ class Agent:
         async with rec.lock:
             rec.command, rec.correlation = cmd.id, cmd.correlation or cmd.id
             rec.grace_s = c.grace_s
+            rec.drain_seq = seq
             await self._say(rec, "draining", c.reason)
         self._spawn(rec, self._run_stop(rec, c.grace_s))
 
@@ -848,12 +863,59 @@ class Agent:
                     await inner("failed", f"{failed}; {reason}")
 
         try:
-            await self.runtime.stop(rec.replica, grace_s=grace_s, report=report)
+            if failed is None and self.gateway_wait and grace_s > 0:
+                grace_s -= await self._wait_for_gateways(rec, grace_s)
+            await self.runtime.stop(rec.replica, grace_s=max(grace_s, 0.0), report=report)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.error("%s: %s: runtime failed to stop it: %s", self.node, rec.replica, e)
             await report("failed", f"runtime: {type(e).__name__}: {e}")
+
+    async def _wait_for_gateways(self, rec: _Replica, grace_s: float) -> float:
+        """Wait, up to `grace_s`, until no gateway has the draining `rec` in flight or
+        routable; the seconds it took. What it found is said once per change."""
+        try:
+            q = await gateways.until_quiet(
+                self.nc,
+                self.node,
+                rec.replica,
+                within_s=grace_s,
+                drain_seq=rec.drain_seq,
+                root=self.root,
+            )
+        except nats.errors.Error as e:
+            # No broker to ask through: the server's own drain is all there is.
+            log.warning("%s: %s: gateways not asked: %s", self.node, rec.replica, e)
+            return 0.0
+        seen = q.gateways > 0
+        if seen != self._gateways_seen:
+            self._gateways_seen = seen
+            if not seen:
+                log.info(
+                    "%s: no gateway answers for its in-flight requests: drains stop "
+                    "servers without waiting for one",
+                    self.node,
+                )
+        if q.clear:
+            if seen:
+                log.info(
+                    "%s: %s: nothing in flight through %d gateway(s) after %.2fs",
+                    self.node,
+                    rec.replica,
+                    q.gateways,
+                    q.waited_s,
+                )
+        else:
+            log.warning(
+                "%s: %s: grace over with %d request(s) in flight through gateways "
+                "(%d still routing to it): stopping it",
+                self.node,
+                rec.replica,
+                q.inflight,
+                q.routing,
+            )
+        return q.waited_s
 
     def _reporter(self, rec: _Replica) -> Report:
         async def report(state: ev.ReplicaStateName, reason: str | None = None) -> None:

@@ -8,6 +8,12 @@ the way vLLM does, with deterministic text (the same request gets the same answe
 every replica), streams as server-sent events (`data: {...}` chunks, then
 `data: [DONE]`), and takes `ttft_s` before the first token and `1/tps` between tokens.
 `/health` answers 200 while it runs. It decides nothing and publishes nothing.
+
+Errors are simulated too, for the gateway's tests and drills (`--sim-errors`): a share of
+the requests (per model, or for every model) fail in one of the ways in ERRORS, chosen
+by a hash of the seed, the model and the request's number at its replica, so the n-th
+request a replica of a model answers fails the same way in every run, whatever the
+replica's id or the clock.
 """
 
 from __future__ import annotations
@@ -18,27 +24,100 @@ import hashlib
 import json
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from services import names
 
 # MAX_TOKENS_DEFAULT is what a request that names no max_tokens gets; MAX_TOKENS_CAP bounds
 # what one may ask for, so a simulated answer is never a flood.
 MAX_TOKENS_DEFAULT = 16
 MAX_TOKENS_CAP = 4096
+# MAX_N bounds the choices one request may ask for (`n`); past it, or not a positive
+# integer, the request is a 400 as vLLM answers a bad sampling parameter, so a huge `n`
+# cannot make a simulated server write without end.
+MAX_N = 16
 # EMBEDDING_DIM is the length of a simulated embedding.
 EMBEDDING_DIM = 8
 WORDS = ("the", "plane", "folds", "a", "log", "of", "facts", "and", "serves", "tokens")
 
+# ERRORS are the ways a simulated request fails, and what each does.
+ERRORS = {
+    "500": "answers 500, an OpenAI error (a server error: not tried elsewhere)",
+    "503": "answers 503 before anything (a server that cannot take it now: the gateway "
+    "tries another replica)",
+    "garbage": "answers bytes that are not HTTP (the gateway's 502); a stream: a broken "
+    "event after its first token, then the connection closed",
+    "stall": "stops answering: before its first byte (the gateway's 504 once "
+    "--upstream-timeout passes), a stream after its first token; closed after STALL_S",
+}
+# STALL_S bounds a stall: past it the connection is closed, so a client without a timeout
+# of its own is not held for ever.
+STALL_S = 600.0
+
+
+@dataclass(frozen=True)
+class Errors:
+    """What share of a model's requests fail (`rate`, 0 to 1) and the ways they may
+    (`kinds`, of ERRORS, one chosen per failing request)."""
+
+    rate: float = 0.0
+    kinds: tuple[str, ...] = tuple(ERRORS)
+
+
+def parse_errors(text: str) -> tuple[str, Errors]:
+    """`[MODEL=]RATE[:KIND,...]` -> (MODEL or "" for every model, Errors); ValueError
+    with the one line to show."""
+    model, eq, rest = text.rpartition("=") if "=" in text else ("", "", text)
+    if eq and not model:
+        raise ValueError(f"{text!r}: no model before =, e.g. chat=0.1:503")
+    rate_s, _, kinds_s = rest.partition(":")
+    try:
+        rate = float(rate_s)
+    except ValueError:
+        rate = -1.0
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(
+            f"{text!r}: the rate must be a share of requests from 0 to 1, e.g. 0.05 "
+            "(one request in twenty)"
+        )
+    kinds = tuple(k for k in kinds_s.split(",") if k) if kinds_s else tuple(ERRORS)
+    for k in kinds:
+        if k not in ERRORS:
+            hint = names.did_you_mean(k, ERRORS)
+            raise ValueError(
+                f"{text!r}: {k!r} is not a kind of error{hint} (one of {', '.join(ERRORS)})"
+            )
+    return model, Errors(rate, kinds)
+
 
 @dataclass(frozen=True)
 class Timing:
-    """How fast a simulated server answers: `ttft_s` before the first token, `tps`
-    tokens a second after it (0: as fast as it can)."""
+    """How a simulated server answers: `ttft_s` before the first token, `tps` tokens a
+    second after it (0: as fast as it can), and the requests that fail: `errors` by
+    model ("" for every model not named), chosen by `seed`."""
 
     ttft_s: float = 0.05
     tps: float = 100.0
+    errors: Mapping[str, Errors] = field(default_factory=dict)
+    seed: int = 0
+
+    def errors_of(self, model: str) -> Errors:
+        return self.errors.get(model) or self.errors.get("") or Errors()
+
+
+def fault(seed: int, model: str, n: int, errors: Errors) -> str | None:
+    """How the `n`-th request a replica of `model` answers fails (a key of ERRORS), or
+    None: a hash of the three, so the same in every run."""
+    if errors.rate <= 0.0 or not errors.kinds:
+        return None
+    h = hashlib.sha256(f"{seed}\0{model}\0{n}".encode()).digest()
+    if int.from_bytes(h[:8], "big") / 2.0**64 >= errors.rate:
+        return None
+    return errors.kinds[h[8] % len(errors.kinds)]
 
 
 def _tokens(model: str, prompt: str, n: int) -> list[str]:
@@ -52,6 +131,17 @@ def _max_tokens(body: dict[str, Any]) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return MAX_TOKENS_DEFAULT
     return min(n, MAX_TOKENS_CAP)
+
+
+def _choices(body: dict[str, Any]) -> int | None:
+    """How many choices the request asks for (`n`, default 1); None when it is not an
+    integer from 1 to MAX_N."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        return None
+    return n
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -77,6 +167,9 @@ class Responder:
         self._quiet.set()
         self._runner: web.AppRunner | None = None
         self._n = 0
+        self._errors = timing.errors_of(model)
+        self.failed: dict[str, int] = {}
+        """Requests failed on purpose, by kind."""
 
     @property
     def endpoint(self) -> str:
@@ -157,38 +250,48 @@ class Responder:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
+        n = _choices(body)
+        if n is None:
+            return _error(400, f"n must be an integer from 1 to {MAX_N}, not {body.get('n')!r:.40}")
         self.served += 1
         self._n += 1
+        kind = self._fault()
+        stream = bool(body.get("stream"))
+        if kind is not None and (not stream or kind in ("500", "503")):
+            return await self._fail(request, kind)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.replica}-{self._n}"
         prompt = _prompt(body)
         words = _tokens(self.model, prompt, _max_tokens(body))
         usage = {
             "prompt_tokens": max(1, len(prompt) // 4),
-            "completion_tokens": len(words),
-            "total_tokens": max(1, len(prompt) // 4) + len(words),
+            "completion_tokens": len(words) * n,
+            "total_tokens": max(1, len(prompt) // 4) + len(words) * n,
         }
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
+        what = "chat.completion" if chat else "text_completion"
         if self.timing.ttft_s > 0:
             await asyncio.sleep(self.timing.ttft_s)
         gap = 1.0 / self.timing.tps if self.timing.tps > 0 else 0.0
-        if not body.get("stream"):
+        if not stream:
             if gap and len(words) > 1:
                 await asyncio.sleep(gap * (len(words) - 1))
             text = " ".join(words)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
+            choices = []
+            for i in range(n):
+                choice: dict[str, Any] = {"index": i, "finish_reason": "length", "logprobs": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                choices.append(choice)
             return web.json_response(
                 {
                     "id": rid,
-                    "object": kind,
+                    "object": what,
                     "created": created,
                     "model": self.model,
                     "system_fingerprint": self.replica,
-                    "choices": [choice],
+                    "choices": choices,
                     "usage": usage,
                 }
             )
@@ -199,22 +302,26 @@ class Responder:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                c["delta"] = ({"role": "assistant"} if role else {}) | (
-                    {"content": delta} if delta is not None else {}
-                )
-            else:
-                c["text"] = delta or ""
-            doc = {
-                "id": rid,
-                "object": chunk_kind,
-                "created": created,
-                "model": self.model,
-                "system_fingerprint": self.replica,
-                "choices": [c],
-            }
-            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+            # One event a choice: each of the `n` choices streams the same words.
+            out = b""
+            for i in range(n):
+                c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
+                if chat:
+                    c["delta"] = ({"role": "assistant"} if role else {}) | (
+                        {"content": delta} if delta is not None else {}
+                    )
+                else:
+                    c["text"] = delta or ""
+                doc = {
+                    "id": rid,
+                    "object": chunk_kind,
+                    "created": created,
+                    "model": self.model,
+                    "system_fingerprint": self.replica,
+                    "choices": [c],
+                }
+                out += b"data: " + json.dumps(doc).encode() + b"\n\n"
+            return out
 
         if chat:
             await resp.write(chunk("", None, role=True))
@@ -222,6 +329,16 @@ class Responder:
             if i and gap:
                 await asyncio.sleep(gap)
             await resp.write(chunk(w if i == 0 else " " + w, None))
+            if kind is not None:
+                # Past the first token there is no status left: it breaks off mid-stream.
+                if kind == "garbage":
+                    await resp.write(b'data: {"id": "' + rid.encode() + b'", \x00\xff garbage\n\n')
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.Event().wait(), STALL_S)
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
         await resp.write(chunk(None if chat else "", "length"))
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
@@ -243,6 +360,10 @@ class Responder:
         if isinstance(body, web.Response):
             return body
         self.served += 1
+        self._n += 1
+        kind = self._fault()
+        if kind is not None:
+            return await self._fail(request, kind)
         inputs = body.get("input")
         items = inputs if isinstance(inputs, list) else [inputs]
         data = []
@@ -260,9 +381,29 @@ class Responder:
             }
         )
 
+    def _fault(self) -> str | None:
+        kind = fault(self.timing.seed, self.model, self._n, self._errors)
+        if kind is not None:
+            self.failed[kind] = self.failed.get(kind, 0) + 1
+        return kind
 
-def _error(status: int, message: str) -> web.Response:
+    async def _fail(self, request: web.Request, kind: str) -> web.Response:
+        """A request failed before its first byte, the way `kind` says."""
+        if kind in ("500", "503"):
+            why = "simulated server error" if kind == "500" else "simulated: server busy"
+            return _error(int(kind), why, "server_error")
+        if kind == "stall":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.Event().wait(), STALL_S)
+        elif request.transport is not None:
+            request.transport.write(b"garbage \x00\xff: not HTTP\r\n\r\n")
+        if request.transport is not None:
+            request.transport.close()
+        return web.Response()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "code": None}},
+        {"error": {"message": message, "type": kind, "code": None}},
         status=status,
     )

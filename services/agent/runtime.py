@@ -98,7 +98,10 @@ class SimulatedRuntime:
     With `serve` (a `responder.Timing`), each ready replica answers requests: a simulated
     OpenAI-compatible server (`services.agent.responder`) on a loopback port, its
     endpoint. A drain lets the requests it is answering finish, up to the drain's grace,
-    then closes it. Without `serve`, replicas have no endpoint.
+    then closes it; with `server_drains` off it closes it at once, cutting what it is
+    answering, as a server that exits on SIGTERM does (then only the agent's wait for
+    the gateways, `services.agent.gateways`, keeps requests whole). Without `serve`,
+    replicas have no endpoint.
     """
 
     needs_model_runtime = False
@@ -111,6 +114,7 @@ class SimulatedRuntime:
         *,
         fail_models: Collection[str] = (),
         serve: Timing | None = None,
+        server_drains: bool = True,
     ) -> None:
         for name, v in (
             ("start_delay_s", start_delay_s),
@@ -124,6 +128,7 @@ class SimulatedRuntime:
         self.stop_delay_s = stop_delay_s
         self.fail_models = frozenset(fail_models)
         self.serve = serve
+        self.server_drains = server_drains
         self._states: dict[str, str] = {}
         self._models: dict[str, str] = {}
         self._servers: dict[str, Responder] = {}
@@ -164,7 +169,7 @@ class SimulatedRuntime:
         if server is not None:
             # The requests it is answering run to the drain's grace, not to the
             # simulated stop: a drain that cut them would be a fault of its own.
-            left = grace_s - (time.monotonic() - start)
+            left = grace_s - (time.monotonic() - start) if self.server_drains else 0.0
             if not await server.quiet(left):
                 log.info("%s: cut %d requests at the end of its grace", replica, server.active)
             await server.close()

@@ -326,15 +326,9 @@ async def ensure_stream(
     )
 
 
-def is_log_of(info: StreamInfo, root: str) -> bool:
-    """Whether the event stream `info` describes stores exactly the log of `root`: its
-    subjects (`stream_subjects`), or those less the nodes' reports where node streams
-    bring them (`fed_by_nodes`)."""
-    have = sorted(info.config.subjects or [])
-    return have in (sorted(_log_subjects(root, False)), sorted(_log_subjects(root, True)))
-
-
-def _log_subjects(root: str, node_streams: bool) -> list[str]:
+def log_subjects(root: str, node_streams: bool) -> list[str]:
+    """What the log stores itself: every subject of the contract's stream
+    (`stream_subjects`), less the nodes' reports where node streams bring them."""
     if not node_streams:
         return stream_subjects(root)
     out = [s for s in stream_subjects(root) if s != f"{root}.node.>"]
@@ -351,7 +345,7 @@ def _log_config(
     return StreamConfig(
         name=STREAM,
         description=f"llmgw event log under {root}",
-        subjects=_log_subjects(root, node_streams),
+        subjects=log_subjects(root, node_streams),
         sources=sources or None,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

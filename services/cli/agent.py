@@ -190,6 +190,52 @@ def add_simulation_options(p: Any) -> None:
         "tokens a second a simulated server streams, 0: at once",
         metavar="N",
     )
+    p.add_argument(
+        "--sim-errors",
+        type=_arg_sim_errors,
+        action="append",
+        default=[],
+        metavar="[MODEL=]RATE[:KIND,...]",
+        help="the share of requests (0 to 1) a simulated server fails, of MODEL or of every "
+        "model not named (repeatable; default none), and how: 500 (a server error), 503 "
+        "(busy: the gateway tries another replica), garbage (not HTTP, the gateway's 502; "
+        "a stream breaks off after its first token), stall (no answer, the gateway's 504 "
+        "after --upstream-timeout; a stream stops after its first token); all four when "
+        "no KIND is given. Which requests fail is decided by --sim-seed, the model and "
+        "the request's number at its replica: the same in every run. E.g. 0.05, "
+        "chat=0.2:503,stall",
+    )
+    p.add_argument(
+        "--sim-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the seed of --sim-errors: another seed, other requests fail (default 0)",
+    )
+    p.add_argument(
+        "--sim-no-drain",
+        action="store_true",
+        help="a simulated server stops at once on a drain, cutting the requests it is "
+        "answering (as a server that exits on SIGTERM); only the drain's wait for the "
+        "gateways' in-flight requests keeps them whole",
+    )
+
+
+def _arg_sim_errors(text: str) -> tuple[str, Any]:
+    from services.agent.responder import parse_errors
+
+    try:
+        return parse_errors(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def sim_timing(args: argparse.Namespace) -> Any:
+    """The simulated servers' `responder.Timing` from --sim-ttft, --sim-tps, --sim-errors
+    (the last one given for a model counts) and --sim-seed."""
+    from services.agent.responder import Timing
+
+    return Timing(args.sim_ttft, args.sim_tps, errors=dict(args.sim_errors), seed=args.sim_seed)
 
 
 def advertised(host: str, broker: Any) -> str:
@@ -288,14 +334,13 @@ async def _run(args: argparse.Namespace) -> int:
     health_file = None
     process_runtime = None
     if args.simulate:
-        from services.agent.responder import Timing
-
         gpu_list = spec.gpu_inventory(args.node, args.gpus)
         runtime = SimulatedRuntime(
             args.start_delay,
             args.load_delay,
             args.stop_delay,
-            serve=Timing(args.sim_ttft, args.sim_tps),
+            serve=sim_timing(args),
+            server_drains=not args.sim_no_drain,
         )
     else:
         from services.agent import gpus as host_gpus

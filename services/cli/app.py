@@ -54,6 +54,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.cli.gateway",
     "services.cli.simulate",
     "services.cli.log",
+    "services.cli.kube",
 )
 
 ENV_NATS = "LLMGW_NATS"
@@ -69,13 +70,40 @@ Handler = Callable[[argparse.Namespace], "int | Awaitable[int | None] | None"]
 # ---------------------------------------------------------------------- errors
 
 
+# EXIT_CODES is the one table of exit statuses every command uses (and `--help` and the
+# README show): a script tells "nothing of that name" from "no broker" by the status,
+# whichever command it ran. Each error class below carries its code.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_TIMED_OUT = 4
+EXIT_REFUSED = 5
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "done (for status: the plane runs)"),
+    (EXIT_FAILED, "failed: no broker, a file unreadable, the plane not running"),
+    (EXIT_USAGE, "the command line is wrong: a flag, a value, JSON, a kind"),
+    (EXIT_NOT_FOUND, "no node, model or replica of that name (in the log read)"),
+    (EXIT_TIMED_OUT, "`wait` gave up at its --timeout"),
+    (EXIT_REFUSED, "not done: not confirmed, or unsafe without --force"),
+    (130, "interrupted (Ctrl-C)"),
+    (141, "the reader of the output went away (a pipe into head)"),
+)
+
+
+def exit_code_lines() -> str:
+    """The exit-code table as `--help` prints it."""
+    return "exit codes:\n" + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES)
+
+
 class CliError(Exception):
     """A failure the user can act on: printed as one line, `llmgw: <message>`, no traceback.
 
-    `code` is the exit status: 1 for runtime failures (no broker, unreadable file).
+    `code` is the exit status (see EXIT_CODES): 1 for runtime failures (no broker,
+    unreadable file).
     """
 
-    code = 1
+    code = EXIT_FAILED
 
     def __init__(self, message: str, *, code: int | None = None) -> None:
         super().__init__(message)
@@ -87,7 +115,36 @@ class CliError(Exception):
 class UsageError(CliError):
     """The command line itself is wrong (a bad flag value, bad JSON, invalid event data)."""
 
-    code = 2
+    code = EXIT_USAGE
+
+
+class NotFound(CliError):
+    """A node, model or replica named on the command line that the log does not have."""
+
+    code = EXIT_NOT_FOUND
+
+
+class TimedOut(CliError):
+    """A wait that reached its --timeout before what it waited for came true."""
+
+    code = EXIT_TIMED_OUT
+
+
+class Refused(CliError):
+    """Nothing done: the question was not answered yes, or the action is unsafe without
+    --force (a drain that would take a model below its minimum)."""
+
+    code = EXIT_REFUSED
+
+
+def replay_error(e: Exception) -> CliError:
+    """The CLI's error for one of `services.replay`'s: an entity the log never mentions
+    is not found (3), anything else a failure (1)."""
+    from services.replay.errors import UnknownEntity
+
+    if isinstance(e, UnknownEntity):
+        return NotFound(str(e))
+    return CliError(str(e))
 
 
 # ---------------------------------------------------------------------- parser
@@ -108,10 +165,21 @@ class _Parser(argparse.ArgumentParser):
                 if isinstance(a, argparse._SubParsersAction)
                 for c in a.choices
             ]
-            hint = names.did_you_mean(m.group(1), choices, quote="`")
+            word = m.group(1)
+            instead = NOT_THIS.get(word)
+            hint = f": {instead}" if instead else names.did_you_mean(word, choices, quote="`")
             if hint:
-                message = f"unknown command `{m.group(1)}`{hint}"
-        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+                message = f"unknown command `{word}`{hint}"
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+# NOT_THIS names the mistyped commands whose closest spelling is the wrong thing to run:
+# `logs` is one letter from `log`, which compacts the log, and a reader who typed `logs`
+# wanted to read it.
+NOT_THIS = {
+    "logs": "to read the log, `llmgw events tail` (or `llmgw history KIND NAME`); "
+    "`llmgw log` compacts it",
+}
 
 
 # _INVALID_CHOICE finds the word in argparse's "invalid choice: 'stauts' (choose from ...)".
@@ -246,7 +314,7 @@ def _common(skip: frozenset[str]) -> argparse.ArgumentParser:
 def _missing_command(p: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         p.print_help(sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     return run
 
@@ -271,7 +339,8 @@ def build_parser(modules: Iterable[str] = COMMAND_MODULES) -> argparse.ArgumentP
             "llmgw --nats nats://10.0.0.5:4222 events tail --type replica.state",
             "llmgw events publish --help             # any command's help",
         )
-        + "\n\nLLMGW_DEBUG=1 shows a traceback with any error.",
+        + "\n\nLLMGW_DEBUG=1 shows a traceback with any error.\n\n"
+        + exit_code_lines(),
     )
     parser.add_argument(
         "--version", action="version", version=f"{PROG} {_version()}", help="print the version"
@@ -597,6 +666,22 @@ def arg_seq_or_time(text: str) -> int | datetime:
             f"{text!r} is neither a sequence number, an RFC3339 time "
             "(2026-11-29T14:00:00Z) nor an age (90s, 10m, 2h, 1d)"
         ) from None
+
+
+def confirm(question: str, yes: bool, nothing: str) -> None:
+    """Ask `question` on the terminal (stderr); anything but y/yes, or no answer at all,
+    is refused (exit 5) with `nothing` (what was not done). `yes` (--yes) skips it."""
+    if yes:
+        return
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except OSError:  # no readable input at all: no answer
+        answer = ""
+    if not (sys.stdin is not None and sys.stdin.isatty()):
+        print(file=sys.stderr)  # the answer was not echoed: end the question's line
+    if answer.strip().lower() not in ("y", "yes"):
+        raise Refused(f"not confirmed; {nothing} (--yes skips the question)")
 
 
 # ---------------------------------------------------------------------- progress

@@ -2,7 +2,7 @@
 
 Registered by `services.cli`; the work is `services.gateway`. This module turns flags
 into a `Gateway`, prints its address, and turns Ctrl-C into a clean stop. The gateway
-follows the log; it publishes nothing yet.
+follows the log, and publishes what it sees: `replica.used` and `model.demanded`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,29 @@ def register(commands: cli.Commands) -> None:
             "streams pass through byte for byte; refusals are OpenAI errors with an\n"
             "x-llmgw-reason header. `llmgw up` serves it too, unless --no-gateway.\n"
             "\n"
+            "A request for a model that cannot take it now (at zero, starting, or\n"
+            "every replica at target_inflight x 2 in flight) waits, FIFO, up to\n"
+            "--queue-per-model a model, for as long as the model's starts take (x1.5;\n"
+            "600s with none in the log); the gateway publishes model.demanded meanwhile,\n"
+            "which wakes an on-demand model. Past that: 429 with Retry-After; a model\n"
+            "the plane cannot place: 503 with why.\n"
+            "\n"
             "With --api-keys FILE every request needs a key of the file; off loopback\n"
             "it refuses to start without one unless --no-auth says that anyone who\n"
-            "reaches the port may use it."
+            "reaches the port may use it. A line of the file is `KEY OWNER [rpm=N]\n"
+            "[tpm=N]`: OWNER, an owner of the quota tree (checked once the log is read),\n"
+            "is who the key's requests are counted for (their span, replica.used's\n"
+            "by_owner, /metrics); rpm and tpm are its limits, requests and tokens\n"
+            "(prompt and completion) a minute, none by default. A key may burst to a\n"
+            "minute's worth and then goes at its rate; over it a request is 429 with\n"
+            "Retry-After and x-llmgw-reason saying which limit and for how long (a\n"
+            "request's tokens count when its answer ends, so a long one can take a key\n"
+            "past its tpm, and it waits until the minute pays it back)."
         ),
         epilog=cli.examples(
             "llmgw gateway",
             "llmgw gateway --listen 0.0.0.0:8322 --api-keys /etc/llmgw/keys",
+            "echo 'sk-team-a-0123456789abcdef team-a rpm=600 tpm=100000' > keys; chmod 600 keys",
             "curl http://127.0.0.1:8322/v1/models",
             "python -m services.gateway --nats nats://10.0.0.5:4222",
         ),
@@ -45,14 +61,21 @@ def register(commands: cli.Commands) -> None:
 
 
 def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
-    from services.gateway.listen import MAX_BODY, UPSTREAM_TIMEOUT_S, USED_INTERVAL_S
+    from services.gateway.listen import (
+        KEEPALIVE_S,
+        MAX_BODY,
+        QUEUE_PER_MODEL,
+        UPSTREAM_TIMEOUT_S,
+        USED_INTERVAL_S,
+    )
 
     cli.add_listen(p, flag, default, "gateway_listen", "gateway")
     p.add_argument(
         "--api-keys",
         metavar="FILE",
-        help="API keys, one `KEY OWNER` a line (mode 0600; keys of 16 characters or "
-        "more): a request without a valid `Authorization: Bearer KEY` is 401",
+        help="API keys, one `KEY OWNER [rpm=N] [tpm=N]` a line (mode 0600; keys of 16 "
+        "characters or more; no limit unless rpm/tpm say one): a request without a valid "
+        "`Authorization: Bearer KEY` is 401, one over its key's limit 429",
     )
     p.add_argument(
         "--no-auth",
@@ -84,6 +107,23 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         type=cli.arg_positive,
         dest="gateway_used_interval",
     )
+    cli.add_number(
+        p,
+        "--queue-per-model",
+        QUEUE_PER_MODEL,
+        "requests one model may have waiting (for its start, or for a free slot on its "
+        "replicas); past it a request is a 429 with Retry-After its predicted start",
+        type=int,
+        metavar="N",
+    )
+    cli.add_number(
+        p,
+        "--keepalive-interval",
+        KEEPALIVE_S,
+        "seconds between the SSE comments (`: waiting`) a held stream is sent, so that "
+        "proxies do not cut it",
+        type=cli.arg_positive,
+    )
 
 
 def gateway_keys(args: argparse.Namespace) -> Any:
@@ -109,6 +149,10 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
         raise cli.UsageError(f"{flag} {why}")
     if args.max_body < 1:
         raise cli.UsageError(f"--max-body: {args.max_body} is not a positive size")
+    if args.queue_per_model < 0:
+        raise cli.UsageError(
+            f"--queue-per-model: {args.queue_per_model} is not a count (0: hold nothing)"
+        )
     return str(args.gateway_listen)
 
 
@@ -130,6 +174,9 @@ async def _gateway(args: argparse.Namespace) -> int:
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
                 keys=keys,
+                queue_per_model=args.queue_per_model,
+                keepalive_s=args.keepalive_interval,
+                nc=s.nc,
             )
             try:
                 sock = g.bind()

@@ -30,8 +30,9 @@ import msgspec
 from schemas import events as ev
 from services import clusterfile, names
 from services.cli import app as cli
+from services.cli import refs
 from services.clock import new_id, utc_now
-from services.core.view import LIVE_STATES, View
+from services.core.view import LIVE_STATES, ReplicaRecord, View
 
 
 def register(commands: cli.Commands) -> None:
@@ -89,7 +90,7 @@ def register(commands: cli.Commands) -> None:
         ),
         func=_scale,
     )
-    p.add_argument("model", metavar="MODEL", help="model name or alias")
+    p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
     p.add_argument("replicas", metavar="N", type=cli.arg_count, help="desired replicas (>= 0)")
     _force(p, "publish for a model the cluster does not know")
 
@@ -108,7 +109,9 @@ def register(commands: cli.Commands) -> None:
             epilog=cli.examples(f"llmgw {name} gpu-a1"),
             func=_cordon,
         )
-        p.add_argument("node", metavar="NODE", help="node name")
+        p.add_argument(
+            "node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)"
+        )
         _force(p, "publish for a node that has not reported")
         p.set_defaults(cordon=name == "cordon")
 
@@ -129,7 +132,7 @@ def register(commands: cli.Commands) -> None:
         epilog=cli.examples("llmgw delete model chat-70b", "llmgw delete model big --yes"),
         func=_delete_model,
     )
-    p.add_argument("model", metavar="MODEL", help="model name or alias")
+    p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
     _yes(p)
 
     drain = commands.group(
@@ -146,16 +149,25 @@ def register(commands: cli.Commands) -> None:
             "for every live replica with a shard on it. Each agent stops its replica within\n"
             "the grace; once it reports draining, the scheduler counts it gone and places\n"
             "a new one on another node (the cordon keeps it off this one). Asks first\n"
-            "unless --yes; an unknown NODE is refused."
+            "unless --yes; an unknown NODE is refused. A drain that would take any model\n"
+            "below its min (it would have fewer live replicas than its guarantee until\n"
+            "they are placed again, if there is room) is refused, naming each, critical\n"
+            "first, unless --force (exit 5: refused)."
         ),
         epilog=cli.examples(
             "llmgw drain node gpu-a1",
+            "llmgw drain node gpu-a1 --force      # even below a model's min",
             "llmgw drain node gpu-a1 --grace 120 --yes",
             "llmgw uncordon gpu-a1                # when it is back",
         ),
         func=_drain_node,
     )
-    p.add_argument("node", metavar="NODE", help="node name")
+    p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="drain even when it takes a model below its min (they are listed first)",
+    )
     p.add_argument(
         "--grace",
         type=cli.arg_seconds,
@@ -299,7 +311,7 @@ def _resolve_model(view: View, name: str, *, force: bool | None = None) -> str:
         return name
     hint = names.did_you_mean(name, names.model_names(view.state.models))
     also = "" if force is None else ", or pass --force to publish anyway"
-    raise cli.CliError(
+    raise cli.NotFound(
         f"unknown model {name!r}{hint} (no model of that name or alias is declared{also})"
     )
 
@@ -309,7 +321,7 @@ def _known_node(view: View, node: str, *, force: bool | None = None) -> None:
         return
     hint = names.did_you_mean(node, view.state.nodes)
     also = "" if force is None else ", or pass --force to publish anyway"
-    raise cli.CliError(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
+    raise cli.NotFound(f"unknown node {node!r}{hint} (no node of that name has reported{also})")
 
 
 def limits_note(decl: ev.ModelDeclared | None, replicas: int) -> str | None:
@@ -423,8 +435,8 @@ async def _apply(args: argparse.Namespace) -> int:
                 if not args.force:
                     known = names.model_names(declared) | names.model_names(state.models)
                     # Checked against the live cluster, not the file's shape: a runtime
-                    # refusal (exit 1), as `llmgw scale` of an unknown model is.
-                    raise cli.CliError(
+                    # name not found (exit 3), as `llmgw scale` of an unknown model is.
+                    raise cli.NotFound(
                         str(
                             spec.error(
                                 f"scale.{key}",
@@ -502,19 +514,32 @@ async def _cordon(args: argparse.Namespace) -> int:
     return 0
 
 
+# CLASS_ORDER puts the worst news first: a critical model below its min before the rest.
+CLASS_ORDER = {"critical": 0, "standard": 1, "opportunistic": 2}
+
+
+def below_min(view: View, leaving: list[ReplicaRecord]) -> list[str]:
+    """Each model that stopping `leaving` would take below its min, critical first, as
+    `chat (critical) from 2 live to 0, below its min 1`."""
+    gone: dict[str, int] = {}
+    for r in leaving:
+        m = view.catalog.resolve(r.model)
+        if m is not None and r.live:
+            gone[m.name] = gone.get(m.name, 0) + 1
+    rows = []
+    for name, n in gone.items():
+        decl = view.state.models.get(name)
+        live = view.live_for(name)
+        if decl is not None and live - n < decl.min:
+            rows.append((CLASS_ORDER.get(decl.cls, 9), name, decl.cls, live, live - n, decl.min))
+    return [
+        f"{name} ({cls}) from {live} live to {after}, below its min {lo}"
+        for _, name, cls, live, after, lo in sorted(rows)
+    ]
+
+
 def _confirm(question: str, yes: bool) -> None:
-    """Ask on the terminal; anything but y/yes (or no answer at all) publishes nothing."""
-    if yes:
-        return
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
-    try:
-        answer = sys.stdin.readline() if sys.stdin is not None else ""
-    except OSError:  # no readable input at all: no answer
-        answer = ""
-    if not (sys.stdin is not None and sys.stdin.isatty()):
-        print(file=sys.stderr)  # the answer was not echoed: end the question's line
-    if answer.strip().lower() not in ("y", "yes"):
-        raise cli.CliError("not confirmed; nothing published (--yes skips the question)")
+    cli.confirm(question, yes, "nothing published")
 
 
 async def _delete_model(args: argparse.Namespace) -> int:
@@ -543,9 +568,16 @@ async def _drain_node(args: argparse.Namespace) -> int:
             key=lambda r: r.id,
         )
         listed = f": {', '.join(r.id for r in targets)}" if targets else ""
+        below = below_min(op.view, targets)
+        if below and not args.force:
+            raise cli.Refused(
+                f"drain node {args.node} would take {names.plural(len(below), 'model')} "
+                f"below its min: {'; '.join(below)}; nothing published (--force drains anyway)"
+            )
+        warn = f"; this takes {'; '.join(below)}" if below else ""
         _confirm(
             f"drain node {args.node}: cordon it and stop "
-            f"{names.plural(len(targets), 'replica')}{listed}?",
+            f"{names.plural(len(targets), 'replica')}{listed}{warn}?",
             args.yes,
         )
         if not rec.cordoned:

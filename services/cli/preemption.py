@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from services import flags
 from services.cli import app as cli
+from services.cli import refs
 from services.cli.output import add_output_option
 from services.cli.replay import allow_gaps_option
 from services.core import preemption
@@ -75,7 +76,13 @@ def register(commands: cli.Commands) -> None:
         help="fold this bundle (llmgw events export) instead of the live broker's log",
     )
     allow_gaps_option(p)
-    p.add_argument("--model", required=True, metavar="NAME", help="the model to place (or alias)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME",
+        type=refs.arg("model"),
+        help="the model to place (or alias)",
+    )
     p.add_argument(
         "--seq",
         type=cli.arg_seq,
@@ -116,7 +123,7 @@ async def load(path: str, until_seq: int | None = None, *, allow_gaps: bool = Fa
     try:
         got = await rebuild.from_bundle(path, until_seq=until_seq, allow_gaps=allow_gaps)
     except ReplayError as e:
-        raise cli.CliError(str(e)) from None
+        raise cli.replay_error(e) from None
     except FileNotFoundError:
         raise cli.CliError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -142,7 +149,7 @@ async def _plan(args: argparse.Namespace) -> int:
             print(f"note: {line}", file=sys.stderr)
     if view.catalog.resolve(args.model) is None:
         known = ", ".join(sorted(view.catalog)) or "none"
-        raise cli.CliError(f"unknown model {args.model!r} in {where}; known models: {known}")
+        raise cli.NotFound(f"unknown model {args.model!r} in {where}; known models: {known}")
     if view.state.rejected:
         print(
             f"note: the fold rejected {view.state.rejected} "
@@ -155,17 +162,43 @@ async def _plan(args: argparse.Namespace) -> int:
         raise cli.CliError(f"{where} holds no events; pass --now to say when to decide")
     cfg, used = policy_for(args, view)
     d = preemption.plan(view, args.model, now, cfg)
+    note = one_more(view, args.model)
     if args.output == "name":
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         for v in d.victims:
             print(f"replica/{v.replica}")
     elif args.output == "json":
         out = d.to_json()
         out["policy"] = used
+        out["note"] = note
         print(json.dumps(out))
     else:
         show_policy(used, sys.stdout)
+        if note:
+            print(f"note      {note}")
         show(d, sys.stdout)
     return 0
+
+
+def one_more(view: View, model: str) -> str | None:
+    """What the plan is for when the model needs nothing: it always plans one more
+    replica, which the scheduler would ask for only below the desired count and max."""
+    m = view.catalog.resolve(model)
+    if m is None:
+        return None
+    live, desired = view.live_of(m), view.desired_of(m)
+    if live >= m.max:
+        return (
+            f"{m.name} is at its max ({live} live, max {m.max}): this plans one more "
+            "replica, which the scheduler would never place"
+        )
+    if live >= desired:
+        return (
+            f"{m.name} is already at its desired count ({live} live, desired {desired}): "
+            "this plans one more replica, which the scheduler would not ask for now"
+        )
+    return None
 
 
 def policy_for(args: argparse.Namespace, view: View) -> tuple[preemption.Config, dict[str, Any]]:

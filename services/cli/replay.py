@@ -28,6 +28,7 @@ from typing import Any
 
 from services import clock
 from services.cli import app as cli
+from services.cli import refs
 from services.cli.output import add_output_option, add_watch_options, check_watch, watch
 from services.core.view import View, digest
 from services.replay import diff as replay_diff
@@ -46,7 +47,8 @@ def register(commands: cli.Commands) -> None:
     _register_diff(commands)
 
 
-def _log_option(p: argparse.ArgumentParser) -> None:
+def log_option(p: argparse.ArgumentParser) -> None:
+    """--log BUNDLE and --allow-gaps, for every command that can read a bundle."""
     p.add_argument(
         "--log",
         metavar="BUNDLE",
@@ -66,7 +68,8 @@ def allow_gaps_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _moment_options(p: argparse.ArgumentParser) -> None:
+def moment_options(p: argparse.ArgumentParser) -> None:
+    """--at T / --seq N, for every command that reads the view at a moment."""
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--at",
@@ -103,7 +106,7 @@ def _register_replay(commands: cli.Commands) -> None:
         ),
         func=_replay,
     )
-    _log_option(p)
+    log_option(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--until-seq", type=cli.arg_seq, metavar="N", help="fold up to and including sequence N"
@@ -149,8 +152,8 @@ def _register_view(commands: cli.Commands) -> None:
         ),
         func=_view,
     )
-    _log_option(p)
-    _moment_options(p)
+    log_option(p)
+    moment_options(p)
     p.add_argument(
         "--all",
         dest="everything",
@@ -178,13 +181,13 @@ def _register_history(commands: cli.Commands) -> None:
             "llmgw history node gpu-a1 --at 2026-11-29T14:05:00Z --json",
             "llmgw history model chat -o wide        # event ids and what caused each",
             "llmgw history replica r-7 -o name       # event/ID a line",
+            "llmgw history replica/r-7               # as `-o name` prints it",
         ),
         func=_history,
     )
-    p.add_argument("kind", choices=history.KINDS, help="what NAME is")
-    p.add_argument("name", metavar="NAME")
-    _log_option(p)
-    _moment_options(p)
+    refs.add_kind_name(p, history.KINDS)
+    log_option(p)
+    moment_options(p)
     add_output_option(
         p,
         help="table (default), wide (ids, causation), json (one object a line), name "
@@ -222,13 +225,18 @@ def _register_explain(commands: cli.Commands) -> None:
             "llmgw explain model llama-70b --seq 4200",
             "llmgw explain node gpu-a1 -o json | jq .gpus",
             "llmgw explain replica batch-2d -o name   # replica/batch-2d2f9c41",
+            "llmgw get replicas -o name | xargs -n1 llmgw explain",
         ),
-        func=_explain,
+        func=explain_command,
     )
-    p.add_argument("kind", choices=explain.KINDS, help="what NAME is")
-    p.add_argument("name", metavar="NAME")
-    _log_option(p)
-    _moment_options(p)
+    explain_options(p)
+
+
+def explain_options(p: argparse.ArgumentParser) -> None:
+    """The arguments of `explain`, which `describe` shares."""
+    refs.add_kind_name(p, explain.KINDS)
+    log_option(p)
+    moment_options(p)
     add_output_option(
         p,
         EXPLAIN_OUTPUTS,
@@ -257,7 +265,7 @@ def _register_diff(commands: cli.Commands) -> None:
         ),
         func=_diff,
     )
-    _log_option(p)
+    log_option(p)
     p.add_argument(
         "--at",
         dest="points",
@@ -349,7 +357,7 @@ async def rebuild_view(
             report_gaps(opened.where, got)  # a compacted log whose archive is not found
             return _Run(got, opened.where, progress.elapsed, opened.offline)
     except ReplayError as e:
-        raise cli.CliError(str(e)) from None
+        raise cli.replay_error(e) from None
 
 
 def _bundle_lines(path: str) -> int | None:
@@ -399,7 +407,7 @@ def wall_now(args: argparse.Namespace) -> datetime | None:
     return clock.utc_now()
 
 
-def _moment(args: argparse.Namespace) -> dict[str, Any]:
+def moment(args: argparse.Namespace) -> dict[str, Any]:
     return {"until_seq": args.seq, "until_time": args.at}
 
 
@@ -483,7 +491,7 @@ async def _view(args: argparse.Namespace) -> int:
             "view",
             lambda v, where: view_frame(args, v, f"{where}, live", clock.utc_now()),
         )
-    run = await rebuild_view(args, verb="replaying", **_moment(args))
+    run = await rebuild_view(args, verb="replaying", **moment(args))
     _check_reached(args, run)
     label = f"{run.where}, {_moment_label(args)}"
     print(view_frame(args, run.rebuilt.view, label, wall_now(args)))
@@ -508,16 +516,17 @@ class _Causes(history.Timeline):
 
 
 async def _history(args: argparse.Namespace) -> int:
+    refs.resolve(args, history.KINDS)
     tl = (_Causes if args.output == "wide" else history.Timeline)(
         args.kind, args.name, cli.root(args)
     )
-    run = await rebuild_view(args, watcher=tl, verb="reading", **_moment(args))
+    run = await rebuild_view(args, watcher=tl, verb="reading", **moment(args))
     v = run.rebuilt.view
     try:
         tl.resolve(history.known(v, args.kind))
         tl.require()
     except ReplayError as e:
-        raise cli.CliError(str(e)) from None
+        raise cli.replay_error(e) from None
     if args.output == "json":
         for entry in tl.entries:
             print(json.dumps(entry.to_json()))
@@ -560,13 +569,15 @@ def _history_wide(tl: _Causes, now: datetime | None) -> str:
 # ---------------------------------------------------------------------- explain
 
 
-async def _explain(args: argparse.Namespace) -> int:
+async def explain_command(args: argparse.Namespace) -> int:
+    """`llmgw explain` (and `llmgw describe`, the same command by kubectl's name)."""
+    refs.resolve(args, explain.KINDS)
     ex = explain.Explainer(args.name, cli.root(args), kind=args.kind)
-    run = await rebuild_view(args, watcher=ex, verb="reading", **_moment(args))
+    run = await rebuild_view(args, watcher=ex, verb="reading", **moment(args))
     try:
         story = ex.story(run.rebuilt.view, wall_now(args))
     except ReplayError as e:
-        raise cli.CliError(str(e)) from None
+        raise cli.replay_error(e) from None
     if args.output == "json":
         print(json.dumps(story.to_json(), indent=2, default=str))
     elif args.output == "name":

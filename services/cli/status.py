@@ -126,6 +126,7 @@ def summary(
                 "held_for": hold.for_model if hold else None,
                 "held_until": render.stamp(hold.until) if hold else None,
                 "awaiting": list(view.awaiting(name)),
+                "failing": render.failing(view, name),
             }
         )
     replicas = [
@@ -180,6 +181,23 @@ def summary(
     }
 
 
+def model_note(m: dict[str, Any]) -> str:
+    """The NOTE of a model's row (one of `summary`'s models): why it is not as asked."""
+    note = []
+    if not m["declared"]:
+        note.append("not declared")
+    if m["held_for"]:
+        note.append(f"held for {m['held_for']} until {m['held_until']}")
+    if m["awaiting"]:
+        note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
+    if m["asked"] is not None and m["asked"] != m["desired"]:
+        bound = "max" if m["asked"] > m["desired"] else "min"
+        note.append(f"asked {m['asked']}, its {bound} is {m[bound]}")
+    if m["live"] < m["desired"] and not note:
+        note.append("below desired")
+    return "; ".join(note)
+
+
 def _gpus(a: dict[str, float] | None) -> str:
     return "-" if a is None else f"{a['gpus']:g}"
 
@@ -198,10 +216,16 @@ def text(
     d = summary(view, decisions, now)
     now = now if now is not None else view.state.time
     last = view.state.time
+    # The cause of an outage comes first: a model whose replicas fail, and why.
     out = [
+        "FAILING  " + render.failing_line(m["model"], m["failing"])
+        for m in d["models"]
+        if m["failing"]
+    ]
+    out.append(
         f"{where}: seq {d['seq']}, last event {render.ago(last, now)}"
         f" ({d['time']}), digest {d['digest'][:12]}"
-    ]
+    )
     g = d["gpus"]
     lost = sum(1 for n in d["nodes"] if n["state"] == "lost")
     cordoned = sum(1 for n in d["nodes"] if n["state"] == "cordoned")
@@ -235,18 +259,6 @@ def text(
     out.append("\nMODELS")
     rows = []
     for m in d["models"]:
-        note = []
-        if not m["declared"]:
-            note.append("not declared")
-        if m["held_for"]:
-            note.append(f"held for {m['held_for']} until {m['held_until']}")
-        if m["awaiting"]:
-            note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
-        if m["asked"] is not None and m["asked"] != m["desired"]:
-            bound = "max" if m["asked"] > m["desired"] else "min"
-            note.append(f"asked {m['asked']}, its {bound} is {m[bound]}")
-        if m["live"] < m["desired"] and not note:
-            note.append("below desired")
         states = " ".join(f"{k}:{v}" for k, v in sorted(m["states"].items()))
         row = [
             m["model"],
@@ -261,7 +273,7 @@ def text(
                 ",".join(m["aliases"]) or "-",
                 ",".join(m["profiles"]) or "-",
             ]
-        rows.append([*row, "; ".join(note)])
+        rows.append([*row, model_note(m)])
     head = ["MODEL", "CLASS", "OWNER", "LIVE/DESIRED", "STATES"]
     if wide:
         head += ["MIN..MAX", "ALIASES", "PROFILES"]
@@ -478,10 +490,12 @@ async def _status(args: argparse.Namespace) -> int:
     beats = None if plane is None else plane.get("heartbeats")
     out = render_status(args, view, run.where, now, beats)
     if args.output != "name":
-        first, _, rest = out.partition("\n")
+        lines = out.split("\n")
+        failing = [x for x in lines if x.startswith("FAILING  ")]
+        first, rest = lines[len(failing)], lines[len(failing) + 1 :]
         head = [] if plane is None else plane_lines(plane)
         headline = [x for x in head if x.startswith("PLANE NOT RUNNING")]
         extra = ([health_line(h)] if h is not None else []) + [x for x in head if x not in headline]
-        out = "\n".join([*headline, first, *extra, rest])
+        out = "\n".join([*headline, *failing, first, *extra, *rest])
     print(out)
     return code

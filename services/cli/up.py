@@ -177,6 +177,9 @@ async def _up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         sim_ttft_s=args.sim_ttft,
         sim_tps=args.sim_tps,
+        sim_errors=dict(args.sim_errors),
+        sim_seed=args.sim_seed,
+        sim_server_drains=not args.sim_no_drain,
         traffic=dict(args.traffic),
         projector=not args.no_projector,
         ui=ui,
@@ -187,6 +190,8 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_max_body=args.max_body,
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
+        gateway_queue_per_model=args.queue_per_model,
+        gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
     )

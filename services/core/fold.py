@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import msgspec
+
 from schemas import events as ev
 from schemas import names
 from services.core.inventory import shortfall
@@ -33,12 +35,14 @@ from services.core.view import (
     RECENT_DECISIONS,
     RECENT_REJECTIONS,
     DecisionRecord,
+    DemandRecord,
     HoldRecord,
     NodeRecord,
     PolicyRecord,
     Preempting,
     Rejection,
     ReplicaRecord,
+    ScaleRecord,
     View,
     after,
     allocate,
@@ -123,8 +127,34 @@ def _quota_set(view: View, e: ev.QuotaSetEvent, subject: str | None) -> str | No
 
 
 def _scale_desired(view: View, e: ev.ScaleDesiredEvent, subject: str | None) -> str | None:
-    m = view.catalog.resolve(e.data.model)
-    view.state.desired[m.name if m is not None else e.data.model] = e.data.replicas
+    d = e.data
+    m = view.catalog.resolve(d.model)
+    name = m.name if m is not None else d.model
+    s = view.state
+    s.desired[name] = d.replicas
+    s.scaled[name] = ScaleRecord(
+        replicas=d.replicas, at=e.time, id=e.id, source=e.source, reason=d.reason
+    )
+    dem = s.demand.get(name)
+    if dem is not None and dem.answered_by is None:
+        s.demand[name] = msgspec.structs.replace(dem, answered_by=e.id)
+    if d.reason is not None:
+        _decided(view, e, name, "scaled", f"{d.replicas} desired: {d.reason}")
+    return None
+
+
+def _model_demanded(view: View, e: ev.ModelDemandedEvent, subject: str | None) -> str | None:
+    d = e.data
+    m = view.catalog.resolve(d.model)
+    name = m.name if m is not None else d.model
+    # The latest wins by the event's time: a report delayed behind a newer one does not
+    # bring back a count the gateway has moved past.
+    old = view.state.demand.get(name)
+    if old is not None and e.time < old.at:
+        return None
+    view.state.demand[name] = DemandRecord(
+        waiting=d.waiting, since=d.since, at=e.time, inflight=d.inflight, id=e.id
+    )
     return None
 
 
@@ -447,7 +477,7 @@ def _preemption_decided(
             f"{v.replica} ({v.model}, tier {v.tier})" for v in d.victims
         )
     else:
-        summary = f"{d.considered} candidates considered"
+        summary = d.reason or f"{d.considered} candidates considered"
     _decided(view, e, d.for_model, d.outcome, summary)
     return None
 
@@ -506,16 +536,8 @@ def _has_node(shards: tuple[ev.ShardSpec, ...], node: str) -> bool:
     return False
 
 
-# _NODE_OF caches the node named by each subject: a cluster's subjects repeat (one per
-# node and replica), and the fold checks one on every replica report.
-_NODE_OF: dict[str, str | None] = {}
-
-
 def _subject_node(subject: str) -> str | None:
     """The node token of a `<root>.node.<node>....` subject, unescaped."""
-    node = _NODE_OF.get(subject, _MISSING)
-    if node is not _MISSING:
-        return node  # type: ignore[return-value]
     parts = subject.split(".", 3)
     if len(parts) < 3 or parts[1] != "node":
         node = None
@@ -526,14 +548,7 @@ def _subject_node(subject: str) -> str | None:
             node = names.unescape(parts[2])
         except names.TokenError:
             node = None
-    if len(_NODE_OF) >= _NODE_CACHE_MAX:
-        _NODE_OF.clear()
-    _NODE_OF[subject] = node
     return node
-
-
-_MISSING = object()
-_NODE_CACHE_MAX = 1 << 16
 
 
 def _command_node(subject: str) -> str | None:
@@ -577,6 +592,8 @@ class Touched:
     replicas: set[str] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
     desired: set[str] = field(default_factory=set)
+    """Models whose desired count (and its `scaled` record) changed."""
+    demand: set[str] = field(default_factory=set)
     holds: set[str] = field(default_factory=set)
     preempting: set[str] = field(default_factory=set)
     quota: bool = False
@@ -591,6 +608,7 @@ class Touched:
         self.replicas.clear()
         self.models.clear()
         self.desired.clear()
+        self.demand.clear()
         self.holds.clear()
         self.preempting.clear()
         self.quota = False
@@ -642,7 +660,15 @@ def _touch_quota(view: View, e: Any, t: Touched, before: Any) -> None:
 
 def _touch_desired(view: View, e: ev.ScaleDesiredEvent, t: Touched, before: Any) -> None:
     m = view.catalog.resolve(e.data.model)
-    t.desired.add(m.name if m is not None else e.data.model)
+    name = m.name if m is not None else e.data.model
+    t.desired.add(name)
+    if name in view.state.demand:
+        t.demand.add(name)
+
+
+def _touch_demand(view: View, e: ev.ModelDemandedEvent, t: Touched, before: Any) -> None:
+    m = view.catalog.resolve(e.data.model)
+    t.demand.add(m.name if m is not None else e.data.model)
 
 
 def _touch_node(view: View, e: Any, t: Touched, before: Any) -> None:
@@ -779,7 +805,8 @@ RULES: dict[type, Rule] = {
     ev.ModelDeclaredEvent: Rule(_model_declared, _touch_model, _about_model),
     ev.ModelRemovedEvent: Rule(_model_removed, _touch_model, _about_model),
     ev.QuotaSetEvent: Rule(_quota_set, _touch_quota, _about_quota),
-    ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_data_model),
+    ev.ScaleDesiredEvent: Rule(_scale_desired, _touch_desired, _about_data_model, decision=True),
+    ev.ModelDemandedEvent: Rule(_model_demanded, _touch_demand, _about_data_model),
     ev.NodeInventoryEvent: Rule(_node_inventory, _touch_held, _about_inventory, _before_held),
     ev.NodeLostEvent: Rule(_node_lost, _touch_held, _about_lost, _before_held),
     ev.NodeFoundEvent: Rule(_node_found, _touch_node, _about_node),

@@ -8,7 +8,6 @@ No I/O, no clock.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -190,8 +189,11 @@ def _whole(x: float) -> bool:
     return x % 1 == 0 and -_EXACT < x < _EXACT
 
 
-# _VERSIONS numbers the states of every inventory in the process (see `Inventory.version`).
-_VERSIONS = itertools.count()
+class Version:
+    """A name for one state of an inventory's nodes (`Inventory.version`): a new object
+    for each, compared by identity, so no counter is kept anywhere."""
+
+    __slots__ = ()
 
 
 class Inventory:
@@ -203,9 +205,9 @@ class Inventory:
     `version` names what the nodes hold: it changes on every write to a node, and no two
     inventories that differ share one, so a result worked out from `usages()` (a
     placement that found nothing) holds for as long as the version stays. That holds
-    because `clone()` is the one way to copy an inventory, and the numbers are this
-    process's: an inventory is never pickled or `copy.copy`'d (the view is rebuilt from
-    its state instead).
+    because `clone()` is the one way to copy an inventory, and a version is an object
+    held by whoever keeps a result by it (so never reused): an inventory is never
+    pickled or `copy.copy`'d (the view is rebuilt from its state instead).
 
     Invariant: a GPU is held by at most one replica, and every allocation's shards name
     known nodes and GPU indices that node reported when the allocation was made.
@@ -215,11 +217,13 @@ class Inventory:
 
     __slots__ = ("_allocations", "_nodes", "_order", "version")
 
+    version: Version
+
     def __init__(self, nodes: Iterable[Node] = ()) -> None:
         self._nodes: dict[str, NodeUsage] = {}
         self._allocations: dict[str, Allocation] = {}
         self._order: tuple[str, ...] | None = None
-        self.version = next(_VERSIONS)
+        self.version = Version()
         for n in nodes:
             self.set_node(n)
 
@@ -246,12 +250,12 @@ class Inventory:
         if current is None:
             self._nodes[node.name] = NodeUsage(node, {})
             self._order = None
-            self.version = next(_VERSIONS)
+            self.version = Version()
             return
         if current.node.cordoned and not node.cordoned:
             node = msgspec.structs.replace(node, cordoned=True)
         self._nodes[node.name] = current.with_node(node)
-        self.version = next(_VERSIONS)
+        self.version = Version()
 
     def remove_node(self, name: str) -> tuple[str, ...]:
         """Forget a node and release every replica with a shard on it; returns their ids."""
@@ -263,7 +267,7 @@ class Inventory:
             self.release_replica(replica)
         del self._nodes[name]
         self._order = None
-        self.version = next(_VERSIONS)
+        self.version = Version()
         return gone
 
     def set_lost(self, name: str, lost: bool) -> bool:
@@ -279,7 +283,7 @@ class Inventory:
         if usage is None:
             return False
         self._nodes[name] = usage.with_node(msgspec.structs.replace(usage.node, **flags))
-        self.version = next(_VERSIONS)
+        self.version = Version()
         return True
 
     def nodes(self) -> tuple[Node, ...]:
@@ -402,7 +406,7 @@ class Inventory:
             self._nodes[shard.node] = usage.with_replica(
                 allocation.replica, (shard.gpus, entry_cpu, entry_mem)
             )
-        self.version = next(_VERSIONS)
+        self.version = Version()
         self._allocations[allocation.replica] = allocation
 
     def release_replica(self, replica_id: str) -> bool:
@@ -417,7 +421,7 @@ class Inventory:
             held = dict(usage.held)
             del held[replica_id]
             self._nodes[shard.node] = usage.with_held(held)
-            self.version = next(_VERSIONS)
+            self.version = Version()
         return True
 
     def allocation(self, replica_id: str) -> Allocation | None:

@@ -13,6 +13,11 @@ its agent has even heard of it. Among the routable replicas of the model: the on
 the fewest requests in flight through this gateway, ties to the one picked longest ago;
 a request with a session key goes back to the replica that served its session while
 that replica stays routable. A pick is O(replicas of the model).
+
+Admission: a pick may be given a `limit` of requests in flight per replica
+(`admit_limit`: the model's `target_inflight` times `INFLIGHT_FACTOR`); a replica at its
+limit is not picked, and with every routable replica at it the pick is None, for the
+gateway to hold the request in its waiting room until one frees.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from schemas import events as ev
 from services.core import catalog
 from services.core.view import ReplicaRecord, View
 
@@ -28,6 +34,19 @@ from services.core.view import ReplicaRecord, View
 # session forgotten is placed again like a new one: affinity is a preference, never a
 # promise, and an unbounded map keyed by what clients send is a leak.
 SESSIONS = 100_000
+# INFLIGHT_FACTOR is how far past its `target_inflight` a replica is sent requests at once.
+# The target is what the autoscaler sizes the model by; twice it lets a replica absorb a
+# burst while another starts, and past that a continuous-batching server only queues the
+# requests itself, where the gateway can neither order them by class nor time them out.
+INFLIGHT_FACTOR = 2
+
+
+def admit_limit(view: View, m: catalog.Model, factor: float = INFLIGHT_FACTOR) -> int:
+    """The most requests in flight a replica of `m` is sent: its declared
+    `target_inflight` times `factor`, at least 1."""
+    d = view.state.models.get(m.name)
+    target = ev.DEFAULT_TARGET_INFLIGHT if d is None else d.effective_target_inflight
+    return max(1, int(target * factor))
 
 
 def routable(view: View, r: ReplicaRecord, *, new_session: bool = True) -> bool:
@@ -70,19 +89,30 @@ class Router:
         *,
         session: str | None = None,
         avoid: Collection[str] = (),
+        limit: int | None = None,
     ) -> ReplicaRecord | None:
         """The replica for one request of `m`, counted in flight; None when none is
-        routable (but those in `avoid`, already tried for this request)."""
+        routable (but those in `avoid`, already tried for this request) with fewer than
+        `limit` requests in flight (None: no limit)."""
         chosen: ReplicaRecord | None = None
+        inflight = self.inflight
         key = None if session is None else (m.name, session)
         if key is not None:
             rid = self._sessions.get(key)
-            if rid is not None and rid not in avoid:
+            if (
+                rid is not None
+                and rid not in avoid
+                and (limit is None or inflight.get(rid, 0) < limit)
+            ):
                 r = view.state.replicas.get(rid)
                 if r is not None and routable(view, r, new_session=False):
                     chosen = r
         if chosen is None:
-            found = [r for r in candidates(view, m) if r.id not in avoid]
+            found = [
+                r
+                for r in candidates(view, m)
+                if r.id not in avoid and (limit is None or inflight.get(r.id, 0) < limit)
+            ]
             if not found:
                 return None
             chosen = min(found, key=self._load)

@@ -136,6 +136,10 @@ class Config:
             "help": "a standby takes over at most this long after the leader dies",
         },
     )
+    autoscale: bool = True
+    """Whether the scheduler runs the autoscaler (`services.core.autoscale`) before each
+    pass, scaling on-demand models from the gateway's demand and their use. Off, their
+    counts are the operator's alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +221,12 @@ def plan(
     silent: Mapping[str, float] | None = None,
     heard: Collection[str] = (),
     source: str = "scheduler",
+    memo: Memo | None = None,
 ) -> Plan:
     """Everything one pass decides on `view` at `now`.
+
+    `memo`: what the caller keeps from pass to pass (`Memo`); without one, nothing is
+    kept past this pass, and the pass decides the same.
 
     `failures`: per model, the last placement.failed this scheduler published.
     `silent`: per node not lost, seconds since its last heartbeat (as the shell
@@ -247,7 +255,8 @@ def plan(
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
-    pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late)
+    kept = memo if memo is not None else Memo()
+    pass_ = _Pass(out, mk, view, now, config, failures or {}, failed_starts, late, kept)
     # Most models have what they want: the loop over the catalog gives their names apart,
     # and only the others are reconciled. `satisfied` is in rank order: the models placed
     # in full (which reconcile adds, in rank order) go back among the others.
@@ -484,6 +493,7 @@ class _Pass:
         "failures",
         "inv",
         "late",
+        "memo",
         "mk",
         "now",
         "out",
@@ -502,7 +512,9 @@ class _Pass:
         failures: Mapping[str, Failure],
         failed_starts: _FailedStarts,
         late: Mapping[str, list[ReplicaRecord]],
+        memo: Memo,
     ) -> None:
+        self.memo = memo
         self.out = out
         self.late = late
         self.failed_starts = failed_starts
@@ -661,7 +673,9 @@ def _place_missing(
                 at,
                 desired,
                 avoided,
-                functools.partial(_quota_digest, m, names, avoided, at, desired, why, usage, tree),
+                functools.partial(
+                    _quota_digest, m, names, avoided, at, desired, why, usage, tree, pass_.memo
+                ),
                 parent,
                 now,
                 failures,
@@ -669,14 +683,15 @@ def _place_missing(
             )
             return
         key = (pick.version, avoid, live + slot, desired)
-        known = None if blocked else _NO_FITS.get(m.name)
+        memo = pass_.memo
+        known = None if blocked else memo.no_fits.get(m.name)
         if (
             known is None
             or known.key != key
             or known.model is not m
             or (known.allowed is not allowed and known.allowed != allowed)
         ):
-            found = _place(pick, allowed, avoid)
+            found = _place(pick, allowed, avoid, memo)
             if isinstance(found, placement.Placement):
                 taken = _take(pass_, m, found, pick, usage, slot, avoided)
                 if taken is None:
@@ -693,9 +708,9 @@ def _place_missing(
                 why = {k: f"{v} ({notes})" for k, v in why.items()}
             known = _NoFit(m, key, allowed, tuple([p.name for p in allowed]), why)
             if not blocked:
-                if len(_NO_FITS) >= _NO_FITS_MAX:
-                    _NO_FITS.clear()
-                _NO_FITS[m.name] = known
+                if len(memo.no_fits) >= NO_FITS_MAX:
+                    memo.no_fits.clear()
+                memo.no_fits[m.name] = known
         _fail(
             out,
             mk,
@@ -706,7 +721,7 @@ def _place_missing(
             live + slot,
             desired,
             avoided,
-            known.digest_with(avoided, pick),
+            known.digest_with(avoided, pick, memo),
             parent,
             now,
             failures,
@@ -764,27 +779,68 @@ def _take(
     return pick
 
 
-# _MISSES: placements that found nothing, by the inventory's version, the profiles and
-# the avoided nodes. Models of one profile fail one after another on an inventory that
-# did not change in between, and passes with nothing placed between them see the same
-# inventory again: what did not fit then does not fit now, for the very same reasons.
-_MISSES: dict[tuple[int, tuple[catalog.Profile, ...], tuple[str, ...]], placement.NoFit] = {}
-_MISSES_MAX = 4096
+class Memo:
+    """What a scheduler keeps from one pass to the next, owned by its caller (the
+    scheduler service's leader, the simulator's engine): `plan` without one keeps
+    nothing past the pass. Every entry is checked against what it was worked out from
+    before it is used, so a pass decides the same with or without it
+    (tests/core/test_scheduling_repeat.py). It buys the passes of a full cluster that
+    report the same failing models again and again (bench_scheduler).
+
+    misses: placements that found nothing, by the inventory's version, the profiles and
+    the avoided nodes. Models of one profile fail one after another on an inventory that
+    did not change in between, and passes with nothing placed between them see the same
+    inventory again: what did not fit then does not fit now, for the very same reasons.
+
+    no_fits: per model name, its last placement that found nothing (see `_NoFit`).
+
+    digests: the prints of the cluster last hashed, the latest first, each with each
+    failure's digest by what the failure was decided on, as [print, digests]. A model
+    that still does not fit is decided on the same again, pass after pass, and hashing
+    the print of a large cluster costs more than finding it here. Found by the print
+    itself (compared whole), so the digest is the one hashing would give.
+
+    rows: the last print's node names, the usage of each and its row of the print, in
+    the same order. A usage is replaced, never changed, so its row never changes, and
+    the list keeps each usage it names alive, so that no other object can be taken for
+    it: only the rows of the nodes that changed are encoded again.
+
+    last_print: the inventory version last printed and its print."""
+
+    __slots__ = ("digests", "last_print", "misses", "no_fits", "rows")
+
+    def __init__(self) -> None:
+        self.misses: dict[
+            tuple[object, tuple[catalog.Profile, ...], tuple[str, ...]], placement.NoFit
+        ] = {}
+        self.no_fits: dict[str, _NoFit] = {}
+        self.digests: list[list[Any]] = []
+        self.rows: list[Any] = [(), [], []]
+        self.last_print: list[Any] = [None, b""]
+
+
+# MISSES_MAX bounds `Memo.misses`, NO_FITS_MAX `Memo.no_fits` (one per model of the
+# catalog, cleared in the unlikely case it holds more).
+MISSES_MAX = 4096
+NO_FITS_MAX = 4096
 
 
 def _place(
-    inv: inventory.Inventory, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
+    inv: inventory.Inventory,
+    profiles: Sequence[catalog.Profile],
+    avoid: tuple[str, ...],
+    memo: Memo,
 ) -> placement.Placement | placement.NoFit:
     """`placement.place`, remembering what found nothing for as long as it holds."""
     key = (inv.version, tuple(profiles), avoid)
-    miss = _MISSES.get(key)
+    miss = memo.misses.get(key)
     if miss is not None:
         return miss
     found = placement.place(inv, profiles, avoid)
     if isinstance(found, placement.NoFit):
-        if len(_MISSES) >= _MISSES_MAX:
-            _MISSES.clear()
-        _MISSES[key] = found
+        if len(memo.misses) >= MISSES_MAX:
+            memo.misses.clear()
+        memo.misses[key] = found
     return found
 
 
@@ -870,22 +926,23 @@ def _failure_digest(
     desired: int,
     why: Mapping[str, str],
     printed: bytes,
+    memo: Memo,
 ) -> str:
     """The digest of what a failure was decided on and of the print of the cluster (or
     of the owner's usage) it was decided with."""
     decided = _encoder.encode([reason, model, names, avoid, live, desired, sorted(why.items())])
-    memos = _DIGESTS
-    for i, memo in enumerate(memos):
-        if memo[0] is printed or memo[0] == printed:
+    memos = memo.digests
+    for i, kept in enumerate(memos):
+        if kept[0] is printed or kept[0] == printed:
             if i:
                 memos.insert(0, memos.pop(i))
-            by: dict[bytes, str] = memo[1]
+            by: dict[bytes, str] = kept[1]
             break
     else:
         by = {}
         memos.insert(0, [printed, by])
-        del memos[_DIGESTS_PRINTS:]
-    if len(by) >= _DIGESTS_MAX:
+        del memos[DIGESTS_PRINTS:]
+    if len(by) >= DIGESTS_MAX:
         by.clear()
     digest = by.get(decided)
     if digest is None:
@@ -901,10 +958,10 @@ class _NoFit:
     it avoided, the live and desired counts; the model, the profiles allowed), the
     profiles' names, the reasons per profile, and the failure's digest once made.
 
-    What `_place_missing` keeps of the last one per model (`_NO_FITS`), for models with
+    What `_place_missing` keeps of the last one per model (`Memo.no_fits`), for models with
     no node they back off from (those choose from a copy of their own, a new version
     each pass). On the same inputs, placement finds nothing again for the same reasons
-    (see `_MISSES`), and the print of the cluster is that of the same version: the
+    (see `Memo.misses`), and the print of the cluster is that of the same version: the
     names, the reasons and the digest come out the same, and a model that keeps failing
     on an unchanged cluster is not placed, explained and hashed again on every pass."""
 
@@ -913,7 +970,7 @@ class _NoFit:
     def __init__(
         self,
         model: catalog.Model,
-        key: tuple[int, tuple[str, ...], int, int],
+        key: tuple[object, tuple[str, ...], int, int],
         allowed: Sequence[catalog.Profile],
         names: tuple[str, ...],
         why: dict[str, str],
@@ -925,7 +982,9 @@ class _NoFit:
         self.why = why
         self.digest: str | None = None
 
-    def digest_with(self, avoided: tuple[str, ...], inv: inventory.Inventory) -> Callable[[], str]:
+    def digest_with(
+        self, avoided: tuple[str, ...], inv: inventory.Inventory, memo: Memo
+    ) -> Callable[[], str]:
         """How `_fail` gets the digest of this failure avoiding `avoided`, with the print
         of the cluster `inv` (`_inventory_print`): made once, when first asked for."""
         if self.digest is not None:
@@ -943,7 +1002,8 @@ class _NoFit:
                     live,
                     desired,
                     self.why,
-                    _inventory_print(inv),
+                    _inventory_print(inv, memo),
+                    memo,
                 )
                 self.digest = got
             return got
@@ -953,12 +1013,6 @@ class _NoFit:
     def _made(self) -> str:
         assert self.digest is not None  # Invariant: only given out once made.
         return self.digest
-
-
-# _NO_FITS: per model name, its last placement that found nothing (see `_NoFit`); one per
-# model of the catalog, cleared in the unlikely case it holds more than _NO_FITS_MAX.
-_NO_FITS: dict[str, _NoFit] = {}
-_NO_FITS_MAX = 4096
 
 
 def remember(
@@ -988,54 +1042,33 @@ def failed_period_s(repeats: int, config: Config) -> float:
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
-# _DIGESTS: the prints of the cluster last hashed, the latest first, each with each
-# failure's digest with it by what the failure was decided on, as [print, digests]. A
-# model that still does not fit is decided on the same again, pass after pass, and
-# hashing the print of a large cluster costs more than finding it here; and a cluster
-# often comes back to a print it had a few prints before (a replica placed, then
-# failed and released), where the same failures are decided on again. Found by the
-# print itself (compared whole), so the digest is the one hashing would give.
-_DIGESTS: list[list[Any]] = []
-# _DIGESTS_PRINTS bounds the prints kept, _DIGESTS_MAX the digests for one print: a
-# cluster that stays the same while a failure's reasons keep changing (a backoff's
-# "until" time) would add one every quiet period.
-_DIGESTS_PRINTS = 8
-_DIGESTS_MAX = 4096
+# DIGESTS_PRINTS bounds the prints `Memo.digests` keeps, DIGESTS_MAX the digests for one
+# print: a cluster that stays the same while a failure's reasons keep changing (a
+# backoff's "until" time) would add one every quiet period.
+DIGESTS_PRINTS = 8
+DIGESTS_MAX = 4096
 
 
-# _ROWS: the last print's node names (the inventory's sorted `names`), the usage of each
-# and its row of `_inventory_print` (the row as JSON), in the same order. A usage is
-# replaced, never changed, so its row never changes, and the list keeps each usage it
-# names alive, so that no other object can be taken for it. A pass reprints a cluster
-# where few nodes changed since the last: telling which takes one identity check a
-# node, and only their rows are encoded again. One entry: the inventory of a pass and
-# the copies it cordons nodes in differ in a few usages.
-_ROWS: list[Any] = [(), [], []]
-
-
-# _LAST_PRINT: the inventory version last printed and its print. Failing models of one
-# pass, and passes with nothing placed in between, print the very same inventory.
-_LAST_PRINT: list[Any] = [-1, b""]
-
-
-def _inventory_print(inv: inventory.Inventory) -> bytes:
+def _inventory_print(inv: inventory.Inventory, memo: Memo) -> bytes:
     """What placement saw of the cluster: each node's free GPUs, CPU, memory and flags."""
-    last = _LAST_PRINT
+    last = memo.last_print
     if inv.version == last[0]:
         return bytes(last[1])
     names = inv.names()
     usages = list(map(inv.usage, names))
-    printed = _print_rows(names, usages)
+    printed = _print_rows(names, usages, memo)
     last[0], last[1] = inv.version, printed
     return printed
 
 
-def _print_rows(names: tuple[str, ...], usages: list[inventory.NodeUsage | None]) -> bytes:
+def _print_rows(
+    names: tuple[str, ...], usages: list[inventory.NodeUsage | None], memo: Memo
+) -> bytes:
     """The JSON array of each node's row, the nodes in name order (`names`, with their
     `usages`): the rows are encoded one by one, and joined as the encoder joins the
     items of an array (with a comma, no space). A row of the last print is used again
     for the very same usage of the same node."""
-    last = _ROWS
+    last = memo.rows
     if names is last[0] or names == last[0]:
         parts: list[bytes] = last[2].copy()
         changed = list(map(operator.is_not, usages, last[1]))
@@ -1068,11 +1101,12 @@ def _quota_digest(
     why: Mapping[str, str],
     usage: Mapping[str, quota.Amount],
     tree: quota.QuotaTree,
+    memo: Memo,
 ) -> str:
     """The digest of a quota_limit failure of `m`, with what it saw: the usage of each
     quota governing it."""
     printed = _encoder.encode([(q, usage.get(q, quota.ZERO)) for q in _chain(tree, m)])
-    return _failure_digest("quota_limit", m.name, names, avoided, live, desired, why, printed)
+    return _failure_digest("quota_limit", m.name, names, avoided, live, desired, why, printed, memo)
 
 
 def _drain(

@@ -20,7 +20,6 @@ import hashlib
 import operator
 from collections.abc import Container, Iterable, Iterator, KeysView
 from datetime import datetime, timedelta
-from typing import Any
 
 import msgspec
 
@@ -30,7 +29,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 4
+SCHEMA = 5
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -199,6 +198,41 @@ class PolicyRecord(msgspec.Struct, kw_only=True, gc=False):
     source: str
 
 
+class DemandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A model's last `model.demanded`: requests the gateway held for it, as of `at`."""
+
+    waiting: int
+    """Requests held then."""
+    since: datetime
+    """When the longest-held of them arrived."""
+    at: datetime
+    """The event's time."""
+    inflight: int = 0
+    """Requests in flight on its replicas then, as the gateway counted."""
+    id: str
+    """Id of the model.demanded."""
+    answered_by: str | None = None
+    """Id of the first scale.desired for the model folded after it; None while none is.
+    An answered demand wakes nothing again: the count it asked for was decided, and a
+    model gone idle since is not woken by a wait that ended long ago."""
+
+
+class ScaleRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A model's last `scale.desired`, and who asked: what the autoscaler reads to leave
+    an operator's count alone, and to date a wake-up."""
+
+    replicas: int
+    at: datetime
+    id: str
+    source: str
+    reason: str | None = None
+    """The event's `reason`: None when an operator asked by hand."""
+
+    @property
+    def by_hand(self) -> bool:
+        return self.reason is None
+
+
 class ViewState(msgspec.Struct, kw_only=True):
     """The canonical view: everything snapshots keep and the digest covers."""
 
@@ -212,6 +246,10 @@ class ViewState(msgspec.Struct, kw_only=True):
     quota: tuple[ev.OwnerQuota, ...] = ()
     desired: dict[str, int] = msgspec.field(default_factory=dict)
     """scale.desired as asked, before clamping to the model's [min, max]."""
+    scaled: dict[str, ScaleRecord] = msgspec.field(default_factory=dict)
+    """Per model (as `desired` keys it) its last scale.desired: when, by whom, why."""
+    demand: dict[str, DemandRecord] = msgspec.field(default_factory=dict)
+    """Per model (resolved; an unknown name as given) its last model.demanded."""
     replicas: dict[str, ReplicaRecord] = msgspec.field(default_factory=dict)
     holds: dict[str, HoldRecord] = msgspec.field(default_factory=dict)
     preempting: dict[str, Preempting] = msgspec.field(default_factory=dict)
@@ -301,7 +339,6 @@ class View:
         "catalog",
         "changes",
         "inventory",
-        "memo",
         "quota",
         "state",
     )
@@ -339,15 +376,6 @@ class View:
         self.changes = 0
         """How many times `changed` was called: while it stays, no model's `version` or
         `state_version` moved, and no model name came into or left `current_models`."""
-        self.memo: dict[str, Any] = {}
-        """What a reader keeps between calls, derived from the view and checked before it
-        is used against what it was worked out from (the policy's weighings, against
-        `version` and `state_version`, and its last check of them all, against
-        `changes`, the catalog and the time; its placements, node-aware's candidates
-        by node and the oracle's grouping, against the inventory's version or the very
-        candidates; the scheduler's counts per model, against the counts and the
-        catalog). Like the indexes, never in a snapshot: a copy or a rebuilt view starts
-        without it."""
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 self.inventory.restore(allocation_of(r))
@@ -576,52 +604,21 @@ class View:
         """The declared models in rank order (`Catalog.by_rank`), split in two: the names
         of those whose `live_of` is their `desired_of`, and each other one with its live
         and desired counts, after how many of the first it comes in rank order. What a
-        pass reads of every model, in one loop rather than two calls per model (see
-        `_targets` for what is kept of the catalog), or none at all when the counts it
-        reads are those it read last time.
-
-        Kept in `memo` ("off_target"): the catalog's rows, a copy of the live counts by
-        name and of the desired counts, and the two lists it gave (copies are given
-        out). What it gives follows from those three alone, compared as they are (the
-        counts are plain ints by name), so equal ones give the same; comparing two dicts
-        of a few dozen counts costs a fraction of the loop, and most passes follow no
-        change to either."""
+        pass reads of every model, in one loop rather than two calls per model."""
         live = self._live
         asked_of = self.state.desired
-        rows = self._targets()
-        last = self.memo.get("off_target")
-        if last is not None and rows is last[0] and live == last[1] and asked_of == last[2]:
-            return list(last[3]), list(last[4])
+        cat = self.catalog
         on: list[str] = []
         off: list[tuple[int, catalog.Model, int, int]] = []
-        for m, name, lo, hi, names in rows:
-            desired = _desired(asked_of.get(name), lo, hi)
-            n = live.get(name, 0) if names is None else sum([live.get(a, 0) for a in names])
+        for m in cat.by_rank():
+            desired = _desired(asked_of.get(m.name), m.min, m.max)
+            names = cat.names_of(m) if m.aliases else (m.name,)
+            n = sum([live.get(a, 0) for a in names]) if len(names) > 1 else live.get(m.name, 0)
             if n == desired:
-                on.append(name)
+                on.append(m.name)
             else:
                 off.append((len(on), m, n, desired))
-        self.memo["off_target"] = (rows, dict(live), dict(asked_of), on, off)
-        return list(on), list(off)
-
-    def _targets(self) -> tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...]:
-        """Each declared model's row as `off_target` reads it, in rank order: the model,
-        its name, min and max, and the names that resolve to it when it has more than its
-        own (else None). Kept in `memo` ("targets") with the catalog's `by_rank` tuple:
-        a catalog makes a new one whenever a model is declared or removed, and which
-        names resolve to a model follows from the declared models alone, so the tuple
-        (held here, so that it stays the same object) names the rows exactly."""
-        cat = self.catalog
-        ranked = cat.by_rank()
-        got = self.memo.get("targets")
-        if got is None or got[0] is not ranked:
-            rows = []
-            for m in ranked:
-                names = cat.names_of(m) if m.aliases else (m.name,)
-                rows.append((m, m.name, m.min, m.max, names if len(names) > 1 else None))
-            got = self.memo["targets"] = (ranked, tuple(rows))
-        rows_: tuple[tuple[catalog.Model, str, int, int, tuple[str, ...] | None], ...] = got[1]
-        return rows_
+        return on, off
 
     def active_hold(self, model: str, now: datetime) -> HoldRecord | None:
         """The hold keeping a model from taking room back, if one is still on (see

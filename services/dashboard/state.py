@@ -42,6 +42,8 @@ def model_json(view: View, name: str) -> dict[str, Any] | None:
     if d is None and not live:
         return None
     hold = s.holds.get(name)
+    dem = s.demand.get(name)
+    scaled = s.scaled.get(name)
     return {
         "name": name,
         "declared": d is not None,
@@ -52,6 +54,15 @@ def model_json(view: View, name: str) -> dict[str, Any] | None:
         "desired": view.desired_for(name),
         "asked": s.desired.get(name),
         "live": live,
+        "demand": None
+        if dem is None
+        else {
+            "waiting": dem.waiting,
+            "since": render.stamp(dem.since),
+            "at": render.stamp(dem.at),
+            "inflight": dem.inflight,
+        },
+        "scaled_reason": None if scaled is None else scaled.reason,
         "hold": None
         if hold is None
         else {"for_model": hold.for_model, "until": render.stamp(hold.until)},

@@ -11,7 +11,9 @@ from schemas import subjects
 from services.gateway.errors import GatewayError
 from services.gateway.listen import (
     DEFAULT_LISTEN,
+    KEEPALIVE_S,
     MAX_BODY,
+    QUEUE_PER_MODEL,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
     refusal,
@@ -24,11 +26,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nats", default=None, help="broker URL (default $LLMGW_NATS)")
     p.add_argument("--root", default=subjects.DEFAULT_ROOT, help="subject root token")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT (default {DEFAULT_LISTEN})")
-    p.add_argument("--api-keys", metavar="FILE", help="API keys, one `KEY OWNER` a line (0600)")
+    p.add_argument(
+        "--api-keys", metavar="FILE", help="API keys, one `KEY OWNER [rpm=N] [tpm=N]` a line (0600)"
+    )
     p.add_argument("--no-auth", action="store_true", help="serve off loopback without API keys")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
     p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)
     p.add_argument("--used-interval", type=float, default=USED_INTERVAL_S)
+    p.add_argument("--queue-per-model", type=int, default=QUEUE_PER_MODEL)
+    p.add_argument("--keepalive-interval", type=float, default=KEEPALIVE_S)
     return p.parse_args(argv)
 
 
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             upstream_timeout_s=a.upstream_timeout,
             used_interval_s=a.used_interval,
             keys=keys,
+            queue_per_model=a.queue_per_model,
+            keepalive_s=a.keepalive_interval,
+            nc=nc,
         ),
         failures=(GatewayError,),
     )

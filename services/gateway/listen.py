@@ -16,6 +16,13 @@ UPSTREAM_TIMEOUT_S = 300.0
 # one replica: the agents' default, so the log holds no more use reports with a gateway
 # than without one.
 USED_INTERVAL_S = 30.0
+# QUEUE_PER_MODEL is how many requests one model may have waiting in the gateway (for a
+# start, or for a slot on its busy replicas); past it a request is a 429 with when to
+# come back.
+QUEUE_PER_MODEL = 256
+# KEEPALIVE_S is how often a held stream is sent an SSE comment (`: waiting`): under the
+# 30 to 60 s after which proxies and load balancers cut a connection that says nothing.
+KEEPALIVE_S = 10.0
 
 
 def refusal(listen: str, no_auth: bool, keys: bool = False) -> str | None:

@@ -1,8 +1,10 @@
 """Prometheus metrics of the gateway: `GET /metrics` on the gateway's own port.
 
-Called by `services.gateway.server` as each request ends. Requests by model and status,
+Called by `services.gateway.server` as each request ends. Requests by model and status
+and by the owner of their API key (with their tokens, and refusals by a key's limit),
 time to first byte and total duration, the gateway's own share of a request (parse and
-route, before the replica is asked), retries, and requests in flight per model. Model
+route, before the replica is asked), retries, requests in flight and held per model,
+demand published, and the wake (a ready folded to the first held request's first byte). Model
 labels are declared models only (anything else is `(unknown)`), so what clients send
 cannot grow the series. One registry per gateway: two in one process (tests) do not
 share counters.
@@ -14,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNKNOWN = "(unknown)"
+# NO_OWNER labels requests without an API key (a gateway without keys, a 401).
+NO_OWNER = "(none)"
 
 # BUCKETS reach from the gateway's own sub-millisecond work to a long generation.
 BUCKETS = (
@@ -71,10 +75,49 @@ class Metrics:
             "Requests tried again on another replica after failing before their first byte",
             registry=r,
         )
+        # Owners are those of the key file only (bounded by it), never what a client sends.
+        self.owner_requests = Counter(
+            "llmgw_gateway_owner_requests",
+            "Requests answered, by the owner of their API key and HTTP status",
+            ["owner", "status"],
+            registry=r,
+        )
+        self.owner_tokens = Counter(
+            "llmgw_gateway_owner_tokens",
+            "Tokens of the answers served, by the owner of their API key, in (prompt) or out",
+            ["owner", "direction"],
+            registry=r,
+        )
+        self.limited = Counter(
+            "llmgw_gateway_rate_limited",
+            "Requests refused with 429 by their key's limit, by owner and limit (rpm, tpm)",
+            ["owner", "limit"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "llmgw_gateway_inflight",
             "Requests in flight through the gateway, by model",
             ["model"],
+            registry=r,
+        )
+
+        self.held = Gauge(
+            "llmgw_gateway_held",
+            "Requests held in the waiting room, by model (for a start, or a free slot)",
+            ["model"],
+            registry=r,
+        )
+        self.demanded = Counter(
+            "llmgw_gateway_demanded",
+            "model.demanded events published, by model",
+            ["model"],
+            registry=r,
+        )
+        self.wake = Histogram(
+            "llmgw_gateway_wake_seconds",
+            "From the fold of a replica's ready to the first byte of the first held "
+            "request it released",
+            buckets=BUCKETS,
             registry=r,
         )
 

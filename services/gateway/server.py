@@ -6,12 +6,15 @@ dashboard. It follows the log with the one follow loop and ingest every reader u
 leaves routing the instant its drain is folded (`services.core.routing`). It serves
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
 
-A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream` and
-`user`; the body goes to the replica byte for byte, and a streamed answer comes back
-chunk by chunk as the replica sends it, never re-encoded. A refusal is in the OpenAI
-error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
-`x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
-did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
+`stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
+answer comes back chunk by chunk as the replica sends it, never re-encoded. One
+exception: a stream whose client did not ask for its usage chunk is asked for it, and
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
+in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
+an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
+key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -23,9 +26,21 @@ the same aiohttp client on one loaded 2-core host, the two were within each othe
 noise (README, "The gateway"); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
 
+A model that cannot take a request now does not refuse it: the request waits in the
+model's line (`services.gateway.waiting`), FIFO, up to `queue_per_model`, for as long as
+the model's start is predicted to take (`services.core.coldstart`) and no longer than
+the client waits; a held stream is sent its 200 and SSE comments (`: waiting`) every
+`keepalive_s` meanwhile. While requests wait the gateway publishes `model.demanded`
+(at once for the first, then at most once a second), which is what wakes an on-demand
+model from zero. The fold of a replica's ready releases the line, at most
+`target_inflight` x `INFLIGHT_FACTOR` in flight a replica, the rest as requests end.
+Past the line's length or its wait, a 429 with Retry-After the predicted start; a model
+the plane has said it cannot place, a 503 with that decision's reason.
+
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
-`used_interval_s`, on the replica's node subject as its agent would.
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of
+the API keys that sent them (`by_owner`); each request's owner is in its span too.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import logging
 import math
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,22 +64,26 @@ from aiohttp import web
 from opentelemetry import trace
 
 from schemas import events as ev
-from schemas import subjects
+from schemas import inflight, subjects
 from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
-from services.core import routing
+from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
+from services.gateway import streams
 from services.gateway.errors import GatewayError
-from services.gateway.keys import Keys
+from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
     DEFAULT_LISTEN,
+    KEEPALIVE_S,
     MAX_BODY,
+    QUEUE_PER_MODEL,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
-from services.gateway.metrics import CONTENT_TYPE, UNKNOWN, Metrics
+from services.gateway.metrics import CONTENT_TYPE, NO_OWNER, UNKNOWN, Metrics
+from services.gateway.waiting import Full, Line, WaitingRoom
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -72,6 +92,15 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
+# _WOKEN: perf_counter() of the fold of the ready that released this request, when it
+# was the first that ready released; its first byte then measures the wake.
+_WOKEN = web.RequestKey("llmgw_woken", float)
+# _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
+_STATUS = web.RequestKey("llmgw_status", int)
+_KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -89,15 +118,53 @@ RETRY_AFTER_S = 1
 USED_TICK_S = 1.0
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
+# IDLE_TIMEOUT_S bounds how long a client's connection may go without a whole request:
+# one that sends its headers a byte at a time (slowloris), or keeps an idle connection
+# open, is closed then (nginx's keep-alive default), not held for aiohttp's hour.
+IDLE_TIMEOUT_S = 75.0
+
+# MIN_WAIT_S is the least a held request waits for a model with a history of starts: a
+# model that loads in a second still needs the scheduler's pass and, to make room, a
+# victim's drain (30 s by default) before its start even begins.
+MIN_WAIT_S = 30.0
+# DEMAND_INTERVAL_S is the least time between two `model.demanded` of one model.
+DEMAND_INTERVAL_S = 1.0
+# CLIENT_TIMEOUT_SHARE is how much of the timeout a client says it reads with (the
+# openai package's `x-stainless-read-timeout`) a held request may spend waiting: it is
+# answered 429 a little before the client would give up on it unanswered.
+CLIENT_TIMEOUT_SHARE = 0.9
+# SSE_HEADERS are a held stream's, sent when it starts waiting.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+KEEPALIVE = b": waiting\n\n"
+
+# _WAKES are the events after whose fold a line may be served: a replica ready (or one
+# leaving, which frees nothing but changes who is routable), a node back, a model's
+# declaration (its target_inflight).
+_WAKES = (
+    ev.ReplicaStateEvent,
+    ev.ReplicaDrainEvent,
+    ev.NodeUncordonedEvent,
+    ev.NodeFoundEvent,
+    ev.ModelDeclaredEvent,
+)
+# _VERDICTS are the events after whose fold a line may learn its model cannot be placed.
+_VERDICTS = (ev.PreemptionDecidedEvent, ev.HoldCreatedEvent, ev.ModelRemovedEvent)
+
 # CATCH_UP_S bounds the wait, at start, for the view to reach the end of the log; the
 # gateway serves with what it has folded after that rather than not at all.
 CATCH_UP_S = 30.0
 
 # FORWARDED are the request headers a replica gets; the client's others (its key
-# first of all) stay at the gateway.
-FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
+# first of all) stay at the gateway. Content-Type is not among them: the gateway has
+# read the body as a JSON object, so the replica is told `application/json` whatever
+# the client said (curl's `-d` says form-urlencoded).
+FORWARDED = ("Accept", "X-Request-Id")
+JSON_TYPE = {"Content-Type": "application/json"}
 # PASSED are the answer headers a client gets from the replica.
 PASSED = ("Content-Type", "Cache-Control", "X-Request-Id")
+
+# MAX_NAME is the longest model name the contract allows (schemas.events.Name).
+MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -108,6 +175,7 @@ class _Head(msgspec.Struct, forbid_unknown_fields=False):
     model: Any = None
     stream: Any = False
     user: Any = None
+    stream_options: Any = msgspec.UNSET
 
 
 _head = msgspec.json.Decoder(_Head)
@@ -154,6 +222,8 @@ class _Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    owners: dict[str, list[int]] = field(default_factory=dict)
+    """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
     reported: float = -math.inf
     """When (monotonic) its last report was stored."""
 
@@ -169,6 +239,7 @@ class Refusal(Exception):
         *,
         kind: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
+        words: str = "",
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -176,12 +247,24 @@ class Refusal(Exception):
         self.reason = reason
         self.kind = kind
         self.headers = headers or {}
+        self.words = words
+        """For `x-llmgw-reason` after the code (`code: words`), when the code alone
+        would not tell an operator which limit and for how long."""
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
+        said = f"{self.reason}: {self.words}" if self.words else self.reason
         return web.json_response(
-            body, status=self.status, headers={"x-llmgw-reason": self.reason, **self.headers}
+            body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
         )
+
+
+class _Answered(Exception):
+    """A held stream answered already (its refusal sent as an SSE error event)."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        super().__init__("answered")
+        self.resp = resp
 
 
 class _Unreachable(Exception):
@@ -199,6 +282,11 @@ class Counts:
     requests: int = 0
     retries: int = 0
     refused: dict[int, int] = field(default_factory=dict)
+    demanded: int = 0
+    """`model.demanded` events published."""
+    wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first byte of the first request it
+    released, latest last."""
 
 
 @dataclass
@@ -213,6 +301,7 @@ class Gateway:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     used_interval_s: float = USED_INTERVAL_S
     url: str = ""
     """http://HOST:PORT, once bound."""
@@ -221,12 +310,32 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     keys: Keys | None = None
     """API keys; None: every request is taken (loopback, or --no-auth)."""
+    queue_per_model: int = QUEUE_PER_MODEL
+    keepalive_s: float = KEEPALIVE_S
+    inflight_factor: float = routing.INFLIGHT_FACTOR
+    min_wait_s: float = MIN_WAIT_S
+    demand_interval_s: float = DEMAND_INTERVAL_S
+    nc: Any = None
+    """The broker connection to answer draining agents on (`_answer_inflight`); None:
+    agents get no answer from this gateway, and stop their servers without it."""
+    id: str = field(default_factory=new_id)
+    """This gateway's own id, new at every start, in its answers to agents."""
+    clock: Callable[[], float] = time.monotonic
+    """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
     def __post_init__(self) -> None:
-        self.follower = ViewFollower(self.js, root=self.root, consumer="gateway")
+        self.follower = ViewFollower(
+            self.js, root=self.root, consumer="gateway", on_change=self._on_fold
+        )
         self.publisher = Publisher(self.js, self.root)
+        self.room = WaitingRoom(self.queue_per_model)
         self._http: aiohttp.ClientSession | None = None
         self._use: dict[str, _Use] = {}
+        self._stopping = False
+        self._buckets: dict[bytes, ratelimit.Buckets] = {}
+        """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._owners_seen: tuple[Any, ...] | None = None
+        self._owners_said: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,6 +365,11 @@ class Gateway:
         try:
             with contextlib.suppress(TimeoutError):
                 await self.follower.caught_up(CATCH_UP_S)
+            try:
+                self._check_owners()
+            except GatewayError:
+                sock.close()
+                raise
             self._http = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
                 timeout=aiohttp.ClientTimeout(
@@ -267,10 +381,21 @@ class Gateway:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
             runner = web.AppRunner(
-                self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0
+                self.app(),
+                access_log=None,
+                handler_cancellation=True,
+                shutdown_timeout=2.0,
+                keepalive_timeout=self.idle_timeout_s,
             )
             await runner.setup()
             await web.SockSite(runner, sock).start()
+            answers = None
+            if self.nc is not None:
+                # Answered once the view has caught up: before, it would say of a replica
+                # it has not folded yet that it routes nothing there, and then route there.
+                answers = await self.nc.subscribe(
+                    subjects.gateway_inflight_wildcard(self.root), cb=self._answer_inflight
+                )
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
             if on_ready is not None:
                 on_ready(self.url)
@@ -283,6 +408,9 @@ class Gateway:
                     follow.result()  # raises what stopped it
                     raise GatewayError("the gateway's follower of the log stopped")
             finally:
+                if answers is not None:
+                    with contextlib.suppress(nats.errors.Error):
+                        await answers.unsubscribe()
                 await runner.cleanup()
                 await self._http.close()
                 reporter.cancel()
@@ -295,7 +423,56 @@ class Gateway:
         finally:
             await self.follower.stop()
 
+    def _check_owners(self) -> None:
+        """A key whose owner is not in the quota tree the log says (nor a declared
+        model's owner) stops the gateway with one line naming its FILE:LINE."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None:
+            raise GatewayError(why)
+        self._owners_seen = (state.quota, len(state.models))
+
+    def _recheck_owners(self) -> None:
+        """Once the gateway serves, a quota tree that leaves a key's owner out is said
+        once in the log (its requests are still served and counted for that owner)."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        seen = (state.quota, len(state.models))
+        if seen == self._owners_seen:
+            return
+        self._owners_seen = seen
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None and why != self._owners_said:
+            log.warning("gateway: %s", why)
+        self._owners_said = why
+
     # ------------------------------------------------------------------ handlers
+
+    async def _answer_inflight(self, msg: Any) -> None:
+        """A draining agent asks how many requests this gateway has in flight on one of
+        its replicas, and whether it would still route new ones there
+        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts")."""
+        rid = subjects.replica_of_inflight(msg.subject)
+        if rid is None or not msg.reply:
+            return
+        view = self.follower.view
+        r = view.replicas.get(rid)
+        answer = inflight.InflightAnswer(
+            gateway=self.id,
+            replica=rid,
+            inflight=self.router.inflight.get(rid, 0),
+            routable=r is not None and routing.routable(view, r, new_session=False),
+            seq=self.follower.seq,
+        )
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(inflight.encode(answer))
 
     async def _health(self, request: web.Request) -> web.Response:
         """The view's seq, what is routable per declared model, in flight per replica."""
@@ -312,25 +489,56 @@ class Gateway:
                 "inflight": self.router.inflight,
                 "requests": self.counts.requests,
                 "retries": self.counts.retries,
+                "held": self.room.held_by_model(),
+                "demanded": self.counts.demanded,
+                "wake_ms": _summary(self.counts.wakes),
             }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    def _authorize(self, request: web.Request) -> str | None:
-        """The owner of the request's key; None with no keys configured. 401 else."""
+    def _authorize(self, request: web.Request) -> Key | None:
+        """The request's key; None with no keys configured. 401 else."""
         if self.keys is None:
             return None
-        owner = self.keys.owner(request.headers.get("Authorization"))
-        if owner is None:
+        key = self.keys.find(request.headers.get("Authorization"))
+        if key is None:
             raise Refusal(
                 401,
                 "no valid API key: send Authorization: Bearer KEY",
                 "invalid_api_key",
                 kind="invalid_request_error",
             )
-        return owner
+        return key
+
+    def _admit(self, key: Key) -> None:
+        """One more request of `key` taken by its limits, or a 429 saying which and for
+        how long (`services.core.ratelimit`)."""
+        limits = key.limits
+        if limits.rpm is None and limits.tpm is None:
+            return
+        a = ratelimit.admit(
+            limits, self._buckets.get(key.digest, ratelimit.Buckets()), self.clock()
+        )
+        self._buckets[key.digest] = a.buckets
+        if a.over is None:
+            return
+        retry = max(1, math.ceil(a.wait_s)) if math.isfinite(a.wait_s) else 3600
+        if a.over == "rpm":
+            said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
+        else:
+            said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
+        words = f"the key of {key.owner} is over {said}; try again in {retry}s"
+        self.metrics.limited.labels(key.owner, a.over).inc()
+        raise Refusal(
+            429,
+            f"rate limit: {words} ({self.keys.path if self.keys else 'keys'}:{key.line})",
+            "rate_limit_exceeded",
+            kind=kind,
+            headers={"Retry-After": str(retry)},
+            words=words,
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request)
@@ -368,9 +576,10 @@ class Gateway:
             kind=trace.SpanKind.SERVER,
         ) as span:
             request[_SPAN] = span
+            owner = NO_OWNER
             try:
                 resp = await self._route(request)
-                status = resp.status
+                status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
@@ -378,17 +587,35 @@ class Gateway:
                 raise
             finally:
                 model = request[_MODEL]
+                key = request.get(_KEY)
+                if key is not None:
+                    owner = key.owner
+                    span.set_attribute("llmgw.owner", owner)
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        self._authorize(request)
+        key = self._authorize(request)
+        if key is not None:
+            request[_KEY] = key
+            self._admit(key)
         body = await self._read_body(request)
         head = _parse(body)
         view = self.follower.view
         m = view.catalog.resolve(head.model)
+        if m is None and len(head.model) > MAX_NAME:
+            # No model has such a name, and comparing one this long with every name
+            # would hold the loop (difflib is quadratic): said without a did-you-mean.
+            raise Refusal(
+                404,
+                f"the model {head.model[:64]!r}... does not exist (a name is at most "
+                f"{MAX_NAME} characters; this one is {len(head.model)})",
+                "unknown_model",
+                kind="invalid_request_error",
+            )
         if m is None:
             known = [n for d in view.state.models.values() for n in (d.name, *d.aliases)]
             hint = names.did_you_mean(head.model, known)
@@ -403,14 +630,71 @@ class Gateway:
             head.user if isinstance(head.user, str) and head.user else None
         )
         stream = head.stream is True
+        # strip: a stream whose client did not ask for its usage chunk is asked for it on
+        # the client's behalf, and the chunk taken out of what the client gets.
+        strip = (
+            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+        )
+        if strip:
+            body = streams.ask_for_usage(body, head.stream_options)
+        limit = routing.admit_limit(view, m, self.inflight_factor)
+        span = request[_SPAN]
+        # Nobody overtakes a line: with requests of the model waiting, a new one joins
+        # them, even if a slot has just freed (the line is served first).
+        r = (
+            None
+            if self.room.waiting(m.name)
+            else self.router.pick(view, m, session=session, limit=limit)
+        )
+        request[_PICKED_AT] = view.seq
+        held: web.StreamResponse | None = None
+        if r is None:
+            try:
+                r, held = await self._wait(request, m, session, stream)
+            except _Answered as a:
+                return a.resp
+        try:
+            return await self._send(request, m, r, body, stream, strip, session, held)
+        except Refusal as e:
+            if held is None:
+                raise
+            # A held stream has had its 200: the refusal goes as the stream's one
+            # event, in the error shape the openai package raises from.
+            request[_STATUS] = e.status
+            span.set_attribute("llmgw.reason", e.reason)
+            await _sse_error(held, e)
+            return held
+
+    async def _send(
+        self,
+        request: web.Request,
+        m: catalog.Model,
+        first: Any,
+        body: bytes,
+        stream: bool,
+        strip: bool,
+        session: str | None,
+        held: web.StreamResponse | None,
+    ) -> web.StreamResponse:
+        """Send the request to `first` (picked and counted in flight), and once more to
+        another replica if it fails before its first byte."""
         tried: list[str] = []
         last: _Unreachable | None = None
+        span = request[_SPAN]
+        r = first
         for attempt in range(2):
-            r = self.router.pick(view, m, session=session, avoid=tried)
-            if r is None:
-                break
+            if attempt:
+                r = self.router.pick(
+                    self.follower.view,
+                    m,
+                    session=session,
+                    avoid=tried,
+                    limit=routing.admit_limit(self.follower.view, m, self.inflight_factor),
+                )
+                if r is None:
+                    break
+                request[_PICKED_AT] = self.follower.seq
             tried.append(r.id)
-            span = request[_SPAN]
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
                 self.counts.retries += 1
@@ -421,13 +705,13 @@ class Gateway:
             inflight = self.metrics.inflight.labels(m.name)
             inflight.inc()
             try:
-                return await self._forward(request, r, body, stream)
+                return await self._forward(request, r, body, stream, strip, held)
             except _Unreachable as e:
                 log.info("gateway: %s: %s%s", r.id, e, "; trying another" if not attempt else "")
                 last = e
             finally:
                 inflight.dec()
-                self.router.done(r.id)
+                self._done(r)
         if last is not None and last.garbage:
             raise Refusal(
                 502, f"the replica answered garbage: {last}", "bad_upstream", kind="api_error"
@@ -444,6 +728,212 @@ class Gateway:
             kind="api_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _done(self, r: Any) -> None:
+        """A request sent to `r` has ended: its slot frees, and the line of its model
+        (if any waits) is served from it."""
+        self.router.done(r.id)
+        if not self.room.lines:
+            return
+        m = self.follower.view.catalog.resolve(r.model)
+        line = None if m is None else self.room.lines.get(m.name)
+        if line is not None and line.waiters:
+            self._serve(line)
+
+    # ------------------------------------------------------------------ waiting room
+
+    async def _wait(
+        self, request: web.Request, m: catalog.Model, session: str | None, stream: bool
+    ) -> tuple[Any, web.StreamResponse | None]:
+        """Hold the request in its model's line until a replica can take it: the
+        replica (counted in flight) and, for a stream, the 200 already sent. A Refusal
+        past the line's length or its wait, or for a model that cannot be placed."""
+        view = self.follower.view
+        now = utc_now()
+        line = self.room.lines.get(m.name)
+        since = line.since if line is not None and line.since is not None else now
+        cannot = coldstart.unplaceable(view, m, now, since)
+        if cannot is not None:
+            raise _unplaceable(cannot)
+        look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
+        bound = look.bound_s
+        told = _client_timeout(request) if not stream else None
+        if told is not None:
+            bound = min(bound, told * CLIENT_TIMEOUT_SHARE)
+        try:
+            w = self.room.join(m, session, now)
+        except Full:
+            raise Refusal(
+                429,
+                f"{self.room.per_model} requests already wait for {m.name}, the most one "
+                f"model may have waiting; it should be ready in about {look.retry_after}s",
+                "queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(look.retry_after)},
+            ) from None
+        line = self.room.lines[m.name]
+        span = request[_SPAN]
+        span.set_attribute("llmgw.held", True)
+        held_gauge = self.metrics.held.labels(m.name)
+        held_gauge.inc()
+        if line.demand is None:
+            line.demand = asyncio.create_task(self._demand(line), name=f"demand {m.name}")
+        self._serve(line)  # a slot may be free behind requests that have left
+        resp: web.StreamResponse | None = None
+        taken = False
+        try:
+            if stream and not w.fut.done():
+                resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await resp.prepare(request)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + bound
+            while not w.fut.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                step = left if resp is None else min(left, self.keepalive_s)
+                await asyncio.wait((w.fut,), timeout=step)
+                if not w.fut.done() and resp is not None and loop.time() < deadline:
+                    await resp.write(KEEPALIVE)
+            if not w.fut.done():
+                self.room.leave(w)
+                after = coldstart.outlook(self.follower.view, m, utc_now(), floor_s=0)
+                raise Refusal(
+                    429,
+                    f"{m.name} was not ready within the {bound:.0f}s this request could "
+                    f"wait; it should be ready in about {after.retry_after}s",
+                    "not_ready_in_time",
+                    kind="rate_limit_error",
+                    headers={"Retry-After": str(after.retry_after)},
+                )
+            r = w.fut.result()  # a Refusal given to the whole line raises here
+            request[_PICKED_AT] = w.seq
+            taken = True
+            if w.woken_at is not None:
+                request[_WOKEN] = w.woken_at
+            return r, resp
+        except Refusal as e:
+            if resp is None:
+                raise
+            request[_STATUS] = e.status
+            span.set_attribute("llmgw.reason", e.reason)
+            await _sse_error(resp, e)
+            raise _Answered(resp) from None
+        finally:
+            held_gauge.dec()
+            if not taken:
+                self.room.leave(w)
+                if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                    # Released to a replica as the client went away: its slot is free.
+                    self._done(w.fut.result())
+                elif not w.fut.done():
+                    w.fut.cancel()
+
+    def _serve(self, line: Line) -> None:
+        """Release the head of `line` to replicas with room, in order, each counted in
+        flight as it is released; a model no longer declared refuses its line (404)."""
+        view = self.follower.view
+        m = view.catalog.resolve(line.model)
+        if m is None:
+            self._refuse(
+                line,
+                Refusal(
+                    404,
+                    f"the model {line.model!r} was removed while the request waited",
+                    "unknown_model",
+                ),
+            )
+            return
+        limit = routing.admit_limit(view, m, self.inflight_factor)
+        waiters = line.waiters
+        while waiters:
+            w = waiters[0]
+            if w.fut.done():
+                line.pop()
+                continue
+            r = self.router.pick(view, m, session=w.session, limit=limit)
+            if r is None:
+                break
+            line.pop()
+            if line.woken_at is not None:
+                w.woken_at, line.woken_at = line.woken_at, None
+            w.seq = view.seq
+            w.fut.set_result(r)
+
+    def _refuse(self, line: Line, refusal: Refusal) -> None:
+        while line.waiters:
+            w = line.pop()
+            if not w.fut.done():
+                w.fut.set_exception(refusal)
+        self.room.drop_if_idle(line)
+
+    def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
+        """After each event the follower folds: with requests waiting, serve the lines a
+        ready (or another change of who is routable) can serve, critical first, and
+        refuse those of a model the plane has just said it cannot place."""
+        if not self.room.lines or rejection is not None:
+            return
+        if isinstance(event, ev.ReplicaStateEvent) and event.data.state == "ready":
+            m = self.follower.view.catalog.resolve(event.data.model)
+            line = None if m is None else self.room.lines.get(m.name)
+            if line is not None and line.waiters:
+                line.woken_at = time.perf_counter()
+        if isinstance(event, _VERDICTS):
+            view = self.follower.view
+            now = utc_now()
+            for line in list(self.room.ordered()):
+                m = view.catalog.resolve(line.model)
+                if m is None:
+                    self._serve(line)  # refuses it
+                    continue
+                since = line.since
+                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                if cannot is not None:
+                    self._refuse(line, _unplaceable(cannot))
+            return
+        if isinstance(event, _WAKES):
+            for line in list(self.room.ordered()):
+                self._serve(line)
+
+    async def _demand(self, line: Line) -> None:
+        """Publish `model.demanded` for `line` at once, then at most once every
+        `demand_interval_s` while it has requests waiting; over once it empties."""
+        try:
+            while line.waiters and not self._stopping:
+                since = line.since
+                assert since is not None
+                view = self.follower.view
+                m = view.catalog.resolve(line.model)
+                inflight = 0
+                if m is not None:
+                    inflight = sum(
+                        self.router.inflight.get(r.id, 0) for r in routing.candidates(view, m)
+                    )
+                e = ev.make(
+                    ev.ModelDemanded(
+                        model=line.model,
+                        waiting=min(len(line), ev.MAX_REPLICAS),
+                        since=since,
+                        inflight=min(inflight, ev.MAX_REPLICAS),
+                    ),
+                    id=new_id(),
+                    time=utc_now(),
+                    source=SOURCE,
+                )
+                try:
+                    await self.publisher.publish(e)
+                    self.counts.demanded += 1
+                    self.metrics.demanded.labels(line.model).inc()
+                except (BusError, nats.errors.Error) as err:
+                    log.warning("gateway: demand for %s not published: %s", line.model, err)
+                # The next report a second on, unless the line empties first: then
+                # this wait for it is over, and the next request to wait starts another
+                # (published at once, as the first of its wait).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
+        finally:
+            line.demand = None
+            self.room.drop_if_idle(line)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
@@ -467,10 +957,18 @@ class Gateway:
         return b"".join(chunks)
 
     async def _forward(
-        self, request: web.Request, r: Any, body: bytes, stream: bool
+        self,
+        request: web.Request,
+        r: Any,
+        body: bytes,
+        stream: bool,
+        strip: bool = False,
+        held: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
+        already sent) when there is one."""
         assert self._http is not None
-        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers}
+        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
@@ -503,25 +1001,47 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
-            if not stream or not upstream.headers.get("Content-Type", "").startswith(
-                "text/event-stream"
-            ):
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
+            sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            if held is not None and not (sse and upstream.status < 400):
+                # The 200 is sent: what the replica said instead of a stream goes as
+                # the stream's error event.
+                data = await self._whole(upstream, r.id)
+                raise Refusal(
+                    502 if upstream.status < 400 else upstream.status,
+                    f"replica {r.id} answered {upstream.status}: "
+                    f"{data[:500].decode(errors='replace')}",
+                    "bad_upstream" if upstream.status < 400 else "upstream_error",
+                    kind="api_error",
+                )
+            if not stream or not sse:
                 data = await self._whole(upstream, r.id)
                 self._first_byte(request)
                 if upstream.status < 400:
-                    self._used(r, *_usage(data))
+                    self._used(r, *_usage(data), request.get(_KEY))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
-            resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await resp.prepare(request)
+            if held is None:
+                resp = web.StreamResponse(status=upstream.status, headers=out_headers)
+                await resp.prepare(request)
+            else:
+                resp = held
             tail = b""
             first = True
+            cut = streams.Strip() if strip else None
             try:
                 async for chunk in upstream.content.iter_any():
+                    if cut is not None:
+                        chunk = cut.feed(chunk)
+                        if not chunk:
+                            continue
+                    else:
+                        tail = (tail + chunk)[-TAIL_BYTES:]
                     await resp.write(chunk)
                     if first:
                         self._first_byte(request)
                         first = False
-                    tail = (tail + chunk)[-TAIL_BYTES:]
+                if cut is not None and (rest := cut.end()):
+                    await resp.write(rest)
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
                 # cut, and the client sees it end without `data: [DONE]`.
@@ -532,7 +1052,8 @@ class Gateway:
                 return resp
             await resp.write_eof()
             if upstream.status < 400:
-                self._used(r, *_stream_usage(tail))
+                tokens = cut.tokens or (0, 0) if cut is not None else _stream_usage(tail)
+                self._used(r, *tokens, request.get(_KEY))
             return resp
         except BaseException:
             # However it ends early (a client gone, a cancel): the upstream request ends
@@ -543,12 +1064,18 @@ class Gateway:
             upstream.release()
 
     def _first_byte(self, request: web.Request) -> None:
-        self.metrics.first_byte.labels(request[_MODEL]).observe(time.perf_counter() - request[_T0])
+        t = time.perf_counter()
+        self.metrics.first_byte.labels(request[_MODEL]).observe(t - request[_T0])
+        woken = request.get(_WOKEN)
+        if woken is not None:
+            self.counts.wakes.append(t - woken)
+            self.metrics.wake.observe(t - woken)
 
     # ------------------------------------------------------------------ use
 
-    def _used(self, r: Any, tokens_in: int, tokens_out: int) -> None:
-        """Count one request `r` answered, for its next `replica.used`."""
+    def _used(self, r: Any, tokens_in: int, tokens_out: int, key: Key | None = None) -> None:
+        """Count one request `r` answered (sent with `key`), for its next `replica.used`,
+        and charge its tokens to the key's limit."""
         u = self._use.get(r.id)
         now = utc_now()
         if u is None:
@@ -556,6 +1083,19 @@ class Gateway:
         u.at, u.requests = now, u.requests + 1
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
+        if key is None:
+            return
+        o = u.owners.setdefault(key.owner, [0, 0, 0])
+        o[0] += 1
+        o[1] += tokens_in
+        o[2] += tokens_out
+        self.metrics.owner_tokens.labels(key.owner, "in").inc(tokens_in)
+        self.metrics.owner_tokens.labels(key.owner, "out").inc(tokens_out)
+        if key.limits.tpm is not None:
+            b = self._buckets.get(key.digest, ratelimit.Buckets())
+            self._buckets[key.digest] = ratelimit.charge(
+                key.limits, b, self.clock(), tokens_in + tokens_out
+            )
 
     async def _report_use(self, stop: asyncio.Event) -> None:
         tick = min(self.used_interval_s, USED_TICK_S)
@@ -563,6 +1103,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
             await self._publish_use()
+            self._recheck_owners()
 
     async def _publish_use(self, force: bool = False) -> None:
         """One `replica.used` for each replica with use not reported, at most one per
@@ -573,6 +1114,11 @@ class Gateway:
                 continue
             if not force and now_m - u.reported < self.used_interval_s:
                 continue
+            by_owner = {
+                o: ev.OwnerUse(requests=n[0], tokens_in=n[1], tokens_out=n[2])
+                for o, n in u.owners.items()
+                if n[0]
+            }
             e = ev.make(
                 ev.ReplicaUsed(
                     replica=rid,
@@ -580,6 +1126,7 @@ class Gateway:
                     requests=u.requests,
                     tokens_in=u.tokens_in,
                     tokens_out=u.tokens_out,
+                    by_owner=by_owner,
                 ),
                 id=new_id(),
                 time=utc_now(),
@@ -595,6 +1142,13 @@ class Gateway:
             u.requests -= sent[0]
             u.tokens_in -= sent[1]
             u.tokens_out -= sent[2]
+            for o, d in by_owner.items():
+                n = u.owners[o]
+                n[0] -= d.requests
+                n[1] -= d.tokens_in
+                n[2] -= d.tokens_out
+                if not n[0]:
+                    del u.owners[o]
             u.reported = time.monotonic()
         view = self.follower.view
         for rid in [rid for rid, u in self._use.items() if not u.requests]:
@@ -603,24 +1157,19 @@ class Gateway:
                 del self._use[rid]
 
     async def _whole(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes:
+        """The whole answer, read to its end (a `read(n)` returns only what has come so
+        far); 502 past MAX_ANSWER or when the replica breaks it off."""
         try:
             if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            data = await upstream.content.read(MAX_ANSWER + 1)
-            rest = await upstream.content.read(1) if len(data) > MAX_ANSWER else b""
-            if len(data) > MAX_ANSWER or rest:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            return data
+                raise _answer_too_big(rid)
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := await upstream.content.readany():
+                size += len(chunk)
+                if size > MAX_ANSWER:
+                    raise _answer_too_big(rid)
+                chunks.append(chunk)
+            return b"".join(chunks)
         except TimeoutError:
             raise Refusal(
                 504,
@@ -638,15 +1187,75 @@ class Gateway:
 
 
 def _parse(body: bytes) -> _Head:
+    """What routing reads of a body; 400 for anything but a JSON object. JSON is UTF-8
+    throughout (RFC 8259), also in the fields the gateway skips; a key given twice
+    counts as its last value, as it does for the replica's parser."""
     try:
         head = _head.decode(body)
+        body.decode("utf-8")
     except msgspec.ValidationError:
         raise Refusal(400, "the body must be a JSON object", "invalid_json") from None
     except msgspec.DecodeError as e:
         raise Refusal(400, f"the body is not JSON: {e}", "invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise Refusal(
+            400, f"the body is not JSON: byte {e.start} is not UTF-8", "invalid_json"
+        ) from None
+    except RecursionError:
+        raise Refusal(
+            400, "the body is not JSON the gateway takes: nested too deep", "invalid_json"
+        ) from None
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     return head
+
+
+def _answer_too_big(rid: str) -> Refusal:
+    return Refusal(
+        502, f"replica {rid} answered over {MAX_ANSWER} bytes", "bad_upstream", kind="api_error"
+    )
+
+
+def _summary(xs: deque[float]) -> dict[str, float]:
+    """How many, and the median and 99th percentile in ms, of the latest wakes."""
+    if not xs:
+        return {"n": 0}
+    got = sorted(xs)
+    n = len(got)
+    return {
+        "n": n,
+        "p50": round(got[n // 2] * 1e3, 3),
+        "p99": round(got[min(n - 1, int(n * 0.99))] * 1e3, 3),
+    }
+
+
+def _unplaceable(u: coldstart.Unplaceable) -> Refusal:
+    headers = {}
+    if u.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(u.retry_after_s)))
+    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers)
+
+
+def _client_timeout(request: web.Request) -> float | None:
+    """The seconds the client says it waits for an answer (the openai package sends its
+    read timeout as `x-stainless-read-timeout`); None when it says nothing usable."""
+    raw = request.headers.get("x-stainless-read-timeout")
+    if raw is None:
+        return None
+    try:
+        t = float(raw)
+    except ValueError:
+        return None
+    return t if math.isfinite(t) and t > 0 else None
+
+
+async def _sse_error(resp: web.StreamResponse, e: Refusal) -> None:
+    """`e` as the one SSE event of a stream whose 200 is sent (`data: {"error": ...}`,
+    which the openai package raises as an APIError), and the stream's end."""
+    doc = {"error": {"message": e.message, "type": e.kind, "code": e.reason}}
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.write(b"data: " + msgspec.json.encode(doc) + b"\n\n")
+        await resp.write_eof()
 
 
 def _too_big(limit: int) -> Refusal:

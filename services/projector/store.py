@@ -30,12 +30,14 @@ from services.core.ingest import Dead, Touched
 from services.core.view import (
     SCHEMA,
     DecisionRecord,
+    DemandRecord,
     HoldRecord,
     NodeRecord,
     PolicyRecord,
     Preempting,
     Rejection,
     ReplicaRecord,
+    ScaleRecord,
     View,
     ViewState,
 )
@@ -52,6 +54,8 @@ _dec_rejection = msgspec.json.Decoder(Rejection)
 _dec_owner = msgspec.json.Decoder(ev.OwnerQuota)
 _dec_meta = msgspec.json.Decoder(dict[str, Any])
 _dec_policy = msgspec.json.Decoder(PolicyRecord)
+_dec_scaled = msgspec.json.Decoder(ScaleRecord)
+_dec_demand = msgspec.json.Decoder(DemandRecord)
 
 # TABLES in dump order, each with the columns `dump` prints and its ordering.
 TABLES: tuple[tuple[str, str], ...] = (
@@ -60,6 +64,8 @@ TABLES: tuple[tuple[str, str], ...] = (
     ("gpus", "node, idx"),
     ("models", "name"),
     ("desired", "model"),
+    ("scaled", "model"),
+    ("demand", "model"),
     ("quota", "pos"),
     ("replicas", "id"),
     ("holds", "model"),
@@ -92,6 +98,14 @@ CREATE TABLE IF NOT EXISTS models (
     min INTEGER NOT NULL, max INTEGER, doc TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS desired (model TEXT PRIMARY KEY, replicas INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS scaled (
+    model TEXT PRIMARY KEY, replicas INTEGER NOT NULL, at TEXT NOT NULL, source TEXT NOT NULL,
+    reason TEXT, doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS demand (
+    model TEXT PRIMARY KEY, waiting INTEGER NOT NULL, since TEXT NOT NULL, at TEXT NOT NULL,
+    doc TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS quota (
     pos INTEGER PRIMARY KEY, name TEXT NOT NULL, parent TEXT, doc TEXT NOT NULL
 );
@@ -286,6 +300,14 @@ def _hold_row(h: HoldRecord) -> tuple[Any, ...]:
     return (h.model, h.for_model, _t(h.until), _doc(h))
 
 
+def _scaled_row(model: str, x: ScaleRecord) -> tuple[Any, ...]:
+    return (model, x.replicas, _t(x.at), x.source, x.reason, _doc(x))
+
+
+def _demand_row(model: str, x: DemandRecord) -> tuple[Any, ...]:
+    return (model, x.waiting, _t(x.since), _t(x.at), _doc(x))
+
+
 def _preempting_row(p: Preempting) -> tuple[Any, ...]:
     return (p.for_model, p.decision, _doc(p))
 
@@ -313,6 +335,8 @@ _INS = {
     "gpus": "INSERT OR REPLACE INTO gpus VALUES (?,?,?,?,?,?,?)",
     "models": "INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
     "desired": "INSERT OR REPLACE INTO desired VALUES (?,?)",
+    "scaled": "INSERT OR REPLACE INTO scaled VALUES (?,?,?,?,?,?)",
+    "demand": "INSERT OR REPLACE INTO demand VALUES (?,?,?,?,?)",
     "quota": "INSERT INTO quota VALUES (?,?,?,?)",
     "replicas": "INSERT OR REPLACE INTO replicas VALUES (?,?,?,?,?,?,?,?,?,?,?)",
     "holds": "INSERT OR REPLACE INTO holds VALUES (?,?,?,?)",
@@ -424,6 +448,12 @@ def _upsert_or_delete(
     txn.add(f"DELETE FROM {table} WHERE {key} = ?", gone)
 
 
+def _keyed_ops(txn: Txn, table: str, keys: Iterable[str], have: dict[str, Any], row: Any) -> None:
+    """`_upsert_or_delete` for a table keyed by `model` whose record does not hold it."""
+    txn.add(_INS[table], [row(k, have[k]) for k in keys if k in have])
+    txn.add(f"DELETE FROM {table} WHERE model = ?", [(k,) for k in keys if k not in have])
+
+
 GpuCache = dict[str, frozenset[tuple[Any, ...]]]
 
 
@@ -467,6 +497,9 @@ def _touched_ops(txn: Txn, view: View, d: Touched, written: GpuCache | None = No
         txn.add(
             "DELETE FROM desired WHERE model = ?", [(k,) for k in d.desired if k not in s.desired]
         )
+        _keyed_ops(txn, "scaled", d.desired, s.scaled, _scaled_row)
+    if d.demand:
+        _keyed_ops(txn, "demand", d.demand, s.demand, _demand_row)
     if d.holds:
         _upsert_or_delete(txn, "holds", "model", d.holds, s.holds, _hold_row)
     if d.preempting:
@@ -501,7 +534,8 @@ def prepare_view(
     d.nodes = set(s.nodes)
     d.replicas = set(s.replicas)
     d.models = set(s.models)
-    d.desired = set(s.desired)
+    d.desired = set(s.desired) | set(s.scaled)
+    d.demand = set(s.demand)
     d.holds = set(s.holds)
     d.preempting = set(s.preempting)
     d.quota = True
@@ -585,6 +619,14 @@ async def load_view(db: aiosqlite.Connection) -> View:
             _dec_owner.decode(d) for (d,) in await _all(db, "SELECT doc FROM quota ORDER BY pos")
         ),
         desired=dict(await _all(db, "SELECT model, replicas FROM desired ORDER BY model")),
+        scaled={
+            n: _dec_scaled.decode(d)
+            for n, d in await _all(db, "SELECT model, doc FROM scaled ORDER BY model")
+        },
+        demand={
+            n: _dec_demand.decode(d)
+            for n, d in await _all(db, "SELECT model, doc FROM demand ORDER BY model")
+        },
         replicas={
             n: _dec_replica.decode(d)
             for n, d in await _all(db, "SELECT id, doc FROM replicas ORDER BY id")

@@ -20,7 +20,7 @@ from schemas import events as ev
 from services.core import preemption
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
-from services.replay import history
+from services.replay import history, render
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, duration, plural, stamp, table
 from services.replay.source import Item
@@ -54,6 +54,8 @@ INDEXED = (
 # `llmgw history` has them all.
 RECENT = 5
 TIMELINE_TAIL = 20
+# SHOWN_OWNERS bounds the owners `explain replica` names of its use, the busiest first.
+SHOWN_OWNERS = 5
 
 KINDS = ("replica", "model", "node")
 
@@ -86,6 +88,34 @@ def _idle(s: float | None) -> str:
 
 
 @dataclass
+class Use:
+    """What one replica's `replica.used` reports said: the latest, and the sums of the
+    requests and tokens those that count them (the gateway's) reported."""
+
+    last: tuple[int, ev.ReplicaUsedEvent] | None = None
+    reports: int = 0
+    requests: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    by_owner: dict[str, list[int]] = field(default_factory=dict)
+    """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
+
+    def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
+        if self.last is None or e.data.at >= self.last[1].data.at:
+            self.last = (seq, e)
+        if e.data.requests is not None:
+            self.reports += 1
+            self.requests += e.data.requests
+            self.tokens_in += e.data.tokens_in or 0
+            self.tokens_out += e.data.tokens_out or 0
+        for owner, u in e.data.by_owner.items():
+            n = self.by_owner.setdefault(owner, [0, 0, 0])
+            n[0] += u.requests
+            n[1] += u.tokens_in
+            n[2] += u.tokens_out
+
+
+@dataclass
 class Explainer:
     """Collects what `story` needs while the log is folded."""
 
@@ -100,6 +130,9 @@ class Explainer:
     failures: dict[str, deque[tuple[int, ev.PlacementFailedEvent]]] = field(default_factory=dict)
     node_marks: dict[tuple[str, str], tuple[int, ev.Envelope]] = field(default_factory=dict)
     """(node, event type) -> the latest cordon, uncordon or loss of it."""
+    uses: dict[str, Use] = field(default_factory=dict)
+    """Replica id -> what its `replica.used` reports said, for the replicas the name
+    asked about may be (a prefix of their id)."""
     now: datetime | None = None
     """What ages are counted from; set by `story`."""
 
@@ -133,6 +166,10 @@ class Explainer:
                 self.holds.append((item.seq, e))
             case ev.HoldReleasedEvent():
                 self.releases.append((item.seq, e))
+            case ev.ReplicaUsedEvent(data=d) if (
+                self.kind == "replica" and d.replica.startswith(self.name) and rejection is None
+            ):
+                self.uses.setdefault(d.replica, Use()).add(item.seq, e)
             case ev.PlacementFailedEvent(data=d):
                 self.failures.setdefault(d.model, deque(maxlen=RECENT)).append((item.seq, e))
             case (
@@ -178,6 +215,9 @@ class Explainer:
         )
         if r.endpoint is not None:
             st.line(f"  its server answers at {r.endpoint} (replica.state endpoint)")
+        use = self.uses.get(r.id)
+        if use is not None:
+            self._last_used(st, use)
         st.line("")
         if r.preempted_for is not None or r.drain_reason == "preempted":
             self._preempted(st, r, view)
@@ -191,6 +231,50 @@ class Explainer:
             self._placed(st, r)
         st.timeline = list(self.timeline.entries)
         return st
+
+    def _last_used(self, st: Story, use: Use) -> None:
+        """The replica's last `replica.used`, and what the gateway's reports add up to."""
+        assert use.last is not None
+        seq, e = use.last
+        d = e.data
+        line = f"  last used {stamp(d.at)} ({ago(d.at, st.now)}): seq {seq} replica.used from {e.source}"
+        if d.requests is not None:
+            line += (
+                f", {plural(d.requests, 'request')}, tokens in {d.tokens_in or 0} / "
+                f"out {d.tokens_out or 0} since its report before"
+            )
+        st.line(line)
+        if use.reports:
+            st.line(
+                f"  used in all: {plural(use.requests, 'request')}, tokens in {use.tokens_in} "
+                f"/ out {use.tokens_out} ({plural(use.reports, 'report')} with counts)"
+            )
+        if use.by_owner:
+            top = sorted(use.by_owner.items(), key=lambda kv: (-kv[1][0], kv[0]))
+            said = ", ".join(
+                f"{o} {plural(n[0], 'request')} (tokens in {n[1]} / out {n[2]})"
+                for o, n in top[:SHOWN_OWNERS]
+            )
+            more = f", and {len(top) - SHOWN_OWNERS} more" if len(top) > SHOWN_OWNERS else ""
+            st.line(f"  by owner: {said}{more}")
+        st.facts["last_used"] = {
+            "at": d.at.isoformat().replace("+00:00", "Z"),
+            "seq": seq,
+            "source": e.source,
+            "requests": d.requests,
+            "tokens_in": d.tokens_in,
+            "tokens_out": d.tokens_out,
+        }
+        st.facts["used"] = {
+            "reports": use.reports,
+            "requests": use.requests,
+            "tokens_in": use.tokens_in,
+            "tokens_out": use.tokens_out,
+            "by_owner": {
+                o: {"requests": n[0], "tokens_in": n[1], "tokens_out": n[2]}
+                for o, n in sorted(use.by_owner.items())
+            },
+        }
 
     def _event(self, ident: str | None) -> tuple[int, ev.Envelope] | None:
         return None if ident is None else self.by_id.get(ident)
@@ -456,6 +540,10 @@ class Explainer:
         live, desired = view.live_for(name), view.desired_for(name)
         asked = s.desired.get(name)
         reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
+        failing = render.failing(view, name)
+        # The cause of an outage comes first: why its replicas fail, before the counts.
+        if failing is not None:
+            st.line(render.failing_line(name, failing))
         if decl is None:
             st.line(f"model {name} is not declared (removed, or never declared); live {live}")
         else:
@@ -482,6 +570,7 @@ class Explainer:
             cls=None if decl is None else decl.cls,
             owner=None if decl is None else decl.owner,
             below_by=max(short, 0),
+            failing=failing,
         )
         holding = [r for r in reps if r.holds_capacity]
         if holding:

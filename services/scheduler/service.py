@@ -5,7 +5,8 @@ a lease in a JetStream KV bucket picks the one that acts; the others follow the 
 and stand by. The leader runs a pass of `services.core.scheduling.plan` on every relevant event
 (the follower's on_change) and on a tick, and publishes what the pass decided:
 `placement.decided` plus a `replica.start` on each shard's node, `placement.failed`,
-`replica.drain` (scale_down, model_removed, placement_timeout), `node.lost` for nodes
+`replica.drain` (scale_down, model_removed, placement_timeout), the autoscaler's
+`scale.desired` for on-demand models (`services.core.autoscale`), `node.lost` for nodes
 whose heartbeats (core NATS `<root>.heartbeat.<node>`) stopped (with the grace its
 replicas get, then a second once that grace has passed), and `node.found` for a lost
 node heard from again.
@@ -49,6 +50,7 @@ from schemas import events as ev
 from schemas import names, subjects
 from services.bus import Published, PublishError
 from services.clock import utc_now
+from services.core import autoscale
 from services.core import scheduling as planner
 from services.core.scheduling import Config, Failure
 from services.core.view import Rejection, View
@@ -105,6 +107,8 @@ class Stats:
     """Publishes JetStream dropped as duplicates (another scheduler said it first)."""
     aborted: int = 0
     """Passes cut short because the lease lapsed or a publish failed."""
+    scaled: int = 0
+    """Autoscaler decisions published (`scale.desired` with a reason)."""
 
 
 class Scheduler:
@@ -148,6 +152,9 @@ class Scheduler:
         # every change of leadership; no pass runs without it.
         self._synced = False
         self._failures: dict[str, Failure] = {}
+        # _memo: what the passes keep from one to the next (`scheduling.Memo`), this
+        # service's own; every entry is checked against what it was worked out from.
+        self._memo = planner.Memo()
         # _heard: per node, monotonic time of its last heartbeat. _since: per node, the
         # inventory report we first saw it with and when, so a node is given a full
         # timeout from when we (or its new report) first knew of it.
@@ -260,6 +267,13 @@ class Scheduler:
         if reconnects != self._reconnects:
             self._reconnects = reconnects
             self._quiet()
+        if self.config.autoscale:
+            wanted = autoscale.decide(view, now, source=self.source)
+            if wanted.decisions:
+                # Published, then folded before any placement: the pass that follows the
+                # fold (it wakes the loop) places what they ask for.
+                await self._publish_scaling(wanted.decisions)
+                return None
         out = planner.plan(
             view,
             now,
@@ -268,6 +282,7 @@ class Scheduler:
             silent=self._silence(view),
             heard=self._heard_again(view),
             source=self.source,
+            memo=self._memo,
         )
         self.stats.passes += 1
         self._failures = planner.remember(self._failures, out.satisfied, now, self.config)
@@ -306,6 +321,20 @@ class Scheduler:
             if self._heard.get(name, -1.0) > seen[1]:
                 out.append(name)
         return out
+
+    async def _publish_scaling(self, decisions: list[autoscale.Decision]) -> None:
+        try:
+            acks = await self.leader.publish([(d.event, None) for d in decisions])
+        except LeaseLapsed as e:
+            self.stats.aborted += 1
+            log.warning("scheduler %s: lease lapsed before the autoscaler's scale", self.holder)
+            acks = e.published
+        for d, ack in zip(decisions, acks, strict=False):
+            self.stats.published += 1
+            self.stats.scaled += 1
+            if ack.duplicate:
+                self.stats.duplicates += 1
+            log.info("scheduler: autoscaler: %s -> %d (%s)", d.model, d.replicas, d.reason)
 
     async def _publish(self, out: planner.Plan) -> None:
         items = out.outputs

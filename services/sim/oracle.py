@@ -33,8 +33,9 @@ from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
-from services.core import node_aware, placement
+from services.core import placement
 from services.core.inventory import Inventory
+from services.core.policy import node_aware
 from services.core.preemption import Candidate, Decision
 from services.core.view import View
 
@@ -98,19 +99,9 @@ def _groups(
     view: View, candidates: Sequence[Candidate], one_shard: bool, max_victims: int, limit: int
 ) -> list[Sequence[Candidate]] | None:
     """The groups of candidates whose sets are tried: each node's own with one shard per
-    profile, else all of them in one; None when they hold more than `limit` sets.
-
-    The last answer is kept on the view (`View.memo`, "oracle") with what it was worked
-    out from: a model failing again and again is decided on the same candidates, and
-    most decisions on a large cluster are answered None from the count alone. The tuple
-    of candidates compares as cheaply as it is equal (most are the very objects of the
-    last decision's), far less than counting them per node."""
-    key = (candidates, one_shard, max_victims, limit)
+    profile, else all of them in one; None when they hold more than `limit` sets. Most
+    decisions on a large cluster are answered None from the count alone."""
     groups: list[Sequence[Candidate]] | None
-    kept = view.memo.get("oracle")
-    if kept is not None and kept[0] == key:
-        groups = kept[1]
-        return groups
     if one_shard:
         # Counted per node before any group is built: on a large cluster the answer is
         # most often that there are too many sets to try. (Counter counts in C: a
@@ -130,7 +121,6 @@ def _groups(
             groups = list(by_node.values())
     else:
         groups = None if sets(len(candidates), max_victims) > limit else [candidates]
-    view.memo["oracle"] = (key, groups)
     return groups
 
 

@@ -297,7 +297,7 @@ async def test_a_taken_message_id_keeps_no_event_off_the_log(
         await nc.close()
     # In the log (from gpu-a1's node stream) before any real event is sent.
     async with asyncio.timeout(10):
-        while len(await _stored(js, 0, own)) < 2 * len(taken):
+        while len(await _stored(js, 0, own)) < 2 * len(taken):  # noqa: ASYNC110 (a read)
             await asyncio.sleep(0.02)
     before = sum(COLLISIONS.values())
     plane = Publisher(js)

@@ -108,7 +108,7 @@ def test_an_unknown_name_is_refused_unless_force(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = publish(capsys, declared, kind, data, *more)
-    assert code == 1 and out == ""
+    assert code == 3 and out == ""  # not found (see services.cli.app.EXIT_CODES)
     assert err.startswith(message), err
     assert "--force publishes it as typed" in err and err.count("\n") == 1
 

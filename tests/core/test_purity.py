@@ -98,3 +98,104 @@ def test_deciders_live_in_the_core() -> None:
     assert set(DECIDERS) <= core
     shells = sources("services/scheduler") + sources("services/preemption")
     assert [p.name for p in shells if p.name in {"plan.py", *DECIDERS}] == []
+
+
+# MUTATORS are the methods that change a container in place.
+MUTATORS = {
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update",
+    "setdefault", "add", "discard", "sort", "reverse", "appendleft", "popleft",
+}  # fmt: skip
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    out = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _base(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Subscript | ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _writes_to_globals(fn: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]) -> list[str]:
+    """Where a function changes a module-level name, directly or through a local name bound
+    to it (`memos = _DIGESTS; memos.insert(...)`), or declares one `global`."""
+    shared = set(names)
+    bad = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Global):
+            bad.append(f"global {', '.join(node.names)}")
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in shared
+        ):
+            shared |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript | ast.Attribute) and _base(t) in shared:
+                bad.append(f"writes into {_base(t)}")
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in MUTATORS and _base(f.value) in shared:
+                bad.append(f"calls {_base(f.value)}.{f.attr}()")
+            if (
+                isinstance(f, ast.Name)
+                and f.id == "next"
+                and node.args
+                and _base(node.args[0]) in shared
+            ):
+                bad.append(f"advances {_base(node.args[0])}")
+    return bad
+
+
+def _cached(tree: ast.Module) -> list[str]:
+    """Functions memoised by functools (a cache kept by the module)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for d in node.decorator_list:
+                name = ast.unparse(d)
+                if "cache" in name:
+                    out.append(f"{node.name} is decorated with {name}")
+    return out
+
+
+def test_core_keeps_no_state_between_calls_in_module_globals() -> None:
+    """Core keeps nothing between calls but in objects a caller owns: no function writes
+    into a module-level container, advances a module-level iterator, declares a global
+    or is memoised by functools. (A speed-up lives in an object its caller holds, such
+    as `scheduling.Memo` or the policy's index.)"""
+    bad = []
+    for path in sources("services/core"):
+        tree = ast.parse(path.read_text())
+        names = _module_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                bad += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {w}"
+                    for w in _writes_to_globals(node, names)
+                ]
+        bad += [f"{path.relative_to(ROOT)}: {c}" for c in _cached(tree)]
+    assert bad == []
+
+
+def test_no_cache_rides_on_a_domain_object() -> None:
+    """The view, the inventory and the catalog keep derived indexes the fold maintains,
+    never a reader's cache: nothing named memo or cache on them."""
+    from services.core import catalog, inventory, view
+
+    for cls in (view.View, inventory.Inventory, catalog.Catalog):
+        slots = set(getattr(cls, "__slots__", ())) | set(vars(cls))
+        words = {w for s in slots for w in s.strip("_").split("_")}
+        assert not words & {"memo", "cache", "cached", "kept"}, cls.__name__

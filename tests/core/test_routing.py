@@ -86,3 +86,23 @@ def test_a_session_stays_while_routable_and_the_map_is_bounded(monkeypatch) -> N
     for i in range(50):
         router.pick(log.view, m, session=f"u{i}")
     assert len(router._sessions) == 10
+
+
+def test_a_replica_at_its_admission_limit_is_not_picked() -> None:
+    log = _log(2)
+    m = log.view.catalog.resolve("m")
+    assert m is not None
+    # No target_inflight declared: the contract's default, times the factor.
+    assert routing.admit_limit(log.view, m) == ev.DEFAULT_TARGET_INFLIGHT * routing.INFLIGHT_FACTOR
+    assert log.add(msgspec.structs.replace(MODEL, aliases=("mm",), target_inflight=1)) is None
+    m = log.view.catalog.resolve("m")
+    assert m is not None
+    limit = routing.admit_limit(log.view, m)
+    assert limit == 2
+    router = routing.Router()
+    picks = [router.pick(log.view, m, limit=limit, session="s") for _ in range(4)]
+    assert sorted(p.id for p in picks if p) == ["r0", "r0", "r1", "r1"]
+    # Both full: none, the session's own replica included.
+    assert router.pick(log.view, m, limit=limit, session="s") is None
+    router.done("r1")
+    assert (p := router.pick(log.view, m, limit=limit, session="s")) is not None and p.id == "r1"

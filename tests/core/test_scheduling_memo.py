@@ -66,7 +66,7 @@ def test_one_version_is_one_inventory() -> None:
     every write gives a version never seen before."""
     rng = random.Random(11)
     invs = [Inventory([_node(f"n{i}") for i in range(6)])]
-    seen: dict[int, tuple[object, ...]] = {}
+    seen: dict[object, tuple[object, ...]] = {}
     n = 0
     for _ in range(2000):
         inv = rng.choice(invs)
@@ -88,12 +88,13 @@ def test_a_remembered_miss_is_what_placement_finds() -> None:
     inv = Inventory([_node(f"n{i}") for i in range(6)])
     n = 0
     misses = 0
+    memo = scheduling.Memo()
     for _ in range(3000):
         if rng.random() < 0.3:
             n = _change(rng, inv, n)
         profiles = rng.sample(PROFILES, rng.randint(1, 2))
         avoid = tuple(sorted(rng.sample([f"n{i}" for i in range(6)], rng.randint(0, 2))))
-        got = scheduling._place(inv, profiles, avoid)
+        got = scheduling._place(inv, profiles, avoid, memo)
         assert got == placement.place(inv, profiles, avoid)
         misses += isinstance(got, placement.NoFit)
     assert misses > 100
@@ -107,6 +108,7 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
     big = Profile(name="big", gpus=16)
     now = datetime(2026, 1, 1, tzinfo=UTC)
     n = 0
+    memo = scheduling.Memo()
     for _ in range(300):
         if rng.random() < 0.3:
             n = _change(rng, inv, n)
@@ -119,7 +121,7 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
             scheduling._encoder.encode(
                 ["no_fit", m.name, ("big",), (), live, 2, sorted(why.items())]
             )
-            + scheduling._inventory_print(inv),
+            + scheduling._inventory_print(inv, scheduling.Memo()),
             digest_size=16,
         ).hexdigest()
         out = scheduling.Plan()
@@ -134,7 +136,7 @@ def test_a_remembered_digest_is_the_hash_of_what_it_was_decided_on() -> None:
             2,
             (),
             scheduling._NoFit(m, (inv.version, (), live, 2), [big], ("big",), why).digest_with(
-                (), inv
+                (), inv, memo
             ),
             lambda: ("t", 0),
             now,
@@ -151,6 +153,7 @@ def test_a_digest_found_among_earlier_prints_is_the_hash_of_what_it_was_decided_
     the hash of the failure and the print it is asked with."""
     rng = random.Random(9)
     prints = [f"[print {i}]".encode() * rng.randint(1, 50) for i in range(20)]
+    memo = scheduling.Memo()
     for _ in range(4000):
         printed = bytes(bytearray(rng.choice(prints)))
         model = rng.choice(("a", "b", "c"))
@@ -163,6 +166,8 @@ def test_a_digest_found_among_earlier_prints_is_the_hash_of_what_it_was_decided_
             + printed,
             digest_size=16,
         ).hexdigest()
-        got = scheduling._failure_digest("no_fit", model, ("p",), (), live, desired, why, printed)
+        got = scheduling._failure_digest(
+            "no_fit", model, ("p",), (), live, desired, why, printed, memo
+        )
         assert got == plain
-    assert len(scheduling._DIGESTS) <= scheduling._DIGESTS_PRINTS
+    assert len(memo.digests) <= scheduling.DIGESTS_PRINTS

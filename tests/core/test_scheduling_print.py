@@ -33,9 +33,10 @@ def test_the_print_reused_is_the_print_worked_out() -> None:
     rng = random.Random(7)
     inv = Inventory([_node(f"n{i:02d}", cpu=64 + i / 3) for i in reversed(range(12))])
     n = 0
+    memo = scheduling.Memo()
     for _ in range(300):
         inv2 = inv.clone()
-        assert scheduling._inventory_print(inv2) == _fresh(inv2)
+        assert scheduling._inventory_print(inv2, memo) == _fresh(inv2)
         node = f"n{rng.randrange(12):02d}"
         roll = rng.random()
         if roll < 0.5:
@@ -54,8 +55,8 @@ def test_the_print_reused_is_the_print_worked_out() -> None:
             inv.release_replica(f"r{rng.randrange(1, n + 1)}")
         else:
             inv.set_cordoned(node, rng.random() < 0.5)
-        assert scheduling._inventory_print(inv) == _fresh(inv)
-        assert scheduling._inventory_print(inv) == _fresh(inv)
+        assert scheduling._inventory_print(inv, memo) == _fresh(inv)
+        assert scheduling._inventory_print(inv, memo) == _fresh(inv)
 
 
 def test_the_print_reused_across_inventories_and_node_sets_is_the_print_worked_out() -> None:
@@ -66,6 +67,7 @@ def test_the_print_reused_across_inventories_and_node_sets_is_the_print_worked_o
     inv = Inventory([_node(f"n{i:02d}") for i in range(10)])
     copies: list[Inventory] = [inv]
     n = 0
+    memo = scheduling.Memo()
     for _ in range(600):
         base = rng.choice(copies)
         roll = rng.random()
@@ -91,4 +93,4 @@ def test_the_print_reused_across_inventories_and_node_sets_is_the_print_worked_o
                     )
                 )
         for c in rng.sample(copies, len(copies)):
-            assert scheduling._inventory_print(c) == _fresh(c)
+            assert scheduling._inventory_print(c, memo) == _fresh(c)

@@ -1,14 +1,13 @@
 """A pass decides the same with what the scheduler keeps between passes as without it:
 random runs (nodes that come, go and refuse starts, models scaled up past what fits,
-quotas that bind) are planned twice at every tick, once as the scheduler does and once
-with every memo of the module emptied first, and the two plans must be equal, output
+quotas that bind) are planned twice at every tick, once as the scheduler does (with its
+`Memo`) and once with none, and the two plans must be equal, output
 for output. The ids a pass derives are those `schemas.ids` derives."""
 
 from __future__ import annotations
 
 import random
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
@@ -21,37 +20,6 @@ from tests.scenario import stopped
 pytestmark = pytest.mark.timeout(60)
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-
-
-def _memos() -> list[Any]:
-    return [
-        planner._NO_FITS,
-        planner._MISSES,
-        planner._DIGESTS,
-        planner._LAST_PRINT,
-        planner._ROWS,
-    ]
-
-
-def _save() -> list[Any]:
-    return [m.copy() for m in _memos()]
-
-
-def _restore(saved: list[Any]) -> None:
-    for memo, was in zip(_memos(), saved, strict=True):
-        if isinstance(memo, dict):
-            memo.clear()
-            memo.update(was)
-        else:
-            memo[:] = was
-
-
-def _forget() -> None:
-    planner._NO_FITS.clear()
-    planner._MISSES.clear()
-    planner._DIGESTS[:] = []
-    planner._LAST_PRINT[:] = [-1, b""]
-    planner._ROWS[:] = [(), [], []]
 
 
 def _plain(p: planner.Plan) -> tuple[object, ...]:
@@ -70,6 +38,7 @@ class Run:
         self.rng = random.Random(seed)
         self.view = View()
         self.memory: dict[str, planner.Failure] = {}
+        self.memo = planner.Memo()
         self.config = planner.Config(failed_backoff_s=3.0, failed_quiet_s=1.0)
         self.n = 0
         self.nodes = [f"n{i}" for i in range(5)]
@@ -123,14 +92,8 @@ class Run:
                 )
 
     def tick(self, now: datetime) -> planner.Plan:
-        kept = planner.plan(self.view, now, self.config, failures=self.memory)
-        saved, kept_on_view = _save(), dict(self.view.memo)
-        _forget()
-        self.view.memo.clear()
+        kept = planner.plan(self.view, now, self.config, failures=self.memory, memo=self.memo)
         fresh = planner.plan(self.view, now, self.config, failures=self.memory)
-        _restore(saved)
-        self.view.memo.clear()
-        self.view.memo.update(kept_on_view)
         assert _plain(kept) == _plain(fresh)
         for o in kept.outputs:
             self.add_event(o.event)

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
@@ -48,10 +49,21 @@ class Plane:
     async def inventory(self, node: str, gpus: int) -> None:
         await self.say(inventory(node, gpus), node=node)
 
-    async def model(self, name: str, aliases: tuple[str, ...] = ()) -> None:
+    async def model(
+        self,
+        name: str,
+        aliases: tuple[str, ...] = (),
+        target_inflight: int | None = None,
+        cls: str = "standard",
+    ) -> None:
         await self.say(
             ev.ModelDeclared(
-                name=name, min=0, aliases=aliases, profiles=(ev.ProfileSpec(name="p", gpus=1),)
+                name=name,
+                min=0,
+                aliases=aliases,
+                profiles=(ev.ProfileSpec(name="p", gpus=1),),
+                target_inflight=target_inflight,
+                cls=cls,  # type: ignore[arg-type]
             )
         )
 
@@ -89,14 +101,16 @@ class Plane:
 
 
 @pytest.fixture
-async def plane(js: JetStreamContext) -> AsyncIterator[Plane]:
+async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
     gw = Gateway(
         js,
+        nc=nc,
         listen="127.0.0.1:0",
         connect_timeout_s=2,
         upstream_timeout_s=1,
         max_body=65536,
         used_interval_s=0.3,
+        min_wait_s=0.3,
     )
     sock = gw.bind()
     stop = asyncio.Event()

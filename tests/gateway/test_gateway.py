@@ -114,11 +114,14 @@ async def test_a_drain_folded_is_the_end_of_a_replicas_requests(
         status, h, _ = await plane.chat("drained", user="bob")
         assert status == 200 and h["x-llmgw-replica"] != first
     assert (a if first == "dr-a" else b).served == served
-    # The last one drained: 503 with Retry-After, in the OpenAI shape.
+    # The last one drained: the request waits for another (never a 404), for as long
+    # as a start may take (the fixture's short floor here), then 429 with Retry-After,
+    # in the OpenAI shape.
     await plane.drain("dr-b" if first == "dr-a" else "dr-a", "drained")
     status, h, body = await plane.chat("drained")
-    assert status == 503 and h["Retry-After"] == "1"
-    _error(status, h, body, "no_replica")
+    assert status == 429 and int(h["Retry-After"]) >= 1
+    _error(status, h, body, "not_ready_in_time")
+    assert plane.gateway.room.held() == 0
 
 
 async def test_a_lost_node_leaves_routing_and_a_cordoned_one_keeps_its_sessions(
@@ -263,6 +266,13 @@ async def test_a_stream_passes_through_byte_for_byte_and_a_disconnect_cancels_it
         return re.sub(rb'"created": \d+', b"", re.sub(rb"sm-1-\d+", b"", b))
 
     assert same(through) == same(direct) and through.endswith(b"data: [DONE]\n\n")
+    # The gateway asked for the usage chunk and took it out; a client that asks gets it.
+    assert b'"usage"' not in through
+    asking = {**body, "stream_options": {"include_usage": True}}
+    async with plane.http.post(f"{s.endpoint}/v1/completions", json=asking) as r:
+        direct = await r.read()
+    status, h, through = await plane.post("/v1/completions", asking)
+    assert same(through) == same(direct) and b'"choices": [], "usage"' in through
     # A client that goes away mid-stream: the upstream request ends at once.
     long = {**body, "max_tokens": 4000}
     async with plane.http.post(f"{plane.url}/v1/completions", json=long) as r:
@@ -285,8 +295,8 @@ async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interva
     for _ in range(3):
         _, _, body = await plane.chat("used", max_tokens=4)
         out += json.loads(body)["usage"]["completion_tokens"]
-    # A stream whose client asked for the usage chunk counts its tokens; one that did not
-    # counts as a request (the chunk is not asked for on its behalf yet).
+    # A stream counts its tokens whether its client asked for the usage chunk or not
+    # (the gateway asks on its behalf).
     await plane.post(
         "/v1/completions",
         {
@@ -297,8 +307,10 @@ async def test_use_is_published_with_requests_and_tokens_at_most_once_an_interva
             "stream_options": {"include_usage": True},
         },
     )
-    await plane.post("/v1/completions", {"model": "used", "prompt": "x", "stream": True})
-    out += 2
+    await plane.post(
+        "/v1/completions", {"model": "used", "prompt": "x", "stream": True, "max_tokens": 3}
+    )
+    out += 2 + 3
 
     async def used() -> list[ev.ReplicaUsedEvent]:
         es = await node_events(plane.gateway.js, plane.node)
@@ -335,7 +347,7 @@ async def test_a_body_that_never_ends_is_408_and_the_gateway_stays_up(plane: Pla
 async def test_many_clients_gone_at_once_leave_nothing_in_flight(
     plane: Plane, servers: Callable[..., Awaitable[Responder]]
 ) -> None:
-    await plane.model("crowd")
+    await plane.model("crowd", target_inflight=10)  # twenty in flight at once
     s = await servers("cr-1", "crowd", Timing(0.0, 50.0))
     await plane.ready("cr-1", "crowd", s.endpoint)
     body = json.dumps({"model": "crowd", "prompt": "p", "stream": True, "max_tokens": 500})

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from services.agent.responder import Responder
+from services.core import ratelimit
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Keys
 from tests.gateway.conftest import Plane
@@ -36,6 +37,11 @@ def _file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
         (f"# keys\n{KEY} team-a\n{KEY} team-b\n", 0o600, ":3: the key is given twice"),
         (f"{KEY}\n", 0o600, ":1: expected KEY OWNER"),
         ("# nothing\n", 0o600, "no keys in it"),
+        (f"{KEY} team-a rpn=5\n", 0o600, ":1: `rpn=5` is not a limit: did you mean rpm?"),
+        (f"{KEY} team-a tpm=lots\n", 0o600, ":1: tpm=lots is not a whole number of tokens"),
+        (f"{KEY} team-a rpm=-1\n", 0o600, ":1: rpm=-1 is not a whole number of requests"),
+        (f"{KEY} team-a rpm=5 rpm=6\n", 0o600, ":1: rpm is given twice"),
+        (f"{KEY} rpm=5\n", 0o600, ":1: expected KEY OWNER [rpm=N] [tpm=N]; the owner is"),
     ],
 )
 def test_a_bad_key_file_is_one_line_without_the_key(
@@ -52,6 +58,21 @@ def test_the_command_refuses_it_in_one_line(tmp_path: Path) -> None:
     out = llmgw("gateway", "--listen", "0.0.0.0:8322", "--api-keys", str(p), env=env)
     assert out.returncode == 2 and "chmod 600" in out.stderr
     assert out.stderr.count("\n") == 1 and KEY not in out.stderr + out.stdout
+
+
+def test_a_key_line_may_give_limits_and_the_two_word_line_still_has_none(
+    tmp_path: Path,
+) -> None:
+    keys = Keys.load(_file(tmp_path, f"{KEY} team-a rpm=600 tpm=100000\n{KEY}-2 team-b\n"))
+    a, b = keys.find(f"Bearer {KEY}"), keys.find(f"Bearer {KEY}-2")
+    assert a is not None and b is not None
+    assert (a.owner, a.limits, a.line) == ("team-a", ratelimit.Limits(600, 100000), 1)
+    assert (b.owner, b.limits, b.line) == ("team-b", ratelimit.Limits(), 2)
+    assert keys.owners == {"team-a", "team-b"}
+    # No tree to be outside of: no check.
+    assert keys.outside(set()) is None and keys.outside({"team-a", "team-b"}) is None
+    said = keys.outside({"team-a", "team-c"})
+    assert said is not None and said.startswith(f"{keys.path}:2: `team-b` is not an owner")
 
 
 def test_a_key_maps_to_its_owner(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def test_unknown_names_are_refused_with_the_closest(
     url: str, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
 ) -> None:
     before = len(_stored(url))
-    assert cli.main(["--nats", url, *argv]) == 1
+    assert cli.main(["--nats", url, *argv]) == cli.app.EXIT_NOT_FOUND
     assert says in _one_line_error(capsys)
     assert len(_stored(url)) == before
 
@@ -123,7 +123,7 @@ def test_apply_refuses_a_scale_of_an_unknown_model_at_its_line(
     f = tmp_path / "c.yaml"
     f.write_text("scale:\n  sweep: 1\n  ghost: 3\n")
     before = len(_stored(url))
-    assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 1
+    assert cli.main(["--nats", url, "apply", "-f", str(f)]) == cli.app.EXIT_NOT_FOUND
     assert f"{f}:3: scale.ghost: unknown model 'ghost'" in _one_line_error(capsys)
     f.write_text("scale:\n  llama-70b: 1\n  big: 3\n")
     assert cli.main(["--nats", url, "apply", "-f", str(f)]) == 1
@@ -174,7 +174,7 @@ def test_delete_model_asks_first(
 ) -> None:
     before = len(_stored(url))
     monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
-    assert cli.main(["--nats", url, "delete", "model", "big"]) == 1
+    assert cli.main(["--nats", url, "delete", "model", "big"]) == cli.app.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "remove model llama-70b? its 1 live replica will be drained" in err
     assert err.strip().splitlines()[-1].startswith("llmgw: not confirmed")
@@ -187,16 +187,21 @@ def test_delete_model_asks_first(
 def test_delete_model_with_yes(url: str) -> None:
     assert cli.main(["--nats", url, "delete", "model", "sweep", "--yes"]) == 0
     assert _stored(url)[-1][2].data == ev.ModelRemoved(name="sweep")
-    assert cli.main(["--nats", url, "delete", "model", "sweep", "--yes"]) == 1
+    assert cli.main(["--nats", url, "delete", "model", "sweep", "--yes"]) == cli.app.EXIT_NOT_FOUND
 
 
 def test_drain_node_cordons_drains_and_the_scheduler_places_elsewhere(
     url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = len(_stored(url))
-    assert cli.main(["--nats", url, "drain", "node", "n1"]) == 1  # no answer: not confirmed
+    # No answer: not confirmed.
+    assert cli.main(["--nats", url, "drain", "node", "n1"]) == cli.app.EXIT_REFUSED
     assert len(_stored(url)) == before
-    assert cli.main(["--nats", url, "drain", "node", "n1", "--yes", "--grace", "45"]) == 0
+    # llama-70b's one replica is on n1: below its min until placed again, so --force.
+    argv = ["--nats", url, "drain", "node", "n1", "--yes", "--grace", "45"]
+    assert cli.main(argv) == cli.app.EXIT_REFUSED
+    assert len(_stored(url)) == before
+    assert cli.main([*argv, "--force"]) == 0
     assert "1 replica draining" in capsys.readouterr().out
     stored = _stored(url)
     published = [e.data for _, _, e in stored[before:]]

@@ -70,10 +70,10 @@ def test_an_unknown_name_gets_a_did_you_mean(
 ) -> None:
     path = long_ids(tmp_path)
     code, _, err = run(capsys, "explain", "replica", "batch-2d2f9c4l", "--log", str(path))
-    assert code == 1
+    assert code == 3  # not found
     assert err == "llmgw: no replica 'batch-2d2f9c4l' in the log: did you mean `batch-2d2f9c41`?\n"
     code, _, err = run(capsys, "explain", "node", "n11", "--log", str(path))
-    assert code == 1 and err.count("\n") == 1 and "did you mean `n1`?" in err
+    assert code == 3 and err.count("\n") == 1 and "did you mean `n1`?" in err
 
 
 # ---------------------------------------------------------------- view
@@ -307,3 +307,71 @@ def test_explain_model_by_an_alias_is_the_model(
     assert code == 0, err
     assert out.startswith("model llama-70b (standard, owner default): live 1 of 1 desired")
     assert "model.declared" in out and "placement.decided" in out
+
+
+# ---------------------------------------------------------------- last use
+
+
+def test_explain_replica_says_its_last_use_and_what_the_gateway_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "4xH100-80GB")
+    s.model("chat", cls="critical", min=0, max=4, profiles=["one:1"])
+    s.replica("chat-2d2f9c41", "chat", on=("n1", [0]), ready="-1h", used="-50m")
+    s.replica("chat-77aa01bb", "chat", on=("n1", [1]), ready="-1h")
+    for requests, tokens_in, tokens_out in ((3, 24, 12), (1, 8, 8)):
+        s.at("+1m")
+        by_owner = {"team-a": ev.OwnerUse(requests=requests, tokens_in=tokens_in)}
+        if requests > 1:
+            by_owner["team-b"] = ev.OwnerUse(requests=1, tokens_out=tokens_out)
+        used = ev.ReplicaUsed(
+            replica="chat-2d2f9c41",
+            at=s.now,
+            requests=requests,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            by_owner=by_owner,
+        )
+        s.emit(used, node="n1")
+    path = s.write(tmp_path / "used.jsonl")
+    code, out, err = run(capsys, "explain", "replica", "chat-2d", "--log", str(path))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[2] == (
+        "  last used 2026-11-29T14:02:00Z (now): seq 9 replica.used from scenario, "
+        "1 request, tokens in 8 / out 8 since its report before"
+    )
+    assert lines[3] == "  used in all: 4 requests, tokens in 32 / out 20 (2 reports with counts)"
+    assert lines[4] == (
+        "  by owner: team-a 4 requests (tokens in 32 / out 0), team-b 1 request "
+        "(tokens in 0 / out 12)"
+    )
+    code, out, err = run(capsys, "explain", "replica", "chat-2d", "--log", str(path), "--json")
+    doc = json.loads(out)
+    assert doc["last_used"]["requests"] == 1 and doc["last_used"]["seq"] == 9
+    assert doc["used"] == {
+        "reports": 2,
+        "requests": 4,
+        "tokens_in": 32,
+        "tokens_out": 20,
+        "by_owner": {
+            "team-a": {"requests": 4, "tokens_in": 32, "tokens_out": 0},
+            "team-b": {"requests": 1, "tokens_in": 0, "tokens_out": 12},
+        },
+    }
+    # An agent's report (no counts) is a last use without counts; none at all, no line.
+    s.at("+30s")
+    s.used("chat-77aa01bb")
+    path = s.write(tmp_path / "used2.jsonl")
+    code, out, err = run(capsys, "explain", "replica", "chat-77", "--log", str(path))
+    assert code == 0, err
+    assert out.splitlines()[2] == (
+        "  last used 2026-11-29T14:02:30Z (now): seq 10 replica.used from scenario"
+    )
+    code, out, err = run(capsys, "explain", "replica", "chat-2d", "--log", str(path))
+    assert "  last used 2026-11-29T14:02:00Z (30s ago): seq 9 " in out
+    code, out, err = run(
+        capsys, "explain", "replica", "batch-2d2", "--log", str(long_ids(tmp_path))
+    )
+    assert "last used" not in out

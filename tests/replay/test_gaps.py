@@ -121,7 +121,7 @@ def test_a_bundle_that_starts_late_without_a_snapshot_is_refused(
     note = f"llmgw: note: {path}: the log has 1 gap: seqs 1-3 missing (3 events); replayed"
     assert err.startswith(note), err
     if "plan" in args:
-        assert code == 1 and "unknown model 'chat'" in err and err.count("\n") == 2
+        assert code == 3 and "unknown model 'chat'" in err and err.count("\n") == 2
     else:
         assert code == 0, err
 

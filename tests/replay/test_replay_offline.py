@@ -159,7 +159,7 @@ def test_history_of_an_unknown_entity_is_one_line(
 ) -> None:
     _, path = cluster_bundle
     code, out, err = run(capsys, "history", "model", "nope", "--log", str(path))
-    assert code == 1
+    assert code == 3  # not found
     assert out == ""
     assert err == "llmgw: no model 'nope' in the log; see `llmgw view` for the models there are\n"
 
@@ -253,7 +253,7 @@ def test_explain_scale_down_failed_and_ready(
     _, out, _ = run(capsys, "explain", "replica", "a", "--log", str(path))
     assert "why: placed by the scheduler: scenario" in out
     code, _, err = run(capsys, "explain", "replica", "zz", "--log", str(path))
-    assert code == 1
+    assert code == 3  # not found
     assert "no replica 'zz' in the log" in err and "llmgw view" in err
 
 

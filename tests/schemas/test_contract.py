@@ -190,3 +190,21 @@ def test_ulids_sort_by_time_and_derived_ids_are_stable() -> None:
     d1, d2 = ids.derived(b, "drain:r-1"), ids.derived(b, "drain:r-1")
     assert d1 == d2 != ids.derived(b, "drain:r-2")
     assert ids.ulid_ms(d1) == 1_001
+
+
+def test_replica_used_by_owner_is_an_extension_an_old_report_decodes_without() -> None:
+    old = codec.decode(
+        b'{"id":"1","type":"replica.used","time":"2026-11-29T14:00:00Z","source":"agent",'
+        b'"data":{"replica":"r","at":"2026-11-29T14:00:00Z"}}'
+    )
+    assert isinstance(old, events.ReplicaUsedEvent) and old.data.by_owner == {}
+    new = codec.decode(
+        b'{"id":"2","type":"replica.used","time":"2026-11-29T14:00:00Z","source":"gateway",'
+        b'"data":{"replica":"r","at":"2026-11-29T14:00:00Z","requests":3,'
+        b'"by_owner":{"team-a":{"requests":2,"tokens_in":5,"later":1},"team-b":{}}}}'
+    )
+    assert isinstance(new, events.ReplicaUsedEvent)
+    assert new.data.by_owner == {
+        "team-a": events.OwnerUse(requests=2, tokens_in=5),
+        "team-b": events.OwnerUse(),
+    }

@@ -180,6 +180,8 @@ function drawModels(v) {
     const note = [];
     if (!m.declared) note.push("not declared");
     if (m.hold) note.push(`held for ${m.hold.for_model}`);
+    if (m.demand && m.demand.waiting > 0) note.push(`demand: ${m.demand.waiting} waiting since ${m.demand.since.slice(11, 19)}`);
+    if (m.scaled_reason) note.push(`scaled: ${m.scaled_reason}`);
     if (m.live < m.desired && !note.length) note.push("below desired");
     return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td>${esc(note.join("; "))}</td></tr>`;
   });

@@ -1,6 +1,6 @@
 """The node-aware search for victims: the best set on the node the model would go to.
 
-Called by `services.core.preemption` when its config's policy is "node-aware", with the
+Called by `services.core.policy.plan` when its config's policy is "node-aware", with the
 candidates the shared rules found (same tiers, exclusions and cap as the reference's)
 and a `fits` callback that tries a set on a clone of the inventory. It only proposes
 sets; the dry run, the pruning and the decision stay the caller's. No I/O, no clock.
@@ -42,7 +42,7 @@ from services.core.view import View
 
 
 class Victim(Protocol):
-    """What the search reads of a candidate (`preemption.Candidate`)."""
+    """What the search reads of a candidate (`decision.Candidate`)."""
 
     @property
     def replica(self) -> str: ...
@@ -194,54 +194,7 @@ def search(
     (the model would go to several nodes, which one node's sets do not cover)."""
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     nodes = _on_nodes(view, cands, needs, max_victims) if needs else []
-    best: Sequence[C] = ()
-    load_s: dict[str, float] | None = None
-    tiers = sorted({c.tier for c in cands})
-    for t in tiers:
-        # Per node, its candidates of tier t or below, and whether each is of tier t. A
-        # set whose highest tier is below t was weighed at an earlier level, so a node
-        # with no candidate of tier t has no set at this one.
-        open_at = []
-        for at, node in nodes:
-            allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
-            top = [c.tier == t for c in node.cands]
-            if any(top):
-                open_at.append((at, node, allowed, top))
-        for k in range(1, max_victims + 1):
-            # The level's sets: every k of a node's allowed candidates with one of tier
-            # t, as (where they are, the node, which of its candidates), in order.
-            level: list[tuple[list[int], _Node, tuple[int, ...]]] = []
-            for at, node, allowed, top in open_at:
-                if len(allowed) < k or not node.could(needs, allowed, k):
-                    continue
-                for chosen in itertools.combinations(allowed, k):
-                    if True in [top[i] for i in chosen]:
-                        level.append((at, node, chosen))
-            if not level:
-                continue
-            if load_s is None:
-                load_s = load_costs(view, {c.model for c in cands})
-            # The work each set throws away, summed as `key` sums it.
-            thrown = []
-            works: dict[int, list[float]] = {}
-            for _at, node, chosen in level:
-                w = works.get(id(node))
-                if w is None:
-                    w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
-                thrown.append(sum([w[i] for i in chosen]))
-
-            def made(entry: tuple[list[int], _Node, tuple[int, ...]]) -> tuple[C, ...] | None:
-                at, node, chosen = entry
-                if not node.fits(needs, chosen):
-                    return None
-                return tuple([cands[at[i]] for i in chosen])
-
-            best = _first_of(level, thrown, load_s, fits, made)
-            if best:
-                break
-        if best:
-            break
-
+    best = _by_levels(view, cands, needs, nodes, max_victims, fits)
     if any(p.shards > 1 for p in profiles):
         other = fallback()
         if other:
@@ -251,6 +204,84 @@ def search(
     return best
 
 
+_Entry = tuple[list[int], "_Node", tuple[int, ...]]
+
+
+def _by_levels(
+    view: View,
+    cands: Sequence[C],
+    needs: list[_Need],
+    nodes: list[tuple[list[int], _Node]],
+    max_victims: int,
+    fits: Callable[[Sequence[C]], bool],
+) -> Sequence[C]:
+    """The first set `fits` confirms, level by level: (highest tier, size) in order, and
+    within a level in `key` order (`_first_of`)."""
+    load_s: dict[str, float] | None = None
+    for t in sorted({c.tier for c in cands}):
+        open_at = _open_at(nodes, t)
+        for k in range(1, max_victims + 1):
+            level = _level(open_at, needs, k)
+            if not level:
+                continue
+            if load_s is None:
+                load_s = load_costs(view, {c.model for c in cands})
+
+            def made(entry: _Entry) -> tuple[C, ...] | None:
+                at, node, chosen = entry
+                if not node.fits(needs, chosen):
+                    return None
+                return tuple([cands[at[i]] for i in chosen])
+
+            best = _first_of(level, _thrown(level, load_s), load_s, fits, made)
+            if best:
+                return best
+    return ()
+
+
+def _open_at(
+    nodes: list[tuple[list[int], _Node]], t: int
+) -> list[tuple[list[int], _Node, list[int], list[bool]]]:
+    """Per node, its candidates of tier t or below, and whether each is of tier t. A set
+    whose highest tier is below t was weighed at an earlier level, so a node with no
+    candidate of tier t has no set at this one."""
+    out = []
+    for at, node in nodes:
+        allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
+        top = [c.tier == t for c in node.cands]
+        if any(top):
+            out.append((at, node, allowed, top))
+    return out
+
+
+def _level(
+    open_at: list[tuple[list[int], _Node, list[int], list[bool]]], needs: list[_Need], k: int
+) -> list[_Entry]:
+    """The level's sets: every k of a node's allowed candidates with one of tier t, as
+    (where they are, the node, which of its candidates), in order; a node is passed over
+    once even its k largest allowed victims could not free enough."""
+    level: list[_Entry] = []
+    for at, node, allowed, top in open_at:
+        if len(allowed) < k or not node.could(needs, allowed, k):
+            continue
+        for chosen in itertools.combinations(allowed, k):
+            if True in [top[i] for i in chosen]:
+                level.append((at, node, chosen))
+    return level
+
+
+def _thrown(level: list[_Entry], load_s: dict[str, float]) -> list[float]:
+    """The work each set of a level throws away, summed as `key` sums it."""
+    thrown = []
+    works: dict[int, list[float]] = {}
+    for _at, node, chosen in level:
+        w = works.get(id(node))
+        if w is None:
+            w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
+        thrown.append(sum([w[i] for i in chosen]))
+    return thrown
+
+
 def _on_nodes(
     view: View, cands: Sequence[C], needs: list[_Need], max_victims: int
 ) -> list[tuple[list[int], _Node]]:
@@ -258,63 +289,23 @@ def _on_nodes(
     `cands` and what they would free there for `needs` (`_Node`); only the nodes where
     at most `max_victims` of them could free enough GPUs for the smallest need: a bound
     before anything is worked out per profile, which on a full cluster passes over most
-    nodes for a large model.
-
-    Kept on the view (`View.memo`, "node_aware") with the very tuple of candidates and
-    the inventory's version they were worked out from (a node's usage is replaced, and
-    the version moves, whenever it changes): the grouping by node, and the nodes per
-    kind of need (which GPUs qualify for each, the smallest's GPUs) and cap. The policy
-    answers the models alike that a pass reports one after another with the same tuple
-    (see `preemption._Kept`), and most ask for a profile of a shape asked for before. A
-    list of candidates, which can change, is never kept."""
+    nodes for a large model."""
     inv = view.inventory
-    kept: _OnNodes[C] | None = view.memo.get("node_aware")
-    if kept is None or kept[0] is not cands or kept[1] != inv.version:
-        by_node: dict[str, list[int]] = {}
-        for i, c in enumerate(cands):
-            if c.node:
-                by_node.setdefault(c.node, []).append(i)
-        grouped = []
-        for name in sorted(by_node):
-            usage = inv.usage(name)
-            if usage is None or not usage.schedulable:
-                continue
-            at = by_node[name]
-            mine = [cands[i] for i in at]
-            grouped.append((at, usage, mine, [c.gpus for c in mine]))
-        kept = (cands, inv.version, grouped, {})
-        if type(cands) is tuple:
-            view.memo["node_aware"] = kept
-    per_need = kept[3]
-    # A node's candidates are counted against each need by the GPUs that qualify (its
-    # `min_gb` and `words`, in the needs' order); the bound reads the smallest need's
-    # GPUs and the cap. Nothing else of a need is kept in a `_Node`.
+    by_node: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        if c.node:
+            by_node.setdefault(c.node, []).append(i)
     least = min(n.gpus for n in needs)
-    kind = (tuple([(n.min_gb, n.words) for n in needs]), least, max_victims)
-    got = per_need.get(kind)
-    if got is None:
-        got = [
-            (at, _Node(usage, mine, needs))
-            for at, usage, mine, held in kept[2]
-            if could_free(len(usage.free), list(held), least, max_victims)
-        ]
-        if len(per_need) < _KINDS:
-            per_need[kind] = got
-    return got
-
-
-# _KINDS bounds the kinds of need `_on_nodes` keeps nodes for, per tuple of candidates.
-_KINDS = 64
-
-# What `_on_nodes` keeps: the candidates, the inventory's version, per schedulable node
-# (where its candidates are, its usage, the candidates, the GPUs each holds), and the
-# nodes worked out per kind of need and cap.
-_OnNodes = tuple[
-    Sequence[C],
-    int,
-    list[tuple[list[int], NodeUsage, list[C], list[int]]],
-    dict[tuple[object, ...], list[tuple[list[int], "_Node"]]],
-]
+    out = []
+    for name in sorted(by_node):
+        usage = inv.usage(name)
+        if usage is None or not usage.schedulable:
+            continue
+        at = by_node[name]
+        mine = [cands[i] for i in at]
+        if could_free(len(usage.free), [c.gpus for c in mine], least, max_victims):
+            out.append((at, _Node(usage, mine, needs)))
+    return out
 
 
 def _first_fit(

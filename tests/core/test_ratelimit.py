@@ -1,0 +1,101 @@
+"""A key's limits as token buckets, with time a parameter: a minute's worth to burst, a
+continuous refill, tokens charged at the end and paid back by the refill, and a refused
+request that takes nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.core import ratelimit as rl
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _run(limits: rl.Limits, times: list[float]) -> list[rl.Admission]:
+    b = rl.Buckets()
+    out = []
+    for t in times:
+        a = rl.admit(limits, b, t)
+        b = a.buckets
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("limits", "times", "admitted", "last_wait"),
+    [
+        pytest.param(rl.Limits(), [0.0] * 1000, 1000, 0.0, id="no limits: everything"),
+        pytest.param(rl.Limits(rpm=3), [0.0] * 4, 3, 20.0, id="a minute's worth at once"),
+        pytest.param(rl.Limits(rpm=3), [0, 0, 0, 20.0], 4, 0.0, id="one back after 60/rpm s"),
+        pytest.param(rl.Limits(rpm=3), [0, 0, 0, 10.0], 3, 10.0, id="half of one back: wait"),
+        pytest.param(
+            rl.Limits(rpm=60), [0.0] * 60 + [1000.0] * 61, 120, 1.0, id="never above a minute"
+        ),
+        pytest.param(rl.Limits(rpm=0), [0.0], 0, math.inf, id="rpm=0: refused for good"),
+    ],
+)
+def test_requests_a_minute(
+    limits: rl.Limits, times: list[float], admitted: int, last_wait: float
+) -> None:
+    got = _run(limits, times)
+    assert sum(a.over is None for a in got) == admitted
+    assert got[-1].wait_s == pytest.approx(last_wait)
+    assert all(a.over in (None, "rpm") for a in got)
+
+
+def test_tokens_are_charged_at_the_end_and_the_refill_pays_them_back() -> None:
+    limits = rl.Limits(tpm=600)
+    a = rl.admit(limits, rl.Buckets(), 0.0)
+    assert a.over is None
+    # One request took twice the minute's worth: the key is 600 tokens in debt.
+    b = rl.charge(limits, a.buckets, 1.0, 1200)
+    refused = rl.admit(limits, b, 1.0)
+    assert refused.over == "tpm" and refused.buckets == b
+    assert refused.wait_s == pytest.approx((600 + 1) * 60 / 600)
+    assert rl.admit(limits, b, 1.0 + refused.wait_s).over is None
+    # Charging a key without tpm, or nothing, leaves its buckets as they were.
+    assert rl.charge(rl.Limits(rpm=5), a.buckets, 1.0, 99) is a.buckets
+    assert rl.charge(limits, a.buckets, 1.0, 0) is a.buckets
+
+
+def test_a_request_refused_for_tokens_takes_no_request() -> None:
+    limits = rl.Limits(rpm=2, tpm=10)
+    a = rl.admit(limits, rl.Buckets(), 0.0)
+    b = rl.charge(limits, a.buckets, 0.0, 50)
+    refused = rl.admit(limits, b, 0.0)
+    assert refused.over == "tpm" and refused.buckets is b
+    # Paid back, it still has the one request it did not spend.
+    later = rl.admit(limits, b, refused.wait_s)
+    assert later.over is None and later.buckets.requests is not None
+    assert later.buckets.requests.level == pytest.approx(min(2.0, 1 + refused.wait_s * 2 / 60) - 1)
+
+
+@given(
+    rpm=st.integers(min_value=1, max_value=100),
+    gaps=st.lists(st.floats(min_value=0, max_value=5, allow_nan=False), min_size=1, max_size=300),
+)
+def test_never_more_than_the_burst_plus_the_rate_over_any_stretch(
+    rpm: int, gaps: list[float]
+) -> None:
+    times = []
+    t = 0.0
+    for g in gaps:
+        t += g
+        times.append(t)
+    got = _run(rl.Limits(rpm=rpm), times)
+    ok = [t for t, a in zip(times, got, strict=True) if a.over is None]
+    # Invariant: over any stretch [s, e], admitted <= a minute's worth + the refill.
+    for i, s in enumerate(ok):
+        for j in range(i, len(ok)):
+            assert j - i + 1 <= rpm + (ok[j] - s) * rpm / 60 + 1e-9
+    # And a refused request was told a wait after which it is admitted.
+    b = rl.Buckets()
+    for t in times:
+        a = rl.admit(rl.Limits(rpm=rpm), b, t)
+        if a.over is not None:
+            assert rl.admit(rl.Limits(rpm=rpm), b, t + a.wait_s + 1e-9).over is None
+        b = a.buckets

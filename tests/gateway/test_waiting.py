@@ -1,0 +1,286 @@
+"""The gateway's waiting room, in this process on a real broker: a request for a model
+that cannot take it now is held, its demand published, and released by the fold of a
+replica's ready (the test writes the log, so it says exactly when), FIFO and at the
+replica's admission limit; past the line's length or its wait a 429 with Retry-After;
+a model the plane cannot place a 503 with the decision's reason; a held stream kept
+alive with SSE comments; nothing held or in flight once every request has ended."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+
+from schemas import codec, subjects
+from schemas import events as ev
+from services.agent.responder import Responder, Timing
+from services.clock import utc_now
+from tests.agent.helpers import new_id, wait_for
+from tests.gateway.conftest import Plane
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
+
+CHAT = "/v1/chat/completions"
+
+
+def _body(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+async def _held(plane: Plane, n: int, model: str | None = None) -> None:
+    async def count() -> int:
+        room = plane.gateway.room
+        return room.held() if model is None else room.waiting(model)
+
+    await wait_for(count, lambda c: c == n, 10)
+
+
+async def _state(plane: Plane, replica: str, model: str, state: str, endpoint: str = "") -> None:
+    await plane.say(
+        ev.ReplicaState(
+            replica=replica,
+            model=model,
+            profile="p",
+            state=state,  # type: ignore[arg-type]
+            shards=(ev.ShardSpec(node=plane.node, gpus=(0,)),),
+            endpoint=endpoint or None,
+        ),
+        node=plane.node,
+    )
+
+
+async def test_a_request_at_zero_is_held_its_demand_published_and_served_on_ready(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]], nc: Client
+) -> None:
+    await plane.model("cold")
+    demands: list[ev.ModelDemanded] = []
+
+    async def heard(msg: Any) -> None:
+        demands.append(codec.decode(msg.data).data)  # type: ignore[arg-type]
+
+    sub = await nc.subscribe(subjects.demand_subject("cold"), cb=heard)
+    s = await servers("cold-1", "cold")
+    task = asyncio.create_task(plane.chat("cold", max_tokens=3))
+    await _held(plane, 1)
+    await wait_for(lambda: asyncio.sleep(0, len(demands)), lambda n: n >= 1, 5)
+    first = demands[0]
+    assert (first.model, first.waiting) == ("cold", 1)
+    assert abs((utc_now() - first.since).total_seconds()) < 5
+    assert not task.done()
+    await plane.ready("cold-1", "cold", s.endpoint)
+    status, h, body = await asyncio.wait_for(task, 5)
+    assert status == 200 and h["x-llmgw-replica"] == "cold-1"
+    assert len(json.loads(body)["choices"][0]["message"]["content"].split()) == 3
+    assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
+    assert len(plane.gateway.counts.wakes) >= 1
+    await sub.unsubscribe()
+
+
+async def test_a_held_stream_gets_keepalive_comments_then_its_tokens(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    plane.gateway.keepalive_s = 0.02
+    await plane.model("cold-stream")
+    s = await servers("cs-1", "cold-stream")
+    async with plane.http.post(
+        f"{plane.url}{CHAT}", json=_body("cold-stream", stream=True, max_tokens=4)
+    ) as r:
+        # The 200 and the stream's headers come when it starts waiting.
+        assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+        got = b""
+        while got.count(b": waiting\n\n") < 3:
+            got += await asyncio.wait_for(r.content.readany(), 5)
+        await plane.ready("cs-1", "cold-stream", s.endpoint)
+        got += await asyncio.wait_for(r.content.read(), 5)
+    comments, _, events = got.partition(b"data: ")
+    assert set(comments.split(b"\n\n")) <= {b": waiting", b""}
+    assert (b"data: " + events).rstrip().endswith(b"data: [DONE]")
+    tokens = [
+        json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+        for line in (b"data: " + events).split(b"\n")
+        if line.startswith(b"data: {")
+    ]
+    assert len("".join(tokens).split()) == 4
+    assert plane.gateway.room.held() == 0
+
+
+async def test_the_line_is_released_in_order_at_the_replicas_admission_limit(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    # target_inflight 1: two in flight a replica (INFLIGHT_FACTOR), the rest held.
+    await plane.model("paced", target_inflight=1)
+    s = await servers("pa-1", "paced", Timing(0.2, 0.0))
+    order: list[int] = []
+
+    async def one(i: int) -> int:
+        status, _, _ = await plane.chat("paced", max_tokens=1)
+        order.append(i)
+        return status
+
+    tasks = []
+    for i in range(6):
+        tasks.append(asyncio.create_task(one(i)))
+        await _held(plane, i + 1)
+    await plane.ready("pa-1", "paced", s.endpoint)
+    assert plane.gateway.router.inflight == {"pa-1": 2}
+    assert plane.gateway.room.held() == 4
+    peak = 0
+    while not all(t.done() for t in tasks):
+        peak = max(peak, s.active)
+        await asyncio.sleep(0.01)
+    assert [t.result() for t in tasks] == [200] * 6
+    assert peak <= 2
+    # Released two at a time in arrival order: each pair ends before the next.
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:4]) == [2, 3]
+    assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
+
+
+async def test_past_the_lines_length_a_429_with_the_predicted_start(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    plane.gateway.room.per_model = 3
+    await plane.model("full")
+    tasks = [asyncio.create_task(plane.chat("full")) for _ in range(3)]
+    await _held(plane, 3)
+    # No start in the log: the default prediction, ten minutes.
+    status, h, body = await plane.chat("full")
+    assert status == 429 and h["Retry-After"] == "600"
+    assert h["x-llmgw-reason"] == "queue_full"
+    assert "3 requests already wait for full" in json.loads(body)["error"]["message"]
+    s = await servers("full-1", "full")
+    await plane.ready("full-1", "full", s.endpoint)
+    assert [(await t)[0] for t in tasks] == [200] * 3
+    assert plane.gateway.room.held() == 0
+
+
+async def test_a_wait_is_bounded_by_the_clients_own_timeout(plane: Plane) -> None:
+    await plane.model("slow-start")
+    t0 = time.monotonic()
+    status, h, _ = await plane.post(
+        CHAT, _body("slow-start"), headers={"x-stainless-read-timeout": "0.4"}
+    )
+    waited = time.monotonic() - t0
+    assert status == 429 and h["x-llmgw-reason"] == "not_ready_in_time"
+    assert h["Retry-After"] == "600"
+    assert 0.3 <= waited < 2
+    assert plane.gateway.room.held() == 0
+
+
+async def test_a_model_that_cannot_be_placed_is_a_503_with_the_decisions_reason(
+    plane: Plane,
+) -> None:
+    await plane.model("nofit")
+    task = asyncio.create_task(plane.chat("nofit"))
+    await _held(plane, 1)
+    failed = ev.make(
+        ev.PlacementFailed(
+            model="nofit",
+            profiles=("p",),
+            live=0,
+            desired=1,
+            reason="no_fit",
+            why={"p": "needs 1 GPU, the most free on a node is 0"},
+        ),
+        id=new_id(),
+        time=utc_now(),
+        source="test",
+    )
+    p = await plane.pub.publish(failed)
+    await plane.gateway.follower.wait_for(p.seq, 5)
+    assert not task.done()  # the policy has not answered yet: it may preempt
+    decided = ev.make(
+        ev.PreemptionDecided(for_model="nofit", outcome="no_candidates", trigger=failed.id),
+        id=new_id(),
+        time=utc_now(),
+        source="test",
+        causation=failed.id,
+    )
+    p = await plane.pub.publish(decided)
+    status, h, body = await asyncio.wait_for(task, 5)
+    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    msg = json.loads(body)["error"]["message"]
+    assert "no replica may be stopped for it" in msg and "the most free on a node is 0" in msg
+    assert "Retry-After" not in h
+    # The plane has asked for it and said it cannot: the next one is told at once.
+    await plane.say(ev.ScaleDesired(model="nofit", replicas=1))
+    status, h, _ = await asyncio.wait_for(plane.chat("nofit"), 5)
+    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    assert plane.gateway.room.held() == 0
+
+
+async def test_a_held_model_is_a_503_with_the_holds_end(plane: Plane) -> None:
+    await plane.model("held-off")
+    until = utc_now() + timedelta(seconds=42)
+    await plane.say(ev.HoldCreated(model="held-off", for_model="other", until=until))
+    status, h, body = await plane.chat("held-off")
+    assert status == 503 and h["x-llmgw-reason"] == "held"
+    assert 40 <= int(h["Retry-After"]) <= 43
+    assert "gave up its room for other" in json.loads(body)["error"]["message"]
+
+
+async def test_a_held_stream_refused_gets_the_refusal_as_its_event(plane: Plane) -> None:
+    plane.gateway.keepalive_s = 0.02
+    await plane.model("gone-model")
+    async with plane.http.post(f"{plane.url}{CHAT}", json=_body("gone-model", stream=True)) as r:
+        assert r.status == 200
+        await _held(plane, 1)
+        await plane.say(ev.ModelRemoved(name="gone-model"))
+        got = await asyncio.wait_for(r.content.read(), 5)
+    event = got.split(b"data: ", 1)[1]
+    assert json.loads(event)["error"]["code"] == "unknown_model"
+    assert plane.gateway.room.held() == 0
+
+
+async def test_a_client_gone_while_held_leaves_nothing_held(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.model("leaver")
+    tasks = [asyncio.create_task(plane.chat("leaver")) for _ in range(5)]
+    await _held(plane, 5)
+    for t in tasks[:3]:
+        t.cancel()
+    await _held(plane, 2)
+    s = await servers("lv-1", "leaver")
+    await plane.ready("lv-1", "leaver", s.endpoint)
+    assert [(await t)[0] for t in tasks[3:]] == [200, 200]
+    assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
+    assert s.served == 2
+
+
+async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.model("again")
+    s = await servers("ag", "again")
+    before = len(plane.gateway.counts.wakes)
+    for i in range(100):
+        rid = f"ag-{i}"
+        demanded = plane.gateway.counts.demanded
+        task = asyncio.create_task(plane.chat("again", max_tokens=1))
+        await _held(plane, 1)
+        # Each start's first request is demanded at once, though the last demand was
+        # less than the interval (1 s) ago: it is the first of its wait.
+        await wait_for(
+            lambda: asyncio.sleep(0, plane.gateway.counts.demanded),
+            lambda n, d=demanded: n > d,  # type: ignore[misc]
+            0.5,
+        )
+        await _state(plane, rid, "again", "ready", s.endpoint)
+        status, h, _ = await asyncio.wait_for(task, 5)
+        assert status == 200 and h["x-llmgw-replica"] == rid
+        await plane.say(
+            ev.ReplicaDrain(replica=rid, model="again", reason="scale_down"), node=plane.node
+        )
+        await _state(plane, rid, "again", "stopped")
+    wakes = list(plane.gateway.counts.wakes)[before:]
+    assert len(wakes) == 100
+    p99 = statistics.quantiles(wakes, n=100)[98]
+    assert p99 < 0.05, f"wake p99 {p99 * 1000:.1f} ms"
+    assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
