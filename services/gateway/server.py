@@ -10,10 +10,11 @@ A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
 `stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
-the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is in the OpenAI
-error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
-`x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
-did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
+in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
+an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
+key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -38,7 +39,8 @@ the plane has said it cannot place, a 503 with that decision's reason.
 
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
-`used_interval_s`, on the replica's node subject as its agent would.
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of
+the API keys that sent them (`by_owner`); each request's owner is in its span too.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ RETRY_AFTER_S = 1
 USED_TICK_S = 1.0
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
+# IDLE_TIMEOUT_S bounds how long a client's connection may go without a whole request:
+# one that sends its headers a byte at a time (slowloris), or keeps an idle connection
+# open, is closed then (nginx's keep-alive default), not held for aiohttp's hour.
+IDLE_TIMEOUT_S = 75.0
+
 # MIN_WAIT_S is the least a held request waits for a model with a history of starts: a
 # model that loads in a second still needs the scheduler's pass and, to make room, a
 # victim's drain (30 s by default) before its start even begins.
@@ -148,10 +155,16 @@ _VERDICTS = (ev.PreemptionDecidedEvent, ev.HoldCreatedEvent, ev.ModelRemovedEven
 CATCH_UP_S = 30.0
 
 # FORWARDED are the request headers a replica gets; the client's others (its key
-# first of all) stay at the gateway.
-FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
+# first of all) stay at the gateway. Content-Type is not among them: the gateway has
+# read the body as a JSON object, so the replica is told `application/json` whatever
+# the client said (curl's `-d` says form-urlencoded).
+FORWARDED = ("Accept", "X-Request-Id")
+JSON_TYPE = {"Content-Type": "application/json"}
 # PASSED are the answer headers a client gets from the replica.
 PASSED = ("Content-Type", "Cache-Control", "X-Request-Id")
+
+# MAX_NAME is the longest model name the contract allows (schemas.events.Name).
+MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -288,6 +301,7 @@ class Gateway:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     used_interval_s: float = USED_INTERVAL_S
     url: str = ""
     """http://HOST:PORT, once bound."""
@@ -367,7 +381,11 @@ class Gateway:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
             runner = web.AppRunner(
-                self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0
+                self.app(),
+                access_log=None,
+                handler_cancellation=True,
+                shutdown_timeout=2.0,
+                keepalive_timeout=self.idle_timeout_s,
             )
             await runner.setup()
             await web.SockSite(runner, sock).start()
@@ -592,6 +610,16 @@ class Gateway:
         head = _parse(body)
         view = self.follower.view
         m = view.catalog.resolve(head.model)
+        if m is None and len(head.model) > MAX_NAME:
+            # No model has such a name, and comparing one this long with every name
+            # would hold the loop (difflib is quadratic): said without a did-you-mean.
+            raise Refusal(
+                404,
+                f"the model {head.model[:64]!r}... does not exist (a name is at most "
+                f"{MAX_NAME} characters; this one is {len(head.model)})",
+                "unknown_model",
+                kind="invalid_request_error",
+            )
         if m is None:
             known = [n for d in view.state.models.values() for n in (d.name, *d.aliases)]
             hint = names.did_you_mean(head.model, known)
@@ -944,7 +972,7 @@ class Gateway:
         """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
         already sent) when there is one."""
         assert self._http is not None
-        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers}
+        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
@@ -1133,24 +1161,19 @@ class Gateway:
                 del self._use[rid]
 
     async def _whole(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes:
+        """The whole answer, read to its end (a `read(n)` returns only what has come so
+        far); 502 past MAX_ANSWER or when the replica breaks it off."""
         try:
             if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            data = await upstream.content.read(MAX_ANSWER + 1)
-            rest = await upstream.content.read(1) if len(data) > MAX_ANSWER else b""
-            if len(data) > MAX_ANSWER or rest:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            return data
+                raise _answer_too_big(rid)
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := await upstream.content.readany():
+                size += len(chunk)
+                if size > MAX_ANSWER:
+                    raise _answer_too_big(rid)
+                chunks.append(chunk)
+            return b"".join(chunks)
         except TimeoutError:
             raise Refusal(
                 504,
@@ -1168,15 +1191,33 @@ class Gateway:
 
 
 def _parse(body: bytes) -> _Head:
+    """What routing reads of a body; 400 for anything but a JSON object. JSON is UTF-8
+    throughout (RFC 8259), also in the fields the gateway skips; a key given twice
+    counts as its last value, as it does for the replica's parser."""
     try:
         head = _head.decode(body)
+        body.decode("utf-8")
     except msgspec.ValidationError:
         raise Refusal(400, "the body must be a JSON object", "invalid_json") from None
     except msgspec.DecodeError as e:
         raise Refusal(400, f"the body is not JSON: {e}", "invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise Refusal(
+            400, f"the body is not JSON: byte {e.start} is not UTF-8", "invalid_json"
+        ) from None
+    except RecursionError:
+        raise Refusal(
+            400, "the body is not JSON the gateway takes: nested too deep", "invalid_json"
+        ) from None
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     return head
+
+
+def _answer_too_big(rid: str) -> Refusal:
+    return Refusal(
+        502, f"replica {rid} answered over {MAX_ANSWER} bytes", "bad_upstream", kind="api_error"
+    )
 
 
 def _summary(xs: deque[float]) -> dict[str, float]:
