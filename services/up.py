@@ -427,6 +427,7 @@ async def _serve(
                 db_path=db_path,
                 policy=opts.policy,
                 allow_hosts=opts.ui_hosts,
+                nc=nc,
             )
             try:
                 ui_sock = dashboard.bind()

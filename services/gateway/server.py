@@ -580,12 +580,14 @@ class Gateway:
         ) as span:
             request[_SPAN] = span
             owner = NO_OWNER
+            refused: str | None = None
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
+                refused = e.reason
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
@@ -597,6 +599,8 @@ class Gateway:
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                if refused is not None:
+                    self.metrics.errors.labels(model, refused).inc()
                 self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
