@@ -320,6 +320,9 @@ class Gateway:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
+    stream_usage: bool = True
+    """Ask a server for the usage chunk of a stream whose client did not (and strip it);
+    off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
@@ -577,12 +580,14 @@ class Gateway:
         ) as span:
             request[_SPAN] = span
             owner = NO_OWNER
+            refused: str | None = None
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
+                refused = e.reason
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
@@ -594,6 +599,8 @@ class Gateway:
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                if refused is not None:
+                    self.metrics.errors.labels(model, refused).inc()
                 self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
@@ -633,7 +640,10 @@ class Gateway:
         # strip: a stream whose client did not ask for its usage chunk is asked for it on
         # the client's behalf, and the chunk taken out of what the client gets.
         strip = (
-            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+            self.stream_usage
+            and stream
+            and request.path != "/v1/embeddings"
+            and not streams.asked(head.stream_options)
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
