@@ -425,6 +425,11 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     policy: Text = "reference"
     """The policy that decided (reference, node-aware); a decision from before the
     field was added was the reference's."""
+    reason: Text = ""
+    """Why, in words (extension). A `fits` answers a placement that failed although the
+    room is there (the scheduler held the model back, a node backing off after failed
+    starts): it says that nothing was stopped and what still keeps the model unplaced.
+    Empty in a decision from before the field was added."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):

@@ -91,23 +91,23 @@ def agent_subject(node: str, root: str = DEFAULT_ROOT) -> str:
 def gateway_inflight_subject(node: str, replica: str, root: str = DEFAULT_ROOT) -> str:
     """Core NATS, request and reply, not stored: the agent of `node` draining `replica`
     asks every gateway how many of its requests are in flight there, and each answers
-    (`services.gateway.drains`). The node is in the subject so that an agent may ask
-    only about its own replicas."""
-    return f"{root}.gateway.inflight.{_t(node)}.{_t(replica)}"
+    (`services.gateway.server`). The node is in the subject so that an agent may ask
+    only about its own replicas. Not under `<root>.gateway.`, which the stream stores."""
+    return f"{root}.inflight.{_t(node)}.{_t(replica)}"
 
 
 def gateway_inflight_wildcard(root: str = DEFAULT_ROOT) -> str:
     """What a gateway subscribes to, to answer every agent's question."""
-    return f"{root}.gateway.inflight.*.*"
+    return f"{root}.inflight.*.*"
 
 
 def replica_of_inflight(subject: str) -> str | None:
     """The replica a `gateway_inflight_subject` names; None for any other subject."""
     toks = subject.split(".")
-    if len(toks) != 5 or toks[1:3] != ["gateway", "inflight"]:
+    if len(toks) != 4 or toks[1] != "inflight":
         return None
     try:
-        return unescape(toks[4])
+        return unescape(toks[3])
     except TokenError:
         return None
 

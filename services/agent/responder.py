@@ -36,6 +36,10 @@ from services import names
 # what one may ask for, so a simulated answer is never a flood.
 MAX_TOKENS_DEFAULT = 16
 MAX_TOKENS_CAP = 4096
+# MAX_N bounds the choices one request may ask for (`n`); past it, or not a positive
+# integer, the request is a 400 as vLLM answers a bad sampling parameter, so a huge `n`
+# cannot make a simulated server write without end.
+MAX_N = 16
 # EMBEDDING_DIM is the length of a simulated embedding.
 EMBEDDING_DIM = 8
 WORDS = ("the", "plane", "folds", "a", "log", "of", "facts", "and", "serves", "tokens")
@@ -127,6 +131,17 @@ def _max_tokens(body: dict[str, Any]) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return MAX_TOKENS_DEFAULT
     return min(n, MAX_TOKENS_CAP)
+
+
+def _choices(body: dict[str, Any]) -> int | None:
+    """How many choices the request asks for (`n`, default 1); None when it is not an
+    integer from 1 to MAX_N."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        return None
+    return n
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -235,6 +250,9 @@ class Responder:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
+        n = _choices(body)
+        if n is None:
+            return _error(400, f"n must be an integer from 1 to {MAX_N}, not {body.get('n')!r:.40}")
         self.served += 1
         self._n += 1
         kind = self._fault()
@@ -246,8 +264,8 @@ class Responder:
         words = _tokens(self.model, prompt, _max_tokens(body))
         usage = {
             "prompt_tokens": max(1, len(prompt) // 4),
-            "completion_tokens": len(words),
-            "total_tokens": max(1, len(prompt) // 4) + len(words),
+            "completion_tokens": len(words) * n,
+            "total_tokens": max(1, len(prompt) // 4) + len(words) * n,
         }
         created = int(time.time())
         what = "chat.completion" if chat else "text_completion"
@@ -258,11 +276,14 @@ class Responder:
             if gap and len(words) > 1:
                 await asyncio.sleep(gap * (len(words) - 1))
             text = " ".join(words)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
+            choices = []
+            for i in range(n):
+                choice: dict[str, Any] = {"index": i, "finish_reason": "length", "logprobs": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                choices.append(choice)
             return web.json_response(
                 {
                     "id": rid,
@@ -270,7 +291,7 @@ class Responder:
                     "created": created,
                     "model": self.model,
                     "system_fingerprint": self.replica,
-                    "choices": [choice],
+                    "choices": choices,
                     "usage": usage,
                 }
             )
@@ -281,22 +302,26 @@ class Responder:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                c["delta"] = ({"role": "assistant"} if role else {}) | (
-                    {"content": delta} if delta is not None else {}
-                )
-            else:
-                c["text"] = delta or ""
-            doc = {
-                "id": rid,
-                "object": chunk_kind,
-                "created": created,
-                "model": self.model,
-                "system_fingerprint": self.replica,
-                "choices": [c],
-            }
-            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+            # One event a choice: each of the `n` choices streams the same words.
+            out = b""
+            for i in range(n):
+                c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
+                if chat:
+                    c["delta"] = ({"role": "assistant"} if role else {}) | (
+                        {"content": delta} if delta is not None else {}
+                    )
+                else:
+                    c["text"] = delta or ""
+                doc = {
+                    "id": rid,
+                    "object": chunk_kind,
+                    "created": created,
+                    "model": self.model,
+                    "system_fingerprint": self.replica,
+                    "choices": [c],
+                }
+                out += b"data: " + json.dumps(doc).encode() + b"\n\n"
+            return out
 
         if chat:
             await resp.write(chunk("", None, role=True))

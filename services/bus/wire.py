@@ -36,7 +36,7 @@ import secrets
 import ssl
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -139,8 +139,7 @@ class WireConnection(asyncio.Protocol):
                     upgraded = await loop.start_tls(
                         transport, conn, tls, server_hostname=tls_hostname or host
                     )
-                    assert isinstance(upgraded, asyncio.Transport)
-                    conn._transport = upgraded
+                    conn._transport = cast(asyncio.Transport, upgraded)
                     conn._send_connect()
                 await conn._ready
             except BaseException:
@@ -152,8 +151,9 @@ class WireConnection(asyncio.Protocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A cast, not an isinstance check: uvloop's transports are not subclasses of
+        # asyncio's, and a gateway may run on uvloop.
+        self._transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -668,6 +668,22 @@ def arg_seq_or_time(text: str) -> int | datetime:
         ) from None
 
 
+def confirm(question: str, yes: bool, nothing: str) -> None:
+    """Ask `question` on the terminal (stderr); anything but y/yes, or no answer at all,
+    is refused (exit 5) with `nothing` (what was not done). `yes` (--yes) skips it."""
+    if yes:
+        return
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except OSError:  # no readable input at all: no answer
+        answer = ""
+    if not (sys.stdin is not None and sys.stdin.isatty()):
+        print(file=sys.stderr)  # the answer was not echoed: end the question's line
+    if answer.strip().lower() not in ("y", "yes"):
+        raise Refused(f"not confirmed; {nothing} (--yes skips the question)")
+
+
 # ---------------------------------------------------------------------- progress
 
 

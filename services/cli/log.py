@@ -12,6 +12,7 @@ writes the part again. Where to cut is `services.core.compaction`'s call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +46,8 @@ def register(commands: cli.Commands) -> None:
             "and the stream as one log (the archive's directory is recorded on the stream;\n"
             "--archive or $LLMGW_ARCHIVE point elsewhere) and name any gap; `events export`\n"
             "writes the archive's events too.\n"
+            "It says what it will archive and purge (the seqs, how many events, from when to\n"
+            "when, where to) and asks first, unless --yes; not confirmed, it exits 5.\n"
             "A part is written as .writing-<pid>.jsonl.gz first: one that a killed run left\n"
             "is removed by the next. A write that fails (a full disk) names its file, and\n"
             "nothing is purged."
@@ -52,6 +55,7 @@ def register(commands: cli.Commands) -> None:
         epilog=cli.examples(
             "llmgw log compact --keep 30d",
             "llmgw log compact --before 1000000 --archive /srv/llmgw-archive",
+            "llmgw log compact --keep 30d --yes          # from cron: no question",
         ),
         func=_compact,
     )
@@ -69,6 +73,9 @@ def register(commands: cli.Commands) -> None:
         "--archive",
         metavar="DIR",
         help="the archive directory (default: the one recorded on the stream, else DATA/archive)",
+    )
+    p.add_argument(
+        "-y", "--yes", action="store_true", help="do not ask before purging (for scripts, cron)"
     )
 
 
@@ -99,6 +106,14 @@ async def _compact(args: argparse.Namespace) -> int:
         if isinstance(cut, str):
             print(cut)
             return 0
+        span = await _span(s, cut)
+        cli.confirm(
+            f"archive seq {cut.first}..{cut.before - 1} ({cut.count:,} "
+            f"event{'' if cut.count == 1 else 's'}{span}) to {where} and purge them from "
+            f"the stream, which then starts at seq {cut.before}?",
+            args.yes,
+            "nothing archived or purged",
+        )
         # 1. A snapshot covers every event the cut removes.
         if cut.snapshot is None:
             got = await rebuild.from_stream(s.js, until_seq=cut.before - 1, root=s.root)
@@ -134,6 +149,22 @@ async def _compact(args: argparse.Namespace) -> int:
         f"to {part.path}; the stream now starts at seq {cut.before}"
     )
     return 0
+
+
+async def _span(s: cli.Session, cut: Cut) -> str:
+    """`, stored 2026-10-01T00:00:00Z to 2026-11-01T12:00:00Z`: when the first and the
+    last event the cut removes were stored; "" when the broker does not say."""
+    from schemas import subjects
+    from services.replay import render
+
+    times = []
+    for seq in (cut.first, cut.before - 1):
+        with contextlib.suppress(Exception):
+            msg = await s.js.get_msg(subjects.STREAM, seq)
+            times.append(render.stamp(msg.time) if getattr(msg, "time", None) else None)
+    if len(times) != 2 or None in times:
+        return ""
+    return f", stored {times[0]} to {times[1]}"
 
 
 async def _write_part(s: cli.Session, writer: Writer, cut: Cut) -> Part:

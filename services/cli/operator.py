@@ -32,7 +32,7 @@ from services import clusterfile, names
 from services.cli import app as cli
 from services.cli import refs
 from services.clock import new_id, utc_now
-from services.core.view import LIVE_STATES, View
+from services.core.view import LIVE_STATES, ReplicaRecord, View
 
 
 def register(commands: cli.Commands) -> None:
@@ -149,16 +149,25 @@ def register(commands: cli.Commands) -> None:
             "for every live replica with a shard on it. Each agent stops its replica within\n"
             "the grace; once it reports draining, the scheduler counts it gone and places\n"
             "a new one on another node (the cordon keeps it off this one). Asks first\n"
-            "unless --yes; an unknown NODE is refused."
+            "unless --yes; an unknown NODE is refused. A drain that would take any model\n"
+            "below its min (it would have fewer live replicas than its guarantee until\n"
+            "they are placed again, if there is room) is refused, naming each, critical\n"
+            "first, unless --force (exit 5: refused)."
         ),
         epilog=cli.examples(
             "llmgw drain node gpu-a1",
+            "llmgw drain node gpu-a1 --force      # even below a model's min",
             "llmgw drain node gpu-a1 --grace 120 --yes",
             "llmgw uncordon gpu-a1                # when it is back",
         ),
         func=_drain_node,
     )
     p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="drain even when it takes a model below its min (they are listed first)",
+    )
     p.add_argument(
         "--grace",
         type=cli.arg_seconds,
@@ -505,19 +514,32 @@ async def _cordon(args: argparse.Namespace) -> int:
     return 0
 
 
+# CLASS_ORDER puts the worst news first: a critical model below its min before the rest.
+CLASS_ORDER = {"critical": 0, "standard": 1, "opportunistic": 2}
+
+
+def below_min(view: View, leaving: list[ReplicaRecord]) -> list[str]:
+    """Each model that stopping `leaving` would take below its min, critical first, as
+    `chat (critical) from 2 live to 0, below its min 1`."""
+    gone: dict[str, int] = {}
+    for r in leaving:
+        m = view.catalog.resolve(r.model)
+        if m is not None and r.live:
+            gone[m.name] = gone.get(m.name, 0) + 1
+    rows = []
+    for name, n in gone.items():
+        decl = view.state.models.get(name)
+        live = view.live_for(name)
+        if decl is not None and live - n < decl.min:
+            rows.append((CLASS_ORDER.get(decl.cls, 9), name, decl.cls, live, live - n, decl.min))
+    return [
+        f"{name} ({cls}) from {live} live to {after}, below its min {lo}"
+        for _, name, cls, live, after, lo in sorted(rows)
+    ]
+
+
 def _confirm(question: str, yes: bool) -> None:
-    """Ask on the terminal; anything but y/yes (or no answer at all) publishes nothing."""
-    if yes:
-        return
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
-    try:
-        answer = sys.stdin.readline() if sys.stdin is not None else ""
-    except OSError:  # no readable input at all: no answer
-        answer = ""
-    if not (sys.stdin is not None and sys.stdin.isatty()):
-        print(file=sys.stderr)  # the answer was not echoed: end the question's line
-    if answer.strip().lower() not in ("y", "yes"):
-        raise cli.Refused("not confirmed; nothing published (--yes skips the question)")
+    cli.confirm(question, yes, "nothing published")
 
 
 async def _delete_model(args: argparse.Namespace) -> int:
@@ -546,9 +568,16 @@ async def _drain_node(args: argparse.Namespace) -> int:
             key=lambda r: r.id,
         )
         listed = f": {', '.join(r.id for r in targets)}" if targets else ""
+        below = below_min(op.view, targets)
+        if below and not args.force:
+            raise cli.Refused(
+                f"drain node {args.node} would take {names.plural(len(below), 'model')} "
+                f"below its min: {'; '.join(below)}; nothing published (--force drains anyway)"
+            )
+        warn = f"; this takes {'; '.join(below)}" if below else ""
         _confirm(
             f"drain node {args.node}: cordon it and stop "
-            f"{names.plural(len(targets), 'replica')}{listed}?",
+            f"{names.plural(len(targets), 'replica')}{listed}{warn}?",
             args.yes,
         )
         if not rec.cordoned:

@@ -162,17 +162,43 @@ async def _plan(args: argparse.Namespace) -> int:
         raise cli.CliError(f"{where} holds no events; pass --now to say when to decide")
     cfg, used = policy_for(args, view)
     d = preemption.plan(view, args.model, now, cfg)
+    note = one_more(view, args.model)
     if args.output == "name":
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         for v in d.victims:
             print(f"replica/{v.replica}")
     elif args.output == "json":
         out = d.to_json()
         out["policy"] = used
+        out["note"] = note
         print(json.dumps(out))
     else:
         show_policy(used, sys.stdout)
+        if note:
+            print(f"note      {note}")
         show(d, sys.stdout)
     return 0
+
+
+def one_more(view: View, model: str) -> str | None:
+    """What the plan is for when the model needs nothing: it always plans one more
+    replica, which the scheduler would ask for only below the desired count and max."""
+    m = view.catalog.resolve(model)
+    if m is None:
+        return None
+    live, desired = view.live_of(m), view.desired_of(m)
+    if live >= m.max:
+        return (
+            f"{m.name} is at its max ({live} live, max {m.max}): this plans one more "
+            "replica, which the scheduler would never place"
+        )
+    if live >= desired:
+        return (
+            f"{m.name} is already at its desired count ({live} live, desired {desired}): "
+            "this plans one more replica, which the scheduler would not ask for now"
+        )
+    return None
 
 
 def policy_for(args: argparse.Namespace, view: View) -> tuple[preemption.Config, dict[str, Any]]:

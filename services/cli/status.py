@@ -126,6 +126,7 @@ def summary(
                 "held_for": hold.for_model if hold else None,
                 "held_until": render.stamp(hold.until) if hold else None,
                 "awaiting": list(view.awaiting(name)),
+                "failing": render.failing(view, name),
             }
         )
     replicas = [
@@ -215,10 +216,16 @@ def text(
     d = summary(view, decisions, now)
     now = now if now is not None else view.state.time
     last = view.state.time
+    # The cause of an outage comes first: a model whose replicas fail, and why.
     out = [
+        "FAILING  " + render.failing_line(m["model"], m["failing"])
+        for m in d["models"]
+        if m["failing"]
+    ]
+    out.append(
         f"{where}: seq {d['seq']}, last event {render.ago(last, now)}"
         f" ({d['time']}), digest {d['digest'][:12]}"
-    ]
+    )
     g = d["gpus"]
     lost = sum(1 for n in d["nodes"] if n["state"] == "lost")
     cordoned = sum(1 for n in d["nodes"] if n["state"] == "cordoned")
@@ -483,10 +490,12 @@ async def _status(args: argparse.Namespace) -> int:
     beats = None if plane is None else plane.get("heartbeats")
     out = render_status(args, view, run.where, now, beats)
     if args.output != "name":
-        first, _, rest = out.partition("\n")
+        lines = out.split("\n")
+        failing = [x for x in lines if x.startswith("FAILING  ")]
+        first, rest = lines[len(failing)], lines[len(failing) + 1 :]
         head = [] if plane is None else plane_lines(plane)
         headline = [x for x in head if x.startswith("PLANE NOT RUNNING")]
         extra = ([health_line(h)] if h is not None else []) + [x for x in head if x not in headline]
-        out = "\n".join([*headline, first, *extra, rest])
+        out = "\n".join([*headline, *failing, first, *extra, *rest])
     print(out)
     return code

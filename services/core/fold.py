@@ -477,7 +477,7 @@ def _preemption_decided(
             f"{v.replica} ({v.model}, tier {v.tier})" for v in d.victims
         )
     else:
-        summary = f"{d.considered} candidates considered"
+        summary = d.reason or f"{d.considered} candidates considered"
     _decided(view, e, d.for_model, d.outcome, summary)
     return None
 

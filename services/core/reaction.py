@@ -103,8 +103,12 @@ def decision_events(
     correlation = trigger.correlation or tid
     ms = ids.kept_ms(tid)  # every id of the reaction derives from the trigger's
     decided_id = ids.derived(tid, "decided", ms)
+    data = bounded(decision.to_event_data(tid, SHOWN))
+    reason = decided_reason(trigger, decision)
+    if reason != data.reason:
+        data = msgspec.structs.replace(data, reason=reason)
     decided = ev.make(
-        bounded(decision.to_event_data(tid, SHOWN)),
+        data,
         id=decided_id,
         time=now,
         source=SOURCE,
@@ -120,6 +124,23 @@ def decision_events(
         ),
         *(mk.hold(h) for h in decision.holds),
     )
+
+
+# REASON_MAX bounds the published reason: the trigger's per-profile reasons can be long,
+# and the contract's text is 4 KiB at most.
+REASON_MAX = 1000
+
+
+def decided_reason(trigger: ev.PlacementFailedEvent, decision: preemption.Decision) -> str:
+    """The decision's reason as published. A `fits` is no success: the placement it
+    answers failed although the room is there (the scheduler held the model back, as a
+    node backs off after failed starts), so it says that nothing was stopped and what
+    the placement failed on, which no preemption can fix."""
+    reason = decision.reason
+    if decision.outcome == "fits":
+        why = "; ".join(dict.fromkeys(trigger.data.why.values())) or trigger.data.reason
+        reason = f"no preemption, nothing stopped ({reason}); still not placed: {why}"
+    return reason if len(reason) <= REASON_MAX else reason[: REASON_MAX - 1] + "~"
 
 
 def missing(

@@ -90,6 +90,9 @@ SOURCE = "gateway"
 _MODEL = web.RequestKey("llmgw_model", str)
 _T0 = web.RequestKey("llmgw_t0", float)
 _SPAN = web.RequestKey("llmgw_span", trace.Span)
+# _PICKED_AT: the seq of the view a request's replica was picked from, said to the client
+# in `x-llmgw-seq` (a drain folded at a seq past it had not been folded at the pick).
+_PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 # _WOKEN: perf_counter() of the fold of the ready that released this request, when it
 # was the first that ready released; its first byte then measures the wake.
 _WOKEN = web.RequestKey("llmgw_woken", float)
@@ -113,6 +116,11 @@ RETRY_AFTER_S = 1
 USED_TICK_S = 1.0
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
+# IDLE_TIMEOUT_S bounds how long a client's connection may go without a whole request:
+# one that sends its headers a byte at a time (slowloris), or keeps an idle connection
+# open, is closed then (nginx's keep-alive default), not held for aiohttp's hour.
+IDLE_TIMEOUT_S = 75.0
+
 # MIN_WAIT_S is the least a held request waits for a model with a history of starts: a
 # model that loads in a second still needs the scheduler's pass and, to make room, a
 # victim's drain (30 s by default) before its start even begins.
@@ -145,10 +153,16 @@ _VERDICTS = (ev.PreemptionDecidedEvent, ev.HoldCreatedEvent, ev.ModelRemovedEven
 CATCH_UP_S = 30.0
 
 # FORWARDED are the request headers a replica gets; the client's others (its key
-# first of all) stay at the gateway.
-FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
+# first of all) stay at the gateway. Content-Type is not among them: the gateway has
+# read the body as a JSON object, so the replica is told `application/json` whatever
+# the client said (curl's `-d` says form-urlencoded).
+FORWARDED = ("Accept", "X-Request-Id")
+JSON_TYPE = {"Content-Type": "application/json"}
 # PASSED are the answer headers a client gets from the replica.
 PASSED = ("Content-Type", "Cache-Control", "X-Request-Id")
+
+# MAX_NAME is the longest model name the contract allows (schemas.events.Name).
+MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -285,6 +299,7 @@ class Gateway:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     used_interval_s: float = USED_INTERVAL_S
     url: str = ""
     """http://HOST:PORT, once bound."""
@@ -317,6 +332,8 @@ class Gateway:
         self._stopping = False
         self._buckets: dict[bytes, ratelimit.Buckets] = {}
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._owners_seen: tuple[Any, ...] | None = None
+        self._owners_said: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -362,7 +379,11 @@ class Gateway:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
             runner = web.AppRunner(
-                self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0
+                self.app(),
+                access_log=None,
+                handler_cancellation=True,
+                shutdown_timeout=2.0,
+                keepalive_timeout=self.idle_timeout_s,
             )
             await runner.setup()
             await web.SockSite(runner, sock).start()
@@ -411,6 +432,24 @@ class Gateway:
         )
         if why is not None:
             raise GatewayError(why)
+        self._owners_seen = (state.quota, len(state.models))
+
+    def _recheck_owners(self) -> None:
+        """Once the gateway serves, a quota tree that leaves a key's owner out is said
+        once in the log (its requests are still served and counted for that owner)."""
+        if self.keys is None:
+            return
+        state = self.follower.view.state
+        seen = (state.quota, len(state.models))
+        if seen == self._owners_seen:
+            return
+        self._owners_seen = seen
+        why = self.keys.outside(
+            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
+        )
+        if why is not None and why != self._owners_said:
+            log.warning("gateway: %s", why)
+        self._owners_said = why
 
     # ------------------------------------------------------------------ handlers
 
@@ -565,6 +604,16 @@ class Gateway:
         head = _parse(body)
         view = self.follower.view
         m = view.catalog.resolve(head.model)
+        if m is None and len(head.model) > MAX_NAME:
+            # No model has such a name, and comparing one this long with every name
+            # would hold the loop (difflib is quadratic): said without a did-you-mean.
+            raise Refusal(
+                404,
+                f"the model {head.model[:64]!r}... does not exist (a name is at most "
+                f"{MAX_NAME} characters; this one is {len(head.model)})",
+                "unknown_model",
+                kind="invalid_request_error",
+            )
         if m is None:
             known = [n for d in view.state.models.values() for n in (d.name, *d.aliases)]
             hint = names.did_you_mean(head.model, known)
@@ -595,6 +644,7 @@ class Gateway:
             if self.room.waiting(m.name)
             else self.router.pick(view, m, session=session, limit=limit)
         )
+        request[_PICKED_AT] = view.seq
         held: web.StreamResponse | None = None
         if r is None:
             try:
@@ -641,6 +691,7 @@ class Gateway:
                 )
                 if r is None:
                     break
+                request[_PICKED_AT] = self.follower.seq
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             if attempt:
@@ -754,6 +805,7 @@ class Gateway:
                     headers={"Retry-After": str(after.retry_after)},
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
+            request[_PICKED_AT] = w.seq
             taken = True
             if w.woken_at is not None:
                 request[_WOKEN] = w.woken_at
@@ -803,6 +855,7 @@ class Gateway:
             line.pop()
             if line.woken_at is not None:
                 w.woken_at, line.woken_at = line.woken_at, None
+            w.seq = view.seq
             w.fut.set_result(r)
 
     def _refuse(self, line: Line, refusal: Refusal) -> None:
@@ -913,7 +966,7 @@ class Gateway:
         """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
         already sent) when there is one."""
         assert self._http is not None
-        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers}
+        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
@@ -946,6 +999,7 @@ class Gateway:
                 raise _Unreachable("it answered 503", garbage=False)
             out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
             out_headers["x-llmgw-replica"] = r.id
+            out_headers["x-llmgw-seq"] = str(request.get(_PICKED_AT, 0))
             sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             if held is not None and not (sse and upstream.status < 400):
                 # The 200 is sent: what the replica said instead of a stream goes as
@@ -1047,6 +1101,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
             await self._publish_use()
+            self._recheck_owners()
 
     async def _publish_use(self, force: bool = False) -> None:
         """One `replica.used` for each replica with use not reported, at most one per
@@ -1100,24 +1155,19 @@ class Gateway:
                 del self._use[rid]
 
     async def _whole(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes:
+        """The whole answer, read to its end (a `read(n)` returns only what has come so
+        far); 502 past MAX_ANSWER or when the replica breaks it off."""
         try:
             if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            data = await upstream.content.read(MAX_ANSWER + 1)
-            rest = await upstream.content.read(1) if len(data) > MAX_ANSWER else b""
-            if len(data) > MAX_ANSWER or rest:
-                raise Refusal(
-                    502,
-                    f"replica {rid} answered over {MAX_ANSWER} bytes",
-                    "bad_upstream",
-                    kind="api_error",
-                )
-            return data
+                raise _answer_too_big(rid)
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := await upstream.content.readany():
+                size += len(chunk)
+                if size > MAX_ANSWER:
+                    raise _answer_too_big(rid)
+                chunks.append(chunk)
+            return b"".join(chunks)
         except TimeoutError:
             raise Refusal(
                 504,
@@ -1135,15 +1185,33 @@ class Gateway:
 
 
 def _parse(body: bytes) -> _Head:
+    """What routing reads of a body; 400 for anything but a JSON object. JSON is UTF-8
+    throughout (RFC 8259), also in the fields the gateway skips; a key given twice
+    counts as its last value, as it does for the replica's parser."""
     try:
         head = _head.decode(body)
+        body.decode("utf-8")
     except msgspec.ValidationError:
         raise Refusal(400, "the body must be a JSON object", "invalid_json") from None
     except msgspec.DecodeError as e:
         raise Refusal(400, f"the body is not JSON: {e}", "invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise Refusal(
+            400, f"the body is not JSON: byte {e.start} is not UTF-8", "invalid_json"
+        ) from None
+    except RecursionError:
+        raise Refusal(
+            400, "the body is not JSON the gateway takes: nested too deep", "invalid_json"
+        ) from None
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     return head
+
+
+def _answer_too_big(rid: str) -> Refusal:
+    return Refusal(
+        502, f"replica {rid} answered over {MAX_ANSWER} bytes", "bad_upstream", kind="api_error"
+    )
 
 
 def _summary(xs: deque[float]) -> dict[str, float]:

@@ -49,6 +49,8 @@ class Waiter:
     woken_at: float | None = None
     """perf_counter() when the ready that released it was folded, for the first request
     a ready released (the wake latency)."""
+    seq: int = 0
+    """The seq of the view it was released from (its answer's `x-llmgw-seq`)."""
 
 
 @dataclass(eq=False)

@@ -289,7 +289,11 @@ class PreemptionService:
             d = r.decision
             self.stats.decided += 1
             self.stats.outcomes[d.outcome] = self.stats.outcomes.get(d.outcome, 0) + 1
-            log.info("preemption for %s: %s: %s", d.model, d.outcome, d.reason)
+            said = reaction.decided_reason(trigger, d)
+            if d.outcome == "fits":
+                log.info("preemption for %s: %s", d.model, said)
+            else:
+                log.info("preemption for %s: %s: %s", d.model, d.outcome, said)
 
     async def _answered(
         self, view: View, trigger: ev.PlacementFailedEvent, trigger_seq: int, look: bool

@@ -95,6 +95,10 @@ def describe(
                 if d.requests is None
                 else (f" requests={d.requests} tokens_in={d.tokens_in} tokens_out={d.tokens_out}")
             )
+            if d.by_owner:
+                top = sorted(d.by_owner.items(), key=lambda kv: (-kv[1].requests, kv[0]))
+                counts += " by_owner=" + ",".join(f"{o}:{u.requests}" for o, u in top[:3])
+                counts += f",+{len(top) - 3}" if len(top) > 3 else ""
             return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}{counts}"
         case ev.PlacementDecidedEvent(data=d):
             return d.replica, (
@@ -115,6 +119,12 @@ def describe(
                 f"drain {d.model} reason={d.reason}{for_model} grace={d.grace_s:g}s"
             )
         case ev.PreemptionDecidedEvent(data=d):
+            if d.outcome == "fits":
+                # Room is free, yet the placement failed: nothing was done, nothing fixed.
+                return d.for_model, (
+                    f"no preemption (room free, model still unplaced) considered={d.considered}"
+                    + (f" why={d.reason}" if d.reason else "")
+                )
             return d.for_model, (
                 f"outcome={d.outcome} victims={_names(v.replica for v in d.victims)} "
                 f"considered={d.considered}"

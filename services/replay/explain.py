@@ -20,7 +20,7 @@ from schemas import events as ev
 from services.core import preemption
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
-from services.replay import history
+from services.replay import history, render
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, duration, plural, stamp, table
 from services.replay.source import Item
@@ -54,6 +54,8 @@ INDEXED = (
 # `llmgw history` has them all.
 RECENT = 5
 TIMELINE_TAIL = 20
+# SHOWN_OWNERS bounds the owners `explain replica` names of its use, the busiest first.
+SHOWN_OWNERS = 5
 
 KINDS = ("replica", "model", "node")
 
@@ -95,6 +97,8 @@ class Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    by_owner: dict[str, list[int]] = field(default_factory=dict)
+    """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
 
     def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
         if self.last is None or e.data.at >= self.last[1].data.at:
@@ -104,6 +108,11 @@ class Use:
             self.requests += e.data.requests
             self.tokens_in += e.data.tokens_in or 0
             self.tokens_out += e.data.tokens_out or 0
+        for owner, u in e.data.by_owner.items():
+            n = self.by_owner.setdefault(owner, [0, 0, 0])
+            n[0] += u.requests
+            n[1] += u.tokens_in
+            n[2] += u.tokens_out
 
 
 @dataclass
@@ -240,6 +249,14 @@ class Explainer:
                 f"  used in all: {plural(use.requests, 'request')}, tokens in {use.tokens_in} "
                 f"/ out {use.tokens_out} ({plural(use.reports, 'report')} with counts)"
             )
+        if use.by_owner:
+            top = sorted(use.by_owner.items(), key=lambda kv: (-kv[1][0], kv[0]))
+            said = ", ".join(
+                f"{o} {plural(n[0], 'request')} (tokens in {n[1]} / out {n[2]})"
+                for o, n in top[:SHOWN_OWNERS]
+            )
+            more = f", and {len(top) - SHOWN_OWNERS} more" if len(top) > SHOWN_OWNERS else ""
+            st.line(f"  by owner: {said}{more}")
         st.facts["last_used"] = {
             "at": d.at.isoformat().replace("+00:00", "Z"),
             "seq": seq,
@@ -253,6 +270,10 @@ class Explainer:
             "requests": use.requests,
             "tokens_in": use.tokens_in,
             "tokens_out": use.tokens_out,
+            "by_owner": {
+                o: {"requests": n[0], "tokens_in": n[1], "tokens_out": n[2]}
+                for o, n in sorted(use.by_owner.items())
+            },
         }
 
     def _event(self, ident: str | None) -> tuple[int, ev.Envelope] | None:
@@ -519,6 +540,10 @@ class Explainer:
         live, desired = view.live_for(name), view.desired_for(name)
         asked = s.desired.get(name)
         reps = sorted((r for r in s.replicas.values() if r.model == name), key=lambda r: r.id)
+        failing = render.failing(view, name)
+        # The cause of an outage comes first: why its replicas fail, before the counts.
+        if failing is not None:
+            st.line(render.failing_line(name, failing))
         if decl is None:
             st.line(f"model {name} is not declared (removed, or never declared); live {live}")
         else:
@@ -545,6 +570,7 @@ class Explainer:
             cls=None if decl is None else decl.cls,
             owner=None if decl is None else decl.owner,
             below_by=max(short, 0),
+            failing=failing,
         )
         holding = [r for r in reps if r.holds_capacity]
         if holding:

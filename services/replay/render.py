@@ -375,3 +375,43 @@ def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:
         ],
         "rejected": s.rejected,
     }
+
+
+def failing(view: View, model: str) -> dict[str, Any] | None:
+    """Why a model's replicas fail, when they do: the reason its latest failed replica
+    gave (`engine vllm is not installed on this host`), that replica, and how many failed
+    since one last became ready; None while it has the ready replicas it should, or none
+    failed since. What `status` and `explain model` put on their first line: deep in a
+    timeline, the cause of an outage is the last thing an operator finds."""
+    m = view.catalog.resolve(model)
+    names = view.catalog.names_of(m) if m is not None else (model,)
+    reps = [r for n in names for r in view.replicas_of(n)]
+    ready = sum(1 for r in reps if r.state == "ready" and r.live)
+    if ready >= max(view.desired_for(model), 1):
+        return None
+    last_ready = max((r.ready_at for r in reps if r.ready_at is not None), default=None)
+    failed = [
+        r
+        for r in reps
+        if r.state == "failed" and (last_ready is None or r.updated_at >= last_ready)
+    ]
+    if not failed:
+        return None
+    latest = max(failed, key=lambda r: (r.updated_at, r.id))
+    return {
+        "reason": latest.reason or "no reason given",
+        "replica": latest.id,
+        "failed": len(failed),
+        "at": stamp(latest.updated_at),
+        "ever_ready": last_ready is not None,
+    }
+
+
+def failing_line(model: str, f: dict[str, Any]) -> str:
+    """`chat is failing: engine vllm is not installed on this host (3 replicas failed
+    since one was last ready, the latest chat-7f)`."""
+    since = "since one was last ready" if f["ever_ready"] else "and none was ever ready"
+    return (
+        f"{model} is failing: {f['reason']} ({plural(f['failed'], 'replica')} failed {since}, "
+        f"the latest {f['replica']} at {f['at']})"
+    )

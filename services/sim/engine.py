@@ -9,8 +9,10 @@ from their bodies decoded again: the same events, as the codec gives each back (
 `_store`).
 The decisions are the services' own calls: `scheduling.plan` for the scheduler's pass,
 `reaction.react` for each `placement.failed` (which calls the policy),
-`reaction.releases` for holds (the hold rule `View.hold_end`). Only the agents, the
-operator's demand and the requests are modelled here: agents load in a model's load
+`reaction.releases` for holds (the hold rule `View.hold_end`), `autoscale.decide` for the
+on-demand models (min 0) driven by requests, which the scheduler service runs before
+each pass. Only the agents, the operator's demand, the requests and the gateway's word
+that they wait (`model.demanded`) are modelled here: agents load in a model's load
 time (±10%), fail a start with its probability, stop in its stop time; nodes fail (their
 agents fall silent, so the scheduler's own heartbeat rule reports them lost) and come
 back with a fresh inventory.
@@ -37,7 +39,7 @@ from typing import IO, Any
 
 from schemas import bundle, codec, subjects
 from schemas import events as ev
-from services.core import preemption, reaction, scheduling
+from services.core import autoscale, preemption, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.view import View, digest
 from services.sim import oracle
@@ -55,6 +57,7 @@ _GONE = frozenset({"stopped", "failed", "draining"})
 _PASS_ON: frozenset[type] = frozenset(
     {
         ev.ScaleDesiredEvent,
+        ev.ModelDemandedEvent,
         ev.ModelDeclaredEvent,
         ev.ModelRemovedEvent,
         ev.QuotaSetEvent,
@@ -90,6 +93,14 @@ USED_EVERY_S = 10.0
 
 # DEMAND_STEP_S is how often a diurnal demand is evaluated.
 DEMAND_STEP_S = 900.0
+
+# SCALER is the source of the autoscaler's decisions: the scheduler runs it.
+SCALER = "scheduler"
+
+# DEMAND_EVERY_S is how often the modelled gateway says again that requests wait for a
+# model: at once for the first held request, then at most once a second, as the
+# gateway does.
+DEMAND_EVERY_S = 1.0
 
 # MAX_PASSES bounds the passes run at one instant: each publishes what the last one
 # changed; a pass that publishes nothing new ends them.
@@ -165,8 +176,7 @@ class _Arrivals:
     """1 + the daily amplitude: the cycle's peak, the scale of the thinning draw."""
     daily: float
     peak_hour: float
-    idle_after_s: float
-    replicas: int
+    concurrency: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +264,10 @@ class Engine:
         """Until when the metrics' sums are summed (`_accrue`)."""
         self._waits: dict[str, tuple[int, float]] = {}
         self._preempted_at: dict[str, float] = {}
-        self._last_request: dict[str, float] = {}
-        self._idle_timer: set[str] = set()
-        """The models driven by requests with an idle timer scheduled (`_idle`)."""
+        self._held: dict[str, tuple[int, float, float]] = {}
+        """Per model driven by requests with no replica ready: the requests held since
+        its first, when that first came, and when the gateway last said so (the
+        `model.demanded` it published)."""
         self._used_at: dict[str, float] = {}
         self._tick_at: float | None = None
         self._timers: list[float] | None = None
@@ -383,8 +394,7 @@ class Engine:
                     top=1 + d.daily,
                     daily=d.daily,
                     peak_hour=d.peak_hour,
-                    idle_after_s=d.idle_after_s,
-                    replicas=d.replicas,
+                    concurrency=d.concurrency,
                 )
                 self._next_request(a, 0.0)
             elif d.kind == "steps":
@@ -407,22 +417,6 @@ class Engine:
         self._tick_at = None
         self._due_known = False
         self._dirty = True
-
-    def _idle(self, model: str) -> None:
-        """A model's idle timer: scaled to zero once `idle_after` has passed since its
-        last request. One timer per model at a time, set at a request when none is, and
-        set again for the last request's time when later requests came meanwhile: it
-        runs out when the last request's own timer would, and no earlier instant need
-        be made for every request's."""
-        a = self._arrivals[model]
-        last = self._last_request.get(model, -math.inf)
-        due = last + a.idle_after_s
-        if due > self.t:
-            self.at(due, self._idle, model)
-            return
-        self._idle_timer.discard(model)
-        if self.t - last >= a.idle_after_s and self._desired[model] > 0:
-            self._scale(a.spec, 0)
 
     def _on_scale(self, arg: tuple[str, int]) -> None:
         self._scale(self.models[arg[0]], arg[1])
@@ -493,6 +487,9 @@ class Engine:
         nxt = t + self.scfg.failed_backoff_s if self._failing else math.inf
         if nxt <= t:
             nxt = math.inf
+        idle = self._idle_due()
+        if t < idle < nxt:
+            nxt = idle
         timers = self._timers
         if timers is None:
             timers = self._timers = self._timer_dues()
@@ -500,6 +497,15 @@ class Engine:
         if i < len(timers) and timers[i] < nxt:
             nxt = timers[i]
         return None if nxt == math.inf else nxt
+
+    def _idle_due(self) -> float:
+        """When the autoscaler's idle rule next decides, with nothing else happening
+        (`autoscale.Result.next_due`), in seconds; inf when no model is awake. Worked out
+        afresh, not kept: a replica's use moves it later, and the engine folds uses
+        without looking at them. A tick kept from before a use comes early, and its pass
+        decides nothing and finds the later one."""
+        due = autoscale.decide(self.view, self.now, source=SCALER).next_due
+        return math.inf if due is None else (due - START).total_seconds() + 0.001
 
     def _timer_dues(self) -> list[float]:
         """When each hold ends and each silent node's agent is due to be reported lost,
@@ -539,6 +545,14 @@ class Engine:
         return any(then <= h.until < now for h in holds.values())
 
     def _pass(self) -> None:
+        # The autoscaler first, as the scheduler service runs it: what it decides is
+        # published and folded, and the pass after it (the scale makes one due) places.
+        wanted = autoscale.decide(self.view, self.now, source=SCALER)
+        if wanted.decisions:
+            self._due_known = False
+            for d in wanted.decisions:
+                self.emit(d.event)
+            return
         silent = {n: self.t - since for n, since in self._down.items()}
         plan = scheduling.plan(
             self.view, self.now, self.scfg, failures=self._failures, silent=silent, memo=self._memo
@@ -747,6 +761,7 @@ class Engine:
             self._ready_gpus += a.gpus
             self._ready_ids.setdefault(a.model, {})[rid] = None
             self._used_at.setdefault(rid, -math.inf)
+            self._held.pop(a.model, None)
             self._check_wait(a.model)
 
     # ------------------------------------------------------------------ agents
@@ -851,10 +866,6 @@ class Engine:
         a = self._arrivals[model]
         t = self.t
         self.m.requests += 1
-        self._last_request[model] = t
-        if model not in self._idle_timer:
-            self._idle_timer.add(model)
-            self.at(t + a.idle_after_s, self._idle, model)
         ready = self._ready_ids.get(model)
         if ready:
             # The requests go to the replica that has served longest without a report.
@@ -874,9 +885,22 @@ class Engine:
                 )
         else:
             self.m.requests_unserved += 1
-        if self._desired[model] < a.replicas:
-            self._scale(a.spec, a.replicas)
+            self._hold(model, a.concurrency)
         self._next_request(a, t)
+
+    def _hold(self, model: str, requests: int) -> None:
+        """An arrival's requests held by the modelled gateway, no replica being ready: it
+        says so (`model.demanded`) at once for the first, and at most every
+        DEMAND_EVERY_S while requests wait. The autoscaler reads it on the pass it makes
+        due."""
+        t = self.t
+        n, first, said = self._held.get(model, (0, t, -math.inf))
+        n += requests
+        if t - said >= DEMAND_EVERY_S:
+            said = t
+            since = START + timedelta(0, first)
+            self.publish(ev.ModelDemanded(model=model, waiting=n, since=since), "gateway")
+        self._held[model] = (n, first, said)
 
     # ------------------------------------------------------------------ decisions
 

@@ -25,8 +25,13 @@ Demand, desired replicas over time: `constant` (replicas), `diurnal` (low, high,
 peak_hour; evaluated every 15 minutes), `steps` (replicas, then steps: [{at, replicas}]),
 `bursts` (base, burst, every, length), or `requests` for an on-demand model (min 0):
 Poisson arrivals at `rate` per hour with a daily cycle (`daily` amplitude 0-1,
-peak_hour); the first request scales it from zero to `replicas` (default 1) and it is
-scaled back to 0 after `idle_after` (default 30m) without one.
+peak_hour), each arrival `concurrency` requests at once (default 1: a client's
+parallel calls). Those models are scaled by the plane's own autoscaler
+(`services.core.autoscale`), as a running plane scales them: requests that find no
+replica ready are held and said (`model.demanded`), which wakes the model to as many
+replicas as the held requests need at the model's `target_inflight` (optional, the
+contract's default 8), and the model goes back to 0 after `idle_after` (default 30m,
+its declared `idle_after_s`) without a request.
 
 Durations are seconds or a number with s, m, h or d. A mistake is a `ScenarioError`
 naming the field.
@@ -118,6 +123,8 @@ class Demand:
     """Requests per hour, on average over a day (kind requests)."""
     daily: float = 0.5
     idle_after_s: float = 1800.0
+    concurrency: int = 1
+    """Requests each arrival brings at once (kind requests)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,9 +138,14 @@ class ModelSpec:
     load_s: float = 60.0
     stop_s: float = 10.0
     start_failure: float = 0.0
+    target_inflight: int | None = None
     demand: Demand = field(default_factory=Demand)
 
     def declared(self) -> ev.ModelDeclared:
+        # A model driven by the operator (any other kind) serves traffic the simulator
+        # does not model, so no use is ever reported of it: declared never idle, or the
+        # autoscaler would take a min-0 one to zero as a running plane would not.
+        idle = self.demand.idle_after_s if self.demand.kind == "requests" else ev.MAX_QUANTITY
         return ev.ModelDeclared(
             name=self.name,
             owner=self.owner,
@@ -141,6 +153,8 @@ class ModelSpec:
             min=self.min,
             max=self.max,
             profiles=self.profiles,
+            target_inflight=self.target_inflight,
+            idle_after_s=idle,
         )
 
 
@@ -261,6 +275,11 @@ def _model(raw: Any, where: str) -> ModelSpec:
             f"{where}.class", f"{cls!r}: expected critical, standard or opportunistic"
         )
     lo = _int(r, "min", where, 1)
+    demand = _demand(r.get("demand") or {"kind": "constant", "replicas": lo}, f"{where}.demand")
+    if demand.kind == "requests" and lo != 0:
+        raise ScenarioError(
+            f"{where}.min", "a model driven by requests is on demand: its min must be 0"
+        )
     fail = float(r.get("start_failure", 0.0))
     if not 0.0 <= fail < 1.0:
         raise ScenarioError(f"{where}.start_failure", "expected a probability below 1")
@@ -274,7 +293,10 @@ def _model(raw: Any, where: str) -> ModelSpec:
         load_s=seconds(r.get("load", 60), f"{where}.load"),
         stop_s=seconds(r.get("stop", 10), f"{where}.stop"),
         start_failure=fail,
-        demand=_demand(r.get("demand") or {"kind": "constant", "replicas": lo}, f"{where}.demand"),
+        target_inflight=None
+        if r.get("target_inflight") is None
+        else _int(r, "target_inflight", where, 1, 1),
+        demand=demand,
     )
 
 
@@ -284,6 +306,12 @@ def _demand(raw: Any, where: str) -> Demand:
     if kind not in ("constant", "diurnal", "steps", "bursts", "requests"):
         raise ScenarioError(
             f"{where}.kind", f"{kind!r}: expected constant, diurnal, steps, bursts or requests"
+        )
+    if kind == "requests" and "replicas" in r:
+        raise ScenarioError(
+            f"{where}.replicas",
+            "not read for kind requests: the autoscaler sizes the model from the requests "
+            "held (each arrival's `concurrency`, the model's `target_inflight`)",
         )
     steps = tuple(
         (
@@ -306,4 +334,5 @@ def _demand(raw: Any, where: str) -> Demand:
         rate=float(r.get("rate", 0.0)),
         daily=float(r.get("daily", 0.5)),
         idle_after_s=seconds(r.get("idle_after", "30m"), f"{where}.idle_after"),
+        concurrency=_int(r, "concurrency", where, 1, 1),
     )

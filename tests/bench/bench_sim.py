@@ -95,13 +95,14 @@ def cluster(nodes: int) -> scn.Scenario:
                 "max": 6,
                 "profiles": [{"name": "tp1", "gpus": 1}],
                 "load": 25,
+                "target_inflight": 1,
                 "demand": {
                     "kind": "requests",
                     "rate": 40 + 10 * i,
                     "daily": 0.8,
                     "peak_hour": i,
                     "idle_after": "30m",
-                    "replicas": 1 + i % 4,
+                    "concurrency": 1 + i % 4,
                 },
             }
         )

@@ -44,7 +44,16 @@ async def test_a_compacted_log_exports_whole_or_from_its_snapshot(
     where = tmp_path / "archive"
     url = ["--nats", nats_server.url]
     code, out, err = await asyncio.to_thread(
-        _main, capsys, *url, "log", "compact", "--before", str(cut), "--archive", str(where)
+        _main,
+        capsys,
+        *url,
+        "log",
+        "compact",
+        "--yes",
+        "--before",
+        str(cut),
+        "--archive",
+        str(where),
     )
     assert code == 0, err
 

@@ -77,7 +77,7 @@ async def test_the_next_compaction_removes_what_a_killed_one_left(
     killed = _killed_writer(where)
     # A checksum's temporary file of a dead writer too (killed between the two renames).
     (where / f".writing-{os.getpid() + 100000}{archive.SUM_SUFFIX}").write_text("x\n")
-    argv = ["--nats", nats_server.url, "log", "compact", "--before", str(last)]
+    argv = ["--nats", nats_server.url, "log", "compact", "--yes", "--before", str(last)]
     assert await asyncio.to_thread(cli.main, [*argv, "--archive", str(where)]) == 0
     out = capsys.readouterr().out
     assert f"removed {killed}, left by a compaction that was stopped while writing" in out
@@ -98,7 +98,7 @@ async def test_a_full_archive_disk_is_named_and_nothing_is_purged(
     # A one-page tmpfs in a mount namespace of the command's own, gone when it exits.
     script = (
         f"mount -t tmpfs -o size=4k tmpfs {where} && exec {sys.executable} -m services.cli "
-        f"--nats {nats_server.url} log compact --before {last} --archive {where}/archive"
+        f"--nats {nats_server.url} log compact --yes --before {last} --archive {where}/archive"
     )
     got = await asyncio.to_thread(
         subprocess.run,

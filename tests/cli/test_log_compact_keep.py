@@ -43,7 +43,7 @@ async def test_compact_keep_cuts_at_the_storage_age(
     whole_before = await rebuild.from_stream(js, use_snapshot=False)
 
     where = tmp_path / "archive"
-    base = ["--nats", nats_server.url, "log", "compact", "--archive", str(where)]
+    base = ["--nats", nats_server.url, "log", "compact", "--yes", "--archive", str(where)]
 
     # An age that reaches back past the first event: nothing to compact.
     assert await asyncio.to_thread(cli.main, [*base, "--keep", "1d"]) == 0

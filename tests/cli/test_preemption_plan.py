@@ -46,6 +46,7 @@ def test_json_is_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         "excluded",
         "trials",
         "policy",
+        "note",
     }
     assert d["model"] == "chat"
     assert d["outcome"] == "preempted"

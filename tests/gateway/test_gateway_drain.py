@@ -96,6 +96,25 @@ async def test_every_gateway_running_answers(
         await asyncio.wait_for(task, 10)
 
 
+def _matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_the_question_is_core_nats_not_stored() -> None:
+    """The stream stores what it matches; a question stored would be a dead letter (and
+    its publisher's reply a stored-ack, so that no gateway would never read as none)."""
+    asked = subjects.gateway_inflight_subject("n-1", "r-1")
+    assert subjects.replica_of_inflight(asked) == "r-1"
+    assert not any(_matches(p, asked) for p in subjects.stream_subjects())
+    assert _matches(subjects.gateway_inflight_wildcard(), asked)
+
+
 async def test_with_no_gateway_a_drain_does_not_wait(nc: Client) -> None:
     # Nobody subscribed: the broker says so (at once, but for a loaded host).
     t0 = time.monotonic()

@@ -8,6 +8,7 @@ runs in this process on the module's broker; its limits' clock is the test's."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,7 @@ async def test_a_streams_tokens_count_whether_its_client_asked_for_the_usage_chu
 
 
 async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gateway(
-    plane: Plane, tmp_path: Path
+    plane: Plane, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     await plane.say(
         ev.QuotaSet(owners=(ev.OwnerQuota(name="research"), ev.OwnerQuota(name="team-a")))
@@ -241,5 +242,18 @@ async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gatew
     gw = Gateway(plane.gateway.js, listen="127.0.0.1:0", keys=keys)
     task = asyncio.create_task(gw.run(stop, on_ready=lambda _: ready.set()))
     await asyncio.wait_for(ready.wait(), 20)
+    # A tree set once it serves that leaves an owner out is said once in its log.
+    with caplog.at_level(logging.WARNING, logger="llmgw.gateway"):
+        await plane.say(ev.QuotaSet(owners=(ev.OwnerQuota(name="research"),)))
+
+        async def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "quota tree" in r.getMessage()]
+
+        got = await wait_for(said, bool, 5)
+    assert got == [
+        f"gateway: {keys.path}:2: `team-a` is not an owner in the quota tree (its requests "
+        "would be counted for an owner nobody declared: fix the owner, or add it to the "
+        "quota tree)"
+    ]
     stop.set()
     await asyncio.wait_for(task, 10)

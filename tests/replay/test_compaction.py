@@ -84,7 +84,7 @@ async def test_compacting_a_200k_event_log(js, nats_server, tmp_path: Path, caps
     at_140k = await rebuild.from_stream(js, until_seq=140_000, use_snapshot=False)
 
     where = tmp_path / "archive"
-    argv = ["--nats", nats_server.url, "log", "compact", "--before", str(CUT)]
+    argv = ["--nats", nats_server.url, "log", "compact", "--yes", "--before", str(CUT)]
     assert await asyncio.to_thread(cli.main, [*argv, "--archive", str(where)]) == 0
     out = capsys.readouterr().out
     assert "snapshot at seq 150000 covers the cut" in out

@@ -322,12 +322,16 @@ def test_explain_replica_says_its_last_use_and_what_the_gateway_counted(
     s.replica("chat-77aa01bb", "chat", on=("n1", [1]), ready="-1h")
     for requests, tokens_in, tokens_out in ((3, 24, 12), (1, 8, 8)):
         s.at("+1m")
+        by_owner = {"team-a": ev.OwnerUse(requests=requests, tokens_in=tokens_in)}
+        if requests > 1:
+            by_owner["team-b"] = ev.OwnerUse(requests=1, tokens_out=tokens_out)
         used = ev.ReplicaUsed(
             replica="chat-2d2f9c41",
             at=s.now,
             requests=requests,
             tokens_in=tokens_in,
             tokens_out=tokens_out,
+            by_owner=by_owner,
         )
         s.emit(used, node="n1")
     path = s.write(tmp_path / "used.jsonl")
@@ -339,10 +343,23 @@ def test_explain_replica_says_its_last_use_and_what_the_gateway_counted(
         "1 request, tokens in 8 / out 8 since its report before"
     )
     assert lines[3] == "  used in all: 4 requests, tokens in 32 / out 20 (2 reports with counts)"
+    assert lines[4] == (
+        "  by owner: team-a 4 requests (tokens in 32 / out 0), team-b 1 request "
+        "(tokens in 0 / out 12)"
+    )
     code, out, err = run(capsys, "explain", "replica", "chat-2d", "--log", str(path), "--json")
     doc = json.loads(out)
     assert doc["last_used"]["requests"] == 1 and doc["last_used"]["seq"] == 9
-    assert doc["used"] == {"reports": 2, "requests": 4, "tokens_in": 32, "tokens_out": 20}
+    assert doc["used"] == {
+        "reports": 2,
+        "requests": 4,
+        "tokens_in": 32,
+        "tokens_out": 20,
+        "by_owner": {
+            "team-a": {"requests": 4, "tokens_in": 32, "tokens_out": 0},
+            "team-b": {"requests": 1, "tokens_in": 0, "tokens_out": 12},
+        },
+    }
     # An agent's report (no counts) is a last use without counts; none at all, no line.
     s.at("+30s")
     s.used("chat-77aa01bb")

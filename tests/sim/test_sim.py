@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from schemas import events as ev
-from services.core import reaction
+from services.core import autoscale, reaction
 from services.core.view import digest
 from services.replay import rebuild
 from services.sim import engine, report
@@ -51,7 +51,7 @@ def test_a_simulated_bundle_replays_to_the_same_view(tmp_path: Path) -> None:
     sc = scn.load(ROOT / "deploy/examples/sim/h100-l4.yaml")
     path = tmp_path / "run.jsonl"
     with path.open("wb") as fp:
-        r = engine.simulate(sc, "node-aware", duration_s=12 * HOURS, out=fp)
+        r = engine.simulate(sc, "node-aware", duration_s=48 * HOURS, out=fp)
     got = asyncio.run(rebuild.from_bundle(str(path)))
     assert got.rejected == 0
     assert got.view.state.seq == r.view.state.seq == r.metrics.events
@@ -135,7 +135,8 @@ def test_same_scenario_and_seed_same_log() -> None:
 class _Checked(engine.Engine):
     """An engine that checks its shortcuts, at every instant, against the plain rules:
     the next due time it finds with its kept timers against a walk of every failure,
-    hold, silent node and lost node's grace; that an instant where it does not look for a due time has no
+    hold, silent node, lost node's grace and the autoscaler's idle rule; that nothing
+    is left for the autoscaler to decide once an instant settles; that an instant where it does not look for a due time has no
     tick to schedule; and, where it skips `reaction.releases` that the plain rule
     (call it whenever the view changed or a hold's end passed) would call, that the call
     would say nothing."""
@@ -158,6 +159,10 @@ class _Checked(engine.Engine):
             for r in s.nodes.values()
             if r.failing_at is not None
         ]
+        # The autoscaler's idle rule, for the models awake.
+        idle = autoscale.decide(self.view, self.now).next_due
+        if idle is not None:
+            due.append((idle - engine.START).total_seconds() + 0.001)
         due = [x for x in due if x > self.t]
         assert got == (min(due) if due else None), self.t
         self.seen.update(holds=bool(s.holds), silent=bool(silent), failures=standing)
@@ -169,6 +174,11 @@ class _Checked(engine.Engine):
         super()._settle()
         nxt = engine.Engine._next_due(self)
         assert nxt is None or (self._tick_at is not None and self._tick_at <= nxt), self.t
+        # Nothing the autoscaler would decide now is left undecided (unless the passes
+        # of this instant ran out, and the next instant makes them).
+        pending = autoscale.decide(self.view, self.now).decisions
+        assert not pending or self._dirty, (self.t, pending)
+        self.seen["autoscaler asked"] += 1
         self.seen["settled"] += 1
 
     def _releases_due(self) -> bool:
@@ -328,13 +338,14 @@ _SHARDED = {
             "profiles": [{"name": "tp1", "gpus": 1}],
             "load": "20s",
             "stop": "5s",
+            "target_inflight": 1,
             "demand": {
                 "kind": "requests",
                 "rate": 60,
                 "daily": 0.5,
                 "peak_hour": 12,
                 "idle_after": "15m",
-                "replicas": 8,
+                "concurrency": 8,
             },
         },
     ],
@@ -364,32 +375,51 @@ def test_an_instant_that_changes_nothing_changes_no_log(policy: str) -> None:
     assert eng.view.state.seq > 1_000
 
 
-class _TimerPerRequest(engine.Engine):
-    """The engine with an idle timer for every request, as it once was: each scales the
-    model to zero if no request came since."""
-
-    def _request(self, model: str) -> None:
-        super()._request(model)
-        self.at(self.t + self._arrivals[model].idle_after_s, self._idle_then, model)
-
-    def _idle_then(self, model: str) -> None:
-        a = self._arrivals[model]
-        if self.t - self._last_request[model] >= a.idle_after_s and self._desired[model] > 0:
-            self._scale(a.spec, 0)
-
-
-@pytest.mark.parametrize("policy", ["reference", "node-aware"])
-def test_one_idle_timer_per_model_gives_the_log_of_one_per_request(policy: str) -> None:
-    """A model driven by requests has one idle timer at a time, set again for the last
-    request's time: the log is the one an idle timer for every request gives, byte for
-    byte, with holds released and passes made due by them in between."""
+def test_on_demand_models_are_scaled_by_the_autoscaler() -> None:
+    """Every scale.desired of a model driven by requests is the autoscaler's, with its
+    reason, caused by a demand (waking) or by the last scale (idle); the model wakes
+    from zero and goes back to it."""
     sc = scn.parse(_SHARDED)
-    days = 3 * 24 * HOURS
-    one, each = io.BytesIO(), io.BytesIO()
-    ra = engine.Engine(sc, policy, duration_s=days, out=one).run()
-    _TimerPerRequest(sc, policy, duration_s=days, out=each).run()
-    assert one.getvalue() == each.getvalue()
-    assert ra.metrics.requests > 1_000 and "hold.released" in one.getvalue().decode()
+    out = io.BytesIO()
+    engine.Engine(sc, "reference", duration_s=2 * 24 * HOURS, out=out).run()
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    demands = {r["id"] for r in rows if r["type"] == "model.demanded"}
+    scales = [r for r in rows if r["type"] == "scale.desired" and r["data"]["model"] == "od"]
+    assert demands and len(scales) > 4
+    reasons = [r["data"]["reason"] for r in scales]
+    assert all(x.startswith(("demand: ", "idle 15m")) for x in reasons), reasons
+    assert {r["data"]["replicas"] for r in scales if r["data"]["reason"] == "idle 15m"} == {0}
+    for r in scales:
+        if r["data"]["reason"].startswith("demand"):
+            assert r["causation"] in demands and r["data"]["replicas"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("demand", "extra", "where"),
+    [
+        pytest.param(
+            {"kind": "requests", "rate": 5, "replicas": 2},
+            {},
+            "demand.replicas",
+            id="replicas is the autoscaler's",
+        ),
+        pytest.param({"kind": "requests", "rate": 5}, {"min": 1}, "min", id="min must be 0"),
+        pytest.param(
+            {"kind": "requests", "rate": 5},
+            {"target_inflight": 0},
+            "target_inflight",
+            id="target_inflight at least 1",
+        ),
+    ],
+)
+def test_a_requests_model_the_autoscaler_cannot_read_is_refused(
+    demand: dict[str, object], extra: dict[str, object], where: str
+) -> None:
+    model = {"name": "od", "min": 0, "max": 2, "profiles": [{"name": "p", "gpus": 1}]}
+    model.update(extra, demand=demand)
+    raw = {"name": "x", "nodes": [{"prefix": "h", "count": 1}], "models": [model]}
+    with pytest.raises(scn.ScenarioError, match=f"models\\[0\\]\\.{where}"):
+        scn.parse(raw)
 
 
 def test_a_replica_of_several_shards_fails_with_any_of_its_nodes() -> None:

@@ -167,6 +167,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             trials=tuple([ev.Trial(victims=t.victims, fits=t.fits) for t in self.trials]),
             holds=self.holds,
             policy=self.config.policy,
+            reason=self.reason,
         )
 
     def to_json(self) -> dict[str, Any]:

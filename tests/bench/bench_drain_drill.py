@@ -1,0 +1,38 @@
+"""Benchmark: the drain drill at full size, figures printed.
+
+Run from the repository root: `python tests/bench/bench_drain_drill.py [--rate 200]
+[--seconds 60]`. Prints its figures (requests, client-visible errors, p50/p99 latency,
+misroutes, drains by reason, the gateway's retries, the steps and when they ran);
+asserts nothing (the issue's target: 0 errors and 0 misroutes at 200 req/s for 60 s,
+half streaming, while replicas are preempted and scaled down and one node is drained).
+What the drill does is tests/drill.py's docstring; tests/e2e/test_drain_drill.py runs
+it scaled down in the suite, and fails on an error or a misroute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests import drill  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=200.0, help="requests a second")
+    p.add_argument("--seconds", type=float, default=60.0, help="how long the load runs")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="llmgw-drill-") as d:
+        figures = drill.run(Path(d), a.rate, a.seconds)
+    for line in figures.lines():
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The drain drill: steady load through the gateway while the plane takes replicas away.
+
+`llmgw up --simulate 3x4xH100-80GB` as a real process, its simulated servers stopping at
+once on a drain (`--sim-no-drain`, as a server that exits on SIGTERM: only the agents'
+wait for the gateway keeps a request in flight whole), and an open-loop load of `rate`
+requests a second for `seconds` (aiohttp; every other one streaming, half to `chat`,
+half to `batch`, each far shorter than the drain's grace). Meanwhile, at fixed points of
+the run: a critical model is scaled up (the preemption service drains `batch` replicas
+for it), `chat` is scaled down, one node is drained (`llmgw drain node`), and `batch` is
+scaled down. Counted: requests, client-visible errors (any status but 200, a stream
+that does not end in `data: [DONE]`, a broken connection), latency, the gateway's
+retries, and misroutes: answers picked (their `x-llmgw-seq`) from a view that had
+already folded a `replica.drain` of the replica that served them (the drain's stream
+seq, read from the log after the run).
+
+Used by tests/bench/bench_drain_drill.py (the full size, figures printed) and
+tests/e2e/test_drain_drill.py (scaled down, in the suite).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from schemas import codec
+from schemas import events as ev
+from services.bus import connect, consume
+from services.follower import ViewFollower
+from tests.up_process import UpProcess
+
+GRACE_S = 10.0
+NODES = "3x4xH100-80GB"
+CLUSTER = """\
+models:
+  - name: chat
+    class: standard
+    min: 1
+    max: 6
+    profiles: [{name: tp1, gpus: 1}]
+  - name: batch
+    class: opportunistic
+    min: 0
+    max: 8
+    profiles: [{name: tp1, gpus: 1}]
+  - name: urgent
+    class: critical
+    min: 0
+    max: 4
+    profiles: [{name: tp1, gpus: 1}]
+scale:
+  chat: 4
+  batch: 8
+"""
+LOADED = ("chat", "batch")
+# MAX_TOKENS at the simulated 200 tokens a second: a stream of 0.1 s, a hundredth of
+# the grace.
+MAX_TOKENS = 20
+
+
+@dataclass
+class Answer:
+    model: str
+    stream: bool
+    sent: float
+    took: float
+    status: int
+    replica: str = ""
+    seq: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Figures:
+    """What a drill measured."""
+
+    rate: float
+    seconds: float
+    answers: list[Answer] = field(default_factory=list)
+    drains: dict[str, int] = field(default_factory=dict)
+    """Replica -> the stream seq of its (first) `replica.drain`."""
+    reasons: Counter[str] = field(default_factory=Counter)
+    retries: int = 0
+    steps: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Answer]:
+        return [a for a in self.answers if a.error is not None]
+
+    @property
+    def misroutes(self) -> list[Answer]:
+        return [
+            a for a in self.answers if a.replica in self.drains and self.drains[a.replica] <= a.seq
+        ]
+
+    @property
+    def drained_under_load(self) -> int:
+        """Drained replicas that had served at least one request of the drill."""
+        served = {a.replica for a in self.answers}
+        return len(served & set(self.drains))
+
+    def quantile_ms(self, q: float) -> float:
+        took = sorted(a.took for a in self.answers if a.error is None)
+        if not took:
+            return float("nan")
+        if q == 0.5:
+            return statistics.median(took) * 1000
+        return took[min(len(took) - 1, int(q * len(took)))] * 1000
+
+    def lines(self) -> list[str]:
+        kinds = Counter(a.error for a in self.errors)
+        return [
+            f"load: {self.rate:g} req/s for {self.seconds:g} s, half streaming, "
+            f"{len(self.answers)} requests",
+            f"errors: {len(self.errors)}" + (f" {dict(kinds)}" if kinds else ""),
+            f"latency: p50 {self.quantile_ms(0.5):.1f} ms, p99 {self.quantile_ms(0.99):.1f} ms",
+            f"misroutes: {len(self.misroutes)} (answers picked after their replica's drain "
+            "was folded)",
+            f"drains: {len(self.drains)} {dict(self.reasons)}; "
+            f"{self.drained_under_load} of them had served the load",
+            f"gateway retries (before the first byte): {self.retries}",
+            *(f"step: {s}" for s in self.steps),
+        ]
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _routable(gateway: str) -> dict[str, list[str]]:
+    return dict(_get(f"{gateway.removesuffix('/v1')}/health")["routable"])
+
+
+def _until(what: str, up: UpProcess, check: Any, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert up.alive(), up.text()[-3000:]
+        assert time.monotonic() < deadline, f"{what} not within {within_s}s"
+        time.sleep(0.1)
+
+
+async def _one(http: aiohttp.ClientSession, base: str, model: str, stream: bool) -> Answer:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "drill"}],
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
+    t0 = time.perf_counter()
+    a = Answer(model, stream, t0, 0.0, 0)
+    try:
+        async with http.post(f"{base}/chat/completions", json=body) as r:
+            a.status = r.status
+            a.replica = r.headers.get("x-llmgw-replica", "")
+            a.seq = int(r.headers.get("x-llmgw-seq", "0") or 0)
+            data = await r.read()
+        if a.status != 200:
+            a.error = f"status {a.status}"
+        elif stream and not data.rstrip().endswith(b"data: [DONE]"):
+            a.error = "stream cut"
+        elif not stream and b'"choices"' not in data:
+            a.error = "no choices"
+    except (aiohttp.ClientError, TimeoutError) as e:
+        a.error = type(e).__name__
+    a.took = time.perf_counter() - t0
+    return a
+
+
+async def _load(base: str, rate: float, seconds: float) -> list[Answer]:
+    """Open loop: a request every 1/rate s whatever the answers do."""
+    timeout = aiohttp.ClientTimeout(total=GRACE_S * 2)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+        tasks: list[asyncio.Task[Answer]] = []
+        t0 = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            model = LOADED[(i // 2) % 2]
+            tasks.append(asyncio.create_task(_one(http, base, model, stream=i % 2 == 1)))
+        return list(await asyncio.gather(*tasks))
+
+
+def _node_to_drain(view: Any) -> str:
+    """The node whose drain leaves the most routable replicas of the loaded models
+    elsewhere (at least one of each: the drill is of drains, not of a model gone)."""
+    best: tuple[int, str] | None = None
+    for node in sorted(view.state.nodes):
+        left = []
+        for m in LOADED:
+            rs = [r for r in view.replicas_of(m) if r.state == "ready" and r.drained_by is None]
+            left.append(sum(1 for r in rs if all(s.node != node for s in r.shards)))
+        if min(left) == 0:
+            continue
+        score = (min(left), node)
+        if best is None or score > best:
+            best = score
+    assert best is not None, "no node can be drained and leave each model a replica"
+    return best[1]
+
+
+async def _chaos(up: UpProcess, url: str, seconds: float, steps: list[str]) -> None:
+    """The drains, at fixed points of the run."""
+    nc = await connect(url, "drill")
+    follower = ViewFollower(nc.jetstream(), consumer="drill")
+    task = follower.start()
+    try:
+        await follower.caught_up(30)
+
+        async def cli(*args: str) -> None:
+            p = await asyncio.to_thread(up.llmgw, *args)
+            assert p.returncode == 0, f"llmgw {' '.join(args)}: {p.stderr}"
+            steps.append(f"{time.perf_counter() - t0:5.1f}s llmgw {' '.join(args)}")
+
+        t0 = time.perf_counter()
+        plan: list[tuple[float, tuple[str, ...] | None]] = [
+            (0.15, ("scale", "urgent", "2")),
+            (0.35, ("scale", "chat", "2")),
+            (0.55, None),  # drain a node, chosen then
+            (0.75, ("scale", "batch", "3")),
+        ]
+        for at, args in plan:
+            await asyncio.sleep(max(0.0, t0 + at * seconds - time.perf_counter()))
+            if args is None:
+                await follower.caught_up(10)
+                args = ("drain", "node", _node_to_drain(follower.view), "--yes")
+            await cli(*args)
+    finally:
+        await follower.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await nc.close()
+
+
+async def _drains(url: str) -> tuple[dict[str, int], Counter[str]]:
+    nc = await connect(url, "drill")
+    try:
+        js = nc.jetstream()
+        seqs: dict[str, int] = {}
+        reasons: Counter[str] = Counter()
+        async for batch in consume.read_range(js, 1, filter_subject="llmgw.cmd.*.replica.drain"):
+            for d in batch:
+                e = codec.decode(d.data)
+                if isinstance(e, ev.ReplicaDrainEvent) and e.data.replica not in seqs:
+                    seqs[e.data.replica] = d.seq
+                    reasons[e.data.reason] += 1
+        return seqs, reasons
+    finally:
+        await nc.close()
+
+
+def run(base: Path, rate: float, seconds: float) -> Figures:
+    """One drill on a fresh `llmgw up` in `base`; its figures."""
+    up = UpProcess(
+        base / "data",
+        base / "up.log",
+        *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
+        *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0.05"),
+        *("--sim-ttft", "0.01", "--sim-tps", "200"),
+        *("--drain-grace", str(GRACE_S), "--min-lifetime", "0", "--hold", "2"),
+        *("--tick", "0.2"),
+    )
+    figures = Figures(rate, seconds)
+    try:
+        url = up.wait_url()
+        gw_file = base / "data" / "gateway.url"
+        _until("the gateway's address", up, gw_file.exists)
+        gateway = gw_file.read_text().strip()
+        spec = base / "cluster.yaml"
+        spec.write_text(CLUSTER)
+        applied = up.llmgw("apply", "-f", str(spec))
+        assert applied.returncode == 0, applied.stderr
+        _until(
+            "chat 4 and batch 8 routable",
+            up,
+            lambda: [len(_routable(gateway).get(m, [])) for m in LOADED] == [4, 8],
+        )
+
+        async def both() -> list[Answer]:
+            chaos = asyncio.create_task(_chaos(up, url, seconds, figures.steps))
+            answers = await _load(gateway, rate, seconds)
+            await chaos
+            return answers
+
+        figures.answers = asyncio.run(both())
+        figures.retries = int(_get(f"{gateway.removesuffix('/v1')}/health")["retries"])
+        figures.drains, figures.reasons = asyncio.run(_drains(url))
+        assert up.alive(), up.text()[-3000:]
+    finally:
+        up.stop()
+    return figures
