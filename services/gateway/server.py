@@ -895,11 +895,16 @@ class Gateway:
 
     async def _demand(self, line: Line) -> None:
         """Publish `model.demanded` for `line` at once, then at most once every
-        `demand_interval_s` while it has requests waiting; over once it empties."""
+        `demand_interval_s` while it has requests waiting; once it empties, one with
+        `waiting` 0 says the wait is over, and the task ends (the next request to wait
+        starts another, published at once as the first of its wait)."""
+        began = line.since
         try:
-            while line.waiters and not self._stopping:
-                since = line.since
+            while not self._stopping:
+                since = line.since or began
                 assert since is not None
+                began = since
+                waiting = len(line)
                 view = self.follower.view
                 m = view.catalog.resolve(line.model)
                 inflight = 0
@@ -910,7 +915,7 @@ class Gateway:
                 e = ev.make(
                     ev.ModelDemanded(
                         model=line.model,
-                        waiting=min(len(line), ev.MAX_REPLICAS),
+                        waiting=min(waiting, ev.MAX_REPLICAS),
                         since=since,
                         inflight=min(inflight, ev.MAX_REPLICAS),
                     ),
@@ -924,9 +929,11 @@ class Gateway:
                     self.metrics.demanded.labels(line.model).inc()
                 except (BusError, nats.errors.Error) as err:
                     log.warning("gateway: demand for %s not published: %s", line.model, err)
-                # The next report a second on, unless the line empties first: then
-                # this wait for it is over, and the next request to wait starts another
-                # (published at once, as the first of its wait).
+                if not waiting:
+                    if line.waiters:
+                        continue  # a request came while the end was being said
+                    return
+                # The next report a second on, or the end as soon as the line empties.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
         finally:

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -39,8 +40,8 @@ if str(ROOT) not in sys.path:
 
 import aiohttp  # noqa: E402
 
+from schemas import codec, subjects  # noqa: E402
 from schemas import events as ev  # noqa: E402
-from schemas import subjects  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
 from tests.bench.bench_gateway import _free_port, _pct  # noqa: E402
@@ -111,8 +112,10 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
     )
     heard: asyncio.Queue[float] = asyncio.Queue()
 
-    async def on_demand(msg: object) -> None:
-        heard.put_nowait(time.perf_counter())
+    async def on_demand(msg: Any) -> None:
+        t = time.perf_counter()
+        if codec.decode(msg.data).data.waiting:  # type: ignore[union-attr]
+            heard.put_nowait(t)  # (a waiting of 0 is a wait's end)
 
     await nc.subscribe(subjects.demand_subject(MODEL), cb=on_demand)
     base = f"http://127.0.0.1:{gw_port}"
