@@ -98,6 +98,8 @@ _PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 _WOKEN = web.RequestKey("llmgw_woken", float)
 # _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
 _STATUS = web.RequestKey("llmgw_status", int)
+# _SENT: the replicas a woken request was sent to (its wake's send counted once).
+_SENT = web.RequestKey("llmgw_sent", tuple)
 _KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
@@ -285,6 +287,9 @@ class Counts:
     wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Seconds from the fold of a ready to the first byte of the first request it
     released, latest last."""
+    sends: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first request it released being sent to
+    the replica: the gateway's own share of the wake."""
 
 
 @dataclass
@@ -490,6 +495,7 @@ class Gateway:
                 "held": self.room.held_by_model(),
                 "demanded": self.counts.demanded,
                 "wake_ms": _summary(self.counts.wakes),
+                "wake_send_ms": _summary(self.counts.sends),
             }
         )
 
@@ -974,6 +980,10 @@ class Gateway:
         already sent) when there is one."""
         assert self._http is not None
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
+        woken = request.get(_WOKEN)
+        if woken is not None and r.id not in request.get(_SENT, ()):
+            self.counts.sends.append(time.perf_counter() - woken)
+            request[_SENT] = (r.id,)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
