@@ -10,10 +10,11 @@ A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
 `stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
-the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is in the OpenAI
-error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
-`x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
-did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
+in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
+an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
+key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -38,7 +39,8 @@ the plane has said it cannot place, a 503 with that decision's reason.
 
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
-`used_interval_s`, on the replica's node subject as its agent would.
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of
+the API keys that sent them (`by_owner`); each request's owner is in its span too.
 """
 
 from __future__ import annotations
@@ -323,6 +325,9 @@ class Gateway:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
+    stream_usage: bool = True
+    """Ask a server for the usage chunk of a stream whose client did not (and strip it);
+    off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
@@ -581,12 +586,14 @@ class Gateway:
         ) as span:
             request[_SPAN] = span
             owner = NO_OWNER
+            refused: str | None = None
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
+                refused = e.reason
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
@@ -598,6 +605,8 @@ class Gateway:
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                if refused is not None:
+                    self.metrics.errors.labels(model, refused).inc()
                 self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
@@ -637,7 +646,10 @@ class Gateway:
         # strip: a stream whose client did not ask for its usage chunk is asked for it on
         # the client's behalf, and the chunk taken out of what the client gets.
         strip = (
-            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+            self.stream_usage
+            and stream
+            and request.path != "/v1/embeddings"
+            and not streams.asked(head.stream_options)
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)

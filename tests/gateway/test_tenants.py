@@ -257,3 +257,18 @@ async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gatew
     ]
     stop.set()
     await asyncio.wait_for(task, 10)
+
+
+async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_no_tokens(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await _served(plane, servers, "untouched", "un-1")
+    plane.gateway.stream_usage = False
+    body = {"model": "untouched", "prompt": "p", "stream": True, "max_tokens": 3}
+    status, _, through = await plane.post("/v1/completions", body)
+    assert status == 200 and b'"usage"' not in through
+    reports = await _used(plane, "un-1", 1)
+    assert (sum(d.requests or 0 for d in reports), sum(d.tokens_out or 0 for d in reports)) == (
+        1,
+        0,
+    )
