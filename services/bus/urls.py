@@ -32,3 +32,11 @@ def public_url(url: str) -> str:
     """`url` (one server or a comma-separated list) without its credentials."""
     parts = (one.strip() for one in redact(url).split(","))
     return ",".join(one if "://" in one else BARE.sub("", one) for one in parts)
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` (one server or a comma-separated list) carries a user or a token."""
+    return any(
+        (USERINFO if "://" in one else BARE).search(one.strip()) is not None
+        for one in url.split(",")
+    )

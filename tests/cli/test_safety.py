@@ -206,6 +206,8 @@ def test_status_and_explain_lead_with_the_cause(
     log = str(_failing().write(tmp_path / "log.jsonl"))
     code, out, _ = _run(capsys, "status", "--log", log)
     assert code == 0 and out.splitlines()[0] == f"FAILING  {CAUSE}"
+    chat = next(x for x in out.splitlines() if x.strip().startswith("chat "))
+    assert chat.endswith("failing: engine vllm is not installed on this host")
     code, out, _ = _run(capsys, "status", "--log", log, "-o", "json")
     models = {m["model"]: m for m in json.loads(out)["models"]}
     assert models["chat"]["failing"]["reason"] == "engine vllm is not installed on this host"
