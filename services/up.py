@@ -458,6 +458,10 @@ async def _serve(
                     gw_sock = gateway.bind()
                 except GatewayError as e2:
                     raise UpError(str(e2)) from e2
+        if dashboard is not None and gateway is not None:
+            # The dashboard shows requests a second and in flight per model from the
+            # gateway's own counters (services.dashboard.traffic).
+            dashboard.gateway = gateway.traffic
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
