@@ -115,6 +115,8 @@ BODY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 # RETRY_AFTER_S is what a 503 tells a client to wait: about a scheduler pass.
 RETRY_AFTER_S = 1
+# SHUT_RETRY_S is the Retry-After of a key whose limit is 0 (it never refills).
+SHUT_RETRY_S = 3600
 # USED_TICK_S is how often the reporter looks for use to report (the interval, when it
 # is shorter).
 USED_TICK_S = 1.0
@@ -256,6 +258,11 @@ class Refusal(Exception):
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
         said = f"{self.reason}: {self.words}" if self.words else self.reason
+        # A header is ASCII without control characters: an owner's name in other letters
+        # is escaped there (the body's message keeps it as it is).
+        said = "".join(
+            c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in said
+        )
         return web.json_response(
             body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
         )
@@ -533,12 +540,15 @@ class Gateway:
         self._buckets[key.digest] = a.buckets
         if a.over is None:
             return
-        retry = max(1, math.ceil(a.wait_s)) if math.isfinite(a.wait_s) else 3600
+        # A limit of 0 never refills: the key is shut, and told to come back in an hour.
+        shut = not math.isfinite(a.wait_s)
+        retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
         if a.over == "rpm":
             said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
         else:
             said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
-        words = f"the key of {key.owner} is over {said}; try again in {retry}s"
+        then = "it may send none" if shut else f"try again in {retry}s"
+        words = f"the key of {key.owner} is over {said}; {then}"
         self.metrics.limited.labels(key.owner, a.over).inc()
         raise Refusal(
             429,
