@@ -35,7 +35,6 @@ def public_url(url: str) -> str:
     return ",".join(one if "://" in one else BARE.sub("", one) for one in parts)
 
 
-
 def users(url: str) -> set[str]:
     """The users `url` (one server or a comma-separated list) logs in as: the part of
     each server's `user:password@` before the colon (a token counts as its user)."""
