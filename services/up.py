@@ -106,6 +106,7 @@ class UpOptions:
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_stream_usage: bool = True
     gateway_queue_per_model: int = QUEUE_PER_MODEL
     gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
@@ -427,6 +428,7 @@ async def _serve(
                 db_path=db_path,
                 policy=opts.policy,
                 allow_hosts=opts.ui_hosts,
+                nc=nc,
             )
             try:
                 ui_sock = dashboard.bind()
@@ -441,6 +443,7 @@ async def _serve(
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
+                stream_usage=opts.gateway_stream_usage,
                 queue_per_model=opts.gateway_queue_per_model,
                 keepalive_s=opts.gateway_keepalive_s,
                 keys=opts.gateway_keys,

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -31,6 +32,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,6 +66,9 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_FILE = "dashboard.token"
 URL_FILE = "dashboard.url"
 COOKIE = "llmgw_token"
+# BEATS_MAX bounds the nodes whose heartbeats are remembered for /metrics.
+BEATS_MAX = 10_000
+
 # HEALTH_S is how often the log's health (projector lag, dead letters) is read.
 HEALTH_S = 2.0
 # LISTED_S bounds how long a request for the live view waits for the first listing.
@@ -261,8 +266,13 @@ class Dashboard:
     health: dict[str, Any] = field(default_factory=dict)
     allow_hosts: tuple[str, ...] = ()
     """`Host` names served besides loopback ones (`--allow-host`, `Hosts`)."""
+    nc: Any = None
+    """The connection to listen for nodes' heartbeats on (core NATS, not in the log), for
+    their age in /metrics; None: not listened for."""
 
     def __post_init__(self) -> None:
+        self.beats: dict[str, datetime] = {}
+        """Per node, the time stamp of the last heartbeat heard (at most BEATS_MAX)."""
         # Answers for past moments are kept by what they name and the listing they are
         # of: a view of a log listed before is not one of the log that replaced it.
         self.replays = replays.Replays(self.js)
@@ -271,6 +281,7 @@ class Dashboard:
             lambda: self.health,
             lambda: len(self.hub.clients),
             lambda: self.replays,
+            lambda: self.beats,
         )
         self.hub = hub.Hub(
             self.js,
@@ -327,6 +338,7 @@ class Dashboard:
             asyncio.create_task(self._check_health(stop), name="dashboard: health"),
             asyncio.create_task(server.serve(sockets=[sock]), name="dashboard: http"),
         ]
+        beats = await self._listen_beats()
         try:
             if on_ready is not None:
                 on_ready(self.url)
@@ -349,7 +361,32 @@ class Dashboard:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
             await self.replays.close()
+            if beats is not None:
+                with contextlib.suppress(Exception):
+                    await beats.unsubscribe()
             sock.close()
+
+    async def _listen_beats(self) -> Any:
+        """Subscribe to the nodes' heartbeats, keeping each node's last time stamp; the
+        subscription, or None without a connection (or when the broker refuses it)."""
+        if self.nc is None:
+            return None
+
+        async def on(msg: Any) -> None:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                body = json.loads(msg.data)
+                node, t = str(body["node"]), datetime.fromisoformat(body["time"])
+                if t.tzinfo is None:
+                    return
+                # Bounded: a flood of invented names cannot grow it past BEATS_MAX.
+                if node in self.beats or len(self.beats) < BEATS_MAX:
+                    self.beats[node] = t
+
+        try:
+            return await self.nc.subscribe(f"{self.root}.heartbeat.*", cb=on)
+        except Exception as e:
+            log.warning("dashboard: not listening for heartbeats: %s", e)
+            return None
 
     async def _check_health(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

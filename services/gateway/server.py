@@ -100,6 +100,8 @@ _PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 _WOKEN = web.RequestKey("llmgw_woken", float)
 # _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
 _STATUS = web.RequestKey("llmgw_status", int)
+# _SENT: the replicas a woken request was sent to (its wake's send counted once).
+_SENT = web.RequestKey("llmgw_sent", tuple)
 _KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
@@ -113,6 +115,8 @@ BODY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 # RETRY_AFTER_S is what a 503 tells a client to wait: about a scheduler pass.
 RETRY_AFTER_S = 1
+# SHUT_RETRY_S is the Retry-After of a key whose limit is 0 (it never refills).
+SHUT_RETRY_S = 3600
 # USED_TICK_S is how often the reporter looks for use to report (the interval, when it
 # is shorter).
 USED_TICK_S = 1.0
@@ -254,6 +258,11 @@ class Refusal(Exception):
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
         said = f"{self.reason}: {self.words}" if self.words else self.reason
+        # A header is ASCII without control characters: an owner's name in other letters
+        # is escaped there (the body's message keeps it as it is).
+        said = "".join(
+            c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in said
+        )
         return web.json_response(
             body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
         )
@@ -287,6 +296,9 @@ class Counts:
     wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Seconds from the fold of a ready to the first byte of the first request it
     released, latest last."""
+    sends: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first request it released being sent to
+    the replica: the gateway's own share of the wake."""
 
 
 @dataclass
@@ -320,6 +332,9 @@ class Gateway:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
+    stream_usage: bool = True
+    """Ask a server for the usage chunk of a stream whose client did not (and strip it);
+    off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
@@ -492,6 +507,7 @@ class Gateway:
                 "held": self.room.held_by_model(),
                 "demanded": self.counts.demanded,
                 "wake_ms": _summary(self.counts.wakes),
+                "wake_send_ms": _summary(self.counts.sends),
             }
         )
 
@@ -524,12 +540,15 @@ class Gateway:
         self._buckets[key.digest] = a.buckets
         if a.over is None:
             return
-        retry = max(1, math.ceil(a.wait_s)) if math.isfinite(a.wait_s) else 3600
+        # A limit of 0 never refills: the key is shut, and told to come back in an hour.
+        shut = not math.isfinite(a.wait_s)
+        retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
         if a.over == "rpm":
             said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
         else:
             said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
-        words = f"the key of {key.owner} is over {said}; try again in {retry}s"
+        then = "it may send none" if shut else f"try again in {retry}s"
+        words = f"the key of {key.owner} is over {said}; {then}"
         self.metrics.limited.labels(key.owner, a.over).inc()
         raise Refusal(
             429,
@@ -577,12 +596,14 @@ class Gateway:
         ) as span:
             request[_SPAN] = span
             owner = NO_OWNER
+            refused: str | None = None
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
+                refused = e.reason
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
@@ -594,6 +615,8 @@ class Gateway:
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                if refused is not None:
+                    self.metrics.errors.labels(model, refused).inc()
                 self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
@@ -633,7 +656,10 @@ class Gateway:
         # strip: a stream whose client did not ask for its usage chunk is asked for it on
         # the client's behalf, and the chunk taken out of what the client gets.
         strip = (
-            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+            self.stream_usage
+            and stream
+            and request.path != "/v1/embeddings"
+            and not streams.asked(head.stream_options)
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
@@ -897,11 +923,16 @@ class Gateway:
 
     async def _demand(self, line: Line) -> None:
         """Publish `model.demanded` for `line` at once, then at most once every
-        `demand_interval_s` while it has requests waiting; over once it empties."""
+        `demand_interval_s` while it has requests waiting; once it empties, one with
+        `waiting` 0 says the wait is over, and the task ends (the next request to wait
+        starts another, published at once as the first of its wait)."""
+        began = line.since
         try:
-            while line.waiters and not self._stopping:
-                since = line.since
+            while not self._stopping:
+                since = line.since or began
                 assert since is not None
+                began = since
+                waiting = len(line)
                 view = self.follower.view
                 m = view.catalog.resolve(line.model)
                 inflight = 0
@@ -912,7 +943,7 @@ class Gateway:
                 e = ev.make(
                     ev.ModelDemanded(
                         model=line.model,
-                        waiting=min(len(line), ev.MAX_REPLICAS),
+                        waiting=min(waiting, ev.MAX_REPLICAS),
                         since=since,
                         inflight=min(inflight, ev.MAX_REPLICAS),
                     ),
@@ -926,9 +957,11 @@ class Gateway:
                     self.metrics.demanded.labels(line.model).inc()
                 except (BusError, nats.errors.Error) as err:
                     log.warning("gateway: demand for %s not published: %s", line.model, err)
-                # The next report a second on, unless the line empties first: then
-                # this wait for it is over, and the next request to wait starts another
-                # (published at once, as the first of its wait).
+                if not waiting:
+                    if line.waiters:
+                        continue  # a request came while the end was being said
+                    return
+                # The next report a second on, or the end as soon as the line empties.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
         finally:
@@ -969,6 +1002,10 @@ class Gateway:
         already sent) when there is one."""
         assert self._http is not None
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
+        woken = request.get(_WOKEN)
+        if woken is not None and r.id not in request.get(_SENT, ()):
+            self.counts.sends.append(time.perf_counter() - woken)
+            request[_SENT] = (r.id,)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers

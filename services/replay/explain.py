@@ -405,6 +405,11 @@ class Explainer:
                 )
             )
         st.facts["candidates"] = [c.replica for c in cands]
+        if d.considered > len(cands):
+            st.line(
+                f"  not listed {plural(d.considered - len(cands), 'more candidate')}"
+                + _by(d.by_tier, "tier ")
+            )
         if d.excluded:
             st.line("  excluded")
             for x in d.excluded:
@@ -413,6 +418,11 @@ class Explainer:
                     + (f" ({x.model})" if x.model else "")
                     + f": {self._why_excluded(x, view)}"
                 )
+        if d.excluded_count > len(d.excluded):
+            st.line(
+                f"  not listed {plural(d.excluded_count - len(d.excluded), 'more exclusion')}"
+                + _by(d.excluded_by, "")
+            )
         st.facts["excluded"] = {x.replica: x.why for x in d.excluded}
         for t in d.trials:
             st.line(f"  trial      [{', '.join(t.victims)}] {'fits' if t.fits else 'does not fit'}")
@@ -768,8 +778,10 @@ class Explainer:
         )
         for seq, d in mine:
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
+            # A fits stopped nothing and placed nothing: its reason says so, not "fits".
+            said = d.data.reason if d.data.outcome == "fits" and d.data.reason else d.data.outcome
             st.line(
-                f"  {self._ref(seq, d, st.now)}: {d.data.outcome} ({d.data.policy})"
+                f"  {self._ref(seq, d, st.now)}: {said} ({d.data.policy})"
                 + (f"; victims {victims}" if victims else "")
             )
             for x in d.data.excluded:
@@ -780,6 +792,7 @@ class Explainer:
                 "seq": seq,
                 "id": d.id,
                 "outcome": d.data.outcome,
+                "reason": d.data.reason,
                 "policy": d.data.policy,
                 "victims": [v.replica for v in d.data.victims],
             }
@@ -1053,3 +1066,11 @@ class Story:
         doc["text"] = self.lines
         doc["timeline"] = [e.to_json() for e in self.timeline]
         return doc
+
+
+def _by(counts: dict[str, int], prefix: str) -> str:
+    """`counts` in words, as `(of all: tier 0: 3, tier 2: 40)`; "" when empty (a decision
+    from before they were recorded)."""
+    if not counts:
+        return ""
+    return " (of all: " + ", ".join(f"{prefix}{k}: {n}" for k, n in counts.items()) + ")"

@@ -80,6 +80,9 @@ async def test_a_request_at_zero_is_held_its_demand_published_and_served_on_read
     assert len(json.loads(body)["choices"][0]["message"]["content"].split()) == 3
     assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
     assert len(plane.gateway.counts.wakes) >= 1
+    # The wait's end is said too: waiting 0, since when it began.
+    await wait_for(lambda: asyncio.sleep(0, demands[-1].waiting), lambda n: n == 0, 5)
+    assert demands[-1].since == first.since
     await sub.unsubscribe()
 
 
