@@ -291,6 +291,8 @@ class Counts:
     requests: int = 0
     retries: int = 0
     refused: dict[int, int] = field(default_factory=dict)
+    by_model: dict[str, int] = field(default_factory=dict)
+    """Requests per declared model (under its name, not an alias) since the start."""
     demanded: int = 0
     """`model.demanded` events published."""
     wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -468,6 +470,17 @@ class Gateway:
             log.warning("gateway: %s", why)
         self._owners_said = why
 
+    def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per model since the start, and requests in flight per model now:
+        what a dashboard in the same process shows (services.dashboard.traffic)."""
+        replicas = self.follower.view.replicas
+        inflight: dict[str, int] = {}
+        for rid, n in self.router.inflight.items():
+            r = replicas.get(rid)
+            if r is not None:
+                inflight[r.model] = inflight.get(r.model, 0) + n
+        return dict(self.counts.by_model), inflight
+
     # ------------------------------------------------------------------ handlers
 
     async def _answer_inflight(self, msg: Any) -> None:
@@ -608,6 +621,8 @@ class Gateway:
                 raise
             finally:
                 model = request[_MODEL]
+                if model != UNKNOWN:
+                    self.counts.by_model[model] = self.counts.by_model.get(model, 0) + 1
                 key = request.get(_KEY)
                 if key is not None:
                     owner = key.owner
