@@ -793,7 +793,9 @@ class Gateway:
         now = utc_now()
         line = self.room.lines.get(m.name)
         since = line.since if line is not None and line.since is not None else now
-        cannot = coldstart.unplaceable(view, m, now, since)
+        # A model with replicas to route to is busy, not unplaced: its requests wait for
+        # a slot, whatever the plane says of placing more.
+        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
@@ -928,7 +930,11 @@ class Gateway:
                     self._serve(line)  # refuses it
                     continue
                 since = line.since
-                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                cannot = (
+                    None
+                    if since is None or routing.candidates(view, m)
+                    else coldstart.unplaceable(view, m, now, since)
+                )
                 if cannot is not None:
                     self._refuse(line, _unplaceable(cannot))
             return
