@@ -156,7 +156,7 @@ async def test_past_the_lines_length_a_429_with_the_predicted_start(
     # No start in the log: the default prediction, ten minutes.
     status, h, body = await plane.chat("full")
     assert status == 429 and h["Retry-After"] == "600"
-    assert h["x-llmgw-reason"] == "queue_full"
+    assert h["x-llmgw-reason"].startswith("queue_full: ")
     assert "3 requests already wait for full" in json.loads(body)["error"]["message"]
     s = await servers("full-1", "full")
     await plane.ready("full-1", "full", s.endpoint)
@@ -171,7 +171,7 @@ async def test_a_wait_is_bounded_by_the_clients_own_timeout(plane: Plane) -> Non
         CHAT, _body("slow-start"), headers={"x-stainless-read-timeout": "0.4"}
     )
     waited = time.monotonic() - t0
-    assert status == 429 and h["x-llmgw-reason"] == "not_ready_in_time"
+    assert status == 429 and h["x-llmgw-reason"].startswith("not_ready_in_time: ")
     assert h["Retry-After"] == "600"
     assert 0.3 <= waited < 2
     assert plane.gateway.room.held() == 0
@@ -208,14 +208,14 @@ async def test_a_model_that_cannot_be_placed_is_a_503_with_the_decisions_reason(
     )
     p = await plane.pub.publish(decided)
     status, h, body = await asyncio.wait_for(task, 5)
-    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    assert status == 503 and h["x-llmgw-reason"].startswith("no_candidates: ")
     msg = json.loads(body)["error"]["message"]
     assert "no replica may be stopped for it" in msg and "the most free on a node is 0" in msg
     assert "Retry-After" not in h
     # The plane has asked for it and said it cannot: the next one is told at once.
     await plane.say(ev.ScaleDesired(model="nofit", replicas=1))
     status, h, _ = await asyncio.wait_for(plane.chat("nofit"), 5)
-    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    assert status == 503 and h["x-llmgw-reason"].startswith("no_candidates: ")
     assert plane.gateway.room.held() == 0
 
 
@@ -224,7 +224,7 @@ async def test_a_held_model_is_a_503_with_the_holds_end(plane: Plane) -> None:
     until = utc_now() + timedelta(seconds=42)
     await plane.say(ev.HoldCreated(model="held-off", for_model="other", until=until))
     status, h, body = await plane.chat("held-off")
-    assert status == 503 and h["x-llmgw-reason"] == "held"
+    assert status == 503 and h["x-llmgw-reason"].startswith("held: ")
     assert 40 <= int(h["Retry-After"]) <= 43
     assert "gave up its room for other" in json.loads(body)["error"]["message"]
 
