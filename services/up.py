@@ -33,7 +33,7 @@ from services.bus import broker as bus_broker
 from services.bus import node_streams as bus_node_streams
 from services.bus import stream as bus_stream
 from services.bus.errors import BrokerError
-from services.bus.urls import has_credentials, public_url
+from services.bus.urls import public_url, users
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
@@ -362,11 +362,12 @@ async def _serve(
     agents: list[Agent] = []
     try:
         js = nc.jetstream()
-        # node_streams: where agents have credentials of their own (a broker joined with a
-        # user: deploy/nats), what each agent publishes goes to the log through its own
-        # node's stream, whose limits contain a flood to that node (services.bus.stream).
-        # The embedded broker's agents are this process's, on its credentials.
-        node_streams = broker is None and has_credentials(url)
+        # node_streams: where agents have credentials of their own (a broker joined as a
+        # user someone made: deploy/nats), what each agent publishes goes to the log
+        # through its own node's stream, whose limits contain a flood to that node
+        # (services.bus.stream). An embedded broker (this one's, or another up's joined
+        # with its URL) has one user, whose agents are up's own.
+        node_streams = broker is None and bool(users(url) - {bus_broker.USER})
         info = await ensure_streams(
             js, opts.root, opts.duplicate_window_s, opts.replicas, node_streams
         )
@@ -458,6 +459,10 @@ async def _serve(
                     gw_sock = gateway.bind()
                 except GatewayError as e2:
                     raise UpError(str(e2)) from e2
+        if dashboard is not None and gateway is not None:
+            # The dashboard shows requests a second and in flight per model from the
+            # gateway's own counters (services.dashboard.traffic).
+            dashboard.gateway = gateway.traffic
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
