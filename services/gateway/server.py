@@ -793,7 +793,9 @@ class Gateway:
         now = utc_now()
         line = self.room.lines.get(m.name)
         since = line.since if line is not None and line.since is not None else now
-        cannot = coldstart.unplaceable(view, m, now, since)
+        # A model with replicas to route to is busy, not unplaced: its requests wait for
+        # a slot, whatever the plane says of placing more.
+        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
@@ -804,13 +806,17 @@ class Gateway:
         try:
             w = self.room.join(m, session, now)
         except Full:
+            said = (
+                f"{self.room.per_model} requests already wait for {m.name}, the most one "
+                f"model may have waiting; it should be ready in about {look.retry_after}s"
+            )
             raise Refusal(
                 429,
-                f"{self.room.per_model} requests already wait for {m.name}, the most one "
-                f"model may have waiting; it should be ready in about {look.retry_after}s",
+                said,
                 "queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(look.retry_after)},
+                words=said,
             ) from None
         line = self.room.lines[m.name]
         span = request[_SPAN]
@@ -839,13 +845,17 @@ class Gateway:
             if not w.fut.done():
                 self.room.leave(w)
                 after = coldstart.outlook(self.follower.view, m, utc_now(), floor_s=0)
+                said = (
+                    f"{m.name} was not ready within the {bound:.0f}s this request could "
+                    f"wait; it should be ready in about {after.retry_after}s"
+                )
                 raise Refusal(
                     429,
-                    f"{m.name} was not ready within the {bound:.0f}s this request could "
-                    f"wait; it should be ready in about {after.retry_after}s",
+                    said,
                     "not_ready_in_time",
                     kind="rate_limit_error",
                     headers={"Retry-After": str(after.retry_after)},
+                    words=said,
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
             request[_PICKED_AT] = w.seq
@@ -928,7 +938,11 @@ class Gateway:
                     self._serve(line)  # refuses it
                     continue
                 since = line.since
-                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                cannot = (
+                    None
+                    if since is None or routing.candidates(view, m)
+                    else coldstart.unplaceable(view, m, now, since)
+                )
                 if cannot is not None:
                     self._refuse(line, _unplaceable(cannot))
             return
@@ -1285,7 +1299,7 @@ def _unplaceable(u: coldstart.Unplaceable) -> Refusal:
     headers = {}
     if u.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(u.retry_after_s)))
-    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers)
+    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers, words=u.reason)
 
 
 def _client_timeout(request: web.Request) -> float | None:
