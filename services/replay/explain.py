@@ -778,8 +778,10 @@ class Explainer:
         )
         for seq, d in mine:
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
+            # A fits stopped nothing and placed nothing: its reason says so, not "fits".
+            said = d.data.reason if d.data.outcome == "fits" and d.data.reason else d.data.outcome
             st.line(
-                f"  {self._ref(seq, d, st.now)}: {d.data.outcome} ({d.data.policy})"
+                f"  {self._ref(seq, d, st.now)}: {said} ({d.data.policy})"
                 + (f"; victims {victims}" if victims else "")
             )
             for x in d.data.excluded:
@@ -790,6 +792,7 @@ class Explainer:
                 "seq": seq,
                 "id": d.id,
                 "outcome": d.data.outcome,
+                "reason": d.data.reason,
                 "policy": d.data.policy,
                 "victims": [v.replica for v in d.data.victims],
             }
