@@ -433,6 +433,14 @@ class Gateway:
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
+                # The held requests went with the server; their demand reports end too.
+                self._stopping = True
+                demands = [line.demand for line in self.room.lines.values() if line.demand]
+                for task in demands:
+                    task.cancel()
+                for task in demands:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 # What was served and not reported yet is reported on the way out.
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(2):

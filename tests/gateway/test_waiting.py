@@ -8,6 +8,7 @@ alive with SSE comments; nothing held or in flight once every request has ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import statistics
@@ -16,12 +17,14 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+import aiohttp
 import pytest
 from nats.aio.client import Client
 
 from schemas import codec, subjects
 from schemas import events as ev
 from services.agent.responder import Responder, Timing
+from services.bus import Publisher
 from services.clock import utc_now
 from tests.agent.helpers import new_id, wait_for
 from tests.gateway.conftest import Plane
@@ -336,3 +339,34 @@ async def test_a_busy_model_the_plane_cannot_grow_still_holds_its_requests(
     # No room for a second replica, but the first serves: nothing is refused.
     assert [(await t)[0] for t in tasks] == [200] * 3
     assert plane.gateway.room.held() == 0
+
+
+async def test_a_gateway_stopped_with_requests_held_stops_and_their_demand_with_it(js: Any) -> None:
+    from services.gateway.server import Gateway
+
+    gw = Gateway(js, listen="127.0.0.1:0", demand_interval_s=0.05)
+    sock = gw.bind()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    run = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
+    await asyncio.wait_for(ready.wait(), 10)
+    pub = Publisher(js)
+    p = await pub.publish(
+        ev.make(
+            ev.ModelDeclared(name="stopping", min=0, profiles=(ev.ProfileSpec(name="p", gpus=1),)),
+            id=new_id(),
+            time=utc_now(),
+            source="test",
+        )
+    )
+    await gw.follower.wait_for(p.seq, 5)
+    async with aiohttp.ClientSession() as http:
+        held = asyncio.create_task(http.post(f"{gw.url}{CHAT}", json=_body("stopping")))
+        await wait_for(lambda: asyncio.sleep(0, gw.room.held()), lambda n: n == 1, 5)
+        demand = gw.room.lines["stopping"].demand
+        assert demand is not None
+        stop.set()
+        await asyncio.wait_for(run, 10)
+        assert demand.done()
+        with contextlib.suppress(aiohttp.ClientError):
+            (await held).close()
