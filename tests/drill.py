@@ -50,7 +50,7 @@ models:
     profiles: [{name: tp1, gpus: 1}]
   - name: batch
     class: opportunistic
-    min: 0
+    min: 1
     max: 8
     target_inflight: 64
     profiles: [{name: tp1, gpus: 1}]
@@ -65,10 +65,13 @@ scale:
 """
 LOADED = ("chat", "batch")
 # target_inflight 64: the drill is of drains, not of admission; no request of it waits
-# for a slot (the waiting room), however slow a loaded host makes each answer.
-# MAX_TOKENS at the simulated 200 tokens a second: an answer of half a second, a twentieth of
-# the grace.
-MAX_TOKENS = 100
+# for a slot (the waiting room), however slow a loaded host makes each answer. min 1:
+# neither is on-demand, so the autoscaler does not size them down to the load meanwhile
+# (a model it takes to one replica can be left with none by the next drain).
+# MAX_TOKENS after the simulated 0.3 s to the first token, at 50 tokens a second: an
+# answer of half a second (a twentieth of the grace) in ten chunks, so that what is
+# measured is the drains and not the host's cost of a chunk.
+MAX_TOKENS = 10
 
 
 @dataclass
@@ -284,7 +287,7 @@ def run(base: Path, rate: float, seconds: float) -> Figures:
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
         *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
-        *("--sim-ttft", "0.01", "--sim-tps", "200"),
+        *("--sim-ttft", "0.3", "--sim-tps", "50"),
         *("--drain-grace", str(GRACE_S), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
     )

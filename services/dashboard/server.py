@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,8 +55,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from schemas import subjects
 from services import listen
 from services.bus.errors import BrokerUnavailable
+from services.clock import utc_now
 from services.core import preemption
-from services.dashboard import health, hub, metrics, query, replays, state
+from services.dashboard import health, hub, metrics, query, replays, state, traffic
 from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.replay import explain, history
@@ -269,6 +271,10 @@ class Dashboard:
     nc: Any = None
     """The connection to listen for nodes' heartbeats on (core NATS, not in the log), for
     their age in /metrics; None: not listened for."""
+    gateway: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None
+    """A gateway in the same process (`llmgw up`): its requests per model since it
+    started and its requests in flight per model (`Gateway.traffic`); None: requests a
+    second come from the log's `replica.used` reports alone, in flight is unknown."""
 
     def __post_init__(self) -> None:
         self.beats: dict[str, datetime] = {}
@@ -283,17 +289,30 @@ class Dashboard:
             lambda: self.replays,
             lambda: self.beats,
         )
+        self.traffic = traffic.Traffic()
         self.hub = hub.Hub(
             self.js,
             root=self.root,
             keep=self.keep,
             client_frames=self.client_frames,
-            on_change=self.metrics.observe,
+            on_change=self._observe,
+            traffic=self._traffic_doc,
         )
         host, _ = parse_listen(self.listen)
         hosts = Hosts(is_loopback(host), frozenset(parse_hosts(self.allow_hosts)))
         self.app = _Gate(self._routes(), self.token, hosts)
         self._stop = asyncio.Event()
+
+    def _observe(self, seq: int, ch: Any) -> None:
+        self.metrics.observe(seq, ch)
+        self.traffic.observe(ch)
+
+    def _traffic_doc(self) -> dict[str, Any]:
+        """Requests a second and in flight per model now (services.dashboard.traffic)."""
+        if self.gateway is not None:
+            requests, inflight = self.gateway()
+            self.traffic.sample(time.monotonic(), requests, inflight)
+        return self.traffic.doc(utc_now())
 
     def _routes(self) -> Starlette:
         r: list[Any] = [
@@ -304,6 +323,7 @@ class Dashboard:
             Route("/api/history/{kind}/{name:path}", self._history, methods=["GET"]),
             Route("/api/plan", self._plan, methods=["GET"]),
             Route("/api/health", self._health, methods=["GET"]),
+            Route("/api/traffic", self._traffic, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
@@ -408,6 +428,15 @@ class Dashboard:
         if self.token is not None and shown:
             resp.set_cookie(COOKIE, shown, httponly=True, samesite="strict")
         return resp
+
+    async def _traffic(self, req: Request) -> Response:
+        """Per model: requests a second, in flight (null: unknown) and where that came
+        from (`gateway`: one in this process; `log`: its `replica.used` reports)."""
+        try:
+            query.take(req.query_params.multi_items(), query.NONE)
+        except BadRequest as e:
+            return _bad(e)
+        return JSONResponse({"models": self._traffic_doc()})
 
     async def _live(self) -> Any:
         """The live view; `Unlisted` while the hub has not listed the log yet."""

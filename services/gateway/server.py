@@ -291,6 +291,8 @@ class Counts:
     requests: int = 0
     retries: int = 0
     refused: dict[int, int] = field(default_factory=dict)
+    by_model: dict[str, int] = field(default_factory=dict)
+    """Requests per declared model (under its name, not an alias) since the start."""
     demanded: int = 0
     """`model.demanded` events published."""
     wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -431,6 +433,14 @@ class Gateway:
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
+                # The held requests went with the server; their demand reports end too.
+                self._stopping = True
+                demands = [line.demand for line in self.room.lines.values() if line.demand]
+                for task in demands:
+                    task.cancel()
+                for task in demands:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 # What was served and not reported yet is reported on the way out.
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(2):
@@ -467,6 +477,17 @@ class Gateway:
         if why is not None and why != self._owners_said:
             log.warning("gateway: %s", why)
         self._owners_said = why
+
+    def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per model since the start, and requests in flight per model now:
+        what a dashboard in the same process shows (services.dashboard.traffic)."""
+        replicas = self.follower.view.replicas
+        inflight: dict[str, int] = {}
+        for rid, n in self.router.inflight.items():
+            r = replicas.get(rid)
+            if r is not None:
+                inflight[r.model] = inflight.get(r.model, 0) + n
+        return dict(self.counts.by_model), inflight
 
     # ------------------------------------------------------------------ handlers
 
@@ -608,6 +629,8 @@ class Gateway:
                 raise
             finally:
                 model = request[_MODEL]
+                if model != UNKNOWN:
+                    self.counts.by_model[model] = self.counts.by_model.get(model, 0) + 1
                 key = request.get(_KEY)
                 if key is not None:
                     owner = key.owner
@@ -778,7 +801,9 @@ class Gateway:
         now = utc_now()
         line = self.room.lines.get(m.name)
         since = line.since if line is not None and line.since is not None else now
-        cannot = coldstart.unplaceable(view, m, now, since)
+        # A model with replicas to route to is busy, not unplaced: its requests wait for
+        # a slot, whatever the plane says of placing more.
+        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
@@ -789,13 +814,17 @@ class Gateway:
         try:
             w = self.room.join(m, session, now)
         except Full:
+            said = (
+                f"{self.room.per_model} requests already wait for {m.name}, the most one "
+                f"model may have waiting; it should be ready in about {look.retry_after}s"
+            )
             raise Refusal(
                 429,
-                f"{self.room.per_model} requests already wait for {m.name}, the most one "
-                f"model may have waiting; it should be ready in about {look.retry_after}s",
+                said,
                 "queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(look.retry_after)},
+                words=said,
             ) from None
         line = self.room.lines[m.name]
         span = request[_SPAN]
@@ -824,13 +853,17 @@ class Gateway:
             if not w.fut.done():
                 self.room.leave(w)
                 after = coldstart.outlook(self.follower.view, m, utc_now(), floor_s=0)
+                said = (
+                    f"{m.name} was not ready within the {bound:.0f}s this request could "
+                    f"wait; it should be ready in about {after.retry_after}s"
+                )
                 raise Refusal(
                     429,
-                    f"{m.name} was not ready within the {bound:.0f}s this request could "
-                    f"wait; it should be ready in about {after.retry_after}s",
+                    said,
                     "not_ready_in_time",
                     kind="rate_limit_error",
                     headers={"Retry-After": str(after.retry_after)},
+                    words=said,
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
             request[_PICKED_AT] = w.seq
@@ -913,7 +946,11 @@ class Gateway:
                     self._serve(line)  # refuses it
                     continue
                 since = line.since
-                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                cannot = (
+                    None
+                    if since is None or routing.candidates(view, m)
+                    else coldstart.unplaceable(view, m, now, since)
+                )
                 if cannot is not None:
                     self._refuse(line, _unplaceable(cannot))
             return
@@ -1270,7 +1307,7 @@ def _unplaceable(u: coldstart.Unplaceable) -> Refusal:
     headers = {}
     if u.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(u.retry_after_s)))
-    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers)
+    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers, words=u.reason)
 
 
 def _client_timeout(request: web.Request) -> float | None:

@@ -129,10 +129,12 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
     answered = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         deadline = time.monotonic() + 30
-        while True:  # the gateway up, and the model in its view
+        while True:  # the gateway and the server up, and the model in the gateway's view
             try:
+                async with http.get(f"{endpoint}/health") as r:
+                    up = r.status == 200
                 async with http.get(f"{base}/health") as r:
-                    if MODEL in (await r.json())["routable"]:
+                    if up and MODEL in (await r.json())["routable"]:
                         break
             except aiohttp.ClientError:
                 pass
