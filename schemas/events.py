@@ -94,6 +94,20 @@ class Data(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- catalog
 
 
+TopologyMode = Literal["required", "preferred"]
+
+
+class TopologySpec(Data, frozen=True, kw_only=True):
+    """Where a profile's shards go in the cluster's topology (an extension of the contract).
+
+    `level` is a level of the cluster file's `topology:` list and the key of a node's label
+    naming its domain at that level (`nvlink_domain: nvl-3`). `required`: every shard in one
+    domain of that level; `preferred`: as few domains as can hold them."""
+
+    level: Name
+    mode: TopologyMode = "required"
+
+
 class ProfileSpec(Data, frozen=True, kw_only=True):
     name: Name
     gpus: GpuCount
@@ -106,6 +120,8 @@ class ProfileSpec(Data, frozen=True, kw_only=True):
     """Per shard."""
     memory_gb: Quantity = 0.0
     """Per shard."""
+    topology: TopologySpec | None = None
+    """None: shards on any distinct nodes (every profile before this field)."""
 
 
 Engine = Literal["vllm", "sglang", "command"]
@@ -420,11 +436,24 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     any victim past them (node-aware's can be anywhere in the order); `considered` is
     how many there were."""
     excluded: Annotated[tuple[Excluded, ...], Meta(max_length=MAX_ITEMS)] = ()
+    """The exclusions by replica id (extension): the first 50; `excluded_count` is how
+    many there were."""
     trials: Annotated[tuple[Trial, ...], Meta(max_length=MAX_ITEMS)] = ()
     holds: Annotated[tuple[HoldSpec, ...], Meta(max_length=MAX_ITEMS)] = ()
     policy: Text = "reference"
     """The policy that decided (reference, node-aware); a decision from before the
     field was added was the reference's."""
+    by_tier: Annotated[dict[Text, BigCount], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension: how many candidates there were of each tier ("0" to "4"), listed or
+    not; empty from a decision made before the field was added."""
+    excluded_count: BigCount = 0
+    """Extension: how many replicas holding capacity were excluded, listed or not."""
+    excluded_by: Annotated[dict[Text, BigCount], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension: how many were excluded for each reason (the codes of `excluded`)."""
     reason: Text = ""
     """Why, in words (extension). A `fits` answers a placement that failed although the
     room is there (the scheduler held the model back, a node backing off after failed

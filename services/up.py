@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services import lease
+from services import files, lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
 from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tracing
 from services.bus import broker as bus_broker
+from services.bus import node_streams as bus_node_streams
+from services.bus import stream as bus_stream
 from services.bus.errors import BrokerError
-from services.bus.urls import public_url
+from services.bus.urls import public_url, users
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
@@ -104,6 +106,7 @@ class UpOptions:
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
+    gateway_stream_usage: bool = True
     gateway_queue_per_model: int = QUEUE_PER_MODEL
     gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
@@ -359,7 +362,15 @@ async def _serve(
     agents: list[Agent] = []
     try:
         js = nc.jetstream()
-        info = await ensure_streams(js, opts.root, opts.duplicate_window_s, opts.replicas)
+        # node_streams: where agents have credentials of their own (a broker joined as a
+        # user someone made: deploy/nats), what each agent publishes goes to the log
+        # through its own node's stream, whose limits contain a flood to that node
+        # (services.bus.stream). An embedded broker (this one's, or another up's joined
+        # with its URL) has one user, whose agents are up's own.
+        node_streams = broker is None and bool(users(url) - {bus_broker.USER})
+        info = await ensure_streams(
+            js, opts.root, opts.duplicate_window_s, opts.replicas, node_streams
+        )
         # The leases and the snapshots are kept in as many copies as the log: the number
         # the log was made with, so a single server is not asked for three again.
         copies = info.config.num_replicas or 1
@@ -417,6 +428,7 @@ async def _serve(
                 db_path=db_path,
                 policy=opts.policy,
                 allow_hosts=opts.ui_hosts,
+                nc=nc,
             )
             try:
                 ui_sock = dashboard.bind()
@@ -431,6 +443,7 @@ async def _serve(
                 max_body=opts.gateway_max_body,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
+                stream_usage=opts.gateway_stream_usage,
                 queue_per_model=opts.gateway_queue_per_model,
                 keepalive_s=opts.gateway_keepalive_s,
                 keys=opts.gateway_keys,
@@ -446,6 +459,10 @@ async def _serve(
                     gw_sock = gateway.bind()
                 except GatewayError as e2:
                     raise UpError(str(e2)) from e2
+        if dashboard is not None and gateway is not None:
+            # The dashboard shows requests a second and in flight per model from the
+            # gateway's own counters (services.dashboard.traffic).
+            dashboard.gateway = gateway.traffic
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
@@ -457,6 +474,9 @@ async def _serve(
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
+        if bus_stream.fed_by_nodes(info, opts.root):
+            watch_nodes = bus_node_streams.watch(js, opts.root, stop)
+            tasks[asyncio.create_task(watch_nodes, name="node streams")] = "node streams"
         if broker is not None:
             watch = _watch_broker(broker, stop, nc, (scheduler.lease, preempt.lease))
             tasks[asyncio.create_task(watch, name="broker")] = "broker"
@@ -466,12 +486,14 @@ async def _serve(
             tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
             shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
             running.dashboard_url = shown
-            (opts.data / URL_FILE).write_text(shown + "\n")
+            # Atomic: a reader that finds the file finds it whole (and the URL may
+            # carry the dashboard's token: the owner's alone).
+            files.write_private(opts.data / URL_FILE, shown + "\n")
             log.info("dashboard: %s", shown)
         if gateway is not None:
             tasks[asyncio.create_task(gateway.run(stop, gw_sock), name="gateway")] = "gateway"
             running.gateway_url = f"{gateway.url}/v1"
-            (opts.data / GATEWAY_URL_FILE).write_text(running.gateway_url + "\n")
+            files.write_private(opts.data / GATEWAY_URL_FILE, running.gateway_url + "\n")
             log.info("gateway: %s", running.gateway_url)
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",

@@ -46,11 +46,13 @@ models:
     class: standard
     min: 1
     max: 6
+    target_inflight: 64
     profiles: [{name: tp1, gpus: 1}]
   - name: batch
     class: opportunistic
-    min: 0
+    min: 1
     max: 8
+    target_inflight: 64
     profiles: [{name: tp1, gpus: 1}]
   - name: urgent
     class: critical
@@ -62,9 +64,14 @@ scale:
   batch: 8
 """
 LOADED = ("chat", "batch")
-# MAX_TOKENS at the simulated 200 tokens a second: a stream of 0.1 s, a hundredth of
-# the grace.
-MAX_TOKENS = 20
+# target_inflight 64: the drill is of drains, not of admission; no request of it waits
+# for a slot (the waiting room), however slow a loaded host makes each answer. min 1:
+# neither is on-demand, so the autoscaler does not size them down to the load meanwhile
+# (a model it takes to one replica can be left with none by the next drain).
+# MAX_TOKENS after the simulated 0.3 s to the first token, at 50 tokens a second: an
+# answer of half a second (a twentieth of the grace) in ten chunks, so that what is
+# measured is the drains and not the host's cost of a chunk.
+MAX_TOKENS = 10
 
 
 @dataclass
@@ -138,7 +145,11 @@ def _get(url: str) -> Any:
 
 
 def _routable(gateway: str) -> dict[str, list[str]]:
-    return dict(_get(f"{gateway.removesuffix('/v1')}/health")["routable"])
+    """What the gateway routes to per model; nothing while it does not answer yet."""
+    try:
+        return dict(_get(f"{gateway.removesuffix('/v1')}/health")["routable"])
+    except OSError:
+        return {}
 
 
 def _until(what: str, up: UpProcess, check: Any, within_s: float = 60) -> None:
@@ -165,7 +176,7 @@ async def _one(http: aiohttp.ClientSession, base: str, model: str, stream: bool)
             a.seq = int(r.headers.get("x-llmgw-seq", "0") or 0)
             data = await r.read()
         if a.status != 200:
-            a.error = f"status {a.status}"
+            a.error = f"{a.status} {r.headers.get('x-llmgw-reason', '')}".rstrip()
         elif stream and not data.rstrip().endswith(b"data: [DONE]"):
             a.error = "stream cut"
         elif not stream and b'"choices"' not in data:
@@ -227,17 +238,23 @@ async def _chaos(up: UpProcess, url: str, seconds: float, steps: list[str]) -> N
 
         t0 = time.perf_counter()
         plan: list[tuple[float, tuple[str, ...] | None]] = [
-            (0.15, ("scale", "urgent", "2")),
-            (0.35, ("scale", "chat", "2")),
-            (0.55, None),  # drain a node, chosen then
-            (0.75, ("scale", "batch", "3")),
+            # Early enough that the last one's drains are under load too, on a busy host
+            # where each command takes a second or two to start.
+            (0.1, ("scale", "urgent", "2")),
+            (0.25, ("scale", "chat", "2")),
+            (0.4, None),  # drain a node, chosen then
+            (0.55, ("scale", "batch", "3")),
         ]
+        # Each step starts at its time, whatever the one before still does: a command
+        # takes seconds to start on a loaded host.
+        running = []
         for at, args in plan:
             await asyncio.sleep(max(0.0, t0 + at * seconds - time.perf_counter()))
             if args is None:
                 await follower.caught_up(10)
                 args = ("drain", "node", _node_to_drain(follower.view), "--yes")
-            await cli(*args)
+            running.append(asyncio.create_task(cli(*args)))
+        await asyncio.gather(*running)
     finally:
         await follower.stop()
         task.cancel()
@@ -269,8 +286,8 @@ def run(base: Path, rate: float, seconds: float) -> Figures:
         base / "data",
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
-        *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0.05"),
-        *("--sim-ttft", "0.01", "--sim-tps", "200"),
+        *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
+        *("--sim-ttft", "0.3", "--sim-tps", "50"),
         *("--drain-grace", str(GRACE_S), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
     )

@@ -283,6 +283,16 @@ class Scenario:
         self.emit(ev.HoldCreated(model=model, for_model=for_model, until=self.time(until)))
         return self
 
+    def put(self, event: ev.Event, node: str | None = None) -> ev.Event:
+        """Append an event made elsewhere (a core decision, with its own id, time and
+        causation) as it is. A placement's replica is known to `state` after it."""
+        if isinstance(event, ev.PlacementDecidedEvent):
+            d = event.data
+            self._replicas[d.replica] = (d.model, d.profile, d.shards)
+        seq = len(self._events) + 1
+        self._events.append((seq, subjects.subject_for(event, self.root, node=node), event))
+        return event
+
     # Results.
 
     def events(self) -> list[tuple[int, str, ev.Event]]:

@@ -1,7 +1,11 @@
-"""Write users.conf: the control and viewer users, and one agent user per node.
+"""Write users.conf: the control and viewer users, and one agent user per node; and
+for a cluster routes.conf: the route user and the routes between its servers.
 
     python deploy/nats/users.py --passwords /etc/llmgw/nats/passwords \\
         --out /etc/llmgw/nats/users.conf gpu-a1 gpu-a2
+    # and on a cluster (cluster-N.conf includes routes.conf):
+    python deploy/nats/users.py --passwords /etc/llmgw/nats/passwords \\
+        --out /etc/llmgw/nats/users.conf --routes /etc/llmgw/nats/routes.conf gpu-a1 gpu-a2
 
 The passwords live in one file, a line `NAME=PASSWORD` per user (`control`, `viewer`,
 and each node by its name; `#` starts a comment). users.py reads the ones it has there
@@ -16,6 +20,12 @@ user), never printed (users.py says which users got new ones, not what they are)
 never a placeholder: one starting with `change-me` is refused. users.conf holds the
 passwords too: `--out FILE` writes it mode 0600; without it, it goes to stdout, for a
 pipe (`kubectl create secret ... --from-file=users.conf=/dev/stdin`).
+
+routes.conf (`--routes FILE`, mode 0600) is the `cluster {}` block's authorization and
+routes, with the password of the user `route` from the same passwords file (made there
+when it has none, like any other): one file for every server of the cluster, which route
+to each other as `route`. `--route-hosts` names the servers' route addresses (default
+the shipped cluster-N.conf's llmgw-1:6222, llmgw-2:6222, llmgw-3:6222).
 
 Each agent user is agent.conf.in with @USER@ as the node's name as it is (the user the
 agent logs in as, whatever its name holds: dots too), @NODE@ as the node's subject token
@@ -33,6 +43,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
+from urllib.parse import quote
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
@@ -42,6 +53,10 @@ from services.files import write_private  # noqa: E402
 
 TEMPLATE = HERE / "agent.conf.in"
 ROLES = ("control", "viewer")
+
+# ROUTE is the user the cluster's servers route to each other as (routes.conf).
+ROUTE = "route"
+ROUTE_HOSTS = ("llmgw-1:6222", "llmgw-2:6222", "llmgw-3:6222")
 
 # PLACEHOLDER starts every password the shipped examples carry (`change-me-control`):
 # known to everyone who has read them, so never one a server may accept.
@@ -92,6 +107,19 @@ def render(agents: dict[str, str], control_password: str, viewer_password: str) 
     for node, pw in agents.items():
         out += agent_user(node, pw)
     return out + "]\n}\n"
+
+
+def render_routes(password: str, hosts: Iterable[str] = ROUTE_HOSTS) -> str:
+    """routes.conf: the route user with `password`, and a route to each of `hosts`."""
+    pw = check_password(ROUTE, password)
+    lines = [
+        "# Written by users.py; included by the cluster {} block of cluster-N.conf.",
+        f"authorization {{\n  user: {ROUTE}\n  password: {json.dumps(pw)}\n  timeout: 2\n}}",
+        "routes: [",
+        *(f"  nats-route://{ROUTE}:{quote(pw, safe='')}@{h}" for h in hosts),
+        "]",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def parse_passwords(text: str, where: str) -> dict[str, str]:
@@ -158,6 +186,17 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
         help="NAME=PASSWORD lines (0600); missing ones are made and added; - for stdin",
     )
     p.add_argument("--out", metavar="FILE", help="write users.conf here (0600), not to stdout")
+    p.add_argument(
+        "--routes",
+        metavar="FILE",
+        help="also write a cluster's routes.conf here (0600), with the password of `route`",
+    )
+    p.add_argument(
+        "--route-hosts",
+        default=",".join(ROUTE_HOSTS),
+        metavar="HOST:PORT,...",
+        help="the cluster servers' route addresses in routes.conf (default: %(default)s)",
+    )
     for gone in ("--control-password", "--viewer-password"):
         p.add_argument(gone, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -174,8 +213,17 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None) -> int:
                     f"{node}: a password on the command line is visible to every local user "
                     f"(ps): put it in the --passwords file ({node}=...)"
                 )
-        have, made = passwords_for([*ROLES, *a.nodes], a.passwords, stdin or sys.stdin)
+        if a.routes and ROUTE in a.nodes:
+            raise UsersError(
+                f"a node may not be called {ROUTE} on a cluster: the passwords file "
+                "keeps the route user's password under that name"
+            )
+        wanted = [*ROLES, *([ROUTE] if a.routes else []), *a.nodes]
+        have, made = passwords_for(wanted, a.passwords, stdin or sys.stdin)
         text = render({n: have[n] for n in a.nodes}, have["control"], have["viewer"])
+        if a.routes:
+            hosts = [h.strip() for h in a.route_hosts.split(",") if h.strip()]
+            write_private(Path(a.routes), render_routes(have[ROUTE], hosts))
         if a.out:
             write_private(Path(a.out), text)
     except (UsersError, OSError) as e:

@@ -41,6 +41,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -56,7 +57,7 @@ from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import BusError, Permanent, Publisher, PublishError
 from services.bus import consume as bus_consume
-from services.bus.publish import OTHER
+from services.bus.publish import OTHER, new_seal
 from services.clock import new_id, utc_now
 from services.core import ingest
 
@@ -514,6 +515,7 @@ class Agent:
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
+                self._sealed(answer.get("stream"))
                 return None
             why = f"the control plane said: {answer.get('error') if isinstance(answer, dict) else answer}"
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, msgspec.DecodeError):
@@ -525,7 +527,7 @@ class Agent:
         if time.monotonic() < self._make_after:
             return why
         try:
-            await consumers.provide(self.js, self.node, self.root, self.ack_wait_s)
+            self._sealed(await consumers.provide(self.js, self.node, self.root, self.ack_wait_s))
         except NotFoundError as e:
             url = self.nc.connected_url.geturl() if self.nc.connected_url else None
             raise NoStream(subjects.STREAM, url) from e
@@ -533,6 +535,13 @@ class Agent:
             self._make_after = time.monotonic() + MAKE_AGAIN_S
             return f"{why}, and this user may not make them ({e or type(e).__name__})"
         return None
+
+    def _sealed(self, node_stream: object) -> None:
+        """Seal this agent's message ids where its reports go through its node's stream
+        (`Publisher.seal`): there no duplicate ack tells it that another node took an id."""
+        if isinstance(node_stream, str) and node_stream and self._publisher.seal is None:
+            self._publisher.seal = new_seal()
+            log.info("%s: its reports go to the log through stream %s", self.node, node_stream)
 
     async def _stored_at(self, stream: str, seq: int) -> str | None:
         """The subject of the message at `seq`, for a duplicate ack (`Publisher`): read
@@ -970,7 +979,17 @@ class Agent:
         )
 
     async def _publish(self, e: ev.Event) -> None:
-        await self._publisher.publish(e, node=self.node)
+        try:
+            await self._publisher.publish(e, node=self.node)
+        except PublishError as err:
+            # No stream takes the node's reports: the log has come to take them through
+            # node streams since this agent asked for its consumers, or its node's stream
+            # is gone. Asking again makes it; then the report is sent again, once.
+            if not isinstance(err.__cause__, nats.js.errors.NoStreamResponseError):
+                raise
+            if await self._ask_for_consumers() is not None:
+                raise
+            await self._publisher.publish(e, node=self.node)
 
     # ------------------------------------------------------------------ chatter and use
 

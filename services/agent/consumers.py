@@ -10,7 +10,9 @@ the control plane makes both, pull-only, with the config here, and the agent pul
 declarations, read again from any sequence by a consumer reset, never acked).
 
 `serve` runs in `llmgw up`: an agent asks on `<root>.hello.<node>` (core NATS, request and
-reply; its permissions allow its own node's name only) and is answered once both exist.
+reply; its permissions allow its own node's name only) and is answered once both exist,
+and its node's stream where the log takes nodes' reports so (`services.bus.stream`;
+the answer names it, `{"ok": true, "stream": "LLMGW_NODE_<node>"}`).
 On a broker without permissions (the embedded one, a test's) the agent makes them itself
 when nobody answers (`services.agent.agent.Agent`).
 """
@@ -30,6 +32,8 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 
 from schemas import names, subjects
+from services.bus import stream as bus_stream
+from services.bus.errors import BusError
 
 log = logging.getLogger("llmgw.agent")
 
@@ -106,11 +110,13 @@ async def provide(
     root: str = subjects.DEFAULT_ROOT,
     ack_wait_s: float = ACK_WAIT_S,
     stream: str = subjects.STREAM,
-) -> None:
-    """Both consumers of `node`, made or brought to their config. A reader left from
-    before (a push consumer the agent made itself) cannot be turned into a pull one and
-    is made again; it holds no position worth keeping. Raises NotFoundError when there
-    is no stream, nats' errors when the broker refuses or does not answer."""
+) -> str | None:
+    """Both consumers of `node`, made or brought to their config, and the node's stream
+    where the log takes nodes' reports through them (its name is returned; else None).
+    A reader left from before (a push consumer the agent made itself) cannot be turned
+    into a pull one and is made again; it holds no position worth keeping. Raises
+    NotFoundError when there is no stream, nats' errors when the broker refuses or does
+    not answer."""
     await js.add_consumer(stream, command_config(node, root, ack_wait_s))
     try:
         await js.add_consumer(stream, reader_config(node, root))
@@ -118,6 +124,9 @@ async def provide(
         with contextlib.suppress(NotFoundError):
             await js.delete_consumer(stream, reader_name(node))
         await js.add_consumer(stream, reader_config(node, root))
+    # After the consumers: a user that may not make them (an agent under the shipped
+    # permissions, asking for itself) is refused there at once, not asked to wait here.
+    return await bus_stream.ensure_node_stream(js, node, root)
 
 
 def _ack_wait(body: bytes) -> float:
@@ -147,14 +156,14 @@ async def serve(
         answer: dict[str, Any]
         try:
             node = names.unescape(token)
-            await provide(js, node, root, _ack_wait(msg.data), stream)
+            made = await provide(js, node, root, _ack_wait(msg.data), stream)
         except names.TokenError as e:
             answer = {"error": f"{token!r}: {e.why}"}
-        except (nats.errors.Error, TimeoutError) as e:
+        except (nats.errors.Error, TimeoutError, BusError) as e:
             log.warning("consumers of node %s not made: %s", token, e)
             answer = {"error": str(e) or type(e).__name__}
         else:
-            answer = {"ok": True}
+            answer = {"ok": True, **({"stream": made} if made else {})}
         if msg.reply:
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(_json.encode(answer))

@@ -158,6 +158,19 @@ async def dead_letter(
     return stored
 
 
+async def record(
+    js: JetStreamContext, root: str, consumer: str, *, reason: str, subject: str, seq: int
+) -> int:
+    """A dead letter that holds no message, only a report an operator should see (a node
+    at its stream's limits: `services.bus.node_streams`), stored as `dead_letter` stores
+    one, under `consumer`'s subject, and not said again here: its caller said it."""
+    body, headers = _dead_letter_message(root, consumer, reason, subject, seq, b"")
+    ack = await js.publish(subjects.dlq_subject(consumer, root), body, headers=headers)
+    stored = await _own(js, root, body, headers, ack)
+    DEAD_LETTERS[consumer] += 1
+    return stored
+
+
 async def _own(
     js: JetStreamContext, root: str, body: bytes, headers: dict[str, str], ack: PubAck
 ) -> int:

@@ -16,12 +16,23 @@ message stored at its sequence must be on this publish's subject (`StoredAt`), o
 was taken by someone else's message, which is said (one line, `COLLISIONS`) and the
 event published again under a fresh id. A real event is never kept off the log by a
 message it did not send.
+
+Where the log takes a node's reports through the node's own stream (services.bus.stream),
+the log's duplicate check also meets ids from every node's stream, where no duplicate
+ack comes back to check. A publisher of a node's reports then seals its ids (`seal`):
+`<subject> <event id> <seal>`, the seal a random string of this publisher's, which no
+other node sees, so no other can send an id first that keeps its report off the log.
+
+A stream at its limits (a node's, when its agent flooded it) refuses a message with a 503
+as an election does, but asking again is refused the same way: that is a `PublishError`
+at once ("the stream is full"), not retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -38,7 +49,7 @@ from opentelemetry import trace
 
 from schemas import codec, subjects
 from schemas.events import Envelope
-from services.bus import tracing
+from services.bus import stream, tracing
 from services.bus.errors import PublishError
 
 log = logging.getLogger("llmgw.bus")
@@ -64,9 +75,14 @@ def scoped_id(subject: str, msg_id: str) -> str:
 
 
 def event_id(header: str) -> str:
-    """The event id a `Nats-Msg-Id` carries: scoped (`scoped_id`) or, in logs written
-    before ids were scoped, the id itself."""
-    return header.partition(" ")[2] or header
+    """The event id a `Nats-Msg-Id` carries: scoped (`scoped_id`, sealed or not) or, in
+    logs written before ids were scoped, the id itself."""
+    return header.partition(" ")[2].partition(" ")[0] or header
+
+
+def new_seal() -> str:
+    """A publisher's seal (`Publisher.seal`): 16 random bytes, hex."""
+    return secrets.token_hex(16)
 
 
 # ELECTION_RETRY_S is how long a publish is retried while the stream has no leader. A
@@ -148,6 +164,12 @@ async def ride_out(
         await asyncio.sleep(RETRY_PAUSE_S)
 
 
+def full(e: BaseException) -> str:
+    """The reason of a `PublishError` for a stream's refusal at its limits."""
+    said = getattr(e, "description", None) or str(e)
+    return f"the stream is full ({said}): refused until older messages age out"
+
+
 @dataclass(frozen=True, slots=True)
 class Published:
     """What JetStream said: the stream sequence, and whether it was a duplicate it dropped
@@ -182,6 +204,14 @@ class Publisher:
         get (the control role's); an agent reads through its own consumer."""
         """How long a publish is retried through an election; 0: tried once."""
         self._retryable = retryable(js)
+        self.seal: str | None = None
+        """Appended to every message id when set (`new_seal`): for a publisher of a
+        node's reports where the log takes them through node streams."""
+
+    def msg_id(self, subject: str, event_id: str) -> str:
+        """The `Nats-Msg-Id` of `event_id` on `subject`: scoped, and sealed if `seal`."""
+        scoped = scoped_id(subject, event_id)
+        return f"{scoped} {self.seal}" if self.seal else scoped
 
     async def publish(
         self, event: Envelope, *, subject: str | None = None, node: str | None = None
@@ -206,7 +236,7 @@ class Publisher:
                 "messaging.message.body.size": len(body),
             },
         ) as span:
-            headers = tracing.inject({MSG_ID: scoped_id(subj, event.id)})
+            headers = tracing.inject({MSG_ID: self.msg_id(subj, event.id)})
             out = await self.own(subj, body, headers, await self._publish(subj, body, headers))
             span.set_attribute("messaging.nats.stream.sequence", out.seq)
             if out.duplicate:
@@ -223,7 +253,7 @@ class Publisher:
         """Publish bytes as they are (imports, tests of bad input) and wait for the ack."""
         hdr = dict(headers or {})
         if msg_id is not None:
-            hdr[MSG_ID] = scoped_id(subject, msg_id)
+            hdr[MSG_ID] = self.msg_id(subject, msg_id)
         tracing.inject(hdr)
         return await self.own(subject, body, hdr, await self._publish(subject, body, hdr or None))
 
@@ -271,6 +301,7 @@ class Publisher:
             return (
                 isinstance(e, PublishError)
                 and isinstance(e.__cause__, self._retryable)
+                and not stream.is_full(e.__cause__)
                 and MSG_ID in (headers or {})
             )
 
@@ -292,6 +323,10 @@ class Publisher:
             ack = await self.js.publish(subject, body, headers=headers)
         except nats.js.errors.NoStreamResponseError as e:
             raise PublishError(subject, "no stream stores this subject") from e
+        except nats.js.errors.APIError as e:
+            if stream.is_full(e):
+                raise PublishError(subject, full(e)) from e
+            raise PublishError(subject, str(e) or type(e).__name__) from e
         except nats.errors.TimeoutError as e:
             raise PublishError(subject, "no ack from JetStream in time") from e
         except (nats.errors.Error, ConnectionError) as e:
@@ -348,7 +383,7 @@ class Publisher:
                 else:
                     hdr = dict(trace_headers)
                 if msg_id is not None:
-                    hdr[MSG_ID] = scoped_id(subj, msg_id)
+                    hdr[MSG_ID] = self.msg_id(subj, msg_id)
                 fut = await self.js.publish_async(subj, body, headers=hdr or None)
                 pending.append(_Sent(subj, body, hdr or None, fut))
                 if len(pending) >= window:
@@ -393,10 +428,12 @@ class Publisher:
         out = []
         for i, (sent, ack) in enumerate(zip(pending, acks, strict=True)):
             if isinstance(ack, BaseException):
-                if not isinstance(ack, self._retryable) or self.retry_s <= 0:
+                if not isinstance(ack, self._retryable) or self.retry_s <= 0 or stream.is_full(ack):
                     why = (
                         "no stream stores this subject"
                         if isinstance(ack, nats.js.errors.NoStreamResponseError)
+                        else full(ack)
+                        if stream.is_full(ack)
                         else (str(ack) or type(ack).__name__)
                     )
                     raise PublishError(sent.subject, why) from ack

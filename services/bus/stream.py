@@ -4,6 +4,14 @@ Called once at start by every service and by `llmgw up`; create-or-update, so ru
 again (or from two services at once) is harmless. It never deletes or purges: only
 `llmgw log compact` does, and only what an archive and a snapshot already hold.
 
+Node streams: where agents have credentials of their own (`llmgw up --nats` with a user;
+deploy/nats), the log takes what agents publish (a node's inventory and replica reports)
+through one stream per node, `LLMGW_NODE_<node>`, which the log sources. Each has limits
+(NODE_MAX_BYTES, NODE_MAX_MSGS within NODE_MAX_AGE_S) and refuses what is past them, so
+an agent that floods its own subjects fills its own node's stream, and the log grows by at
+most that much per node and hour; every other node and the plane write as before. The
+log's own subjects then leave a node's reports out (a subject is stored by one stream).
+
 Replicas: `replicas=None` asks for `CLUSTER_REPLICAS` and takes 1 when the server says it
 is not clustered, so the same call makes an R3 log in a cluster and an R1 log on a laptop.
 """
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,12 +29,20 @@ from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
+from nats.js.api import (
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+    StreamSource,
+)
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from schemas import names
 from schemas.codec import MAX_EVENT_BYTES
-from schemas.subjects import DEFAULT_ROOT, STREAM, stream_subjects
+from schemas.subjects import DEFAULT_ROOT, STREAM, inventory_subject, stream_subjects
 from services.bus.errors import BusError, StreamConflict
 
 DLQ_STREAM = "LLMGW_DLQ"
@@ -128,6 +145,59 @@ DLQ_PER_CONSUMER = 10_000
 DLQ_MAX_BYTES = 256 * 1024**2
 
 
+# A node stream (`LLMGW_NODE_<node>`) takes one node's inventory and replica reports, which
+# the log sources, and refuses a message past its limits (discard new): at most
+# NODE_MAX_BYTES and NODE_MAX_MSGS kept, each for NODE_MAX_AGE_S. So an agent that floods
+# its own subjects adds at most NODE_MAX_BYTES to the log per NODE_MAX_AGE_S, and stores
+# nothing more until its oldest messages age out, while other nodes and the plane are
+# unaffected. An honest node is far below: its inventory is a few KiB, a replica's reports
+# (its states, its agent's and the gateway's use, one per 30 s each) are about 250 a
+# replica an hour, 2 MB an hour for 16 replicas. NODE_MAX_AGE_S is also how long a message
+# waits there for the log to take it: the log sources within milliseconds, unless it has
+# stopped taking writes for an hour.
+NODE_STREAM_PREFIX = f"{STREAM}_NODE_"
+NODE_MAX_BYTES = 16 * 1024**2
+NODE_MAX_MSGS = 20_000
+NODE_MAX_AGE_S = 3600.0
+
+# STREAM_FULL is JetStream's error code for a message refused by a stream at its limits
+# ("maximum bytes exceeded", "maximum messages exceeded"), sent as a 503 like an election's
+# but not one: asking again is refused the same way until older messages age out.
+STREAM_FULL = 10077
+
+# _NAME_MAX bounds a node stream's name; a longer node's name is hashed into it.
+_NAME_MAX = 200
+
+
+def node_stream_name(node: str) -> str:
+    """The stream of `node`'s reports: `LLMGW_NODE_<node as a subject token>`."""
+    token = names.escape(node)
+    if len(NODE_STREAM_PREFIX) + len(token) > _NAME_MAX:
+        token = hashlib.sha256(node.encode()).hexdigest()[:32]
+    return NODE_STREAM_PREFIX + token
+
+
+def node_stream_subjects(node: str, root: str = DEFAULT_ROOT) -> list[str]:
+    """What an agent publishes to the log: its node's inventory and replica reports (the
+    gateway's use of its replicas is on these too). Its node's status is the plane's."""
+    return [inventory_subject(node, root), f"{root}.node.{names.escape(node)}.replica.*"]
+
+
+def node_status_subjects(root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.node.*.status"
+
+
+def fed_by_nodes(info: StreamInfo, root: str = DEFAULT_ROOT) -> bool:
+    """Whether the log takes nodes' reports through node streams (its subjects leave
+    them out), rather than storing `<root>.node.>` itself."""
+    return f"{root}.node.>" not in (info.config.subjects or [])
+
+
+def is_full(e: BaseException) -> bool:
+    """Whether `e` is a stream's refusal at its limits (`STREAM_FULL`)."""
+    return isinstance(e, nats.js.errors.APIError) and e.err_code == STREAM_FULL
+
+
 def _differs(have: StreamConfig, want: StreamConfig) -> list[str]:
     """The settings `want` gives that `have` does not have already. Only a setting `want`
     gives counts (one that is not nats-py's default): one it leaves to the server (the
@@ -224,12 +294,15 @@ async def ensure_stream(
     root: str = DEFAULT_ROOT,
     duplicate_window_s: float = 120.0,
     replicas: int | None = None,
+    node_streams: bool = False,
 ) -> StreamInfo:
     """The event stream, created or brought to this configuration (`replicas`: see the
     module's docstring).
 
     It holds every subject under `root` except heartbeats (core NATS chatter) and the DLQ
     (reports, in their own stream). No limits: nothing is ever aged out of the log.
+    `node_streams`: nodes' reports come through node streams (the module's docstring);
+    a log made so stays so (False keeps what the stream has), with the sources it has.
 
     One broker holds one root: a stream already serving another root is refused, never
     re-pointed, since re-pointing would orphan that root's whole history.
@@ -238,19 +311,42 @@ async def ensure_stream(
         current = await settled(lambda: js.stream_info(STREAM))
     except NotFoundError:
         current = None
+    sources: list[StreamSource] | None = None
     if current is not None:
         check_root(current, root)
+        if fed_by_nodes(current, root):
+            node_streams, sources = True, current.config.sources
+    if node_streams and current is not None and not fed_by_nodes(current, root):
+        log.info("the log takes nodes' reports through node streams from now on")
     return await with_replicas(
-        lambda r: _create_or_update(js, _log_config(root, duplicate_window_s, r)),
+        lambda r: _create_or_update(
+            js, _log_config(root, duplicate_window_s, r, node_streams, sources)
+        ),
         await _replicas_kept(js, STREAM, replicas),
     )
 
 
-def _log_config(root: str, duplicate_window_s: float, replicas: int) -> StreamConfig:
+def log_subjects(root: str, node_streams: bool) -> list[str]:
+    """What the log stores itself: every subject of the contract's stream
+    (`stream_subjects`), less the nodes' reports where node streams bring them."""
+    if not node_streams:
+        return stream_subjects(root)
+    out = [s for s in stream_subjects(root) if s != f"{root}.node.>"]
+    return [*out, node_status_subjects(root)]
+
+
+def _log_config(
+    root: str,
+    duplicate_window_s: float,
+    replicas: int,
+    node_streams: bool = False,
+    sources: list[StreamSource] | None = None,
+) -> StreamConfig:
     return StreamConfig(
         name=STREAM,
         description=f"llmgw event log under {root}",
-        subjects=stream_subjects(root),
+        subjects=log_subjects(root, node_streams),
+        sources=sources or None,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
@@ -292,8 +388,58 @@ async def ensure_streams(
     root: str = DEFAULT_ROOT,
     duplicate_window_s: float = 120.0,
     replicas: int | None = None,
+    node_streams: bool = False,
 ) -> StreamInfo:
     """Both streams; returns the event stream's info."""
-    info = await ensure_stream(js, root, duplicate_window_s, replicas)
+    info = await ensure_stream(js, root, duplicate_window_s, replicas, node_streams)
     await ensure_dlq_stream(js, root, info.config.num_replicas or 1)
     return info
+
+
+async def _sourced(js: JetStreamContext, info: StreamInfo, name: str) -> bool:
+    """True when the log `info` describes sources `name`; else it is added, False."""
+    config = info.config
+    have = list(config.sources or [])
+    if any(s.name == name for s in have):
+        return True
+    config.sources = [*have, StreamSource(name=name)]
+    await settled(lambda: js.update_stream(config))
+    return False
+
+
+def _node_config(node: str, root: str, replicas: int, duplicate_window_s: float) -> StreamConfig:
+    return StreamConfig(
+        name=node_stream_name(node),
+        description=f"llmgw reports of node {node} under {root}, sourced by {STREAM}",
+        subjects=node_stream_subjects(node, root),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        duplicate_window=duplicate_window_s,
+        num_replicas=replicas,
+        max_age=NODE_MAX_AGE_S,
+        max_bytes=NODE_MAX_BYTES,
+        max_msgs=NODE_MAX_MSGS,
+        max_msg_size=MAX_MSG_BYTES,
+    )
+
+
+async def ensure_node_stream(
+    js: JetStreamContext, node: str, root: str = DEFAULT_ROOT
+) -> str | None:
+    """The stream of `node`'s reports, made (as many copies as the log) and sourced by the
+    log, when the log takes nodes' reports so (`fed_by_nodes`); its name, or None when
+    the log stores them itself. Safe to ask again, and from two processes at once: a
+    source another one's update dropped is added again."""
+    info = await settled(lambda: js.stream_info(STREAM))
+    if not fed_by_nodes(info, root):
+        return None
+    name = node_stream_name(node)
+    copies = info.config.num_replicas or 1
+    dup = info.config.duplicate_window or 120.0
+    await settled(lambda: _create_or_update(js, _node_config(node, root, copies, dup)))
+    for _ in range(5):
+        if await _sourced(js, info, name):
+            return name
+        info = await settled(lambda: js.stream_info(STREAM))
+    raise BusError(f"the log {STREAM} did not keep its source {name}: asked five times")

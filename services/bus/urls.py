@@ -10,6 +10,7 @@ a log is read by more people than the file. It does no I/O.
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 # USERINFO is the `user:password@` (or `token@`) after a scheme's `://`: everything up to
 # the last `@` before the next whitespace or the next URL's `://`, so a password holding
@@ -32,3 +33,16 @@ def public_url(url: str) -> str:
     """`url` (one server or a comma-separated list) without its credentials."""
     parts = (one.strip() for one in redact(url).split(","))
     return ",".join(one if "://" in one else BARE.sub("", one) for one in parts)
+
+
+def users(url: str) -> set[str]:
+    """The users `url` (one server or a comma-separated list) logs in as: the part of
+    each server's `user:password@` before the colon (a token counts as its user)."""
+    out = set()
+    for one in url.split(","):
+        one = one.strip()
+        m = (USERINFO if "://" in one else BARE).search(one)
+        if m is not None:
+            info = m.group(0).rsplit("@", 1)[0].split("://", 1)[-1]
+            out.add(unquote(info.partition(":")[0]))
+    return out

@@ -100,7 +100,13 @@ async def _dashboard(args: argparse.Namespace) -> int:
     async def work(stop: object) -> int:
         async with cli.session(args, "llmgw dashboard") as s:
             d = Dashboard(
-                s.js, listen=args.listen, root=s.root, token=token, db_path=db, allow_hosts=hosts
+                s.js,
+                listen=args.listen,
+                root=s.root,
+                token=token,
+                db_path=db,
+                allow_hosts=hosts,
+                nc=s.nc,
             )
             try:
                 sock = d.bind()

@@ -96,7 +96,7 @@ async def _event_stream(s: cli.Session, *, create: bool) -> Any:
             ) from None
         return await stream.ensure_stream(s.js, s.root)
     have = sorted(info.config.subjects or [])
-    want = sorted(subjects.stream_subjects(s.root))
+    want = sorted(stream.log_subjects(s.root, stream.fed_by_nodes(info, s.root)))
     if have != want and set(have) < set(want):
         # A stream made by an older llmgw for this root, before a subject was added (the
         # gateway's demand): it is ours, brought up to date when we are to write to it.

@@ -107,6 +107,13 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         type=cli.arg_positive,
         dest="gateway_used_interval",
     )
+    p.add_argument(
+        "--no-stream-usage",
+        action="store_true",
+        help="do not ask a server for a stream's usage chunk when its client did not (the "
+        "body then passes untouched; such a stream counts as a request, with no tokens): "
+        "for a server that refuses `stream_options`",
+    )
     cli.add_number(
         p,
         "--queue-per-model",
@@ -174,6 +181,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 max_body=args.max_body,
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
+                stream_usage=not args.no_stream_usage,
                 keys=keys,
                 queue_per_model=args.queue_per_model,
                 keepalive_s=args.keepalive_interval,

@@ -13,6 +13,7 @@ import argparse
 import msgspec
 
 from services.cli import app as cli
+from services.cli import refs
 
 # ANSWER_WAIT_S is how long the command waits for the agent. An agent that is up answers
 # in milliseconds; one that is down never will, and the operator should hear so.
@@ -38,7 +39,7 @@ def register(commands: cli.Commands) -> None:
         epilog=cli.examples("llmgw gpu reset-health gpu-a1 3"),
         func=_reset,
     )
-    p.add_argument("node", metavar="NODE", help="the node")
+    p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="the node (or node/NAME)")
     p.add_argument("gpu", type=int, metavar="IDX", help="the GPU's index on the node")
 
 

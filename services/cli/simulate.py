@@ -74,6 +74,7 @@ def register(commands: cli.Commands) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from services.core import preemption
+    from services.core.policy import index as policy_index
     from services.sim import report, runs
     from services.sim import scenario as scn
 
@@ -111,7 +112,7 @@ def _simulate(args: argparse.Namespace) -> int:
             clock=time.monotonic,
             on_result=wrote,
         )
-    except runs.Failed as e:
+    except (runs.Failed, policy_index.PolicyMismatch) as e:
         raise cli.CliError(str(e)) from None
     wall = time.monotonic() - t0
     if args.json:

@@ -184,6 +184,8 @@ def summary(
 def model_note(m: dict[str, Any]) -> str:
     """The NOTE of a model's row (one of `summary`'s models): why it is not as asked."""
     note = []
+    if m.get("failing"):
+        note.append(f"failing: {m['failing']['reason']}")
     if not m["declared"]:
         note.append("not declared")
     if m["held_for"]:

@@ -190,6 +190,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_max_body=args.max_body,
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
+        gateway_stream_usage=not args.no_stream_usage,
         gateway_queue_per_model=args.queue_per_model,
         gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,

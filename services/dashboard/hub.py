@@ -122,12 +122,19 @@ class Hub:
         keep: int = KEEP,
         client_frames: int = CLIENT_FRAMES,
         on_change: Callable[[int, Changes], None] | None = None,
+        traffic: Callable[[], Any] | None = None,
     ) -> None:
         self.js = js
         self.root = root
         self.keep = keep
         self.client_frames = client_frames
         self.on_change = on_change
+        # traffic: the requests a second and in flight per model (dashboard.traffic),
+        # asked every SUMMARY_S and sent as a `traffic` frame when it changed; every
+        # client gets the latest after its listing.
+        self.traffic = traffic
+        self._traffic: bytes = b""
+        self._traffic_doc: Any = None
         self.view: View | None = None
         self.seq = 0
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=keep)
@@ -245,6 +252,18 @@ class Hub:
                 self._summary = frame("summary", state.summary(self.view))
                 for c in self.clients:
                     c.push(self._summary)
+            self._send_traffic()
+
+    def _send_traffic(self) -> None:
+        if self.traffic is None:
+            return
+        doc = self.traffic()
+        if doc == self._traffic_doc:
+            return
+        self._traffic_doc = doc
+        self._traffic = frame("traffic", doc)
+        for c in self.clients:
+            c.push(self._traffic)
 
     # ------------------------------------------------------------ clients
 
@@ -269,6 +288,8 @@ class Hub:
             return c
         if from_seq is None:
             c.push(self.listing())
+            if self._traffic:
+                c.push(self._traffic)
         elif from_seq <= self.seq:
             first = self.ring[0][0] if self.ring else self.seq + 1
             if from_seq < first:

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from schemas import events as ev
+from services.clock import utc_now
 from services.core.view import View
 from services.replay.subscribe import Changes
 
@@ -35,6 +36,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # its cause: a cause older than 10,000 events is not a latency worth a bucket.
 CAUSES = 10_000
 
+# NODE_STATES: every node has one series per state, 1 for the one it is in, so an alert
+# on `state="lost"` sees the node go from 0 to 1 rather than a series appear.
+NODE_STATES = ("ready", "cordoned", "lost")
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -47,12 +52,18 @@ class Metrics(Collector):
         health: Callable[[], dict[str, Any]],
         clients: Callable[[], int] = lambda: 0,
         replays: Callable[[], Any] = lambda: None,
+        beats: Callable[[], dict[str, datetime]] = dict,
+        now: Callable[[], datetime] = utc_now,
     ) -> None:
         self.view = view
         self.health = health
         self.clients = clients
         self.replays = replays
         """The server's `replays.Replays`, or None."""
+        self.beats = beats
+        """Per node, the time stamp of the last heartbeat heard from it."""
+        self.now = now
+        """The wall clock ages are counted from at a scrape (a parameter for tests)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -160,7 +171,10 @@ class Metrics(Collector):
         yield total
         yield used
         yield replicas
+        if v is not None:
+            yield from self._alerting(v, self.now())
         h = self.health()
+        yield from self._plane(h.get("plane"))
         seq = GaugeMetricFamily("llmgw_log_last_seq", "The log's last sequence")
         seq.add_metric([], h.get("last_seq") or 0)
         yield seq
@@ -199,6 +213,117 @@ class Metrics(Collector):
             )
             running.add_metric([], rp.running)
             yield running
+
+    def _alerting(self, v: View, now: datetime) -> Iterator[Metric]:
+        """What alerts are written on (deploy/prometheus/alerts.yaml): each declared
+        model's desired/min/max/live and whether it is below its min, each node's state
+        and heartbeat age, the holds in force and their age."""
+        fam = {
+            k: GaugeMetricFamily(
+                f"llmgw_model_{k}_replicas", f"Replicas of a model: {what}", labels=["model"]
+            )
+            for k, what in (
+                ("desired", "the desired count (scale.desired within min..max, else min)"),
+                ("min", "its declared minimum"),
+                ("max", "its declared maximum"),
+                ("live", "live (holding capacity, not on their way out)"),
+            )
+        }
+        below = GaugeMetricFamily(
+            "llmgw_model_below_min",
+            "1 when a model has fewer live replicas than its min, by model and class",
+            labels=["model", "class"],
+        )
+        for name in sorted(v.state.models):
+            m = v.catalog.resolve(name)
+            if m is None:
+                continue
+            live = v.live_of(m)
+            fam["desired"].add_metric([name], v.desired_of(m))
+            fam["min"].add_metric([name], m.min)
+            fam["max"].add_metric([name], m.max)
+            fam["live"].add_metric([name], live)
+            below.add_metric([name, m.cls], 1 if live < m.min else 0)
+        yield from fam.values()
+        yield below
+        state = GaugeMetricFamily(
+            "llmgw_node_state",
+            "1 for a node's state (ready, cordoned, lost), 0 for the others",
+            labels=["node", "state"],
+        )
+        beat = GaugeMetricFamily(
+            "llmgw_node_heartbeat_age_seconds",
+            "Since the last heartbeat heard from a node, by its own time stamp (nodes heard "
+            "since the dashboard started)",
+            labels=["node"],
+        )
+        beats = self.beats()
+        for name, rec in sorted(v.state.nodes.items()):
+            now_state = "lost" if rec.lost else "cordoned" if rec.cordoned else "ready"
+            for st in NODE_STATES:
+                state.add_metric([name, st], 1 if st == now_state else 0)
+            t = beats.get(name)
+            if t is not None:
+                beat.add_metric([name], max((now - t).total_seconds(), 0.0))
+        yield state
+        yield beat
+        active = GaugeMetricFamily("llmgw_holds_active", "Holds in force now")
+        age = GaugeMetricFamily(
+            "llmgw_hold_age_seconds",
+            "Since a hold in force was created, by model held and the model it is for",
+            labels=["model", "for_model"],
+        )
+        n = 0
+        for h in sorted(v.state.holds.values(), key=lambda h: h.model):
+            if v.active_hold(h.model, now) is None:
+                continue
+            n += 1
+            age.add_metric([h.model, h.for_model], max((now - h.created_at).total_seconds(), 0.0))
+        active.add_metric([], n)
+        yield active
+        yield age
+
+    def _plane(self, plane: dict[str, Any] | None) -> Iterator[Metric]:
+        """Who leads each role, when it last renewed, whether the plane runs, and the
+        projector's last commit: for "no scheduler leader" and "projector stale"."""
+        if not plane:
+            return
+        running = GaugeMetricFamily(
+            "llmgw_plane_running", "1 when the plane runs (a leader per role, the projector live)"
+        )
+        running.add_metric([], 1 if plane.get("running") else 0)
+        yield running
+        leaders = plane.get("leaders")
+        if leaders is not None:
+            lead = GaugeMetricFamily(
+                "llmgw_leader", "1 when a live holder leads the role, 0 when none", labels=["role"]
+            )
+            renewed = GaugeMetricFamily(
+                "llmgw_leader_renewed_age_seconds",
+                "Since the role's leader last renewed its lease",
+                labels=["role"],
+            )
+            info = GaugeMetricFamily(
+                "llmgw_leader_info", "The holder leading each role", labels=["role", "holder"]
+            )
+            for role, got in sorted(leaders.items()):
+                live = got is not None and bool(got.get("live"))
+                lead.add_metric([role], 1 if live else 0)
+                if got is not None and got.get("renewed_s_ago") is not None:
+                    renewed.add_metric([role], got["renewed_s_ago"])
+                if live and got is not None:
+                    info.add_metric([role, str(got["holder"])], 1)
+            yield lead
+            yield renewed
+            yield info
+        p = plane.get("projector")
+        if p is not None and p.get("commit_age_s") is not None:
+            commit = GaugeMetricFamily(
+                "llmgw_projector_commit_age_seconds",
+                "Since the projector last committed to its view (it commits as it folds)",
+            )
+            commit.add_metric([], p["commit_age_s"])
+            yield commit
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,13 +24,16 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,8 +55,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from schemas import subjects
 from services import listen
 from services.bus.errors import BrokerUnavailable
+from services.clock import utc_now
 from services.core import preemption
-from services.dashboard import health, hub, metrics, query, replays, state
+from services.dashboard import health, hub, metrics, query, replays, state, traffic
 from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.replay import explain, history
@@ -64,6 +68,9 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_FILE = "dashboard.token"
 URL_FILE = "dashboard.url"
 COOKIE = "llmgw_token"
+# BEATS_MAX bounds the nodes whose heartbeats are remembered for /metrics.
+BEATS_MAX = 10_000
+
 # HEALTH_S is how often the log's health (projector lag, dead letters) is read.
 HEALTH_S = 2.0
 # LISTED_S bounds how long a request for the live view waits for the first listing.
@@ -261,8 +268,17 @@ class Dashboard:
     health: dict[str, Any] = field(default_factory=dict)
     allow_hosts: tuple[str, ...] = ()
     """`Host` names served besides loopback ones (`--allow-host`, `Hosts`)."""
+    nc: Any = None
+    """The connection to listen for nodes' heartbeats on (core NATS, not in the log), for
+    their age in /metrics; None: not listened for."""
+    gateway: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None
+    """A gateway in the same process (`llmgw up`): its requests per model since it
+    started and its requests in flight per model (`Gateway.traffic`); None: requests a
+    second come from the log's `replica.used` reports alone, in flight is unknown."""
 
     def __post_init__(self) -> None:
+        self.beats: dict[str, datetime] = {}
+        """Per node, the time stamp of the last heartbeat heard (at most BEATS_MAX)."""
         # Answers for past moments are kept by what they name and the listing they are
         # of: a view of a log listed before is not one of the log that replaced it.
         self.replays = replays.Replays(self.js)
@@ -271,18 +287,32 @@ class Dashboard:
             lambda: self.health,
             lambda: len(self.hub.clients),
             lambda: self.replays,
+            lambda: self.beats,
         )
+        self.traffic = traffic.Traffic()
         self.hub = hub.Hub(
             self.js,
             root=self.root,
             keep=self.keep,
             client_frames=self.client_frames,
-            on_change=self.metrics.observe,
+            on_change=self._observe,
+            traffic=self._traffic_doc,
         )
         host, _ = parse_listen(self.listen)
         hosts = Hosts(is_loopback(host), frozenset(parse_hosts(self.allow_hosts)))
         self.app = _Gate(self._routes(), self.token, hosts)
         self._stop = asyncio.Event()
+
+    def _observe(self, seq: int, ch: Any) -> None:
+        self.metrics.observe(seq, ch)
+        self.traffic.observe(ch)
+
+    def _traffic_doc(self) -> dict[str, Any]:
+        """Requests a second and in flight per model now (services.dashboard.traffic)."""
+        if self.gateway is not None:
+            requests, inflight = self.gateway()
+            self.traffic.sample(time.monotonic(), requests, inflight)
+        return self.traffic.doc(utc_now())
 
     def _routes(self) -> Starlette:
         r: list[Any] = [
@@ -293,6 +323,7 @@ class Dashboard:
             Route("/api/history/{kind}/{name:path}", self._history, methods=["GET"]),
             Route("/api/plan", self._plan, methods=["GET"]),
             Route("/api/health", self._health, methods=["GET"]),
+            Route("/api/traffic", self._traffic, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
@@ -327,6 +358,7 @@ class Dashboard:
             asyncio.create_task(self._check_health(stop), name="dashboard: health"),
             asyncio.create_task(server.serve(sockets=[sock]), name="dashboard: http"),
         ]
+        beats = await self._listen_beats()
         try:
             if on_ready is not None:
                 on_ready(self.url)
@@ -349,7 +381,32 @@ class Dashboard:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
             await self.replays.close()
+            if beats is not None:
+                with contextlib.suppress(Exception):
+                    await beats.unsubscribe()
             sock.close()
+
+    async def _listen_beats(self) -> Any:
+        """Subscribe to the nodes' heartbeats, keeping each node's last time stamp; the
+        subscription, or None without a connection (or when the broker refuses it)."""
+        if self.nc is None:
+            return None
+
+        async def on(msg: Any) -> None:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                body = json.loads(msg.data)
+                node, t = str(body["node"]), datetime.fromisoformat(body["time"])
+                if t.tzinfo is None:
+                    return
+                # Bounded: a flood of invented names cannot grow it past BEATS_MAX.
+                if node in self.beats or len(self.beats) < BEATS_MAX:
+                    self.beats[node] = t
+
+        try:
+            return await self.nc.subscribe(f"{self.root}.heartbeat.*", cb=on)
+        except Exception as e:
+            log.warning("dashboard: not listening for heartbeats: %s", e)
+            return None
 
     async def _check_health(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -371,6 +428,15 @@ class Dashboard:
         if self.token is not None and shown:
             resp.set_cookie(COOKIE, shown, httponly=True, samesite="strict")
         return resp
+
+    async def _traffic(self, req: Request) -> Response:
+        """Per model: requests a second, in flight (null: unknown) and where that came
+        from (`gateway`: one in this process; `log`: its `replica.used` reports)."""
+        try:
+            query.take(req.query_params.multi_items(), query.NONE)
+        except BadRequest as e:
+            return _bad(e)
+        return JSONResponse({"models": self._traffic_doc()})
 
     async def _live(self) -> Any:
         """The live view; `Unlisted` while the hub has not listed the log yet."""

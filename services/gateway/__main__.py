@@ -33,6 +33,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
     p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)
     p.add_argument("--used-interval", type=float, default=USED_INTERVAL_S)
+    p.add_argument(
+        "--no-stream-usage", action="store_true", help="do not ask for a stream's usage chunk"
+    )
     p.add_argument("--queue-per-model", type=int, default=QUEUE_PER_MODEL)
     p.add_argument("--keepalive-interval", type=float, default=KEEPALIVE_S)
     return p.parse_args(argv)
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             max_body=a.max_body,
             upstream_timeout_s=a.upstream_timeout,
             used_interval_s=a.used_interval,
+            stream_usage=not a.no_stream_usage,
             keys=keys,
             queue_per_model=a.queue_per_model,
             keepalive_s=a.keepalive_interval,

@@ -70,6 +70,13 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
+        self.errors = Counter(
+            "llmgw_gateway_errors",
+            "Requests the gateway refused or could not serve, by model and reason "
+            "(x-llmgw-reason's code: no_replica, upstream_error, rate_limited, ...)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.retries = Counter(
             "llmgw_gateway_retries",
             "Requests tried again on another replica after failing before their first byte",

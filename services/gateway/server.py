@@ -10,10 +10,11 @@ A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
 `stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
-the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is in the OpenAI
-error shape, `{"error": {"message", "type", "code"}}`, with the reason in an
-`x-llmgw-reason` header: 400 malformed JSON or no model, 404 an unknown model (with a
-did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
+in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
+an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
+key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -38,7 +39,8 @@ the plane has said it cannot place, a 503 with that decision's reason.
 
 Use is a fact: for each replica it served, the gateway publishes `replica.used` with the
 requests and tokens (from the answers' `usage`) since its last report, at most once per
-`used_interval_s`, on the replica's node subject as its agent would.
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of
+the API keys that sent them (`by_owner`); each request's owner is in its span too.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ _PICKED_AT = web.RequestKey("llmgw_picked_at", int)
 _WOKEN = web.RequestKey("llmgw_woken", float)
 # _STATUS: the status of a refusal sent inside a held stream's 200 (as an SSE error).
 _STATUS = web.RequestKey("llmgw_status", int)
+# _SENT: the replicas a woken request was sent to (its wake's send counted once).
+_SENT = web.RequestKey("llmgw_sent", tuple)
 _KEY = web.RequestKey("llmgw_key", Key)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
@@ -113,6 +117,8 @@ BODY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 # RETRY_AFTER_S is what a 503 tells a client to wait: about a scheduler pass.
 RETRY_AFTER_S = 1
+# SHUT_RETRY_S is the Retry-After of a key whose limit is 0 (it never refills).
+SHUT_RETRY_S = 3600
 # USED_TICK_S is how often the reporter looks for use to report (the interval, when it
 # is shorter).
 USED_TICK_S = 1.0
@@ -254,6 +260,11 @@ class Refusal(Exception):
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
         said = f"{self.reason}: {self.words}" if self.words else self.reason
+        # A header is ASCII without control characters: an owner's name in other letters
+        # is escaped there (the body's message keeps it as it is).
+        said = "".join(
+            c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in said
+        )
         return web.json_response(
             body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
         )
@@ -282,11 +293,16 @@ class Counts:
     requests: int = 0
     retries: int = 0
     refused: dict[int, int] = field(default_factory=dict)
+    by_model: dict[str, int] = field(default_factory=dict)
+    """Requests per declared model (under its name, not an alias) since the start."""
     demanded: int = 0
     """`model.demanded` events published."""
     wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Seconds from the fold of a ready to the first byte of the first request it
     released, latest last."""
+    sends: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first request it released being sent to
+    the replica: the gateway's own share of the wake."""
 
 
 @dataclass
@@ -320,6 +336,9 @@ class Gateway:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
+    stream_usage: bool = True
+    """Ask a server for the usage chunk of a stream whose client did not (and strip it);
+    off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
 
@@ -416,6 +435,14 @@ class Gateway:
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
+                # The held requests went with the server; their demand reports end too.
+                self._stopping = True
+                demands = [line.demand for line in self.room.lines.values() if line.demand]
+                for task in demands:
+                    task.cancel()
+                for task in demands:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 # What was served and not reported yet is reported on the way out.
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(2):
@@ -452,6 +479,17 @@ class Gateway:
         if why is not None and why != self._owners_said:
             log.warning("gateway: %s", why)
         self._owners_said = why
+
+    def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per model since the start, and requests in flight per model now:
+        what a dashboard in the same process shows (services.dashboard.traffic)."""
+        replicas = self.follower.view.replicas
+        inflight: dict[str, int] = {}
+        for rid, n in self.router.inflight.items():
+            r = replicas.get(rid)
+            if r is not None:
+                inflight[r.model] = inflight.get(r.model, 0) + n
+        return dict(self.counts.by_model), inflight
 
     # ------------------------------------------------------------------ handlers
 
@@ -492,6 +530,7 @@ class Gateway:
                 "held": self.room.held_by_model(),
                 "demanded": self.counts.demanded,
                 "wake_ms": _summary(self.counts.wakes),
+                "wake_send_ms": _summary(self.counts.sends),
             }
         )
 
@@ -524,12 +563,15 @@ class Gateway:
         self._buckets[key.digest] = a.buckets
         if a.over is None:
             return
-        retry = max(1, math.ceil(a.wait_s)) if math.isfinite(a.wait_s) else 3600
+        # A limit of 0 never refills: the key is shut, and told to come back in an hour.
+        shut = not math.isfinite(a.wait_s)
+        retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
         if a.over == "rpm":
             said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
         else:
             said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
-        words = f"the key of {key.owner} is over {said}; try again in {retry}s"
+        then = "it may send none" if shut else f"try again in {retry}s"
+        words = f"the key of {key.owner} is over {said}; {then}"
         self.metrics.limited.labels(key.owner, a.over).inc()
         raise Refusal(
             429,
@@ -577,16 +619,20 @@ class Gateway:
         ) as span:
             request[_SPAN] = span
             owner = NO_OWNER
+            refused: str | None = None
             try:
                 resp = await self._route(request)
                 status = request.get(_STATUS, resp.status)
                 return resp
             except Refusal as e:
                 status = e.status
+                refused = e.reason
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
                 model = request[_MODEL]
+                if model != UNKNOWN:
+                    self.counts.by_model[model] = self.counts.by_model.get(model, 0) + 1
                 key = request.get(_KEY)
                 if key is not None:
                     owner = key.owner
@@ -594,6 +640,8 @@ class Gateway:
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
                 self.metrics.requests.labels(model, str(status)).inc()
+                if refused is not None:
+                    self.metrics.errors.labels(model, refused).inc()
                 self.metrics.owner_requests.labels(owner, str(status)).inc()
                 self.metrics.duration.labels(model).observe(time.perf_counter() - t0)
 
@@ -633,7 +681,10 @@ class Gateway:
         # strip: a stream whose client did not ask for its usage chunk is asked for it on
         # the client's behalf, and the chunk taken out of what the client gets.
         strip = (
-            stream and request.path != "/v1/embeddings" and not streams.asked(head.stream_options)
+            self.stream_usage
+            and stream
+            and request.path != "/v1/embeddings"
+            and not streams.asked(head.stream_options)
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
@@ -752,7 +803,9 @@ class Gateway:
         now = utc_now()
         line = self.room.lines.get(m.name)
         since = line.since if line is not None and line.since is not None else now
-        cannot = coldstart.unplaceable(view, m, now, since)
+        # A model with replicas to route to is busy, not unplaced: its requests wait for
+        # a slot, whatever the plane says of placing more.
+        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
@@ -763,13 +816,17 @@ class Gateway:
         try:
             w = self.room.join(m, session, now)
         except Full:
+            said = (
+                f"{self.room.per_model} requests already wait for {m.name}, the most one "
+                f"model may have waiting; it should be ready in about {look.retry_after}s"
+            )
             raise Refusal(
                 429,
-                f"{self.room.per_model} requests already wait for {m.name}, the most one "
-                f"model may have waiting; it should be ready in about {look.retry_after}s",
+                said,
                 "queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(look.retry_after)},
+                words=said,
             ) from None
         line = self.room.lines[m.name]
         span = request[_SPAN]
@@ -798,13 +855,17 @@ class Gateway:
             if not w.fut.done():
                 self.room.leave(w)
                 after = coldstart.outlook(self.follower.view, m, utc_now(), floor_s=0)
+                said = (
+                    f"{m.name} was not ready within the {bound:.0f}s this request could "
+                    f"wait; it should be ready in about {after.retry_after}s"
+                )
                 raise Refusal(
                     429,
-                    f"{m.name} was not ready within the {bound:.0f}s this request could "
-                    f"wait; it should be ready in about {after.retry_after}s",
+                    said,
                     "not_ready_in_time",
                     kind="rate_limit_error",
                     headers={"Retry-After": str(after.retry_after)},
+                    words=said,
                 )
             r = w.fut.result()  # a Refusal given to the whole line raises here
             request[_PICKED_AT] = w.seq
@@ -887,7 +948,11 @@ class Gateway:
                     self._serve(line)  # refuses it
                     continue
                 since = line.since
-                cannot = None if since is None else coldstart.unplaceable(view, m, now, since)
+                cannot = (
+                    None
+                    if since is None or routing.candidates(view, m)
+                    else coldstart.unplaceable(view, m, now, since)
+                )
                 if cannot is not None:
                     self._refuse(line, _unplaceable(cannot))
             return
@@ -897,11 +962,16 @@ class Gateway:
 
     async def _demand(self, line: Line) -> None:
         """Publish `model.demanded` for `line` at once, then at most once every
-        `demand_interval_s` while it has requests waiting; over once it empties."""
+        `demand_interval_s` while it has requests waiting; once it empties, one with
+        `waiting` 0 says the wait is over, and the task ends (the next request to wait
+        starts another, published at once as the first of its wait)."""
+        began = line.since
         try:
-            while line.waiters and not self._stopping:
-                since = line.since
+            while not self._stopping:
+                since = line.since or began
                 assert since is not None
+                began = since
+                waiting = len(line)
                 view = self.follower.view
                 m = view.catalog.resolve(line.model)
                 inflight = 0
@@ -912,7 +982,7 @@ class Gateway:
                 e = ev.make(
                     ev.ModelDemanded(
                         model=line.model,
-                        waiting=min(len(line), ev.MAX_REPLICAS),
+                        waiting=min(waiting, ev.MAX_REPLICAS),
                         since=since,
                         inflight=min(inflight, ev.MAX_REPLICAS),
                     ),
@@ -926,9 +996,11 @@ class Gateway:
                     self.metrics.demanded.labels(line.model).inc()
                 except (BusError, nats.errors.Error) as err:
                     log.warning("gateway: demand for %s not published: %s", line.model, err)
-                # The next report a second on, unless the line empties first: then
-                # this wait for it is over, and the next request to wait starts another
-                # (published at once, as the first of its wait).
+                if not waiting:
+                    if line.waiters:
+                        continue  # a request came while the end was being said
+                    return
+                # The next report a second on, or the end as soon as the line empties.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(line.emptied.wait(), self.demand_interval_s)
         finally:
@@ -969,6 +1041,10 @@ class Gateway:
         already sent) when there is one."""
         assert self._http is not None
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
+        woken = request.get(_WOKEN)
+        if woken is not None and r.id not in request.get(_SENT, ()):
+            self.counts.sends.append(time.perf_counter() - woken)
+            request[_SENT] = (r.id,)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
@@ -1233,7 +1309,7 @@ def _unplaceable(u: coldstart.Unplaceable) -> Refusal:
     headers = {}
     if u.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(u.retry_after_s)))
-    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers)
+    return Refusal(503, u.reason, u.code, kind="api_error", headers=headers, words=u.reason)
 
 
 def _client_timeout(request: web.Request) -> float | None:

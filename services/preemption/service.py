@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -61,6 +62,7 @@ from services.bus import Permanent, Retry
 from services.bus.consume import Delivery, consume_durable, decode_checked
 from services.clock import utc_now
 from services.core import reaction
+from services.core.policy import index as policy_index
 from services.core.view import DecisionRecord, View
 from services.follower import ViewFollower
 from services.leader import Leader, LeaseLapsed, Outgoing
@@ -148,6 +150,10 @@ class PreemptionService:
         # _recorded: this term's settings are in the log (recorded, or found there).
         self._recorded = False
         self.consuming = False
+        # engine: how the policy finds candidates, this service's own (`policy.index`),
+        # kept current with the follower's view; LLMGW_POLICY_INDEX=0 turns it off,
+        # LLMGW_POLICY_CHECK=1 checks it against the plain walk on every call.
+        self.engine = policy_index.from_env(os.environ)
         """True while leading with its backlog noted and its trigger consumer running: a
         trigger stored from then on is new to this term, not a backlog to look up."""
         self.stats = Stats()
@@ -252,14 +258,20 @@ class PreemptionService:
             raise Retry(1.0, f"view did not reach seq {target} in {FOLLOW_TIMEOUT_S:g}s") from e
         view = self.follower.view
         answered = await self._answered(view, event, d.seq, look)
-        r = reaction.react(
-            view,
-            event,
-            self.clock(),
-            self.policy,
-            answered=answered,
-            drain_grace_s=self.config.drain_grace_s,
-        )
+        try:
+            r = reaction.react(
+                view,
+                event,
+                self.clock(),
+                self.policy,
+                answered=answered,
+                drain_grace_s=self.config.drain_grace_s,
+                engine=self.engine,
+            )
+        except policy_index.PolicyMismatch as e:
+            # LLMGW_POLICY_CHECK=1: a difference stops the service, in one line.
+            log.critical("%s", e)
+            raise SystemExit(f"llmgw preemption: {e}") from None
         self._count(event, r)
         if not self.is_leader:
             raise Retry(NOT_LEADER_RETRY_S, "lost the lease while deciding")

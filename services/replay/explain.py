@@ -42,6 +42,7 @@ INDEXED = (
     ev.PlacementDecidedEvent,
     ev.PreemptionDecidedEvent,
     ev.ScaleDesiredEvent,
+    ev.ModelDemandedEvent,
     ev.ReplicaDrainEvent,
     ev.HoldCreatedEvent,
     ev.HoldReleasedEvent,
@@ -130,6 +131,8 @@ class Explainer:
     failures: dict[str, deque[tuple[int, ev.PlacementFailedEvent]]] = field(default_factory=dict)
     node_marks: dict[tuple[str, str], tuple[int, ev.Envelope]] = field(default_factory=dict)
     """(node, event type) -> the latest cordon, uncordon or loss of it."""
+    woken: dict[str, Wake] = field(default_factory=dict)
+    """Per model (as events name it), the chain of its last wake-up by demand."""
     uses: dict[str, Use] = field(default_factory=dict)
     """Replica id -> what its `replica.used` reports said, for the replicas the name
     asked about may be (a prefix of their id)."""
@@ -178,6 +181,45 @@ class Explainer:
                 | ev.NodeLostEvent(data=d)
             ):
                 self.node_marks[(d.node, ev.type_of(type(e)))] = (item.seq, e)
+        self._follow_wake(item.seq, e)
+
+    def _follow_wake(self, seq: int, e: ev.Envelope) -> None:
+        """Keep, per model, the chain of its last wake-up by demand as the log tells it:
+        the autoscaler's scale.desired with a demand as its cause, then the first
+        placement.failed, preemption.decided, the drains that decision caused, the
+        first placement.decided and that replica's first ready after it."""
+        match e:
+            case ev.ScaleDesiredEvent(data=d) if (d.reason or "").startswith("demand"):
+                got = self._event(e.causation)
+                demand = None
+                if got is not None and isinstance(got[1], ev.ModelDemandedEvent):
+                    demand = (got[0], got[1])
+                self.woken[d.model] = Wake(scale=(seq, e), demand=demand)
+            case ev.PlacementFailedEvent(data=d):
+                w = self.woken.get(d.model)
+                if w is not None and w.failed is None and w.placed is None:
+                    w.failed = (seq, e)
+            case ev.PreemptionDecidedEvent(data=d):
+                w = self.woken.get(d.for_model)
+                if w is not None and w.decision is None and w.placed is None:
+                    w.decision = (seq, e)
+            case ev.ReplicaDrainEvent(data=d) if d.for_model is not None:
+                w = self.woken.get(d.for_model)
+                if w is not None and w.decision is not None and e.causation == w.decision[1].id:
+                    w.drains.append((seq, e))
+            case ev.PlacementDecidedEvent(data=d):
+                w = self.woken.get(d.model)
+                if w is not None and w.placed is None:
+                    w.placed = (seq, e)
+            case ev.ReplicaStateEvent(data=d) if d.state == "ready":
+                w = self.woken.get(d.model)
+                if (
+                    w is not None
+                    and w.ready is None
+                    and w.placed is not None
+                    and w.placed[1].data.replica == d.replica
+                ):
+                    w.ready = (seq, e)
 
     def _victim_of(self, replica: str) -> list[tuple[int, ev.PreemptionDecidedEvent]]:
         return [
@@ -363,6 +405,11 @@ class Explainer:
                 )
             )
         st.facts["candidates"] = [c.replica for c in cands]
+        if d.considered > len(cands):
+            st.line(
+                f"  not listed {plural(d.considered - len(cands), 'more candidate')}"
+                + _by(d.by_tier, "tier ")
+            )
         if d.excluded:
             st.line("  excluded")
             for x in d.excluded:
@@ -371,6 +418,11 @@ class Explainer:
                     + (f" ({x.model})" if x.model else "")
                     + f": {self._why_excluded(x, view)}"
                 )
+        if d.excluded_count > len(d.excluded):
+            st.line(
+                f"  not listed {plural(d.excluded_count - len(d.excluded), 'more exclusion')}"
+                + _by(d.excluded_by, "")
+            )
         st.facts["excluded"] = {x.replica: x.why for x in d.excluded}
         for t in d.trials:
             st.line(f"  trial      [{', '.join(t.victims)}] {'fits' if t.fits else 'does not fit'}")
@@ -572,6 +624,7 @@ class Explainer:
             below_by=max(short, 0),
             failing=failing,
         )
+        self._model_demand(st, name, view)
         holding = [r for r in reps if r.holds_capacity]
         if holding:
             st.line("")
@@ -584,6 +637,7 @@ class Explainer:
                 )
             )
         st.facts["replicas"] = {r.id: r.state for r in holding}
+        self._model_wake(st, name, view)
         self._model_failures(st, name)
         self._model_decisions(st, name, view)
         self._model_holds(st, name, view)
@@ -592,6 +646,100 @@ class Explainer:
         st.timeline = list(self.timeline.entries)
         st.tail = TIMELINE_TAIL
         return st
+
+    def _model_demand(self, st: Story, name: str, view: View) -> None:
+        """Its last demand, as the view keeps it (`model.demanded`)."""
+        dem = view.state.demand.get(name)
+        if dem is not None:
+            st.line(
+                f"  demand: {plural(dem.waiting, 'request')} waiting since {stamp(dem.since)} "
+                f"as of {stamp(dem.at)} ({ago(dem.at, st.now)})"
+                + (f", {dem.inflight} in flight" if dem.inflight else "")
+                + ("" if dem.answered_by is None else f"; answered by {dem.answered_by}")
+            )
+        st.facts["demand"] = (
+            None
+            if dem is None
+            else {
+                "waiting": dem.waiting,
+                "since": stamp(dem.since),
+                "at": stamp(dem.at),
+                "inflight": dem.inflight,
+                "answered_by": dem.answered_by,
+            }
+        )
+
+    def _model_wake(self, st: Story, name: str, view: View) -> None:
+        """Its last wake-up by demand, step by step: demand -> scale -> placement.failed
+        -> preemption.decided -> drain -> placed -> ready, each the log's own event."""
+        m = view.catalog.resolve(name)
+        names = view.catalog.names_of(m) if m is not None else (name,)
+        got = [w for n in names if (w := self.woken.get(n)) is not None]
+        if not got:
+            st.facts["woken"] = None
+            return
+        w = max(got, key=lambda x: x.scale[0])
+        now = st.now
+        st.line("")
+        st.line("woken by demand (the last time)")
+        steps: list[tuple[str, tuple[int, ev.Envelope] | None, str]] = []
+        if w.demand is not None:
+            d = w.demand[1].data
+            steps.append(
+                (
+                    "demand",
+                    w.demand,
+                    f"{plural(d.waiting, 'request')} waiting since {stamp(d.since)}",
+                )
+            )
+        else:
+            steps.append(("demand", None, f"{w.scale[1].causation} (not in the log replayed)"))
+        sd = w.scale[1].data
+        steps.append(
+            (
+                "scale",
+                w.scale,
+                f"{plural(sd.replicas, 'replica')} ({sd.reason}), by {w.scale[1].source}",
+            )
+        )
+        if w.failed is not None:
+            pf = w.failed[1].data
+            steps.append(("no room", w.failed, f"{pf.reason}, live {pf.live} of {pf.desired}"))
+        if w.decision is not None:
+            pd = w.decision[1].data
+            victims = ", ".join(
+                f"{v.replica} ({v.model}, {tier_words(v.tier)})" for v in pd.victims
+            )
+            steps.append(
+                ("preemption", w.decision, pd.outcome + (f": {victims}" if victims else ""))
+            )
+        for dr in w.drains:
+            steps.append(
+                (
+                    "drain",
+                    dr,
+                    f"{dr[1].data.replica} ({dr[1].data.model}), grace {dr[1].data.grace_s:g}s",
+                )
+            )
+        if w.placed is not None:
+            pl = w.placed[1].data
+            steps.append(("placed", w.placed, f"{pl.replica}: {pl.reason}"))
+        if w.ready is not None:
+            start = (w.demand or w.scale)[1].time
+            took = (w.ready[1].time - start).total_seconds()
+            steps.append(
+                ("ready", w.ready, f"{w.ready[1].data.replica}, {took:.1f}s after the demand")
+            )
+        else:
+            steps.append(("ready", None, "not yet"))
+        for label, ref, words in steps:
+            where = self._ref(ref[0], ref[1], now) + ": " if ref is not None else ""
+            st.line(f"  {label:<10} {where}{words}")
+        st.facts["woken"] = {
+            label: (None if ref is None else ref[1].id)
+            for label, ref, _ in steps
+            if label != "drain"
+        } | {"drains": [dr[1].id for dr in w.drains]}
 
     def _model_failures(self, st: Story, name: str) -> None:
         got = list(self.failures.get(name, ()))
@@ -630,8 +778,10 @@ class Explainer:
         )
         for seq, d in mine:
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
+            # A fits stopped nothing and placed nothing: its reason says so, not "fits".
+            said = d.data.reason if d.data.outcome == "fits" and d.data.reason else d.data.outcome
             st.line(
-                f"  {self._ref(seq, d, st.now)}: {d.data.outcome} ({d.data.policy})"
+                f"  {self._ref(seq, d, st.now)}: {said} ({d.data.policy})"
                 + (f"; victims {victims}" if victims else "")
             )
             for x in d.data.excluded:
@@ -642,6 +792,7 @@ class Explainer:
                 "seq": seq,
                 "id": d.id,
                 "outcome": d.data.outcome,
+                "reason": d.data.reason,
                 "policy": d.data.policy,
                 "victims": [v.replica for v in d.data.victims],
             }
@@ -865,6 +1016,19 @@ def _leaving(r: ReplicaRecord) -> str:
 
 
 @dataclass
+class Wake:
+    """A model's wake-up by demand, as far as the log has told it (`_follow_wake`)."""
+
+    scale: tuple[int, ev.ScaleDesiredEvent]
+    demand: tuple[int, ev.ModelDemandedEvent] | None = None
+    failed: tuple[int, ev.PlacementFailedEvent] | None = None
+    decision: tuple[int, ev.PreemptionDecidedEvent] | None = None
+    drains: list[tuple[int, ev.ReplicaDrainEvent]] = field(default_factory=list)
+    placed: tuple[int, ev.PlacementDecidedEvent] | None = None
+    ready: tuple[int, ev.ReplicaStateEvent] | None = None
+
+
+@dataclass
 class Story:
     """What `explain` prints, and its key facts for `--json`."""
 
@@ -902,3 +1066,11 @@ class Story:
         doc["text"] = self.lines
         doc["timeline"] = [e.to_json() for e in self.timeline]
         return doc
+
+
+def _by(counts: dict[str, int], prefix: str) -> str:
+    """`counts` in words, as `(of all: tier 0: 3, tier 2: 40)`; "" when empty (a decision
+    from before they were recorded)."""
+    if not counts:
+        return ""
+    return " (of all: " + ", ".join(f"{prefix}{k}: {n}" for k, n in counts.items()) + ")"

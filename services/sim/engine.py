@@ -30,6 +30,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from schemas import bundle, codec, subjects
 from schemas import events as ev
 from services.core import autoscale, preemption, reaction, scheduling
 from services.core.ingest import Ingest
+from services.core.policy import index as policy_index
 from services.core.view import View, digest
 from services.sim import oracle
 from services.sim.scenario import ModelSpec, NodeGroup, Scenario
@@ -246,6 +248,10 @@ class Engine:
         self._failures: dict[str, scheduling.Failure] = {}
         # What the scheduler's passes keep from one to the next, as the service keeps it.
         self._memo = scheduling.Memo()
+        # How the policy finds candidates, as the preemption service finds them: the
+        # engine's own index over its view (LLMGW_POLICY_INDEX=0: the plain walk;
+        # LLMGW_POLICY_CHECK=1: both, stopping on a difference).
+        self._candidates = policy_index.from_env(os.environ)
         self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -574,7 +580,7 @@ class Engine:
         self._due_known = False
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
-        r = reaction.react(self.view, trigger, self.now, self.pcfg)
+        r = reaction.react(self.view, trigger, self.now, self.pcfg, engine=self._candidates)
         d = r.decision
         if d is not None:
             self._count_decision(d)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,7 +25,7 @@ import nats.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.client import JetStreamContext
 
 from schemas import codec, ids, subjects
@@ -35,7 +36,13 @@ from services.agent.agent import Agent, ctl_subject, durable_name, inbox_prefix,
 from services.bus import DLQ_STREAM, Publisher, consume
 from services.bus.consume import DeadLetter
 from services.bus.publish import COLLISIONS, scoped_id
-from services.bus.stream import DLQ_MAX_MSG_BYTES, MAX_MSG_BYTES
+from services.bus.stream import (
+    DLQ_MAX_MSG_BYTES,
+    MAX_MSG_BYTES,
+    NODE_MAX_BYTES,
+    is_full,
+    node_stream_name,
+)
 from services.clock import new_id
 from tests.adversarial.test_bad_input import (
     Plane,
@@ -149,6 +156,13 @@ async def _victim(boundary: Boundary, tmp: Path) -> AsyncIterator[Agent]:
         stop.set()
         await asyncio.wait_for(task, 10)
         await nc.close()
+
+
+async def _hello(nc: Client, node: str) -> None:
+    """What every agent does first: ask the plane for its consumers, which makes its
+    node's stream too (the log takes nodes' reports through them here)."""
+    hello = await nc.request(agent_consumers.hello_subject(node), b"{}", timeout=10)
+    assert json.loads(hello.data) == {"ok": True, "stream": node_stream_name(node)}
 
 
 async def _checks(boundary: Boundary, js: JetStreamContext, tmp: Path, n: int) -> None:
@@ -274,6 +288,7 @@ async def test_a_taken_message_id_keeps_no_event_off_the_log(
     ]
     nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
     try:
+        await _hello(nc, A1)
         ajs = nc.jetstream()
         own = subjects.replica_subject(A1, replica)
         for subject, eid in taken:
@@ -281,6 +296,10 @@ async def test_a_taken_message_id_keeps_no_event_off_the_log(
                 await ajs.publish(own, b"{}", headers={"Nats-Msg-Id": header})
     finally:
         await nc.close()
+    # In the log (from gpu-a1's node stream) before any real event is sent.
+    async with asyncio.timeout(10):
+        while len(await _stored(js, 0, own)) < 2 * len(taken):  # noqa: ASYNC110 (a read)
+            await asyncio.sleep(0.02)
     before = sum(COLLISIONS.values())
     plane = Publisher(js)
     async with _victim(boundary, tmp_path) as victim:
@@ -296,65 +315,125 @@ async def test_a_taken_message_id_keeps_no_event_off_the_log(
             with contextlib.suppress(Exception):
                 stored[(d.subject, codec.decode(d.data).id)] = d.seq
     assert [t for t in taken if t not in stored] == []
-    assert sum(COLLISIONS.values()) - before == len(taken)
+    # The plane's commands meet the taken ids and are stored again under fresh ones, each
+    # said. gpu-a2's reports go to the log through its node's stream under sealed ids,
+    # which gpu-a1 cannot know, so none meets one (nor is kept off the log unsaid).
+    commands = [t for t in taken if t[0].startswith(f"llmgw.cmd.{A2}.")]
+    assert sum(COLLISIONS.values()) - before == len(commands)
     said = [r.message for r in caplog.records if "was taken by seq" in r.message]
-    assert len(said) == len(taken), said
+    assert len(said) == len(commands), said
     await _checks(boundary, js, tmp_path, 2)
 
 
 FLOOD, FLOOD_BYTES = 2_000, 200_000
+WINDOW = 100  # publishes in flight at once
+
+
+async def _flood(ajs: JetStreamContext) -> list[Any]:
+    """FLOOD messages of FLOOD_BYTES on gpu-a1's own replica subjects, WINDOW at a time:
+    what the broker answered to each (an ack, or why not)."""
+    body = b"x" * FLOOD_BYTES
+    out: list[Any] = []
+    for i in range(0, FLOOD, WINDOW):
+        sends = [
+            ajs.publish(subjects.replica_subject(A1, f"flood-{i + j}"), body, timeout=10)
+            for j in range(WINDOW)
+        ]
+        out += await asyncio.gather(*sends, return_exceptions=True)
+    return out
+
+
+async def _stored(js: JetStreamContext, after: int, subject: str) -> list[consume.Delivery]:
+    return [d async for b in consume.read_range(js, after + 1, filter_subject=subject) for d in b]
 
 
 @pytest.mark.slow
-async def test_a_flood_from_one_agent_is_bounded_and_said(
+async def test_a_flood_from_one_agent_is_contained_to_its_node_and_said_once(
     boundary: Boundary, js: JetStreamContext, tmp_path: Path
 ) -> None:
     """2,000 messages of 200 KB from gpu-a1 on its own subjects, as fast as it can send
-    them: a message over the payload bound is refused outright, the flood is stored (it
-    is on its own subjects) but each of the plane's dead letters for it costs at most
-    DLQ_MAX_MSG_BYTES, each consumer says it in a line or two, and another agent's events
-    and the plane's still are stored and applied."""
+    them. A message over the payload bound is refused outright; the rest go to gpu-a1's
+    node stream, which takes NODE_MAX_BYTES of them and refuses the others, so the log
+    grows by at most that (and the dead letters by a bounded record each). The plane
+    says it in one line naming the node, and one dead letter. Another agent's events,
+    the plane's on node subjects (a node's status; a use report on gpu-a2's replica, as
+    the gateway sends) and the sentinel are stored and applied, every process alive,
+    and the view equals an offline replay of the log."""
+    said = "node gpu-a1 reached the limits of its stream"
     dlq0 = (await js.stream_info(DLQ_STREAM)).state
     log0 = (await js.stream_info(subjects.STREAM)).state
-    said0 = boundary.plane.log.read_text().count("dead letter for")
+    text0 = boundary.plane.log.read_text()
+    letters0 = text0.count("dead letter for")
     nc, _ = await _connect(boundary.url(A1), inbox_prefix(A1))
     try:
+        await _hello(nc, A1)
         ajs = nc.jetstream()
         with pytest.raises(nats.errors.MaxPayloadError):
             await ajs.publish(subjects.inventory_subject(A1), b"x" * (MAX_MSG_BYTES + 1))
-        body = b"x" * FLOOD_BYTES
-        acks = []
-        for i in range(0, FLOOD, 500):
-            futures = [
-                await ajs.publish_async(subjects.replica_subject(A1, f"flood-{i + j}"), body)
-                for j in range(500)
-            ]
-            acks += await asyncio.gather(*futures)
+        sent = time.monotonic()
+        answers = await _flood(ajs)
+        took = time.monotonic() - sent
     finally:
         await nc.close()
-    assert len({a.seq for a in acks}) == FLOOD
-    # Another agent's events after it: gpu-a2's inventory, stored and applied.
+    acks = [a for a in answers if isinstance(a, PubAck)]
+    refused = [a for a in answers if not isinstance(a, PubAck)]
+    assert {a.stream for a in acks} == {node_stream_name(A1)}, acks[:3]
+    assert all(is_full(e) for e in refused), {repr(e) for e in refused}
+    # The node stream took what fits its bound, and refused the rest.
+    assert 0 < len(acks) <= NODE_MAX_BYTES // FLOOD_BYTES, len(acks)
+    assert len(refused) >= FLOOD - NODE_MAX_BYTES // FLOOD_BYTES
+    await _until("the plane to say gpu-a1's flood", lambda: said in boundary.plane.log.read_text())
+
+    # The plane's events on node subjects, and another agent's, after it.
+    plane = Publisher(js)
+    status = await plane.publish(
+        ev.make(ev.NodeUncordoned(node=A1), id=new_id(), time=datetime.now(UTC), source="test")
+    )
+    used = await plane.publish(
+        ev.make(
+            ev.ReplicaUsed(replica="r-used", at=datetime.now(UTC), requests=1),
+            id=new_id(),
+            time=datetime.now(UTC),
+            source="gateway",
+        ),
+        node=A2,
+    )
+    assert status.stream == subjects.STREAM and used.stream == node_stream_name(A2)
     async with _victim(boundary, tmp_path):
         pass
     await _checks(boundary, js, tmp_path, 3)
-    inventories = [
-        d.seq
-        async for b in consume.read_range(
-            js, acks[-1].seq, filter_subject=subjects.inventory_subject(A2)
-        )
-        for d in b
-    ]
-    assert inventories, "gpu-a2's inventory after the flood was not stored"
-    # The dead letters the flood cost: each record under the bound, few lines said.
-    dlq = (await js.stream_info(DLQ_STREAM)).state
-    grew = dlq.bytes - dlq0.bytes
-    letters = dlq.messages - dlq0.messages
-    assert letters >= FLOOD  # the projector's, at least
-    assert grew <= letters * DLQ_MAX_MSG_BYTES, (grew, letters)
+    assert await _stored(js, log0.last_seq, subjects.inventory_subject(A2)), "gpu-a2's inventory"
+    assert [d.seq for d in await _stored(js, log0.last_seq, status.subject)] == [status.seq]
+    assert len(await _stored(js, log0.last_seq, used.subject)) == 1, "the use report"
+    flood = await _stored(js, log0.last_seq, f"llmgw.node.{A1}.replica.*")
+    assert len(flood) == len(acks)
+
+    # Disk: the log grew by gpu-a1's bound and the few events after it, the node stream
+    # holds its bound, the dead letters a bounded record for each consumer's letter.
     log = (await js.stream_info(subjects.STREAM)).state
-    assert log.bytes - log0.bytes < FLOOD * (FLOOD_BYTES + 1024) + 1024**2
-    said = boundary.plane.log.read_text().count("dead letter for") - said0
-    assert said <= 2 * 4, said
+    assert log.bytes - log0.bytes <= NODE_MAX_BYTES + 1024**2, log.bytes - log0.bytes
+    node = (await js.stream_info(node_stream_name(A1))).state
+    assert node.bytes <= NODE_MAX_BYTES
+    dlq = (await js.stream_info(DLQ_STREAM)).state
+    letters = dlq.messages - dlq0.messages
+    assert dlq.bytes - dlq0.bytes <= letters * DLQ_MAX_MSG_BYTES
+    assert letters <= 4 * len(acks) + 1, letters
+    print(
+        f"{FLOOD:,} x {FLOOD_BYTES // 1000} KB from one agent in {took:.1f} s: "
+        f"{len(acks)} stored, {len(refused):,} refused (stream full); LLMGW "
+        f"+{(log.bytes - log0.bytes) / 1024**2:.1f} MiB, {node_stream_name(A1)} "
+        f"{node.bytes / 1024**2:.1f} MiB, LLMGW_DLQ +{(dlq.bytes - dlq0.bytes) / 1024**2:.1f} "
+        f"MiB in {letters} records"
+    )
+
+    # Said once: one line naming the node (the plane looked again every WATCH_S since),
+    # and one dead letter.
+    text = boundary.plane.log.read_text()[len(text0) :]
+    assert text.count(said) == 1, text[-3000:]
+    assert text.count("dead letter for") - letters0 <= 2 * 4
+    letter = await js.get_last_msg(DLQ_STREAM, subjects.dlq_subject(node_stream_name(A1)))
+    assert said.encode() in letter.data
+    assert boundary.plane.alive()
 
 
 async def test_a_taken_id_keeps_no_dead_letter_off_the_dlq(

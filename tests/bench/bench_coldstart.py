@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -39,13 +40,14 @@ if str(ROOT) not in sys.path:
 
 import aiohttp  # noqa: E402
 
+from schemas import codec, subjects  # noqa: E402
 from schemas import events as ev  # noqa: E402
-from schemas import subjects  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
 from tests.bench.bench_gateway import _free_port, _pct  # noqa: E402
 
 NODE = "bench-cold"
+GATEWAY_LOG = Path()
 MODEL = "cold"
 CHAT = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -54,6 +56,8 @@ CHAT = json.dumps(
 
 def _start() -> tuple[EmbeddedBroker, list[subprocess.Popen[bytes]], int, int]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-coldstart-"))
+    global GATEWAY_LOG
+    GATEWAY_LOG = tmp / "gateway.log"
     broker = EmbeddedBroker(tmp / "broker")
     broker.start()
     up_port, gw_port = _free_port(), _free_port()
@@ -76,7 +80,7 @@ def _start() -> tuple[EmbeddedBroker, list[subprocess.Popen[bytes]], int, int]:
             f"127.0.0.1:{gw_port}",
         ],
         cwd=ROOT,
-        stderr=subprocess.DEVNULL,
+        stderr=(tmp / "gateway.log").open("wb"),
     )
     return broker, [gateway, upstream], up_port, gw_port
 
@@ -111,8 +115,10 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
     )
     heard: asyncio.Queue[float] = asyncio.Queue()
 
-    async def on_demand(msg: object) -> None:
-        heard.put_nowait(time.perf_counter())
+    async def on_demand(msg: Any) -> None:
+        t = time.perf_counter()
+        if codec.decode(msg.data).data.waiting:  # type: ignore[union-attr]
+            heard.put_nowait(t)  # (a waiting of 0 is a wait's end)
 
     await nc.subscribe(subjects.demand_subject(MODEL), cb=on_demand)
     base = f"http://127.0.0.1:{gw_port}"
@@ -123,10 +129,12 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
     answered = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         deadline = time.monotonic() + 30
-        while True:  # the gateway up, and the model in its view
+        while True:  # the gateway and the server up, and the model in the gateway's view
             try:
+                async with http.get(f"{endpoint}/health") as r:
+                    up = r.status == 200
                 async with http.get(f"{base}/health") as r:
-                    if MODEL in (await r.json())["routable"]:
+                    if up and MODEL in (await r.json())["routable"]:
                         break
             except aiohttp.ClientError:
                 pass
@@ -162,7 +170,7 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
             answered += sum(s == 200 for s in statuses)
             lost += sum(s != 200 for s in statuses)
             if any(s != 200 for s in statuses):
-                print(f"round {i}: {statuses}")
+                print(f"round {i}: {statuses} (the gateway's log: {GATEWAY_LOG})")
             await pub.publish(
                 make(ev.ReplicaDrain(replica=rid, model=MODEL, reason="scale_down")), node=NODE
             )
@@ -184,6 +192,11 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
         f"wake (ready folded -> first byte of the first held, in the gateway): "
         f"p50 {wake.get('p50', float('nan')):.2f} ms, p99 {wake.get('p99', float('nan')):.2f} ms "
         f"over {wake['n']}"
+    )
+    send = health["wake_send_ms"]
+    print(
+        f"of which the gateway's own (ready folded -> request sent to the replica): "
+        f"p50 {send.get('p50', float('nan')):.2f} ms, p99 {send.get('p99', float('nan')):.2f} ms"
     )
     print(
         f"ready published -> first byte received (the bench's view): "

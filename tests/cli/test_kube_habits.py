@@ -210,6 +210,7 @@ def test_an_unknown_name_exits_3_everywhere(
         pytest.param(["get", "nodes", "-o", "xml"], id="get bad output"),
         pytest.param(["wait", "node", "n1"], id="wait a node"),
         pytest.param(["scale", "chat", "many"], id="scale not a number"),
+        pytest.param(["gpu", "reset-health", "model/chat", "1"], id="gpu of a model"),
     ],
 )
 def test_a_usage_mistake_exits_2_everywhere(

@@ -206,6 +206,8 @@ def test_status_and_explain_lead_with_the_cause(
     log = str(_failing().write(tmp_path / "log.jsonl"))
     code, out, _ = _run(capsys, "status", "--log", log)
     assert code == 0 and out.splitlines()[0] == f"FAILING  {CAUSE}"
+    chat = next(x for x in out.splitlines() if x.strip().startswith("chat "))
+    assert chat.endswith("failing: engine vllm is not installed on this host")
     code, out, _ = _run(capsys, "status", "--log", log, "-o", "json")
     models = {m["model"]: m for m in json.loads(out)["models"]}
     assert models["chat"]["failing"]["reason"] == "engine vllm is not installed on this host"
@@ -229,7 +231,9 @@ def test_status_and_explain_lead_with_the_cause(
 # ---------------------------------------------------------------------- a decision that stops nothing
 
 
-def test_a_retry_that_fits_does_not_read_as_success() -> None:
+def test_a_retry_that_fits_does_not_read_as_success(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     s = Scenario()
     s.node("n1", "2xH100-80GB")
     s.model("chat", cls="critical", min=1, profiles=["one:1"])
@@ -251,6 +255,10 @@ def test_a_retry_that_fits_does_not_read_as_success() -> None:
     )
     _, line = eventline.describe(decided)
     assert "outcome=fits" not in line and "no preemption (room free, model still unplaced)" in line
-    # The view's decision summary (status's LAST DECISIONS) says the same.
+    # The view's decision summary (status's LAST DECISIONS) says the same, and explain.
     s.emit(decided.data)
     assert s.view().state.decisions[-1].summary == said
+    log = str(s.write(tmp_path / "log.jsonl"))
+    code = cli.main(["explain", "model", "chat", "--log", log])
+    out = capsys.readouterr().out
+    assert code == 0 and f": {said} (reference)" in out

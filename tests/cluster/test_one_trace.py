@@ -4,7 +4,9 @@
 `scale.desired`, sent inside a span of the test, leads to placement.failed ->
 preemption.decided -> replica.drain -> the agent's stop -> placement.decided -> ready,
 and every one of those messages is sent in that one trace, each span linked to a parent
-in it."""
+in it. The same when the chain starts at the gateway's word that a request waits
+(`model.demanded`) for an on-demand model at zero: the autoscaler's `scale.desired`
+joins the demand's trace, and the rest follows it."""
 
 from __future__ import annotations
 
@@ -57,8 +59,9 @@ def _start_up(data: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("trigger", ["scale", "demand"])
 async def test_a_preemption_is_one_trace_at_the_collector(
-    tmp_path: Path, receiver: Receiver
+    tmp_path: Path, receiver: Receiver, trigger: str
 ) -> None:
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "OTEL_"))}
@@ -114,7 +117,12 @@ async def test_a_preemption_is_one_trace_at_the_collector(
                 )
             )
             with tracing.tracer().start_as_current_span("operator scales chat"):
-                scale = await publish(ev.ScaleDesired(model="chat", replicas=1))
+                if trigger == "scale":
+                    scale = await publish(ev.ScaleDesired(model="chat", replicas=1))
+                else:
+                    scale = await publish(
+                        ev.ModelDemanded(model="chat", waiting=1, since=datetime.now(UTC))
+                    )
             await _until(
                 "chat ready",
                 lambda: any(r.state == "ready" for r in follower.view.replicas_of("chat")),
@@ -174,6 +182,11 @@ async def test_a_preemption_is_one_trace_at_the_collector(
     stopped = {e.id for e in states if e.data.replica in victims and e.data.state == "stopped"}
     ready = {e.id for e in states if e.data.model == "chat" and e.data.state == "ready"}
     hops = [
+        *(
+            [("the autoscaler's scale.desired", sent(".catalog.scale.chat"))]
+            if trigger == "demand"
+            else []
+        ),
         ("placement.failed", sent(".placement.failed.chat")),
         ("preemption.decided", sent(".preemption.decided.chat")),
         ("replica.drain", sent(".replica.drain")),

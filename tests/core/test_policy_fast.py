@@ -131,6 +131,12 @@ def test_a_published_decision_lists_what_the_cut_keeps(seed: int, policy: str) -
         d = plan(v, name, s.now, Config(policy=policy))  # type: ignore[arg-type]
         whole = d.to_event_data("t")
         assert whole.considered == len(whole.candidates) == len(d.candidates)
+        assert sum(whole.by_tier.values()) == whole.considered
+        assert whole.by_tier == {
+            str(t): sum(c.tier == t for c in d.candidates)
+            for t in sorted({c.tier for c in d.candidates})
+        }
+        assert sum(whole.excluded_by.values()) == whole.excluded_count == len(d.excluded)
         assert d.to_event_data("t", SHOWN_ALL) == whole
         victims = {v.replica for v in whole.victims}
         for shown in (0, 1, 3):

@@ -32,7 +32,7 @@ NATS_SERVER = str(Path(sys.executable).with_name("nats-server"))
 # The tests' own passwords: users.py refuses the examples' placeholders (change-me-*).
 CONTROL_PASSWORD = "test-control-pw"
 VIEWER_PASSWORD = "test-viewer-pw"
-ROUTE_PASSWORD = "change-me-route"
+ROUTE_PASSWORD = "test-route-pw"
 
 
 def agent_password(node: str) -> str:
@@ -107,8 +107,8 @@ def render_cluster(into: Path, nodes: list[str]) -> list[Rendered]:
         text = _sub(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}")
         text = _sub(text, "listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{cport}")
         text = _sub(text, "store_dir: /var/lib/llmgw/jetstream", f"store_dir: {d / 'js'}")
-        for m in range(1, 4):
-            text = _sub(text, f"@llmgw-{m}:6222", f"@127.0.0.1:{ports[m - 1][2]}")
+        hosts = [f"127.0.0.1:{ports[m][2]}" for m in range(3)]
+        (d / "routes.conf").write_text(users_module().render_routes(ROUTE_PASSWORD, hosts))
         conf = d / f"cluster-{n}.conf"
         conf.write_text(text)
         out.append(Rendered(conf, port, http, cport))

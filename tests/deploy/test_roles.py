@@ -23,6 +23,7 @@ import nats
 import pytest
 
 from services.agent import consumers as agent_consumers
+from services.bus.stream import node_stream_name
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
     ROOT,
@@ -86,7 +87,12 @@ async def _consumers_made(url: str) -> None:
             while True:
                 try:
                     reply = await nc.request(agent_consumers.hello_subject(NODE), b"", timeout=5)
-                    assert json.loads(reply.data) == {"ok": True}
+                    # Under the shipped roles the log takes the node's reports through
+                    # the node's own stream, which the answer names.
+                    assert json.loads(reply.data) == {
+                        "ok": True,
+                        "stream": node_stream_name(NODE),
+                    }
                     return
                 except nats.errors.NoRespondersError:
                     await asyncio.sleep(0.05)

@@ -66,7 +66,8 @@ def _refusing() -> str:
 
 def _error(status: int, headers: dict[str, str], body: bytes, code: str) -> dict[str, Any]:
     doc = json.loads(body)
-    assert headers["x-llmgw-reason"] == code, body
+    # The code, and after it the same in words where the code alone does not say enough.
+    assert headers["x-llmgw-reason"].split(": ")[0] == code, body
     assert set(doc["error"]) == {"message", "type", "code"} and doc["error"]["code"] == code
     return dict(doc["error"])
 
@@ -184,6 +185,9 @@ async def test_a_failure_before_the_first_byte_is_tried_once_elsewhere(
 
     assert value('llmgw_gateway_requests_total{model="retry",status="200"}') == 4
     assert value('llmgw_gateway_requests_total{model="refused",status="503"}') == 1
+    # And why, for the 5xx alert's drill-down: the refusal's x-llmgw-reason code.
+    assert value('llmgw_gateway_errors_total{model="refused",reason="no_replica"}') == 1
+    assert value('llmgw_gateway_errors_total{model="retry"') == 0
     assert value("llmgw_gateway_retries_total") >= 2
     assert value('llmgw_gateway_inflight{model="retry"}') == 0
     assert value('llmgw_gateway_time_to_first_byte_seconds_count{model="retry"}') == 4

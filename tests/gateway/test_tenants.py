@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
 A = "sk-team-a-0123456789abcdef"
 B = "sk-team-b-0123456789abcdef"
+C = "sk-equipe-0123456789abcdef"
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -91,7 +92,7 @@ async def test_a_key_over_its_rpm_is_429_with_retry_after_until_its_minute_pays_
     await _served(plane, servers, "limited", "lim-1")
     clock = Clock()
     plane.gateway.clock = clock
-    plane.gateway.keys = _keys(tmp_path, f"{A} team-a rpm=2\n{B} team-b\n")
+    plane.gateway.keys = _keys(tmp_path, f"{A} team-a rpm=2\n{B} team-b\n{C} équipe rpm=0\n")
     a, b = client(A), client(B)
     for _ in range(2):
         await a.chat.completions.create(model="limited", messages=HI, max_tokens=1)
@@ -107,6 +108,15 @@ async def test_a_key_over_its_rpm_is_429_with_retry_after_until_its_minute_pays_
     err = e.value.body
     assert isinstance(err, dict) and err["code"] == "rate_limit_exceeded"
     assert err["type"] == "requests" and "keys:1" in err["message"]
+    # An owner's name in other letters is escaped in the header, kept in the message.
+    with pytest.raises(openai.RateLimitError) as e:
+        await client(C).chat.completions.create(model="limited", messages=HI, max_tokens=1)
+    assert e.value.response.headers["x-llmgw-reason"] == (
+        "rate_limit_exceeded: the key of \\xe9quipe is over its 0 requests a minute (rpm=0); "
+        "it may send none"
+    )
+    assert e.value.response.headers["retry-after"] == "3600"
+    assert isinstance(e.value.body, dict) and "équipe" in e.value.body["message"]
     # Another key is its own: no limit on team-b's.
     for _ in range(5):
         await b.chat.completions.create(model="limited", messages=HI, max_tokens=1)
@@ -257,3 +267,18 @@ async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gatew
     ]
     stop.set()
     await asyncio.wait_for(task, 10)
+
+
+async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_no_tokens(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await _served(plane, servers, "untouched", "un-1")
+    plane.gateway.stream_usage = False
+    body = {"model": "untouched", "prompt": "p", "stream": True, "max_tokens": 3}
+    status, _, through = await plane.post("/v1/completions", body)
+    assert status == 200 and b'"usage"' not in through
+    reports = await _used(plane, "un-1", 1)
+    assert (sum(d.requests or 0 for d in reports), sum(d.tokens_out or 0 for d in reports)) == (
+        1,
+        0,
+    )

@@ -375,3 +375,43 @@ def test_explain_replica_says_its_last_use_and_what_the_gateway_counted(
         capsys, "explain", "replica", "batch-2d2", "--log", str(long_ids(tmp_path))
     )
     assert "last used" not in out
+
+
+def test_explain_says_how_many_candidates_and_exclusions_were_not_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a cluster of many replicas the published decision lists the first 50 candidates
+    and exclusions, with counts by tier and by reason (`by_tier`, `excluded_by`); explain
+    says how many it did not list, and of which tier and reason."""
+    from services.core.reaction import SHOWN, bounded
+
+    s = Scenario("2026-11-29T14:00:00Z")
+    for n in range(20):
+        s.node(f"n{n:02d}", "8xH100-80GB")
+    s.model("crit", cls="critical", min=1, profiles=["two:2"])
+    s.model("lab", cls="opportunistic", min=0, max=200, profiles=["one:1"])
+    s.model("keep", cls="critical", min=80, max=200, profiles=["one:1"])
+    for n in range(20):
+        for g in range(8):
+            model = "lab" if g < 4 else "keep"
+            used = "-30m" if g % 2 else "-1m"
+            s.replica(f"r{n:02d}-{g}", model, on=(f"n{n:02d}", [g]), ready="-2h", used=used)
+    failed = s.emit(
+        ev.PlacementFailed(model="crit", profiles=("two",), live=0, desired=1, reason="no_fit")
+    )
+    d = plan(s.view(), "crit", s.now, Config())
+    assert d.outcome == "preempted" and len(d.candidates) == 80 and len(d.excluded) == 80
+    assert [v.replica for v in d.victims] == ["r00-1", "r00-3"]
+    data = bounded(d.to_event_data(failed.id, SHOWN))
+    assert len(data.candidates) == len(data.excluded) == SHOWN
+    assert data.considered == sum(data.by_tier.values()) == 80
+    assert data.excluded_count == sum(data.excluded_by.values()) == 80
+    assert data.excluded_by == {"critical_minimum": 80}
+    s.emit(data)
+    s.drain("r00-1", "preempted", for_model="crit")
+    path = s.write(tmp_path / "many.jsonl")
+    code, out, _ = run(capsys, "explain", "replica", "r00-1", "--log", str(path))
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "  not listed 30 more candidates (of all: tier 0: 40, tier 2: 40)" in lines
+    assert "  not listed 30 more exclusions (of all: critical_minimum: 80)" in lines

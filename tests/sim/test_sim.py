@@ -434,3 +434,29 @@ def test_a_replica_of_several_shards_fails_with_any_of_its_nodes() -> None:
     for ready in eng._ready_ids.values():
         for rid in ready:
             assert not {s.node for s in replicas[rid].shards} & set(eng._down), rid
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("policy", ["reference", "node-aware"])
+def test_a_bundle_is_the_same_with_the_policy_index_or_without(
+    path: Path, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator's policy engine is its own index (`policy.index`); with it turned
+    off (LLMGW_POLICY_INDEX=0) the plain walk decides, and the bundle is the same byte for
+    byte. With LLMGW_POLICY_CHECK=1 both run on every call and agree."""
+    sc = scn.load(path)
+    runs = []
+    for env in (
+        {"LLMGW_POLICY_INDEX": "0"},
+        {"LLMGW_POLICY_INDEX": "1"},
+        {"LLMGW_POLICY_CHECK": "1"},
+    ):
+        for k in ("LLMGW_POLICY_INDEX", "LLMGW_POLICY_CHECK"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        out = io.BytesIO()
+        r = engine.simulate(sc, policy, duration_s=24 * HOURS, out=out)
+        runs.append((out.getvalue(), r.digest))
+    assert runs[0] == runs[1] == runs[2]
+    assert b'"preemption.decided"' in runs[0][0]

@@ -93,7 +93,19 @@ def plan(
             avoid=avoided,
             config=cfg,
         )
-    base: dict[str, Any] = {
+    base = _base(view, m, now, cfg, avoided)
+    early = _before_victims(view, m, now, base)
+    if isinstance(early, Decision):
+        return early
+    profiles, holdings, usage = early
+    return _preempt(view, m, now, cfg, profiles, holdings, usage, base, engine or PLAIN)
+
+
+def _base(
+    view: View, m: catalog.Model, now: datetime, cfg: Config, avoided: tuple[str, ...]
+) -> dict[str, Any]:
+    """The fields every decision about m has."""
+    return {
         "model": m.name,
         "now": now,
         "cls": effective_class(m),
@@ -107,11 +119,6 @@ def plan(
         "avoid": avoided,
         "config": cfg,
     }
-    early = _before_victims(view, m, now, base)
-    if isinstance(early, Decision):
-        return early
-    profiles, holdings, usage = early
-    return _preempt(view, m, now, cfg, profiles, holdings, usage, base, engine or PLAIN)
 
 
 _Quota = tuple[list[catalog.Profile], list[quota.Holding] | None, dict[str, quota.Amount]]
@@ -167,8 +174,8 @@ def _preempt(
     base: dict[str, Any],
     engine: Candidates,
 ) -> Decision:
-    """The choice of victims, once m neither fits nor waits: which replicas may go, and
-    the fewest of them, in order, that make room."""
+    """The choice of victims, once m neither fits nor waits: who may go, and the fewest
+    of them, in order, that make room."""
     tree = view.quota
     # The owner reclaims only if it stays within its guarantee whichever profile the
     # model is placed in: the replica it gets must not itself be borrowed, or the owner
@@ -190,12 +197,20 @@ def _preempt(
     tr = Trials(view, profiles, base["avoid"])
     chosen, why_not = _search(view, m, cfg, tr, profiles, cands)
     if not chosen:
-        return Decision(
-            outcome="no_fit",
-            reason=f"{why_not}; nothing is stopped",
-            trials=tuple(tr.trials),
-            **base,
-        )
+        reason = f"{why_not}; nothing is stopped"
+        return Decision(outcome="no_fit", reason=reason, trials=tuple(tr.trials), **base)
+    return _preempted(m, now, cfg, chosen, tr, base)
+
+
+def _preempted(
+    m: catalog.Model,
+    now: datetime,
+    cfg: Config,
+    chosen: list[Candidate],
+    tr: Trials,
+    base: dict[str, Any],
+) -> Decision:
+    """The decision that stops `chosen`, and holds each victim's model back for `hold_s`."""
     until = now + timedelta(seconds=cfg.hold_s)
     held = dict.fromkeys(v.model for v in chosen)
     last_fit = next(t for t in reversed(tr.trials) if t.fits)

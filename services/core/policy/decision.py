@@ -7,7 +7,7 @@ and the simulator. Plain records: nothing here decides.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -156,6 +156,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             outcome=self.outcome,
             victims=tuple([v.to_victim() for v in self.victims]),
             considered=len(self.candidates),
+            by_tier=counts(str(c.tier) for c in self.candidates),
+            excluded_count=len(self.excluded),
+            excluded_by=counts(x.why for x in self.excluded),
             trigger=trigger_id,
             candidates=tuple([c.to_victim() for c in listed(self.candidates, victims, shown)]),
             excluded=tuple(
@@ -197,6 +200,14 @@ def listed(candidates: Sequence[_C], victims: Collection[str], shown: int | None
     if len(victims) == sum(c.replica in victims for c in head):
         return head  # no victim past them: the rest need not be looked at
     return [*head, *(c for c in candidates[shown:] if c.replica in victims)]
+
+
+def counts(keys: Iterable[str]) -> dict[str, int]:
+    """How many of each key, by key."""
+    out: dict[str, int] = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def rfc3339(t: datetime) -> str:

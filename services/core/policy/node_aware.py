@@ -194,54 +194,7 @@ def search(
     (the model would go to several nodes, which one node's sets do not cover)."""
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     nodes = _on_nodes(view, cands, needs, max_victims) if needs else []
-    best: Sequence[C] = ()
-    load_s: dict[str, float] | None = None
-    tiers = sorted({c.tier for c in cands})
-    for t in tiers:
-        # Per node, its candidates of tier t or below, and whether each is of tier t. A
-        # set whose highest tier is below t was weighed at an earlier level, so a node
-        # with no candidate of tier t has no set at this one.
-        open_at = []
-        for at, node in nodes:
-            allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
-            top = [c.tier == t for c in node.cands]
-            if any(top):
-                open_at.append((at, node, allowed, top))
-        for k in range(1, max_victims + 1):
-            # The level's sets: every k of a node's allowed candidates with one of tier
-            # t, as (where they are, the node, which of its candidates), in order.
-            level: list[tuple[list[int], _Node, tuple[int, ...]]] = []
-            for at, node, allowed, top in open_at:
-                if len(allowed) < k or not node.could(needs, allowed, k):
-                    continue
-                for chosen in itertools.combinations(allowed, k):
-                    if True in [top[i] for i in chosen]:
-                        level.append((at, node, chosen))
-            if not level:
-                continue
-            if load_s is None:
-                load_s = load_costs(view, {c.model for c in cands})
-            # The work each set throws away, summed as `key` sums it.
-            thrown = []
-            works: dict[int, list[float]] = {}
-            for _at, node, chosen in level:
-                w = works.get(id(node))
-                if w is None:
-                    w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
-                thrown.append(sum([w[i] for i in chosen]))
-
-            def made(entry: tuple[list[int], _Node, tuple[int, ...]]) -> tuple[C, ...] | None:
-                at, node, chosen = entry
-                if not node.fits(needs, chosen):
-                    return None
-                return tuple([cands[at[i]] for i in chosen])
-
-            best = _first_of(level, thrown, load_s, fits, made)
-            if best:
-                break
-        if best:
-            break
-
+    best = _by_levels(view, cands, needs, nodes, max_victims, fits)
     if any(p.shards > 1 for p in profiles):
         other = fallback()
         if other:
@@ -249,6 +202,84 @@ def search(
             if not best or key(other, load_s) < key(best, load_s):
                 return other
     return best
+
+
+_Entry = tuple[list[int], "_Node", tuple[int, ...]]
+
+
+def _by_levels(
+    view: View,
+    cands: Sequence[C],
+    needs: list[_Need],
+    nodes: list[tuple[list[int], _Node]],
+    max_victims: int,
+    fits: Callable[[Sequence[C]], bool],
+) -> Sequence[C]:
+    """The first set `fits` confirms, level by level: (highest tier, size) in order, and
+    within a level in `key` order (`_first_of`)."""
+    load_s: dict[str, float] | None = None
+    for t in sorted({c.tier for c in cands}):
+        open_at = _open_at(nodes, t)
+        for k in range(1, max_victims + 1):
+            level = _level(open_at, needs, k)
+            if not level:
+                continue
+            if load_s is None:
+                load_s = load_costs(view, {c.model for c in cands})
+
+            def made(entry: _Entry) -> tuple[C, ...] | None:
+                at, node, chosen = entry
+                if not node.fits(needs, chosen):
+                    return None
+                return tuple([cands[at[i]] for i in chosen])
+
+            best = _first_of(level, _thrown(level, load_s), load_s, fits, made)
+            if best:
+                return best
+    return ()
+
+
+def _open_at(
+    nodes: list[tuple[list[int], _Node]], t: int
+) -> list[tuple[list[int], _Node, list[int], list[bool]]]:
+    """Per node, its candidates of tier t or below, and whether each is of tier t. A set
+    whose highest tier is below t was weighed at an earlier level, so a node with no
+    candidate of tier t has no set at this one."""
+    out = []
+    for at, node in nodes:
+        allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
+        top = [c.tier == t for c in node.cands]
+        if any(top):
+            out.append((at, node, allowed, top))
+    return out
+
+
+def _level(
+    open_at: list[tuple[list[int], _Node, list[int], list[bool]]], needs: list[_Need], k: int
+) -> list[_Entry]:
+    """The level's sets: every k of a node's allowed candidates with one of tier t, as
+    (where they are, the node, which of its candidates), in order; a node is passed over
+    once even its k largest allowed victims could not free enough."""
+    level: list[_Entry] = []
+    for at, node, allowed, top in open_at:
+        if len(allowed) < k or not node.could(needs, allowed, k):
+            continue
+        for chosen in itertools.combinations(allowed, k):
+            if True in [top[i] for i in chosen]:
+                level.append((at, node, chosen))
+    return level
+
+
+def _thrown(level: list[_Entry], load_s: dict[str, float]) -> list[float]:
+    """The work each set of a level throws away, summed as `key` sums it."""
+    thrown = []
+    works: dict[int, list[float]] = {}
+    for _at, node, chosen in level:
+        w = works.get(id(node))
+        if w is None:
+            w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
+        thrown.append(sum([w[i] for i in chosen]))
+    return thrown
 
 
 def _on_nodes(

@@ -214,22 +214,37 @@ def where(r: ReplicaRecord) -> str | None:
     return nodes[0] if nodes else ""
 
 
-def weigh(view: View, p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> Candidate | str:
-    """One live replica of another model: a candidate, or the code that keeps it (in
-    the reference's order: the tier rules, then young, then multi-node)."""
+def verdict(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
+    """The tier of one live replica of another model, or the code that keeps it: the
+    tier rules, then young (in the reference's order). Where it is (multi-node) is
+    `weigh`'s last check."""
     tier = tier_of(p, r, above_min, a)
     if isinstance(tier, str):
         return tier
     if young(r, a.now, a.cfg.min_lifetime_s):
         return "young"
+    return tier
+
+
+def weigh(view: View, p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> Candidate | str:
+    """One live replica of another model: a candidate, or the code that keeps it."""
+    tier = verdict(p, r, above_min, a)
+    if isinstance(tier, str):
+        return tier
     node = where(r)
     if node is None:
         return "multi_node"
-    size = size_of(view, r)
-    idle = idle_of(r, a.now)
+    return candidate(p, r, above_min, a, tier, node, size_of(view, r))
+
+
+def candidate(
+    p: Peer, r: ReplicaRecord, above_min: bool, a: Asker, tier: int, node: str, size: quota.Amount
+) -> Candidate:
+    """The candidate a replica is, once `verdict` gave it a tier, on `node`, freeing `size`
+    (`view.size_of`) when stopped."""
     borrowed = (r.id in a.borrowed) if p.covered else a.any_guarantee
     return Candidate(
-        r.id, r.model, p.cls, p.owner, tier, above_min, idle,
+        r.id, r.model, p.cls, p.owner, tier, above_min, idle_of(r, a.now),
         size.gpus, size.cpu_cores, size.memory_gb, node, borrowed,
     )  # fmt: skip
 

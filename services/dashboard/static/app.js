@@ -13,6 +13,7 @@ const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "
 const HOLDING = new Set(["pending", "starting", "loading", "ready", "draining"]);
 const FEED_MAX = 300;
 
+let traffic = {}; // model -> {rps, inflight (null: unknown), source: gateway | log}
 let live = null; // {seq, time, nodes: Map, models: Map, replicas: Map, quota, ...}
 let past = null; // a past view document, while the slider is away from live
 let feed = [];
@@ -63,6 +64,11 @@ function connect() {
     apply(c);
     feed.push(c);
     if (feed.length > FEED_MAX) feed.splice(0, feed.length - FEED_MAX);
+    queueDraw();
+  });
+  // Requests a second and in flight per model: live only (not in the log's past).
+  source.addEventListener("traffic", (m) => {
+    traffic = JSON.parse(m.data);
     queueDraw();
   });
   source.addEventListener("summary", (m) => {
@@ -183,7 +189,12 @@ function drawModels(v) {
     if (m.demand && m.demand.waiting > 0) note.push(`demand: ${m.demand.waiting} waiting since ${m.demand.since.slice(11, 19)}`);
     if (m.scaled_reason) note.push(`scaled: ${m.scaled_reason}`);
     if (m.live < m.desired && !note.length) note.push("below desired");
-    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td>${esc(note.join("; "))}</td></tr>`;
+    // The traffic is now's: a past moment shows none.
+    const t = past ? null : traffic[m.name];
+    const rps = t ? t.rps.toFixed(1) : "-";
+    const inflight = t && t.inflight !== null ? String(t.inflight) : "-";
+    const from = t ? ` title="from the ${t.source === "gateway" ? "gateway's counters" : "log's replica.used reports"}"` : "";
+    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td class="rps"${from}>${rps}</td><td class="inflight"${from}>${inflight}</td><td>${esc(note.join("; "))}</td></tr>`;
   });
   $("#models tbody").innerHTML = rows.join("");
 }

@@ -1,0 +1,38 @@
+"""Requests a second and in flight per model (services.dashboard.traffic): from the log's
+`replica.used` reports over their window, and from a gateway's own counters, which win."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from services.dashboard.traffic import Traffic
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_the_logs_reports_are_a_rate_over_their_window_and_in_flight_is_unknown() -> None:
+    t = Traffic(log_window_s=60)
+    t.used("chat", T0, 600)
+    t.used("chat", T0 + timedelta(seconds=30), 600)
+    t.used("batch", T0 + timedelta(seconds=30), 60)
+    assert t.doc(T0 + timedelta(seconds=45)) == {
+        "chat": {"rps": 20.0, "inflight": None, "source": "log"},
+        "batch": {"rps": 1.0, "inflight": None, "source": "log"},
+    }
+    # The first report has left the window; past the second too, the model is gone.
+    assert t.doc(T0 + timedelta(seconds=75))["chat"]["rps"] == 10.0
+    assert t.doc(T0 + timedelta(seconds=120)) == {}
+
+
+def test_a_gateways_counters_are_a_rate_over_their_samples_and_win_over_the_log() -> None:
+    t = Traffic(gateway_window_s=10)
+    t.used("chat", T0, 6000)
+    t.sample(100.0, {"chat": 1000}, {"chat": 7})
+    assert t.doc(T0)["chat"] == {"rps": 0.0, "inflight": 7, "source": "gateway"}
+    t.sample(105.0, {"chat": 1500, "embed": 10}, {"chat": 3})
+    doc = t.doc(T0)
+    assert doc["chat"] == {"rps": 100.0, "inflight": 3, "source": "gateway"}
+    assert doc["embed"] == {"rps": 2.0, "inflight": 0, "source": "gateway"}
+    # Samples older than the window go: the rate is of the last ten seconds.
+    t.sample(112.0, {"chat": 1500, "embed": 10}, {})
+    assert t.doc(T0)["chat"] == {"rps": 0.0, "inflight": 0, "source": "gateway"}
