@@ -23,7 +23,7 @@ from tests.deploy.natsconf import (
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER_CONFIGS = ["single.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
+SERVER_CONFIGS = ["single.conf", "fleet.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
 
 
 def _check(conf: Path) -> subprocess.CompletedProcess[str]:
