@@ -94,6 +94,20 @@ class Data(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- catalog
 
 
+TopologyMode = Literal["required", "preferred"]
+
+
+class TopologySpec(Data, frozen=True, kw_only=True):
+    """Where a profile's shards go in the cluster's topology (an extension of the contract).
+
+    `level` is a level of the cluster file's `topology:` list and the key of a node's label
+    naming its domain at that level (`nvlink_domain: nvl-3`). `required`: every shard in one
+    domain of that level; `preferred`: as few domains as can hold them."""
+
+    level: Name
+    mode: TopologyMode = "required"
+
+
 class ProfileSpec(Data, frozen=True, kw_only=True):
     name: Name
     gpus: GpuCount
@@ -106,6 +120,8 @@ class ProfileSpec(Data, frozen=True, kw_only=True):
     """Per shard."""
     memory_gb: Quantity = 0.0
     """Per shard."""
+    topology: TopologySpec | None = None
+    """None: shards on any distinct nodes (every profile before this field)."""
 
 
 Engine = Literal["vllm", "sglang", "command"]

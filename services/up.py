@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services import lease
+from services import files, lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -487,12 +487,14 @@ async def _serve(
             tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
             shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
             running.dashboard_url = shown
-            (opts.data / URL_FILE).write_text(shown + "\n")
+            # Atomic: a reader that finds the file finds it whole (and the URL may
+            # carry the dashboard's token: the owner's alone).
+            files.write_private(opts.data / URL_FILE, shown + "\n")
             log.info("dashboard: %s", shown)
         if gateway is not None:
             tasks[asyncio.create_task(gateway.run(stop, gw_sock), name="gateway")] = "gateway"
             running.gateway_url = f"{gateway.url}/v1"
-            (opts.data / GATEWAY_URL_FILE).write_text(running.gateway_url + "\n")
+            files.write_private(opts.data / GATEWAY_URL_FILE, running.gateway_url + "\n")
             log.info("gateway: %s", running.gateway_url)
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",

@@ -125,6 +125,12 @@ def register(commands: cli.Commands) -> None:
         "whose node has a live one is refused",
     )
     p.add_argument(
+        "--no-gateway-wait",
+        action="store_true",
+        help="on a drain, stop the server at once, without first waiting (up to the "
+        "drain's grace) for the gateways to have no request in flight on it",
+    )
+    p.add_argument(
         "--used-interval",
         type=cli.arg_positive,
         default=30.0,
@@ -405,6 +411,7 @@ async def _run(args: argparse.Namespace) -> int:
                 health=health,
                 health_file=health_file,
                 takeover=args.takeover,
+                gateway_wait=not args.no_gateway_wait,
             )
             await agent.run(stop)
 

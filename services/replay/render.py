@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from services.core.view import ReplicaRecord, View, digest
+from services.core.view import DemandRecord, ReplicaRecord, View, digest
 
 # CELL_MAX bounds a grid cell: past it a replica id is cut with `~` so a node of eight
 # GPUs still fits a terminal line, but only when what is left is a prefix of that id
@@ -187,6 +187,12 @@ def replicas_text(
         hold = s.holds.get(m)
         if hold is not None:
             head += f"  held for {hold.for_model} until {ago(hold.until, now)}"
+        dem = s.demand.get(m)
+        if dem is not None and dem.waiting > 0:
+            head += f"  demand: {dem.waiting} waiting since {stamp(dem.since)}"
+        scaled = s.scaled.get(m)
+        if scaled is not None and scaled.reason is not None:
+            head += f"  scaled: {scaled.reason}"
         out.append(head)
         rows = []
         for r in reps:
@@ -365,6 +371,8 @@ def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:
                 "max": d.effective_max,
                 "desired": view.desired_for(m),
                 "live": view.live_for(m),
+                "demand": _demand_json(s.demand.get(m)),
+                "scaled_reason": None if (sc := s.scaled.get(m)) is None else sc.reason,
             }
             for m, d in sorted(s.models.items())
         },
@@ -374,6 +382,18 @@ def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:
             for _, h in sorted(s.holds.items())
         ],
         "rejected": s.rejected,
+    }
+
+
+def _demand_json(d: DemandRecord | None) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    return {
+        "waiting": d.waiting,
+        "since": stamp(d.since),
+        "at": stamp(d.at),
+        "inflight": d.inflight,
+        "answered_by": d.answered_by,
     }
 
 

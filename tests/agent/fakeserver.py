@@ -3,7 +3,7 @@ engine serves (`/health`, `/v1/models`, `/v1/chat/completions`) and vLLM-style
 `/metrics`, with switches for the ways a real one misbehaves. Standard library only.
 
     python tests/agent/fakeserver.py --port 20001 [--load-s 2] [--never-ready]
-        [--crash-after S] [--drain-s S] [--ignore-term] [--spawn-setsid]
+        [--crash-after S] [--drain-s S] [--ignore-term] [--exit-on-term] [--spawn-setsid]
         [--request-s S] [--cuda-alloc-mb MB]
 
 `--cuda-alloc-mb` holds that much GPU memory (cuMemAlloc through ctypes on the CUDA
@@ -110,6 +110,9 @@ def main() -> None:
     p.add_argument("--crash-after", type=float, default=None)
     p.add_argument("--drain-s", type=float, default=0.0)
     p.add_argument("--ignore-term", action="store_true")
+    # --exit-on-term: SIGTERM ends it at once, cutting what it answers (a server that
+    # does not drain: only its agent's wait for the gateways keeps requests whole).
+    p.add_argument("--exit-on-term", action="store_true")
     p.add_argument("--spawn-setsid", action="store_true")
     p.add_argument("--request-s", type=float, default=0.0)
     p.add_argument("--cuda-alloc-mb", type=int, default=0)
@@ -150,6 +153,9 @@ def main() -> None:
         if a.ignore_term:
             print("ignoring SIGTERM", flush=True)
             return
+        if a.exit_on_term:
+            print("SIGTERM: exiting at once", flush=True)
+            os._exit(0)
         print("SIGTERM: draining", flush=True)
         state.draining = True
         threading.Thread(target=drain_then_exit, daemon=True).start()

@@ -18,7 +18,12 @@ Phases:
   projector's lag (events behind the stream's end, sampled, and the time from a probe's
   ack to the projector's commit), the scheduler's decision latency (scale one probe
   model by one: scale.desired acked -> placement.decided seen);
-- churn: a model scaled up and down by `--churn-step` replicas every 5 s, same figures.
+- churn: a model scaled up and down by `--churn-step` replicas every 5 s, same figures;
+- preempt (`--preempt N`, default 20): every node left free is given a replica of an
+  opportunistic filler model, then N critical models are declared and scaled to one, one
+  after another: none fits, so each `placement.failed` is answered by the preemption
+  service's decision and a `replica.drain` of a filler replica: the time from the
+  placement.failed on the bus to that drain on the bus, p50 and p99.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from nats.aio.msg import Msg
 from schemas import codec, ids, subjects
 from schemas import events as ev
 from services.bus import EmbeddedBroker, Publisher, connect
+from services.core.policy import Config as PolicyConfig
 from services.core.scheduling import Config as SchedulerConfig
 from services.up import Running, UpOptions, run
 
@@ -44,6 +50,7 @@ GPUS = 8
 MODELS = ("llama-70b", "mixtral-8x22b", "qwen-72b", "deepseek-67b")
 PROBE = "probe-8b"
 CHURN = "churn-70b"
+FILLER = "filler-8b"
 
 _n = 0
 _json = msgspec.json.Encoder()
@@ -210,6 +217,9 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
         scheduler=SchedulerConfig(
             tick_s=1.0, node_timeout_s=max(30.0, 10 * args.heartbeat), lease_ttl_s=args.lease_ttl
         ),
+        # Every replica here was placed moments ago: with the default minimum lifetime
+        # (120 s) all would be young, and none a victim.
+        policy=PolicyConfig(min_lifetime_s=0.0),
     )
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
@@ -333,6 +343,8 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
 
         await phase("steady", args.steady, churn=False)
         await phase("churn", args.churn, churn=True)
+        if args.preempt:
+            await preempt_phase(args, running, pub, nc, live, poll)
         info = await js.stream_info(subjects.STREAM)
         print(
             f"stream: {info.state.messages:,} events, {info.state.bytes / 1e6:,.1f} MB "
@@ -355,6 +367,71 @@ async def _true(x: bool) -> bool:
     return x
 
 
+async def preempt_phase(args, running, pub, nc, live, poll) -> None:  # type: ignore[no-untyped-def]
+    """The preempt phase (see the module docstring)."""
+    view = running.scheduler.view
+    free = sum(1 for n in view.inventory.names() if len(view.inventory.free_gpus(n)) == GPUS)
+    await pub.publish(
+        _make(
+            ev.ModelDeclared(
+                name=FILLER,
+                cls="opportunistic",
+                min=0,
+                max=args.nodes,
+                profiles=(ev.ProfileSpec(name="tp8", gpus=8, cpu_cores=32),),
+            )
+        )
+    )
+    t0 = time.perf_counter()
+    step = max(args.fill_step, 1)
+    for n in range(step, free + step, step):
+        n = min(n, free)
+        await pub.publish(_make(ev.ScaleDesired(model=FILLER, replicas=n)))
+        await poll(lambda n=n: _true(live(FILLER) >= n), 300)
+    print(f"preempt: {free:,} filler replicas ready in {time.perf_counter() - t0:.1f}s")
+    failed_at: dict[str, float] = {}
+    drained_ms: list[float] = []
+    got = asyncio.Event()
+
+    async def on_failed(msg: Msg) -> None:
+        e = codec.decode(msg.data)
+        if isinstance(e, ev.PlacementFailedEvent) and e.data.model.startswith("urgent-"):
+            failed_at.setdefault(e.data.model, time.perf_counter())
+
+    async def on_drain(msg: Msg) -> None:
+        e = codec.decode(msg.data)
+        if isinstance(e, ev.ReplicaDrainEvent) and e.data.reason == "preempted":
+            t = failed_at.get(e.data.for_model or "")
+            if t is not None:
+                drained_ms.append((time.perf_counter() - t) * 1000)
+                got.set()
+
+    subs = [
+        await nc.subscribe("llmgw.placement.failed.>", cb=on_failed),
+        await nc.subscribe("llmgw.cmd.>", cb=on_drain),
+    ]
+    try:
+        for i in range(args.preempt):
+            name = f"urgent-{i:03d}"
+            spec = ev.ProfileSpec(name="tp8", gpus=8, cpu_cores=32)
+            await pub.publish(
+                _make(ev.ModelDeclared(name=name, cls="critical", min=0, max=1, profiles=(spec,)))
+            )
+            got.clear()
+            await pub.publish(_make(ev.ScaleDesired(model=name, replicas=1)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(got.wait(), 30)
+            await poll(lambda name=name: _true(live(name) >= 1), 60)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    print(
+        f"  preemption: placement.failed -> replica.drain p50 {pct(drained_ms, 50):.0f} ms, "
+        f"p99 {pct(drained_ms, 99):.0f} ms ({len(drained_ms)} of {args.preempt} preemptions; "
+        f"{len(view.replicas):,} replicas in the view)"
+    )
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=10_000)
@@ -366,4 +443,5 @@ if __name__ == "__main__":
     ap.add_argument("--churn-step", type=int, default=200, metavar="N")
     ap.add_argument("--fill-step", type=int, default=1000, metavar="N")
     ap.add_argument("--lease-ttl", type=float, default=15.0, metavar="S")
+    ap.add_argument("--preempt", type=int, default=20, metavar="N", help="preemptions to time")
     asyncio.run(main(ap.parse_args()))

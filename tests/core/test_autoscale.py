@@ -287,3 +287,76 @@ def test_an_alias_replica_counts_as_use() -> None:
 )
 def test_span_words(seconds: float, words: str) -> None:
     assert autoscale.span(seconds) == words
+
+
+def test_invariants_over_random_logs(rng) -> None:  # type: ignore[no-untyped-def]
+    """Random demand, scales by hand and by the autoscaler, placements and uses over a few
+    models: at every step `decide` stays within [0, max], never touches a model with a
+    min, leaves the view as it was, decides the same twice, and what it decides, once
+    folded, leaves it nothing more to decide at that time (the scheduler never loops)."""
+    from services.core.view import digest
+
+    rules: dict[str, int] = {}
+    for _ in range(30):
+        log = Log()
+        log.node()
+        for name, lo, hi in (("m", 0, 4), ("n", 0, 1), ("k", 1, 3)):
+            log.add(
+                ev.ModelDeclared(
+                    name=name,
+                    min=lo,
+                    max=hi,
+                    idle_after_s=float(rng.choice([5, 60, 600])),
+                    target_inflight=rng.choice([None, 1, 3]),
+                    profiles=(ev.ProfileSpec(name="p", gpus=1),),
+                ),
+                0,
+            )
+        t = 0.0
+        placed = 0
+        for _step in range(40):
+            t += rng.choice([0.5, 3, 30, 400])
+            name = rng.choice(["m", "n", "k"])
+            what = rng.random()
+            if what < 0.35:
+                log.add(
+                    ev.ModelDemanded(
+                        model=name,
+                        waiting=rng.randrange(0, 20),
+                        since=at(t - 1),
+                        inflight=rng.randrange(0, 5),
+                    ),
+                    t,
+                    "gateway",
+                )
+            elif what < 0.45:
+                log.add(ev.ScaleDesired(model=name, replicas=rng.randrange(0, 4)), t, "op")
+            elif what < 0.6 and placed < 8:
+                rid = f"r{placed}"
+                shards = (ev.ShardSpec(node="n1", gpus=(placed,)),)
+                log.add(
+                    ev.PlacementDecided(
+                        replica=rid, model=name, profile="p", shards=shards, reason="x"
+                    ),
+                    t,
+                )
+                placed += 1
+            elif what < 0.8 and placed:
+                log.add(ev.ReplicaUsed(replica=f"r{rng.randrange(placed)}", at=at(t)), t, "gw")
+            now = at(t + rng.choice([0, 1, 100, 1000]))
+            before = digest(log.view.state)
+            got = autoscale.decide(log.view, now)
+            assert digest(log.view.state) == before
+            assert [d.event for d in autoscale.decide(log.view, now).decisions] == [
+                d.event for d in got.decisions
+            ]
+            for d in got.decisions:
+                rules[d.rule] = rules.get(d.rule, 0) + 1
+                decl = log.view.state.models[d.model]
+                assert decl.min == 0 and 0 <= d.replicas <= decl.effective_max
+            for d in got.decisions:
+                e = d.event
+                log.n += 1
+                assert fold.apply(log.view, e, seq=log.n, subject=subjects.subject_for(e)) is None
+            assert autoscale.decide(log.view, now).decisions == []
+    assert min(rules.get(r, 0) for r in autoscale.RULES) > 0, rules

@@ -66,7 +66,8 @@ def _refusing() -> str:
 
 def _error(status: int, headers: dict[str, str], body: bytes, code: str) -> dict[str, Any]:
     doc = json.loads(body)
-    assert headers["x-llmgw-reason"] == code, body
+    # The code, and after it the same in words where the code alone does not say enough.
+    assert headers["x-llmgw-reason"].split(": ")[0] == code, body
     assert set(doc["error"]) == {"message", "type", "code"} and doc["error"]["code"] == code
     return dict(doc["error"])
 

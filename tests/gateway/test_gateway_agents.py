@@ -5,6 +5,7 @@ drain of one is folded, none reaches it, while its server is still up and draini
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import openai
@@ -13,7 +14,7 @@ from nats.js.client import JetStreamContext
 
 from services.bus import EmbeddedBroker
 from tests.agent import realagent as ra
-from tests.agent.helpers import drain_cmd, start_cmd
+from tests.agent.helpers import drain_cmd, start_cmd, wait_for
 from tests.agent.test_process_runtime import _agent, _ports, run_agent  # noqa: F401
 from tests.gateway.conftest import Plane
 
@@ -62,3 +63,45 @@ async def test_requests_reach_real_servers_and_leave_one_once_its_drain_is_folde
     await ra.publish(js, drain_cmd("rr-2", model="real", grace_s=0.5), node=node)
     for rid in ("rr-1", "rr-2"):
         await ra.until_state(js, node, rid, "stopped")
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["waits for the gateway", "does not wait"])
+async def test_a_real_agents_drain_waits_for_a_request_in_flight_through_the_gateway(
+    nats_server: EmbeddedBroker,
+    js: JetStreamContext,
+    plane: Plane,
+    tmp_path: Path,
+    run_agent: list,  # noqa: F811
+    wait: bool,
+) -> None:
+    """A server that exits at SIGTERM, cutting what it answers: the real agent sends it
+    only once the gateway has nothing in flight there, so a request begun before the
+    drain is answered whole (and with the agent not waiting, it is cut: a 502)."""
+    node = f"gw-term-{int(wait)}"
+    model = f"term{int(wait)}"
+    await ra.publish(
+        js, ra.declared(model, ra.fake_runtime("--request-s", "0.8", "--exit-on-term"))
+    )
+    extra = () if wait else ("--no-gateway-wait",)
+    _agent(run_agent, nats_server.url, node, tmp_path, "--ports", _ports(2), *extra)
+    rid = f"{model}-1"
+    await ra.publish(js, start_cmd(rid, node, (0,), model=model))
+    await ra.until_state(js, node, rid, "ready")
+    await wait_for(
+        lambda: asyncio.sleep(0, plane.gateway.follower.view.replicas.get(rid)),
+        lambda r: r is not None and r.endpoint is not None,
+    )
+    # A request of 0.8 s (the gateway's upstream timeout here is 1 s), being answered by
+    # the server (its metrics say so) when the drain is sent.
+    endpoint = plane.gateway.follower.view.replicas[rid].endpoint
+    asked = asyncio.create_task(plane.chat(model))
+
+    async def running() -> bytes:
+        async with plane.http.get(f"{endpoint}/metrics") as r:
+            return await r.read()
+
+    await wait_for(running, lambda text: b'num_requests_running{model_name="fake"} 1.0' in text)
+    await ra.publish(js, drain_cmd(rid, model=model, grace_s=10.0), node=node)
+    status, headers, _ = await asyncio.wait_for(asked, 10)
+    await ra.until_state(js, node, rid, "stopped")
+    assert (status == 200) is wait, (status, headers.get("x-llmgw-reason"))

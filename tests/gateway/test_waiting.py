@@ -8,6 +8,8 @@ alive with SSE comments; nothing held or in flight once every request has ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import statistics
 import time
@@ -15,12 +17,14 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+import aiohttp
 import pytest
 from nats.aio.client import Client
 
 from schemas import codec, subjects
 from schemas import events as ev
 from services.agent.responder import Responder, Timing
+from services.bus import Publisher
 from services.clock import utc_now
 from tests.agent.helpers import new_id, wait_for
 from tests.gateway.conftest import Plane
@@ -155,7 +159,7 @@ async def test_past_the_lines_length_a_429_with_the_predicted_start(
     # No start in the log: the default prediction, ten minutes.
     status, h, body = await plane.chat("full")
     assert status == 429 and h["Retry-After"] == "600"
-    assert h["x-llmgw-reason"] == "queue_full"
+    assert h["x-llmgw-reason"].startswith("queue_full: ")
     assert "3 requests already wait for full" in json.loads(body)["error"]["message"]
     s = await servers("full-1", "full")
     await plane.ready("full-1", "full", s.endpoint)
@@ -170,7 +174,7 @@ async def test_a_wait_is_bounded_by_the_clients_own_timeout(plane: Plane) -> Non
         CHAT, _body("slow-start"), headers={"x-stainless-read-timeout": "0.4"}
     )
     waited = time.monotonic() - t0
-    assert status == 429 and h["x-llmgw-reason"] == "not_ready_in_time"
+    assert status == 429 and h["x-llmgw-reason"].startswith("not_ready_in_time: ")
     assert h["Retry-After"] == "600"
     assert 0.3 <= waited < 2
     assert plane.gateway.room.held() == 0
@@ -207,14 +211,14 @@ async def test_a_model_that_cannot_be_placed_is_a_503_with_the_decisions_reason(
     )
     p = await plane.pub.publish(decided)
     status, h, body = await asyncio.wait_for(task, 5)
-    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    assert status == 503 and h["x-llmgw-reason"].startswith("no_candidates: ")
     msg = json.loads(body)["error"]["message"]
     assert "no replica may be stopped for it" in msg and "the most free on a node is 0" in msg
     assert "Retry-After" not in h
     # The plane has asked for it and said it cannot: the next one is told at once.
     await plane.say(ev.ScaleDesired(model="nofit", replicas=1))
     status, h, _ = await asyncio.wait_for(plane.chat("nofit"), 5)
-    assert status == 503 and h["x-llmgw-reason"] == "no_candidates"
+    assert status == 503 and h["x-llmgw-reason"].startswith("no_candidates: ")
     assert plane.gateway.room.held() == 0
 
 
@@ -223,7 +227,7 @@ async def test_a_held_model_is_a_503_with_the_holds_end(plane: Plane) -> None:
     until = utc_now() + timedelta(seconds=42)
     await plane.say(ev.HoldCreated(model="held-off", for_model="other", until=until))
     status, h, body = await plane.chat("held-off")
-    assert status == 503 and h["x-llmgw-reason"] == "held"
+    assert status == 503 and h["x-llmgw-reason"].startswith("held: ")
     assert 40 <= int(h["Retry-After"]) <= 43
     assert "gave up its room for other" in json.loads(body)["error"]["message"]
 
@@ -287,3 +291,82 @@ async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
     p99 = statistics.quantiles(wakes, n=100)[98]
     assert p99 < 0.05, f"wake p99 {p99 * 1000:.1f} ms"
     assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
+
+
+async def test_demand_is_said_at_most_once_an_interval_while_requests_wait(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]], nc: Client
+) -> None:
+    plane.gateway.demand_interval_s = 0.05
+    await plane.model("steady")
+    got: list[ev.ModelDemandedEvent] = []
+
+    async def heard(msg: Any) -> None:
+        got.append(codec.decode(msg.data))  # type: ignore[arg-type]
+
+    sub = await nc.subscribe(subjects.demand_subject("steady"), cb=heard)
+    tasks = [asyncio.create_task(plane.chat("steady")) for _ in range(3)]
+    await _held(plane, 3)
+    await wait_for(lambda: asyncio.sleep(0, len(got)), lambda n: n >= 4, 5)
+    s = await servers("st-1", "steady")
+    await plane.ready("st-1", "steady", s.endpoint)
+    assert [(await t)[0] for t in tasks] == [200] * 3
+    await wait_for(lambda: asyncio.sleep(0, got[-1].data.waiting), lambda n: n == 0, 5)
+    await sub.unsubscribe()
+    waiting = [e for e in got if e.data.waiting]
+    assert waiting[-1].data.waiting == 3
+    assert len({e.data.since for e in got}) == 1  # one wait, from its first request
+    gaps = [(b.time - a.time).total_seconds() for a, b in itertools.pairwise(waiting)]
+    assert min(gaps) >= 0.04, gaps  # the interval (the clock's grain aside)
+
+
+async def test_a_busy_model_the_plane_cannot_grow_still_holds_its_requests(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.model("busy", target_inflight=1)
+    s = await servers("bu-1", "busy", Timing(0.15, 0.0))  # within the wait (0.3 s)
+    await plane.ready("bu-1", "busy", s.endpoint)
+    tasks = [asyncio.create_task(plane.chat("busy", max_tokens=1)) for _ in range(3)]
+    await _held(plane, 1)  # two in flight (its limit), one waits for a slot
+    await plane.say(ev.ScaleDesired(model="busy", replicas=2))
+    failed = ev.make(
+        ev.PlacementFailed(model="busy", profiles=("p",), live=1, desired=2, reason="no_fit"),
+        id=new_id(),
+        time=utc_now(),
+        source="test",
+    )
+    await plane.say(failed.data)
+    await plane.say(ev.PreemptionDecided(for_model="busy", outcome="no_fit", trigger=failed.id))
+    # No room for a second replica, but the first serves: nothing is refused.
+    assert [(await t)[0] for t in tasks] == [200] * 3
+    assert plane.gateway.room.held() == 0
+
+
+async def test_a_gateway_stopped_with_requests_held_stops_and_their_demand_with_it(js: Any) -> None:
+    from services.gateway.server import Gateway
+
+    gw = Gateway(js, listen="127.0.0.1:0", demand_interval_s=0.05)
+    sock = gw.bind()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    run = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
+    await asyncio.wait_for(ready.wait(), 10)
+    pub = Publisher(js)
+    p = await pub.publish(
+        ev.make(
+            ev.ModelDeclared(name="stopping", min=0, profiles=(ev.ProfileSpec(name="p", gpus=1),)),
+            id=new_id(),
+            time=utc_now(),
+            source="test",
+        )
+    )
+    await gw.follower.wait_for(p.seq, 5)
+    async with aiohttp.ClientSession() as http:
+        held = asyncio.create_task(http.post(f"{gw.url}{CHAT}", json=_body("stopping")))
+        await wait_for(lambda: asyncio.sleep(0, gw.room.held()), lambda n: n == 1, 5)
+        demand = gw.room.lines["stopping"].demand
+        assert demand is not None
+        stop.set()
+        await asyncio.wait_for(run, 10)
+        assert demand.done()
+        with contextlib.suppress(aiohttp.ClientError):
+            (await held).close()

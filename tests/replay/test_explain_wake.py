@@ -99,3 +99,21 @@ def test_a_model_never_woken_by_demand_says_nothing_of_it(
     assert cli.main(["explain", "model", "batch", "--log", str(path)]) == 0
     out = capsys.readouterr().out
     assert "woken by demand" not in out and "demand:" not in out
+
+
+def test_view_shows_the_demand_and_the_autoscalers_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, ids = _woken(tmp_path)
+    assert cli.main(["view", "--log", str(path)]) == 0
+    out = capsys.readouterr().out
+    (urgent,) = [line for line in out.splitlines() if line.startswith("  urgent  (")]
+    assert "demand: 2 waiting since 2026-01-01T12:00:00Z" in urgent
+    assert "scaled: demand: 2 waiting since 12:00:00" in urgent
+    (batch,) = [line for line in out.splitlines() if line.startswith("  batch  (")]
+    assert "demand" not in batch and "scaled" not in batch
+    assert cli.main(["view", "--log", str(path), "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["models"]
+    assert doc["urgent"]["demand"]["answered_by"] == ids["scale"]
+    assert doc["urgent"]["scaled_reason"] == "demand: 2 waiting since 12:00:00"
+    assert doc["batch"]["demand"] is None and doc["batch"]["scaled_reason"] is None

@@ -1,0 +1,43 @@
+"""The waiting room's lines (services.gateway.waiting) without a server: FIFO within a
+model, bounded by its length, lines served critical first, and a line forgotten once
+nothing waits in it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.core import catalog
+from services.gateway.waiting import Full, WaitingRoom
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _model(name: str, cls: str) -> catalog.Model:
+    return catalog.Model(name=name, cls=cls, min=0)
+
+
+async def test_lines_are_fifo_bounded_and_served_critical_first() -> None:
+    room = WaitingRoom(per_model=2)
+    opp, std, crit = (
+        _model("o", "opportunistic"),
+        _model("s", "standard"),
+        _model("c", "critical"),
+    )
+    first = room.join(opp, None, T0)  # waited longest, but of the lowest class
+    second = room.join(opp, "sess", T0 + timedelta(seconds=1))
+    with pytest.raises(Full):
+        room.join(opp, None, T0 + timedelta(seconds=2))
+    room.join(std, None, T0 + timedelta(seconds=3))
+    room.join(crit, None, T0 + timedelta(seconds=4))
+    assert [line.model for line in room.ordered()] == ["c", "s", "o"]
+    line = room.lines["o"]
+    assert list(line.waiters) == [first, second] and line.since == T0
+    assert room.held() == 4 and room.held_by_model() == {"o": 2, "s": 1, "c": 1}
+    room.leave(first)
+    assert line.since == T0 + timedelta(seconds=1) and not line.emptied.is_set()
+    room.leave(second)
+    assert line.emptied.is_set() and "o" not in room.lines  # no demand task: forgotten
+    for w in (first, second):
+        w.fut.cancel()
