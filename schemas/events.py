@@ -94,6 +94,20 @@ class Data(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- catalog
 
 
+TopologyMode = Literal["required", "preferred"]
+
+
+class TopologySpec(Data, frozen=True, kw_only=True):
+    """Where a profile's shards go in the cluster's topology (an extension of the contract).
+
+    `level` is a level of the cluster file's `topology:` list and the key of a node's label
+    naming its domain at that level (`nvlink_domain: nvl-3`). `required`: every shard in one
+    domain of that level; `preferred`: as few domains as can hold them."""
+
+    level: Name
+    mode: TopologyMode = "required"
+
+
 class ProfileSpec(Data, frozen=True, kw_only=True):
     name: Name
     gpus: GpuCount
@@ -106,6 +120,8 @@ class ProfileSpec(Data, frozen=True, kw_only=True):
     """Per shard."""
     memory_gb: Quantity = 0.0
     """Per shard."""
+    topology: TopologySpec | None = None
+    """None: shards on any distinct nodes (every profile before this field)."""
 
 
 Engine = Literal["vllm", "sglang", "command"]
@@ -443,6 +459,14 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     room is there (the scheduler held the model back, a node backing off after failed
     starts): it says that nothing was stopped and what still keeps the model unplaced.
     Empty in a decision from before the field was added."""
+    spans: Annotated[dict[Text, tuple[Name, ...]], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension: the victims whose shards are on several nodes (gangs), each with its
+    nodes: every one of them is drained. {} for a decision with none."""
+    domain: Text = ""
+    """Extension: where the model goes once the victims stop, `level=value` of the
+    topology level its profile keeps it in; "" when it keeps it in none."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):

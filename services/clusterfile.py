@@ -18,6 +18,12 @@ The shape (YAML shown; TOML uses `[[models]]`, `[[quota]]` and a `[scale]` table
     owners: [experiments]         # owners outside the tree on purpose (no event)
     scale:                        # scale.desired per model
       chat-70b: 2
+    topology: [zone, rack, nvlink_domain]   # levels, widest first; node label keys
+
+`topology:` names the levels of the cluster's topology, widest first. Each is the key of
+a node label (an agent's `--labels nvlink_domain=nvl-3,rack=r7`) whose value names the
+node's domain at that level. A profile's `topology: {level, mode}` must name one of them:
+a level the file does not declare is a typo that would leave the shards unconstrained.
 
 A model's owner must be an owner of the quota tree (the file's, else the one in force)
 when there is one: an owner outside it has no guarantee and no limit, so `owner: reserch`
@@ -45,7 +51,7 @@ from services import names
 from services.core import view as core_view
 
 _AT = re.compile(r"^(?P<why>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
-_TOP = ("models", "quota", "owners", "scale")
+_TOP = ("topology", "models", "quota", "owners", "scale")
 
 # MAX_DEPTH bounds how deeply a cluster file nests. A real one is six levels deep (models,
 # a model, its runtime, its env, ...); thousands of `[` would exhaust the parsers' and the
@@ -77,6 +83,9 @@ class ClusterFile:
     """The line of each field path (`scale.chat-70b`), for errors found after parsing."""
     owners: tuple[str, ...] = ()
     """Owners outside the quota tree on purpose (`owners:`); published as nothing."""
+    topology: tuple[str, ...] = ()
+    """The topology's levels, widest first (`topology:`); published as nothing: each is
+    a node label's key, which `node.inventory` carries."""
 
     def error(self, where: str, why: str) -> ClusterFileError:
         """An error at a field of this file, for a check made against the live cluster."""
@@ -138,6 +147,7 @@ def parse(
             hint = names.did_you_mean(str(key), _TOP, quote="`")
             raise fail(str(key), f"unknown section{hint or '; expected one of ' + ', '.join(_TOP)}")
     out = ClusterFile(name=name, lines=lines)
+    out.topology = _levels(doc.get("topology"), fail)
     raw_models = doc.get("models") or []
     if not isinstance(raw_models, list):
         raise fail("models", "must be a list of models")
@@ -156,6 +166,12 @@ def parse(
             raise fail(f"{where}.profiles", "two profiles share a name")
         if m.max is not None and m.max < m.min:
             raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
+        for j, p in enumerate(m.profiles):
+            if p.topology is not None and p.topology.level not in out.topology:
+                raise fail(
+                    f"{where}.profiles[{j}].topology.level",
+                    _undeclared(p.topology.level, out.topology),
+                )
         if m.runtime is not None:
             bad = _runtime_problem(m.runtime)
             if bad is not None:
@@ -190,6 +206,29 @@ def parse(
             raise fail(where, f"must be a whole number of replicas >= 0, not {n!r}")
         out.scale[str(model)] = n
     return out
+
+
+def _levels(raw: Any, fail: Any) -> tuple[str, ...]:
+    """The `topology:` levels, widest first, each a label key given once."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise fail(
+            "topology", "must be a list of levels, widest first: [zone, rack, nvlink_domain]"
+        )
+    levels = tuple(_convert(x, ev.Name, f"topology[{i}]", fail) for i, x in enumerate(raw))
+    for i, level in enumerate(levels):
+        if level in levels[:i]:
+            raise fail(f"topology[{i}]", f"level {level!r} is given twice")
+    return levels
+
+
+def _undeclared(level: str, levels: tuple[str, ...]) -> str:
+    """Why a profile's topology level is refused: the file does not declare it."""
+    if not levels:
+        return f"level {level!r} is not declared: add `topology: [..., {level}]` to the file"
+    hint = names.did_you_mean(level, levels, quote="`")
+    return f"level {level!r} is not declared{hint or '; the levels are ' + ', '.join(levels)}"
 
 
 # PLACEHOLDERS are what a runtime's command, args and env may name; the agent fills them.

@@ -36,6 +36,7 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 
     `gpu_memory_gb` is the least memory each GPU must have; `gpu_model` None means any
     GPU model (see `placement` for how a name matches). CPU cores and memory are per shard.
+    `topology_level` and `topology_mode` are the profile's `topology` (see `placement`).
     """
 
     name: str
@@ -45,6 +46,11 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     gpu_model: str | None = None
     cpu_cores: float = 0.0
     memory_gb: float = 0.0
+    # topology_level names the level of the cluster's topology (a node label's key) the
+    # shards are kept within; None: any distinct nodes. topology_mode: "required" (one
+    # domain of that level, or no placement) or "preferred" (as few domains as can).
+    topology_level: str | None = None
+    topology_mode: str = "required"
 
     def shard_need(self) -> Amount:
         """What one shard holds, for quota math."""

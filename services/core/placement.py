@@ -21,6 +21,13 @@ Rules:
   qualifying GPU indices are taken.
 - `avoid` is a soft preference: every profile is tried without those nodes first,
   then every profile again with them.
+- Topology: a profile with `topology_level` keeps its shards within the domains of that
+  level, a domain being the nodes whose label of that key has one value (a node without
+  the label is in no domain). `required`: all shards in one domain, or no placement;
+  `preferred`: one domain when one can hold them all, else any distinct nodes as above.
+  Of the domains that fit, the one left with the fewest free GPUs (ties by name), so
+  whole free domains stay for the next large model; inside it, best fit as above. The
+  reason a profile did not fit names each domain tried and why it failed there.
 """
 
 from __future__ import annotations
@@ -80,16 +87,74 @@ def place(
 
     if avoided:
         for profile in profiles:
-            found = _fit(usages(), profile, avoided)
+            found = _fit_profile(usages(), profile, avoided)
             if isinstance(found, tuple):
                 return Placement(profile=profile, shards=found)
     reasons: list[tuple[str, str]] = []
     for profile in profiles:
-        found = _fit(usages(), profile, frozenset())
+        found = _fit_profile(usages(), profile, frozenset())
         if isinstance(found, tuple):
             return Placement(profile=profile, shards=found)
         reasons.append((profile.name, found))
     return NoFit(reasons=tuple(reasons))
+
+
+def _fit_profile(
+    usages: Iterable[NodeUsage], profile: Profile, avoid: frozenset[str]
+) -> tuple[Shard, ...] | str:
+    """`_fit`, kept within one domain of the profile's topology level when it has one."""
+    level = profile.topology_level
+    if level is None:
+        return _fit(usages, profile, avoid)
+    listed = list(usages)
+    found = _fit_domain(listed, profile, avoid, level)
+    if isinstance(found, tuple) or profile.topology_mode == "required":
+        return found
+    spread = _fit(listed, profile, avoid)
+    return spread if isinstance(spread, tuple) else f"{found}; across {level}s: {spread}"
+
+
+# SHOWN_DOMAINS bounds the domains a reason names one by one; the rest are counted, so a
+# placement.failed on a cluster of a thousand racks stays one readable line.
+SHOWN_DOMAINS = 8
+
+
+def domains_of(usages: Iterable[NodeUsage], level: str) -> dict[str, list[NodeUsage]]:
+    """The nodes of each domain at `level` (the value of their label `level`), by name."""
+    out: dict[str, list[NodeUsage]] = {}
+    for u in usages:
+        d = u.node.labels.get(level)
+        if d is not None:
+            out.setdefault(d, []).append(u)
+    return out
+
+
+def _fit_domain(
+    usages: list[NodeUsage], profile: Profile, avoid: frozenset[str], level: str
+) -> tuple[Shard, ...] | str:
+    """The shards for one profile inside one domain of `level`: of the domains that fit,
+    the one left with the fewest free GPUs, ties by name (best fit at the level, so the
+    large free blocks survive); or why it fits none, domain by domain."""
+    domains = domains_of(usages, level)
+    if not domains:
+        return f"no node has a {level} label"
+    best: tuple[int, str, tuple[Shard, ...]] | None = None
+    failed: list[str] = []
+    for name in sorted(domains):
+        found = _fit(domains[name], profile, avoid)
+        if isinstance(found, str):
+            failed.append(f"{name}: {found}")
+            continue
+        free = sum(len(u.free) for u in domains[name] if u.schedulable)
+        left = free - profile.gpus * profile.shards
+        if best is None or (left, name) < best[:2]:
+            best = (left, name, found)
+    if best is not None:
+        return best[2]
+    shown = "; ".join(failed[:SHOWN_DOMAINS])
+    more = len(failed) - SHOWN_DOMAINS
+    tail = f"; and {more} other {level}s" if more > 0 else ""
+    return f"no {level} holds all {_count(profile.shards, 'shard')} ({shown}{tail})"
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -280,6 +280,8 @@ def model_of(d: ev.ModelDeclared) -> catalog.Model:
                 gpu_model=p.gpu_model,
                 cpu_cores=p.cpu_cores,
                 memory_gb=p.memory_gb,
+                topology_level=None if p.topology is None else p.topology.level,
+                topology_mode="required" if p.topology is None else p.topology.mode,
             )
             for p in d.profiles
         ),
