@@ -463,6 +463,7 @@ async def _serve(
             # The dashboard shows requests a second and in flight per model from the
             # gateway's own counters (services.dashboard.traffic).
             dashboard.gateway = gateway.traffic
+            dashboard.held = gateway.room.held_by_model
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks: dict[asyncio.Task[Any], str] = {
             asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",

@@ -15,13 +15,14 @@ to read it back out of nats-py's private attributes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,32 @@ from nats.js.api import DEFAULT_PREFIX
 from nats.js.client import JetStreamContext
 
 from services.bus.broker import read_url
-from services.bus.errors import BrokerRefused, BrokerUnavailable
+from services.bus.errors import BrokerRefused, BrokerUnavailable, BrokerUntrusted, BusError
 from services.bus.urls import public_url
 
 log = logging.getLogger("llmgw.bus")
 
+
+def _not_eof_noise(record: logging.LogRecord) -> bool:
+    # nats-py's transport answers the end of a TLS stream as it does a plain one, and
+    # asyncio warns about it on every TLS connection's close: noise, nothing to act on.
+    return "eof_received()" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_not_eof_noise)
+
 ENV_URL = "LLMGW_NATS"
+
+# ENV_CA, ENV_CERT and ENV_KEY are the client's TLS settings (the CLI's --nats-ca,
+# --nats-cert and --nats-key set them for the command and every process it starts):
+# the PEM file of the CA that signed the servers' certificates, and a client certificate
+# and its key for a server that asks for one. Given any, every connection verifies the
+# server against them, and a server that offers no TLS is refused before the client
+# sends its credentials. A `tls://` URL with none of them verifies against the system's
+# CAs.
+ENV_CA = "LLMGW_NATS_CA"
+ENV_CERT = "LLMGW_NATS_CERT"
+ENV_KEY = "LLMGW_NATS_KEY"
 
 # RECONNECT_REPORT_S is the least time between two lines about a connection still trying
 # to come back. nats-py tries every half second; a line per try is an hour-long outage
@@ -106,6 +127,49 @@ class Target:
         return {}
 
 
+def tls_from_env(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | None:
+    """The client TLS context $LLMGW_NATS_CA / _CERT / _KEY describe, or None when none is
+    set. A file that cannot be read as PEM is a `BusError` naming the variable and file."""
+    env = os.environ if environ is None else environ
+    ca, cert, key = (env.get(n) or None for n in (ENV_CA, ENV_CERT, ENV_KEY))
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise BusError(
+            f"{ENV_CERT} (--nats-cert) and {ENV_KEY} (--nats-key) go together: "
+            f"{'only the certificate' if key is None else 'only the key'} was given"
+        )
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise BusError(
+            f"{ENV_CA}={ca}: not a readable PEM file of CA certificates ({_why(e)})"
+        ) from e
+    if cert is not None:
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise BusError(
+                f"{ENV_CERT}={cert}, {ENV_KEY}={key}: not a readable PEM certificate and key "
+                f"({_why(e)})"
+            ) from e
+    return ctx
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, ssl.SSLError):
+        return e.reason or str(e)
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+class NoTLS(nats.errors.Error):
+    """The server offers no TLS to a client told to verify it (given a CA, or a tls://
+    URL): refused before the client's CONNECT, which carries the credentials."""
+
+    def __str__(self) -> str:
+        return "it offers no TLS"
+
+
 def servers_of(url: str | Sequence[str]) -> list[str]:
     """The server URLs of `url`: a list, or one string of comma-separated URLs."""
     urls = [url] if isinstance(url, str) else list(url)
@@ -169,9 +233,17 @@ class JetStream(JetStreamContext):
 class BusClient(Client):
     """nats-py's client, made by `connect`, which knows its `Target`."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, *, require_tls: bool = False) -> None:
         super().__init__()
         self.target = target
+        self.require_tls = require_tls
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        # A server's first INFO comes before the client's CONNECT: a client that must
+        # speak TLS refuses a server without it here, before any credential is sent.
+        if initial_connection and self.require_tls and not info.get("tls_required"):
+            raise NoTLS()
+        await super()._process_info(info, initial_connection)
 
     def jetstream(self, **opts: Any) -> JetStream:
         return JetStream(self, self.target, **opts)
@@ -328,6 +400,14 @@ async def connect(
     """
     servers = servers_of(url)
     shown = ",".join(servers)
+    if options.get("tls") is None:
+        options.pop("tls", None)
+        env_tls = tls_from_env()
+        if env_tls is not None:
+            options["tls"] = env_tls
+    require_tls = options.get("tls") is not None or any(
+        s.lower().startswith("tls://") for s in servers
+    )
     initial = True
     outage = Outage(name, public_url(shown))
 
@@ -358,7 +438,7 @@ async def connect(
     # that try (nats-py goes on to the next server only when the TCP connect fails).
     tries = len(servers)
     while True:
-        nc = BusClient(target)
+        nc = BusClient(target, require_tls=require_tls)
         try:
             # The first connect tries each server once more at most: nats-py's own loop,
             # with reconnect forever, would retry dead addresses forever instead of
@@ -380,6 +460,9 @@ async def connect(
         except (OSError, TimeoutError, nats.errors.Error) as e:
             with_reason = str(e) or type(e).__name__
             await _quiet_close(nc)
+            untrusted = _untrusted(e)
+            if untrusted is not None:
+                raise BrokerUntrusted(shown, untrusted, os.environ.get(ENV_CA)) from e
             if refused(e):
                 raise BrokerRefused(shown, "Authorization Violation") from e
             tries -= 1
@@ -391,6 +474,18 @@ async def connect(
     return nc
 
 
+def _untrusted(e: BaseException) -> str | None:
+    """Why the client does not trust the server, if that is what `e` says: its
+    certificate did not verify, or it offers no TLS; else None."""
+    if isinstance(e, NoTLS):
+        return str(e)
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return f"its certificate: {e.verify_message or e.reason or e}"
+    if isinstance(e, ssl.SSLError):
+        return f"TLS: {e.reason or e}"
+    return None
+
+
 def refused(e: BaseException) -> bool:
     """Whether `e` is a server's refusal of the credentials: it answered, so there is a
     server, and the user or password is what is wrong."""
@@ -399,7 +494,14 @@ def refused(e: BaseException) -> bool:
     )
 
 
+# CLOSE_FAILED_S bounds the close of a client whose connect failed: after a failed TLS
+# handshake the socket's close never completes (asyncio waits on a transport the
+# handshake already dropped), which would hang the command instead of letting it say why.
+CLOSE_FAILED_S = 1.0
+
+
 async def _quiet_close(nc: Client) -> None:
     # Closing a never-opened client has nothing to report.
     with contextlib.suppress(Exception):
-        await nc.close()
+        async with asyncio.timeout(CLOSE_FAILED_S):
+            await nc.close()

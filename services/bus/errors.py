@@ -47,6 +47,24 @@ class BrokerRefused(BusError):
         )
 
 
+class BrokerUntrusted(BusError):
+    """A NATS server answered at `url` and the client does not trust it: its certificate
+    does not verify against the CA given (`ca`, or the system's), or it offers no TLS to a
+    client told to use it. Nothing was sent to it: no credentials, no events.
+    """
+
+    def __init__(self, url: str, why: str, ca: str | None = None) -> None:
+        self.url = url
+        self.why = why
+        self.ca = ca
+        against = f"the CA in {ca}" if ca else "the system's CAs"
+        super().__init__(
+            f"the NATS server at {public_url(url)} is not trusted ({why}; checked against "
+            f"{against}): give the CA that signed its certificate with --nats-ca FILE or "
+            "LLMGW_NATS_CA, and connect by the name its certificate holds"
+        )
+
+
 class BrokerError(BusError):
     """The embedded nats-server could not be found, started or stopped."""
 

@@ -58,6 +58,10 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 ENV_NATS = "LLMGW_NATS"
+# The client TLS settings services.bus.connection reads (ENV_CA, ENV_CERT, ENV_KEY there).
+ENV_NATS_CA = "LLMGW_NATS_CA"
+ENV_NATS_CERT = "LLMGW_NATS_CERT"
+ENV_NATS_KEY = "LLMGW_NATS_KEY"
 ENV_DATA = "LLMGW_DATA"
 ENV_ROOT = "LLMGW_ROOT"
 ENV_DEBUG = "LLMGW_DEBUG"
@@ -243,7 +247,38 @@ GLOBAL_OPTIONS: tuple[tuple[str, str, str, str], ...] = (
         f"data directory of `llmgw up` (env {ENV_DATA}; default {DEFAULT_DATA})",
     ),
     ("--root", "root", "TOKEN", f"root subject token (env {ENV_ROOT}; default {DEFAULT_ROOT})"),
+    (
+        "--nats-ca",
+        "nats_ca",
+        "FILE",
+        f"verify the NATS servers' TLS certificates against this CA (PEM; env {ENV_NATS_CA}); "
+        "a server without TLS is then refused",
+    ),
+    (
+        "--nats-cert",
+        "nats_cert",
+        "FILE",
+        f"client certificate (PEM) for servers that ask for one (env {ENV_NATS_CERT})",
+    ),
+    ("--nats-key", "nats_key", "FILE", f"the client certificate's key (env {ENV_NATS_KEY})"),
 )
+
+
+# TLS_OPTIONS: the global options that become the environment of the connection code
+# (services.bus.connection reads it), so every connection the command makes, and every
+# process it starts (`llmgw up`'s services), verifies the servers alike.
+TLS_OPTIONS = (
+    ("nats_ca", ENV_NATS_CA),
+    ("nats_cert", ENV_NATS_CERT),
+    ("nats_key", ENV_NATS_KEY),
+)
+
+
+def _apply_tls_options(args: argparse.Namespace) -> None:
+    for dest, env in TLS_OPTIONS:
+        value = getattr(args, dest, None)
+        if value:
+            os.environ[env] = os.path.abspath(value)
 
 
 def _global_options(
@@ -773,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:
             _unrecognized(parser, args, extra)
+        _apply_tls_options(args)
         result = args.func(args)
         if asyncio.iscoroutine(result):
             result = asyncio.run(result)

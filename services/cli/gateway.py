@@ -165,11 +165,12 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
 
 async def _gateway(args: argparse.Namespace) -> int:
     from services.gateway.errors import GatewayError
-    from services.gateway.server import Gateway
+    from services.gateway.server import Gateway, freeze_heap
 
     listen = gateway_listen(args)
     keys = gateway_keys(args)
     cli.setup_logging()
+    freeze_heap()
 
     async def work(stop: object) -> int:
         async with cli.session(args, "llmgw gateway") as s:

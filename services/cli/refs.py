@@ -50,7 +50,9 @@ def kind_and_name(
         return kind_of(kind, kinds), name
     if second is None:
         raise cli.UsageError(f"{first}: which one? give KIND NAME or KIND/NAME (replica/r-7)")
-    return kind_of(first, kinds), second
+    kind = kind_of(first, kinds)
+    # `replica replica/r-7` (a kind typed before what `-o name` printed) is r-7 too.
+    return kind, bare(second, kind, first)
 
 
 def bare(text: str, kind: str, what: str) -> str:

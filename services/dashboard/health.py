@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,20 @@ async def check(js: Any, db_path: Path | None, root: str = subjects.DEFAULT_ROOT
         return out
     except (nats.errors.Error, TimeoutError, NotFoundError):
         return {}
+
+
+def growth(
+    seen: deque[tuple[float, dict[str, int]]],
+    now: float,
+    dead: dict[str, int],
+    window_s: float,
+) -> dict[str, int]:
+    """Per consumer, the dead letters added within the last `window_s` seconds: `dead`
+    (the counts at `now`, monotonic seconds) less the oldest counts kept in `seen`, which
+    this appends to and trims to the window. A count that fell (the dead letters were
+    purged) is no growth."""
+    seen.append((now, dict(dead)))
+    while len(seen) > 1 and seen[0][0] < now - window_s:
+        seen.popleft()
+    first = seen[0][1]
+    return {c: n - first.get(c, 0) for c, n in sorted(dead.items()) if n > first.get(c, 0)}

@@ -30,6 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from services.core import preemption
@@ -274,13 +275,22 @@ async def view(js: Any, m: Moment, everything: bool, root: str) -> Answer:
     return Answer(200, dumps(doc), final=m.at is None or got.source.stats.cut_at is not None)
 
 
-async def story(js: Any, what: str, kind: str, name: str, seq: int | None, root: str) -> Answer:
-    """`explain` or `history` of one entity, up to `seq` (None: the log's end)."""
+async def story(
+    js: Any,
+    what: str,
+    kind: str,
+    name: str,
+    seq: int | None,
+    root: str,
+    now: datetime | None = None,
+) -> Answer:
+    """`explain` or `history` of one entity, up to `seq` (None: the log's end); ages
+    counted from `now` (None: the view's own time)."""
     try:
         if what == "explain":
             w: Any = explain.Explainer(name, root, kind=kind)
             got = await rebuild.from_stream(js, until_seq=seq, watcher=w, root=root)
-            doc = w.story(got.view).to_json()
+            doc = w.story(got.view, now).to_json()
         else:
             w = history.Timeline(kind, name, root)
             got = await rebuild.from_stream(js, until_seq=seq, watcher=w, root=root)

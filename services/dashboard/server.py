@@ -31,6 +31,7 @@ import re
 import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -73,6 +74,17 @@ BEATS_MAX = 10_000
 
 # HEALTH_S is how often the log's health (projector lag, dead letters) is read.
 HEALTH_S = 2.0
+# DEAD_WINDOW_S is the window over which dead letters are said to be growing (the
+# shipped alert's `increase(...[5m])`): the page's banner names the consumers whose dead
+# letters rose within it.
+DEAD_WINDOW_S = 300.0
+# NO_BROKER is the plane's health while the broker does not answer.
+NO_BROKER: dict[str, Any] = {
+    "running": False,
+    "problems": ["the broker does not answer"],
+    "leaders": None,
+    "projector": None,
+}
 # LISTED_S bounds how long a request for the live view waits for the first listing.
 LISTED_S = 30.0
 # HOST_NAME is what `--allow-host` takes: a DNS name (or an address), nothing else.
@@ -275,6 +287,9 @@ class Dashboard:
     """A gateway in the same process (`llmgw up`): its requests per model since it
     started and its requests in flight per model (`Gateway.traffic`); None: requests a
     second come from the log's `replica.used` reports alone, in flight is unknown."""
+    held: Callable[[], dict[str, int]] | None = None
+    """That gateway's waiting room: the requests it holds per model now
+    (`WaitingRoom.held_by_model`); None: unknown."""
 
     def __post_init__(self) -> None:
         self.beats: dict[str, datetime] = {}
@@ -311,7 +326,8 @@ class Dashboard:
         """Requests a second and in flight per model now (services.dashboard.traffic)."""
         if self.gateway is not None:
             requests, inflight = self.gateway()
-            self.traffic.sample(time.monotonic(), requests, inflight)
+            held = self.held() if self.held is not None else None
+            self.traffic.sample(time.monotonic(), requests, inflight, held)
         return self.traffic.doc(utc_now())
 
     def _routes(self) -> Starlette:
@@ -409,10 +425,19 @@ class Dashboard:
             return None
 
     async def _check_health(self, stop: asyncio.Event) -> None:
+        seen: deque[tuple[float, dict[str, int]]] = deque()
         while not stop.is_set():
             got = await health.check(self.js, self.db_path, self.root)
             if got:
+                got["dead_letters_new"] = health.growth(
+                    seen, time.monotonic(), got.get("dead_letters", {}), DEAD_WINDOW_S
+                )
+                got["dead_letters_window_s"] = DEAD_WINDOW_S
                 self.health = got
+            else:
+                # A broker that does not answer is a plane not running, whatever it said
+                # when it last did; the rest of the last check stays, as it was then.
+                self.health = {**self.health, "plane": NO_BROKER}
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_S)
 
@@ -564,8 +589,11 @@ class Dashboard:
             if seq is None or seq > self.hub.seq
             else (self.hub.listings, what, kind, name, seq)
         )
+        # Live, ages are counted from now (the log's last event may be long past); at a
+        # past moment, from that moment.
+        now = utc_now() if seq is None else None
         return await self._replay(
-            key, lambda js: replays.story(js, what, kind, name, seq, self.root)
+            key, lambda js: replays.story(js, what, kind, name, seq, self.root, now)
         )
 
     async def _explain(self, req: Request) -> Response:

@@ -27,6 +27,7 @@ def node_json(view: View, name: str) -> dict[str, Any] | None:
         "name": name,
         "cordoned": rec.cordoned,
         "lost": rec.lost,
+        "lost_reason": rec.lost_reason,
         "labels": dict(rec.report.labels),
         "gpus": [
             {"index": g.index, "model": g.model, "memory_gb": g.memory_gb, "healthy": g.healthy}

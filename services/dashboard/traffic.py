@@ -14,6 +14,8 @@ Two sources, the gateway's first:
   model at the report's time; the rate is their sum over the last `LOG_WINDOW_S`, over
   the window. Coarse (a report holds half a minute of requests), but any dashboard has
   it. In flight is not in the log: it is None (unknown, not 0) from this source.
+Held requests (those the gateway's waiting room holds for a start or a free slot) come
+from a gateway in this process only: None (unknown) from the log.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Traffic:
     gateway_window_s: float = GATEWAY_WINDOW_S
     _used: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _samples: deque[tuple[float, dict[str, int], dict[str, int]]] = field(default_factory=deque)
+    _held: dict[str, int] | None = None
 
     def observe(self, ch: Changes) -> None:
         """A change the hub folded: a `replica.used` with `requests` counts them."""
@@ -64,16 +67,24 @@ class Traffic:
             q = self._used[model] = deque()
         q.append((at.timestamp(), requests))
 
-    def sample(self, now: float, requests: dict[str, int], inflight: dict[str, int]) -> None:
+    def sample(
+        self,
+        now: float,
+        requests: dict[str, int],
+        inflight: dict[str, int],
+        held: dict[str, int] | None = None,
+    ) -> None:
         """A gateway's counters at `now` (seconds, monotonic): requests per model since it
-        started, requests in flight per model."""
+        started, requests in flight per model, and requests its waiting room holds per
+        model now (None: not known)."""
         self._samples.append((now, dict(requests), dict(inflight)))
+        self._held = None if held is None else {m: n for m, n in held.items() if n > 0}
         while self._samples and self._samples[0][0] < now - self.gateway_window_s:
             self._samples.popleft()
 
     def doc(self, wall: datetime) -> dict[str, dict[str, Any]]:
-        """Per model: `rps` (requests a second), `inflight` (None: unknown) and `source`
-        (`gateway` or `log`). `wall` is the time now, for the log's reports."""
+        """Per model: `rps` (requests a second), `inflight` and `held` (None: unknown) and
+        `source` (`gateway` or `log`). `wall` is the time now, for the log's reports."""
         out: dict[str, dict[str, Any]] = {}
         cut = wall.timestamp() - self.log_window_s
         for model, q in list(self._used.items()):
@@ -83,16 +94,23 @@ class Traffic:
                 del self._used[model]
                 continue
             n = sum(k for _, k in q)
-            out[model] = {"rps": round(n / self.log_window_s, 2), "inflight": None, "source": "log"}
+            out[model] = {
+                "rps": round(n / self.log_window_s, 2),
+                "inflight": None,
+                "held": None,
+                "source": "log",
+            }
         if self._samples:
             t1, last, inflight = self._samples[-1]
             t0, first, _ = self._samples[0]
             span = t1 - t0
-            for model in sorted(set(last) | set(inflight)):
+            held = self._held or {}
+            for model in sorted(set(last) | set(inflight) | set(held)):
                 rps = (last.get(model, 0) - first.get(model, 0)) / span if span > 0 else 0.0
                 out[model] = {
                     "rps": round(max(rps, 0.0), 2),
                     "inflight": inflight.get(model, 0),
+                    "held": held.get(model, 0) if self._held is not None else None,
                     "source": "gateway",
                 }
         return out

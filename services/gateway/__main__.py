@@ -48,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: --listen {why}", file=sys.stderr)
         return 2
     from services.gateway.keys import Keys
-    from services.gateway.server import Gateway
+    from services.gateway.server import Gateway, freeze_heap
 
     try:
         keys = Keys.load(a.api_keys) if a.api_keys else None
     except GatewayError as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
+    freeze_heap()
 
     return run_service(
         "gateway",

@@ -152,6 +152,10 @@ def test_every_name_printed_is_taken_back(live: str, capsys: pytest.CaptureFixtu
             assert code == 0, (command, ref, err)
         code, out, _ = _run(capsys, "--nats", live, "explain", ref, "-o", "name")
         assert out.strip() == ref
+        # A kind typed before what -o name printed: `explain replica replica/r-7`.
+        kind = ref.partition("/")[0]
+        code, out, err = _run(capsys, "--nats", live, "explain", kind, ref, "-o", "name")
+        assert code == 0 and out.strip() == ref, (ref, err)
     # The same listing from `view` and `status`, whose -o name prints the same kinds.
     _, out, _ = _run(capsys, "--nats", live, "view", "-o", "name")
     assert set(printed) <= set(out.split())

@@ -71,11 +71,71 @@ class Rendered:
         return f"nats://{user}:{password}@127.0.0.1:{self.port}"
 
 
-def render_users(into: Path, nodes: list[str]) -> None:
-    """permissions.conf and agent.conf.in as shipped, users.conf from users.py."""
+@dataclass
+class Certs:
+    """A CA and a server certificate it signed (PEM files), made with the openssl CLI."""
+
+    ca: Path
+    ca_key: Path
+    server: Path
+    server_key: Path
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+def make_ca(into: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed CA: (its certificate, its key)."""
+    into.mkdir(parents=True, exist_ok=True)
+    cert, key = into / f"{name}.pem", into / f"{name}.key"
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+        "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )  # fmt: skip
+    return cert, key
+
+
+def make_certs(into: Path, names: tuple[str, ...] = ("localhost",)) -> Certs:
+    """A CA and a server certificate for `names` (DNS names or IPs) signed by it."""
+    ca, ca_key = make_ca(into, "ca")
+    server, key, csr = into / "server.pem", into / "server.key", into / "server.csr"
+    san = ",".join(f"IP:{n}" if n.replace(".", "").isdigit() else f"DNS:{n}" for n in names)
+    ext = into / "server.ext"
+    ext.write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={names[0]}",
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-out", str(server), "-days", "2", "-extfile", str(ext),
+    )  # fmt: skip
+    return Certs(ca, ca_key, server, key)
+
+
+def render_tls(into: Path, certs: Certs | None) -> None:
+    """tls.conf: the shipped one on `certs`' files, or (None) no TLS at all, for the
+    tests of other things, whose clients speak plain NATS."""
+    if certs is None:
+        (into / "tls.conf").write_text("# no TLS in this test\n")
+        return
+    text = (DEPLOY / "tls.conf").read_text()
+    text = _sub(text, "/etc/llmgw/nats/tls/server.pem", str(certs.server))
+    text = _sub(text, "/etc/llmgw/nats/tls/server.key", str(certs.server_key))
+    text = _sub(text, '"/etc/llmgw/nats/ca.pem"', f'"{certs.ca}"')
+    (into / "tls.conf").write_text(text)
+
+
+def render_users(into: Path, nodes: list[str], certs: Certs | None = None) -> None:
+    """permissions.conf and agent.conf.in as shipped, users.conf from users.py; tls.conf
+    (see render_tls)."""
     into.mkdir(parents=True, exist_ok=True)
     for name in ("permissions.conf", "agent.conf.in"):
         (into / name).write_text((DEPLOY / name).read_text())
+    render_tls(into, certs)
     agents = {n: agent_password(n) for n in nodes}
     (into / "users.conf").write_text(
         users_module().render(agents, CONTROL_PASSWORD, VIEWER_PASSWORD)
@@ -94,13 +154,27 @@ def render_single(into: Path, nodes: list[str]) -> Rendered:
     return Rendered(conf, port, http)
 
 
-def render_cluster(into: Path, nodes: list[str]) -> list[Rendered]:
-    """The three cluster-N.conf, each in its own directory, routed over loopback."""
+def render_fleet(into: Path, nodes: list[str], certs: Certs) -> Rendered:
+    """fleet.conf, TLS on `certs`, listening on loopback."""
+    render_users(into, nodes, certs)
+    port, http = free_port(), free_port()
+    text = (DEPLOY / "fleet.conf").read_text()
+    text = _sub(text, "listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{port}")
+    text = _sub(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}")
+    text = _sub(text, "store_dir: /var/lib/llmgw/jetstream", f"store_dir: {into / 'js'}")
+    conf = into / "fleet.conf"
+    conf.write_text(text)
+    return Rendered(conf, port, http)
+
+
+def render_cluster(into: Path, nodes: list[str], certs: Certs | None = None) -> list[Rendered]:
+    """The three cluster-N.conf, each in its own directory, routed over loopback; with
+    `certs`, the shipped tls.conf on them (else no TLS)."""
     ports = [(free_port(), free_port(), free_port()) for _ in range(3)]
     out = []
     for n in range(1, 4):
         d = into / f"n{n}"
-        render_users(d, nodes)
+        render_users(d, nodes, certs)
         port, http, cport = ports[n - 1]
         text = (DEPLOY / f"cluster-{n}.conf").read_text()
         text = _sub(text, "listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{port}")

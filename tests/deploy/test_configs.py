@@ -17,13 +17,14 @@ from tests.deploy.natsconf import (
     ROUTE_PASSWORD,
     render_cluster,
     render_single,
+    render_tls,
     render_users,
     users_module,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER_CONFIGS = ["single.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
+SERVER_CONFIGS = ["single.conf", "fleet.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
 
 
 def _check(conf: Path) -> subprocess.CompletedProcess[str]:
@@ -114,5 +115,6 @@ def test_routes_conf_is_made_with_a_strong_password_kept_in_the_0600_file(
     # nats-server takes the shipped cluster config with it.
     (tmp_path / "cluster-1.conf").write_text((DEPLOY / "cluster-1.conf").read_text())
     (tmp_path / "permissions.conf").write_text((DEPLOY / "permissions.conf").read_text())
+    render_tls(tmp_path, None)
     r = _check(tmp_path / "cluster-1.conf")
     assert r.returncode == 0, r.stderr

@@ -61,3 +61,20 @@ def test_the_module_alone_serves_and_stops_on_sigterm(nats_server: EmbeddedBroke
         out, _ = proc.communicate(timeout=15)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(("setting", "frozen"), [("1", True), ("0", False)])
+def test_a_gateway_process_freezes_its_heap_unless_told_not_to(setting: str, frozen: bool) -> None:
+    code = (
+        "import gc; from services.gateway.server import freeze_heap; "
+        "print(freeze_heap(), gc.get_freeze_count() > 0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"LLMGW_GC_FREEZE": setting, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    )
+    assert out.stdout.split() == [str(frozen), str(frozen)]

@@ -4,6 +4,10 @@
 // entities each change carries. `shown` is what is drawn: `live`, or a past view from
 // /api/view?seq=N while the slider is away from the head. Drawing is coalesced to one
 // per animation frame, whatever the event rate.
+//
+// The page draws first from /api/view, then opens the stream. Ages ("40s ago", "in 17s")
+// are counted from the page's clock (`Date.now()`), live, and tick without events; at a
+// past moment, from that moment.
 
 const token = new URLSearchParams(location.search).get("token");
 const withToken = (url) => (token ? url + (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token) : url);
@@ -13,7 +17,7 @@ const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "
 const HOLDING = new Set(["pending", "starting", "loading", "ready", "draining"]);
 const FEED_MAX = 300;
 
-let traffic = {}; // model -> {rps, inflight (null: unknown), source: gateway | log}
+let traffic = {}; // model -> {rps, inflight, held (null: unknown), source: gateway | log}
 let live = null; // {seq, time, nodes: Map, models: Map, replicas: Map, quota, ...}
 let past = null; // a past view document, while the slider is away from live
 let feed = [];
@@ -21,6 +25,7 @@ let source = null;
 let drawQueued = false;
 let painted = false;
 let health = {};
+let streamed = false; // the stream's listing has come (before it: /api/view's)
 const colours = new Map();
 
 function colour(model) {
@@ -55,6 +60,7 @@ function connect() {
     const doc = JSON.parse(m.data);
     live = fromDoc(doc);
     feed = doc.recent || [];
+    streamed = true;
     setConn("live", "ok");
     queueDraw();
   });
@@ -100,10 +106,78 @@ function apply(c) {
   }
 }
 
+// The first drawing, from /api/view, before the stream opens: a page is not blank while
+// the stream starts (or when a proxy holds it back).
+async function firstView() {
+  try {
+    const r = await fetch(withToken("api/view"));
+    if (r.ok && !streamed) {
+      live = fromDoc(await r.json());
+      queueDraw();
+    }
+  } catch (_) { /* the stream will list it */ }
+}
+
+// The stream's state (`live`, `reconnecting`), shown unless a past moment is.
+let conn = ["connecting", ""];
+
 function setConn(text, cls) {
+  conn = [text, cls];
+  showConn();
+}
+
+function showConn() {
+  const [text, cls] = past ? [`past: ${past.time ?? "seq " + past.seq}`, "past"] : conn;
   const b = $("#conn");
   b.textContent = text;
   b.className = "badge " + cls;
+}
+
+// ------------------------------------------------------------------ ages
+
+// `45s`, `3m`, `2h5m`, `3d4h` (services/replay/render.py's `duration`).
+function duration(s) {
+  s = Math.floor(s);
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m`;
+  if (s < 86400) {
+    const h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60;
+    return m ? `${h}h${m}m` : `${h}h`;
+  }
+  const d = Math.floor(s / 86400), h = Math.floor(s / 3600) % 24;
+  return h ? `${d}d${h}h` : `${d}d`;
+}
+
+// The moment ages are counted from: now (the page's clock), or the past moment shown.
+function clockMs() {
+  return past && past.time ? Date.parse(past.time) : Date.now();
+}
+
+// `40s ago`, `in 17s`, `now`; an end (`kind` "end", a hold's until): `ended 5s ago`.
+function ageText(stamp, kind, now) {
+  const t = Date.parse(stamp);
+  if (Number.isNaN(t)) return "-";
+  const s = Math.round((now - t) / 1000);
+  const word = duration(Math.abs(s));
+  if (word === "0s") return "now";
+  if (s < 0) return `in ${word}`;
+  return kind === "end" ? `ended ${word} ago` : `${word} ago`;
+}
+
+function ageSpan(stamp, kind) {
+  return `<span class="age" data-age="${esc(stamp)}"${kind ? ` data-kind="${kind}"` : ""}>${esc(ageText(stamp, kind, clockMs()))}</span>`;
+}
+
+function tickAges() {
+  const now = clockMs();
+  for (const el of document.querySelectorAll("[data-age]")) {
+    const t = ageText(el.dataset.age, el.dataset.kind, now);
+    if (el.textContent !== t) el.textContent = t;
+  }
+  for (const td of document.querySelectorAll("#holds td.left")) {
+    const t = left(td.dataset.until, now);
+    if (td.textContent !== t) td.textContent = t;
+  }
 }
 
 // ------------------------------------------------------------------ drawing
@@ -134,11 +208,14 @@ function draw() {
   if (!past) slider.value = head;
   $("#moment").textContent = past ? `seq ${v.seq} · ${v.time ?? ""}` : `seq ${head}`;
   $("#live").className = past ? "" : "on";
+  // The past is shown as the past: its badge is its moment, never `live`.
+  showConn();
   $("#where").textContent = `seq ${v.seq}${v.time ? " · " + v.time : ""}`;
   drawGrid(v);
   drawModels(v);
   drawHolds(v);
   drawQuota(v);
+  drawDecisions(v);
   drawFeed();
   drawHealth();
   // The first drawing of a listed view, for the first-paint benchmark.
@@ -174,7 +251,8 @@ function drawGrid(v) {
       const tip = `${name} GPU ${g.index}: ${r.id} (${r.model}, ${r.state}${r.preempted_for ? ", preempted for " + r.preempted_for : ""})`;
       return `<span class="cell ${esc(r.state)}" style="background-color:${colour(r.model)}" data-node="${esc(name)}" data-gpu="${g.index}" data-replica="${esc(r.id)}" data-model="${esc(r.model)}" data-state="${esc(r.state)}" title="${esc(tip)}">${esc(r.id.slice(0, 11))}</span>`;
     });
-    rows.push(`<div class="${cls}" data-node="${esc(name)}"><span class="name" title="${esc(name)}">${esc(name)}</span>${cells.join("")}</div>`);
+    const lost = n.lost ? `<span class="lost-tag" title="${esc(n.lost_reason ?? "")}">LOST${n.lost_reason ? ": " + esc(n.lost_reason) : ""}</span>` : "";
+    rows.push(`<div class="${cls}" data-node="${esc(name)}"><span class="name" title="${esc(name)}">${esc(name)}</span>${cells.join("")}${lost}</div>`);
   }
   $("#grid").innerHTML = rows.join("") || '<span class="muted">no nodes have reported</span>';
   $("#gpu-count").textContent = `${v.nodes.size} nodes, ${used}/${total} GPUs held`;
@@ -188,26 +266,29 @@ function drawModels(v) {
     if (m.hold) note.push(`held for ${m.hold.for_model}`);
     if (m.demand && m.demand.waiting > 0) note.push(`demand: ${m.demand.waiting} waiting since ${m.demand.since.slice(11, 19)}`);
     if (m.scaled_reason) note.push(`scaled: ${m.scaled_reason}`);
-    if (m.live < m.desired && !note.length) note.push("below desired");
+    if (m.declared && m.min !== null && m.live < m.min) note.push(`below its minimum (${m.min})`);
+    else if (m.live < m.desired && !note.length) note.push("below desired");
     // The traffic is now's: a past moment shows none.
     const t = past ? null : traffic[m.name];
     const rps = t ? t.rps.toFixed(1) : "-";
     const inflight = t && t.inflight !== null ? String(t.inflight) : "-";
+    const held = t && t.held !== null && t.held !== undefined ? String(t.held) : "-";
     const from = t ? ` title="from the ${t.source === "gateway" ? "gateway's counters" : "log's replica.used reports"}"` : "";
-    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td class="rps"${from}>${rps}</td><td class="inflight"${from}>${inflight}</td><td>${esc(note.join("; "))}</td></tr>`;
+    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td class="rps"${from}>${rps}</td><td class="inflight"${from}>${inflight}</td><td class="held"${from}>${held}</td><td>${esc(note.join("; "))}</td></tr>`;
   });
   $("#models tbody").innerHTML = rows.join("");
 }
 
+// What is left of a hold: `17s`, `1m5s`; once passed, when it ended (`ended 5s ago`).
 function left(until, now) {
   const s = Math.round((Date.parse(until) - now) / 1000);
-  if (s <= 0) return "over";
+  if (s <= 0) return ageText(until, "end", now);
   return s >= 60 ? `${Math.floor(s / 60)}m${s % 60}s` : `${s}s`;
 }
 
 function drawHolds(v) {
   // Live, a hold counts down against the clock; in the past, against the view's time.
-  const now = past ? Date.parse(v.time) : Date.now();
+  const now = clockMs();
   const rows = [];
   for (const m of v.models.values()) {
     if (!m.hold) continue;
@@ -223,18 +304,44 @@ function drawQuota(v) {
     .join("") || '<tr><td colspan="5" class="muted">no quota declared</td></tr>';
 }
 
-// The banner: a plane with no leader, a stale projector or its `up` gone is a headline.
-function drawBanner(plane) {
+// The banner: the worst facts now, whatever moment is shown: a plane with no leader, a
+// stale projector or its `up` gone (plane.running false); a node lost, with its reason;
+// a model below its minimum (critical ones first); dead letters that grew within the
+// health's window.
+const CLASS_RANK = { critical: 0, standard: 1, opportunistic: 2 };
+
+function bannerFacts() {
+  const out = [];
+  const plane = health.plane;
+  if (plane && !plane.running) out.push(["plane", `The control plane is not running: ${(plane.problems || []).join("; ")}`]);
+  if (live) {
+    for (const n of [...live.nodes.values()].sort((a, b) => a.name.localeCompare(b.name))) {
+      if (n.lost) out.push(["node", `Node ${n.name} LOST: ${n.lost_reason || "no reason recorded"}`]);
+    }
+    const below = [...live.models.values()]
+      .filter((m) => m.declared && m.min !== null && m.live < m.min)
+      .sort((a, b) => (CLASS_RANK[a.class] ?? 9) - (CLASS_RANK[b.class] ?? 9) || a.name.localeCompare(b.name));
+    for (const m of below) out.push(["model", `Model ${m.name} (${m.class}) below its minimum: ${m.live} live of min ${m.min}`]);
+  }
+  const grown = Object.entries(health.dead_letters_new || {});
+  if (grown.length) {
+    const mins = Math.round((health.dead_letters_window_s || 300) / 60);
+    out.push(["dead", `Dead letters growing: ${grown.map(([c, n]) => `${c} +${n}`).join(", ")} in the last ${mins} min`]);
+  }
+  return out;
+}
+
+function drawBanner() {
   const b = $("#banner");
-  const down = plane && !plane.running;
-  b.hidden = !down;
-  b.textContent = down ? `The control plane is not running: ${(plane.problems || []).join("; ")}` : "";
+  const facts = bannerFacts();
+  b.hidden = !facts.length;
+  b.innerHTML = facts.map(([k, t]) => `<div class="fact" data-fact="${k}">${esc(t)}</div>`).join("");
 }
 
 function drawHealth() {
   const h = health;
+  drawBanner();
   if (!h || h.last_seq === undefined) return;
-  drawBanner(h.plane);
   const p = h.projector;
   const dead = Object.entries(h.dead_letters || {});
   const total = dead.reduce((a, [, n]) => a + n, 0);
@@ -244,6 +351,13 @@ function drawHealth() {
     (live && live.rejected ? `; ${live.rejected} events rejected by the fold` : "");
 }
 
+// The decisions, newest first, each with its one-line why: no click needed.
+function drawDecisions(v) {
+  const rows = (v.decisions || []).slice().reverse().map((d) =>
+    `<tr data-model="${esc(d.model)}" data-type="${esc(d.type)}"><td class="when" title="${esc(d.time)}">${ageSpan(d.time)}</td><td>${esc(d.type)}</td><td>${esc(d.model)}</td><td>${esc(d.outcome)}</td><td class="why">${esc(d.summary)}</td></tr>`);
+  $("#decisions tbody").innerHTML = rows.join("") || '<tr><td colspan="5" class="muted">no decisions yet</td></tr>';
+}
+
 function drawFeed() {
   const fm = $("#f-model").value.trim(), fn = $("#f-node").value.trim(), ft = $("#f-type").value;
   const types = $("#f-type");
@@ -251,16 +365,19 @@ function drawFeed() {
     if (c.type && !types.querySelector(`option[value="${CSS.escape(c.type)}"]`)) types.add(new Option(c.type, c.type));
   }
   const shown = [];
+  // At a past moment the feed ends there: nothing after the moment shown.
+  const upTo = past ? past.seq : Infinity;
   for (let i = feed.length - 1; i >= 0 && shown.length < 200; i--) {
     const c = feed[i];
+    if (c.seq > upTo) continue;
     if (ft && c.type !== ft) continue;
     if (fm && !c.models.some((m) => m.includes(fm))) continue;
     if (fn && !c.nodes.some((n) => n.includes(fn))) continue;
     const rep = c.replicas[0], mod = c.models[0];
     const data = rep ? ` data-replica="${esc(rep)}"` : mod ? ` data-model="${esc(mod)}"` : "";
-    shown.push(`<li class="${c.rejected ? "rejected" : ""}" data-type="${esc(c.type)}"${data}><span class="seq">${c.seq}</span><span class="type">${esc(c.type)}</span>${esc(c.key ?? "")} ${esc(c.summary ?? "")}${c.rejected ? " REJECTED: " + esc(c.rejected) : ""}</li>`);
+    shown.push(`<li class="${c.rejected ? "rejected" : ""}" data-type="${esc(c.type)}"${data}><span class="seq">${c.seq}</span><span class="time" title="${esc(c.time ?? "")}">${esc(c.time ? c.time.slice(11, 19) : "")}</span><span class="type">${esc(c.type)}</span>${esc(c.key ?? "")} ${esc(c.summary ?? "")}${c.rejected ? " REJECTED: " + esc(c.rejected) : ""}</li>`);
   }
-  $("#feed").innerHTML = shown.join("");
+  $("#feed").innerHTML = shown.join("") || `<li class="muted">${past ? `no event kept here at or before seq ${past.seq}` : "no events yet"}</li>`;
 }
 
 // ------------------------------------------------------------------ time travel
@@ -279,6 +396,7 @@ function goLive() {
   past = null;
   asked++;
   draw();
+  tickAges();
 }
 
 // ------------------------------------------------------------------ explanations
@@ -296,7 +414,14 @@ async function explainIt(kind, name) {
     return;
   }
   const tl = (doc.timeline || []).slice(-20).map((e) => `${String(e.seq).padStart(7)} ${e.time} ${e.type.padEnd(19)} ${e.summary}${e.rejected ? "  REJECTED: " + e.rejected : ""}`);
-  $("#explain-text").textContent = [...doc.text, "", "timeline", ...tl].join("\n");
+  $("#explain-text").innerHTML = withAges([...doc.text, "", "timeline", ...tl].join("\n"));
+}
+
+// The explanation's `STAMP (3m ago)` ages, counted again from the page's clock and kept
+// ticking: the server counted them when it answered, and the answer stays on screen.
+const STAMPED = /(until )?(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) \((?:now|in \w+|\w+ ago)\)/g;
+function withAges(text) {
+  return esc(text).replace(STAMPED, (_, until, stamp) => `${until ?? ""}${stamp} (${ageSpan(stamp, until ? "end" : "")})`);
 }
 
 document.addEventListener("click", (ev) => {
@@ -323,10 +448,8 @@ async function pollHealth() {
   } catch (_) { /* the stream's badge says it */ }
 }
 
-// Countdowns tick without events.
-setInterval(() => {
-  if (!past) for (const td of document.querySelectorAll("#holds td.left")) td.textContent = left(td.dataset.until, Date.now());
-}, 1000);
+// Countdowns and ages tick without events.
+setInterval(tickAges, 1000);
 setInterval(pollHealth, 3000);
 pollHealth();
-connect();
+firstView().then(connect);
