@@ -94,10 +94,15 @@ def _groups(
     """The groups to weigh sets in, for the profiles (see the module's docstring)."""
     inv = view.inventory
     out: list[_Group] = []
+    # at: per node, where its candidates are in `cands` (so a group's are in order).
+    at: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        for n in _nodes_of(c):
+            at.setdefault(n, []).append(i)
 
     def group(names: Sequence[str], ps: list[catalog.Profile]) -> None:
         free = {n: len(u.free) for n in names if (u := inv.usage(n)) is not None and u.schedulable}
-        mine = [c for c in cands if any(n in free for n in _nodes_of(c))]
+        mine = [cands[i] for i in sorted({i for n in free for i in at.get(n, ())})]
         if mine and (any(c.nodes for c in mine) or any(p.shards > 1 for p in ps)):
             out.append(_Group(free, ps, mine))
 
