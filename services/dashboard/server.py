@@ -81,7 +81,7 @@ DEAD_WINDOW_S = 300.0
 # NO_BROKER is the plane's health while the broker does not answer.
 NO_BROKER: dict[str, Any] = {
     "running": False,
-    "problems": ["the broker does not answer"],
+    "problems": ["the broker does not answer (or holds no log)"],
     "leaders": None,
     "projector": None,
 }
