@@ -13,8 +13,8 @@ a set is taken only when the model then fits within one domain of the level.
 
 The keys are node-aware's own (`node_aware.key`): a gang counts as one victim (the cap
 counts replicas, not shards), and its GPUs are all its shards', so the loading work it
-throws away is counted for every shard. Bounded: each group weighs its first `POOL`
-candidates in the order, and a set is tried only when enough nodes of the group could hold
+throws away is counted for every shard. Bounded: each group weighs `POOL` candidates, of
+each tier the largest first, and a set is tried only when enough nodes of the group could hold
 a shard once it stops (`_could`). No I/O, no clock.
 """
 
@@ -29,8 +29,8 @@ from services.core.policy.decision import Candidate, Exclusion
 from services.core.view import ReplicaRecord, View, size_of
 
 # POOL bounds the candidates weighed together in one group (a domain, a node, the
-# cluster): the first in the order. Past it the sets grow as POOL**max_victims, and the
-# candidates past the first POOL of one domain are the least idle and the most needed.
+# cluster): of each tier the largest first. Past it the sets grow as POOL**max_victims,
+# and within the cap the small victims past the first POOL free too little to matter.
 POOL = 16
 
 
@@ -79,9 +79,16 @@ class _Group:
     def __init__(
         self, free: dict[str, int], profiles: list[catalog.Profile], cands: list[Candidate]
     ) -> None:
-        self.free, self.profiles, self.cands = free, profiles, cands[:POOL]
+        self.free, self.profiles = free, profiles
+        # Within the cap only large victims can make room for a large model: the pool
+        # is the largest of each tier first (then in the order), not the first in it.
+        self.cands = sorted(cands, key=_pooled)[:POOL] if len(cands) > POOL else cands
         # base: per profile, the nodes of the group with a shard's GPUs free already.
         self.base = [sum(1 for f in free.values() if f >= p.gpus) for p in profiles]
+
+
+def _pooled(c: Candidate) -> tuple[int, int, tuple[int, float, int, float, str]]:
+    return (c.tier, -c.gpus, rules.order_key(c))
 
 
 def _nodes_of(c: Candidate) -> tuple[str, ...]:
