@@ -475,6 +475,8 @@ def _serve_gateway(loop: str, argv: list[str]) -> int:
 
     if loop.endswith("-nofreeze"):
         os.environ["LLMGW_GC_FREEZE"] = "0"
+    if loop.endswith("-untuned"):
+        os.environ["LLMGW_GC_TUNE"] = "0"
     pauses: list[tuple[float, int]] = []
     began = [0.0]
 
