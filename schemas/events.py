@@ -459,6 +459,14 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     room is there (the scheduler held the model back, a node backing off after failed
     starts): it says that nothing was stopped and what still keeps the model unplaced.
     Empty in a decision from before the field was added."""
+    spans: Annotated[dict[Text, tuple[Name, ...]], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension: the victims whose shards are on several nodes (gangs), each with its
+    nodes: every one of them is drained. {} for a decision with none."""
+    domain: Text = ""
+    """Extension: where the model goes once the victims stop, `level=value` of the
+    topology level its profile keeps it in; "" when it keeps it in none."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):

@@ -46,13 +46,11 @@ models:
     class: standard
     min: 1
     max: 6
-    target_inflight: 64
     profiles: [{name: tp1, gpus: 1}]
   - name: batch
     class: opportunistic
     min: 1
     max: 8
-    target_inflight: 64
     profiles: [{name: tp1, gpus: 1}]
   - name: urgent
     class: critical
@@ -64,10 +62,8 @@ scale:
   batch: 8
 """
 LOADED = ("chat", "batch")
-# target_inflight 64: the drill is of drains, not of admission; no request of it waits
-# for a slot (the waiting room), however slow a loaded host makes each answer. min 1:
-# neither is on-demand, so the autoscaler does not size them down to the load meanwhile
-# (a model it takes to one replica can be left with none by the next drain).
+# min 1: neither is on-demand, so the autoscaler does not size them down to the load
+# meanwhile (a model it takes to one replica can be left with none by the next drain).
 # MAX_TOKENS after the simulated 0.3 s to the first token, at 50 tokens a second: an
 # answer of half a second (a twentieth of the grace) in ten chunks, so that what is
 # measured is the drains and not the host's cost of a chunk.

@@ -123,8 +123,9 @@ def decision_events(
     return (
         (decided, None),
         *(
-            mk.drain(v.replica, v.model, v.node, decision.model, drain_grace_s)
+            mk.drain(v.replica, v.model, node, decision.model, drain_grace_s, i == 0)
             for v in decision.victims
+            for i, node in enumerate(v.nodes or (v.node,))
         ),
         *(mk.hold(h) for h in decision.holds),
     )
@@ -168,7 +169,8 @@ def missing(
         r = view.state.replicas.get(v.replica)
         if r is None or r.drained_by is not None or not r.holds_capacity or not r.shards:
             continue
-        out.append(mk.drain(v.replica, v.model, r.shards[0].node, d.for_model, drain_grace_s))
+        for i, shard in enumerate(r.shards):
+            out.append(mk.drain(v.replica, v.model, shard.node, d.for_model, drain_grace_s, i == 0))
     for h in d.holds:
         held = view.state.holds.get(h.model)
         if held is not None and held.created_by == mk.hold_id(h.model):
@@ -241,7 +243,13 @@ class _Maker:
         self.ms = ids.kept_ms(tid) if ms is None else ms
 
     def drain(
-        self, replica: str, model: str, node: str, for_model: str, grace_s: float
+        self,
+        replica: str,
+        model: str,
+        node: str,
+        for_model: str,
+        grace_s: float,
+        first: bool = True,
     ) -> Outgoing:
         e = ev.make(
             ev.ReplicaDrain(
@@ -251,7 +259,8 @@ class _Maker:
                 for_model=for_model,
                 grace_s=grace_s,
             ),
-            id=ids.derived(self.tid, f"drain:{replica}", self.ms),
+            # A gang's shards past the first each have their own drain, named by node.
+            id=ids.derived(self.tid, f"drain:{replica}" + ("" if first else f":{node}"), self.ms),
             time=self.now,
             source=SOURCE,
             causation=self.decided_id,

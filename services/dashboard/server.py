@@ -78,6 +78,13 @@ HEALTH_S = 2.0
 # shipped alert's `increase(...[5m])`): the page's banner names the consumers whose dead
 # letters rose within it.
 DEAD_WINDOW_S = 300.0
+# NO_BROKER is the plane's health while the broker does not answer.
+NO_BROKER: dict[str, Any] = {
+    "running": False,
+    "problems": ["the broker does not answer (or holds no log)"],
+    "leaders": None,
+    "projector": None,
+}
 # LISTED_S bounds how long a request for the live view waits for the first listing.
 LISTED_S = 30.0
 # HOST_NAME is what `--allow-host` takes: a DNS name (or an address), nothing else.
@@ -427,6 +434,10 @@ class Dashboard:
                 )
                 got["dead_letters_window_s"] = DEAD_WINDOW_S
                 self.health = got
+            else:
+                # A broker that does not answer is a plane not running, whatever it said
+                # when it last did; the rest of the last check stays, as it was then.
+                self.health = {**self.health, "plane": NO_BROKER}
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_S)
 

@@ -364,6 +364,13 @@ class Explainer:
                 )
                 st.facts["tier"] = me.tier
                 st.facts["tier_meaning"] = TIER_MEANING.get(me.tier)
+            gang = d.data.spans.get(r.id)
+            if gang:
+                st.line(f"  gang       stopped whole: every shard drained, on {', '.join(gang)}")
+                st.facts["gang"] = list(gang)
+            if d.data.domain:
+                st.line(f"  domain     {for_model} goes to {d.data.domain}, the domain this frees")
+                st.facts["domain"] = d.data.domain
             victims = ", ".join(f"{v.replica} ({v.model}, tier {v.tier})" for v in d.data.victims)
             st.line(f"  victims    {victims}")
             self._considered(st, d.data, r.id, view)

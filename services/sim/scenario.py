@@ -8,7 +8,8 @@ deploy/examples/sim/. A scenario is YAML:
     seed: 1                 # default; --seed overrides
     nodes:
       - {prefix: h, count: 4, gpus: 8, gpu: H100, gpu_memory_gb: 80,
-         cpu: 96, memory: 1024, mtbf: 72h, repair: 30m}
+         cpu: 96, memory: 1024, mtbf: 72h, repair: 30m,
+         domain: 4}         # optional: nodes per NVLink domain (nvlink_domain, rack labels)
     quota:                  # optional: a quota.set's owners
       - {name: team-a, guarantee: {gpus: 16}, limit: {gpus: 32}}
     models:
@@ -89,9 +90,20 @@ class NodeGroup:
     mtbf_s: float | None = None
     """Mean time between failures of one node; None: it never fails."""
     repair_s: float = 1800.0
+    domain: int = 0
+    """Nodes per NVLink domain: node i of the group is labelled `nvlink_domain:
+    {prefix}-nvl{i // domain}` and `rack: {prefix}-r{i // domain}` (one domain a rack);
+    0: no topology labels."""
 
     def names(self) -> list[str]:
         return [f"{self.prefix}{i:03d}" for i in range(self.count)]
+
+    def labels(self, name: str) -> dict[str, str]:
+        """The topology labels of node `name` of the group (`domain`)."""
+        if self.domain <= 0:
+            return {}
+        d = int(name[len(self.prefix) :]) // self.domain
+        return {"nvlink_domain": f"{self.prefix}-nvl{d}", "rack": f"{self.prefix}-r{d}"}
 
     def inventory(self, name: str) -> ev.NodeInventory:
         """What the agent on node `name` of the group reports when it (re)starts."""
@@ -104,7 +116,13 @@ class NodeGroup:
             )
             for i in range(self.gpus)
         )
-        return ev.NodeInventory(node=name, gpus=gpus, cpu_cores=self.cpu, memory_gb=self.memory)
+        return ev.NodeInventory(
+            node=name,
+            gpus=gpus,
+            cpu_cores=self.cpu,
+            memory_gb=self.memory,
+            labels=self.labels(name),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,6 +274,7 @@ def _node(raw: Any, where: str) -> NodeGroup:
         memory=float(r.get("memory", 1024.0)),
         mtbf_s=None if mtbf is None else seconds(mtbf, f"{where}.mtbf"),
         repair_s=seconds(r.get("repair", "30m"), f"{where}.repair"),
+        domain=_int(r, "domain", where, 0),
     )
 
 

@@ -65,7 +65,9 @@ def test_an_alias_bomb_is_refused_at_its_first_alias_at_once(tmp_path: Path) -> 
     assert len(BOMB.splitlines()) == 9 and "*h" in BOMB
     began = time.monotonic()
     e = _refused(tmp_path, BOMB)
-    assert time.monotonic() - began < 0.5
+    # Expanded, the bomb is minutes and gigabytes; refused at its first alias, it is the
+    # read of nine lines. The bound is generous so that a loaded host cannot fail it.
+    assert time.monotonic() - began < 10
     assert e.line == 2
     assert "YAML aliases are not accepted in a cluster file (*a)" in str(e)
 
@@ -77,8 +79,9 @@ def test_a_file_nested_thousands_deep_is_one_line_not_a_traceback(
     sep = ": " if name.endswith(".yaml") else " = "
     began = time.monotonic()
     e = _refused(tmp_path, "models" + sep + "[" * 5000 + "]" * 5000 + "\n", name)
-    # PyYAML's scanner looks a thousand brackets ahead whatever the depth: bounded, if slow.
-    assert time.monotonic() - began < 3
+    # PyYAML's scanner looks a thousand brackets ahead whatever the depth: bounded, if slow
+    # (a fifth of a second on an idle host): the bound only says it is not exponential.
+    assert time.monotonic() - began < 20
     assert e.line == line and "nested deeper than 32 levels" in str(e), str(e)
 
 
@@ -159,7 +162,7 @@ def test_apply_refuses_each_and_publishes_nothing(  # type: ignore[no-untyped-de
     bomb.write_text(BOMB)
     began = time.monotonic()
     assert cli.main(["--nats", url, "apply", "-f", str(bomb), "--dry-run"]) == 1
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 20
     err = capsys.readouterr().err
     assert (
         err == f"llmgw: {bomb}:2: YAML aliases are not accepted in a cluster file (*a): "
@@ -185,6 +188,10 @@ def test_apply_refuses_each_and_publishes_nothing(  # type: ignore[no-untyped-de
     assert isinstance(last, ev.ModelDeclared) and last.owner == "reserch"
 
 
+# 60 s: the plane's start, four `llmgw apply` processes, a settle after each and an offline
+# replay took 7 to 12 s in all on two cores at a load of 5 to 7; three times the worst and
+# room for a host busier than that (it ran past 30 s under a whole suite).
+@pytest.mark.timeout(60)
 async def test_hostile_files_leave_a_running_plane_as_it_was(
     plane: Plane, js: JetStreamContext, tmp_path: Path
 ) -> None:

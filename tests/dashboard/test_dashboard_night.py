@@ -11,7 +11,8 @@ Each of the page's night-time answers, seen:
 - the past shown as the past: a `past: <time>` badge instead of `live`, and a feed cut
   at the moment shown;
 - the banner: a node lost with its reason (and LOST with the reason beside the node), a
-  model below its minimum, dead letters growing;
+  model below its minimum, dead letters growing; and, on a broker where nobody leads, the
+  plane not running (then the broker killed -9: that it does not answer);
 - ages counted from now and ticking without events: the page's clock (Playwright's
   `page.clock`) moved on by 30 s turns a hold's `17s` into `ended 13s ago`, and an
   explanation's `2s ago` into `32s ago`, with no event in between.
@@ -40,6 +41,7 @@ import openai
 import pytest
 
 from schemas import subjects
+from services.bus import ensure_streams
 from tests.dashboard.test_dashboard_page import CHROMIUM
 from tests.up_process import UpProcess
 
@@ -293,3 +295,51 @@ def test_the_dashboard_at_night(
 
     _shot(page, tmp_path, "dashboard-night.png")
     assert errors == []
+
+
+def test_a_plane_not_running_is_the_banner(nats_server: Any, browser: Any, tmp_path: Path) -> None:
+    """A dashboard on a broker where nobody leads says the plane is not running, and once
+    the broker is killed -9, that the broker does not answer (not what it said before)."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=20_000)
+
+    async def streams() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            await ensure_streams(nc.jetstream())
+        finally:
+            await nc.close()
+
+    # The plane's log, made as `llmgw up` makes it; nobody runs on it.
+    t = threading.Thread(target=asyncio.run, args=(streams(),))
+    t.start()
+    t.join(30)
+    alone = UpProcess(
+        tmp_path / "data",
+        tmp_path / "dashboard.log",
+        *("--nats", nats_server.url, "--listen", "127.0.0.1:0"),
+        command=("dashboard",),
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (m := re.search(r"dashboard: (http://\S+)", alone.text())):
+            assert alone.alive(), alone.text()
+            assert time.monotonic() < deadline, alone.text()
+            time.sleep(0.05)
+        page = browser.new_page(viewport={"width": 1280, "height": 400})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(m.group(1))
+        plane = page.locator("#banner [data-fact='plane']")
+        expect(plane).to_have_text(
+            "The control plane is not running: no scheduler leads; no preemption leads"
+        )
+        _shot(page, tmp_path, "dashboard-plane-down.png")
+        nats_server.kill()
+        expect(plane).to_have_text(
+            "The control plane is not running: the broker does not answer (or holds no log)"
+        )
+        assert errors == []
+    finally:
+        alone.stop()

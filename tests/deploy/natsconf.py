@@ -167,13 +167,14 @@ def render_fleet(into: Path, nodes: list[str], certs: Certs) -> Rendered:
     return Rendered(conf, port, http)
 
 
-def render_cluster(into: Path, nodes: list[str]) -> list[Rendered]:
-    """The three cluster-N.conf, each in its own directory, routed over loopback."""
+def render_cluster(into: Path, nodes: list[str], certs: Certs | None = None) -> list[Rendered]:
+    """The three cluster-N.conf, each in its own directory, routed over loopback; with
+    `certs`, the shipped tls.conf on them (else no TLS)."""
     ports = [(free_port(), free_port(), free_port()) for _ in range(3)]
     out = []
     for n in range(1, 4):
         d = into / f"n{n}"
-        render_users(d, nodes)
+        render_users(d, nodes, certs)
         port, http, cport = ports[n - 1]
         text = (DEPLOY / f"cluster-{n}.conf").read_text()
         text = _sub(text, "listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{port}")

@@ -138,8 +138,10 @@ def test_live_metrics_check_and_a_lost_node_fires(
     def both() -> str | None:
         t = _get(metrics)
         live = 'llmgw_model_live_replicas{model="chat"} 1.0'
-        # The plane's health is read every few seconds: running once it is next read.
-        return t if ready in t and live in t and "llmgw_plane_running 1.0" in t else None
+        # The plane's health is read every few seconds: running once it is next read,
+        # and the projector's commit age there once the projector has a position.
+        healthy = "llmgw_plane_running 1.0" in t and "llmgw_projector_commit_age_seconds " in t
+        return t if ready in t and live in t and healthy else None
 
     text = _until("the node ready and chat live in /metrics", both)
     for line in (

@@ -47,4 +47,5 @@ def test_the_broker_url_comes_from_a_root_only_file(name: str) -> None:
     assert files[0].startswith("/etc/llmgw/"), files  # not optional ("-"), not in the data
     text = unit.read_text()
     assert f"install -m 0600 -o root -g root /dev/null {files[0]}" in text
-    assert "LLMGW_NATS=nats://" in text  # the comment says what goes in it
+    assert "LLMGW_NATS=tls://" in text  # the comment says what goes in it
+    assert "LLMGW_NATS_CA=/etc/llmgw/nats/ca.pem" in text

@@ -19,6 +19,7 @@ import pytest
 
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
+    NATS_SERVER,
     ROOT,
     VIEWER_PASSWORD,
     Certs,
@@ -26,6 +27,7 @@ from tests.deploy.natsconf import (
     agent_password,
     make_ca,
     make_certs,
+    render_cluster,
     render_fleet,
     render_single,
     server,
@@ -34,6 +36,7 @@ from tests.deploy.natsconf import (
 from tests.deploy.test_permissions_e2e import Procs
 
 pytestmark = pytest.mark.timeout(180)
+
 
 NODE = "gpu-a1"
 PASSWORDS = (CONTROL_PASSWORD, VIEWER_PASSWORD, agent_password(NODE))
@@ -92,6 +95,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.stop_all()
 
 
+@pytest.mark.slow
 def test_every_client_verifies_the_server(
     tmp_path: Path, certs: Certs, wrong_ca: Path, procs: Procs
 ) -> None:
@@ -188,3 +192,13 @@ def test_a_bad_ca_file_is_one_line(tmp_path: Path) -> None:
     junk.write_text("not a certificate\n")
     got = refusal(llmgw(env, "--nats-ca", str(junk), "status", "--nats", "tls://127.0.0.1:1"))
     assert str(junk) in got, got
+
+
+def test_the_cluster_configs_take_the_shipped_tls_conf(tmp_path: Path, certs: Certs) -> None:
+    for r in render_cluster(tmp_path / "cluster", [NODE], certs):
+        assert "include tls.conf" in r.conf.read_text()
+        checked = subprocess.run(
+            [NATS_SERVER, "-t", "-c", str(r.conf)], capture_output=True, text=True, timeout=30
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert str(certs.server) in (r.conf.parent / "tls.conf").read_text()

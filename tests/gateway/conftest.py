@@ -55,11 +55,13 @@ class Plane:
         aliases: tuple[str, ...] = (),
         target_inflight: int | None = None,
         cls: str = "standard",
+        max: int | None = None,
     ) -> None:
         await self.say(
             ev.ModelDeclared(
                 name=name,
                 min=0,
+                max=max,
                 aliases=aliases,
                 profiles=(ev.ProfileSpec(name="p", gpus=1),),
                 target_inflight=target_inflight,

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -261,9 +260,12 @@ async def test_a_client_gone_while_held_leaves_nothing_held(
     assert s.served == 2
 
 
-async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
+async def test_a_hundred_cold_starts_lose_no_held_request_and_each_ready_wakes_its_own(
     plane: Plane, servers: Callable[..., Awaitable[Responder]]
 ) -> None:
+    # Correctness only: the 50 ms wake target is a figure of tests/bench/bench_coldstart.py
+    # (in the README), not a bound a loaded host can be held to here.
+    plane.gateway.demand_interval_s = 60.0  # "at once" is then far from "an interval on"
     await plane.model("again")
     s = await servers("ag", "again")
     before = len(plane.gateway.counts.wakes)
@@ -273,11 +275,11 @@ async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
         task = asyncio.create_task(plane.chat("again", max_tokens=1))
         await _held(plane, 1)
         # Each start's first request is demanded at once, though the last demand was
-        # less than the interval (1 s) ago: it is the first of its wait.
+        # far less than the interval ago: it is the first of its wait.
         await wait_for(
             lambda: asyncio.sleep(0, plane.gateway.counts.demanded),
             lambda n, d=demanded: n > d,  # type: ignore[misc]
-            0.5,
+            10,
         )
         await _state(plane, rid, "again", "ready", s.endpoint)
         status, h, _ = await asyncio.wait_for(task, 5)
@@ -286,10 +288,11 @@ async def test_a_hundred_cold_starts_lose_nothing_and_wake_within_50ms(
             ev.ReplicaDrain(replica=rid, model="again", reason="scale_down"), node=plane.node
         )
         await _state(plane, rid, "again", "stopped")
+    # Every ready woke the request held for it, and none waited on anything but the fold
+    # (a second is a sanity bound: a wake on a poll or a timer would be a wait's length).
     wakes = list(plane.gateway.counts.wakes)[before:]
     assert len(wakes) == 100
-    p99 = statistics.quantiles(wakes, n=100)[98]
-    assert p99 < 0.05, f"wake p99 {p99 * 1000:.1f} ms"
+    assert max(wakes) < 1.0, f"slowest wake {max(wakes) * 1000:.0f} ms"
     assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
 
 
@@ -319,26 +322,52 @@ async def test_demand_is_said_at_most_once_an_interval_while_requests_wait(
     assert min(gaps) >= 0.04, gaps  # the interval (the clock's grain aside)
 
 
+@pytest.mark.parametrize("outcome", ["no_fit", "no_candidates", "quota_limit"])
+@pytest.mark.parametrize("after", [False, True], ids=["held-before", "arriving-after"])
 async def test_a_busy_model_the_plane_cannot_grow_still_holds_its_requests(
-    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+    plane: Plane, servers: Callable[..., Awaitable[Responder]], outcome: str, after: bool
 ) -> None:
-    await plane.model("busy", target_inflight=1)
-    s = await servers("bu-1", "busy", Timing(0.15, 0.0))  # within the wait (0.3 s)
-    await plane.ready("bu-1", "busy", s.endpoint)
-    tasks = [asyncio.create_task(plane.chat("busy", max_tokens=1)) for _ in range(3)]
-    await _held(plane, 1)  # two in flight (its limit), one waits for a slot
-    await plane.say(ev.ScaleDesired(model="busy", replicas=2))
+    # A model whose one replica is at its admission limit (target_inflight 1: two in
+    # flight) asks for a second replica that cannot be placed. The requests held when the
+    # policy says so, and those that come after it, wait for a slot of the replica that
+    # serves: a 503 is for a model with nothing to route to.
+    plane.gateway.min_wait_s = 30.0  # the wait outlasts the two streams holding the slots
+    name = f"busy-{outcome}-{after}".replace("_", "-").lower()
+    await plane.model(name, target_inflight=1, max=4)
+    s = await servers(f"{name}-1", name, Timing(0.2, 5.0))  # a token every 0.2 s
+    await plane.ready(f"{name}-1", name, s.endpoint)
+    # Two streams of 6 tokens (1.2 s) fill both slots; the rest are of one token each.
+    tasks = [asyncio.create_task(plane.chat(name, stream=True, max_tokens=6)) for _ in range(2)]
+    await wait_for(
+        lambda: asyncio.sleep(0, sum(plane.gateway.router.inflight.values())),
+        lambda n: n == 2,
+        10,
+    )
+    if not after:
+        tasks += [asyncio.create_task(plane.chat(name, max_tokens=1)) for _ in range(2)]
+        await _held(plane, 2, name)
+    await plane.say(ev.ScaleDesired(model=name, replicas=2))
     failed = ev.make(
-        ev.PlacementFailed(model="busy", profiles=("p",), live=1, desired=2, reason="no_fit"),
+        ev.PlacementFailed(model=name, profiles=("p",), live=1, desired=2, reason=outcome),
         id=new_id(),
         time=utc_now(),
         source="test",
     )
     await plane.say(failed.data)
-    await plane.say(ev.PreemptionDecided(for_model="busy", outcome="no_fit", trigger=failed.id))
+    await plane.say(ev.PreemptionDecided(for_model=name, outcome=outcome, trigger=failed.id))
+    await wait_for(
+        lambda: asyncio.sleep(0, plane.gateway.follower.view.state.decisions[-1].type),
+        lambda t: t == "preemption.decided",
+        10,
+    )
+    if after:
+        tasks += [asyncio.create_task(plane.chat(name, max_tokens=1)) for _ in range(2)]
+        await _held(plane, 2, name)  # held, not refused: the slots are still taken
     # No room for a second replica, but the first serves: nothing is refused.
-    assert [(await t)[0] for t in tasks] == [200] * 3
-    assert plane.gateway.room.held() == 0
+    got = [await t for t in tasks]
+    assert [status for status, _, _ in got] == [200] * 4, got
+    assert s.served == 4
+    assert plane.gateway.room.held() == 0 and plane.gateway.router.inflight == {}
 
 
 async def test_a_gateway_stopped_with_requests_held_stops_and_their_demand_with_it(js: Any) -> None:

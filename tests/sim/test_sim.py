@@ -30,7 +30,13 @@ HOURS = 3600.0
 
 
 def test_the_four_scenarios_are_shipped() -> None:
-    assert {p.stem for p in SHIPPED} == {"homogeneous", "h100-l4", "multi-tenant", "on-demand"}
+    assert {p.stem for p in SHIPPED} == {
+        "homogeneous",
+        "h100-l4",
+        "multi-tenant",
+        "on-demand",
+        "gangs",
+    }
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)

@@ -28,7 +28,7 @@ from typing import Any
 
 from schemas import events as ev
 from services.core import catalog, placement, quota
-from services.core.policy import node_aware, rules, search
+from services.core.policy import gangs, node_aware, rules, search
 from services.core.policy.config import POLICIES, WHY, Config, Policy
 from services.core.policy.decision import (
     Candidate,
@@ -188,6 +188,13 @@ def _preempt(
     below_min = base["live"] < m.min
     a = rules.asker(view, m, now, cfg, holdings or [], reclaim, below_min)
     cands, excluded = engine.candidates(view, a)
+    if cfg.policy != "reference":
+        # Node-aware weighs a multi-node replica whole (`gangs`); the reference skips it.
+        spread = gangs.candidates(view, a, excluded)
+        if spread:
+            gone = {c.replica for c in spread}
+            cands = tuple(sorted((*cands, *spread), key=rules.order_key))
+            excluded = tuple(x for x in excluded if x.replica not in gone)
     base |= {"reclaim": reclaim, "below_min": below_min, "candidates": cands, "excluded": excluded}
     if not cands:
         reason = (
@@ -221,6 +228,7 @@ def _preempted(
         holds=tuple(ev.HoldSpec(model=h, for_model=m.name, until=until) for h in held),
         trials=tuple(tr.trials),
         placement=last_fit.placement,
+        domain=gangs.domain_of(tr.view, last_fit.placement),
         **base,
     )
 
@@ -252,6 +260,12 @@ def _search(
         # Its own trials: the decision's are those of the sets node-aware proposed.
         lambda: search.reference(Trials(view, profiles, tr.avoid), cands, cfg.max_victims),
     )
+    if any(c.nodes for c in cands) or any(p.shards > 1 for p in profiles):
+        whole = gangs.search(view, profiles, cands, cfg.max_victims, tr.fits_without)
+        if whole:
+            load_s = node_aware.load_costs(view, {v.model for v in (*whole, *found)})
+            if not found or node_aware.key(whole, load_s) < node_aware.key(found, load_s):
+                found = whole
     if not found:
         return [], why_not
     chosen = list(found)

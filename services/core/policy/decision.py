@@ -61,6 +61,10 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
     node: str
     borrowed: bool
     """Held past its owner's guarantee."""
+    nodes: tuple[str, ...] = ()
+    """Every node of a gang (a replica whose shards are on several nodes, `node` the
+    first of them): stopping it frees all its shards, and each is drained. () for a
+    replica on one node."""
 
     def to_victim(self) -> ev.Victim:
         return ev.Victim(
@@ -82,6 +86,7 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
             "above_min": self.above_min,
             "idle_s": self.idle_s,
             "gpus": self.gpus,
+            **({"nodes": list(self.nodes)} if self.nodes else {}),
         }
 
 
@@ -142,6 +147,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """Victims of an earlier decision for the model that still hold capacity."""
     held_for: str | None = None
     """The model this one gave up room to, when it is held."""
+    domain: str = ""
+    """`level=value`: the topology domain the victims free and the model goes to, when
+    its profile keeps it in one (`gangs.domain_of`)."""
     config: Config = Config()
 
     def to_event_data(self, trigger_id: str = "", shown: int | None = None) -> ev.PreemptionDecided:
@@ -171,6 +179,8 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             holds=self.holds,
             policy=self.config.policy,
             reason=self.reason,
+            spans={v.replica: v.nodes for v in self.victims if v.nodes},
+            domain=self.domain,
         )
 
     def to_json(self) -> dict[str, Any]:

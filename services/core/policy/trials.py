@@ -37,7 +37,7 @@ class Trials:
         trial = self.view.inventory.clone()
         for v in gone:
             trial.release_replica(v.replica)
-        within = {v.node for v in gone} if self.one_shard else None
+        within = {n for v in gone for n in (v.nodes or (v.node,))} if self.one_shard else None
         found = placement.place(trial, self.profiles, self.avoid, within=within)
         fits = isinstance(found, placement.Placement)
         self.trials.append(
