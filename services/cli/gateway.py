@@ -185,6 +185,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 keys=keys,
                 queue_per_model=args.queue_per_model,
                 keepalive_s=args.keepalive_interval,
+                settle_heap=True,
                 nc=s.nc,
             )
             try:

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             keys=keys,
             queue_per_model=a.queue_per_model,
             keepalive_s=a.keepalive_interval,
+            settle_heap=True,
             nc=nc,
         ),
         failures=(GatewayError,),

@@ -139,6 +139,12 @@ DEMAND_INTERVAL_S = 1.0
 # openai package's `x-stainless-read-timeout`) a held request may spend waiting: it is
 # answered 429 a little before the client would give up on it unanswered.
 CLIENT_TIMEOUT_SHARE = 0.9
+# YOUNG_THRESHOLD is the cyclic collector's first threshold in a gateway process of its
+# own (`freeze_heap`; CPython's default 700): a stream's objects live ~seconds, and with
+# a young collection every 700 new objects they were promoted to the old generation,
+# whose collections (every open stream's objects walked) then came often.
+YOUNG_THRESHOLD = 20_000
+
 # SSE_HEADERS are a held stream's, sent when it starts waiting.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KEEPALIVE = b": waiting\n\n"
@@ -336,6 +342,9 @@ class Gateway:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
+    settle_heap: bool = False
+    """Freeze the heap again once serving (`settle_heap`): for a process of its own, as
+    `freeze_heap` is; never in a test process or `llmgw up`."""
     stream_usage: bool = True
     """Ask a server for the usage chunk of a stream whose client did not (and strip it);
     off (`--no-stream-usage`) for a server that refuses `stream_options`."""
@@ -416,6 +425,8 @@ class Gateway:
                     subjects.gateway_inflight_wildcard(self.root), cb=self._answer_inflight
                 )
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
+            if self.settle_heap:
+                settle_heap()
             if on_ready is not None:
                 on_ready(self.url)
             reporter = asyncio.create_task(self._report_use(stop), name="gateway: use")
@@ -1101,7 +1112,9 @@ class Gateway:
                 await resp.prepare(request)
             else:
                 resp = held
-            tail = b""
+            # The stream's end, for its usage: extended in place and cut only past twice
+            # its length, not copied whole for each chunk.
+            tail = bytearray()
             first = True
             cut = streams.Strip() if strip else None
             try:
@@ -1111,7 +1124,9 @@ class Gateway:
                         if not chunk:
                             continue
                     else:
-                        tail = (tail + chunk)[-TAIL_BYTES:]
+                        tail += chunk
+                        if len(tail) > 2 * TAIL_BYTES:
+                            del tail[:-TAIL_BYTES]
                     await resp.write(chunk)
                     if first:
                         self._first_byte(request)
@@ -1128,7 +1143,11 @@ class Gateway:
                 return resp
             await resp.write_eof()
             if upstream.status < 400:
-                tokens = cut.tokens or (0, 0) if cut is not None else _stream_usage(tail)
+                tokens = (
+                    cut.tokens or (0, 0)
+                    if cut is not None
+                    else _stream_usage(bytes(tail[-TAIL_BYTES:]))
+                )
                 self._used(r, *tokens, request.get(_KEY))
             return resp
         except BaseException:
@@ -1352,6 +1371,19 @@ def freeze_heap() -> bool:
     is meant to die.
     """
     if os.environ.get("LLMGW_GC_FREEZE", "1") == "0":
+        return False
+    gc.collect()
+    gc.freeze()
+    if os.environ.get("LLMGW_GC_TUNE", "1") != "0":
+        gc.set_threshold(YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    return True
+
+
+def settle_heap() -> bool:
+    """Freeze again what a gateway process holds once it serves (its view of the log,
+    its server, its pools): long-lived objects the first freeze came too early for;
+    whether it did. Off with `LLMGW_GC_FREEZE=0` or `LLMGW_GC_TUNE=0`."""
+    if os.environ.get("LLMGW_GC_FREEZE", "1") == "0" or os.environ.get("LLMGW_GC_TUNE", "1") == "0":
         return False
     gc.collect()
     gc.freeze()

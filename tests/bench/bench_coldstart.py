@@ -44,7 +44,7 @@ from schemas import codec, subjects  # noqa: E402
 from schemas import events as ev  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
-from tests.bench.bench_gateway import _free_port, _pct  # noqa: E402
+from tests.bench.bench_gateway import _free_port, _pct, _waited_s  # noqa: E402
 
 NODE = "bench-cold"
 GATEWAY_LOG = Path()
@@ -85,7 +85,13 @@ def _start() -> tuple[EmbeddedBroker, list[subprocess.Popen[bytes]], int, int]:
     return broker, [gateway, upstream], up_port, gw_port
 
 
-async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw_port: int) -> None:
+async def _bench(
+    a: argparse.Namespace,
+    broker: EmbeddedBroker,
+    up_port: int,
+    gw_port: int,
+    pids: dict[str, int],
+) -> None:
     nc = await connect(broker.url, "bench")
     js = nc.jetstream()
     await ensure_streams(js)
@@ -150,6 +156,8 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
                 await r.read()
                 return r.status
 
+        waited0 = {k: _waited_s(pid) for k, pid in pids.items()}
+        wall0 = time.perf_counter()
         for i in range(a.starts):
             rid = f"cold-{i}"
             while not heard.empty():
@@ -175,6 +183,8 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
                 make(ev.ReplicaDrain(replica=rid, model=MODEL, reason="scale_down")), node=NODE
             )
             await pub.publish(state(rid, "stopped"), node=NODE)
+        wall = time.perf_counter() - wall0
+        waited = {k: _waited_s(pid) - waited0[k] for k, pid in pids.items()}
         # The next round must start at zero: the gateway has folded the stop.
         async with http.get(f"{base}/health") as r:
             health = await r.json()
@@ -202,6 +212,13 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, up_port: int, gw
         f"ready published -> first byte received (the bench's view): "
         f"p50 {_pct(ready_to_first, 0.5):.2f} ms, p99 {_pct(ready_to_first, 0.99):.2f} ms"
     )
+    # Where the rest of a wake's tail goes on a busy host: each process ready to run and
+    # waiting for a CPU (the run queue, /proc/PID/schedstat), a start's share of it.
+    print(
+        "ready but without a CPU, ms a start: "
+        + ", ".join(f"{k} {1e3 * v / a.starts:.2f}" for k, v in waited.items())
+        + f" (over {wall:.1f} s of starts)"
+    )
 
 
 def main() -> None:
@@ -212,7 +229,8 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     broker, procs, up_port, gw_port = _start()
     try:
-        asyncio.run(_bench(a, broker, up_port, gw_port))
+        pids = {"gateway": procs[0].pid, "server": procs[1].pid, "bench": os.getpid()}
+        asyncio.run(_bench(a, broker, up_port, gw_port, pids))
     finally:
         for proc in procs:
             proc.terminate()

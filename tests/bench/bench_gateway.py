@@ -17,7 +17,7 @@ their own processes: `bench` answers at once (no delays), `bench-stream` streams
 tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile up to
 the concurrency asked for); one `python -m services.gateway` process per entry of
 `--loops` (asyncio; asyncio with LLMGW_GC_FREEZE=0; uvloop when it is installed, `pip
-install -e '.[bench]'`), each told of the servers by
+install -e '.[bench]'`; `asyncio-untuned`: with LLMGW_GC_TUNE=0), each told of the servers by
 `replica.state` events with their endpoints. The load generator (aiohttp, this
 process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
@@ -475,6 +475,8 @@ def _serve_gateway(loop: str, argv: list[str]) -> int:
 
     if loop.endswith("-nofreeze"):
         os.environ["LLMGW_GC_FREEZE"] = "0"
+    if loop.endswith("-untuned"):
+        os.environ["LLMGW_GC_TUNE"] = "0"
     pauses: list[tuple[float, int]] = []
     began = [0.0]
 
@@ -515,7 +517,8 @@ def main() -> None:
         "--loops",
         default="asyncio,asyncio-nofreeze,uvloop",
         help="a gateway per event loop (uvloop skipped when not installed; -nofreeze: "
-        "with LLMGW_GC_FREEZE=0)",
+        "with LLMGW_GC_FREEZE=0; -untuned: with LLMGW_GC_TUNE=0, CPython's collector "
+        "thresholds and no second freeze)",
     )
     p.add_argument("--pin", action="store_true", help="the gateways on a CPU of their own")
     p.add_argument(

@@ -78,3 +78,28 @@ def test_a_gateway_process_freezes_its_heap_unless_told_not_to(setting: str, fro
         check=True,
     )
     assert out.stdout.split() == [str(frozen), str(frozen)]
+
+
+@pytest.mark.parametrize(
+    ("freeze", "tune", "young", "settled"),
+    [("1", "1", 20_000, True), ("1", "0", 700, False), ("0", "1", 700, False)],
+)
+def test_a_gateway_process_collects_young_objects_less_often_and_freezes_again_once_serving(
+    freeze: str, tune: str, young: int, settled: bool
+) -> None:
+    # A stream's objects live seconds: with CPython's 700 they were promoted to the old
+    # generation, whose collections walk every open stream (README, Performance).
+    code = (
+        "import gc; from services.gateway.server import freeze_heap, settle_heap; "
+        "freeze_heap(); n = gc.get_freeze_count(); x = [[] for _ in range(100)]; "
+        "print(gc.get_threshold()[0], settle_heap(), gc.get_freeze_count() > n)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"LLMGW_GC_FREEZE": freeze, "LLMGW_GC_TUNE": tune, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    )
+    assert out.stdout.split() == [str(young), str(settled), str(settled)]
