@@ -25,7 +25,7 @@ from tests.agent.realagent import publish
 from tests.e2e.test_node_faults import SimAgent, _until
 from tests.up_process import UpProcess
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.module_broker]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.module_broker]
 
 NVL = ev.TopologySpec(level="nvlink_domain")
 NODES = {"g-a1": "A", "g-a2": "A", "g-b1": "B"}
@@ -103,6 +103,7 @@ async def test_a_critical_two_node_model_preempts_a_two_node_replica_whole(
         js,
         "batch ready on both nodes of A",
         lambda v: any(r.state == "ready" for r in v.replicas_of("batch")),
+        within=40,
     )
     gang = next(r for r in v.replicas_of("batch") if r.state == "ready")
     assert sorted(gang.nodes) == ["g-a1", "g-a2"]
