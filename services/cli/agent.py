@@ -106,13 +106,13 @@ def register(commands: cli.Commands) -> None:
         "--cpu",
         type=cli.arg_seconds,
         metavar="CORES",
-        help="CPU cores to offer (default 12 per GPU)",
+        help="CPU cores to offer (default: the host's cores; 12 per GPU with --simulate)",
     )
     p.add_argument(
         "--memory",
         type=cli.arg_seconds,
         metavar="GB",
-        help="host memory in GB to offer (default 128 per GPU)",
+        help="host memory in GB to offer (default: the host's memory; 128 per GPU with --simulate)",
     )
     p.add_argument(
         "--labels", type=_labels, default={}, metavar="K=V,...", help="node labels, e.g. zone=a"

@@ -23,7 +23,7 @@ request at once.
 
 The HTTP stack is aiohttp, server and client: measured against uvicorn+httptools with
 the same aiohttp client on one loaded 2-core host, the two were within each other's
-noise (README, "The gateway"); one library then handles both sides, and its handler
+noise (docs/gateway.md); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
 
 A model that cannot take a request now does not refuse it: the request waits in the
@@ -1366,7 +1366,7 @@ def freeze_heap() -> bool:
     services.gateway`) before it serves, never by `Gateway` itself: a test process or
     `llmgw up` holds other things. A full collection walks every tracked object, and
     with 300 streams open one took 30-110 ms, a stall of the loop that every stream
-    then waiting paid for; frozen, 25-40 ms (README, "The gateway"). The cost: a frozen
+    then waiting paid for; frozen, 25-40 ms (docs/gateway.md). The cost: a frozen
     object that later becomes part of a cycle is never freed, and nothing frozen here
     is meant to die.
     """

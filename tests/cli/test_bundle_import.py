@@ -19,6 +19,7 @@ from schemas import events as ev
 from services.bus import EmbeddedBroker, connect, ensure_streams
 from services.cli import main
 from services.cli.events import ADVICE
+from tests import documents
 from tests.cli.test_cli_events import T0, run
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,7 +205,7 @@ def test_help_error_and_readme_give_the_same_advice(
     assert "not a running `llmgw up`" in help_text and "examples:" in help_text
     assert "llmgw up --data" not in help_text
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = documents.text()
     assert "nats-server -js -sd" in readme and "llmgw up --data NEW_DIR" not in readme
     assert "not a running `llmgw up`" in " ".join(readme.split())
 

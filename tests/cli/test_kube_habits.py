@@ -17,11 +17,10 @@ from schemas import codec
 from services import cli
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
 from services.cli import app
+from tests import documents
 from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(90)
-
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _cluster() -> Scenario:
@@ -228,7 +227,7 @@ def test_a_usage_mistake_exits_2_everywhere(
 def test_the_table_is_in_help_and_the_readme(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0
-    readme = README.read_text()
+    readme = documents.text()
     for n, what in app.EXIT_CODES:
         assert f"  {n:<4} {what}" in out
         assert f"| {n} | {what} |" in readme, f"README lacks exit code {n}"

@@ -17,6 +17,7 @@ import yaml
 from services.bus import broker
 from services.bus.connection import servers_of
 from services.bus.stream import CLUSTER_REPLICAS
+from tests import documents
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -196,7 +197,7 @@ def _users_secret() -> tuple[str, str, str]:
 def test_the_readme_writes_the_users_secret_the_values_mount() -> None:
     name, _, included = _users_secret()
     assert included == "users.conf"
-    readme = (DIR.parents[1] / "README.md").read_text()
+    readme = documents.text()
     assert f"create secret generic {name}" in readme
     assert "--from-file=users.conf --from-file=deploy/nats/permissions.conf" in readme
     assert "python deploy/nats/users.py" in readme

@@ -15,6 +15,7 @@ import pytest
 
 from services.sim import engine, report
 from services.sim import scenario as scn
+from tests import documents
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +42,7 @@ def simulated_table() -> str:
 
 
 def readme_table() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = documents.text()
     start = text.index("| | homogeneous ref |")
     return text[start : text.index("\n\n", start)]
 
