@@ -10,16 +10,13 @@ held request is answered 200. `llmgw explain model` tells the chain; after its
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
-from tests.up_process import UpProcess
+from tests.e2e.gateway_plane import Plane, running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,39 +36,18 @@ models:
 """
 
 
-class Plane:
-    def __init__(self, up: UpProcess, base: str) -> None:
-        self.up = up
-        self.base = base
-        self.client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
-
-    def health(self) -> dict[str, Any]:
-        root = self.base.removesuffix("/v1")
-        with urllib.request.urlopen(f"{root}/health", timeout=5) as r:
-            return dict(json.loads(r.read()))
-
-    def until(self, what: str, check: Any, within_s: float = 30) -> Any:
-        deadline = time.monotonic() + within_s
-        while True:
-            got = check()
-            if got:
-                return got
-            assert self.up.alive(), self.up.text()[-3000:]
-            assert time.monotonic() < deadline, f"{what} not within {within_s}s"
-            time.sleep(0.05)
-
-    def chat(self, model: str) -> Any:
-        return self.client.chat.completions.with_raw_response.create(
-            model=model, messages=[{"role": "user", "content": "now"}], max_tokens=3
-        )
+def _chat(plane: Plane, model: str) -> Any:
+    return plane.client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "now"}], max_tokens=3
+    )
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    base = tmp_path_factory.mktemp("chain")
-    up = UpProcess(
-        base / "data",
-        base / "up.log",
+    with running(
+        tmp_path_factory.mktemp("chain"),
+        CLUSTER,
+        lambda p: "urgent" in p.health()["routable"],
         "--simulate",
         "1x1xH100-80GB",
         "--load-delay",
@@ -95,36 +71,21 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         "--gateway-listen",
         "127.0.0.1:0",
         "--no-ui",
-    )
-    try:
-        up.wait_url()
-        url_file = base / "data" / "gateway.url"
-        deadline = time.monotonic() + 20
-        while not url_file.exists():
-            assert up.alive() and time.monotonic() < deadline, up.text()[-3000:]
-            time.sleep(0.05)
-        spec = base / "cluster.yaml"
-        spec.write_text(CLUSTER)
-        applied = up.llmgw("apply", "-f", str(spec))
-        assert applied.returncode == 0, applied.stderr
-        p = Plane(up, url_file.read_text().strip())
-        p.until("the models in the gateway's view", lambda: "urgent" in p.health()["routable"])
+        client_timeout=60,
+    ) as p:
         yield p
-    finally:
-        assert up.stop() == 0, up.text()[-3000:]
-    assert "Traceback" not in up.text()
 
 
 def test_a_request_wakes_a_critical_model_by_preempting_an_idle_opportunistic_one(
     plane: Plane,
 ) -> None:
     # The one GPU taken by batch, woken by a request of its own and now idle.
-    first = plane.chat("batch")
+    first = _chat(plane, "batch")
     assert first.status_code == 200
     victim = first.headers["x-llmgw-replica"]
     # A critical request: held, demanded, scaled, placed by preempting batch, answered.
     t0 = time.monotonic()
-    woken = plane.chat("urgent")
+    woken = _chat(plane, "urgent")
     assert woken.status_code == 200
     replica = woken.headers["x-llmgw-replica"]
     assert len((woken.parse().choices[0].message.content or "").split()) == 3

@@ -8,18 +8,14 @@ request reaches the replica drained, while its server is still up."""
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
-from tests.up_process import FAST, UpProcess
+from tests.e2e.gateway_plane import Plane, running
+from tests.up_process import FAST
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,41 +34,6 @@ scale:
 """
 
 
-class Plane:
-    def __init__(self, up: UpProcess, base: str) -> None:
-        self.up = up
-        self.base = base
-        self.client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=10)
-
-    def raw(
-        self, path: str, body: bytes, headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, str], Any]:
-        req = urllib.request.Request(f"{self.base}{path}", data=body, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, dict(r.headers), json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, dict(e.headers), json.loads(e.read())
-
-    def health(self) -> dict[str, Any]:
-        root = self.base.removesuffix("/v1")
-        with urllib.request.urlopen(f"{root}/health", timeout=5) as r:
-            return dict(json.loads(r.read()))
-
-    def routable(self, model: str) -> list[str]:
-        return list(self.health()["routable"].get(model, []))
-
-    def until(self, what: str, check: Any, within_s: float = 20) -> Any:
-        deadline = time.monotonic() + within_s
-        while True:
-            got = check()
-            if got:
-                return got
-            assert self.up.alive(), self.up.text()[-3000:]
-            assert time.monotonic() < deadline, f"{what} not within {within_s}s"
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     base = tmp_path_factory.mktemp("gateway")
@@ -82,42 +43,30 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     with contextlib.suppress(OSError):
         holder.bind(("127.0.0.1", 8322))
         holder.listen()
-    up = UpProcess(
-        base / "data",
-        base / "up.log",
-        "--simulate",
-        "1x4xH100-80GB",
-        *FAST,
-        "--stop-delay",
-        "3",
-        "--sim-ttft",
-        "0",
-        "--sim-tps",
-        "0",
-        "--no-ui",
-    )
     try:
-        up.wait_url()
-        url_file = base / "data" / "gateway.url"
-        deadline = time.monotonic() + 20
-        while not url_file.exists():
-            assert up.alive() and time.monotonic() < deadline, up.text()[-3000:]
-            time.sleep(0.05)
-        gateway = url_file.read_text().strip()
-        assert gateway.startswith("http://127.0.0.1:") and ":8322/" not in gateway
-        # The one line an operator reads it from.
-        assert f"gateway: {gateway}" in up.text()
-        spec = base / "cluster.yaml"
-        spec.write_text(CLUSTER)
-        applied = up.llmgw("apply", "-f", str(spec))
-        assert applied.returncode == 0, applied.stderr
-        p = Plane(up, gateway)
-        p.until("two ready replicas of chat", lambda: len(p.routable("chat")) == 2)
-        yield p
+        with running(
+            base,
+            CLUSTER,
+            lambda p: len(p.routable("chat")) == 2,
+            "--simulate",
+            "1x4xH100-80GB",
+            *FAST,
+            "--stop-delay",
+            "3",
+            "--sim-ttft",
+            "0",
+            "--sim-tps",
+            "0",
+            "--no-ui",
+            client_timeout=10,
+        ) as p:
+            # The default port was taken: `up` took a free one, and said which in the
+            # one line an operator reads it from.
+            assert p.base.startswith("http://127.0.0.1:") and ":8322/" not in p.base
+            assert f"gateway: {p.base}" in p.up.text()
+            yield p
     finally:
         holder.close()
-        assert up.stop() == 0, up.text()[-3000:]
-    assert "Traceback" not in up.text()
 
 
 def test_models_chat_completions_and_embeddings_through_the_openai_package(

@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
-from tests.up_process import UpProcess
+from tests.e2e.gateway_plane import Plane, running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,33 +32,12 @@ models:
 """
 
 
-class Plane:
-    def __init__(self, up: UpProcess, base: str) -> None:
-        self.up = up
-        self.base = base
-
-    def health(self) -> dict[str, Any]:
-        root = self.base.removesuffix("/v1")
-        with urllib.request.urlopen(f"{root}/health", timeout=5) as r:
-            return dict(json.loads(r.read()))
-
-    def until(self, what: str, check: Any, within_s: float = 30) -> Any:
-        deadline = time.monotonic() + within_s
-        while True:
-            got = check()
-            if got:
-                return got
-            assert self.up.alive(), self.up.text()[-3000:]
-            assert time.monotonic() < deadline, f"{what} not within {within_s}s"
-            time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    base = tmp_path_factory.mktemp("waiting")
-    up = UpProcess(
-        base / "data",
-        base / "up.log",
+    with running(
+        tmp_path_factory.mktemp("waiting"),
+        CLUSTER,
+        lambda p: "burst" in p.health()["routable"],
         "--simulate",
         "1x4xH100-80GB",
         "--load-delay",
@@ -76,24 +53,8 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         "--keepalive-interval",
         "0.05",
         "--no-ui",
-    )
-    try:
-        up.wait_url()
-        url_file = base / "data" / "gateway.url"
-        deadline = time.monotonic() + 20
-        while not url_file.exists():
-            assert up.alive() and time.monotonic() < deadline, up.text()[-3000:]
-            time.sleep(0.05)
-        spec = base / "cluster.yaml"
-        spec.write_text(CLUSTER)
-        applied = up.llmgw("apply", "-f", str(spec))
-        assert applied.returncode == 0, applied.stderr
-        p = Plane(up, url_file.read_text().strip())
-        p.until("the models in the gateway's view", lambda: "burst" in p.health()["routable"])
+    ) as p:
         yield p
-    finally:
-        assert up.stop() == 0, up.text()[-3000:]
-    assert "Traceback" not in up.text()
 
 
 def test_a_held_stream_gets_keepalive_comments_then_its_tokens(plane: Plane) -> None:
