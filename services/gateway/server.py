@@ -700,7 +700,6 @@ class Gateway:
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
         limit = routing.admit_limit(view, m, self.inflight_factor)
-        span = request[_SPAN]
         # Nobody overtakes a line: with requests of the model waiting, a new one joins
         # them, even if a slot has just freed (the line is served first).
         r = (
@@ -722,9 +721,7 @@ class Gateway:
                 raise
             # A held stream has had its 200: the refusal goes as the stream's one
             # event, in the error shape the openai package raises from.
-            request[_STATUS] = e.status
-            span.set_attribute("llmgw.reason", e.reason)
-            await _sse_error(held, e)
+            await _sse_error(request, held, e)
             return held
 
     async def _send(
@@ -887,9 +884,7 @@ class Gateway:
         except Refusal as e:
             if resp is None:
                 raise
-            request[_STATUS] = e.status
-            span.set_attribute("llmgw.reason", e.reason)
-            await _sse_error(resp, e)
+            await _sse_error(request, resp, e)
             raise _Answered(resp) from None
         finally:
             held_gauge.dec()
@@ -1344,9 +1339,12 @@ def _client_timeout(request: web.Request) -> float | None:
     return t if math.isfinite(t) and t > 0 else None
 
 
-async def _sse_error(resp: web.StreamResponse, e: Refusal) -> None:
+async def _sse_error(request: web.Request, resp: web.StreamResponse, e: Refusal) -> None:
     """`e` as the one SSE event of a stream whose 200 is sent (`data: {"error": ...}`,
-    which the openai package raises as an APIError), and the stream's end."""
+    which the openai package raises as an APIError), and the stream's end; the request's
+    status and span say the refusal, as a refusal before the 200 would."""
+    request[_STATUS] = e.status
+    request[_SPAN].set_attribute("llmgw.reason", e.reason)
     doc = {"error": {"message": e.message, "type": e.kind, "code": e.reason}}
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write(b"data: " + msgspec.json.encode(doc) + b"\n\n")
