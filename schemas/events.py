@@ -316,6 +316,10 @@ class ReplicaState(Data, frozen=True, kw_only=True):
     reason: Text | None = None
     endpoint: Endpoint | None = None
     """Where its server answers (`http://host:port`), said when it is ready; an extension."""
+    node: Name | None = None
+    """The node whose shard the report is about, said by the agent of one shard of a
+    multi-node replica; None: the report is about the whole replica (every report before
+    this field). A `stopped` naming a node frees that shard only; an extension."""
 
 
 class OwnerUse(Data, frozen=True, kw_only=True):

@@ -975,6 +975,9 @@ class Agent:
                 # Endpoints are facts: a ready replica says where its server answers, so
                 # the gateway routes from the log instead of asking around.
                 endpoint=self.runtime.endpoint(rec.replica) if state == "ready" else None,
+                # One shard of several speaks for its own: the replica is stopped once
+                # every shard's agent has said so, and this shard's GPUs are free at its.
+                node=self.node if _spans(rec.shards) else None,
             ),
         )
 
@@ -1227,6 +1230,11 @@ def _remember(reps: dict[str, _Replica], e: ev.ReplicaStateEvent, s: ev.ReplicaS
     rec.state, rec.command, rec.correlation, rec.since = s.state, command, e.correlation, e.time
     if s.shards:
         rec.shards = s.shards
+
+
+def _spans(shards: tuple[ev.ShardSpec, ...]) -> bool:
+    """Whether the replica has shards on several nodes."""
+    return any(s.node != shards[0].node for s in shards[1:])
 
 
 def _gpus_here(shards: tuple[ev.ShardSpec, ...], node: str) -> str:

@@ -297,6 +297,8 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         node = _subject_node(subject)
         if node is not None and not _has_node(shards, node):
             return f"agent on {node} reports replica {d.replica}, which has no shard there"
+    if d.node is not None and (why := _not_its_shard(d, shards, subject)):
+        return why
     if r is None:
         r = ReplicaRecord(
             id=d.replica,
@@ -320,6 +322,17 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         return None
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
+    if d.node is not None and d.state == "stopped" and r.state in _HOLDING:
+        if d.node in r.stopped_on:
+            return None  # that shard said so already
+        r.stopped_on += (d.node,)
+        if any(n not in r.stopped_on for n in r.nodes):
+            # One shard of several stopped: its GPUs are free, the others' still held,
+            # and the replica keeps its state until the last shard stops.
+            view.inventory.release_node(r.id, d.node)
+            r.updated_at = e.time
+            view.note(r)
+            return None
     before, after = _ORDER[r.state], _ORDER[d.state]
     if after < before or (after == before and d.state != r.state):
         return f"replica {d.replica} cannot go from {r.state} to {d.state}"
@@ -348,6 +361,20 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     if first_ready:
         r.ready_at = e.time
     view.note(r, ready=first_ready)
+    return None
+
+
+def _not_its_shard(
+    d: ev.ReplicaState, shards: tuple[ev.ShardSpec, ...], subject: str | None
+) -> str | None:
+    """Why a report about the shard on node `d.node` cannot be: the replica has no shard
+    there, or the report came from another node's agent."""
+    assert d.node is not None
+    got = _subject_node(subject) if subject is not None else None
+    if got is not None and got != d.node:
+        return f"agent on {got} reports the shard of replica {d.replica} on {d.node}"
+    if shards and not _has_node(shards, d.node):
+        return f"replica {d.replica} has no shard on {d.node}"
     return None
 
 
@@ -451,6 +478,9 @@ def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> 
         return f"drain for unknown replica {d.replica}"
     if why := _off_node_command(subject, r):
         return why
+    node = _command_node(subject) if subject is not None else None
+    if node is not None and node not in r.drained_on:
+        r.drained_on += (node,)
     if r.drained_by is not None:
         return None  # already asked; the first reason stands
     r.drained_by, r.drain_reason = e.id, d.reason
@@ -698,20 +728,27 @@ def _touch_replica(view: View, e: Any, t: Touched, before: Any) -> None:
     t.replicas.add(e.data.replica)
 
 
-def _before_allocation(view: View, e: Any) -> tuple[str, tuple[ev.ShardSpec, ...]] | None:
+_Held = tuple[str, tuple[ev.ShardSpec, ...], tuple[str, ...]]
+"""A replica's state, shards and `stopped_on` before an event: what its GPUs' rows show."""
+
+
+def _before_allocation(view: View, e: Any) -> _Held | None:
     old = view.state.replicas.get(e.data.replica)
-    return (old.state, old.shards) if old is not None else None
+    return (old.state, old.shards, old.stopped_on) if old is not None else None
 
 
-def _touch_allocation(
-    view: View, e: Any, t: Touched, before: tuple[str, tuple[ev.ShardSpec, ...]] | None
-) -> None:
+def _touch_allocation(view: View, e: Any, t: Touched, before: _Held | None) -> None:
     rid = e.data.replica
     t.replicas.add(rid)
     new = view.state.replicas[rid]
     # GPU rows show who holds each GPU: a node's rows change only when an allocation on
-    # it may have changed.
-    if before is None or before[1] != new.shards or before[0] != new.state:
+    # it may have changed (a shard of several stopping changes its node's).
+    if (
+        before is None
+        or before[1] != new.shards
+        or before[0] != new.state
+        or before[2] != new.stopped_on
+    ):
         if before is not None:
             t.nodes.update(s.node for s in before[1])
         t.nodes.update(s.node for s in new.shards)

@@ -424,6 +424,21 @@ class Inventory:
             self.version = Version()
         return True
 
+    def release_node(self, replica_id: str, node: str) -> bool:
+        """Free what a replica holds on one node, keeping the rest (a shard of a
+        multi-node replica stopped while the others run); False when it held nothing
+        there."""
+        allocation = self._allocations.get(replica_id)
+        if allocation is None:
+            return False
+        rest = tuple(s for s in allocation.shards if s.node != node)
+        if len(rest) == len(allocation.shards):
+            return False
+        if not rest:
+            return self.release_replica(replica_id)
+        self._record(msgspec.structs.replace(allocation, shards=rest))
+        return True
+
     def allocation(self, replica_id: str) -> Allocation | None:
         return self._allocations.get(replica_id)
 

@@ -157,9 +157,10 @@ def missing(
     """The events of an earlier decision the view does not show yet.
 
     Published in order (decision, drains, holds) on one connection, a crash leaves a
-    prefix of them stored: a drain is missing when its replica was never asked to stop;
-    a hold when the view holds none from this decision and it could still matter (it
-    has not ended by `View.hold_end`'s rule).
+    prefix of them stored: a drain is missing when its replica's node was never asked to
+    stop it (a gang's drains are one per shard's node, and a crash can fall between
+    them: `ReplicaRecord.drained_on`); a hold when the view holds none from this
+    decision and it could still matter (it has not ended by `View.hold_end`'s rule).
     """
     tid = decided.data.trigger
     d = decided.data
@@ -167,10 +168,13 @@ def missing(
     out: list[Outgoing] = []
     for v in d.victims:
         r = view.state.replicas.get(v.replica)
-        if r is None or r.drained_by is not None or not r.holds_capacity or not r.shards:
+        if r is None or not r.holds_capacity or not r.shards:
             continue
-        for i, shard in enumerate(r.shards):
-            out.append(mk.drain(v.replica, v.model, shard.node, d.for_model, drain_grace_s, i == 0))
+        if r.drained_by is not None and not r.drained_on:
+            continue  # asked, on a node the view was not told (folded without subjects)
+        for i, node in enumerate(r.nodes):
+            if node not in r.drained_on:
+                out.append(mk.drain(v.replica, v.model, node, d.for_model, drain_grace_s, i == 0))
     for h in d.holds:
         held = view.state.holds.get(h.model)
         if held is not None and held.created_by == mk.hold_id(h.model):

@@ -29,7 +29,7 @@ from services.core import catalog, inventory, quota
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
 # give a view no replay can reproduce.
-SCHEMA = 5
+SCHEMA = 6
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -95,6 +95,14 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     """Where its server answers (`http://host:port`): the latest `replica.state` that
     named one. Kept after it stops (the record says where it was); only a ready one is
     routed to."""
+    drained_on: tuple[str, ...] = ()
+    """The nodes whose command subject holds a `replica.drain` for it, in the order they
+    came: one per shard's node, so a decision's drains missing after a crash are known
+    node by node (`reaction.missing`)."""
+    stopped_on: tuple[str, ...] = ()
+    """The nodes whose agent said its shard stopped (a `replica.state` `stopped` naming
+    its `node`), in the order they said it. While others still run, the replica keeps
+    its state and holds only their shards; the last one stops it."""
 
     @property
     def holds_capacity(self) -> bool:
@@ -380,7 +388,9 @@ class View:
         `state_version` moved, and no model name came into or left `current_models`."""
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
-                self.inventory.restore(allocation_of(r))
+                a = allocation_of(r)
+                if a.shards:
+                    self.inventory.restore(a)
             self.note(r, ready=True)
 
     # The replica indexes, kept by the fold.
@@ -750,9 +760,13 @@ def allocate(view: View, r: ReplicaRecord) -> str | None:
 
 
 def allocation_of(r: ReplicaRecord) -> inventory.Allocation:
-    """What a replica holds, as recorded when it was allocated."""
+    """What a replica holds, as recorded when it was allocated, less the shards whose
+    agents said they stopped (`stopped_on`)."""
+    shards = r.shards
+    if r.stopped_on:
+        shards = tuple(s for s in shards if s.node not in r.stopped_on)
     return inventory.Allocation(
-        replica=r.id, shards=r.shards, cpu_cores=r.cpu_cores, memory_gb=r.memory_gb
+        replica=r.id, shards=shards, cpu_cores=r.cpu_cores, memory_gb=r.memory_gb
     )
 
 

@@ -159,6 +159,13 @@ class _Agent:
     """The subject of its reports on the replica (replica.state, replica.used), made
     once: a replica reports use every USED_EVERY_S while requests keep coming, tens of
     thousands of times a day."""
+    draining: tuple[str, ...] = ()
+    """Of a replica with shards on several nodes, the nodes whose agent was asked to
+    drain its shard: each stops its own and says so (`replica.state` naming its node)."""
+
+    @property
+    def spans(self) -> bool:
+        return any(s.node != self.shards[0].node for s in self.shards[1:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +424,9 @@ class Engine:
         self._settle()
 
     def _on_agent(self, arg: tuple[str, int, str]) -> None:
+        self._agent_step(*arg)
+
+    def _on_shard(self, arg: tuple[str, int, str, str]) -> None:
         self._agent_step(*arg)
 
     def _on_tick(self, arg: None) -> None:
@@ -716,6 +726,9 @@ class Engine:
 
     def _drained(self, e: ev.ReplicaDrainEvent, node: str | None) -> None:
         got = self._agents.get(e.data.replica)
+        if got is not None and got.spans:
+            self._drain_shard(e.data.replica, got, node or got.node)
+            return
         if got is None or got.node in self._down or got.state in _GONE:
             return
         a = got
@@ -725,10 +738,28 @@ class Engine:
         self.at(self.t + 0.5, self._on_agent, (e.data.replica, a.gen, "draining"))
         self.at(self.t + 0.5 + stop, self._on_agent, (e.data.replica, a.gen, "stopped"))
 
+    def _drain_shard(self, rid: str, a: _Agent, node: str) -> None:
+        """A drain of one shard of a replica on several nodes: that node's agent says
+        draining, then, in the model's stop time, that its shard stopped; the replica
+        stops with its last shard (the fold's rule)."""
+        if node in a.draining or node in self._down or a.state in ("stopped", "failed"):
+            return
+        if not a.draining:
+            a.gen += 1  # the start's steps still to come are not said
+        a.draining += (node,)
+        spec = self.models.get(a.model)
+        stop = spec.stop_s if spec else 10.0
+        self.at(self.t + 0.5, self._on_shard, (rid, a.gen, "draining", node))
+        self.at(self.t + 0.5 + stop, self._on_shard, (rid, a.gen, "stopped", node))
+
     def _reported(self, e: ev.ReplicaStateEvent, node: str | None) -> None:
         state = e.data.state
         if state in ("stopped", "failed"):
             self._dirty = True
+            if e.data.node is not None and state == "stopped":
+                rec = self.view.state.replicas.get(e.data.replica)
+                if rec is not None and rec.state != "stopped":
+                    return  # one shard of several stopped; the replica's others run on
         self._state_seen(e.data.replica, state)
 
     def _lost(self, e: ev.NodeLostEvent, node: str | None) -> None:
@@ -775,9 +806,14 @@ class Engine:
     def _inventory(self, name: str) -> None:
         self.publish(self._groups[name].inventory(name), f"agent/{name}", name)
 
-    def _agent_step(self, rid: str, gen: int, state: str) -> None:
+    def _agent_step(self, rid: str, gen: int, state: str, shard: str | None = None) -> None:
+        """Publish what the agent of `rid` says now: about the whole replica, or, with
+        `shard`, about its shard on that node, from that node's agent."""
         a = self._agents.get(rid)
-        if a is None or a.gen != gen or a.node in self._down:
+        if a is None:
+            return
+        where = a.node if shard is None else shard
+        if a.gen != gen or where in self._down:
             return
         rec = self.view.state.replicas.get(rid)
         if rec is None or rec.state in ("stopped", "failed"):
@@ -793,10 +829,11 @@ class Engine:
                 state=state,  # type: ignore[arg-type]
                 shards=a.shards,
                 reason=reason,
+                node=shard,
             ),
-            a.source,
-            a.node,
-            a.subject,
+            a.source if shard is None else f"agent/{shard}",
+            where,
+            a.subject if shard is None else subjects.replica_subject(shard, rid, ROOT),
             as_made=True,
         )
 

@@ -208,3 +208,23 @@ def test_replica_used_by_owner_is_an_extension_an_old_report_decodes_without() -
         "team-a": events.OwnerUse(requests=2, tokens_in=5),
         "team-b": events.OwnerUse(),
     }
+
+
+def test_replica_state_node_is_an_extension_an_old_report_is_about_the_whole_replica() -> None:
+    old = codec.decode(
+        b'{"id":"1","type":"replica.state","time":"2026-11-29T14:00:00Z","source":"agent/a1",'
+        b'"data":{"replica":"r","model":"m","profile":"pp2","state":"stopped",'
+        b'"shards":[{"node":"a1","gpus":[0]},{"node":"a2","gpus":[0]}]}}'
+    )
+    assert isinstance(old, events.ReplicaStateEvent) and old.data.node is None
+    new = codec.decode(
+        b'{"id":"2","type":"replica.state","time":"2026-11-29T14:00:00Z","source":"agent/a2",'
+        b'"data":{"replica":"r","model":"m","profile":"pp2","state":"stopped","node":"a2"}}'
+    )
+    assert isinstance(new, events.ReplicaStateEvent) and new.data.node == "a2"
+    assert codec.decode(codec.encode(new)) == new
+    with pytest.raises(EventDecodeError, match=r"\$\.data\.node"):
+        codec.decode(
+            b'{"id":"3","type":"replica.state","time":"2026-11-29T14:00:00Z","source":"a",'
+            b'"data":{"replica":"r","model":"m","profile":"p","state":"stopped","node":""}}'
+        )
