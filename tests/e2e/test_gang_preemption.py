@@ -25,15 +25,7 @@ from tests.agent.realagent import publish
 from tests.e2e.test_node_faults import SimAgent, _until
 from tests.up_process import UpProcess
 
-pytestmark = [
-    pytest.mark.timeout(150),
-    pytest.mark.module_broker,
-    # Known gap: a multi-node replica is recorded stopped at its first shard's `stopped`,
-    # so on a loaded host the next placement can start on a node whose shard of the
-    # victim still runs, and `big` fails its start there. Not fixed yet: while it is
-    # not, this test may fail, and is reported as such rather than hidden.
-    pytest.mark.xfail(reason="a gang is stopped at its first shard's report", strict=False),
-]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.module_broker]
 
 NVL = ev.TopologySpec(level="nvlink_domain")
 NODES = {"g-a1": "A", "g-a2": "A", "g-b1": "B"}
@@ -154,3 +146,29 @@ async def test_each_shard_got_its_drain_from_one_decision(
     assert decisions[0].data.spans[gang] == ("g-a1", "g-a2")
     subjects = sorted(s for r, s in drains if r == gang)
     assert len(subjects) == 2 and ".g-a1." in subjects[0] and ".g-a2." in subjects[1], subjects
+
+
+async def test_big_was_placed_only_once_both_shards_had_stopped(js: JetStreamContext) -> None:
+    """Each shard's agent said its own `stopped` (naming its node); the freed domain was
+    given to big only after the last of them, and none of big's starts failed."""
+    stops: dict[str, int] = {}
+    placed: list[int] = []
+    failed: list[str] = []
+    gang = None
+    async for batch in consume.read_range(js, 1, None):
+        for d in batch:
+            e = codec.decode(d.data)
+            if isinstance(e, ev.PreemptionDecidedEvent) and e.data.outcome == "preempted":
+                (gang,) = e.data.spans
+            elif isinstance(e, ev.ReplicaStateEvent) and e.data.replica == gang:
+                if e.data.state == "stopped":
+                    assert e.data.node is not None, e
+                    stops[e.data.node] = d.seq
+            elif isinstance(e, ev.PlacementDecidedEvent) and e.data.model == "big":
+                placed.append(d.seq)
+            elif isinstance(e, ev.ReplicaStateEvent) and e.data.model == "big":
+                if e.data.state == "failed":
+                    failed.append(f"{e.data.replica}: {e.data.reason}")
+    assert sorted(stops) == ["g-a1", "g-a2"], stops
+    assert placed and min(placed) > max(stops.values()), (placed, stops)
+    assert failed == []
