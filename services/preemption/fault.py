@@ -24,7 +24,11 @@ CRASH_BEFORE_ACK = "preemption.crash_before_ack"
 CRASH_AFTER_DECIDED = "preemption.crash_after_decided"
 """After preemption.decided is stored; before any drain or hold is published."""
 
-POINTS = frozenset({CRASH_BEFORE_ACK, CRASH_AFTER_DECIDED})
+CRASH_AFTER_FIRST_DRAIN = "preemption.crash_after_first_drain"
+"""After preemption.decided and its first replica.drain are stored; before the rest (the
+other shards' drains of a multi-node victim, the other victims', the holds)."""
+
+POINTS = frozenset({CRASH_BEFORE_ACK, CRASH_AFTER_DECIDED, CRASH_AFTER_FIRST_DRAIN})
 
 
 class FaultError(ValueError):

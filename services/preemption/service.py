@@ -403,12 +403,19 @@ class PreemptionService:
         """Publish in order through the leader; a lapsed lease is a retry."""
         items = list(outputs)
         try:
-            if decision and faults.CRASH_AFTER_DECIDED in self.fault.points and len(items) > 1:
+            points = self.fault.points
+            if decision and faults.CRASH_AFTER_DECIDED in points and len(items) > 1:
                 # Only when armed: the decision alone first, so a crash leaves a decision
                 # whose victims were never asked to stop.
                 await self.leader.publish(items[:1])
                 self.fault.hit(faults.CRASH_AFTER_DECIDED)
                 items = items[1:]
+            elif decision and faults.CRASH_AFTER_FIRST_DRAIN in points and len(items) > 2:
+                # Only when armed: the decision and its first drain, so a crash leaves a
+                # gang asked to stop on one of its nodes only.
+                await self.leader.publish(items[:2])
+                self.fault.hit(faults.CRASH_AFTER_FIRST_DRAIN)
+                items = items[2:]
             await self.leader.publish(items)
         except LeaseLapsed as e:
             raise Retry(NOT_LEADER_RETRY_S, str(e)) from e

@@ -166,9 +166,8 @@ async def test_big_was_placed_only_once_both_shards_had_stopped(js: JetStreamCon
                     stops[e.data.node] = d.seq
             elif isinstance(e, ev.PlacementDecidedEvent) and e.data.model == "big":
                 placed.append(d.seq)
-            elif isinstance(e, ev.ReplicaStateEvent) and e.data.model == "big":
-                if e.data.state == "failed":
-                    failed.append(f"{e.data.replica}: {e.data.reason}")
+            elif isinstance(e, ev.ReplicaStateEvent) and e.data.state == "failed":
+                failed.append(f"{e.data.replica} ({e.data.model}): {e.data.reason}")
     assert sorted(stops) == ["g-a1", "g-a2"], stops
     assert placed and min(placed) > max(stops.values()), (placed, stops)
     assert failed == []

@@ -32,13 +32,14 @@ from tests.preemption_service.conftest import (
     stored,
     until,
 )
+from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(40)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start(url: str, point: str, marker: Path, log: Path) -> subprocess.Popen[bytes]:
+def start(url: str, point: str, marker: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, LLMGW_FAULT=f"{point}:{marker}")
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -56,6 +57,7 @@ def start(url: str, point: str, marker: Path, log: Path) -> subprocess.Popen[byt
                 "2",
                 "--tick",
                 "0.2",
+                *args,
             ],
             cwd=ROOT,
             env=env,
@@ -122,6 +124,70 @@ async def test_crash_between_publish_and_ack_stops_each_victim_once(
     assert [x.event.causation for x in decided] == [trigger.id]
     drains = Counter(x.event.data.replica for x in of_type(after, ev.ReplicaDrainEvent))  # type: ignore[union-attr]
     assert drains == {"b1": 1, "b2": 1}
+    assert len(of_type(after, ev.HoldCreatedEvent)) == 1
+
+
+def gang_cluster(t0: datetime) -> Scenario:
+    """One NVLink domain of two nodes, all of both held by a two-node opportunistic
+    replica g1; a critical two-node model `big` fits only once g1 stops (node-aware)."""
+    s = Scenario(t0)
+    for n in ("a1", "a2"):
+        s.node(n, 8, labels={"nvlink_domain": "A"})
+    s.model("batch", cls="opportunistic", min=0, max=2, profiles=[PP2])
+    s.model("big", cls="critical", min=1, profiles=[PP2])
+    s.replica("g1", "batch", on=[("a1", range(8)), ("a2", range(8))], ready="-3h", used="-1h")
+    return s
+
+
+PP2 = ev.ProfileSpec(name="pp2", gpus=8, shards=2, topology=ev.TopologySpec(level="nvlink_domain"))
+
+
+async def test_a_crash_between_a_gangs_drains_sends_the_rest_after_the_restart(
+    nats_server: EmbeddedBroker, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Killed after the decision and the drain of the gang's first node, the restarted
+    service completes the decision with the drain of its second node (and the hold), and
+    sends the first node's drain not again."""
+    s = gang_cluster(datetime.now(UTC))
+    trigger = s.emit(
+        ev.PlacementFailed(model="big", profiles=("pp2",), live=0, desired=1, reason="no_fit")
+    )
+    n = await publish(js, s)
+    marker, log = tmp_path / "crashed", tmp_path / "preemption.log"
+    point = fault.CRASH_AFTER_FIRST_DRAIN
+
+    first = start(nats_server.url, point, marker, log, "--policy", "node-aware")
+    try:
+        rc = await exited(first, 20)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert rc == fault.EXIT_STATUS, log.read_text()
+    before = of_type(await stored(js), ev.ReplicaDrainEvent)
+    assert [(x.event.data.replica, x.subject.split(".")[2]) for x in before] == [("g1", "a1")]  # type: ignore[union-attr]
+
+    second = start(nats_server.url, point, marker, log, "--policy", "node-aware")
+    try:
+        await until(lambda: acked_through(js, n), 20)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        try:
+            await exited(second, 10)
+        finally:
+            if second.poll() is None:
+                second.kill()
+    assert second.returncode == 0, log.read_text()
+    assert f"trigger {trigger.id} came back" in log.read_text()
+
+    after = await stored(js)
+    decided = of_type(after, ev.PreemptionDecidedEvent)
+    assert [x.event.causation for x in decided] == [trigger.id]
+    assert decided[0].event.data.spans == {"g1": ("a1", "a2")}  # type: ignore[union-attr]
+    drains = Counter(
+        (x.event.data.replica, x.subject.split(".")[2])  # type: ignore[union-attr]
+        for x in of_type(after, ev.ReplicaDrainEvent)
+    )
+    assert drains == {("g1", "a1"): 1, ("g1", "a2"): 1}
     assert len(of_type(after, ev.HoldCreatedEvent)) == 1
 
 
