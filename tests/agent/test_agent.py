@@ -115,6 +115,31 @@ async def test_start_reports_starting_loading_ready_then_drain_reports_draining_
     assert got[3].data.reason == "preempted"
 
 
+async def test_the_agent_of_one_shard_of_a_multi_node_replica_names_its_node(
+    js: JetStreamContext, running: Callable[..., Any], node: str
+) -> None:
+    """Every report on its shard of a two-node replica names this node (the fold stops
+    the replica at its last shard's `stopped`); a one-node replica's name none."""
+    await running()
+    pub = Publisher(js)
+    gang = start_cmd("r-g", node, (0, 1, 2, 3), profile="pp2")
+    shards = (*gang.data.shards, ev.ShardSpec(node=f"{node}-other", gpus=(0, 1, 2, 3)))
+    gang = msgspec.structs.replace(gang, data=msgspec.structs.replace(gang.data, shards=shards))
+    await pub.publish(gang, node=node)
+    await pub.publish(start_cmd("r-1", node, (4,)), node=node)
+    want = {"r-g": "ready", "r-1": "ready"}
+    await wait_for(lambda: states(js, node), lambda s: _done(by_replica(s), want))
+    await pub.publish(drain_cmd("r-g"), node=node)
+    got = await wait_for(
+        lambda: states(js, node), lambda s: _done(by_replica(s), {"r-g": "stopped"})
+    )
+    said = [(e.data.state, e.data.node) for e in got if e.data.replica == "r-g"]
+    assert said == [
+        (state, node) for state in ("starting", "loading", "ready", "draining", "stopped")
+    ]
+    assert {e.data.node for e in got if e.data.replica == "r-1"} == {None}
+
+
 async def test_inventory_at_start_and_heartbeats_on_core_nats_only(
     nc: Client, js: JetStreamContext, running: Callable[..., Any], node: str
 ) -> None:
