@@ -442,6 +442,37 @@ def test_a_replica_of_several_shards_fails_with_any_of_its_nodes() -> None:
             assert not {s.node for s in replicas[rid].shards} & set(eng._down), rid
 
 
+def test_each_shard_of_a_drained_replica_on_several_nodes_says_its_own_stop() -> None:
+    """A replica of two shards drained (scaled down, preempted) is stopped by one
+    `replica.state` per shard, each from its node's agent and naming that node, as the
+    agents do; the fold records it stopped at the last. A replica of one node is stopped
+    by one report about the whole replica, as before."""
+    sc = scn.parse(_SHARDED)
+    out = io.BytesIO()
+    eng = engine.Engine(sc, "reference", duration_s=24 * HOURS, out=out)
+    eng.run()
+    stops: dict[str, list[tuple[str | None, str]]] = collections.defaultdict(list)
+    for line in out.getvalue().splitlines():
+        e = json.loads(line)
+        if e["type"] == "replica.state" and e["data"]["state"] == "stopped":
+            stops[e["data"]["replica"]].append((e["data"]["node"], e["source"]))
+    replicas = eng.view.state.replicas
+    spans = [rid for rid in stops if len(replicas[rid].nodes) > 1]
+    assert len(spans) >= 2, stops
+    for rid in stops:
+        r = replicas[rid]
+        if rid in spans:
+            assert sorted(stops[rid]) == [(n, f"agent/{n}") for n in sorted(r.nodes)], rid
+            assert sorted(r.stopped_on) == sorted(r.nodes) and r.state == "stopped"
+        else:
+            assert [n for n, _ in stops[rid]] == [None], rid
+    # What the view holds is what the replicas holding capacity have, less stopped shards.
+    for r in eng.view.current():
+        held = eng.view.inventory.allocation(r.id)
+        assert held is not None
+        assert {s.node for s in held.shards} == set(r.nodes) - set(r.stopped_on)
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 @pytest.mark.parametrize("policy", ["reference", "node-aware"])
 def test_a_bundle_is_the_same_with_the_policy_index_or_without(
