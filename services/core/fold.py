@@ -777,10 +777,7 @@ def _touch_allocation(view: View, e: Any, t: Touched, before: _Held | None) -> N
 
 
 def _touch_placed(
-    view: View,
-    e: ev.PlacementDecidedEvent,
-    t: Touched,
-    before: tuple[str, tuple[ev.ShardSpec, ...]] | None,
+    view: View, e: ev.PlacementDecidedEvent, t: Touched, before: _Held | None
 ) -> None:
     """`_touch_allocation`, and the model's preemption entry, whose pin a placement ends."""
     _touch_allocation(view, e, t, before)
