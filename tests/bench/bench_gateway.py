@@ -5,7 +5,7 @@ Run from the repository root:
 
     python tests/bench/bench_gateway.py [--rate 500] [--seconds 6] [--streams 300]
         [--stream-tps 8] [--loops asyncio,asyncio-nofreeze,uvloop] [--pin] [--nice N]
-        [--soak SECONDS]
+        [--closed-client raw|aiohttp] [--bench-gc tuned|default] [--soak SECONDS]
 
 Prints figures, asserts nothing. The issue's targets: added latency p50 <= 1 ms and
 p99 <= 5 ms at 500 req/s non-streaming; >= 1,500 req/s through one gateway process;
@@ -17,15 +17,20 @@ their own processes: `bench` answers at once (no delays), `bench-stream` streams
 tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile up to
 the concurrency asked for); one `python -m services.gateway` process per entry of
 `--loops` (asyncio; asyncio with LLMGW_GC_FREEZE=0; uvloop when it is installed, `pip
-install -e '.[bench]'`; `asyncio-untuned`: with LLMGW_GC_TUNE=0), each told of the servers by
-`replica.state` events with their endpoints. The load generator (aiohttp, this
-process) first measures the upstream alone, then alternates rounds of the same
+install -e '.[bench]'`; `-untuned` after a loop: with LLMGW_GC_TUNE=0; `-plain`: with
+LLMGW_GATEWAY_FASTPATH=0, the request path without its speed-ups), each told of the
+servers by `replica.state` events with their endpoints. The load generator (aiohttp,
+this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
 does not slow the offered load) directly and through each gateway, and reports the
 medians over rounds and what the gateway added. The same for streams: new streams
 arrive at `--streams / duration` a second, so about `--streams` are open at once, and
 each one's time to first byte is measured. Then a closed loop of 64 clients for the
-most requests a second through each gateway.
+most requests a second through each gateway: `--closed-client raw` (the default) sends
+them on 64 keep-alive connections of its own (`_RawClient`, ~0.045 ms of the load
+generator's CPU a request), `aiohttp` through aiohttp's client (~0.15-0.3 ms, which on
+two cores made the load generator and the server, sharing one, the bottleneck rather
+than the gateway). The upstream alone is measured with both.
 
 Each round also reports CPU time per request of each process (from /proc, user +
 system): the gateway's own cost is what no load on the machine changes, and on a host
@@ -34,8 +39,11 @@ with as many cores as processes its added latency is about that plus the two hop
 shared host is the difference between the gateway's cost and its wait for a CPU.
 `--pin` puts each gateway on the last CPU and the load generator, the servers and the
 broker on the others (taskset), so the gateway's core is not shared with the load.
-Each gateway says at its exit how long the cyclic garbage collector held its loop (its
-full collections, the longest young one).
+After each phase every process says how long the cyclic garbage collector held it, by
+generation (the gateways and servers on SIGUSR1). The load generator and the servers
+tune their collectors as the gateway's process does (`--bench-gc default`: CPython's
+thresholds, under which a full collection held the load generator 19 ms and a server
+29 ms in one run, stalls then counted against whichever path was being measured).
 `--soak SECONDS` instead runs a steady mix through the first gateway (half streaming)
 and prints its RSS every tenth of the time.
 """
