@@ -18,7 +18,8 @@ tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile 
 the concurrency asked for); one `python -m services.gateway` process per entry of
 `--loops` (asyncio; asyncio with LLMGW_GC_FREEZE=0; uvloop when it is installed, `pip
 install -e '.[bench]'`; `-untuned` after a loop: with LLMGW_GC_TUNE=0; `-plain`: with
-LLMGW_GATEWAY_FASTPATH=0, the request path without its speed-ups), each told of the
+LLMGW_GATEWAY_FASTPATH=0, the request path without its speed-ups; `-young20k`: the
+collector's thresholds of the round before, LLMGW_GC_THRESHOLDS=20000,10,10), each told of the
 servers by `replica.state` events with their endpoints. The load generator (aiohttp,
 this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
@@ -40,10 +41,10 @@ shared host is the difference between the gateway's cost and its wait for a CPU.
 `--pin` puts each gateway on the last CPU and the load generator, the servers and the
 broker on the others (taskset), so the gateway's core is not shared with the load.
 After each phase every process says how long the cyclic garbage collector held it, by
-generation (the gateways and servers on SIGUSR1). The load generator and the servers
-tune their collectors as the gateway's process does (`--bench-gc default`: CPython's
-thresholds, under which a full collection held the load generator 19 ms and a server
-29 ms in one run, stalls then counted against whichever path was being measured).
+generation (the gateways and servers on SIGUSR1). The load generator and the servers,
+the instruments, freeze their heaps and turn their collectors off (`--bench-gc tuned`:
+as the gateway's process; `default`: CPython's; `_tune_collector` says what each did to
+the figures).
 `--soak SECONDS` instead runs a steady mix through the first gateway (half streaming)
 and prints its RSS every tenth of the time.
 """
@@ -136,29 +137,37 @@ class Round:
     """Most requests open at once (streams)."""
 
 
-def _tune_collector() -> None:
-    """What the gateway's process does to its collector (freeze the heap, young
-    collections every YOUNG_THRESHOLD new objects), for the bench's own processes: with
-    CPython's defaults a full collection held the load generator 19 ms and a simulated
-    server 29 ms (every stream open on it waiting), stalls counted against whichever
-    path was measured then (`--bench-gc default` keeps the defaults)."""
+def _tune_collector(how: str) -> None:
+    """The bench's own processes' collector (the load generator's, the simulated
+    servers'): `off` (the default: the heap frozen and the collector off, so that the
+    instruments never stall; a run is minutes, and what cycles they leave is kept until
+    it ends), `tuned` (as the gateway's process: frozen, young collections every
+    THRESHOLDS) or `default` (CPython's). With CPython's, a full
+    collection held the load generator 19 ms and a simulated server 29 ms in one run; with
+    the gateway's thresholds of the round before (20,000, 10, 10), young ones of 15-27 ms
+    (with 300 streams open, 20,000 young objects to walk on a shared CPU): stalls counted
+    against whichever path was being measured then."""
     import gc
 
-    from services.gateway.server import YOUNG_THRESHOLD
+    from services.gateway.server import THRESHOLDS
 
+    if how == "default":
+        return
     gc.collect()
     gc.freeze()
-    gc.set_threshold(YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    if how == "off":
+        gc.disable()
+    else:
+        gc.set_threshold(*THRESHOLDS)
 
 
-async def _serve_upstream(port: int, model: str, tps: float, tune: bool) -> None:
+async def _serve_upstream(port: int, model: str, tps: float, collector: str) -> None:
     from services.agent.responder import Responder, Timing
 
     CollectorTimer().install().answer_signal()
     r = Responder(f"{model}-1", model, Timing(0.0, tps))
     await r.start(port)
-    if tune:
-        _tune_collector()
+    _tune_collector(collector)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
@@ -528,8 +537,7 @@ async def _bench(a: argparse.Namespace, procs: Procs, loops: list[str]) -> None:
         for url in through.values():
             await _until_routed(http, url)
         rss0 = {loop: _rss_mb(procs.gateways[loop].pid) for loop in loops}
-        if a.bench_gc == "tuned":
-            _tune_collector()
+        _tune_collector(a.bench_gc)
         if a.soak:
             await _soak(a, http, through[loops[0]], procs.gateways[loops[0]].pid)
             return
@@ -682,7 +690,8 @@ class CollectorTimer:
 
 def _serve_gateway(loop: str, argv: list[str]) -> int:
     """A gateway process on `loop` (`asyncio` or `uvloop`; `-nofreeze` after it: with
-    LLMGW_GC_FREEZE=0; `-untuned`: LLMGW_GC_TUNE=0; `-plain`: LLMGW_GATEWAY_FASTPATH=0),
+    LLMGW_GC_FREEZE=0; `-untuned`: LLMGW_GC_TUNE=0; `-plain`: LLMGW_GATEWAY_FASTPATH=0;
+    `-young20k`: LLMGW_GC_THRESHOLDS=20000,10,10),
     which says at its exit, on stderr, how long the cyclic collector held its loop (the
     collections of its start, before it serves, not counted)."""
     from services.gateway.__main__ import main as gateway
@@ -694,6 +703,8 @@ def _serve_gateway(loop: str, argv: list[str]) -> int:
     ):
         if suffix in loop:
             os.environ[var] = "0"
+    if "-young20k" in loop:
+        os.environ["LLMGW_GC_THRESHOLDS"] = "20000,10,10"  # the round before's
     timer = CollectorTimer().install().answer_signal()
 
     import services.gateway.server as server
@@ -740,11 +751,11 @@ def main() -> None:
     )
     p.add_argument(
         "--bench-gc",
-        choices=("tuned", "default"),
-        default="tuned",
-        help="the load generator's and the simulated servers' collector: tuned as the "
-        "gateway's (its heap frozen, young collections every 20,000 objects) or CPython's "
-        "defaults",
+        choices=("off", "tuned", "default"),
+        default="off",
+        help="the load generator's and the simulated servers' collector: off once their "
+        "heap is frozen (the instruments never stall), tuned as the gateway's (frozen, "
+        "young collections every 20,000 objects) or CPython's defaults",
     )
     p.add_argument("--pin", action="store_true", help="the gateways on a CPU of their own")
     p.add_argument(
@@ -763,7 +774,7 @@ def main() -> None:
     if a.serve_gateway is not None:
         sys.exit(_serve_gateway(a.serve_gateway, rest))
     if a.serve_upstream is not None:
-        asyncio.run(_serve_upstream(a.serve_upstream, a.model, a.tps, a.bench_gc == "tuned"))
+        asyncio.run(_serve_upstream(a.serve_upstream, a.model, a.tps, a.bench_gc))
         return
     loops = [x for x in a.loops.split(",") if x]
     if importlib.util.find_spec("uvloop") is None and any(x.startswith("uvloop") for x in loops):
