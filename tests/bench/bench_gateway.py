@@ -765,6 +765,15 @@ def main() -> None:
         help="run the bench's processes at this niceness (negative, as root: ahead of "
         "the machine's other work, so what is measured is theirs and not the wait for a CPU)",
     )
+    p.add_argument(
+        "--rt",
+        type=int,
+        default=0,
+        metavar="PRIORITY",
+        help="run the bench's processes at this real-time priority (SCHED_FIFO, 1-99, as "
+        "root): a process that wakes runs at once instead of after the slice of whatever "
+        "other work holds its CPU (which --nice only makes shorter)",
+    )
     p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS", help="RSS over time")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="bench", help=argparse.SUPPRESS)
@@ -793,10 +802,18 @@ def main() -> None:
         # puts it ahead of them. Set back at the end.
         with contextlib.suppress(OSError):
             group.write_text(str(a.nice))
+    if a.rt:
+        try:
+            # The processes started inherit it; the kernel keeps 5% of each CPU for the
+            # rest (sched_rt_runtime_us), so a closed loop cannot starve the machine.
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(a.rt))
+        except PermissionError:
+            sys.exit(f"--rt {a.rt}: not permitted (a real-time priority needs root)")
     print(
         f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}"
         + ("; gateways pinned to the last CPU" if a.pin else "")
         + (f"; niceness {a.nice}" if a.nice else "")
+        + (f"; real-time priority {a.rt} (SCHED_FIFO)" if a.rt else "")
         + f"; the bench's own collectors {a.bench_gc}"
     )
     procs = _start(a, loops)
