@@ -747,10 +747,10 @@ class Engine:
     def _gang_running(self, r: ReplicaRecord) -> int:
         """How many of a replica's shards run, as the view holds them: a shard runs while
         its GPUs are held for the replica on its node (the inventory) and the node is not
-        lost. The fold releases a replica's shards together and fails a lost node's
-        replicas once its grace has passed, so today a gang is partial only while one of
-        its nodes is lost within the grace; a fold that stops shards one by one shows
-        here as each shard's node lets its GPUs go."""
+        lost. The fold releases each shard as its node's agent says it stopped, and fails
+        a lost node's replicas once its grace has passed; the simulated agents stop a
+        drained gang's shards at one instant, so here a gang is partial while one of its
+        nodes is lost within the grace, or when a drain left some of its shards running."""
         inv = self.view.inventory
         nodes = self.view.state.nodes
         running = 0
