@@ -333,6 +333,7 @@ class View:
         "_of_model",
         "_ordinal",
         "_pending",
+        "_recent",
         "_states",
         "_timed_out",
         "_timed_out_at",
@@ -378,6 +379,9 @@ class View:
         self.changes = 0
         """How many times `changed` was called: while it stays, no model's `version` or
         `state_version` moved, and no model name came into or left `current_models`."""
+        # _recent: per model name, the `changes` count of its last change, the most
+        # recently changed last (`changed_since`).
+        self._recent: dict[str, int] = {}
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 self.inventory.restore(allocation_of(r))
@@ -465,9 +469,23 @@ class View:
         v = self._versions
         v[model] = v.get(model, 0) + 1
         self.changes += 1
+        recent = self._recent
+        recent.pop(model, None)
+        recent[model] = self.changes
         if not use:
             s = self._states
             s[model] = s.get(model, 0) + 1
+
+    def changed_since(self, changes: int) -> list[str]:
+        """The model names (as replicas give them) whose `version` moved since `changes`
+        was this view's `changes`, the most recently changed first: what a reader that
+        keeps something per model reads to catch up without looking at every model."""
+        out = []
+        for name, at in reversed(self._recent.items()):
+            if at <= changes:
+                break
+            out.append(name)
+        return out
 
     def version(self, model: str) -> int:
         """A number that changes whenever a replica giving the model name `model`
