@@ -35,7 +35,7 @@ from operator import attrgetter
 
 from services.core import placement
 from services.core.inventory import Inventory
-from services.core.policy import node_aware
+from services.core.policy import every_candidate, node_aware
 from services.core.preemption import Candidate, Decision
 from services.core.view import View
 
@@ -51,14 +51,15 @@ def sets(n: int, max_victims: int) -> int:
 
 
 def exists(view: View, d: Decision, max_victims: int, limit: int = LIMIT) -> bool | None:
-    """Whether some set of at most `max_victims` of `d.candidates` makes room for `d.model`
-    on `view`; None when there are more than `limit` such sets to try."""
+    """Whether some set of at most `max_victims` of the candidates `d` weighed (all of
+    them, not only those it lists: `policy.every_candidate`) makes room for `d.model` on
+    `view`; None when there are more than `limit` such sets to try."""
     m = view.catalog.resolve(d.model)
     if m is None:
         return False
     profiles = [p for p in m.profiles if p.name in d.profiles]
     one_shard = all(p.shards == 1 for p in profiles)
-    groups = _groups(view, d.candidates, one_shard, max_victims, limit)
+    groups = _groups(view, every_candidate(view, d), one_shard, max_victims, limit)
     if groups is None:
         return None
     least = min((p.gpus for p in profiles), default=0)

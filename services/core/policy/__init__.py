@@ -59,6 +59,7 @@ __all__ = [
     "Policy",
     "TrialResult",
     "effective_class",
+    "every_candidate",
     "listed",
     "plan",
 ]
@@ -285,3 +286,18 @@ def _search(
         # the decision's trials end with the set it stops.
         tr.fits_without(chosen)
     return prune(tr, chosen), why_not
+
+
+def every_candidate(view: View, d: Decision) -> tuple[Candidate, ...]:
+    """Every candidate `d` weighed on `view`, in order (a decision lists only the first
+    `LISTED`): the plain walk again with the decision's own asker, for a checker that
+    needs them all, such as the simulator's oracle. `view` must be the one `d` was
+    decided on."""
+    if d.considered <= LISTED or not d.considered:
+        return d.candidates
+    m = view.catalog.resolve(d.model)
+    if m is None:
+        return ()
+    borrowed = PLAIN.borrowed(view) if view.quota.any_guarantee() else frozenset()
+    a = rules.asker(view, m, d.now, d.config, borrowed, d.reclaim, d.below_min)
+    return PLAIN.find(view, a).every()
