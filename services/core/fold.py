@@ -411,6 +411,7 @@ def _placement_decided(view: View, e: ev.PlacementDecidedEvent, subject: str | N
         return f"replica {d.replica}: {why}"
     view.state.replicas[d.replica] = r
     view.note(r)
+    _end_pin(view, d.model)
     where = ", ".join(f"{s.node}[{','.join(map(str, s.gpus))}]" for s in shards)
     _decided(view, e, d.model, "placed", f"{d.replica} ({d.profile}) on {where}: {d.reason}")
     return None
@@ -472,6 +473,8 @@ def _preemption_decided(
             victims=tuple(v.replica for v in d.victims),
             decision=e.id,
             at=e.time,
+            domain=d.domain,
+            until=pin_until(view, e) if d.domain else None,
         )
         summary = "stopping " + ", ".join(
             f"{v.replica} ({v.model}, tier {v.tier})" for v in d.victims
@@ -480,6 +483,25 @@ def _preemption_decided(
         summary = d.reason or f"{d.considered} candidates considered"
     _decided(view, e, d.for_model, d.outcome, summary)
     return None
+
+
+def pin_until(view: View, e: ev.PreemptionDecidedEvent) -> datetime:
+    """When the hold of a decision ends, and the pin of its model's placement with it:
+    read as `hold_until` reads a hold (the event's time plus the recorded hold, else
+    the latest `until` the decision's holds claim; the event's time when it has none)."""
+    p = view.state.policy
+    if p is not None:
+        return e.time + timedelta(seconds=p.settings.hold_s)
+    return max((h.until for h in e.data.holds), default=e.time)
+
+
+def _end_pin(view: View, model: str) -> None:
+    """A replica of `model` was placed: the pin of its placement ends."""
+    m = view.catalog.resolve(model)
+    name = m.name if m is not None else model
+    p = view.state.preempting.get(name)
+    if p is not None and p.domain:
+        view.state.preempting[name] = msgspec.structs.replace(p, domain="", until=None)
 
 
 def _hold_created(view: View, e: ev.HoldCreatedEvent, subject: str | None) -> str | None:
@@ -717,6 +739,20 @@ def _touch_allocation(
         t.nodes.update(s.node for s in new.shards)
 
 
+def _touch_placed(
+    view: View,
+    e: ev.PlacementDecidedEvent,
+    t: Touched,
+    before: tuple[str, tuple[ev.ShardSpec, ...]] | None,
+) -> None:
+    """`_touch_allocation`, and the model's preemption entry, whose pin a placement ends."""
+    _touch_allocation(view, e, t, before)
+    m = view.catalog.resolve(e.data.model)
+    name = m.name if m is not None else e.data.model
+    if name in view.state.preempting:
+        t.preempting.add(name)
+
+
 def _touch_hold(view: View, e: Any, t: Touched, before: Any) -> None:
     t.holds.add(e.data.model)
 
@@ -817,7 +853,7 @@ RULES: dict[type, Rule] = {
     ),
     ev.ReplicaUsedEvent: Rule(_replica_used, _touch_replica, _about_used),
     ev.PlacementDecidedEvent: Rule(
-        _placement_decided, _touch_allocation, _about_placed, _before_allocation, decision=True
+        _placement_decided, _touch_placed, _about_placed, _before_allocation, decision=True
     ),
     ev.PlacementFailedEvent: Rule(_placement_failed, _no_touch, _about_data_model, decision=True),
     ev.ReplicaStartEvent: Rule(_replica_start, _no_touch, _about_placed),

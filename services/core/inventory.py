@@ -244,9 +244,7 @@ class Inventory:
         leaves out; its version is its own."""
         out = Inventory.__new__(Inventory)
         out._nodes = {n: u for n in nodes if (u := self._nodes.get(n)) is not None}
-        out._allocations = {
-            r: a for r in replicas if (a := self._allocations.get(r)) is not None
-        }
+        out._allocations = {r: a for r in replicas if (a := self._allocations.get(r)) is not None}
         out._order = None
         out.version = Version()
         return out

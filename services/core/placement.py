@@ -28,6 +28,9 @@ Rules:
   Of the domains that fit, the one left with the fewest free GPUs (ties by name), so
   whole free domains stay for the next large model; inside it, best fit as above. The
   reason a profile did not fit names each domain tried and why it failed there.
+- `domain` (`level=value`, a preemption's pin, see `View.pin`) is a hard rule: only the
+  nodes whose label `level` is `value` are looked at, for every profile, and the
+  reasons say so (`pinned to nvlink_domain=nvl-3: ...`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def place(
     avoid: Iterable[str] = (),
     *,
     within: Iterable[str] | None = None,
+    domain: str = "",
 ) -> Placement | NoFit:
     """The first profile that fits, best fit, preferring nodes not in `avoid`.
 
@@ -82,6 +86,11 @@ def place(
     if within is not None:
         chosen = [u for u in map(inventory.usage, sorted(set(within))) if u is not None]
 
+    if domain:
+        level, _, value = domain.partition("=")
+        pool = inventory.usages() if chosen is None else chosen
+        chosen = [u for u in pool if u.node.labels.get(level) == value]
+
     def usages() -> Iterable[NodeUsage]:
         return inventory.usages() if chosen is None else chosen
 
@@ -95,7 +104,7 @@ def place(
         found = _fit_profile(usages(), profile, frozenset())
         if isinstance(found, tuple):
             return Placement(profile=profile, shards=found)
-        reasons.append((profile.name, found))
+        reasons.append((profile.name, f"pinned to {domain}: {found}" if domain else found))
     return NoFit(reasons=tuple(reasons))
 
 

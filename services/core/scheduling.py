@@ -36,7 +36,7 @@ import msgspec
 from schemas import events as ev
 from schemas import ids
 from services.core import catalog, inventory, placement, quota
-from services.core.view import ReplicaRecord, View, before
+from services.core.view import Preempting, ReplicaRecord, View, before
 
 # DRAIN_GRACE_S: the contract's (schemas.events), for the scheduler's drains.
 DRAIN_GRACE_S = ev.DRAIN_GRACE_S
@@ -582,6 +582,7 @@ class _Pass:
             # that keeps failing.
             _avoided(late, self.now, self.config, starts) if late or starts else (),
             blocked,
+            view.pin(m.name, self.now),
         )
 
 
@@ -631,7 +632,14 @@ def _place_missing(
     desired: int,
     avoid: tuple[str, ...],
     blocked: Mapping[str, Backoff],
+    pin: Preempting | None = None,
 ) -> None:
+    """Place the model's missing replicas, or report why the next one cannot be.
+
+    `pin`: the preemption whose domain the model's placement is kept in (`View.pin`),
+    for its next replica only: once one is placed the pin ends (the fold ends it too),
+    and the replicas after it go wherever they fit. A pinned placement is decided
+    afresh, never from the memos, which know nothing of pins."""
     out, mk, view, now, config = pass_.out, pass_.mk, pass_.view, pass_.now, pass_.config
     failures, parent = pass_.failures, pass_.parent
     tree = view.quota
@@ -684,19 +692,23 @@ def _place_missing(
             return
         key = (pick.version, avoid, live + slot, desired)
         memo = pass_.memo
-        known = None if blocked else memo.no_fits.get(m.name)
+        known = None if blocked or pin is not None else memo.no_fits.get(m.name)
         if (
             known is None
             or known.key != key
             or known.model is not m
             or (known.allowed is not allowed and known.allowed != allowed)
         ):
-            found = _place(pick, allowed, avoid, memo)
+            if pin is not None:
+                found = placement.place(pick, allowed, avoid, domain=pin.domain)
+            else:
+                found = _place(pick, allowed, avoid, memo)
             if isinstance(found, placement.Placement):
-                taken = _take(pass_, m, found, pick, usage, slot, avoided)
+                taken = _take(pass_, m, found, pick, usage, slot, avoided, pin)
                 if taken is None:
                     return  # Invariant: place() only offers what the inventory can take.
                 pick = taken
+                pin = None
                 continue
             why = dict(found.reasons)
             if allowed is not m.profiles:
@@ -707,7 +719,7 @@ def _place_missing(
                 notes = "; ".join(blocked[n].note() for n in sorted(blocked))
                 why = {k: f"{v} ({notes})" for k, v in why.items()}
             known = _NoFit(m, key, allowed, tuple([p.name for p in allowed]), why)
-            if not blocked:
+            if not blocked and pin is None:
                 if len(memo.no_fits) >= NO_FITS_MAX:
                     memo.no_fits.clear()
                 memo.no_fits[m.name] = known
@@ -739,6 +751,7 @@ def _take(
     usage: dict[str, quota.Amount],
     slot: int,
     avoided: tuple[str, ...],
+    pin: Preempting | None = None,
 ) -> inventory.Inventory | None:
     """Take a placement `found` on `pick`: allocate it in the pass's inventory (and in
     `pick` when that is a copy of its own), count it in the owner's usage, and add the
@@ -767,6 +780,8 @@ def _take(
         usage[q] = usage.get(q, quota.ZERO).plus(need)
     shards = tuple(ev.ShardSpec(node=s.node, gpus=s.gpus) for s in found.shards)
     reason = _reason(m, p, found.shards, inv, avoided)
+    if pin is not None:
+        reason += f"; pinned to {pin.domain}, the room preemption {pin.decision} freed"
     decided = ev.PlacementDecided(
         replica=rid, model=m.name, profile=p.name, shards=shards, reason=reason
     )

@@ -28,8 +28,9 @@ from services.core import catalog, inventory, quota
 
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
-# give a view no replay can reproduce.
-SCHEMA = 5
+# give a view no replay can reproduce. 6: a preemption's pin (`Preempting.domain` and
+# `until`), which a view folded before it left unset for a decision that names a domain.
+SCHEMA = 6
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -156,14 +157,24 @@ class HoldRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Id of the hold.created event."""
 
 
-class Preempting(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """Victims of a decision for `for_model`, which waits while they are on their way out."""
+class Preempting(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):
+    """Victims of a decision for `for_model`, which waits while they are on their way out,
+    and the pin of its placement to the domain they free (`View.pin`).
+
+    The pin's fields have defaults and are left out of the encoding while unset, so a
+    view folded from a log without them encodes (and digests) as it did before."""
 
     for_model: str
     victims: tuple[str, ...]
     decision: str
     """Id of the preemption.decided."""
     at: datetime
+    domain: str = ""
+    """The decision's `domain` (`level=value`) while the pin is on: "" when the decision
+    named none, or once a replica of the model was placed since."""
+    until: datetime | None = None
+    """When the decision's hold ends (as `fold.hold_until` reads a hold), and the pin with
+    it; None when the decision named no domain."""
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -666,6 +677,20 @@ class View:
         if to is not None and self.live_of(to) >= self.desired_of(to):
             return "satisfied"
         return None
+
+    def pin(self, model: str, now: datetime) -> Preempting | None:
+        """The preemption whose domain the model's placement is kept in at `now`, if one
+        is on: from a `preemption.decided` (preempted, with a `domain`) until a replica of
+        the model is placed (the fold clears `domain`) or the decision's hold ends by the
+        one rule for holds (`hold_end`: past its `until`, or the model has what it asked
+        for). Its victims free room in that domain; placed elsewhere meanwhile, the model
+        would leave that room to others and the evictions would be wasted."""
+        p = self.state.preempting.get(model)
+        if p is None or not p.domain or p.until is None:
+            return None
+        if self.hold_end(p.for_model, p.until, now) is not None:
+            return None
+        return p
 
     def awaiting(self, model: str) -> tuple[str, ...]:
         """Victims stopped for a model that still hold capacity: it waits for them

@@ -136,6 +136,9 @@ class Explainer:
     uses: dict[str, Use] = field(default_factory=dict)
     """Replica id -> what its `replica.used` reports said, for the replicas the name
     asked about may be (a prefix of their id)."""
+    pins: dict[str, str] = field(default_factory=dict)
+    """placement.decided id -> the preemption.decided whose domain pinned it (`View.pin`
+    on the view it was folded into, at its time): the placements a pin applied to."""
     now: datetime | None = None
     """What ages are counted from; set by `story`."""
 
@@ -155,6 +158,11 @@ class Explainer:
         ):
             # An alias: the timeline is the model's own, from its declaration on.
             self.timeline.key = ("model", e.data.name)
+        if isinstance(e, ev.PlacementDecidedEvent):
+            m = view.catalog.resolve(e.data.model)
+            pin = view.pin(m.name if m is not None else e.data.model, e.time)
+            if pin is not None:
+                self.pins[e.id] = pin.decision
         self.timeline.before(item, view)
 
     def after(self, item: Item, rejection: Rejection | None, view: View) -> None:
@@ -577,6 +585,14 @@ class Explainer:
         st.line(f"why: placed by the scheduler: {pd.data.reason}")
         st.line(f"  decision   {self._ref(seq, pd, st.now)}, profile {pd.data.profile}")
         st.facts["decision"] = pd.id
+        pinned = self._event(self.pins.get(pd.id))
+        if pinned is not None and isinstance(pinned[1], ev.PreemptionDecidedEvent):
+            s, pe = pinned[0], pinned[1]
+            st.line(
+                f"  pinned     to {pe.data.domain}, the domain its victims freed, by "
+                f"{self._ref(s, pe, st.now)}"
+            )
+            st.facts["pinned"] = {"domain": pe.data.domain, "decision": pe.id, "seq": s}
         cause = self._event(pd.causation)
         if cause is not None:
             s, ce = cause
@@ -620,6 +636,18 @@ class Explainer:
                 else ""
             )
         )
+        pin = view.pin(name, self.now) if self.now is not None else None
+        if pin is not None:
+            assert pin.until is not None  # Invariant: a pin on has its end.
+            st.line(
+                f"  its placement is pinned to {pin.domain}, the domain its victims free, "
+                f"until {stamp(pin.until)} or its next replica is placed ({pin.decision})"
+            )
+            st.facts["pinned"] = {
+                "domain": pin.domain,
+                "decision": pin.decision,
+                "until": stamp(pin.until),
+            }
         st.facts.update(
             live=live,
             desired=desired,

@@ -43,7 +43,7 @@ from schemas import events as ev
 from services.core import autoscale, preemption, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.policy import index as policy_index
-from services.core.view import View, digest
+from services.core.view import ReplicaRecord, View, digest
 from services.sim import oracle
 from services.sim.scenario import ModelSpec, NodeGroup, Scenario
 
@@ -140,6 +140,15 @@ class Metrics:
     gpu_total_s: float = 0.0
     requests: int = 0
     requests_unserved: int = 0
+    partial_gang_s: float = 0.0
+    """Replica-seconds of replicas of several shards with some but not all of them
+    running, as the view holds them (`Engine._gang_running`)."""
+    evictions_unplaced: int = 0
+    """Victims of decisions whose model had no replica placed within `hold_s` of the
+    decision (a decision whose hold was still on at the end is not counted)."""
+    freed_beyond: int = 0
+    """GPUs the victims of each decision held that its dry run's placement of the model
+    does not take."""
 
 
 @dataclass(slots=True)
@@ -224,6 +233,9 @@ class Engine:
         self._lines: list[bytes] = []
         """Bundle lines (without their newlines) not yet written to `out`."""
         self.oracle_limit = oracle_limit
+        # LLMGW_ORACLE_DOMAINS=0: the oracle tries every set of the candidates for a model
+        # required in one domain, not each domain's own (the same answers, slower).
+        self._oracle_domains = os.environ.get(oracle.DOMAINS_ENV, "1") != "0"
         self.check_bodies = check_bodies
         self.ingest = Ingest(View(), ROOT)
         self.view = self.ingest.view
@@ -289,6 +301,15 @@ class Engine:
         """Events stored that are not a replica.used."""
         # The handler of every request, bound once: hundreds of thousands are scheduled.
         self._on_request = self._request
+        self._gangs: dict[str, None] = {}
+        """Replicas of several shards placed and still holding capacity, in placement
+        order: the ones that can be partial gangs."""
+        self._partial = 0
+        self._partial_t = 0.0
+        """How many of `_gangs` are partial, since when (`_gangs_changed`)."""
+        self._evicting: dict[str, list[tuple[float, int]]] = {}
+        """Per model, each decision that stopped victims for it and no replica of it was
+        placed since: when its hold ends (virtual time) and how many victims it stopped."""
 
     # ------------------------------------------------------------------ the loop
 
@@ -325,6 +346,12 @@ class Engine:
             settle()
         self.t = self.duration
         self._accrue()
+        self._gangs_changed()
+        for waiting in self._evicting.values():
+            for end, n in waiting:
+                if end < self.duration:
+                    self.m.evictions_unplaced += n
+        self._evicting.clear()
         self.ingest.touched.clear()
 
     def rng(self, stream: str) -> random.Random:
@@ -685,6 +712,44 @@ class Engine:
         seen = _OBSERVERS.get(kind)
         if seen is not None:
             seen(self, e, node)
+        if self._gangs and kind in _GANG_ON:
+            self._gangs_changed()
+
+    def _gangs_changed(self) -> None:
+        """Sum the partial gangs until now, and count them again as the view now holds
+        them; a replica of several shards that no longer holds capacity is forgotten."""
+        dt = self.t - self._partial_t
+        if dt > 0:
+            self.m.partial_gang_s += self._partial * dt
+        self._partial_t = self.t
+        reps = self.view.state.replicas
+        n = 0
+        for rid in list(self._gangs):
+            r = reps.get(rid)
+            if r is None or not r.holds_capacity:
+                del self._gangs[rid]
+                continue
+            running = self._gang_running(r)
+            if 0 < running < len(r.shards):
+                n += 1
+        self._partial = n
+
+    def _gang_running(self, r: ReplicaRecord) -> int:
+        """How many of a replica's shards run, as the view holds them: a shard runs while
+        its GPUs are held for the replica on its node (the inventory) and the node is not
+        lost. The fold releases a replica's shards together and fails a lost node's
+        replicas once its grace has passed, so today a gang is partial only while one of
+        its nodes is lost within the grace; a fold that stops shards one by one shows
+        here as each shard's node lets its GPUs go."""
+        inv = self.view.inventory
+        nodes = self.view.state.nodes
+        running = 0
+        for sh in r.shards:
+            u = inv.usage(sh.node)
+            rec = nodes.get(sh.node)
+            if u is not None and r.id in u.held and rec is not None and not rec.lost:
+                running += 1
+        return running
 
     def _started(self, e: ev.ReplicaStartEvent, node: str | None) -> None:
         d = e.data
@@ -746,6 +811,11 @@ class Engine:
         t = self._preempted_at.pop(e.data.model, None)
         if t is not None and self.t - t <= self.pcfg.hold_s:
             self.m.thrash += 1
+        if len(e.data.shards) > 1:
+            self._gangs[e.data.replica] = None
+        waiting = self._evicting.pop(e.data.model, None)
+        if waiting:
+            self.m.evictions_unplaced += sum(n for end, n in waiting if end < self.t)
 
     def _state_seen(self, rid: str, state: str) -> None:
         a = self._agents.get(rid)
@@ -918,13 +988,38 @@ class Engine:
             spec = self.models.get(v.model)
             m.loading_thrown_gpu_s += (spec.load_s if spec else 0.0) * v.gpus
             self._preempted_at[v.model] = self.t
+        if d.outcome == "preempted" and d.victims:
+            end = self.t + self.pcfg.hold_s
+            self._evicting.setdefault(d.model, []).append((end, len(d.victims)))
+            m.freed_beyond += _freed_beyond(self.view, d)
         if d.outcome == "no_fit":
             m.no_fit += 1
-            found = oracle.exists(self.view, d, self.pcfg.max_victims, self.oracle_limit)
+            found = oracle.exists(
+                self.view,
+                d,
+                self.pcfg.max_victims,
+                self.oracle_limit,
+                by_domain=self._oracle_domains,
+            )
             if found is None:
                 m.unchecked += 1
             elif found:
                 m.needless += 1
+
+
+def _freed_beyond(view: View, d: preemption.Decision) -> int:
+    """The GPUs a decision's victims hold (on `view`, before it is folded) that the
+    placement its dry run found for the model does not take."""
+    taken = set()
+    if d.placement is not None:
+        taken = {(s.node, g) for s in d.placement.shards for g in s.gpus}
+    reps = view.state.replicas
+    freed = 0
+    for v in d.victims:
+        r = reps.get(v.replica)
+        if r is not None:
+            freed += sum(1 for s in r.shards for g in s.gpus if (s.node, g) not in taken)
+    return freed
 
 
 _TWO_PI = 2 * math.pi
@@ -970,6 +1065,18 @@ def simulate(
         return r
     return dataclasses.replace(r, wall_s=clock() - t0)
 
+
+# _GANG_ON: the events after which a replica of several shards can have become partial
+# or whole again (its states, its placement, a node lost, found or reporting anew).
+_GANG_ON: frozenset[type] = frozenset(
+    {
+        ev.ReplicaStateEvent,
+        ev.PlacementDecidedEvent,
+        ev.NodeLostEvent,
+        ev.NodeFoundEvent,
+        ev.NodeInventoryEvent,
+    }
+)
 
 # _OBSERVERS: what the engine does on seeing an event of each type (dispatched by type:
 # `_observe` runs for every event published).

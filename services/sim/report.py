@@ -72,6 +72,19 @@ def rows(results: Sequence[Result]) -> list[Row]:
         [m.loading_thrown_gpu_s / 3600.0 for m in ms],
     )
     add("thrash", "thrash (placed again within the hold)", "lower", [float(m.thrash) for m in ms])
+    add(
+        "evictions_unplaced",
+        "evictions whose model was not placed within the hold",
+        "lower",
+        [float(m.evictions_unplaced) for m in ms],
+    )
+    add("freed_beyond", "GPUs freed beyond the need", "lower", [float(m.freed_beyond) for m in ms])
+    add(
+        "partial_gangs",
+        "partial gangs (replica-minutes)",
+        "lower",
+        [m.partial_gang_s / 60.0 for m in ms],
+    )
     add("no_fit", "no_fit decisions", "", [float(m.no_fit) for m in ms])
     add("needless", "needless failures (oracle)", "lower", [float(m.needless) for m in ms])
     add("unchecked", "no_fit too large for the oracle", "", [float(m.unchecked) for m in ms])

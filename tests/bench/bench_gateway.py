@@ -5,7 +5,7 @@ Run from the repository root:
 
     python tests/bench/bench_gateway.py [--rate 500] [--seconds 6] [--streams 300]
         [--stream-tps 8] [--loops asyncio,asyncio-nofreeze,uvloop] [--pin] [--nice N]
-        [--soak SECONDS]
+        [--closed-client raw|aiohttp] [--bench-gc tuned|default] [--soak SECONDS]
 
 Prints figures, asserts nothing. The issue's targets: added latency p50 <= 1 ms and
 p99 <= 5 ms at 500 req/s non-streaming; >= 1,500 req/s through one gateway process;
@@ -17,15 +17,21 @@ their own processes: `bench` answers at once (no delays), `bench-stream` streams
 tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile up to
 the concurrency asked for); one `python -m services.gateway` process per entry of
 `--loops` (asyncio; asyncio with LLMGW_GC_FREEZE=0; uvloop when it is installed, `pip
-install -e '.[bench]'`; `asyncio-untuned`: with LLMGW_GC_TUNE=0), each told of the servers by
-`replica.state` events with their endpoints. The load generator (aiohttp, this
-process) first measures the upstream alone, then alternates rounds of the same
+install -e '.[bench]'`; `-untuned` after a loop: with LLMGW_GC_TUNE=0; `-plain`: with
+LLMGW_GATEWAY_FASTPATH=0, the request path without its speed-ups; `-young20k`: the
+collector's thresholds of the round before, LLMGW_GC_THRESHOLDS=20000,10,10), each told of the
+servers by `replica.state` events with their endpoints. The load generator (aiohttp,
+this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
 does not slow the offered load) directly and through each gateway, and reports the
 medians over rounds and what the gateway added. The same for streams: new streams
 arrive at `--streams / duration` a second, so about `--streams` are open at once, and
 each one's time to first byte is measured. Then a closed loop of 64 clients for the
-most requests a second through each gateway.
+most requests a second through each gateway: `--closed-client raw` (the default) sends
+them on 64 keep-alive connections of its own (`_RawClient`, ~0.045 ms of the load
+generator's CPU a request), `aiohttp` through aiohttp's client (~0.15-0.3 ms, which on
+two cores made the load generator and the server, sharing one, the bottleneck rather
+than the gateway). The upstream alone is measured with both.
 
 Each round also reports CPU time per request of each process (from /proc, user +
 system): the gateway's own cost is what no load on the machine changes, and on a host
@@ -34,8 +40,11 @@ with as many cores as processes its added latency is about that plus the two hop
 shared host is the difference between the gateway's cost and its wait for a CPU.
 `--pin` puts each gateway on the last CPU and the load generator, the servers and the
 broker on the others (taskset), so the gateway's core is not shared with the load.
-Each gateway says at its exit how long the cyclic garbage collector held its loop (its
-full collections, the longest young one).
+After each phase every process says how long the cyclic garbage collector held it, by
+generation (the gateways and servers on SIGUSR1). The load generator and the servers,
+the instruments, freeze their heaps and turn their collectors off (`--bench-gc tuned`:
+as the gateway's process; `default`: CPython's; `_tune_collector` says what each did to
+the figures).
 `--soak SECONDS` instead runs a steady mix through the first gateway (half streaming)
 and prints its RSS every tenth of the time.
 """
@@ -48,6 +57,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -56,12 +66,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
+import yarl  # noqa: E402
 
 from schemas import events as ev  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
@@ -125,12 +137,40 @@ class Round:
     """Most requests open at once (streams)."""
 
 
-async def _serve_upstream(port: int, model: str, tps: float) -> None:
+def _tune_collector(how: str) -> None:
+    """The bench's own processes' collector (the load generator's, the simulated
+    servers'): `off` (the default: the heap frozen and the collector off, so that the
+    instruments never stall; a run is minutes, and what cycles they leave is kept until
+    it ends), `tuned` (as the gateway's process: frozen, young collections every
+    THRESHOLDS) or `default` (CPython's). With CPython's, a full
+    collection held the load generator 19 ms and a simulated server 29 ms in one run; with
+    the gateway's thresholds of the round before (20,000, 10, 10), young ones of 15-27 ms
+    (with 300 streams open, 20,000 young objects to walk on a shared CPU): stalls counted
+    against whichever path was being measured then."""
+    import gc
+
+    from services.gateway.server import THRESHOLDS
+
+    if how == "default":
+        return
+    gc.collect()
+    gc.freeze()
+    if how == "off":
+        gc.disable()
+    else:
+        gc.set_threshold(*THRESHOLDS)
+
+
+async def _serve_upstream(port: int, model: str, tps: float, collector: str) -> None:
     from services.agent.responder import Responder, Timing
 
+    CollectorTimer().install().answer_signal()
     r = Responder(f"{model}-1", model, Timing(0.0, tps))
     await r.start(port)
-    await asyncio.Event().wait()
+    _tune_collector(collector)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
 
 
 async def _open_loop(
@@ -176,19 +216,99 @@ async def _open_loop(
     return out
 
 
-async def _closed_loop(http: aiohttp.ClientSession, url: str, seconds: float) -> float:
+async def _closed_loop(
+    http: aiohttp.ClientSession, url: str, seconds: float, client: str = "raw"
+) -> float:
+    """Requests a second of 64 clients, each sending its next request as its last
+    answer ends, for `seconds`. `client`: `raw` (`_RawClient`, a few microseconds of the
+    load generator's CPU a request) or `aiohttp` (about 0.2-0.3 ms a request, which on
+    two cores made the load generator the bottleneck)."""
+    if client == "raw":
+        return await _raw_closed_loop(url, seconds)
     done = 0
     end = time.perf_counter() + seconds
 
-    async def client() -> None:
+    async def one() -> None:
         nonlocal done
         while time.perf_counter() < end:
             async with http.post(url, data=CHAT) as r:
                 await r.read()
             done += 1
 
-    await asyncio.gather(*(client() for _ in range(64)))
+    await asyncio.gather(*(one() for _ in range(64)))
     return done / seconds
+
+
+class _RawClient(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection sending `request` again as each answer ends
+    (answers with a Content-Length: the gateway's and the simulated server's
+    non-streamed ones); a status other than 200 is counted as an error."""
+
+    def __init__(self, request: bytes, end: float, finished: asyncio.Future[None]) -> None:
+        self.request = request
+        self.end = end
+        self.finished = finished
+        self.buf = b""
+        self.need = -1
+        self.done = 0
+        self.errors = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            if self.need < 0:
+                head_end = self.buf.find(b"\r\n\r\n")
+                if head_end < 0:
+                    return
+                head = self.buf[:head_end].lower()
+                i = head.find(b"content-length:")
+                length = int(head[i + 15 : head.find(b"\r\n", i)]) if i >= 0 else 0
+                if not head.startswith(b"http/1.1 200"):
+                    self.errors += 1
+                self.need = head_end + 4 + length
+            if len(self.buf) < self.need:
+                return
+            self.buf = self.buf[self.need :]
+            self.need = -1
+            self.done += 1
+            if time.perf_counter() >= self.end:
+                assert self.transport is not None
+                self.transport.close()
+                return
+            assert self.transport is not None
+            self.transport.write(self.request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+
+async def _raw_closed_loop(url: str, seconds: float) -> float:
+    u = yarl.URL(url)
+    request = (
+        f"POST {u.path} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+    ).encode() + CHAT
+    loop = asyncio.get_running_loop()
+    end = time.perf_counter() + seconds
+    clients = []
+    for _ in range(64):
+        finished: asyncio.Future[None] = loop.create_future()
+        _, c = await loop.create_connection(
+            lambda f=finished: _RawClient(request, end, f), u.host, u.port
+        )
+        clients.append(c)
+    await asyncio.gather(*(c.finished for c in clients))
+    errors = sum(c.errors for c in clients)
+    if errors:
+        print(f"  ({errors} answers other than 200)")
+    return sum(c.done for c in clients) / seconds
 
 
 def _pin(cpus: str) -> list[str]:
@@ -202,6 +322,31 @@ class Procs:
     upstreams: dict[str, subprocess.Popen[bytes]]
     ports: dict[str, int]
     logs: dict[str, Path]
+    """Each gateway's and server's stderr, by its name in `pids()`."""
+    said: dict[str, int] = field(default_factory=dict)
+
+    async def collectors(self) -> dict[str, str]:
+        """Each gateway's and server's collector since the last ask (SIGUSR1: it writes
+        a GC_LINE to its stderr)."""
+        procs = {f"gateway-{k}": p for k, p in self.gateways.items()}
+        procs |= {f"upstream-{k}": p for k, p in self.upstreams.items()}
+        for p in procs.values():
+            p.send_signal(signal.SIGUSR1)
+        out: dict[str, str] = {}
+        deadline = time.monotonic() + 5
+        while len(out) < len(procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            for name in procs:
+                lines = [
+                    x.removeprefix(GC_LINE).strip()
+                    for x in self.logs[name].read_text(errors="replace").splitlines()
+                    if x.startswith(GC_LINE)
+                ]
+                if len(lines) > self.said.get(name, 0):
+                    out[name] = lines[-1]
+        for name in out:
+            self.said[name] = self.said.get(name, 0) + 1
+        return out
 
     def pids(self) -> dict[str, int]:
         out = {f"gateway-{k}": p.pid for k, p in self.gateways.items()}
@@ -214,10 +359,6 @@ class Procs:
             proc.terminate()
             proc.wait(10)
         self.broker.stop()
-        for loop, path in self.logs.items():
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith(GC_LINE):
-                    print(f"gateway-{loop}: the collector: {line.removeprefix(GC_LINE)}")
 
 
 def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
@@ -230,6 +371,8 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
     broker = EmbeddedBroker(tmp / "broker")
     broker.start()
     ports = {"bench": _free_port(), "bench-stream": _free_port()}
+    logs = {f"upstream-{m}": tmp / f"upstream-{m}.log" for m in ("bench", "bench-stream")}
+    logs |= {f"gateway-{loop}": tmp / f"gateway-{loop}.log" for loop in loops}
     upstreams = {
         model: subprocess.Popen(
             [
@@ -242,12 +385,14 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
                 model,
                 "--tps",
                 str(tps),
-            ]
+                "--bench-gc",
+                a.bench_gc,
+            ],
+            stderr=logs[f"upstream-{model}"].open("wb"),
         )
         for model, tps in (("bench", 0.0), ("bench-stream", a.stream_tps))
     }
     gateways = {}
-    logs = {loop: tmp / f"gateway-{loop}.log" for loop in loops}
     for loop in loops:
         ports[loop] = _free_port()
         gateways[loop] = subprocess.Popen(
@@ -263,7 +408,7 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
                 f"127.0.0.1:{ports[loop]}",
             ],
             cwd=ROOT,
-            stderr=logs[loop].open("wb"),
+            stderr=logs[f"gateway-{loop}"].open("wb"),
         )
     return Procs(broker, gateways, upstreams, ports, logs)
 
@@ -392,15 +537,39 @@ async def _bench(a: argparse.Namespace, procs: Procs, loops: list[str]) -> None:
         for url in through.values():
             await _until_routed(http, url)
         rss0 = {loop: _rss_mb(procs.gateways[loop].pid) for loop in loops}
+        _tune_collector(a.bench_gc)
         if a.soak:
             await _soak(a, http, through[loops[0]], procs.gateways[loops[0]].pid)
             return
-        alone = await _closed_loop(http, direct, a.seconds)
-        print(f"upstream alone: {alone:,.0f} req/s (64 clients, closed loop)")
+        up = procs.upstreams["bench"].pid
+        for client in dict.fromkeys((a.closed_client, "aiohttp")):
+            cpu0, up0 = _cpu_s(os.getpid()), _cpu_s(up)
+            alone = await _closed_loop(http, direct, a.seconds, client)
+            done = alone * a.seconds
+            gen_ms, up_ms = (
+                1e3 * (_cpu_s(p) - c) / done for p, c in ((os.getpid(), cpu0), (up, up0))
+            )
+            print(
+                f"upstream alone, {client} client: {alone:,.0f} req/s (64 clients, closed "
+                f"loop); CPU ms a request: loadgen {gen_ms:.3f}, upstream {up_ms:.3f}, so on "
+                f"a CPU each of its own at most {1e3 / gen_ms:,.0f} and {1e3 / up_ms:,.0f} req/s"
+            )
+        collectors = CollectorTimer().install()
+
+        async def said_collectors(phase: str) -> None:
+            print(f"  the collector over the {phase} (which generation held each process):")
+            print(f"    loadgen: {collectors.said(collectors.since)}")
+            collectors.since = collectors.mark()
+            for name, line in sorted((await procs.collectors()).items()):
+                if "no collections" not in line or name.startswith("gateway"):
+                    print(f"    {name}: {line}")
+
+        await said_collectors("start")
         paths = {"direct": direct} | {f"gateway-{k}": u for k, u in through.items()}
         got = await _rounds(http, paths, pids, CHAT, a.rate, a.seconds, a.rounds, False)
         print(f"non-streaming at {a.rate:g} req/s, {a.rounds} rounds of {a.seconds:g} s each:")
         _report("chat", got, a.rate, a.seconds)
+        await said_collectors("non-streaming rounds")
         duration = 16 / a.stream_tps if a.stream_tps > 0 else 1.0
         srate = a.streams / duration
         spaths = {"direct": base.format(procs.ports["bench-stream"], "completions")} | {
@@ -412,17 +581,24 @@ async def _bench(a: argparse.Namespace, procs: Procs, loops: list[str]) -> None:
             f"once), time to first byte, {a.rounds} rounds of {a.seconds:g} s each:"
         )
         _report("stream", got, srate, a.seconds)
+        await said_collectors("stream rounds")
         for loop in loops:
             pid = procs.gateways[loop].pid
             cpu0, wait0 = _cpu_s(pid), _waited_s(pid)
-            most = await _closed_loop(http, through[loop], a.seconds)
+            gen0, up0 = _cpu_s(os.getpid()), _cpu_s(up)
+            most = await _closed_loop(http, through[loop], a.seconds, a.closed_client)
             busy = (_cpu_s(pid) - cpu0) / a.seconds
             waited = (_waited_s(pid) - wait0) / a.seconds
+            done = most * a.seconds
             print(
-                f"through gateway-{loop}: {most:,.0f} req/s (64 clients, closed loop; the "
+                f"through gateway-{loop}: {most:,.0f} req/s (64 {a.closed_client} clients, "
+                f"closed loop; the "
                 f"gateway busy {busy:.0%} of a CPU, ready but without one {waited:.0%} of "
-                "the time)"
+                f"the time; CPU ms a request: gateway {1e3 * busy / most:.3f}, loadgen "
+                f"{1e3 * (_cpu_s(os.getpid()) - gen0) / done:.3f}, upstream "
+                f"{1e3 * (_cpu_s(up) - up0) / done:.3f})"
             )
+        await said_collectors("closed loops")
         for loop in loops:
             rss = _rss_mb(procs.gateways[loop].pid)
             print(f"gateway-{loop} RSS: {rss0[loop]:.0f} MiB before the load, {rss:.0f} after")
@@ -464,39 +640,85 @@ async def _soak(a: argparse.Namespace, http: aiohttp.ClientSession, url: str, pi
     )
 
 
+class CollectorTimer:
+    """How long the cyclic garbage collector held this process, by generation (a
+    `gc.callbacks` entry): what a stall of the loop in the gateway, the load generator
+    or a server costs the requests then waiting."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, int]] = []
+        self._began = 0.0
+        self.since = 0
+        """Where the next `said` on a signal starts (a `mark()`)."""
+
+    def install(self) -> CollectorTimer:
+        import gc
+
+        gc.callbacks.append(self._timed)
+        return self
+
+    def _timed(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((time.perf_counter() - self._began, info["generation"]))
+
+    def mark(self) -> int:
+        return len(self.pauses)
+
+    def answer_signal(self) -> CollectorTimer:
+        """On SIGUSR1, a GC_LINE on stderr: the collections since the last one."""
+
+        def said(signum: int, frame: Any) -> None:
+            sys.stderr.write(f"{GC_LINE} {self.said(self.since)}\n")
+            sys.stderr.flush()
+            self.since = self.mark()
+
+        signal.signal(signal.SIGUSR1, said)
+        return self
+
+    def said(self, since: int = 0) -> str:
+        """Per generation: collections, ms in all, the longest (ms), since `mark()`."""
+        got = self.pauses[since:]
+        parts = []
+        for g in (0, 1, 2):
+            ts = [1e3 * t for t, gen in got if gen == g]
+            if ts:
+                parts.append(f"gen{g} {len(ts)} x, {sum(ts):.0f} ms in all, longest {max(ts):.1f}")
+        return "; ".join(parts) or "no collections"
+
+
 def _serve_gateway(loop: str, argv: list[str]) -> int:
     """A gateway process on `loop` (`asyncio` or `uvloop`; `-nofreeze` after it: with
-    LLMGW_GC_FREEZE=0), which says at its exit, on stderr, how long the cyclic
-    collector held its loop."""
-    import atexit
-    import gc
-
+    LLMGW_GC_FREEZE=0; `-untuned`: LLMGW_GC_TUNE=0; `-plain`: LLMGW_GATEWAY_FASTPATH=0;
+    `-young20k`: LLMGW_GC_THRESHOLDS=20000,10,10),
+    which says at its exit, on stderr, how long the cyclic collector held its loop (the
+    collections of its start, before it serves, not counted)."""
     from services.gateway.__main__ import main as gateway
 
-    if loop.endswith("-nofreeze"):
-        os.environ["LLMGW_GC_FREEZE"] = "0"
-    if loop.endswith("-untuned"):
-        os.environ["LLMGW_GC_TUNE"] = "0"
-    pauses: list[tuple[float, int]] = []
-    began = [0.0]
+    for suffix, var in (
+        ("-nofreeze", "LLMGW_GC_FREEZE"),
+        ("-untuned", "LLMGW_GC_TUNE"),
+        ("-plain", "LLMGW_GATEWAY_FASTPATH"),
+    ):
+        if suffix in loop:
+            os.environ[var] = "0"
+    if "-young20k" in loop:
+        os.environ["LLMGW_GC_THRESHOLDS"] = "20000,10,10"  # the round before's
+    timer = CollectorTimer().install().answer_signal()
 
-    def timed(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            pauses.append((time.perf_counter() - began[0], info["generation"]))
+    import services.gateway.server as server
 
-    def report() -> None:
-        full = sorted(1e3 * t for t, g in pauses if g == 2)
-        young = sorted(1e3 * t for t, g in pauses if g < 2)
-        sys.stderr.write(
-            f"{GC_LINE} {len(pauses)} collections, {len(full)} full: "
-            f"{', '.join(f'{t:.0f}' for t in full)} ms; the longest young one "
-            f"{young[-1] if young else 0:.1f} ms, {sum(young):.0f} ms in all\n"
-        )
+    # The collections of its start (the freezes) are not the load's: counted from its
+    # second freeze, once it serves.
+    settle = server.settle_heap
 
-    gc.callbacks.append(timed)
-    atexit.register(report)
+    def settled() -> bool:
+        done = settle()
+        timer.since = timer.mark()
+        return done
+
+    server.settle_heap = settled
     if loop.startswith("uvloop"):
         import uvloop
 
@@ -520,6 +742,21 @@ def main() -> None:
         "with LLMGW_GC_FREEZE=0; -untuned: with LLMGW_GC_TUNE=0, CPython's collector "
         "thresholds and no second freeze)",
     )
+    p.add_argument(
+        "--closed-client",
+        choices=("raw", "aiohttp"),
+        default="raw",
+        help="the closed loop's client (the most req/s): raw keep-alive connections, or "
+        "aiohttp's (whose CPU a request made the load generator the bottleneck)",
+    )
+    p.add_argument(
+        "--bench-gc",
+        choices=("off", "tuned", "default"),
+        default="off",
+        help="the load generator's and the simulated servers' collector: off once their "
+        "heap is frozen (the instruments never stall), tuned as the gateway's (frozen, "
+        "young collections every 20,000 objects) or CPython's defaults",
+    )
     p.add_argument("--pin", action="store_true", help="the gateways on a CPU of their own")
     p.add_argument(
         "--nice",
@@ -527,6 +764,15 @@ def main() -> None:
         default=0,
         help="run the bench's processes at this niceness (negative, as root: ahead of "
         "the machine's other work, so what is measured is theirs and not the wait for a CPU)",
+    )
+    p.add_argument(
+        "--rt",
+        type=int,
+        default=0,
+        metavar="PRIORITY",
+        help="run the bench's processes at this real-time priority (SCHED_FIFO, 1-99, as "
+        "root): a process that wakes runs at once instead of after the slice of whatever "
+        "other work holds its CPU (which --nice only makes shorter)",
     )
     p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS", help="RSS over time")
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
@@ -537,7 +783,7 @@ def main() -> None:
     if a.serve_gateway is not None:
         sys.exit(_serve_gateway(a.serve_gateway, rest))
     if a.serve_upstream is not None:
-        asyncio.run(_serve_upstream(a.serve_upstream, a.model, a.tps))
+        asyncio.run(_serve_upstream(a.serve_upstream, a.model, a.tps, a.bench_gc))
         return
     loops = [x for x in a.loops.split(",") if x]
     if importlib.util.find_spec("uvloop") is None and any(x.startswith("uvloop") for x in loops):
@@ -556,10 +802,19 @@ def main() -> None:
         # puts it ahead of them. Set back at the end.
         with contextlib.suppress(OSError):
             group.write_text(str(a.nice))
+    if a.rt:
+        try:
+            # The processes started inherit it; the kernel keeps 5% of each CPU for the
+            # rest (sched_rt_runtime_us), so a closed loop cannot starve the machine.
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(a.rt))
+        except PermissionError:
+            sys.exit(f"--rt {a.rt}: not permitted (a real-time priority needs root)")
     print(
         f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}"
         + ("; gateways pinned to the last CPU" if a.pin else "")
         + (f"; niceness {a.nice}" if a.nice else "")
+        + (f"; real-time priority {a.rt} (SCHED_FIFO)" if a.rt else "")
+        + f"; the bench's own collectors {a.bench_gc}"
     )
     procs = _start(a, loops)
     try:

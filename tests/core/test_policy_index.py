@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from services.core import fold
 from services.core.policy import Config, PlainWalk, plan
-from services.core.policy.engine import Listing
 from services.core.policy import index as fast
+from services.core.policy.engine import Listing
 from services.core.view import View
 from tests.core.test_policy_fast import build, filled
 

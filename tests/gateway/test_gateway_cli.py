@@ -81,25 +81,36 @@ def test_a_gateway_process_freezes_its_heap_unless_told_not_to(setting: str, fro
 
 
 @pytest.mark.parametrize(
-    ("freeze", "tune", "young", "settled"),
-    [("1", "1", 20_000, True), ("1", "0", 700, False), ("0", "1", 700, False)],
+    ("freeze", "tune", "given", "middle", "settled"),
+    [
+        ("1", "1", "", 1000, True),
+        ("1", "1", "20000,10,10", 10, True),
+        ("1", "1", "7,x,1", 1000, True),
+        ("1", "0", "", 10, False),
+        ("0", "1", "", 10, False),
+    ],
 )
-def test_a_gateway_process_collects_young_objects_less_often_and_freezes_again_once_serving(
-    freeze: str, tune: str, young: int, settled: bool
+def test_a_gateway_process_collects_its_middle_generation_rarely_and_freezes_again_once_serving(
+    freeze: str, tune: str, given: str, middle: int, settled: bool
 ) -> None:
-    # A stream's objects live seconds: with CPython's 700 they were promoted to the old
-    # generation, whose collections walk every open stream (README, Performance).
+    # A stream's objects live seconds: a young collection promotes them, and with
+    # CPython's 10 the middle generation, every open stream, was walked every few
+    # seconds (docs/gateway.md).
     code = (
         "import gc; from services.gateway.server import freeze_heap, settle_heap; "
         "freeze_heap(); n = gc.get_freeze_count(); x = [[] for _ in range(100)]; "
-        "print(gc.get_threshold()[0], settle_heap(), gc.get_freeze_count() > n)"
+        "print(gc.get_threshold()[1], settle_heap(), gc.get_freeze_count() > n)"
     )
+    env = {"LLMGW_GC_FREEZE": freeze, "LLMGW_GC_TUNE": tune, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={"LLMGW_GC_FREEZE": freeze, "LLMGW_GC_TUNE": tune, "PATH": "/usr/bin:/bin"},
+        env=env | ({"LLMGW_GC_THRESHOLDS": given} if given else {}),
         capture_output=True,
         text=True,
         timeout=20,
         check=True,
     )
-    assert out.stdout.split() == [str(young), str(settled), str(settled)]
+    assert out.stdout.split() == [str(middle), str(settled), str(settled)]
+    # A setting that is not three positive integers is one line, and the defaults.
+    assert out.stderr.count("\n") == (1 if given == "7,x,1" else 0), out.stderr
+    assert "Traceback" not in out.stderr

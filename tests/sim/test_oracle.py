@@ -200,3 +200,78 @@ def test_what_it_keeps_between_decisions_gives_their_own_answers(seed: int) -> N
         # Mostly what the call before asked, at times another cap or limit.
         k, limit = rng.choice([(3, oracle.LIMIT)] * 3 + [(1, small), (2, small), (3, small)])
         assert oracle.exists(v, d, k, limit) is reference_exists(v, d, k, limit), d.model
+
+
+NVL = ev.TopologySpec(level="nvlink_domain")
+
+
+def domain_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
+    """Nodes in NVLink domains (some unlabelled), models of several shards required in
+    one domain beside one-shard ones, and gangs placed anywhere (across domains too)."""
+    s = Scenario(NOW)
+    nodes = [f"n{i}" for i in range(rng.randint(2, 8))]
+    doms = rng.randint(1, 3)
+    for n in nodes:
+        labels = {} if rng.random() < 0.15 else {"nvlink_domain": f"d{rng.randrange(doms)}"}
+        s.node(n, 8, labels=labels)
+    models = []
+    for i in range(rng.randint(2, 5)):
+        name = f"m{i}"
+        models.append(name)
+        shards = rng.choice([2, 2, 3])
+        gpus = rng.choice([2, 4, 8])
+        topo = NVL if rng.random() < 0.8 else None
+        spec = ev.ProfileSpec(name=f"pp{shards}", gpus=gpus, shards=shards, topology=topo)
+        s.model(name, cls=rng.choice(["opportunistic", "standard"]), min=0, max=50,
+                profiles=[spec, "one:2"] if rng.random() < 0.2 else [spec])  # fmt: skip
+    free = {n: list(range(8)) for n in nodes}
+    for r in range(rng.randint(0, 14)):
+        model = rng.choice(models)
+        rid = f"r{r:02d}"
+        gpus = rng.choice([1, 2, 4])
+        if rng.random() < 0.5:
+            at = [n for n in nodes if len(free[n]) >= gpus]
+            if len(at) < 2:
+                continue
+            on = [(n, [free[n].pop() for _ in range(gpus)]) for n in rng.sample(at, 2)]
+            s.replica(rid, model, on=on, profile="gang", ready="-2h")
+            continue
+        node = rng.choice(nodes)
+        if len(free[node]) >= gpus:
+            s.replica(rid, model, on=(node, [free[node].pop() for _ in range(gpus)]), ready="-2h")
+    return s, models
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_domain_groups_answer_as_every_set_tried_does(seed: int) -> None:
+    """Required in one domain, the oracle tries each domain's candidates' sets: the
+    answer is that of every set of the candidates (`by_domain=False`, and the plain
+    reference above), None included."""
+    rng = random.Random(seed)
+    s, models = domain_cluster(rng)
+    v = s.view(strict=False)
+    decisions = [made_up(rng, v, models) for _ in range(3)]
+    for model in models:
+        for policy in ("reference", "node-aware"):
+            decisions.append(plan(v, model, NOW, Config(policy=policy, max_victims=3)))  # type: ignore[arg-type]
+    for d in decisions:
+        for k in (1, 2, 3):
+            limit = rng.choice([oracle.LIMIT, 10**6, rng.randint(0, 40)])
+            want = reference_exists(v, d, k, limit)
+            assert oracle.exists(v, d, k, limit, by_domain=False) is want, (d.model, k, limit)
+            assert oracle.exists(v, d, k, limit) is want, (d.model, k, limit)
+
+
+def test_domain_groups_meet_every_answer() -> None:
+    seen: set[bool | None] = set()
+    for seed in range(80):
+        rng = random.Random(seed)
+        s, models = domain_cluster(rng)
+        v = s.view(strict=False)
+        for _ in range(3):
+            d = made_up(rng, v, models)
+            if oracle._required_level(
+                [p for p in v.catalog[d.model].profiles if p.name in d.profiles]
+            ):
+                seen.add(oracle.exists(v, d, 3, rng.choice([10**6, 0])))
+    assert seen == {True, False, None}
