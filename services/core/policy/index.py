@@ -244,6 +244,8 @@ class Index:
             if name not in current:
                 if old is not None:
                     self._remove(name, old)
+                    self._dirty_owners.add(old.owner)
+                    self._dirty_b = True
                 continue
             other = resolve(name)
             if old is not None and old.version == view.version(name) and old.other is other:
@@ -263,8 +265,6 @@ class Index:
     def _remove(self, name: str, e: _Model) -> None:
         del self._models[name]
         self._owner_models.get(e.owner, set()).discard(name)
-        self._dirty_owners.add(e.owner)
-        self._dirty_b = True
         for x in e.by_state:
             _drop(self._by_state, x)
         for u in e.unknown:
