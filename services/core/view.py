@@ -28,8 +28,9 @@ from services.core import catalog, inventory, quota
 
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
-# give a view no replay can reproduce.
-SCHEMA = 5
+# give a view no replay can reproduce. 6: a preemption's pin (`Preempting.domain` and
+# `until`), which a view folded before it left unset for a decision that names a domain.
+SCHEMA = 6
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
