@@ -113,7 +113,7 @@ class Catalog(Mapping[str, Model]):
     another order) resolves every alias as the view folded from the start does.
     """
 
-    __slots__ = ("_aliases", "_models", "_ranked")
+    __slots__ = ("_aliases", "_models", "_ranked", "version")
 
     def __init__(self, models: Mapping[str, Model] | None = None) -> None:
         self._models: dict[str, Model] = {}
@@ -121,6 +121,9 @@ class Catalog(Mapping[str, Model]):
         self._aliases: dict[str, set[str]] = {}
         # _ranked: `by_rank()` until a model is declared or removed.
         self._ranked: tuple[Model, ...] | None = None
+        self.version = 0
+        """Moves on whenever a model is declared, re-declared or removed: what a reader
+        that keeps something worked out from the declarations compares."""
         for m in (models or {}).values():
             self.put(m)
 
@@ -131,6 +134,7 @@ class Catalog(Mapping[str, Model]):
             self._drop_aliases(old)
         self._models[model.name] = model
         self._ranked = None
+        self.version += 1
         for alias in model.aliases:
             if alias != model.name:
                 self._aliases.setdefault(alias, set()).add(model.name)
@@ -141,6 +145,7 @@ class Catalog(Mapping[str, Model]):
         if old is not None:
             self._drop_aliases(old)
             self._ranked = None
+            self.version += 1
         return old
 
     def resolve(self, name_or_alias: str) -> Model | None:

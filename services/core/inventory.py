@@ -237,6 +237,18 @@ class Inventory:
         out.version = self.version
         return out
 
+    def part(self, nodes: Iterable[str], replicas: Iterable[str]) -> Inventory:
+        """A copy of only `nodes` and the allocations of `replicas` (those it has): for a
+        caller that reads and releases nothing else, such as a trial that releases those
+        replicas and places within those nodes. Cheaper than `clone()` by the nodes it
+        leaves out; its version is its own."""
+        out = Inventory.__new__(Inventory)
+        out._nodes = {n: u for n in nodes if (u := self._nodes.get(n)) is not None}
+        out._allocations = {r: a for r in replicas if (a := self._allocations.get(r)) is not None}
+        out._order = None
+        out.version = Version()
+        return out
+
     # Nodes.
 
     def set_node(self, node: Node) -> None:

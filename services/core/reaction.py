@@ -24,16 +24,17 @@ from schemas import events as ev
 from schemas import ids
 from schemas.events import DRAIN_GRACE_S
 from services.core import preemption
+from services.core.policy.decision import LISTED
 from services.core.view import View
 
 SOURCE = "preemption"
 
-# SHOWN bounds the candidates and exclusions a published decision lists. On a full
-# cluster the policy weighs every replica: 1,600 one-GPU replicas made a 181 KB event,
-# and past about 2,300 it would exceed the largest event the codec accepts, be
-# dead-lettered by every follower, and leave the view without the decision, so the next
-# trigger would stop a second set of victims.
-SHOWN = 50
+# SHOWN bounds the candidates and exclusions a published decision lists: the decision's
+# own list (`policy.decision.LISTED`). On a full cluster the policy weighs every replica:
+# 1,600 one-GPU replicas made a 181 KB event, and past about 2,300 it would exceed the
+# largest event the codec accepts, be dead-lettered by every follower, and leave the view
+# without the decision, so the next trigger would stop a second set of victims.
+SHOWN = LISTED
 
 Outgoing = tuple[ev.Event, str | None]
 """An event to publish, and the node whose command subject it goes on (drains only)."""

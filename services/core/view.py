@@ -28,8 +28,10 @@ from services.core import catalog, inventory, quota
 
 # SCHEMA versions ViewState. A snapshot written under another number is ignored and
 # the view rebuilt from the log: a snapshot trusted across a change of meaning would
-# give a view no replay can reproduce.
-SCHEMA = 6
+# give a view no replay can reproduce. 6: a preemption's pin (`Preempting.domain` and
+# `until`), which a view folded before it left unset for a decision that names a domain.
+# 7: a multi-node replica's shards stopped one by one (`drained_on`, `stopped_on`).
+SCHEMA = 7
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -351,6 +353,7 @@ class View:
         "_of_model",
         "_ordinal",
         "_pending",
+        "_recent",
         "_states",
         "_timed_out",
         "_timed_out_at",
@@ -396,6 +399,9 @@ class View:
         self.changes = 0
         """How many times `changed` was called: while it stays, no model's `version` or
         `state_version` moved, and no model name came into or left `current_models`."""
+        # _recent: per model name, the `changes` count of its last change, the most
+        # recently changed last (`changed_since`).
+        self._recent: dict[str, int] = {}
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 a = allocation_of(r)
@@ -485,9 +491,23 @@ class View:
         v = self._versions
         v[model] = v.get(model, 0) + 1
         self.changes += 1
+        recent = self._recent
+        recent.pop(model, None)
+        recent[model] = self.changes
         if not use:
             s = self._states
             s[model] = s.get(model, 0) + 1
+
+    def changed_since(self, changes: int) -> list[str]:
+        """The model names (as replicas give them) whose `version` moved since `changes`
+        was this view's `changes`, the most recently changed first: what a reader that
+        keeps something per model reads to catch up without looking at every model."""
+        out = []
+        for name, at in reversed(self._recent.items()):
+            if at <= changes:
+                break
+            out.append(name)
+        return out
 
     def version(self, model: str) -> int:
         """A number that changes whenever a replica giving the model name `model`

@@ -47,7 +47,7 @@ from operator import attrgetter
 from services.core import placement
 from services.core.catalog import Profile
 from services.core.inventory import Inventory
-from services.core.policy import node_aware
+from services.core.policy import every_candidate, node_aware
 from services.core.preemption import Candidate, Decision
 from services.core.view import View
 
@@ -69,8 +69,9 @@ def sets(n: int, max_victims: int) -> int:
 def exists(
     view: View, d: Decision, max_victims: int, limit: int = LIMIT, *, by_domain: bool = True
 ) -> bool | None:
-    """Whether some set of at most `max_victims` of `d.candidates` makes room for `d.model`
-    on `view`; None when there are more than `limit` such sets to try. `by_domain=False`
+    """Whether some set of at most `max_victims` of the candidates `d` weighed (all of
+    them, not only those it lists: `policy.every_candidate`) makes room for `d.model` on
+    `view`; None when there are more than `limit` such sets to try. `by_domain=False`
     tries every set of the candidates where the profiles keep the model in one domain
     (the plain rule the domain groups are compared with)."""
     m = view.catalog.resolve(d.model)
@@ -78,12 +79,13 @@ def exists(
         return False
     profiles = [p for p in m.profiles if p.name in d.profiles]
     one_shard = all(p.shards == 1 for p in profiles)
-    groups = _groups(view, d.candidates, one_shard, max_victims, limit)
+    cands = every_candidate(view, d)
+    groups = _groups(view, cands, one_shard, max_victims, limit)
     if groups is None:
         return None
     level = _required_level(profiles)
     if level is not None and by_domain:
-        return _by_domain(view, d, profiles, level, max_victims)
+        return _by_domain(view, d, cands, profiles, level, max_victims)
     least = min((p.gpus for p in profiles), default=0)
     usage = view.inventory.usage
     trial: Inventory | None = None
@@ -157,7 +159,12 @@ def _required_level(profiles: Sequence[Profile]) -> str | None:
 
 
 def _by_domain(
-    view: View, d: Decision, profiles: Sequence[Profile], level: str, max_victims: int
+    view: View,
+    d: Decision,
+    cands: Sequence[Candidate],
+    profiles: Sequence[Profile],
+    level: str,
+    max_victims: int,
 ) -> bool:
     """`exists` for profiles all required inside one domain of `level`: the largest sets
     of each domain's own candidates, each placed inside that domain (see the module's
@@ -167,10 +174,10 @@ def _by_domain(
     schedulable nodes. That bound is only a bound (it counts GPUs of any model, memory
     and health, and no CPU or memory), so a set it passes over cannot make room."""
     inv = view.inventory
-    if d.candidates and isinstance(placement.place(inv, profiles, d.avoid), placement.Placement):
+    if cands and isinstance(placement.place(inv, profiles, d.avoid), placement.Placement):
         return True  # as every set tried first does: it fits as the cluster stands
     trial: Inventory | None = None
-    for name, group, held, free in _domain_groups(view, d.candidates, level):
+    for name, group, held, free in _domain_groups(view, cands, level):
         shapes = [(p.gpus, p.shards) for p in profiles]
         for chosen in itertools.combinations(range(len(group)), min(len(group), max_victims)):
             room = dict(free)

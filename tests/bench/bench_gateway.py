@@ -540,6 +540,8 @@ async def _bench(a: argparse.Namespace, procs: Procs, loops: list[str]) -> None:
         _tune_collector(a.bench_gc)
         if a.soak:
             await _soak(a, http, through[loops[0]], procs.gateways[loops[0]].pid)
+            said = await procs.collectors()
+            print(f"soak: the gateway's collector: {said.get(f'gateway-{loops[0]}')}")
             return
         up = procs.upstreams["bench"].pid
         for client in dict.fromkeys((a.closed_client, "aiohttp")):

@@ -151,8 +151,7 @@ def test_a_pinned_domain_without_room_fails_saying_so() -> None:
 
 
 def test_a_decision_without_a_domain_folds_as_before() -> None:
-    # An old log's decision: the preemption entry encodes as it did, with no pin fields,
-    # so the view's digest is the same as before they existed.
+    # An old log's decision: the preemption entry encodes as it did, with no pin fields.
     s, _ = decided(domain=False)
     v = s.view()
     p = v.state.preempting["big"]

@@ -275,12 +275,14 @@ def eager_search(
     """`node_aware.search` of one-shard profiles as first written: each level's sets all
     made and checked on their node before any is ordered."""
     needs = [node_aware._Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
-    nodes = node_aware._on_nodes(view, cands, needs, max_victims) if needs else []
+    least = min((n.gpus for n in needs), default=0)
+    per_node = node_aware.grouped(cands)
+    nodes = node_aware._on_nodes(view, per_node, needs, least, max_victims) if needs else []
     for t in sorted({c.tier for c in cands}):
         for k in range(1, max_victims + 1):
             level_sets = [
-                tuple([cands[at[i]] for i in chosen])
-                for at, node in nodes
+                tuple([node.cands[i] for i in chosen])
+                for node in nodes
                 for chosen in itertools.combinations(
                     [i for i, c in enumerate(node.cands) if c.tier <= t], k
                 )

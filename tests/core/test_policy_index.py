@@ -16,6 +16,7 @@ from schemas import events as ev
 from services.core import fold
 from services.core.policy import Config, PlainWalk, plan
 from services.core.policy import index as fast
+from services.core.policy.engine import Listing
 from services.core.view import View
 from tests.core.test_policy_fast import build, filled
 
@@ -66,7 +67,9 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
     for data in _later(rng, models):
         s.emit(data)
     view = View()
-    index = fast.Index()
+    # Checked compares every candidate, exclusion, count and node, not only what a
+    # decision lists; it raises on the first difference.
+    index = fast.Checked(fast.Index())
     asked = 0
     now = s.now
     for seq, subject, e in s.events():
@@ -93,9 +96,9 @@ def test_the_check_stops_on_a_difference() -> None:
     s, models = filled(random.Random(3), 1.0)
     view = s.view()
 
-    class Wrong:
-        def candidates(self, view: View, a: object) -> tuple[tuple[()], tuple[()]]:
-            return (), ()
+    class Wrong(PlainWalk):
+        def find(self, view: View, a: object) -> Listing:
+            return Listing((), ())
 
     checked = fast.Checked(Wrong())  # type: ignore[arg-type]
     outcomes = []

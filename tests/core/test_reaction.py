@@ -187,7 +187,9 @@ def test_a_published_decision_lists_a_victim_past_the_first_shown_candidates() -
     d = r.decision
     assert d is not None and d.outcome == "preempted"
     assert [v.replica for v in d.victims] == ["h1-a"]
-    assert d.candidates[-1].replica == "h1-a" and len(d.candidates) == n + 1
+    # The decision itself lists the first SHOWN and the victim past them, and counts all.
+    assert d.candidates[-1].replica == "h1-a" and len(d.candidates) == reaction.SHOWN + 1
+    assert d.considered == n + 1
     decided = r.events[0][0]
     assert isinstance(decided, ev.PreemptionDecidedEvent)
     listed = [c.replica for c in decided.data.candidates]

@@ -232,7 +232,7 @@ def test_published_decision_lists_a_bounded_number_of_candidates() -> None:
         for g in range(8):
             s.replica(f"b{n}-{g}", "batch", on=(f"n{n}", [g]), ready="-3h", used=f"-{n + 20}m")
     d = preemption.plan(s.view(), "chat", s.now, preemption.Config(max_victims=8))
-    assert d.outcome == "preempted" and len(d.candidates) == 80
+    assert d.outcome == "preempted" and len(d.candidates) == SHOWN and d.considered == 80
     data = bounded(d.to_event_data("t"))
     assert len(data.candidates) == SHOWN
     assert data.considered == 80

@@ -400,7 +400,9 @@ def test_explain_says_how_many_candidates_and_exclusions_were_not_listed(
         ev.PlacementFailed(model="crit", profiles=("two",), live=0, desired=1, reason="no_fit")
     )
     d = plan(s.view(), "crit", s.now, Config())
-    assert d.outcome == "preempted" and len(d.candidates) == 80 and len(d.excluded) == 80
+    # The decision lists the first SHOWN of each and counts them all.
+    assert d.outcome == "preempted" and len(d.candidates) == len(d.excluded) == SHOWN
+    assert d.considered == d.excluded_count == 80
     assert [v.replica for v in d.victims] == ["r00-1", "r00-3"]
     data = bounded(d.to_event_data(failed.id, SHOWN))
     assert len(data.candidates) == len(data.excluded) == SHOWN

@@ -31,6 +31,7 @@ from services.core import catalog, placement, quota
 from services.core.policy import gangs, node_aware, rules, search
 from services.core.policy.config import POLICIES, WHY, Config, Policy
 from services.core.policy.decision import (
+    LISTED,
     Candidate,
     Decision,
     Exclusion,
@@ -39,7 +40,7 @@ from services.core.policy.decision import (
     listed,
     rfc3339,
 )
-from services.core.policy.engine import PLAIN, Candidates, PlainWalk
+from services.core.policy.engine import PLAIN, Candidates, Found, PlainWalk
 from services.core.policy.rules import effective_class
 from services.core.policy.trials import Trials, prune
 from services.core.view import View
@@ -52,11 +53,13 @@ __all__ = [
     "Config",
     "Decision",
     "Exclusion",
+    "Found",
     "Outcome",
     "PlainWalk",
     "Policy",
     "TrialResult",
     "effective_class",
+    "every_candidate",
     "listed",
     "plan",
 ]
@@ -93,12 +96,13 @@ def plan(
             avoid=avoided,
             config=cfg,
         )
+    eng = engine or PLAIN
     base = _base(view, m, now, cfg, avoided)
-    early = _before_victims(view, m, now, base)
+    early = _before_victims(view, m, now, base, eng)
     if isinstance(early, Decision):
         return early
-    profiles, holdings, usage = early
-    return _preempt(view, m, now, cfg, profiles, holdings, usage, base, engine or PLAIN)
+    profiles, usage = early
+    return _preempt(view, m, now, cfg, profiles, usage, base, eng)
 
 
 def _base(
@@ -121,14 +125,14 @@ def _base(
     }
 
 
-_Quota = tuple[list[catalog.Profile], list[quota.Holding] | None, dict[str, quota.Amount]]
+_Quota = tuple[list[catalog.Profile], dict[str, quota.Amount] | None]
 
 
 def _before_victims(
-    view: View, m: catalog.Model, now: datetime, base: dict[str, Any]
+    view: View, m: catalog.Model, now: datetime, base: dict[str, Any], engine: Candidates
 ) -> Decision | _Quota:
     """The outcomes decided before any victim is weighed, or the profiles within the
-    owner's limits (with the holdings and usage read for them)."""
+    owner's limits (with the usage read for them, None when none was)."""
     # A held model gave up room for another and may not take it back until the hold
     # ends: otherwise the two would trade the same GPUs back and forth.
     hold = view.active_hold(m.name, now)
@@ -140,12 +144,10 @@ def _before_victims(
     # An owner past a limit is not placed, and preemption does not run for it: a limit
     # is a ceiling on what the owner may hold, which stopping others' replicas cannot lift.
     tree = view.quota
-    holdings: list[quota.Holding] | None = None
-    usage: dict[str, quota.Amount] = {}
+    usage: dict[str, quota.Amount] | None = None
     if any(q.limit is not None for q in tree.governing(m.owner)):
-        holdings = view.holdings(_counted_owners(view, m.owner))
-        usage = tree.usage_of(m.owner, holdings)
-    profiles = [p for p in m.profiles if tree.within_limit(m.owner, usage, p.need())]
+        usage = engine.usage(view, m.owner)
+    profiles = [p for p in m.profiles if tree.within_limit(m.owner, usage or {}, p.need())]
     if not profiles:
         reason = f"owner {m.owner} would pass a limit with any profile of {m.name}"
         return Decision(outcome="quota_limit", reason=reason, **base)
@@ -171,7 +173,7 @@ def _before_victims(
     if waiting:
         reason = f"waiting for {', '.join(waiting)} to stop"
         return Decision(outcome="awaiting", reason=reason, awaiting=waiting, **base)
-    return profiles, holdings, usage
+    return profiles, usage
 
 
 def _preempt(
@@ -180,8 +182,7 @@ def _preempt(
     now: datetime,
     cfg: Config,
     profiles: list[catalog.Profile],
-    holdings: list[quota.Holding] | None,
-    usage: dict[str, quota.Amount],
+    usage: dict[str, quota.Amount] | None,
     base: dict[str, Any],
     engine: Candidates,
 ) -> Decision:
@@ -192,31 +193,40 @@ def _preempt(
     # model is placed in: the replica it gets must not itself be borrowed, or the owner
     # it took from could take it straight back. With no guarantee anywhere nobody
     # reclaims and nothing is covered: the holdings are not needed at all.
-    if holdings is None and tree.any_guarantee():
-        holdings = view.holdings(_counted_owners(view, m.owner))
-        usage = tree.usage_of(m.owner, holdings)
-    reclaim = all(tree.guaranteed(m.owner, usage, p.need()) for p in profiles)
+    borrowed: frozenset[str] = frozenset()
+    if tree.any_guarantee():
+        if usage is None:
+            usage = engine.usage(view, m.owner)
+        borrowed = engine.borrowed(view)
+    reclaim = all(tree.guaranteed(m.owner, usage or {}, p.need()) for p in profiles)
     below_min = base["live"] < m.min
-    a = rules.asker(view, m, now, cfg, holdings or [], reclaim, below_min)
-    cands, excluded = engine.candidates(view, a)
-    if cfg.policy != "reference":
-        # Node-aware weighs a multi-node replica whole (`gangs`); the reference skips it.
-        spread = gangs.candidates(view, a, excluded)
-        if spread:
-            gone = {c.replica for c in spread}
-            cands = tuple(sorted((*cands, *spread), key=rules.order_key))
-            excluded = tuple(x for x in excluded if x.replica not in gone)
-    base |= {"reclaim": reclaim, "below_min": below_min, "candidates": cands, "excluded": excluded}
-    if not cands:
+    a = rules.asker(view, m, now, cfg, borrowed, reclaim, below_min)
+    found = engine.find(view, a)
+    base |= {
+        "reclaim": reclaim,
+        "below_min": below_min,
+        "candidates": found.first(LISTED),
+        "excluded": found.excluded_first(LISTED),
+        "considered": found.considered,
+        "by_tier": found.by_tier,
+        "excluded_count": found.excluded_count,
+        "excluded_by": found.excluded_by,
+    }
+    if not found.considered:
         reason = (
-            f"{m.name} does not fit and no replica may be stopped for it ({len(excluded)} excluded)"
+            f"{m.name} does not fit and no replica may be stopped for it "
+            f"({found.excluded_count} excluded)"
         )
         return Decision(outcome="no_candidates", reason=reason, **base)
     tr = Trials(view, profiles, base["avoid"])
-    chosen, why_not = _search(view, m, cfg, tr, profiles, cands)
+    chosen, why_not = _search(view, m, cfg, tr, profiles, found)
     if not chosen:
         reason = f"{why_not}; nothing is stopped"
         return Decision(outcome="no_fit", reason=reason, trials=tuple(tr.trials), **base)
+    head = base["candidates"]
+    shown = {c.replica for c in head}
+    past = sorted((v for v in chosen if v.replica not in shown), key=rules.order_key)
+    base["candidates"] = (*head, *past)
     return _preempted(m, now, cfg, chosen, tr, base)
 
 
@@ -250,36 +260,38 @@ def _search(
     cfg: Config,
     tr: Trials,
     profiles: list[catalog.Profile],
-    cands: tuple[Candidate, ...],
+    found: Found,
 ) -> tuple[list[Candidate], str]:
     """The victims the configured search chooses (empty when none), and the words for
     when it chooses none."""
+    first = found.first(cfg.max_victims)
     if cfg.policy == "reference":
-        tried = min(len(cands), cfg.max_victims)
+        tried = min(len(first), cfg.max_victims)
         why_not = f"{m.name} would not fit even with its first {tried} candidate(s) stopped"
-        return search.reference(tr, cands, cfg.max_victims), why_not
+        return search.reference(tr, first, cfg.max_victims), why_not
     why_not = (
         f"{m.name} would not fit with any set of at most {cfg.max_victims} "
         "candidate(s) stopped on the node(s) it could go to"
     )
-    found = node_aware.search(
+    found_set = node_aware.search(
         view,
         profiles,
-        cands,
+        first,
         cfg.max_victims,
         lambda gone: tr.fits_without(gone),
         # Its own trials: the decision's are those of the sets node-aware proposed.
-        lambda: search.reference(Trials(view, profiles, tr.avoid), cands, cfg.max_victims),
+        lambda: search.reference(Trials(view, profiles, tr.avoid), first, cfg.max_victims),
+        lambda least: found.by_node(view, least, cfg.max_victims),
     )
-    if any(c.nodes for c in cands) or any(p.shards > 1 for p in profiles):
-        whole = gangs.search(view, profiles, cands, cfg.max_victims, tr.fits_without)
+    if found.has_gangs or any(p.shards > 1 for p in profiles):
+        whole = gangs.search(view, profiles, found.every(), cfg.max_victims, tr.fits_without)
         if whole:
-            load_s = node_aware.load_costs(view, {v.model for v in (*whole, *found)})
-            if not found or node_aware.key(whole, load_s) < node_aware.key(found, load_s):
-                found = whole
-    if not found:
+            load_s = node_aware.load_costs(view, {v.model for v in (*whole, *found_set)})
+            if not found_set or node_aware.key(whole, load_s) < node_aware.key(found_set, load_s):
+                found_set = whole
+    if not found_set:
         return [], why_not
-    chosen = list(found)
+    chosen = list(found_set)
     if not tr.trials or tr.trials[-1].victims != tuple(v.replica for v in chosen):
         # The reference's set, taken for a profile of several shards: tried here too, so
         # the decision's trials end with the set it stops.
@@ -287,17 +299,16 @@ def _search(
     return prune(tr, chosen), why_not
 
 
-def _counted_owners(view: View, owner: str) -> set[str]:
-    """The owners whose replicas the quota math for `owner` reads: those sharing a level
-    of its chain (its usage) and those under a guarantee (what is borrowed). Everyone
-    else's holdings change neither; a replica of an owner under no guarantee is borrowed
-    whatever it holds."""
-    tree = view.quota
-    mine = {q.name for q in tree.governing(owner)}
-    everyone = {x.owner for x in view.catalog.models()}
-    everyone.add("default")  # a replica of a model not in the catalog
-    return {
-        o
-        for o in everyone
-        if tree.has_guarantee(o) or any(q.name in mine for q in tree.governing(o))
-    }
+def every_candidate(view: View, d: Decision) -> tuple[Candidate, ...]:
+    """Every candidate `d` weighed on `view`, in order (a decision lists only the first
+    `LISTED`): the plain walk again with the decision's own asker, for a checker that
+    needs them all, such as the simulator's oracle. `view` must be the one `d` was
+    decided on."""
+    if d.considered <= LISTED or not d.considered:
+        return d.candidates
+    m = view.catalog.resolve(d.model)
+    if m is None:
+        return ()
+    borrowed = PLAIN.borrowed(view) if view.quota.any_guarantee() else frozenset()
+    a = rules.asker(view, m, d.now, d.config, borrowed, d.reclaim, d.below_min)
+    return PLAIN.find(view, a).every()

@@ -29,6 +29,14 @@ Outcome = Literal[
 ]
 
 
+# LISTED bounds the candidates and exclusions a decision lists: the first of each in
+# order, then every victim past them; the rest are counted (`Decision.considered`,
+# `by_tier`, `excluded_count`, `excluded_by`). At 40,000 replicas a decision weighs tens
+# of thousands; listed whole, `preemption.decided` would pass the broker's message size
+# and every reader would hold them all.
+LISTED = 50
+
+
 class _Named(Protocol):
     @property
     def replica(self) -> str: ...
@@ -139,7 +147,16 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     victims: tuple[Candidate, ...] = ()
     holds: tuple[ev.HoldSpec, ...] = ()
     candidates: tuple[Candidate, ...] = ()
+    """The first `LISTED` candidates in order, then every victim past them (`listed`)."""
     excluded: tuple[Exclusion, ...] = ()
+    """The first `LISTED` exclusions by replica id."""
+    considered: int = 0
+    """How many candidates there were, listed or not."""
+    by_tier: dict[str, int] = {}
+    """How many candidates of each tier."""
+    excluded_count: int = 0
+    excluded_by: dict[str, int] = {}
+    """How many exclusions of each code (`config.WHY`)."""
     trials: tuple[TrialResult, ...] = ()
     placement: placement.Placement | None = None
     """Where the model would go: with nothing stopped (fits) or with the victims gone."""
@@ -163,10 +180,10 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             for_model=self.model,
             outcome=self.outcome,
             victims=tuple([v.to_victim() for v in self.victims]),
-            considered=len(self.candidates),
-            by_tier=counts(str(c.tier) for c in self.candidates),
-            excluded_count=len(self.excluded),
-            excluded_by=counts(x.why for x in self.excluded),
+            considered=self.considered,
+            by_tier=self.by_tier,
+            excluded_count=self.excluded_count,
+            excluded_by=self.excluded_by,
             trigger=trigger_id,
             candidates=tuple([c.to_victim() for c in listed(self.candidates, victims, shown)]),
             excluded=tuple(

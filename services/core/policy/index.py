@@ -1,32 +1,46 @@
-"""The fast engine: what the plain walk works out per model, kept between calls by its owner.
+"""The fast engine: the plain walk's answers from groups of replicas kept in order.
 
 Owned by its caller (the preemption service's leader, the simulator's engine), never by
 `View` or a module: one `Index` follows one view, and whoever folds that view asks with
 it. Behind the same protocol as the plain walk (`engine.Candidates`), held to it by a
 differential test (tests/core/test_policy_index.py) and, with `LLMGW_POLICY_CHECK=1`, on
-every call of the preemption service and `llmgw simulate` (`checked`).
+every call of the preemption service and `llmgw simulate` (`Checked`).
 
-What it keeps, per model name its replicas give: the replicas holding capacity, those
-excluded by their own state (retiring, already preempted, draining) as exclusions, and
-the live ones newest first with whether each is above its model's minimum, the node it
-is on and what stopping it frees. None of that reads the model to place, the time or the
-quota usage; each model's entry is worked out again once the view says one of its
-replicas changed (`View.version`) or its name resolves to another declaration. What
-reads them (the tiers, idleness, youth, the guarantees) is the rules' own, on every call.
-It moves the cost of a call from every replica's state, sizes and nodes to its tier
-rules alone (bench_policy: "engine" against "plain").
+Why it can be fast: every rule that decides a replica's tier reads of it only whether it
+is above its model's minimum and whether it is borrowed (both known as the view folds),
+how long it has gone unused and how long it has been ready (both compared with one
+threshold per call); the rest is its model's class, owner and on-demand flag. So the
+live replicas are kept in groups (`_Group`) of one (class, owner, on-demand, above
+minimum, borrowed), each kept sorted by last use (the order key after the tier) and by
+readiness. A call weighs each group once (`rules.tier_by`, for "past the grace" and
+not), cuts it at the grace and at the minimum lifetime by bisection, and merges the
+groups' streams by the order key, building only the candidates it is asked for: the
+first for the decision's list and the reference's search, those on the nodes that could
+make room for node-aware (`by_node`). The counts by tier and by exclusion come from the
+groups' sizes, less the few replicas a call sets apart (the model's own, the young, the
+multi-node). What a call costs then grows with the groups and what it lists, not with the
+replicas.
+
+Kept current by `follow`: the models whose replicas changed since the last call
+(`View.changed_since`), or every model when a declaration changed; the quota figures
+(per owner what its replicas hold, who is borrowed) are worked out again only for the
+owners whose holdings changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import heapq
+import itertools
+from bisect import bisect_left, insort
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
 
 from services.core import catalog, quota
 from services.core.policy import rules
 from services.core.policy.config import WHY
-from services.core.policy.decision import Candidate, Exclusion
-from services.core.policy.engine import PLAIN, Candidates
+from services.core.policy.decision import Candidate, Exclusion, counts
+from services.core.policy.engine import PLAIN, Candidates, Found, Listing
 from services.core.view import ReplicaRecord, View, size_of
 
 # CHECK_ENV names the switch that runs the plain walk beside the index on every call and
@@ -36,110 +50,641 @@ CHECK_ENV = "LLMGW_POLICY_CHECK"
 # shells then decide with the plain walk.
 INDEX_ENV = "LLMGW_POLICY_INDEX"
 
-
-@dataclass(frozen=True, slots=True)
-class _Model:
-    """One model name's replicas, as far as no asker and no moment decides."""
-
-    version: int
-    other: catalog.Model | None
-    holding: tuple[ReplicaRecord, ...]
-    by_state: tuple[Exclusion, ...]
-    live: tuple[tuple[ReplicaRecord, bool, str | None, quota.Amount | None], ...]
-    """Newest first: the replica, above its minimum, its node (None: several), its size."""
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _model(view: View, name: str, other: catalog.Model | None) -> _Model:
-    holding = tuple([r for r in view.current_of(name) if r.holds_capacity])
-    by_state: list[Exclusion] = []
-    live: list[ReplicaRecord] = []
-    for r in holding:
-        code = rules.excluded_by_state(r, ())
-        if code is None:
-            live.append(r)
-        else:
-            by_state.append(Exclusion(replica=r.id, model=name, why=code[0], detail=code[1]))
-    placed = [(r, False) for r in live] if other is None else rules.above_minimum(live, other.min)
-    return _Model(
-        view.version(name),
-        other,
-        holding,
-        tuple(by_state),
-        tuple([(r, above, rules.where(r), size_of(view, r)) for r, above in placed]),
+class _Rep:
+    """One live replica of a declared model, as its group keeps it."""
+
+    __slots__ = (
+        "above",
+        "first_node",
+        "group",
+        "key_ids",
+        "key_order",
+        "key_ready",
+        "node",
+        "r",
+        "size",
+        "used",
     )
+
+    def __init__(self, r: ReplicaRecord, above: bool, size: quota.Amount) -> None:
+        # The record is the fold's, changed in place by later events: what the groups
+        # are ordered by is read once, here, and an entry is made again when its
+        # model's `version` moves (`Index.follow`).
+        self.r, self.above, self.size = r, above, size
+        self.node = rules.where(r)
+        self.first_node = r.nodes[0] if r.nodes else None
+        self.used = r.last_used_at is not None
+        self.group: _Group | None = None
+        lu = r.last_used_at
+        self.key_order: tuple[object, ...] = (
+            (size.gpus, size.memory_gb, r.id, self)
+            if lu is None
+            else (lu, size.gpus, size.memory_gb, r.id, self)
+        )
+        self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
+        self.key_ids = (r.id, self)
+
+    def __lt__(self, other: _Rep) -> bool:  # only reached between equal keys: never
+        return self.r.id < other.r.id
+
+
+class _Group:
+    """The live replicas of one (class, owner, on-demand, above minimum, borrowed): in
+    order of last use (`used`, then `never` for those never reported used), by readiness
+    and by id."""
+
+    __slots__ = ("borrowed", "ids", "key", "multi", "never", "ready", "used")
+
+    def __init__(self, key: tuple[str, str, bool, bool, bool]) -> None:
+        self.key = key
+        self.borrowed = key[4]
+        self.used: list[tuple[object, ...]] = []
+        self.never: list[tuple[object, ...]] = []
+        self.ready: list[tuple[object, ...]] = []
+        self.ids: list[tuple[str, _Rep]] = []
+        self.multi: dict[str, _Rep] = {}
+
+    def add(self, x: _Rep) -> None:
+        x.group = self
+        insort(self.used if x.used else self.never, x.key_order)
+        if x.key_ready is not None:
+            insort(self.ready, x.key_ready)
+        insort(self.ids, x.key_ids)
+        if x.node is None:
+            self.multi[x.r.id] = x
+
+    def remove(self, x: _Rep) -> None:
+        _drop(self.used if x.used else self.never, x.key_order)
+        if x.key_ready is not None:
+            _drop(self.ready, x.key_ready)
+        _drop(self.ids, x.key_ids)
+        self.multi.pop(x.r.id, None)
+        x.group = None
+
+
+def _summed(on: Mapping[str, _Rep]) -> tuple[int, ...]:
+    sizes = sorted((rep.size.gpus for rep in on.values()), reverse=True)
+    return (0, *itertools.accumulate(sizes))
+
+
+def _drop(items: list[Any], key: Any) -> None:
+    i = bisect_left(items, key)
+    assert items[i] is key or items[i] == key  # invariant: kept keys are in their list
+    del items[i]
+
+
+class _Model:
+    """One model name's replicas holding capacity, as kept: those excluded by their own
+    state, the live ones of a declared model (in groups), what each holds for quota."""
+
+    __slots__ = ("by_state", "holding", "holdings", "other", "owner", "reps", "unknown", "version")
+
+    def __init__(self, view: View, name: str, other: catalog.Model | None) -> None:
+        self.version = view.version(name)
+        self.other = other
+        self.owner = other.owner if other is not None else "default"
+        self.holding = tuple([r for r in view.current_of(name) if r.holds_capacity])
+        self.by_state: list[tuple[str, Exclusion]] = []
+        self.unknown: list[tuple[str, ReplicaRecord]] = []
+        self.reps: list[_Rep] = []
+        live: list[ReplicaRecord] = []
+        for r in self.holding:
+            code = rules.excluded_by_state(r, ())
+            if code is None:
+                live.append(r)
+            else:
+                x = Exclusion(replica=r.id, model=name, why=code[0], detail=code[1])
+                self.by_state.append((r.id, x))
+        if other is None:
+            self.unknown = [(r.id, r) for r in live]
+        else:
+            for r, above in rules.above_minimum(live, other.min):
+                self.reps.append(_Rep(r, above, size_of(view, r)))
+        self.holdings = tuple(
+            [
+                quota.Holding(
+                    replica=r.id, owner=self.owner, amount=size_of(view, r), created_at=r.created_at
+                )
+                for r in view.current_of(name)
+            ]
+        )
 
 
 class Index:
-    """The candidates of `rules.candidates`, from per-model entries kept current as the
-    view folds (see the module's docstring). Follows one view: asked about another, it
-    starts again."""
+    """The plain walk's answers (see the module's docstring) from groups kept current as
+    the view folds. Follows one view: asked about another, it starts again."""
 
-    __slots__ = ("_models", "_view")
+    __slots__ = (
+        "_borrowed",
+        "_by_state",
+        "_catalog_version",
+        "_changes",
+        "_dirty_b",
+        "_dirty_owners",
+        "_groups",
+        "_models",
+        "_nodes",
+        "_owner_models",
+        "_owner_sums",
+        "_reps",
+        "_tops",
+        "_tree",
+        "_unknown",
+        "_view",
+    )
 
     def __init__(self) -> None:
         self._view: View | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tree: quota.QuotaTree | None = None
+        self._catalog_version = -1
+        self._changes = -1
         self._models: dict[str, _Model] = {}
+        self._groups: dict[tuple[str, str, bool, bool, bool], _Group] = {}
+        self._by_state: list[tuple[str, Exclusion]] = []
+        self._unknown: list[tuple[str, ReplicaRecord]] = []
+        self._nodes: dict[str, dict[str, _Rep]] = {}
+        # _tops: per node, the GPUs of its replicas' largest first, summed (entry i: the
+        # i largest): what at most i of them could free there.
+        self._tops: dict[str, tuple[int, ...]] = {}
+        self._reps: dict[str, tuple[catalog.Model, _Rep]] = {}
+        self._owner_models: dict[str, set[str]] = {}
+        self._owner_sums: dict[str, quota.Amount] = {}
+        self._dirty_owners: set[str] = set()
+        self._borrowed: frozenset[str] = frozenset()
+        self._dirty_b = True
+
+    # Keeping current.
 
     def follow(self, view: View) -> None:
-        """Bring the entries up to date with `view`: those of names no longer current
-        go, those whose replicas changed or whose declaration did are worked out again."""
-        if view is not self._view:
-            self._view, self._models = view, {}
-        models = self._models
-        current = view.current_models()
-        for name in [n for n in models if n not in current]:
-            del models[name]
-        resolve, version = view.catalog.resolve, view.version
-        for name in current:
-            got = models.get(name)
-            other = resolve(name)
-            if got is None or got.version != version(name) or got.other is not other:
-                models[name] = _model(view, name, other)
-
-    def candidates(
-        self, view: View, a: rules.Asker
-    ) -> tuple[tuple[Candidate, ...], tuple[Exclusion, ...]]:
-        self.follow(view)
-        mine = view.catalog.names_of(a.m)
-        out: list[Candidate] = []
-        excluded: list[Exclusion] = []
-        for name, e in self._models.items():
-            if name in mine:
-                same = WHY["same_model"]
-                excluded += [
-                    Exclusion(replica=r.id, model=name, why="same_model", detail=same)
-                    for r in e.holding
-                ]
-                continue
-            excluded += e.by_state
-            if e.other is None:
-                unknown = WHY["unknown_model"]
-                excluded += [
-                    Exclusion(replica=r.id, model=name, why="unknown_model", detail=unknown)
-                    for r, *_ in e.live
-                ]
-                continue
-            _weigh(e, rules.peer_of(e.other, a), a, out, excluded)
-        out.sort(key=rules.order_key)
-        excluded.sort(key=rules.exclusion_key)
-        return tuple(out), tuple(excluded)
-
-
-def _weigh(
-    e: _Model, p: rules.Peer, a: rules.Asker, out: list[Candidate], excluded: list[Exclusion]
-) -> None:
-    """`rules.weigh_model` on a kept entry: the same rules, with the nodes and sizes kept."""
-    for r, above, node, size in e.live:
-        got = rules.verdict(p, r, above, a)
-        if not isinstance(got, str) and node is None:
-            got = "multi_node"
-        if isinstance(got, str):
-            why = rules.detail(got, r, p, a, above)
-            excluded.append(Exclusion(replica=r.id, model=r.model, why=got, detail=why))
+        """Bring the groups up to date with `view`: the models whose replicas changed,
+        every model when a declaration or the quota tree changed, a new view from the
+        start."""
+        if view is not self._view or view.quota is not self._tree:
+            self._view = view
+            self._reset()
+            self._tree = view.quota
+        if view.catalog.version != self._catalog_version:
+            names = set(self._models) | set(view.current_models())
+            self._catalog_version = view.catalog.version
+        elif view.changes != self._changes:
+            names = set(view.changed_since(self._changes))
         else:
-            # Invariant: a replica on one node has its node and size kept.
-            assert node is not None and size is not None
-            out.append(rules.candidate(p, r, above, a, got, node, size))
+            return
+        self._changes = view.changes
+        current = view.current_models()
+        resolve = view.catalog.resolve
+        for name in names:
+            old = self._models.get(name)
+            if name not in current:
+                if old is not None:
+                    self._remove(name, old)
+                    self._dirty_owners.add(old.owner)
+                    self._dirty_b = True
+                continue
+            other = resolve(name)
+            if old is not None and old.version == view.version(name) and old.other is other:
+                continue
+            new = _Model(view, name, other)
+            if old is not None:
+                self._remove(name, old)
+            self._add(view, name, new)
+            if old is None or old.holdings != new.holdings or old.owner != new.owner:
+                self._dirty_owners.add(new.owner)
+                if old is not None:
+                    self._dirty_owners.add(old.owner)
+                self._dirty_b = True
+        if self._dirty_b and view.quota.any_guarantee():
+            self._regroup_borrowed(view)
+
+    def _remove(self, name: str, e: _Model) -> None:
+        del self._models[name]
+        self._owner_models.get(e.owner, set()).discard(name)
+        for x in e.by_state:
+            _drop(self._by_state, x)
+        for u in e.unknown:
+            _drop(self._unknown, u)
+        for rep in e.reps:
+            assert rep.group is not None
+            rep.group.remove(rep)
+            self._unplace(rep)
+            del self._reps[rep.r.id]
+
+    def _add(self, view: View, name: str, e: _Model) -> None:
+        self._models[name] = e
+        self._owner_models.setdefault(e.owner, set()).add(name)
+        for x in e.by_state:
+            insort(self._by_state, x)
+        for u in e.unknown:
+            insort(self._unknown, u)
+        if e.reps:
+            assert e.other is not None
+            # Grouped by who was borrowed before this change: `_regroup_borrowed` moves
+            # those whose being borrowed the change moved.
+            borrowed = self._borrowed if self._covered(e.owner) else None
+            for rep in e.reps:
+                self._group_of(e.other, rep, borrowed).add(rep)
+                self._place(rep)
+                self._reps[rep.r.id] = (e.other, rep)
+
+    def _covered(self, owner: str) -> bool:
+        tree = self._tree
+        assert tree is not None
+        return tree.any_guarantee() and tree.has_guarantee(owner)
+
+    def _group_of(self, other: catalog.Model, rep: _Rep, borrowed: frozenset[str] | None) -> _Group:
+        tree = self._tree
+        assert tree is not None
+        flag = (rep.r.id in borrowed) if borrowed is not None else tree.any_guarantee()
+        key = (rules.effective_class(other), other.owner, other.on_demand, rep.above, flag)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = _Group(key)
+        return g
+
+    def _place(self, rep: _Rep) -> None:
+        node = rep.first_node
+        if node is not None:
+            on = self._nodes.setdefault(node, {})
+            on[rep.r.id] = rep
+            self._tops[node] = _summed(on)
+
+    def _unplace(self, rep: _Rep) -> None:
+        node = rep.first_node
+        if node is not None:
+            on = self._nodes.get(node)
+            if on is not None:
+                on.pop(rep.r.id, None)
+                if on:
+                    self._tops[node] = _summed(on)
+                else:
+                    del self._nodes[node], self._tops[node]
+
+    # Quota.
+
+    def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
+        self.follow(view)
+        sums = self._sums()
+        held = [
+            quota.Holding(replica="", owner=o, amount=a, created_at=_EPOCH) for o, a in sums.items()
+        ]
+        return view.quota.usage_of(owner, held)
+
+    def _sums(self) -> dict[str, quota.Amount]:
+        for owner in self._dirty_owners:
+            g, cpu, mem = 0, 0.0, 0.0
+            for name in self._owner_models.get(owner, ()):
+                for h in self._models[name].holdings:
+                    a = h.amount
+                    g += a.gpus
+                    cpu += a.cpu_cores
+                    mem += a.memory_gb
+            if self._owner_models.get(owner):
+                self._owner_sums[owner] = quota.Amount(gpus=g, cpu_cores=cpu, memory_gb=mem)
+            else:
+                self._owner_sums.pop(owner, None)
+        self._dirty_owners.clear()
+        return self._owner_sums
+
+    def borrowed(self, view: View) -> frozenset[str]:
+        self.follow(view)
+        return self._borrowed
+
+    def _regroup_borrowed(self, view: View) -> None:
+        """Who is borrowed, worked out again from the owners' holdings; a replica whose
+        being borrowed changed moves to the group of its new flag."""
+        tree = view.quota
+        self._dirty_b = False
+        held = [
+            h
+            for owner, names in self._owner_models.items()
+            if tree.has_guarantee(owner)
+            for name in names
+            for h in self._models[name].holdings
+        ]
+        new = rules.borrowed_of(tree, held)
+        old, self._borrowed = self._borrowed, new
+        for rid in old ^ new:
+            got = self._reps.get(rid)
+            if got is None:
+                continue
+            other, rep = got
+            if not self._covered(other.owner):
+                continue
+            assert rep.group is not None
+            rep.group.remove(rep)
+            self._group_of(other, rep, new).add(rep)
+
+    # Finding.
+
+    def find(self, view: View, a: rules.Asker) -> Found:
+        self.follow(view)
+        return _Found(self, view, a)
+
+
+class _Weighed:
+    """One group as one call sees it: its tiers past the grace and not (or the code
+    that keeps it), where the grace cuts its order, and the replicas set apart."""
+
+    __slots__ = ("above", "code", "cut", "g", "never_past", "p", "skip", "tier_not", "tier_past")
+
+    def __init__(self, g: _Group, a: rules.Asker) -> None:
+        self.g = g
+        cls, owner, on_demand, above, borrowed = g.key
+        self.above = above
+        self.p = p = rules.peer_by(cls, owner, on_demand, a)
+        past = rules.tier_by(p, True, above, borrowed, a)
+        not_past = rules.tier_by(p, False, above, borrowed, a)
+        self.code: str | None = None
+        self.tier_past = self.tier_not = 0
+        self.cut = 0
+        self.never_past = False
+        self.skip: dict[str, tuple[str, _Rep]] = {}
+        if isinstance(past, str) or isinstance(not_past, str):
+            # Invariant: the grace only moves a lower class between tiers 0 and 2.
+            assert past == not_past
+            self.code = str(past)
+            return
+        self.tier_past, self.tier_not = past, not_past
+        now, grace = a.now, a.cfg.eviction_grace_s
+        self.never_past = grace <= 0.0
+        # The used are in order of last use, the longest unused first: those past the
+        # grace are a prefix.
+        used = g.used
+        lo, hi = 0, len(used)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lu = used[mid][0]
+            assert isinstance(lu, datetime)
+            if (now - lu).total_seconds() >= grace:
+                lo = mid + 1
+            else:
+                hi = mid
+        self.cut = lo
+
+    def past(self, r: ReplicaRecord, a: rules.Asker) -> bool:
+        idle = rules.idle_of(r, a.now)
+        return (0.0 if idle is None else idle) >= a.cfg.eviction_grace_s
+
+
+class _Found:
+    """The index's `Found`: counts worked out at once, candidates and exclusions merged
+    lazily from the groups."""
+
+    __slots__ = (
+        "_a",
+        "_cands",
+        "_gangs",
+        "_head",
+        "_index",
+        "_mine",
+        "_mine_ids",
+        "_stream",
+        "_view",
+        "_weighed",
+        "by_tier",
+        "considered",
+        "excluded_by",
+        "excluded_count",
+    )
+
+    def __init__(self, index: Index, view: View, a: rules.Asker) -> None:
+        self._index, self._view, self._a = index, view, a
+        self._gangs = a.cfg.policy != "reference"
+        models = index._models
+        mine_names = [n for n in view.catalog.names_of(a.m) if n in models]
+        self._mine = [r for n in mine_names for r in models[n].holding]
+        self._mine_ids = {r.id for r in self._mine}
+        weighed = {id(g): _Weighed(g, a) for g in index._groups.values() if g.ids}
+        self._weighed = weighed
+        tiers: dict[str, int] = {}
+        why: dict[str, int] = {}
+
+        def add(d: dict[str, int], k: str, n: int) -> None:
+            if n:
+                d[k] = d.get(k, 0) + n
+
+        # The model's own, whatever their state.
+        add(why, "same_model", len(self._mine))
+        for _rid, x in index._by_state:
+            if x.replica not in self._mine_ids:
+                add(why, x.why, 1)
+        add(why, "unknown_model", len(index._unknown))
+        # Set apart in each group: its own model's, then the young, then (the
+        # reference's) the multi-node.
+        for n in mine_names:
+            for rep in models[n].reps:
+                assert rep.group is not None
+                weighed[id(rep.group)].skip[rep.r.id] = ("same_model", rep)
+        lifetime = a.cfg.min_lifetime_s
+        for w in weighed.values():
+            g = w.g
+            if w.code is not None:
+                add(why, w.code, len(g.ids) - len(w.skip))
+                continue
+            for item in reversed(g.ready):
+                ready_at, young = item[0], item[-1]
+                assert isinstance(ready_at, datetime) and isinstance(young, _Rep)
+                if (a.now - ready_at).total_seconds() >= lifetime:
+                    break
+                if young.r.id not in w.skip:
+                    w.skip[young.r.id] = ("young", young)
+            if not self._gangs:
+                for rid, spread in g.multi.items():
+                    if rid not in w.skip:
+                        w.skip[rid] = ("multi_node", spread)
+            n_past = w.cut + (len(g.never) if w.never_past else 0)
+            n_not = len(g.ids) - n_past
+            for code, rep in w.skip.values():
+                if code != "same_model":
+                    add(why, code, 1)
+                if w.past(rep.r, a):
+                    n_past -= 1
+                else:
+                    n_not -= 1
+            add(tiers, str(w.tier_past), n_past)
+            add(tiers, str(w.tier_not), n_not)
+        self.by_tier = dict(sorted(tiers.items()))
+        self.excluded_by = dict(sorted(why.items()))
+        self.considered = sum(tiers.values())
+        self.excluded_count = sum(why.values())
+        self._cands: list[Candidate] = []
+        self._stream: Iterator[Candidate] | None = None
+        self._head = 0
+
+    @property
+    def has_gangs(self) -> bool:
+        if not self._gangs:
+            return False
+        return any(
+            rid not in w.skip for w in self._weighed.values() if w.code is None for rid in w.g.multi
+        )
+
+    # Candidates.
+
+    def _candidate(self, w: _Weighed, rep: _Rep, tier: int) -> Candidate:
+        a, r, p, size = self._a, rep.r, w.p, rep.size
+        if rep.node is None:
+            nodes = tuple(r.nodes)
+            return Candidate(
+                r.id, r.model, p.cls, p.owner, tier, rep.above, rules.idle_of(r, a.now),
+                size.gpus, size.cpu_cores, size.memory_gb, nodes[0], w.g.borrowed, nodes,
+            )  # fmt: skip
+        return Candidate(
+            r.id, r.model, p.cls, p.owner, tier, rep.above, rules.idle_of(r, a.now),
+            size.gpus, size.cpu_cores, size.memory_gb, rep.node, w.g.borrowed,
+        )  # fmt: skip
+
+    def _part(
+        self, w: _Weighed, tier: int, lo: int, hi: int, never: bool
+    ) -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
+        """One group's candidates of one tier, in order: its used from `lo` to `hi` (in
+        order of last use), merged with those never reported used when `never`."""
+        now, skip, used = self._a.now, w.skip, w.g.used
+
+        def of_used() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
+            for i in range(lo, hi):
+                rep = used[i][-1]
+                assert isinstance(rep, _Rep)
+                r = rep.r
+                if r.id in skip:
+                    continue
+                assert r.last_used_at is not None
+                idle = (now - r.last_used_at).total_seconds()
+                yield (tier, -(idle or 0.0), rep.size.gpus, rep.size.memory_gb, r.id), w, rep, tier
+
+        def of_never() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
+            for item in w.g.never:
+                rep = item[-1]
+                assert isinstance(rep, _Rep)
+                if rep.r.id in skip:
+                    continue
+                yield (tier, -0.0, rep.size.gpus, rep.size.memory_gb, rep.r.id), w, rep, tier
+
+        if not never or not w.g.never:
+            return of_used()
+        if lo >= hi:
+            return of_never()
+        return heapq.merge(of_used(), of_never(), key=_first)
+
+    def _ordered(self) -> Iterator[Candidate]:
+        parts = []
+        for w in self._weighed.values():
+            if w.code is not None:
+                continue
+            n = len(w.g.used)
+            if w.tier_past == w.tier_not:
+                parts.append(self._part(w, w.tier_past, 0, n, True))
+                continue
+            parts.append(self._part(w, w.tier_past, 0, w.cut, w.never_past))
+            parts.append(self._part(w, w.tier_not, w.cut, n, not w.never_past))
+        for _key, w, rep, tier in heapq.merge(*parts, key=_first):
+            yield self._candidate(w, rep, tier)
+
+    def first(self, n: int) -> tuple[Candidate, ...]:
+        if self._stream is None:
+            self._stream = self._ordered()
+        while len(self._cands) < n:
+            got = next(self._stream, None)
+            if got is None:
+                break
+            self._cands.append(got)
+        return tuple(self._cands[:n])
+
+    def every(self) -> tuple[Candidate, ...]:
+        return self.first(self.considered)
+
+    def by_node(
+        self, view: View, least: int, max_victims: int
+    ) -> list[tuple[str, list[Candidate]]]:
+        usage_of, a, index = view.inventory.usage, self._a, self._index
+        passing = []
+        for name, top in index._tops.items():
+            u = usage_of(name)
+            if u is None or not u.schedulable:
+                continue
+            # A bound: no `max_victims` of its candidates free more than as many of its
+            # replicas, largest first.
+            free = len(u.free)
+            if free < least and free + top[min(max_victims, len(top) - 1)] < least:
+                continue
+            passing.append(name)
+        passing.sort()
+        out = []
+        weighed = self._weighed
+        for name in passing:
+            mine: list[Candidate] = []
+            for rep in index._nodes[name].values():
+                w = weighed.get(id(rep.group))
+                if w is None or w.code is not None or rep.r.id in w.skip:
+                    continue
+                tier = w.tier_past if w.past(rep.r, a) else w.tier_not
+                mine.append(self._candidate(w, rep, tier))
+            if mine:
+                if len(mine) > 1:
+                    mine.sort(key=rules.order_key)
+                out.append((name, mine))
+        return out
+
+    # Exclusions.
+
+    def excluded_first(self, n: int) -> tuple[Exclusion, ...]:
+        return tuple(x for _rid, x in itertools.islice(self._exclusions(), n))
+
+    def _exclusions(self) -> Iterator[tuple[str, Exclusion]]:
+        a, mine_ids, index = self._a, self._mine_ids, self._index
+        name = WHY["same_model"]
+        own = sorted(
+            (r.id, Exclusion(replica=r.id, model=r.model, why="same_model", detail=name))
+            for r in self._mine
+        )
+        unknown = WHY["unknown_model"]
+        sources: list[Iterator[tuple[str, Exclusion]]] = [
+            iter(own),
+            (x for x in index._by_state if x[0] not in mine_ids),
+            (
+                (rid, Exclusion(replica=rid, model=r.model, why="unknown_model", detail=unknown))
+                for rid, r in index._unknown
+            ),
+        ]
+        for w in self._weighed.values():
+            if w.code is not None:
+                sources.append(self._excluded_group(w))
+            else:
+                set_apart = sorted(
+                    (rid, code) for rid, (code, _) in w.skip.items() if code != "same_model"
+                )
+                if set_apart:
+                    sources.append(self._set_apart(w, set_apart))
+        del a
+        return heapq.merge(*sources, key=_first)
+
+    def _excluded_group(self, w: _Weighed) -> Iterator[tuple[str, Exclusion]]:
+        code, skip, a = w.code, w.skip, self._a
+        assert code is not None
+        for rid, rep in w.g.ids:
+            if rid in skip:
+                continue
+            why = rules.detail(code, rep.r, w.p, a, w.above)
+            yield rid, Exclusion(replica=rid, model=rep.r.model, why=code, detail=why)
+
+    def _set_apart(
+        self, w: _Weighed, items: list[tuple[str, str]]
+    ) -> Iterator[tuple[str, Exclusion]]:
+        a = self._a
+        for rid, code in items:
+            rep = w.skip[rid][1]
+            why = rules.detail(code, rep.r, w.p, a, w.above)
+            yield rid, Exclusion(replica=rid, model=rep.r.model, why=code, detail=why)
+
+
+def _first(item: tuple[Any, ...]) -> Any:
+    return item[0]
 
 
 class PolicyMismatch(Exception):
@@ -155,28 +700,119 @@ class Checked:
     def __init__(self, fast: Candidates) -> None:
         self.fast = fast
 
-    def candidates(
-        self, view: View, a: rules.Asker
-    ) -> tuple[tuple[Candidate, ...], tuple[Exclusion, ...]]:
-        got = self.fast.candidates(view, a)
-        want = rules.candidates(view, a)
+    def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
+        got, want = self.fast.usage(view, owner), PLAIN.usage(view, owner)
+        if not _same_usage(got, want):
+            raise PolicyMismatch(
+                f"policy check: usage of {owner} is {got!r} by the index, {want!r} by the plain walk"
+            )
+        return want
+
+    def borrowed(self, view: View) -> frozenset[str]:
+        got, want = self.fast.borrowed(view), PLAIN.borrowed(view)
         if got != want:
-            raise PolicyMismatch(_difference(a, got, want))
-        return got
+            raise PolicyMismatch(
+                f"policy check: borrowed differ by {sorted(got ^ want)[:5]} between the index "
+                "and the plain walk"
+            )
+        return want
+
+    def find(self, view: View, a: rules.Asker) -> Found:
+        got = self.fast.find(view, a)
+        want = PLAIN.find(view, a)
+        assert isinstance(want, Listing)
+        g_c, g_x = got.every(), got.excluded_first(got.excluded_count)
+        problem = _difference(a, (g_c, g_x), (want.cands, want.excluded))
+        if problem is None:
+            for what, x, y in (
+                ("by_tier", got.by_tier, want.by_tier),
+                ("excluded_by", got.excluded_by, want.excluded_by),
+                ("considered", got.considered, want.considered),
+                ("excluded_count", got.excluded_count, want.excluded_count),
+                ("has_gangs", got.has_gangs, want.has_gangs),
+            ):
+                if x != y:
+                    problem = f"policy check: for {a.m.name}, {what} is {x!r} by the index, {y!r} by the plain walk"
+                    break
+        if problem is not None:
+            raise PolicyMismatch(problem)
+        return _CheckedFound(got, want, a)
+
+
+class _CheckedFound:
+    """The plain walk's `Found`, its nodes compared with the index's on every call."""
+
+    __slots__ = ("_a", "_fast", "_want")
+
+    def __init__(self, fast: Found, want: Listing, a: rules.Asker) -> None:
+        self._fast, self._want, self._a = fast, want, a
+
+    considered = property(lambda self: self._want.considered)
+    by_tier = property(lambda self: self._want.by_tier)
+    excluded_count = property(lambda self: self._want.excluded_count)
+    excluded_by = property(lambda self: self._want.excluded_by)
+    has_gangs = property(lambda self: self._want.has_gangs)
+
+    def first(self, n: int) -> tuple[Candidate, ...]:
+        return self._want.first(n)
+
+    def excluded_first(self, n: int) -> tuple[Exclusion, ...]:
+        return self._want.excluded_first(n)
+
+    def every(self) -> tuple[Candidate, ...]:
+        return self._want.every()
+
+    def by_node(
+        self, view: View, least: int, max_victims: int
+    ) -> list[tuple[str, list[Candidate]]]:
+        from services.core.policy.node_aware import could_free
+
+        def kept(per: list[tuple[str, list[Candidate]]]) -> list[tuple[str, list[Candidate]]]:
+            out = []
+            for name, cs in per:
+                u = view.inventory.usage(name)
+                if u is None or not u.schedulable:
+                    continue
+                if could_free(len(u.free), [c.gpus for c in cs], least, max_victims):
+                    out.append((name, cs))
+            return out
+
+        want = self._want.by_node(view, least, max_victims)
+        got = self._fast.by_node(view, least, max_victims)
+        if kept(got) != kept(want):
+            raise PolicyMismatch(
+                f"policy check: for {self._a.m.name}, the nodes that could make room differ "
+                "between the index and the plain walk"
+            )
+        return want
+
+
+def _same_usage(got: Mapping[str, quota.Amount], want: Mapping[str, quota.Amount]) -> bool:
+    if got.keys() != want.keys():
+        return False
+    for k, x in got.items():
+        y = want[k]
+        if (
+            x.gpus != y.gpus
+            or abs(x.cpu_cores - y.cpu_cores) > quota.EPSILON
+            or abs(x.memory_gb - y.memory_gb) > quota.EPSILON
+        ):
+            return False
+    return True
 
 
 def _difference(
     a: rules.Asker,
     got: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]],
     want: tuple[tuple[Candidate, ...], tuple[Exclusion, ...]],
-) -> str:
+) -> str | None:
     for what, g, w in (("candidate", got[0], want[0]), ("exclusion", got[1], want[1])):
         for i, (x, y) in enumerate(zip(g, w, strict=False)):
             if x != y:
                 return f"policy check: for {a.m.name} at {a.now.isoformat()}, {what} {i} is {x!r} by the index, {y!r} by the plain walk"
         if len(g) != len(w):
             return f"policy check: for {a.m.name} at {a.now.isoformat()}, {len(g)} {what}s by the index, {len(w)} by the plain walk"
-    return f"policy check: for {a.m.name}, the index and the plain walk differ"
+    return None
 
 
 def from_env(env: Mapping[str, str]) -> Candidates:
@@ -189,3 +825,6 @@ def engine(enabled: bool = True, check: bool = False) -> Candidates:
     switch); wrapped in `Checked` when `check` (the shells pass `LLMGW_POLICY_CHECK=1`)."""
     got: Candidates = Index() if enabled else PLAIN
     return Checked(got) if check else got
+
+
+__all__ = ["CHECK_ENV", "INDEX_ENV", "Checked", "Index", "PolicyMismatch", "counts", "engine"]

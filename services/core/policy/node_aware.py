@@ -186,15 +186,23 @@ def search(
     max_victims: int,
     fits: Callable[[Sequence[C]], bool],
     fallback: Callable[[], Sequence[C]],
+    nodes: Callable[[int], list[tuple[str, list[C]]]] | None = None,
 ) -> Sequence[C]:
     """The best set of at most `max_victims` of `cands` whose stopping lets the model be
     placed, confirmed by `fits` (the dry run); empty when there is none.
 
-    `fallback` is the reference's search, run only when a profile has several shards
-    (the model would go to several nodes, which one node's sets do not cover)."""
+    `nodes(least)`, when given, is the candidates per node in place of `cands` grouped
+    (`grouped`): at least every node where they could free `least` GPUs (an engine's
+    `Found.by_node`). `fallback` is the reference's search, run only when a profile has
+    several shards (the model would go to several nodes, which one node's sets do not
+    cover)."""
     needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
-    nodes = _on_nodes(view, cands, needs, max_victims) if needs else []
-    best = _by_levels(view, cands, needs, nodes, max_victims, fits)
+    on: list[_Node] = []
+    if needs:
+        least = min(n.gpus for n in needs)
+        per_node = nodes(least) if nodes is not None else grouped(cands)
+        on = _on_nodes(view, per_node, needs, least, max_victims)
+    best = _by_levels(view, needs, on, max_victims, fits)
     if any(p.shards > 1 for p in profiles):
         other = fallback()
         if other:
@@ -204,34 +212,43 @@ def search(
     return best
 
 
-_Entry = tuple[list[int], "_Node", tuple[int, ...]]
+def grouped(cands: Iterable[C]) -> list[tuple[str, list[C]]]:
+    """Candidates per node they are on (a gang on its first), by node name, in their
+    order; those on no node are left out."""
+    by: dict[str, list[C]] = {}
+    for c in cands:
+        if c.node:
+            by.setdefault(c.node, []).append(c)
+    return sorted(by.items())
+
+
+_Entry = tuple["_Node", tuple[int, ...]]
 
 
 def _by_levels(
     view: View,
-    cands: Sequence[C],
     needs: list[_Need],
-    nodes: list[tuple[list[int], _Node]],
+    nodes: list[_Node],
     max_victims: int,
     fits: Callable[[Sequence[C]], bool],
 ) -> Sequence[C]:
     """The first set `fits` confirms, level by level: (highest tier, size) in order, and
     within a level in `key` order (`_first_of`)."""
     load_s: dict[str, float] | None = None
-    for t in sorted({c.tier for c in cands}):
+    for t in sorted({c.tier for node in nodes for c in node.cands}):
         open_at = _open_at(nodes, t)
         for k in range(1, max_victims + 1):
             level = _level(open_at, needs, k)
             if not level:
                 continue
             if load_s is None:
-                load_s = load_costs(view, {c.model for c in cands})
+                load_s = load_costs(view, {c.model for node in nodes for c in node.cands})
 
             def made(entry: _Entry) -> tuple[C, ...] | None:
-                at, node, chosen = entry
+                node, chosen = entry
                 if not node.fits(needs, chosen):
                     return None
-                return tuple([cands[at[i]] for i in chosen])
+                return tuple([node.cands[i] for i in chosen])  # type: ignore[misc]
 
             best = _first_of(level, _thrown(level, load_s), load_s, fits, made)
             if best:
@@ -239,34 +256,32 @@ def _by_levels(
     return ()
 
 
-def _open_at(
-    nodes: list[tuple[list[int], _Node]], t: int
-) -> list[tuple[list[int], _Node, list[int], list[bool]]]:
+def _open_at(nodes: list[_Node], t: int) -> list[tuple[_Node, list[int], list[bool]]]:
     """Per node, its candidates of tier t or below, and whether each is of tier t. A set
     whose highest tier is below t was weighed at an earlier level, so a node with no
     candidate of tier t has no set at this one."""
     out = []
-    for at, node in nodes:
+    for node in nodes:
         allowed = [i for i, c in enumerate(node.cands) if c.tier <= t]
         top = [c.tier == t for c in node.cands]
         if any(top):
-            out.append((at, node, allowed, top))
+            out.append((node, allowed, top))
     return out
 
 
 def _level(
-    open_at: list[tuple[list[int], _Node, list[int], list[bool]]], needs: list[_Need], k: int
+    open_at: list[tuple[_Node, list[int], list[bool]]], needs: list[_Need], k: int
 ) -> list[_Entry]:
     """The level's sets: every k of a node's allowed candidates with one of tier t, as
-    (where they are, the node, which of its candidates), in order; a node is passed over
-    once even its k largest allowed victims could not free enough."""
+    (the node, which of its candidates), in order; a node is passed over once even its k
+    largest allowed victims could not free enough."""
     level: list[_Entry] = []
-    for at, node, allowed, top in open_at:
+    for node, allowed, top in open_at:
         if len(allowed) < k or not node.could(needs, allowed, k):
             continue
         for chosen in itertools.combinations(allowed, k):
             if True in [top[i] for i in chosen]:
-                level.append((at, node, chosen))
+                level.append((node, chosen))
     return level
 
 
@@ -274,7 +289,7 @@ def _thrown(level: list[_Entry], load_s: dict[str, float]) -> list[float]:
     """The work each set of a level throws away, summed as `key` sums it."""
     thrown = []
     works: dict[int, list[float]] = {}
-    for _at, node, chosen in level:
+    for node, chosen in level:
         w = works.get(id(node))
         if w is None:
             w = works[id(node)] = [load_s.get(c.model, 0.0) * c.gpus for c in node.cands]
@@ -283,28 +298,24 @@ def _thrown(level: list[_Entry], load_s: dict[str, float]) -> list[float]:
 
 
 def _on_nodes(
-    view: View, cands: Sequence[C], needs: list[_Need], max_victims: int
-) -> list[tuple[list[int], _Node]]:
-    """Per schedulable node with candidates, in name order, where its candidates are in
-    `cands` and what they would free there for `needs` (`_Node`); only the nodes where
-    at most `max_victims` of them could free enough GPUs for the smallest need: a bound
-    before anything is worked out per profile, which on a full cluster passes over most
-    nodes for a large model."""
+    view: View,
+    per_node: Iterable[tuple[str, Sequence[Victim]]],
+    needs: list[_Need],
+    least: int,
+    max_victims: int,
+) -> list[_Node]:
+    """Per schedulable node with candidates, in name order, what its candidates would
+    free there for `needs` (`_Node`); only the nodes where at most `max_victims` of them
+    could free `least` GPUs (the smallest need): a bound before anything is worked out
+    per profile, which on a full cluster passes over most nodes for a large model."""
     inv = view.inventory
-    by_node: dict[str, list[int]] = {}
-    for i, c in enumerate(cands):
-        if c.node:
-            by_node.setdefault(c.node, []).append(i)
-    least = min(n.gpus for n in needs)
     out = []
-    for name in sorted(by_node):
+    for name, mine in per_node:
         usage = inv.usage(name)
         if usage is None or not usage.schedulable:
             continue
-        at = by_node[name]
-        mine = [cands[i] for i in at]
         if could_free(len(usage.free), [c.gpus for c in mine], least, max_victims):
-            out.append((at, _Node(usage, mine, needs)))
+            out.append(_Node(usage, mine, needs))
     return out
 
 

@@ -46,15 +46,15 @@ def asker(
     m: catalog.Model,
     now: datetime,
     cfg: Config,
-    holdings: list[quota.Holding],
+    borrowed: frozenset[str],
     reclaim: bool,
     below_min: bool,
 ) -> Asker:
-    """The `Asker` for m. Borrowed only matters across owners with a guarantee in play:
-    with none anywhere, no replica is covered and no owner can reclaim."""
+    """The `Asker` for m; `borrowed` as `borrowed_of` gives it. Borrowed only matters
+    across owners with a guarantee in play: with none anywhere, no replica is covered and
+    no owner can reclaim."""
     tree = view.quota
     any_guarantee = tree.any_guarantee()
-    borrowed = frozenset(tree.borrowed(holdings)) if any_guarantee else frozenset()
     return Asker(
         m=m,
         now=now,
@@ -62,9 +62,18 @@ def asker(
         reclaim=reclaim,
         below_min=below_min,
         any_guarantee=any_guarantee,
-        borrowed=borrowed,
+        borrowed=borrowed if any_guarantee else frozenset(),
         tree=tree,
     )
+
+
+def borrowed_of(tree: quota.QuotaTree, holdings: list[quota.Holding]) -> frozenset[str]:
+    """The replicas of owners under a guarantee held past it (`QuotaTree.borrowed`): the
+    only ones whose being borrowed the rules read (`tier_of`); a replica of an owner under
+    no guarantee is borrowed whatever it holds."""
+    if not tree.any_guarantee():
+        return frozenset()
+    return frozenset(tree.borrowed([h for h in holdings if tree.has_guarantee(h.owner)]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +92,22 @@ class Peer:
 
 
 def peer_of(other: catalog.Model, a: Asker) -> Peer:
-    cls = effective_class(other)
+    return peer_by(effective_class(other), other.owner, other.on_demand, a)
+
+
+def peer_by(cls: str, owner: str, on_demand: bool, a: Asker) -> Peer:
+    """The `Peer` of a model of class `cls` (effective), `owner` and `on_demand`: all the
+    rules read of another model."""
     rank, mine = catalog.class_rank(cls), catalog.class_rank(a.m.cls)
     return Peer(
         cls=cls,
-        owner=other.owner,
+        owner=owner,
         lower=rank < mine,
         same_rank=rank == mine,
         critical=cls == "critical",
-        same_owner=other.owner == a.m.owner,
-        covered=a.any_guarantee and a.tree.has_guarantee(other.owner),
-        on_demand=other.on_demand,
+        same_owner=owner == a.m.owner,
+        covered=a.any_guarantee and a.tree.has_guarantee(owner),
+        on_demand=on_demand,
     )
 
 
@@ -153,17 +167,27 @@ def class_tier(p: Peer, idle_past_grace: bool, above_min: bool, below_min: bool)
 
 
 def tier_of(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
-    """The replica's tier, or the code of the rule that keeps it: the class rules
-    (`class_tier`), then across owners. What another owner borrowed past its guarantee
-    is taken back (1) by an owner within its own, whatever the classes (but never a
-    critical minimum); what is within another owner's guarantee is not taken at all: a
-    guarantee that another tenant's higher class could take is not one. Unknown
-    idleness counts as 0 against the grace, as the reference's idleFor does."""
+    """The replica's tier, or the code of the rule that keeps it (`tier_by`), from how
+    long it has gone unused and whether it is borrowed. Unknown idleness counts as 0
+    against the grace, as the reference's idleFor does."""
     idle = idle_of(r, a.now)
     past_grace = (0.0 if idle is None else idle) >= a.cfg.eviction_grace_s
+    return tier_by(p, past_grace, above_min, is_borrowed(p, r, a), a)
+
+
+def is_borrowed(p: Peer, r: ReplicaRecord, a: Asker) -> bool:
+    """Whether the replica is held past its owner's guarantee. A replica of an owner
+    under no guarantee is borrowed whatever it holds (when any guarantee is in play)."""
+    return (r.id in a.borrowed) if p.covered else a.any_guarantee
+
+
+def tier_by(p: Peer, past_grace: bool, above_min: bool, borrowed: bool, a: Asker) -> int | str:
+    """The tier, or the code of the rule that keeps it: the class rules (`class_tier`),
+    then across owners. What another owner borrowed past its guarantee is taken back (1)
+    by an owner within its own, whatever the classes (but never a critical minimum);
+    what is within another owner's guarantee is not taken at all: a guarantee that
+    another tenant's higher class could take is not one."""
     tier = class_tier(p, past_grace, above_min, a.below_min)
-    # A replica of an owner under no guarantee is borrowed whatever it holds.
-    borrowed = (r.id in a.borrowed) if p.covered else a.any_guarantee
     if not p.same_owner:
         if borrowed and a.reclaim and (not p.critical or above_min):
             tier = tier if tier == 0 else 1
@@ -242,10 +266,9 @@ def candidate(
 ) -> Candidate:
     """The candidate a replica is, once `verdict` gave it a tier, on `node`, freeing `size`
     (`view.size_of`) when stopped."""
-    borrowed = (r.id in a.borrowed) if p.covered else a.any_guarantee
     return Candidate(
         r.id, r.model, p.cls, p.owner, tier, above_min, idle_of(r, a.now),
-        size.gpus, size.cpu_cores, size.memory_gb, node, borrowed,
+        size.gpus, size.cpu_cores, size.memory_gb, node, is_borrowed(p, r, a),
     )  # fmt: skip
 
 

@@ -34,10 +34,13 @@ class Trials:
         """Whether the model could be placed with `gone` stopped, tried on a clone. The
         placement tries without the avoided nodes first, then with them: a soft
         preference never turns room that exists into a preemption."""
-        trial = self.view.inventory.clone()
+        within = {n for v in gone for n in (v.nodes or (v.node,))} if self.one_shard else None
+        inv = self.view.inventory
+        # A placement within the victims' nodes reads no other node: the copy holds only
+        # those (`Inventory.part`), not the whole cluster.
+        trial = inv.clone() if within is None else inv.part(within, [v.replica for v in gone])
         for v in gone:
             trial.release_replica(v.replica)
-        within = {n for v in gone for n in (v.nodes or (v.node,))} if self.one_shard else None
         found = placement.place(trial, self.profiles, self.avoid, within=within)
         fits = isinstance(found, placement.Placement)
         self.trials.append(
