@@ -105,17 +105,8 @@ async def test_crash_between_publish_and_ack_stops_each_victim_once(
     assert len(of_type(before, ev.PreemptionDecidedEvent)) == 1
     assert len(of_type(before, ev.ReplicaDrainEvent)) == stored_before_restart
 
-    second = start(nats_server.url, point, marker, log)
-    try:
-        await until(lambda: acked_through(js, n), 20)
-    finally:
-        second.send_signal(signal.SIGTERM)
-        try:
-            await exited(second, 10)
-        finally:
-            if second.poll() is None:
-                second.kill()
-    assert second.returncode == 0, log.read_text()
+    rc = await _restarted(js, n, start(nats_server.url, point, marker, log))
+    assert rc == 0, log.read_text()
     # The restarted process found the decision rather than deciding again.
     assert f"trigger {trigger.id} came back" in log.read_text()
 
@@ -166,17 +157,10 @@ async def test_a_crash_between_a_gangs_drains_sends_the_rest_after_the_restart(
     before = of_type(await stored(js), ev.ReplicaDrainEvent)
     assert [(x.event.data.replica, x.subject.split(".")[2]) for x in before] == [("g1", "a1")]  # type: ignore[union-attr]
 
-    second = start(nats_server.url, point, marker, log, "--policy", "node-aware")
-    try:
-        await until(lambda: acked_through(js, n), 20)
-    finally:
-        second.send_signal(signal.SIGTERM)
-        try:
-            await exited(second, 10)
-        finally:
-            if second.poll() is None:
-                second.kill()
-    assert second.returncode == 0, log.read_text()
+    rc = await _restarted(
+        js, n, start(nats_server.url, point, marker, log, "--policy", "node-aware")
+    )
+    assert rc == 0, log.read_text()
     assert f"trigger {trigger.id} came back" in log.read_text()
 
     after = await stored(js)
@@ -217,3 +201,18 @@ def test_fault_is_armed_only_by_the_environment_and_crashes_once(
     armed.hit(fault.CRASH_BEFORE_ACK)
     armed.hit(fault.CRASH_AFTER_DECIDED)  # not armed
     assert marker.read_text() == ""
+
+
+async def _restarted(js: JetStreamContext, n: int, second: subprocess.Popen[bytes]) -> int | None:
+    """The restarted service acks the log through `n`, then stops on SIGTERM: its exit
+    status."""
+    try:
+        await until(lambda: acked_through(js, n), 20)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        try:
+            await exited(second, 10)
+        finally:
+            if second.poll() is None:
+                second.kill()
+    return second.returncode
