@@ -105,8 +105,8 @@ async def test_crash_between_publish_and_ack_stops_each_victim_once(
     assert len(of_type(before, ev.PreemptionDecidedEvent)) == 1
     assert len(of_type(before, ev.ReplicaDrainEvent)) == stored_before_restart
 
-    rc = await _restarted(js, n, start(nats_server.url, point, marker, log))
-    assert rc == 0, log.read_text()
+    back = await _restarted(js, n, start(nats_server.url, point, marker, log))
+    assert back == 0, log.read_text()
     # The restarted process found the decision rather than deciding again.
     assert f"trigger {trigger.id} came back" in log.read_text()
 
@@ -157,10 +157,10 @@ async def test_a_crash_between_a_gangs_drains_sends_the_rest_after_the_restart(
     before = of_type(await stored(js), ev.ReplicaDrainEvent)
     assert [(x.event.data.replica, x.subject.split(".")[2]) for x in before] == [("g1", "a1")]  # type: ignore[union-attr]
 
-    rc = await _restarted(
+    back = await _restarted(
         js, n, start(nats_server.url, point, marker, log, "--policy", "node-aware")
     )
-    assert rc == 0, log.read_text()
+    assert back == 0, log.read_text()
     assert f"trigger {trigger.id} came back" in log.read_text()
 
     after = await stored(js)
