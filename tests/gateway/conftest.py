@@ -102,18 +102,23 @@ class Plane:
         return await self.post("/v1/chat/completions", body)
 
 
-@pytest.fixture
-async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
-    gw = Gateway(
+def gateway_for(js: JetStreamContext, **extra: Any) -> Gateway:
+    """A gateway with the tests' settings (short timeouts and intervals, a 64 KiB body)."""
+    return Gateway(
         js,
-        nc=nc,
         listen="127.0.0.1:0",
         connect_timeout_s=2,
         upstream_timeout_s=1,
         max_body=65536,
         used_interval_s=0.3,
         min_wait_s=0.3,
+        **extra,
     )
+
+
+@pytest.fixture
+async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
+    gw = gateway_for(js, nc=nc)
     sock = gw.bind()
     stop = asyncio.Event()
     ready = asyncio.Event()

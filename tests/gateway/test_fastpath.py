@@ -23,7 +23,7 @@ from services.agent.responder import Responder
 from services.gateway.metrics import KeptLabelled, Labelled, Metrics
 from services.gateway.server import NO_SPAN, Gateway
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
-from tests.gateway.conftest import Plane
+from tests.gateway.conftest import Plane, gateway_for
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
@@ -62,16 +62,7 @@ def test_kept_children_render_as_labels_each_time() -> None:
 
 
 def _gateway(js: JetStreamContext, fast: bool) -> Gateway:
-    return Gateway(
-        js,
-        listen="127.0.0.1:0",
-        connect_timeout_s=2,
-        upstream_timeout_s=1,
-        max_body=65536,
-        used_interval_s=0.3,
-        min_wait_s=0.3,
-        fast_path=fast,
-    )
+    return gateway_for(js, fast_path=fast)
 
 
 @pytest.fixture

@@ -92,12 +92,7 @@ async def test_crash_between_publish_and_ack_stops_each_victim_once(
     n = await publish(js, s)
     marker, log = tmp_path / "crashed", tmp_path / "preemption.log"
 
-    first = start(nats_server.url, point, marker, log)
-    try:
-        rc = await exited(first, 20)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    rc = await _crashed(start(nats_server.url, point, marker, log))
     assert rc == fault.EXIT_STATUS, log.read_text()
     assert marker.exists()
     assert not await acked_through(js, n)
@@ -147,12 +142,7 @@ async def test_a_crash_between_a_gangs_drains_sends_the_rest_after_the_restart(
     marker, log = tmp_path / "crashed", tmp_path / "preemption.log"
     point = fault.CRASH_AFTER_FIRST_DRAIN
 
-    first = start(nats_server.url, point, marker, log, "--policy", "node-aware")
-    try:
-        rc = await exited(first, 20)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    rc = await _crashed(start(nats_server.url, point, marker, log, "--policy", "node-aware"))
     assert rc == fault.EXIT_STATUS, log.read_text()
     before = of_type(await stored(js), ev.ReplicaDrainEvent)
     assert [(x.event.data.replica, x.subject.split(".")[2]) for x in before] == [("g1", "a1")]  # type: ignore[union-attr]
@@ -216,3 +206,13 @@ async def _restarted(js: JetStreamContext, n: int, second: subprocess.Popen[byte
             if second.poll() is None:
                 second.kill()
     return second.returncode
+
+
+async def _crashed(first: subprocess.Popen[bytes]) -> int | None:
+    """The service started at a crash point, once it exits (killed if it does not within
+    20 s): its exit status."""
+    try:
+        return await exited(first, 20)
+    finally:
+        if first.poll() is None:
+            first.kill()

@@ -39,8 +39,9 @@ from typing import Any
 from services.core import catalog, quota
 from services.core.policy import rules
 from services.core.policy.config import WHY
-from services.core.policy.decision import Candidate, Exclusion, counts
+from services.core.policy.decision import Candidate, Exclusion
 from services.core.policy.engine import PLAIN, Candidates, Found, Listing
+from services.core.policy.node_aware import could_free
 from services.core.view import ReplicaRecord, View, size_of
 
 # CHECK_ENV names the switch that runs the plain walk beside the index on every call and
@@ -86,9 +87,6 @@ class _Rep:
         )
         self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
         self.key_ids = (r.id, self)
-
-    def __lt__(self, other: _Rep) -> bool:  # only reached between equal keys: never
-        return self.r.id < other.r.id
 
 
 class _Group:
@@ -146,7 +144,9 @@ class _Model:
         self.version = view.version(name)
         self.other = other
         self.owner = other.owner if other is not None else "default"
-        self.holding = tuple([r for r in view.current_of(name) if r.holds_capacity])
+        # The current replicas are those holding capacity (`View.current_of`).
+        self.holding = tuple(view.current_of(name))
+        sizes = {r.id: size_of(view, r) for r in self.holding}
         self.by_state: list[tuple[str, Exclusion]] = []
         self.unknown: list[tuple[str, ReplicaRecord]] = []
         self.reps: list[_Rep] = []
@@ -162,13 +162,13 @@ class _Model:
             self.unknown = [(r.id, r) for r in live]
         else:
             for r, above in rules.above_minimum(live, other.min):
-                self.reps.append(_Rep(r, above, size_of(view, r)))
+                self.reps.append(_Rep(r, above, sizes[r.id]))
         self.holdings = tuple(
             [
                 quota.Holding(
-                    replica=r.id, owner=self.owner, amount=size_of(view, r), created_at=r.created_at
+                    replica=r.id, owner=self.owner, amount=sizes[r.id], created_at=r.created_at
                 )
-                for r in view.current_of(name)
+                for r in self.holding
             ]
         )
 
@@ -637,7 +637,7 @@ class _Found:
         return tuple(x for _rid, x in itertools.islice(self._exclusions(), n))
 
     def _exclusions(self) -> Iterator[tuple[str, Exclusion]]:
-        a, mine_ids, index = self._a, self._mine_ids, self._index
+        mine_ids, index = self._mine_ids, self._index
         name = WHY["same_model"]
         own = sorted(
             (r.id, Exclusion(replica=r.id, model=r.model, why="same_model", detail=name))
@@ -661,7 +661,6 @@ class _Found:
                 )
                 if set_apart:
                     sources.append(self._set_apart(w, set_apart))
-        del a
         return heapq.merge(*sources, key=_first)
 
     def _excluded_group(self, w: _Weighed) -> Iterator[tuple[str, Exclusion]]:
@@ -765,8 +764,6 @@ class _CheckedFound:
     def by_node(
         self, view: View, least: int, max_victims: int
     ) -> list[tuple[str, list[Candidate]]]:
-        from services.core.policy.node_aware import could_free
-
         def kept(per: list[tuple[str, list[Candidate]]]) -> list[tuple[str, list[Candidate]]]:
             out = []
             for name, cs in per:
@@ -827,4 +824,4 @@ def engine(enabled: bool = True, check: bool = False) -> Candidates:
     return Checked(got) if check else got
 
 
-__all__ = ["CHECK_ENV", "INDEX_ENV", "Checked", "Index", "PolicyMismatch", "counts", "engine"]
+__all__ = ["CHECK_ENV", "INDEX_ENV", "Checked", "Index", "PolicyMismatch", "engine"]
