@@ -42,6 +42,11 @@ RECENT_REJECTIONS = 100
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
 
 
+# JOURNAL_KEPT is how many of the latest changes `View.changed_since` reaches back to at
+# least (it keeps up to twice as many): a reader further behind starts again.
+JOURNAL_KEPT = 1 << 16
+
+
 def after(t: datetime, seconds: float) -> datetime:
     """`seconds` after `t`; the latest time there is when that reaches past it."""
     try:
@@ -347,18 +352,17 @@ class View:
         "_failed",
         "_failed_at",
         "_failing",
+        "_journal",
+        "_journal_from",
         "_live",
         "_live_ids",
         "_loads",
         "_of_model",
         "_ordinal",
         "_pending",
-        "_recent",
-        "_states",
         "_timed_out",
         "_timed_out_at",
         "_unordered",
-        "_versions",
         "catalog",
         "changes",
         "inventory",
@@ -394,14 +398,14 @@ class View:
         self._timed_out: list[tuple[datetime, int, str]] = []
         self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
-        self._versions: dict[str, int] = {}
-        self._states: dict[str, int] = {}
         self.changes = 0
-        """How many times `changed` was called: while it stays, no model's `version` or
-        `state_version` moved, and no model name came into or left `current_models`."""
-        # _recent: per model name, the `changes` count of its last change, the most
-        # recently changed last (`changed_since`).
-        self._recent: dict[str, int] = {}
+        """How many times `changed` was called: while it stays, no replica record
+        changed, and no model name came into or left `current_models`."""
+        # _journal: the replica each change was to, the latest last (`changed_since`):
+        # its entry i is change number _journal_from + i + 1. Only the latest
+        # JOURNAL_KEPT are sure to be kept.
+        self._journal: list[str] = []
+        self._journal_from = 0
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 a = allocation_of(r)
@@ -433,7 +437,7 @@ class View:
         """
         rid = r.id
         name = r.model
-        self.changed(name)
+        self.changed(rid)
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
@@ -484,43 +488,26 @@ class View:
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
 
-    def changed(self, model: str, use: bool = False) -> None:
-        """A replica of `model` (the name it gives) changed: its `version` moves on, and
-        its `state_version` unless the change was only a later use (`use`). The fold
-        calls it through `note`, and for a replica's use, which `note` does not index."""
-        v = self._versions
-        v[model] = v.get(model, 0) + 1
+    def changed(self, replica: str) -> None:
+        """A replica record changed (created, a later use, anything else): journaled for
+        `changed_since`. The fold calls it through `note`, and for a replica's use,
+        which `note` does not index."""
         self.changes += 1
-        recent = self._recent
-        recent.pop(model, None)
-        recent[model] = self.changes
-        if not use:
-            s = self._states
-            s[model] = s.get(model, 0) + 1
+        journal = self._journal
+        journal.append(replica)
+        if len(journal) > 2 * JOURNAL_KEPT:
+            del journal[:-JOURNAL_KEPT]
+            self._journal_from = self.changes - JOURNAL_KEPT
 
-    def changed_since(self, changes: int) -> list[str]:
-        """The model names (as replicas give them) whose `version` moved since `changes`
-        was this view's `changes`, the most recently changed first: what a reader that
-        keeps something per model reads to catch up without looking at every model."""
-        out = []
-        for name, at in reversed(self._recent.items()):
-            if at <= changes:
-                break
-            out.append(name)
-        return out
-
-    def version(self, model: str) -> int:
-        """A number that changes whenever a replica giving the model name `model`
-        changes in any way (`changed`): what a reader that keeps something worked out
-        from those replicas compares to know it still holds."""
-        return self._versions.get(model, 0)
-
-    def state_version(self, model: str) -> int:
-        """`version`, except that a replica's use does not move it: for what was worked
-        out without reading when any of those replicas was last used. On-demand replicas
-        report use every few seconds while they serve, and most of what is kept about
-        them (that they may not be stopped for a given model, say) never reads it."""
-        return self._states.get(model, 0)
+    def changed_since(self, changes: int) -> list[str] | None:
+        """The replicas (by id) changed since `changes` was this view's `changes`, in the
+        order of their changes, one as often as it changed: what a reader that keeps
+        something per replica reads to catch up without looking at every replica. None
+        when the journal no longer reaches back that far: such a reader starts again."""
+        at = changes - self._journal_from
+        if at < 0:
+            return None
+        return self._journal[at:]
 
     def current(self) -> Iterable[ReplicaRecord]:
         """The replicas that hold capacity, in the order they were created (the order of

@@ -21,10 +21,18 @@ groups' sizes, less the few replicas a call sets apart (the model's own, the you
 multi-node). What a call costs then grows with the groups and what it lists, not with the
 replicas.
 
-Kept current by `follow`: the models whose replicas changed since the last call
-(`View.changed_since`), or every model when a declaration changed; the quota figures
-(per owner what its replicas hold, who is borrowed) are worked out again only for the
-owners whose holdings changed.
+Kept current by `follow`, replica by replica: the view journals the replicas each change
+touched (`View.changed_since`), and only those are looked at again. A replica whose only
+change is a later use moves within its group's order (to its end when it is now the
+most recently used); one that starts or stops holding capacity, or changes otherwise,
+leaves its entries and comes back. What depends on the other replicas is kept
+alongside and moved by the change alone: which of a model's live replicas are above its
+minimum (`_Model.live`, oldest first: adding or removing one moves at most one other
+across the minimum), what each owner holds (counts of each amount, summed when asked),
+and who is borrowed, per guaranteed quota level (`_Level`: its members oldest first,
+the running sums through those within the guarantee; a change moves the boundary, and
+only the members it passes change). A declaration or a new quota tree builds everything
+again, as does a journal that no longer reaches back to the last follow.
 """
 
 from __future__ import annotations
@@ -72,8 +80,8 @@ class _Rep:
 
     def __init__(self, r: ReplicaRecord, above: bool, size: quota.Amount) -> None:
         # The record is the fold's, changed in place by later events: what the groups
-        # are ordered by is read once, here, and an entry is made again when its
-        # model's `version` moves (`Index.follow`).
+        # are ordered by is read here, and again when the view journals a change of it
+        # (`Index.follow`).
         self.r, self.above, self.size = r, above, size
         self.node = rules.where(r)
         self.first_node = r.nodes[0] if r.nodes else None
@@ -122,6 +130,22 @@ class _Group:
         self.multi.pop(x.r.id, None)
         x.group = None
 
+    def used_again(self, x: _Rep) -> None:
+        """`x`'s last use moved (later: the fold keeps only a later one): its place in
+        the order moves, at the end when it is now the most recently used."""
+        r = x.r
+        lu = r.last_used_at
+        assert lu is not None  # invariant: a use is never taken back
+        _drop(self.used if x.used else self.never, x.key_order)
+        x.used = True
+        size = x.size
+        x.key_order = key = (lu, size.gpus, size.memory_gb, r.id, x)
+        used = self.used
+        if not used or used[-1][0] < lu:  # type: ignore[operator]
+            used.append(key)
+        else:
+            insort(used, key)
+
 
 def _summed(on: Mapping[str, _Rep]) -> tuple[int, ...]:
     sizes = sorted((rep.size.gpus for rep in on.values()), reverse=True)
@@ -134,43 +158,113 @@ def _drop(items: list[Any], key: Any) -> None:
     del items[i]
 
 
+def _signature(r: ReplicaRecord) -> tuple[object, ...]:
+    """What the index reads of a replica besides its last use (and its id, model and
+    creation, which never change): when it stays, a journaled change was a use."""
+    return (
+        r.state,
+        r.shards,
+        r.profile,
+        r.ready_at,
+        r.retiring_at,
+        r.preempted_for,
+        r.drain_reason,
+    )
+
+
+class _Held:
+    """One replica holding capacity, as its model's entry keeps it: what it holds, and
+    its entry in one of the lists (excluded by its state, of a model not in the catalog,
+    or live in a group)."""
+
+    __slots__ = ("age", "excluded", "r", "rep", "sig", "size", "unknown")
+
+    def __init__(self, r: ReplicaRecord, size: quota.Amount) -> None:
+        self.r, self.size, self.sig = r, size, _signature(r)
+        # age: the order quota counts holdings in (`QuotaTree.borrowed`), with the amount.
+        self.age = (r.created_at, r.id, size)
+        self.excluded: tuple[str, Exclusion] | None = None
+        self.unknown: tuple[str, ReplicaRecord] | None = None
+        self.rep: _Rep | None = None
+
+
 class _Model:
-    """One model name's replicas holding capacity, as kept: those excluded by their own
-    state, the live ones of a declared model (in groups), what each holds for quota."""
+    """One model name's replicas holding capacity (`View.current_of`), as kept: each
+    one's entry, and its live ones oldest first (by creation, then id), the minimum's
+    first (`rules.above_minimum`: the newest are the ones above it)."""
 
-    __slots__ = ("by_state", "holding", "holdings", "other", "owner", "reps", "unknown", "version")
+    __slots__ = ("held", "live", "min", "name", "other", "owner", "reps")
 
-    def __init__(self, view: View, name: str, other: catalog.Model | None) -> None:
-        self.version = view.version(name)
-        self.other = other
+    def __init__(self, name: str, other: catalog.Model | None) -> None:
+        self.name, self.other = name, other
         self.owner = other.owner if other is not None else "default"
-        # The current replicas are those holding capacity (`View.current_of`).
-        self.holding = tuple(view.current_of(name))
-        sizes = {r.id: size_of(view, r) for r in self.holding}
-        self.by_state: list[tuple[str, Exclusion]] = []
-        self.unknown: list[tuple[str, ReplicaRecord]] = []
-        self.reps: list[_Rep] = []
-        live: list[ReplicaRecord] = []
-        for r in self.holding:
-            code = rules.excluded_by_state(r, ())
-            if code is None:
-                live.append(r)
-            else:
-                x = Exclusion(replica=r.id, model=name, why=code[0], detail=code[1])
-                self.by_state.append((r.id, x))
-        if other is None:
-            self.unknown = [(r.id, r) for r in live]
-        else:
-            for r, above in rules.above_minimum(live, other.min):
-                self.reps.append(_Rep(r, above, sizes[r.id]))
-        self.holdings = tuple(
-            [
-                quota.Holding(
-                    replica=r.id, owner=self.owner, amount=sizes[r.id], created_at=r.created_at
-                )
-                for r in self.holding
-            ]
-        )
+        self.min = other.min if other is not None else 0
+        self.held: dict[str, _Held] = {}
+        self.reps: dict[str, _Rep] = {}
+        self.live: list[tuple[datetime, str]] = []
+
+
+class _Level:
+    """One guaranteed quota level: its members' holdings oldest first (the order
+    `QuotaTree.borrowed` counts them in), and the running sums through each of those
+    within the guarantee (`within`). Amounts are never negative, so once past, every
+    later member is past too: those within are a prefix, the rest are borrowed here."""
+
+    __slots__ = ("guarantee", "members", "within")
+
+    def __init__(self, guarantee: quota.Amount) -> None:
+        self.guarantee = guarantee
+        self.members: list[tuple[datetime, str, quota.Amount]] = []
+        self.within: list[tuple[int, float, float]] = []
+
+    def _count_from(self, p: int) -> None:
+        """The running sums from member `p` on, added in the same order as
+        `QuotaTree.borrowed` adds them, so they are the same to the last bit."""
+        within, members, g = self.within, self.members, self.guarantee
+        del within[p:]
+        gpus, cpu, mem = within[p - 1] if p else (0, 0.0, 0.0)
+        for i in range(p, len(members)):
+            a = members[i][2]
+            gpus += a.gpus
+            cpu += a.cpu_cores
+            mem += a.memory_gb
+            if not (
+                gpus <= g.gpus
+                and cpu <= g.cpu_cores + quota.EPSILON
+                and mem <= g.memory_gb + quota.EPSILON
+            ):
+                return
+            within.append((gpus, cpu, mem))
+
+    def add(self, age: tuple[datetime, str, quota.Amount]) -> tuple[bool, list[str]]:
+        """Count a new member: whether it is past here, and the members it pushed past."""
+        members = self.members
+        p = bisect_left(members, age)
+        members.insert(p, age)
+        k = len(self.within)
+        if p > k:
+            # After the first one past: the sums before it do not move.
+            return True, []
+        self._count_from(p)
+        # Before, those past were from k on; they are from k + 1 on now, and the
+        # boundary can only come nearer.
+        k2 = len(self.within)
+        return p >= k2, [members[i][1] for i in range(k2, k + 1) if i != p]
+
+    def remove(self, age: tuple[datetime, str, quota.Amount]) -> list[str]:
+        """Stop counting a member: the members no longer past here."""
+        members = self.members
+        p = bisect_left(members, age)
+        assert members[p] is age  # invariant: a member's key is kept as it was added
+        del members[p]
+        k = len(self.within)
+        if p > k:
+            return []
+        self._count_from(p)
+        # Before, those past were from k on (from k - 1 on now, when the one gone was
+        # within); the boundary can only go further.
+        start = k - 1 if p < k else k
+        return [members[i][1] for i in range(start, len(self.within))]
 
 
 class Index:
@@ -178,18 +272,19 @@ class Index:
     the view folds. Follows one view: asked about another, it starts again."""
 
     __slots__ = (
+        "_amounts",
         "_borrowed",
         "_by_state",
         "_catalog_version",
         "_changes",
-        "_dirty_b",
-        "_dirty_owners",
+        "_frozen",
         "_groups",
+        "_held",
+        "_levels",
         "_models",
         "_nodes",
-        "_owner_models",
-        "_owner_sums",
-        "_reps",
+        "_past",
+        "_sums_of",
         "_tops",
         "_tree",
         "_unknown",
@@ -198,13 +293,14 @@ class Index:
 
     def __init__(self) -> None:
         self._view: View | None = None
+        self._tree: quota.QuotaTree | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._tree: quota.QuotaTree | None = None
         self._catalog_version = -1
         self._changes = -1
         self._models: dict[str, _Model] = {}
+        self._held: dict[str, tuple[_Model, _Held]] = {}
         self._groups: dict[tuple[str, str, bool, bool, bool], _Group] = {}
         self._by_state: list[tuple[str, Exclusion]] = []
         self._unknown: list[tuple[str, ReplicaRecord]] = []
@@ -212,95 +308,180 @@ class Index:
         # _tops: per node, the GPUs of its replicas' largest first, summed (entry i: the
         # i largest): what at most i of them could free there.
         self._tops: dict[str, tuple[int, ...]] = {}
-        self._reps: dict[str, tuple[catalog.Model, _Rep]] = {}
-        self._owner_models: dict[str, set[str]] = {}
-        self._owner_sums: dict[str, quota.Amount] = {}
-        self._dirty_owners: set[str] = set()
-        self._borrowed: frozenset[str] = frozenset()
-        self._dirty_b = True
+        # _amounts: per owner, how many of its replicas hold each amount; _sums_of: what
+        # they sum to, None while a change has not been summed.
+        self._amounts: dict[str, dict[quota.Amount, int]] = {}
+        self._sums_of: dict[str, quota.Amount] | None = {}
+        # _levels: per guaranteed quota level (by name), its members; _past: per replica,
+        # at how many of its levels it is past the guarantee; _borrowed: those past one.
+        self._levels: dict[str, _Level] = {}
+        self._past: dict[str, int] = {}
+        self._borrowed: set[str] = set()
+        self._frozen: frozenset[str] | None = frozenset()
 
     # Keeping current.
 
     def follow(self, view: View) -> None:
-        """Bring the groups up to date with `view`: the models whose replicas changed,
-        every model when a declaration or the quota tree changed, a new view from the
-        start."""
+        """Bring the groups up to date with `view`: the replicas it journaled since the
+        last call, everything when a declaration or the quota tree changed, a new view
+        from the start."""
         if view is not self._view or view.quota is not self._tree:
             self._view = view
-            self._reset()
             self._tree = view.quota
+            self._catalog_version = -1
         if view.catalog.version != self._catalog_version:
-            names = set(self._models) | set(view.current_models())
-            self._catalog_version = view.catalog.version
-        elif view.changes != self._changes:
-            names = set(view.changed_since(self._changes))
-        else:
+            self._rebuild(view)
+            return
+        if view.changes == self._changes:
+            return
+        changed = view.changed_since(self._changes)
+        if changed is None:
+            self._rebuild(view)
             return
         self._changes = view.changes
-        current = view.current_models()
-        resolve = view.catalog.resolve
-        for name in names:
-            old = self._models.get(name)
-            if name not in current:
-                if old is not None:
-                    self._remove(name, old)
-                    self._dirty_owners.add(old.owner)
-                    self._dirty_b = True
-                continue
-            other = resolve(name)
-            if old is not None and old.version == view.version(name) and old.other is other:
-                continue
-            new = _Model(view, name, other)
-            if old is not None:
-                self._remove(name, old)
-            self._add(view, name, new)
-            if old is None or old.holdings != new.holdings or old.owner != new.owner:
-                self._dirty_owners.add(new.owner)
-                if old is not None:
-                    self._dirty_owners.add(old.owner)
-                self._dirty_b = True
-        if self._dirty_b and view.quota.any_guarantee():
-            self._regroup_borrowed(view)
+        replicas = view.state.replicas
+        for rid in dict.fromkeys(changed) if len(changed) > 1 else changed:
+            self._update(view, replicas[rid])
 
-    def _remove(self, name: str, e: _Model) -> None:
-        del self._models[name]
-        self._owner_models.get(e.owner, set()).discard(name)
-        for x in e.by_state:
-            _drop(self._by_state, x)
-        for u in e.unknown:
-            _drop(self._unknown, u)
-        for rep in e.reps:
+    def _rebuild(self, view: View) -> None:
+        self._reset()
+        self._catalog_version = view.catalog.version
+        self._changes = view.changes
+        for r in view.current():
+            self._hold(view, r)
+
+    def _update(self, view: View, r: ReplicaRecord) -> None:
+        """Bring one journaled replica's entries up to date."""
+        got = self._held.get(r.id)
+        if got is not None:
+            e, h = got
+            if r.holds_capacity and h.sig == _signature(r):
+                rep = h.rep
+                lu = r.last_used_at
+                if rep is not None and lu is not None and (not rep.used or rep.key_order[0] != lu):
+                    assert rep.group is not None
+                    rep.group.used_again(rep)
+                return
+            self._let_go(e, h)
+        if r.holds_capacity:
+            self._hold(view, r)
+
+    def _hold(self, view: View, r: ReplicaRecord) -> None:
+        """Enter a replica that holds capacity: what it holds, then its entry."""
+        name = r.model
+        e = self._models.get(name)
+        if e is None:
+            e = self._models[name] = _Model(name, view.catalog.resolve(name))
+        h = _Held(r, size_of(view, r))
+        rid = r.id
+        e.held[rid] = h
+        self._held[rid] = (e, h)
+        self._count(e.owner, h.size, 1)
+        tree = self._tree
+        assert tree is not None
+        for q in tree.guaranteed_levels(e.owner):
+            level = self._levels.get(q.name)
+            if level is None:
+                level = self._levels[q.name] = _Level(q.guarantee)
+            past, pushed = level.add(h.age)
+            if past:
+                self._pass(rid, 1)
+            for other in pushed:
+                self._pass(other, 1)
+        code = rules.excluded_by_state(r, ())
+        if code is not None:
+            h.excluded = (rid, Exclusion(replica=rid, model=name, why=code[0], detail=code[1]))
+            insort(self._by_state, h.excluded)
+            return
+        if e.other is None:
+            h.unknown = (rid, r)
+            insort(self._unknown, h.unknown)
+            return
+        # Above the minimum: its place among the live, oldest first, from the minimum's
+        # count on. One entering among the minimum's pushes the last of them above it.
+        live, least = e.live, e.min
+        age = (r.created_at, rid)
+        p = bisect_left(live, age)
+        live.insert(p, age)
+        if p < least < len(live):
+            self._regroup(e, e.reps[live[least][1]], True)
+        rep = h.rep = e.reps[rid] = _Rep(r, p >= least, h.size)
+        self._group_of(e.other, rep).add(rep)
+        self._place(rep)
+
+    def _let_go(self, e: _Model, h: _Held) -> None:
+        """Take out a replica's entries: it stopped holding capacity, or changed in what
+        it is entered by (`_hold` enters it again)."""
+        r = h.r
+        rid = r.id
+        del e.held[rid], self._held[rid]
+        rep = h.rep
+        if h.excluded is not None:
+            _drop(self._by_state, h.excluded)
+        elif h.unknown is not None:
+            _drop(self._unknown, h.unknown)
+        elif rep is not None:
             assert rep.group is not None
             rep.group.remove(rep)
             self._unplace(rep)
-            del self._reps[rep.r.id]
-
-    def _add(self, view: View, name: str, e: _Model) -> None:
-        self._models[name] = e
-        self._owner_models.setdefault(e.owner, set()).add(name)
-        for x in e.by_state:
-            insort(self._by_state, x)
-        for u in e.unknown:
-            insort(self._unknown, u)
-        if e.reps:
-            assert e.other is not None
-            # Grouped by who was borrowed before this change: `_regroup_borrowed` moves
-            # those whose being borrowed the change moved.
-            borrowed = self._borrowed if self._covered(e.owner) else None
-            for rep in e.reps:
-                self._group_of(e.other, rep, borrowed).add(rep)
-                self._place(rep)
-                self._reps[rep.r.id] = (e.other, rep)
-
-    def _covered(self, owner: str) -> bool:
+            del e.reps[rid]
+            live, least = e.live, e.min
+            p = bisect_left(live, (r.created_at, rid))
+            del live[p]
+            # One leaving the minimum's pulls the oldest above it into the minimum.
+            if p < least <= len(live):
+                self._regroup(e, e.reps[live[least - 1][1]], False)
+        self._count(e.owner, h.size, -1)
         tree = self._tree
         assert tree is not None
-        return tree.any_guarantee() and tree.has_guarantee(owner)
+        levels = tree.guaranteed_levels(e.owner)
+        if levels:
+            if rid in self._past:
+                self._pass(rid, -self._past[rid])
+            for q in levels:
+                for other in self._levels[q.name].remove(h.age):
+                    self._pass(other, -1)
 
-    def _group_of(self, other: catalog.Model, rep: _Rep, borrowed: frozenset[str] | None) -> _Group:
+    def _pass(self, rid: str, n: int) -> None:
+        """Count `rid` past (n > 0) or back within (n < 0) the guarantee at n levels; a
+        live replica whose being borrowed moved goes to the group of its new flag."""
+        past = self._past
+        was = past.get(rid, 0)
+        now = was + n
+        if now:
+            past[rid] = now
+        else:
+            del past[rid]
+        if (was > 0) == (now > 0):
+            return
+        if now:
+            self._borrowed.add(rid)
+        else:
+            self._borrowed.discard(rid)
+        self._frozen = None
+        got = self._held.get(rid)
+        if got is not None and got[1].rep is not None:
+            e, h = got
+            assert h.rep is not None
+            self._regroup(e, h.rep, h.rep.above)
+
+    def _regroup(self, e: _Model, rep: _Rep, above: bool) -> None:
+        assert rep.group is not None and e.other is not None
+        rep.group.remove(rep)
+        rep.above = above
+        self._group_of(e.other, rep).add(rep)
+
+    def _group_of(self, other: catalog.Model, rep: _Rep) -> _Group:
         tree = self._tree
         assert tree is not None
-        flag = (rep.r.id in borrowed) if borrowed is not None else tree.any_guarantee()
+        # Borrowed only matters across owners with a guarantee in play; an owner under
+        # none is borrowed whatever it holds (`rules.is_borrowed`).
+        if not tree.any_guarantee():
+            flag = False
+        elif tree.has_guarantee(other.owner):
+            flag = rep.r.id in self._borrowed
+        else:
+            flag = True
         key = (rules.effective_class(other), other.owner, other.on_demand, rep.above, flag)
         g = self._groups.get(key)
         if g is None:
@@ -327,58 +508,45 @@ class Index:
 
     # Quota.
 
+    def _count(self, owner: str, a: quota.Amount, n: int) -> None:
+        counts = self._amounts.get(owner)
+        if counts is None:
+            counts = self._amounts[owner] = {}
+        left = counts.get(a, 0) + n
+        if left:
+            counts[a] = left
+        else:
+            del counts[a]
+            if not counts:
+                del self._amounts[owner]
+        self._sums_of = None
+
     def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
         self.follow(view)
-        sums = self._sums()
         held = [
-            quota.Holding(replica="", owner=o, amount=a, created_at=_EPOCH) for o, a in sums.items()
+            quota.Holding(replica="", owner=o, amount=a, created_at=_EPOCH)
+            for o, a in self._sums().items()
         ]
         return view.quota.usage_of(owner, held)
 
     def _sums(self) -> dict[str, quota.Amount]:
-        for owner in self._dirty_owners:
-            g, cpu, mem = 0, 0.0, 0.0
-            for name in self._owner_models.get(owner, ()):
-                for h in self._models[name].holdings:
-                    a = h.amount
-                    g += a.gpus
-                    cpu += a.cpu_cores
-                    mem += a.memory_gb
-            if self._owner_models.get(owner):
-                self._owner_sums[owner] = quota.Amount(gpus=g, cpu_cores=cpu, memory_gb=mem)
-            else:
-                self._owner_sums.pop(owner, None)
-        self._dirty_owners.clear()
-        return self._owner_sums
+        sums = self._sums_of
+        if sums is None:
+            sums = self._sums_of = {}
+            for owner, counts in self._amounts.items():
+                g, cpu, mem = 0, 0.0, 0.0
+                for a, n in counts.items():
+                    g += a.gpus * n
+                    cpu += a.cpu_cores * n
+                    mem += a.memory_gb * n
+                sums[owner] = quota.Amount(gpus=g, cpu_cores=cpu, memory_gb=mem)
+        return sums
 
     def borrowed(self, view: View) -> frozenset[str]:
         self.follow(view)
-        return self._borrowed
-
-    def _regroup_borrowed(self, view: View) -> None:
-        """Who is borrowed, worked out again from the owners' holdings; a replica whose
-        being borrowed changed moves to the group of its new flag."""
-        tree = view.quota
-        self._dirty_b = False
-        held = [
-            h
-            for owner, names in self._owner_models.items()
-            if tree.has_guarantee(owner)
-            for name in names
-            for h in self._models[name].holdings
-        ]
-        new = rules.borrowed_of(tree, held)
-        old, self._borrowed = self._borrowed, new
-        for rid in old ^ new:
-            got = self._reps.get(rid)
-            if got is None:
-                continue
-            other, rep = got
-            if not self._covered(other.owner):
-                continue
-            assert rep.group is not None
-            rep.group.remove(rep)
-            self._group_of(other, rep, new).add(rep)
+        if self._frozen is None:
+            self._frozen = frozenset(self._borrowed)
+        return self._frozen
 
     # Finding.
 
@@ -458,7 +626,7 @@ class _Found:
         self._gangs = a.cfg.policy != "reference"
         models = index._models
         mine_names = [n for n in view.catalog.names_of(a.m) if n in models]
-        self._mine = [r for n in mine_names for r in models[n].holding]
+        self._mine = [h.r for n in mine_names for h in models[n].held.values()]
         self._mine_ids = {r.id for r in self._mine}
         weighed = {id(g): _Weighed(g, a) for g in index._groups.values() if g.ids}
         self._weighed = weighed
@@ -478,7 +646,7 @@ class _Found:
         # Set apart in each group: its own model's, then the young, then (the
         # reference's) the multi-node.
         for n in mine_names:
-            for rep in models[n].reps:
+            for rep in models[n].reps.values():
                 assert rep.group is not None
                 weighed[id(rep.group)].skip[rep.r.id] = ("same_model", rep)
         lifetime = a.cfg.min_lifetime_s
