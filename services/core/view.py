@@ -42,9 +42,40 @@ RECENT_REJECTIONS = 100
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
 
 
-# JOURNAL_KEPT is how many of the latest changes `View.changed_since` reaches back to at
-# least (it keeps up to twice as many): a reader further behind starts again.
+# JOURNAL_KEPT is how many of the latest entries a `Journal` reaches back to at least (it
+# keeps up to twice as many): a reader further behind starts again.
 JOURNAL_KEPT = 1 << 16
+
+
+class Journal:
+    """The replicas changed, by id, in the order of their changes, one as often as it
+    changed: what a reader that keeps something per replica reads to catch up without
+    looking at every replica (`since`). Only the latest JOURNAL_KEPT are sure to be kept."""
+
+    __slots__ = ("_from", "_items", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        """How many were added: while it stays, nothing was."""
+        # _items[i] is entry number _from + i + 1.
+        self._items: list[str] = []
+        self._from = 0
+
+    def add(self, replica: str) -> None:
+        self.count += 1
+        items = self._items
+        items.append(replica)
+        if len(items) > 2 * JOURNAL_KEPT:
+            del items[:-JOURNAL_KEPT]
+            self._from = self.count - JOURNAL_KEPT
+
+    def since(self, count: int) -> list[str] | None:
+        """The replicas added since `count` was `self.count`; None when the journal no
+        longer reaches back that far (such a reader starts again)."""
+        at = count - self._from
+        if at < 0:
+            return None
+        return self._items[at:]
 
 
 def after(t: datetime, seconds: float) -> datetime:
@@ -352,8 +383,6 @@ class View:
         "_failed",
         "_failed_at",
         "_failing",
-        "_journal",
-        "_journal_from",
         "_live",
         "_live_ids",
         "_loads",
@@ -364,10 +393,11 @@ class View:
         "_timed_out_at",
         "_unordered",
         "catalog",
-        "changes",
         "inventory",
+        "journal",
         "quota",
         "state",
+        "uses",
     )
 
     def __init__(self, state: ViewState | None = None) -> None:
@@ -398,14 +428,11 @@ class View:
         self._timed_out: list[tuple[datetime, int, str]] = []
         self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
-        self.changes = 0
-        """How many times `changed` was called: while it stays, no replica record
-        changed, and no model name came into or left `current_models`."""
-        # _journal: the replica each change was to, the latest last (`changed_since`):
-        # its entry i is change number _journal_from + i + 1. Only the latest
-        # JOURNAL_KEPT are sure to be kept.
-        self._journal: list[str] = []
-        self._journal_from = 0
+        # The replicas changed, for readers that keep something per replica (the
+        # policy's index): `journal` every change `note` sees, `uses` a later use alone
+        # (`note_use`), which changes nothing else of a replica.
+        self.journal = Journal()
+        self.uses = Journal()
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 a = allocation_of(r)
@@ -437,7 +464,7 @@ class View:
         """
         rid = r.id
         name = r.model
-        self.changed(rid)
+        self.journal.add(rid)
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
@@ -488,26 +515,10 @@ class View:
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
 
-    def changed(self, replica: str) -> None:
-        """A replica record changed (created, a later use, anything else): journaled for
-        `changed_since`. The fold calls it through `note`, and for a replica's use,
-        which `note` does not index."""
-        self.changes += 1
-        journal = self._journal
-        journal.append(replica)
-        if len(journal) > 2 * JOURNAL_KEPT:
-            del journal[:-JOURNAL_KEPT]
-            self._journal_from = self.changes - JOURNAL_KEPT
-
-    def changed_since(self, changes: int) -> list[str] | None:
-        """The replicas (by id) changed since `changes` was this view's `changes`, in the
-        order of their changes, one as often as it changed: what a reader that keeps
-        something per replica reads to catch up without looking at every replica. None
-        when the journal no longer reaches back that far: such a reader starts again."""
-        at = changes - self._journal_from
-        if at < 0:
-            return None
-        return self._journal[at:]
+    def note_use(self, r: ReplicaRecord) -> None:
+        """`r` was used later than it was last (its `last_used_at` moved on, and nothing
+        else of it): the fold calls it for a `replica.used`, which `note` does not index."""
+        self.uses.add(r.id)
 
     def current(self) -> Iterable[ReplicaRecord]:
         """The replicas that hold capacity, in the order they were created (the order of

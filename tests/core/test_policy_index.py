@@ -212,7 +212,7 @@ def test_the_index_follows_a_cluster_replica_by_replica(seed: int) -> None:
 
 
 def test_a_follower_behind_the_journal_starts_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A view keeps only its latest changes (`View.changed_since`); an index further
+    """A view keeps only its latest changes (`view.Journal`); an index further
     behind builds itself again, and answers the same."""
     monkeypatch.setattr(view_module, "JOURNAL_KEPT", 4)
     s, models = filled(random.Random(5), 0.5)
@@ -225,7 +225,7 @@ def test_a_follower_behind_the_journal_starts_again(monkeypatch: pytest.MonkeyPa
         plan(view, name, s.now, Config(), engine=index)
     for seq, subject, e in events[len(events) // 2 :]:
         fold.apply(view, e, seq=seq, subject=subject)
-    assert view.changed_since(0) is None
+    assert view.journal.since(0) is None
     for name in models:
         assert plan(view, name, s.now, Config(), engine=index) == plan(view, name, s.now)
 

@@ -22,17 +22,19 @@ multi-node). What a call costs then grows with the groups and what it lists, not
 replicas.
 
 Kept current by `follow`, replica by replica: the view journals the replicas each change
-touched (`View.changed_since`), and only those are looked at again. A replica whose only
-change is a later use moves within its group's order (to its end when it is now the
-most recently used); one that starts or stops holding capacity, or changes otherwise,
-leaves its entries and comes back. What depends on the other replicas is kept
-alongside and moved by the change alone: which of a model's live replicas are above its
-minimum (`_Model.live`, oldest first: adding or removing one moves at most one other
-across the minimum), what each owner holds (counts of each amount, summed when asked),
-and who is borrowed, per guaranteed quota level (`_Level`: its members oldest first,
-the running sums through those within the guarantee; a change moves the boundary, and
-only the members it passes change). A declaration or a new quota tree builds everything
-again, as does a journal that no longer reaches back to the last follow.
+touched (`View.journal`, and `View.uses` for a later use alone), and only those are looked
+at again. A replica that was only used again moves within its group's order (to its end
+when it is now the most recently used; a group many of whose replicas moved takes them
+out and merges them back in one pass); one that starts or stops holding capacity, or
+changes otherwise, leaves its entries and comes back. What depends on the other
+replicas is kept alongside and moved by the change alone: which of a model's live
+replicas are above its minimum (`_Model.live`, oldest first: adding or removing one moves
+at most one other across the minimum), what each owner holds (counts of each amount,
+summed when asked), and who is borrowed, per guaranteed quota level (`_Level`: its
+members oldest first, the running sums through those within the guarantee; a change
+moves the boundary, and only the members it passes change group). A declaration or a
+new quota tree builds everything again, as does a journal that no longer reaches back
+to the last follow.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import itertools
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
+from operator import attrgetter
 from typing import Any
 
 from services.core import catalog, quota
@@ -75,6 +78,7 @@ class _Rep:
         "node",
         "r",
         "size",
+        "tie",
         "used",
     )
 
@@ -87,35 +91,37 @@ class _Rep:
         self.first_node = r.nodes[0] if r.nodes else None
         self.used = r.last_used_at is not None
         self.group: _Group | None = None
+        # key_order: where it comes in its group's `used` (by last use, then `tie`) or
+        # `never` (by `tie`), the order key after the tier.
+        self.tie = (size.gpus, size.memory_gb, r.id)
         lu = r.last_used_at
-        self.key_order: tuple[object, ...] = (
-            (size.gpus, size.memory_gb, r.id, self)
-            if lu is None
-            else (lu, size.gpus, size.memory_gb, r.id, self)
-        )
+        self.key_order: tuple[Any, ...] = self.tie if lu is None else (lu, self.tie)
         self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
         self.key_ids = (r.id, self)
 
 
+_ORDER = attrgetter("key_order")
+
+
 class _Group:
     """The live replicas of one (class, owner, on-demand, above minimum, borrowed): in
-    order of last use (`used`, then `never` for those never reported used), by readiness
-    and by id."""
+    order of last use (`used`, then `never` for those never reported used, both by
+    `_Rep.key_order`), by readiness and by id."""
 
     __slots__ = ("borrowed", "ids", "key", "multi", "never", "ready", "used")
 
     def __init__(self, key: tuple[str, str, bool, bool, bool]) -> None:
         self.key = key
         self.borrowed = key[4]
-        self.used: list[tuple[object, ...]] = []
-        self.never: list[tuple[object, ...]] = []
+        self.used: list[_Rep] = []
+        self.never: list[_Rep] = []
         self.ready: list[tuple[object, ...]] = []
         self.ids: list[tuple[str, _Rep]] = []
         self.multi: dict[str, _Rep] = {}
 
     def add(self, x: _Rep) -> None:
         x.group = self
-        insort(self.used if x.used else self.never, x.key_order)
+        insort(self.used if x.used else self.never, x, key=_ORDER)
         if x.key_ready is not None:
             insort(self.ready, x.key_ready)
         insort(self.ids, x.key_ids)
@@ -123,7 +129,7 @@ class _Group:
             self.multi[x.r.id] = x
 
     def remove(self, x: _Rep) -> None:
-        _drop(self.used if x.used else self.never, x.key_order)
+        _unsort(self.used if x.used else self.never, x)
         if x.key_ready is not None:
             _drop(self.ready, x.key_ready)
         _drop(self.ids, x.key_ids)
@@ -133,18 +139,54 @@ class _Group:
     def used_again(self, x: _Rep) -> None:
         """`x`'s last use moved (later: the fold keeps only a later one): its place in
         the order moves, at the end when it is now the most recently used."""
-        r = x.r
-        lu = r.last_used_at
+        lu = x.r.last_used_at
         assert lu is not None  # invariant: a use is never taken back
-        _drop(self.used if x.used else self.never, x.key_order)
+        _unsort(self.used if x.used else self.never, x)
         x.used = True
-        size = x.size
-        x.key_order = key = (lu, size.gpus, size.memory_gb, r.id, x)
+        x.key_order = (lu, x.tie)
         used = self.used
-        if not used or used[-1][0] < lu:  # type: ignore[operator]
-            used.append(key)
+        if not used or used[-1].key_order[0] < lu:
+            used.append(x)
         else:
-            insort(used, key)
+            insort(used, x, key=_ORDER)
+
+    def all_used_again(self, xs: list[_Rep]) -> None:
+        """`used_again` for many at once: the order without them, and theirs merged in."""
+        gone = set(xs).__contains__
+        if self.never and any(not x.used for x in xs):
+            self.never = list(itertools.filterfalse(gone, self.never))
+        used = list(itertools.filterfalse(gone, self.used))
+        for x in xs:
+            x.used = True
+            x.key_order = (x.r.last_used_at, x.tie)
+        xs.sort(key=_ORDER)
+        merge = bool(used) and not used[-1].key_order[0] < xs[0].key_order[0]
+        used += xs
+        if merge:
+            used.sort(key=_ORDER)  # two sorted runs: merged in one pass
+        self.used = used
+
+
+def _unsort(items: list[_Rep], x: _Rep) -> None:
+    """Take `x` out of a list kept in order of `key_order`."""
+    i = bisect_left(items, x.key_order, key=_ORDER)
+    assert items[i] is x  # invariant: kept in its list at its key
+    del items[i]
+
+
+def _moved(moved: dict[_Group, list[_Rep]], x: _Rep) -> None:
+    """Note in `moved`, by group, a replica whose last use moved on since its key was
+    made (the key holds the last use it was made from, or no use at all)."""
+    lu = x.r.last_used_at
+    if lu is None or (x.used and x.key_order[0] is lu):
+        return
+    g = x.group
+    assert g is not None
+    got = moved.get(g)
+    if got is None:
+        moved[g] = [x]
+    else:
+        got.append(x)
 
 
 def _summed(on: Mapping[str, _Rep]) -> tuple[int, ...]:
@@ -281,6 +323,7 @@ class Index:
         "_groups",
         "_held",
         "_levels",
+        "_live",
         "_models",
         "_nodes",
         "_past",
@@ -288,6 +331,7 @@ class Index:
         "_tops",
         "_tree",
         "_unknown",
+        "_uses",
         "_view",
     )
 
@@ -298,9 +342,10 @@ class Index:
 
     def _reset(self) -> None:
         self._catalog_version = -1
-        self._changes = -1
+        self._changes = self._uses = -1
         self._models: dict[str, _Model] = {}
         self._held: dict[str, tuple[_Model, _Held]] = {}
+        self._live: dict[str, _Rep] = {}
         self._groups: dict[tuple[str, str, bool, bool, bool], _Group] = {}
         self._by_state: list[tuple[str, Exclusion]] = []
         self._unknown: list[tuple[str, ReplicaRecord]] = []
@@ -332,35 +377,61 @@ class Index:
         if view.catalog.version != self._catalog_version:
             self._rebuild(view)
             return
-        if view.changes == self._changes:
+        journal, uses = view.journal, view.uses
+        if journal.count == self._changes and uses.count == self._uses:
             return
-        changed = view.changed_since(self._changes)
-        if changed is None:
+        changed, used = journal.since(self._changes), uses.since(self._uses)
+        if changed is None or used is None:
             self._rebuild(view)
             return
-        self._changes = view.changes
-        replicas = view.state.replicas
-        for rid in dict.fromkeys(changed) if len(changed) > 1 else changed:
-            self._update(view, replicas[rid])
+        self._changes, self._uses = journal.count, uses.count
+        moved: dict[_Group, list[_Rep]] = {}
+        again = dict.fromkeys(used)
+        if changed:
+            replicas = view.state.replicas
+            for rid in dict.fromkeys(changed):
+                again.pop(rid, None)
+                self._update(view, replicas[rid], moved)
+        # Used, and changed in nothing else (`View.note_use`): only the order moves.
+        live = self._live
+        for rid in again:
+            # `_moved`, written out: this runs for nearly every event of a serving log.
+            x = live.get(rid)
+            if x is None:
+                continue
+            lu = x.r.last_used_at
+            if lu is None or (x.used and x.key_order[0] is lu):
+                continue
+            g = x.group
+            assert g is not None
+            got = moved.get(g)
+            if got is None:
+                moved[g] = [x]
+            else:
+                got.append(x)
+        for g, xs in moved.items():
+            if len(xs) < 8 or 16 * len(xs) < len(g.ids):
+                for x in xs:
+                    g.used_again(x)
+            else:
+                g.all_used_again(xs)
 
     def _rebuild(self, view: View) -> None:
         self._reset()
         self._catalog_version = view.catalog.version
-        self._changes = view.changes
+        self._changes, self._uses = view.journal.count, view.uses.count
         for r in view.current():
             self._hold(view, r)
 
-    def _update(self, view: View, r: ReplicaRecord) -> None:
-        """Bring one journaled replica's entries up to date."""
+    def _update(self, view: View, r: ReplicaRecord, moved: dict[_Group, list[_Rep]]) -> None:
+        """Bring one journaled replica's entries up to date; one changed in nothing the
+        index reads but its last use goes to `moved`."""
         got = self._held.get(r.id)
         if got is not None:
             e, h = got
             if r.holds_capacity and h.sig == _signature(r):
-                rep = h.rep
-                lu = r.last_used_at
-                if rep is not None and lu is not None and (not rep.used or rep.key_order[0] != lu):
-                    assert rep.group is not None
-                    rep.group.used_again(rep)
+                if h.rep is not None:
+                    _moved(moved, h.rep)
                 return
             self._let_go(e, h)
         if r.holds_capacity:
@@ -405,7 +476,7 @@ class Index:
         live.insert(p, age)
         if p < least < len(live):
             self._regroup(e, e.reps[live[least][1]], True)
-        rep = h.rep = e.reps[rid] = _Rep(r, p >= least, h.size)
+        rep = h.rep = e.reps[rid] = self._live[rid] = _Rep(r, p >= least, h.size)
         self._group_of(e.other, rep).add(rep)
         self._place(rep)
 
@@ -424,7 +495,7 @@ class Index:
             assert rep.group is not None
             rep.group.remove(rep)
             self._unplace(rep)
-            del e.reps[rid]
+            del e.reps[rid], self._live[rid]
             live, least = e.live, e.min
             p = bisect_left(live, (r.created_at, rid))
             del live[p]
@@ -587,8 +658,7 @@ class _Weighed:
         lo, hi = 0, len(used)
         while lo < hi:
             mid = (lo + hi) // 2
-            lu = used[mid][0]
-            assert isinstance(lu, datetime)
+            lu = used[mid].key_order[0]
             if (now - lu).total_seconds() >= grace:
                 lo = mid + 1
             else:
@@ -717,8 +787,7 @@ class _Found:
 
         def of_used() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
             for i in range(lo, hi):
-                rep = used[i][-1]
-                assert isinstance(rep, _Rep)
+                rep = used[i]
                 r = rep.r
                 if r.id in skip:
                     continue
@@ -727,9 +796,7 @@ class _Found:
                 yield (tier, -(idle or 0.0), rep.size.gpus, rep.size.memory_gb, r.id), w, rep, tier
 
         def of_never() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
-            for item in w.g.never:
-                rep = item[-1]
-                assert isinstance(rep, _Rep)
+            for rep in w.g.never:
                 if rep.r.id in skip:
                     continue
                 yield (tier, -0.0, rep.size.gpus, rep.size.memory_gb, rep.r.id), w, rep, tier
