@@ -18,12 +18,20 @@ several shards, a gang) reads them all (`every`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.core import quota
 from services.core.policy import gangs, node_aware, rules
 from services.core.policy.decision import Candidate, Exclusion, counts
 from services.core.view import View
+
+if TYPE_CHECKING:
+    from services.core.policy.node_levels import Source
+
+
+class PolicyMismatch(Exception):
+    """A fast path and the spec disagreed (`LLMGW_POLICY_CHECK=1`): the index and the
+    plain walk, or the lazy node-aware search and the spec's."""
 
 
 class Found(Protocol):
@@ -72,6 +80,11 @@ class Found(Protocol):
         """Per node (by name) its candidates in order (a gang on its first node), for at
         least every node with candidates where at most `max_victims` of them could leave
         `least` GPUs free (`node_aware.could_free`); other nodes may be left out."""
+        ...
+
+    def lazily(self, view: View) -> Source | None:
+        """The candidates per node for node-aware's lazy search (`node_levels`), read as
+        it needs them; None: the spec's search, over `by_node`, runs instead."""
         ...
 
 
@@ -126,6 +139,9 @@ class Listing:
         self, view: View, least: int, max_victims: int
     ) -> list[tuple[str, list[Candidate]]]:
         return node_aware.grouped(self.cands)
+
+    def lazily(self, view: View) -> Source | None:
+        return None
 
 
 class PlainWalk:
