@@ -155,17 +155,7 @@ def _before_victims(
     found = placement.place(view.inventory, profiles, base["avoid"])
     if isinstance(found, placement.Placement):
         reason = f"{m.name} fits as {found.profile.name} without stopping anything"
-        pin = view.pin(m.name, now)
-        if pin is not None and not isinstance(
-            placement.place(view.inventory, profiles, base["avoid"], domain=pin.domain),
-            placement.Placement,
-        ):
-            # The scheduler keeps it in the pinned domain until the hold ends (`View.pin`).
-            assert pin.until is not None  # Invariant: a pin on has its end.
-            reason += (
-                f", but not in {pin.domain}, where its placement is pinned by "
-                f"{pin.decision} until {rfc3339(pin.until)}"
-            )
+        reason += gangs.pinned_elsewhere(view, m.name, profiles, base["avoid"], now)
         return Decision(outcome="fits", reason=reason, placement=found, **base)
     # While victims of an earlier decision are still on their way out, the model waits
     # for the room they free rather than stopping more.

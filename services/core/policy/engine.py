@@ -103,6 +103,11 @@ class Candidates(Protocol):
         """`rules.borrowed_of` over what the replicas holding capacity hold."""
         ...
 
+    def follow(self, view: View) -> None:
+        """Bring what the engine keeps up to date with `view` now, so that the next
+        question does not pay for it (nothing, for the plain walk). Asking follows too."""
+        ...
+
 
 class Listing:
     """A `Found` from whole lists: the plain walk's."""
@@ -148,6 +153,9 @@ class PlainWalk:
     """The spec's own engine: every replica, every rule, on every call."""
 
     __slots__ = ()
+
+    def follow(self, view: View) -> None:
+        return None
 
     def find(self, view: View, a: rules.Asker) -> Found:
         cands, excluded = rules.candidates(view, a)

@@ -796,6 +796,9 @@ class Checked:
     def __init__(self, fast: Candidates) -> None:
         self.fast = fast
 
+    def follow(self, view: View) -> None:
+        self.fast.follow(view)
+
     def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
         got, want = self.fast.usage(view, owner), PLAIN.usage(view, owner)
         if not _same_usage(got, want):
