@@ -2,7 +2,7 @@
 
 Each of those modules parses its own flags and hands `run_service` a `build(nc, js)`
 that makes the service; this module does what they share: find the broker, connect,
-make sure the streams exist, turn SIGTERM and Ctrl-C into a clean stop, log lines a
+make sure the streams exist, keep the heap settled (`services.heap`), turn SIGTERM and Ctrl-C into a clean stop, log lines a
 person can follow, and turn a failure a user can act on into one line and an exit code.
 """
 
@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from services import heap
 from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
 
 
@@ -65,7 +66,12 @@ async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Ser
     try:
         js = nc.jetstream()
         await ensure_streams(js, root)
-        await build(nc, js).run(stop)
+        keeper = asyncio.create_task(heap.keep(stop), name="heap")
+        try:
+            await build(nc, js).run(stop)
+        finally:
+            stop.set()
+            await keeper
         return 0
     finally:
         await nc.close()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services import files, lease
+from services import files, heap, lease
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -103,6 +103,9 @@ class UpOptions:
     cluster, 1 on a single server."""
     gateway: str | None = None
     """Where the gateway listens (HOST:PORT); None: no gateway."""
+    settle_heap: bool = False
+    """Freeze what the process has held for a while out of the collector's reach
+    (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
     gateway_max_body: int = MAX_BODY
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
@@ -475,6 +478,8 @@ async def _serve(
         }
         if projector is not None:
             tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
+        if opts.settle_heap:
+            tasks[asyncio.create_task(heap.keep(stop), name="heap")] = "heap"
         if bus_stream.fed_by_nodes(info, opts.root):
             watch_nodes = bus_node_streams.watch(js, opts.root, stop)
             tasks[asyncio.create_task(watch_nodes, name="node streams")] = "node streams"

@@ -195,6 +195,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
+        settle_heap=True,
     )
     cli.setup_logging()
     try:

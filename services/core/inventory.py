@@ -215,12 +215,15 @@ class Inventory:
     hold there stays held until released.
     """
 
-    __slots__ = ("_allocations", "_nodes", "_order", "version")
+    __slots__ = ("_allocations", "_free", "_nodes", "_order", "version")
 
     version: Version
 
     def __init__(self, nodes: Iterable[Node] = ()) -> None:
         self._nodes: dict[str, NodeUsage] = {}
+        # _free: the nodes with a healthy GPU nobody holds (`with_free`), kept on every
+        # write, so a reader of a full cluster need not look at every node for them.
+        self._free: dict[str, None] = {}
         self._allocations: dict[str, Allocation] = {}
         self._order: tuple[str, ...] | None = None
         self.version = Version()
@@ -232,6 +235,7 @@ class Inventory:
         this one's version until either changes."""
         out = Inventory.__new__(Inventory)
         out._nodes = self._nodes.copy()
+        out._free = self._free.copy()
         out._allocations = self._allocations.copy()
         out._order = self._order
         out.version = self.version
@@ -244,6 +248,7 @@ class Inventory:
         leaves out; its version is its own."""
         out = Inventory.__new__(Inventory)
         out._nodes = {n: u for n in nodes if (u := self._nodes.get(n)) is not None}
+        out._free = {n: None for n, u in out._nodes.items() if u.free}
         out._allocations = {r: a for r in replicas if (a := self._allocations.get(r)) is not None}
         out._order = None
         out.version = Version()
@@ -260,13 +265,13 @@ class Inventory:
         """
         current = self._nodes.get(node.name)
         if current is None:
-            self._nodes[node.name] = NodeUsage(node, {})
+            self._put(node.name, NodeUsage(node, {}))
             self._order = None
             self.version = Version()
             return
         if current.node.cordoned and not node.cordoned:
             node = msgspec.structs.replace(node, cordoned=True)
-        self._nodes[node.name] = current.with_node(node)
+        self._put(node.name, current.with_node(node))
         self.version = Version()
 
     def remove_node(self, name: str) -> tuple[str, ...]:
@@ -278,6 +283,7 @@ class Inventory:
         for replica in gone:
             self.release_replica(replica)
         del self._nodes[name]
+        self._free.pop(name, None)
         self._order = None
         self.version = Version()
         return gone
@@ -294,9 +300,21 @@ class Inventory:
         usage = self._nodes.get(name)
         if usage is None:
             return False
-        self._nodes[name] = usage.with_node(msgspec.structs.replace(usage.node, **flags))
+        self._put(name, usage.with_node(msgspec.structs.replace(usage.node, **flags)))
         self.version = Version()
         return True
+
+    def _put(self, name: str, usage: NodeUsage) -> None:
+        self._nodes[name] = usage
+        if usage.free:
+            self._free[name] = None
+        else:
+            self._free.pop(name, None)
+
+    def with_free(self) -> Iterable[str]:
+        """The nodes with a healthy GPU nobody holds (schedulable or not), in no set
+        order: on a full cluster, few."""
+        return self._free.keys()
 
     def nodes(self) -> tuple[Node, ...]:
         """Every node, in name order."""
@@ -415,8 +433,9 @@ class Inventory:
         entry_cpu, entry_mem = allocation.cpu_cores, allocation.memory_gb
         for shard in allocation.shards:
             usage = self._nodes[shard.node]
-            self._nodes[shard.node] = usage.with_replica(
-                allocation.replica, (shard.gpus, entry_cpu, entry_mem)
+            self._put(
+                shard.node,
+                usage.with_replica(allocation.replica, (shard.gpus, entry_cpu, entry_mem)),
             )
         self.version = Version()
         self._allocations[allocation.replica] = allocation
@@ -432,7 +451,7 @@ class Inventory:
                 continue
             held = dict(usage.held)
             del held[replica_id]
-            self._nodes[shard.node] = usage.with_held(held)
+            self._put(shard.node, usage.with_held(held))
             self.version = Version()
         return True
 

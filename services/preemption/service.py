@@ -221,6 +221,10 @@ class PreemptionService:
                 await asyncio.wait_for(stop.wait(), self.config.tick_s)
             if stop.is_set():
                 return
+            # The engine follows the view between triggers, leader or standby: a
+            # trigger then pays for what changed since the last tick, not for what
+            # changed since the last decision (or, the first time, for every replica).
+            self.engine.follow(self.follower.view)
             if self.is_leader:
                 self.stats.ticks += 1
                 if not self._recorded:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -219,7 +220,9 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
         ),
         # Every replica here was placed moments ago: with the default minimum lifetime
         # (120 s) all would be young, and none a victim.
-        policy=PolicyConfig(min_lifetime_s=0.0),
+        policy=PolicyConfig(min_lifetime_s=0.0, policy=args.policy),
+        # As `llmgw up` runs (services.heap); --no-settle to see the collector's pauses.
+        settle_heap=not args.no_settle,
     )
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
@@ -406,6 +409,17 @@ async def preempt_phase(args, running, pub, nc, live, poll) -> None:  # type: ig
                 drained_ms.append((time.perf_counter() - t) * 1000)
                 got.set()
 
+    pauses: list[tuple[int, float]] = []
+    began: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        # The collector's pauses while timing: a full one walks every tracked object.
+        if phase == "start":
+            began[:] = [time.perf_counter()]
+        elif began:
+            pauses.append((info["generation"], (time.perf_counter() - began[0]) * 1000))
+
+    gc.callbacks.append(on_gc)
     subs = [
         await nc.subscribe("llmgw.placement.failed.>", cb=on_failed),
         await nc.subscribe("llmgw.cmd.>", cb=on_drain),
@@ -423,8 +437,14 @@ async def preempt_phase(args, running, pub, nc, live, poll) -> None:  # type: ig
                 await asyncio.wait_for(got.wait(), 30)
             await poll(lambda name=name: _true(live(name) >= 1), 60)
     finally:
+        gc.callbacks.remove(on_gc)
         for sub in subs:
             await sub.unsubscribe()
+    full = [ms for g, ms in pauses if g == 2]
+    print(
+        f"  each, in order: {', '.join(f'{ms:.0f}' for ms in drained_ms)} ms; collector: "
+        f"{len(pauses)} collections, {len(full)} full (longest {max(full, default=0):.0f} ms)"
+    )
     print(
         f"  preemption: placement.failed -> replica.drain p50 {pct(drained_ms, 50):.0f} ms, "
         f"p99 {pct(drained_ms, 99):.0f} ms ({len(drained_ms)} of {args.preempt} preemptions; "
@@ -443,5 +463,16 @@ if __name__ == "__main__":
     ap.add_argument("--churn-step", type=int, default=200, metavar="N")
     ap.add_argument("--fill-step", type=int, default=1000, metavar="N")
     ap.add_argument("--lease-ttl", type=float, default=15.0, metavar="S")
+    ap.add_argument(
+        "--policy",
+        choices=("reference", "node-aware"),
+        default="reference",
+        help="the preemption service's policy",
+    )
+    ap.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="leave the heap unfrozen (services.heap), to see the collector's pauses",
+    )
     ap.add_argument("--preempt", type=int, default=20, metavar="N", help="preemptions to time")
     asyncio.run(main(ap.parse_args()))

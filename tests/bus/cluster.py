@@ -40,9 +40,11 @@ class Cluster:
     def urls(self) -> list[str]:
         return [b.url for b in self.brokers]
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 60.0) -> None:
         """Start every server, then wait until each says JetStream is ready (which in a
-        cluster needs a meta leader, so the servers cannot be waited for one by one)."""
+        cluster needs a meta leader, so the servers cannot be waited for one by one).
+        Three servers electing one on a loaded machine (the suite on two cores) have
+        been seen to take over 30 s."""
         for b in self.brokers:
             if not b.running:
                 b.launch()

@@ -28,7 +28,7 @@ from services.bus import Publisher, connect, consume, ensure_streams, publish
 from services.clock import new_id
 from tests.bus.cluster import Cluster
 
-pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 COMMANDS = 61
 # KILLS: when so many commands have finished, which server is killed: the log's leader

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import events as ev
-from services.core import fold
+from services.core import fold, placement
 from services.core import view as view_module
 from services.core.policy import Config, PlainWalk, plan
 from services.core.policy import index as fast
 from services.core.policy.engine import Listing
 from services.core.view import View
-from tests.core.test_policy_fast import build, filled
+from tests.core.test_policy_fast import CLASSES, build, filled
 from tests.scenario import Scenario
 
 
@@ -260,3 +260,112 @@ def test_the_switches_pick_the_engine() -> None:
     assert isinstance(fast.from_env({"LLMGW_POLICY_INDEX": "0"}), PlainWalk)
     checked = fast.from_env({"LLMGW_POLICY_CHECK": "1"})
     assert isinstance(checked, fast.Checked) and isinstance(checked.fast, fast.Index)
+
+
+def _nodes_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
+    """A cluster for node-aware's search: up to 16 nodes of H100s and L4s, some with a
+    sick GPU, little CPU or memory, cordoned, or without the rack label; models of
+    several one-shard profiles (a GPU model or memory asked, CPU and memory sized, a
+    rack required), some with two shards; full or nearly, replicas loaded for a while
+    (so the work thrown away differs), some idle, some never used."""
+    s = Scenario()
+    nodes = []
+    for i in range(rng.randint(2, 16)):
+        name = f"n{i:02d}"
+        nodes.append(name)
+        gpus = rng.choice(["8xH100-80GB", "8xH100-80GB", "4xH100-80GB", "4xL4-24GB"])
+        labels = {"rack": f"r{i % 3}"} if rng.random() < 0.8 else {}
+        s.node(
+            name,
+            gpus,
+            cpu=rng.choice([16, 64, 96]),
+            memory=rng.choice([256, 1024]),
+            unhealthy=[0] if rng.random() < 0.1 else [],
+            labels=labels,
+        )
+    models = []
+    for i in range(rng.randint(2, 7)):
+        name = f"m{i}"
+        models.append(name)
+        profiles = []
+        for j in range(rng.randint(1, 2)):
+            gpus = rng.choice([1, 2, 2, 4, 4, 8])
+            profiles.append(
+                ev.ProfileSpec(
+                    name=f"p{j}",
+                    gpus=gpus,
+                    shards=2 if rng.random() < 0.1 else 1,
+                    gpu_model=rng.choice(["", "", "H100", "L4"]),
+                    gpu_memory_gb=rng.choice([0.0, 0.0, 40.0]),
+                    cpu_cores=rng.choice([0.0, 4.0, 8.0 * gpus]),
+                    memory_gb=rng.choice([0.0, 32.0 * gpus]),
+                    topology=ev.TopologySpec(level="rack") if rng.random() < 0.15 else None,
+                )
+            )
+        s.model(
+            name,
+            cls=rng.choice(CLASSES),
+            min=rng.randint(0, 2),
+            max=40,
+            profiles=profiles,
+            owner=rng.choice(["o0", "o1", "o2"]),
+        )
+    if rng.random() < 0.3:
+        s.quota({"o0": {"gpus": rng.choice([0, 8, 16])}, "o1": {"gpus": 8}})
+    v = s.view()
+    for r in range(rng.randint(4, 60)):
+        model = rng.choice(models)
+        found = placement.place(v.inventory, v.catalog[model].profiles)
+        if not isinstance(found, placement.Placement):
+            continue
+        before = len(s.events())
+        t = 60 * (r + 1)
+        s.replica(
+            f"r{r:02d}",
+            model,
+            on=[(sh.node, list(sh.gpus)) for sh in found.shards],
+            profile=found.profile.name,
+            created=f"-{t + rng.choice([1, 2, 5, 30])}m",
+            ready=f"-{t}m" if rng.random() < 0.9 else "-1m",
+            used=rng.choice([None, "-3h", "-20m", "-1m", f"-{t // 2}m"]),
+        )
+        for seq, subject, e in s.events()[before:]:
+            fold.apply(v, e, seq=seq, subject=subject)
+    for name in rng.sample(nodes, rng.randint(0, 2)):
+        s.emit(ev.NodeCordoned(node=name))
+    return s, models
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.integers(0, 2**32 - 1))
+def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
+    """Node-aware's lazy search (`node_levels`, the index's default) against the spec's
+    (`node_aware.search`, the plain walk's, and the index's with `lazy=False`): the same
+    decision, field for field, so the same sets tried in the same order; and the check
+    (`LLMGW_POLICY_CHECK=1`), which runs both on every call, finds no difference."""
+    rng = random.Random(seed)
+    s, models = _nodes_cluster(rng)
+    view = s.view()
+    lazy, spec, checked = fast.Index(), fast.Index(lazy=False), fast.Checked(fast.Index())
+    for name in rng.sample(models, min(3, len(models))):
+        cfg = Config(
+            policy="node-aware",
+            eviction_grace_s=rng.choice([0.0, 600.0]),
+            min_lifetime_s=rng.choice([0.0, 120.0]),
+            max_victims=rng.randint(1, 4),
+        )
+        avoid = rng.sample(sorted(view.inventory.names()), rng.randint(0, 2))
+        want = plan(view, name, s.now, cfg, avoid=avoid)
+        for engine in (lazy, spec, checked):
+            assert plan(view, name, s.now, cfg, avoid=avoid, engine=engine) == want, (seed, name)
+
+
+def test_the_lazy_node_search_can_be_turned_off() -> None:
+    """`LLMGW_POLICY_LAZY=0` leaves the index with the spec's search."""
+    assert fast.from_env({}).lazy is True  # type: ignore[attr-defined]
+    assert fast.from_env({"LLMGW_POLICY_LAZY": "0"}).lazy is False  # type: ignore[attr-defined]

@@ -18,12 +18,20 @@ several shards, a gang) reads them all (`every`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.core import quota
 from services.core.policy import gangs, node_aware, rules
 from services.core.policy.decision import Candidate, Exclusion, counts
 from services.core.view import View
+
+if TYPE_CHECKING:
+    from services.core.policy.node_levels import Source
+
+
+class PolicyMismatch(Exception):
+    """A fast path and the spec disagreed (`LLMGW_POLICY_CHECK=1`): the index and the
+    plain walk, or the lazy node-aware search and the spec's."""
 
 
 class Found(Protocol):
@@ -74,6 +82,11 @@ class Found(Protocol):
         `least` GPUs free (`node_aware.could_free`); other nodes may be left out."""
         ...
 
+    def lazily(self, view: View) -> Source | None:
+        """The candidates per node for node-aware's lazy search (`node_levels`), read as
+        it needs them; None: the spec's search, over `by_node`, runs instead."""
+        ...
+
 
 class Candidates(Protocol):
     """Answers the policy's questions about a view (see the module's docstring)."""
@@ -88,6 +101,11 @@ class Candidates(Protocol):
 
     def borrowed(self, view: View) -> frozenset[str]:
         """`rules.borrowed_of` over what the replicas holding capacity hold."""
+        ...
+
+    def follow(self, view: View) -> None:
+        """Bring what the engine keeps up to date with `view` now, so that the next
+        question does not pay for it (nothing, for the plain walk). Asking follows too."""
         ...
 
 
@@ -127,11 +145,17 @@ class Listing:
     ) -> list[tuple[str, list[Candidate]]]:
         return node_aware.grouped(self.cands)
 
+    def lazily(self, view: View) -> Source | None:
+        return None
+
 
 class PlainWalk:
     """The spec's own engine: every replica, every rule, on every call."""
 
     __slots__ = ()
+
+    def follow(self, view: View) -> None:
+        return None
 
     def find(self, view: View, a: rules.Asker) -> Found:
         cands, excluded = rules.candidates(view, a)

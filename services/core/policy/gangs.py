@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from datetime import datetime
 
 from services.core import catalog, placement
 from services.core.policy import node_aware, rules
-from services.core.policy.decision import Candidate, Exclusion
+from services.core.policy.decision import Candidate, Exclusion, rfc3339
 from services.core.view import ReplicaRecord, View, size_of
 
 # POOL bounds the candidates weighed together in one group (a domain, a node, the
@@ -194,3 +195,25 @@ def domain_of(view: View, placed: placement.Placement | None) -> str:
     if len(values) != 1 or None in values:
         return ""
     return f"{level}={values.pop()}"
+
+
+def pinned_elsewhere(
+    view: View,
+    model: str,
+    profiles: Sequence[catalog.Profile],
+    avoid: tuple[str, ...],
+    now: datetime,
+) -> str:
+    """For a model that fits: the words to add when it fits only outside the domain its
+    placement is pinned to (`View.pin`), where the scheduler keeps it until the pin's
+    hold ends; "" otherwise."""
+    pin = view.pin(model, now)
+    if pin is None or isinstance(
+        placement.place(view.inventory, profiles, avoid, domain=pin.domain), placement.Placement
+    ):
+        return ""
+    assert pin.until is not None  # Invariant: a pin on has its end.
+    return (
+        f", but not in {pin.domain}, where its placement is pinned by "
+        f"{pin.decision} until {rfc3339(pin.until)}"
+    )

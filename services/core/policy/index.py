@@ -42,17 +42,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
 
 from services.core import catalog, quota
+from services.core.inventory import NodeUsage
 from services.core.policy import rules
 from services.core.policy.config import WHY
 from services.core.policy.decision import Candidate, Exclusion
-from services.core.policy.engine import PLAIN, Candidates, Found, Listing
+from services.core.policy.engine import PLAIN, Candidates, Found, Listing, PolicyMismatch
 from services.core.policy.node_aware import could_free
+from services.core.policy.node_levels import Slot, Source
 from services.core.view import ReplicaRecord, View, size_of
 
 # CHECK_ENV names the switch that runs the plain walk beside the index on every call and
@@ -61,6 +63,10 @@ CHECK_ENV = "LLMGW_POLICY_CHECK"
 # INDEX_ENV names the switch that turns the index off (`LLMGW_POLICY_INDEX=0`): the
 # shells then decide with the plain walk.
 INDEX_ENV = "LLMGW_POLICY_INDEX"
+# LAZY_ENV names the switch that turns node-aware's lazy search off
+# (`LLMGW_POLICY_LAZY=0`): the index then hands the spec's search every node that could
+# make room (`by_node`).
+LAZY_ENV = "LLMGW_POLICY_LAZY"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -327,15 +333,20 @@ class Index:
         "_models",
         "_nodes",
         "_past",
+        "_shapes",
         "_sums_of",
         "_tops",
         "_tree",
         "_unknown",
         "_uses",
         "_view",
+        "lazy",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = True) -> None:
+        # lazy: node-aware's search reads the nodes level by level (`node_levels`); off,
+        # the spec's search reads every node that could make room (`by_node`).
+        self.lazy = lazy
         self._view: View | None = None
         self._tree: quota.QuotaTree | None = None
         self._reset()
@@ -353,6 +364,9 @@ class Index:
         # _tops: per node, the GPUs of its replicas' largest first, summed (entry i: the
         # i largest): what at most i of them could free there.
         self._tops: dict[str, tuple[int, ...]] = {}
+        # _shapes: the nodes of each `_tops` value, so that a call passes over every node
+        # of a shape whose bound falls short at once (`_Found._passing`).
+        self._shapes: dict[tuple[int, ...], dict[str, None]] = {}
         # _amounts: per owner, how many of its replicas hold each amount; _sums_of: what
         # they sum to, None while a change has not been summed.
         self._amounts: dict[str, dict[quota.Amount, int]] = {}
@@ -564,7 +578,7 @@ class Index:
         if node is not None:
             on = self._nodes.setdefault(node, {})
             on[rep.r.id] = rep
-            self._tops[node] = _summed(on)
+            self._top(node, _summed(on))
 
     def _unplace(self, rep: _Rep) -> None:
         node = rep.first_node
@@ -573,9 +587,26 @@ class Index:
             if on is not None:
                 on.pop(rep.r.id, None)
                 if on:
-                    self._tops[node] = _summed(on)
+                    self._top(node, _summed(on))
                 else:
-                    del self._nodes[node], self._tops[node]
+                    del self._nodes[node]
+                    self._top(node, None)
+
+    def _top(self, node: str, top: tuple[int, ...] | None) -> None:
+        """Set a node's `_tops` (None: it has no replica left), and its shape with it."""
+        old = self._tops.get(node)
+        if old == top:
+            return
+        if old is not None:
+            same = self._shapes[old]
+            del same[node]
+            if not same:
+                del self._shapes[old]
+        if top is None:
+            del self._tops[node]
+        else:
+            self._tops[node] = top
+            self._shapes.setdefault(top, {})[node] = None
 
     # Quota.
 
@@ -834,37 +865,67 @@ class _Found:
     def every(self) -> tuple[Candidate, ...]:
         return self.first(self.considered)
 
+    def _passing(self, view: View, least: int, max_victims: int) -> list[tuple[str, NodeUsage]]:
+        """The schedulable nodes with replicas where at most `max_victims` of them could
+        leave `least` GPUs free, in no set order: a bound on what its candidates could
+        free, since no `max_victims` of them free more than as many of its replicas,
+        largest first (`_tops`)."""
+        inv, index = view.inventory, self._index
+        usage_of, tops = inv.usage, index._tops
+        out = []
+        for top, names in index._shapes.items():
+            if top[min(max_victims, len(top) - 1)] >= least:
+                for name in names:
+                    u = usage_of(name)
+                    if u is not None and u.schedulable:
+                        out.append((name, u))
+        # A node of a shape that falls short passes only with free GPUs to make it up.
+        for name in inv.with_free():
+            held = tops.get(name)
+            if held is None:
+                continue
+            bound = held[min(max_victims, len(held) - 1)]
+            if bound >= least:
+                continue  # listed above
+            u = usage_of(name)
+            if u is not None and u.schedulable and len(u.free) + bound >= least:
+                out.append((name, u))
+        return out
+
+    def _on(self, name: str) -> list[tuple[_Weighed, _Rep, int]]:
+        """The candidates on node `name` (a gang on its first), as (its group as weighed,
+        the replica, its tier), in no set order."""
+        a, weighed = self._a, self._weighed
+        out = []
+        for rep in self._index._nodes[name].values():
+            w = weighed.get(id(rep.group))
+            if w is None or w.code is not None or rep.r.id in w.skip:
+                continue
+            if w.tier_past == w.tier_not:
+                out.append((w, rep, w.tier_past))
+            else:
+                out.append((w, rep, w.tier_past if w.past(rep.r, a) else w.tier_not))
+        return out
+
     def by_node(
         self, view: View, least: int, max_victims: int
     ) -> list[tuple[str, list[Candidate]]]:
-        usage_of, a, index = view.inventory.usage, self._a, self._index
-        passing = []
-        for name, top in index._tops.items():
-            u = usage_of(name)
-            if u is None or not u.schedulable:
-                continue
-            # A bound: no `max_victims` of its candidates free more than as many of its
-            # replicas, largest first.
-            free = len(u.free)
-            if free < least and free + top[min(max_victims, len(top) - 1)] < least:
-                continue
-            passing.append(name)
-        passing.sort()
         out = []
-        weighed = self._weighed
-        for name in passing:
-            mine: list[Candidate] = []
-            for rep in index._nodes[name].values():
-                w = weighed.get(id(rep.group))
-                if w is None or w.code is not None or rep.r.id in w.skip:
-                    continue
-                tier = w.tier_past if w.past(rep.r, a) else w.tier_not
-                mine.append(self._candidate(w, rep, tier))
+        for name, _u in sorted(self._passing(view, least, max_victims)):
+            mine = self.candidates_of(self._on(name))
             if mine:
-                if len(mine) > 1:
-                    mine.sort(key=rules.order_key)
                 out.append((name, mine))
         return out
+
+    def candidates_of(self, on: list[tuple[_Weighed, _Rep, int]]) -> list[Candidate]:
+        """`_on`'s candidates as `Candidate`s, in order."""
+        mine = [self._candidate(w, rep, tier) for w, rep, tier in on]
+        if len(mine) > 1:
+            mine.sort(key=rules.order_key)
+        return mine
+
+    def lazily(self, view: View) -> Source | None:
+        return _Slots(self) if self._index.lazy else None
 
     # Exclusions.
 
@@ -917,12 +978,48 @@ class _Found:
             yield rid, Exclusion(replica=rid, model=rep.r.model, why=code, detail=why)
 
 
+class _Slots:
+    """The index's candidates per node for node-aware's lazy search: a node's tiers and
+    GPUs from its replicas' groups, its `Candidate`s made only when a level reaches it."""
+
+    __slots__ = ("_found", "_view")
+    spec = None
+
+    def __init__(self, found: _Found) -> None:
+        self._found = found
+        self._view = found._view
+
+    def slots(self, least: int, max_victims: int) -> list[Slot]:
+        found = self._found
+        nodes, weighed = found._index._nodes, found._weighed
+        now, grace = found._a.now, found._a.cfg.eviction_grace_s
+        out = []
+        for name, u in found._passing(self._view, least, max_victims):
+            # `_on`, with each candidate's tier and GPUs listed as it is found.
+            on: list[tuple[_Weighed, _Rep, int]] = []
+            tiers, gpus = [], []
+            for rep in nodes[name].values():
+                w = weighed.get(id(rep.group))
+                if w is None or w.code is not None or rep.r.id in w.skip:
+                    continue
+                tier = w.tier_past
+                if tier != w.tier_not:
+                    lu = rep.r.last_used_at
+                    if (0.0 if lu is None else (now - lu).total_seconds()) < grace:
+                        tier = w.tier_not
+                on.append((w, rep, tier))
+                tiers.append(tier)
+                gpus.append(rep.size.gpus)
+            if on:
+                out.append(Slot(name, u, tiers, gpus, on))
+        return out
+
+    def candidates(self, slot: Slot) -> list[Candidate]:
+        return self._found.candidates_of(slot.data)  # type: ignore[arg-type]
+
+
 def _first(item: tuple[Any, ...]) -> Any:
     return item[0]
-
-
-class PolicyMismatch(Exception):
-    """The index and the plain walk disagreed (`LLMGW_POLICY_CHECK=1`)."""
 
 
 class Checked:
@@ -933,6 +1030,9 @@ class Checked:
 
     def __init__(self, fast: Candidates) -> None:
         self.fast = fast
+
+    def follow(self, view: View) -> None:
+        self.fast.follow(view)
 
     def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
         got, want = self.fast.usage(view, owner), PLAIN.usage(view, owner)
@@ -1018,6 +1118,30 @@ class _CheckedFound:
             )
         return want
 
+    def lazily(self, view: View) -> Source | None:
+        got = self._fast.lazily(view)
+        if got is None:
+            return None
+        # The lazy search over the index's nodes, the spec's over the plain walk's beside it.
+        return _SpecBeside(got, lambda least, mv: self.by_node(view, least, mv))
+
+
+class _SpecBeside:
+    """A `Source` whose search is checked against the spec's over `by_node`'s nodes."""
+
+    __slots__ = ("_fast", "spec")
+
+    def __init__(
+        self, fast: Source, by_node: Callable[[int, int], list[tuple[str, list[Candidate]]]]
+    ) -> None:
+        self._fast, self.spec = fast, by_node
+
+    def slots(self, least: int, max_victims: int) -> list[Slot]:
+        return self._fast.slots(least, max_victims)
+
+    def candidates(self, slot: Slot) -> list[Candidate]:
+        return self._fast.candidates(slot)
+
 
 def _same_usage(got: Mapping[str, quota.Amount], want: Mapping[str, quota.Amount]) -> bool:
     if got.keys() != want.keys():
@@ -1049,14 +1173,19 @@ def _difference(
 
 def from_env(env: Mapping[str, str]) -> Candidates:
     """The engine the switches in `env` (the shell's environment) ask for."""
-    return engine(enabled=env.get(INDEX_ENV, "1") != "0", check=env.get(CHECK_ENV, "") == "1")
+    return engine(
+        enabled=env.get(INDEX_ENV, "1") != "0",
+        check=env.get(CHECK_ENV, "") == "1",
+        lazy=env.get(LAZY_ENV, "1") != "0",
+    )
 
 
-def engine(enabled: bool = True, check: bool = False) -> Candidates:
+def engine(enabled: bool = True, check: bool = False, lazy: bool = True) -> Candidates:
     """The engine a caller owns: a new `Index`, or the plain walk when not `enabled` (the
-    switch); wrapped in `Checked` when `check` (the shells pass `LLMGW_POLICY_CHECK=1`)."""
-    got: Candidates = Index() if enabled else PLAIN
+    switch); wrapped in `Checked` when `check` (the shells pass `LLMGW_POLICY_CHECK=1`).
+    `lazy` is the index's node-aware search (`Index.lazy`)."""
+    got: Candidates = Index(lazy=lazy) if enabled else PLAIN
     return Checked(got) if check else got
 
 
-__all__ = ["CHECK_ENV", "INDEX_ENV", "Checked", "Index", "PolicyMismatch", "engine"]
+__all__ = ["CHECK_ENV", "INDEX_ENV", "LAZY_ENV", "Checked", "Index", "PolicyMismatch", "engine"]

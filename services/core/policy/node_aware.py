@@ -202,7 +202,17 @@ def search(
         least = min(n.gpus for n in needs)
         per_node = nodes(least) if nodes is not None else grouped(cands)
         on = _on_nodes(view, per_node, needs, least, max_victims)
-    best = _by_levels(view, needs, on, max_victims, fits)
+    return or_fallback(view, profiles, _by_levels(view, needs, on, max_victims, fits), fallback)
+
+
+def or_fallback(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    best: Sequence[C],
+    fallback: Callable[[], Sequence[C]],
+) -> Sequence[C]:
+    """`best`, or the reference's set (`fallback`) when a profile has several shards and
+    that set is better by `key`."""
     if any(p.shards > 1 for p in profiles):
         other = fallback()
         if other:

@@ -1,0 +1,64 @@
+"""A plane process keeps what it has held for a while out of the collector's reach
+(services.heap): frozen once a second, unless LLMGW_GC_FREEZE=0. Each case runs in a
+process of its own, as the plane's processes do: freezing the test's own would keep
+its garbage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A long-lived object made before the keeper starts, then one made while it runs: both
+# end up frozen, and the keeper returns once stop is set.
+CODE = """
+import asyncio, gc
+from services import heap
+
+async def main():
+    stop = asyncio.Event()
+    kept = [list(range(3)) for _ in range(1000)]
+    keeper = asyncio.create_task(heap.keep(stop, every_s=0.01))
+    await asyncio.sleep(0)
+    first = gc.get_freeze_count()
+    later = [dict(a=i) for i in range(1000)]
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if gc.get_freeze_count() > first:
+            break
+    grew = gc.get_freeze_count() > first
+    stop.set()
+    await asyncio.wait_for(keeper, 5)
+    print(first > 0, grew, len(kept) + len(later))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(("setting", "frozen"), [("1", True), ("0", False)])
+def test_a_plane_process_freezes_what_it_holds_unless_told_not_to(
+    setting: str, frozen: bool
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CODE],
+        env={"LLMGW_GC_FREEZE": setting, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert out.stdout.split() == [str(frozen), str(frozen), "2000"]
+
+
+def test_llmgw_up_settles_its_heap_and_an_in_process_caller_does_not() -> None:
+    from services.up import UpOptions
+
+    assert UpOptions(data=Path(".")).settle_heap is False
+    src = (ROOT / "services" / "cli" / "up.py").read_text()
+    assert "settle_heap=True" in src
