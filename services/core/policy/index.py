@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import statistics
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -340,6 +341,7 @@ class Index:
         "_unknown",
         "_uses",
         "_view",
+        "_walks",
         "lazy",
     )
 
@@ -367,6 +369,7 @@ class Index:
         # _shapes: the nodes of each `_tops` value, so that a call passes over every node
         # of a shape whose bound falls short at once (`_Found._passing`).
         self._shapes: dict[tuple[int, ...], dict[str, None]] = {}
+        self._walks = _Walks()
         # _amounts: per owner, how many of its replicas hold each amount; _sums_of: what
         # they sum to, None while a change has not been summed.
         self._amounts: dict[str, dict[quota.Amount, int]] = {}
@@ -579,6 +582,7 @@ class Index:
             on = self._nodes.setdefault(node, {})
             on[rep.r.id] = rep
             self._top(node, _summed(on))
+            self._walks.moved.add(node)
 
     def _unplace(self, rep: _Rep) -> None:
         node = rep.first_node
@@ -586,6 +590,7 @@ class Index:
             on = self._nodes.get(node)
             if on is not None:
                 on.pop(rep.r.id, None)
+                self._walks.moved.add(node)
                 if on:
                     self._top(node, _summed(on))
                 else:
@@ -655,6 +660,119 @@ class Index:
     def find(self, view: View, a: rules.Asker) -> Found:
         self.follow(view)
         return _Found(self, view, a)
+
+
+_WalkEntry = tuple[float, bool, datetime, str]
+
+
+class _Walks:
+    """Per number of victims k (as calls ask for them), the nodes with k replicas or
+    more in the order node-aware's lazy search walks them (`node_levels`), by the GPUs
+    their k largest hold: by the least work k of them throw away (their loading seconds
+    times GPUs, the k smallest summed), then by the k-th oldest last use among them (the
+    least idle of the k longest unused; a node with fewer than k ever used last). Kept
+    by the nodes whose replicas moved (`moved`) and those of every model with a replica
+    the view journaled since (`View.journal`, `View.uses`: a use, a loading time),
+    worked out again when a call reads."""
+
+    __slots__ = ("at", "by", "models", "moved", "seen")
+
+    def __init__(self) -> None:
+        self.by: dict[int, dict[int, list[_WalkEntry]]] = {}
+        self.at: dict[int, dict[str, tuple[int, _WalkEntry]]] = {}
+        self.moved: set[str] = set()
+        # models: per model, the nodes whose entries read its replicas; seen: the counts
+        # of the view's journals (`View.journal`, `View.uses`) when they were last
+        # brought up to date.
+        self.models: dict[str, set[str]] = {}
+        self.seen: tuple[int, int] | None = None
+
+    def stream(self, index: Index, view: View, least: int, k: int) -> Iterator[_WalkEntry]:
+        journal, uses = view.journal, view.uses
+        now = (journal.count, uses.count)
+        if now != self.seen:
+            if self.seen is not None:
+                changed = journal.since(self.seen[0])
+                used = uses.since(self.seen[1])
+                if changed is None or used is None:
+                    self.moved |= set(index._nodes)
+                else:
+                    replicas = view.state.replicas
+                    models = self.models
+                    for m in {replicas[rid].model for rid in itertools.chain(changed, used)}:
+                        self.moved |= models.get(m, set())
+            self.seen = now
+        if self.moved:
+            self._refresh(index, view)
+        if k not in self.by:
+            self._build(index, view, k)
+        return heapq.merge(*[got for g, got in self.by[k].items() if g >= least])
+
+    def _build(self, index: Index, view: View, k: int) -> None:
+        by: dict[int, list[_WalkEntry]] = {}
+        at: dict[str, tuple[int, _WalkEntry]] = {}
+        loads: dict[str, float] = {}
+        for name in index._nodes:
+            got = _walk_entry(index, view, loads, name, k, self.models)
+            if got is not None:
+                at[name] = got
+                by.setdefault(got[0], []).append(got[1])
+        for entries in by.values():
+            entries.sort()
+        self.by[k], self.at[k] = by, at
+
+    def _refresh(self, index: Index, view: View) -> None:
+        moved, self.moved = self.moved, set()
+        loads: dict[str, float] = {}
+        for k, at in self.at.items():
+            if len(moved) * 4 > len(at):
+                del self.by[k]  # built again when asked
+                continue
+            by = self.by[k]
+            for name in moved:
+                old = at.pop(name, None)
+                if old is not None:
+                    _drop(by[old[0]], old[1])
+                got = _walk_entry(index, view, loads, name, k, self.models)
+                if got is not None:
+                    at[name] = got
+                    insort(by.setdefault(got[0], []), got[1])
+        for k in [k for k in self.at if k not in self.by]:
+            del self.at[k]
+
+
+def _walk_entry(
+    index: Index,
+    view: View,
+    loads: dict[str, float],
+    name: str,
+    k: int,
+    models: dict[str, set[str]],
+) -> tuple[int, _WalkEntry] | None:
+    """A node's place in the walk for k victims, by the GPUs its k largest hold; None
+    with fewer than k replicas. Each replica's model notes the node in `models`."""
+    on = index._nodes.get(name)
+    if on is None or len(on) < k:
+        return None
+    took = view.load_times()
+    works, used = [], []
+    for rep in on.values():
+        r = rep.r
+        models.setdefault(r.model, set()).add(name)
+        load = loads.get(r.model)
+        if load is None:
+            # As `node_aware.load_costs` has it, so as `node_aware.key` sums it.
+            times = took.get(r.model)
+            load = loads[r.model] = 0.0 if not times else max(statistics.median(times), 0.0)
+        works.append(load * rep.size.gpus)
+        if r.last_used_at is not None:
+            used.append(r.last_used_at)
+    works.sort()
+    used.sort()
+    least = sum(works[:k])
+    if len(used) >= k:
+        return index._tops[name][k], (least, False, used[k - 1], name)
+    return index._tops[name][k], (least, True, _EPOCH, name)
 
 
 class _Weighed:
@@ -989,30 +1107,51 @@ class _Slots:
         self._found = found
         self._view = found._view
 
-    def slots(self, least: int, max_victims: int) -> list[Slot]:
-        found = self._found
-        nodes, weighed = found._index._nodes, found._weighed
-        now, grace = found._a.now, found._a.cfg.eviction_grace_s
+    def tiers(self) -> list[int]:
+        return sorted(int(t) for t in self._found.by_tier)
+
+    def loose(self) -> list[Slot]:
+        nodes = self._found._index._nodes
         out = []
-        for name, u in found._passing(self._view, least, max_victims):
-            # `_on`, with each candidate's tier and GPUs listed as it is found.
-            on: list[tuple[_Weighed, _Rep, int]] = []
-            tiers, gpus = [], []
-            for rep in nodes[name].values():
-                w = weighed.get(id(rep.group))
-                if w is None or w.code is not None or rep.r.id in w.skip:
-                    continue
-                tier = w.tier_past
-                if tier != w.tier_not:
-                    lu = rep.r.last_used_at
-                    if (0.0 if lu is None else (now - lu).total_seconds()) < grace:
-                        tier = w.tier_not
-                on.append((w, rep, tier))
-                tiers.append(tier)
-                gpus.append(rep.size.gpus)
-            if on:
-                out.append(Slot(name, u, tiers, gpus, on))
+        for name in self._view.inventory.with_free():
+            if name in nodes:
+                got = self.slot(name)
+                if got is not None:
+                    out.append(got)
         return out
+
+    def walk(self, least: int, k: int) -> Iterator[tuple[float, float, str]]:
+        found = self._found
+        now = found._a.now
+        for work, never, last, name in found._index._walks.stream(
+            found._index, self._view, least, k
+        ):
+            yield work, 0.0 if never else max((now - last).total_seconds(), 0.0), name
+
+    def slot(self, name: str) -> Slot | None:
+        found = self._found
+        u = self._view.inventory.usage(name)
+        reps = found._index._nodes.get(name)
+        if u is None or not u.schedulable or reps is None:
+            return None
+        weighed = found._weighed
+        now, grace = found._a.now, found._a.cfg.eviction_grace_s
+        # `_on`, with each candidate's tier and GPUs listed as it is found.
+        on: list[tuple[_Weighed, _Rep, int]] = []
+        tiers, gpus = [], []
+        for rep in reps.values():
+            w = weighed.get(id(rep.group))
+            if w is None or w.code is not None or rep.r.id in w.skip:
+                continue
+            tier = w.tier_past
+            if tier != w.tier_not:
+                lu = rep.r.last_used_at
+                if (0.0 if lu is None else (now - lu).total_seconds()) < grace:
+                    tier = w.tier_not
+            on.append((w, rep, tier))
+            tiers.append(tier)
+            gpus.append(rep.size.gpus)
+        return Slot(name, u, tiers, gpus, on) if on else None
 
     def candidates(self, slot: Slot) -> list[Candidate]:
         return self._found.candidates_of(slot.data)  # type: ignore[arg-type]
@@ -1136,8 +1275,17 @@ class _SpecBeside:
     ) -> None:
         self._fast, self.spec = fast, by_node
 
-    def slots(self, least: int, max_victims: int) -> list[Slot]:
-        return self._fast.slots(least, max_victims)
+    def tiers(self) -> list[int]:
+        return self._fast.tiers()
+
+    def loose(self) -> list[Slot]:
+        return self._fast.loose()
+
+    def walk(self, least: int, k: int) -> Iterator[tuple[float, float, str]]:
+        return self._fast.walk(least, k)
+
+    def slot(self, name: str) -> Slot | None:
+        return self._fast.slot(name)
 
     def candidates(self, slot: Slot) -> list[Candidate]:
         return self._fast.candidates(slot)
