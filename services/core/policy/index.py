@@ -80,8 +80,8 @@ class _Rep:
         "first_node",
         "group",
         "key_ids",
-        "key_order",
         "key_ready",
+        "lu",
         "node",
         "r",
         "size",
@@ -99,22 +99,23 @@ class _Rep:
         self.first_node = nodes[0] if nodes else None
         self.used = r.last_used_at is not None
         self.group: _Group | None = None
-        # key_order: where it comes in its group's `used` (by last use, then `tie`) or
-        # `never` (by `tie`), the order key after the tier.
+        # Where it comes in its group's `used` (by `lu`, its last use as the order was
+        # made, then `tie`: `_USED`) or `never` (by `tie`: `_NEVER`), the order key after
+        # the tier.
         self.tie = (size.gpus, size.memory_gb, r.id)
-        lu = r.last_used_at
-        self.key_order: tuple[Any, ...] = self.tie if lu is None else (lu, self.tie)
+        self.lu = r.last_used_at
         self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
         self.key_ids = (r.id, self)
 
 
-_ORDER = attrgetter("key_order")
+_USED = attrgetter("lu", "tie")
+_NEVER = attrgetter("tie")
 
 
 class _Group:
     """The live replicas of one (class, owner, on-demand, above minimum, borrowed): in
     order of last use (`used`, then `never` for those never reported used, both by
-    `_Rep.key_order`), by readiness and by id.
+    `_USED` and `_NEVER`), by readiness and by id.
 
     The used are kept as a dict in order (`order`, its last `last`): a replica used
     again is most often the most recently used of all, and moves to the end in two dict
@@ -160,7 +161,7 @@ class _Group:
         if x.used:
             self._put(x)
         else:
-            insort(self.never, x, key=_ORDER)
+            insort(self.never, x, key=_NEVER)
         if x.key_ready is not None:
             insort(self.ready, x.key_ready)
         insort(self.ids, x.key_ids)
@@ -188,12 +189,12 @@ class _Group:
         else:
             _unsort(self.never, x)
             x.used = True
-        x.key_order = (lu, x.tie)
+        x.lu = lu
         self._put(x)
 
     def _put(self, x: _Rep) -> None:
         last = self.last
-        if last is None or last.key_order < x.key_order:
+        if last is None or _before(last, x):
             self.order[x] = None
             self.last = x
         else:
@@ -215,17 +216,24 @@ class _Group:
         if not pending:
             return False
         items = list(self.order)
-        items += sorted(pending, key=_ORDER)
-        items.sort(key=_ORDER)  # two sorted runs: merged in one pass
+        items += sorted(pending, key=_USED)
+        items.sort(key=_USED)  # two sorted runs: merged in one pass
         self.order = dict.fromkeys(items)
         self.last = items[-1]
         pending.clear()
         return True
 
 
+def _before(x: _Rep, y: _Rep) -> bool:
+    """Whether `x` comes before `y` in a `used` order (`_USED`)."""
+    a, b = x.lu, y.lu
+    assert a is not None and b is not None
+    return a < b or (a == b and x.tie < y.tie)
+
+
 def _unsort(items: list[_Rep], x: _Rep) -> None:
-    """Take `x` out of a list kept in order of `key_order`."""
-    i = bisect_left(items, x.key_order, key=_ORDER)
+    """Take `x` out of a `never` list (in `_NEVER` order)."""
+    i = bisect_left(items, x.tie, key=_NEVER)
     assert items[i] is x  # invariant: kept in its list at its key
     del items[i]
 
@@ -451,7 +459,7 @@ class Index:
             if x is None:
                 continue
             lu = x.r.last_used_at
-            if x.used and x.key_order[0] is lu:
+            if x.lu is lu:
                 continue
             g = x.group
             assert g is not None and lu is not None
@@ -463,8 +471,8 @@ class Index:
             # now the most recently used (it is, if it was last).
             order, last = g.order, g.last
             del order[x]
-            x.key_order = key = (lu, x.tie)
-            if x is last or last is None or last.key_order < key:
+            x.lu = lu
+            if x is last or last is None or _before(last, x):
                 order[x] = None
                 g.last = x
             else:
@@ -490,7 +498,7 @@ class Index:
             if r.holds_capacity and h.sig == _signature(r):
                 x = h.rep
                 lu = r.last_used_at
-                if x is not None and lu is not None and not (x.used and x.key_order[0] is lu):
+                if x is not None and lu is not None and x.lu is not lu:
                     assert x.group is not None
                     x.group.used_again(x)
                 return
@@ -851,7 +859,8 @@ class _Weighed:
         lo, hi = 0, len(used)
         while lo < hi:
             mid = (lo + hi) // 2
-            lu = used[mid].key_order[0]
+            lu = used[mid].lu
+            assert lu is not None
             if (now - lu).total_seconds() >= grace:
                 lo = mid + 1
             else:
