@@ -453,11 +453,7 @@ class Index:
                 again.pop(rid, None)
                 self._update(view, replicas[rid])
         # Used, and changed in nothing else (`View.note_use`): only the order moves.
-        live = self._live
-        for rid in reversed(again):
-            x = live.get(rid)
-            if x is None:
-                continue
+        for x in filter(None, map(self._live.get, reversed(again))):
             lu = x.r.last_used_at
             if x.lu is lu:
                 continue
@@ -468,11 +464,11 @@ class Index:
                 continue
             # `used_again`, written out for the most frequent case, once per event of a
             # serving log: taken out of the order, and in again at the end when it is
-            # now the most recently used (it is, if it was last).
+            # now the most recently used (it is, if it was last; `_before` written out).
             order, last = g.order, g.last
             del order[x]
             x.lu = lu
-            if x is last or last is None or _before(last, x):
+            if x is last or last is None or last.lu < lu or (last.lu == lu and last.tie < x.tie):  # type: ignore[operator]
                 order[x] = None
                 g.last = x
             else:
