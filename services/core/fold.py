@@ -389,7 +389,7 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
     at = e.data.at
     if r.last_used_at is None or at > r.last_used_at:
         r.last_used_at = at
-        view.changed(r.model, use=True)
+        view.note_use(r)
     return None
 
 

@@ -262,6 +262,11 @@ class QuotaTree:
             return False
         return all(usage.get(q.name, ZERO).plus(need).fits_within(q.guarantee) for q in levels)
 
+    def guaranteed_levels(self, owner: str) -> tuple[Quota, ...]:
+        """The owner's guaranteed levels, nearest first: those whose running sums
+        `borrowed` counts its replicas in (none for an owner not in the tree)."""
+        return self._guaranteed.get(owner, ())
+
     def has_guarantee(self, owner: str) -> bool:
         """Whether the owner has a guarantee anywhere up its tree."""
         return bool(self._guaranteed.get(owner, ()))

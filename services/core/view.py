@@ -42,6 +42,42 @@ RECENT_REJECTIONS = 100
 LIVE_STATES = frozenset({"pending", "starting", "loading", "ready"})
 
 
+# JOURNAL_KEPT is how many of the latest entries a `Journal` reaches back to at least (it
+# keeps up to twice as many): a reader further behind starts again.
+JOURNAL_KEPT = 1 << 16
+
+
+class Journal:
+    """The replicas changed, by id, in the order of their changes, one as often as it
+    changed: what a reader that keeps something per replica reads to catch up without
+    looking at every replica (`since`). Only the latest JOURNAL_KEPT are sure to be kept."""
+
+    __slots__ = ("_from", "_items", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        """How many were added: while it stays, nothing was."""
+        # _items[i] is entry number _from + i + 1.
+        self._items: list[str] = []
+        self._from = 0
+
+    def add(self, replica: str) -> None:
+        self.count += 1
+        items = self._items
+        items.append(replica)
+        if len(items) > 2 * JOURNAL_KEPT:
+            del items[:-JOURNAL_KEPT]
+            self._from = self.count - JOURNAL_KEPT
+
+    def since(self, count: int) -> list[str] | None:
+        """The replicas added since `count` was `self.count`; None when the journal no
+        longer reaches back that far (such a reader starts again)."""
+        at = count - self._from
+        if at < 0:
+            return None
+        return self._items[at:]
+
+
 def after(t: datetime, seconds: float) -> datetime:
     """`seconds` after `t`; the latest time there is when that reaches past it."""
     try:
@@ -353,17 +389,15 @@ class View:
         "_of_model",
         "_ordinal",
         "_pending",
-        "_recent",
-        "_states",
         "_timed_out",
         "_timed_out_at",
         "_unordered",
-        "_versions",
         "catalog",
-        "changes",
         "inventory",
+        "journal",
         "quota",
         "state",
+        "uses",
     )
 
     def __init__(self, state: ViewState | None = None) -> None:
@@ -394,14 +428,11 @@ class View:
         self._timed_out: list[tuple[datetime, int, str]] = []
         self._timed_out_at: dict[str, tuple[datetime, int, str]] = {}
         self._loads: dict[str, list[float]] = {}
-        self._versions: dict[str, int] = {}
-        self._states: dict[str, int] = {}
-        self.changes = 0
-        """How many times `changed` was called: while it stays, no model's `version` or
-        `state_version` moved, and no model name came into or left `current_models`."""
-        # _recent: per model name, the `changes` count of its last change, the most
-        # recently changed last (`changed_since`).
-        self._recent: dict[str, int] = {}
+        # The replicas changed, for readers that keep something per replica (the
+        # policy's index): `journal` every change `note` sees, `uses` a later use alone
+        # (`note_use`), which changes nothing else of a replica.
+        self.journal = Journal()
+        self.uses = Journal()
         for r in s.replicas.values():
             if r.holds_capacity and r.shards:
                 a = allocation_of(r)
@@ -433,7 +464,7 @@ class View:
         """
         rid = r.id
         name = r.model
-        self.changed(name)
+        self.journal.add(rid)
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
@@ -484,43 +515,10 @@ class View:
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
 
-    def changed(self, model: str, use: bool = False) -> None:
-        """A replica of `model` (the name it gives) changed: its `version` moves on, and
-        its `state_version` unless the change was only a later use (`use`). The fold
-        calls it through `note`, and for a replica's use, which `note` does not index."""
-        v = self._versions
-        v[model] = v.get(model, 0) + 1
-        self.changes += 1
-        recent = self._recent
-        recent.pop(model, None)
-        recent[model] = self.changes
-        if not use:
-            s = self._states
-            s[model] = s.get(model, 0) + 1
-
-    def changed_since(self, changes: int) -> list[str]:
-        """The model names (as replicas give them) whose `version` moved since `changes`
-        was this view's `changes`, the most recently changed first: what a reader that
-        keeps something per model reads to catch up without looking at every model."""
-        out = []
-        for name, at in reversed(self._recent.items()):
-            if at <= changes:
-                break
-            out.append(name)
-        return out
-
-    def version(self, model: str) -> int:
-        """A number that changes whenever a replica giving the model name `model`
-        changes in any way (`changed`): what a reader that keeps something worked out
-        from those replicas compares to know it still holds."""
-        return self._versions.get(model, 0)
-
-    def state_version(self, model: str) -> int:
-        """`version`, except that a replica's use does not move it: for what was worked
-        out without reading when any of those replicas was last used. On-demand replicas
-        report use every few seconds while they serve, and most of what is kept about
-        them (that they may not be stopped for a given model, say) never reads it."""
-        return self._states.get(model, 0)
+    def note_use(self, r: ReplicaRecord) -> None:
+        """`r` was used later than it was last (its `last_used_at` moved on, and nothing
+        else of it): the fold calls it for a `replica.used`, which `note` does not index."""
+        self.uses.add(r.id)
 
     def current(self) -> Iterable[ReplicaRecord]:
         """The replicas that hold capacity, in the order they were created (the order of

@@ -9,11 +9,13 @@ from __future__ import annotations
 import random
 from datetime import timedelta
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import fold, placement
+from services.core import view as view_module
 from services.core.policy import Config, PlainWalk, plan
 from services.core.policy import index as fast
 from services.core.policy.engine import Listing
@@ -90,6 +92,142 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
             assert plan(view, name, now, cfg, engine=index) == plain, (seed, seq, name)
             asked += 1
     assert asked > 0
+
+
+def _life(rng: random.Random, s: Scenario, models: list[str]) -> None:
+    """A cluster's life after it is built, for the index's incremental paths: uses that
+    move a replica's order (later, earlier than the last one, at the same time),
+    replicas stopping, failing and drained (pulling a sibling below its model's
+    minimum, moving who is borrowed), new ones created older than others (pushing a
+    sibling above the minimum, moving a guarantee's boundary from the middle), now and
+    then a nested quota tree, a model declared again with another minimum, a rename
+    with its alias, a removal; the clock moving on."""
+    view = s.view(strict=False)
+    reps = [r.id for r in view.state.replicas.values()]
+    nodes = sorted(n.name for n in view.inventory.nodes())
+    gpus = {m.name: m.profiles[0] for m in view.catalog.models()}
+    if rng.random() < 0.5:
+        # Guarantees on two levels: the owners' parent has one too, so a replica counts
+        # at both, and may be past either.
+        top = {"gpus": rng.choice([2, 4, 8])}
+        s.quota(
+            {
+                "org": {"guarantee": top},
+                **{
+                    o: {"guarantee": {"gpus": rng.choice([0, 1, 2, 4])}, "parent": "org"}
+                    for o in ("o0", "o1")
+                },
+            }
+        )
+    made = 0
+    for _ in range(rng.randint(10, 60)):
+        roll = rng.random()
+        if roll < 0.45 and reps:
+            rid = rng.choice(reps)
+            s.used(rid, at=rng.choice([None, None, "-1s", "-3h", "+1s"]))
+        elif roll < 0.6 and reps:
+            rid = rng.choice(reps)
+            s.state(rid, rng.choice(["stopped", "failed", "draining"]))
+        elif roll < 0.68 and reps:
+            s.drain(rng.choice(reps), rng.choice(["scale_down", "preempted", "node_drain"]))
+        elif roll < 0.85 and nodes and gpus:
+            name = rng.choice(sorted(gpus))
+            p = gpus[name]
+            if p.shards != 1:
+                continue
+            made += 1
+            rid = f"new-{made}"
+            node = rng.choice(nodes)
+            taken = rng.sample(range(8), p.gpus)
+            s.replica(
+                rid,
+                name,
+                on=(node, taken),
+                profile=p.name,
+                created=rng.choice(["-6h", "-2h", "-1s", None]),
+                ready=rng.choice(["-1h", None]),
+                used=rng.choice([None, "-1m"]),
+            )
+            reps.append(rid)
+        elif roll < 0.9 and models:
+            name = rng.choice(models)
+            s.emit(
+                ev.ModelDeclared(
+                    name=name,
+                    owner=rng.choice(["o0", "o1", "o2"]),
+                    cls=rng.choice(["opportunistic", "standard", "critical"]),
+                    min=rng.choice([0, 1, 2, 4]),
+                    max=12,
+                    profiles=(ev.ProfileSpec(name="p1", gpus=1),),
+                )
+            )
+        elif roll < 0.93:
+            s.emit(ev.QuotaSet(owners=(ev.OwnerQuota(name="o2", guarantee=ev.Resources(gpus=2)),)))
+        else:
+            s.at("+10m")  # nothing but the clock
+        s.at(rng.choice(["+0s", "+1s", "+1m"]))
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.integers(0, 2**32 - 1))
+def test_the_index_follows_a_cluster_replica_by_replica(seed: int) -> None:
+    """The same, through a cluster's life (`_life`), asked now after every event and
+    now after many (the preemption service follows at each decision): the quota
+    figures and who is borrowed as well as the decisions."""
+    rng = random.Random(seed)
+    s, models = build(rng)
+    for data in _later(rng, models):
+        s.emit(data)
+    _life(rng, s, models)
+    view = View()
+    index = fast.Checked(fast.Index())
+    now = s.now
+    every = rng.choice([1, 1, 3, 20])
+    for i, (seq, subject, e) in enumerate(s.events()):
+        fold.apply(view, e, seq=seq, subject=subject)
+        if i % every and rng.random() < 0.8:
+            continue
+        now += timedelta(seconds=rng.choice([0, 1, 30, 700]))
+        index.borrowed(view)
+        for owner in ("o0", "o1", "o2", "org", "default"):
+            index.usage(view, owner)
+        names = sorted({m.name for m in view.catalog.models()} | set(models)) or ["nothing"]
+        for name in rng.sample(names, min(2, len(names))):
+            cfg = Config(
+                policy=rng.choice(["reference", "node-aware"]),  # type: ignore[arg-type]
+                eviction_grace_s=rng.choice([0.0, 600.0]),
+                min_lifetime_s=rng.choice([0.0, 120.0]),
+                max_victims=rng.randint(1, 3),
+            )
+            assert plan(view, name, now, cfg, engine=index) == plan(view, name, now, cfg), (
+                seed,
+                seq,
+                name,
+            )
+
+
+def test_a_follower_behind_the_journal_starts_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view keeps only its latest changes (`view.Journal`); an index further
+    behind builds itself again, and answers the same."""
+    monkeypatch.setattr(view_module, "JOURNAL_KEPT", 4)
+    s, models = filled(random.Random(5), 0.5)
+    view = View()
+    index = fast.Checked(fast.Index())
+    events = s.events()
+    for seq, subject, e in events[: len(events) // 2]:
+        fold.apply(view, e, seq=seq, subject=subject)
+    for name in models:
+        plan(view, name, s.now, Config(), engine=index)
+    for seq, subject, e in events[len(events) // 2 :]:
+        fold.apply(view, e, seq=seq, subject=subject)
+    assert view.journal.since(0) is None
+    for name in models:
+        assert plan(view, name, s.now, Config(), engine=index) == plan(view, name, s.now)
 
 
 def test_the_check_stops_on_a_difference() -> None:

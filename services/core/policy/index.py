@@ -21,10 +21,20 @@ groups' sizes, less the few replicas a call sets apart (the model's own, the you
 multi-node). What a call costs then grows with the groups and what it lists, not with the
 replicas.
 
-Kept current by `follow`: the models whose replicas changed since the last call
-(`View.changed_since`), or every model when a declaration changed; the quota figures
-(per owner what its replicas hold, who is borrowed) are worked out again only for the
-owners whose holdings changed.
+Kept current by `follow`, replica by replica: the view journals the replicas each change
+touched (`View.journal`, and `View.uses` for a later use alone), and only those are looked
+at again. A replica that was only used again moves within its group's order (to its end
+when it is now the most recently used; a group many of whose replicas moved takes them
+out and merges them back in one pass); one that starts or stops holding capacity, or
+changes otherwise, leaves its entries and comes back. What depends on the other
+replicas is kept alongside and moved by the change alone: which of a model's live
+replicas are above its minimum (`_Model.live`, oldest first: adding or removing one moves
+at most one other across the minimum), what each owner holds (counts of each amount,
+summed when asked), and who is borrowed, per guaranteed quota level (`_Level`: its
+members oldest first, the running sums through those within the guarantee; a change
+moves the boundary, and only the members it passes change group). A declaration or a
+new quota tree builds everything again, as does a journal that no longer reaches back
+to the last follow.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import statistics
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
+from operator import attrgetter
 from typing import Any
 
 from services.core import catalog, quota
@@ -74,47 +85,50 @@ class _Rep:
         "node",
         "r",
         "size",
+        "tie",
         "used",
     )
 
     def __init__(self, r: ReplicaRecord, above: bool, size: quota.Amount) -> None:
         # The record is the fold's, changed in place by later events: what the groups
-        # are ordered by is read once, here, and an entry is made again when its
-        # model's `version` moves (`Index.follow`).
+        # are ordered by is read here, and again when the view journals a change of it
+        # (`Index.follow`).
         self.r, self.above, self.size = r, above, size
         self.node = rules.where(r)
         self.first_node = r.nodes[0] if r.nodes else None
         self.used = r.last_used_at is not None
         self.group: _Group | None = None
+        # key_order: where it comes in its group's `used` (by last use, then `tie`) or
+        # `never` (by `tie`), the order key after the tier.
+        self.tie = (size.gpus, size.memory_gb, r.id)
         lu = r.last_used_at
-        self.key_order: tuple[object, ...] = (
-            (size.gpus, size.memory_gb, r.id, self)
-            if lu is None
-            else (lu, size.gpus, size.memory_gb, r.id, self)
-        )
+        self.key_order: tuple[Any, ...] = self.tie if lu is None else (lu, self.tie)
         self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
         self.key_ids = (r.id, self)
 
 
+_ORDER = attrgetter("key_order")
+
+
 class _Group:
     """The live replicas of one (class, owner, on-demand, above minimum, borrowed): in
-    order of last use (`used`, then `never` for those never reported used), by readiness
-    and by id."""
+    order of last use (`used`, then `never` for those never reported used, both by
+    `_Rep.key_order`), by readiness and by id."""
 
     __slots__ = ("borrowed", "ids", "key", "multi", "never", "ready", "used")
 
     def __init__(self, key: tuple[str, str, bool, bool, bool]) -> None:
         self.key = key
         self.borrowed = key[4]
-        self.used: list[tuple[object, ...]] = []
-        self.never: list[tuple[object, ...]] = []
+        self.used: list[_Rep] = []
+        self.never: list[_Rep] = []
         self.ready: list[tuple[object, ...]] = []
         self.ids: list[tuple[str, _Rep]] = []
         self.multi: dict[str, _Rep] = {}
 
     def add(self, x: _Rep) -> None:
         x.group = self
-        insort(self.used if x.used else self.never, x.key_order)
+        insort(self.used if x.used else self.never, x, key=_ORDER)
         if x.key_ready is not None:
             insort(self.ready, x.key_ready)
         insort(self.ids, x.key_ids)
@@ -122,12 +136,64 @@ class _Group:
             self.multi[x.r.id] = x
 
     def remove(self, x: _Rep) -> None:
-        _drop(self.used if x.used else self.never, x.key_order)
+        _unsort(self.used if x.used else self.never, x)
         if x.key_ready is not None:
             _drop(self.ready, x.key_ready)
         _drop(self.ids, x.key_ids)
         self.multi.pop(x.r.id, None)
         x.group = None
+
+    def used_again(self, x: _Rep) -> None:
+        """`x`'s last use moved (later: the fold keeps only a later one): its place in
+        the order moves, at the end when it is now the most recently used."""
+        lu = x.r.last_used_at
+        assert lu is not None  # invariant: a use is never taken back
+        _unsort(self.used if x.used else self.never, x)
+        x.used = True
+        x.key_order = (lu, x.tie)
+        used = self.used
+        if not used or used[-1].key_order[0] < lu:
+            used.append(x)
+        else:
+            insort(used, x, key=_ORDER)
+
+    def all_used_again(self, xs: list[_Rep]) -> None:
+        """`used_again` for many at once: the order without them, and theirs merged in."""
+        gone = set(xs).__contains__
+        if self.never and any(not x.used for x in xs):
+            self.never = list(itertools.filterfalse(gone, self.never))
+        used = list(itertools.filterfalse(gone, self.used))
+        for x in xs:
+            x.used = True
+            x.key_order = (x.r.last_used_at, x.tie)
+        xs.sort(key=_ORDER)
+        merge = bool(used) and not used[-1].key_order[0] < xs[0].key_order[0]
+        used += xs
+        if merge:
+            used.sort(key=_ORDER)  # two sorted runs: merged in one pass
+        self.used = used
+
+
+def _unsort(items: list[_Rep], x: _Rep) -> None:
+    """Take `x` out of a list kept in order of `key_order`."""
+    i = bisect_left(items, x.key_order, key=_ORDER)
+    assert items[i] is x  # invariant: kept in its list at its key
+    del items[i]
+
+
+def _moved(moved: dict[_Group, list[_Rep]], x: _Rep) -> None:
+    """Note in `moved`, by group, a replica whose last use moved on since its key was
+    made (the key holds the last use it was made from, or no use at all)."""
+    lu = x.r.last_used_at
+    if lu is None or (x.used and x.key_order[0] is lu):
+        return
+    g = x.group
+    assert g is not None
+    got = moved.get(g)
+    if got is None:
+        moved[g] = [x]
+    else:
+        got.append(x)
 
 
 def _summed(on: Mapping[str, _Rep]) -> tuple[int, ...]:
@@ -141,43 +207,113 @@ def _drop(items: list[Any], key: Any) -> None:
     del items[i]
 
 
+def _signature(r: ReplicaRecord) -> tuple[object, ...]:
+    """What the index reads of a replica besides its last use (and its id, model and
+    creation, which never change): when it stays, a journaled change was a use."""
+    return (
+        r.state,
+        r.shards,
+        r.profile,
+        r.ready_at,
+        r.retiring_at,
+        r.preempted_for,
+        r.drain_reason,
+    )
+
+
+class _Held:
+    """One replica holding capacity, as its model's entry keeps it: what it holds, and
+    its entry in one of the lists (excluded by its state, of a model not in the catalog,
+    or live in a group)."""
+
+    __slots__ = ("age", "excluded", "r", "rep", "sig", "size", "unknown")
+
+    def __init__(self, r: ReplicaRecord, size: quota.Amount) -> None:
+        self.r, self.size, self.sig = r, size, _signature(r)
+        # age: the order quota counts holdings in (`QuotaTree.borrowed`), with the amount.
+        self.age = (r.created_at, r.id, size)
+        self.excluded: tuple[str, Exclusion] | None = None
+        self.unknown: tuple[str, ReplicaRecord] | None = None
+        self.rep: _Rep | None = None
+
+
 class _Model:
-    """One model name's replicas holding capacity, as kept: those excluded by their own
-    state, the live ones of a declared model (in groups), what each holds for quota."""
+    """One model name's replicas holding capacity (`View.current_of`), as kept: each
+    one's entry, and its live ones oldest first (by creation, then id), the minimum's
+    first (`rules.above_minimum`: the newest are the ones above it)."""
 
-    __slots__ = ("by_state", "holding", "holdings", "other", "owner", "reps", "unknown", "version")
+    __slots__ = ("held", "live", "min", "name", "other", "owner", "reps")
 
-    def __init__(self, view: View, name: str, other: catalog.Model | None) -> None:
-        self.version = view.version(name)
-        self.other = other
+    def __init__(self, name: str, other: catalog.Model | None) -> None:
+        self.name, self.other = name, other
         self.owner = other.owner if other is not None else "default"
-        # The current replicas are those holding capacity (`View.current_of`).
-        self.holding = tuple(view.current_of(name))
-        sizes = {r.id: size_of(view, r) for r in self.holding}
-        self.by_state: list[tuple[str, Exclusion]] = []
-        self.unknown: list[tuple[str, ReplicaRecord]] = []
-        self.reps: list[_Rep] = []
-        live: list[ReplicaRecord] = []
-        for r in self.holding:
-            code = rules.excluded_by_state(r, ())
-            if code is None:
-                live.append(r)
-            else:
-                x = Exclusion(replica=r.id, model=name, why=code[0], detail=code[1])
-                self.by_state.append((r.id, x))
-        if other is None:
-            self.unknown = [(r.id, r) for r in live]
-        else:
-            for r, above in rules.above_minimum(live, other.min):
-                self.reps.append(_Rep(r, above, sizes[r.id]))
-        self.holdings = tuple(
-            [
-                quota.Holding(
-                    replica=r.id, owner=self.owner, amount=sizes[r.id], created_at=r.created_at
-                )
-                for r in self.holding
-            ]
-        )
+        self.min = other.min if other is not None else 0
+        self.held: dict[str, _Held] = {}
+        self.reps: dict[str, _Rep] = {}
+        self.live: list[tuple[datetime, str]] = []
+
+
+class _Level:
+    """One guaranteed quota level: its members' holdings oldest first (the order
+    `QuotaTree.borrowed` counts them in), and the running sums through each of those
+    within the guarantee (`within`). Amounts are never negative, so once past, every
+    later member is past too: those within are a prefix, the rest are borrowed here."""
+
+    __slots__ = ("guarantee", "members", "within")
+
+    def __init__(self, guarantee: quota.Amount) -> None:
+        self.guarantee = guarantee
+        self.members: list[tuple[datetime, str, quota.Amount]] = []
+        self.within: list[tuple[int, float, float]] = []
+
+    def _count_from(self, p: int) -> None:
+        """The running sums from member `p` on, added in the same order as
+        `QuotaTree.borrowed` adds them, so they are the same to the last bit."""
+        within, members, g = self.within, self.members, self.guarantee
+        del within[p:]
+        gpus, cpu, mem = within[p - 1] if p else (0, 0.0, 0.0)
+        for i in range(p, len(members)):
+            a = members[i][2]
+            gpus += a.gpus
+            cpu += a.cpu_cores
+            mem += a.memory_gb
+            if not (
+                gpus <= g.gpus
+                and cpu <= g.cpu_cores + quota.EPSILON
+                and mem <= g.memory_gb + quota.EPSILON
+            ):
+                return
+            within.append((gpus, cpu, mem))
+
+    def add(self, age: tuple[datetime, str, quota.Amount]) -> tuple[bool, list[str]]:
+        """Count a new member: whether it is past here, and the members it pushed past."""
+        members = self.members
+        p = bisect_left(members, age)
+        members.insert(p, age)
+        k = len(self.within)
+        if p > k:
+            # After the first one past: the sums before it do not move.
+            return True, []
+        self._count_from(p)
+        # Before, those past were from k on; they are from k + 1 on now, and the
+        # boundary can only come nearer.
+        k2 = len(self.within)
+        return p >= k2, [members[i][1] for i in range(k2, k + 1) if i != p]
+
+    def remove(self, age: tuple[datetime, str, quota.Amount]) -> list[str]:
+        """Stop counting a member: the members no longer past here."""
+        members = self.members
+        p = bisect_left(members, age)
+        assert members[p] is age  # invariant: a member's key is kept as it was added
+        del members[p]
+        k = len(self.within)
+        if p > k:
+            return []
+        self._count_from(p)
+        # Before, those past were from k on (from k - 1 on now, when the one gone was
+        # within); the boundary can only go further.
+        start = k - 1 if p < k else k
+        return [members[i][1] for i in range(start, len(self.within))]
 
 
 class Index:
@@ -185,22 +321,25 @@ class Index:
     the view folds. Follows one view: asked about another, it starts again."""
 
     __slots__ = (
+        "_amounts",
         "_borrowed",
         "_by_state",
         "_catalog_version",
         "_changes",
-        "_dirty_b",
-        "_dirty_owners",
+        "_frozen",
         "_groups",
+        "_held",
+        "_levels",
+        "_live",
         "_models",
         "_nodes",
-        "_owner_models",
-        "_owner_sums",
-        "_reps",
+        "_past",
         "_shapes",
+        "_sums_of",
         "_tops",
         "_tree",
         "_unknown",
+        "_uses",
         "_view",
         "_walks",
         "lazy",
@@ -211,13 +350,15 @@ class Index:
         # the spec's search reads every node that could make room (`by_node`).
         self.lazy = lazy
         self._view: View | None = None
+        self._tree: quota.QuotaTree | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._tree: quota.QuotaTree | None = None
         self._catalog_version = -1
-        self._changes = -1
+        self._changes = self._uses = -1
         self._models: dict[str, _Model] = {}
+        self._held: dict[str, tuple[_Model, _Held]] = {}
+        self._live: dict[str, _Rep] = {}
         self._groups: dict[tuple[str, str, bool, bool, bool], _Group] = {}
         self._by_state: list[tuple[str, Exclusion]] = []
         self._unknown: list[tuple[str, ReplicaRecord]] = []
@@ -229,95 +370,206 @@ class Index:
         # of a shape whose bound falls short at once (`_Found._passing`).
         self._shapes: dict[tuple[int, ...], dict[str, None]] = {}
         self._walks = _Walks()
-        self._reps: dict[str, tuple[catalog.Model, _Rep]] = {}
-        self._owner_models: dict[str, set[str]] = {}
-        self._owner_sums: dict[str, quota.Amount] = {}
-        self._dirty_owners: set[str] = set()
-        self._borrowed: frozenset[str] = frozenset()
-        self._dirty_b = True
+        # _amounts: per owner, how many of its replicas hold each amount; _sums_of: what
+        # they sum to, None while a change has not been summed.
+        self._amounts: dict[str, dict[quota.Amount, int]] = {}
+        self._sums_of: dict[str, quota.Amount] | None = {}
+        # _levels: per guaranteed quota level (by name), its members; _past: per replica,
+        # at how many of its levels it is past the guarantee; _borrowed: those past one.
+        self._levels: dict[str, _Level] = {}
+        self._past: dict[str, int] = {}
+        self._borrowed: set[str] = set()
+        self._frozen: frozenset[str] | None = frozenset()
 
     # Keeping current.
 
     def follow(self, view: View) -> None:
-        """Bring the groups up to date with `view`: the models whose replicas changed,
-        every model when a declaration or the quota tree changed, a new view from the
-        start."""
+        """Bring the groups up to date with `view`: the replicas it journaled since the
+        last call, everything when a declaration or the quota tree changed, a new view
+        from the start."""
         if view is not self._view or view.quota is not self._tree:
             self._view = view
-            self._reset()
             self._tree = view.quota
+            self._catalog_version = -1
         if view.catalog.version != self._catalog_version:
-            names = set(self._models) | set(view.current_models())
-            self._catalog_version = view.catalog.version
-        elif view.changes != self._changes:
-            names = set(view.changed_since(self._changes))
-        else:
+            self._rebuild(view)
             return
-        self._changes = view.changes
-        current = view.current_models()
-        resolve = view.catalog.resolve
-        for name in names:
-            old = self._models.get(name)
-            if name not in current:
-                if old is not None:
-                    self._remove(name, old)
-                    self._dirty_owners.add(old.owner)
-                    self._dirty_b = True
+        journal, uses = view.journal, view.uses
+        if journal.count == self._changes and uses.count == self._uses:
+            return
+        changed, used = journal.since(self._changes), uses.since(self._uses)
+        if changed is None or used is None:
+            self._rebuild(view)
+            return
+        self._changes, self._uses = journal.count, uses.count
+        moved: dict[_Group, list[_Rep]] = {}
+        again = dict.fromkeys(used)
+        if changed:
+            replicas = view.state.replicas
+            for rid in dict.fromkeys(changed):
+                again.pop(rid, None)
+                self._update(view, replicas[rid], moved)
+        # Used, and changed in nothing else (`View.note_use`): only the order moves.
+        live = self._live
+        for rid in again:
+            # `_moved`, written out: this runs for nearly every event of a serving log.
+            x = live.get(rid)
+            if x is None:
                 continue
-            other = resolve(name)
-            if old is not None and old.version == view.version(name) and old.other is other:
+            lu = x.r.last_used_at
+            if lu is None or (x.used and x.key_order[0] is lu):
                 continue
-            new = _Model(view, name, other)
-            if old is not None:
-                self._remove(name, old)
-            self._add(view, name, new)
-            if old is None or old.holdings != new.holdings or old.owner != new.owner:
-                self._dirty_owners.add(new.owner)
-                if old is not None:
-                    self._dirty_owners.add(old.owner)
-                self._dirty_b = True
-        if self._dirty_b and view.quota.any_guarantee():
-            self._regroup_borrowed(view)
+            g = x.group
+            assert g is not None
+            got = moved.get(g)
+            if got is None:
+                moved[g] = [x]
+            else:
+                got.append(x)
+        for g, xs in moved.items():
+            if len(xs) < 8 or 16 * len(xs) < len(g.ids):
+                for x in xs:
+                    g.used_again(x)
+            else:
+                g.all_used_again(xs)
 
-    def _remove(self, name: str, e: _Model) -> None:
-        del self._models[name]
-        self._owner_models.get(e.owner, set()).discard(name)
-        for x in e.by_state:
-            _drop(self._by_state, x)
-        for u in e.unknown:
-            _drop(self._unknown, u)
-        for rep in e.reps:
+    def _rebuild(self, view: View) -> None:
+        self._reset()
+        self._catalog_version = view.catalog.version
+        self._changes, self._uses = view.journal.count, view.uses.count
+        for r in view.current():
+            self._hold(view, r)
+
+    def _update(self, view: View, r: ReplicaRecord, moved: dict[_Group, list[_Rep]]) -> None:
+        """Bring one journaled replica's entries up to date; one changed in nothing the
+        index reads but its last use goes to `moved`."""
+        got = self._held.get(r.id)
+        if got is not None:
+            e, h = got
+            if r.holds_capacity and h.sig == _signature(r):
+                if h.rep is not None:
+                    _moved(moved, h.rep)
+                return
+            self._let_go(e, h)
+        if r.holds_capacity:
+            self._hold(view, r)
+
+    def _hold(self, view: View, r: ReplicaRecord) -> None:
+        """Enter a replica that holds capacity: what it holds, then its entry."""
+        name = r.model
+        e = self._models.get(name)
+        if e is None:
+            e = self._models[name] = _Model(name, view.catalog.resolve(name))
+        h = _Held(r, size_of(view, r))
+        rid = r.id
+        e.held[rid] = h
+        self._held[rid] = (e, h)
+        self._count(e.owner, h.size, 1)
+        tree = self._tree
+        assert tree is not None
+        for q in tree.guaranteed_levels(e.owner):
+            level = self._levels.get(q.name)
+            if level is None:
+                level = self._levels[q.name] = _Level(q.guarantee)
+            past, pushed = level.add(h.age)
+            if past:
+                self._pass(rid, 1)
+            for other in pushed:
+                self._pass(other, 1)
+        code = rules.excluded_by_state(r, ())
+        if code is not None:
+            h.excluded = (rid, Exclusion(replica=rid, model=name, why=code[0], detail=code[1]))
+            insort(self._by_state, h.excluded)
+            return
+        if e.other is None:
+            h.unknown = (rid, r)
+            insort(self._unknown, h.unknown)
+            return
+        # Above the minimum: its place among the live, oldest first, from the minimum's
+        # count on. One entering among the minimum's pushes the last of them above it.
+        live, least = e.live, e.min
+        age = (r.created_at, rid)
+        p = bisect_left(live, age)
+        live.insert(p, age)
+        if p < least < len(live):
+            self._regroup(e, e.reps[live[least][1]], True)
+        rep = h.rep = e.reps[rid] = self._live[rid] = _Rep(r, p >= least, h.size)
+        self._group_of(e.other, rep).add(rep)
+        self._place(rep)
+
+    def _let_go(self, e: _Model, h: _Held) -> None:
+        """Take out a replica's entries: it stopped holding capacity, or changed in what
+        it is entered by (`_hold` enters it again)."""
+        r = h.r
+        rid = r.id
+        del e.held[rid], self._held[rid]
+        rep = h.rep
+        if h.excluded is not None:
+            _drop(self._by_state, h.excluded)
+        elif h.unknown is not None:
+            _drop(self._unknown, h.unknown)
+        elif rep is not None:
             assert rep.group is not None
             rep.group.remove(rep)
             self._unplace(rep)
-            del self._reps[rep.r.id]
-
-    def _add(self, view: View, name: str, e: _Model) -> None:
-        self._models[name] = e
-        self._owner_models.setdefault(e.owner, set()).add(name)
-        for x in e.by_state:
-            insort(self._by_state, x)
-        for u in e.unknown:
-            insort(self._unknown, u)
-        if e.reps:
-            assert e.other is not None
-            # Grouped by who was borrowed before this change: `_regroup_borrowed` moves
-            # those whose being borrowed the change moved.
-            borrowed = self._borrowed if self._covered(e.owner) else None
-            for rep in e.reps:
-                self._group_of(e.other, rep, borrowed).add(rep)
-                self._place(rep)
-                self._reps[rep.r.id] = (e.other, rep)
-
-    def _covered(self, owner: str) -> bool:
+            del e.reps[rid], self._live[rid]
+            live, least = e.live, e.min
+            p = bisect_left(live, (r.created_at, rid))
+            del live[p]
+            # One leaving the minimum's pulls the oldest above it into the minimum.
+            if p < least <= len(live):
+                self._regroup(e, e.reps[live[least - 1][1]], False)
+        self._count(e.owner, h.size, -1)
         tree = self._tree
         assert tree is not None
-        return tree.any_guarantee() and tree.has_guarantee(owner)
+        levels = tree.guaranteed_levels(e.owner)
+        if levels:
+            if rid in self._past:
+                self._pass(rid, -self._past[rid])
+            for q in levels:
+                for other in self._levels[q.name].remove(h.age):
+                    self._pass(other, -1)
 
-    def _group_of(self, other: catalog.Model, rep: _Rep, borrowed: frozenset[str] | None) -> _Group:
+    def _pass(self, rid: str, n: int) -> None:
+        """Count `rid` past (n > 0) or back within (n < 0) the guarantee at n levels; a
+        live replica whose being borrowed moved goes to the group of its new flag."""
+        past = self._past
+        was = past.get(rid, 0)
+        now = was + n
+        if now:
+            past[rid] = now
+        else:
+            del past[rid]
+        if (was > 0) == (now > 0):
+            return
+        if now:
+            self._borrowed.add(rid)
+        else:
+            self._borrowed.discard(rid)
+        self._frozen = None
+        got = self._held.get(rid)
+        if got is not None and got[1].rep is not None:
+            e, h = got
+            assert h.rep is not None
+            self._regroup(e, h.rep, h.rep.above)
+
+    def _regroup(self, e: _Model, rep: _Rep, above: bool) -> None:
+        assert rep.group is not None and e.other is not None
+        rep.group.remove(rep)
+        rep.above = above
+        self._group_of(e.other, rep).add(rep)
+
+    def _group_of(self, other: catalog.Model, rep: _Rep) -> _Group:
         tree = self._tree
         assert tree is not None
-        flag = (rep.r.id in borrowed) if borrowed is not None else tree.any_guarantee()
+        # Borrowed only matters across owners with a guarantee in play; an owner under
+        # none is borrowed whatever it holds (`rules.is_borrowed`).
+        if not tree.any_guarantee():
+            flag = False
+        elif tree.has_guarantee(other.owner):
+            flag = rep.r.id in self._borrowed
+        else:
+            flag = True
         key = (rules.effective_class(other), other.owner, other.on_demand, rep.above, flag)
         g = self._groups.get(key)
         if g is None:
@@ -363,58 +615,45 @@ class Index:
 
     # Quota.
 
+    def _count(self, owner: str, a: quota.Amount, n: int) -> None:
+        counts = self._amounts.get(owner)
+        if counts is None:
+            counts = self._amounts[owner] = {}
+        left = counts.get(a, 0) + n
+        if left:
+            counts[a] = left
+        else:
+            del counts[a]
+            if not counts:
+                del self._amounts[owner]
+        self._sums_of = None
+
     def usage(self, view: View, owner: str) -> dict[str, quota.Amount]:
         self.follow(view)
-        sums = self._sums()
         held = [
-            quota.Holding(replica="", owner=o, amount=a, created_at=_EPOCH) for o, a in sums.items()
+            quota.Holding(replica="", owner=o, amount=a, created_at=_EPOCH)
+            for o, a in self._sums().items()
         ]
         return view.quota.usage_of(owner, held)
 
     def _sums(self) -> dict[str, quota.Amount]:
-        for owner in self._dirty_owners:
-            g, cpu, mem = 0, 0.0, 0.0
-            for name in self._owner_models.get(owner, ()):
-                for h in self._models[name].holdings:
-                    a = h.amount
-                    g += a.gpus
-                    cpu += a.cpu_cores
-                    mem += a.memory_gb
-            if self._owner_models.get(owner):
-                self._owner_sums[owner] = quota.Amount(gpus=g, cpu_cores=cpu, memory_gb=mem)
-            else:
-                self._owner_sums.pop(owner, None)
-        self._dirty_owners.clear()
-        return self._owner_sums
+        sums = self._sums_of
+        if sums is None:
+            sums = self._sums_of = {}
+            for owner, counts in self._amounts.items():
+                g, cpu, mem = 0, 0.0, 0.0
+                for a, n in counts.items():
+                    g += a.gpus * n
+                    cpu += a.cpu_cores * n
+                    mem += a.memory_gb * n
+                sums[owner] = quota.Amount(gpus=g, cpu_cores=cpu, memory_gb=mem)
+        return sums
 
     def borrowed(self, view: View) -> frozenset[str]:
         self.follow(view)
-        return self._borrowed
-
-    def _regroup_borrowed(self, view: View) -> None:
-        """Who is borrowed, worked out again from the owners' holdings; a replica whose
-        being borrowed changed moves to the group of its new flag."""
-        tree = view.quota
-        self._dirty_b = False
-        held = [
-            h
-            for owner, names in self._owner_models.items()
-            if tree.has_guarantee(owner)
-            for name in names
-            for h in self._models[name].holdings
-        ]
-        new = rules.borrowed_of(tree, held)
-        old, self._borrowed = self._borrowed, new
-        for rid in old ^ new:
-            got = self._reps.get(rid)
-            if got is None:
-                continue
-            other, rep = got
-            if not self._covered(other.owner):
-                continue
-            assert rep.group is not None
-            rep.group.remove(rep)
-            self._group_of(other, rep, new).add(rep)
+        if self._frozen is None:
+            self._frozen = frozenset(self._borrowed)
+        return self._frozen
 
     # Finding.
 
@@ -432,9 +671,9 @@ class _Walks:
     their k largest hold: by the least work k of them throw away (their loading seconds
     times GPUs, the k smallest summed), then by the k-th oldest last use among them (the
     least idle of the k longest unused; a node with fewer than k ever used last). Kept
-    by the nodes whose replicas moved (`moved`) and those of every model changed in the
-    view since (`View.changed_since`: a use, a loading time), worked out again when a
-    call reads."""
+    by the nodes whose replicas moved (`moved`) and those of every model with a replica
+    the view journaled since (`View.journal`, `View.uses`: a use, a loading time),
+    worked out again when a call reads."""
 
     __slots__ = ("at", "by", "models", "moved", "seen")
 
@@ -442,17 +681,27 @@ class _Walks:
         self.by: dict[int, dict[int, list[_WalkEntry]]] = {}
         self.at: dict[int, dict[str, tuple[int, _WalkEntry]]] = {}
         self.moved: set[str] = set()
-        # models: per model, the nodes whose entries read its replicas; seen: the view's
-        # `changes` when they were last brought up to date.
+        # models: per model, the nodes whose entries read its replicas; seen: the counts
+        # of the view's journals (`View.journal`, `View.uses`) when they were last
+        # brought up to date.
         self.models: dict[str, set[str]] = {}
-        self.seen = -1
+        self.seen: tuple[int, int] | None = None
 
     def stream(self, index: Index, view: View, least: int, k: int) -> Iterator[_WalkEntry]:
-        if view.changes != self.seen:
-            if self.seen >= 0:
-                for m in view.changed_since(self.seen):
-                    self.moved |= self.models.get(m, set())
-            self.seen = view.changes
+        journal, uses = view.journal, view.uses
+        now = (journal.count, uses.count)
+        if now != self.seen:
+            if self.seen is not None:
+                changed = journal.since(self.seen[0])
+                used = uses.since(self.seen[1])
+                if changed is None or used is None:
+                    self.moved |= set(index._nodes)
+                else:
+                    replicas = view.state.replicas
+                    models = self.models
+                    for m in {replicas[rid].model for rid in itertools.chain(changed, used)}:
+                        self.moved |= models.get(m, set())
+            self.seen = now
         if self.moved:
             self._refresh(index, view)
         if k not in self.by:
@@ -558,8 +807,7 @@ class _Weighed:
         lo, hi = 0, len(used)
         while lo < hi:
             mid = (lo + hi) // 2
-            lu = used[mid][0]
-            assert isinstance(lu, datetime)
+            lu = used[mid].key_order[0]
             if (now - lu).total_seconds() >= grace:
                 lo = mid + 1
             else:
@@ -597,7 +845,7 @@ class _Found:
         self._gangs = a.cfg.policy != "reference"
         models = index._models
         mine_names = [n for n in view.catalog.names_of(a.m) if n in models]
-        self._mine = [r for n in mine_names for r in models[n].holding]
+        self._mine = [h.r for n in mine_names for h in models[n].held.values()]
         self._mine_ids = {r.id for r in self._mine}
         weighed = {id(g): _Weighed(g, a) for g in index._groups.values() if g.ids}
         self._weighed = weighed
@@ -617,7 +865,7 @@ class _Found:
         # Set apart in each group: its own model's, then the young, then (the
         # reference's) the multi-node.
         for n in mine_names:
-            for rep in models[n].reps:
+            for rep in models[n].reps.values():
                 assert rep.group is not None
                 weighed[id(rep.group)].skip[rep.r.id] = ("same_model", rep)
         lifetime = a.cfg.min_lifetime_s
@@ -688,8 +936,7 @@ class _Found:
 
         def of_used() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
             for i in range(lo, hi):
-                rep = used[i][-1]
-                assert isinstance(rep, _Rep)
+                rep = used[i]
                 r = rep.r
                 if r.id in skip:
                     continue
@@ -698,9 +945,7 @@ class _Found:
                 yield (tier, -(idle or 0.0), rep.size.gpus, rep.size.memory_gb, r.id), w, rep, tier
 
         def of_never() -> Iterator[tuple[tuple[int, float, int, float, str], _Weighed, _Rep, int]]:
-            for item in w.g.never:
-                rep = item[-1]
-                assert isinstance(rep, _Rep)
+            for rep in w.g.never:
                 if rep.r.id in skip:
                     continue
                 yield (tier, -0.0, rep.size.gpus, rep.size.memory_gb, rep.r.id), w, rep, tier
