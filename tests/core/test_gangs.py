@@ -10,11 +10,15 @@ the exhaustive oracle finds no set within the cap whenever node-aware says no_fi
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import placement, reaction
+from services.core.policy.narrow import Narrow
+from services.core.policy.trials import Trials
 from services.core.preemption import Config, Decision, plan
 from services.core.view import View
 from services.sim import oracle
@@ -191,3 +195,33 @@ def test_every_decision_stops_whole_gangs_that_make_room(case: tuple[Scenario, s
     # The reference never stops a gang.
     ref = plan(v, model, s.now, REF)
     assert all(not c.nodes for c in ref.victims)
+
+
+@settings(
+    max_examples=100, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+)
+@given(clusters(), st.randoms(use_true_random=False))
+def test_a_trial_within_the_victims_domains_is_the_whole_clusters(
+    case: tuple[Scenario, str], rnd: random.Random
+) -> None:
+    """A trial for a model whose profiles of several shards are required in one domain
+    places within the domains the victims are in (`Narrow.levels`): the same result,
+    placement and all, as on a clone of the whole inventory, for the sets node-aware
+    tried and for random sets of its candidates."""
+    s, model = case
+    v = s.view()
+    d = plan(v, model, s.now, NA)
+    m = v.catalog.resolve(model)
+    assert m is not None
+    profiles = [p for p in m.profiles if p.name in d.profiles]
+    if d.outcome not in ("preempted", "no_fit") or not profiles:
+        return
+    by_id = {c.replica: c for c in d.candidates}
+    sets = [[by_id[r] for r in t.victims] for t in d.trials]
+    for _ in range(5):
+        sets.append(rnd.sample(d.candidates, rnd.randint(1, min(3, len(d.candidates)))))
+    narrow = Narrow(v, profiles, d.avoid)
+    whole = Trials(v, profiles, d.avoid)
+    for gone in sets:
+        assert narrow.fits_without(gone) == whole.fits_without(gone)
+    assert narrow.trials == whole.trials

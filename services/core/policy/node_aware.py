@@ -25,7 +25,9 @@ reference's own search is run too (`fallback`), and the better of the two is tak
 
 Bounded: sets are weighed level by level, (highest tier, size) in order, and a node is
 passed over at a level once even its largest allowed victims could not free enough,
-so on a full cluster of 1,000 nodes most nodes cost a sum or two.
+so on a full cluster of 1,000 nodes most nodes cost a sum or two. This is the spec: the
+index's engine finds the same set, trying the same sets in the same order, by walking
+each level's nodes best first (`node_levels`), held to this by a differential test.
 """
 
 from __future__ import annotations

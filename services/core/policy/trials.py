@@ -4,6 +4,9 @@ The reference's `fitsWithout` (reference/preempt.go): stopping replicas that do 
 room is the one outcome worse than not preempting, so a set is stopped only once a clone
 without it places the model. Used by both searches (`search`, `node_aware`); each trial
 is recorded for the decision. Nothing is kept past one decision. No I/O.
+
+`narrow.Narrow` is the same trials on a copy of only the nodes where room can appear,
+proven equal to these by tests/core/test_gangs.py and tests/core/test_policy_index.py.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.core import catalog, placement
+from services.core.inventory import Inventory
 from services.core.policy.decision import Candidate, TrialResult
 from services.core.view import View
 
@@ -18,27 +22,19 @@ from services.core.view import View
 class Trials:
     """The sets tried for one decision, in the order tried, on the view's inventory."""
 
-    __slots__ = ("avoid", "one_shard", "profiles", "trials", "view")
+    __slots__ = ("avoid", "profiles", "trials", "view")
 
     def __init__(
         self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
     ) -> None:
         self.view, self.profiles, self.avoid = view, profiles, avoid
         self.trials: list[TrialResult] = []
-        # Trials run only once the model fits nowhere as the cluster stands (`plan`);
-        # with every profile of one shard, room can then only appear on the nodes
-        # victims are stopped on (`placement.place`'s `within`).
-        self.one_shard = all(p.shards == 1 for p in profiles)
 
     def fits_without(self, gone: Sequence[Candidate], pruning: bool = False) -> bool:
         """Whether the model could be placed with `gone` stopped, tried on a clone. The
         placement tries without the avoided nodes first, then with them: a soft
         preference never turns room that exists into a preemption."""
-        within = {n for v in gone for n in (v.nodes or (v.node,))} if self.one_shard else None
-        inv = self.view.inventory
-        # A placement within the victims' nodes reads no other node: the copy holds only
-        # those (`Inventory.part`), not the whole cluster.
-        trial = inv.clone() if within is None else inv.part(within, [v.replica for v in gone])
+        trial, within = self.copy(gone)
         for v in gone:
             trial.release_replica(v.replica)
         found = placement.place(trial, self.profiles, self.avoid, within=within)
@@ -52,6 +48,11 @@ class Trials:
             )
         )
         return fits
+
+    def copy(self, gone: Sequence[Candidate]) -> tuple[Inventory, set[str] | None]:
+        """The inventory a trial of `gone` places on, and the nodes it may place within
+        (None: any): a clone of the whole."""
+        return self.view.inventory.clone(), None
 
 
 def prune(tr: Trials, chosen: list[Candidate]) -> list[Candidate]:
