@@ -28,7 +28,7 @@ from typing import Any
 
 from schemas import events as ev
 from services.core import catalog, placement, quota
-from services.core.policy import gangs, node_aware, node_levels, rules, search
+from services.core.policy import gang_levels, gangs, node_aware, node_levels, rules, search
 from services.core.policy.config import POLICIES, WHY, Config, Policy
 from services.core.policy.decision import (
     LISTED,
@@ -266,7 +266,7 @@ def _search(
 
     def fallback() -> list[Candidate]:
         # Its own trials: the decision's are those of the sets node-aware proposed.
-        return search.reference(Trials(view, profiles, tr.avoid), first, cfg.max_victims)
+        return search.reference(Trials(view, profiles, tr.avoid, beside=tr), first, cfg.max_victims)
 
     lazily = found.lazily(view)
     if lazily is None:
@@ -285,7 +285,14 @@ def _search(
             view, profiles, first, cfg.max_victims, tr.fits_without, fallback, lazily
         )
     if found.has_gangs or any(p.shards > 1 for p in profiles):
-        whole = gangs.search(view, profiles, found.every(), cfg.max_victims, tr.fits_without)
+        source = found.gangs_lazily(view)
+        if source is None:
+            whole = gangs.search(view, profiles, found.every(), cfg.max_victims, tr.fits_without)
+        else:
+            # The same set, the same sets tried (`gang_levels`), reading fewer candidates.
+            whole = gang_levels.search(
+                view, profiles, source, cfg.max_victims, tr.fits_without, tr.domains
+            )
         if whole:
             load_s = node_aware.load_costs(view, {v.model for v in (*whole, *found_set)})
             if not found_set or node_aware.key(whole, load_s) < node_aware.key(found_set, load_s):

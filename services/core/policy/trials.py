@@ -26,6 +26,7 @@ class Trials:
         profiles: Sequence[catalog.Profile],
         avoid: tuple[str, ...],
         narrow: bool = True,
+        beside: Trials | None = None,
     ) -> None:
         self.view, self.profiles, self.avoid = view, profiles, avoid
         self.trials: list[TrialResult] = []
@@ -40,7 +41,8 @@ class Trials:
         self.levels: tuple[str, ...] | None = None
         if narrow and not self.one_shard and all(_kept(p) for p in profiles):
             self.levels = tuple(sorted({p.topology_level or "" for p in profiles} - {""}))
-        self._domains: dict[str, dict[str, list[str]]] = {}
+        # _domains: per level, `domains`; shared with `beside`, trials of the same view.
+        self._domains: dict[str, dict[str, list[str]]] = {} if beside is None else beside._domains
 
     def fits_without(self, gone: Sequence[Candidate], pruning: bool = False) -> bool:
         """Whether the model could be placed with `gone` stopped, tried on a clone. The
@@ -73,18 +75,24 @@ class Trials:
         inv = self.view.inventory
         out = set(nodes)
         for level in self.levels or ():
-            domains = self._domains.get(level)
-            if domains is None:
-                domains = self._domains[level] = {
-                    d: [u.node.name for u in us]
-                    for d, us in placement.domains_of(inv.usages(), level).items()
-                }
+            domains = self.domains(level)
             for n in nodes:
                 node = inv.node(n)
                 d = None if node is None else node.labels.get(level)
                 if d is not None:
                     out.update(domains.get(d, ()))
         return out
+
+    def domains(self, level: str) -> dict[str, list[str]]:
+        """The names of each domain's nodes at `level` (`placement.domains_of`), worked
+        out once for the decision: its trials and the gang search read them."""
+        domains = self._domains.get(level)
+        if domains is None:
+            domains = self._domains[level] = {
+                d: [u.node.name for u in us]
+                for d, us in placement.domains_of(self.view.inventory.usages(), level).items()
+            }
+        return domains
 
 
 def _kept(p: catalog.Profile) -> bool:
