@@ -20,3 +20,8 @@ class AllocationError(CoreError):
         super().__init__(f"replica {replica}: {reason}")
         self.replica = replica
         self.reason = reason
+
+
+class PolicyMismatch(CoreError):
+    """A fast path and the spec disagreed (`LLMGW_POLICY_CHECK=1`): the index and the
+    plain walk, or the lazy node-aware search and the spec's."""

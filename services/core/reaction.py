@@ -66,9 +66,10 @@ def react(
     answered: ev.PreemptionDecidedEvent | None = None,
     drain_grace_s: float = DRAIN_GRACE_S,
     engine: preemption.Candidates | None = None,
+    narrow: bool = True,
 ) -> Reaction:
     """The reaction to `trigger` on `view` at `now`; `engine` finds the candidates (the
-    caller's, see `policy.index`; the plain walk when None).
+    caller's, see `policy.index`; the plain walk when None); `narrow` as `plan` takes it.
 
     `answered` is a decision the log already holds for the trigger's model, stored after
     the trigger: its own (published before a crash) or a later trigger's.
@@ -82,7 +83,13 @@ def react(
     if answered is not None:
         return Reaction("completed", missing(view, answered, now, drain_grace_s), earlier=answered)
     decision = preemption.plan(
-        view, trigger.data.model, now, config, avoid=trigger.data.avoid, engine=engine
+        view,
+        trigger.data.model,
+        now,
+        config,
+        avoid=trigger.data.avoid,
+        engine=engine,
+        narrow=narrow,
     )
     return Reaction(
         "decided", decision_events(trigger, decision, now, drain_grace_s), decision=decision

@@ -63,6 +63,7 @@ from services.bus.consume import Delivery, consume_durable, decode_checked
 from services.clock import utc_now
 from services.core import reaction
 from services.core.policy import index as policy_index
+from services.core.policy import narrow
 from services.core.view import DecisionRecord, View
 from services.follower import ViewFollower
 from services.leader import Leader, LeaseLapsed, Outgoing
@@ -154,6 +155,9 @@ class PreemptionService:
         # kept current with the follower's view; LLMGW_POLICY_INDEX=0 turns it off,
         # LLMGW_POLICY_CHECK=1 checks it against the plain walk on every call.
         self.engine = policy_index.from_env(os.environ)
+        # narrow: trials on copies of only the nodes where room can appear
+        # (`policy.narrow`); LLMGW_POLICY_NARROW=0 clones the whole inventory instead.
+        self.narrow = os.environ.get(narrow.NARROW_ENV, "1") != "0"
         """True while leading with its backlog noted and its trigger consumer running: a
         trigger stored from then on is new to this term, not a backlog to look up."""
         self.stats = Stats()
@@ -271,6 +275,7 @@ class PreemptionService:
                 answered=answered,
                 drain_grace_s=self.config.drain_grace_s,
                 engine=self.engine,
+                narrow=self.narrow,
             )
         except policy_index.PolicyMismatch as e:
             # LLMGW_POLICY_CHECK=1: a difference stops the service, in one line.

@@ -43,6 +43,7 @@ from schemas import events as ev
 from services.core import autoscale, preemption, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.policy import index as policy_index
+from services.core.policy import narrow
 from services.core.view import ReplicaRecord, View, digest
 from services.sim import oracle
 from services.sim.scenario import ModelSpec, NodeGroup, Scenario
@@ -271,6 +272,7 @@ class Engine:
         # engine's own index over its view (LLMGW_POLICY_INDEX=0: the plain walk;
         # LLMGW_POLICY_CHECK=1: both, stopping on a difference).
         self._candidates = policy_index.from_env(os.environ)
+        self._narrow = os.environ.get(narrow.NARROW_ENV, "1") != "0"
         self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -617,7 +619,9 @@ class Engine:
         self._due_known = False
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
-        r = reaction.react(self.view, trigger, self.now, self.pcfg, engine=self._candidates)
+        r = reaction.react(
+            self.view, trigger, self.now, self.pcfg, engine=self._candidates, narrow=self._narrow
+        )
         d = r.decision
         if d is not None:
             self._count_decision(d)

@@ -22,7 +22,6 @@ from services.core import fold
 from services.core.policy import Candidate, Config, gang_levels, gangs, plan, rules
 from services.core.policy import index as fast
 from services.core.policy.engine import PLAIN
-from services.core.policy.trials import Trials
 from tests.scenario import Scenario
 
 CLASSES = ("opportunistic", "standard", "critical")
@@ -134,7 +133,7 @@ def test_the_lazy_gang_search_tries_the_specs_sets_in_its_order(seed: int) -> No
         assert list(source.every()) == list(cands)
         salt = rng.randrange(1 << 30)
         yes = rng.choice([0.0, 0.2, 0.5, 1.0])
-        domains = Trials(view, m.profiles, ()).domains
+        domains = gang_levels.domains(view)
         want_log, fits = _answers(salt, yes)
         want = gangs.search(view, m.profiles, cands, cfg.max_victims, fits)
         for src in (gang_levels.Listed(cands), source):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import placement, reaction
+from services.core.policy.narrow import Narrow
 from services.core.policy.trials import Trials
 from services.core.preemption import Config, Decision, plan
 from services.core.view import View
@@ -204,7 +205,7 @@ def test_a_trial_within_the_victims_domains_is_the_whole_clusters(
     case: tuple[Scenario, str], rnd: random.Random
 ) -> None:
     """A trial for a model whose profiles of several shards are required in one domain
-    places within the domains the victims are in (`Trials.levels`): the same result,
+    places within the domains the victims are in (`Narrow.levels`): the same result,
     placement and all, as on a clone of the whole inventory, for the sets node-aware
     tried and for random sets of its candidates."""
     s, model = case
@@ -219,9 +220,8 @@ def test_a_trial_within_the_victims_domains_is_the_whole_clusters(
     sets = [[by_id[r] for r in t.victims] for t in d.trials]
     for _ in range(5):
         sets.append(rnd.sample(d.candidates, rnd.randint(1, min(3, len(d.candidates)))))
-    narrow = Trials(v, profiles, d.avoid)
-    whole = Trials(v, profiles, d.avoid, narrow=False)
-    assert whole.levels is None
+    narrow = Narrow(v, profiles, d.avoid)
+    whole = Trials(v, profiles, d.avoid)
     for gone in sets:
         assert narrow.fits_without(gone) == whole.fits_without(gone)
     assert narrow.trials == whole.trials

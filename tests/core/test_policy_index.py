@@ -88,7 +88,9 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
                 min_lifetime_s=rng.choice([0.0, 120.0]),
                 max_victims=rng.randint(1, 3),
             )
-            plain = plan(view, name, now, cfg)
+            # The spec whole: the plain walk, every set tried on a clone of the cluster.
+            plain = plan(view, name, now, cfg, narrow=False)
+            assert plan(view, name, now, cfg) == plain, (seed, seq, name)
             assert plan(view, name, now, cfg, engine=index) == plain, (seed, seq, name)
             asked += 1
     assert asked > 0
@@ -347,7 +349,8 @@ def _nodes_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
 def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
     """Node-aware's lazy search (`node_levels`, the index's default) against the spec's
     (`node_aware.search`, the plain walk's, and the index's with `lazy=False`): the same
-    decision, field for field, so the same sets tried in the same order; and the check
+    decision, field for field, so the same sets tried in the same order, as the spec's
+    trials on clones of the whole cluster (`narrow=False`) give it; and the check
     (`LLMGW_POLICY_CHECK=1`), which runs both on every call, finds no difference. The
     same engines are asked again after uses, drains and time moving on, so what the
     index keeps for the walk is kept current."""
@@ -366,7 +369,8 @@ def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
                 max_victims=rng.randint(1, 4),
             )
             avoid = rng.sample(sorted(view.inventory.names()), rng.randint(0, 2))
-            want = plan(view, name, now, cfg, avoid=avoid)
+            want = plan(view, name, now, cfg, avoid=avoid, narrow=False)
+            assert plan(view, name, now, cfg, avoid=avoid) == want, (seed, name)
             for engine in (lazy, spec, checked):
                 got = plan(view, name, now, cfg, avoid=avoid, engine=engine)
                 assert got == want, (seed, name)

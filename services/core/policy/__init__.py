@@ -10,8 +10,10 @@ the same view, model, time and config always give the same decision.
 A port of the reference's `preemptFor` (reference/preempt.go), read beside it:
 - `rules`: who may be a candidate and why not, the tiers, the order key (`victims()`);
 - `search`: the first candidates in order until the model fits, then pruned;
-- `node_aware`: node-aware's search, the best set on the node the model would go to;
-- `trials`: the dry run on a clone of the inventory (`fitsWithout`);
+- `node_aware`: node-aware's search, the best set on the node the model would go to
+  (`aware` puts it together with its gangs' and its lazy walk's);
+- `trials`: the dry run on a clone of the inventory (`fitsWithout`); `narrow` the
+  same on copies of only the nodes where room can appear;
 - `engine`: the `Candidates` protocol and the plain walk; `index`: the fast engine a
   caller owns and keeps current as it folds.
 
@@ -28,7 +30,7 @@ from typing import Any
 
 from schemas import events as ev
 from services.core import catalog, placement, quota
-from services.core.policy import gang_levels, gangs, node_aware, node_levels, rules, search
+from services.core.policy import aware, gangs, rules, search
 from services.core.policy.config import POLICIES, WHY, Config, Policy
 from services.core.policy.decision import (
     LISTED,
@@ -41,6 +43,7 @@ from services.core.policy.decision import (
     rfc3339,
 )
 from services.core.policy.engine import PLAIN, Candidates, Found, PlainWalk
+from services.core.policy.narrow import trials as trials_for
 from services.core.policy.rules import effective_class
 from services.core.policy.trials import Trials, prune
 from services.core.view import View
@@ -73,12 +76,14 @@ def plan(
     *,
     avoid: Iterable[str] = (),
     engine: Candidates | None = None,
+    narrow: bool = True,
 ) -> Decision:
     """The decision the policy takes for one more replica of `model` at `now`.
 
     `avoid` is the placement's soft preference (placement.failed's `avoid`): every trial
     tries without those nodes first, then with them, as the scheduler would. `engine`
-    finds the candidates (the plain walk when None).
+    finds the candidates (the plain walk when None). `narrow` tries sets on copies of
+    only the nodes where room can appear (`narrow.Narrow`), not of the whole cluster.
 
     In order: an unknown model, a held model, an owner past its limit, a model that fits
     without stopping anything, a model still waiting for earlier victims, and only then
@@ -102,7 +107,7 @@ def plan(
     if isinstance(early, Decision):
         return early
     profiles, usage = early
-    return _preempt(view, m, now, cfg, profiles, usage, base, eng)
+    return _preempt(view, m, now, cfg, profiles, usage, base, eng, narrow)
 
 
 def _base(
@@ -175,6 +180,7 @@ def _preempt(
     usage: dict[str, quota.Amount] | None,
     base: dict[str, Any],
     engine: Candidates,
+    narrow: bool,
 ) -> Decision:
     """The choice of victims, once m neither fits nor waits: who may go, and the fewest
     of them, in order, that make room."""
@@ -208,7 +214,7 @@ def _preempt(
             f"({found.excluded_count} excluded)"
         )
         return Decision(outcome="no_candidates", reason=reason, **base)
-    tr = Trials(view, profiles, base["avoid"])
+    tr = trials_for(view, profiles, base["avoid"], narrow)
     chosen, why_not = _search(view, m, cfg, tr, profiles, found)
     if not chosen:
         reason = f"{why_not}; nothing is stopped"
@@ -254,8 +260,8 @@ def _search(
 ) -> tuple[list[Candidate], str]:
     """The victims the configured search chooses (empty when none), and the words for
     when it chooses none."""
-    first = found.first(cfg.max_victims)
     if cfg.policy == "reference":
+        first = found.first(cfg.max_victims)
         tried = min(len(first), cfg.max_victims)
         why_not = f"{m.name} would not fit even with its first {tried} candidate(s) stopped"
         return search.reference(tr, first, cfg.max_victims), why_not
@@ -263,40 +269,7 @@ def _search(
         f"{m.name} would not fit with any set of at most {cfg.max_victims} "
         "candidate(s) stopped on the node(s) it could go to"
     )
-
-    def fallback() -> list[Candidate]:
-        # Its own trials: the decision's are those of the sets node-aware proposed.
-        return search.reference(Trials(view, profiles, tr.avoid, beside=tr), first, cfg.max_victims)
-
-    lazily = found.lazily(view)
-    if lazily is None:
-        found_set = node_aware.search(
-            view,
-            profiles,
-            first,
-            cfg.max_victims,
-            lambda gone: tr.fits_without(gone),
-            fallback,
-            lambda least: found.by_node(view, least, cfg.max_victims),
-        )
-    else:
-        # The same set, the same sets tried (`node_levels`), reading fewer nodes.
-        found_set = node_levels.search(
-            view, profiles, first, cfg.max_victims, tr.fits_without, fallback, lazily
-        )
-    if found.has_gangs or any(p.shards > 1 for p in profiles):
-        source = found.gangs_lazily(view)
-        if source is None:
-            whole = gangs.search(view, profiles, found.every(), cfg.max_victims, tr.fits_without)
-        else:
-            # The same set, the same sets tried (`gang_levels`), reading fewer candidates.
-            whole = gang_levels.search(
-                view, profiles, source, cfg.max_victims, tr.fits_without, tr.domains
-            )
-        if whole:
-            load_s = node_aware.load_costs(view, {v.model for v in (*whole, *found_set)})
-            if not found_set or node_aware.key(whole, load_s) < node_aware.key(found_set, load_s):
-                found_set = whole
+    found_set = aware.choose(view, profiles, found, cfg.max_victims, tr)
     if not found_set:
         return [], why_not
     chosen = list(found_set)

@@ -31,11 +31,6 @@ if TYPE_CHECKING:
     from services.core.policy.node_levels import Source
 
 
-class PolicyMismatch(Exception):
-    """A fast path and the spec disagreed (`LLMGW_POLICY_CHECK=1`): the index and the
-    plain walk, or the lazy node-aware search and the spec's."""
-
-
 class Found(Protocol):
     """Who may be stopped for one model at one time, and who may not: the candidates in
     `rules.order_key` order (under node-aware with its gangs among them), the exclusions

@@ -28,10 +28,10 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from services.core import catalog
+from services.core import catalog, placement
+from services.core.errors import PolicyMismatch
 from services.core.policy import gangs, node_aware, rules
 from services.core.policy.decision import Candidate
-from services.core.policy.engine import PolicyMismatch
 from services.core.view import View
 
 # Order: `rules.order_key` (tier, minus the time unused or 0, GPUs, memory, id).
@@ -125,6 +125,21 @@ def search(
             if got:
                 return got
     return ()
+
+
+def domains(view: View) -> Callable[[str], dict[str, list[str]]]:
+    """`domains` for `search` where no trials keep them: worked out once per level."""
+    got: dict[str, dict[str, list[str]]] = {}
+
+    def of(level: str) -> dict[str, list[str]]:
+        if level not in got:
+            got[level] = {
+                d: [u.node.name for u in us]
+                for d, us in placement.domains_of(view.inventory.usages(), level).items()
+            }
+        return got[level]
+
+    return of
 
 
 _GroupKey = tuple[str, str]

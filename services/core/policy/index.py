@@ -49,11 +49,12 @@ from operator import attrgetter
 from typing import Any
 
 from services.core import catalog, quota
+from services.core.errors import PolicyMismatch
 from services.core.inventory import NodeUsage
 from services.core.policy import gang_levels, rules
 from services.core.policy.config import WHY
 from services.core.policy.decision import Candidate, Exclusion
-from services.core.policy.engine import PLAIN, Candidates, Found, Listing, PolicyMismatch
+from services.core.policy.engine import PLAIN, Candidates, Found, Listing
 from services.core.policy.node_aware import could_free
 from services.core.policy.node_levels import Slot, Source
 from services.core.view import ReplicaRecord, View, size_of

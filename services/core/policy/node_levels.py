@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from services.core import catalog
+from services.core.errors import PolicyMismatch
 from services.core.inventory import NodeUsage
 from services.core.policy import node_aware
 from services.core.policy.decision import Candidate
-from services.core.policy.engine import PolicyMismatch
 from services.core.view import View
 
 
