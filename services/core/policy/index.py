@@ -85,8 +85,8 @@ class _Rep:
         "first_node",
         "group",
         "key_ids",
-        "key_order",
         "key_ready",
+        "lu",
         "node",
         "r",
         "size",
@@ -99,41 +99,74 @@ class _Rep:
         # are ordered by is read here, and again when the view journals a change of it
         # (`Index.follow`).
         self.r, self.above, self.size = r, above, size
-        self.node = rules.where(r)
-        self.first_node = r.nodes[0] if r.nodes else None
+        nodes = r.nodes
+        self.node = rules.where(r, nodes)
+        self.first_node = nodes[0] if nodes else None
         self.used = r.last_used_at is not None
         self.group: _Group | None = None
-        # key_order: where it comes in its group's `used` (by last use, then `tie`) or
-        # `never` (by `tie`), the order key after the tier.
+        # Where it comes in its group's `used` (by `lu`, its last use as the order was
+        # made, then `tie`: `_USED`) or `never` (by `tie`: `_NEVER`), the order key after
+        # the tier.
         self.tie = (size.gpus, size.memory_gb, r.id)
-        lu = r.last_used_at
-        self.key_order: tuple[Any, ...] = self.tie if lu is None else (lu, self.tie)
+        self.lu = r.last_used_at
         self.key_ready = None if r.ready_at is None else (r.ready_at, r.id, self)
         self.key_ids = (r.id, self)
 
 
-_ORDER = attrgetter("key_order")
+_USED = attrgetter("lu", "tie")
+_NEVER = attrgetter("tie")
 
 
 class _Group:
     """The live replicas of one (class, owner, on-demand, above minimum, borrowed): in
     order of last use (`used`, then `never` for those never reported used, both by
-    `_Rep.key_order`), by readiness and by id."""
+    `_USED` and `_NEVER`), by readiness and by id.
 
-    __slots__ = ("borrowed", "ids", "key", "multi", "never", "ready", "used")
+    The used are kept as a dict in order (`order`, its last `last`): a replica used
+    again is most often the most recently used of all, and moves to the end in two dict
+    steps, where a sorted list would take it out of the middle. `used` is the same as a
+    list, copied when a call reads it after a change."""
+
+    __slots__ = (
+        "borrowed",
+        "ids",
+        "key",
+        "last",
+        "listed",
+        "multi",
+        "never",
+        "order",
+        "pending",
+        "ready",
+    )
 
     def __init__(self, key: tuple[str, str, bool, bool, bool]) -> None:
         self.key = key
         self.borrowed = key[4]
-        self.used: list[_Rep] = []
+        self.order: dict[_Rep, None] = {}
+        self.last: _Rep | None = None
+        # pending: used ones whose place is before `last`, merged in by `settle`.
+        self.pending: dict[_Rep, None] = {}
+        self.listed: list[_Rep] | None = []
         self.never: list[_Rep] = []
         self.ready: list[tuple[object, ...]] = []
         self.ids: list[tuple[str, _Rep]] = []
         self.multi: dict[str, _Rep] = {}
 
+    @property
+    def used(self) -> list[_Rep]:
+        got = self.listed
+        if got is None:
+            self.settle()
+            got = self.listed = list(self.order)
+        return got
+
     def add(self, x: _Rep) -> None:
         x.group = self
-        insort(self.used if x.used else self.never, x, key=_ORDER)
+        if x.used:
+            self._put(x)
+        else:
+            insort(self.never, x, key=_NEVER)
         if x.key_ready is not None:
             insort(self.ready, x.key_ready)
         insort(self.ids, x.key_ids)
@@ -141,7 +174,10 @@ class _Group:
             self.multi[x.r.id] = x
 
     def remove(self, x: _Rep) -> None:
-        _unsort(self.used if x.used else self.never, x)
+        if x.used:
+            self._take(x)
+        else:
+            _unsort(self.never, x)
         if x.key_ready is not None:
             _drop(self.ready, x.key_ready)
         _drop(self.ids, x.key_ids)
@@ -149,56 +185,62 @@ class _Group:
         x.group = None
 
     def used_again(self, x: _Rep) -> None:
-        """`x`'s last use moved (later: the fold keeps only a later one): its place in
-        the order moves, at the end when it is now the most recently used."""
+        """`x`'s last use moved on (later: the fold keeps only a later one): its place in
+        the order moves, to the end when it is now the most recently used."""
         lu = x.r.last_used_at
         assert lu is not None  # invariant: a use is never taken back
-        _unsort(self.used if x.used else self.never, x)
-        x.used = True
-        x.key_order = (lu, x.tie)
-        used = self.used
-        if not used or used[-1].key_order[0] < lu:
-            used.append(x)
+        if x.used:
+            self._take(x)
         else:
-            insort(used, x, key=_ORDER)
-
-    def all_used_again(self, xs: list[_Rep]) -> None:
-        """`used_again` for many at once: the order without them, and theirs merged in."""
-        gone = set(xs).__contains__
-        if self.never and any(not x.used for x in xs):
-            self.never = list(itertools.filterfalse(gone, self.never))
-        used = list(itertools.filterfalse(gone, self.used))
-        for x in xs:
+            _unsort(self.never, x)
             x.used = True
-            x.key_order = (x.r.last_used_at, x.tie)
-        xs.sort(key=_ORDER)
-        merge = bool(used) and not used[-1].key_order[0] < xs[0].key_order[0]
-        used += xs
-        if merge:
-            used.sort(key=_ORDER)  # two sorted runs: merged in one pass
-        self.used = used
+        x.lu = lu
+        self._put(x)
+
+    def _put(self, x: _Rep) -> None:
+        last = self.last
+        if last is None or _before(last, x):
+            self.order[x] = None
+            self.last = x
+        else:
+            self.pending[x] = None
+        self.listed = None
+
+    def _take(self, x: _Rep) -> None:
+        if self.pending.pop(x, 0) is None:
+            return
+        order = self.order
+        del order[x]
+        if x is self.last:
+            self.last = next(reversed(order), None)
+        self.listed = None
+
+    def settle(self) -> bool:
+        """Merge the pending into the order, in one pass; whether there were any."""
+        pending = self.pending
+        if not pending:
+            return False
+        items = list(self.order)
+        items += sorted(pending, key=_USED)
+        items.sort(key=_USED)  # two sorted runs: merged in one pass
+        self.order = dict.fromkeys(items)
+        self.last = items[-1]
+        pending.clear()
+        return True
+
+
+def _before(x: _Rep, y: _Rep) -> bool:
+    """Whether `x` comes before `y` in a `used` order (`_USED`)."""
+    a, b = x.lu, y.lu
+    assert a is not None and b is not None
+    return a < b or (a == b and x.tie < y.tie)
 
 
 def _unsort(items: list[_Rep], x: _Rep) -> None:
-    """Take `x` out of a list kept in order of `key_order`."""
-    i = bisect_left(items, x.key_order, key=_ORDER)
+    """Take `x` out of a `never` list (in `_NEVER` order)."""
+    i = bisect_left(items, x.tie, key=_NEVER)
     assert items[i] is x  # invariant: kept in its list at its key
     del items[i]
-
-
-def _moved(moved: dict[_Group, list[_Rep]], x: _Rep) -> None:
-    """Note in `moved`, by group, a replica whose last use moved on since its key was
-    made (the key holds the last use it was made from, or no use at all)."""
-    lu = x.r.last_used_at
-    if lu is None or (x.used and x.key_order[0] is lu):
-        return
-    g = x.group
-    assert g is not None
-    got = moved.get(g)
-    if got is None:
-        moved[g] = [x]
-    else:
-        got.append(x)
 
 
 def _summed(on: Mapping[str, _Rep]) -> tuple[int, ...]:
@@ -411,36 +453,38 @@ class Index:
             self._rebuild(view)
             return
         self._changes, self._uses = journal.count, uses.count
-        moved: dict[_Group, list[_Rep]] = {}
-        again = dict.fromkeys(used)
+        # Each replica once, at its last use in the journal: those used in the order of
+        # their uses are most often each the most recent so far, and go to the end.
+        again = dict.fromkeys(reversed(used))
         if changed:
             replicas = view.state.replicas
             for rid in dict.fromkeys(changed):
                 again.pop(rid, None)
-                self._update(view, replicas[rid], moved)
+                self._update(view, replicas[rid])
         # Used, and changed in nothing else (`View.note_use`): only the order moves.
-        live = self._live
-        for rid in again:
-            # `_moved`, written out: this runs for nearly every event of a serving log.
-            x = live.get(rid)
-            if x is None:
-                continue
+        for x in filter(None, map(self._live.get, reversed(again))):
             lu = x.r.last_used_at
-            if lu is None or (x.used and x.key_order[0] is lu):
+            if x.lu is lu:
                 continue
             g = x.group
-            assert g is not None
-            got = moved.get(g)
-            if got is None:
-                moved[g] = [x]
+            assert g is not None and lu is not None
+            if not x.used or (g.pending and x in g.pending):
+                g.used_again(x)
+                continue
+            # `used_again`, written out for the most frequent case, once per event of a
+            # serving log: taken out of the order, and in again at the end when it is
+            # now the most recently used (it is, if it was last; `_before` written out).
+            order, last = g.order, g.last
+            del order[x]
+            x.lu = lu
+            if x is last or last is None or last.lu < lu or (last.lu == lu and last.tie < x.tie):  # type: ignore[operator]
+                order[x] = None
+                g.last = x
             else:
-                got.append(x)
-        for g, xs in moved.items():
-            if len(xs) < 8 or 16 * len(xs) < len(g.ids):
-                for x in xs:
-                    g.used_again(x)
-            else:
-                g.all_used_again(xs)
+                g.pending[x] = None
+            g.listed = None
+        for g in self._groups.values():
+            g.settle()
 
     def _rebuild(self, view: View) -> None:
         self._reset()
@@ -448,16 +492,20 @@ class Index:
         self._changes, self._uses = view.journal.count, view.uses.count
         for r in view.current():
             self._hold(view, r)
+        for g in self._groups.values():
+            g.settle()
 
-    def _update(self, view: View, r: ReplicaRecord, moved: dict[_Group, list[_Rep]]) -> None:
-        """Bring one journaled replica's entries up to date; one changed in nothing the
-        index reads but its last use goes to `moved`."""
+    def _update(self, view: View, r: ReplicaRecord) -> None:
+        """Bring one journaled replica's entries up to date."""
         got = self._held.get(r.id)
         if got is not None:
             e, h = got
             if r.holds_capacity and h.sig == _signature(r):
-                if h.rep is not None:
-                    _moved(moved, h.rep)
+                x = h.rep
+                lu = r.last_used_at
+                if x is not None and lu is not None and x.lu is not lu:
+                    assert x.group is not None
+                    x.group.used_again(x)
                 return
             self._let_go(e, h)
         if r.holds_capacity:
@@ -816,7 +864,8 @@ class _Weighed:
         lo, hi = 0, len(used)
         while lo < hi:
             mid = (lo + hi) // 2
-            lu = used[mid].key_order[0]
+            lu = used[mid].lu
+            assert lu is not None
             if (now - lu).total_seconds() >= grace:
                 lo = mid + 1
             else:

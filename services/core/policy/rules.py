@@ -228,11 +228,13 @@ def young(r: ReplicaRecord, now: datetime, lifetime: float) -> str:
     return f"ready for {age:g}s, less than {lifetime:g}s" if age < lifetime else ""
 
 
-def where(r: ReplicaRecord) -> str | None:
-    """The node a replica is on; None when it is spread over more than one (the rule
-    "multi_node"): stopping it is its own decision, which the reference leaves to
-    makeRoomFor, since it would lose a whole multi-node model for room on one node."""
-    nodes = r.nodes
+def where(r: ReplicaRecord, nodes: tuple[str, ...] | None = None) -> str | None:
+    """The node a replica is on (`nodes`: its `nodes`, when the caller has them); None
+    when it is spread over more than one (the rule "multi_node"): stopping it is its own
+    decision, which the reference leaves to makeRoomFor, since it would lose a whole
+    multi-node model for room on one node."""
+    if nodes is None:
+        nodes = r.nodes
     if len(nodes) > 1:
         return None
     return nodes[0] if nodes else ""
