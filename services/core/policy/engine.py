@@ -12,8 +12,9 @@ caller owns it.
 A `Found` is read, not listed whole: a decision lists its first candidates and
 exclusions (`decision.LISTED`) and counts the rest, the reference's search reads the
 first `max_victims` candidates, node-aware the candidates on the nodes that could make
-room (`by_node`). Only a search that weighs every candidate together (a profile of
-several shards, a gang) reads them all (`every`).
+room (`by_node`). Only the spec's gang search, which weighs every candidate together (a
+profile of several shards, a gang), reads them all (`every`); the index's engine hands
+the lazy one (`gang_levels`) the candidates of one tier and those on given nodes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.core.policy.decision import Candidate, Exclusion, counts
 from services.core.view import View
 
 if TYPE_CHECKING:
+    from services.core.policy import gang_levels
     from services.core.policy.node_levels import Source
 
 
@@ -80,6 +82,11 @@ class Found(Protocol):
     def lazily(self, view: View) -> Source | None:
         """The candidates per node for node-aware's lazy search (`node_levels`), read as
         it needs them; None: the spec's search, over `by_node`, runs instead."""
+        ...
+
+    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
+        """The candidates by tier and by node for the lazy gang search (`gang_levels`),
+        read as it needs them; None: the spec's search, over `every`, runs instead."""
         ...
 
 
@@ -141,6 +148,9 @@ class Listing:
         return node_aware.grouped(self.cands)
 
     def lazily(self, view: View) -> Source | None:
+        return None
+
+    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
         return None
 
 

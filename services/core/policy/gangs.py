@@ -157,28 +157,51 @@ def search(
     groups = _groups(view, profiles, cands)
     if not groups:
         return ()
-    inv = view.inventory
-    freed: dict[str, dict[str, int]] = {}
-
-    def freed_of(replica: str) -> dict[str, int]:
-        got = freed.get(replica)
-        if got is None:
-            al = inv.allocation(replica)
-            got = freed[replica] = {} if al is None else {s.node: len(s.gpus) for s in al.shards}
-        return got
-
+    freed_of = freed(view)
     load_s = node_aware.load_costs(view, {c.model for c in cands})
     for t in sorted({c.tier for c in cands}):
         for k in range(1, max_victims + 1):
-            level: dict[tuple[str, ...], tuple[Candidate, ...]] = {}
-            for g in groups:
-                allowed = [c for c in g.cands if c.tier <= t]
-                for vs in itertools.combinations(allowed, k):
-                    if any(c.tier == t for c in vs) and _could(g, vs, freed_of):
-                        level.setdefault(tuple(sorted(c.replica for c in vs)), vs)
-            for vs in sorted(level.values(), key=lambda vs: node_aware.key(vs, load_s)):
-                if fits(vs):
-                    return vs
+            got = first_of_level(groups, t, k, freed_of, load_s, fits)
+            if got:
+                return got
+    return ()
+
+
+def freed(view: View) -> Callable[[str], dict[str, int]]:
+    """Per replica, the GPUs it would free on each of its nodes (read once each)."""
+    inv = view.inventory
+    got: dict[str, dict[str, int]] = {}
+
+    def freed_of(replica: str) -> dict[str, int]:
+        out = got.get(replica)
+        if out is None:
+            al = inv.allocation(replica)
+            out = got[replica] = {} if al is None else {s.node: len(s.gpus) for s in al.shards}
+        return out
+
+    return freed_of
+
+
+def first_of_level(
+    groups: Sequence[_Group],
+    t: int,
+    k: int,
+    freed_of: Callable[[str], dict[str, int]],
+    load_s: dict[str, float],
+    fits: Callable[[Sequence[Candidate]], bool],
+) -> tuple[Candidate, ...]:
+    """The first set of level (t, k) in key order that `fits` confirms: every k of a
+    group's candidates of tier t or below, one of them of tier t, that `_could` make
+    room there, each set once (as the first group it is found in has it)."""
+    level: dict[tuple[str, ...], tuple[Candidate, ...]] = {}
+    for g in groups:
+        allowed = [c for c in g.cands if c.tier <= t]
+        for vs in itertools.combinations(allowed, k):
+            if any(c.tier == t for c in vs) and _could(g, vs, freed_of):
+                level.setdefault(tuple(sorted(c.replica for c in vs)), vs)
+    for vs in sorted(level.values(), key=lambda vs: node_aware.key(vs, load_s)):
+        if fits(vs):
+            return vs
     return ()
 
 

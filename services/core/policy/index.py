@@ -43,7 +43,7 @@ import heapq
 import itertools
 import statistics
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
@@ -51,7 +51,7 @@ from typing import Any
 from services.core import catalog, quota
 from services.core.errors import PolicyMismatch
 from services.core.inventory import NodeUsage
-from services.core.policy import rules
+from services.core.policy import gang_levels, rules
 from services.core.policy.config import WHY
 from services.core.policy.decision import Candidate, Exclusion
 from services.core.policy.engine import PLAIN, Candidates, Found, Listing
@@ -69,6 +69,10 @@ INDEX_ENV = "LLMGW_POLICY_INDEX"
 # (`LLMGW_POLICY_LAZY=0`): the index then hands the spec's search every node that could
 # make room (`by_node`).
 LAZY_ENV = "LLMGW_POLICY_LAZY"
+# LAZY_GANGS_ENV names the switch that turns the lazy gang search off
+# (`LLMGW_POLICY_LAZY_GANGS=0`): the index then hands the spec's gang search every
+# candidate (`every`).
+LAZY_GANGS_ENV = "LLMGW_POLICY_LAZY_GANGS"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -386,12 +390,16 @@ class Index:
         "_view",
         "_walks",
         "lazy",
+        "lazy_gangs",
     )
 
-    def __init__(self, lazy: bool = True) -> None:
+    def __init__(self, lazy: bool = True, lazy_gangs: bool = True) -> None:
         # lazy: node-aware's search reads the nodes level by level (`node_levels`); off,
         # the spec's search reads every node that could make room (`by_node`).
         self.lazy = lazy
+        # lazy_gangs: the gang search reads the candidates of a tier and those of the
+        # groups it weighs (`gang_levels`); off, the spec's reads every candidate.
+        self.lazy_gangs = lazy_gangs
         self._view: View | None = None
         self._tree: quota.QuotaTree | None = None
         self._reset()
@@ -1095,6 +1103,9 @@ class _Found:
     def lazily(self, view: View) -> Source | None:
         return _Slots(self) if self._index.lazy else None
 
+    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
+        return _GangSlots(self) if self._index.lazy_gangs and self._gangs else None
+
     # Exclusions.
 
     def excluded_first(self, n: int) -> tuple[Exclusion, ...]:
@@ -1207,6 +1218,73 @@ class _Slots:
         return self._found.candidates_of(slot.data)  # type: ignore[arg-type]
 
 
+class _GangSlots:
+    """The index's candidates for the lazy gang search: those of one tier from the
+    groups' orders cut at the grace, those on given nodes from the replicas per node and
+    the gangs per node (read once a call needs them)."""
+
+    __slots__ = ("_found", "_spread")
+    spec = None
+
+    def __init__(self, found: _Found) -> None:
+        self._found = found
+        self._spread: dict[str, list[tuple[_Weighed, _Rep]]] | None = None
+
+    def tiers(self) -> list[int]:
+        return sorted(int(t) for t in self._found.by_tier)
+
+    def of_tier(self, t: int) -> list[tuple[gang_levels.Order, str, object]]:
+        found = self._found
+        parts = []
+        for w in found._weighed.values():
+            if w.code is not None:
+                continue
+            n = len(w.g.used)
+            if w.tier_past == w.tier_not:
+                if w.tier_past == t:
+                    parts.append(found._part(w, t, 0, n, True))
+                continue
+            if w.tier_past == t:
+                parts.append(found._part(w, t, 0, w.cut, w.never_past))
+            if w.tier_not == t:
+                parts.append(found._part(w, t, w.cut, n, not w.never_past))
+        return [(key, rep.r.model, (w, rep, tier)) for part in parts for key, w, rep, tier in part]
+
+    def candidate(self, made_from: object) -> Candidate:
+        item: tuple[_Weighed, _Rep, int] = made_from  # type: ignore[assignment]
+        return self._found._candidate(*item)
+
+    def on(self, names: Sequence[str]) -> list[Candidate]:
+        found = self._found
+        spread = self._spread
+        if spread is None:
+            # Per node, the gangs with a shard on it (`_on` has them on their first only).
+            spread = self._spread = {}
+            for w in found._weighed.values():
+                if w.code is not None:
+                    continue
+                for rid, rep in w.g.multi.items():
+                    if rid not in w.skip:
+                        for sh in rep.r.shards:
+                            spread.setdefault(sh.node, []).append((w, rep))
+        a, nodes = found._a, found._index._nodes
+        on: dict[str, tuple[_Weighed, _Rep, int]] = {}
+        for name in names:
+            if name in nodes:
+                for item in found._on(name):
+                    on[item[1].r.id] = item
+            for w, rep in spread.get(name, ()):
+                if rep.r.id not in on:
+                    tier = w.tier_past
+                    if tier != w.tier_not and not w.past(rep.r, a):
+                        tier = w.tier_not
+                    on[rep.r.id] = (w, rep, tier)
+        return found.candidates_of(list(on.values()))
+
+    def every(self) -> Sequence[Candidate]:
+        return self._found.every()
+
+
 def _first(item: tuple[Any, ...]) -> Any:
     return item[0]
 
@@ -1314,6 +1392,14 @@ class _CheckedFound:
         # The lazy search over the index's nodes, the spec's over the plain walk's beside it.
         return _SpecBeside(got, lambda least, mv: self.by_node(view, least, mv))
 
+    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
+        got = self._fast.gangs_lazily(view)
+        if got is None:
+            return None
+        # The lazy gang search over the index's candidates, the spec's over the plain
+        # walk's every candidate beside it.
+        return _GangsBeside(got, self._want.every)
+
 
 class _SpecBeside:
     """A `Source` whose search is checked against the spec's over `by_node`'s nodes."""
@@ -1339,6 +1425,30 @@ class _SpecBeside:
 
     def candidates(self, slot: Slot) -> list[Candidate]:
         return self._fast.candidates(slot)
+
+
+class _GangsBeside:
+    """A gang `Source` whose search is checked against the spec's over `every`."""
+
+    __slots__ = ("_fast", "spec")
+
+    def __init__(self, fast: gang_levels.Source, every: Callable[[], Sequence[Candidate]]) -> None:
+        self._fast, self.spec = fast, every
+
+    def tiers(self) -> list[int]:
+        return self._fast.tiers()
+
+    def of_tier(self, t: int) -> list[tuple[gang_levels.Order, str, object]]:
+        return self._fast.of_tier(t)
+
+    def candidate(self, made_from: object) -> Candidate:
+        return self._fast.candidate(made_from)
+
+    def on(self, names: Sequence[str]) -> list[Candidate]:
+        return self._fast.on(names)
+
+    def every(self) -> Sequence[Candidate]:
+        return self._fast.every()
 
 
 def _same_usage(got: Mapping[str, quota.Amount], want: Mapping[str, quota.Amount]) -> bool:
@@ -1375,15 +1485,28 @@ def from_env(env: Mapping[str, str]) -> Candidates:
         enabled=env.get(INDEX_ENV, "1") != "0",
         check=env.get(CHECK_ENV, "") == "1",
         lazy=env.get(LAZY_ENV, "1") != "0",
+        lazy_gangs=env.get(LAZY_GANGS_ENV, "1") != "0",
     )
 
 
-def engine(enabled: bool = True, check: bool = False, lazy: bool = True) -> Candidates:
+def engine(
+    enabled: bool = True, check: bool = False, lazy: bool = True, lazy_gangs: bool = True
+) -> Candidates:
     """The engine a caller owns: a new `Index`, or the plain walk when not `enabled` (the
     switch); wrapped in `Checked` when `check` (the shells pass `LLMGW_POLICY_CHECK=1`).
-    `lazy` is the index's node-aware search (`Index.lazy`)."""
-    got: Candidates = Index(lazy=lazy) if enabled else PLAIN
+    `lazy` is the index's node-aware search (`Index.lazy`), `lazy_gangs` its gang
+    search (`Index.lazy_gangs`)."""
+    got: Candidates = Index(lazy=lazy, lazy_gangs=lazy_gangs) if enabled else PLAIN
     return Checked(got) if check else got
 
 
-__all__ = ["CHECK_ENV", "INDEX_ENV", "LAZY_ENV", "Checked", "Index", "PolicyMismatch", "engine"]
+__all__ = [
+    "CHECK_ENV",
+    "INDEX_ENV",
+    "LAZY_ENV",
+    "LAZY_GANGS_ENV",
+    "Checked",
+    "Index",
+    "PolicyMismatch",
+    "engine",
+]

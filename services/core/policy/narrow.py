@@ -54,6 +54,13 @@ class Narrow(Trials):
             self.levels = tuple(sorted({p.topology_level or "" for p in profiles} - {""}))
         self._domains: dict[str, dict[str, list[str]]] = {}
 
+    def beside(self) -> Narrow:
+        """Trials of their own for the same decision (the reference's search that
+        node-aware runs too), reading the domains these worked out."""
+        other = Narrow(self.view, self.profiles, self.avoid)
+        other._domains = self._domains
+        return other
+
     def copy(self, gone: Sequence[Candidate]) -> tuple[Inventory, set[str] | None]:
         on = {n for v in gone for n in (v.nodes or (v.node,))}
         if self.one_shard:
@@ -69,18 +76,24 @@ class Narrow(Trials):
         inv = self.view.inventory
         out = set(nodes)
         for level in self.levels or ():
-            domains = self._domains.get(level)
-            if domains is None:
-                domains = self._domains[level] = {
-                    d: [u.node.name for u in us]
-                    for d, us in placement.domains_of(inv.usages(), level).items()
-                }
+            domains = self.domains(level)
             for n in nodes:
                 node = inv.node(n)
                 d = None if node is None else node.labels.get(level)
                 if d is not None:
                     out.update(domains.get(d, ()))
         return out
+
+    def domains(self, level: str) -> dict[str, list[str]]:
+        """The names of each domain's nodes at `level` (`placement.domains_of`), worked
+        out once for the decision: its trials and the lazy gang search read them."""
+        domains = self._domains.get(level)
+        if domains is None:
+            domains = self._domains[level] = {
+                d: [u.node.name for u in us]
+                for d, us in placement.domains_of(self.view.inventory.usages(), level).items()
+            }
+        return domains
 
 
 def _kept(p: catalog.Profile) -> bool:

@@ -1,0 +1,184 @@
+"""The lazy gang search (`gang_levels`, the index's default) against the spec's
+(`gangs.search`): random clusters with domains at two levels and multi-node replicas
+(hypothesis, derandomised). Asked directly, with a dry run that answers at random (so
+that many levels and sets are tried, not only the first), over the plain walk's list and
+over the index's candidates: the same sets tried in the same order and the same set
+taken. Asked through `plan`: the same decision, field for field, with the index (lazy
+and not), the plain walk and the check (`LLMGW_POLICY_CHECK=1`), after uses, drains
+and time moving on."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import events as ev
+from services.core import fold
+from services.core.policy import Candidate, Config, gang_levels, gangs, plan, rules
+from services.core.policy import index as fast
+from services.core.policy.engine import PLAIN
+from tests.scenario import Scenario
+
+CLASSES = ("opportunistic", "standard", "critical")
+
+
+def _topology(rng: random.Random) -> ev.TopologySpec | None:
+    roll = rng.random()
+    if roll < 0.3:
+        return None
+    level = "nvlink_domain" if roll < 0.75 else "rack"
+    return ev.TopologySpec(level=level, mode="required" if rng.random() < 0.8 else "preferred")
+
+
+def cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
+    """Racks of NVLink domains of a few nodes (now and then one without labels, one
+    cordoned), models of one to three shards, replicas of one GPU to eight spread over
+    them, some young, some never used, loading times that differ; the models asked for
+    have one to three profiles, with or without a topology."""
+    s = Scenario()
+    nodes: list[str] = []
+    for r in range(rng.randint(1, 2)):
+        for d in range(rng.randint(1, 3)):
+            for i in range(rng.randint(1, 4)):
+                name = f"n{r}{d}{i}"
+                labels = {"rack": f"r{r}", "nvlink_domain": f"d{r}{d}"}
+                if rng.random() < 0.05:
+                    labels = {}
+                s.node(name, 8, labels=labels)
+                nodes.append(name)
+    free = {n: list(range(8)) for n in nodes}
+    for j in range(rng.randint(3, 12)):
+        shards = rng.choice([1, 1, 2, 2, 3])
+        gpus = rng.choice([1, 1, 2, 4, 8])
+        s.model(
+            f"m{j}", cls=rng.choice(CLASSES), min=rng.choice([0, 0, 1]), max=20,
+            profiles=[ev.ProfileSpec(name="p", gpus=gpus, shards=shards)],
+        )  # fmt: skip
+        for k in range(rng.randint(1, 6)):
+            at = [n for n in nodes if len(free[n]) >= gpus]
+            if len(at) < shards:
+                break
+            on = []
+            for n in rng.sample(at, shards):
+                on.append((n, free[n][:gpus]))
+                free[n] = free[n][gpus:]
+            ready = rng.randint(2, 300)
+            s.replica(
+                f"r{j}-{k}", f"m{j}", on=on if shards > 1 else on[0],
+                created=f"-{ready + rng.choice([1, 2, 5, 10])}m", ready=f"-{ready}m",
+                used=rng.choice([None, "-3h", "-40m", "-20m", "-1m"]),
+            )  # fmt: skip
+    wanted = []
+    for w in range(rng.randint(1, 3)):
+        profiles = [
+            ev.ProfileSpec(
+                name=f"p{i}",
+                gpus=rng.choice([2, 4, 8]),
+                shards=rng.choice([1, 1, 2, 3]),
+                topology=_topology(rng),
+            )
+            for i in range(rng.randint(1, 3))
+        ]
+        s.model(f"want{w}", cls=rng.choice(CLASSES[1:]), min=1, profiles=profiles)
+        wanted.append(f"want{w}")
+    for name in rng.sample(nodes, rng.randint(0, min(2, len(nodes) // 3))):
+        s.emit(ev.NodeCordoned(node=name))
+    return s, wanted
+
+
+def _config(rng: random.Random) -> Config:
+    return Config(
+        policy="node-aware",
+        eviction_grace_s=rng.choice([0.0, 600.0]),
+        min_lifetime_s=rng.choice([0.0, 600.0]),
+        max_victims=rng.randint(1, 3),
+    )
+
+
+def _answers(
+    salt: int, yes: float
+) -> tuple[list[tuple[str, ...]], Callable[[Sequence[Candidate]], bool]]:
+    """A dry run that answers at random (the same set, the same answer), and its log."""
+    log: list[tuple[str, ...]] = []
+
+    def fits(vs: Sequence[Candidate]) -> bool:
+        ids = tuple(v.replica for v in vs)
+        log.append(ids)
+        return zlib.crc32(repr((salt, ids)).encode()) % 1000 < yes * 1000
+
+    return log, fits
+
+
+@settings(
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(st.integers(0, 2**32 - 1))
+def test_the_lazy_gang_search_tries_the_specs_sets_in_its_order(seed: int) -> None:
+    rng = random.Random(seed)
+    s, wanted = cluster(rng)
+    view = s.view()
+    for name in wanted:
+        m = view.catalog.resolve(name)
+        assert m is not None
+        cfg = _config(rng)
+        a = rules.asker(view, m, s.now, cfg, frozenset(), False, view.live_of(m) < m.min)
+        cands = PLAIN.find(view, a).every()
+        source = fast.Index().find(view, a).gangs_lazily(view)
+        assert source is not None
+        assert list(source.every()) == list(cands)
+        salt = rng.randrange(1 << 30)
+        yes = rng.choice([0.0, 0.2, 0.5, 1.0])
+        domains = gang_levels.domains(view)
+        want_log, fits = _answers(salt, yes)
+        want = gangs.search(view, m.profiles, cands, cfg.max_victims, fits)
+        for src in (gang_levels.Listed(cands), source):
+            got_log, fits = _answers(salt, yes)
+            got = gang_levels.search(view, m.profiles, src, cfg.max_victims, fits, domains)
+            assert got_log == want_log, (seed, name)
+            assert list(got) == list(want), (seed, name)
+
+
+@settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(st.integers(0, 2**32 - 1))
+def test_the_lazy_gang_search_decides_as_the_spec(seed: int) -> None:
+    rng = random.Random(seed)
+    s, wanted = cluster(rng)
+    view = s.view()
+    seen = len(s.events())
+    lazy, spec = fast.Index(), fast.Index(lazy_gangs=False)
+    checked = fast.Checked(fast.Index())
+    now = s.now
+    for _round in range(3):
+        for name in wanted:
+            cfg = _config(rng)
+            avoid = rng.sample(sorted(view.inventory.names()), rng.randint(0, 1))
+            want = plan(view, name, now, cfg, avoid=avoid)
+            for engine in (lazy, spec, checked):
+                assert plan(view, name, now, cfg, avoid=avoid, engine=engine) == want, seed
+        live = sorted(r.id for r in view.replicas.values() if r.live)
+        for rid in rng.sample(live, min(3, len(live))):
+            roll = rng.random()
+            if roll < 0.6:
+                s.used(rid, at=now)
+            elif roll < 0.8:
+                s.drain(rid, "scale_down")
+            else:
+                s.state(rid, "stopped", at=now)
+        for seq, subject, e in s.events()[seen:]:
+            fold.apply(view, e, seq=seq, subject=subject)
+        seen = len(s.events())
+        now += timedelta(seconds=rng.choice([0, 30, 700]))
+
+
+def test_the_lazy_gang_search_can_be_turned_off() -> None:
+    """`LLMGW_POLICY_LAZY_GANGS=0` leaves the index with the spec's gang search."""
+    assert fast.from_env({}).lazy_gangs is True  # type: ignore[attr-defined]
+    off = fast.from_env({"LLMGW_POLICY_LAZY_GANGS": "0"})
+    assert off.lazy_gangs is False  # type: ignore[attr-defined]
