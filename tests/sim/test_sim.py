@@ -480,7 +480,8 @@ def test_a_bundle_is_the_same_with_the_policy_index_or_without(
 ) -> None:
     """The simulator's policy engine is its own index (`policy.index`); with it turned
     off (LLMGW_POLICY_INDEX=0) the plain walk decides, and the bundle is the same byte for
-    byte; so with node-aware's lazy search off (LLMGW_POLICY_LAZY=0), and with every
+    byte; so with node-aware's lazy search off (LLMGW_POLICY_LAZY=0), with the lazy gang
+    search off (LLMGW_POLICY_LAZY_GANGS=0), and with every
     trial on a clone of the whole cluster (LLMGW_POLICY_NARROW=0, the plain walk too:
     the spec whole). With LLMGW_POLICY_CHECK=1 both run on every call and agree."""
     sc = scn.load(path)
@@ -491,10 +492,12 @@ def test_a_bundle_is_the_same_with_the_policy_index_or_without(
         {"LLMGW_POLICY_LAZY": "0"},
         {"LLMGW_POLICY_CHECK": "1"},
         {"LLMGW_POLICY_INDEX": "0", "LLMGW_POLICY_NARROW": "0"},
+        {"LLMGW_POLICY_LAZY_GANGS": "0"},
     ):
         for k in (
             "LLMGW_POLICY_INDEX",
             "LLMGW_POLICY_LAZY",
+            "LLMGW_POLICY_LAZY_GANGS",
             "LLMGW_POLICY_CHECK",
             "LLMGW_POLICY_NARROW",
         ):
@@ -504,5 +507,5 @@ def test_a_bundle_is_the_same_with_the_policy_index_or_without(
         out = io.BytesIO()
         r = engine.simulate(sc, policy, duration_s=24 * HOURS, out=out)
         runs.append((out.getvalue(), r.digest))
-    assert runs[0] == runs[1] == runs[2] == runs[3] == runs[4]
+    assert runs[0] == runs[1] == runs[2] == runs[3] == runs[4] == runs[5]
     assert b'"preemption.decided"' in runs[0][0]
