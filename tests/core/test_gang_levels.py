@@ -22,6 +22,7 @@ from services.core import fold
 from services.core.policy import Candidate, Config, gang_levels, gangs, plan, rules
 from services.core.policy import index as fast
 from services.core.policy.engine import PLAIN
+from services.core.view import View
 from tests.scenario import Scenario
 
 CLASSES = ("opportunistic", "standard", "critical")
@@ -174,7 +175,130 @@ def test_the_lazy_gang_search_decides_as_the_spec(seed: int) -> None:
         for seq, subject, e in s.events()[seen:]:
             fold.apply(view, e, seq=seq, subject=subject)
         seen = len(s.events())
+        _new_gangs(rng, s, view, _round)
+        if _round == 1 and rng.random() < 0.5:
+            # A declaration: the index builds its groups again (`Index.follow`).
+            s.model(f"extra{_round}", cls="standard", min=0, profiles=["one:1"])
+        for seq, subject, e in s.events()[seen:]:
+            fold.apply(view, e, seq=seq, subject=subject)
+        seen = len(s.events())
         now += timedelta(seconds=rng.choice([0, 30, 700]))
+
+
+def _new_gangs(rng: random.Random, s: Scenario, view: View, round_: int) -> None:
+    """Multi-node replicas placed on the GPUs free now, across domains or within one, and
+    now and then one of them reported serving: gangs the index had not seen."""
+    nodes = sorted(view.inventory.names())
+    for m in view.catalog.models():
+        p = m.profiles[0]
+        if p.shards < 2 or not m.name.startswith("m") or rng.random() < 0.3:
+            continue
+        at = [n for n in nodes if len(view.inventory.free_gpus(n)) >= p.gpus]
+        if len(at) < p.shards:
+            continue
+        on = [(n, view.inventory.free_gpus(n)[: p.gpus]) for n in rng.sample(at, p.shards)]
+        rid = f"{m.name}-new{round_}"
+        s.replica(rid, m.name, on=on, ready="-30m", used=rng.choice([None, "-2h"]))
+        return
+
+
+def test_one_index_asked_about_two_views_in_turn_decides_as_the_spec() -> None:
+    """An index asked about another view starts again (`Index.follow`); what the lazy
+    gang search read of the first view's gangs is not read for the second, nor for the
+    first again after it."""
+    index = fast.Index()
+    cases: list[tuple[Scenario, View, list[str]]] = []
+    seed = 0
+    while len(cases) < 2:
+        s, wanted = cluster(random.Random(seed))
+        seed += 1
+        v = s.view()
+        if any(r.live and len(r.nodes) > 1 for r in v.replicas.values()):
+            cases.append((s, v, wanted))
+    for s, v, wanted in (*cases, *cases, *reversed(cases)):
+        for name in wanted:
+            for cfg in (NA1, NA3):
+                assert plan(v, name, s.now, cfg, engine=index) == plan(v, name, s.now, cfg)
+
+
+def test_a_gang_found_on_its_second_node_after_the_index_builds_again() -> None:
+    """A gang whose stopping makes room only on its second node (its first holds a
+    replica nobody may stop), asked about before and after a declaration (the index
+    builds its groups again, the view's journal unchanged) and after a new gang: the
+    lazy gang search reads the gangs per node as they are now."""
+    s = Scenario()
+    for n in ("a", "b", "c", "d"):
+        s.node(n, 8, labels={"nvlink_domain": "d1" if n in "ab" else "d2"})
+    s.model("one", cls="critical", min=1, profiles=["one:8"])
+    s.model("keep", cls="critical", min=2, profiles=["k:4"])
+    s.model("batch", cls="opportunistic", min=0, max=4, profiles=["pp:4:2"])
+    s.replica("g1", "batch", on=[("a", range(4)), ("b", range(4))], ready="-2h", used="-1h")
+    s.replica("k1", "keep", on=("a", range(4, 8)), ready="-2h")
+    s.replica("k2", "keep", on=("c", range(4)), ready="-2h")
+    s.replica("k3", "keep", on=("d", range(4)), ready="-2h")
+    v = s.view()
+    index = fast.Index()
+    seen = len(s.events())
+
+    def asked() -> None:
+        nonlocal seen
+        for seq, subject, e in s.events()[seen:]:
+            fold.apply(v, e, seq=seq, subject=subject)
+        seen = len(s.events())
+        want = plan(v, "one", s.now, NA1)
+        assert plan(v, "one", s.now, NA1, engine=index) == want
+        assert want.outcome == "preempted"
+
+    asked()
+    s.model("extra", cls="standard", min=0, profiles=["x:1"])
+    asked()
+    # k3 stops and a gang longer unused than g1 comes on c and d: it makes room on d
+    # alone (c holds k2), and is the better set.
+    s.state("k3", "stopped")
+    s.replica("g2", "batch", on=[("c", range(4, 8)), ("d", range(4, 8))], ready="-4h", used="-3h")
+    asked()
+    assert [x.replica for x in plan(v, "one", s.now, NA1).victims] == ["g2"]
+
+
+def test_a_candidate_past_its_groups_pool_is_no_set_of_it() -> None:
+    """A domain with more candidates than the pool (`gangs.POOL`): the smallest, left
+    out, would make room alone, and is still no set of the spec's; nor of the lazy
+    search's."""
+    s = Scenario()
+    names = ["x", "y", "z1", "z2", "z3", "z4"]
+    for n in names:
+        s.node(n, 8, labels={"nvlink_domain": "D"})
+    s.model("big", cls="critical", min=1, profiles=[ev.ProfileSpec(
+        name="pp", gpus=4, shards=2, topology=ev.TopologySpec(level="nvlink_domain"))])  # fmt: skip
+    s.model("small", cls="opportunistic", min=0, max=40, profiles=["s:1", "t:2"])
+    s.replica("r", "small", on=("y", [0]), profile="s", ready="-4h", used="-3h")
+    k = 0
+    for n, gpus in (("x", [4, 5, 6, 7]), ("y", [4, 5, 6, 7])):
+        for i in range(0, 4, 2):
+            s.replica(f"t{k}", "small", on=(n, gpus[i : i + 2]), profile="t", ready="-4h", used="-2h")  # fmt: skip
+            k += 1
+    for n in names[2:]:
+        for i in range(0, 8, 2):
+            s.replica(f"t{k}", "small", on=(n, [i, i + 1]), profile="t", ready="-4h", used="-2h")  # fmt: skip
+            k += 1
+    v = s.view()
+    m = v.catalog.resolve("big")
+    assert m is not None
+    a = rules.asker(v, m, s.now, NA1, frozenset(), False, True)
+    cands = PLAIN.find(v, a).every()
+    want_log, fits = _answers(0, 1.0)
+    want = gangs.search(v, m.profiles, cands, 1, fits)
+    assert len(want) == 1 and want[0].replica != "r" and want[0].node == "y"
+    source = fast.Index().find(v, a).gangs_lazily(v)
+    assert source is not None
+    for src in (gang_levels.Listed(cands), source):
+        got_log, fits = _answers(0, 1.0)
+        got = gang_levels.search(v, m.profiles, src, 1, fits, gang_levels.domains(v))
+        assert (got_log, list(got)) == (want_log, list(want))
+
+
+NA1 = Config(policy="node-aware", max_victims=1)
+NA3 = Config(policy="node-aware", max_victims=3)
 
 
 def test_the_lazy_gang_search_can_be_turned_off() -> None:

@@ -374,6 +374,7 @@ class Index:
         "_catalog_version",
         "_changes",
         "_frozen",
+        "_gang_nodes",
         "_groups",
         "_held",
         "_levels",
@@ -400,6 +401,8 @@ class Index:
         # lazy_gangs: the gang search reads the candidates of a tier and those of the
         # groups it weighs (`gang_levels`); off, the spec's reads every candidate.
         self.lazy_gangs = lazy_gangs
+        # _gang_nodes: the gangs per node, as the lazy gang search last read them.
+        self._gang_nodes: _GangNodes | None = None
         self._view: View | None = None
         self._tree: quota.QuotaTree | None = None
         self._reset()
@@ -1258,22 +1261,17 @@ class _GangSlots:
         found = self._found
         spread = self._spread
         if spread is None:
-            # Per node, the gangs with a shard on it (`_on` has them on their first only).
             spread = self._spread = {}
-            for w in found._weighed.values():
-                if w.code is not None:
-                    continue
-                for rid, rep in w.g.multi.items():
-                    if rid not in w.skip:
-                        for sh in rep.r.shards:
-                            spread.setdefault(sh.node, []).append((w, rep))
         a, nodes = found._a, found._index._nodes
         on: dict[str, tuple[_Weighed, _Rep, int]] = {}
         for name in names:
             if name in nodes:
                 for item in found._on(name):
                     on[item[1].r.id] = item
-            for w, rep in spread.get(name, ()):
+            gangs = spread.get(name)
+            if gangs is None:
+                gangs = spread[name] = self._gangs_on(name)
+            for w, rep in gangs:
                 if rep.r.id not in on:
                     tier = w.tier_past
                     if tier != w.tier_not and not w.past(rep.r, a):
@@ -1281,8 +1279,52 @@ class _GangSlots:
                     on[rep.r.id] = (w, rep, tier)
         return found.candidates_of(list(on.values()))
 
+    def _gangs_on(self, name: str) -> list[tuple[_Weighed, _Rep]]:
+        """The candidates that are gangs with a shard on node `name`, with their groups
+        as weighed (`_on` has a gang on its first node only)."""
+        found = self._found
+        weighed = found._weighed
+        out = []
+        for rep in _GangNodes.of(found._index, found._view).get(name, ()):
+            w = weighed.get(id(rep.group))
+            if w is not None and w.code is None and rep.r.id not in w.skip:
+                out.append((w, rep))
+        return out
+
     def every(self) -> Sequence[Candidate]:
         return self._found.every()
+
+
+class _GangNodes:
+    """Per node, the index's live multi-node replicas with a shard on it, whatever the
+    model asking: kept while the index's groups stay those it was read from (built again
+    from the start, `_reset`, they are a new dict) and the view's journal has no change
+    since (a later use alone, `View.uses`, moves no replica between nodes or in or out
+    of the groups)."""
+
+    __slots__ = ("by_node", "count", "groups", "view")
+
+    def __init__(self, index: Index, view: View, by_node: dict[str, list[_Rep]]) -> None:
+        self.groups, self.view, self.count = index._groups, view, view.journal.count
+        self.by_node = by_node
+
+    @staticmethod
+    def of(index: Index, view: View) -> dict[str, list[_Rep]]:
+        got = index._gang_nodes
+        if (
+            got is not None
+            and got.groups is index._groups
+            and got.view is view
+            and got.count == view.journal.count
+        ):
+            return got.by_node
+        by_node: dict[str, list[_Rep]] = {}
+        for g in index._groups.values():
+            for rep in g.multi.values():
+                for n in rep.r.nodes:
+                    by_node.setdefault(n, []).append(rep)
+        index._gang_nodes = _GangNodes(index, view, by_node)
+        return by_node
 
 
 def _first(item: tuple[Any, ...]) -> Any:
