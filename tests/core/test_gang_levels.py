@@ -223,9 +223,10 @@ def test_one_index_asked_about_two_views_in_turn_decides_as_the_spec() -> None:
 
 def test_a_gang_found_on_its_second_node_after_the_index_builds_again() -> None:
     """A gang whose stopping makes room only on its second node (its first holds a
-    replica nobody may stop), asked about before and after a declaration (the index
-    builds its groups again, the view's journal unchanged) and after a new gang: the
-    lazy gang search reads the gangs per node as they are now."""
+    replica nobody may stop), asked about before and after declarations (one of them
+    of the gang's model, whose replicas the index enters again; the view's journal
+    unchanged) and after a new gang: the lazy gang search reads the gangs per node as
+    they are now."""
     s = Scenario()
     for n in ("a", "b", "c", "d"):
         s.node(n, 8, labels={"nvlink_domain": "d1" if n in "ab" else "d2"})
@@ -251,6 +252,9 @@ def test_a_gang_found_on_its_second_node_after_the_index_builds_again() -> None:
 
     asked()
     s.model("extra", cls="standard", min=0, profiles=["x:1"])
+    asked()
+    # The gangs' model declared again: its replicas are entered again (`Index.follow`).
+    s.model("batch", cls="opportunistic", min=0, max=6, profiles=["pp:4:2"])
     asked()
     # k3 stops and a gang longer unused than g1 comes on c and d: it makes room on d
     # alone (c holds k2), and is the better set.

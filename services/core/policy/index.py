@@ -1319,15 +1319,17 @@ class _GangSlots:
 
 class _GangNodes:
     """Per node, the index's live multi-node replicas with a shard on it, whatever the
-    model asking: kept while the index's groups stay those it was read from (built again
-    from the start, `_reset`, they are a new dict) and the view's journal has no change
-    since (a later use alone, `View.uses`, moves no replica between nodes or in or out
-    of the groups)."""
+    model asking: kept while what `Index.follow` brings the groups up to date from
+    stays (the view, its quota tree, the catalog's version, the count of the view's
+    journal) and the groups are those it was read from (built again from the start,
+    `_reset`, they are a new dict). A later use alone (`View.uses`) moves no replica
+    between nodes or in or out of the groups."""
 
-    __slots__ = ("by_node", "count", "groups", "view")
+    __slots__ = ("by_node", "count", "groups", "tree", "version", "view")
 
     def __init__(self, index: Index, view: View, by_node: dict[str, list[_Rep]]) -> None:
-        self.groups, self.view, self.count = index._groups, view, view.journal.count
+        self.view, self.tree, self.groups = view, view.quota, index._groups
+        self.version, self.count = view.catalog.version, view.journal.count
         self.by_node = by_node
 
     @staticmethod
@@ -1335,8 +1337,10 @@ class _GangNodes:
         got = index._gang_nodes
         if (
             got is not None
-            and got.groups is index._groups
             and got.view is view
+            and got.tree is view.quota
+            and got.groups is index._groups
+            and got.version == view.catalog.version
             and got.count == view.journal.count
         ):
             return got.by_node
