@@ -753,9 +753,10 @@ class _Walks:
     their k largest hold: by the least work k of them throw away (their loading seconds
     times GPUs, the k smallest summed), then by the k-th oldest last use among them (the
     least idle of the k longest unused; a node with fewer than k ever used last). Kept
-    by the nodes whose replicas moved (`moved`) and those of every model with a replica
-    the view journaled since (`View.journal`, `View.uses`: a use, a loading time),
-    worked out again when a call reads."""
+    by the nodes whose replicas moved (`moved`): those of every model with a replica the
+    view journaled since (`View.journal`: a loading time, read by every node of its
+    model), and the node of each replica only used since (`View.uses`); worked out again
+    when a call reads."""
 
     __slots__ = ("at", "by", "models", "moved", "seen")
 
@@ -781,8 +782,14 @@ class _Walks:
                 else:
                     replicas = view.state.replicas
                     models = self.models
-                    for m in {replicas[rid].model for rid in itertools.chain(changed, used)}:
+                    # A change may be a loading time, which every node of its model
+                    # reads; a use alone moves only the node whose entry reads it.
+                    for m in {replicas[rid].model for rid in changed}:
                         self.moved |= models.get(m, set())
+                    for rid in used:
+                        r = replicas.get(rid)
+                        if r is not None and r.nodes:
+                            self.moved.add(r.nodes[0])
             self.seen = now
         if self.moved:
             self._refresh(index, view)

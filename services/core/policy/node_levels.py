@@ -136,11 +136,16 @@ def _levels(slot: Slot, least: int, max_victims: int) -> set[tuple[int, int]]:
 MARGIN = 1e-9
 
 
-def _before(k: node_aware.Key, work: float, idle: float) -> bool:
+def _before(k: node_aware.Key, work: float, idle: float, exact: bool) -> bool:
     """Whether a set of key `k` comes before every set of a node whose bound is (`work`,
-    `idle`), and so before every set of the nodes walked after it."""
+    `idle`), and so before every set of the nodes walked after it. `exact`: the bound's
+    work is summed as `key` sums a set's (one victim: 0 + its work, the same float), so
+    a tie in work is a tie, and the idle bound decides it; otherwise a tie is only
+    trusted at 0."""
     if k[2] < work * (1 - MARGIN):
         return True
+    if exact:
+        return k[2] < work or (k[2] == work and -k[3] > idle)
     return k[2] == 0.0 and work == 0.0 and -k[3] > idle
 
 
@@ -247,7 +252,9 @@ def _level(
     nodes = walked.source.walk(least, k)
     at = next(nodes, None)
     while True:
-        while heap and (at is None or _before(heap[0][0], at[0], at[1])):
+        # One victim a set: a node's many equally costly replicas (one model's) are
+        # told apart by how long they have gone unused, without reading them all.
+        while heap and (at is None or _before(heap[0][0], at[0], at[1], k == 1)):
             vs = heapq.heappop(heap)[1]
             if fits(vs):
                 return vs
