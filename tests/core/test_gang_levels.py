@@ -23,6 +23,7 @@ from services.core.policy import Candidate, Config, gang_levels, gangs, plan, ru
 from services.core.policy import index as fast
 from services.core.policy.engine import PLAIN
 from services.core.view import View
+from tests.core.test_policy_index import life_goes_on
 from tests.scenario import Scenario
 
 CLASSES = ("opportunistic", "standard", "critical")
@@ -163,18 +164,7 @@ def test_the_lazy_gang_search_decides_as_the_spec(seed: int) -> None:
             want = plan(view, name, now, cfg, avoid=avoid)
             for engine in (lazy, spec, checked):
                 assert plan(view, name, now, cfg, avoid=avoid, engine=engine) == want, seed
-        live = sorted(r.id for r in view.replicas.values() if r.live)
-        for rid in rng.sample(live, min(3, len(live))):
-            roll = rng.random()
-            if roll < 0.6:
-                s.used(rid, at=now)
-            elif roll < 0.8:
-                s.drain(rid, "scale_down")
-            else:
-                s.state(rid, "stopped", at=now)
-        for seq, subject, e in s.events()[seen:]:
-            fold.apply(view, e, seq=seq, subject=subject)
-        seen = len(s.events())
+        seen = life_goes_on(rng, s, view, now, seen)
         _new_gangs(rng, s, view, _round)
         if _round == 1 and rng.random() < 0.5:
             # A declaration: the index builds its groups again (`Index.follow`).

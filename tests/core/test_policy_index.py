@@ -7,7 +7,7 @@ failure shows its seed and comes back the same."""
 from __future__ import annotations
 
 import random
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -374,19 +374,25 @@ def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
             for engine in (lazy, spec, checked):
                 got = plan(view, name, now, cfg, avoid=avoid, engine=engine)
                 assert got == want, (seed, name)
-        live = sorted(r.id for r in view.replicas.values() if r.live)
-        for rid in rng.sample(live, min(3, len(live))):
-            roll = rng.random()
-            if roll < 0.6:
-                s.used(rid, at=now)
-            elif roll < 0.8:
-                s.drain(rid, "scale_down")
-            else:
-                s.state(rid, "stopped", at=now)
-        for seq, subject, e in s.events()[seen:]:
-            fold.apply(view, e, seq=seq, subject=subject)
-        seen = len(s.events())
+        seen = life_goes_on(rng, s, view, now, seen)
         now += timedelta(seconds=rng.choice([0, 30, 700]))
+
+
+def life_goes_on(rng: random.Random, s: Scenario, view: View, now: datetime, seen: int) -> int:
+    """Three live replicas each used, drained or stopped at `now`, and the events since
+    `seen` folded into `view`; returns how many events are folded now."""
+    live = sorted(r.id for r in view.replicas.values() if r.live)
+    for rid in rng.sample(live, min(3, len(live))):
+        roll = rng.random()
+        if roll < 0.6:
+            s.used(rid, at=now)
+        elif roll < 0.8:
+            s.drain(rid, "scale_down")
+        else:
+            s.state(rid, "stopped", at=now)
+    for seq, subject, e in s.events()[seen:]:
+        fold.apply(view, e, seq=seq, subject=subject)
+    return len(s.events())
 
 
 def test_the_lazy_node_search_can_be_turned_off() -> None:

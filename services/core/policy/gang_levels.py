@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.core import catalog, placement
-from services.core.errors import PolicyMismatch
 from services.core.policy import gangs, node_aware, rules
 from services.core.policy.decision import Candidate
+from services.core.policy.replayed import Tried
 from services.core.view import View
 
 # Order: `rules.order_key` (tier, minus the time unused or 0, GPUs, memory, id).
@@ -303,32 +303,8 @@ def _checked(
         on = source.on
         every = source.every
 
-    tried: list[tuple[tuple[str, ...], bool]] = []
-
-    def recorded(vs: Sequence[Candidate]) -> bool:
-        ok = fits(vs)
-        tried.append((tuple([v.replica for v in vs]), ok))
-        return ok
-
-    got = search(view, profiles, Lazy(), max_victims, recorded, domains)
-    at = 0
-
-    def replayed(vs: Sequence[Candidate]) -> bool:
-        nonlocal at
-        ids = tuple([v.replica for v in vs])
-        if at >= len(tried) or tried[at][0] != ids:
-            lazy = tried[at][0] if at < len(tried) else "nothing"
-            raise PolicyMismatch(
-                f"policy check: the gang search's set {at} tried is {ids} by the spec, {lazy} "
-                "by the lazy search"
-            )
-        at += 1
-        return tried[at - 1][1]
-
-    want = gangs.search(view, profiles, spec(), max_victims, replayed)
-    if at != len(tried) or list(got) != list(want):
-        raise PolicyMismatch(
-            f"policy check: the gang search takes {[v.replica for v in want]} after {at} sets "
-            f"by the spec, {[v.replica for v in got]} after {len(tried)} by the lazy search"
-        )
+    check = Tried(fits, "the gang search")
+    got = search(view, profiles, Lazy(), max_victims, check.recorded, domains)
+    want = gangs.search(view, profiles, spec(), max_victims, check.replayed)
+    check.agreed(got, want, whole=True)
     return want

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from services.core import catalog
-from services.core.errors import PolicyMismatch
 from services.core.inventory import NodeUsage
 from services.core.policy import node_aware
 from services.core.policy.decision import Candidate
+from services.core.policy.replayed import Tried
 from services.core.view import View
 
 
@@ -286,35 +286,12 @@ def _checked(
         slot = source.slot
         candidates = source.candidates
 
-    tried: list[tuple[tuple[str, ...], bool]] = []
-
-    def recorded(vs: Sequence[Candidate]) -> bool:
-        ok = fits(vs)
-        tried.append((tuple([v.replica for v in vs]), ok))
-        return ok
-
-    got = search(view, profiles, cands, max_victims, recorded, fallback, Lazy())
-    at = 0
-
-    def replayed(vs: Sequence[Candidate]) -> bool:
-        nonlocal at
-        ids = tuple([v.replica for v in vs])
-        if at >= len(tried) or tried[at][0] != ids:
-            lazy = tried[at][0] if at < len(tried) else "nothing"
-            raise PolicyMismatch(
-                f"policy check: node-aware's set {at} tried is {ids} by the spec, {lazy} by "
-                "the lazy search"
-            )
-        at += 1
-        return tried[at - 1][1]
+    check = Tried(fits, "node-aware")
+    got = search(view, profiles, cands, max_victims, check.recorded, fallback, Lazy())
 
     def nodes(least: int) -> list[tuple[str, list[Candidate]]]:
         return spec(least, max_victims)
 
-    want = node_aware.search(view, profiles, cands, max_victims, replayed, fallback, nodes)
-    if at != len(tried) or [v.replica for v in got] != [v.replica for v in want]:
-        raise PolicyMismatch(
-            f"policy check: node-aware takes {[v.replica for v in want]} after {at} sets by "
-            f"the spec, {[v.replica for v in got]} after {len(tried)} by the lazy search"
-        )
+    want = node_aware.search(view, profiles, cands, max_victims, check.replayed, fallback, nodes)
+    check.agreed(got, want, whole=False)
     return want
