@@ -7,6 +7,7 @@ failure shows its seed and comes back the same."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pytest
@@ -22,6 +23,20 @@ from services.core.policy.engine import Listing
 from services.core.view import View
 from tests.core.test_policy_fast import CLASSES, build, filled
 from tests.scenario import Scenario
+
+
+def seeds(examples: int) -> Callable[[Callable[[int], None]], Callable[[], None]]:
+    """A test of one seed, run over `examples` seeds, the same ones every run."""
+
+    def wrap(test: Callable[[int], None]) -> Callable[[], None]:
+        return settings(  # type: ignore[no-any-return]
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow],
+        )(given(st.integers(0, 2**32 - 1))(test))
+
+    return wrap
 
 
 def _later(rng: random.Random, s_models: list[str]) -> list[ev.Data]:
@@ -57,13 +72,7 @@ def _later(rng: random.Random, s_models: list[str]) -> list[ev.Data]:
     return out
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(st.integers(0, 2**32 - 1))
+@seeds(100)
 def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
     rng = random.Random(seed)
     s, models = build(rng)
@@ -170,13 +179,7 @@ def _life(rng: random.Random, s: Scenario, models: list[str]) -> None:
         s.at(rng.choice(["+0s", "+1s", "+1m"]))
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(st.integers(0, 2**32 - 1))
+@seeds(100)
 def test_the_index_follows_a_cluster_replica_by_replica(seed: int) -> None:
     """The same, through a cluster's life (`_life`), asked now after every event and
     now after many (the preemption service follows at each decision): the quota
@@ -339,13 +342,7 @@ def _nodes_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
     return s, models
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(st.integers(0, 2**32 - 1))
+@seeds(300)
 def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
     """Node-aware's lazy search (`node_levels`, the index's default) against the spec's
     (`node_aware.search`, the plain walk's, and the index's with `lazy=False`): the same
