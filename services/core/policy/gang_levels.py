@@ -116,6 +116,18 @@ def search(
     spec = source.spec
     if spec is not None:
         return _checked(view, profiles, source, max_victims, fits, domains, spec)
+    return _lazy(view, profiles, source, max_victims, fits, domains)
+
+
+def _lazy(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    source: Source,
+    max_victims: int,
+    fits: Callable[[Sequence[Candidate]], bool],
+    domains: Callable[[str], dict[str, list[str]]],
+) -> Sequence[Candidate]:
+    """`search` without the check."""
     if any(p.shards > 1 and not p.topology_level for p in profiles):
         return gangs.search(view, profiles, source.every(), max_victims, fits)
     walk = _Walk(view, profiles, source, domains)
@@ -294,17 +306,8 @@ def _checked(
     """The lazy search, then the spec's over `spec`'s candidates: the same sets must be
     tried in the same order (each of the spec's answered by the dry run the lazy one
     ran) and the same set taken; `PolicyMismatch` with one line on the first difference."""
-
-    class Lazy:
-        spec = None
-        tiers = source.tiers
-        of_tier = source.of_tier
-        candidate = source.candidate
-        on = source.on
-        every = source.every
-
     check = Tried(fits, "the gang search")
-    got = search(view, profiles, Lazy(), max_victims, check.recorded, domains)
+    got = _lazy(view, profiles, source, max_victims, check.recorded, domains)
     want = gangs.search(view, profiles, spec(), max_victims, check.replayed)
     check.agreed(got, want, whole=True)
     return want

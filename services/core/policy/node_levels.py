@@ -98,6 +98,18 @@ def search(
     spec = source.spec
     if spec is not None:
         return _checked(view, profiles, cands, max_victims, fits, fallback, source, spec)
+    return _lazy(view, profiles, max_victims, fits, fallback, source)
+
+
+def _lazy(
+    view: View,
+    profiles: Sequence[catalog.Profile],
+    max_victims: int,
+    fits: Callable[[Sequence[Candidate]], bool],
+    fallback: Callable[[], Sequence[Candidate]],
+    source: Source,
+) -> Sequence[Candidate]:
+    """`search` without the check: the levels from `source`, else the fallback."""
     needs = [node_aware._Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     best: Sequence[Candidate] = ()
     if needs:
@@ -277,17 +289,8 @@ def _checked(
     """The lazy search, then the spec's over `spec`'s nodes: the same sets must be tried
     in the same order (each of the spec's answered by the dry run the lazy one ran) and
     the same set taken; `PolicyMismatch` with one line on the first difference."""
-
-    class Lazy:
-        spec = None
-        tiers = source.tiers
-        loose = source.loose
-        walk = source.walk
-        slot = source.slot
-        candidates = source.candidates
-
     check = Tried(fits, "node-aware")
-    got = search(view, profiles, cands, max_victims, check.recorded, fallback, Lazy())
+    got = _lazy(view, profiles, max_victims, check.recorded, fallback, source)
 
     def nodes(least: int) -> list[tuple[str, list[Candidate]]]:
         return spec(least, max_victims)
