@@ -67,7 +67,7 @@ from opentelemetry import trace
 
 from schemas import events as ev
 from schemas import inflight, subjects
-from services import listen, names
+from services import heap, listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
@@ -1408,7 +1408,7 @@ def freeze_heap() -> bool:
     object that later becomes part of a cycle is never freed, and nothing frozen here
     is meant to die.
     """
-    if os.environ.get("LLMGW_GC_FREEZE", "1") == "0":
+    if not heap.enabled():
         return False
     gc.collect()
     gc.freeze()
@@ -1441,7 +1441,7 @@ def settle_heap() -> bool:
     """Freeze again what a gateway process holds once it serves (its view of the log,
     its server, its pools): long-lived objects the first freeze came too early for;
     whether it did. Off with `LLMGW_GC_FREEZE=0` or `LLMGW_GC_TUNE=0`."""
-    if os.environ.get("LLMGW_GC_FREEZE", "1") == "0" or os.environ.get("LLMGW_GC_TUNE", "1") == "0":
+    if not heap.enabled() or os.environ.get("LLMGW_GC_TUNE", "1") == "0":
         return False
     gc.collect()
     gc.freeze()

@@ -157,7 +157,7 @@ class PreemptionService:
         self.engine = policy_index.from_env(os.environ)
         # narrow: trials on copies of only the nodes where room can appear
         # (`policy.narrow`); LLMGW_POLICY_NARROW=0 clones the whole inventory instead.
-        self.narrow = os.environ.get(narrow.NARROW_ENV, "1") != "0"
+        self.narrow = narrow.from_env(os.environ)
         """True while leading with its backlog noted and its trigger consumer running: a
         trigger stored from then on is new to this term, not a backlog to look up."""
         self.stats = Stats()

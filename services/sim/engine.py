@@ -272,7 +272,7 @@ class Engine:
         # engine's own index over its view (LLMGW_POLICY_INDEX=0: the plain walk;
         # LLMGW_POLICY_CHECK=1: both, stopping on a difference).
         self._candidates = policy_index.from_env(os.environ)
-        self._narrow = os.environ.get(narrow.NARROW_ENV, "1") != "0"
+        self._narrow = narrow.from_env(os.environ)
         self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._on_node: dict[str, set[str]] = {}

@@ -21,7 +21,7 @@ thousand, and a gang's at 10,000 nodes 8.7 ms instead of 15.5 ms
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from services.core import catalog, placement
 from services.core.inventory import Inventory
@@ -102,6 +102,11 @@ def _kept(p: catalog.Profile) -> bool:
     if p.topology_level is None:
         return p.shards == 1
     return p.topology_mode == "required"
+
+
+def from_env(env: Mapping[str, str]) -> bool:
+    """Whether the switch in `env` (the shell's environment) leaves the trials narrowed."""
+    return env.get(NARROW_ENV, "1") != "0"
 
 
 def trials(
