@@ -25,6 +25,16 @@ from tests.core.test_policy_fast import CLASSES, build, filled
 from tests.scenario import Scenario
 
 
+def either_policy(rng: random.Random) -> Config:
+    """Settings for one question: either policy, grace and lifetime on or off, a cap."""
+    return Config(
+        policy=rng.choice(["reference", "node-aware"]),  # type: ignore[arg-type]
+        eviction_grace_s=rng.choice([0.0, 600.0]),
+        min_lifetime_s=rng.choice([0.0, 120.0]),
+        max_victims=rng.randint(1, 3),
+    )
+
+
 def seeds(examples: int) -> Callable[[Callable[[int], None]], Callable[[], None]]:
     """A test of one seed, run over `examples` seeds, the same ones every run."""
 
@@ -91,12 +101,7 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
         now += timedelta(seconds=rng.choice([0, 1, 30, 700]))
         names = sorted({m.name for m in view.catalog.models()} | set(models)) or ["nothing"]
         for name in rng.sample(names, min(2, len(names))):
-            cfg = Config(
-                policy=rng.choice(["reference", "node-aware"]),  # type: ignore[arg-type]
-                eviction_grace_s=rng.choice([0.0, 600.0]),
-                min_lifetime_s=rng.choice([0.0, 120.0]),
-                max_victims=rng.randint(1, 3),
-            )
+            cfg = either_policy(rng)
             # The spec whole: the plain walk, every set tried on a clone of the cluster.
             plain = plan(view, name, now, cfg, narrow=False)
             assert plan(view, name, now, cfg) == plain, (seed, seq, name)
@@ -203,12 +208,7 @@ def test_the_index_follows_a_cluster_replica_by_replica(seed: int) -> None:
             index.usage(view, owner)
         names = sorted({m.name for m in view.catalog.models()} | set(models)) or ["nothing"]
         for name in rng.sample(names, min(2, len(names))):
-            cfg = Config(
-                policy=rng.choice(["reference", "node-aware"]),  # type: ignore[arg-type]
-                eviction_grace_s=rng.choice([0.0, 600.0]),
-                min_lifetime_s=rng.choice([0.0, 120.0]),
-                max_victims=rng.randint(1, 3),
-            )
+            cfg = either_policy(rng)
             assert plan(view, name, now, cfg, engine=index) == plan(view, name, now, cfg), (
                 seed,
                 seq,
