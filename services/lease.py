@@ -194,9 +194,11 @@ class Lease:
         A key held by someone else is left alone while it lives: the server removes it
         at its TTL (or its holder releases it), and only then may another create it.
         """
-        kv = await self._bucket()
         started = self._clock()
         try:
+            # Inside the try: a broker restarting as the lease first looks for its
+            # bucket is unreachable like any other moment, not the end of the service.
+            kv = await self._bucket()
             if self._rev is not None:
                 since = self.since or self._wall()
                 try:

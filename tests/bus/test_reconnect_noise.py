@@ -211,3 +211,27 @@ async def test_a_lease_says_a_broker_away_once_a_period(
     assert lines[0].startswith("lease noise: ")
     assert lines[1].startswith("lease noise: still failing after 30s: 3 attempt(s) since the last")
     assert lines[-1] == "lease noise: the broker answers again after 90.0s"
+
+
+async def test_a_lease_whose_first_try_finds_the_broker_away_waits_for_it(
+    nats_server: EmbeddedBroker,
+) -> None:
+    # The broker goes away before the lease has ever looked for its bucket (a broker
+    # restarted as the plane starts): the try fails like any other, and the service that
+    # runs the lease lives on to lead once the broker answers.
+    nc = await connect(nats_server.url, "lease", reconnect_wait_s=0.1)
+    try:
+        await asyncio.to_thread(nats_server.stop)
+        await until(lambda: not nc.is_connected)
+        lease = Lease(nc.jetstream(timeout=0.2), name="first", holder="h", ttl_s=3)
+        assert await lease.acquire() is False
+        assert lease.failing_since is not None
+        await asyncio.to_thread(nats_server.start)
+        await until(lambda: nc.is_connected)
+        deadline = time.monotonic() + 10
+        while not await lease.acquire():
+            assert time.monotonic() < deadline, "the lease never led once the broker answered"
+            await asyncio.sleep(0.1)
+        assert lease.failing_since is None
+    finally:
+        await nc.close()
