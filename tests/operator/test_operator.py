@@ -27,7 +27,7 @@ BAD = [
     pytest.param(
         "models:\n  - name: a\n    profiles: [{name: p, gpus: one}]\n",
         3,
-        "models[0].profiles[0].gpus: Expected `int`, got `str`",
+        "models[0].profiles[0].gpus: model 'a': expected a whole number, not the text 'one'",
         id="wrong type names the line",
     ),
     pytest.param(
