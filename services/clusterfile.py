@@ -212,8 +212,7 @@ def parse(
                 where,
                 typed
                 if typed
-                else f"must be a whole number of replicas from 0 to {ev.MAX_REPLICAS:,}, "
-                f"not {n!r}",
+                else f"must be a whole number of replicas from 0 to {ev.MAX_REPLICAS:,}, not {n!r}",
             )
         out.scale[str(model)] = n
     return out
