@@ -323,6 +323,8 @@ def _type_problem(why: str, value: Any) -> str:
         return ""
     if isinstance(value, str):
         return f"expected {kind}, not the text {value!r}{_written(value, want)}"
+    if isinstance(value, bool):
+        return f"expected {kind}, not {str(value).lower()}"
     if isinstance(value, float) and want == {"int"}:
         return f"expected {kind}, not {value!r}"
     return ""

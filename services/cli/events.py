@@ -745,7 +745,7 @@ def _check_bundle(
     except IsADirectoryError:
         raise cli.CliError(f"{path}: is a directory, not a bundle") from None
     except OSError as e:
-        raise cli.CliError(f"{path}: {e.strerror}") from None
+        raise cli.CliError(f"{path}: {e.strerror or e}") from None
     finally:
         progress.close()
     return _Checked(count, first, last, snapshot)
@@ -776,9 +776,13 @@ def _snapshot_of(path: str) -> Any:
         state = decode_state(head[1])
     except msgspec.MsgspecError as e:
         raise BundleError(path, 1, f"the snapshot does not decode as a view ({e})") from None
-    if state.schema != SCHEMA or state.seq != head[0]:
+    if state.schema != SCHEMA:
         raise BundleError(
             path, 1, f"the snapshot is of view schema {state.schema}; this llmgw reads {SCHEMA}"
+        )
+    if state.seq != head[0]:
+        raise BundleError(
+            path, 1, f"the snapshot line says seq {head[0]}, its view is of seq {state.seq}"
         )
     return state
 
