@@ -39,6 +39,7 @@ one mapping (YAML would keep the last, silently).
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Collection, Iterable
@@ -308,7 +309,7 @@ def _type_problem(why: str, value: Any) -> str:
     want = {w.strip() for w in m["want"].split("|")} - {"null"}
     if want == {"int"}:
         kind = "a whole number"
-    elif want <= {"int", "float"}:
+    elif want and want <= {"int", "float"}:
         kind = "a number"
     elif want == {"bool"}:
         kind = "true or false"
@@ -322,7 +323,8 @@ def _type_problem(why: str, value: Any) -> str:
     else:
         return ""
     if isinstance(value, str):
-        return f"expected {kind}, not the text {value!r}{_written(value, want)}"
+        shown = repr(value) if len(value) <= 40 else repr(value[:37] + "...")
+        return f"expected {kind}, not the text {shown}{_written(value, want)}"
     if isinstance(value, bool):
         return f"expected {kind}, not {str(value).lower()}"
     if isinstance(value, float) and want == {"int"}:
@@ -343,7 +345,7 @@ def _written(text: str, want: set[str]) -> str:
             n = float(s)
         except ValueError:
             return ""
-    if want == {"int"} and not isinstance(n, int):
+    if (want == {"int"} and not isinstance(n, int)) or not math.isfinite(n):
         return ""
     return f": write {n!r}, without quotes"
 
