@@ -187,6 +187,7 @@ class Explainer:
                 ev.NodeCordonedEvent(data=d)
                 | ev.NodeUncordonedEvent(data=d)
                 | ev.NodeLostEvent(data=d)
+                | ev.NodeRemovedEvent(data=d)
             ):
                 self.node_marks[(d.node, ev.type_of(type(e)))] = (item.seq, e)
         self._follow_wake(item.seq, e)
@@ -919,6 +920,22 @@ class Explainer:
         name = self.timeline.resolve(s.nodes)
         rec = s.nodes.get(name)
         st = Story(kind="node", name=name, now=self.now)
+        removed = self.node_marks.get((name, "node.removed"))
+        if rec is None and removed is not None:
+            seq, e = removed
+            why = (
+                f", reason {e.data.reason}"
+                if isinstance(e, ev.NodeRemovedEvent) and e.data.reason
+                else ""
+            )
+            st.line(
+                f"node {name} was removed {stamp(e.time)} ({ago(e.time, st.now)}) "
+                f"by {e.source}{why}; seq {seq}"
+            )
+            st.facts.update(removed={"seq": seq, "time": stamp(e.time), "by": e.source})
+            st.timeline = list(self.timeline.entries)
+            st.tail = TIMELINE_TAIL
+            return st
         if rec is None:
             st.line(f"node {name} is not in the view (it never reported its inventory)")
             st.timeline = list(self.timeline.entries)
