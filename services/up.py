@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services import files, heap, lease
+from services import files, heap, lease, names
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -508,6 +508,10 @@ async def _serve(
             opts.root,
             f"; {len(agents)} simulated nodes: {_names(agents)}" if agents else "",
         )
+        if agents:
+            said = _say_unsimulated(scheduler, agents, stop)
+            sim = asyncio.create_task(said, name="unsimulated")
+            tasks[sim] = "unsimulated"
         if on_ready is not None:
             on_ready(running)
         return await _supervise(tasks, stop)
@@ -522,6 +526,31 @@ async def _serve(
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
+
+
+# CAUGHT_UP_S bounds the wait for the scheduler's view to reach the log's end before
+# `up` compares the nodes it has with those it simulates.
+CAUGHT_UP_S = 30.0
+
+
+async def _say_unsimulated(scheduler: Scheduler, agents: list[Agent], stop: asyncio.Event) -> None:
+    """One line, once the scheduler's view has caught up with the log, naming the nodes
+    the data directory's log has and this run does not simulate (a tour run on the data
+    of a bigger cluster): they will be reported lost, and stay so until removed."""
+    with contextlib.suppress(TimeoutError):
+        await scheduler.follower.caught_up(CAUGHT_UP_S)
+    simulated = {a.node for a in agents}
+    others = sorted(n for n in scheduler.view.state.nodes if n not in simulated)
+    if others:
+        shown = ", ".join(others) if len(others) <= 6 else f"{', '.join(others[:6])} …"
+        log.warning(
+            "up: the log of %s has %s this run does not simulate (%s): they will be "
+            "reported lost; `llmgw delete node NAME` removes one",
+            "this data directory",
+            names.plural(len(others), "node"),
+            shown,
+        )
+    await stop.wait()
 
 
 def _names(agents: list[Agent]) -> str:

@@ -148,7 +148,13 @@ def summary(
         "now": render.stamp(now),
         "digest": digest(s),
         "nodes": nodes,
-        "gpus": {"total": sum(n["gpus"] for n in nodes), "used": sum(n["used"] for n in nodes)},
+        # A lost node's GPUs are in no total: nothing can be placed there, and what its
+        # replicas hold through the grace is not capacity the cluster has.
+        "gpus": {
+            "total": sum(n["gpus"] for n in nodes if n["state"] != "lost"),
+            "used": sum(n["used"] for n in nodes if n["state"] != "lost"),
+            "lost": sum(n["gpus"] for n in nodes if n["state"] == "lost"),
+        },
         "models": models,
         "replicas": replicas,
         "quota": quota_rows(view),
@@ -234,6 +240,7 @@ def text(
     out.append(
         f"\nNODES  {len(d['nodes'])} ({lost} lost, {cordoned} cordoned); "
         f"GPUs in use {g['used']}/{g['total']}"
+        + (f" ({g['lost']} more on lost nodes)" if g["lost"] else "")
     )
     node_rows = []
     for n in d["nodes"]:

@@ -192,7 +192,13 @@ def token_for(host: str, given: str | None, data: Path | None) -> str | None:
         )
     path = data / TOKEN_FILE
     if path.exists():
-        return path.read_text().strip()
+        kept = path.read_text().strip()
+        if not kept or kept.lower().startswith("change-me"):
+            raise DashboardError(
+                f"{path}: the token is empty or a placeholder (change-me-...), known to anyone "
+                "who read the examples: put a random one there, or remove it to have one made"
+            )
+        return kept
     data.mkdir(parents=True, exist_ok=True)
     made = secrets.token_urlsafe(24)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

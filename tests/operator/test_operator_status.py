@@ -86,7 +86,7 @@ def test_json_spellings(
 ) -> None:
     log = _cluster().write(tmp_path / "log.jsonl")
     assert cli.main(["status", "--log", str(log), *flag]) == 0
-    assert json.loads(capsys.readouterr().out)["gpus"] == {"total": 16, "used": 5}
+    assert json.loads(capsys.readouterr().out)["gpus"] == {"total": 16, "used": 5, "lost": 0}
 
 
 def test_wide_and_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
