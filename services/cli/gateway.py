@@ -60,8 +60,13 @@ def register(commands: cli.Commands) -> None:
     add_gateway_options(p, DEFAULT_LISTEN)
 
 
-def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
+def add_gateway_options(
+    p: Any, default: str, flag: str = "--listen", allow_host: bool = True
+) -> None:
+    """The gateway's flags; `allow_host` False where `--allow-host` is given already (`llmgw
+    up`'s, which serves the dashboard's names and the gateway's)."""
     from services.gateway.listen import (
+        BODY_BUDGET,
         KEEPALIVE_S,
         MAX_BODY,
         QUEUE_PER_MODEL,
@@ -91,6 +96,28 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         type=int,
         metavar="BYTES",
     )
+    cli.add_number(
+        p,
+        "--body-budget",
+        BODY_BUDGET,
+        "bytes of request bodies held at once, all requests together (at least --max-body); "
+        "past it a new request is 503 with Retry-After, so a flood of large bodies cannot "
+        "take the process's memory",
+        type=int,
+        metavar="BYTES",
+    )
+    if allow_host:
+        p.add_argument(
+            "--allow-host",
+            dest="allow_hosts",
+            action="append",
+            default=None,
+            metavar="NAME",
+            help="a Host name the gateway answers for besides loopback ones (off loopback, "
+            "any address too), as a client or proxy sends it (repeat or comma-separate; "
+            "another name is 421, so a page that rebinds its name to this address reads "
+            "nothing)",
+        )
     cli.add_number(
         p,
         "--upstream-timeout",
@@ -156,6 +183,11 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
         raise cli.UsageError(f"{flag} {why}")
     if args.max_body < 1:
         raise cli.UsageError(f"--max-body: {args.max_body} is not a positive size")
+    if args.body_budget < args.max_body:
+        raise cli.UsageError(
+            f"--body-budget: {args.body_budget} is under --max-body ({args.max_body}): "
+            "a body the gateway takes must fit in it"
+        )
     if args.queue_per_model < 0:
         raise cli.UsageError(
             f"--queue-per-model: {args.queue_per_model} is not a count (0: hold nothing)"
@@ -164,11 +196,13 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
 
 
 async def _gateway(args: argparse.Namespace) -> int:
+    from services.cli.dashboard import allowed_hosts
     from services.gateway.errors import GatewayError
     from services.gateway.server import Gateway, freeze_heap
 
     listen = gateway_listen(args)
     keys = gateway_keys(args)
+    hosts = allowed_hosts(args)
     cli.setup_logging()
     freeze_heap()
 
@@ -179,6 +213,8 @@ async def _gateway(args: argparse.Namespace) -> int:
                 listen=listen,
                 root=s.root,
                 max_body=args.max_body,
+                body_budget=args.body_budget,
+                allow_hosts=hosts,
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
                 stream_usage=not args.no_stream_usage,
