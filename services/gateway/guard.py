@@ -145,9 +145,9 @@ class Lines:
 
 
 def shown(text: object) -> str:
-    """What a client sent, as one short line: its first line, printable, cut at SHOWN."""
-    first = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    return repr(first[:SHOWN])[1:-1]
+    """What a client sent (or an error that quotes it) as one short line: its lines and
+    spaces run together, what is not printable escaped, cut at SHOWN."""
+    return repr(" ".join(str(text).split())[:SHOWN])[1:-1]
 
 
 class ParserLog:
