@@ -16,7 +16,10 @@ an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key
 key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
 after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
-serve now (with Retry-After), 504 a replica that did not answer in time. A request
+serve now (with Retry-After), 504 a replica that did not answer in time. Before any of
+that, the edge (`services.gateway.guard`): 421 a `Host` it does not answer for, 403 a
+request from another origin, 415 a body not said to be JSON, 503 a body past
+`body_budget` (the bytes of bodies held at once, with Retry-After). A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
 tried once more on another replica; a client that goes away cancels its upstream
 request at once.
