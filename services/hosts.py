@@ -65,9 +65,9 @@ def host_of(header: str) -> str | None:
 
 @dataclass(frozen=True)
 class Hosts:
-    """The `Host` names a dashboard answers for. DNS rebinding needs a name: a page of
-    evil.example whose name is made to resolve to the dashboard's address reads it as
-    its own origin, and says `Host: evil.example`. So: loopback names and addresses
+    """The `Host` names a server of the plane (the dashboard, the gateway) answers for.
+    DNS rebinding needs a name: a page of evil.example whose name is made to resolve to
+    the server's address reads it as its own origin, and says `Host: evil.example`. So: loopback names and addresses
     always (nothing can rebind `localhost`); on any other address also any address
     literal (an address cannot be rebound); and the names given (`--allow-host`)."""
 

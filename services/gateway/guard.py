@@ -157,9 +157,9 @@ class ParserLog:
     Any other error aiohttp reports is one line per kind too, its traceback at debug
     level."""
 
-    def __init__(self, lines: Lines, debug: logging.Logger) -> None:
+    def __init__(self, lines: Lines, log: logging.Logger) -> None:
         self.lines = lines
-        self._debug = debug
+        self._log = log
 
     def _said(self, msg: str, args: tuple[Any, ...], exc: Any) -> None:
         if isinstance(exc, HttpProcessingError):
@@ -184,7 +184,7 @@ class ParserLog:
                 type(exc).__name__,
                 shown(exc),
             )
-            self._debug.debug(msg, *args, exc_info=exc)
+            self._log.debug(msg, *args, exc_info=exc)
             return
         self.lines.say(
             logging.WARNING, ("said", msg), "gateway: %s", shown(msg % args if args else msg)
@@ -200,7 +200,7 @@ class ParserLog:
         self._said(msg, args, exc_info)
 
     def info(self, msg: str, *args: Any, **kw: Any) -> None:
-        self._debug.info(msg, *args, **kw)
+        self._log.info(msg, *args, **kw)
 
     def debug(self, msg: str, *args: Any, exc_info: Any = None, **kw: Any) -> None:
         # A first request that is not HTTP at all (TLS to a plain port, a scanner) is
@@ -208,4 +208,4 @@ class ParserLog:
         if isinstance(exc_info, HttpProcessingError):
             self._said(msg, args, exc_info)
             return
-        self._debug.debug(msg, *args, exc_info=exc_info, **kw)
+        self._log.debug(msg, *args, exc_info=exc_info, **kw)
