@@ -30,9 +30,9 @@ def register(commands: cli.Commands) -> None:
             "x-llmgw-reason header. `llmgw up` serves it too, unless --no-gateway.\n"
             "\n"
             "A web page in the operator's browser can reach a loopback port, so the\n"
-            "gateway answers only for loopback names (off loopback, any address) and\n"
-            "those given with --allow-host: another Host is 421, a request from another\n"
-            "origin 403, a body not sent as Content-Type: application/json 415. It holds\n"
+            "gateway on loopback answers only for loopback names and those given with\n"
+            "--allow-host (another Host is 421); anywhere, a request from another origin\n"
+            "is 403, a body not sent as Content-Type: application/json 415. It holds\n"
             "at most --body-budget bytes of request bodies at once; past it a request is\n"
             "503 with Retry-After.\n"
             "\n"
@@ -120,10 +120,10 @@ def add_gateway_options(
             action="append",
             default=None,
             metavar="NAME",
-            help="a Host name the gateway answers for besides loopback ones (off loopback, "
-            "any address too), as a client or proxy sends it (repeat or comma-separate; "
-            "another name is 421, so a page that rebinds its name to this address reads "
-            "nothing)",
+            help="a Host name the gateway on loopback answers for besides loopback ones, as a "
+            "client or proxy sends it (repeat or comma-separate; another name is 421, so a "
+            "page that rebinds its name to 127.0.0.1 reads nothing; off loopback, where a "
+            "key is asked for, any name is answered)",
         )
     cli.add_number(
         p,

@@ -88,7 +88,9 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
     g = p.add_argument_group("dashboard")
     g.add_argument("--no-ui", action="store_true", help="do not serve the web dashboard")
-    add_listen_options(g, DEFAULT_UI, flag="--ui-listen", served="the dashboard (and the gateway)")
+    add_listen_options(
+        g, DEFAULT_UI, flag="--ui-listen", served="the dashboard (and the gateway on loopback)"
+    )
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"

@@ -43,12 +43,19 @@ SHOWN = 120
 
 
 class Boundary:
-    """Who may send the gateway a request: the `Host` names it answers for (loopback ones,
-    off loopback any address, and `--allow-host`'s), from its own origin only, and for a
-    POST a JSON body."""
+    """Who may send the gateway a request: on loopback, only for the `Host` names it
+    answers for (loopback ones and `--allow-host`'s); from its own origin only; and for a
+    POST, a JSON body.
+
+    Off loopback the gateway asks for an API key (or was told `--no-auth`, that anyone
+    who reaches it may use it), and is reached by the names of Services, proxies and
+    ingresses, which it cannot know: there it answers any `Host`, as a proxy's default
+    server does. On loopback it asks for nothing, and the names a browser may use for it
+    are known, so a name rebound to 127.0.0.1 is told apart."""
 
     def __init__(self, listen_host: str, allow_hosts: tuple[str, ...] = ()) -> None:
-        self.hosts = Hosts(is_loopback(listen_host), frozenset(parse_hosts(allow_hosts)))
+        self.check_host = is_loopback(listen_host)
+        self.hosts = Hosts(True, frozenset(parse_hosts(allow_hosts)))
         self._seen: dict[str, bool] = {}
 
     def _allows(self, host: str) -> bool:
@@ -64,7 +71,7 @@ class Boundary:
         headers = request.headers
         host = headers.get("Host")
         # No Host at all is an HTTP/1.0 client, never a browser (nor a page rebound).
-        if host is not None and not self._allows(host):
+        if self.check_host and host is not None and not self._allows(host):
             return (
                 421,
                 f"this gateway does not answer for host {host[:SHOWN]!r} "

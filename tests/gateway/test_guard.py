@@ -9,8 +9,9 @@ import logging
 
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.test_utils import make_mocked_request
 
-from services.gateway.guard import Budget, Lines, ParserLog, shown
+from services.gateway.guard import Boundary, Budget, Lines, ParserLog, shown
 
 pytestmark = [pytest.mark.timeout(10)]
 
@@ -76,3 +77,29 @@ def test_the_budget_holds_what_fits_and_gives_it_back() -> None:
     assert b.held == 100 and b.refused == 1
     b.give(60)
     assert b.take(60) and b.held == 100
+
+
+def _code(b: Boundary, **headers: str) -> int | None:
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    why = b.refusal(request)
+    return None if why is None else why[0]
+
+
+JSON = "application/json"
+
+
+def test_the_host_is_checked_on_loopback_and_origin_and_type_everywhere() -> None:
+    here = Boundary("127.0.0.1", ("gw.example",))
+    there = Boundary("0.0.0.0", ("gw.example",))
+    service = "llmgw-gateway.llmgw.svc:8322"
+    for host in ("127.0.0.1:8322", "localhost", "[::1]:8322", "gw.example:8322"):
+        assert _code(here, Host=host, **{"Content-Type": JSON}) is None, host
+    for host in (service, "evil.example", "10.0.0.5:8322", "127.0.0.1.evil.example"):
+        assert _code(here, Host=host, **{"Content-Type": JSON}) == 421, host
+        # Off loopback a key is asked for, and the names are the Services' and proxies'.
+        assert _code(there, Host=host, **{"Content-Type": JSON}) is None, host
+    for b, host in ((here, "127.0.0.1:8322"), (there, service)):
+        assert _code(b, Host=host, Origin="http://evil.example", **{"Content-Type": JSON}) == 403
+        assert _code(b, Host=host, Origin=f"http://{host}", **{"Content-Type": JSON}) is None
+        assert _code(b, Host=host, **{"Content-Type": "text/plain"}) == 415
+        assert _code(b, Host=host) == 415
