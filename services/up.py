@@ -38,6 +38,7 @@ from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
 from services.gateway.listen import (
+    BODY_BUDGET,
     KEEPALIVE_S,
     MAX_BODY,
     QUEUE_PER_MODEL,
@@ -107,6 +108,10 @@ class UpOptions:
     """Freeze what the process has held for a while out of the collector's reach
     (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
     gateway_max_body: int = MAX_BODY
+    gateway_body_budget: int = BODY_BUDGET
+    gateway_hosts: tuple[str, ...] = ()
+    """`Host` names the gateway answers for besides loopback ones (`--allow-host`, the
+    dashboard's too)."""
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
     gateway_stream_usage: bool = True
@@ -444,6 +449,8 @@ async def _serve(
                 listen=opts.gateway,
                 root=opts.root,
                 max_body=opts.gateway_max_body,
+                body_budget=opts.gateway_body_budget,
+                allow_hosts=opts.gateway_hosts,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
                 stream_usage=opts.gateway_stream_usage,

@@ -88,12 +88,14 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
     g = p.add_argument_group("dashboard")
     g.add_argument("--no-ui", action="store_true", help="do not serve the web dashboard")
-    add_listen_options(g, DEFAULT_UI, flag="--ui-listen")
+    add_listen_options(
+        g, DEFAULT_UI, flag="--ui-listen", served="the dashboard (and the gateway on loopback)"
+    )
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
     )
-    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen")
+    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen", allow_host=False)
 
 
 def _port(requested: int | None) -> int | None:
@@ -188,6 +190,8 @@ async def _up(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         gateway=gateway,
         gateway_max_body=args.max_body,
+        gateway_body_budget=args.body_budget,
+        gateway_hosts=allowed_hosts(args),
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
         gateway_stream_usage=not args.no_stream_usage,
