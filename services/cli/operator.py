@@ -72,6 +72,13 @@ def register(commands: cli.Commands) -> None:
         help="let models be owned by OWNER although the quota tree has no such owner "
         "(repeatable; or list it under `owners:` in the file)",
     )
+    p.add_argument(
+        "--pure-yaml",
+        dest="libyaml",
+        action="store_false",
+        help="read YAML with PyYAML's own parser instead of libyaml's (the same result, "
+        "several times slower: to rule the parser out when a file reads wrong)",
+    )
     _force(p, "scale a model that no file or event declares")
 
     p = commands.add(
@@ -435,10 +442,19 @@ def file_error(e: clusterfile.ClusterFileError) -> cli.CliError:
 
 
 async def _apply(args: argparse.Namespace) -> int:
+    # On a terminal, what it is doing while a big file is read (20,000 models: seconds).
+    tty = sys.stderr.isatty()
+    if tty:
+        sys.stderr.write(f"reading {args.file} ...")
+        sys.stderr.flush()
     try:
-        spec = clusterfile.load(args.file, new_owners=args.new_owner)
+        spec = clusterfile.load(args.file, new_owners=args.new_owner, libyaml=args.libyaml)
     except clusterfile.ClusterFileError as e:
         raise file_error(e) from None
+    finally:
+        if tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
     async with _operating(args, "llmgw apply") as op:
         view = op.view
         state = view.state
@@ -494,12 +510,15 @@ async def _apply(args: argparse.Namespace) -> int:
                 )
         if not pending:
             print(f"{args.file}: nothing changed")
+        progress = cli.Progress("publishing", len(pending) if not args.dry_run else 0)
         for what, data in pending:
             if args.dry_run:
                 print(f"would publish {what}")
                 continue
             _, seq = await op.publish(data)
+            progress.advance()
             print(f"published {what}  (seq {seq})")
+        progress.close()
         for note in notes:
             print(note)
         if pending and not args.dry_run:
