@@ -168,7 +168,9 @@ def test_watch_redraws_on_every_event(nats_server, tmp_path: Path, monkeypatch) 
     monkeypatch.setattr("sys.stdout", out)
     codes: list[int] = []
     watcher = threading.Thread(
-        target=lambda: codes.append(cli.main(["--nats", url, "status", "--watch", "--count", "2"]))
+        target=lambda: codes.append(
+            cli.main(["--nats", url, "status", "--watch", "--count", "2", "--interval", "600"])
+        )
     )
     watcher.start()
     try:
