@@ -251,7 +251,7 @@ def _say_moved(what: str, old: str, new: str, recorded: Path, why: str = "") -> 
     """One line for a listener that could not have its address: the old and the new."""
     old = old.removeprefix("nats://").removeprefix("http://")
     log.warning(
-        "%s: moved from %s to %s (%s); commands beside this `up` read it from %s",
+        "%s: moved from %s to %s (%s); the commands beside it read it from %s",
         what,
         old,
         new,
