@@ -243,8 +243,17 @@ def broker_port(opts: UpOptions, host: str = "127.0.0.1") -> _Choice:
     return _Choice(None, wanted, why)
 
 
-def _any_port(listen: str) -> str:
-    return f"{listen.rpartition(':')[0]}:0"
+def _fallbacks(listen: str, recorded: Path) -> list[str]:
+    """Where a listener whose default address `listen` is taken tries next: the address
+    a killed `up` recorded in `recorded` (same host), so its clients find it again; then
+    a free port."""
+    host = listen.rpartition(":")[0]
+    out = []
+    with contextlib.suppress(OSError, ValueError):
+        u = urlsplit(recorded.read_text().strip())
+        if u.hostname == host.strip("[]") and u.port:
+            out.append(f"{host}:{u.port}")
+    return [*out, f"{host}:0"]
 
 
 def _say_moved(what: str, old: str, new: str, recorded: Path, why: str = "") -> None:
@@ -551,11 +560,16 @@ async def _serve(
             except DashboardError as e:
                 if not opts.ui_any_port:
                     raise UpError(str(e)) from e
-                dashboard.listen = _any_port(opts.ui)
-                try:
-                    ui_sock = dashboard.bind()
-                except DashboardError as e2:
-                    raise UpError(str(e2)) from e2
+                ui_sock = None
+                for listen in _fallbacks(opts.ui, opts.data / URL_FILE):
+                    dashboard.listen = listen
+                    try:
+                        ui_sock = dashboard.bind()
+                        break
+                    except DashboardError as e2:
+                        if listen.endswith(":0"):
+                            raise UpError(str(e2)) from e2
+                assert ui_sock is not None
                 _say_moved("dashboard", opts.ui, dashboard.url.rstrip("/"), opts.data / URL_FILE)
         gateway: Gateway | None = None
         if opts.gateway is not None:
@@ -577,11 +591,16 @@ async def _serve(
             except GatewayError as e:
                 if not opts.gateway_any_port:
                     raise UpError(str(e)) from e
-                gateway.listen = _any_port(opts.gateway)
-                try:
-                    gw_sock = gateway.bind()
-                except GatewayError as e2:
-                    raise UpError(str(e2)) from e2
+                gw_sock = None
+                for listen in _fallbacks(opts.gateway, opts.data / GATEWAY_URL_FILE):
+                    gateway.listen = listen
+                    try:
+                        gw_sock = gateway.bind()
+                        break
+                    except GatewayError as e2:
+                        if listen.endswith(":0"):
+                            raise UpError(str(e2)) from e2
+                assert gw_sock is not None
                 _say_moved("gateway", opts.gateway, gateway.url, opts.data / GATEWAY_URL_FILE)
         if dashboard is not None and gateway is not None:
             # The dashboard shows requests a second and in flight per model from the

@@ -8,7 +8,6 @@ Real processes and a real nats-server; polls with deadlines, no sleeping."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -138,27 +137,25 @@ def test_a_port_still_taken_is_waited_for_then_moved_off_in_one_line(
         first.stop()
 
 
-def test_default_addresses_taken_are_moved_off_in_one_line_each(
-    data: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Beside another plane: the default broker, dashboard and gateway ports are taken;
-    each listener moves to a free port, and says so naming both addresses."""
-    held = []
-    for _ in range(3):
-        s = socket.socket()
+def _listening() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def _free() -> int:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        s.listen()
-        held.append(s)
-    nats_port, ui_port, gw_port = (s.getsockname()[1] for s in held)
-    opts = up_service.UpOptions(
-        data=data,
-        default_port=nats_port,
-        projector=False,
-        ui=f"127.0.0.1:{ui_port}",
-        ui_any_port=True,
-        gateway=f"127.0.0.1:{gw_port}",
-        gateway_any_port=True,
-    )
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _run_up(
+    opts: up_service.UpOptions, caplog: pytest.LogCaptureFixture
+) -> tuple[up_service.Running, dict[str, str]]:
+    """Run `up` in this process until it is ready, then stop it: what ran, and the
+    lines that said a listener moved, by listener."""
     seen: list[up_service.Running] = []
 
     async def main() -> int:
@@ -170,23 +167,72 @@ def test_default_addresses_taken_are_moved_off_in_one_line_each(
 
         return await asyncio.wait_for(up_service.run(opts, stop, ready), 60)
 
+    with caplog.at_level(logging.INFO, logger="llmgw.up"):
+        assert asyncio.run(main()) == 0
+    assert seen
+    moved = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
+    by = {m.split(":")[0]: m for m in moved}
+    assert len(by) == len(moved), moved  # one line each
+    return seen[0], by
+
+
+def test_default_addresses_taken_are_moved_off_in_one_line_each(
+    data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Beside another plane: the default broker, dashboard and gateway ports are taken;
+    each listener moves to a free port, and says so naming both addresses."""
+    held = [_listening() for _ in range(3)]
+    nats_port, ui_port, gw_port = (s.getsockname()[1] for s in held)
+    opts = up_service.UpOptions(
+        data=data,
+        default_port=nats_port,
+        projector=False,
+        ui=f"127.0.0.1:{ui_port}",
+        ui_any_port=True,
+        gateway=f"127.0.0.1:{gw_port}",
+        gateway_any_port=True,
+    )
     try:
-        with caplog.at_level(logging.INFO, logger="llmgw.up"):
-            assert asyncio.run(main()) == 0
+        _, moved = _run_up(opts, caplog)
     finally:
         for s in held:
-            with contextlib.suppress(OSError):
-                s.close()
-    assert seen
-    moved = {
-        r.getMessage().split(":")[0]: r.getMessage()
-        for r in caplog.records
-        if "moved from" in r.getMessage()
-    }
+            s.close()
     assert set(moved) == {"broker", "dashboard", "gateway"}, moved
     assert f"moved from 127.0.0.1:{nats_port} to nats://127.0.0.1:" in moved["broker"]
     assert f"(port {nats_port} is taken)" in moved["broker"]
+    assert str(data / bus_broker.URL_FILE) in moved["broker"]
     assert f"moved from 127.0.0.1:{ui_port} to http://127.0.0.1:" in moved["dashboard"]
     assert str(data / up_service.URL_FILE) in moved["dashboard"]
     assert f"moved from 127.0.0.1:{gw_port} to http://127.0.0.1:" in moved["gateway"]
     assert str(data / up_service.GATEWAY_URL_FILE) in moved["gateway"]
+
+
+def test_a_killed_up_s_moved_dashboard_and_gateway_keep_their_ports(
+    data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The defaults still taken, and the addresses a killed `up` moved to left in the
+    data directory: the next `up` serves there again (and says it moved off the
+    defaults), not on yet another port."""
+    held = [_listening() for _ in range(2)]
+    ui_port, gw_port = (s.getsockname()[1] for s in held)
+    ui_was, gw_was = _free(), _free()
+    data.mkdir(parents=True)
+    (data / up_service.URL_FILE).write_text(f"http://127.0.0.1:{ui_was}/\n")
+    (data / up_service.GATEWAY_URL_FILE).write_text(f"http://127.0.0.1:{gw_was}/v1\n")
+    opts = up_service.UpOptions(
+        data=data,
+        projector=False,
+        ui=f"127.0.0.1:{ui_port}",
+        ui_any_port=True,
+        gateway=f"127.0.0.1:{gw_port}",
+        gateway_any_port=True,
+    )
+    try:
+        running, moved = _run_up(opts, caplog)
+    finally:
+        for s in held:
+            s.close()
+    assert running.dashboard_url == f"http://127.0.0.1:{ui_was}/"
+    assert running.gateway_url == f"http://127.0.0.1:{gw_was}/v1"
+    assert f"moved from 127.0.0.1:{ui_port} to http://127.0.0.1:{ui_was}" in moved["dashboard"]
+    assert f"moved from 127.0.0.1:{gw_port} to http://127.0.0.1:{gw_was}" in moved["gateway"]

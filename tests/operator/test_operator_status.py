@@ -125,9 +125,9 @@ def test_status_usage_errors(
     assert "\n" not in err and says in err, err
 
 
-def test_live_status_counts_ages_from_the_wall_clock(
+def test_live_status_counts_ages_from_the_wall_clock(  # type: ignore[no-untyped-def]
     nats_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # The scenario's events are stamped in January 2026: far from now, and status says so.
     log = _cluster().write(tmp_path / "log.jsonl")
     assert cli.main(["--nats", nats_server.url, "events", "import", str(log)]) == 0
