@@ -693,7 +693,14 @@ class Explainer:
             st.line(
                 f"  demand: {plural(dem.waiting, 'request')} waiting since {stamp(dem.since)} "
                 f"as of {stamp(dem.at)} ({ago(dem.at, st.now)})"
-                + (f", {dem.inflight} in flight" if dem.inflight else "")
+                # Then, not now: the gateway says in flight only with a demand, and a
+                # model since scaled to zero has none in flight, whatever it said last.
+                + (
+                    f", when {plural(dem.inflight, 'request')} "
+                    f"{'was' if dem.inflight == 1 else 'were'} in flight"
+                    if dem.inflight
+                    else ""
+                )
                 + ("" if dem.answered_by is None else f"; answered by {dem.answered_by}")
             )
         st.facts["demand"] = (
