@@ -332,7 +332,13 @@ def _lost_nodes(
         at = rec.failing_at
         assert at is not None
         parent = _anchor(at, f"node\x00{node}\x00failing\x00{at.isoformat()}")
-        lost = ev.NodeLost(node=node, reason=f"not heard from within the grace ({rec.lost_reason})")
+        # The first loss's reason says how long it was silent then, not now: say when
+        # the grace ended, so "no heartbeat for 16s" is not read as the silence of now.
+        lost = ev.NodeLost(
+            node=node,
+            reason=f"not heard from within the grace, over at {at:%H:%M:%S}Z "
+            f"(it was lost for: {rec.lost_reason})",
+        )
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
         out.lost += 1
 
