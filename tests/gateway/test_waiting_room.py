@@ -33,7 +33,7 @@ async def test_lines_are_fifo_bounded_and_served_critical_first() -> None:
     room.join(crit, None, T0 + timedelta(seconds=4))
     assert [line.model for line in room.ordered()] == ["c", "s", "o"]
     line = room.lines["o"]
-    assert list(line.waiters) == [first, second] and line.since == T0
+    assert line.waiters() == [first, second] and line.since == T0
     assert room.held() == 4 and room.held_by_model() == {"o": 2, "s": 1, "c": 1}
     room.leave(first)
     assert line.since == T0 + timedelta(seconds=1) and not line.emptied.is_set()
