@@ -924,7 +924,7 @@ class Gateway:
         try:
             w = self.room.join(m, session, now, None if key is None else key.owner)
         except Full as full:
-            if full.owner is None or full.share >= self.room.per_model:
+            if full.owner is None:
                 said = (
                     f"{self.room.per_model} requests already wait for {m.name}, the most "
                     "one model may have waiting; it should be ready in about "
@@ -933,9 +933,9 @@ class Gateway:
             else:
                 said = (
                     f"the share of {full.owner} of the line for {m.name} is full: it has "
-                    f"{full.held} of the {self.room.per_model} requests that may wait, "
-                    f"{full.share} a tenant while others wait; it should be ready in about "
-                    f"{look.retry_after}s"
+                    f"{full.held} of the {self.room.per_model} requests that may wait "
+                    f"({full.share} a tenant while others wait); it should be ready in "
+                    f"about {look.retry_after}s"
                 )
             raise Refusal(
                 429,
