@@ -7,14 +7,16 @@ leaves routing the instant its drain is folded (`services.core.routing`). It ser
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
 
 A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
-`stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
+`stream_options`, `user` and what its key's `tpm` reserves (`max_tokens`,
+`max_completion_tokens`, `n`: `services.gateway.tokens`); the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
 the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
 in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
-an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
-key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
-after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+an `x-llmgw-reason` header: 400 malformed JSON or no model (or a `stream` that is not a
+boolean: `invalid_type`, naming it), 401 no valid API key, 429 a key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean) or another tenant's
+(`services.gateway.scope`), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
@@ -27,7 +29,8 @@ noise (docs/gateway.md); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
 
 A model that cannot take a request now does not refuse it: the request waits in the
-model's line (`services.gateway.waiting`), FIFO, up to `queue_per_model`, for as long as
+model's line (`services.gateway.waiting`: each key's owner in turn), up to
+`queue_per_model`, for as long as
 the model's start is predicted to take (`services.core.coldstart`) and no longer than
 the client waits; a held stream is sent its 200 and SSE comments (`: waiting`) every
 `keepalive_s` meanwhile. While requests wait the gateway publishes `model.demanded`
