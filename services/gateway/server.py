@@ -739,7 +739,13 @@ class Gateway:
         head = _parse(body)
         if key is None:
             return await self._routed(request, None, body, head)
-        reserve = tokens.reservation(head.max_tokens, head.max_completion_tokens, head.n, len(body))
+        reserve = tokens.reservation(
+            head.max_tokens,
+            head.max_completion_tokens,
+            head.n,
+            len(body),
+            completes=request.path != "/v1/embeddings",
+        )
         reserved = self._admit(key, reserve)
         try:
             return await self._routed(request, key, body, head)

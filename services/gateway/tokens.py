@@ -5,7 +5,7 @@ request when it is admitted (`services.core.ratelimit`: reserved, then settled t
 its answer said it took), so that requests sent together cannot each spend the same
 minute. What is reserved is what the request may take: its completion's bound
 (`max_tokens`, or `max_completion_tokens`, or ratelimit.DEFAULT_MAX_TOKENS when it names
-neither; times its `n` choices) and its prompt, estimated from the body's length
+neither; times its `n` choices; none for an embedding) and its prompt, estimated from the body's length
 (PROMPT_BYTES_PER_TOKEN: English text is about four bytes a token, and the body's JSON
 around the prompt makes it an overestimate, given back at the end).
 
@@ -38,10 +38,15 @@ def prompt_estimate(body_bytes: int) -> int:
     return body_bytes // PROMPT_BYTES_PER_TOKEN
 
 
-def reservation(max_tokens: Any, max_completion_tokens: Any, n: Any, body_bytes: int) -> int:
+def reservation(
+    max_tokens: Any, max_completion_tokens: Any, n: Any, body_bytes: int, completes: bool = True
+) -> int:
     """The tokens a request may take: its completion's bound times its choices, and its
-    prompt's estimate. Fields that are not whole numbers count as absent (the server
-    refuses them, and the reservation is given back)."""
+    prompt's estimate; only the prompt's for a request that `completes` nothing (an
+    embedding). Fields that are not whole numbers count as absent (the server refuses
+    them, and the reservation is given back)."""
+    if not completes:
+        return prompt_estimate(body_bytes)
     bound = next(
         (v for v in (max_tokens, max_completion_tokens) if whole(v) and v >= 0),
         ratelimit.DEFAULT_MAX_TOKENS,
