@@ -1452,15 +1452,22 @@ def _parse(body: bytes) -> _Head:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
     # Read as the server will, or refused: a server that reads `"stream": "true"` as true
     # streams an answer the gateway would pass, and count, as a whole one.
-    if head.stream is not None and not isinstance(head.stream, bool):
-        raise _invalid_type("stream", "a boolean", head.stream)
-    if head.stream is None:
+    if head.stream.__class__ is not bool:
+        if head.stream is not None:
+            raise _invalid_type("stream", "a boolean", head.stream)
         head.stream = False
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(head, name)
-        if value is not None and not (tokens.whole(value) and value >= 0):
-            raise _invalid_type(name, "a whole number of tokens (0 or more)", value)
+    if head.max_tokens is not None and not _tokens(head.max_tokens):
+        raise _invalid_type("max_tokens", _TOKENS, head.max_tokens)
+    if head.max_completion_tokens is not None and not _tokens(head.max_completion_tokens):
+        raise _invalid_type("max_completion_tokens", _TOKENS, head.max_completion_tokens)
     return head
+
+
+_TOKENS = "a whole number of tokens (0 or more)"
+
+
+def _tokens(value: Any) -> bool:
+    return value.__class__ is int and value >= 0
 
 
 _JSON_TYPES = {str: "a string", int: "a number", float: "a number", bool: "a boolean"}
