@@ -206,6 +206,15 @@ def stopped(data: Path) -> dict[str, Any]:
     return plane
 
 
+def heartbeat_of(data: bytes) -> tuple[str, datetime] | None:
+    """The node and time stamp of a heartbeat message's body; None for one that is not."""
+    try:
+        body = json.loads(data)
+        return str(body["node"]), datetime.fromisoformat(body["time"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
 async def heartbeats(
     nc: Any, root: str, nodes: Iterable[str], now: datetime, wait_s: float = HEARTBEAT_WAIT_S
 ) -> dict[str, float | None]:
@@ -219,10 +228,9 @@ async def heartbeats(
     all_heard = asyncio.Event()
 
     async def on(msg: Any) -> None:
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            body = json.loads(msg.data)
-            node, t = str(body["node"]), datetime.fromisoformat(body["time"])
-            heard[node] = t
+        got = heartbeat_of(msg.data)
+        if got is not None:
+            heard[got[0]] = got[1]
             if want <= heard.keys():
                 all_heard.set()
 

@@ -72,6 +72,13 @@ def register(commands: cli.Commands) -> None:
         help="let models be owned by OWNER although the quota tree has no such owner "
         "(repeatable; or list it under `owners:` in the file)",
     )
+    p.add_argument(
+        "--pure-yaml",
+        dest="libyaml",
+        action="store_false",
+        help="read YAML the plain way, with PyYAML's own parser, not libyaml's (the same result, "
+        "several times slower: to rule the parser out when a file reads wrong)",
+    )
     _force(p, "scale a model that no file or event declares")
 
     p = commands.add(
@@ -117,9 +124,9 @@ def register(commands: cli.Commands) -> None:
 
     delete = commands.group(
         "delete",
-        help="remove something from the cluster (delete model)",
-        description="Remove something declared from the cluster.",
-        epilog=cli.examples("llmgw delete model chat-70b"),
+        help="remove something from the cluster (delete model, delete node)",
+        description="Remove something declared or reported from the cluster.",
+        epilog=cli.examples("llmgw delete model chat-70b", "llmgw delete node sim-3"),
     )
     p = delete.add(
         "model",
@@ -133,6 +140,36 @@ def register(commands: cli.Commands) -> None:
         func=_delete_model,
     )
     p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
+    _yes(p)
+    p = delete.add(
+        "node",
+        help="remove a node from the cluster (one lost for good, or taken out)",
+        description=(
+            "Publish node.removed for NODE: it leaves the view, its GPUs leave every total,\n"
+            "and its lost alert clears. A node whose replicas still hold GPUs there is\n"
+            "refused (exit 5), naming them: `llmgw drain node NODE` first, or --force,\n"
+            "which sends each a drain and removes the node at once (they fail with it).\n"
+            "A lost node whose grace has passed holds none. Stop the node's agent first:\n"
+            "its next inventory report adds the node back, as a new one. Asks first\n"
+            "unless --yes; an unknown NODE is refused with the closest name."
+        ),
+        epilog=cli.examples(
+            "llmgw delete node sim-3",
+            "llmgw delete node gpu-a7 --reason 'board replaced' --yes",
+            "llmgw drain node gpu-a2 --yes && llmgw delete node gpu-a2 --force --yes",
+        ),
+        func=_delete_node,
+    )
+    p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even while replicas hold GPUs there (each is sent a drain, and fails "
+        "with the node)",
+    )
+    p.add_argument(
+        "--reason", default="", metavar="TEXT", help="why, for `explain node` and the log"
+    )
     _yes(p)
 
     drain = commands.group(
@@ -404,11 +441,25 @@ def file_error(e: clusterfile.ClusterFileError) -> cli.CliError:
     return cli.CliError(f"{loc}: {e.where}: {why}")
 
 
+# APPLY_BATCH is how many of a file's events `apply` publishes before it says them:
+# the progress moves, and a failure leaves at most this many unsaid.
+APPLY_BATCH = 1000
+
+
 async def _apply(args: argparse.Namespace) -> int:
+    # On a terminal, what it is doing while a big file is read (20,000 models: seconds).
+    tty = sys.stderr.isatty()
+    if tty:
+        sys.stderr.write(f"reading {args.file} ...")
+        sys.stderr.flush()
     try:
-        spec = clusterfile.load(args.file, new_owners=args.new_owner)
+        spec = clusterfile.load(args.file, new_owners=args.new_owner, libyaml=args.libyaml)
     except clusterfile.ClusterFileError as e:
         raise file_error(e) from None
+    finally:
+        if tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
     async with _operating(args, "llmgw apply") as op:
         view = op.view
         state = view.state
@@ -464,12 +515,20 @@ async def _apply(args: argparse.Namespace) -> int:
                 )
         if not pending:
             print(f"{args.file}: nothing changed")
-        for what, data in pending:
-            if args.dry_run:
+        if args.dry_run:
+            for what, _ in pending:
                 print(f"would publish {what}")
-                continue
-            _, seq = await op.publish(data)
-            print(f"published {what}  (seq {seq})")
+        else:
+            # Pipelined, a window of acks at a time, in the file's order: 20,000 models
+            # one round trip each took seconds more than the file took to read.
+            progress = cli.Progress("publishing", len(pending))
+            for at in range(0, len(pending), APPLY_BATCH):
+                batch = pending[at : at + APPLY_BATCH]
+                done = await op.publisher.publish_many([_event(data) for _, data in batch])
+                for (what, _), out in zip(batch, done, strict=True):
+                    print(f"published {what}  (seq {out.seq})")
+                progress.advance(len(batch))
+            progress.close()
         for note in notes:
             print(note)
         if pending and not args.dry_run:
@@ -552,6 +611,35 @@ async def _delete_model(args: argparse.Namespace) -> int:
         )
         event, seq = await op.publish(ev.ModelRemoved(name=model))
     print(f"model.removed {model}  (seq {seq}, id {event.id})")
+    return 0
+
+
+async def _delete_node(args: argparse.Namespace) -> int:
+    async with _operating(args, "llmgw delete node") as op:
+        _known_node(op.view, args.node)
+        rec = op.view.state.nodes[args.node]
+        holding = sorted(
+            (r for r in op.view.replicas.values() if r.holds_capacity and args.node in r.nodes),
+            key=lambda r: r.id,
+        )
+        listed = ", ".join(r.id for r in holding)
+        if holding and not args.force:
+            raise cli.Refused(
+                f"delete node {args.node}: {names.plural(len(holding), 'replica')} still "
+                f"{'holds' if len(holding) == 1 else 'hold'} GPUs there ({listed}); "
+                f"`llmgw drain node {args.node}` first, or --force; nothing published"
+            )
+        state = "lost" if rec.lost else ("cordoned" if rec.cordoned else "schedulable")
+        also = f" and fail {names.plural(len(holding), 'replica')} ({listed})" if holding else ""
+        _confirm(f"remove node {args.node} ({state}){also}?", args.yes)
+        for r in holding:
+            if r.state in LIVE_STATES and r.drained_by is None:
+                data = ev.ReplicaDrain(replica=r.id, model=r.model, reason="node_drain")
+                for node in r.nodes:
+                    event, seq = await op.publish(data, node=node)
+                    print(f"replica.drain {r.id} ({r.model}) to {node}: node_drain  (seq {seq})")
+        event, seq = await op.publish(ev.NodeRemoved(node=args.node, reason=args.reason))
+    print(f"node.removed {args.node}  (seq {seq}, id {event.id})")
     return 0
 
 
