@@ -626,11 +626,13 @@ class Gateway:
             )
         return key
 
-    def _admit(self, key: Key, reserve: int) -> float:
+    def _admit(self, key: Key, reserve: int, take: bool = True) -> float:
         """One more request of `key`, which may take `reserve` tokens, taken by its
         limits: the tokens reserved for it (settled by `_settle` at its end), or a 429
-        saying which limit and for how long (`services.core.ratelimit`)."""
-        limits = key.limits
+        saying which limit and for how long (`services.core.ratelimit`). Not `take`: only
+        whether its rpm refuses it (known before its body is read; what it may take of
+        its tpm is not), its buckets left as they are."""
+        limits = key.limits if take else ratelimit.Limits(rpm=key.limits.rpm)
         if limits.rpm is None and limits.tpm is None:
             return 0.0
         a = ratelimit.admit(
@@ -639,12 +641,14 @@ class Gateway:
             self.clock(),
             reserve if limits.tpm is not None else 0,
         )
-        self._buckets[key.digest] = a.buckets
         if a.over is None:
+            if take:
+                self._buckets[key.digest] = a.buckets
             return a.reserved
         # A limit of 0 never refills: the key is shut, and told to come back in an hour.
         shut = not math.isfinite(a.wait_s)
         retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
+        limits = key.limits
         if a.over == "rpm":
             said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
         else:
@@ -755,6 +759,8 @@ class Gateway:
         key = self._authorize(request)
         if key is not None:
             request[_KEY] = key
+            # A key over its rpm already is refused before its body is read.
+            self._admit(key, 0, take=False)
         body = await self._read_body(request)
         head = _parse(body)
         if key is None:
