@@ -181,6 +181,10 @@ class ModelDeclared(Data, frozen=True, kw_only=True):
     idle_after_s: Quantity = DEFAULT_IDLE_AFTER_S
     """Extension: seconds with no request after which the autoscaler takes an on-demand
     model (min 0) back to zero replicas."""
+    shared: bool | None = None
+    """Extension: whether the gateway's API keys of every owner may use it (true), or
+    only those of its owner and the owners below it in the quota tree (false). None:
+    shared when its owner is "default" (declared without one), private otherwise."""
 
     @property
     def effective_max(self) -> int:

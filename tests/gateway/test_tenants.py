@@ -8,6 +8,7 @@ runs in this process on the module's broker; its limits' clock is the test's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -149,11 +150,17 @@ async def test_a_key_over_its_tpm_waits_until_the_refill_has_paid_for_its_tokens
     spent = got.usage.prompt_tokens + got.usage.completion_tokens
     with pytest.raises(openai.RateLimitError) as e:
         await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
-    # 60 tokens a minute is one a second: the debt and one more token.
-    assert e.value.response.headers["retry-after"] == str(spent - 60 + 1)
+    # 60 tokens a minute is one a second: the debt and what the next request may take
+    # (its max_tokens and its prompt, estimated from its body: a quarter of its bytes).
+    body = json.dumps({"messages": HI, "model": "tokened", "max_tokens": 1}, separators=(",", ":"))
+    retry = int(e.value.response.headers["retry-after"])
+    assert spent - 60 + 1 < retry <= spent - 60 + 1 + len(body) // 4
     assert "over its 60 tokens a minute (tpm=60)" in e.value.response.headers["x-llmgw-reason"]
     assert isinstance(e.value.body, dict) and e.value.body["type"] == "tokens"
-    clock.now += spent - 60 + 1
+    clock.now += retry - 1
+    with pytest.raises(openai.RateLimitError):
+        await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
+    clock.now += 1
     await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
 
 
@@ -269,16 +276,20 @@ async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gatew
     await asyncio.wait_for(task, 10)
 
 
-async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_no_tokens(
+async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_its_chunks(
     plane: Plane, servers: Callable[..., Awaitable[Responder]]
 ) -> None:
     await _served(plane, servers, "untouched", "un-1")
     plane.gateway.stream_usage = False
     body = {"model": "untouched", "prompt": "p", "stream": True, "max_tokens": 3}
-    status, _, through = await plane.post("/v1/completions", body)
+    raw = json.dumps(body).encode()
+    status, _, through = await plane.post("/v1/completions", raw=raw)
     assert status == 200 and b'"usage"' not in through
     reports = await _used(plane, "un-1", 1)
-    assert (sum(d.requests or 0 for d in reports), sum(d.tokens_out or 0 for d in reports)) == (
-        1,
-        0,
-    )
+    # No usage chunk: a chunk a token (3, and the one that ends the stream), the prompt
+    # estimated from the body.
+    assert (
+        sum(d.requests or 0 for d in reports),
+        sum(d.tokens_in or 0 for d in reports),
+        sum(d.tokens_out or 0 for d in reports),
+    ) == (1, len(raw) // 4, 3 + 1)
