@@ -658,7 +658,9 @@ class Gateway:
         self.labelled.of(self.metrics.limited, key.owner, a.over).inc()
         raise Refusal(
             429,
-            f"rate limit: {words} ({self.keys.path if self.keys else 'keys'}:{key.line})",
+            # The client is told its key's limit in words, never where the keys file is
+            # on the gateway's host or which line of it is theirs.
+            f"rate limit: {words}",
             "rate_limit_exceeded",
             kind=kind,
             headers={"Retry-After": str(retry)},
