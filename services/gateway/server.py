@@ -94,6 +94,7 @@ from services.gateway.listen import (
 from services.gateway.metrics import (
     CONTENT_TYPE,
     NO_OWNER,
+    NOT_READ,
     UNKNOWN,
     KeptLabelled,
     Labelled,
@@ -705,7 +706,7 @@ class Gateway:
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         self.counts.requests += 1
         t0 = time.perf_counter()
-        request[_MODEL] = UNKNOWN
+        request[_MODEL] = NOT_READ
         request[_T0] = t0
         status = 499  # the client went away before an answer (nginx's number for it)
         # One span a request, SERVER kind, a child of the client's traceparent if it sent
@@ -764,7 +765,9 @@ class Gateway:
             # A key over its rpm already is refused before its body is read.
             self._admit(key, 0, take=False)
         body = await self._read_body(request)
+        request[_MODEL] = UNKNOWN  # read, and until it parses, naming no model
         head = _parse(body)
+        request[_MODEL] = self._label(head.model, key)
         if key is None:
             return await self._routed(request, None, body, head)
         reserve = tokens.reservation(
@@ -780,6 +783,19 @@ class Gateway:
         finally:
             if reserved or key.limits.tpm is not None:
                 self._settle(key, reserved, request.get(_TOOK, 0))
+
+    def _label(self, name: str, key: Key | None) -> str:
+        """The model a request's metrics count it under, as soon as its body is read (a
+        refusal for its tpm counts under its model): a declared model the key may use,
+        by its name; anything else `(unknown)`."""
+        view = self.follower.view
+        m = view.catalog.resolve(name)
+        if m is None:
+            return UNKNOWN
+        d = view.state.models.get(m.name)
+        if key is not None and d is not None and not self._visible(key, d):
+            return UNKNOWN
+        return m.name
 
     async def _routed(
         self, request: web.Request, key: Key | None, body: bytes, head: _Head

@@ -136,6 +136,10 @@ async def test_a_key_over_its_rpm_is_429_with_retry_after_until_its_minute_pays_
     assert 'llmgw_gateway_rate_limited_total{limit="rpm",owner="team-a"} 3.0' in text
     assert 'llmgw_gateway_owner_requests_total{owner="team-a",status="429"} 3.0' in text
     assert 'llmgw_gateway_owner_requests_total{owner="team-b",status="200"} 5.0' in text
+    # Refused before its body was read, the model was never known: not "(unknown)", a
+    # name nobody declared, but "(not read)".
+    assert 'llmgw_gateway_requests_total{model="(not read)",status="429"} 4.0' in text
+    assert 'model="(unknown)",status="429"' not in text
 
 
 async def test_a_key_over_its_tpm_waits_until_the_refill_has_paid_for_its_tokens(
@@ -164,6 +168,10 @@ async def test_a_key_over_its_tpm_waits_until_the_refill_has_paid_for_its_tokens
         await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
     clock.now += 1
     await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
+    # Its tpm is known once its body is read: the refusals count under the model.
+    async with plane.http.get(f"{plane.url}/metrics") as r:
+        text = await r.text()
+    assert 'llmgw_gateway_requests_total{model="tokened",status="429"} 2.0' in text
 
 
 async def test_the_owner_is_in_the_span_in_replica_used_and_in_metrics(
