@@ -973,7 +973,22 @@ class Gateway:
         since = line.since if line is not None and line.since is not None else now
         # A model with replicas to route to is busy, not unplaced: its requests wait for
         # a slot, whatever the plane says of placing more.
-        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
+        routed = bool(routing.candidates(view, m))
+        # Replicas on a lost node within its grace: counted live, so the plane places no
+        # other until the grace ends, and nothing a request waits 30 s for. Said at once,
+        # naming the node, with when a replica should be there again.
+        lost = None if routed else coldstart.stranded(view, m, now)
+        if lost is not None:
+            said = lost.words(m.name, now)
+            raise Refusal(
+                503,
+                said,
+                "node_lost",
+                kind="api_error",
+                headers={"Retry-After": str(lost.retry_after)},
+                words=said,
+            )
+        cannot = None if routed else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
