@@ -25,6 +25,7 @@ from typing import Any
 import nats.errors
 from nats.js.errors import NotFoundError
 
+from schemas import subjects
 from services.bus.broker import LOCK_FILE
 from services.lease import DEFAULT_BUCKET, decode_value
 
@@ -222,6 +223,9 @@ async def heartbeats(
         with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
             body = json.loads(msg.data)
             node, t = str(body["node"]), datetime.fromisoformat(body["time"])
+            # Only the subject's node: its agent may publish there, no other.
+            if node != subjects.node_of_heartbeat(msg.subject):
+                return
             heard[node] = t
             if want <= heard.keys():
                 all_heard.set()

@@ -410,6 +410,7 @@ async def connect(
     )
     initial = True
     outage = Outage(name, public_url(shown))
+    said: dict[str, Fault] = {}
 
     async def on_error(e: Exception) -> None:
         # The initial attempt's failure is raised to the caller; logging it too is noise.
@@ -417,8 +418,22 @@ async def connect(
             return
         if isinstance(e, CONNECTION_ERRORS) and not (nc.is_closed or nc.is_draining):
             outage.failed(e)
-        else:
-            log.warning("nats %s: %s: %s", name, type(e).__name__, e)
+            return
+        # One line per kind, then at most one per RECONNECT_REPORT_S with how many more:
+        # a server refusing a publish of each of 2,000 requests is one cause.
+        kind = type(e).__name__
+        fault = said.setdefault(kind, Fault())
+        if fault.began():
+            log.warning("nats %s: %s: %s", name, kind, e)
+        elif more := fault.due():
+            log.warning(
+                "nats %s: %s: %d more in %gs, the latest: %s",
+                name,
+                kind,
+                more,
+                fault.every_s,
+                e,
+            )
 
     async def on_disconnected() -> None:
         # A disconnect we asked for (close) is not news.
