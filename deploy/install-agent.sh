@@ -89,6 +89,12 @@ ROOT=${ROOT%/}
 [ -n "$NODE" ] || NODE=$(hostname -s 2>/dev/null || hostname)
 [ -n "$NATS_HOST" ] || NATS_HOST=nats.internal:4222
 case $NODE in *[!A-Za-z0-9._-]* | "") die "--node $NODE: use letters, digits, '.', '_' and '-'" ;; esac
+# The credentials name the CA (LLMGW_NATS_CA=/etc/llmgw/nats/ca.pem): written without
+# one, the agent could never verify the broker's certificate, and would not start.
+if [ "$SYSTEMD" -eq 1 ] && [ -n "$PASSWORD_FILE" ] && [ ! -f "$ROOT/etc/llmgw/agent.env" ] &&
+	[ -z "$NATS_CA" ] && [ ! -f "$ROOT/etc/llmgw/nats/ca.pem" ]; then
+	die "--nats-ca FILE is needed: the agent speaks TLS to the broker and checks its certificate against /etc/llmgw/nats/ca.pem, which is not there (pass the CA that signed the broker's certificate)"
+fi
 
 changed() {
 	CHANGES=$((CHANGES + 1))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import gzip
 import re
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any, NamedTuple, cast
 
@@ -108,7 +109,7 @@ def snapshot(path: str) -> tuple[int, bytes] | None:
     """(seq, view JSON) of the snapshot a bundle starts with, or None when it has none;
     `BundleError` for a first line that claims to be one and is not."""
     with open_bundle(path) as fp:
-        for lineno, raw in enumerate(fp, start=1):
+        for lineno, raw in _numbered(fp, path):
             raw = raw.rstrip(b"\r\n")
             if not raw.strip():
                 continue
@@ -285,7 +286,7 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
     last = 0
     decode = _position.decode
     first = True
-    for lineno, raw in enumerate(fp, start=1):
+    for lineno, raw in _numbered(fp, name):
         raw = raw.rstrip(b"\r\n")
         stored = 0
         if first and raw.strip():
@@ -329,6 +330,20 @@ def _scan(fp: IO[bytes], name: str, exact: bool) -> Iterator[tuple[Any, ...]]:
             if exact
             else (seq, subject, data, lineno, stored)
         )
+
+
+def _numbered(fp: IO[bytes], name: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of an open bundle; a `BundleError` at the line where a gzip
+    bundle breaks off (an archive cut short by a full disk or a copy that stopped), which
+    the gzip reader raises as EOFError or a zlib error, not as a line."""
+    lineno = 0
+    try:
+        for lineno, raw in enumerate(fp, start=1):
+            yield lineno, raw
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise BundleError(
+            name, lineno + 1, f"the compressed bundle is cut short or corrupt ({e})"
+        ) from None
 
 
 def _body_after(raw: bytes, end: int) -> bytes:

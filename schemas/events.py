@@ -286,6 +286,16 @@ class NodeUncordoned(Data, frozen=True, kw_only=True):
     node: Name
 
 
+class NodeRemoved(Data, frozen=True, kw_only=True):
+    """A node the operator took out of the cluster (`llmgw delete node`): gone from the
+    view, its GPUs out of every total, its lost alert over. A replica still holding GPUs
+    there fails with it. Its agent reporting again (`node.inventory`) adds it back, as
+    a node never seen before."""
+
+    node: Name
+    reason: Text = ""
+
+
 # ---------------------------------------------------------------- replicas
 
 
@@ -563,6 +573,10 @@ class NodeUncordonedEvent(Envelope, frozen=True, kw_only=True, tag="node.uncordo
     data: NodeUncordoned
 
 
+class NodeRemovedEvent(Envelope, frozen=True, kw_only=True, tag="node.removed"):
+    data: NodeRemoved
+
+
 class ReplicaStateEvent(Envelope, frozen=True, kw_only=True, tag="replica.state"):
     data: ReplicaState
 
@@ -618,6 +632,7 @@ Event = (
     | NodeFoundEvent
     | NodeCordonedEvent
     | NodeUncordonedEvent
+    | NodeRemovedEvent
     | ReplicaStateEvent
     | ReplicaUsedEvent
     | PlacementDecidedEvent
@@ -642,6 +657,7 @@ EVENT_CLASSES: tuple[type[Envelope], ...] = (
     NodeFoundEvent,
     NodeCordonedEvent,
     NodeUncordonedEvent,
+    NodeRemovedEvent,
     ReplicaStateEvent,
     ReplicaUsedEvent,
     PlacementDecidedEvent,

@@ -272,6 +272,7 @@ _BY_NAME: dict[type, tuple[Callable[[str, str], str], str]] = {
     ev.NodeFoundEvent: (node_status_subject, "node"),
     ev.NodeCordonedEvent: (node_status_subject, "node"),
     ev.NodeUncordonedEvent: (node_status_subject, "node"),
+    ev.NodeRemovedEvent: (node_status_subject, "node"),
     ev.PlacementDecidedEvent: (_decision("placement.decided"), "model"),
     ev.PlacementFailedEvent: (_decision("placement.failed"), "model"),
     ev.PreemptionDecidedEvent: (_decision("preemption.decided"), "for_model"),

@@ -3,8 +3,11 @@
 Read by `llmgw apply -f FILE`, which turns a file into `model.declared`, `quota.set` and
 `scale.desired` events. This module parses and validates only; it publishes nothing.
 Every mistake is reported as one `ClusterFileError` naming the file, the line and the
-field (`cluster.yaml:12: models[1].profiles[0].gpus: Expected int, got str`), because
-an operator fixing a file at 3 a.m. needs the line, not a traceback.
+field (`cluster.yaml:12: models[1].profiles[0].gpus: model 'chat': expected a whole
+number, not the text '4': write 4, without quotes`), because an operator fixing a file
+at 3 a.m. needs the line, not a traceback. A value is the type the file wrote: a quoted
+number is text, refused where a number is expected (as any other reader of the file
+would take it), and so is 3.0 where a whole number is.
 
 The shape (YAML shown; TOML uses `[[models]]`, `[[quota]]` and a `[scale]` table):
 
@@ -36,6 +39,7 @@ one mapping (YAML would keep the last, silently).
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Collection, Iterable
@@ -154,7 +158,7 @@ def parse(
     seen: dict[str, int] = {}
     for i, item in enumerate(raw_models):
         where = f"models[{i}]"
-        m = _convert(item, ev.ModelDeclared, where, fail)
+        m = _convert(item, ev.ModelDeclared, where, fail, _named("model", item))
         if not m.profiles:
             raise fail(f"{where}.profiles", "a model needs at least one profile")
         if m.name in seen:
@@ -183,7 +187,8 @@ def parse(
         if not isinstance(raw_quota, list):
             raise fail("quota", "must be a list of owners")
         owners = tuple(
-            _convert(o, ev.OwnerQuota, f"quota[{i}]", fail) for i, o in enumerate(raw_quota)
+            _convert(o, ev.OwnerQuota, f"quota[{i}]", fail, _named("owner", o))
+            for i, o in enumerate(raw_quota)
         )
         tree = core_view.quota_tree_of(owners)
         if tree.errors:
@@ -202,10 +207,23 @@ def parse(
         raise fail("scale", "must map model names to replica counts")
     for model, n in raw_scale.items():
         where = f"scale.{model}"
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise fail(where, f"must be a whole number of replicas >= 0, not {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= ev.MAX_REPLICAS:
+            typed = _type_problem("Expected `int`, got `str`", n) if isinstance(n, str) else ""
+            raise fail(
+                where,
+                typed
+                if typed
+                else f"must be a whole number of replicas from 0 to {ev.MAX_REPLICAS:,}, not {n!r}",
+            )
         out.scale[str(model)] = n
     return out
+
+
+def _named(kind: str, item: Any) -> str:
+    """`model 'chat'`: an entry of the file by its name, for an error in one of its
+    fields (models[3] is the fourth in the file, which an operator has to count)."""
+    name = item.get("name") if isinstance(item, dict) else None
+    return f"{kind} {name!r}" if isinstance(name, str) and name else ""
 
 
 def _levels(raw: Any, fail: Any) -> tuple[str, ...]:
@@ -259,16 +277,89 @@ def _runtime_problem(rt: ev.ModelRuntime) -> tuple[str, str] | None:
     return None
 
 
-def _convert(item: Any, cls: type[Any], where: str, fail: Any) -> Any:
+def _convert(item: Any, cls: type[Any], where: str, fail: Any, what: str = "") -> Any:
+    """`item` as `cls`, strictly: a value is what the file wrote, never text read as a
+    number (`max: '3'`), a number read as true or false, or 3.0 as a whole number. Lax,
+    a quoted number would pass as one here and be a string to any other reader of the
+    file. `what` names the item (`model 'chat'`) in an error of a value's type."""
     _check_keys(item, msgspec.inspect.type_info(cls), where, fail)
     try:
-        return msgspec.convert(item, cls, strict=False)
+        return msgspec.convert(item, cls, strict=True)
     except msgspec.ValidationError as e:
         m = _AT.match(str(e))
         path, why = (where + m.group("path"), m.group("why")) if m else (where, str(e))
+        typed = _type_problem(why, _value_at(item, m.group("path") if m else ""))
+        if typed:
+            why = f"{what}: {typed}" if what else typed
         raise fail(
             path, why.replace("Object missing required field", "missing required field")
         ) from e
+
+
+_EXPECTED = re.compile(r"^Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)`$")
+_UNSET = object()
+
+
+def _type_problem(why: str, value: Any) -> str:
+    """msgspec's `Expected `int | null`, got `str`` said for a person, with the value and
+    how to write it; '' for any other error (a bound, a missing field)."""
+    m = _EXPECTED.match(why)
+    if m is None or value is _UNSET:
+        return ""
+    want = {w.strip() for w in m["want"].split("|")} - {"null"}
+    if want == {"int"}:
+        kind = "a whole number"
+    elif want and want <= {"int", "float"}:
+        kind = "a number"
+    elif want == {"bool"}:
+        kind = "true or false"
+    elif want == {"str"} and isinstance(value, bool):
+        return (
+            f"expected text, not {str(value).lower()} (YAML reads an unquoted yes, no, on, "
+            "off, true or false as true or false): put it in quotes"
+        )
+    elif want == {"str"} and isinstance(value, int | float):
+        return f"expected text, not the number {value!r}: put it in quotes"
+    else:
+        return ""
+    if isinstance(value, str):
+        shown = repr(value) if len(value) <= 40 else repr(value[:37] + "...")
+        return f"expected {kind}, not the text {shown}{_written(value, want)}"
+    if isinstance(value, bool):
+        return f"expected {kind}, not {str(value).lower()}"
+    if isinstance(value, float) and want == {"int"}:
+        return f"expected {kind}, not {value!r}"
+    return ""
+
+
+def _written(text: str, want: set[str]) -> str:
+    """How to write the number or boolean `text` spells, so that it is one."""
+    s = text.strip()
+    if want == {"bool"}:
+        low = s.lower()
+        return f": write {low}, without quotes" if low in ("true", "false") else ""
+    try:
+        n: float = int(s)
+    except ValueError:
+        try:
+            n = float(s)
+        except ValueError:
+            return ""
+    if (want == {"int"} and not isinstance(n, int)) or not math.isfinite(n):
+        return ""
+    return f": write {n!r}, without quotes"
+
+
+def _value_at(item: Any, path: str) -> Any:
+    """The value at msgspec's error path (`.profiles[0].gpus`) in `item`, or _UNSET."""
+    if "[...]" in path:
+        return _UNSET  # a dict's key or value: which one, msgspec does not say
+    for key, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+        try:
+            item = item[int(index)] if index else item[key]
+        except (KeyError, IndexError, TypeError):
+            return _UNSET
+    return item
 
 
 # _HINTS: keys people write for something the file says elsewhere; difflib cannot guess

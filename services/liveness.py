@@ -207,6 +207,18 @@ def stopped(data: Path) -> dict[str, Any]:
     return plane
 
 
+def heartbeat_of(data: bytes, subject: str) -> tuple[str, datetime] | None:
+    """The node and time stamp of a heartbeat message's body; None for one that is not,
+    or whose body names another node than its subject's (only that node's agent may
+    publish there: an agent's heartbeat keeps no other node alive)."""
+    try:
+        body = json.loads(data)
+        node, t = str(body["node"]), datetime.fromisoformat(body["time"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (node, t) if node == subjects.node_of_heartbeat(subject) else None
+
+
 async def heartbeats(
     nc: Any, root: str, nodes: Iterable[str], now: datetime, wait_s: float = HEARTBEAT_WAIT_S
 ) -> dict[str, float | None]:
@@ -220,13 +232,9 @@ async def heartbeats(
     all_heard = asyncio.Event()
 
     async def on(msg: Any) -> None:
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            body = json.loads(msg.data)
-            node, t = str(body["node"]), datetime.fromisoformat(body["time"])
-            # Only the subject's node: its agent may publish there, no other.
-            if node != subjects.node_of_heartbeat(msg.subject):
-                return
-            heard[node] = t
+        got = heartbeat_of(msg.data, msg.subject)
+        if got is not None:
+            heard[got[0]] = got[1]
             if want <= heard.keys():
                 all_heard.set()
 

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from services import files, heap, lease
+from services import files, heap, lease, names
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -38,6 +39,7 @@ from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
 from services.gateway.listen import (
+    BODY_BUDGET,
     KEEPALIVE_S,
     MAX_BODY,
     QUEUE_PER_MODEL,
@@ -71,7 +73,12 @@ class UpOptions:
     nats_url: str | None = None
     """Join this broker instead of starting the embedded one."""
     port: int | None = None
-    """The embedded broker's port; None: a free one."""
+    """The embedded broker's port; None: `default_port` when it is free, else a free one.
+    Either way, when the last `up` on `data` was killed, the port it recorded comes
+    first (`broker_port`)."""
+    default_port: int | None = None
+    """The port `port` None tries before a free one (`llmgw up`: 4222); moving off it is
+    said in one line."""
     root: str = "llmgw"
     simulate: str | None = None
     """A simulated cluster, e.g. `4x8xH100-80GB`; None: no simulated agents."""
@@ -107,16 +114,22 @@ class UpOptions:
     """Freeze what the process has held for a while out of the collector's reach
     (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
     gateway_max_body: int = MAX_BODY
+    gateway_body_budget: int = BODY_BUDGET
+    gateway_hosts: tuple[str, ...] = ()
+    """`Host` names the gateway answers for besides loopback ones (`--allow-host`, the
+    dashboard's too)."""
     gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     gateway_used_interval_s: float = USED_INTERVAL_S
     gateway_stream_usage: bool = True
     gateway_queue_per_model: int = QUEUE_PER_MODEL
     gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
-    gateway_any_port: bool = False
-    """Take a free port when `gateway`'s is taken by the time it binds (the default
-    address: another `up` may take it between the check and the bind)."""
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
+    gateway_any_port: bool = False
+    """Take a free port when `gateway`'s is taken (the default address: another `up` may
+    serve there); the move is said in one line naming both addresses."""
+    ui_any_port: bool = False
+    """The same for the dashboard's `ui`."""
 
 
 @dataclass
@@ -163,6 +176,102 @@ def _claim(data: Path) -> int:
             orphan,
         )
     return fd
+
+
+# RECORDED_PORT_WAIT_S bounds how long `up` waits for the port the last `up` on its data
+# directory recorded (`nats.url`), when that one was killed, to be free again once its
+# orphan broker is stopped. The killed plane's clients (an `events tail`, a gateway or a
+# dashboard started by hand, anything given its `--nats` URL) retry that address, and
+# find the new broker there. Past it the broker moves, and says so in one line.
+RECORDED_PORT_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The embedded broker's port as `broker_port` chose it: `port` (None: a free one),
+    the one it `wanted` (None: none in particular) and, when it moved off that one, why."""
+
+    port: int | None
+    wanted: int | None = None
+    why: str = ""
+
+
+def recorded_port(data: Path) -> int | None:
+    """The port in the broker URL recorded in `data`, or None. Read while holding the
+    directory's lock, it is the port of an `up` that was killed (a clean stop removes it)."""
+    url = bus_broker.read_url(data)
+    if url is None:
+        return None
+    try:
+        return urlsplit(url.split(",")[0]).port
+    except ValueError:
+        return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (SO_REUSEADDR, as nats-server and
+    our own listeners set it: a closed connection's TIME_WAIT does not hold the port)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def broker_port(opts: UpOptions, host: str = "127.0.0.1") -> _Choice:
+    """Where the embedded broker listens: `--port` as given; else the port the last `up`
+    on the data directory recorded when it was killed, once free (waiting up to
+    RECORDED_PORT_WAIT_S); else `default_port` when free; else a free one."""
+    if opts.port is not None:
+        return _Choice(opts.port)
+    why = ""
+    wanted = recorded_port(opts.data)
+    if wanted is not None:
+        deadline = time.monotonic() + RECORDED_PORT_WAIT_S
+        while not _bindable(host, wanted):
+            if time.monotonic() >= deadline:
+                why = (
+                    f"port {wanted} of the `up` that was killed is still taken after "
+                    f"{RECORDED_PORT_WAIT_S:g}s"
+                )
+                break
+            time.sleep(0.1)
+        else:
+            return _Choice(wanted, wanted)
+    if opts.default_port is not None and opts.default_port != wanted:
+        if _bindable(host, opts.default_port):
+            return _Choice(opts.default_port, wanted, why)
+        if wanted is None:
+            wanted, why = opts.default_port, f"port {opts.default_port} is taken"
+    return _Choice(None, wanted, why)
+
+
+def _fallbacks(listen: str, recorded: Path) -> list[str]:
+    """Where a listener whose default address `listen` is taken tries next: the address
+    a killed `up` recorded in `recorded` (same host), so its clients find it again; then
+    a free port."""
+    host = listen.rpartition(":")[0]
+    out = []
+    with contextlib.suppress(OSError, ValueError):
+        u = urlsplit(recorded.read_text().strip())
+        if u.hostname == host.strip("[]") and u.port:
+            out.append(f"{host}:{u.port}")
+    return [*out, f"{host}:0"]
+
+
+def _say_moved(what: str, old: str, new: str, recorded: Path, why: str = "") -> None:
+    """One line for a listener that could not have its address: the old and the new."""
+    old = old.removeprefix("nats://").removeprefix("http://")
+    log.warning(
+        "%s: moved from %s to %s (%s); the commands beside it read it from %s",
+        what,
+        old,
+        new,
+        why or f"{old} is taken",
+        recorded,
+    )
 
 
 # RESTART_GAP_S is the least time between two restarts of a broker that is alive but
@@ -329,8 +438,26 @@ async def run(
         url = opts.nats_url
     else:
         lock = _claim(opts.data)
-        broker = EmbeddedBroker(opts.data, port=opts.port, auth=True)
-        url = await asyncio.to_thread(broker.start)
+        choice = await asyncio.to_thread(broker_port, opts)
+        broker = EmbeddedBroker(opts.data, port=choice.port, auth=True)
+        try:
+            url = await asyncio.to_thread(broker.start)
+        except BrokerError as e:
+            # A port chosen here (not a --port) that was taken between the look and the
+            # bind is moved off like one taken before.
+            if opts.port is not None or "address already in use" not in e.why:
+                raise
+            choice = _Choice(None, choice.wanted or choice.port, choice.why or "it was taken")
+            broker.port = None
+            url = await asyncio.to_thread(broker.start)
+        if choice.wanted is not None and broker.port != choice.wanted:
+            _say_moved(
+                "broker",
+                f"{broker.host}:{choice.wanted}",
+                broker.address,
+                opts.data / bus_broker.URL_FILE,
+                choice.why,
+            )
         log.info(
             "broker: nats-server on %s (credentials in %s), store %s (log %s)",
             broker.address,
@@ -436,7 +563,19 @@ async def _serve(
             try:
                 ui_sock = dashboard.bind()
             except DashboardError as e:
-                raise UpError(str(e)) from e
+                if not opts.ui_any_port:
+                    raise UpError(str(e)) from e
+                ui_sock = None
+                for listen in _fallbacks(opts.ui, opts.data / URL_FILE):
+                    dashboard.listen = listen
+                    try:
+                        ui_sock = dashboard.bind()
+                        break
+                    except DashboardError as e2:
+                        if listen.endswith(":0"):
+                            raise UpError(str(e2)) from e2
+                assert ui_sock is not None
+                _say_moved("dashboard", opts.ui, dashboard.url.rstrip("/"), opts.data / URL_FILE)
         gateway: Gateway | None = None
         if opts.gateway is not None:
             gateway = Gateway(
@@ -444,6 +583,8 @@ async def _serve(
                 listen=opts.gateway,
                 root=opts.root,
                 max_body=opts.gateway_max_body,
+                body_budget=opts.gateway_body_budget,
+                allow_hosts=opts.gateway_hosts,
                 upstream_timeout_s=opts.gateway_upstream_timeout_s,
                 used_interval_s=opts.gateway_used_interval_s,
                 stream_usage=opts.gateway_stream_usage,
@@ -457,11 +598,17 @@ async def _serve(
             except GatewayError as e:
                 if not opts.gateway_any_port:
                     raise UpError(str(e)) from e
-                gateway.listen = f"{opts.gateway.rpartition(':')[0]}:0"
-                try:
-                    gw_sock = gateway.bind()
-                except GatewayError as e2:
-                    raise UpError(str(e2)) from e2
+                gw_sock = None
+                for listen in _fallbacks(opts.gateway, opts.data / GATEWAY_URL_FILE):
+                    gateway.listen = listen
+                    try:
+                        gw_sock = gateway.bind()
+                        break
+                    except GatewayError as e2:
+                        if listen.endswith(":0"):
+                            raise UpError(str(e2)) from e2
+                assert gw_sock is not None
+                _say_moved("gateway", opts.gateway, gateway.url, opts.data / GATEWAY_URL_FILE)
         if dashboard is not None and gateway is not None:
             # The dashboard shows requests a second and in flight per model from the
             # gateway's own counters (services.dashboard.traffic).
@@ -508,6 +655,10 @@ async def _serve(
             opts.root,
             f"; {len(agents)} simulated nodes: {_names(agents)}" if agents else "",
         )
+        if agents:
+            said = _say_unsimulated(scheduler, agents, stop)
+            sim = asyncio.create_task(said, name="unsimulated")
+            tasks[sim] = "unsimulated"
         if on_ready is not None:
             on_ready(running)
         return await _supervise(tasks, stop)
@@ -522,6 +673,31 @@ async def _serve(
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
+
+
+# CAUGHT_UP_S bounds the wait for the scheduler's view to reach the log's end before
+# `up` compares the nodes it has with those it simulates.
+CAUGHT_UP_S = 30.0
+
+
+async def _say_unsimulated(scheduler: Scheduler, agents: list[Agent], stop: asyncio.Event) -> None:
+    """One line, once the scheduler's view has caught up with the log, naming the nodes
+    the data directory's log has and this run does not simulate (a tour run on the data
+    of a bigger cluster): they will be reported lost, and stay so until removed."""
+    with contextlib.suppress(TimeoutError):
+        await scheduler.follower.caught_up(CAUGHT_UP_S)
+    simulated = {a.node for a in agents}
+    others = sorted(n for n in scheduler.view.state.nodes if n not in simulated)
+    if others:
+        shown = ", ".join(others) if len(others) <= 6 else f"{', '.join(others[:6])} …"
+        log.warning(
+            "up: the log of %s has %s this run does not simulate (%s): they will be "
+            "reported lost; `llmgw delete node NAME` removes one",
+            "this data directory",
+            names.plural(len(others), "node"),
+            shown,
+        )
+    await stop.wait()
 
 
 def _names(agents: list[Agent]) -> str:

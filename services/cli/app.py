@@ -156,7 +156,35 @@ def replay_error(e: Exception) -> CliError:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line that says where to look for help, and a
-    mistyped command gets the command it is closest to."""
+    mistyped command gets the command it is closest to. A command's options may come
+    anywhere among its names (`explain replica --seq 60 chat-aea`), as kubectl takes them:
+    a command without sub-commands of its own parses its arguments intermixed."""
+
+    # _intermixing is set while argparse's intermixed parse calls back into this parser
+    # (it parses twice, through parse_known_args), so the second call is a plain one.
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing or not self._intermixable():
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return super().parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+    def _intermixable(self) -> bool:
+        """Whether argparse can parse this command's arguments intermixed: no sub-commands
+        and no positional that takes the rest of the line as it is."""
+        return not any(
+            isinstance(a, argparse._SubParsersAction)
+            or (not a.option_strings and a.nargs in (argparse.REMAINDER, argparse.PARSER))
+            for a in self._actions
+        ) and not any(
+            not a.option_strings for g in self._mutually_exclusive_groups for a in g._group_actions
+        )
 
     def error(self, message: str) -> Any:
         m = _INVALID_CHOICE.search(message)

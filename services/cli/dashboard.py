@@ -46,7 +46,10 @@ def register(commands: cli.Commands) -> None:
     add_listen_options(p, DEFAULT_LISTEN)
 
 
-def add_listen_options(p: Any, default: str, flag: str = "--listen") -> None:
+def add_listen_options(
+    p: Any, default: str, flag: str = "--listen", served: str = "the dashboard"
+) -> None:
+    """The dashboard's flags; `served` is what `--allow-host` names are answered by."""
     cli.add_listen(p, flag, default, "listen", "dashboard")
     p.add_argument(
         "--token",
@@ -61,7 +64,7 @@ def add_listen_options(p: Any, default: str, flag: str = "--listen") -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="a Host name the dashboard answers for besides loopback ones, as a browser "
+        help=f"a Host name {served} answers for besides loopback ones, as a browser "
         "or proxy sends it (repeat or comma-separate; any other name is refused, so a "
         "page of another site that rebinds its name to this address reads nothing)",
     )

@@ -614,7 +614,9 @@ def _register_import(events: cli.Commands) -> None:
             "stored twice, as it was), so the stream holds the same events\n"
             "at the same sequence numbers as the one exported (a bundle that starts at\n"
             "seq 500 is stored from 500), byte for byte: export it again and you get the\n"
-            "same file.\n"
+            "same file. A bundle that starts past seq 1 starts with the snapshot line\n"
+            "export writes; without one the stream would lack its beginning, which every\n"
+            "reader refuses, so it is refused (--allow-gaps imports it anyway).\n"
             "\n"
             "Import into a bare broker (`nats-server -js -sd NEW_DIR -p 4333`), not a\n"
             "running `llmgw up`: its scheduler would act on the incident's events.\n"
@@ -652,6 +654,12 @@ def _register_import(events: cli.Commands) -> None:
         help="import lines whose event does not decode as they are (a faithful copy of a "
         "log with bad messages on it, as export writes it)",
     )
+    p.add_argument(
+        "--allow-gaps",
+        action="store_true",
+        help="import a bundle that starts past seq 1 with no snapshot line (one `events "
+        "export --allow-gaps` wrote) at its own seqs; its readers then need --allow-gaps too",
+    )
 
 
 # ADVICE is where an import belongs, said the same way by the help, the errors and the
@@ -687,11 +695,14 @@ class _Checked(NamedTuple):
     """The view of the snapshot the bundle starts with (`bundle.snapshot`), or None."""
 
 
-def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _Checked:
+def _check_bundle(
+    path: str, root: str, keep_invalid: bool, renumber: bool, allow_gaps: bool = False
+) -> _Checked:
     """The bundle's size and seqs after checking every line as import would publish it:
     its position and order (the reader), a subject the stream stores under `root`, no
-    gap (unless `renumber`), and an event that decodes and belongs on its subject (unless
-    `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
+    gap (unless `renumber`), a start at seq 1 or just after its snapshot (unless
+    `renumber` or `allow_gaps`), and an event that decodes and belongs on its subject
+    (unless `keep_invalid`). Raises naming FILE:LINE, before anything is published."""
     count, first, last = 0, 0, 0
     progress = cli.Progress("checking", None)
     snapshot = None
@@ -700,6 +711,8 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
         last = snapshot.seq if snapshot is not None else 0
         for rec in bundle.read(path):
             where = f"{path}:{rec.lineno}: seq {rec.seq}"
+            if not count and not last and rec.seq > 1 and not (renumber or allow_gaps):
+                raise cli.CliError(_beginning_missing(path, rec.lineno, rec.seq))
             why = _subject_problem(rec.subject, root)
             if why:
                 raise cli.CliError(f"{where}: subject {rec.subject!r} {why}")
@@ -732,10 +745,23 @@ def _check_bundle(path: str, root: str, keep_invalid: bool, renumber: bool) -> _
     except IsADirectoryError:
         raise cli.CliError(f"{path}: is a directory, not a bundle") from None
     except OSError as e:
-        raise cli.CliError(f"{path}: {e.strerror}") from None
+        raise cli.CliError(f"{path}: {e.strerror or e}") from None
     finally:
         progress.close()
     return _Checked(count, first, last, snapshot)
+
+
+def _beginning_missing(path: str, lineno: int, seq: int) -> str:
+    """Why a bundle that starts past seq 1 with no snapshot line is not imported: the
+    stream would start there with nothing to fold its events onto, and every reader of
+    it (`up`, replay, status) refuses such a log."""
+    run = "seq 1 is" if seq == 2 else f"seqs 1-{seq - 1} are"
+    return (
+        f"{path}:{lineno}: the bundle starts at seq {seq} with no snapshot: {run} missing, "
+        "and a stream without its beginning is refused by every reader (export it whole, "
+        "or from a snapshot: `llmgw events export --from-seq N`); --allow-gaps imports it "
+        "as it is, --renumber from the stream's next seq"
+    )
 
 
 def _snapshot_of(path: str) -> Any:
@@ -750,9 +776,13 @@ def _snapshot_of(path: str) -> Any:
         state = decode_state(head[1])
     except msgspec.MsgspecError as e:
         raise BundleError(path, 1, f"the snapshot does not decode as a view ({e})") from None
-    if state.schema != SCHEMA or state.seq != head[0]:
+    if state.schema != SCHEMA:
         raise BundleError(
             path, 1, f"the snapshot is of view schema {state.schema}; this llmgw reads {SCHEMA}"
+        )
+    if state.seq != head[0]:
+        raise BundleError(
+            path, 1, f"the snapshot line says seq {head[0]}, its view is of seq {state.seq}"
         )
     return state
 
@@ -798,7 +828,7 @@ async def _import(args: argparse.Namespace) -> int:
 
     root = cli.root(args)
     path = args.file
-    checked = _check_bundle(path, root, args.keep_invalid, args.renumber)
+    checked = _check_bundle(path, root, args.keep_invalid, args.renumber, args.allow_gaps)
     total, first_seq = checked.lines, checked.first
     done = 0
     async with cli.session(args, "llmgw events import") as s:
@@ -815,9 +845,11 @@ async def _import(args: argparse.Namespace) -> int:
                 )
                 return 0
         next_seq = st.last_seq + 1
-        if not done and first_seq > next_seq:
+        if not done and first_seq > next_seq and not args.renumber:
             # A bundle that starts past 1 (an export --from-seq): an empty stream can be
-            # made to start at any sequence, so the bundle's sequences are kept.
+            # made to start at any sequence, so the bundle's sequences are kept. Renumbered,
+            # the lines go from the stream's next sequence, as --renumber says: a stream
+            # started past 1 would have no snapshot of its beginning (none is saved then).
             await s.js.purge_stream(subjects.STREAM, seq=first_seq)
             next_seq = first_seq
         elif not done and first_seq and first_seq < next_seq and not args.renumber:

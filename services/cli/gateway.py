@@ -29,6 +29,13 @@ def register(commands: cli.Commands) -> None:
             "streams pass through byte for byte; refusals are OpenAI errors with an\n"
             "x-llmgw-reason header. `llmgw up` serves it too, unless --no-gateway.\n"
             "\n"
+            "A web page in the operator's browser can reach a loopback port, so the\n"
+            "gateway on loopback answers only for loopback names and those given with\n"
+            "--allow-host (another Host is 421); anywhere, a request from another origin\n"
+            "is 403, a body not sent as Content-Type: application/json 415. It holds\n"
+            "at most --body-budget bytes of request bodies at once; past it a request is\n"
+            "503 with Retry-After.\n"
+            "\n"
             "A request for a model that cannot take it now (at zero, starting, or\n"
             "every replica at target_inflight x 2 in flight) waits, FIFO, up to\n"
             "--queue-per-model a model, for as long as the model's starts take (x1.5;\n"
@@ -60,8 +67,13 @@ def register(commands: cli.Commands) -> None:
     add_gateway_options(p, DEFAULT_LISTEN)
 
 
-def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
+def add_gateway_options(
+    p: Any, default: str, flag: str = "--listen", allow_host: bool = True
+) -> None:
+    """The gateway's flags; `allow_host` False where `--allow-host` is given already (`llmgw
+    up`'s, which serves the dashboard's names and the gateway's)."""
     from services.gateway.listen import (
+        BODY_BUDGET,
         KEEPALIVE_S,
         MAX_BODY,
         QUEUE_PER_MODEL,
@@ -91,6 +103,28 @@ def add_gateway_options(p: Any, default: str, flag: str = "--listen") -> None:
         type=int,
         metavar="BYTES",
     )
+    cli.add_number(
+        p,
+        "--body-budget",
+        BODY_BUDGET,
+        "bytes of request bodies held at once, all requests together (at least --max-body); "
+        "past it a new request is 503 with Retry-After, so a flood of large bodies cannot "
+        "take the process's memory",
+        type=int,
+        metavar="BYTES",
+    )
+    if allow_host:
+        p.add_argument(
+            "--allow-host",
+            dest="allow_hosts",
+            action="append",
+            default=None,
+            metavar="NAME",
+            help="a Host name the gateway on loopback answers for besides loopback ones, as a "
+            "client or proxy sends it (repeat or comma-separate; another name is 421, so a "
+            "page that rebinds its name to 127.0.0.1 reads nothing; off loopback, where a "
+            "key is asked for, any name is answered)",
+        )
     cli.add_number(
         p,
         "--upstream-timeout",
@@ -156,6 +190,11 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
         raise cli.UsageError(f"{flag} {why}")
     if args.max_body < 1:
         raise cli.UsageError(f"--max-body: {args.max_body} is not a positive size")
+    if args.body_budget < args.max_body:
+        raise cli.UsageError(
+            f"--body-budget: {args.body_budget} is under --max-body ({args.max_body}): "
+            "a body the gateway takes must fit in it"
+        )
     if args.queue_per_model < 0:
         raise cli.UsageError(
             f"--queue-per-model: {args.queue_per_model} is not a count (0: hold nothing)"
@@ -164,11 +203,13 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
 
 
 async def _gateway(args: argparse.Namespace) -> int:
+    from services.cli.dashboard import allowed_hosts
     from services.gateway.errors import GatewayError
     from services.gateway.server import Gateway, freeze_heap
 
     listen = gateway_listen(args)
     keys = gateway_keys(args)
+    hosts = allowed_hosts(args)
     cli.setup_logging()
     freeze_heap()
 
@@ -179,6 +220,8 @@ async def _gateway(args: argparse.Namespace) -> int:
                 listen=listen,
                 root=s.root,
                 max_body=args.max_body,
+                body_budget=args.body_budget,
+                allow_hosts=hosts,
                 upstream_timeout_s=args.upstream_timeout,
                 used_interval_s=args.gateway_used_interval,
                 stream_usage=not args.no_stream_usage,

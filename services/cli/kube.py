@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import typing
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from schemas import events as ev
 from services import names
 from services.cli import app as cli
 from services.cli import refs, replay, status
@@ -99,8 +101,37 @@ def _register_get(commands: cli.Commands) -> None:
         action="store_true",
         help="replicas: stopped and failed ones too",
     )
+    p.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        default=[],
+        metavar="STATE",
+        help="replicas: only those in these states (comma-separated or repeated: "
+        f"{', '.join(REPLICA_STATES)}); stopped and failed ones are listed without --all",
+    )
     replay.log_option(p)
     replay.moment_options(p)
+
+
+# REPLICA_STATES are the states `get replicas --state` selects, in a replica's life order.
+REPLICA_STATES: tuple[str, ...] = typing.get_args(ev.ReplicaStateName)
+
+
+def parse_states(texts: list[str]) -> frozenset[str]:
+    """The `--state` options as a set; a usage error naming the closest state for one
+    that is none (`--state stoped`)."""
+    out = set()
+    for text in texts:
+        for word in text.split(","):
+            word = word.strip().lower()
+            if word not in REPLICA_STATES:
+                hint = names.did_you_mean(word, REPLICA_STATES, quote="`")
+                raise cli.UsageError(
+                    f"--state {word!r} is not a replica state{hint} ({', '.join(REPLICA_STATES)})"
+                )
+            out.add(word)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -156,8 +187,10 @@ def listing(
     selectors: list[Selector] | None = None,
     only: list[str] | None = None,
     everything: bool = False,
+    states: frozenset[str] = frozenset(),
 ) -> Listing:
-    """The rows of `get KIND` (pure: the view, the moment ages count from)."""
+    """The rows of `get KIND` (pure: the view, the moment ages count from); `states`, when
+    given, keeps only the replicas in those states, whatever `everything` says."""
     selectors = selectors or []
     d = status.summary(view, 0, now)
     now = now if now is not None else view.state.time
@@ -215,8 +248,9 @@ def listing(
             shown = sorted(
                 (
                     r
-                    for r in render.shown_replicas(view, everything)
-                    if not selectors or any(n in on for n in r.nodes)
+                    for r in render.shown_replicas(view, everything or bool(states))
+                    if (not selectors or any(n in on for n in r.nodes))
+                    and (not states or r.state in states)
                 ),
                 key=lambda r: (r.model, r.id),
             )
@@ -336,6 +370,9 @@ async def _get(args: argparse.Namespace) -> int:
     selectors = parse_selectors(args.selector)
     if args.everything and kind != "replica":
         raise cli.UsageError("--all goes with replicas (stopped and failed ones)")
+    states = parse_states(args.states)
+    if states and kind != "replica":
+        raise cli.UsageError("--state goes with replicas (get replicas --state stopped)")
     run = await replay.rebuild_view(args, verb="reading", **replay.moment(args))
     view = run.rebuilt.view
     got = listing(
@@ -346,6 +383,7 @@ async def _get(args: argparse.Namespace) -> int:
         selectors=selectors,
         only=wanted,
         everything=args.everything,
+        states=states,
     )
     out = render_listing(got, args.output, headers=not args.no_headers, seq=view.state.seq)
     if out:

@@ -117,9 +117,9 @@ def register(commands: cli.Commands) -> None:
 
     delete = commands.group(
         "delete",
-        help="remove something from the cluster (delete model)",
-        description="Remove something declared from the cluster.",
-        epilog=cli.examples("llmgw delete model chat-70b"),
+        help="remove something from the cluster (delete model, delete node)",
+        description="Remove something declared or reported from the cluster.",
+        epilog=cli.examples("llmgw delete model chat-70b", "llmgw delete node sim-3"),
     )
     p = delete.add(
         "model",
@@ -133,6 +133,36 @@ def register(commands: cli.Commands) -> None:
         func=_delete_model,
     )
     p.add_argument("model", metavar="MODEL", type=refs.arg("model"), help="model name or alias")
+    _yes(p)
+    p = delete.add(
+        "node",
+        help="remove a node from the cluster (one lost for good, or taken out)",
+        description=(
+            "Publish node.removed for NODE: it leaves the view, its GPUs leave every total,\n"
+            "and its lost alert clears. A node whose replicas still hold GPUs there is\n"
+            "refused (exit 5), naming them: `llmgw drain node NODE` first, or --force,\n"
+            "which sends each a drain and removes the node at once (they fail with it).\n"
+            "A lost node whose grace has passed holds none. Stop the node's agent first:\n"
+            "its next inventory report adds the node back, as a new one. Asks first\n"
+            "unless --yes; an unknown NODE is refused with the closest name."
+        ),
+        epilog=cli.examples(
+            "llmgw delete node sim-3",
+            "llmgw delete node gpu-a7 --reason 'board replaced' --yes",
+            "llmgw drain node gpu-a2 --yes && llmgw delete node gpu-a2 --force --yes",
+        ),
+        func=_delete_node,
+    )
+    p.add_argument("node", metavar="NODE", type=refs.arg("node"), help="node name (or node/NAME)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even while replicas hold GPUs there (each is sent a drain, and fails "
+        "with the node)",
+    )
+    p.add_argument(
+        "--reason", default="", metavar="TEXT", help="why, for `explain node` and the log"
+    )
     _yes(p)
 
     drain = commands.group(
@@ -552,6 +582,35 @@ async def _delete_model(args: argparse.Namespace) -> int:
         )
         event, seq = await op.publish(ev.ModelRemoved(name=model))
     print(f"model.removed {model}  (seq {seq}, id {event.id})")
+    return 0
+
+
+async def _delete_node(args: argparse.Namespace) -> int:
+    async with _operating(args, "llmgw delete node") as op:
+        _known_node(op.view, args.node)
+        rec = op.view.state.nodes[args.node]
+        holding = sorted(
+            (r for r in op.view.replicas.values() if r.holds_capacity and args.node in r.nodes),
+            key=lambda r: r.id,
+        )
+        listed = ", ".join(r.id for r in holding)
+        if holding and not args.force:
+            raise cli.Refused(
+                f"delete node {args.node}: {names.plural(len(holding), 'replica')} still "
+                f"{'holds' if len(holding) == 1 else 'hold'} GPUs there ({listed}); "
+                f"`llmgw drain node {args.node}` first, or --force; nothing published"
+            )
+        state = "lost" if rec.lost else ("cordoned" if rec.cordoned else "schedulable")
+        also = f" and fail {names.plural(len(holding), 'replica')} ({listed})" if holding else ""
+        _confirm(f"remove node {args.node} ({state}){also}?", args.yes)
+        for r in holding:
+            if r.state in LIVE_STATES and r.drained_by is None:
+                data = ev.ReplicaDrain(replica=r.id, model=r.model, reason="node_drain")
+                for node in r.nodes:
+                    event, seq = await op.publish(data, node=node)
+                    print(f"replica.drain {r.id} ({r.model}) to {node}: node_drain  (seq {seq})")
+        event, seq = await op.publish(ev.NodeRemoved(node=args.node, reason=args.reason))
+    print(f"node.removed {args.node}  (seq {seq}, id {event.id})")
     return 0
 
 

@@ -4,7 +4,10 @@ Registered by `services.cli`. It rebuilds the view the way `llmgw view` does (fr
 newest snapshot plus the log, or from a bundle with --log) and prints what needs
 attention first: nodes and GPUs in use, models live against desired, quota per owner,
 holds, in-flight preemptions, the last decisions and rejected events. With --watch it
-follows the log and redraws on every event. It reads; it never publishes.
+follows the log and redraws on every event and at least every --interval seconds, with
+the same headline, PLANE and LOG lines and heartbeat ages as one `status`: a plane that
+dies says so on the screen left open, though its log (and so the view) stands still.
+It reads; it never publishes.
 
 Ages count from `now`, a parameter: the wall clock for the live broker (a quiet cluster's
 last event may be an hour old, and "1s ago" would be a lie) and for a stopped plane's
@@ -16,17 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import sys
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from services import clock, names
 from services.cli import app as cli
-from services.cli.output import add_output_option, add_watch_options, check_watch, watch
+from services.cli.output import add_output_option, add_watch_options, check_watch
 from services.cli.replay import allow_gaps_option, rebuild_view, wall_now
 from services.core.view import View, digest
 from services.replay import render
+from services.replay.errors import ReplayError
 
 LAST_DECISIONS = 10
 
@@ -41,7 +48,9 @@ def register(commands: cli.Commands) -> None:
             "limit, used, borrowed), holds still on, models waiting for their victims to\n"
             "drain, the last decisions with their reasons, and any events the fold rejected.\n"
             "Reads the live broker, or a bundle with --log. With --watch it follows the log\n"
-            "and redraws on every new event, as `kubectl get -w` does."
+            "and redraws on every new event, as `kubectl get -w` does, and at least every\n"
+            "--interval seconds: heartbeat ages grow, and a plane killed says PLANE NOT RUNNING\n"
+            "within a second or two though no event comes."
         ),
         epilog=cli.examples(
             "llmgw status",
@@ -65,6 +74,19 @@ def register(commands: cli.Commands) -> None:
         metavar="N",
     )
     add_watch_options(p)
+    cli.add_number(
+        p,
+        "--interval",
+        WATCH_INTERVAL_S,
+        "with --watch: seconds between redraws when no event comes",
+        type=cli.arg_positive,
+    )
+
+
+# WATCH_INTERVAL_S is how often `status --watch` redraws without an event: the plane's
+# liveness and the nodes' heartbeats are not events, and a dead plane writes none. At a
+# second, a kill -9 of `llmgw up` is on the screen within two heartbeat periods.
+WATCH_INTERVAL_S = 1.0
 
 
 # quota_rows is the QUOTA table's data, shared with the dashboard.
@@ -148,7 +170,13 @@ def summary(
         "now": render.stamp(now),
         "digest": digest(s),
         "nodes": nodes,
-        "gpus": {"total": sum(n["gpus"] for n in nodes), "used": sum(n["used"] for n in nodes)},
+        # A lost node's GPUs are in no total: nothing can be placed there, and what its
+        # replicas hold through the grace is not capacity the cluster has.
+        "gpus": {
+            "total": sum(n["gpus"] for n in nodes if n["state"] != "lost"),
+            "used": sum(n["used"] for n in nodes if n["state"] != "lost"),
+            "lost": sum(n["gpus"] for n in nodes if n["state"] == "lost"),
+        },
         "models": models,
         "replicas": replicas,
         "quota": quota_rows(view),
@@ -234,6 +262,7 @@ def text(
     out.append(
         f"\nNODES  {len(d['nodes'])} ({lost} lost, {cordoned} cordoned); "
         f"GPUs in use {g['used']}/{g['total']}"
+        + (f" ({g['lost']} more on lost nodes)" if g["lost"] else "")
     )
     node_rows = []
     for n in d["nodes"]:
@@ -391,29 +420,40 @@ async def health(
     commit, whether the `up` of the data directory is alive, and, for the nodes of
     `view`, the age of each one's last heartbeat."""
     from services import liveness
-    from services.dashboard import health as log_health
-    from services.up import DB_FILE
 
     async with cli.session(args, "llmgw status") as s:
-        # The projector's view database is the one beside the `llmgw up` whose data
-        # directory named this broker; a broker given by --nats may be anyone's.
-        _, recorded_in = cli.resolve_with_origin(args)
-        db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
-        nodes = [] if view is None else [n for n, r in view.state.nodes.items() if not r.lost]
+        nodes = _alive_nodes(view)
         # Heartbeats are listened for while the rest is read.
         beats = asyncio.ensure_future(liveness.heartbeats(s.nc, s.root, nodes, clock.utc_now()))
         try:
-            h = await log_health.check(s.js, db, s.root) or None
-            if h is not None:
-                plane = h.pop("plane")
-            else:
-                plane = await liveness.check(
-                    s.js, s.root, clock.utc_now(), time.time(), data=recorded_in
-                )
+            h, plane = await _log_and_plane(args, s)
             plane["heartbeats"] = await beats
         finally:
             beats.cancel()
         return h, plane
+
+
+def _alive_nodes(view: View | None) -> list[str]:
+    return [] if view is None else [n for n, r in view.state.nodes.items() if not r.lost]
+
+
+async def _log_and_plane(
+    args: argparse.Namespace, s: cli.Session
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """`health`'s log and plane (without the heartbeats), through the session `s`."""
+    from services import liveness
+    from services.dashboard import health as log_health
+    from services.up import DB_FILE
+
+    # The projector's view database is the one beside the `llmgw up` whose data
+    # directory named this broker; a broker given by --nats may be anyone's.
+    _, recorded_in = cli.resolve_with_origin(args)
+    db = cli.data_dir(args) / DB_FILE if recorded_in is not None else None
+    h = await log_health.check(s.js, db, s.root) or None
+    if h is not None:
+        return h, h.pop("plane")
+    plane = await liveness.check(s.js, s.root, clock.utc_now(), time.time(), data=recorded_in)
+    return None, plane
 
 
 def plane_lines(plane: dict[str, Any]) -> list[str]:
@@ -464,9 +504,7 @@ async def _status(args: argparse.Namespace) -> int:
 
     check_watch(args, {"--log": bool(args.log)})
     if args.watch:
-        return await watch(
-            args, "status", lambda v, where: render_status(args, v, where, clock.utc_now())
-        )
+        return await _watch(args)
     run = await rebuild_view(args, verb="reading the log")
     # A bundle is a picture of its last event; a broker's log, the live one or a stopped
     # plane's, is judged at the wall clock (how long ago the plane last heard anything).
@@ -478,7 +516,21 @@ async def _status(args: argparse.Namespace) -> int:
         plane = liveness.stopped(cli.data_dir(args))
     elif not args.log:
         h, plane = await health(args, view)
-    code = 0 if plane is None or plane["running"] else 1
+    print(compose(args, view, run.where, now, h, plane))
+    return 0 if plane is None or plane["running"] else 1
+
+
+def compose(
+    args: argparse.Namespace,
+    view: View,
+    where: str,
+    now: datetime | None,
+    h: dict[str, Any] | None,
+    plane: dict[str, Any] | None,
+) -> str:
+    """One status, in the chosen output: the tables headed by why the plane is not
+    running (if it is not), the failing models, then where, the LOG and PLANE lines;
+    -o json the summary with the log, the plane and each node's heartbeat age."""
     if args.output == "json":
         doc = summary(view, args.decisions, now)
         if plane is not None:
@@ -487,17 +539,136 @@ async def _status(args: argparse.Namespace) -> int:
                 n["heartbeat_age_s"] = beats.get(n["node"])
         doc["log"] = h
         doc["plane"] = plane
-        print(json.dumps(doc, indent=2))
-        return code
+        return json.dumps(doc, indent=2)
     beats = None if plane is None else plane.get("heartbeats")
-    out = render_status(args, view, run.where, now, beats)
-    if args.output != "name":
-        lines = out.split("\n")
-        failing = [x for x in lines if x.startswith("FAILING  ")]
-        first, rest = lines[len(failing)], lines[len(failing) + 1 :]
-        head = [] if plane is None else plane_lines(plane)
-        headline = [x for x in head if x.startswith("PLANE NOT RUNNING")]
-        extra = ([health_line(h)] if h is not None else []) + [x for x in head if x not in headline]
-        out = "\n".join([*headline, *failing, first, *extra, *rest])
-    print(out)
-    return code
+    out = render_status(args, view, where, now, beats)
+    if args.output == "name":
+        return out
+    lines = out.split("\n")
+    failing = [x for x in lines if x.startswith("FAILING  ")]
+    first, rest = lines[len(failing)], lines[len(failing) + 1 :]
+    head = [] if plane is None else plane_lines(plane)
+    headline = [x for x in head if x.startswith("PLANE NOT RUNNING")]
+    extra = ([health_line(h)] if h is not None else []) + [x for x in head if x not in headline]
+    return "\n".join([*headline, *failing, first, *extra, *rest])
+
+
+class _Heard:
+    """Each node's last heartbeat heard while a watch runs (heartbeats are core NATS:
+    nothing keeps the last one), and an event set once every node `wanted` was heard."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, datetime] = {}
+        self.wanted: set[str] = set()
+        self.all = asyncio.Event()
+
+    async def on(self, msg: Any) -> None:
+        from services import liveness
+
+        got = liveness.heartbeat_of(msg.data, msg.subject)
+        if got is not None:
+            self.at[got[0]] = got[1]
+            if self.wanted <= self.at.keys():
+                self.all.set()
+
+    def ages(self, nodes: list[str], now: datetime) -> dict[str, float | None]:
+        return {
+            n: round(max((now - self.at[n]).total_seconds(), 0.0), 1) if n in self.at else None
+            for n in sorted(nodes)
+        }
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    """Draw, then redraw on every event and at least every --interval seconds, until
+    Ctrl-C or --count drawings. The view is followed (services.replay.subscribe); the
+    log's health, the plane's liveness and the heartbeat ages are read afresh for each
+    drawing, so a plane killed is said though its log stands still."""
+    from services import liveness
+    from services.replay import subscribe
+
+    tty = sys.stdout.isatty()
+    drawn = 0
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    _, recorded_in = cli.resolve_with_origin(args)
+    async with cli.session(args, "llmgw status --watch") as s:
+        heard = _Heard()
+        sub = await s.nc.subscribe(f"{s.root}.heartbeat.*", cb=heard.on)
+        latest: list[View] = []
+        changed = asyncio.Event()
+
+        async def follow() -> None:
+            async for _seq, changes in subscribe.subscribe(s.js, None, root=s.root):
+                latest[:] = [changes.view]
+                changed.set()
+
+        follower = asyncio.create_task(follow(), name="status --watch: follow")
+        try:
+            while True:
+                waiter = asyncio.create_task(changed.wait())
+                # Before the first drawing, as long as the listing takes; then until the
+                # next tick, --interval after the last drawing began.
+                timeout = None if not latest else max(began + args.interval - loop.time(), 0)
+                try:
+                    await asyncio.wait(
+                        {waiter, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    waiter.cancel()
+                if follower.done():
+                    follower.result()  # a ReplayError, raised here
+                    return 0
+                if not latest:
+                    continue
+                changed.clear()
+                began = loop.time()
+                view = latest[0]
+                nodes = _alive_nodes(view)
+                if drawn == 0:
+                    # The first drawing waits for the nodes' heartbeats as `status` does.
+                    heard.wanted = set(nodes)
+                    if not heard.wanted <= heard.at.keys():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(heard.all.wait(), liveness.HEARTBEAT_WAIT_S)
+                h, plane = await _plane_now(args, s, recorded_in)
+                now = clock.utc_now()
+                plane["heartbeats"] = heard.ages(nodes, now)
+                frame = compose(args, view, s.url, now, h, plane)
+                if tty:
+                    sys.stdout.write("\x1b[H\x1b[2J")  # clear, as watch(1) does
+                elif drawn and args.output != "json":
+                    print()
+                print(frame, flush=True)
+                drawn += 1
+                if args.count is not None and drawn >= args.count:
+                    return 0
+        except ReplayError as e:
+            raise cli.CliError(f"following the log: {e}") from None
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ReplayError, Exception):
+                await follower
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+async def _plane_now(
+    args: argparse.Namespace, s: cli.Session, recorded_in: Path | None
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The log and the plane as `status` reads them, within one --interval: a broker
+    away (the connection retrying) makes it the plane of a broker that does not answer."""
+    from services import liveness
+
+    try:
+        return await asyncio.wait_for(_log_and_plane(args, s), max(args.interval, 1.0))
+    except TimeoutError:
+        pass
+    if recorded_in is not None:
+        plane = liveness.stopped(recorded_in)
+        if liveness.up_alive(recorded_in):
+            plane["up"]["running"] = True
+    else:
+        plane = {"up": None, "leaders": None, "projector": None}
+    plane["problems"] = [*liveness.judge(plane), f"the broker at {s.url} does not answer"]
+    plane["running"] = False
+    return None, plane

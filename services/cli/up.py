@@ -44,7 +44,9 @@ def register(commands: cli.Commands) -> None:
             "join), the projector (SQLite view in the data directory), the scheduler and the\n"
             "preemption service. With --simulate, simulated GPU nodes too, so the whole story\n"
             "runs on a laptop. The broker's URL is recorded in the data directory, so every\n"
-            "other llmgw command run beside it finds it without flags. Ctrl-C stops cleanly.\n"
+            "other llmgw command run beside it finds it without flags; so are the dashboard's\n"
+            "and the gateway's (dashboard.url, gateway.url). A default address that is taken\n"
+            "moves to a free port, said in one line naming both. Ctrl-C stops cleanly.\n"
             "\n"
             "The policy's timings are flags, with the production defaults; shorten them to\n"
             "watch a preemption, its holds and their release in seconds."
@@ -64,7 +66,9 @@ def register(commands: cli.Commands) -> None:
         type=int,
         default=None,
         metavar="N",
-        help=f"port of the embedded broker (default {DEFAULT_PORT}, or a free one if it is taken; 0: a free one)",
+        help=f"port of the embedded broker (default {DEFAULT_PORT}, or a free one if it is "
+        "taken, said in one line; 0: a free one). After a killed `up`, the port it recorded "
+        "in the data directory comes first, so its clients find the new broker there",
     )
     g.add_argument(
         "--replicas",
@@ -88,71 +92,38 @@ def register(commands: cli.Commands) -> None:
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
     g = p.add_argument_group("dashboard")
     g.add_argument("--no-ui", action="store_true", help="do not serve the web dashboard")
-    add_listen_options(g, DEFAULT_UI, flag="--ui-listen")
+    add_listen_options(
+        g, DEFAULT_UI, flag="--ui-listen", served="the dashboard (and the gateway on loopback)"
+    )
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
     )
-    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen")
-
-
-def _port(requested: int | None) -> int | None:
-    """The embedded broker's port: as asked; by default 4222 when free, else a free one."""
-    if requested is not None:
-        return requested or None
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", DEFAULT_PORT))
-        except OSError:
-            return None
-    return DEFAULT_PORT
+    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen", allow_host=False)
 
 
 def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """The dashboard's address and token; the default port, when taken, becomes a free
-    one, as the broker's does."""
+    """The dashboard's address and token (the default address, when taken, becomes a free
+    port as `llmgw up` binds it: `UpOptions.ui_any_port`)."""
     from services.dashboard.server import DashboardError, parse_listen, token_for
 
     if args.no_ui:
         return None, None
     try:
-        host, port = parse_listen(args.listen)
+        host, _ = parse_listen(args.listen)
         token = token_for(host, args.token, cli.data_dir(args))
     except ValueError as e:
         raise cli.UsageError(f"--ui-listen: {e}") from None
     except DashboardError as e:
         raise cli.CliError(str(e)) from None
-    listen = args.listen
-    if listen == DEFAULT_UI:
-        import socket
-
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                listen = f"{host}:0"
-    return listen, token
+    return args.listen, token
 
 
 def _gateway(args: argparse.Namespace) -> str | None:
-    """The gateway's address; the default port, when taken, becomes a free one."""
+    """The gateway's address, or None with --no-gateway."""
     if args.no_gateway:
         return None
-    listen = gateway_listen(args, "--gateway-listen")
-    if listen == DEFAULT_GATEWAY:
-        import socket
-
-        from services.gateway.server import parse_listen
-
-        host, port = parse_listen(listen)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                listen = f"{host}:0"
-    return listen
+    return gateway_listen(args, "--gateway-listen")
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -166,7 +137,10 @@ async def _up(args: argparse.Namespace) -> int:
     opts = UpOptions(
         data=cli.data_dir(args),
         nats_url=nats_url,
-        port=None if nats_url else _port(args.port),
+        # --port 0 is a free port; none given, 4222 when free. A killed `up`'s port
+        # comes first either way (services.up.broker_port).
+        port=args.port or None,
+        default_port=DEFAULT_PORT if args.port is None else None,
         root=cli.root(args),
         simulate=args.simulate,
         policy=flags.build(preemption.Config, args),
@@ -188,13 +162,19 @@ async def _up(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         gateway=gateway,
         gateway_max_body=args.max_body,
+        gateway_body_budget=args.body_budget,
+        gateway_hosts=allowed_hosts(args),
         gateway_upstream_timeout_s=args.upstream_timeout,
         gateway_used_interval_s=args.gateway_used_interval,
         gateway_stream_usage=not args.no_stream_usage,
         gateway_queue_per_model=args.queue_per_model,
         gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
+        # The default addresses, when taken (another plane serves there), move to a free
+        # port, said in one line; an address given is the operator's, and its being
+        # taken the error.
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
+        ui_any_port=args.listen == DEFAULT_UI,
         settle_heap=True,
     )
     cli.setup_logging()

@@ -276,6 +276,24 @@ def _node_cordon(
     return None
 
 
+def _node_removed(view: View, e: ev.NodeRemovedEvent, subject: str | None) -> str | None:
+    d = e.data
+    rec = view.state.nodes.get(d.node)
+    if rec is None:
+        return f"unknown node {d.node}"
+    # What still holds GPUs there fails with it (`llmgw delete node` drains them first,
+    # or, with --force, removes a node that cannot answer any more).
+    reps = view.state.replicas
+    why = f"node removed: {d.reason}" if d.reason else "node removed"
+    for rid in view.inventory.replicas_on(d.node):
+        _fail(view, reps[rid], why, e)
+    rec.failing_at = None
+    view.note_node(rec)
+    del view.state.nodes[d.node]
+    view.inventory.remove_node(d.node)
+    return None
+
+
 # ---------------------------------------------------------------- replicas
 
 
@@ -727,14 +745,19 @@ def _touch_node(view: View, e: Any, t: Touched, before: Any) -> None:
     t.nodes.add(e.data.node)
 
 
-def _before_held(view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent) -> tuple[str, ...]:
+def _before_held(
+    view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent | ev.NodeRemovedEvent
+) -> tuple[str, ...]:
     # Invariant: a replica holding capacity on a node is allocated there, so the
     # inventory names every replica a loss or a new report can fail.
     return view.inventory.replicas_on(e.data.node)
 
 
 def _touch_held(
-    view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent, t: Touched, hit: tuple[str, ...]
+    view: View,
+    e: ev.NodeLostEvent | ev.NodeInventoryEvent | ev.NodeRemovedEvent,
+    t: Touched,
+    hit: tuple[str, ...],
 ) -> None:
     """The node, and the replicas it held that the event failed (with their nodes)."""
     t.nodes.add(e.data.node)
@@ -820,7 +843,7 @@ def _about_inventory(view: View, e: ev.NodeInventoryEvent) -> list[Key]:
     return out
 
 
-def _about_lost(view: View, e: ev.NodeLostEvent) -> list[Key]:
+def _about_lost(view: View, e: ev.NodeLostEvent | ev.NodeRemovedEvent) -> list[Key]:
     node = e.data.node
     out: list[Key] = [("node", node)]
     # The fold fails every replica that held capacity on a lost node (at once, or once
@@ -882,6 +905,7 @@ RULES: dict[type, Rule] = {
     ev.NodeFoundEvent: Rule(_node_found, _touch_node, _about_node),
     ev.NodeCordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
     ev.NodeUncordonedEvent: Rule(_node_cordon, _touch_node, _about_node),
+    ev.NodeRemovedEvent: Rule(_node_removed, _touch_held, _about_lost, _before_held),
     ev.ReplicaStateEvent: Rule(
         _replica_state, _touch_allocation, _about_placed, _before_allocation
     ),

@@ -871,9 +871,14 @@ def _reason(
     inv: inventory.Inventory,
     avoid: tuple[str, ...],
 ) -> str:
-    where = ", ".join(s.node for s in shards)
-    left = ", ".join(_gpus(len(inv.free_gpus(s.node))) for s in shards)
-    text = f"best fit: {p.name} on {where}, {left} left"
+    if len(shards) == 1:
+        node = shards[0].node
+        text = f"best fit: {p.name} on {node}, {_gpus(len(inv.free_gpus(node)))} left"
+    else:
+        # A gang: what each of its nodes has left, named, so two counts read as two nodes.
+        where = "+".join(s.node for s in shards)
+        left = ", ".join(f"{s.node} {len(inv.free_gpus(s.node))}" for s in shards)
+        text = f"best fit: {p.name} on {where} ({len(shards)} shards; GPUs left: {left})"
     earlier = [q.name for q in m.profiles[: m.profiles.index(p)]]
     if earlier:
         text += f" ({', '.join(earlier)} did not fit)"

@@ -23,21 +23,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import uvicorn
 from starlette.applications import Starlette
@@ -61,6 +58,7 @@ from services.core import preemption
 from services.dashboard import health, hub, metrics, query, replays, state, traffic
 from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
+from services.hosts import Hosts, cross_origin, host_of, is_loopback, parse_hosts
 from services.replay import explain, history
 
 log = logging.getLogger("llmgw.dashboard")
@@ -87,96 +85,22 @@ NO_BROKER: dict[str, Any] = {
 }
 # LISTED_S bounds how long a request for the live view waits for the first listing.
 LISTED_S = 30.0
-# HOST_NAME is what `--allow-host` takes: a DNS name (or an address), nothing else.
-HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]{2,45}")
 
-__all__ = ["BadRequest", "Dashboard", "DashboardError"]
+__all__ = [
+    "BadRequest",
+    "Dashboard",
+    "DashboardError",
+    "Hosts",
+    "cross_origin",
+    "host_of",
+    "is_loopback",
+    "parse_hosts",
+]
 
 
 def parse_listen(text: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:8321` for IPv6) -> (host, port); ValueError with a message."""
     return listen.parse(text, DEFAULT_LISTEN)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_hosts(names: Collection[str] | None) -> tuple[str, ...]:
-    """`--allow-host` values (each may be a comma-separated list) -> lower-cased names;
-    ValueError with a message."""
-    out: list[str] = []
-    for text in names or ():
-        for n in text.split(","):
-            n = n.strip().lower().rstrip(".")
-            if not HOST_NAME.fullmatch(n):
-                raise ValueError(f"{n!r} is not a host name (like dash.example.com)")
-            out.append(n)
-    return tuple(out)
-
-
-def host_of(header: str) -> str | None:
-    """The name or address a `Host` header names, lower-cased, without its port or
-    brackets; None when it is not a host[:port]."""
-    h = header.strip().lower()
-    if h.startswith("["):
-        end = h.find("]")
-        name, rest = h[1:end], h[end + 1 :]
-        if end < 0 or (rest and not re.fullmatch(r":[0-9]{1,5}", rest)):
-            return None
-        return name or None
-    name, sep, port = h.rpartition(":")
-    if not sep:
-        name = h
-    elif not re.fullmatch(r"[0-9]{1,5}", port):
-        return None
-    name = name.rstrip(".")
-    return name if name and re.fullmatch(r"[a-z0-9._-]+", name) else None
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """The `Host` names a dashboard answers for. DNS rebinding needs a name: a page of
-    evil.example whose name is made to resolve to the dashboard's address reads it as
-    its own origin, and says `Host: evil.example`. So: loopback names and addresses
-    always (nothing can rebind `localhost`); on any other address also any address
-    literal (an address cannot be rebound); and the names given (`--allow-host`)."""
-
-    loopback: bool
-    names: frozenset[str] = frozenset()
-
-    def allows(self, header: str) -> bool:
-        name = host_of(header)
-        if name is None:
-            return False
-        if name in self.names or is_loopback(name):
-            return True
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            return False
-        return not self.loopback
-
-
-def cross_origin(headers: Any, path: str) -> str | None:
-    """Why a request comes from another origin (a page elsewhere, in the user's
-    browser), or None. `Origin`, when sent, must be this host; `Sec-Fetch-Site`, when
-    sent, must be same-origin or none (typed in), except for a link to the page itself."""
-    origin = headers.get("origin")
-    if origin is not None:
-        parts = urlsplit(origin)
-        if origin == "null" or parts.netloc.lower() != headers.get("host", "").strip().lower():
-            return f"a request from {origin[:100]!r}, another origin"
-    site = headers.get("sec-fetch-site")
-    navigate = path == "/" and headers.get("sec-fetch-mode") == "navigate"
-    if site is not None and site not in ("same-origin", "none") and not navigate:
-        return f"a {site[:20]} request"
-    return None
 
 
 def token_for(host: str, given: str | None, data: Path | None) -> str | None:
@@ -192,7 +116,13 @@ def token_for(host: str, given: str | None, data: Path | None) -> str | None:
         )
     path = data / TOKEN_FILE
     if path.exists():
-        return path.read_text().strip()
+        kept = path.read_text().strip()
+        if not kept or kept.lower().startswith("change-me"):
+            raise DashboardError(
+                f"{path}: the token is empty or a placeholder (change-me-...), known to anyone "
+                "who read the examples: put a random one there, or remove it to have one made"
+            )
+        return kept
     data.mkdir(parents=True, exist_ok=True)
     made = secrets.token_urlsafe(24)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -10,6 +10,7 @@ import sys
 from schemas import subjects
 from services.gateway.errors import GatewayError
 from services.gateway.listen import (
+    BODY_BUDGET,
     DEFAULT_LISTEN,
     KEEPALIVE_S,
     MAX_BODY,
@@ -31,6 +32,20 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-auth", action="store_true", help="serve off loopback without API keys")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body, bytes")
+    p.add_argument(
+        "--body-budget",
+        type=int,
+        default=BODY_BUDGET,
+        help="bytes of request bodies held at once, all requests together",
+    )
+    p.add_argument(
+        "--allow-host",
+        dest="allow_hosts",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host name answered for besides loopback ones (repeat or comma-separate)",
+    )
     p.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S)
     p.add_argument("--used-interval", type=float, default=USED_INTERVAL_S)
     p.add_argument(
@@ -49,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from services.gateway.keys import Keys
     from services.gateway.server import Gateway, freeze_heap
+    from services.hosts import parse_hosts
+
+    try:
+        hosts = parse_hosts(a.allow_hosts)
+    except ValueError as e:
+        print(f"gateway: --allow-host: {e}", file=sys.stderr)
+        return 2
 
     try:
         keys = Keys.load(a.api_keys) if a.api_keys else None
@@ -66,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             listen=a.listen,
             root=a.root,
             max_body=a.max_body,
+            body_budget=a.body_budget,
+            allow_hosts=hosts,
             upstream_timeout_s=a.upstream_timeout,
             used_interval_s=a.used_interval,
             stream_usage=not a.no_stream_usage,

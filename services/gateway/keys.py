@@ -31,6 +31,10 @@ from services.gateway.errors import GatewayError
 # guessing over a network; shorter ones are passwords someone chose.
 MIN_KEY_CHARS = 16
 
+# PLACEHOLDER starts every key and secret the shipped examples carry
+# (`change-me-a-key-of-team-a`): known to everyone who has read them, so never one taken.
+PLACEHOLDER = "change-me"
+
 # LIMITS are the options a key's line may give after its owner, and what each means.
 LIMITS = {"rpm": "requests a minute", "tpm": "tokens a minute (prompt and completion)"}
 # MAX_OWNERS bounds the owners of one file: each is a series of the gateway's metrics
@@ -125,6 +129,11 @@ class Keys:
             key, owner, *options = parts
             if len(key) < MIN_KEY_CHARS:
                 raise GatewayError(f"{p}:{n}: the key is shorter than {MIN_KEY_CHARS} characters")
+            if key.lower().startswith(PLACEHOLDER):
+                raise GatewayError(
+                    f"{p}:{n}: the key is a placeholder ({PLACEHOLDER}-...), known to anyone "
+                    "who read the examples: make a random one"
+                )
             d = _digest(key)
             if d in keys:
                 raise GatewayError(f"{p}:{n}: the key is given twice")

@@ -16,7 +16,10 @@ an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key
 key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
 after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
-serve now (with Retry-After), 504 a replica that did not answer in time. A request
+serve now (with Retry-After), 504 a replica that did not answer in time. Before any of
+that, the edge (`services.gateway.guard`): 421 a `Host` it does not answer for, 403 a
+request from another origin, 415 a body not said to be JSON, 503 a body past
+`body_budget` (the bytes of bodies held at once, with Retry-After). A request
 that fails before its first byte (connection refused, reset, a 503 from the server) is
 tried once more on another replica; a client that goes away cancels its upstream
 request at once.
@@ -74,10 +77,11 @@ from services.bus.replies import ReplyGuard
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
-from services.gateway import streams
+from services.gateway import guard, streams
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
+    BODY_BUDGET,
     DEFAULT_LISTEN,
     KEEPALIVE_S,
     MAX_BODY,
@@ -113,6 +117,9 @@ _STATUS = web.RequestKey("llmgw_status", int)
 # _SENT: the replicas a woken request was sent to (its wake's send counted once).
 _SENT = web.RequestKey("llmgw_sent", tuple)
 _KEY = web.RequestKey("llmgw_key", Key)
+# _HELD: the bytes of the budget (`guard.Budget`) this request's body holds.
+_HELD = web.RequestKey("llmgw_held", int)
+_BOUNDARY = web.AppKey("llmgw_boundary", guard.Boundary)
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -341,6 +348,11 @@ class Gateway:
     listen: str = DEFAULT_LISTEN
     root: str = subjects.DEFAULT_ROOT
     max_body: int = MAX_BODY
+    body_budget: int = BODY_BUDGET
+    """The bytes of request bodies held at once, all requests together (`--body-budget`);
+    past it a new body is 503 with Retry-After (`guard.Budget`)."""
+    allow_hosts: tuple[str, ...] = ()
+    """`Host` names answered for besides loopback ones (`--allow-host`, `guard.Boundary`)."""
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
@@ -383,6 +395,10 @@ class Gateway:
         )
         self.publisher = Publisher(self.js, self.root)
         self.room = WaitingRoom(self.queue_per_model)
+        self.boundary = guard.Boundary(parse_listen(self.listen)[0], self.allow_hosts)
+        self.budget = guard.Budget(self.body_budget)
+        self.lines = guard.Lines(log)
+        """The gateway's fault lines, one per cause then one per 30 s (`guard.Lines`)."""
         self._http: aiohttp.ClientSession | None = None
         self._use: dict[str, _Use] = {}
         self._stopping = False
@@ -400,6 +416,7 @@ class Gateway:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_openai_errors])
+        app[_BOUNDARY] = self.boundary
         for path in PATHS:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
@@ -441,6 +458,7 @@ class Gateway:
             runner = web.AppRunner(
                 self.app(),
                 access_log=None,
+                logger=guard.ParserLog(self.lines, log),
                 handler_cancellation=True,
                 shutdown_timeout=2.0,
                 keepalive_timeout=self.idle_timeout_s,
@@ -678,6 +696,8 @@ class Gateway:
                 span.set_attribute("llmgw.reason", e.reason)
                 raise
             finally:
+                if held := request.get(_HELD):
+                    self.budget.give(held)
                 model = request[_MODEL]
                 if model != UNKNOWN:
                     self.counts.by_model[model] = self.counts.by_model.get(model, 0) + 1
@@ -819,7 +839,14 @@ class Gateway:
             try:
                 return await self._forward(request, r, body, stream, strip, held)
             except _Unreachable as e:
-                log.info("gateway: %s: %s%s", r.id, e, "; trying another" if not attempt else "")
+                self.lines.say(
+                    logging.INFO,
+                    ("unreachable", r.id),
+                    "gateway: %s: %s%s",
+                    r.id,
+                    e,
+                    "; trying another" if not attempt else "",
+                )
                 last = e
             finally:
                 inflight.dec()
@@ -1054,7 +1081,13 @@ class Gateway:
                     self.counts.demanded += 1
                     self.labelled.of(self.metrics.demanded, line.model).inc()
                 except (BusError, nats.errors.Error) as err:
-                    log.warning("gateway: demand for %s not published: %s", line.model, err)
+                    self.lines.say(
+                        logging.WARNING,
+                        ("demand", line.model),
+                        "gateway: demand for %s not published: %s",
+                        line.model,
+                        err,
+                    )
                 if not waiting:
                     if line.waiters:
                         continue  # a request came while the end was being said
@@ -1067,8 +1100,16 @@ class Gateway:
             self.room.drop_if_idle(line)
 
     async def _read_body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self.max_body:
+        """The whole body, its bytes held in the budget (`_HELD`, given back by `_proxy`
+        when the request ends): all of them before it is read when its length is said,
+        else chunk by chunk as they come."""
+        said = request.content_length
+        if said is not None and said > self.max_body:
             raise _too_big(self.max_body)
+        if said is not None:
+            if not self.budget.take(said):
+                raise self._over_budget()
+            request[_HELD] = said
         chunks: list[bytes] = []
         size = 0
         try:
@@ -1080,12 +1121,26 @@ class Gateway:
                     size += len(chunk)
                     if size > self.max_body:
                         raise _too_big(self.max_body)
+                    if said is None:
+                        if not self.budget.take(len(chunk)):
+                            raise self._over_budget()
+                        request[_HELD] = size
                     chunks.append(chunk)
         except TimeoutError:
             raise Refusal(
                 408, f"the body did not arrive within {self.body_timeout_s:g}s", "body_timeout"
             ) from None
         return b"".join(chunks)
+
+    def _over_budget(self) -> Refusal:
+        return Refusal(
+            503,
+            f"the gateway holds {self.budget.held} bytes of request bodies, its budget is "
+            f"{self.budget.capacity} (--body-budget); try again shortly",
+            "body_budget",
+            kind="server_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     async def _forward(
         self,
@@ -1184,7 +1239,13 @@ class Gateway:
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
                 # cut, and the client sees it end without `data: [DONE]`.
-                log.warning("gateway: %s: stream cut: %s", r.id, type(e).__name__)
+                self.lines.say(
+                    logging.WARNING,
+                    ("cut", r.id),
+                    "gateway: %s: stream cut: %s",
+                    r.id,
+                    type(e).__name__,
+                )
                 upstream.close()
                 if request.transport is not None:
                     request.transport.close()
@@ -1279,7 +1340,13 @@ class Gateway:
             try:
                 await self.publisher.publish(e, node=u.node)
             except (BusError, nats.errors.Error) as err:
-                log.warning("gateway: use of %s not reported yet: %s", rid, err)
+                self.lines.say(
+                    logging.WARNING,
+                    ("use", rid),
+                    "gateway: use of %s not reported yet: %s",
+                    rid,
+                    err,
+                )
                 continue
             # Requests that ended while it was being published are the next report's.
             u.requests -= sent[0]
@@ -1472,6 +1539,9 @@ async def _openai_errors(
 ) -> web.StreamResponse:
     """Every refusal in the OpenAI error shape, aiohttp's own (404, 405) included."""
     try:
+        why = request.app[_BOUNDARY].refusal(request)
+        if why is not None:
+            raise Refusal(*why)
         return await handler(request)
     except Refusal as e:
         return e.response()

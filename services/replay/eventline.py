@@ -85,6 +85,8 @@ def describe(
             return d.node, "cordoned"
         case ev.NodeUncordonedEvent(data=d):
             return d.node, "uncordoned"
+        case ev.NodeRemovedEvent(data=d):
+            return d.node, f"removed reason={d.reason}" if d.reason else "removed"
         case ev.ReplicaStateEvent(data=d):
             where = node or (d.shards[0].node if d.shards else "?")
             reason = f" reason={d.reason}" if d.reason else ""

@@ -187,6 +187,8 @@ class Explainer:
                 ev.NodeCordonedEvent(data=d)
                 | ev.NodeUncordonedEvent(data=d)
                 | ev.NodeLostEvent(data=d)
+                | ev.NodeRemovedEvent(data=d)
+                | ev.NodeInventoryEvent(data=d)
             ):
                 self.node_marks[(d.node, ev.type_of(type(e)))] = (item.seq, e)
         self._follow_wake(item.seq, e)
@@ -263,8 +265,10 @@ class Explainer:
             f"{stamp(r.created_at)}; ready {ago(r.ready_at, st.now) if r.ready_at else 'never'}; "
             f"idle {_idle(r.idle_s(st.now) if st.now else None)}"
         )
-        if r.endpoint is not None:
+        if r.endpoint is not None and r.holds_capacity:
             st.line(f"  its server answers at {r.endpoint} (replica.state endpoint)")
+        elif r.endpoint is not None:
+            st.line(f"  its server answered at {r.endpoint} until it was {r.state}")
         use = self.uses.get(r.id)
         if use is not None:
             self._last_used(st, use)
@@ -914,11 +918,33 @@ class Explainer:
 
     # ---------------------------------------------------------------- nodes
 
+    def _reported(self, node: str) -> ev.Envelope | None:
+        """The node's last `node.inventory` in the log replayed (its report, which a
+        `node.lost` or a cordon after it does not move), or None."""
+        got = self.node_marks.get((node, "node.inventory"))
+        return got[1] if got is not None else None
+
     def _node_story(self, view: View) -> Story:
         s = view.state
         name = self.timeline.resolve(s.nodes)
         rec = s.nodes.get(name)
         st = Story(kind="node", name=name, now=self.now)
+        removed = self.node_marks.get((name, "node.removed"))
+        if rec is None and removed is not None:
+            seq, e = removed
+            why = (
+                f", reason {e.data.reason}"
+                if isinstance(e, ev.NodeRemovedEvent) and e.data.reason
+                else ""
+            )
+            st.line(
+                f"node {name} was removed {stamp(e.time)} ({ago(e.time, st.now)}) "
+                f"by {e.source}{why}; seq {seq}"
+            )
+            st.facts.update(removed={"seq": seq, "time": stamp(e.time), "by": e.source})
+            st.timeline = list(self.timeline.entries)
+            st.tail = TIMELINE_TAIL
+            return st
         if rec is None:
             st.line(f"node {name} is not in the view (it never reported its inventory)")
             st.timeline = list(self.timeline.entries)
@@ -929,7 +955,11 @@ class Explainer:
         st.line(
             f"node {name}: {plural(len(gpus), 'GPU')}, "
             + (", ".join(flags) if flags else "schedulable")
-            + f"; inventory reported {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
+            + (
+                f"; inventory reported {stamp(reported.time)} ({ago(reported.time, st.now)})"
+                if (reported := self._reported(name)) is not None
+                else f"; last changed {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
+            )
         )
         marks = []
         for flag, on, typ in (

@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# JSON_TYPE says a body is JSON, as the gateway asks (another type is 415).
+JSON_TYPE = {"Content-Type": "application/json"}
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -149,7 +152,7 @@ async def _bench(
             await asyncio.sleep(0.05)
 
         async def ask(first: asyncio.Future[float]) -> int:
-            async with http.post(f"{base}/v1/chat/completions", data=CHAT) as r:
+            async with http.post(f"{base}/v1/chat/completions", data=CHAT, headers=JSON_TYPE) as r:
                 await r.content.readany()
                 if not first.done():
                     first.set_result(time.perf_counter())

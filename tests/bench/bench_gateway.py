@@ -68,6 +68,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# JSON_TYPE says a body is JSON, as the gateway asks (another type is 415).
+JSON_TYPE = {"Content-Type": "application/json"}
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -187,7 +190,7 @@ async def _open_loop(
         out.peak = max(out.peak, open_now)
         t = time.perf_counter()
         try:
-            async with http.post(url, data=body) as r:
+            async with http.post(url, data=body, headers=JSON_TYPE) as r:
                 if stream:
                     await r.content.readany()
                     first = time.perf_counter() - t
@@ -231,7 +234,7 @@ async def _closed_loop(
     async def one() -> None:
         nonlocal done
         while time.perf_counter() < end:
-            async with http.post(url, data=CHAT) as r:
+            async with http.post(url, data=CHAT, headers=JSON_TYPE) as r:
                 await r.read()
             done += 1
 
@@ -452,7 +455,7 @@ async def _until_routed(http: aiohttp.ClientSession, url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            async with http.post(url, data=CHAT) as r:
+            async with http.post(url, data=CHAT, headers=JSON_TYPE) as r:
                 if r.status == 200:
                     return
         except aiohttp.ClientError:

@@ -26,6 +26,9 @@ import time
 import timeit
 from pathlib import Path
 
+# JSON_TYPE says a body is JSON, as the gateway asks (another type is 415).
+JSON_TYPE = {"Content-Type": "application/json"}
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -110,7 +113,7 @@ async def _round(
     async def one() -> None:
         nonlocal usage
         t = time.perf_counter()
-        async with http.post(url, data=body) as r:
+        async with http.post(url, data=body, headers=JSON_TYPE) as r:
             chunk = await r.content.readany()
             first.append(time.perf_counter() - t)
             rest = await r.read()
@@ -156,7 +159,7 @@ async def _end_to_end(a: argparse.Namespace) -> None:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    async with http.post(url, data=_body(True, 1)) as r:
+                    async with http.post(url, data=_body(True, 1), headers=JSON_TYPE) as r:
                         await r.read()
                         if r.status == 200:
                             break

@@ -19,6 +19,7 @@ from schemas import events as ev
 from services.bus import EmbeddedBroker, connect, ensure_streams
 from services.cli import main
 from services.cli.events import ADVICE
+from services.core.view import ViewState, encode_state
 from tests import documents
 from tests.cli.test_cli_events import T0, run
 
@@ -153,6 +154,46 @@ def test_a_gap_is_named_and_renumber_stores_past_it(
     assert stored(nats_server.url) == (305, 305)
 
 
+def test_a_bundle_that_starts_mid_log_with_no_snapshot_stores_nothing(
+    nats_server: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Seqs 5..9 and nothing to fold them onto: stored at 5, every reader of the stream
+    # would refuse it. Refused before anything is published, in one line.
+    path = write(tmp_path / "cut.jsonl", lines(5, start=5))
+    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(path))
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(
+        f"llmgw: {path}:1: the bundle starts at seq 5 with no snapshot: seqs 1-4 are missing"
+    ), err
+    assert "--allow-gaps" in err and "internal error" not in err
+    assert stored(nats_server.url) == (0, 0)
+
+    # With its snapshot line (what `events export --from-seq 5` writes) it is whole.
+    snap = bundle.snapshot_line(4, encode_state(ViewState(seq=4)))
+    whole = write(tmp_path / "whole.jsonl", [snap, *lines(5, start=5)])
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(whole))
+    assert code == 0, err
+    assert stored(nats_server.url) == (5, 9)
+
+
+@pytest.mark.parametrize(
+    ("flag", "want"),
+    [pytest.param("--allow-gaps", (5, 9), id="allow-gaps"), pytest.param("--renumber", (5, 5))],
+)
+def test_a_bundle_without_its_beginning_is_imported_when_asked(
+    flag: str,
+    want: tuple[int, int],
+    nats_server: EmbeddedBroker,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Asked for: at its own seqs (its readers need --allow-gaps too), or from seq 1.
+    path = write(tmp_path / "cut.jsonl", lines(5, start=5))
+    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(path), flag)
+    assert code == 0, err
+    assert stored(nats_server.url) == want
+
+
 def test_a_retry_after_a_part_import_resumes_and_a_repeat_does_nothing(
     nats_server: EmbeddedBroker,
     second_server: EmbeddedBroker,
@@ -161,12 +202,18 @@ def test_a_retry_after_a_part_import_resumes_and_a_repeat_does_nothing(
 ) -> None:
     rows = lines(500, start=41)
     full = write(tmp_path / "incident.jsonl", rows)
-    # An import that stopped after 300 events left just them on the stream.
+    # The bundle starts at 41 with no snapshot (`events export --allow-gaps` writes such
+    # a one), so each import of it says --allow-gaps. An import that stopped after 300
+    # events left just them on the stream.
     part = write(tmp_path / "part.jsonl", rows[:300])
-    code, _, err = run(capsys, "--nats", nats_server.url, "events", "import", str(part))
+    code, _, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(part), "--allow-gaps"
+    )
     assert code == 0, err
 
-    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(full))
+    code, out, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(full), "--allow-gaps"
+    )
     assert code == 0, err
     assert "imported 200 events" in out and "(seq 341..540, after the 300" in out
     assert stored(nats_server.url) == (500, 540)
@@ -179,7 +226,9 @@ def test_a_retry_after_a_part_import_resumes_and_a_repeat_does_nothing(
     assert code == 0, err
     assert again.read_bytes() == full.read_bytes()
 
-    code, out, err = run(capsys, "--nats", nats_server.url, "events", "import", str(full))
+    code, out, err = run(
+        capsys, "--nats", nats_server.url, "events", "import", str(full), "--allow-gaps"
+    )
     assert code == 0, err
     assert out.startswith("nothing to import:") and "all 500 events" in out
     assert stored(nats_server.url) == (500, 540)
@@ -188,9 +237,13 @@ def test_a_retry_after_a_part_import_resumes_and_a_repeat_does_nothing(
     other = lines(300, start=41)
     other[7] = other[7].replace(b'"replicas":3', b'"replicas":2')
     write(part, other)
-    code, _, err = run(capsys, "--nats", second_server.url, "events", "import", str(part))
+    code, _, err = run(
+        capsys, "--nats", second_server.url, "events", "import", str(part), "--allow-gaps"
+    )
     assert code == 0, err
-    code, _, err = run(capsys, "--nats", second_server.url, "events", "import", str(full))
+    code, _, err = run(
+        capsys, "--nats", second_server.url, "events", "import", str(full), "--allow-gaps"
+    )
     assert code == 1
     assert f"seq 48 differs from {full}:8" in err and ADVICE in err and err.count("\n") == 1
     assert stored(second_server.url) == (300, 340)

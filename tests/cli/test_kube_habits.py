@@ -129,6 +129,41 @@ def test_get_names_and_not_found(live: str, capsys: pytest.CaptureFixture[str]) 
     assert code == app.EXIT_USAGE and "not a kind" in err
 
 
+def test_get_replicas_by_state(live: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--state` selects replicas by their state, stopped and failed ones too without
+    `--all`; a state that is none is a usage error naming the closest."""
+    code, out, _ = _run(
+        capsys, "--nats", live, "get", "replicas", "--state", "stopped", "-o", "name"
+    )
+    assert (code, out.split()) == (0, ["replica/b2"])
+    code, out, _ = _run(
+        capsys, "--nats", live, "get", "replicas", "--state", "ready,stopped", "-o", "name"
+    )
+    assert (code, sorted(out.split())) == (0, ["replica/b1", "replica/b2", "replica/c1"])
+    code, _, err = _run(capsys, "--nats", live, "get", "replicas", "--state", "stoped")
+    assert code == app.EXIT_USAGE and "did you mean `stopped`?" in err, err
+    code, _, err = _run(capsys, "--nats", live, "get", "nodes", "--state", "ready")
+    assert code == app.EXIT_USAGE and "--state goes with replicas" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["get", "replicas", "-o", "name", "b2", "--all"], id="get"),
+        pytest.param(["get", "replica", "--all", "b2", "-o", "name"], id="get, option first"),
+        pytest.param(["describe", "replica", "--seq", "12", "b1"], id="describe"),
+        pytest.param(["explain", "replica", "--seq", "12", "b1"], id="explain"),
+    ],
+)
+def test_options_may_come_between_kind_and_name(
+    live: str, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """kubectl takes options anywhere among a command's names; so does llmgw."""
+    code, out, err = _run(capsys, "--nats", live, *argv)
+    assert code == 0 and "unrecognized" not in err, err
+    assert "b" in out
+
+
 def test_get_reads_a_bundle_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = str(_cluster().write(tmp_path / "log.jsonl"))
     code, out, _ = _run(capsys, "get", "replicas", "-o", "name", "--log", log)

@@ -258,6 +258,21 @@ def test_placement_reasons_count_gpus_in_words() -> None:
     assert reasons == ["best fit: p on gpu-0, 1 GPU left", "best fit: p on gpu-0, 0 GPUs left"]
 
 
+def test_a_gangs_placement_reason_names_what_each_node_has_left() -> None:
+    """Two counts in a row ("0 GPUs, 0 GPUs left") read as one node's; a gang's reason
+    names its nodes and what each has left."""
+    sim = Sim()
+    sim.node("gpu-0", gpus=8)
+    sim.node("gpu-1", gpus=8)
+    gang = ev.ProfileSpec(name="g", gpus=8, shards=2)
+    sim.add(ev.ModelDeclared(name="big", min=1, max=1, profiles=(gang,)), T0)
+    out = sim.tick(T0)
+    (reason,) = [
+        o.event.data.reason for o in out.outputs if isinstance(o.event.data, ev.PlacementDecided)
+    ]
+    assert reason == "best fit: g on gpu-0+gpu-1 (2 shards; GPUs left: gpu-0 0, gpu-1 0)"
+
+
 def test_a_timed_out_placement_leaves_the_current_replicas_once_stopped() -> None:
     """A placement drained for placement_timeout that has stopped holds nothing: it is
     not among the current replicas, however old, yet while it is recent the pass still

@@ -18,7 +18,7 @@ from schemas import codec
 from schemas import events as ev
 from services.bus import Publisher, ensure_streams
 from services.dashboard import Dashboard, state
-from services.dashboard.server import is_loopback, parse_listen, token_for
+from services.dashboard.server import DashboardError, is_loopback, parse_listen, token_for
 from services.replay import rebuild
 from tests.dashboard.http import Events, get
 from tests.replay.conftest import preemption_story
@@ -324,3 +324,7 @@ def test_listen_and_token_rules(tmp_path: Any) -> None:
     assert made and token_for("0.0.0.0", None, tmp_path) == made
     assert (tmp_path / "dashboard.token").stat().st_mode & 0o777 == 0o600
     assert token_for("0.0.0.0", "given", tmp_path) == "given"
+    # A kept token that is a placeholder (a Secret applied from the example) is refused.
+    (tmp_path / "dashboard.token").write_text("change-me-dashboard-token\n")
+    with pytest.raises(DashboardError, match="placeholder"):
+        token_for("0.0.0.0", None, tmp_path)

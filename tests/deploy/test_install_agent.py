@@ -172,3 +172,20 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr
+
+
+def test_credentials_without_a_ca_are_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """agent.env names /etc/llmgw/nats/ca.pem; written when no CA was given, the agent
+    could never verify the broker and would not start. Refused in one line, and the
+    root is left as it was."""
+    pw = tmp_path / "gpu-a1.pw"
+    pw.write_text(f"{NODE}={PASSWORD}\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    r = subprocess.run(
+        ["sh", str(SCRIPT), "--root", str(root), "--node", NODE, "--password-file", str(pw)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 1 and PASSWORD not in r.stdout + r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "--nats-ca" in r.stderr, r.stderr
+    assert list(root.iterdir()) == []

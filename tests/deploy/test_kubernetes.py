@@ -78,7 +78,10 @@ def test_nats_is_a_three_server_jetstream_cluster_as_llmgw_expects() -> None:
     assert v["config"]["cluster"]["replicas"] == CLUSTER_REPLICAS
     assert v["config"]["jetstream"]["enabled"] is True
     assert v["config"]["jetstream"]["fileStore"]["enabled"] is True
-    assert v["config"]["merge"]["max_payload"] == broker.MAX_PAYLOAD
+    # The deployed servers' bound (single.conf, fleet.conf, cluster-N.conf), not the
+    # embedded broker's: what one GPU host may send in one message.
+    single = (DIR.parent / "nats" / "single.conf").read_text()
+    assert f"max_payload: {v['config']['merge']['max_payload']}\n" in single
 
 
 def test_the_control_plane_is_a_leader_and_a_standby_on_every_nats_server() -> None:
@@ -279,3 +282,165 @@ def test_every_user_an_agent_logs_in_as_is_declared_to_the_servers(tmp_path: Pat
         wrong = {"NODE_NAME": NODES[0], "NATS_PASSWORD": "not-the-password"}
         assert login(servers_of(_expand(env["LLMGW_NATS"]["value"], wrong))[0]) != ""
     assert secret == "llmgw-nats-users"
+
+
+# ---------------------------------------------------------------------- works as written
+
+
+def test_every_manifest_is_valid_kubernetes() -> None:
+    """Each object of every manifest against the Kubernetes API's own schemas (strict:
+    a field the API does not have is an error, as `kubectl apply --validate=strict`)."""
+    import kubernetes_validate
+
+    checked = 0
+    for f in sorted(DIR.glob("*.yaml")):
+        if f.name == "nats-values.yaml":  # the Helm chart's values, not an object
+            continue
+        for d in _docs(f.name):
+            kubernetes_validate.validate(d, "1.30.0", strict=True)
+            checked += 1
+    assert checked >= 7
+
+
+def _control() -> tuple[dict[str, Any], dict[str, Any]]:
+    (dep,) = _kind("Deployment")
+    pod = dep["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    return pod, c
+
+
+def _arg(c: dict[str, Any], flag: str) -> str:
+    args: list[str] = c["args"]
+    assert flag in args, (flag, args)
+    return args[args.index(flag) + 1]
+
+
+def test_the_services_probes_and_scrape_reach_what_up_serves() -> None:
+    """The Services and probes name ports the container declares, and those ports are
+    where `up` listens, on every interface (the default, loopback, no Service reaches)."""
+    pod, c = _control()
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    gateway, ui = _arg(c, "--gateway-listen"), _arg(c, "--ui-listen")
+    assert gateway == f"0.0.0.0:{ports['gateway']}" and ui == f"0.0.0.0:{ports['dashboard']}"
+    services = {s["metadata"]["name"]: s for s in _kind("Service")}
+    assert set(services) >= {"llmgw-gateway", "llmgw-dashboard"}
+    for name, port in (("llmgw-gateway", "gateway"), ("llmgw-dashboard", "dashboard")):
+        spec = services[name]["spec"]
+        assert spec["selector"].items() <= pod["metadata"]["labels"].items(), name
+        assert [p["targetPort"] for p in spec["ports"]] == [port], name
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert (get["port"], get["path"]) == ("gateway", "/health"), probe
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == ports["gateway"]
+    assert notes["prometheus.io/path"] == "/metrics"
+    # The dashboard answers the names its Service is reached by.
+    hosts = _arg(c, "--allow-host").split(",")
+    assert "llmgw-dashboard.llmgw.svc" in hosts and "llmgw-dashboard" in hosts
+
+
+def test_the_keys_and_the_token_are_secrets_mounted_where_up_reads_them() -> None:
+    from services.dashboard.server import TOKEN_FILE
+
+    pod, c = _control()
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    secrets = _secrets()
+    keys = PurePosixPath(_arg(c, "--api-keys"))
+    assert PurePosixPath(mounts["api-keys"]["mountPath"]) == keys.parent
+    ref = volumes["api-keys"]["secret"]
+    assert keys.name in secrets[ref["secretName"]] and ref["defaultMode"] == 0o400
+    token = mounts["dashboard-token"]
+    assert PurePosixPath(token["mountPath"]) == PurePosixPath(_arg(c, "--data")) / TOKEN_FILE
+    ref = volumes["dashboard-token"]["secret"]
+    assert token["subPath"] in secrets[ref["secretName"]] and ref["defaultMode"] == 0o400
+
+
+def test_the_control_plane_starts_as_the_manifest_runs_it(
+    tmp_path: Path, nats_server: broker.EmbeddedBroker
+) -> None:
+    """`llmgw up` with the container's own arguments (its paths under a scratch root, its
+    ports free ones), the Secrets' files as the pod mounts them (placeholders replaced:
+    the example's as they are are refused, in one line), and LLMGW_NATS from the
+    control Secret pointed at a real single server (so one copy of the log): the gateway answers /health and a key of the
+    Secret, off loopback, and the dashboard its token."""
+    import http.client
+    import os
+    import time
+
+    from tests.deploy.natsconf import free_port
+    from tests.up_process import UpProcess
+
+    _, c = _control()
+    secrets = _secrets()
+    root = tmp_path / "root"
+
+    def at(path: str) -> str:
+        return str(root / path.lstrip("/"))
+
+    data, keys = at(_arg(c, "--data")), at(_arg(c, "--api-keys"))
+    os.makedirs(os.path.dirname(keys))
+    os.makedirs(data)
+    gw, ui = free_port(), free_port()
+    args = [a for a in c["args"][1:]]
+    for flag, value in (
+        ("--data", data),
+        ("--api-keys", keys),
+        ("--gateway-listen", f"0.0.0.0:{gw}"),
+        ("--ui-listen", f"0.0.0.0:{ui}"),
+        ("--replicas", "1"),  # one server here, not the chart's three
+    ):
+        args[args.index(flag) + 1] = value
+
+    def mount(path: str, text: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def up(name: str) -> UpProcess:
+        env = {"LLMGW_NATS": nats_server.url}
+        return UpProcess(Path(data), tmp_path / f"{name}.log", *args, command=("up",), env=env)
+
+    # The example's Secrets as they are: each placeholder refused in one line.
+    mount(keys, secrets["llmgw-api-keys"]["api-keys"])
+    proc = up("placeholder")
+    assert proc.proc.wait(60) != 0
+    assert "placeholder" in proc.text() and "Traceback" not in proc.text(), proc.text()
+    proc.stop()
+
+    key = "test-k8s-" + "k" * 24
+    mount_keys = secrets["llmgw-api-keys"]["api-keys"].replace("change-me-a-key-of-team-a", key)
+    os.chmod(keys, 0o600)
+    mount(keys, mount_keys)
+    token = "test-k8s-dashboard-token"
+    mount(os.path.join(data, "dashboard.token"), token)
+    proc = up("up")
+    try:
+
+        def get(port: int, path: str, headers: dict[str, str]) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                conn.request("GET", path, headers=headers)
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.alive(), proc.text()[-3000:]
+            try:
+                if get(gw, "/health", {}) == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, proc.text()[-3000:]
+            time.sleep(0.2)
+        assert get(gw, "/v1/models", {}) == 401
+        assert get(gw, "/v1/models", {"Authorization": f"Bearer {key}"}) == 200
+        assert get(ui, "/api/health", {}) == 401
+        assert get(ui, "/api/health", {"Authorization": f"Bearer {token}"}) == 200
+        named = {"Authorization": f"Bearer {token}", "Host": f"llmgw-dashboard.llmgw.svc:{ui}"}
+        assert get(ui, "/api/health", named) == 200
+    finally:
+        proc.stop()

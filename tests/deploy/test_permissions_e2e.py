@@ -146,7 +146,7 @@ def test_cluster_converges_and_preempts_under_the_shipped_permissions(
             every=0.2,
         )
         assert sorted(n["node"] for n in full["nodes"]) == NODES
-        assert full["gpus"] == {"total": 16, "used": 16}
+        assert full["gpus"] == {"total": 16, "used": 16, "lost": 0}
 
         scaled = _llmgw(op, "scale", "chat", "2")
         assert scaled.returncode == 0, scaled.stderr
@@ -166,7 +166,7 @@ def test_cluster_converges_and_preempts_under_the_shipped_permissions(
         )
         # The room came from two batch replicas (2 GPUs each) the preemption stopped.
         assert model(done, "batch")["states"] == {"ready": 4}
-        assert done["gpus"] == {"total": 16, "used": 16}
+        assert done["gpus"] == {"total": 16, "used": 16, "lost": 0}
 
         # A viewer reads the whole log, the agents' reports and the decisions among it.
         viewer = {**procs.env, "LLMGW_NATS": r.url("viewer", VIEWER_PASSWORD)}

@@ -1,13 +1,18 @@
 """The shipped alert rules (`deploy/prometheus/alerts.yaml`): `promtool check rules`,
 `promtool test rules` on made-up series (the `for: 5m` ones included), `promtool check
 metrics` on a live plane's /metrics (the dashboard's and the gateway's), and a real
-Prometheus (Debian's package) scraping that plane, whose node's agent is killed -9,
-firing LlmgwNodeLost for it."""
+Prometheus (Debian's package) scraping that plane, firing LlmgwNodeLost for a node whose
+agent is killed -9, and LlmgwPlaneDown once `llmgw up` itself is killed -9.
+
+The real Prometheus evaluates the shipped rules with each `for:` cut to FOR_IN_TESTS
+(the same expressions, the same labels and annotations; the durations themselves are
+`promtool test rules`'s to check), so a test waits seconds, not minutes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +21,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 
+from services.bus import broker as bus_broker
 from tests.deploy.natsconf import free_port
 from tests.up_process import UpProcess
 
@@ -31,6 +37,7 @@ RULE_TESTS = REPO / "deploy" / "prometheus" / "alerts.test.yaml"
 PROMTOOL = "/usr/bin/promtool"
 PROMETHEUS = "/usr/bin/prometheus"
 NODE = "gone-1"
+FOR_IN_TESTS = "2s"
 
 
 def _need(path: str) -> None:
@@ -48,7 +55,7 @@ def _promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 def test_the_rules_check() -> None:
     r = _promtool("check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 6 rules found" in r.stdout
+    assert "SUCCESS: 7 rules found" in r.stdout
 
 
 def test_the_rules_pass_their_tests() -> None:
@@ -163,74 +170,118 @@ def test_live_metrics_check_and_a_lost_node_fires(
     r = _promtool("check", "metrics", stdin=_get(gateway + "/metrics"))
     assert r.returncode == 0, r.stdout + r.stderr
 
-    # A real Prometheus scrapes the dashboard each second, evaluating the shipped rules.
-    _need(PROMETHEUS)
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    target = urlsplit(dashboard)
-    params = {k: [v] for k, v in (p.split("=", 1) for p in target.query.split("&") if p)}
-    config.write_text(
-        json.dumps(
-            {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(RULES)],
-                "scrape_configs": [
-                    {
-                        "job_name": "llmgw",
-                        "static_configs": [{"targets": [target.netloc]}],
-                        "params": params,
-                    }
-                ],
-            }
-        )
-    )
-    log = (tmp_path / "prometheus.log").open("wb")
-    prom = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api/v1"
-
-    def alerts() -> list[dict[str, Any]]:
-        try:
-            return list(json.loads(_get(api + "/alerts"))["data"]["alerts"])
-        except OSError:
-            return []
+    prom = _Prometheus(tmp_path, dashboard)
 
     def scraped() -> bool:
-        try:
-            q = json.loads(_get(api + '/query?query=llmgw_node_state{state="ready"}'))
-        except OSError:
-            return False
-        return any(x["metric"].get("node") == NODE for x in q["data"]["result"])
+        q = prom.query('llmgw_node_state{state="ready"}')
+        return any(x["metric"].get("node") == NODE for x in q)
 
     try:
         _until("Prometheus to scrape the node ready", scraped)
-        assert not [a for a in alerts() if a["labels"]["alertname"] == "LlmgwNodeLost"]
+        assert not prom.alerts("LlmgwNodeLost")
         # The node's agent dies as a crash would: its heartbeats stop.
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait(10)
-        firing = _until(
-            "LlmgwNodeLost to fire",
-            lambda: [
-                a
-                for a in alerts()
-                if a["labels"]["alertname"] == "LlmgwNodeLost" and a["state"] == "firing"
-            ],
-        )
+        firing = _until("LlmgwNodeLost to fire", lambda: prom.alerts("LlmgwNodeLost", "firing"))
         assert firing[0]["labels"]["node"] == NODE
         assert firing[0]["annotations"]["summary"] == f"node {NODE} is lost"
     finally:
-        os.killpg(prom.pid, signal.SIGKILL)
-        prom.wait(10)
-        log.close()
+        prom.close()
+
+
+def test_a_killed_up_fires_the_plane_down_alert(
+    plane: tuple[UpProcess, Any, str], tmp_path: Path
+) -> None:
+    """kill -9 of `llmgw up`: the dashboard it served, and every llmgw_* series with it,
+    are gone; the scrape target's `up` is 0 and LlmgwPlaneDown fires for it."""
+    up, _, dashboard = plane
+    _need(PROMETHEUS)
+    prom = _Prometheus(tmp_path, dashboard)
+    try:
+        _until(
+            "Prometheus to scrape the plane running", lambda: prom.query("llmgw_plane_running == 1")
+        )
+        # Not before: pending while Prometheus had yet to scrape, then gone.
+        _until("no LlmgwPlaneDown while the plane runs", lambda: not prom.alerts("LlmgwPlaneDown"))
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait(10)
+        firing = _until("LlmgwPlaneDown to fire", lambda: prom.alerts("LlmgwPlaneDown", "firing"))
+        assert len(firing) == 1, firing
+        labels = firing[0]["labels"]
+        assert labels["job"] == "llmgw" and labels["severity"] == "page", labels
+        assert labels["instance"] == urlsplit(dashboard).netloc, labels
+        assert "(target " + labels["instance"] + ")" in firing[0]["annotations"]["description"]
+        assert not prom.query("llmgw_plane_running"), "the plane's series outlived it"
+    finally:
+        prom.close()
+        # The killed `up`'s broker lives on as an orphan: stop it as the next `up` would.
+        bus_broker.stop_orphan(up.data)
+
+
+class _Prometheus:
+    """A real Prometheus scraping the dashboard `dashboard` (job `llmgw`) each second and
+    evaluating the shipped rules, each `for:` cut to FOR_IN_TESTS."""
+
+    def __init__(self, tmp_path: Path, dashboard: str) -> None:
+        _need(PROMETHEUS)
+        rules = tmp_path / "alerts.yaml"
+        rules.write_text(re.sub(r"(?m)^(\s+for:) \S+$", rf"\1 {FOR_IN_TESTS}", RULES.read_text()))
+        port = free_port()
+        config = tmp_path / "prometheus.yml"
+        target = urlsplit(dashboard)
+        params = {k: [v] for k, v in (p.split("=", 1) for p in target.query.split("&") if p)}
+        config.write_text(
+            json.dumps(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(rules)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "llmgw",
+                            "static_configs": [{"targets": [target.netloc]}],
+                            "params": params,
+                        }
+                    ],
+                }
+            )
+        )
+        self.log = (tmp_path / "prometheus.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.api = f"http://127.0.0.1:{port}/api/v1"
+
+    def alerts(self, name: str, state: str | None = None) -> list[dict[str, Any]]:
+        """The alerts `name` Prometheus has now (in `state`, if given)."""
+        try:
+            got = json.loads(_get(self.api + "/alerts"))["data"]["alerts"]
+        except OSError:
+            return []
+        return [
+            a
+            for a in got
+            if a["labels"]["alertname"] == name and (state is None or a["state"] == state)
+        ]
+
+    def query(self, q: str) -> list[dict[str, Any]]:
+        try:
+            got = json.loads(_get(self.api + "/query?" + urlencode({"query": q})))
+        except OSError:
+            return []
+        return list(got["data"]["result"])
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
 
 
 def test_ci_installs_prometheus_as_the_readme_says() -> None:

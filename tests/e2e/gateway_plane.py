@@ -37,7 +37,9 @@ class Plane:
     def raw(
         self, path: str, body: bytes, headers: dict[str, str] | None = None
     ) -> tuple[int, dict[str, str], Any]:
-        req = urllib.request.Request(f"{self.base}{path}", data=body, headers=headers or {})
+        # JSON, as the gateway takes no other body (urllib would say form-urlencoded).
+        said = {"Content-Type": "application/json", **(headers or {})}
+        req = urllib.request.Request(f"{self.base}{path}", data=body, headers=said)
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, dict(r.headers), json.loads(r.read())

@@ -94,6 +94,8 @@ class Plane:
         self, path: str, body: Any = None, *, raw: bytes | None = None, **kw: Any
     ) -> tuple[int, dict[str, str], bytes]:
         data = raw if raw is not None else json.dumps(body).encode()
+        # The gateway takes only bodies said to be JSON (`guard.Boundary`).
+        kw["headers"] = {"Content-Type": "application/json", **kw.get("headers", {})}
         async with self.http.post(f"{self.url}{path}", data=data, **kw) as r:
             return r.status, dict(r.headers), await r.read()
 

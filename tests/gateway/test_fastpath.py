@@ -118,7 +118,9 @@ async def _answers(http: aiohttp.ClientSession, url: str) -> list[tuple[int, str
     for i, (path, body) in enumerate(asks):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         # Every other one with a trace context (which the fast path does not skip).
-        headers = {"traceparent": TRACEPARENT} if i % 2 else {}
+        headers = {"Content-Type": "application/json"}
+        if i % 2:
+            headers["traceparent"] = TRACEPARENT
         async with http.post(f"{url}{path}", data=data, headers=headers) as r:
             got = await r.read()
             out.append((r.status, r.headers.get("x-llmgw-reason", ""), _ID.sub(b"ID", got)))

@@ -26,6 +26,9 @@ from tests.gateway.conftest import Plane
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
+# JSON_HEADERS say a body is JSON: the gateway takes no other (415).
+JSON_HEADERS = {"Content-Type": "application/json"}
+
 
 @contextlib.asynccontextmanager
 async def raw_server(answer: bytes | None) -> AsyncIterator[str]:
@@ -238,7 +241,9 @@ async def test_bad_requests_get_their_status_and_one_line(
             yield big[i : i + 8192]
 
     # Without a Content-Length (chunked), counted as it arrives.
-    async with plane.http.post(f"{plane.url}/v1/chat/completions", data=chunked()) as r:
+    async with plane.http.post(
+        f"{plane.url}/v1/chat/completions", data=chunked(), headers=JSON_HEADERS
+    ) as r:
         assert r.status == 413
         _error(r.status, dict(r.headers), await r.read(), "body_too_large")
     async with plane.http.get(f"{plane.url}/v1/chat/completions") as r:
@@ -336,7 +341,7 @@ async def test_a_body_that_never_ends_is_408_and_the_gateway_stays_up(plane: Pla
     host, port = plane.url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b'Content-Length: 1000\r\n\r\n{"model": "x"'
     )
     await writer.drain()
@@ -357,7 +362,7 @@ async def test_many_clients_gone_at_once_leave_nothing_in_flight(
     body = json.dumps({"model": "crowd", "prompt": "p", "stream": True, "max_tokens": 500})
     responses = []
     for _ in range(20):
-        r = await plane.http.post(f"{plane.url}/v1/completions", data=body)
+        r = await plane.http.post(f"{plane.url}/v1/completions", data=body, headers=JSON_HEADERS)
         await r.content.readany()
         responses.append(r)
     assert plane.gateway.router.inflight == {"cr-1": 20}

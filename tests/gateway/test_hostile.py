@@ -29,6 +29,7 @@ from tests.gateway.test_gateway import _error, raw_server
 pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
 
 MODEL = "hostile"
+JSON_HEADERS = {"Content-Type": "application/json"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -87,9 +88,14 @@ async def raw(plane: Plane, data: bytes, *, within_s: float = 5.0) -> bytes:
             await writer.wait_closed()
 
 
+# JSON is the header of a body the gateway takes (`guard.Boundary`: another type is 415).
+JSON = b"Content-Type: application/json\r\n"
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + JSON
+
+
 def _request(body: bytes, *, head: bytes = b"", path: bytes = b"/v1/chat/completions") -> bytes:
     return (
-        b"POST " + path + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n" + head
+        b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + JSON + head
         + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )  # fmt: skip
 
@@ -149,7 +155,9 @@ async def test_an_unknown_model_gets_a_did_you_mean_and_a_huge_name_no_stall(gw:
     gw.gateway.max_body = 4 * 2**20
     body = json.dumps({"model": "x" * 2**21}).encode()
     t = time.perf_counter()
-    async with gw.http.post(f"{gw.url}/v1/chat/completions", data=io.BytesIO(body)) as r:
+    async with gw.http.post(
+        f"{gw.url}/v1/chat/completions", data=io.BytesIO(body), headers=JSON_HEADERS
+    ) as r:
         status, h, body = r.status, dict(r.headers), await r.read()
     assert status == 404 and time.perf_counter() - t < 1.0
     assert (
@@ -180,35 +188,44 @@ async def test_a_huge_n_is_the_replicas_own_400_passed_through(gw: Plane) -> Non
     await after(gw)
 
 
-async def test_a_wrong_content_type_is_read_as_json_and_the_replica_told_json(
-    gw: Plane,
-) -> None:
-    # curl -d says form-urlencoded; the body is what counts, and the replica is told
-    # application/json whatever the client said.
-    for ctype in ("application/x-www-form-urlencoded", "text/plain", "image/png"):
+async def test_a_body_not_said_to_be_json_is_415_and_nothing_forwarded(gw: Plane) -> None:
+    # JSON with parameters, or a +json type, is JSON; anything else (curl -d's
+    # form-urlencoded, a page's text/plain, no type at all) is 415 before the body is read.
+    for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/x+json"):
         status, _, body = await gw.post(
             "/v1/chat/completions", CHAT, headers={"Content-Type": ctype}
         )
         assert status == 200, (ctype, body)
+    served = gw.gateway.counts.by_model.get(MODEL, 0)
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", "image/png", "json"):
+        status, h, body = await gw.post(
+            "/v1/chat/completions", CHAT, headers={"Content-Type": ctype}
+        )
+        assert (
+            "Content-Type: application/json"
+            in _error(status, h, body, "unsupported_content_type")["message"]
+        )
+        assert status == 415
     form = aiohttp.FormData({"model": MODEL})
     async with gw.http.post(f"{gw.url}/v1/chat/completions", data=form()) as r:
-        assert r.status == 400
-        _error(r.status, dict(r.headers), await r.read(), "invalid_json")
+        assert r.status == 415
+        _error(r.status, dict(r.headers), await r.read(), "unsupported_content_type")
+    answer = await raw(gw, _request(json.dumps(CHAT).encode()).replace(JSON, b""))
+    assert _status(answer) == 415 and b"no Content-Type" in answer
+    assert gw.gateway.counts.by_model.get(MODEL, 0) == served
     await after(gw)
 
 
 async def test_a_100_mb_body_is_413_before_it_is_read(gw: Plane) -> None:
     limit = gw.gateway.max_body
     # Said by its Content-Length: refused on the headers alone, the body never sent.
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 104857600\r\n\r\n"
+    head = HEAD + b"Content-Length: 104857600\r\n\r\n"
     answer = await raw(gw, head + b'{"model": "hostile", "pad": "')
     assert _status(answer) == 413 and b"body_too_large" in answer
     # Chunked, with no length: counted as it comes, cut at the limit; the client may
     # still be sending when the 413 comes back.
     reader, writer = await asyncio.open_connection(*_addr(gw))
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )
+    writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"x" * 65536
     sent = 0
     answer_soon = asyncio.create_task(reader.read(65536))
@@ -268,7 +285,7 @@ async def test_only_the_listed_headers_reach_the_replica(gw: Plane) -> None:
                 "X-Forwarded-For": "6.6.6.6",
                 "X-Request-Id": "req-1",
                 "Cookie": "session=1",
-                "Content-Type": "text/plain",
+                "Content-Type": "application/json; charset=utf-8",
             },
         )
     finally:
@@ -345,32 +362,28 @@ async def test_a_body_that_never_ends_is_408(gw: Plane) -> None:
     "request_",
     [
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
-            b"\r\nzz\r\n{}\r\n0\r\n\r\n",
+            HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
             id="a chunk size that is not hex",
         ),
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
-            b"\r\nffffffffffffffffffff\r\n{}\r\n",
+            HEAD + b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffffffff\r\n{}\r\n",
             id="a chunk size past 64 bits",
         ),
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
-            b"Content-Length: 4\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            HEAD + b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
             id="Content-Length beside chunked (smuggling)",
         ),
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n"
-            b"Content-Length: 40\r\n\r\n{}",
+            HEAD + b"Content-Length: 2\r\nContent-Length: 40\r\n\r\n{}",
             id="two Content-Lengths",
         ),
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: gzip, chunked"
+            HEAD + b"Transfer-Encoding: gzip, chunked"
             b"\r\nTransfer-Encoding: identity\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
             id="a Transfer-Encoding that is not chunked last",
         ),
         pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: -5\r\n\r\n{}",
+            HEAD + b"Content-Length: -5\r\n\r\n{}",
             id="a negative Content-Length",
         ),
         pytest.param(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64, id="TLS"),
@@ -387,7 +400,8 @@ async def test_http_1_0_is_answered_and_closed(gw: Plane) -> None:
     body = json.dumps(CHAT).encode()
     answer = await raw(
         gw,
-        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+        b"POST /v1/chat/completions HTTP/1.0\r\n%sContent-Length: %d\r\n\r\n%s"
+        % (JSON, len(body), body),
     )
     assert _status(answer) == 200 and b"x-llmgw-replica: " + gw.rid.encode() in answer  # type: ignore[attr-defined]
     await after(gw)
@@ -396,7 +410,7 @@ async def test_http_1_0_is_answered_and_closed(gw: Plane) -> None:
 async def test_pipelined_requests_are_answered_in_order(gw: Plane) -> None:
     one = json.dumps({**CHAT, "user": "a"}).encode()
     bad = b"[1]"
-    keep = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n%s"
+    keep = HEAD + b"Content-Length: %d\r\n\r\n%s"
     data = keep % (len(one), one) + keep % (len(bad), bad) + _request(one)
     answer = await raw(gw, data)
     statuses = [int(x) for x in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)]

@@ -42,6 +42,7 @@ def _file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
         (f"{KEY} team-a rpm=-1\n", 0o600, ":1: rpm=-1 is not a whole number of requests"),
         (f"{KEY} team-a rpm=5 rpm=6\n", 0o600, ":1: rpm is given twice"),
         (f"{KEY} rpm=5\n", 0o600, ":1: expected KEY OWNER [rpm=N] [tpm=N]; the owner is"),
+        ("change-me-a-key-of-team-a team-a\n", 0o600, ":1: the key is a placeholder"),
     ],
 )
 def test_a_bad_key_file_is_one_line_without_the_key(

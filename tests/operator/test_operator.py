@@ -27,7 +27,7 @@ BAD = [
     pytest.param(
         "models:\n  - name: a\n    profiles: [{name: p, gpus: one}]\n",
         3,
-        "models[0].profiles[0].gpus: Expected `int`, got `str`",
+        "models[0].profiles[0].gpus: model 'a': expected a whole number, not the text 'one'",
         id="wrong type names the line",
     ),
     pytest.param(
@@ -63,6 +63,51 @@ BAD = [
         id="quota cycle",
     ),
     pytest.param("scale:\n  a: -1\n", 2, "scale.a: must be a whole number", id="negative scale"),
+    # A value is the type the file wrote: a quoted number is text (any other reader of
+    # the file takes it so), a boolean is not a name, 3.0 is not a whole number.
+    pytest.param(
+        "models:\n  - name: chat\n    max: '3'\n    profiles: [{name: p, gpus: 1}]\n",
+        3,
+        "models[0].max: model 'chat': expected a whole number, not the text '3': write 3, "
+        "without quotes",
+        id="quoted max",
+    ),
+    pytest.param(
+        'models:\n  - name: chat\n    idle_after_s: "600"\n    profiles: [{name: p, gpus: 1}]\n',
+        3,
+        "models[0].idle_after_s: model 'chat': expected a number, not the text '600': write 600",
+        id="quoted seconds",
+    ),
+    pytest.param(
+        "models:\n  - name: chat\n    profiles:\n      - {name: p, gpus: 1.0}\n",
+        4,
+        "models[0].profiles[0].gpus: model 'chat': expected a whole number, not 1.0",
+        id="float gpus",
+    ),
+    pytest.param(
+        "models:\n  - name: chat\n    owner: no\n    profiles: [{name: p, gpus: 1}]\n",
+        3,
+        "models[0].owner: model 'chat': expected text, not false (YAML reads an unquoted yes",
+        id="yaml boolean as a name",
+    ),
+    pytest.param(
+        "quota:\n  - name: team-a\n    limit: {gpus: '16'}\n",
+        3,
+        "quota[0].limit.gpus: owner 'team-a': expected a whole number, not the text '16'",
+        id="quoted quota",
+    ),
+    pytest.param(
+        "scale:\n  a: '2'\n",
+        2,
+        "scale.a: expected a whole number, not the text '2': write 2, without quotes",
+        id="quoted scale",
+    ),
+    pytest.param(
+        "scale:\n  a: 1000000000000\n",
+        2,
+        "scale.a: must be a whole number of replicas from 0 to 100,000, not 1000000000000",
+        id="huge scale",
+    ),
 ]
 
 
@@ -86,6 +131,13 @@ def test_toml_cluster_files_name_the_line(tmp_path: Path) -> None:
     with pytest.raises(clusterfile.ClusterFileError) as info:
         clusterfile.load(f)
     assert info.value.line == 7 and "models[1].min" in str(info.value)
+    f.write_text('[[models]]\nname = "a"\nmax = "3"\nprofiles = [{name = "p", gpus = 1}]\n')
+    with pytest.raises(clusterfile.ClusterFileError) as info:
+        clusterfile.load(f)
+    assert str(info.value) == (
+        f"{f}:3: models[0].max: model 'a': expected a whole number, not the text '3': "
+        "write 3, without quotes"
+    )
     f.write_text('[[models]]\nname = "a"\nprofiles = [{name = "p", gpus = 1}]\n[scale]\na = 2\n')
     spec = clusterfile.load(f)
     assert spec.scale == {"a": 2} and spec.models[0].name == "a"

@@ -266,3 +266,36 @@ def test_apply_resolves_aliases_the_file_declares_and_says_the_bounds(
         ev.ScaleDesired(model="mixtral", replicas=7),
         ev.ScaleDesired(model="sweep", replicas=50),
     ]
+
+
+def test_delete_node_refuses_while_replicas_hold_gpus_there_then_removes(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = len(_stored(url))
+    assert cli.main(["--nats", url, "delete", "node", "n9", "--yes"]) == cli.app.EXIT_NOT_FOUND
+    assert "unknown node 'n9'" in _one_line_error(capsys)
+    # r1 holds four of n1's GPUs: refused, naming it and what to do.
+    assert cli.main(["--nats", url, "delete", "node", "n1", "--yes"]) == cli.app.EXIT_REFUSED
+    err = _one_line_error(capsys)
+    assert "1 replica still holds GPUs there (r1)" in err and "drain node n1" in err, err
+    assert len(_stored(url)) == before
+    # n2 holds nothing: removed, and gone from status (its GPUs from the totals).
+    assert cli.main(["--nats", url, "delete", "node", "n2", "--yes", "--reason", "sold"]) == 0
+    assert _stored(url)[-1][2].data == ev.NodeRemoved(node="n2", reason="sold")
+    capsys.readouterr()
+    assert cli.main(["--nats", url, "status"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "NODES  1 (0 lost, 0 cordoned); GPUs in use 4/8" in out, out
+    assert cli.main(["--nats", url, "explain", "node", "n2"]) == 0
+    assert "node n2 was removed" in capsys.readouterr().out
+    # --force: the replica is drained on its node, and fails with it.
+    assert cli.main(["--nats", url, "delete", "node", "n1", "--yes", "--force"]) == 0
+    published = [e.data for _, _, e in _stored(url)[-2:]]
+    assert published == [
+        ev.ReplicaDrain(replica="r1", model="llama-70b", reason="node_drain"),
+        ev.NodeRemoved(node="n1"),
+    ]
+    view = View()
+    for seq, subject, e in _stored(url):
+        fold.apply(view, e, seq=seq, subject=subject)
+    assert not view.state.nodes and view.state.replicas["r1"].state == "failed"

@@ -41,7 +41,7 @@ def test_status_table_shows_models_against_desired(
 def test_status_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["status", "--log", str(_bundle(tmp_path)), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["gpus"] == {"total": 16, "used": 5}
+    assert d["gpus"] == {"total": 16, "used": 5, "lost": 0}
     models = {m["model"]: m for m in d["models"]}
     assert models["chat"]["live"] == 1 and models["chat"]["desired"] == 2
     assert models["batch"]["held_for"] == "chat"

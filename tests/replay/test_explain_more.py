@@ -254,6 +254,32 @@ def test_explain_node_says_who_holds_its_gpus_and_who_cordoned_it(
     assert len(doc["rejected"]) == 1 and doc["rejected"][0]["rejected"]
 
 
+def test_explain_node_dates_its_report_not_its_loss_and_a_stopped_server_answers_no_more(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "2xH100-80GB")
+    s.model("lab", cls="opportunistic", min=0, profiles=["one:1"])
+    s.replica("l1", "lab", on=("n1", [0]), ready="-1h")
+    shards = (ev.ShardSpec(node="n1", gpus=(0,)),)
+    up = ev.ReplicaState(
+        replica="l1", model="lab", profile="one", state="ready", shards=shards,
+        endpoint="http://10.0.0.1:20001",
+    )  # fmt: skip
+    s.emit(up, node="n1")
+    s.at("+10m")
+    s.emit(ev.NodeLost(node="n1", reason="no heartbeat for 16s"))
+    path = s.write(tmp_path / "lost.jsonl")
+    code, out, err = run(capsys, "explain", "node", "n1", "--log", str(path))
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert head.startswith("node n1: 2 GPUs, LOST; inventory reported 2026-11-29T14:00:00Z"), head
+    code, out, err = run(capsys, "explain", "replica", "l1", "--log", str(path))
+    assert code == 0, err
+    assert "its server answers at" not in out
+    assert "  its server answered at http://10.0.0.1:20001 until it was failed" in out, out
+
+
 # ---------------------------------------------------------------- diff, summary
 
 
