@@ -68,7 +68,8 @@ ENV_KEY = "LLMGW_NATS_KEY"
 RECONNECT_REPORT_S = 30.0
 
 # CONNECTION_ERRORS are what a failed connection or reconnection attempt reports; other
-# errors (a slow consumer, a permissions violation) are news of their own, logged each.
+# errors (a slow consumer, a permissions violation) are news of their own, said when the
+# first of a kind comes and then at most once per RECONNECT_REPORT_S with how many more.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,

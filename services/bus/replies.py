@@ -129,10 +129,9 @@ class ReplyGuard:
         more = self._fault.due()
         if more:
             log.warning(
-                "%s: %d more requests left unanswered in %gs (the latest on %s: %s)",
+                "%s: %d more requests left unanswered since the last line (the latest on %s: %s)",
                 self.name,
                 more,
-                self._fault.every_s,
                 shown(subject),
                 why,
             )

@@ -37,6 +37,7 @@ from services import lease, liveness
 from services.agent import consumers as agent_consumers
 from services.agent.agent import ctl_subject, inbox_prefix, reader_name
 from services.bus import Publisher
+from services.bus import connect as bus_connect
 from services.bus.stream import node_stream_name
 from services.clock import new_id
 from tests.adversarial.test_bad_input import Plane
@@ -406,3 +407,33 @@ async def test_a_flood_of_refused_requests_is_one_line(
         # fault less than 30 s ago, as in this file).
         assert n <= 2, added[-3000:]
     await _checks(boundary, js, tmp_path, 4)
+
+
+async def test_the_control_role_sends_no_heartbeat_and_its_refusals_are_one_line(
+    boundary: Boundary, js: JetStreamContext, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever reaches the plane's connection, the server refuses it a heartbeat (the
+    agents' alone, permissions.conf's deny): 2,000 for gpu-a3 sent as `control` land
+    nowhere, and the connection says the server's refusals in one line (then at most
+    one per 30 s), not 2,000."""
+    caplog.set_level(logging.INFO, logger="llmgw.bus")
+    subject = subjects.heartbeat_subject(A3)
+    body = json.dumps({"node": A3, "time": datetime.now(UTC).isoformat()}).encode()
+    async with _watching(boundary, subject) as (watcher, seen):
+        nc = await bus_connect(boundary.url("control"), "test control")
+        try:
+            for _ in range(FLOOD):
+                await nc.publish(subject, body)
+            await nc.flush()
+
+            def refusals() -> list[str]:
+                return [r.message for r in caplog.records if "ermissions" in r.message]
+
+            await _until("the server to refuse them", lambda: bool(refusals()))
+            await nc.flush()
+        finally:
+            await nc.close()
+        await watcher.flush()
+    assert seen == []
+    assert 1 <= len(refusals()) <= 2, refusals()[:5]
+    await _checks(boundary, js, tmp_path, 5)
