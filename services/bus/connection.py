@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +71,8 @@ RECONNECT_REPORT_S = 30.0
 # CONNECTION_ERRORS are what a failed connection or reconnection attempt reports; other
 # errors (a slow consumer, a permissions violation) are news of their own, said when the
 # first of a kind comes and then at most once per RECONNECT_REPORT_S with how many more.
+_QUOTED = re.compile(r"\"[^\"]*\"|'[^']*'")
+
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
@@ -422,17 +425,19 @@ async def connect(
             return
         # One line per kind, then at most one per RECONNECT_REPORT_S with how many more:
         # a server refusing a publish of each of 2,000 requests is one cause.
+        # The cause is the error's type and text without what it quotes (the subject).
         kind = type(e).__name__
-        fault = said.setdefault(kind, Fault())
+        cause = f"{kind}: {_QUOTED.sub('...', str(e))[:120]}"
+        # Bounded: past 64 causes the rest share one.
+        fault = said.get(cause) or said.setdefault(cause if len(said) < 64 else "", Fault())
         if fault.began():
             log.warning("nats %s: %s: %s", name, kind, e)
         elif more := fault.due():
             log.warning(
-                "nats %s: %s: %d more in %gs, the latest: %s",
+                "nats %s: %s: %d more since the last line, the latest: %s",
                 name,
                 kind,
                 more,
-                fault.every_s,
                 e,
             )
 
