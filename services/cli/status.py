@@ -590,7 +590,7 @@ class _Heard:
     async def on(self, msg: Any) -> None:
         from services import liveness
 
-        got = liveness.heartbeat_of(msg.data)
+        got = liveness.heartbeat_of(msg.data, msg.subject)
         if got is not None:
             self.at[got[0]] = got[1]
             if self.wanted <= self.at.keys():

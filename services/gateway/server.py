@@ -76,6 +76,7 @@ from schemas import inflight, subjects
 from services import heap, listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
+from services.bus.replies import ReplyGuard
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
@@ -424,6 +425,7 @@ class Gateway:
         self._scope = scope.Scope()
         self._owners_seen: tuple[Any, ...] | None = None
         self._owners_said: str | None = None
+        self._replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -572,16 +574,27 @@ class Gateway:
     async def _answer_inflight(self, msg: Any) -> None:
         """A draining agent asks how many requests this gateway has in flight on one of
         its replicas, and whether it would still route new ones there
-        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts")."""
-        rid = subjects.replica_of_inflight(msg.subject)
-        if rid is None or not msg.reply:
+        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts").
+        Answered only on a reply under the asking node's agent inbox, and only about a
+        replica on that node (`services.bus.replies`): a question about another node's
+        replica, or one whose reply goes elsewhere, gets no answer. A replica this view
+        does not hold is answered as nothing in flight and not routable: nothing new
+        goes to it, and a count of one it dropped names no node."""
+        asked = subjects.inflight_asked(msg.subject)
+        if asked is None:
+            return
+        node, rid = asked
+        if not self._replies.allows(node, msg.subject, msg.reply):
             return
         view = self.follower.view
         r = view.replicas.get(rid)
+        if r is not None and node not in r.nodes:
+            self._replies.refuse(msg.subject, f"replica {rid} is not on node {node}")
+            return
         answer = inflight.InflightAnswer(
             gateway=self.id,
             replica=rid,
-            inflight=self.router.inflight.get(rid, 0),
+            inflight=self.router.inflight.get(rid, 0) if r is not None else 0,
             routable=r is not None and routing.routable(view, r, new_session=False),
             seq=self.follower.seq,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -111,7 +112,7 @@ class Cluster:
         )
 
     async def heartbeat(self, node: str) -> None:
-        await self.nc.publish(f"llmgw.heartbeat.{node}", b"{}")
+        await self.nc.publish(f"llmgw.heartbeat.{node}", json.dumps({"node": node}).encode())
 
     async def events(self) -> list[tuple[int, str, ev.Event]]:
         out = []
