@@ -252,6 +252,7 @@ def plan(
     for r in view.timed_out_since(before(now, recent_s)):
         late.setdefault(r.model, []).append(r)
     others, timed_out = _other_names(out, mk, view, now, config, late.keys())
+    _broken_gangs(out, mk, view, config)
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
@@ -387,6 +388,23 @@ def _other_names(
     return others, timed_out
 
 
+def _broken_gangs(out: Plan, mk: _Maker, view: View, config: Config) -> None:
+    """A `replica.drain` (`shard_failed`) to each node of a replica with a failed shard
+    (`ReplicaRecord.failed_on`) whose own shard still runs and was not asked to stop,
+    in the order the replicas were created.
+
+    The gang cannot serve without the failed shard, and the others' servers hold their
+    GPUs until their agents stop them: nobody else would, and the view keeps those GPUs
+    held until each says `stopped`."""
+    for r in view.broken():
+        if r.drained_by is not None and not r.drained_on:
+            continue  # asked, on nodes the view was not told (folded without subjects)
+        gone = r.stopped_on + r.failed_on + r.drained_on
+        nodes = tuple(n for n in r.nodes if n not in gone)
+        if nodes:
+            _drain(out, mk, r.id, r.model, r.placed_by, nodes, "shard_failed", config)
+
+
 # ------------------------------------------------------------------ failed starts
 
 # _FailedStarts: per model and node, each recent failed start there as (placed at, failed
@@ -431,7 +449,7 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
     if (
         r.placed_by is None
         or r.ready_at is not None
-        or r.drained_by is not None
+        or (r.drained_by is not None and r.drain_reason != "shard_failed")
         or not r.shards
         or (r.reason is not None and r.reason.startswith("node lost"))
     ):
@@ -440,7 +458,8 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
     if m is None:
         return
     by_node = failed.setdefault(m.name, {})
-    for node in r.nodes:
+    # A gang's failed start is its failed shards' nodes' (the others were drained for it).
+    for node in r.failed_on or r.nodes:
         by_node.setdefault(node, []).append((r.created_at, r.updated_at))
 
 
