@@ -347,6 +347,9 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         if whole is None:
             return None
         d = whole
+    elif r.failed_on and d.node is not None:
+        if d.state in ("stopped", "failed") and (d.node in r.stopped_on or d.node in r.failed_on):
+            return None  # a failed gang's shard saying its last again
     elif r.failed_on and r.state in _HOLDING:
         # A report about the whole of a gang one of whose shards failed: it stops (and
         # then failed, as it did), or it says nothing that changes that.
@@ -433,7 +436,9 @@ def _shard_state(
             r.ready_on += (node,)
         if any(n not in r.ready_on for n in r.nodes):
             # Ready here, not yet everywhere: the replica is loading still.
-            return msgspec.structs.replace(d, state="loading", endpoint=d.endpoint if head else None)
+            return msgspec.structs.replace(
+                d, state="loading", endpoint=d.endpoint if head else None
+            )
     if not head and d.endpoint is not None:
         return msgspec.structs.replace(d, endpoint=None)
     return d
