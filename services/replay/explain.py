@@ -990,15 +990,18 @@ class Explainer:
             for g in gpus
         ]
         # The replicas the fold failed for what the node became: lost past its grace, or
-        # a report that no longer has their GPUs (fewer, another model, smaller).
+        # a report that no longer has their GPUs (fewer, another model, smaller). A gang
+        # failed elsewhere is not one of them: its shard here failed because another did
+        # (`failed_on`), and was drained.
         failed = sorted(
             (
                 r
                 for r in s.replicas.values()
-                if r.state == "failed"
+                if (r.state == "failed" or name in r.failed_on)
                 and r.reason is not None
                 and r.reason.startswith(("node lost", f"node {name} no longer"))
                 and any(sh.node == name for sh in r.shards)
+                and (not r.failed_on or name in r.failed_on)
             ),
             key=lambda r: r.updated_at,
         )[-RECENT:]
@@ -1009,6 +1012,33 @@ class Explainer:
                 st.line(f"  {r.id} ({r.model}) {stamp(r.updated_at)}: {r.reason}")
         st.facts["failed"] = [
             {"replica": r.id, "model": r.model, "reason": r.reason} for r in failed
+        ]
+        broken = sorted(
+            (
+                r
+                for r in s.replicas.values()
+                if r.failed_on
+                and name not in r.failed_on
+                and any(sh.node == name for sh in r.shards)
+            ),
+            key=lambda r: r.updated_at,
+        )[-RECENT:]
+        if broken:
+            st.line("")
+            st.line(f"shards here of replicas that failed on another node (the last {len(broken)})")
+            for r in broken:
+                st.line(
+                    f"  a shard of {r.id} ({r.model}) failed because {_broke(r)}; {_after(r, name)}"
+                )
+        st.facts["shard_failed"] = [
+            {
+                "replica": r.id,
+                "model": r.model,
+                "failed_on": list(r.failed_on),
+                "reason": r.reason,
+                "stopped": name in r.stopped_on,
+            }
+            for r in broken
         ]
         entries = self.timeline.entries
         moves = [
@@ -1038,6 +1068,26 @@ class Explainer:
         st.timeline = list(entries)
         st.tail = TIMELINE_TAIL
         return st
+
+
+def _broke(r: ReplicaRecord) -> str:
+    """Why a gang failed, in words naming the nodes whose shards failed (`failed_on`)."""
+    where = ", ".join(r.failed_on)
+    why = r.reason or ""
+    if why.startswith("node lost"):
+        return f"{where} {'was' if len(r.failed_on) == 1 else 'were'} lost ({why})"
+    if why.startswith("node ") and " no longer has its GPUs" in why:
+        return why.split(":", 1)[0].replace(" has ", " had ")
+    return f"its shard on {where} failed ({why or 'no reason given'})"
+
+
+def _after(r: ReplicaRecord, node: str) -> str:
+    """What became of a failed gang's shard on `node`: stopped, or held until it is."""
+    if node in r.stopped_on:
+        return "drained, and stopped here"
+    if node in r.drained_on:
+        return "drained; its GPUs here stay held until it says stopped"
+    return "not drained yet; its GPUs here stay held until it says stopped"
 
 
 def _leaving(r: ReplicaRecord) -> str:
