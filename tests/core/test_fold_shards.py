@@ -212,11 +212,13 @@ def test_drains_record_their_nodes_and_a_crash_between_them_is_completed() -> No
 # the new fields left out. Worked out once on the fold of then; a change here is a change
 # of how an old log folds. Changed once, on purpose (schema 8): a two-node replica of the
 # mix whose node is lost keeps its other shard's GPUs until that one stops (`failed_on`)
-# instead of freeing them under a server still running. With that one rule undone, the
-# hashes were the ones before (4c274d05..., 906fbcfc...).
+# instead of freeing them under a server still running, and the mix's agents say so (a
+# `stopped` about the whole replica from the other shard's node, which leaves it failed).
+# Before, 4c274d05... and 906fbcfc...; the fold alone moved them to e031743e... and
+# ca9310dc..., the mix's stops to these.
 OLD_MIX = {
-    3: "e031743ecc77c977e5e8f84d8efa3388",
-    17: "ca9310dc104e44b9449f9eaf388fcde1",
+    3: "e2880794d5b1fd6ead3725e0df6df295",
+    17: "500d344c622ab7e31f2694bbad8aca48",
 }
 
 
