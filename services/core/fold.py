@@ -816,12 +816,14 @@ def _before_held(view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent) -> tup
 def _touch_held(
     view: View, e: ev.NodeLostEvent | ev.NodeInventoryEvent, t: Touched, hit: tuple[str, ...]
 ) -> None:
-    """The node, and the replicas it held that the event failed (with their nodes)."""
-    t.nodes.add(e.data.node)
+    """The node, and the replicas it held that the event failed (with their nodes): all
+    of a one-node replica, the shard there of a gang whose others still hold theirs."""
+    node = e.data.node
+    t.nodes.add(node)
     reps = view.state.replicas
     for rid in hit:
         r = reps.get(rid)
-        if r is not None and not r.holds_capacity:
+        if r is not None and (not r.holds_capacity or node in r.failed_on):
             t.replicas.add(rid)
             t.nodes.update(s.node for s in r.shards)
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from schemas import subjects
 from services.core import fold, routing, scheduling
-from services.core.view import View
+from services.core.ingest import Ingest
+from services.core.view import View, decode_state, encode_state
 from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(120)
@@ -351,3 +352,14 @@ def test_no_start_is_placed_on_a_surviving_shards_gpus_while_it_runs(
     r = v.state.replicas["g1"]
     assert r.state == "failed" and "g1" not in running.values()
     assert fill or "big" in placed
+
+
+def test_the_ingest_step_rewrites_the_rows_of_a_gang_broken_by_a_lost_node() -> None:
+    """The store rewrites the replica (now draining) and the GPU rows of both its nodes."""
+    p = cluster()
+    step = Ingest(View(decode_state(encode_state(p.view.state))))
+    step.touched.clear()
+    e = ev.make(ev.NodeLost(node="a1", reason="no heartbeat"), id="l", time=p.now, source="s")
+    step.event(p.seq + 1, subjects.subject_for(e, "llmgw"), e)
+    assert step.verdict is None
+    assert "g1" in step.touched.replicas and {"a1", "a2"} <= step.touched.nodes
