@@ -431,7 +431,8 @@ def _shard_state(
     if r.failed_on:
         return None  # a shard of a failed gang, on its way out: it stops, nothing else
     head = node == r.shards[0].node
-    if state == "ready":
+    if state == "ready" and _ORDER[r.state] < _ORDER["ready"]:
+        # (Said of a replica past ready, it is refused below and records nothing.)
         if node not in r.ready_on:
             r.ready_on += (node,)
         if any(n not in r.ready_on for n in r.nodes):

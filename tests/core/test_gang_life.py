@@ -363,3 +363,15 @@ def test_the_ingest_step_rewrites_the_rows_of_a_gang_broken_by_a_lost_node() -> 
     step.event(p.seq + 1, subjects.subject_for(e, "llmgw"), e)
     assert step.verdict is None
     assert "g1" in step.touched.replicas and {"a1", "a2"} <= step.touched.nodes
+
+
+def test_a_shards_ready_refused_records_nothing() -> None:
+    """A shard's late ready to a gang already draining is refused, and its `ready_on` is
+    as it was: a rejected event changes nothing."""
+    p = cluster(gang_state=None)
+    assert p.shard("ready", "a1", "http://a1:8000") == ""
+    for n in ("a1", "a2"):
+        assert p.put(ev.ReplicaDrain(replica="g1", model="big", reason="scale_down"), n) == ""
+    assert p.shard("draining", "a1") == ""
+    assert p.shard("ready", "a2") == "replica g1 cannot go from draining to ready"
+    assert p.view.state.replicas["g1"].ready_on == ("a1",)
