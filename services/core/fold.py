@@ -228,6 +228,8 @@ def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope, node: str) 
     if len(r.shards) > 1:
         if node not in r.failed_on:
             r.failed_on += (node,)
+        if r.failed_by is None:
+            r.failed_by = e.id
         gone = r.stopped_on + r.failed_on
         if any(n not in gone for n in r.nodes):
             r.reason, r.updated_at = reason, e.time

@@ -391,7 +391,9 @@ def _other_names(
 def _broken_gangs(out: Plan, mk: _Maker, view: View, config: Config) -> None:
     """A `replica.drain` (`shard_failed`) to each node of a replica with a failed shard
     (`ReplicaRecord.failed_on`) whose own shard still runs and was not asked to stop,
-    in the order the replicas were created.
+    in the order the replicas were created. Each is caused by the event that failed the
+    first shard (`failed_by`), and its id derived from that one's, the replica and the
+    node: any scheduler, on any view since, asks each node once.
 
     The gang cannot serve without the failed shard, and the others' servers hold their
     GPUs until their agents stop them: nobody else would, and the view keeps those GPUs
@@ -402,7 +404,8 @@ def _broken_gangs(out: Plan, mk: _Maker, view: View, config: Config) -> None:
         gone = r.stopped_on + r.failed_on + r.drained_on
         nodes = tuple(n for n in r.nodes if n not in gone)
         if nodes:
-            _drain(out, mk, r.id, r.model, r.placed_by, nodes, "shard_failed", config)
+            cause = r.failed_by or r.placed_by
+            _drain(out, mk, r.id, r.model, cause, nodes, "shard_failed", config)
 
 
 # ------------------------------------------------------------------ failed starts
@@ -1148,17 +1151,18 @@ def _drain(
     mk: _Maker,
     replica: str,
     model: str,
-    placed_by: str | None,
+    cause: str | None,
     nodes: tuple[str, ...],
     reason: ev.DrainReason,
     config: Config,
 ) -> None:
-    """A `replica.drain` on each node the replica has a shard on.
+    """A `replica.drain` on each of `nodes`, caused by `cause` (the replica's placement;
+    for `shard_failed`, what failed its first shard).
 
-    The id is derived from the replica and the reason only: whoever decides it, on
-    whichever view, asks the same replica to stop for the same reason once.
+    The id is derived from the cause, the replica and the reason only: whoever decides
+    it, on whichever view, asks the same replica to stop for the same reason once.
     """
-    parent = placed_by or _anchor(None, f"replica\x00{replica}")
+    parent = cause or _anchor(None, f"replica\x00{replica}")
     data = ev.ReplicaDrain(
         replica=replica, model=model, reason=reason, grace_s=config.drain_grace_s
     )
@@ -1166,7 +1170,7 @@ def _drain(
         return  # no node to send it to; a replica with no shards holds nothing
     for node in nodes:
         did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
-        out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
+        out.outputs.append(Output(mk(data, did, causation=cause), node=node))
     out.drained += 1
 
 

@@ -153,6 +153,9 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     shards on several nodes cannot serve without one: it is draining from the first, its
     shards on the other nodes hold their GPUs until their agents say `stopped` (their
     servers still run), and the last of them leaves it failed."""
+    failed_by: str | None = None
+    """Id of the event that failed its first shard (`failed_on`): what the scheduler's
+    drains of its other shards are derived from and caused by. None while none failed."""
 
     @property
     def holds_capacity(self) -> bool:

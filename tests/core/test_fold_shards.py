@@ -233,6 +233,7 @@ def _as_before(seed: int) -> str:
         r.pop("drained_on")
         r.pop("ready_on")
         r.pop("failed_on")
+        r.pop("failed_by")
     return hashlib.blake2b(json.dumps(s, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 

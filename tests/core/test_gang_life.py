@@ -238,14 +238,17 @@ def test_a_node_lost_with_a_grace_keeps_the_gang_whole_until_the_grace_ends() ->
 
 
 def test_the_drain_is_the_same_whoever_decides_it() -> None:
-    """Two schedulers on the same view send the same drain: its id is derived."""
+    """Two schedulers on the same view send the same drain: its id is derived from the
+    event that failed the shard, which it names as its cause."""
     p = cluster()
-    p.put(ev.NodeLost(node="a1", reason="no heartbeat"))
-    ids = [
-        [o.event.id for o in x.outputs if isinstance(o.event, ev.ReplicaDrainEvent)]
+    p.put(ev.NodeLost(node="a1", reason="no heartbeat"), eid="lost-a1")
+    assert p.view.state.replicas["g1"].failed_by == "lost-a1"
+    got = [
+        [o.event for o in x.outputs if isinstance(o.event, ev.ReplicaDrainEvent)]
         for x in (p.plan(source="one"), p.plan(source="two"))
     ]
-    assert len(ids[0]) == 1 and ids[0] == ids[1]
+    assert len(got[0]) == 1 and [e.id for e in got[0]] == [e.id for e in got[1]]
+    assert got[0][0].causation == "lost-a1"
 
 
 def test_a_gang_preempted_then_broken_is_not_asked_twice() -> None:
