@@ -57,7 +57,7 @@ def lost_gang(tmp_path: Path, *, stopped: bool) -> Path:
                     replica="big-1",
                     model="big",
                     profile="pp2",
-                    state=state,  # type: ignore[arg-type]
+                    state=state,
                     shards=shards,
                     node="n2",
                     reason="shard_failed",
