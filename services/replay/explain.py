@@ -269,7 +269,9 @@ class Explainer:
         if use is not None:
             self._last_used(st, use)
         st.line("")
-        if r.preempted_for is not None or r.drain_reason == "preempted":
+        if r.failed_on and r.drain_reason in (None, "shard_failed"):
+            self._shard_failed(st, r)
+        elif r.preempted_for is not None or r.drain_reason == "preempted":
             self._preempted(st, r, view)
         elif r.drain_reason == "scale_down" or r.retiring_at is not None:
             self._scaled_down(st, r)
@@ -561,6 +563,20 @@ class Explainer:
         drain = self._drain(r)
         st.line(f"why: drained ({r.drain_reason})")
         st.facts["why"] = r.drain_reason
+        if drain is not None:
+            seq, dr = drain
+            st.line(f"  drain      {self._ref(seq, dr, st.now)} by {dr.source}")
+
+    def _shard_failed(self, st: Story, r: ReplicaRecord) -> None:
+        """A gang one of whose shards failed: which, why, and what became of the others."""
+        st.line(f"why: a shard failed: {_broke(r)}")
+        st.facts["why"] = "shard_failed"
+        st.facts["failed_on"] = list(r.failed_on)
+        st.facts["reason"] = r.reason
+        for node in r.nodes:
+            if node not in r.failed_on:
+                st.line(f"  shard on {node}: {_after(r, node)}")
+        drain = self._drain(r)
         if drain is not None:
             seq, dr = drain
             st.line(f"  drain      {self._ref(seq, dr, st.now)} by {dr.source}")
@@ -1084,10 +1100,10 @@ def _broke(r: ReplicaRecord) -> str:
 def _after(r: ReplicaRecord, node: str) -> str:
     """What became of a failed gang's shard on `node`: stopped, or held until it is."""
     if node in r.stopped_on:
-        return "drained, and stopped here"
+        return "drained, and stopped"
     if node in r.drained_on:
-        return "drained; its GPUs here stay held until it says stopped"
-    return "not drained yet; its GPUs here stay held until it says stopped"
+        return "drained; its GPUs stay held until it says stopped"
+    return "not drained yet; its GPUs stay held until it says stopped"
 
 
 def _leaving(r: ReplicaRecord) -> str:

@@ -77,9 +77,9 @@ def test_the_surviving_node_says_a_shard_failed_because_the_other_was_lost(
     assert "replicas failed with the node" not in out
     assert "a shard of big-1 (big) failed because n3 was lost" in out
     if stopped:
-        assert "drained, and stopped here" in out
+        assert "drained, and stopped" in out
     else:
-        assert "its GPUs here stay held until it says stopped" in out
+        assert "its GPUs stay held until it says stopped" in out
         assert "big-1" in out.split("HELD BY", 1)[1].splitlines()[1]
     doc = json.loads(run(capsys, "explain", "node", "n2", "--log", str(path), "--json")[1])
     assert doc["failed"] == []
@@ -91,3 +91,18 @@ def test_the_surviving_node_says_a_shard_failed_because_the_other_was_lost(
     assert code == 0, err
     assert "replicas failed with the node" in out and "big-1 (big)" in out
     assert "a shard of big-1" not in out
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["draining", "stopped"])
+def test_the_gang_says_which_shard_failed_and_what_became_of_the_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stopped: bool
+) -> None:
+    path = lost_gang(tmp_path, stopped=stopped)
+    code, out, err = run(capsys, "explain", "replica", "big-1", "--log", str(path))
+    assert code == 0, err
+    assert out.startswith(
+        f"replica big-1 of big (critical) is {'failed' if stopped else 'draining'}"
+    )
+    assert "why: a shard failed: n3 was lost (node lost: no heartbeat for 77s)" in out
+    want = "drained, and stopped" if stopped else "drained; its GPUs stay held"
+    assert f"  shard on n2: {want}" in out
