@@ -64,7 +64,11 @@ ModelClass = Literal["critical", "standard", "opportunistic"]
 ReplicaStateName = Literal[
     "pending", "starting", "loading", "ready", "draining", "stopped", "failed"
 ]
-DrainReason = Literal["preempted", "scale_down", "node_drain", "model_removed", "placement_timeout"]
+# DrainReason `shard_failed` (an extension): another shard of the replica failed (its node
+# lost past the grace, its GPUs gone, its server failed), so this one cannot serve.
+DrainReason = Literal[
+    "preempted", "scale_down", "node_drain", "model_removed", "placement_timeout", "shard_failed"
+]
 
 # STATE_ORDER ranks replica states along their one-way life. A report may repeat a state
 # or move forward; one that moves back is an invariant broken, not news.

@@ -185,7 +185,8 @@ def _node_inventory(view: View, e: ev.NodeInventoryEvent, subject: str | None) -
     # and what it held is not there to hold. It fails, so GPUs in use never exceed GPUs
     # present.
     for rid, why in _uncovered(view, d):
-        _fail(view, view.state.replicas[rid], f"node {d.node} no longer has its GPUs: {why}", e)
+        r = view.state.replicas[rid]
+        _fail(view, r, f"node {d.node} no longer has its GPUs: {why}", e, d.node)
     return None
 
 
@@ -214,9 +215,29 @@ def _uncovered(view: View, d: ev.NodeInventory) -> list[tuple[str, str]]:
     return out
 
 
-def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope) -> None:
-    """The fold's own failure of a replica (its node lost, its GPUs gone): capacity
-    released, and a report from it later is a state going backwards."""
+def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope, node: str) -> None:
+    """The failure of a replica's shard on `node` (its node lost, its GPUs gone, its
+    agent said so): capacity there released, and a report from it later is a state
+    going backwards.
+
+    A replica with shards on other nodes still running (a gang) cannot serve without
+    this one, but their servers still hold their GPUs: it is draining, their GPUs stay
+    held until their agents say `stopped` (the scheduler asks them to:
+    `ReplicaRecord.failed_on`), and the last one leaves it failed. Freed at once, the
+    next start on those GPUs would find them taken by the orphaned shard's server."""
+    if len(r.shards) > 1:
+        if node not in r.failed_on:
+            r.failed_on += (node,)
+        if r.failed_by is None:
+            r.failed_by = e.id
+        gone = r.stopped_on + r.failed_on
+        if any(n not in gone for n in r.nodes):
+            r.reason, r.updated_at = reason, e.time
+            if r.state != "draining":
+                r.state = "draining"
+            view.inventory.release_node(r.id, node)
+            view.note(r)
+            return
     r.state, r.reason, r.updated_at = "failed", reason, e.time
     view.inventory.release_replica(r.id)
     view.note(r)
@@ -240,13 +261,14 @@ def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | No
     rec.lost, rec.lost_reason, rec.updated_at, rec.failing_at = True, d.reason, e.time, None
     view.inventory.set_lost(rec.report.node, True)
     view.note_node(rec)
-    # A lost node's replicas are gone with it: their capacity is released, and a report
-    # from them later is a state going backwards, not a resurrection.
+    # A lost node's replicas are gone with it: their capacity there is released, and a
+    # report from them later is a state going backwards, not a resurrection. A gang's
+    # shards on the nodes still alive hold theirs until they stop (`_fail`).
     # Invariant: every replica holding capacity on a node has its allocation there, so
     # the inventory's index finds them without scanning every replica of the cluster.
     reps = view.state.replicas
     for rid in view.inventory.replicas_on(rec.report.node):
-        _fail(view, reps[rid], f"node lost: {d.reason}", e)
+        _fail(view, reps[rid], f"node lost: {d.reason}", e, d.node)
     return None
 
 
@@ -340,17 +362,23 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         return None
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
-    if d.node is not None and d.state == "stopped" and r.state in _HOLDING:
-        if d.node in r.stopped_on:
-            return None  # that shard said so already
-        r.stopped_on += (d.node,)
-        if any(n not in r.stopped_on for n in r.nodes):
-            # One shard of several stopped: its GPUs are free, the others' still held,
-            # and the replica keeps its state until the last shard stops.
-            view.inventory.release_node(r.id, d.node)
-            r.updated_at = e.time
-            view.note(r)
+    if d.node is not None and r.state in _HOLDING:
+        whole = _shard_state(view, r, d, e)
+        if whole is None:
             return None
+        d = whole
+    elif r.failed_on and d.node is not None:
+        if d.state in ("stopped", "failed") and (d.node in r.stopped_on or d.node in r.failed_on):
+            return None  # a failed gang's shard saying its last again
+    elif r.failed_on and r.state in _HOLDING:
+        # A report about the whole of a gang one of whose shards failed: it stops (and
+        # then failed, as it did), or it says nothing that changes that.
+        if d.state in _HOLDING:
+            return None
+        r.state, r.updated_at = "failed", e.time
+        view.inventory.release_replica(r.id)
+        view.note(r)
+        return None
     before, after = _ORDER[r.state], _ORDER[d.state]
     if after < before or (after == before and d.state != r.state):
         return f"replica {d.replica} cannot go from {r.state} to {d.state}"
@@ -380,6 +408,61 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         r.ready_at = e.time
     view.note(r, ready=first_ready)
     return None
+
+
+def _shard_state(
+    view: View, r: ReplicaRecord, d: ev.ReplicaState, e: ev.ReplicaStateEvent
+) -> ev.ReplicaState | None:
+    """What a report about the shard on node `d.node` of `r` (holding capacity) says of
+    the whole replica, once what it says of the shard is recorded; None when nothing
+    more.
+
+    A replica is what all its shards are: ready when the last says ready (until then
+    loading, and its endpoint the head's, shard 0's, whose server takes the requests);
+    stopped when the last says stopped (each one's GPUs free at its own); failed when
+    one fails, and then what the others say changes nothing but their stop (`_fail`)."""
+    node = d.node
+    assert node is not None
+    state = d.state
+    if state == "stopped":
+        if node in r.stopped_on or node in r.failed_on:
+            return None  # that shard said its last already
+        r.stopped_on += (node,)
+        if any(n not in r.stopped_on and n not in r.failed_on for n in r.nodes):
+            # One shard of several stopped: its GPUs are free, the others' still held,
+            # and the replica keeps its state until the last shard stops.
+            view.inventory.release_node(r.id, node)
+            r.updated_at = e.time
+            view.note(r)
+            return None
+        if r.failed_on:
+            # The last shard of a gang one of whose shards failed: the gang failed.
+            r.state, r.updated_at = "failed", e.time
+            view.inventory.release_replica(r.id)
+            view.note(r)
+            return None
+        return d
+    if len(r.shards) < 2:
+        return d
+    if state == "failed":
+        if node not in r.stopped_on and node not in r.failed_on:
+            _fail(view, r, d.reason or f"its shard on {node} failed", e, node)
+        return None
+    if r.failed_on:
+        return None  # a shard of a failed gang, on its way out: it stops, nothing else
+    head = node == r.shards[0].node
+    if state == "ready" and _ORDER[r.state] < _ORDER["ready"]:
+        # (Said of a replica past ready, it is refused below and records nothing.)
+        if node not in r.ready_on:
+            r.ready_on += (node,)
+        if any(n not in r.ready_on for n in r.nodes):
+            # Ready here, not yet everywhere: the replica is loading still.
+            return msgspec.structs.replace(
+                d, state="loading", endpoint=d.endpoint if head else None
+            )
+    if not head and d.endpoint is not None:
+        return msgspec.structs.replace(d, endpoint=None)
+    return d
 
 
 def _not_its_shard(
@@ -759,12 +842,14 @@ def _touch_held(
     t: Touched,
     hit: tuple[str, ...],
 ) -> None:
-    """The node, and the replicas it held that the event failed (with their nodes)."""
-    t.nodes.add(e.data.node)
+    """The node, and the replicas it held that the event failed (with their nodes): all
+    of a one-node replica, the shard there of a gang whose others still hold theirs."""
+    node = e.data.node
+    t.nodes.add(node)
     reps = view.state.replicas
     for rid in hit:
         r = reps.get(rid)
-        if r is not None and not r.holds_capacity:
+        if r is not None and (not r.holds_capacity or node in r.failed_on):
             t.replicas.add(rid)
             t.nodes.update(s.node for s in r.shards)
 
