@@ -308,7 +308,7 @@ def _node_removed(view: View, e: ev.NodeRemovedEvent, subject: str | None) -> st
     reps = view.state.replicas
     why = f"node removed: {d.reason}" if d.reason else "node removed"
     for rid in view.inventory.replicas_on(d.node):
-        _fail(view, reps[rid], why, e)
+        _fail(view, reps[rid], why, e, d.node)
     rec.failing_at = None
     view.note_node(rec)
     del view.state.nodes[d.node]
