@@ -31,7 +31,9 @@ from services.core import catalog, inventory, quota
 # give a view no replay can reproduce. 6: a preemption's pin (`Preempting.domain` and
 # `until`), which a view folded before it left unset for a decision that names a domain.
 # 7: a multi-node replica's shards stopped one by one (`drained_on`, `stopped_on`).
-SCHEMA = 7
+# 8: a report creates no replica (only a placement does), endpoints on their node's
+# `address`, claimed times (`last_used_at`, a demand's `since`) bounded by the event's.
+SCHEMA = 8
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
