@@ -462,6 +462,9 @@ async def _serve(
                     gw_sock = gateway.bind()
                 except GatewayError as e2:
                     raise UpError(str(e2)) from e2
+        if gateway is not None:
+            # No replica's endpoint may name the plane's own ports (services.gateway.plane).
+            gateway.plane = (url, *([dashboard.url] if dashboard is not None else []))
         if dashboard is not None and gateway is not None:
             # The dashboard shows requests a second and in flight per model from the
             # gateway's own counters (services.dashboard.traffic).

@@ -409,6 +409,14 @@ def _foreign_endpoint(
     return f"replica {d.replica}'s endpoint {endpoint} is not on {' or '.join(said)}"
 
 
+def used_at(e: ev.ReplicaUsedEvent) -> datetime:
+    """When a `replica.used` says the replica last served, bounded by the event's time
+    (which ingest bounds by when the log stored it): what the fold keeps, and what every
+    reader of the event shows."""
+    at = e.data.at
+    return at if at <= e.time else e.time
+
+
 def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> str | None:
     r = view.state.replicas.get(e.data.replica)
     if r is None:
@@ -420,9 +428,7 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
     # A claimed time is bounded by the event's, which ingest bounds by when the log
     # stored it: one report from the far future (or from a clock far ahead) cannot keep
     # the replica used for ever, and a replay bounds it alike.
-    at = e.data.at
-    if at > e.time:
-        at = e.time
+    at = used_at(e)
     if r.last_used_at is None or at > r.last_used_at:
         r.last_used_at = at
         view.note_use(r)

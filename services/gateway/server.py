@@ -73,7 +73,7 @@ from services.bus.errors import BusError
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
-from services.gateway import streams
+from services.gateway import plane, streams
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -357,6 +357,9 @@ class Gateway:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     min_wait_s: float = MIN_WAIT_S
     demand_interval_s: float = DEMAND_INTERVAL_S
+    plane: tuple[str, ...] = ()
+    """The plane's other listeners (the dashboard's, the broker's URL), whose ports no
+    replica's endpoint may name; the gateway's own always counts (`plane.Ports`)."""
     nc: Any = None
     """The broker connection to answer draining agents on (`_answer_inflight`); None:
     agents get no answer from this gateway, and stop their servers without it."""
@@ -389,6 +392,7 @@ class Gateway:
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
         self._owners_seen: tuple[Any, ...] | None = None
         self._owners_said: str | None = None
+        self._plane = plane.Ports(self.plane)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -413,6 +417,7 @@ class Gateway:
     ) -> None:
         """Follow the log and serve until `stop`."""
         sock = sock or self.bind()
+        self._plane = plane.Ports((self.url, *self.plane))
         await self.follower.load_snapshot()
         follow = self.follower.start()
         try:
@@ -1091,6 +1096,8 @@ class Gateway:
         if woken is not None and r.id not in request.get(_SENT, ()):
             self.counts.sends.append(time.perf_counter() - woken)
             request[_SENT] = (r.id,)
+        if self._plane.refuses(r.endpoint):
+            raise _Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers

@@ -37,7 +37,12 @@ def _state(
     rid: str, st: str, shards: tuple[ev.ShardSpec, ...] = ON_B, endpoint: str | None = None
 ) -> ev.ReplicaState:
     return ev.ReplicaState(
-        replica=rid, model="m", profile="p", state=st, shards=shards, endpoint=endpoint  # type: ignore[arg-type]
+        replica=rid,
+        model="m",
+        profile="p",
+        state=st,  # type: ignore[arg-type]
+        shards=shards,
+        endpoint=endpoint,
     )
 
 
@@ -218,6 +223,8 @@ def test_a_replay_bounds_a_claimed_time_as_the_live_fold_did() -> None:
         step.view = log.view
         _ready_r1(log)
         forged = ev.make(ev.ReplicaUsed(replica="r1", at=FAR), id="u", time=FAR, source="a")
-        step.raw(log.seq + 1, subjects.subject_for(forged, node="B"), codec.encode(forged), stored_ns)
+        step.raw(
+            log.seq + 1, subjects.subject_for(forged, node="B"), codec.encode(forged), stored_ns
+        )
         views.append(step.view.state.replicas["r1"].last_used_at)
     assert views == [stored + ingest.MAX_SKEW] * 2
