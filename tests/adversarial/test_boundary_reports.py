@@ -84,6 +84,8 @@ class Scene:
     """http://127.0.0.1:PORT/v1"""
     dashboard: str
     """http://127.0.0.1:PORT"""
+    chat: tuple[str, str, dict[str, Any]]
+    """The plane's replica of chat as it first was ready: (id, node, record)."""
 
     def url(self, user: str) -> str:
         password = CONTROL_PASSWORD if user == "control" else agent_password(user)
@@ -94,12 +96,14 @@ class Scene:
 
 
 def _ready(db: Path, model: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """(id, node, record) of each ready replica of `model` in a copy of the view."""
+    """(id, node, record) of each ready replica of `model` in a copy of the view that
+    the plane placed (an invented one, were it in the view, is left out: each attack
+    is judged on its own)."""
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         rows = c.execute(
             "SELECT id, nodes, doc FROM replicas WHERE model = ? AND state = 'ready'", (model,)
         ).fetchall()
-    return [(str(i), str(n).split(",")[0], json.loads(d)) for i, n, d in rows]
+    return [(str(i), str(n).split(",")[0], json.loads(d)) for i, n, d in rows if i != INVENTED]
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +124,17 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
             )
             gw = wait_for(
                 "the gateway's address",
-                lambda: (base / "data" / "gateway.url").is_file()
-                and (base / "data" / "gateway.url").read_text().strip(),
+                lambda: (
+                    (base / "data" / "gateway.url").is_file()
+                    and (base / "data" / "gateway.url").read_text().strip()
+                ),
             )
             ui = wait_for(
                 "the dashboard's address",
-                lambda: (base / "data" / "dashboard.url").is_file()
-                and (base / "data" / "dashboard.url").read_text().strip(),
+                lambda: (
+                    (base / "data" / "dashboard.url").is_file()
+                    and (base / "data" / "dashboard.url").read_text().strip()
+                ),
             )
             for node in (A1, A2):
                 agents[node] = UpProcess(
@@ -149,12 +157,14 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
             plane = Plane(up, control)
             tmp = base / "copies"
             tmp.mkdir()
-            wait_for(
+            [chat] = wait_for(
                 f"a ready replica of {CHAT}",
-                lambda: (up.alive() or pytest.fail(up.text()[-3000:]))
-                and _ready(_live_db(plane, tmp), CHAT),
+                lambda: (
+                    (up.alive() or pytest.fail(up.text()[-3000:]))
+                    and _ready(_live_db(plane, tmp), CHAT)
+                ),
             )
-            yield Scene(plane, r, agents, gw, ui.split("?")[0].rstrip("/"))
+            yield Scene(plane, r, agents, gw, ui.split("?")[0].rstrip("/"), chat)
         finally:
             for a in agents.values():
                 a.stop()
@@ -221,9 +231,7 @@ async def _report(scene: Scene, js: JetStreamContext, node: str, data: ev.Data, 
         source=f"agent/{node}",
     )
     subject = subjects.subject_for(e, node=node)
-    nc = await nats.connect(
-        scene.url(node), inbox_prefix=inbox_prefix(node), allow_reconnect=False
-    )
+    nc = await nats.connect(scene.url(node), inbox_prefix=inbox_prefix(node), allow_reconnect=False)
     try:
         hello = await nc.request(agent_consumers.hello_subject(node), b"{}", timeout=10)
         assert json.loads(hello.data)["stream"] == node_stream_name(node)
@@ -301,12 +309,13 @@ async def test_an_invented_replica_is_dead_lettered_and_never_routed_to(
             )
             seqs.append(await _report(scene, js, other, data))
         live = await _checks(scene, js, tmp_path, next(_case))
+        reason = f"replica {INVENTED} was never placed on {other}"
+        assert [_rejection(live, seq) for seq in seqs] == [reason] * 3
         for seq in seqs:
             async with asyncio.timeout(10):
-                while (reason := await _dead_letter_for(js, seq)) is None:  # noqa: ASYNC110
+                while (letter := await _dead_letter_for(js, seq)) is None:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
-            assert reason == f"replica {INVENTED} was never placed on {other}", reason
-            assert _rejection(live, seq) == reason
+            assert letter == reason, letter
         answers = await _ask(scene, CHAT, 10)
         assert captured == [], f"{len(captured)} prompts went to the invented replica"
         assert "captured" not in answers and all(not a[:3].isdigit() for a in answers), answers
@@ -339,7 +348,7 @@ async def test_a_foreign_endpoint_is_never_routed_to(
     its address (127.0.0.1, as its inventory says): rejected by the fold. One on the
     plane's own ports is on its address, so the fold takes it; the gateway refuses to
     send a request there and says why. Then the agent's true endpoint is back."""
-    [(real, node, doc)] = _ready(_live_db(scene.plane, tmp_path), CHAT)
+    real, node, doc = scene.chat
     true_endpoint = doc["endpoint"]
     assert true_endpoint.startswith("http://127.0.0.1:"), true_endpoint
 
@@ -368,23 +377,25 @@ async def test_a_foreign_endpoint_is_never_routed_to(
             case _:
                 raise AssertionError(kind)
         seq = await _report(scene, js, node, ready(endpoint))
-        live = await _checks(scene, js, tmp_path, next(_case))
-        answers = await _ask(scene, CHAT, 3)
-        assert captured == []
-        text = scene.plane.log.read_text()
-        if kind == "another host":
-            why = _rejection(live, seq)
-            assert why == (
-                f"replica {real}'s endpoint {endpoint} is not on {node}'s address 127.0.0.1"
-            ), why
-            assert all(not a[:3].isdigit() for a in answers), answers
-        else:
-            # On its address: the fold takes it, and the gateway sends nothing there.
-            assert _rejection(live, seq) is None
-            assert all(a.startswith(("502", "503")) for a in answers), answers
-            assert f"its endpoint {endpoint} is a port of the plane" in text, text[-3000:]
-        # The agent's own endpoint again: served again.
-        await _report(scene, js, node, ready(true_endpoint))
+        try:
+            live = await _checks(scene, js, tmp_path, next(_case))
+            answers = await _ask(scene, CHAT, 3)
+            assert captured == [], f"{len(captured)} prompts went to {endpoint}"
+            text = scene.plane.log.read_text()
+            if kind == "another host":
+                why = _rejection(live, seq)
+                assert why == (
+                    f"replica {real}'s endpoint {endpoint} is not on {node}'s address 127.0.0.1"
+                ), why
+                assert all(not a[:3].isdigit() for a in answers), answers
+            else:
+                # On its address: the fold takes it, and the gateway sends nothing there.
+                assert _rejection(live, seq) is None
+                assert all(a.startswith(("502", "503")) for a in answers), answers
+                assert f"its endpoint {endpoint} is a port of the plane" in text, text[-3000:]
+        finally:
+            # The agent's own endpoint again (whatever the attack did): served again.
+            await _report(scene, js, node, ready(true_endpoint))
         await _checks(scene, js, tmp_path, next(_case))
         answers = await _ask(scene, CHAT, 2)
         assert all(not a[:3].isdigit() for a in answers), answers
@@ -427,7 +438,9 @@ async def test_a_far_future_use_is_bounded(
         # Idle after its 5 s from the report's time: the autoscaler takes it to zero.
         async with asyncio.timeout(30):
             while True:
-                with sqlite3.connect(f"file:{_live_db(scene.plane, tmp_path)}?mode=ro", uri=True) as c:
+                with sqlite3.connect(
+                    f"file:{_live_db(scene.plane, tmp_path)}?mode=ro", uri=True
+                ) as c:
                     row = c.execute(
                         "SELECT replicas FROM desired WHERE model = ?", (LAZY,)
                     ).fetchone()
