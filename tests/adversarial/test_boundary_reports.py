@@ -303,7 +303,7 @@ async def test_an_invented_replica_is_dead_lettered_and_never_routed_to(
                 replica=INVENTED,
                 model=CHAT,
                 profile="tp1",
-                state=state,  # type: ignore[arg-type]
+                state=state,
                 shards=(ev.ShardSpec(node=other, gpus=(7,)),),
                 endpoint=endpoint if state == "ready" else None,
             )
