@@ -9,8 +9,8 @@ view as it was takes `view.copy()` (or a snapshot) first. A fold of a million ev
 has about three microseconds for each, which leaves no room for copying the view.
 
 An event that breaks an invariant (a replica's state going backwards, an agent
-reporting a replica on a node that is not its own, a drain for an unknown replica) is
-not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
+reporting a replica on a node that is not its own or one no placement made, an
+endpoint off its node's address, a drain for an unknown replica) is not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
 fold never raises on input, so one bad event can never stop a consumer.
 
 `RULES` is the one table of event types: for each, its handler, what an applied event
