@@ -110,8 +110,7 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     state: str
     shards: tuple[inventory.Shard, ...] = ()
     created_at: datetime
-    """Time of its placement.decided (in a view folded before schema 8, of its first
-    replica.state when no placement made it)."""
+    """Time of its placement.decided (only a placement makes a replica)."""
     updated_at: datetime
     ready_at: datetime | None = None
     """Time of its first `ready`; None while it never was."""
