@@ -258,6 +258,13 @@ class GpuInfo(Data, frozen=True, kw_only=True):
     healthy: bool = True
 
 
+# A Host is a node's address as other hosts reach it: a name, or an IPv4 or IPv6 address
+# (unbracketed); "" when not said.
+Host = Annotated[
+    str, Meta(max_length=253, pattern=r"^([A-Za-z0-9._-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)?$")
+]
+
+
 class NodeInventory(Data, frozen=True, kw_only=True):
     node: Name
     gpus: Annotated[tuple[GpuInfo, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
@@ -266,6 +273,10 @@ class NodeInventory(Data, frozen=True, kw_only=True):
     labels: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict
     )
+    address: Host = ""
+    """Extension: the address other hosts reach the node's model servers at (`llmgw
+    agent --advertise`). Every endpoint its agent reports is on it, or is rejected. ""
+    (every report before this field): not said, and endpoints are not checked."""
 
 
 class NodeLost(Data, frozen=True, kw_only=True):

@@ -211,6 +211,7 @@ class Agent:
         health_file: Path | None = None,
         takeover: bool = False,
         gateway_wait: bool = True,
+        address: str | None = None,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -224,6 +225,9 @@ class Agent:
             cpu_cores=cpu_cores,
             memory_gb=memory_gb,
             labels=dict(labels or {}),
+            # Where its servers answer: every endpoint it reports must be there (the
+            # fold rejects others). None: the runtime's own (`--advertise` for servers).
+            address=address if address is not None else str(getattr(runtime, "address", "")),
         )
         self.runtime = runtime
         self.root = root

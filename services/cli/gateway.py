@@ -235,6 +235,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 keepalive_s=args.keepalive_interval,
                 settle_heap=True,
                 nc=s.nc,
+                plane=(str(s.nc.connected_url.geturl()) if s.nc.connected_url else "",),
             )
             try:
                 sock = g.bind()

@@ -9,8 +9,8 @@ view as it was takes `view.copy()` (or a snapshot) first. A fold of a million ev
 has about three microseconds for each, which leaves no room for copying the view.
 
 An event that breaks an invariant (a replica's state going backwards, an agent
-reporting a replica on a node that is not its own, a drain for an unknown replica) is
-not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
+reporting a replica on a node that is not its own or one no placement made, an
+endpoint off its node's address, a drain for an unknown replica) is not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
 fold never raises on input, so one bad event can never stop a consumer.
 
 `RULES` is the one table of event types: for each, its handler, what an applied event
@@ -53,6 +53,9 @@ from services.core.view import (
 )
 
 _ORDER = ev.STATE_ORDER
+NEVER_PLACED = "was never placed"
+"""What the rejection of a report about a replica no placement put there says; such a
+report is also dead-lettered (`ingest`)."""
 _HOLDING = ev.HOLDING_STATES
 
 
@@ -152,8 +155,10 @@ def _model_demanded(view: View, e: ev.ModelDemandedEvent, subject: str | None) -
     old = view.state.demand.get(name)
     if old is not None and e.time < old.at:
         return None
+    # `since` is a claimed time: bounded by the event's (see `_replica_used`).
+    since = d.since if d.since <= e.time else e.time
     view.state.demand[name] = DemandRecord(
-        waiting=d.waiting, since=d.since, at=e.time, inflight=d.inflight, id=e.id
+        waiting=d.waiting, since=since, at=e.time, inflight=d.inflight, id=e.id
     )
     return None
 
@@ -323,13 +328,22 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     d = e.data
     reps = view.state.replicas
     r = reps.get(d.replica)
+    if r is None:
+        # Only what the plane placed exists (as a kubelet creates no pod): an agent
+        # reports the replicas a placement put on its node, and creates none. A report
+        # for one never placed would count as the model's capacity, and be routed to.
+        node = _subject_node(subject) if subject is not None else None
+        return f"replica {d.replica} {NEVER_PLACED} on {node or d.node or 'any node'}"
     # Authority: an agent speaks only for replicas recorded on its own node. Once a
     # replica has a placement, its shards are the placement's, not what a report claims:
     # otherwise an agent could "move" another node's replica to itself as stopped and
     # free that node's GPUs for the scheduler to fill again, in a loop.
-    if r is not None and r.shards:
+    if r.shards:
         if d.shards and d.shards != r.shards:
-            return f"replica {d.replica} is placed on {_where(r.shards)}, not {_where(d.shards)}"
+            return (
+                f"replica {d.replica} is placed on {_where_gpus(r.shards)}, "
+                f"not {_where_gpus(d.shards)}"
+            )
         shards = r.shards
     else:
         shards = d.shards
@@ -339,27 +353,8 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             return f"agent on {node} reports replica {d.replica}, which has no shard there"
     if d.node is not None and (why := _not_its_shard(d, shards, subject)):
         return why
-    if r is None:
-        r = ReplicaRecord(
-            id=d.replica,
-            model=d.model,
-            profile=d.profile,
-            state=d.state,
-            shards=shards,
-            created_at=e.time,
-            updated_at=e.time,
-            reason=d.reason,
-            endpoint=d.endpoint,
-        )
-        if d.state in _HOLDING and shards:
-            why = allocate(view, r)
-            if why is not None:
-                return f"replica {d.replica}: {why}"
-        if d.state == "ready":
-            r.ready_at = e.time
-        reps[d.replica] = r
-        view.note(r, ready=r.ready_at is not None)
-        return None
+    if d.endpoint is not None and (why := _foreign_endpoint(view, d, d.endpoint, shards, subject)):
+        return why
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
     if d.node is not None and r.state in _HOLDING:
@@ -479,6 +474,50 @@ def _not_its_shard(
     return None
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host of an `http://host:port` endpoint, lower case, an IPv6 one unbracketed:
+    what a node's `address` is compared with."""
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    return host.strip("[]").lower()
+
+
+def on_address(endpoint: str, address: str) -> bool:
+    """Whether `endpoint` is on a node whose recorded address is `address` ("": not
+    said, so anywhere)."""
+    return not address or endpoint_host(endpoint) == address.lower()
+
+
+def _foreign_endpoint(
+    view: View,
+    d: ev.ReplicaState,
+    endpoint: str,
+    shards: tuple[ev.ShardSpec, ...],
+    subject: str | None,
+) -> str | None:
+    """Why `endpoint` cannot be the replica's: it is not on the address the reporting
+    node's inventory recorded (its agent's `--advertise`). The reporting node is the
+    subject's; without one, the report's `node`, else any node of its shards."""
+    node = _subject_node(subject) if subject is not None else None
+    nodes = [node] if node is not None else [d.node] if d.node else [sh.node for sh in shards]
+    recs = view.state.nodes
+    said = []
+    for n in nodes:
+        rec = recs.get(n)
+        address = rec.report.address if rec is not None else ""
+        if on_address(endpoint, address):
+            return None
+        said.append(f"{n}'s address {address}")
+    return f"replica {d.replica}'s endpoint {endpoint} is not on {' or '.join(said)}"
+
+
+def used_at(e: ev.ReplicaUsedEvent) -> datetime:
+    """When a `replica.used` says the replica last served, bounded by the event's time
+    (which ingest bounds by when the log stored it): what the fold keeps, and what every
+    reader of the event shows."""
+    at = e.data.at
+    return at if at <= e.time else e.time
+
+
 def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> str | None:
     r = view.state.replicas.get(e.data.replica)
     if r is None:
@@ -487,7 +526,13 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
         node = _subject_node(subject)
         if node is not None and not _has_node(r.shards, node):
             return f"agent on {node} reports use of replica {r.id}, which has no shard there"
+    # A claimed time is bounded by the event's, which ingest bounds by when the log
+    # stored it: one report from the far future (or from a clock far ahead) cannot keep
+    # the replica used for ever, and a replay bounds it alike. (`used_at`, written out:
+    # this runs for most events of a serving cluster's log.)
     at = e.data.at
+    if at > e.time:
+        at = e.time
     if r.last_used_at is None or at > r.last_used_at:
         r.last_used_at = at
         view.note_use(r)
@@ -571,6 +616,12 @@ def _off_node_command(subject: str | None, r: ReplicaRecord) -> str | None:
 
 def _where(shards: tuple[ev.ShardSpec, ...]) -> str:
     return ",".join(sorted({sh.node for sh in shards})) or "no node"
+
+
+def _where_gpus(shards: tuple[ev.ShardSpec, ...]) -> str:
+    """`gpu-a2[0,1]`, each shard's node with its GPUs: two placements on one node differ
+    by their GPUs alone."""
+    return ", ".join(f"{sh.node}[{','.join(map(str, sh.gpus))}]" for sh in shards) or "no node"
 
 
 def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> str | None:
@@ -728,7 +779,8 @@ def _subject_node_mismatch(subject: str, node: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Dead:
     """A message that never reached the fold: its bytes did not decode, or its event does
-    not belong on its subject. The projector dead-letters it; every reader skips it."""
+    not belong on its subject. The projector dead-letters it; every reader skips it.
+    (Also a report the fold rejected for a replica never placed: `ingest`.)"""
 
     seq: int
     subject: str

@@ -33,7 +33,9 @@ from services.core import catalog, inventory, quota
 # 7: a multi-node replica's shards stopped one by one (`drained_on`, `stopped_on`).
 # 8: a multi-node replica ready with its last shard (`ready_on`), and one whose shard
 # failed holding its other shards' GPUs until they stop (`failed_on`).
-SCHEMA = 8
+# 9: a report creates no replica (only a placement does), endpoints on their node's
+# `address`, claimed times (`last_used_at`, a demand's `since`) bounded by the event's.
+SCHEMA = 9
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -110,7 +112,7 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     state: str
     shards: tuple[inventory.Shard, ...] = ()
     created_at: datetime
-    """Time of its placement.decided, or of its first replica.state."""
+    """Time of its placement.decided (only a placement makes a replica)."""
     updated_at: datetime
     ready_at: datetime | None = None
     """Time of its first `ready`; None while it never was."""

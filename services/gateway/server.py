@@ -80,7 +80,7 @@ from services.bus.replies import ReplyGuard
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
-from services.gateway import guard, scope, streams, tokens
+from services.gateway import guard, plane, scope, streams, tokens
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -388,6 +388,9 @@ class Gateway:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     min_wait_s: float = MIN_WAIT_S
     demand_interval_s: float = DEMAND_INTERVAL_S
+    plane: tuple[str, ...] = ()
+    """The plane's other listeners (the dashboard's, the broker's URL), whose ports no
+    replica's endpoint may name; the gateway's own always counts (`plane.Ports`)."""
     nc: Any = None
     """The broker connection to answer draining agents on (`_answer_inflight`); None:
     agents get no answer from this gateway, and stop their servers without it."""
@@ -426,6 +429,7 @@ class Gateway:
         self._owners_seen: tuple[Any, ...] | None = None
         self._owners_said: str | None = None
         self._replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
+        self._plane = plane.Ports(self.plane)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -451,6 +455,7 @@ class Gateway:
     ) -> None:
         """Follow the log and serve until `stop`."""
         sock = sock or self.bind()
+        self._plane = plane.Ports((self.url, *self.plane))
         await self.follower.load_snapshot()
         follow = self.follower.start()
         try:
@@ -1300,6 +1305,8 @@ class Gateway:
         if woken is not None and r.id not in request.get(_SENT, ()):
             self.counts.sends.append(time.perf_counter() - woken)
             request[_SENT] = (r.id,)
+        if self._plane.refuses(r.endpoint):
+            raise _Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers

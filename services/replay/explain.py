@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
-from services.core import preemption
+from services.core import fold, preemption
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history, render
@@ -102,7 +102,7 @@ class Use:
     """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
 
     def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
-        if self.last is None or e.data.at >= self.last[1].data.at:
+        if self.last is None or fold.used_at(e) >= fold.used_at(self.last[1]):
             self.last = (seq, e)
         if e.data.requests is not None:
             self.reports += 1
@@ -293,7 +293,10 @@ class Explainer:
         assert use.last is not None
         seq, e = use.last
         d = e.data
-        line = f"  last used {stamp(d.at)} ({ago(d.at, st.now)}): seq {seq} replica.used from {e.source}"
+        at = fold.used_at(e)
+        line = (
+            f"  last used {stamp(at)} ({ago(at, st.now)}): seq {seq} replica.used from {e.source}"
+        )
         if d.requests is not None:
             line += (
                 f", {plural(d.requests, 'request')}, tokens in {d.tokens_in or 0} / "
@@ -314,7 +317,7 @@ class Explainer:
             more = f", and {len(top) - SHOWN_OWNERS} more" if len(top) > SHOWN_OWNERS else ""
             st.line(f"  by owner: {said}{more}")
         st.facts["last_used"] = {
-            "at": d.at.isoformat().replace("+00:00", "Z"),
+            "at": at.isoformat().replace("+00:00", "Z"),
             "seq": seq,
             "source": e.source,
             "requests": d.requests,

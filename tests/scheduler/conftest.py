@@ -48,8 +48,10 @@ class Cluster:
         self.js = js
         self.pub = Publisher(js)
 
-    async def emit(self, data: ev.Data, node: str | None = None) -> int:
-        e = ev.make(data, id=new_id(), time=datetime.now(UTC), source="test")
+    async def emit(
+        self, data: ev.Data, node: str | None = None, time: datetime | None = None
+    ) -> int:
+        e = ev.make(data, id=new_id(), time=time or datetime.now(UTC), source="test")
         return (await self.pub.publish(e, node=node)).seq
 
     async def node(self, name: str, gpus: int = 8, model: str = "NVIDIA H100 80GB") -> int:
