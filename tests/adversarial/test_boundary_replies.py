@@ -49,7 +49,7 @@ from tests.adversarial.test_boundary_broker import (
     _until,
     _victim,
 )
-from tests.agent.helpers import start_cmd
+from tests.agent.helpers import placement_of, start_cmd
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
     Rendered,
@@ -278,7 +278,10 @@ async def test_the_gateway_says_nothing_of_another_nodes_replica(
     its own node it is answered."""
     replica = f"r-a2-{tmp_path.name[-6:]}"
     async with _victim(boundary, tmp_path) as victim:
-        await Publisher(js).publish(start_cmd(replica, A2, (0,), model="m-a2"), node=A2)
+        start = start_cmd(replica, A2, (0,), model="m-a2")
+        # Placed first: only a placement makes a replica the views hold.
+        await Publisher(js).publish(placement_of(start))
+        await Publisher(js).publish(start, node=A2)
         # Ready, then (a model nobody declared) drained and stopped by the scheduler:
         # either way a replica of gpu-a2's in the gateway's view.
         await _until(
