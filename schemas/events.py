@@ -64,7 +64,11 @@ ModelClass = Literal["critical", "standard", "opportunistic"]
 ReplicaStateName = Literal[
     "pending", "starting", "loading", "ready", "draining", "stopped", "failed"
 ]
-DrainReason = Literal["preempted", "scale_down", "node_drain", "model_removed", "placement_timeout"]
+# DrainReason `shard_failed` (an extension): another shard of the replica failed (its node
+# lost past the grace, its GPUs gone, its server failed), so this one cannot serve.
+DrainReason = Literal[
+    "preempted", "scale_down", "node_drain", "model_removed", "placement_timeout", "shard_failed"
+]
 
 # STATE_ORDER ranks replica states along their one-way life. A report may repeat a state
 # or move forward; one that moves back is an invariant broken, not news.
@@ -181,6 +185,10 @@ class ModelDeclared(Data, frozen=True, kw_only=True):
     idle_after_s: Quantity = DEFAULT_IDLE_AFTER_S
     """Extension: seconds with no request after which the autoscaler takes an on-demand
     model (min 0) back to zero replicas."""
+    shared: bool | None = None
+    """Extension: whether the gateway's API keys of every owner may use it (true), or
+    only those of its owner and the owners below it in the quota tree (false). None:
+    shared when its owner is "default" (declared without one), private otherwise."""
 
     @property
     def effective_max(self) -> int:
@@ -250,6 +258,13 @@ class GpuInfo(Data, frozen=True, kw_only=True):
     healthy: bool = True
 
 
+# A Host is a node's address as other hosts reach it: a name, or an IPv4 or IPv6 address
+# (unbracketed); "" when not said.
+Host = Annotated[
+    str, Meta(max_length=253, pattern=r"^([A-Za-z0-9._-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)?$")
+]
+
+
 class NodeInventory(Data, frozen=True, kw_only=True):
     node: Name
     gpus: Annotated[tuple[GpuInfo, ...], Meta(max_length=MAX_GPU_INDEX + 1)]
@@ -258,6 +273,10 @@ class NodeInventory(Data, frozen=True, kw_only=True):
     labels: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict
     )
+    address: Host = ""
+    """Extension: the address other hosts reach the node's model servers at (`llmgw
+    agent --advertise`). Every endpoint its agent reports is on it, or is rejected. ""
+    (every report before this field): not said, and endpoints are not checked."""
 
 
 class NodeLost(Data, frozen=True, kw_only=True):

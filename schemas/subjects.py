@@ -88,6 +88,26 @@ def agent_subject(node: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.heartbeat.{_t(node)}.agent"
 
 
+def node_of_heartbeat(subject: str) -> str | None:
+    """The node a `heartbeat_subject` is of; None for any other subject. A heartbeat
+    counts for that node only when its body names the same one."""
+    toks = subject.split(".")
+    if len(toks) != 3 or toks[1] != "heartbeat":
+        return None
+    try:
+        return unescape(toks[2])
+    except TokenError:
+        return None
+
+
+def agent_inbox(node: str) -> str:
+    """The inbox prefix of the agent of `node` (`_INBOX_<node>`, no dot after): its
+    requests' replies arrive under `_INBOX_<node>.`, which only its own user may
+    subscribe to (deploy/nats/agent.conf.in), and the plane answers an agent's request
+    nowhere else (`services.bus.replies`)."""
+    return f"_INBOX_{_t(node)}"
+
+
 def gateway_inflight_subject(node: str, replica: str, root: str = DEFAULT_ROOT) -> str:
     """Core NATS, request and reply, not stored: the agent of `node` draining `replica`
     asks every gateway how many of its requests are in flight there, and each answers
@@ -103,11 +123,17 @@ def gateway_inflight_wildcard(root: str = DEFAULT_ROOT) -> str:
 
 def replica_of_inflight(subject: str) -> str | None:
     """The replica a `gateway_inflight_subject` names; None for any other subject."""
+    asked = inflight_asked(subject)
+    return None if asked is None else asked[1]
+
+
+def inflight_asked(subject: str) -> tuple[str, str] | None:
+    """(node, replica) of a `gateway_inflight_subject`; None for any other subject."""
     toks = subject.split(".")
     if len(toks) != 4 or toks[1] != "inflight":
         return None
     try:
-        return unescape(toks[3])
+        return unescape(toks[2]), unescape(toks[3])
     except TokenError:
         return None
 

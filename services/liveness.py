@@ -25,6 +25,7 @@ from typing import Any
 import nats.errors
 from nats.js.errors import NotFoundError
 
+from schemas import subjects
 from services.bus.broker import LOCK_FILE
 from services.lease import DEFAULT_BUCKET, decode_value
 
@@ -206,13 +207,16 @@ def stopped(data: Path) -> dict[str, Any]:
     return plane
 
 
-def heartbeat_of(data: bytes) -> tuple[str, datetime] | None:
-    """The node and time stamp of a heartbeat message's body; None for one that is not."""
+def heartbeat_of(data: bytes, subject: str) -> tuple[str, datetime] | None:
+    """The node and time stamp of a heartbeat message's body; None for one that is not,
+    or whose body names another node than its subject's (only that node's agent may
+    publish there: an agent's heartbeat keeps no other node alive)."""
     try:
         body = json.loads(data)
-        return str(body["node"]), datetime.fromisoformat(body["time"])
+        node, t = str(body["node"]), datetime.fromisoformat(body["time"])
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+    return (node, t) if node == subjects.node_of_heartbeat(subject) else None
 
 
 async def heartbeats(
@@ -228,7 +232,7 @@ async def heartbeats(
     all_heard = asyncio.Event()
 
     async def on(msg: Any) -> None:
-        got = heartbeat_of(msg.data)
+        got = heartbeat_of(msg.data, msg.subject)
         if got is not None:
             heard[got[0]] = got[1]
             if want <= heard.keys():

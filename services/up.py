@@ -609,6 +609,9 @@ async def _serve(
                             raise UpError(str(e2)) from e2
                 assert gw_sock is not None
                 _say_moved("gateway", opts.gateway, gateway.url, opts.data / GATEWAY_URL_FILE)
+        if gateway is not None:
+            # No replica's endpoint may name the plane's own ports (services.gateway.plane).
+            gateway.plane = (url, *([dashboard.url] if dashboard is not None else []))
         if dashboard is not None and gateway is not None:
             # The dashboard shows requests a second and in flight per model from the
             # gateway's own counters (services.dashboard.traffic).

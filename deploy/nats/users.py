@@ -30,7 +30,9 @@ the shipped cluster-N.conf's llmgw-1:6222, llmgw-2:6222, llmgw-3:6222).
 Each agent user is agent.conf.in with @USER@ as the node's name as it is (the user the
 agent logs in as, whatever its name holds: dots too), @NODE@ as the node's subject token
 (the name as schemas.names escapes it, `~2E` for a dot) and @PASSWORD@ its password. The
-roles CONTROL and VIEWER are defined in permissions.conf, which this file includes.
+role VIEWER and the control role's deny and subscribe lists are defined in
+permissions.conf, which this file includes; the control user's publish list is
+`control_publish`: CONTROL and every agent's inbox, where the plane answers it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ from schemas.names import escape  # noqa: E402
 from services.files import write_private  # noqa: E402
 
 TEMPLATE = HERE / "agent.conf.in"
+
+# CONTROL is what the control role publishes besides the agents' inboxes: the log's tree,
+# the JetStream API, acks and flow control, the lease bucket's keys (no other bucket's),
+# the snapshots' object store and its own inbox. No heartbeat (permissions.conf's deny).
+CONTROL = (
+    "llmgw.>",
+    "$JS.API.>",
+    "$JS.ACK.>",
+    "$JS.FC.>",
+    "$KV.llmgw_leases.>",
+    "$O.>",
+    "_INBOX.>",
+)
 ROLES = ("control", "viewer")
 
 # ROUTE is the user the cluster's servers route to each other as (routes.conf).
@@ -91,6 +106,14 @@ def agent_user(node: str, password: str) -> str:
     return text.replace("@NODE@", token)
 
 
+def control_publish(nodes: Iterable[str]) -> list[str]:
+    """What the control user may publish (permissions.conf, "The control plane"): CONTROL's
+    own subjects, and the inbox of each agent of `nodes` (`_INBOX_<node>.>`), where the
+    plane answers that agent's requests. The role has no `allow_responses`, which would
+    let a requester name any subject as its reply."""
+    return [*CONTROL, *(f"_INBOX_{escape(n)}.>" for n in nodes)]
+
+
 def render(agents: dict[str, str], control_password: str, viewer_password: str) -> str:
     """users.conf for the nodes of `agents` (node -> password)."""
     lines = [
@@ -99,7 +122,8 @@ def render(agents: dict[str, str], control_password: str, viewer_password: str) 
         '  include "permissions.conf"',
         "users = [",
         f"  {{user: control, password: {json.dumps(check_password('control', control_password))},"
-        " permissions: $CONTROL}",
+        f" permissions: {{publish: {{allow: {json.dumps(control_publish(agents))},"
+        " deny: $CONTROL_DENY}, subscribe: $CONTROL_SUBSCRIBE}}",
         f"  {{user: viewer, password: {json.dumps(check_password('viewer', viewer_password))},"
         " permissions: $VIEWER}",
     ]

@@ -55,7 +55,7 @@ from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
 from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
-from services.bus import BusError, Permanent, Publisher, PublishError
+from services.bus import BusError, Permanent, Publisher, PublishError, replies
 from services.bus import consume as bus_consume
 from services.bus.publish import OTHER, new_seal
 from services.clock import new_id, utc_now
@@ -151,7 +151,7 @@ UNHEALTHY_REMIND_S = 600.0
 
 def inbox_prefix(node: str) -> str:
     """The agent's inbox prefix: its replies arrive under it, and nobody else's do."""
-    return f"_INBOX_{names.escape(node)}"
+    return subjects.agent_inbox(node)
 
 
 @dataclass(eq=False)
@@ -211,6 +211,7 @@ class Agent:
         health_file: Path | None = None,
         takeover: bool = False,
         gateway_wait: bool = True,
+        address: str | None = None,
     ) -> None:
         names.escape(node)  # a node name no subject can carry fails here, not mid-run
         if heartbeat_s <= 0:
@@ -224,6 +225,9 @@ class Agent:
             cpu_cores=cpu_cores,
             memory_gb=memory_gb,
             labels=dict(labels or {}),
+            # Where its servers answer: every endpoint it reports must be there (the
+            # fold rejects others). None: the runtime's own (`--advertise` for servers).
+            address=address if address is not None else str(getattr(runtime, "address", "")),
         )
         self.runtime = runtime
         self.root = root
@@ -286,6 +290,10 @@ class Agent:
         self.instance = _Who(agent=new_id(), pid=os.getpid(), host=socket.gethostname(), since="")
         self.taken_over_by: str | None = None
         self._taken = asyncio.Event()
+        # The requests it leaves unanswered (services.bus.replies): operators' requests
+        # no operator sent, and who-am-I questions whose reply is not this node's inbox.
+        self._ctl_guard = replies.ReplyGuard(f"{node}: ctl request refused")
+        self._who_guard = replies.ReplyGuard(f"{node}: who-am-I answers")
 
     # ------------------------------------------------------------------ life
 
@@ -397,7 +405,7 @@ class Agent:
         told = False
         while True:
             try:
-                msg = await self.nc.request(subject, ask, timeout=WHO_TIMEOUT_S)
+                msg = await replies.ask(self.nc, self.node, subject, ask, WHO_TIMEOUT_S)
             except nats.errors.NoRespondersError:
                 return
             except nats.errors.TimeoutError:
@@ -426,6 +434,10 @@ class Agent:
         to take over (the agent's run then ends)."""
 
         async def on_request(msg: Any) -> None:
+            # Asked by another agent of this node: its reply under this node's inbox,
+            # the only one it has (services.bus.replies); else nobody's to answer.
+            if not self._who_guard.allows(self.node, msg.subject, msg.reply):
+                return
             asker = _who_of(msg.data)
             if asker.agent == self.instance.agent:
                 return
@@ -508,10 +520,12 @@ class Agent:
     async def _ask_for_consumers(self) -> str | None:
         """None once both consumers exist, else why they do not."""
         try:
-            msg = await self.nc.request(
+            msg = await replies.ask(
+                self.nc,
+                self.node,
                 consumers.hello_subject(self.node, self.root),
                 _json.encode({"ack_wait_s": self.ack_wait_s}),
-                timeout=HELLO_WAIT_S,
+                HELLO_WAIT_S,
             )
             answer = msgspec.json.decode(msg.data)
             if isinstance(answer, dict) and answer.get("ok") is True:
@@ -1146,8 +1160,10 @@ class Agent:
         async def on_request(msg: Any) -> None:
             refused = _refused(msg, mine)
             if refused is not None:
-                # Not answered: a reply could go anywhere the sender named.
-                log.warning("%s: ctl request refused: %s", self.node, refused)
+                # Not answered: a reply could go anywhere the sender named. Said once,
+                # then at most once per 30 s with how many more (the flood is the
+                # sender's, its lines would be this host's).
+                self._ctl_guard.refuse(msg.subject, refused)
                 return
             try:
                 req = msgspec.json.decode(msg.data)

@@ -34,6 +34,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from schemas import names, subjects
 from services.bus import stream as bus_stream
 from services.bus.errors import BusError
+from services.bus.replies import ReplyGuard
 
 log = logging.getLogger("llmgw.agent")
 
@@ -149,24 +150,30 @@ async def serve(
     """Answer agents' `<root>.hello.<node>` until `stop` is set: make the node's two
     consumers and say so, or say why not. The node is the subject's, which only that
     node's agent may publish on; of the body only `ack_wait_s` is read (bounded by
-    ACK_WAIT_BOUNDS_S), the agent's own commands' redelivery."""
+    ACK_WAIT_BOUNDS_S), the agent's own commands' redelivery. A hello whose reply is not
+    under that node's agent inbox (`_INBOX_<node>.`) is neither acted on nor answered
+    (`services.bus.replies`): the answer would be published with this connection's
+    permissions wherever the asker named."""
+    guard = ReplyGuard(f"hello responder ({root}.hello.*)")
 
     async def on_hello(msg: Any) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
-        answer: dict[str, Any]
         try:
             node = names.unescape(token)
+        except names.TokenError:
+            return  # no agent's subject: nobody's inbox to answer
+        if not guard.allows(node, msg.subject, msg.reply):
+            return
+        answer: dict[str, Any]
+        try:
             made = await provide(js, node, root, _ack_wait(msg.data), stream)
-        except names.TokenError as e:
-            answer = {"error": f"{token!r}: {e.why}"}
         except (nats.errors.Error, TimeoutError, BusError) as e:
             log.warning("consumers of node %s not made: %s", token, e)
             answer = {"error": str(e) or type(e).__name__}
         else:
             answer = {"ok": True, **({"stream": made} if made else {})}
-        if msg.reply:
-            with contextlib.suppress(nats.errors.Error):
-                await msg.respond(_json.encode(answer))
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(_json.encode(answer))
 
     sub = await nc.subscribe(f"{root}.hello.*", queue=QUEUE, cb=on_hello)
     try:

@@ -23,6 +23,7 @@ from typing import Any
 from nats.aio.client import NO_RESPONDERS_STATUS
 
 from schemas import inflight, subjects
+from services.bus import replies
 
 # WINDOW_S bounds how long one question waits for answers (and the grace, when shorter).
 # A gateway answers within milliseconds; the window is for one whose loop is busy with
@@ -78,7 +79,7 @@ async def until_quiet(
     last: list[inflight.InflightAnswer] = []
     while True:
         left = deadline - time.monotonic()
-        answers = await _ask(nc, subject, expect, max(min(window_s, left), 0.01))
+        answers = await _ask(nc, node, subject, expect, max(min(window_s, left), 0.01))
         if not answers:
             # Nobody answers (none runs, or the ones that did have stopped, their
             # requests with them): nothing is in flight through a gateway.
@@ -97,7 +98,7 @@ async def until_quiet(
 
 
 async def _ask(
-    nc: Any, subject: str, expect: int, window_s: float
+    nc: Any, node: str, subject: str, expect: int, window_s: float
 ) -> list[inflight.InflightAnswer]:
     """One question, the answers within `window_s` (by gateway; a stranger's reply is
     skipped): it ends `SETTLE_S` after the latest once `expect` have answered."""
@@ -107,7 +108,9 @@ async def _ask(
         if not got.full():
             got.put_nowait(msg)
 
-    inbox = nc.new_inbox()
+    # Under the node's own inbox, whatever the connection's prefix: the gateways answer
+    # nowhere else (services.bus.replies).
+    inbox = replies.new_inbox(node)
     sub = await nc.subscribe(inbox, cb=on_answer)
     answers: dict[str, inflight.InflightAnswer] = {}
     try:

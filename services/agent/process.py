@@ -155,6 +155,12 @@ class ProcessRuntime:
         """Replica -> when its metrics last showed it serving a request."""
         return {r: s.served_at for r, s in self._servers.items() if s.served_at is not None}
 
+    @property
+    def address(self) -> str:
+        """The address its servers' endpoints name (`--advertise`, else `--host`), said
+        in the node's inventory."""
+        return self.advertise or self.host
+
     def endpoint(self, replica: str) -> str | None:
         """`http://ADVERTISE:PORT` of a ready server: the port is the one it was given."""
         s = self._servers.get(replica)

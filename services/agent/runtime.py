@@ -135,6 +135,12 @@ class SimulatedRuntime:
         self._ports: dict[str, int] = {}
         """Ports the log's endpoints name for replicas adopted after a restart."""
 
+    @property
+    def address(self) -> str:
+        """Where the simulated servers answer (loopback), said in the node's inventory;
+        "" when they serve nothing."""
+        return "127.0.0.1" if self.serve is not None else ""
+
     async def start(
         self,
         replica: str,

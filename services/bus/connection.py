@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,7 +69,10 @@ ENV_KEY = "LLMGW_NATS_KEY"
 RECONNECT_REPORT_S = 30.0
 
 # CONNECTION_ERRORS are what a failed connection or reconnection attempt reports; other
-# errors (a slow consumer, a permissions violation) are news of their own, logged each.
+# errors (a slow consumer, a permissions violation) are news of their own, said when the
+# first of a kind comes and then at most once per RECONNECT_REPORT_S with how many more.
+_QUOTED = re.compile(r"\"[^\"]*\"|'[^']*'")
+
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
@@ -410,6 +414,7 @@ async def connect(
     )
     initial = True
     outage = Outage(name, public_url(shown))
+    said: dict[str, Fault] = {}
 
     async def on_error(e: Exception) -> None:
         # The initial attempt's failure is raised to the caller; logging it too is noise.
@@ -417,8 +422,24 @@ async def connect(
             return
         if isinstance(e, CONNECTION_ERRORS) and not (nc.is_closed or nc.is_draining):
             outage.failed(e)
-        else:
-            log.warning("nats %s: %s: %s", name, type(e).__name__, e)
+            return
+        # One line per kind, then at most one per RECONNECT_REPORT_S with how many more:
+        # a server refusing a publish of each of 2,000 requests is one cause.
+        # The cause is the error's type and text without what it quotes (the subject).
+        kind = type(e).__name__
+        cause = f"{kind}: {_QUOTED.sub('...', str(e))[:120]}"
+        # Bounded: past 64 causes the rest share one.
+        fault = said.get(cause) or said.setdefault(cause if len(said) < 64 else "", Fault())
+        if fault.began():
+            log.warning("nats %s: %s: %s", name, kind, e)
+        elif more := fault.due():
+            log.warning(
+                "nats %s: %s: %d more since the last line, the latest: %s",
+                name,
+                kind,
+                more,
+                e,
+            )
 
     async def on_disconnected() -> None:
         # A disconnect we asked for (close) is not news.

@@ -37,11 +37,13 @@ def register(commands: cli.Commands) -> None:
             "503 with Retry-After.\n"
             "\n"
             "A request for a model that cannot take it now (at zero, starting, or\n"
-            "every replica at target_inflight x 2 in flight) waits, FIFO, up to\n"
-            "--queue-per-model a model, for as long as the model's starts take (x1.5;\n"
-            "600s with none in the log); the gateway publishes model.demanded meanwhile,\n"
-            "which wakes an on-demand model. Past that: 429 with Retry-After; a model\n"
-            "the plane cannot place: 503 with why.\n"
+            "every replica at target_inflight x 2 in flight) waits, up to\n"
+            "--queue-per-model a model (shared among the keys' owners: each in\n"
+            "turn, none past its share while others wait), for as long as the\n"
+            "model's starts take (x1.5; 600s with none in the log); the gateway\n"
+            "publishes model.demanded meanwhile, which wakes an on-demand model.\n"
+            "Past that: 429 with Retry-After; a model the plane cannot place: 503\n"
+            "with why.\n"
             "\n"
             "With --api-keys FILE every request needs a key of the file; off loopback\n"
             "it refuses to start without one unless --no-auth says that anyone who\n"
@@ -52,8 +54,11 @@ def register(commands: cli.Commands) -> None:
             "(prompt and completion) a minute, none by default. A key may burst to a\n"
             "minute's worth and then goes at its rate; over it a request is 429 with\n"
             "Retry-After and x-llmgw-reason saying which limit and for how long (a\n"
-            "request's tokens count when its answer ends, so a long one can take a key\n"
-            "past its tpm, and it waits until the minute pays it back)."
+            "request reserves its max_tokens, 1024 when it names none, and its prompt\n"
+            "when admitted, settled to what its answer took: a long one can take a key\n"
+            "past its tpm, and it waits until the minute pays it back). A key uses the\n"
+            "models of its owner and those below it in the quota tree, and the models\n"
+            "declared shared: true; to it any other is 404, as if undeclared."
         ),
         epilog=cli.examples(
             "llmgw gateway",
@@ -230,6 +235,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 keepalive_s=args.keepalive_interval,
                 settle_heap=True,
                 nc=s.nc,
+                plane=(str(s.nc.connected_url.geturl()) if s.nc.connected_url else "",),
             )
             try:
                 sock = g.bind()

@@ -31,6 +31,7 @@ from services import clock, names
 from services.cli import app as cli
 from services.cli.output import add_output_option, add_watch_options, check_watch
 from services.cli.replay import allow_gaps_option, rebuild_view, wall_now
+from services.core import coldstart, routing
 from services.core.view import View, digest
 from services.replay import render
 from services.replay.errors import ReplayError
@@ -151,6 +152,7 @@ def summary(
                 "held_until": render.stamp(hold.until) if hold else None,
                 "awaiting": list(view.awaiting(name)),
                 "failing": render.failing(view, name),
+                "stranded": _stranded(view, name, now),
             }
         )
     replicas = [
@@ -214,6 +216,22 @@ def summary(
     }
 
 
+def _stranded(view: View, name: str, now: datetime | None) -> dict[str, Any] | None:
+    """The lost nodes a model's replicas wait on (`coldstart.stranded`), or None."""
+    m = view.catalog.resolve(name)
+    if m is None or routing.candidates(view, m):
+        return None
+    at = now if now is not None else view.state.time
+    got = None if at is None else coldstart.stranded(view, m, at)
+    if got is None:
+        return None
+    return {
+        "nodes": list(got.nodes),
+        "reason": got.reason,
+        "until": render.stamp(got.until) if got.until is not None else None,
+    }
+
+
 def model_note(m: dict[str, Any]) -> str:
     """The NOTE of a model's row (one of `summary`'s models): why it is not as asked."""
     note = []
@@ -223,6 +241,13 @@ def model_note(m: dict[str, Any]) -> str:
         note.append("not declared")
     if m["held_for"]:
         note.append(f"held for {m['held_for']} until {m['held_until']}")
+    if m.get("stranded"):
+        st = m["stranded"]
+        until = f"; fail at {st['until']} unless back" if st["until"] else ""
+        note.append(
+            f"not routed: {'node' if len(st['nodes']) == 1 else 'nodes'} "
+            f"{', '.join(st['nodes'])} lost{until}"
+        )
     if m["awaiting"]:
         note.append(f"waiting for {names.plural(len(m['awaiting']), 'victim')} to drain")
     if m["asked"] is not None and m["asked"] != m["desired"]:
@@ -577,7 +602,7 @@ class _Heard:
     async def on(self, msg: Any) -> None:
         from services import liveness
 
-        got = liveness.heartbeat_of(msg.data)
+        got = liveness.heartbeat_of(msg.data, msg.subject)
         if got is not None:
             self.at[got[0]] = got[1]
             if self.wanted <= self.at.keys():

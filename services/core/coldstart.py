@@ -138,6 +138,70 @@ def unplaceable(view: View, m: catalog.Model, now: datetime, since: datetime) ->
     return Unplaceable(code=last.outcome, reason=_words(view, m, last))
 
 
+@dataclass(frozen=True)
+class Stranded:
+    """A model whose replicas sit on lost nodes within their grace: the plane counts them
+    live (their agents may still serve them), so it places no other, and the gateway
+    sends them nothing. It serves again when a node is back, or once the grace has ended
+    (the replicas fail and a new one is placed), and not before."""
+
+    nodes: tuple[str, ...]
+    """The lost nodes its live replicas have a shard on, by name."""
+    reason: str
+    """Why the first of them was lost (`node.lost`'s reason)."""
+    until: datetime | None
+    """When the first of their graces ends; None when none has one running."""
+    remaining_s: float
+    """Seconds until a new replica is expected ready: the grace's rest, then a start
+    (`outlook` with no replica starting)."""
+
+    @property
+    def retry_after(self) -> int:
+        return max(1, math.ceil(self.remaining_s))
+
+    def words(self, model: str, now: datetime) -> str:
+        which = ", ".join(self.nodes)
+        node = "node" if len(self.nodes) == 1 else "nodes"
+        said = f"{model} is not routed: its replicas are on {node} {which}, lost ({self.reason})"
+        if self.until is None:
+            return said
+        left = max((self.until - now).total_seconds(), 0.0)
+        return (
+            f"{said}; they fail at {self.until:%H:%M:%S} UTC (in {left:.0f}s) unless "
+            f"{which} {'is' if len(self.nodes) == 1 else 'are'} back, and a new one should "
+            f"be ready about {self.retry_after}s from now"
+        )
+
+
+def stranded(view: View, m: catalog.Model, now: datetime) -> Stranded | None:
+    """The lost nodes `m` waits on (see `Stranded`), or None: when it has a replica to
+    route to, or a live one on no lost node (starting or loading: it will serve)."""
+    nodes = view.state.nodes
+    lost: dict[str, str] = {}
+    until: datetime | None = None
+    for name in view.catalog.names_of(m):
+        for r in view.current_of(name):
+            if not r.live:
+                continue
+            mine = [s.node for s in r.shards if (n := nodes.get(s.node)) is not None and n.lost]
+            if not mine:
+                return None
+            for node in mine:
+                rec = nodes[node]
+                lost.setdefault(node, rec.lost_reason or "lost")
+                if rec.failing_at is not None and (until is None or rec.failing_at < until):
+                    until = rec.failing_at
+    if not lost:
+        return None
+    grace = max((until - now).total_seconds(), 0.0) if until is not None else 0.0
+    typical = typical_start_s(view, m)
+    start = DEFAULT_READY_S if typical is None else typical
+    first = sorted(lost)[0]
+    return Stranded(
+        nodes=tuple(sorted(lost)), reason=lost[first], until=until, remaining_s=grace + start
+    )
+
+
 def _words(view: View, m: catalog.Model, d: DecisionRecord) -> str:
     """What a failed placement decision means for `m`, with the scheduler's reasons."""
     why = ""

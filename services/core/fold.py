@@ -9,8 +9,8 @@ view as it was takes `view.copy()` (or a snapshot) first. A fold of a million ev
 has about three microseconds for each, which leaves no room for copying the view.
 
 An event that breaks an invariant (a replica's state going backwards, an agent
-reporting a replica on a node that is not its own, a drain for an unknown replica) is
-not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
+reporting a replica on a node that is not its own or one no placement made, an
+endpoint off its node's address, a drain for an unknown replica) is not applied: `apply` returns a `Rejection` saying why, and counts it in the view. The
 fold never raises on input, so one bad event can never stop a consumer.
 
 `RULES` is the one table of event types: for each, its handler, what an applied event
@@ -53,6 +53,9 @@ from services.core.view import (
 )
 
 _ORDER = ev.STATE_ORDER
+NEVER_PLACED = "was never placed"
+"""What the rejection of a report about a replica no placement put there says; such a
+report is also dead-lettered (`ingest`)."""
 _HOLDING = ev.HOLDING_STATES
 
 
@@ -152,8 +155,10 @@ def _model_demanded(view: View, e: ev.ModelDemandedEvent, subject: str | None) -
     old = view.state.demand.get(name)
     if old is not None and e.time < old.at:
         return None
+    # `since` is a claimed time: bounded by the event's (see `_replica_used`).
+    since = d.since if d.since <= e.time else e.time
     view.state.demand[name] = DemandRecord(
-        waiting=d.waiting, since=d.since, at=e.time, inflight=d.inflight, id=e.id
+        waiting=d.waiting, since=since, at=e.time, inflight=d.inflight, id=e.id
     )
     return None
 
@@ -185,7 +190,8 @@ def _node_inventory(view: View, e: ev.NodeInventoryEvent, subject: str | None) -
     # and what it held is not there to hold. It fails, so GPUs in use never exceed GPUs
     # present.
     for rid, why in _uncovered(view, d):
-        _fail(view, view.state.replicas[rid], f"node {d.node} no longer has its GPUs: {why}", e)
+        r = view.state.replicas[rid]
+        _fail(view, r, f"node {d.node} no longer has its GPUs: {why}", e, d.node)
     return None
 
 
@@ -214,9 +220,29 @@ def _uncovered(view: View, d: ev.NodeInventory) -> list[tuple[str, str]]:
     return out
 
 
-def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope) -> None:
-    """The fold's own failure of a replica (its node lost, its GPUs gone): capacity
-    released, and a report from it later is a state going backwards."""
+def _fail(view: View, r: ReplicaRecord, reason: str, e: ev.Envelope, node: str) -> None:
+    """The failure of a replica's shard on `node` (its node lost, its GPUs gone, its
+    agent said so): capacity there released, and a report from it later is a state
+    going backwards.
+
+    A replica with shards on other nodes still running (a gang) cannot serve without
+    this one, but their servers still hold their GPUs: it is draining, their GPUs stay
+    held until their agents say `stopped` (the scheduler asks them to:
+    `ReplicaRecord.failed_on`), and the last one leaves it failed. Freed at once, the
+    next start on those GPUs would find them taken by the orphaned shard's server."""
+    if len(r.shards) > 1:
+        if node not in r.failed_on:
+            r.failed_on += (node,)
+        if r.failed_by is None:
+            r.failed_by = e.id
+        gone = r.stopped_on + r.failed_on
+        if any(n not in gone for n in r.nodes):
+            r.reason, r.updated_at = reason, e.time
+            if r.state != "draining":
+                r.state = "draining"
+            view.inventory.release_node(r.id, node)
+            view.note(r)
+            return
     r.state, r.reason, r.updated_at = "failed", reason, e.time
     view.inventory.release_replica(r.id)
     view.note(r)
@@ -240,13 +266,14 @@ def _node_lost(view: View, e: ev.NodeLostEvent, subject: str | None) -> str | No
     rec.lost, rec.lost_reason, rec.updated_at, rec.failing_at = True, d.reason, e.time, None
     view.inventory.set_lost(rec.report.node, True)
     view.note_node(rec)
-    # A lost node's replicas are gone with it: their capacity is released, and a report
-    # from them later is a state going backwards, not a resurrection.
+    # A lost node's replicas are gone with it: their capacity there is released, and a
+    # report from them later is a state going backwards, not a resurrection. A gang's
+    # shards on the nodes still alive hold theirs until they stop (`_fail`).
     # Invariant: every replica holding capacity on a node has its allocation there, so
     # the inventory's index finds them without scanning every replica of the cluster.
     reps = view.state.replicas
     for rid in view.inventory.replicas_on(rec.report.node):
-        _fail(view, reps[rid], f"node lost: {d.reason}", e)
+        _fail(view, reps[rid], f"node lost: {d.reason}", e, d.node)
     return None
 
 
@@ -286,7 +313,7 @@ def _node_removed(view: View, e: ev.NodeRemovedEvent, subject: str | None) -> st
     reps = view.state.replicas
     why = f"node removed: {d.reason}" if d.reason else "node removed"
     for rid in view.inventory.replicas_on(d.node):
-        _fail(view, reps[rid], why, e)
+        _fail(view, reps[rid], why, e, d.node)
     rec.failing_at = None
     view.note_node(rec)
     del view.state.nodes[d.node]
@@ -301,13 +328,22 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     d = e.data
     reps = view.state.replicas
     r = reps.get(d.replica)
+    if r is None:
+        # Only what the plane placed exists (as a kubelet creates no pod): an agent
+        # reports the replicas a placement put on its node, and creates none. A report
+        # for one never placed would count as the model's capacity, and be routed to.
+        node = _subject_node(subject) if subject is not None else None
+        return f"replica {d.replica} {NEVER_PLACED} on {node or d.node or 'any node'}"
     # Authority: an agent speaks only for replicas recorded on its own node. Once a
     # replica has a placement, its shards are the placement's, not what a report claims:
     # otherwise an agent could "move" another node's replica to itself as stopped and
     # free that node's GPUs for the scheduler to fill again, in a loop.
-    if r is not None and r.shards:
+    if r.shards:
         if d.shards and d.shards != r.shards:
-            return f"replica {d.replica} is placed on {_where(r.shards)}, not {_where(d.shards)}"
+            return (
+                f"replica {d.replica} is placed on {_where_gpus(r.shards)}, "
+                f"not {_where_gpus(d.shards)}"
+            )
         shards = r.shards
     else:
         shards = d.shards
@@ -317,40 +353,27 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
             return f"agent on {node} reports replica {d.replica}, which has no shard there"
     if d.node is not None and (why := _not_its_shard(d, shards, subject)):
         return why
-    if r is None:
-        r = ReplicaRecord(
-            id=d.replica,
-            model=d.model,
-            profile=d.profile,
-            state=d.state,
-            shards=shards,
-            created_at=e.time,
-            updated_at=e.time,
-            reason=d.reason,
-            endpoint=d.endpoint,
-        )
-        if d.state in _HOLDING and shards:
-            why = allocate(view, r)
-            if why is not None:
-                return f"replica {d.replica}: {why}"
-        if d.state == "ready":
-            r.ready_at = e.time
-        reps[d.replica] = r
-        view.note(r, ready=r.ready_at is not None)
-        return None
+    if d.endpoint is not None and (why := _foreign_endpoint(view, d, d.endpoint, shards, subject)):
+        return why
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
-    if d.node is not None and d.state == "stopped" and r.state in _HOLDING:
-        if d.node in r.stopped_on:
-            return None  # that shard said so already
-        r.stopped_on += (d.node,)
-        if any(n not in r.stopped_on for n in r.nodes):
-            # One shard of several stopped: its GPUs are free, the others' still held,
-            # and the replica keeps its state until the last shard stops.
-            view.inventory.release_node(r.id, d.node)
-            r.updated_at = e.time
-            view.note(r)
+    if d.node is not None and r.state in _HOLDING:
+        whole = _shard_state(view, r, d, e)
+        if whole is None:
             return None
+        d = whole
+    elif r.failed_on and d.node is not None:
+        if d.state in ("stopped", "failed") and (d.node in r.stopped_on or d.node in r.failed_on):
+            return None  # a failed gang's shard saying its last again
+    elif r.failed_on and r.state in _HOLDING:
+        # A report about the whole of a gang one of whose shards failed: it stops (and
+        # then failed, as it did), or it says nothing that changes that.
+        if d.state in _HOLDING:
+            return None
+        r.state, r.updated_at = "failed", e.time
+        view.inventory.release_replica(r.id)
+        view.note(r)
+        return None
     before, after = _ORDER[r.state], _ORDER[d.state]
     if after < before or (after == before and d.state != r.state):
         return f"replica {d.replica} cannot go from {r.state} to {d.state}"
@@ -382,6 +405,61 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
     return None
 
 
+def _shard_state(
+    view: View, r: ReplicaRecord, d: ev.ReplicaState, e: ev.ReplicaStateEvent
+) -> ev.ReplicaState | None:
+    """What a report about the shard on node `d.node` of `r` (holding capacity) says of
+    the whole replica, once what it says of the shard is recorded; None when nothing
+    more.
+
+    A replica is what all its shards are: ready when the last says ready (until then
+    loading, and its endpoint the head's, shard 0's, whose server takes the requests);
+    stopped when the last says stopped (each one's GPUs free at its own); failed when
+    one fails, and then what the others say changes nothing but their stop (`_fail`)."""
+    node = d.node
+    assert node is not None
+    state = d.state
+    if state == "stopped":
+        if node in r.stopped_on or node in r.failed_on:
+            return None  # that shard said its last already
+        r.stopped_on += (node,)
+        if any(n not in r.stopped_on and n not in r.failed_on for n in r.nodes):
+            # One shard of several stopped: its GPUs are free, the others' still held,
+            # and the replica keeps its state until the last shard stops.
+            view.inventory.release_node(r.id, node)
+            r.updated_at = e.time
+            view.note(r)
+            return None
+        if r.failed_on:
+            # The last shard of a gang one of whose shards failed: the gang failed.
+            r.state, r.updated_at = "failed", e.time
+            view.inventory.release_replica(r.id)
+            view.note(r)
+            return None
+        return d
+    if len(r.shards) < 2:
+        return d
+    if state == "failed":
+        if node not in r.stopped_on and node not in r.failed_on:
+            _fail(view, r, d.reason or f"its shard on {node} failed", e, node)
+        return None
+    if r.failed_on:
+        return None  # a shard of a failed gang, on its way out: it stops, nothing else
+    head = node == r.shards[0].node
+    if state == "ready" and _ORDER[r.state] < _ORDER["ready"]:
+        # (Said of a replica past ready, it is refused below and records nothing.)
+        if node not in r.ready_on:
+            r.ready_on += (node,)
+        if any(n not in r.ready_on for n in r.nodes):
+            # Ready here, not yet everywhere: the replica is loading still.
+            return msgspec.structs.replace(
+                d, state="loading", endpoint=d.endpoint if head else None
+            )
+    if not head and d.endpoint is not None:
+        return msgspec.structs.replace(d, endpoint=None)
+    return d
+
+
 def _not_its_shard(
     d: ev.ReplicaState, shards: tuple[ev.ShardSpec, ...], subject: str | None
 ) -> str | None:
@@ -396,6 +474,50 @@ def _not_its_shard(
     return None
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host of an `http://host:port` endpoint, lower case, an IPv6 one unbracketed:
+    what a node's `address` is compared with."""
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    return host.strip("[]").lower()
+
+
+def on_address(endpoint: str, address: str) -> bool:
+    """Whether `endpoint` is on a node whose recorded address is `address` ("": not
+    said, so anywhere)."""
+    return not address or endpoint_host(endpoint) == address.lower()
+
+
+def _foreign_endpoint(
+    view: View,
+    d: ev.ReplicaState,
+    endpoint: str,
+    shards: tuple[ev.ShardSpec, ...],
+    subject: str | None,
+) -> str | None:
+    """Why `endpoint` cannot be the replica's: it is not on the address the reporting
+    node's inventory recorded (its agent's `--advertise`). The reporting node is the
+    subject's; without one, the report's `node`, else any node of its shards."""
+    node = _subject_node(subject) if subject is not None else None
+    nodes = [node] if node is not None else [d.node] if d.node else [sh.node for sh in shards]
+    recs = view.state.nodes
+    said = []
+    for n in nodes:
+        rec = recs.get(n)
+        address = rec.report.address if rec is not None else ""
+        if on_address(endpoint, address):
+            return None
+        said.append(f"{n}'s address {address}")
+    return f"replica {d.replica}'s endpoint {endpoint} is not on {' or '.join(said)}"
+
+
+def used_at(e: ev.ReplicaUsedEvent) -> datetime:
+    """When a `replica.used` says the replica last served, bounded by the event's time
+    (which ingest bounds by when the log stored it): what the fold keeps, and what every
+    reader of the event shows."""
+    at = e.data.at
+    return at if at <= e.time else e.time
+
+
 def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> str | None:
     r = view.state.replicas.get(e.data.replica)
     if r is None:
@@ -404,7 +526,13 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
         node = _subject_node(subject)
         if node is not None and not _has_node(r.shards, node):
             return f"agent on {node} reports use of replica {r.id}, which has no shard there"
+    # A claimed time is bounded by the event's, which ingest bounds by when the log
+    # stored it: one report from the far future (or from a clock far ahead) cannot keep
+    # the replica used for ever, and a replay bounds it alike. (`used_at`, written out:
+    # this runs for most events of a serving cluster's log.)
     at = e.data.at
+    if at > e.time:
+        at = e.time
     if r.last_used_at is None or at > r.last_used_at:
         r.last_used_at = at
         view.note_use(r)
@@ -488,6 +616,12 @@ def _off_node_command(subject: str | None, r: ReplicaRecord) -> str | None:
 
 def _where(shards: tuple[ev.ShardSpec, ...]) -> str:
     return ",".join(sorted({sh.node for sh in shards})) or "no node"
+
+
+def _where_gpus(shards: tuple[ev.ShardSpec, ...]) -> str:
+    """`gpu-a2[0,1]`, each shard's node with its GPUs: two placements on one node differ
+    by their GPUs alone."""
+    return ", ".join(f"{sh.node}[{','.join(map(str, sh.gpus))}]" for sh in shards) or "no node"
 
 
 def _replica_drain(view: View, e: ev.ReplicaDrainEvent, subject: str | None) -> str | None:
@@ -645,7 +779,8 @@ def _subject_node_mismatch(subject: str, node: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Dead:
     """A message that never reached the fold: its bytes did not decode, or its event does
-    not belong on its subject. The projector dead-letters it; every reader skips it."""
+    not belong on its subject. The projector dead-letters it; every reader skips it.
+    (Also a report the fold rejected for a replica never placed: `ingest`.)"""
 
     seq: int
     subject: str
@@ -759,12 +894,14 @@ def _touch_held(
     t: Touched,
     hit: tuple[str, ...],
 ) -> None:
-    """The node, and the replicas it held that the event failed (with their nodes)."""
-    t.nodes.add(e.data.node)
+    """The node, and the replicas it held that the event failed (with their nodes): all
+    of a one-node replica, the shard there of a gang whose others still hold theirs."""
+    node = e.data.node
+    t.nodes.add(node)
     reps = view.state.replicas
     for rid in hit:
         r = reps.get(rid)
-        if r is not None and not r.holds_capacity:
+        if r is not None and (not r.holds_capacity or node in r.failed_on):
             t.replicas.add(rid)
             t.nodes.update(s.node for s in r.shards)
 

@@ -18,7 +18,9 @@ Rules for a message (seq, subject, bytes):
   folded, but the view's seq moves past them;
 - anything else is folded by its row of `fold.RULES`; what it changed is marked in
   `touched`, a rejection kept in `touched.rejections`, a decision in `touched.decisions`
-  (every one, where the view keeps only the recent ones).
+  (every one, where the view keeps only the recent ones). A `replica.state` rejected
+  for a replica never placed (`fold.NEVER_PLACED`) is in `touched.dead` as well, so
+  the projector dead-letters it with its reason.
 """
 
 from __future__ import annotations
@@ -196,6 +198,10 @@ class Ingest:
             rule.touch(view, e, t, before)  # type: ignore[union-attr]
         else:
             t.rejections.append(rej)
+            if fold.NEVER_PLACED in rej.reason and isinstance(e, ev.ReplicaStateEvent):
+                # A report about a replica no placement put there is an agent acting
+                # beyond its node: a dead letter too, for operators watching the DLQ.
+                t.dead.append(Dead(seq, subject or "", rej.reason, codec.encode(e)))
         if rule is not None and rule.decision:
             decs = view.state.decisions
             if decs:

@@ -8,18 +8,28 @@ is routed and `charge` once its answer said how many tokens it took.
 
 The rule: each limit is a bucket that holds a minute's worth (`rpm` requests, `tpm`
 tokens) and refills continuously at that rate, so a key may burst to its limit and then
-goes at its rate. A request takes one from the request bucket, and is admitted only
-while the token bucket holds at least one token. Its tokens are known only at its end
-(prompt and completion, from the answer's `usage`), so they are charged then and may
-take the token bucket below zero: a key that spent past its minute waits until the
-refill has paid it back, which is what a limit by the minute means. A refused request
-takes nothing from either bucket.
+goes at its rate. A request takes one from the request bucket. Its tokens are known
+only at its end (prompt and completion, from the answer's `usage`), so it is admitted on
+what it may take, as Azure OpenAI counts a deployment's TPM: the gateway asks `admit`
+with a reservation (the request's `max_tokens`, or DEFAULT_MAX_TOKENS, plus an estimate
+of its prompt), admitted only while the token bucket holds it (at most a minute's worth:
+a request larger than the minute needs the bucket full) and taken from the bucket at
+once, so requests sent together cannot each spend the same minute. At its end `settle`
+gives the reservation back and takes what it really took, which may take the bucket
+below zero: a key that spent past its minute waits until the refill has paid it back,
+which is what a limit by the minute means. A refused request takes nothing from either
+bucket.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# DEFAULT_MAX_TOKENS is what a request that names no `max_tokens` (nor
+# `max_completion_tokens`) is taken to ask for when its key has a `tpm`: what a
+# reservation holds until its answer says what it took (then settled to that).
+DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class Admission:
     """None: admitted. "rpm" or "tpm": the limit it is over."""
     wait_s: float = 0.0
     """Refused: the seconds until that limit would admit it."""
+    reserved: float = 0.0
+    """Admitted: the tokens taken from the token bucket for it, given back by `settle`."""
 
 
 def level(b: Bucket | None, per_minute: int, now: float) -> float:
@@ -73,9 +85,12 @@ def wait_s(held: float, per_minute: int, need: float = 1.0) -> float:
     return (need - held) * 60.0 / per_minute
 
 
-def admit(limits: Limits, buckets: Buckets, now: float) -> Admission:
-    """Whether a key with `limits` and `buckets` may send one more request at `now`."""
+def admit(limits: Limits, buckets: Buckets, now: float, reserve: int = 0) -> Admission:
+    """Whether a key with `limits` and `buckets` may send one more request at `now` that
+    may take `reserve` tokens: the token bucket must hold that much (at least one token,
+    at most a minute's worth), and it is taken from it until `settle`."""
     requests = tokens = None
+    need = 0.0
     if limits.rpm is not None:
         held = level(buckets.requests, limits.rpm, now)
         if held < 1.0:
@@ -83,10 +98,23 @@ def admit(limits: Limits, buckets: Buckets, now: float) -> Admission:
         requests = Bucket(held - 1.0, now)
     if limits.tpm is not None:
         held = level(buckets.tokens, limits.tpm, now)
-        if held < 1.0:
-            return Admission(buckets, "tpm", wait_s(held, limits.tpm))
-        tokens = Bucket(held, now)
-    return Admission(Buckets(requests, tokens))
+        need = max(1.0, min(float(reserve), float(limits.tpm)))
+        if held < need:
+            return Admission(buckets, "tpm", wait_s(held, limits.tpm, need))
+        need = min(float(reserve), held)
+        tokens = Bucket(held - need, now)
+    return Admission(Buckets(requests, tokens), reserved=need)
+
+
+def settle(limits: Limits, buckets: Buckets, now: float, reserved: float, tokens: int) -> Buckets:
+    """`buckets` once a request admitted with `reserved` tokens ended having taken
+    `tokens`: the reservation given back, the tokens taken (never above a minute's worth)."""
+    if limits.tpm is None or (reserved <= 0 and tokens <= 0):
+        return buckets
+    held = level(buckets.tokens, limits.tpm, now)
+    return Buckets(
+        buckets.requests, Bucket(min(float(limits.tpm), held + reserved - max(tokens, 0)), now)
+    )
 
 
 def charge(limits: Limits, buckets: Buckets, now: float, tokens: int) -> Buckets:

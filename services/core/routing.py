@@ -6,8 +6,10 @@ for each request and `Router.done` when it ends.
 
 The rule (DESIGN.md, "The gateway"): a replica is routable while it is ready, has an
 endpoint, is not on its way out (no `replica.drain` folded: not retiring, not preempted,
-not drained for any reason) and none of its nodes is lost; a cordoned node's replicas
-keep the sessions they serve but take no new one. That is decided
+not drained for any reason), none of its nodes is lost and its endpoint is on the
+address one of its nodes' inventory records (the agent's `--advertise`; any when none
+is recorded); a cordoned node's replicas keep the sessions they serve but take no new
+one. That is decided
 from the log alone, so a replica leaves routing the moment its drain is folded, before
 its agent has even heard of it. Among the routable replicas of the model: the one with
 the fewest requests in flight through this gateway, ties to the one picked longest ago;
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from schemas import events as ev
 from services.core import catalog
+from services.core.fold import on_address as fold_endpoint_on
 from services.core.view import ReplicaRecord, View
 
 # SESSIONS bounds the session keys a router remembers; the oldest is forgotten first. A
@@ -57,11 +60,19 @@ def routable(view: View, r: ReplicaRecord, *, new_session: bool = True) -> bool:
     if r.state != "ready" or r.endpoint is None or r.drained_by is not None:
         return False
     nodes = view.state.nodes
+    on_node = False
     for s in r.shards:
         n = nodes.get(s.node)
-        if n is not None and (n.lost or (n.cordoned and new_session)):
+        if n is None:
+            on_node = True  # no inventory, no address to hold it to
+            continue
+        if n.lost or (n.cordoned and new_session):
             return False
-    return True
+        # The fold took the endpoint only on its node's address; a node that said
+        # another address since (an agent restarted with a new --advertise) is not
+        # sent requests at the old one.
+        on_node = on_node or fold_endpoint_on(r.endpoint, n.report.address)
+    return on_node or not r.shards
 
 
 def candidates(view: View, m: catalog.Model, *, new_session: bool = True) -> list[ReplicaRecord]:

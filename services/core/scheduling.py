@@ -252,6 +252,7 @@ def plan(
     for r in view.timed_out_since(before(now, recent_s)):
         late.setdefault(r.model, []).append(r)
     others, timed_out = _other_names(out, mk, view, now, config, late.keys())
+    _broken_gangs(out, mk, view, config)
     failed_starts: _FailedStarts = {}
     for r in view.failed_since(before(now, _horizon_s(config))):
         _note_failed_start(failed_starts, view, r)
@@ -332,7 +333,13 @@ def _lost_nodes(
         at = rec.failing_at
         assert at is not None
         parent = _anchor(at, f"node\x00{node}\x00failing\x00{at.isoformat()}")
-        lost = ev.NodeLost(node=node, reason=f"not heard from within the grace ({rec.lost_reason})")
+        # The first loss's reason says how long it was silent then, not now: say when
+        # the grace ended, so "no heartbeat for 16s" is not read as the silence of now.
+        lost = ev.NodeLost(
+            node=node,
+            reason=f"not heard from within the grace, over at {at:%H:%M:%S}Z "
+            f"(it was lost for: {rec.lost_reason})",
+        )
         out.outputs.append(Output(mk(lost, ids.derived(parent, "node.lost"))))
         out.lost += 1
 
@@ -387,6 +394,26 @@ def _other_names(
     return others, timed_out
 
 
+def _broken_gangs(out: Plan, mk: _Maker, view: View, config: Config) -> None:
+    """A `replica.drain` (`shard_failed`) to each node of a replica with a failed shard
+    (`ReplicaRecord.failed_on`) whose own shard still runs and was not asked to stop,
+    in the order the replicas were created. Each is caused by the event that failed the
+    first shard (`failed_by`), and its id derived from that one's, the replica and the
+    node: any scheduler, on any view since, asks each node once.
+
+    The gang cannot serve without the failed shard, and the others' servers hold their
+    GPUs until their agents stop them: nobody else would, and the view keeps those GPUs
+    held until each says `stopped`."""
+    for r in view.broken():
+        if r.drained_by is not None and not r.drained_on:
+            continue  # asked, on nodes the view was not told (folded without subjects)
+        gone = r.stopped_on + r.failed_on + r.drained_on
+        nodes = tuple(n for n in r.nodes if n not in gone)
+        if nodes:
+            cause = r.failed_by or r.placed_by
+            _drain(out, mk, r.id, r.model, cause, nodes, "shard_failed", config)
+
+
 # ------------------------------------------------------------------ failed starts
 
 # _FailedStarts: per model and node, each recent failed start there as (placed at, failed
@@ -431,7 +458,7 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
     if (
         r.placed_by is None
         or r.ready_at is not None
-        or r.drained_by is not None
+        or (r.drained_by is not None and r.drain_reason != "shard_failed")
         or not r.shards
         or (r.reason is not None and r.reason.startswith("node lost"))
     ):
@@ -440,7 +467,8 @@ def _note_failed_start(failed: _FailedStarts, view: View, r: ReplicaRecord) -> N
     if m is None:
         return
     by_node = failed.setdefault(m.name, {})
-    for node in r.nodes:
+    # A gang's failed start is its failed shards' nodes' (the others were drained for it).
+    for node in r.failed_on or r.nodes:
         by_node.setdefault(node, []).append((r.created_at, r.updated_at))
 
 
@@ -1134,17 +1162,18 @@ def _drain(
     mk: _Maker,
     replica: str,
     model: str,
-    placed_by: str | None,
+    cause: str | None,
     nodes: tuple[str, ...],
     reason: ev.DrainReason,
     config: Config,
 ) -> None:
-    """A `replica.drain` on each node the replica has a shard on.
+    """A `replica.drain` on each of `nodes`, caused by `cause` (the replica's placement;
+    for `shard_failed`, what failed its first shard).
 
-    The id is derived from the replica and the reason only: whoever decides it, on
-    whichever view, asks the same replica to stop for the same reason once.
+    The id is derived from the cause, the replica and the reason only: whoever decides
+    it, on whichever view, asks the same replica to stop for the same reason once.
     """
-    parent = placed_by or _anchor(None, f"replica\x00{replica}")
+    parent = cause or _anchor(None, f"replica\x00{replica}")
     data = ev.ReplicaDrain(
         replica=replica, model=model, reason=reason, grace_s=config.drain_grace_s
     )
@@ -1152,7 +1181,7 @@ def _drain(
         return  # no node to send it to; a replica with no shards holds nothing
     for node in nodes:
         did = ids.derived(parent, f"drain\x00{replica}\x00{reason}\x00{node}")
-        out.outputs.append(Output(mk(data, did, causation=placed_by), node=node))
+        out.outputs.append(Output(mk(data, did, causation=cause), node=node))
     out.drained += 1
 
 

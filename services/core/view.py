@@ -31,7 +31,11 @@ from services.core import catalog, inventory, quota
 # give a view no replay can reproduce. 6: a preemption's pin (`Preempting.domain` and
 # `until`), which a view folded before it left unset for a decision that names a domain.
 # 7: a multi-node replica's shards stopped one by one (`drained_on`, `stopped_on`).
-SCHEMA = 7
+# 8: a multi-node replica ready with its last shard (`ready_on`), and one whose shard
+# failed holding its other shards' GPUs until they stop (`failed_on`).
+# 9: a report creates no replica (only a placement does), endpoints on their node's
+# `address`, claimed times (`last_used_at`, a demand's `since`) bounded by the event's.
+SCHEMA = 9
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -108,7 +112,7 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     state: str
     shards: tuple[inventory.Shard, ...] = ()
     created_at: datetime
-    """Time of its placement.decided, or of its first replica.state."""
+    """Time of its placement.decided (only a placement makes a replica)."""
     updated_at: datetime
     ready_at: datetime | None = None
     """Time of its first `ready`; None while it never was."""
@@ -141,6 +145,19 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     """The nodes whose agent said its shard stopped (a `replica.state` `stopped` naming
     its `node`), in the order they said it. While others still run, the replica keeps
     its state and holds only their shards; the last one stops it."""
+    ready_on: tuple[str, ...] = ()
+    """The nodes whose agent said its shard ready (a `replica.state` `ready` naming its
+    `node`), in the order they said it. A replica with shards on several nodes is ready
+    when every one of them has said so, not at the first."""
+    failed_on: tuple[str, ...] = ()
+    """The nodes whose shard failed (its node lost past the grace, its GPUs gone from the
+    node's report, or its agent said `failed`), in the order they failed. A replica with
+    shards on several nodes cannot serve without one: it is draining from the first, its
+    shards on the other nodes hold their GPUs until their agents say `stopped` (their
+    servers still run), and the last of them leaves it failed."""
+    failed_by: str | None = None
+    """Id of the event that failed its first shard (`failed_on`): what the scheduler's
+    drains of its other shards are derived from and caused by. None while none failed."""
 
     @property
     def holds_capacity(self) -> bool:
@@ -378,6 +395,7 @@ class View:
     """The view with its derived indexes. Change it only through `fold.apply`."""
 
     __slots__ = (
+        "_broken",
         "_current",
         "_current_top",
         "_failed",
@@ -423,6 +441,7 @@ class View:
         self._live: dict[str, int] = {}
         self._live_ids: set[str] = set()
         self._pending: dict[str, ReplicaRecord] = {}
+        self._broken: dict[str, ReplicaRecord] = {}
         self._failed: list[tuple[datetime, int, str]] = []
         self._failed_at: dict[str, tuple[datetime, int, str]] = {}
         self._timed_out: list[tuple[datetime, int, str]] = []
@@ -458,7 +477,10 @@ class View:
           nodes of those created lately, and the first ready of one ends a backoff on
           its node even once it has stopped; read by time, it costs a pass the recent
           ones, however many timed out before;
-        - failed: the failed ones by the time of their last report;
+        - broken: the replicas with a failed shard whose other shards still hold GPUs
+          (`failed_on`), which a pass drains on the nodes not asked yet;
+        - failed: the failed ones by the time of their last report (a gang with a failed
+          shard from that shard's failure: its other shards stopping come later);
         - loads: per model, each replica's seconds from placement to its first ready,
           added when `ready` says this change was that first ready.
         """
@@ -501,11 +523,15 @@ class View:
             self._pending[rid] = r
         else:
             self._pending.pop(rid, None)
+        if r.failed_on and state in ev.HOLDING_STATES:
+            self._broken[rid] = r
+        elif self._broken:
+            self._broken.pop(rid, None)
         _move(
             self._failed,
             self._failed_at,
             rid,
-            (r.updated_at, n, rid) if state == "failed" else None,
+            (r.updated_at, n, rid) if state == "failed" or r.failed_on else None,
         )
         if r.drain_reason == "placement_timeout":
             # A drain's reason never changes and its ready_at is set once: the key moves
@@ -548,14 +574,20 @@ class View:
         pending = self._pending  # by replica id
         return [pending[rid] for rid in sorted(pending, key=self._ordinal.__getitem__)]
 
+    def broken(self) -> list[ReplicaRecord]:
+        """The replicas with a failed shard whose other shards still hold their GPUs
+        (`ReplicaRecord.failed_on`), in the order they were created."""
+        broken = self._broken  # by replica id
+        return [broken[rid] for rid in sorted(broken, key=self._ordinal.__getitem__)]
+
     def ordinal(self, replica: str) -> int:
         """Where a replica comes in the order replicas were created (the order of
         `replicas`)."""
         return self._ordinal[replica]
 
     def failed_since(self, since: datetime) -> list[ReplicaRecord]:
-        """The failed replicas whose last report is at or after `since`, in the order
-        they were created."""
+        """The failed replicas (and gangs with a failed shard, `failed_on`) whose last
+        report is at or after `since`, in the order they were created."""
         return self._since(self._failed, since)
 
     def note_node(self, rec: NodeRecord) -> None:
@@ -803,10 +835,11 @@ def allocate(view: View, r: ReplicaRecord) -> str | None:
 
 def allocation_of(r: ReplicaRecord) -> inventory.Allocation:
     """What a replica holds, as recorded when it was allocated, less the shards whose
-    agents said they stopped (`stopped_on`)."""
+    agents said they stopped (`stopped_on`) and those that failed (`failed_on`)."""
     shards = r.shards
-    if r.stopped_on:
-        shards = tuple(s for s in shards if s.node not in r.stopped_on)
+    if r.stopped_on or r.failed_on:
+        gone = r.stopped_on + r.failed_on
+        shards = tuple(s for s in shards if s.node not in gone)
     return inventory.Allocation(
         replica=r.id, shards=shards, cpu_cores=r.cpu_cores, memory_gb=r.memory_gb
     )

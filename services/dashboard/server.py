@@ -342,7 +342,7 @@ class Dashboard:
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 body = json.loads(msg.data)
                 node, t = str(body["node"]), datetime.fromisoformat(body["time"])
-                if t.tzinfo is None:
+                if t.tzinfo is None or node != subjects.node_of_heartbeat(msg.subject):
                     return
                 # Bounded: a flood of invented names cannot grow it past BEATS_MAX.
                 if node in self.beats or len(self.beats) < BEATS_MAX:

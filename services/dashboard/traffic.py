@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
+from services.core import fold
 from services.replay.subscribe import Changes
 
 # LOG_WINDOW_S is the window of `replica.used` reports a rate from the log is taken over:
@@ -57,7 +58,7 @@ class Traffic:
         r = ch.view.state.replicas.get(e.data.replica)
         if r is None:
             return
-        self.used(r.model, e.data.at, e.data.requests)
+        self.used(r.model, fold.used_at(e), e.data.requests)
 
     def used(self, model: str, at: datetime, requests: int) -> None:
         q = self._used.get(model)

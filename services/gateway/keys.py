@@ -8,9 +8,10 @@ Keys are kept as their SHA-256, so a lookup compares digests, not the secret its
 
 OWNER is the tenant the key's requests are counted for (their span and their use); once
 the gateway has caught up with the log, an owner that is not in the quota tree (nor the
-owner of a declared model) is refused like a cluster file's (`outside`). `rpm` and
-`tpm` are the key's limits, requests and tokens a minute (`services.core.ratelimit`);
-a key without them has none.
+owner of a declared model) is refused like a cluster file's (`outside`); the owner also
+bounds the models the key may use (`services.gateway.scope`). `rpm` and `tpm` are the
+key's limits, requests and tokens a minute (`services.core.ratelimit`; a request
+reserves what it may take, `services.gateway.tokens`); a key without them has none.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ time to first byte and total duration, the gateway's own share of a request (par
 route, before the replica is asked), retries, requests in flight and held per model,
 demand published, and the wake (a ready folded to the first held request's first byte). Model
 labels are declared models only (anything else is `(unknown)`), so what clients send
-cannot grow the series. One registry per gateway: two in one process (tests) do not
+cannot grow the series; a request refused before its body was read (no valid key, a key
+over its rpm, a body past the budget) is `(not read)`: its model was never known. One registry per gateway: two in one process (tests) do not
 share counters.
 """
 
@@ -18,6 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNKNOWN = "(unknown)"
+# NOT_READ labels the model of a request refused before its body (which names the model)
+# was read: `(unknown)` there read as a model nobody declared.
+NOT_READ = "(not read)"
 # NO_OWNER labels requests without an API key (a gateway without keys, a 401).
 NO_OWNER = "(none)"
 

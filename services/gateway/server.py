@@ -7,14 +7,16 @@ leaves routing the instant its drain is folded (`services.core.routing`). It ser
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
 
 A gateway is a pipe (STYLE.md): of a request it parses only `model`, `stream`,
-`stream_options` and `user`; the body goes to the replica byte for byte, and a streamed
+`stream_options`, `user` and what its key's `tpm` reserves (`max_tokens`,
+`max_completion_tokens`, `n`: `services.gateway.tokens`); the body goes to the replica byte for byte, and a streamed
 answer comes back chunk by chunk as the replica sends it, never re-encoded. One
 exception: a stream whose client did not ask for its usage chunk is asked for it, and
 the chunk taken out of what the client gets (`services.gateway.streams`). A refusal is
 in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with the reason in
-an `x-llmgw-reason` header: 400 malformed JSON or no model, 401 no valid API key, 429 a
-key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
-after the code), 404 an unknown model (with a did-you-mean), 405 a method the path has not, 408 a body that does not arrive in time,
+an `x-llmgw-reason` header: 400 malformed JSON or no model (or a `stream` that is not a
+boolean: `invalid_type`, naming it), 401 no valid API key, 429 a key over its rpm or tpm (`services.core.ratelimit`; Retry-After, and the limit in words
+after the code), 404 an unknown model (with a did-you-mean) or another tenant's
+(`services.gateway.scope`), 405 a method the path has not, 408 a body that does not arrive in time,
 413 a body over `max_body`, 502 a replica that answered garbage, 503 no replica can
 serve now (with Retry-After), 504 a replica that did not answer in time. Before any of
 that, the edge (`services.gateway.guard`): 421 a `Host` it does not answer for, 403 a
@@ -30,7 +32,8 @@ noise (docs/gateway.md); one library then handles both sides, and its handler
 cancellation is what turns a client's disconnect into a cancelled upstream request.
 
 A model that cannot take a request now does not refuse it: the request waits in the
-model's line (`services.gateway.waiting`), FIFO, up to `queue_per_model`, for as long as
+model's line (`services.gateway.waiting`: each key's owner in turn), up to
+`queue_per_model`, for as long as
 the model's start is predicted to take (`services.core.coldstart`) and no longer than
 the client waits; a held stream is sent its 200 and SSE comments (`: waiting`) every
 `keepalive_s` meanwhile. While requests wait the gateway publishes `model.demanded`
@@ -73,10 +76,11 @@ from schemas import inflight, subjects
 from services import heap, listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
+from services.bus.replies import ReplyGuard
 from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
-from services.gateway import guard, streams
+from services.gateway import guard, plane, scope, streams, tokens
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -91,12 +95,13 @@ from services.gateway.listen import (
 from services.gateway.metrics import (
     CONTENT_TYPE,
     NO_OWNER,
+    NOT_READ,
     UNKNOWN,
     KeptLabelled,
     Labelled,
     Metrics,
 )
-from services.gateway.waiting import Full, Line, WaitingRoom
+from services.gateway.waiting import Full, Line, Waiter, WaitingRoom
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -116,6 +121,9 @@ _STATUS = web.RequestKey("llmgw_status", int)
 # _SENT: the replicas a woken request was sent to (its wake's send counted once).
 _SENT = web.RequestKey("llmgw_sent", tuple)
 _KEY = web.RequestKey("llmgw_key", Key)
+# _TOOK: the tokens (prompt and completion) a request's answer took, what its key's
+# reservation is settled to at its end.
+_TOOK = web.RequestKey("llmgw_took", int)
 # _HELD: the bytes of the budget (`guard.Budget`) this request's body holds.
 _HELD = web.RequestKey("llmgw_held", int)
 _BOUNDARY = web.AppKey("llmgw_boundary", guard.Boundary)
@@ -215,6 +223,9 @@ class _Head(msgspec.Struct, forbid_unknown_fields=False):
     stream: Any = False
     user: Any = None
     stream_options: Any = msgspec.UNSET
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    n: Any = None
 
 
 _head = msgspec.json.Decoder(_Head)
@@ -243,13 +254,15 @@ def _usage(doc: bytes) -> tuple[int, int]:
     return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
 
 
-def _stream_usage(tail: bytes) -> tuple[int, int]:
+def _stream_usage(tail: bytes) -> tuple[int, int] | None:
     """The usage of a stream's last `data:` event that has one (a client that asked for
-    `stream_options.include_usage` gets such a chunk last); (0, 0) without."""
+    `stream_options.include_usage` gets such a chunk last); None without."""
     for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data: {") and b'"usage"' in line:
-            return _usage(line[6:])
-    return 0, 0
+            got = _usage(line[6:])
+            if got != (0, 0):
+                return got
+    return None
 
 
 @dataclass
@@ -279,8 +292,11 @@ class Refusal(Exception):
         kind: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
         words: str = "",
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.param = param
+        """The request's field at fault, as OpenAI's errors name it (`param`)."""
         self.status = status
         self.message = message
         self.reason = reason
@@ -291,7 +307,10 @@ class Refusal(Exception):
         would not tell an operator which limit and for how long."""
 
     def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.kind, "code": self.reason}}
+        error: dict[str, Any] = {"message": self.message, "type": self.kind, "code": self.reason}
+        if self.param is not None:
+            error["param"] = self.param
+        body = {"error": error}
         said = f"{self.reason}: {self.words}" if self.words else self.reason
         # A header is ASCII without control characters: an owner's name in other letters
         # is escaped there (the body's message keeps it as it is).
@@ -369,6 +388,9 @@ class Gateway:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     min_wait_s: float = MIN_WAIT_S
     demand_interval_s: float = DEMAND_INTERVAL_S
+    plane: tuple[str, ...] = ()
+    """The plane's other listeners (the dashboard's, the broker's URL), whose ports no
+    replica's endpoint may name; the gateway's own always counts (`plane.Ports`)."""
     nc: Any = None
     """The broker connection to answer draining agents on (`_answer_inflight`); None:
     agents get no answer from this gateway, and stop their servers without it."""
@@ -403,8 +425,11 @@ class Gateway:
         self._stopping = False
         self._buckets: dict[bytes, ratelimit.Buckets] = {}
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
+        self._scope = scope.Scope()
         self._owners_seen: tuple[Any, ...] | None = None
         self._owners_said: str | None = None
+        self._replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
+        self._plane = plane.Ports(self.plane)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -430,6 +455,7 @@ class Gateway:
     ) -> None:
         """Follow the log and serve until `stop`."""
         sock = sock or self.bind()
+        self._plane = plane.Ports((self.url, *self.plane))
         await self.follower.load_snapshot()
         follow = self.follower.start()
         try:
@@ -553,16 +579,27 @@ class Gateway:
     async def _answer_inflight(self, msg: Any) -> None:
         """A draining agent asks how many requests this gateway has in flight on one of
         its replicas, and whether it would still route new ones there
-        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts")."""
-        rid = subjects.replica_of_inflight(msg.subject)
-        if rid is None or not msg.reply:
+        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts").
+        Answered only on a reply under the asking node's agent inbox, and only about a
+        replica on that node (`services.bus.replies`): a question about another node's
+        replica, or one whose reply goes elsewhere, gets no answer. A replica this view
+        does not hold is answered as nothing in flight and not routable: nothing new
+        goes to it, and a count of one it dropped names no node."""
+        asked = subjects.inflight_asked(msg.subject)
+        if asked is None:
+            return
+        node, rid = asked
+        if not self._replies.allows(node, msg.subject, msg.reply):
             return
         view = self.follower.view
         r = view.replicas.get(rid)
+        if r is not None and node not in r.nodes:
+            self._replies.refuse(msg.subject, f"replica {rid} is not on node {node}")
+            return
         answer = inflight.InflightAnswer(
             gateway=self.id,
             replica=rid,
-            inflight=self.router.inflight.get(rid, 0),
+            inflight=self.router.inflight.get(rid, 0) if r is not None else 0,
             routable=r is not None and routing.routable(view, r, new_session=False),
             seq=self.follower.seq,
         )
@@ -608,21 +645,29 @@ class Gateway:
             )
         return key
 
-    def _admit(self, key: Key) -> None:
-        """One more request of `key` taken by its limits, or a 429 saying which and for
-        how long (`services.core.ratelimit`)."""
-        limits = key.limits
+    def _admit(self, key: Key, reserve: int, take: bool = True) -> float:
+        """One more request of `key`, which may take `reserve` tokens, taken by its
+        limits: the tokens reserved for it (settled by `_settle` at its end), or a 429
+        saying which limit and for how long (`services.core.ratelimit`). Not `take`: only
+        whether its rpm refuses it (known before its body is read; what it may take of
+        its tpm is not), its buckets left as they are."""
+        limits = key.limits if take else ratelimit.Limits(rpm=key.limits.rpm)
         if limits.rpm is None and limits.tpm is None:
-            return
+            return 0.0
         a = ratelimit.admit(
-            limits, self._buckets.get(key.digest, ratelimit.Buckets()), self.clock()
+            limits,
+            self._buckets.get(key.digest, ratelimit.Buckets()),
+            self.clock(),
+            reserve if limits.tpm is not None else 0,
         )
-        self._buckets[key.digest] = a.buckets
         if a.over is None:
-            return
+            if take:
+                self._buckets[key.digest] = a.buckets
+            return a.reserved
         # A limit of 0 never refills: the key is shut, and told to come back in an hour.
         shut = not math.isfinite(a.wait_s)
         retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
+        limits = key.limits
         if a.over == "rpm":
             said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
         else:
@@ -632,20 +677,35 @@ class Gateway:
         self.labelled.of(self.metrics.limited, key.owner, a.over).inc()
         raise Refusal(
             429,
-            f"rate limit: {words} ({self.keys.path if self.keys else 'keys'}:{key.line})",
+            # The client is told its key's limit in words, never where the keys file is
+            # on the gateway's host or which line of it is theirs.
+            f"rate limit: {words}",
             "rate_limit_exceeded",
             kind=kind,
             headers={"Retry-After": str(retry)},
             words=words,
         )
 
+    def _settle(self, key: Key, reserved: float, took: int) -> None:
+        """A request of `key` admitted with `reserved` tokens has ended having taken
+        `took`: its key's token bucket settled to that."""
+        if key.limits.tpm is None:
+            return
+        b = self._buckets.get(key.digest, ratelimit.Buckets())
+        self._buckets[key.digest] = ratelimit.settle(key.limits, b, self.clock(), reserved, took)
+
+    def _visible(self, key: Key | None, d: ev.ModelDeclared) -> bool:
+        """Whether the request's key may use the declared model `d` (`services.gateway.scope`);
+        every model without keys."""
+        return key is None or self._scope.may_use(key.owner, d, self.follower.view.state.quota)
+
     async def _models(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        key = self._authorize(request)
         view = self.follower.view
         data = []
         for d in sorted(view.state.models.values(), key=lambda d: d.name):
             m = view.catalog.resolve(d.name)
-            if m is None:
+            if m is None or not self._visible(key, d):
                 continue
             ready = len(routing.candidates(view, m))
             for name in (m.name, *(a for a in m.aliases if view.catalog.resolve(a) is m)):
@@ -664,7 +724,7 @@ class Gateway:
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         self.counts.requests += 1
         t0 = time.perf_counter()
-        request[_MODEL] = UNKNOWN
+        request[_MODEL] = NOT_READ
         request[_T0] = t0
         status = 499  # the client went away before an answer (nginx's number for it)
         # One span a request, SERVER kind, a child of the client's traceparent if it sent
@@ -720,11 +780,52 @@ class Gateway:
         key = self._authorize(request)
         if key is not None:
             request[_KEY] = key
-            self._admit(key)
+            # A key over its rpm already is refused before its body is read.
+            self._admit(key, 0, take=False)
         body = await self._read_body(request)
+        request[_MODEL] = UNKNOWN  # read, and until it parses, naming no model
         head = _parse(body)
+        request[_MODEL] = self._label(head.model, key)
+        if key is None:
+            return await self._routed(request, None, body, head)
+        reserve = tokens.reservation(
+            head.max_tokens,
+            head.max_completion_tokens,
+            head.n,
+            len(body),
+            completes=request.path != "/v1/embeddings",
+        )
+        reserved = self._admit(key, reserve)
+        try:
+            return await self._routed(request, key, body, head)
+        finally:
+            if reserved or key.limits.tpm is not None:
+                self._settle(key, reserved, request.get(_TOOK, 0))
+
+    def _label(self, name: str, key: Key | None) -> str:
+        """The model a request's metrics count it under, as soon as its body is read (a
+        refusal for its tpm counts under its model): a declared model the key may use,
+        by its name; anything else `(unknown)`."""
+        view = self.follower.view
+        m = view.catalog.resolve(name)
+        if m is None:
+            return UNKNOWN
+        d = view.state.models.get(m.name)
+        if key is not None and d is not None and not self._visible(key, d):
+            return UNKNOWN
+        return m.name
+
+    async def _routed(
+        self, request: web.Request, key: Key | None, body: bytes, head: _Head
+    ) -> web.StreamResponse:
         view = self.follower.view
         m = view.catalog.resolve(head.model)
+        if m is not None and key is not None:
+            d = view.state.models.get(m.name)
+            if d is not None and not self._visible(key, d):
+                # Another tenant's model is not there for this key: the same 404 as a
+                # name nobody declared, and nothing done for it (no wait, no demand).
+                m = None
         if m is None and len(head.model) > MAX_NAME:
             # No model has such a name, and comparing one this long with every name
             # would hold the loop (difflib is quadratic): said without a did-you-mean.
@@ -736,7 +837,12 @@ class Gateway:
                 kind="invalid_request_error",
             )
         if m is None:
-            known = [n for d in view.state.models.values() for n in (d.name, *d.aliases)]
+            known = [
+                n
+                for d in view.state.models.values()
+                if self._visible(key, d)
+                for n in (d.name, *d.aliases)
+            ]
             hint = names.did_you_mean(head.model, known)
             raise Refusal(
                 404,
@@ -771,7 +877,7 @@ class Gateway:
         held: web.StreamResponse | None = None
         if r is None:
             try:
-                r, held = await self._wait(request, m, session, stream)
+                r, held = await self._wait(request, m, session, stream, key)
             except _Answered as a:
                 return a.resp
         try:
@@ -863,13 +969,18 @@ class Gateway:
             return
         m = self.follower.view.catalog.resolve(r.model)
         line = None if m is None else self.room.lines.get(m.name)
-        if line is not None and line.waiters:
+        if line is not None and len(line):
             self._serve(line)
 
     # ------------------------------------------------------------------ waiting room
 
     async def _wait(
-        self, request: web.Request, m: catalog.Model, session: str | None, stream: bool
+        self,
+        request: web.Request,
+        m: catalog.Model,
+        session: str | None,
+        stream: bool,
+        key: Key | None = None,
     ) -> tuple[Any, web.StreamResponse | None]:
         """Hold the request in its model's line until a replica can take it: the
         replica (counted in flight) and, for a stream, the 200 already sent. A Refusal
@@ -880,7 +991,22 @@ class Gateway:
         since = line.since if line is not None and line.since is not None else now
         # A model with replicas to route to is busy, not unplaced: its requests wait for
         # a slot, whatever the plane says of placing more.
-        cannot = None if routing.candidates(view, m) else coldstart.unplaceable(view, m, now, since)
+        routed = bool(routing.candidates(view, m))
+        # Replicas on a lost node within its grace: counted live, so the plane places no
+        # other until the grace ends, and nothing a request waits 30 s for. Said at once,
+        # naming the node, with when a replica should be there again.
+        lost = None if routed else coldstart.stranded(view, m, now)
+        if lost is not None:
+            said = lost.words(m.name, now)
+            raise Refusal(
+                503,
+                said,
+                "node_lost",
+                kind="api_error",
+                headers={"Retry-After": str(lost.retry_after)},
+                words=said,
+            )
+        cannot = None if routed else coldstart.unplaceable(view, m, now, since)
         if cannot is not None:
             raise _unplaceable(cannot)
         look = coldstart.outlook(view, m, now, floor_s=self.min_wait_s)
@@ -889,12 +1015,21 @@ class Gateway:
         if told is not None:
             bound = min(bound, told * CLIENT_TIMEOUT_SHARE)
         try:
-            w = self.room.join(m, session, now)
-        except Full:
-            said = (
-                f"{self.room.per_model} requests already wait for {m.name}, the most one "
-                f"model may have waiting; it should be ready in about {look.retry_after}s"
-            )
+            w = self.room.join(m, session, now, None if key is None else key.owner)
+        except Full as full:
+            if full.owner is None:
+                said = (
+                    f"{self.room.per_model} requests already wait for {m.name}, the most "
+                    "one model may have waiting; it should be ready in about "
+                    f"{look.retry_after}s"
+                )
+            else:
+                said = (
+                    f"the share of {full.owner} of the line for {m.name} is full: it has "
+                    f"{full.held} of the {self.room.per_model} requests that may wait "
+                    f"({full.share} a tenant while others wait); it should be ready in "
+                    f"about {look.retry_after}s"
+                )
             raise Refusal(
                 429,
                 said,
@@ -903,6 +1038,8 @@ class Gateway:
                 headers={"Retry-After": str(look.retry_after)},
                 words=said,
             ) from None
+        if w.displaced is not None:
+            self._displace(w.displaced, m, look.retry_after)
         line = self.room.lines[m.name]
         span = request[_SPAN]
         span.set_attribute("llmgw.held", True)
@@ -963,6 +1100,29 @@ class Gateway:
                 elif not w.fut.done():
                     w.fut.cancel()
 
+    def _displace(self, w: Waiter, m: catalog.Model, retry_after: int) -> None:
+        """`w` pushed out of a full line for a request of an owner under its share."""
+        w.displaced = None
+        if w.fut.done():
+            return
+        line = self.room.lines.get(m.name)
+        share = self.room.per_model // max(1, len(line.queues) if line is not None else 1)
+        said = (
+            f"the share of {w.owner} of the line for {m.name} is full: {share} a tenant "
+            f"while others wait, and another tenant's request took this one's place; it "
+            f"should be ready in about {retry_after}s"
+        )
+        w.fut.set_exception(
+            Refusal(
+                429,
+                said,
+                "queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(retry_after)},
+                words=said,
+            )
+        )
+
     def _serve(self, line: Line) -> None:
         """Release the head of `line` to replicas with room, in order, each counted in
         flight as it is released; a model no longer declared refuses its line (404)."""
@@ -979,9 +1139,8 @@ class Gateway:
             )
             return
         limit = routing.admit_limit(view, m, self.inflight_factor)
-        waiters = line.waiters
-        while waiters:
-            w = waiters[0]
+        while len(line):
+            w = line.head()
             if w.fut.done():
                 line.pop()
                 continue
@@ -995,7 +1154,7 @@ class Gateway:
             w.fut.set_result(r)
 
     def _refuse(self, line: Line, refusal: Refusal) -> None:
-        while line.waiters:
+        while len(line):
             w = line.pop()
             if not w.fut.done():
                 w.fut.set_exception(refusal)
@@ -1010,7 +1169,7 @@ class Gateway:
         if isinstance(event, ev.ReplicaStateEvent) and event.data.state == "ready":
             m = self.follower.view.catalog.resolve(event.data.model)
             line = None if m is None else self.room.lines.get(m.name)
-            if line is not None and line.waiters:
+            if line is not None and len(line):
                 line.woken_at = time.perf_counter()
         if isinstance(event, _VERDICTS):
             view = self.follower.view
@@ -1076,7 +1235,7 @@ class Gateway:
                         err,
                     )
                 if not waiting:
-                    if line.waiters:
+                    if len(line):
                         continue  # a request came while the end was being said
                     return
                 # The next report a second on, or the end as soon as the line empties.
@@ -1146,6 +1305,8 @@ class Gateway:
         if woken is not None and r.id not in request.get(_SENT, ()):
             self.counts.sends.append(time.perf_counter() - woken)
             request[_SENT] = (r.id,)
+        if self._plane.refuses(r.endpoint):
+            raise _Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
         try:
             upstream = await self._http.post(
                 f"{r.endpoint}{request.path}", data=body, headers=headers
@@ -1171,6 +1332,10 @@ class Gateway:
             raise _Unreachable(f"not HTTP: {e.message}", garbage=True) from None
         except aiohttp.ClientError as e:
             raise _Unreachable(f"{type(e).__name__}: {e}", garbage=True) from None
+        # A stream's JSON events sent to its client, what it took if it is cut short
+        # (`services.gateway.tokens`); `counted` once its use is.
+        sent = 0
+        counted = True
         try:
             if upstream.status == 503:
                 # A server that says it cannot take it (draining, overloaded) has done
@@ -1195,7 +1360,7 @@ class Gateway:
                 data = await self._whole(upstream, r.id)
                 self._first_byte(request)
                 if upstream.status < 400:
-                    self._used(r, *_usage(data), request.get(_KEY))
+                    self._used(r, *_usage(data), request)
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
             if held is None:
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -1207,6 +1372,7 @@ class Gateway:
             tail = bytearray()
             first = True
             cut = streams.Strip() if strip else None
+            counted = False
             try:
                 async for chunk in upstream.content.iter_any():
                     if cut is not None:
@@ -1218,11 +1384,13 @@ class Gateway:
                         if len(tail) > 2 * TAIL_BYTES:
                             del tail[:-TAIL_BYTES]
                     await resp.write(chunk)
+                    sent += tokens.events(chunk)
                     if first:
                         self._first_byte(request)
                         first = False
                 if cut is not None and (rest := cut.end()):
                     await resp.write(rest)
+                    sent += tokens.events(rest)
             except (aiohttp.ClientError, TimeoutError) as e:
                 # Past the first byte there is no status left to change: the stream is
                 # cut, and the client sees it end without `data: [DONE]`.
@@ -1236,20 +1404,24 @@ class Gateway:
                 upstream.close()
                 if request.transport is not None:
                     request.transport.close()
+                if upstream.status < 400:
+                    self._used(r, tokens.prompt_estimate(len(body)), sent, request)
+                counted = True
                 return resp
-            await resp.write_eof()
             if upstream.status < 400:
-                tokens = (
-                    cut.tokens or (0, 0)
-                    if cut is not None
-                    else _stream_usage(bytes(tail[-TAIL_BYTES:]))
-                )
-                self._used(r, *tokens, request.get(_KEY))
+                used = cut.tokens if cut is not None else _stream_usage(bytes(tail[-TAIL_BYTES:]))
+                # A stream that ended without its usage chunk is counted as one cut.
+                self._used(r, *(used or (tokens.prompt_estimate(len(body)), sent)), request)
+            counted = True
+            await resp.write_eof()
             return resp
         except BaseException:
             # However it ends early (a client gone, a cancel): the upstream request ends
-            # with it, its connection closed, not returned to the pool half read.
+            # with it, its connection closed, not returned to the pool half read; what
+            # its client was sent of a stream is counted.
             upstream.close()
+            if not counted and upstream.status < 400:
+                self._used(r, tokens.prompt_estimate(len(body)), sent, request)
             raise
         finally:
             upstream.release()
@@ -1264,9 +1436,14 @@ class Gateway:
 
     # ------------------------------------------------------------------ use
 
-    def _used(self, r: Any, tokens_in: int, tokens_out: int, key: Key | None = None) -> None:
-        """Count one request `r` answered (sent with `key`), for its next `replica.used`,
-        and charge its tokens to the key's limit."""
+    def _used(
+        self, r: Any, tokens_in: int, tokens_out: int, request: web.Request | None = None
+    ) -> None:
+        """Count one request `request` that `r` answered, for its next `replica.used`,
+        and what it took for its key's limit (settled as it ends)."""
+        key = None if request is None else request.get(_KEY)
+        if request is not None:
+            request[_TOOK] = tokens_in + tokens_out
         u = self._use.get(r.id)
         now = utc_now()
         if u is None:
@@ -1282,11 +1459,6 @@ class Gateway:
         o[2] += tokens_out
         self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
         self.labelled.of(self.metrics.owner_tokens, key.owner, "out").inc(tokens_out)
-        if key.limits.tpm is not None:
-            b = self._buckets.get(key.digest, ratelimit.Buckets())
-            self._buckets[key.digest] = ratelimit.charge(
-                key.limits, b, self.clock(), tokens_in + tokens_out
-            )
 
     async def _report_use(self, stop: asyncio.Event) -> None:
         tick = min(self.used_interval_s, USED_TICK_S)
@@ -1404,7 +1576,41 @@ def _parse(body: bytes) -> _Head:
         ) from None
     if not isinstance(head.model, str) or not head.model:
         raise Refusal(400, "the request names no model (a string `model` field)", "missing_model")
+    # Read as the server will, or refused: a server that reads `"stream": "true"` as true
+    # streams an answer the gateway would pass, and count, as a whole one.
+    if head.stream.__class__ is not bool:
+        if head.stream is not None:
+            raise _invalid_type("stream", "a boolean", head.stream)
+        head.stream = False
+    if head.max_tokens is not None and not _tokens(head.max_tokens):
+        raise _invalid_type("max_tokens", _TOKENS, head.max_tokens)
+    if head.max_completion_tokens is not None and not _tokens(head.max_completion_tokens):
+        raise _invalid_type("max_completion_tokens", _TOKENS, head.max_completion_tokens)
     return head
+
+
+_TOKENS = "a whole number of tokens (0 or more)"
+
+
+def _tokens(value: Any) -> bool:
+    return value.__class__ is int and value >= 0
+
+
+_JSON_TYPES = {str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _invalid_type(field: str, expected: str, value: Any) -> Refusal:
+    """400 for a field of the request the gateway reads and the server would read
+    otherwise, in the shape of OpenAI's own (`code` invalid_type, `param` the field)."""
+    got = _JSON_TYPES.get(type(value), "an object" if isinstance(value, dict) else "a list")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        got = f"{value!r:.20}"
+    return Refusal(
+        400,
+        f"invalid type for `{field}`: expected {expected}, got {got}",
+        "invalid_type",
+        param=field,
+    )
 
 
 def _answer_too_big(rid: str) -> Refusal:

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
-from services.core import preemption
+from services.core import fold, preemption
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history, render
@@ -102,7 +102,7 @@ class Use:
     """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
 
     def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
-        if self.last is None or e.data.at >= self.last[1].data.at:
+        if self.last is None or fold.used_at(e) >= fold.used_at(self.last[1]):
             self.last = (seq, e)
         if e.data.requests is not None:
             self.reports += 1
@@ -273,7 +273,9 @@ class Explainer:
         if use is not None:
             self._last_used(st, use)
         st.line("")
-        if r.preempted_for is not None or r.drain_reason == "preempted":
+        if r.failed_on and r.drain_reason in (None, "shard_failed"):
+            self._shard_failed(st, r)
+        elif r.preempted_for is not None or r.drain_reason == "preempted":
             self._preempted(st, r, view)
         elif r.drain_reason == "scale_down" or r.retiring_at is not None:
             self._scaled_down(st, r)
@@ -291,7 +293,10 @@ class Explainer:
         assert use.last is not None
         seq, e = use.last
         d = e.data
-        line = f"  last used {stamp(d.at)} ({ago(d.at, st.now)}): seq {seq} replica.used from {e.source}"
+        at = fold.used_at(e)
+        line = (
+            f"  last used {stamp(at)} ({ago(at, st.now)}): seq {seq} replica.used from {e.source}"
+        )
         if d.requests is not None:
             line += (
                 f", {plural(d.requests, 'request')}, tokens in {d.tokens_in or 0} / "
@@ -312,7 +317,7 @@ class Explainer:
             more = f", and {len(top) - SHOWN_OWNERS} more" if len(top) > SHOWN_OWNERS else ""
             st.line(f"  by owner: {said}{more}")
         st.facts["last_used"] = {
-            "at": d.at.isoformat().replace("+00:00", "Z"),
+            "at": at.isoformat().replace("+00:00", "Z"),
             "seq": seq,
             "source": e.source,
             "requests": d.requests,
@@ -565,6 +570,20 @@ class Explainer:
         drain = self._drain(r)
         st.line(f"why: drained ({r.drain_reason})")
         st.facts["why"] = r.drain_reason
+        if drain is not None:
+            seq, dr = drain
+            st.line(f"  drain      {self._ref(seq, dr, st.now)} by {dr.source}")
+
+    def _shard_failed(self, st: Story, r: ReplicaRecord) -> None:
+        """A gang one of whose shards failed: which, why, and what became of the others."""
+        st.line(f"why: a shard failed: {_broke(r)}")
+        st.facts["why"] = "shard_failed"
+        st.facts["failed_on"] = list(r.failed_on)
+        st.facts["reason"] = r.reason
+        for node in r.nodes:
+            if node not in r.failed_on:
+                st.line(f"  shard on {node}: {_after(r, node)}")
+        drain = self._drain(r)
         if drain is not None:
             seq, dr = drain
             st.line(f"  drain      {self._ref(seq, dr, st.now)} by {dr.source}")
@@ -1027,15 +1046,18 @@ class Explainer:
             for g in gpus
         ]
         # The replicas the fold failed for what the node became: lost past its grace, or
-        # a report that no longer has their GPUs (fewer, another model, smaller).
+        # a report that no longer has their GPUs (fewer, another model, smaller). A gang
+        # failed elsewhere is not one of them: its shard here failed because another did
+        # (`failed_on`), and was drained.
         failed = sorted(
             (
                 r
                 for r in s.replicas.values()
-                if r.state == "failed"
+                if (r.state == "failed" or name in r.failed_on)
                 and r.reason is not None
                 and r.reason.startswith(("node lost", f"node {name} no longer"))
                 and any(sh.node == name for sh in r.shards)
+                and (not r.failed_on or name in r.failed_on)
             ),
             key=lambda r: r.updated_at,
         )[-RECENT:]
@@ -1046,6 +1068,33 @@ class Explainer:
                 st.line(f"  {r.id} ({r.model}) {stamp(r.updated_at)}: {r.reason}")
         st.facts["failed"] = [
             {"replica": r.id, "model": r.model, "reason": r.reason} for r in failed
+        ]
+        broken = sorted(
+            (
+                r
+                for r in s.replicas.values()
+                if r.failed_on
+                and name not in r.failed_on
+                and any(sh.node == name for sh in r.shards)
+            ),
+            key=lambda r: r.updated_at,
+        )[-RECENT:]
+        if broken:
+            st.line("")
+            st.line(f"shards here of replicas that failed on another node (the last {len(broken)})")
+            for r in broken:
+                st.line(
+                    f"  a shard of {r.id} ({r.model}) failed because {_broke(r)}; {_after(r, name)}"
+                )
+        st.facts["shard_failed"] = [
+            {
+                "replica": r.id,
+                "model": r.model,
+                "failed_on": list(r.failed_on),
+                "reason": r.reason,
+                "stopped": name in r.stopped_on,
+            }
+            for r in broken
         ]
         entries = self.timeline.entries
         moves = [
@@ -1075,6 +1124,26 @@ class Explainer:
         st.timeline = list(entries)
         st.tail = TIMELINE_TAIL
         return st
+
+
+def _broke(r: ReplicaRecord) -> str:
+    """Why a gang failed, in words naming the nodes whose shards failed (`failed_on`)."""
+    where = ", ".join(r.failed_on)
+    why = r.reason or ""
+    if why.startswith("node lost"):
+        return f"{where} {'was' if len(r.failed_on) == 1 else 'were'} lost ({why})"
+    if why.startswith("node ") and " no longer has its GPUs" in why:
+        return why.split(":", 1)[0].replace(" has ", " had ")
+    return f"its shard on {where} failed ({why or 'no reason given'})"
+
+
+def _after(r: ReplicaRecord, node: str) -> str:
+    """What became of a failed gang's shard on `node`: stopped, or held until it is."""
+    if node in r.stopped_on:
+        return "drained, and stopped"
+    if node in r.drained_on:
+        return "drained; its GPUs stay held until it says stopped"
+    return "not drained yet; its GPUs stay held until it says stopped"
 
 
 def _leaving(r: ReplicaRecord) -> str:

@@ -79,8 +79,10 @@ HEARTBEAT_S = 1.0
 
 
 class _Beat(msgspec.Struct):
-    """What the scheduler reads of a heartbeat: how often its agent sends them."""
+    """What the scheduler reads of a heartbeat: the node it is from (which must be the
+    subject's) and how often its agent sends them."""
 
+    node: str
     every: float = HEARTBEAT_S
 
 
@@ -210,13 +212,13 @@ class Scheduler:
         token = msg.subject.rsplit(".", 1)[-1]
         try:
             node = names.unescape(token)
-        except names.TokenError:
-            return
+            beat = _beat.decode(msg.data)
+        except (names.TokenError, msgspec.DecodeError, msgspec.ValidationError):
+            return  # not a heartbeat: the subject alone says nothing of a node
+        if beat.node != node:
+            return  # a body naming another node than its subject's: not a heartbeat
         self._heard[node] = time.monotonic()
-        try:
-            every = _beat.decode(msg.data).every
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
+        every = beat.every
         if every > self._every and every < self.config.node_timeout_s:
             self._every = every
 

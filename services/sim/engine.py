@@ -811,8 +811,11 @@ class Engine:
         """A drain of one shard of a replica on several nodes: that node's agent says
         draining, then, in the model's stop time, that its shard stopped; the replica
         stops with its last shard (the fold's rule)."""
-        if node in a.draining or node in self._down or a.state in ("stopped", "failed"):
+        if node in a.draining or node in self._down or a.state == "stopped":
             return
+        rec = self.view.state.replicas.get(rid)
+        if rec is None or not rec.holds_capacity:
+            return  # a gang failed with a node holds its other shards until they stop
         if not a.draining:
             a.gen += 1  # the start's steps still to come are not said
         a.draining += (node,)

@@ -77,6 +77,20 @@ def start_cmd(
     )
 
 
+def placement_of(start: ev.ReplicaStartEvent) -> ev.PlacementDecidedEvent:
+    """The `placement.decided` a scheduler publishes before `start`: only a placement
+    makes a replica, so a view follows an agent's reports only after it."""
+    d = start.data
+    return ev.PlacementDecidedEvent(
+        id=new_id(),
+        time=start.time,
+        source="scheduler",
+        data=ev.PlacementDecided(
+            replica=d.replica, model=d.model, profile=d.profile, shards=d.shards, reason="test"
+        ),
+    )
+
+
 def drain_cmd(
     replica: str, model: str = "llama-70b", grace_s: float = 0.05
 ) -> ev.ReplicaDrainEvent:

@@ -161,3 +161,56 @@ def test_a_hold_says_when_it_ends() -> None:
     assert got.retry_after_s == pytest.approx(60)
     assert "gave up its room for big" in got.reason
     assert coldstart.unplaceable(log.view, _model(log), at(11), since=at(9)) is None
+
+
+def test_a_model_on_a_lost_node_is_stranded_until_its_grace_ends_or_the_node_is_back() -> None:
+    from services.cli import status
+    from tests.scenario import Scenario
+
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "8xH100-80GB")
+    s.node("n2", "8xH100-80GB")
+    s.model("chat", cls="critical", min=1, profiles=["tp4:4"])
+    s.replica("c1", "chat", on=("n2", [0, 1, 2, 3]), created="-10m", ready="-9m")
+    s.at("+0s")
+    s.emit(ev.NodeLost(node="n2", reason="no heartbeat for 16s", grace_s=60))
+    v = s.view()
+    m = v.catalog.resolve("chat")
+    assert m is not None
+    now = v.state.time
+    assert now is not None
+    got = coldstart.stranded(v, m, now)
+    assert got is not None and got.nodes == ("n2",) and got.reason == "no heartbeat for 16s"
+    assert got.until == now + timedelta(seconds=60)
+    # The grace's rest, then a start as long as its last one (a minute).
+    assert got.retry_after == 120
+    words = got.words("chat", now)
+    assert words.startswith("chat is not routed: its replicas are on node n2, lost (")
+    assert "they fail at 14:01:00 UTC (in 60s) unless n2 is back" in words
+    # status: 1/1 live, and why the gateway sends it nothing.
+    row = next(x for x in status.summary(v, 0, now)["models"] if x["model"] == "chat")
+    assert row["live"] == 1
+    assert (
+        status.model_note(row)
+        == "not routed: node n2 lost; fail at 2026-11-29T14:01:00Z unless back"
+    )
+    # Back: nothing stranded.
+    s.emit(ev.NodeFound(node="n2"))
+    v = s.view()
+    assert coldstart.stranded(v, m, now) is None
+
+
+def test_a_replica_starting_elsewhere_is_no_strand() -> None:
+    from tests.scenario import Scenario
+
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "8xH100-80GB")
+    s.node("n2", "8xH100-80GB")
+    s.model("chat", cls="critical", min=1, max=2, profiles=["tp4:4"])
+    s.replica("c1", "chat", on=("n2", [0, 1, 2, 3]), ready="-9m")
+    s.replica("c2", "chat", on=("n1", [0, 1, 2, 3]))
+    s.emit(ev.NodeLost(node="n2", reason="gone", grace_s=60))
+    v = s.view()
+    m = v.catalog.resolve("chat")
+    assert m is not None and v.state.time is not None
+    assert coldstart.stranded(v, m, v.state.time) is None

@@ -162,10 +162,9 @@ def preempted_for_comes_from_the_drain(log: Log) -> None:
     assert r.preempted_for == "big" and r.retiring_at is None and r.drain_reason == "preempted"
 
 
-def created_at_from_first_state_without_placement(log: Log) -> None:
-    log.add(MODEL)
-    log.add(inventory())
-    log.add(state("r9", "loading"), 7)
+def created_at_from_the_placement(log: Log) -> None:
+    placed(log, "r9", 7)
+    log.add(state("r9", "loading"), 8)
     r = log.view.replicas["r9"]
     assert r.created_at == at(7) and r.ready_at is None
     assert log.view.inventory.allocation("r9") is not None
@@ -375,7 +374,7 @@ CASES: list[Callable[[Log], None]] = [
     times_are_derived_from_events,
     unknown_use_is_not_idle,
     preempted_for_comes_from_the_drain,
-    created_at_from_first_state_without_placement,
+    created_at_from_the_placement,
     duplicates_are_harmless,
     placement_decided_twice_is_one_replica,
     stopped_releases_capacity,

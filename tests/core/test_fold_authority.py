@@ -36,7 +36,7 @@ ON_A = (ev.ShardSpec(node="A", gpus=(0, 1)),)
         pytest.param(
             ev.ReplicaState(replica="r1", model="m", profile="p", state="stopped", shards=ON_A),
             "A",
-            "is placed on B, not A",
+            "is placed on B[0,1], not A[0,1]",
             id="an agent cannot move another node's replica to itself",
         ),
         pytest.param(

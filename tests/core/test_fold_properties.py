@@ -244,7 +244,8 @@ def _walked(view: View) -> Indexes:
     """The same, by walking every replica ever placed."""
     reps = view.replicas.values()
     current = [r.id for r in reps if r.state in ev.HOLDING_STATES]
-    failed = [r.id for r in reps if r.state == "failed" and r.updated_at >= T0]
+    # A gang with a failed shard counts from that shard's failure (`failed_on`).
+    failed = [r.id for r in reps if (r.state == "failed" or r.failed_on) and r.updated_at >= T0]
     timed_out = _timed_out_walked(view, T0)
     loads: dict[str, list[float]] = {}
     of_model: dict[str, list[str]] = {}
@@ -298,9 +299,14 @@ def test_the_replica_indexes_are_what_a_walk_over_every_replica_finds(
     for view in (whole, restored):
         assert _indexes(view) == _walked(view)
         want = [
-            r.id for r in view.replicas.values() if r.state == "failed" and r.updated_at >= since
+            r.id
+            for r in view.replicas.values()
+            if (r.state == "failed" or r.failed_on) and r.updated_at >= since
         ]
         assert [r.id for r in view.failed_since(since)] == want
+        assert [r.id for r in view.broken()] == [
+            r.id for r in view.replicas.values() if r.failed_on and r.holds_capacity
+        ]
         assert [r.id for r in view.timed_out_since(since)] == _timed_out_walked(view, since)
         for m in MODELS:
             assert view.live_count(m) == sum(

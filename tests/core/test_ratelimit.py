@@ -99,3 +99,50 @@ def test_never_more_than_the_burst_plus_the_rate_over_any_stretch(
         if a.over is not None:
             assert rl.admit(rl.Limits(rpm=rpm), b, t + a.wait_s + 1e-9).over is None
         b = a.buckets
+
+
+def test_a_reservation_is_taken_at_admission_and_settled_to_what_the_request_took() -> None:
+    limits = rl.Limits(tpm=100)
+    # 20 requests sent together, each of up to 100 tokens: the first takes the minute,
+    # the others wait for it (they cannot each spend the same minute).
+    b = rl.Buckets()
+    admitted = []
+    for _ in range(20):
+        a = rl.admit(limits, b, 0.0, reserve=108)
+        b = a.buckets
+        if a.over is None:
+            admitted.append(a)
+    assert len(admitted) == 1 and admitted[0].reserved == 100.0
+    refused = rl.admit(limits, b, 0.0, reserve=108)
+    # A request larger than the minute waits for the bucket full: 100 tokens, a minute.
+    assert refused.over == "tpm" and refused.wait_s == pytest.approx(60.0)
+    # It took 30: the rest of its reservation is given back.
+    b = rl.settle(limits, b, 0.0, admitted[0].reserved, 30)
+    assert rl.level(b.tokens, 100, 0.0) == pytest.approx(70.0)
+    small = rl.admit(limits, b, 0.0, reserve=20)
+    assert small.over is None and small.reserved == 20.0
+    # It took more than it reserved: the key owes the difference.
+    b = rl.settle(limits, small.buckets, 0.0, small.reserved, 90)
+    assert rl.level(b.tokens, 100, 0.0) == pytest.approx(-20.0)
+    # Settling never fills past a minute's worth; a key without tpm is left as it was.
+    full = rl.settle(limits, rl.Buckets(), 0.0, 100.0, 0)
+    assert rl.level(full.tokens, 100, 0.0) == 100.0
+    assert rl.settle(rl.Limits(rpm=5), b, 0.0, 10.0, 3) is b
+
+
+@given(
+    tpm=st.integers(min_value=1, max_value=1000),
+    asks=st.lists(st.integers(min_value=0, max_value=2000), min_size=1, max_size=100),
+)
+def test_requests_in_flight_together_never_reserve_past_a_minute(tpm: int, asks: list[int]) -> None:
+    """However many are sent at once, the reservations of those admitted add up to at
+    most a minute's worth, each at most what it asked for."""
+    b = rl.Buckets()
+    reserved = 0.0
+    for ask in asks:
+        a = rl.admit(rl.Limits(tpm=tpm), b, 0.0, reserve=ask)
+        b = a.buckets
+        if a.over is None:
+            reserved += a.reserved
+            assert a.reserved <= ask
+    assert reserved <= tpm + 1e-9

@@ -12,6 +12,9 @@ from tests.core.test_fold import MODEL, Log, inventory
 
 
 def _ready(log: Log, rid: str, gpu: int, endpoint: str | None = "http://n1:1") -> None:
+    shards = (ev.ShardSpec(node="n1", gpus=(gpu,)),)
+    placed = ev.PlacementDecided(replica=rid, model="m", profile="p", shards=shards, reason="fit")
+    assert log.add(placed) is None
     s = ev.ReplicaState(
         replica=rid,
         model="m",

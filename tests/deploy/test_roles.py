@@ -23,6 +23,7 @@ import nats
 import pytest
 
 from services.agent import consumers as agent_consumers
+from services.agent.agent import inbox_prefix
 from services.bus.stream import node_stream_name
 from tests.deploy.natsconf import (
     CONTROL_PASSWORD,
@@ -80,8 +81,9 @@ class Deployed:
 
 
 async def _consumers_made(url: str) -> None:
-    """The plane answers an agent's hello (and has made its consumers)."""
-    nc = await nats.connect(url)
+    """The plane answers an agent's hello (and has made its consumers): asked as the
+    agent, whose inbox is the only place the plane answers it."""
+    nc = await nats.connect(url, inbox_prefix=inbox_prefix(NODE))
     try:
         async with asyncio.timeout(20):
             while True:
@@ -111,7 +113,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         agent_log = base / "agent.log"
         agent = None
         try:
-            asyncio.run(_consumers_made(control))
+            asyncio.run(_consumers_made(r.url(NODE, agent_password(NODE))))
             with open(agent_log, "wb") as out:
                 agent = subprocess.Popen(
                     [

@@ -29,6 +29,7 @@ quota:
 models:
   - name: chat
     owner: team-a
+    shared: true
     min: 0
     profiles: [{name: tp1, gpus: 1}]
   - name: flaky

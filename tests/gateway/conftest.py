@@ -72,13 +72,18 @@ class Plane:
     async def ready(self, replica: str, model: str, endpoint: str, node: str | None = None) -> None:
         node = node or self.node
         gpu, self._gpu = self._gpu, self._gpu + 1
+        shards = (ev.ShardSpec(node=node, gpus=(gpu,)),)
+        # Placed first, as the scheduler would: a report creates no replica.
+        await self.say(
+            ev.PlacementDecided(replica=replica, model=model, profile="p", shards=shards, reason="")
+        )
         await self.say(
             ev.ReplicaState(
                 replica=replica,
                 model=model,
                 profile="p",
                 state="ready",
-                shards=(ev.ShardSpec(node=node, gpus=(gpu,)),),
+                shards=shards,
                 endpoint=endpoint,
             ),
             node=node,

@@ -137,6 +137,10 @@ async def test_a_lost_node_leaves_routing_and_a_cordoned_one_keeps_its_sessions(
     a = await servers("nd-a", "nodes")
     b = await servers("nd-b", "nodes")
     await plane.ready("nd-a", "nodes", a.endpoint)
+    on_other = (ev.ShardSpec(node=other, gpus=(0,)),)
+    await plane.say(
+        ev.PlacementDecided(replica="nd-b", model="nodes", profile="p", shards=on_other, reason="")
+    )
     await plane.say(
         ev.ReplicaState(
             replica="nd-b",

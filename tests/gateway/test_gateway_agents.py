@@ -14,11 +14,18 @@ from nats.js.client import JetStreamContext
 
 from services.bus import EmbeddedBroker
 from tests.agent import realagent as ra
-from tests.agent.helpers import drain_cmd, start_cmd, wait_for
+from tests.agent.helpers import drain_cmd, placement_of, start_cmd, wait_for
 from tests.agent.test_process_runtime import _agent, _ports, run_agent  # noqa: F401
 from tests.gateway.conftest import Plane
 
 pytestmark = pytest.mark.timeout(60)
+
+
+async def _known(plane: Plane, node: str) -> None:
+    """Until the node's inventory is in the gateway's view: a scheduler places only on a
+    node it knows, and only a placement makes a replica."""
+    nodes = plane.gateway.follower.view.state.nodes
+    await wait_for(lambda: asyncio.sleep(0, node in nodes), bool)
 
 
 async def test_requests_reach_real_servers_and_leave_one_once_its_drain_is_folded(
@@ -31,8 +38,11 @@ async def test_requests_reach_real_servers_and_leave_one_once_its_drain_is_folde
     node = "gw-real"
     await ra.publish(js, ra.declared("real", ra.fake_runtime("--drain-s", "3")))
     _agent(run_agent, nats_server.url, node, tmp_path, "--ports", _ports(4))
+    await _known(plane, node)
     for rid, gpu in (("rr-1", 0), ("rr-2", 1)):
-        await ra.publish(js, start_cmd(rid, node, (gpu,), model="real"))
+        start = start_cmd(rid, node, (gpu,), model="real")
+        await ra.publish(js, placement_of(start))
+        await ra.publish(js, start)
     ready = [await ra.until_state(js, node, rid, "ready") for rid in ("rr-1", "rr-2")]
     ports = {s["port"] for s in ra.servers(tmp_path, node).values()}
     assert {es[-1].data.endpoint for es in ready} == {f"http://127.0.0.1:{p}" for p in ports}
@@ -85,7 +95,10 @@ async def test_a_real_agents_drain_waits_for_a_request_in_flight_through_the_gat
     extra = () if wait else ("--no-gateway-wait",)
     _agent(run_agent, nats_server.url, node, tmp_path, "--ports", _ports(2), *extra)
     rid = f"{model}-1"
-    await ra.publish(js, start_cmd(rid, node, (0,), model=model))
+    start = start_cmd(rid, node, (0,), model=model)
+    await _known(plane, node)
+    await ra.publish(js, placement_of(start))
+    await ra.publish(js, start)
     await ra.until_state(js, node, rid, "ready")
     await wait_for(
         lambda: asyncio.sleep(0, plane.gateway.follower.view.replicas.get(rid)),

@@ -21,7 +21,15 @@ from schemas import subjects
 from services.agent import SimulatedRuntime, gateways
 from services.agent.responder import Responder, Timing
 from services.gateway.server import Gateway
-from tests.agent.helpers import drain_cmd, running_agent, sim_agent, start_cmd, states, wait_for
+from tests.agent.helpers import (
+    drain_cmd,
+    placement_of,
+    running_agent,
+    sim_agent,
+    start_cmd,
+    states,
+    wait_for,
+)
 from tests.gateway.conftest import Plane
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
@@ -143,7 +151,13 @@ async def test_an_agents_drain_cuts_no_request_in_flight_through_a_gateway(
     agent = sim_agent(nc, js, node, "2xH100-80GB", runtime=runtime, gateway_wait=wait)
     async with running_agent(agent):
         rid = f"{model}-1"
-        await plane.pub.publish(start_cmd(rid, node, (0,), model=model, profile="p"), node=node)
+        start = start_cmd(rid, node, (0,), model=model, profile="p")
+        # Placed once the gateway knows the node, as a scheduler places: only a
+        # placement makes a replica.
+        nodes = plane.gateway.follower.view.state.nodes
+        await wait_for(lambda: asyncio.sleep(0, node in nodes), bool)
+        await plane.pub.publish(placement_of(start))
+        await plane.pub.publish(start, node=node)
         await wait_for(
             lambda: asyncio.sleep(0, plane.gateway.follower.view.replicas.get(rid)),
             lambda r: r is not None and r.state == "ready",

@@ -8,6 +8,7 @@ runs in this process on the module's broker; its limits' clock is the test's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -107,7 +108,9 @@ async def test_a_key_over_its_rpm_is_429_with_retry_after_until_its_minute_pays_
     )
     err = e.value.body
     assert isinstance(err, dict) and err["code"] == "rate_limit_exceeded"
-    assert err["type"] == "requests" and "keys:1" in err["message"]
+    assert err["type"] == "requests" and err["message"].startswith("rate limit: the key of team-a")
+    # The client is not told where the keys file is, nor which line of it is its key's.
+    assert str(tmp_path) not in err["message"] and "keys:" not in err["message"]
     # An owner's name in other letters is escaped in the header, kept in the message.
     with pytest.raises(openai.RateLimitError) as e:
         await client(C).chat.completions.create(model="limited", messages=HI, max_tokens=1)
@@ -133,6 +136,10 @@ async def test_a_key_over_its_rpm_is_429_with_retry_after_until_its_minute_pays_
     assert 'llmgw_gateway_rate_limited_total{limit="rpm",owner="team-a"} 3.0' in text
     assert 'llmgw_gateway_owner_requests_total{owner="team-a",status="429"} 3.0' in text
     assert 'llmgw_gateway_owner_requests_total{owner="team-b",status="200"} 5.0' in text
+    # Refused before its body was read, the model was never known: not "(unknown)", a
+    # name nobody declared, but "(not read)".
+    assert 'llmgw_gateway_requests_total{model="(not read)",status="429"} 4.0' in text
+    assert 'model="(unknown)",status="429"' not in text
 
 
 async def test_a_key_over_its_tpm_waits_until_the_refill_has_paid_for_its_tokens(
@@ -149,12 +156,22 @@ async def test_a_key_over_its_tpm_waits_until_the_refill_has_paid_for_its_tokens
     spent = got.usage.prompt_tokens + got.usage.completion_tokens
     with pytest.raises(openai.RateLimitError) as e:
         await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
-    # 60 tokens a minute is one a second: the debt and one more token.
-    assert e.value.response.headers["retry-after"] == str(spent - 60 + 1)
+    # 60 tokens a minute is one a second: the debt and what the next request may take
+    # (its max_tokens and its prompt, estimated from its body: a quarter of its bytes).
+    body = json.dumps({"messages": HI, "model": "tokened", "max_tokens": 1}, separators=(",", ":"))
+    retry = int(e.value.response.headers["retry-after"])
+    assert spent - 60 + 1 < retry <= spent - 60 + 1 + len(body) // 4
     assert "over its 60 tokens a minute (tpm=60)" in e.value.response.headers["x-llmgw-reason"]
     assert isinstance(e.value.body, dict) and e.value.body["type"] == "tokens"
-    clock.now += spent - 60 + 1
+    clock.now += retry - 1
+    with pytest.raises(openai.RateLimitError):
+        await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
+    clock.now += 1
     await a.chat.completions.create(model="tokened", messages=HI, max_tokens=1)
+    # Its tpm is known once its body is read: the refusals count under the model.
+    async with plane.http.get(f"{plane.url}/metrics") as r:
+        text = await r.text()
+    assert 'llmgw_gateway_requests_total{model="tokened",status="429"} 2.0' in text
 
 
 async def test_the_owner_is_in_the_span_in_replica_used_and_in_metrics(
@@ -269,16 +286,20 @@ async def test_a_key_whose_owner_is_not_in_the_folded_quota_tree_stops_the_gatew
     await asyncio.wait_for(task, 10)
 
 
-async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_no_tokens(
+async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_its_chunks(
     plane: Plane, servers: Callable[..., Awaitable[Responder]]
 ) -> None:
     await _served(plane, servers, "untouched", "un-1")
     plane.gateway.stream_usage = False
     body = {"model": "untouched", "prompt": "p", "stream": True, "max_tokens": 3}
-    status, _, through = await plane.post("/v1/completions", body)
+    raw = json.dumps(body).encode()
+    status, _, through = await plane.post("/v1/completions", raw=raw)
     assert status == 200 and b'"usage"' not in through
     reports = await _used(plane, "un-1", 1)
-    assert (sum(d.requests or 0 for d in reports), sum(d.tokens_out or 0 for d in reports)) == (
-        1,
-        0,
-    )
+    # No usage chunk: a chunk a token (3, and the one that ends the stream), the prompt
+    # estimated from the body.
+    assert (
+        sum(d.requests or 0 for d in reports),
+        sum(d.tokens_in or 0 for d in reports),
+        sum(d.tokens_out or 0 for d in reports),
+    ) == (1, len(raw) // 4, 3 + 1)

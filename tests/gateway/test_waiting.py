@@ -46,13 +46,19 @@ async def _held(plane: Plane, n: int, model: str | None = None) -> None:
 
 
 async def _state(plane: Plane, replica: str, model: str, state: str, endpoint: str = "") -> None:
+    shards = (ev.ShardSpec(node=plane.node, gpus=(0,)),)
+    if replica not in plane.gateway.follower.view.state.replicas:
+        # Placed first, as the scheduler would: a report creates no replica.
+        await plane.say(
+            ev.PlacementDecided(replica=replica, model=model, profile="p", shards=shards, reason="")
+        )
     await plane.say(
         ev.ReplicaState(
             replica=replica,
             model=model,
             profile="p",
             state=state,  # type: ignore[arg-type]
-            shards=(ev.ShardSpec(node=plane.node, gpus=(0,)),),
+            shards=shards,
             endpoint=endpoint or None,
         ),
         node=plane.node,

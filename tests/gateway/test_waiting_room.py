@@ -33,11 +33,40 @@ async def test_lines_are_fifo_bounded_and_served_critical_first() -> None:
     room.join(crit, None, T0 + timedelta(seconds=4))
     assert [line.model for line in room.ordered()] == ["c", "s", "o"]
     line = room.lines["o"]
-    assert list(line.waiters) == [first, second] and line.since == T0
+    assert line.waiters() == [first, second] and line.since == T0
     assert room.held() == 4 and room.held_by_model() == {"o": 2, "s": 1, "c": 1}
     room.leave(first)
     assert line.since == T0 + timedelta(seconds=1) and not line.emptied.is_set()
     room.leave(second)
     assert line.emptied.is_set() and "o" not in room.lines  # no demand task: forgotten
     for w in (first, second):
+        w.fut.cancel()
+
+
+async def test_a_line_is_shared_among_owners_and_released_in_turn() -> None:
+    room = WaitingRoom(per_model=4)
+    m = _model("m", "standard")
+    t = iter(T0 + timedelta(seconds=i) for i in range(100))
+    b = [room.join(m, None, next(t), "team-b") for _ in range(4)]
+    # team-b alone holds the whole line; one more of its own is refused, its share named.
+    with pytest.raises(Full) as e:
+        room.join(m, None, next(t), "team-b")
+    assert (e.value.owner, e.value.held, e.value.share) == ("team-b", 4, 4)
+    # team-c is let in: team-b's newest is pushed out for it.
+    c = room.join(m, None, next(t), "team-c")
+    assert c.displaced is b[3] and b[3] not in room.lines["m"].waiters()
+    line = room.lines["m"]
+    assert len(line) == 4 and line.held_by("team-b") == 3 and line.held_by("team-c") == 1
+    # At their shares (two each of four), each is refused for its own.
+    c2 = room.join(m, None, next(t), "team-c")
+    assert c2.displaced is b[2]
+    with pytest.raises(Full) as e:
+        room.join(m, None, next(t), "team-c")
+    assert (e.value.owner, e.value.share) == ("team-c", 2)
+    with pytest.raises(Full):
+        room.join(m, None, next(t), "team-b")
+    # Released in turn, each owner's oldest first.
+    assert [line.pop() for _ in range(4)] == [b[0], c, b[1], c2]
+    assert line.emptied.is_set() and line.since is None
+    for w in (*b, c, c2):
         w.fut.cancel()

@@ -340,11 +340,24 @@ class Mix:
     def _lose(self) -> list[Item]:
         node = self.rng.choice(self.nodes)
         out = [self._item(self._event(ev.NodeLost(node=node, reason="heartbeats missed")))]
-        for rid, (_, _, shards, _) in list(self.live.items()):
+        for rid, (name, prof, shards, _) in list(self.live.items()):
             if any(n == node for n, _ in shards):
                 self._remove(rid)
                 for n, g in shards:
                     self.free[n] |= set(g)
+                other = next((n for n, _ in shards if n != node), None)
+                if other is not None:
+                    # A gang's other shards hold their GPUs until they stop: the agent of
+                    # one, drained, says the replica stopped (about the whole replica, as
+                    # an agent before `replica.state`'s `node` did).
+                    specs = tuple(ev.ShardSpec(node=n, gpus=tuple(g)) for n, g in shards)
+                    e = self._event(
+                        ev.ReplicaState(
+                            replica=rid, model=name, profile=prof, state="stopped", shards=specs
+                        ),
+                        source=f"agent/{other}",
+                    )
+                    out.append(self._item(e, node=other))
         # The agent comes back at once with a fresh inventory: the node is found again.
         out.append(self._inventory(node))
         return out

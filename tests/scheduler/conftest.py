@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -47,8 +48,10 @@ class Cluster:
         self.js = js
         self.pub = Publisher(js)
 
-    async def emit(self, data: ev.Data, node: str | None = None) -> int:
-        e = ev.make(data, id=new_id(), time=datetime.now(UTC), source="test")
+    async def emit(
+        self, data: ev.Data, node: str | None = None, time: datetime | None = None
+    ) -> int:
+        e = ev.make(data, id=new_id(), time=time or datetime.now(UTC), source="test")
         return (await self.pub.publish(e, node=node)).seq
 
     async def node(self, name: str, gpus: int = 8, model: str = "NVIDIA H100 80GB") -> int:
@@ -111,7 +114,7 @@ class Cluster:
         )
 
     async def heartbeat(self, node: str) -> None:
-        await self.nc.publish(f"llmgw.heartbeat.{node}", b"{}")
+        await self.nc.publish(f"llmgw.heartbeat.{node}", json.dumps({"node": node}).encode())
 
     async def events(self) -> list[tuple[int, str, ev.Event]]:
         out = []

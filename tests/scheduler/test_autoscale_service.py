@@ -95,11 +95,14 @@ async def test_a_model_in_use_stays(cluster: Cluster, start_scheduler) -> None:
     await cluster.emit(ev.ModelDemanded(model="od", waiting=1, since=datetime.now(UTC)))
     await eventually(lambda: _count(cluster, Decided, 1), within=10)
     (placed,) = await cluster.of(Decided)
-    # The gateway says it served the replica 25 s from now: 31 s from now it is 6 s idle.
+    # The gateway says, 25 s from now, that it served the replica then: 31 s from now it
+    # is 6 s idle. (A use is bounded by its report's time, which the log bounds by when
+    # it stored it plus MAX_SKEW.)
     used_at = datetime.now(UTC) + timedelta(seconds=25)
     await cluster.emit(
         ev.ReplicaUsed(replica=placed.data.replica, at=used_at, requests=4),
         node=placed.data.shards[0].node,
+        time=used_at,
     )
     await s.scheduler.follower.caught_up(5)
     clock["ahead"] = 31.0

@@ -446,7 +446,8 @@ def test_each_shard_of_a_drained_replica_on_several_nodes_says_its_own_stop() ->
     """A replica of two shards drained (scaled down, preempted) is stopped by one
     `replica.state` per shard, each from its node's agent and naming that node, as the
     agents do; the fold records it stopped at the last. A replica of one node is stopped
-    by one report about the whole replica, as before."""
+    by one report about the whole replica, as before. One whose node was lost is stopped
+    by its other shards' reports once they are drained (`shard_failed`), and failed."""
     sc = scn.parse(_SHARDED)
     out = io.BytesIO()
     eng = engine.Engine(sc, "reference", duration_s=24 * HOURS, out=out)
@@ -462,15 +463,19 @@ def test_each_shard_of_a_drained_replica_on_several_nodes_says_its_own_stop() ->
     for rid in stops:
         r = replicas[rid]
         if rid in spans:
-            assert sorted(stops[rid]) == [(n, f"agent/{n}") for n in sorted(r.nodes)], rid
-            assert sorted(r.stopped_on) == sorted(r.nodes) and r.state == "stopped"
+            # A shard whose node was lost says nothing: the others stop, and the gang
+            # failed with that node (`failed_on`).
+            said = sorted(set(r.nodes) - set(r.failed_on))
+            assert sorted(stops[rid]) == [(n, f"agent/{n}") for n in said], rid
+            assert sorted(r.stopped_on) == said
+            assert r.state == ("failed" if r.failed_on else "stopped")
         else:
             assert [n for n, _ in stops[rid]] == [None], rid
     # What the view holds is what the replicas holding capacity have, less stopped shards.
     for r in eng.view.current():
         held = eng.view.inventory.allocation(r.id)
         assert held is not None
-        assert {s.node for s in held.shards} == set(r.nodes) - set(r.stopped_on)
+        assert {s.node for s in held.shards} == set(r.nodes) - set(r.stopped_on) - set(r.failed_on)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)

@@ -1,0 +1,60 @@
+"""Which declared models an API key may use: those of its owner's subtree of the quota
+tree, and those declared shared.
+
+Used by `services.gateway.server` for each request sent with a key, and for the list of
+`GET /v1/models`; pure, no I/O. A model's owner is in the key owner's subtree when it is
+that owner or one below it (its parent, its parent's parent... is the key's owner): a
+key of `research` may use the models of `research/vision`, not the other way. A model
+declared `shared: true` is everyone's; `shared` left out (null) is shared only for a
+model declared without an owner (its owner is DEFAULT_OWNER, nobody's in particular),
+and private to its owner's subtree otherwise; `shared: false` makes even such a model
+private to `default`. To a key outside it, a model is not there at all: 404 as for an
+undeclared name, left out of `/v1/models` and of did-you-mean, and never woken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schemas import events as ev
+
+# DEFAULT_OWNER is the owner of a model declared without one (schemas.events.ModelDeclared).
+DEFAULT_OWNER = "default"
+
+
+def shared(m: ev.ModelDeclared) -> bool:
+    """Whether every key may use `m`."""
+    return m.owner == DEFAULT_OWNER if m.shared is None else m.shared
+
+
+def parents(tree: Sequence[ev.OwnerQuota]) -> dict[str, str | None]:
+    """Each owner of the quota tree -> its parent (None: a root)."""
+    return {o.name: o.parent for o in tree}
+
+
+def within(owner: str, key_owner: str, up: dict[str, str | None]) -> bool:
+    """Whether `owner` is `key_owner` or below it in the tree `up` (owner -> parent)."""
+    seen: set[str] = set()
+    o: str | None = owner
+    while o is not None and o not in seen:
+        if o == key_owner:
+            return True
+        seen.add(o)
+        o = up.get(o)
+    return False
+
+
+class Scope:
+    """`may_use`, with the tree's parents worked out once per quota tree folded."""
+
+    def __init__(self) -> None:
+        self._tree: Sequence[ev.OwnerQuota] | None = None
+        self._up: dict[str, str | None] = {}
+
+    def may_use(self, key_owner: str, m: ev.ModelDeclared, tree: Sequence[ev.OwnerQuota]) -> bool:
+        """Whether a key of `key_owner` may use the model `m`, under the tree `tree`."""
+        if m.owner == key_owner or shared(m):
+            return True
+        if tree is not self._tree:
+            self._tree, self._up = tree, parents(tree)
+        return within(m.owner, key_owner, self._up)

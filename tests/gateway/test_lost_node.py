@@ -1,0 +1,47 @@
+"""A model whose replicas sit on a lost node within its grace: the plane counts them live
+(their agent may still serve them) and places no other, and the gateway sends them
+nothing. A request for it is told so at once, 503 naming the node and when a replica
+should be there again, not held 30 s and refused with "ready in about 1s" while demand
+the plane cannot act on is published every second. The node back, it is served again."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from schemas import events as ev
+from services.agent.responder import Responder
+from tests.gateway.conftest import Plane
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
+
+
+async def test_a_model_stranded_on_a_lost_node_is_503_naming_it_at_once(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    await plane.inventory(plane.node, 8)
+    await plane.model("stranded")
+    s = await servers("stranded-1", "stranded")
+    await plane.ready("stranded-1", "stranded", s.endpoint)
+    status, _, _ = await plane.chat("stranded", max_tokens=1)
+    assert status == 200
+
+    await plane.say(ev.NodeLost(node=plane.node, reason="no heartbeat for 16s", grace_s=60))
+    t = time.monotonic()
+    status, headers, body = await plane.chat("stranded", max_tokens=1)
+    assert time.monotonic() - t < 2, "told at once, not held"
+    assert status == 503, body
+    assert headers["x-llmgw-reason"].startswith("node_lost: ")
+    message = json.loads(body)["error"]["message"]
+    assert f"node {plane.node}, lost (no heartbeat for 16s)" in message, message
+    assert "unless" in message and "should be ready about" in message
+    # The grace's rest (60 s) and a start: not "about 1s".
+    assert int(headers["Retry-After"]) >= 59
+    assert plane.gateway.counts.demanded == 0
+
+    await plane.say(ev.NodeFound(node=plane.node, reason="heartbeat heard again"))
+    status, _, _ = await plane.chat("stranded", max_tokens=1)
+    assert status == 200

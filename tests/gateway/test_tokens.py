@@ -1,0 +1,42 @@
+"""What a request reserves of its key's tpm (services.gateway.tokens), without a server:
+its completion's bound times its choices and its prompt's estimate, a default when it
+names no bound, the prompt alone for an embedding; and the events a stream passed on."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.core import ratelimit
+from services.gateway import tokens
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize(
+    ("args", "completes", "reserved"),
+    [
+        pytest.param((100, None, None, 400), True, 200, id="max_tokens and the prompt"),
+        pytest.param((None, 50, None, 40), True, 60, id="max_completion_tokens"),
+        pytest.param((100, 50, None, 0), True, 100, id="max_tokens first"),
+        pytest.param((10, None, 3, 0), True, 30, id="times n"),
+        pytest.param(
+            (None, None, None, 8), True, ratelimit.DEFAULT_MAX_TOKENS + 2, id="no bound: default"
+        ),
+        pytest.param(
+            ("100", True, "3", 0), True, ratelimit.DEFAULT_MAX_TOKENS, id="not numbers: default"
+        ),
+        pytest.param((10, None, 10_000, 0), True, 10, id="an n past any server's: one"),
+        pytest.param((100, None, 2, 400), False, 100, id="an embedding: its prompt"),
+    ],
+)
+def test_a_reservation_is_what_the_request_may_take(
+    args: tuple[object, object, object, int], completes: bool, reserved: int
+) -> None:
+    assert tokens.reservation(*args, completes=completes) == reserved
+
+
+def test_a_streams_events_are_its_json_data_lines() -> None:
+    chunk = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[]}\n\n'
+    assert tokens.events(chunk) == 2
+    assert tokens.events(b"data: [DONE]\n\n") == 0
+    assert tokens.events(b": waiting\n\n") == 0
