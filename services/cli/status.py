@@ -47,7 +47,9 @@ def register(commands: cli.Commands) -> None:
             "The cluster as the log says it is now: nodes and their GPUs in use, each\n"
             "model's live replicas against its desired count, each owner's quota (guaranteed,\n"
             "limit, used, borrowed), holds still on, models waiting for their victims to\n"
-            "drain, the last decisions with their reasons, and any events the fold rejected.\n"
+            "drain, the last decisions with their reasons (one said again and again, as a\n"
+            "retry of a count that cannot be placed is, is one row: `\u00d712, last 3s ago`),\n"
+            "and any events the fold rejected.\n"
             "Reads the live broker, or a bundle with --log. With --watch it follows the log\n"
             "and redraws on every new event, as `kubectl get -w` does, and at least every\n"
             "--interval seconds: heartbeat ages grow, and a plane killed says PLANE NOT RUNNING\n"
@@ -70,7 +72,7 @@ def register(commands: cli.Commands) -> None:
         p,
         "--decisions",
         LAST_DECISIONS,
-        "how many recent decisions to show",
+        "how many recent decisions to show (repeats of one count once)",
         type=cli.arg_count,
         metavar="N",
     )
@@ -193,14 +195,17 @@ def summary(
         ],
         "decisions": [
             {
-                "seq": d.seq,
-                "time": render.stamp(d.time),
-                "type": d.type,
-                "model": d.model,
-                "outcome": d.outcome,
-                "summary": d.summary,
+                "seq": r.last.seq,
+                "time": render.stamp(r.last.time),
+                "type": r.last.type,
+                "model": r.last.model,
+                "outcome": r.last.outcome,
+                "summary": r.last.summary,
+                "count": r.times,
+                "first_seq": r.first.seq,
+                "first_time": render.stamp(r.first.time),
             }
-            for d in s.decisions[-decisions:]
+            for r in render.repeated_decisions(s.decisions)[-decisions:]
         ]
         if decisions > 0
         else [],
@@ -395,8 +400,15 @@ def text(
             render.table(
                 ["SEQ", "WHEN", "TYPE", "MODEL", "OUTCOME", "WHY"],
                 [
-                    [str(x.seq), render.ago(x.time, now), x.type, x.model, x.outcome, x.summary]
-                    for x in view.state.decisions[-decisions:]
+                    [
+                        str(r.last.seq),
+                        render.repeated_when(r, now),
+                        r.last.type,
+                        r.last.model,
+                        r.last.outcome,
+                        r.last.summary,
+                    ]
+                    for r in render.repeated_decisions(view.state.decisions)[-decisions:]
                 ],
             )
         )

@@ -15,7 +15,8 @@ from services.replay import eventline, render
 from services.replay.subscribe import Changes
 
 # RECENT bounds the decisions and rejections a view document carries: the page shows
-# the latest; `llmgw history` has them all.
+# the latest (a decision said again and again, a retry of a count that cannot be placed,
+# is one of them, with its count); `llmgw history` has them all.
 RECENT = 20
 
 
@@ -102,14 +103,17 @@ def summary(view: View) -> dict[str, Any]:
         "quota": render.quota_rows(view),
         "decisions": [
             {
-                "seq": d.seq,
-                "time": render.stamp(d.time),
-                "type": d.type,
-                "model": d.model,
-                "outcome": d.outcome,
-                "summary": d.summary,
+                "seq": r.last.seq,
+                "time": render.stamp(r.last.time),
+                "type": r.last.type,
+                "model": r.last.model,
+                "outcome": r.last.outcome,
+                "summary": r.last.summary,
+                "count": r.times,
+                "first_seq": r.first.seq,
+                "first_time": render.stamp(r.first.time),
             }
-            for d in s.decisions[-RECENT:]
+            for r in render.repeated_decisions(s.decisions)[-RECENT:]
         ],
         "rejected": s.rejected,
         "rejections": [

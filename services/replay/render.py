@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from services.core.view import DemandRecord, ReplicaRecord, View, digest
+from services.core.view import DecisionRecord, DemandRecord, ReplicaRecord, View, digest
 
 # CELL_MAX bounds a grid cell: past it a replica id is cut with `~` so a node of eight
 # GPUs still fits a terminal line, but only when what is left is a prefix of that id
@@ -58,6 +58,36 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 def stamp(t: datetime | None) -> str:
     return "-" if t is None else t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Repeated(NamedTuple):
+    """A decision and the times the same one was said: `last` is the latest of them
+    (its seq, its time), `first` the earliest, `times` how many (1: said once)."""
+
+    last: DecisionRecord
+    first: DecisionRecord
+    times: int
+
+
+def repeated_decisions(decisions: Sequence[DecisionRecord]) -> list[Repeated]:
+    """`decisions` (oldest first) with each one said again folded into one row: the same
+    type, model, outcome and why, such as the scheduler's retry, every few seconds, of a
+    count that cannot be placed and the preemption service's same answer to each. Rows
+    are in the order of their last time, so a retry still going on stays the newest and
+    a run that stopped sinks; a decision that differs in anything (another live count,
+    another reason, a placement naming its replica) is a row of its own."""
+    rows: dict[tuple[str, str, str, str], Repeated] = {}
+    for d in decisions:
+        key = (d.type, d.model, d.outcome, d.summary)
+        had = rows.pop(key, None)
+        rows[key] = Repeated(d, d, 1) if had is None else Repeated(d, had.first, had.times + 1)
+    return list(rows.values())
+
+
+def repeated_when(r: Repeated, now: datetime | None) -> str:
+    """A row's WHEN: `3s ago`, or `x12, last 3s ago` for a decision said 12 times."""
+    when = ago(r.last.time, now)
+    return when if r.times == 1 else f"\u00d7{r.times}, last {when}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:

@@ -328,3 +328,30 @@ def test_listen_and_token_rules(tmp_path: Any) -> None:
     (tmp_path / "dashboard.token").write_text("change-me-dashboard-token\n")
     with pytest.raises(DashboardError, match="placeholder"):
         token_for("0.0.0.0", None, tmp_path)
+
+
+async def test_a_retried_placement_failure_is_one_decision_with_its_count(js: Any) -> None:
+    # The scheduler retries a count that cannot be placed every few seconds and the
+    # preemption service answers each the same: 30 of them would fill the panel (its 20
+    # rows) with one line said again; they are one row, its count and its last time.
+    s, _ = preemption_story()
+    for _ in range(30):
+        s.at("+5s")
+        failed = s.emit(
+            ev.PlacementFailed(model="crit", profiles=("two",), live=0, desired=2, reason="no_fit")
+        )
+        s.emit(ev.PreemptionDecided(for_model="crit", outcome="no_candidates", trigger=failed.id))
+    await publish(js, s)
+    async with serving(js) as d:
+        await until("the hub at the head", lambda: d.hub.seq == len(s.events()))
+        decisions = (await get(d.url + "api/view")).json()["decisions"]
+    retried = [x for x in decisions if x["type"] == "placement.failed" and x["model"] == "crit"]
+    assert [x["count"] for x in retried] == [1, 30], retried  # the story's own, then the retries
+    last = retried[-1]
+    assert last["seq"] == len(s.events()) - 1 and last["first_seq"] < last["seq"]
+    assert last["first_time"] < last["time"]
+    answers = [x for x in decisions if x["outcome"] == "no_candidates"]
+    assert [x["count"] for x in answers] == [30]
+    # What the story decided before the retries is still on the panel.
+    assert any(x["outcome"] == "preempted" for x in decisions)
+    assert all(x["count"] == 1 for x in decisions if x["type"] == "placement.decided")

@@ -12,6 +12,7 @@ A browser that cannot be found fails the test: it is never skipped.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -133,6 +134,18 @@ def test_the_tour_on_the_dashboard(
     expect(page.locator("#models tr[data-model='chat'] td").nth(3)).to_have_text("2/2")
     expect(page.locator("#models tr[data-model='batch'] td").nth(3)).to_have_text("4/6")
     assert page.evaluate("window.__notReloaded") is True
+
+    # A decision said again and again (the scheduler's retry of a count that cannot be
+    # placed, published here by hand three times, each answered alike by the policy) is
+    # one row of the decisions panel, with its count.
+    failed = {"model": "batch", "profiles": ["tp2"], "live": 4, "desired": 6, "reason": "no_fit"}
+    for _ in range(3):
+        _llmgw(env, "events", "publish", "placement.failed", "--data", json.dumps(failed))
+    retried = page.locator("#decisions tr[data-type='placement.failed'][data-model='batch']")
+    expect(retried.and_(page.locator("[data-count='3']"))).to_have_count(1)
+    expect(retried.and_(page.locator("[data-count='3']")).locator("td.when")).to_contain_text(
+        re.compile(r"^\u00d73, last ")
+    )
 
     # The feed, filtered by type, then by model.
     page.locator("#f-type").select_option("replica.drain")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas import events as ev
 from services import cli
 from services.cli import status
 from tests.scenario import Scenario
@@ -183,3 +184,46 @@ def test_watch_redraws_on_every_event(nats_server, tmp_path: Path, monkeypatch) 
     assert codes == [0]
     last = out.getvalue().rsplit("GPUs in use", 1)[1]
     assert "n1    cordoned" in last
+
+
+def _retried(s: Scenario, times: int, live: int = 2) -> None:
+    """The scheduler's retry of a count that cannot be placed, every 5 s, and the
+    preemption service's same answer to each."""
+    for _ in range(times):
+        s.at("+5s")
+        failed = s.emit(
+            ev.PlacementFailed(
+                model="chat",
+                profiles=("tp4",),
+                live=live,
+                desired=3,
+                reason="no_fit",
+                why={"tp4": "no node with 4 free GPUs of >= 80 GB; best had 0"},
+            )
+        )
+        s.emit(ev.PreemptionDecided(for_model="chat", outcome="no_candidates", trigger=failed.id))
+
+
+def test_a_retried_placement_failure_is_one_row_with_its_count() -> None:
+    s = _cluster()
+    _retried(s, 12)
+    _retried(s, 1, live=1)  # another count is another decision
+    view = s.view()
+    assert view.state.time is not None
+    now = view.state.time + timedelta(seconds=3)
+    out = status.text(view, "here", now=now)
+    decisions = out.split("LAST DECISIONS")[1]
+    rows = [line for line in decisions.splitlines() if "placement.failed" in line]
+    assert len(rows) == 2, decisions
+    assert "\u00d712, last 8s ago" in rows[0] and "live 2/3" in rows[0], rows
+    assert "\u00d7" not in rows[1] and "3s ago" in rows[1] and "live 1/3" in rows[1], rows
+    answers = [line for line in decisions.splitlines() if "no_candidates" in line]
+    assert len(answers) == 1 and "\u00d713, last 3s ago" in answers[0], answers
+    # The placement and the replicas the story started with are still there: the retries
+    # no longer push them out of the rows shown.
+    assert "placement.decided" in decisions
+    doc = status.summary(view, now=now)
+    failed = [d for d in doc["decisions"] if d["type"] == "placement.failed"]
+    assert [d["count"] for d in failed] == [12, 1]
+    assert failed[0]["first_seq"] < failed[0]["seq"] < failed[1]["seq"]
+    assert failed[0]["first_time"] < failed[0]["time"]

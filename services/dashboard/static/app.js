@@ -351,10 +351,11 @@ function drawHealth() {
     (live && live.rejected ? `; ${live.rejected} events rejected by the fold` : "");
 }
 
-// The decisions, newest first, each with its one-line why: no click needed.
+// The decisions, newest first, each with its one-line why: no click needed. One said
+// again and again (a retry of a count that cannot be placed) is one row with its count.
 function drawDecisions(v) {
   const rows = (v.decisions || []).slice().reverse().map((d) =>
-    `<tr data-model="${esc(d.model)}" data-type="${esc(d.type)}"><td class="when" title="${esc(d.time)}">${ageSpan(d.time)}</td><td>${esc(d.type)}</td><td>${esc(d.model)}</td><td>${esc(d.outcome)}</td><td class="why">${esc(d.summary)}</td></tr>`);
+    `<tr data-model="${esc(d.model)}" data-type="${esc(d.type)}" data-count="${esc(d.count || 1)}"><td class="when" title="${esc((d.count || 1) > 1 ? `${d.count} times, from ${d.first_time} (seq ${d.first_seq}) to ${d.time} (seq ${d.seq})` : d.time)}">${(d.count || 1) > 1 ? `\u00d7${esc(d.count)}, last ` : ""}${ageSpan(d.time)}</td><td>${esc(d.type)}</td><td>${esc(d.model)}</td><td>${esc(d.outcome)}</td><td class="why">${esc(d.summary)}</td></tr>`);
   $("#decisions tbody").innerHTML = rows.join("") || '<tr><td colspan="5" class="muted">no decisions yet</td></tr>';
 }
 
