@@ -261,6 +261,32 @@ def _fallbacks(listen: str, recorded: Path) -> list[str]:
     return [*out, f"{host}:0"]
 
 
+def _bind(
+    what: str, server: Any, any_port: bool, recorded: Path, error: type[Exception]
+) -> socket.socket:
+    """`server` (the dashboard, the gateway) bound at its address; where that is taken
+    and `any_port` (its address was the default), at the one a killed `up` recorded in
+    `recorded`, else a free port, said in one line; else `UpError`."""
+    first = server.listen
+    try:
+        sock: socket.socket = server.bind()
+        return sock
+    except error as e:
+        if not any_port:
+            raise UpError(str(e)) from e
+    for listen in _fallbacks(first, recorded):
+        server.listen = listen
+        try:
+            sock = server.bind()
+        except error as e:
+            if listen.endswith(":0"):
+                raise UpError(str(e)) from e
+            continue
+        _say_moved(what, first, server.url.rstrip("/"), recorded)
+        return sock
+    raise AssertionError("the last of the fallbacks is a free port")
+
+
 def _say_moved(what: str, old: str, new: str, recorded: Path, why: str = "") -> None:
     """One line for a listener that could not have its address: the old and the new."""
     old = old.removeprefix("nats://").removeprefix("http://")
@@ -560,22 +586,9 @@ async def _serve(
                 allow_hosts=opts.ui_hosts,
                 nc=nc,
             )
-            try:
-                ui_sock = dashboard.bind()
-            except DashboardError as e:
-                if not opts.ui_any_port:
-                    raise UpError(str(e)) from e
-                ui_sock = None
-                for listen in _fallbacks(opts.ui, opts.data / URL_FILE):
-                    dashboard.listen = listen
-                    try:
-                        ui_sock = dashboard.bind()
-                        break
-                    except DashboardError as e2:
-                        if listen.endswith(":0"):
-                            raise UpError(str(e2)) from e2
-                assert ui_sock is not None
-                _say_moved("dashboard", opts.ui, dashboard.url.rstrip("/"), opts.data / URL_FILE)
+            ui_sock = _bind(
+                "dashboard", dashboard, opts.ui_any_port, opts.data / URL_FILE, DashboardError
+            )
         gateway: Gateway | None = None
         if opts.gateway is not None:
             gateway = Gateway(
@@ -593,22 +606,13 @@ async def _serve(
                 keys=opts.gateway_keys,
                 nc=nc,
             )
-            try:
-                gw_sock = gateway.bind()
-            except GatewayError as e:
-                if not opts.gateway_any_port:
-                    raise UpError(str(e)) from e
-                gw_sock = None
-                for listen in _fallbacks(opts.gateway, opts.data / GATEWAY_URL_FILE):
-                    gateway.listen = listen
-                    try:
-                        gw_sock = gateway.bind()
-                        break
-                    except GatewayError as e2:
-                        if listen.endswith(":0"):
-                            raise UpError(str(e2)) from e2
-                assert gw_sock is not None
-                _say_moved("gateway", opts.gateway, gateway.url, opts.data / GATEWAY_URL_FILE)
+            gw_sock = _bind(
+                "gateway",
+                gateway,
+                opts.gateway_any_port,
+                opts.data / GATEWAY_URL_FILE,
+                GatewayError,
+            )
         if gateway is not None:
             # No replica's endpoint may name the plane's own ports (services.gateway.plane).
             gateway.plane = (url, *([dashboard.url] if dashboard is not None else []))

@@ -193,22 +193,7 @@ def summary(
             }
             for h in sorted(s.holds.values(), key=lambda h: h.model)
         ],
-        "decisions": [
-            {
-                "seq": r.last.seq,
-                "time": render.stamp(r.last.time),
-                "type": r.last.type,
-                "model": r.last.model,
-                "outcome": r.last.outcome,
-                "summary": r.last.summary,
-                "count": r.times,
-                "first_seq": r.first.seq,
-                "first_time": render.stamp(r.first.time),
-            }
-            for r in render.repeated_decisions(s.decisions)[-decisions:]
-        ]
-        if decisions > 0
-        else [],
+        "decisions": render.decision_rows(s.decisions, decisions) if decisions > 0 else [],
         "rejected": s.rejected,
         "rejections": [
             {"seq": r.seq, "type": r.type, "reason": r.reason} for r in s.rejections[-5:]

@@ -101,20 +101,7 @@ def summary(view: View) -> dict[str, Any]:
         "seq": s.seq,
         "time": None if s.time is None else render.stamp(s.time),
         "quota": render.quota_rows(view),
-        "decisions": [
-            {
-                "seq": r.last.seq,
-                "time": render.stamp(r.last.time),
-                "type": r.last.type,
-                "model": r.last.model,
-                "outcome": r.last.outcome,
-                "summary": r.last.summary,
-                "count": r.times,
-                "first_seq": r.first.seq,
-                "first_time": render.stamp(r.first.time),
-            }
-            for r in render.repeated_decisions(s.decisions)[-RECENT:]
-        ],
+        "decisions": render.decision_rows(s.decisions, RECENT),
         "rejected": s.rejected,
         "rejections": [
             {"seq": r.seq, "type": r.type, "reason": r.reason} for r in s.rejections[-RECENT:]

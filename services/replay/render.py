@@ -84,6 +84,25 @@ def repeated_decisions(decisions: Sequence[DecisionRecord]) -> list[Repeated]:
     return list(rows.values())
 
 
+def decision_rows(decisions: Sequence[DecisionRecord], most: int) -> list[dict[str, Any]]:
+    """The latest `most` rows of `repeated_decisions`, as `status --json` and the
+    dashboard's API give them: the last time's fields, its count and its first."""
+    return [
+        {
+            "seq": r.last.seq,
+            "time": stamp(r.last.time),
+            "type": r.last.type,
+            "model": r.last.model,
+            "outcome": r.last.outcome,
+            "summary": r.last.summary,
+            "count": r.times,
+            "first_seq": r.first.seq,
+            "first_time": stamp(r.first.time),
+        }
+        for r in repeated_decisions(decisions)[-most:]
+    ]
+
+
 def repeated_when(r: Repeated, now: datetime | None) -> str:
     """A row's WHEN: `3s ago`, or `x12, last 3s ago` for a decision said 12 times."""
     when = ago(r.last.time, now)

@@ -115,6 +115,12 @@ async def _bench(
             )
         )
 
+    def placement(rid: str) -> ev.PlacementDecided:
+        shards = (ev.ShardSpec(node=NODE, gpus=(0,)),)
+        return ev.PlacementDecided(
+            replica=rid, model=MODEL, profile="p", shards=shards, reason="bench"
+        )
+
     gpu = ev.GpuInfo(index=0, uuid="g0", model="H100", memory_gb=80)
     await pub.publish(
         make(ev.NodeInventory(node=NODE, gpus=(gpu,), cpu_cores=8, memory_gb=64)), node=NODE
@@ -174,6 +180,8 @@ async def _bench(
             for _ in range(a.held - 1):
                 tasks.append(asyncio.create_task(ask(first)))
             await asyncio.sleep(0.01)  # the rest in the line (they wait behind the first)
+            # Placed first: only a placement makes a replica (a report alone is refused).
+            await pub.publish(make(placement(rid)))
             t_ready = time.perf_counter()
             await pub.publish(state(rid, "ready", endpoint), node=NODE)
             statuses = await asyncio.gather(*tasks, return_exceptions=True)

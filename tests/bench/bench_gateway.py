@@ -438,6 +438,12 @@ async def _declare(url: str, ports: dict[str, int]) -> None:
                 name=model, min=0, profiles=(profile,), target_inflight=10_000
             )
             await pub.publish(make(declared))
+            # Placed first: only a placement makes a replica (a report alone is refused).
+            shards = (ev.ShardSpec(node=NODE, gpus=(i,)),)
+            placed = ev.PlacementDecided(
+                replica=f"{model}-1", model=model, profile="p", shards=shards, reason="bench"
+            )
+            await pub.publish(make(placed))
             state = ev.ReplicaState(
                 replica=f"{model}-1",
                 model=model,

@@ -135,6 +135,12 @@ async def _bench(a: argparse.Namespace, broker: EmbeddedBroker, ports: list[int]
             )
         )
     for i, (rid, model) in enumerate((("crit-1", "crit"), ("opp-1", "opp"))):
+        # Placed first: only a placement makes a replica (a report alone is refused).
+        shards = (ev.ShardSpec(node=NODE, gpus=(i,)),)
+        placed = ev.PlacementDecided(
+            replica=rid, model=model, profile="p", shards=shards, reason="bench"
+        )
+        await pub.publish(make(placed))
         await pub.publish(
             make(
                 ev.ReplicaState(

@@ -144,6 +144,11 @@ async def _end_to_end(a: argparse.Namespace) -> None:
         model = ev.ModelDeclared(name="bench", min=0, profiles=(ev.ProfileSpec(name="p", gpus=1),))
         await pub.publish(make(model))
         shards = (ev.ShardSpec(node=NODE, gpus=(0,)),)
+        # Placed first: only a placement makes a replica (a report alone is refused).
+        placed = ev.PlacementDecided(
+            replica="bench-1", model="bench", profile="p", shards=shards, reason="bench"
+        )
+        await pub.publish(make(placed))
         ready = ev.ReplicaState(
             replica="bench-1",
             model="bench",
