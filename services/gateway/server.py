@@ -1164,7 +1164,15 @@ class Gateway:
         """After each event the follower folds: with requests waiting, serve the lines a
         ready (or another change of who is routable) can serve, critical first, and
         refuse those of a model the plane has just said it cannot place."""
-        if not self.room.lines or rejection is not None:
+        if rejection is not None:
+            return
+        if isinstance(event, ev.ReplicaStateEvent) and event.data.state in ("stopped", "failed"):
+            # A replica gone: when it was last picked is kept no more (one entry for every
+            # replica ever picked, in a gateway that runs for months).
+            r = self.follower.view.replicas.get(event.data.replica)
+            if r is None or not r.holds_capacity:
+                self.router.forget((event.data.replica,))
+        if not self.room.lines:
             return
         if isinstance(event, ev.ReplicaStateEvent) and event.data.state == "ready":
             m = self.follower.view.catalog.resolve(event.data.model)

@@ -2,7 +2,8 @@
 (their agent may still serve them) and places no other, and the gateway sends them
 nothing. A request for it is told so at once, 503 naming the node and when a replica
 should be there again, not held 30 s and refused with "ready in about 1s" while demand
-the plane cannot act on is published every second. The node back, it is served again."""
+the plane cannot act on is published every second. The node back, it is served again.
+And the router forgets a replica once it is gone."""
 
 from __future__ import annotations
 
@@ -45,3 +46,30 @@ async def test_a_model_stranded_on_a_lost_node_is_503_naming_it_at_once(
     await plane.say(ev.NodeFound(node=plane.node, reason="heartbeat heard again"))
     status, _, _ = await plane.chat("stranded", max_tokens=1)
     assert status == 200
+
+
+async def test_a_replica_gone_is_forgotten_by_the_router(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    """When a replica was last picked is kept while it serves, and dropped once it has
+    stopped: one entry per replica ever picked would grow for as long as the gateway runs."""
+    await plane.inventory(plane.node, 8)
+    await plane.model("forgotten")
+    s = await servers("forgotten-1", "forgotten")
+    await plane.ready("forgotten-1", "forgotten", s.endpoint)
+    status, _, _ = await plane.chat("forgotten", max_tokens=1)
+    assert status == 200
+    assert "forgotten-1" in plane.gateway.router._picked
+    await plane.drain("forgotten-1", "forgotten")
+    r = plane.gateway.follower.view.replicas["forgotten-1"]
+    await plane.say(
+        ev.ReplicaState(
+            replica="forgotten-1",
+            model="forgotten",
+            profile="p",
+            state="stopped",
+            shards=r.shards,
+        ),
+        node=plane.node,
+    )
+    assert "forgotten-1" not in plane.gateway.router._picked
