@@ -1,0 +1,47 @@
+"""Every `LLMGW_*` environment variable the code names is in docs/operating.md's table
+("Environment variables"), and every row of the table is one the code names: a switch
+added, renamed or removed without the page saying so fails here."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from services.bus import snapshots
+from services.bus.stream import DLQ_STREAM
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "operating.md"
+NAME = re.compile(r"^LLMGW_[A-Z0-9_]*[A-Z0-9]$")
+# NOT_VARIABLES are the code's LLMGW_ names that are JetStream streams and buckets, not
+# the environment's.
+NOT_VARIABLES = {DLQ_STREAM, snapshots.BUCKET}
+
+
+def _in_code() -> set[str]:
+    found: set[str] = set()
+    for root in ("services", "schemas"):
+        for path in (REPO / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    found.update(w for w in re.findall(r"LLMGW_[A-Z0-9_]+", node.value))
+    return {n for n in found if NAME.match(n)} - NOT_VARIABLES
+
+
+def _in_table() -> set[str]:
+    text = PAGE.read_text()
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
+    return set(re.findall(r"^\| `(LLMGW_[A-Z0-9_]+)` \|", section, re.M))
+
+
+def test_the_table_names_every_variable_the_code_reads_and_no_other() -> None:
+    code, table = _in_code(), _in_table()
+    assert len(code) >= 20
+    assert code - table == set(), "in the code, not in docs/operating.md's table"
+    assert table - code == set(), "in docs/operating.md's table, not in the code"
