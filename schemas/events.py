@@ -517,7 +517,7 @@ class HoldReleased(Data, frozen=True, kw_only=True):
 class PolicyConfigured(Data, frozen=True, kw_only=True):
     """The settings a preemption service decides with, recorded when a leader starts with
     settings the log does not show yet, so replay and `llmgw preemption plan` use what was
-    live. The fields are the policy's (`services.core.preemption.Config`) and the service's
+    live. The fields are the policy's (`services.core.policy.Config`) and the service's
     drain grace; a setting added later gets a default here, and a reader of an older event
     takes that default."""
 

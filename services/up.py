@@ -35,7 +35,8 @@ from services.bus import node_streams as bus_node_streams
 from services.bus import stream as bus_stream
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url, users
-from services.core import preemption, scheduling
+from services.core import scheduling
+from services.core.policy import Config as PolicyConfig
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.errors import GatewayError
 from services.gateway.listen import (
@@ -82,7 +83,7 @@ class UpOptions:
     root: str = "llmgw"
     simulate: str | None = None
     """A simulated cluster, e.g. `4x8xH100-80GB`; None: no simulated agents."""
-    policy: preemption.Config = field(default_factory=preemption.Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     scheduler: scheduling.Config = field(default_factory=scheduling.Config)
     """The scheduler's knobs; its drain grace is the preemption service's too."""
     start_delay_s: float = 0.5

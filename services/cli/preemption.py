@@ -2,7 +2,7 @@
 
 Registered by `services.cli` (see its `COMMAND_MODULES`). A thin shell: it folds the live
 broker's log (as `llmgw view` does) or a JSONL bundle (`llmgw events export`) into a view
-with `services.core.fold`, asks `services.core.preemption.plan` for one model at one time
+with `services.core.fold`, asks `services.core.policy.plan` for one model at one time
 with the settings the log last recorded (`policy.configured`) unless flags override them,
 and prints the decision and where each setting came from. It publishes nothing, so
 operators can ask "what would happen if…" and debug a past decision offline.
@@ -22,11 +22,11 @@ from services.cli import app as cli
 from services.cli import refs
 from services.cli.output import add_output_option
 from services.cli.replay import allow_gaps_option
-from services.core import preemption
+from services.core import policy
 from services.core.view import View
 from services.preemption import settings
 
-_DEFAULTS = preemption.Config()
+_DEFAULTS = policy.Config()
 PLAN_OUTPUTS = ("table", "json", "name")
 
 
@@ -96,13 +96,13 @@ def register(commands: cli.Commands) -> None:
         metavar="RFC3339",
         help="decide as of this time (default: the time of the latest event folded)",
     )
-    policy = p.add_argument_group(
+    knobs = p.add_argument_group(
         "policy settings",
         "Unless given, each is the value the log last recorded (policy.configured, written "
         "by the preemption service when it takes the lead), else the default shown.",
     )
-    flags.add(policy, preemption.Config)
-    p.set_defaults(**{f.name: None for f in dataclasses.fields(preemption.Config)})
+    flags.add(knobs, policy.Config)
+    p.set_defaults(**{f.name: None for f in dataclasses.fields(policy.Config)})
     add_output_option(
         p,
         PLAN_OUTPUTS,
@@ -161,7 +161,7 @@ async def _plan(args: argparse.Namespace) -> int:
     if now is None:
         raise cli.CliError(f"{where} holds no events; pass --now to say when to decide")
     cfg, used = policy_for(args, view)
-    d = preemption.plan(view, args.model, now, cfg)
+    d = policy.plan(view, args.model, now, cfg)
     note = one_more(view, args.model)
     if args.output == "name":
         if note:
@@ -201,14 +201,14 @@ def one_more(view: View, model: str) -> str | None:
     return None
 
 
-def policy_for(args: argparse.Namespace, view: View) -> tuple[preemption.Config, dict[str, Any]]:
+def policy_for(args: argparse.Namespace, view: View) -> tuple[policy.Config, dict[str, Any]]:
     """The policy's settings for the plan, and a record of where each came from: a flag
     given, else the log's last `policy.configured`, else the default."""
     rec = view.state.policy
     recorded = settings.policy_of(rec.settings) if rec is not None else None
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    for f in dataclasses.fields(preemption.Config):
+    for f in dataclasses.fields(policy.Config):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name], origin[f.name] = given, "flag"
@@ -223,13 +223,13 @@ def policy_for(args: argparse.Namespace, view: View) -> tuple[preemption.Config,
         if rec is None
         else {"seq": rec.seq, "id": rec.id, "time": _when(rec.time), "by": rec.settings.holder},
     }
-    return preemption.Config(**values), used
+    return policy.Config(**values), used
 
 
 def show_policy(used: dict[str, Any], out: IO[str]) -> None:
     """The settings used, each with whether a flag, the log or the default gave it."""
     parts = []
-    for f in dataclasses.fields(preemption.Config):
+    for f in dataclasses.fields(policy.Config):
         value = used["settings"][f.name]
         name = (f.metadata.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-"))[2:]
         shown = f"{value:g}s" if isinstance(value, float) else str(value)
@@ -264,7 +264,7 @@ def _when(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def show(d: preemption.Decision, out: IO[str]) -> None:
+def show(d: policy.Decision, out: IO[str]) -> None:
     """The decision as a person reads it: outcome, then each list as a small table."""
     out.write(f"model     {d.model} ({d.cls}, owner {d.owner or '-'}, live {d.live}/min {d.min})\n")
     out.write(f"at        {_when(d.now)}\n")
@@ -311,7 +311,7 @@ def show(d: preemption.Decision, out: IO[str]) -> None:
         out.write(f"\nawaiting  {', '.join(d.awaiting)}\n")
 
 
-def _candidates(cs: list[preemption.Candidate], out: IO[str], chosen: set[str]) -> None:
+def _candidates(cs: list[policy.Candidate], out: IO[str], chosen: set[str]) -> None:
     _table(
         [["REPLICA", "MODEL", "CLASS", "OWNER", "TIER", "ABOVE_MIN", "IDLE", "GPUS", "NODE", ""]]
         + [

@@ -73,7 +73,7 @@ def register(commands: cli.Commands) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from services.core import preemption
+    from services.core import policy
     from services.core.policy import index as policy_index
     from services.sim import report, runs
     from services.sim import scenario as scn
@@ -84,10 +84,10 @@ def _simulate(args: argparse.Namespace) -> int:
     except scn.ScenarioError as e:
         raise cli.CliError(str(e)) from None
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    bad = [p for p in policies if p not in preemption.POLICIES]
+    bad = [p for p in policies if p not in policy.POLICIES]
     if bad or not policies:
         raise cli.UsageError(
-            f"--policy {args.policy!r}: expected some of {', '.join(preemption.POLICIES)}"
+            f"--policy {args.policy!r}: expected some of {', '.join(policy.POLICIES)}"
         )
     if args.jobs is not None and args.jobs < 1:
         raise cli.UsageError(f"--jobs {args.jobs}: expected 1 or more processes")

@@ -15,7 +15,7 @@ from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
 from services.cli.gateway import add_gateway_options, gateway_keys, gateway_listen
-from services.core import preemption, scheduling
+from services.core import policy, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.gateway.listen import DEFAULT_LISTEN as DEFAULT_GATEWAY
 
@@ -86,7 +86,7 @@ def register(commands: cli.Commands) -> None:
     )
     add_simulation_options(g)
     g = p.add_argument_group("preemption policy")
-    flags.add(g, preemption.Config)
+    flags.add(g, policy.Config)
     g = p.add_argument_group("scheduler")
     flags.add(g, scheduling.Config, only=UP_SCHEDULER_FLAGS)
     p.add_argument("--no-projector", action="store_true", help="do not run the SQLite projector")
@@ -143,7 +143,7 @@ async def _up(args: argparse.Namespace) -> int:
         default_port=DEFAULT_PORT if args.port is None else None,
         root=cli.root(args),
         simulate=args.simulate,
-        policy=flags.build(preemption.Config, args),
+        policy=flags.build(policy.Config, args),
         scheduler=flags.build(scheduling.Config, args),
         start_delay_s=args.start_delay,
         load_delay_s=args.load_delay,

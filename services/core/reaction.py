@@ -2,7 +2,7 @@
 
 Called by `services.preemption.service` for each `placement.failed` and on each tick;
 tests call it directly. `react` answers one trigger: the policy's decision (from
-`services.core.preemption.plan`) and the events it is published as, or, when the log
+`services.core.policy.plan`) and the events it is published as, or, when the log
 already holds a decision for the trigger, only what that decision left unpublished.
 `releases` says which holds ended, as `hold.released` events. No I/O, no clock: the
 shell fetches the earlier decision, if any, passes `now`, and publishes what it gets.
@@ -23,7 +23,7 @@ import msgspec
 from schemas import events as ev
 from schemas import ids
 from schemas.events import DRAIN_GRACE_S
-from services.core import preemption
+from services.core import policy
 from services.core.policy.decision import LISTED
 from services.core.view import View
 
@@ -53,7 +53,7 @@ class Reaction:
 
     kind: Kind
     events: tuple[Outgoing, ...] = ()
-    decision: preemption.Decision | None = None
+    decision: policy.Decision | None = None
     earlier: ev.PreemptionDecidedEvent | None = None
 
 
@@ -61,11 +61,11 @@ def react(
     view: View,
     trigger: ev.PlacementFailedEvent,
     now: datetime,
-    config: preemption.Config,
+    config: policy.Config,
     *,
     answered: ev.PreemptionDecidedEvent | None = None,
     drain_grace_s: float = DRAIN_GRACE_S,
-    engine: preemption.Candidates | None = None,
+    engine: policy.Candidates | None = None,
     narrow: bool = True,
 ) -> Reaction:
     """The reaction to `trigger` on `view` at `now`; `engine` finds the candidates (the
@@ -82,7 +82,7 @@ def react(
         return Reaction("superseded", earlier=answered)
     if answered is not None:
         return Reaction("completed", missing(view, answered, now, drain_grace_s), earlier=answered)
-    decision = preemption.plan(
+    decision = policy.plan(
         view,
         trigger.data.model,
         now,
@@ -105,7 +105,7 @@ def answers(trigger: ev.PlacementFailedEvent) -> bool:
 
 def decision_events(
     trigger: ev.PlacementFailedEvent,
-    decision: preemption.Decision,
+    decision: policy.Decision,
     now: datetime,
     drain_grace_s: float = DRAIN_GRACE_S,
 ) -> tuple[Outgoing, ...]:
@@ -144,7 +144,7 @@ def decision_events(
 REASON_MAX = 1000
 
 
-def decided_reason(trigger: ev.PlacementFailedEvent, decision: preemption.Decision) -> str:
+def decided_reason(trigger: ev.PlacementFailedEvent, decision: policy.Decision) -> str:
     """The decision's reason as published. A `fits` is no success: the placement it
     answers failed although the room is there (the scheduler held the model back, as a
     node backs off after failed starts), so it says that nothing was stopped and what
@@ -221,7 +221,7 @@ def releases(
 
 def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
     """The decision with its candidate and exclusion lists cut to the first SHOWN of each,
-    and the victims past them (`preemption.listed`).
+    and the victims past them (`policy.listed`).
 
     `considered` keeps the whole count. The reference's victims and trials are among the
     first candidates, so the cut loses only replicas it never reached; node-aware's
@@ -234,7 +234,7 @@ def bounded(data: ev.PreemptionDecided) -> ev.PreemptionDecided:
     victims = {v.replica for v in data.victims}
     return msgspec.structs.replace(
         data,
-        candidates=tuple(preemption.listed(data.candidates, victims, SHOWN)),
+        candidates=tuple(policy.listed(data.candidates, victims, SHOWN)),
         excluded=data.excluded[:SHOWN],
     )
 

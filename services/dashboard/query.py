@@ -4,7 +4,7 @@ Called by the dashboard's routes (`server`) before they read or replay anything.
 query is taken only when each parameter is one its route knows, given once, and in its
 range: sequences and counts are ASCII digits (`?seq=²` passes `str.isdigit` and fails
 `int`; `١٢` passes both), times are RFC3339 with a zone, the policy's knobs are within
-`preemption.Config`'s floors and the contract's ranges (docs/contract.md, "Ranges").
+`services.core.policy.Config`'s floors and the contract's ranges (docs/contract.md, "Ranges").
 Anything else is `BadRequest`, whose message names the parameter, what it was given and
 what it takes: a user's mistake is one clear line, never a traceback.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from schemas.events import MAX_ITEMS, MAX_QUANTITY, MAX_SEQ
 from services import flags
-from services.core import preemption
+from services.core.policy import Config as PolicyConfig
 from services.dashboard.errors import BadRequest
 
 # TOKEN is the parameter the token gate reads (`?token=T`); every route takes it.
@@ -40,8 +40,8 @@ _TIME = re.compile(
 
 # The knobs of the policy a `/api/plan` query may change, with their parsers.
 _POLICY = {
-    f.name: (f, getattr(preemption.Config(), f.name))
-    for f in dataclasses.fields(preemption.Config)
+    f.name: (f, getattr(PolicyConfig(), f.name))
+    for f in dataclasses.fields(PolicyConfig)
     if "help" in f.metadata
 }
 
@@ -126,7 +126,7 @@ def entity(what: str, text: str) -> str:
     return text
 
 
-def policy(base: preemption.Config, q: dict[str, str]) -> preemption.Config:
+def policy(base: PolicyConfig, q: dict[str, str]) -> PolicyConfig:
     """`base` with the knobs the query changes (`min_lifetime_s`, `max_victims`, `policy`,
     ...), each checked as its flag is (`services.flags`) and within the contract's range
     for `policy.configured`: seconds 0 to 10^9, `max_victims` 1 to 10,000."""

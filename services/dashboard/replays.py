@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from services.core import preemption
+from services.core import policy
 from services.core.view import View
 from services.dashboard import state
 from services.dashboard.errors import Busy
@@ -304,20 +304,20 @@ async def story(
     return Answer(200, dumps(doc))
 
 
-async def plan(js: Any, m: Moment, model: str, cfg: preemption.Config, root: str) -> Answer:
+async def plan(js: Any, m: Moment, model: str, cfg: policy.Config, root: str) -> Answer:
     """What the policy would decide for `model` at the moment `m`."""
     got = await rebuild.from_stream(js, until_seq=m.seq, until_time=m.at, root=root)
     status, doc = plan_of(got.view, model, cfg)
     return Answer(status, dumps(doc), final=m.at is None or got.source.stats.cut_at is not None)
 
 
-def plan_of(v: View, model: str, cfg: preemption.Config) -> tuple[int, dict[str, Any]]:
+def plan_of(v: View, model: str, cfg: policy.Config) -> tuple[int, dict[str, Any]]:
     """(status, document) of `/api/plan` on the view `v`."""
     if v.catalog.resolve(model) is None:
         return 404, {"error": f"unknown model {model!r}"}
     if v.state.time is None:
         return 409, {"error": "the log holds no events"}
-    return 200, preemption.plan(v, model, v.state.time, cfg).to_json()
+    return 200, policy.plan(v, model, v.state.time, cfg).to_json()
 
 
 def dumps(doc: Any) -> bytes:

@@ -54,7 +54,7 @@ from schemas import subjects
 from services import listen
 from services.bus.errors import BrokerUnavailable
 from services.clock import utc_now
-from services.core import preemption
+from services.core.policy import Config as PolicyConfig
 from services.dashboard import health, hub, metrics, query, replays, state, traffic
 from services.dashboard.errors import BadRequest, Busy, DashboardError, Unlisted
 from services.dashboard.listen import DEFAULT_LISTEN
@@ -203,7 +203,7 @@ class Dashboard:
     """The projector's SQLite view, for its lag; None: unknown."""
     keep: int = hub.KEEP
     client_frames: int = hub.CLIENT_FRAMES
-    policy: preemption.Config = field(default_factory=preemption.Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The policy `/api/plan` asks by default (its query may change the timings)."""
     url: str = ""
     """`http://host:port/` once bound."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.events import DRAIN_GRACE_S
-from services.core import preemption
+from services.core.policy import Config as PolicyConfig
 
 DURABLE = "preemption"
 
@@ -25,7 +25,7 @@ class Config:
     """The policy's knobs (`policy`) and the service's own timings. A field with help
     text is a flag; the others are for tests and deployments that build a Config."""
 
-    policy: preemption.Config = field(default_factory=preemption.Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     lease_ttl_s: float = field(
         default=5.0,
         metadata={

@@ -13,7 +13,7 @@ import msgspec
 
 from schemas import events as ev
 from schemas import ids
-from services.core import preemption
+from services.core import policy
 from services.preemption.config import Config
 
 # SOURCE is the `source` of every `policy.configured`.
@@ -39,9 +39,9 @@ def settings_of(config: Config, holder: str = "") -> ev.PolicyConfigured:
     )
 
 
-def policy_of(s: ev.PolicyConfigured) -> preemption.Config:
+def policy_of(s: ev.PolicyConfigured) -> policy.Config:
     """The policy's Config a record describes."""
-    return preemption.Config(
+    return policy.Config(
         hold_s=s.hold_s,
         eviction_grace_s=s.eviction_grace_s,
         min_lifetime_s=s.min_lifetime_s,

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from schemas import events as ev
-from services.core import fold, preemption
+from services.core import fold, policy
 from services.core import quota as quotas
 from services.core.view import Rejection, ReplicaRecord, View
 from services.replay import history, render
@@ -455,7 +455,7 @@ class Explainer:
         if x.why == "guaranteed" and x.model in view.state.models:
             owner = view.state.models[x.model].owner
             return f"{guarantee_words(view.quota, owner)}, and the model is another owner's"
-        return preemption.WHY.get(x.why, x.why)
+        return policy.WHY.get(x.why, x.why)
 
     def _trigger(self, st: Story, d: ev.PreemptionDecidedEvent) -> None:
         ident = d.data.trigger or d.causation

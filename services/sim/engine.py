@@ -40,10 +40,11 @@ from typing import IO, Any
 
 from schemas import bundle, codec, subjects
 from schemas import events as ev
-from services.core import autoscale, preemption, reaction, scheduling
+from services.core import autoscale, reaction, scheduling
 from services.core.ingest import Ingest
+from services.core.policy import Config as PolicyConfig
+from services.core.policy import Decision, narrow
 from services.core.policy import index as policy_index
-from services.core.policy import narrow
 from services.core.view import ReplicaRecord, View, digest
 from services.sim import oracle
 from services.sim.scenario import ModelSpec, NodeGroup, Scenario
@@ -224,7 +225,7 @@ class Engine:
         duration_s: float | None = None,
         out: IO[bytes] | None = None,
         oracle_limit: int = oracle.LIMIT,
-        policy_config: preemption.Config | None = None,
+        policy_config: PolicyConfig | None = None,
         scheduler_config: scheduling.Config | None = None,
         check_bodies: bool = False,
     ) -> None:
@@ -234,7 +235,7 @@ class Engine:
         # One stream of draws per node and per model, so that the world (failures,
         # requests, load times) is the same under every policy: only the decisions differ.
         self._rngs: dict[str, random.Random] = {}
-        base = policy_config or preemption.Config()
+        base = policy_config or PolicyConfig()
         self.pcfg = dataclasses.replace(base, policy=policy)  # type: ignore[arg-type]
         self.scfg = scheduler_config or scheduling.Config()
         self.out = out
@@ -1024,7 +1025,7 @@ class Engine:
 
     # ------------------------------------------------------------------ decisions
 
-    def _count_decision(self, d: preemption.Decision) -> None:
+    def _count_decision(self, d: Decision) -> None:
         m = self.m
         m.outcomes[d.outcome] = m.outcomes.get(d.outcome, 0) + 1
         for v in d.victims:
@@ -1051,7 +1052,7 @@ class Engine:
                 m.needless += 1
 
 
-def _freed_beyond(view: View, d: preemption.Decision) -> int:
+def _freed_beyond(view: View, d: Decision) -> int:
     """The GPUs a decision's victims hold (on `view`, before it is folded) that the
     placement its dry run found for the model does not take."""
     taken = set()

@@ -47,8 +47,7 @@ from operator import attrgetter
 from services.core import placement
 from services.core.catalog import Profile
 from services.core.inventory import Inventory
-from services.core.policy import every_candidate, node_aware
-from services.core.preemption import Candidate, Decision
+from services.core.policy import Candidate, Decision, every_candidate, node_aware
 from services.core.view import View
 
 # LIMIT is the most sets the oracle counts for one decision: on the small clusters it

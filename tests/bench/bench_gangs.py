@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from schemas import events as ev
 from services.core import fold
-from services.core.policy import index
-from services.core.preemption import Config, plan
+from services.core.policy import Config, index, plan
 from services.core.view import View
 from tests.scenario import Scenario
 

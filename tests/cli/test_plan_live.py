@@ -15,7 +15,7 @@ from schemas import codec
 from schemas import events as ev
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
 from services.cli import main
-from services.core import preemption
+from services.core import policy
 from services.preemption import settings
 from services.preemption.config import Config
 from tests.scenario import Scenario
@@ -23,7 +23,7 @@ from tests.scenario import Scenario
 pytestmark = pytest.mark.timeout(60)
 
 RECORDED = Config(
-    policy=preemption.Config(hold_s=20.0, eviction_grace_s=60.0, min_lifetime_s=0.0, max_victims=2),
+    policy=policy.Config(hold_s=20.0, eviction_grace_s=60.0, min_lifetime_s=0.0, max_victims=2),
     drain_grace_s=5.0,
 )
 

@@ -18,7 +18,7 @@ from services import cli
 from services.bus import EmbeddedBroker, connect, consume
 from services.cli import app
 from services.core import reaction
-from services.core.preemption import Config
+from services.core.policy import Config
 from services.replay import eventline
 from tests.scenario import Scenario
 

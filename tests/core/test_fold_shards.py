@@ -16,7 +16,7 @@ from schemas import events as ev
 from schemas import subjects
 from services.core import fold, reaction
 from services.core.ingest import Ingest
-from services.core.preemption import Config
+from services.core.policy import Config
 from services.core.view import View, decode_state, encode_state
 from tests.projector import mix
 from tests.scenario import Scenario

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import placement, reaction
+from services.core.policy import Config, Decision, plan
 from services.core.policy.narrow import Narrow
 from services.core.policy.trials import Trials
-from services.core.preemption import Config, Decision, plan
 from services.core.view import View
 from services.sim import oracle
 from tests.scenario import Scenario

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from schemas import codec
 from schemas import events as ev
 from services.core import fold, placement
-from services.core.policy import node_aware
-from services.core.preemption import Config, Decision, plan
+from services.core.policy import Config, Decision, node_aware, plan
 from services.core.view import View
 from services.sim import oracle
 from tests.scenario import Scenario

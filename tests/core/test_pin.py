@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from schemas import events as ev
 from services.core import fold, reaction, scheduling
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from services.core.view import View, encode_state
 from tests.scenario import Scenario
 

@@ -16,7 +16,7 @@ import pytest
 from schemas import events as ev
 from services.cli import status
 from services.core import fold, reaction
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from services.replay import explain
 from tests.scenario import Scenario
 

@@ -14,7 +14,7 @@ import pytest
 from schemas import events as ev
 from schemas import ids, subjects
 from services.core import fold, reaction
-from services.core.preemption import Config
+from services.core.policy import Config
 from services.core.view import View
 from tests.scenario import Scenario
 

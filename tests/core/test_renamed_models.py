@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from schemas import events as ev
-from services.core import catalog, preemption, scheduling
+from services.core import catalog, policy, scheduling
 from tests.scenario import Scenario
 
 
@@ -60,9 +60,9 @@ def test_an_alias_listed_twice_counts_its_replicas_once() -> None:
     m = v.catalog.resolve("big")
     assert m is not None
     assert v.live_of(m) == 1
-    first = preemption.plan(v, "big", s.now)
-    again = preemption.plan(v, "big", s.now)
-    fresh = preemption.plan(s.view(), "big", s.now)
+    first = policy.plan(v, "big", s.now)
+    again = policy.plan(v, "big", s.now)
+    fresh = policy.plan(s.view(), "big", s.now)
     assert [x.replica for x in first.excluded].count("r-old") == 1
     assert first == again == fresh
 
@@ -87,7 +87,7 @@ def test_the_policy_counts_them_and_never_takes_them_for_their_own_model() -> No
     s = renamed()
     s.scale("chat", 3)
     v = s.view()
-    d = preemption.plan(v, "chat", s.now, preemption.Config(min_lifetime_s=0))
+    d = policy.plan(v, "chat", s.now, policy.Config(min_lifetime_s=0))
     assert d.live == 2 and not d.below_min
     same = {x.replica: x for x in d.excluded if x.why == "same_model"}
     assert set(same) == {"c1", "c2"} and same["c1"].model == "chat-old"

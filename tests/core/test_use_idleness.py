@@ -12,7 +12,7 @@ import pytest
 from schemas import events as ev
 from schemas import subjects
 from services.core import autoscale, fold
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from services.core.view import View
 
 T0 = datetime(2026, 1, 1, 12, tzinfo=UTC)

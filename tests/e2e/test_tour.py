@@ -21,7 +21,7 @@ import pytest
 from schemas import codec, subjects
 from schemas import events as ev
 from services.bus import Publisher, connect
-from services.core import preemption
+from services.core import policy
 from services.core.scheduling import Config as SchedulerConfig
 from services.core.view import View, digest
 from services.follower import ViewFollower
@@ -31,7 +31,7 @@ from services.up import Running, UpOptions, run
 
 pytestmark = pytest.mark.timeout(90)
 
-POLICY = preemption.Config(hold_s=30.0, eviction_grace_s=600.0, min_lifetime_s=0.0, max_victims=3)
+POLICY = policy.Config(hold_s=30.0, eviction_grace_s=600.0, min_lifetime_s=0.0, max_victims=3)
 
 
 @dataclass
@@ -147,7 +147,7 @@ async def test_the_readme_tour(cluster: Cluster) -> None:
     assert isinstance(decision, ev.PreemptionDecidedEvent)
     victims = [v.replica for v in decision.data.victims]
     at_decision = await rebuild.from_stream(cluster.js, until_seq=seq - 1, use_snapshot=False)
-    expected = preemption.plan(at_decision.view, "chat", decision.time, POLICY)
+    expected = policy.plan(at_decision.view, "chat", decision.time, POLICY)
     assert expected.outcome == "preempted"
     assert victims == [v.replica for v in expected.victims]
     # Two batch replicas, two GPUs each, on one node: exactly the room tp4 needs.

@@ -24,14 +24,14 @@ from schemas import codec
 from schemas import events as ev
 from services.bus import Publisher, connect
 from services.bus.consume import read_range
-from services.core import preemption
+from services.core import policy
 from services.preemption import Config, PreemptionService
 from tests.scenario import Scenario
 
 T0 = "2026-01-01T12:00:00Z"
 
 # FAST shortens the service's timings to what a test can wait out.
-CONFIG = preemption.Config(hold_s=60.0)
+CONFIG = policy.Config(hold_s=60.0)
 FAST = Config(policy=CONFIG, lease_ttl_s=1.0, tick_s=0.05, ack_wait_s=1.0)
 
 

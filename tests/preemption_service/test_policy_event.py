@@ -17,7 +17,7 @@ from nats.js.client import JetStreamContext
 from schemas import codec, subjects
 from schemas import events as ev
 from services.bus import EmbeddedBroker
-from services.core import fold, preemption
+from services.core import fold, policy
 from services.core.view import View, digest
 from services.preemption import settings
 from services.preemption.config import Config
@@ -28,8 +28,8 @@ from tests.scenario import Scenario
 pytestmark = pytest.mark.timeout(30)
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-A = Config(policy=preemption.Config(hold_s=20.0, min_lifetime_s=0.0), drain_grace_s=5.0)
-B = dataclasses.replace(A, policy=preemption.Config(hold_s=99.0))
+A = Config(policy=policy.Config(hold_s=20.0, min_lifetime_s=0.0), drain_grace_s=5.0)
+B = dataclasses.replace(A, policy=policy.Config(hold_s=99.0))
 
 
 def _record(config: Config, last: ev.Event | None, holder: str = "p") -> ev.PolicyConfiguredEvent:

@@ -18,7 +18,7 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from schemas import ids
 from services.bus import EmbeddedBroker, connect
-from services.core import preemption
+from services.core import policy
 from services.core.reaction import SHOWN, bounded
 from services.preemption import PreemptionService
 from tests.preemption_service.conftest import (
@@ -231,7 +231,7 @@ def test_published_decision_lists_a_bounded_number_of_candidates() -> None:
     for n in range(10):
         for g in range(8):
             s.replica(f"b{n}-{g}", "batch", on=(f"n{n}", [g]), ready="-3h", used=f"-{n + 20}m")
-    d = preemption.plan(s.view(), "chat", s.now, preemption.Config(max_victims=8))
+    d = policy.plan(s.view(), "chat", s.now, policy.Config(max_victims=8))
     assert d.outcome == "preempted" and len(d.candidates) == SHOWN and d.considered == 80
     data = bounded(d.to_event_data("t"))
     assert len(data.candidates) == SHOWN

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from schemas import events as ev
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from tests.scenario import Scenario
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from schemas import events as ev
 from services import cli
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from tests.replay.conftest import preemption_story
 from tests.scenario import Scenario
 

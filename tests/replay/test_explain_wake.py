@@ -14,7 +14,7 @@ import pytest
 from schemas import events as ev
 from services import cli
 from services.core import autoscale, reaction, scheduling
-from services.core.preemption import Config
+from services.core.policy import Config
 from tests.scenario import Scenario
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,7 +8,8 @@ import pytest
 
 from services import flags
 from services.cli import app
-from services.core import preemption, scheduling
+from services.core import scheduling
+from services.core.policy import Config as PolicyConfig
 from services.preemption import Config as PreemptionConfig
 from services.preemption.__main__ import parser as preemption_parser
 from services.scheduler.__main__ import parser as scheduler_parser
@@ -47,7 +48,7 @@ def test_preemption_flags_set_the_policy_and_the_service() -> None:
         ]
     )
     assert flags.build(PreemptionConfig, args) == PreemptionConfig(
-        policy=preemption.Config(hold_s=20.0, eviction_grace_s=5.0, max_victims=2),
+        policy=PolicyConfig(hold_s=20.0, eviction_grace_s=5.0, max_victims=2),
         drain_grace_s=3.0,
         tick_s=0.5,
     )
@@ -73,12 +74,12 @@ def test_llmgw_up_flags_come_from_the_same_configs() -> None:
     args = app.build_parser().parse_args(
         ["up", "--hold", "20", "--tick", "0.5", "--drain-grace", "4"]
     )
-    policy = flags.build(preemption.Config, args)
+    policy = flags.build(PolicyConfig, args)
     sched = flags.build(scheduling.Config, args)
-    assert policy == preemption.Config(hold_s=20.0)
+    assert policy == PolicyConfig(hold_s=20.0)
     assert sched == scheduling.Config(tick_s=0.5, drain_grace_s=4.0)
     defaults = app.build_parser().parse_args(["up"])
-    assert flags.build(preemption.Config, defaults) == preemption.Config()
+    assert flags.build(PolicyConfig, defaults) == PolicyConfig()
     assert flags.build(scheduling.Config, defaults) == scheduling.Config()
 
 

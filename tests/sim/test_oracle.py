@@ -19,7 +19,7 @@ import pytest
 
 from schemas import events as ev
 from services.core import placement
-from services.core.preemption import Candidate, Config, Decision, plan
+from services.core.policy import Candidate, Config, Decision, plan
 from services.core.view import View
 from services.sim import oracle
 from tests.scenario import Scenario

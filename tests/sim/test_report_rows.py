@@ -19,7 +19,7 @@ import pytest
 from schemas import bundle, subjects
 from schemas import events as ev
 from services.core.ingest import Ingest
-from services.core.preemption import Config, plan
+from services.core.policy import Config, plan
 from services.core.view import View
 from services.sim import engine
 from services.sim import scenario as scn
