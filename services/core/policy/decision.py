@@ -52,7 +52,7 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
     matches a dozen keywords in about three times the time it takes them in order.
 
     `idle_s` None means nobody ever reported the replica used, which is not the same as
-    idle: it orders as 0, and is tier 0 only under a grace of 0 (see `rules.tier_of`).
+    idle: it orders as 0, and is tier 0 only under a grace of 0 (see `rules.replica_tier`).
     Negative when its last use was stamped after the decision's `now`.
     """
 

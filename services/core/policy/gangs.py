@@ -56,7 +56,7 @@ def candidates(view: View, a: rules.Asker, excluded: Sequence[Exclusion]) -> tup
         for r, above in rules.above_minimum(reps, other.min):
             if r.id not in spread:
                 continue
-            tier = rules.verdict(p, r, above, a)
+            tier = rules.eligible_tier(p, r, above, a)
             if isinstance(tier, str):
                 continue
             c = rules.candidate(p, r, above, a, tier, r.nodes[0], size_of(view, r))

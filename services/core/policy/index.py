@@ -12,7 +12,7 @@ how long it has gone unused and how long it has been ready (both compared with o
 threshold per call); the rest is its model's class, owner and on-demand flag. So the
 live replicas are kept in groups (`_Group`) of one (class, owner, on-demand, above
 minimum, borrowed), each kept sorted by last use (the order key after the tier) and by
-readiness. A call weighs each group once (`rules.tier_by`, for "past the grace" and
+readiness. A call weighs each group once (`rules.tier_from_facts`, for "past the grace" and
 not), cuts it at the grace and at the minimum lifetime by bisection, and merges the
 groups' streams by the order key, building only the candidates it is asked for: the
 first for the decision's list and the reference's search, those on the nodes that could
@@ -102,7 +102,7 @@ class _Rep:
         # (`Index.follow`).
         self.r, self.above, self.size = r, above, size
         nodes = r.nodes
-        self.node = rules.where(r, nodes)
+        self.node = rules.single_node(r, nodes)
         self.first_node = nodes[0] if nodes else None
         self.used = r.last_used_at is not None
         self.group: _Group | None = None
@@ -875,8 +875,8 @@ class _Weighed:
         cls, owner, on_demand, above, borrowed = g.key
         self.above = above
         self.p = p = rules.peer_by(cls, owner, on_demand, a)
-        past = rules.tier_by(p, True, above, borrowed, a)
-        not_past = rules.tier_by(p, False, above, borrowed, a)
+        past = rules.tier_from_facts(p, True, above, borrowed, a)
+        not_past = rules.tier_from_facts(p, False, above, borrowed, a)
         self.code: str | None = None
         self.tier_past = self.tier_not = 0
         self.cut = 0

@@ -2,8 +2,10 @@
 
 The reference's `victims()` (reference/preempt.go), rule for rule, read beside it:
 `candidates` walks every replica holding capacity once, `excluded_by_state` and
-`excluded_by_rule` say why one may not go, `tier_of` says which tier one that may goes
-in, and `order_key` is the order they are tried in. Called by `engine.PlainWalk` (the
+`excluded_by_rule` say why one may not go, `replica_tier` says which tier one that may goes
+in (`eligible_tier` adds the young rule, `single_node` the multi-node one,
+`replica_candidate` puts them together for one replica, `model_candidates` for one model's),
+and `order_key` is the order they are tried in. Called by `engine.PlainWalk` (the
 spec's own walk) and, replica by replica, by `index.Index`; nothing here keeps anything
 between calls. No I/O, no clock: `now` is a parameter.
 """
@@ -69,8 +71,8 @@ def asker(
 
 def borrowed_of(tree: quota.QuotaTree, holdings: list[quota.Holding]) -> frozenset[str]:
     """The replicas of owners under a guarantee held past it (`QuotaTree.borrowed`): the
-    only ones whose being borrowed the rules read (`tier_of`); a replica of an owner under
-    no guarantee is borrowed whatever it holds."""
+    only ones whose being borrowed the rules read (`replica_tier`); a replica of an owner
+    under no guarantee is borrowed whatever it holds."""
     if not tree.any_guarantee():
         return frozenset()
     return frozenset(tree.borrowed([h for h in holdings if tree.has_guarantee(h.owner)]))
@@ -166,13 +168,13 @@ def class_tier(p: Peer, idle_past_grace: bool, above_min: bool, below_min: bool)
     return None
 
 
-def tier_of(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
-    """The replica's tier, or the code of the rule that keeps it (`tier_by`), from how
-    long it has gone unused and whether it is borrowed. Unknown idleness counts as 0
+def replica_tier(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
+    """Which tier is this replica in? Its tier, or the code of the rule that keeps it
+    (`tier_from_facts`), from how long it has gone unused and whether it is borrowed. Unknown idleness counts as 0
     against the grace, as the reference's idleFor does."""
     idle = idle_of(r, a.now)
     past_grace = (0.0 if idle is None else idle) >= a.cfg.eviction_grace_s
-    return tier_by(p, past_grace, above_min, is_borrowed(p, r, a), a)
+    return tier_from_facts(p, past_grace, above_min, is_borrowed(p, r, a), a)
 
 
 def is_borrowed(p: Peer, r: ReplicaRecord, a: Asker) -> bool:
@@ -181,8 +183,11 @@ def is_borrowed(p: Peer, r: ReplicaRecord, a: Asker) -> bool:
     return (r.id in a.borrowed) if p.covered else a.any_guarantee
 
 
-def tier_by(p: Peer, past_grace: bool, above_min: bool, borrowed: bool, a: Asker) -> int | str:
-    """The tier, or the code of the rule that keeps it: the class rules (`class_tier`),
+def tier_from_facts(
+    p: Peer, past_grace: bool, above_min: bool, borrowed: bool, a: Asker
+) -> int | str:
+    """Which tier do these facts give (past the grace, above the minimum, borrowed)? The
+    tier, or the code of the rule that keeps it: the class rules (`class_tier`),
     then across owners. What another owner borrowed past its guarantee is taken back (1)
     by an owner within its own, whatever the classes (but never a critical minimum);
     what is within another owner's guarantee is not taken at all: a guarantee that
@@ -199,7 +204,7 @@ def tier_by(p: Peer, past_grace: bool, above_min: bool, borrowed: bool, a: Asker
 
 
 def why_not(code: str, p: Peer, a: Asker, above_min: bool) -> str:
-    """The sentence for a replica the tier rules keep (`tier_of`'s code). The words name
+    """The sentence for a replica the tier rules keep (`replica_tier`'s code). The words name
     the model's class, not the model: they follow from the class rules alone."""
     if code == "guaranteed":
         return f"within {p.owner}'s guarantee"
@@ -228,9 +233,10 @@ def young(r: ReplicaRecord, now: datetime, lifetime: float) -> str:
     return f"ready for {age:g}s, less than {lifetime:g}s" if age < lifetime else ""
 
 
-def where(r: ReplicaRecord, nodes: tuple[str, ...] | None = None) -> str | None:
-    """The node a replica is on (`nodes`: its `nodes`, when the caller has them); None
-    when it is spread over more than one (the rule "multi_node"): stopping it is its own
+def single_node(r: ReplicaRecord, nodes: tuple[str, ...] | None = None) -> str | None:
+    """The multi-node rule: is the replica on a single node, and which? The node it is on
+    (`nodes`: its `nodes`, when the caller has them); None when it is spread over more
+    than one (the rule "multi_node"): stopping it is its own
     decision, which the reference leaves to makeRoomFor, since it would lose a whole
     multi-node model for room on one node."""
     if nodes is None:
@@ -240,11 +246,11 @@ def where(r: ReplicaRecord, nodes: tuple[str, ...] | None = None) -> str | None:
     return nodes[0] if nodes else ""
 
 
-def verdict(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
-    """The tier of one live replica of another model, or the code that keeps it: the
-    tier rules, then young (in the reference's order). Where it is (multi-node) is
-    `weigh`'s last check."""
-    tier = tier_of(p, r, above_min, a)
+def eligible_tier(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
+    """May this live replica of another model go, and in which tier? Its tier, or the
+    code that keeps it: the tier rules, then young (in the reference's order). Where it
+    is (`single_node`) is `replica_candidate`'s last check."""
+    tier = replica_tier(p, r, above_min, a)
     if isinstance(tier, str):
         return tier
     if young(r, a.now, a.cfg.min_lifetime_s):
@@ -252,12 +258,15 @@ def verdict(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
     return tier
 
 
-def weigh(view: View, p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> Candidate | str:
-    """One live replica of another model: a candidate, or the code that keeps it."""
-    tier = verdict(p, r, above_min, a)
+def replica_candidate(
+    view: View, p: Peer, r: ReplicaRecord, above_min: bool, a: Asker
+) -> Candidate | str:
+    """Is this live replica of another model a candidate? The candidate, or the code
+    that keeps it."""
+    tier = eligible_tier(p, r, above_min, a)
     if isinstance(tier, str):
         return tier
-    node = where(r)
+    node = single_node(r)
     if node is None:
         return "multi_node"
     return candidate(p, r, above_min, a, tier, node, size_of(view, r))
@@ -266,8 +275,8 @@ def weigh(view: View, p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> C
 def candidate(
     p: Peer, r: ReplicaRecord, above_min: bool, a: Asker, tier: int, node: str, size: quota.Amount
 ) -> Candidate:
-    """The candidate a replica is, once `verdict` gave it a tier, on `node`, freeing `size`
-    (`view.size_of`) when stopped."""
+    """The candidate a replica is, once `eligible_tier` gave it a tier, on `node`,
+    freeing `size` (`view.size_of`) when stopped."""
     return Candidate(
         r.id, r.model, p.cls, p.owner, tier, above_min, idle_of(r, a.now),
         size.gpus, size.cpu_cores, size.memory_gb, node, is_borrowed(p, r, a),
@@ -319,11 +328,11 @@ def candidates(view: View, a: Asker) -> tuple[tuple[Candidate, ...], tuple[Exclu
         else:
             live.setdefault(r.model, []).append(r)
     for name, reps in live.items():
-        weigh_model(view, name, reps, a, out, excluded)
+        model_candidates(view, name, reps, a, out, excluded)
     return tuple(sorted(out, key=order_key)), tuple(sorted(excluded, key=exclusion_key))
 
 
-def weigh_model(
+def model_candidates(
     view: View,
     name: str,
     reps: list[ReplicaRecord],
@@ -331,7 +340,8 @@ def weigh_model(
     out: list[Candidate],
     excluded: list[Exclusion],
 ) -> None:
-    """The live replicas of one model (by the name they give) into `out` and `excluded`.
+    """Which of one model's live replicas (by the name they give) are candidates? Each
+    into `out` or `excluded`.
     A replica of a model no longer in the catalog is not weighed: what it may be taken
     for is unknown."""
     other = view.catalog.resolve(name)
@@ -345,7 +355,7 @@ def weigh_model(
         return
     p = peer_of(other, a)
     for r, above in above_minimum(reps, other.min):
-        got = weigh(view, p, r, above, a)
+        got = replica_candidate(view, p, r, above, a)
         if isinstance(got, Candidate):
             out.append(got)
         else:
