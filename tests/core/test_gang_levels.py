@@ -23,6 +23,7 @@ from services.core.policy import Candidate, Config, gang_levels, gangs, plan, ru
 from services.core.policy import index as fast
 from services.core.policy.engine import PLAIN
 from services.core.view import View
+from tests.core.policy_helpers import Listed
 from tests.core.test_policy_index import life_goes_on
 from tests.scenario import Scenario
 
@@ -138,7 +139,7 @@ def test_the_lazy_gang_search_tries_the_specs_sets_in_its_order(seed: int) -> No
         domains = gang_levels.domains(view)
         want_log, fits = _answers(salt, yes)
         want = gangs.search(view, m.profiles, cands, cfg.max_victims, fits)
-        for src in (gang_levels.Listed(cands), source):
+        for src in (Listed(cands), source):
             got_log, fits = _answers(salt, yes)
             got = gang_levels.search(view, m.profiles, src, cfg.max_victims, fits, domains)
             assert got_log == want_log, (seed, name)
@@ -285,7 +286,7 @@ def test_a_candidate_past_its_groups_pool_is_no_set_of_it() -> None:
     assert len(want) == 1 and want[0].replica != "r" and want[0].node == "y"
     source = fast.Index().find(v, a).gangs_lazily(v)
     assert source is not None
-    for src in (gang_levels.Listed(cands), source):
+    for src in (Listed(cands), source):
         got_log, fits = _answers(0, 1.0)
         got = gang_levels.search(v, m.profiles, src, 1, fits, gang_levels.domains(v))
         assert (got_log, list(got)) == (want_log, list(want))

@@ -25,6 +25,7 @@ from services.core.policy.trials import Trials
 from services.core.reaction import bounded
 from services.core.view import View, decode_state, encode_state
 from services.sim import oracle
+from tests.core.policy_helpers import first_fit
 from tests.scenario import Scenario
 
 CLASSES = ("opportunistic", "standard", "critical")
@@ -174,7 +175,7 @@ def test_the_oracle_answers_none_exactly_past_its_limit(seed: int, limit: int, k
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_a_level_is_tried_in_key_order(seed: int) -> None:
-    """`node_aware._first_fit` tries one level's sets in the order of their whole keys,
+    """`first_fit` (node-aware's `_first_of`) tries one level's sets in the order of their whole keys,
     and stops at the same set, as sorting them all by `node_aware.key` would."""
     rng = random.Random(seed)
     models = [f"m{i}" for i in range(rng.randint(1, 4))]
@@ -209,7 +210,7 @@ def test_a_level_is_tried_in_key_order(seed: int) -> None:
         return fits
 
     fast_tried: list[Sequence[Candidate]] = []
-    fast = node_aware._first_fit(level, load_s, trying(fast_tried))
+    fast = first_fit(level, load_s, trying(fast_tried))
     plain_tried: list[Sequence[Candidate]] = []
     fits = trying(plain_tried)
     found = next(
@@ -290,7 +291,7 @@ def eager_search(
             ]
             if level_sets:
                 load_s = node_aware.load_costs(view, {v.model for vs in level_sets for v in vs})
-                best = node_aware._first_fit(level_sets, load_s, fits)
+                best = first_fit(level_sets, load_s, fits)
                 if best:
                     return best
     return ()

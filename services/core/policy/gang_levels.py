@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.core import catalog, placement
-from services.core.policy import gangs, node_aware, rules
+from services.core.policy import gangs, node_aware
 from services.core.policy.decision import Candidate
 from services.core.policy.replayed import Tried
 from services.core.view import View
@@ -68,39 +68,6 @@ class Source(Protocol):
     def every(self) -> Sequence[Candidate]:
         """Every candidate, in order."""
         ...
-
-
-class Listed:
-    """A `Source` from a whole list of candidates in order (the plain walk's `every`)."""
-
-    __slots__ = ("_by_node", "cands", "spec")
-
-    def __init__(self, cands: Sequence[Candidate]) -> None:
-        self.cands = cands
-        self.spec: Callable[[], Sequence[Candidate]] | None = None
-        self._by_node: dict[str, list[int]] | None = None
-
-    def tiers(self) -> list[int]:
-        return sorted({c.tier for c in self.cands})
-
-    def of_tier(self, t: int) -> list[tuple[Order, str, object]]:
-        return [(rules.order_key(c), c.model, c) for c in self.cands if c.tier == t]
-
-    def candidate(self, made_from: object) -> Candidate:
-        assert isinstance(made_from, Candidate)
-        return made_from
-
-    def on(self, names: Sequence[str]) -> list[Candidate]:
-        by = self._by_node
-        if by is None:
-            by = self._by_node = {}
-            for i, c in enumerate(self.cands):
-                for n in c.nodes or (c.node,):
-                    by.setdefault(n, []).append(i)
-        return [self.cands[i] for i in sorted({i for n in names for i in by.get(n, ())})]
-
-    def every(self) -> Sequence[Candidate]:
-        return self.cands
 
 
 def search(

@@ -331,26 +331,6 @@ def _on_nodes(
     return out
 
 
-def _first_fit(
-    level_sets: list[tuple[C, ...]],
-    load_s: dict[str, float],
-    fits: Callable[[Sequence[C]], bool],
-) -> Sequence[C]:
-    """The first of one level's sets, in `key` order, that `fits` confirms; empty when
-    none does.
-
-    Every set of a level has the same highest tier and the same number of victims, so
-    `key` orders them by the work thrown away first: they are sorted by that alone, and
-    the whole key is worked out only for the sets tied with the one tried, usually the
-    first few of the level rather than all of it."""
-    thrown = [sum([load_s.get(v.model, 0.0) * v.gpus for v in vs]) for vs in level_sets]
-    return _first_of(level_sets, thrown, load_s, fits, _as_is)
-
-
-def _as_is(vs: tuple[C, ...]) -> tuple[C, ...]:
-    return vs
-
-
 _E = TypeVar("_E")
 
 
@@ -361,12 +341,18 @@ def _first_of(
     fits: Callable[[Sequence[C]], bool],
     made: Callable[[_E], tuple[C, ...] | None],
 ) -> Sequence[C]:
-    """`_first_fit` of a level given as entries, each with the work it throws away, that
-    `made` makes into a set (None: it is no set of the level after all). A search's
-    level holds every combination with a candidate of its tier, and whether one frees
-    enough on its node is asked only of those in the order up to the one taken: the
-    same sets, in the same order, as if those that do not had been left out first
-    (the sort is stable, and leaving some out keeps the others' order)."""
+    """The first of one level's sets, in `key` order, that `fits` confirms; empty when
+    none does. The level is given as entries, each with the work it throws away, that
+    `made` makes into a set (None: it is no set of the level after all).
+
+    Every set of a level has the same highest tier and the same number of victims, so
+    `key` orders them by the work thrown away first: they are sorted by that alone, and
+    the whole key is worked out only for the sets tied with the one tried, usually the
+    first few of the level rather than all of it. A search's level holds every
+    combination with a candidate of its tier, and whether one frees enough on its node
+    is asked only of those in the order up to the one taken: the same sets, in the same
+    order, as if those that do not had been left out first (the sort is stable, and
+    leaving some out keeps the others' order)."""
     order = sorted(range(len(level)), key=thrown.__getitem__)
     i, n = 0, len(order)
     while i < n:
