@@ -300,7 +300,11 @@ async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
         task = asyncio.create_task(read_ordered(js, from_seq=1, on_batch=on_batch, stop=stop))
         await asyncio.wait_for(five.wait(), 10)
         nats_server.kill()
-        await asyncio.sleep(0.5)
+        # Stopped once the client knows the broker is gone (not after some time has passed).
+        deadline = time.monotonic() + 10
+        while nc.is_connected:
+            assert time.monotonic() < deadline, "the client never saw the broker go"
+            await asyncio.sleep(0.02)
         stop.set()
         assert await asyncio.wait_for(task, 5) == 5
     finally:
