@@ -25,6 +25,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = str(ROOT / "deploy/examples/sim/multi-tenant.yaml")
 
 
+# SIMULATING_CPU_S is the CPU time past which a worker is simulating: its start (the
+# interpreter, its imports, the scenario) takes well under it.
+SIMULATING_CPU_S = 1.0
+
+
+def _cpu_s(pid: int) -> float:
+    """The CPU time (user and system) process `pid` has used; 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    utime, stime = stat.rsplit(")", 1)[1].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
 def _procs() -> list[tuple[int, str, int, int, str]]:
     """Every process: pid, state, parent, process group and command line."""
     out = []
@@ -224,7 +239,12 @@ def test_workers_die_with_a_command_killed_outright() -> None:
             time.sleep(0.01)
         else:
             pytest.fail("the two workers did not start")
-        time.sleep(0.5)  # past their start: simulating
+        # Killed while simulating: once each worker has run past what its start costs
+        # (its imports take a fraction of a second of CPU), not once some time has passed.
+        deadline = time.monotonic() + 60
+        while min(_cpu_s(w) for w in workers) < SIMULATING_CPU_S:
+            assert time.monotonic() < deadline, "the workers did not get to simulate"
+            time.sleep(0.02)
         p.kill()
         p.wait(timeout=10)
         deadline = time.monotonic() + 10
