@@ -280,9 +280,14 @@ def _rss_mib(plane: Plane, field: str = "VmRSS") -> float:
 
 
 async def _big_body(
-    addr: tuple[str, int], i: int, chunked: bool, sent_all: asyncio.Event
+    addr: tuple[str, int],
+    i: int,
+    chunked: bool,
+    sent_all: asyncio.Event,
+    started: asyncio.Event | None = None,
 ) -> tuple[int, bytes]:
-    """One body of BODY_MIB MiB, sent as fast as the gateway takes it: (status, answer)."""
+    """One body of BODY_MIB MiB, sent as fast as the gateway takes it: (status, answer).
+    `started` is set once the gateway has taken its head and first part."""
     pad = BODY_MIB * 2**20 - 64
     head = json.dumps({"model": f"nobody-{i}", "pad": ""}).encode()[:-2]
     body_start, body_end = head, b'"}'
@@ -304,9 +309,13 @@ async def _big_body(
                     break
                 writer.write(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
                 await writer.drain()
+                if started is not None:
+                    started.set()
             if chunked and not reading.done():
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
+        if started is not None:
+            started.set()  # answered or cut off before its first part: under way all the same
         sent_all.set()
         with contextlib.suppress(ConnectionError, TimeoutError):
             async with asyncio.timeout(30):
@@ -335,11 +344,14 @@ async def test_forty_large_bodies_keep_up_within_its_memory(
         await nc.subscribe(subjects.decision_subject("placement.decided", MODEL), cb=on_decided)
         before = _rss_mib(plane)
         sent = [asyncio.Event() for _ in range(BODIES)]
+        started = [asyncio.Event() for _ in range(BODIES)]
         bodies = [
-            asyncio.create_task(_big_body(addr, i, framing == "chunked", sent[i]))
+            asyncio.create_task(_big_body(addr, i, framing == "chunked", sent[i], started[i]))
             for i in range(BODIES)
         ]
-        await asyncio.sleep(0.2)
+        # Every body on its way in (not some time passed) before the plane is asked.
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(e.wait() for e in started))
         # The plane's work goes on meanwhile: a scale is decided.
         asked = time.monotonic()
         replicas = 3 if framing == "chunked" else 2
