@@ -42,10 +42,16 @@ async def test_broker_killed_mid_run(cluster: Cluster) -> None:  # noqa: F811
     )
     # Ask for more and kill the broker while the scheduler and agents are at work.
     await cluster.publish(ev.ScaleDesired(model="web", replicas=10))
-    await asyncio.sleep(0.05)
+    await cluster.until(
+        "the scheduler at work on the scale", lambda v: sum(1 for _ in v.replicas_of("web")) > 4
+    )
     before = await _ids(cluster)
     broker.kill()
-    await asyncio.sleep(0.5)
+    # Down until the clients have seen it go (not for some time), then back on its store.
+    deadline = asyncio.get_running_loop().time() + 10
+    while cluster.nc.is_connected:
+        assert asyncio.get_running_loop().time() < deadline, "no client saw the broker go"
+        await asyncio.sleep(0.02)
     await asyncio.to_thread(broker.start)
 
     await cluster.until(

@@ -41,6 +41,8 @@ class Cluster:
     publisher: Publisher
     js: Any
     stop: asyncio.Event
+    # nc is the test's own connection, for a test that waits on the broker's coming and going.
+    nc: Any = None
 
     @property
     def view(self) -> View:
@@ -99,7 +101,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     follower = ViewFollower(js, consumer="tour")
     follower.start()
     try:
-        yield Cluster(running, follower, Publisher(js), js, stop)
+        yield Cluster(running, follower, Publisher(js), js, stop, nc)
     finally:
         await follower.stop()
         await nc.close()
