@@ -2,11 +2,11 @@
 
 The reference's `victims()` (reference/preempt.go), rule for rule, read beside it:
 `candidates` walks every replica holding capacity once, `excluded_by_state` and
-`excluded_by_rule` say why one may not go, `replica_tier` says which tier one that may goes
-in (`eligible_tier` adds the young rule, `single_node` the multi-node one,
-`replica_candidate` puts them together for one replica, `model_candidates` for one model's),
-and `order_key` is the order they are tried in. Called by `engine.PlainWalk` (the
-spec's own walk) and, replica by replica, by `index.Index`; nothing here keeps anything
+`excluded_by_rule` say why one may not go, `replica_tier` says which tier one that may
+goes in (`eligible_tier` adds the young rule, `single_node` the multi-node one,
+`replica_candidate` puts them together for one replica, `model_candidates` for one
+model's), and `order_key` is the order they are tried in. Called by `engine.PlainWalk`
+(the spec's own walk) and, replica by replica, by `index.Index`; nothing here keeps anything
 between calls. No I/O, no clock: `now` is a parameter.
 """
 
@@ -170,8 +170,8 @@ def class_tier(p: Peer, idle_past_grace: bool, above_min: bool, below_min: bool)
 
 def replica_tier(p: Peer, r: ReplicaRecord, above_min: bool, a: Asker) -> int | str:
     """Which tier is this replica in? Its tier, or the code of the rule that keeps it
-    (`tier_from_facts`), from how long it has gone unused and whether it is borrowed. Unknown idleness counts as 0
-    against the grace, as the reference's idleFor does."""
+    (`tier_from_facts`), from how long it has gone unused and whether it is borrowed.
+    Unknown idleness counts as 0 against the grace, as the reference's idleFor does."""
     idle = idle_of(r, a.now)
     past_grace = (0.0 if idle is None else idle) >= a.cfg.eviction_grace_s
     return tier_from_facts(p, past_grace, above_min, is_borrowed(p, r, a), a)
@@ -187,8 +187,8 @@ def tier_from_facts(
     p: Peer, past_grace: bool, above_min: bool, borrowed: bool, a: Asker
 ) -> int | str:
     """Which tier do these facts give (past the grace, above the minimum, borrowed)? The
-    tier, or the code of the rule that keeps it: the class rules (`class_tier`),
-    then across owners. What another owner borrowed past its guarantee is taken back (1)
+    tier, or the code of the rule that keeps it: the class rules (`class_tier`), then
+    across owners. What another owner borrowed past its guarantee is taken back (1)
     by an owner within its own, whatever the classes (but never a critical minimum);
     what is within another owner's guarantee is not taken at all: a guarantee that
     another tenant's higher class could take is not one."""
