@@ -31,10 +31,12 @@ def run_service(
     build: Callable[[Any, Any], Service],
     *,
     failures: tuple[type[BaseException], ...] = (),
+    heap_config: heap.Config | None = None,
 ) -> int:
     """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
 
-    `failures` are the service's own errors a user can act on (printed as one line).
+    `failures` are the service's own errors a user can act on (printed as one line);
+    `heap_config`, whether the process freezes its heap (`--no-gc-freeze`).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
@@ -47,7 +49,7 @@ def run_service(
         return 2
     catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
     try:
-        return asyncio.run(_serve(name, url, root, build))
+        return asyncio.run(_serve(name, url, root, build, heap_config or heap.Config()))
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
@@ -56,7 +58,9 @@ def run_service(
             tracer_provider.shutdown()  # flushes the spans still batched
 
 
-async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Service]) -> int:
+async def _serve(
+    name: str, url: str, root: str, build: Callable[[Any, Any], Service], held: heap.Config
+) -> int:
     nc = await connect(url, name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,7 +70,7 @@ async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Ser
     try:
         js = nc.jetstream()
         await ensure_streams(js, root)
-        keeper = asyncio.create_task(heap.keep(stop), name="heap")
+        keeper = asyncio.create_task(heap.keep(stop, freeze=held.freeze), name="heap")
         try:
             await build(nc, js).run(stop)
         finally:

@@ -37,15 +37,8 @@ from services.bus.errors import BrokerError
 from services.bus.urls import public_url, users
 from services.core import preemption, scheduling
 from services.dashboard.server import Dashboard, DashboardError
+from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
-from services.gateway.listen import (
-    BODY_BUDGET,
-    KEEPALIVE_S,
-    MAX_BODY,
-    QUEUE_PER_MODEL,
-    UPSTREAM_TIMEOUT_S,
-    USED_INTERVAL_S,
-)
 from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -108,21 +101,11 @@ class UpOptions:
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
-    gateway: str | None = None
-    """Where the gateway listens (HOST:PORT); None: no gateway."""
+    gateway: GatewayConfig | None = None
+    """The gateway's settings (`--gateway-listen` its address); None: no gateway."""
     settle_heap: bool = False
     """Freeze what the process has held for a while out of the collector's reach
     (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
-    gateway_max_body: int = MAX_BODY
-    gateway_body_budget: int = BODY_BUDGET
-    gateway_hosts: tuple[str, ...] = ()
-    """`Host` names the gateway answers for besides loopback ones (`--allow-host`, the
-    dashboard's too)."""
-    gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
-    gateway_used_interval_s: float = USED_INTERVAL_S
-    gateway_stream_usage: bool = True
-    gateway_queue_per_model: int = QUEUE_PER_MODEL
-    gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
     gateway_any_port: bool = False
@@ -591,21 +574,7 @@ async def _serve(
             )
         gateway: Gateway | None = None
         if opts.gateway is not None:
-            gateway = Gateway(
-                js,
-                listen=opts.gateway,
-                root=opts.root,
-                max_body=opts.gateway_max_body,
-                body_budget=opts.gateway_body_budget,
-                allow_hosts=opts.gateway_hosts,
-                upstream_timeout_s=opts.gateway_upstream_timeout_s,
-                used_interval_s=opts.gateway_used_interval_s,
-                stream_usage=opts.gateway_stream_usage,
-                queue_per_model=opts.gateway_queue_per_model,
-                keepalive_s=opts.gateway_keepalive_s,
-                keys=opts.gateway_keys,
-                nc=nc,
-            )
+            gateway = Gateway.of(js, opts.gateway, root=opts.root, keys=opts.gateway_keys, nc=nc)
             gw_sock = _bind(
                 "gateway",
                 gateway,
