@@ -35,16 +35,16 @@ class _Adder(Protocol):
 def service_parser(prog: str, description: str, config: type[Any]) -> argparse.ArgumentParser:
     """The parser of one service run alone (`python -m services.scheduler`, `python -m
     services.preemption`): where it connects, its subject root and lease holder name,
-    then the flags of its `config`, then the process's (`services.heap.Config`)."""
+    then the flags of its `config`, then the process's (`services.process.Config`)."""
     from schemas.subjects import DEFAULT_ROOT
-    from services import heap
+    from services import process
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--nats", help="broker URL(s), comma-separated (default: $LLMGW_NATS)")
     p.add_argument("--root", default=DEFAULT_ROOT, help="subject root token")
     p.add_argument("--holder", help="lease holder name (default: host-pid)")
     add(p, config)
-    add(p, heap.Config)
+    add(p, process.Config)
     return p
 
 

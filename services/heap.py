@@ -12,7 +12,8 @@ time (`settle`), so a full collection only ever walks a second's worth.
 The cost: an object frozen here that later becomes garbage inside a reference cycle is
 never freed (garbage without a cycle is freed as always, by its reference count). What
 survives two young collections in a plane process is mostly the view and its index,
-which live as long as the process. `--no-gc-freeze` turns it off (`Config.freeze`).
+which live as long as the process. `--no-gc-freeze` turns it off
+(`services.process.Config.gc_freeze`).
 
 Run by the processes that are the plane (`llmgw up`, `python -m services.<service>`),
 never by a service object: a test process holds other things.
@@ -23,28 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from dataclasses import dataclass, field
 
 EVERY_S = 1.0
 """How often `keep` settles the heap: a full collection then walks at most about this
 long's worth of survivors."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
-    """A plane process's collector setting, a flag of each (`services.flags`): `llmgw up`,
-    `llmgw gateway`, `python -m services.<service>`."""
-
-    freeze: bool = field(
-        default=True,
-        metadata={
-            "flag": "--no-gc-freeze",
-            "dest": "gc_freeze",
-            "help": "do not move what the process has held for a while out of the cyclic "
-            "collector's reach: every full collection then walks all of it (the view of "
-            "10,000 nodes is about a million objects)",
-        },
-    )
 
 
 def settle() -> None:

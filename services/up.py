@@ -103,6 +103,8 @@ class UpOptions:
     cluster, 1 on a single server."""
     gateway: GatewayConfig | None = None
     """The gateway's settings (`--gateway-listen` its address); None: no gateway."""
+    wire_reader: bool = True
+    """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
     """Freeze what the process has held for a while out of the collector's reach
     (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
@@ -494,10 +496,12 @@ async def _serve(
     stop: asyncio.Event,
     on_ready: Callable[[Running], Any] | None,
 ) -> int:
-    nc = await connect(url, "llmgw up")
+    nc = await connect(url, "llmgw up", wire_reader=opts.wire_reader)
     # Agents get a connection of their own, as they would on their own hosts: the
     # control plane's consumers and the agents' commands do not queue behind each other.
-    agents_nc = await connect(url, "llmgw up agents") if nodes else None
+    agents_nc = (
+        await connect(url, "llmgw up agents", wire_reader=opts.wire_reader) if nodes else None
+    )
     agents: list[Agent] = []
     try:
         js = nc.jetstream()

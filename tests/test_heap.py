@@ -64,8 +64,11 @@ def test_llmgw_up_settles_its_heap_unless_told_not_to_and_an_in_process_caller_d
     parser = cli.build_parser()
     assert parser.parse_args(["up"]).gc_freeze is True
     assert parser.parse_args(["up", "--no-gc-freeze"]).gc_freeze is False
+    assert parser.parse_args(["up"]).wire_reader is True
+    assert parser.parse_args(["up", "--no-wire-reader"]).wire_reader is False
+    assert parser.parse_args(["gateway", "--no-wire-reader"]).wire_reader is False
     src = (ROOT / "services" / "cli" / "up.py").read_text()
-    assert "settle_heap=args.gc_freeze" in src
+    assert "settle_heap=args.gc_freeze" in src and "wire_reader=args.wire_reader" in src
 
 
 @pytest.mark.parametrize(
@@ -79,7 +82,7 @@ def test_llmgw_up_settles_its_heap_unless_told_not_to_and_an_in_process_caller_d
         ["-m", "services.cli", "up"],
     ],
 )
-def test_every_plane_process_offers_the_switch_as_a_flag(argv: list[str]) -> None:
+def test_every_plane_process_offers_its_switches_as_flags(argv: list[str]) -> None:
     out = subprocess.run(
         [sys.executable, *argv, "--help"],
         cwd=ROOT,
@@ -88,4 +91,4 @@ def test_every_plane_process_offers_the_switch_as_a_flag(argv: list[str]) -> Non
         timeout=30,
         check=True,
     )
-    assert "--no-gc-freeze" in out.stdout
+    assert "--no-gc-freeze" in out.stdout and "--no-wire-reader" in out.stdout

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from services import flags, heap
+from services import flags, process
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
@@ -36,9 +36,10 @@ UP_SCHEDULER_FLAGS = (
 
 
 # GATEWAY_NOT_OFFERED are the gateway's settings `llmgw up` does not offer as the
-# gateway's: `--allow-host` is the dashboard's too, `--no-gc-freeze` the whole process's,
+# gateway's: `--allow-host` is the dashboard's too, `--no-gc-freeze` and
+# `--no-wire-reader` the whole process's,
 # and the collector's thresholds are for a gateway process of its own.
-GATEWAY_NOT_OFFERED = ("allow_hosts", "freeze", "gc_tune", "gc_thresholds")
+GATEWAY_NOT_OFFERED = ("allow_hosts", "gc_freeze", "wire_reader", "gc_tune", "gc_thresholds")
 
 
 def register(commands: cli.Commands) -> None:
@@ -107,7 +108,7 @@ def register(commands: cli.Commands) -> None:
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
     )
     add_gateway_options(g, flag="--gateway-listen", skip=GATEWAY_NOT_OFFERED)
-    flags.add(p, heap.Config)
+    flags.add(p, process.Config)
 
 
 def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -176,6 +177,7 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
         ui_any_port=args.listen == DEFAULT_UI,
         settle_heap=args.gc_freeze,
+        wire_reader=args.wire_reader,
     )
     cli.setup_logging()
     try:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         a.root,
         lambda nc, js: Gateway.of(js, config, root=a.root, keys=keys, nc=nc, own_process=True),
         failures=(GatewayError,),
-        heap_config=config.heap,
+        process=config.process,
     )
 
 

@@ -20,7 +20,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
-from services.heap import Config as HeapConfig
+from services.process import Config as ProcessConfig
 
 # THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
 # CPython's (700, 10, 10)). A stream's objects live seconds (about 150 tracked objects a
@@ -51,8 +51,8 @@ def thresholds(text: str) -> tuple[int, int, int]:
 class Config:
     """What an operator sets of a gateway. Each field is a flag (`services.flags`): the
     same names, defaults and help in `llmgw gateway`, `python -m services.gateway` and
-    `llmgw up` (there `--gateway-listen`; `--allow-host` and `--no-gc-freeze` are the
-    whole process's, and the collector's thresholds, for a gateway process of its own,
+    `llmgw up` (there `--gateway-listen`; `--allow-host`, `--no-gc-freeze` and
+    `--no-wire-reader` are the whole process's, and the collector's thresholds, for a gateway process of its own,
     are not offered)."""
 
     listen: str = field(
@@ -167,8 +167,9 @@ class Config:
             "to compare with or to rule them out",
         },
     )
-    heap: HeapConfig = field(default_factory=HeapConfig)
-    """Whether the process freezes its heap (`--no-gc-freeze`, `services.heap`)."""
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+    """The process's own (`--no-gc-freeze`, `--no-wire-reader`): `llmgw up` has them as
+    the whole process's."""
     gc_tune: bool = field(
         default=True,
         metadata={

@@ -448,7 +448,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
-            settle_heap=own_process and config.heap.freeze and config.gc_tune,
+            settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,
             plane=plane,
         )
@@ -1712,7 +1712,7 @@ def freeze_heap(config: Config) -> bool:
     object that later becomes part of a cycle is never freed, and nothing frozen here
     is meant to die.
     """
-    if not config.heap.freeze:
+    if not config.process.gc_freeze:
         return False
     gc.collect()
     gc.freeze()

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services import flags, heap
+from services import flags, process
 from services.preemption.config import Config
 from services.preemption.fault import Fault
 from services.preemption.service import PreemptionService
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None, fault: Fault | None = None) -> int:
         lambda nc, js: PreemptionService(
             nc, js, root=args.root, config=config, holder=args.holder, fault=fault
         ),
-        heap_config=flags.build(heap.Config, args),
+        process=flags.build(process.Config, args),
     )
 
 

@@ -54,6 +54,7 @@ FLAGS_NOW = {
     "LLMGW_GC_TUNE": "--no-gc-tune",
     "LLMGW_GC_THRESHOLDS": "--gc-thresholds",
     "LLMGW_GC_FREEZE": "--no-gc-freeze",
+    "LLMGW_BUS_WIRE": "--no-wire-reader",
     "LLMGW_FAULT": "",
 }
 
