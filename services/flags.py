@@ -7,7 +7,12 @@ dashes (`node_timeout_s` is `--node-timeout`), unless the metadata names a "flag
 default and type are the field's. A field whose type is itself such a dataclass (the
 preemption service's `policy`) adds its own fields' flags. Optional metadata: "positive"
 (a float must be more than 0), "least" (an int's floor, 0 by default), "choices" (the
-values a text may take).
+values a text may take), "dest" (the parsed name, the field's by default), "metavar",
+"parse" (the text's parser, for a type none of these fits), "unit" (after a float's
+default in the help, "s" by default), "append" (a flag given again adds a value; the
+field a tuple). A field whose default is True is a `--no-...` flag that turns it off,
+one whose default is False a flag that turns it on; a help text with `{default}` shows
+the default there instead of after it; a default of None is not shown.
 
 It must stay light: the CLI imports it to print its help, without a broker library.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -30,32 +35,79 @@ class _Adder(Protocol):
 def service_parser(prog: str, description: str, config: type[Any]) -> argparse.ArgumentParser:
     """The parser of one service run alone (`python -m services.scheduler`, `python -m
     services.preemption`): where it connects, its subject root and lease holder name,
-    then the flags of its `config`."""
+    then the flags of its `config`, then the process's (`services.process.Config`)."""
     from schemas.subjects import DEFAULT_ROOT
+    from services import process
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--nats", help="broker URL(s), comma-separated (default: $LLMGW_NATS)")
     p.add_argument("--root", default=DEFAULT_ROOT, help="subject root token")
     p.add_argument("--holder", help="lease holder name (default: host-pid)")
     add(p, config)
+    add(p, process.Config)
     return p
 
 
-def add(parser: _Adder, config: type[Any], *, only: Collection[str] | None = None) -> None:
+def add(
+    parser: _Adder,
+    config: type[Any],
+    *,
+    only: Collection[str] | None = None,
+    skip: Collection[str] = (),
+    renamed: Mapping[str, str] | None = None,
+) -> None:
     """Add a flag to `parser` (or an argument group) for each field of `config` with help
-    text; with `only`, for those of these names."""
+    text; with `only`, for those of these names; none for those in `skip`; `renamed`
+    gives some fields another flag (`llmgw up`'s `--gateway-listen`)."""
     for f, default in _fields(config, only):
+        if f.name in skip:
+            continue
         meta = f.metadata
+        flag = (renamed or {}).get(f.name) or meta.get("flag") or _flag(f.name)
+        dest = meta.get("dest", f.name)
+        text = meta["help"]
+        if isinstance(default, bool):
+            action = "store_false" if default else "store_true"
+            parser.add_argument(flag, dest=dest, action=action, help=text)
+            continue
+        if meta.get("append"):
+            parser.add_argument(
+                flag,
+                dest=dest,
+                action="append",
+                default=None,
+                metavar=meta.get("metavar", "X"),
+                help=text,
+            )
+            continue
         kind = type(default)
-        shown = f"{default:g}s" if kind is float else f"{default}"
+        if default is not None:
+            shown = _shown(default, meta)
+            text = (
+                text.replace("{default}", shown)
+                if "{default}" in text
+                else f"{text} (default {shown})"
+            )
         parser.add_argument(
-            meta.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-"),
-            dest=f.name,
-            type=_parser(kind, meta),
+            flag,
+            dest=dest,
+            type=meta.get("parse") or _parser(kind, meta),
             default=default,
-            metavar="S" if kind is float else "N" if kind is int else "X",
-            help=f"{meta['help']} (default {shown})",
+            metavar=meta.get("metavar") or ("S" if kind is float else "N" if kind is int else "X"),
+            help=text,
         )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def _shown(default: Any, meta: Any) -> str:
+    if isinstance(default, float):
+        return f"{default:g}{meta.get('unit', 's')}"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    return f"{default}"
 
 
 def build(config: type[T], args: argparse.Namespace, **given: Any) -> T:
@@ -67,8 +119,9 @@ def build(config: type[T], args: argparse.Namespace, **given: Any) -> T:
             values[f.name] = given[f.name]
         elif _nested(f) is not None:
             values[f.name] = build(_nested(f), args)  # type: ignore[arg-type]
-        elif "help" in f.metadata and hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
+        elif "help" in f.metadata and hasattr(args, f.metadata.get("dest", f.name)):
+            value = getattr(args, f.metadata.get("dest", f.name))
+            values[f.name] = tuple(value or ()) if f.metadata.get("append") else value
     return config(**values)
 
 

@@ -12,7 +12,8 @@ time (`settle`), so a full collection only ever walks a second's worth.
 The cost: an object frozen here that later becomes garbage inside a reference cycle is
 never freed (garbage without a cycle is freed as always, by its reference count). What
 survives two young collections in a plane process is mostly the view and its index,
-which live as long as the process. `LLMGW_GC_FREEZE=0` turns it off.
+which live as long as the process. `--no-gc-freeze` turns it off
+(`services.process.Config.gc_freeze`).
 
 Run by the processes that are the plane (`llmgw up`, `python -m services.<service>`),
 never by a service object: a test process holds other things.
@@ -23,19 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
-from collections.abc import Mapping
-
-FREEZE_ENV = "LLMGW_GC_FREEZE"
 
 EVERY_S = 1.0
 """How often `keep` settles the heap: a full collection then walks at most about this
 long's worth of survivors."""
-
-
-def enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether freezing is on (it is unless `LLMGW_GC_FREEZE=0`)."""
-    return (os.environ if env is None else env).get(FREEZE_ENV, "1") != "0"
 
 
 def settle() -> None:
@@ -46,10 +38,10 @@ def settle() -> None:
     gc.freeze()
 
 
-async def keep(stop: asyncio.Event, every_s: float = EVERY_S) -> None:
-    """`settle` every `every_s` until `stop` is set; only waits for it when freezing
-    is off."""
-    if not enabled():
+async def keep(stop: asyncio.Event, every_s: float = EVERY_S, *, freeze: bool = True) -> None:
+    """`settle` every `every_s` until `stop` is set; only waits for it when `freeze` is
+    off (`--no-gc-freeze`)."""
+    if not freeze:
         await stop.wait()
         return
     settle()

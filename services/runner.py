@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from services import heap
 from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
+from services.process import Config
 
 
 class Service(Protocol):
@@ -31,10 +32,12 @@ def run_service(
     build: Callable[[Any, Any], Service],
     *,
     failures: tuple[type[BaseException], ...] = (),
+    process: Config | None = None,
 ) -> int:
     """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
 
-    `failures` are the service's own errors a user can act on (printed as one line).
+    `failures` are the service's own errors a user can act on (printed as one line);
+    `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
@@ -47,7 +50,7 @@ def run_service(
         return 2
     catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
     try:
-        return asyncio.run(_serve(name, url, root, build))
+        return asyncio.run(_serve(name, url, root, build, process or Config()))
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
@@ -56,8 +59,10 @@ def run_service(
             tracer_provider.shutdown()  # flushes the spans still batched
 
 
-async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Service]) -> int:
-    nc = await connect(url, name)
+async def _serve(
+    name: str, url: str, root: str, build: Callable[[Any, Any], Service], process: Config
+) -> int:
+    nc = await connect(url, name, wire_reader=process.wire_reader)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -66,7 +71,7 @@ async def _serve(name: str, url: str, root: str, build: Callable[[Any, Any], Ser
     try:
         js = nc.jetstream()
         await ensure_streams(js, root)
-        keeper = asyncio.create_task(heap.keep(stop), name="heap")
+        keeper = asyncio.create_task(heap.keep(stop, freeze=process.gc_freeze), name="heap")
         try:
             await build(nc, js).run(stop)
         finally:

@@ -38,15 +38,8 @@ from services.bus.urls import public_url, users
 from services.core import scheduling
 from services.core.policy import Config as PolicyConfig
 from services.dashboard.server import Dashboard, DashboardError
+from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
-from services.gateway.listen import (
-    BODY_BUDGET,
-    KEEPALIVE_S,
-    MAX_BODY,
-    QUEUE_PER_MODEL,
-    UPSTREAM_TIMEOUT_S,
-    USED_INTERVAL_S,
-)
 from services.gateway.server import Gateway
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -109,21 +102,13 @@ class UpOptions:
     replicas: int | None = None
     """Copies of the log, the leases and the snapshots; None: 3 when the broker is a
     cluster, 1 on a single server."""
-    gateway: str | None = None
-    """Where the gateway listens (HOST:PORT); None: no gateway."""
+    gateway: GatewayConfig | None = None
+    """The gateway's settings (`--gateway-listen` its address); None: no gateway."""
+    wire_reader: bool = True
+    """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
     """Freeze what the process has held for a while out of the collector's reach
     (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
-    gateway_max_body: int = MAX_BODY
-    gateway_body_budget: int = BODY_BUDGET
-    gateway_hosts: tuple[str, ...] = ()
-    """`Host` names the gateway answers for besides loopback ones (`--allow-host`, the
-    dashboard's too)."""
-    gateway_upstream_timeout_s: float = UPSTREAM_TIMEOUT_S
-    gateway_used_interval_s: float = USED_INTERVAL_S
-    gateway_stream_usage: bool = True
-    gateway_queue_per_model: int = QUEUE_PER_MODEL
-    gateway_keepalive_s: float = KEEPALIVE_S
     gateway_keys: Any = None
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
     gateway_any_port: bool = False
@@ -512,10 +497,12 @@ async def _serve(
     stop: asyncio.Event,
     on_ready: Callable[[Running], Any] | None,
 ) -> int:
-    nc = await connect(url, "llmgw up")
+    nc = await connect(url, "llmgw up", wire_reader=opts.wire_reader)
     # Agents get a connection of their own, as they would on their own hosts: the
     # control plane's consumers and the agents' commands do not queue behind each other.
-    agents_nc = await connect(url, "llmgw up agents") if nodes else None
+    agents_nc = (
+        await connect(url, "llmgw up agents", wire_reader=opts.wire_reader) if nodes else None
+    )
     agents: list[Agent] = []
     try:
         js = nc.jetstream()
@@ -592,21 +579,7 @@ async def _serve(
             )
         gateway: Gateway | None = None
         if opts.gateway is not None:
-            gateway = Gateway(
-                js,
-                listen=opts.gateway,
-                root=opts.root,
-                max_body=opts.gateway_max_body,
-                body_budget=opts.gateway_body_budget,
-                allow_hosts=opts.gateway_hosts,
-                upstream_timeout_s=opts.gateway_upstream_timeout_s,
-                used_interval_s=opts.gateway_used_interval_s,
-                stream_usage=opts.gateway_stream_usage,
-                queue_per_model=opts.gateway_queue_per_model,
-                keepalive_s=opts.gateway_keepalive_s,
-                keys=opts.gateway_keys,
-                nc=nc,
-            )
+            gateway = Gateway.of(js, opts.gateway, root=opts.root, keys=opts.gateway_keys, nc=nc)
             gw_sock = _bind(
                 "gateway",
                 gateway,

@@ -109,7 +109,8 @@ OPTIONS_NOT_ON_THE_WIRE = (
 class Target:
     """Where and how a client reaches the broker, for a reader that opens a connection of
     its own: every server in the order given, the credentials, the JetStream API prefix.
-    `unsupported` says what the wire reader cannot speak ("" when it can)."""
+    `unsupported` says what the wire reader cannot speak ("" when it can); `wire`, whether
+    the process reads with it at all (`--no-wire-reader`: nats-py's reader)."""
 
     servers: tuple[tuple[str, int], ...]
     user: str | None = None
@@ -121,6 +122,7 @@ class Target:
     unsupported: str = ""
     inbox_prefix: str = "_INBOX"
     """Where replies come back: an agent's permissions allow only its own (`_INBOX_<node>`)."""
+    wire: bool = True
 
     def auth(self) -> dict[str, str]:
         """The credential fields of a NATS CONNECT."""
@@ -392,6 +394,7 @@ async def connect(
     user: str | None = None,
     password: str | None = None,
     token: str | None = None,
+    wire_reader: bool = True,
     **options: Any,
 ) -> BusClient:
     """A connection to the broker at `url` (a cluster: a list of URLs, or one string of
@@ -400,7 +403,8 @@ async def connect(
 
     Once connected it reconnects forever, to any of the servers: a broker restart, or the
     loss of one server of a cluster, is a pause, not a crash. `options` go to nats-py
-    (`tls`, `user_credentials`, `dont_randomize`, ...).
+    (`tls`, `user_credentials`, `dont_randomize`, ...). `wire_reader` False: the log is
+    read through nats-py's client, never the bus's wire reader (`--no-wire-reader`).
     """
     servers = servers_of(url)
     shown = ",".join(servers)
@@ -455,6 +459,7 @@ async def connect(
     elif token is not None:
         auth = {"token": token}
     target = target_of(servers, user=user, password=password, token=token, options=options)
+    target = dataclasses.replace(target, wire=wire_reader)
     # A cluster gets one try per server: a server that dies during the handshake fails
     # that try (nats-py goes on to the next server only when the TCP connect fails).
     tries = len(servers)

@@ -524,8 +524,9 @@ def _reader(
     label: str | None = None,
 ) -> ordered.OrderedReader:
     """The wire reader (`services.bus.wire`) for a JetStream context of `bus.connect`,
-    which carries where to connect, unless $LLMGW_BUS_WIRE=0 or the connection uses what
-    the wire reader does not speak (TLS, nkeys, credentials); else the nats-py reader."""
+    which carries where to connect, unless its connection was made without it
+    (`--no-wire-reader`) or uses what the wire reader does not speak (nkeys, credentials
+    files); else the nats-py reader."""
     kw: dict[str, Any] = dict(
         from_seq=from_seq,
         filter_subject=filter_subject,
@@ -536,7 +537,7 @@ def _reader(
         batch_max=batch_max,
         consumer=consumer,
     )
-    if wire.enabled() and isinstance(js, JetStream):
+    if isinstance(js, JetStream) and js.target.wire:
         if not js.target.unsupported:
             return wire.WireOrderedReader(js, js.target, label=label, **kw)
         log.debug("wire reader not used: %s", js.target.unsupported)

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import secrets
 import ssl
 import time
@@ -45,9 +44,6 @@ from services.bus.connection import Fault, Target
 from services.bus.ordered import Delivery, Item
 
 log = logging.getLogger("llmgw.bus")
-
-# ENV_WIRE turns the wire reader off ("0") for `read_ordered` and `read_range`.
-ENV_WIRE = "LLMGW_BUS_WIRE"
 
 # MISSED_HEARTBEATS is how many idle-heartbeat intervals may pass with nothing from the
 # consumer before it is recreated (nats-py waits two as well).
@@ -78,10 +74,6 @@ class _Stopped(Exception):
 
 class ApiError(Exception):
     """A JetStream API request answered with an error, or not at all."""
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV_WIRE, "1") not in ("0", "false", "no", "off")
 
 
 # ------------------------------------------------------------------ connection

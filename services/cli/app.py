@@ -505,6 +505,8 @@ async def session(
     url, recorded_in = _resolve(args)
     try:
         options: dict[str, Any] = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
+        # `llmgw gateway --no-wire-reader`; every other command reads with the wire reader.
+        options["wire_reader"] = getattr(args, "wire_reader", True)
         nc = await connection.connect(url, name, **options)
     except BrokerUnavailable as e:
         if recorded_in is None:

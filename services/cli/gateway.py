@@ -15,8 +15,6 @@ from services.cli import app as cli
 
 
 def register(commands: cli.Commands) -> None:
-    from services.gateway.listen import DEFAULT_LISTEN
-
     p = commands.add(
         "gateway",
         help="serve the OpenAI-compatible gateway (/v1) in front of the ready replicas",
@@ -69,107 +67,33 @@ def register(commands: cli.Commands) -> None:
         ),
         func=_gateway,
     )
-    add_gateway_options(p, DEFAULT_LISTEN)
+    add_gateway_options(p)
 
 
 def add_gateway_options(
-    p: Any, default: str, flag: str = "--listen", allow_host: bool = True
+    p: Any,
+    flag: str = "--listen",
+    skip: tuple[str, ...] = (),
 ) -> None:
-    """The gateway's flags; `allow_host` False where `--allow-host` is given already (`llmgw
-    up`'s, which serves the dashboard's names and the gateway's)."""
-    from services.gateway.listen import (
-        BODY_BUDGET,
-        KEEPALIVE_S,
-        MAX_BODY,
-        QUEUE_PER_MODEL,
-        UPSTREAM_TIMEOUT_S,
-        USED_INTERVAL_S,
-    )
+    """The gateway's flags, made from its `Config` (`services.gateway.config`); `flag`
+    for its address (`llmgw up`'s `--gateway-listen`), none for the fields in `skip`
+    (`llmgw up`'s `--allow-host`, which serves the dashboard's names and the gateway's)."""
+    from services import flags
+    from services.gateway.config import Config
 
-    cli.add_listen(p, flag, default, "gateway_listen", "gateway")
-    p.add_argument(
-        "--api-keys",
-        metavar="FILE",
-        help="API keys, one `KEY OWNER [rpm=N] [tpm=N]` a line (mode 0600; keys of 16 "
-        "characters or more; no limit unless rpm/tpm say one): a request without a valid "
-        "`Authorization: Bearer KEY` is 401, one over its key's limit 429",
-    )
-    p.add_argument(
-        "--no-auth",
-        action="store_true",
-        help="serve off loopback without --api-keys: anyone who reaches the port may use "
-        "every model",
-    )
-    cli.add_number(
-        p,
-        "--max-body",
-        MAX_BODY,
-        "largest request body taken; a larger one is 413",
-        type=int,
-        metavar="BYTES",
-    )
-    cli.add_number(
-        p,
-        "--body-budget",
-        BODY_BUDGET,
-        "bytes of request bodies held at once, all requests together (at least --max-body); "
-        "past it a new request is 503 with Retry-After, so a flood of large bodies cannot "
-        "take the process's memory",
-        type=int,
-        metavar="BYTES",
-    )
-    if allow_host:
-        p.add_argument(
-            "--allow-host",
-            dest="allow_hosts",
-            action="append",
-            default=None,
-            metavar="NAME",
-            help="a Host name the gateway on loopback answers for besides loopback ones, as a "
-            "client or proxy sends it (repeat or comma-separate; another name is 421, so a "
-            "page that rebinds its name to 127.0.0.1 reads nothing; off loopback, where a "
-            "key is asked for, any name is answered)",
-        )
-    cli.add_number(
-        p,
-        "--upstream-timeout",
-        UPSTREAM_TIMEOUT_S,
-        "seconds a replica may take to begin its answer, or between two chunks of a "
-        "stream, before it is a 504 or a cut stream",
-        type=cli.arg_positive,
-    )
-    cli.add_number(
-        p,
-        "--used-interval",
-        USED_INTERVAL_S,
-        "publish one replica's use (requests, tokens) at most this often",
-        type=cli.arg_positive,
-        dest="gateway_used_interval",
-    )
-    p.add_argument(
-        "--no-stream-usage",
-        action="store_true",
-        help="do not ask a server for a stream's usage chunk when its client did not (the "
-        "body then passes untouched; such a stream counts as a request, with no tokens): "
-        "for a server that refuses `stream_options`",
-    )
-    cli.add_number(
-        p,
-        "--queue-per-model",
-        QUEUE_PER_MODEL,
-        "requests one model may have waiting (for its start, or for a free slot on its "
-        "replicas); past it a request is a 429 with Retry-After its predicted start",
-        type=int,
-        metavar="N",
-    )
-    cli.add_number(
-        p,
-        "--keepalive-interval",
-        KEEPALIVE_S,
-        "seconds between the SSE comments (`: waiting`) a held stream is sent, so that "
-        "proxies do not cut it",
-        type=cli.arg_positive,
-    )
+    flags.add(p, Config, skip=skip, renamed={"listen": flag})
+
+
+def gateway_config(args: argparse.Namespace, flag: str = "--listen", **given: Any) -> Any:
+    """The gateway's `Config` from its flags, checked (`gateway_listen`); `given`
+    overrides a field (`llmgw up`'s shared `--allow-host`). `UsageError` naming a flag."""
+    from services import flags
+    from services.cli.dashboard import allowed_hosts
+    from services.gateway.config import Config
+
+    gateway_listen(args, flag)
+    given.setdefault("allow_hosts", allowed_hosts(args))
+    return flags.build(Config, args, **given)
 
 
 def gateway_keys(args: argparse.Namespace) -> Any:
@@ -208,34 +132,24 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
 
 
 async def _gateway(args: argparse.Namespace) -> int:
-    from services.cli.dashboard import allowed_hosts
     from services.gateway.errors import GatewayError
     from services.gateway.server import Gateway, freeze_heap
 
-    listen = gateway_listen(args)
+    config = gateway_config(args)
     keys = gateway_keys(args)
-    hosts = allowed_hosts(args)
     cli.setup_logging()
-    freeze_heap()
+    freeze_heap(config)
 
     async def work(stop: object) -> int:
         async with cli.session(args, "llmgw gateway") as s:
-            g = Gateway(
+            g = Gateway.of(
                 s.js,
-                listen=listen,
+                config,
                 root=s.root,
-                max_body=args.max_body,
-                body_budget=args.body_budget,
-                allow_hosts=hosts,
-                upstream_timeout_s=args.upstream_timeout,
-                used_interval_s=args.gateway_used_interval,
-                stream_usage=not args.no_stream_usage,
                 keys=keys,
-                queue_per_model=args.queue_per_model,
-                keepalive_s=args.keepalive_interval,
-                settle_heap=True,
                 nc=s.nc,
                 plane=(str(s.nc.connected_url.geturl()) if s.nc.connected_url else "",),
+                own_process=True,
             )
             try:
                 sock = g.bind()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-from services import flags
+from services import flags, process
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
-from services.cli.gateway import add_gateway_options, gateway_keys, gateway_listen
+from services.cli.gateway import add_gateway_options, gateway_config, gateway_keys
 from services.core import policy, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.gateway.listen import DEFAULT_LISTEN as DEFAULT_GATEWAY
@@ -32,6 +33,13 @@ UP_SCHEDULER_FLAGS = (
     "start_timeout_s",
     "drain_grace_s",
 )
+
+
+# GATEWAY_NOT_OFFERED are the gateway's settings `llmgw up` does not offer as the
+# gateway's: `--allow-host` is the dashboard's too, `--no-gc-freeze` and
+# `--no-wire-reader` the whole process's,
+# and the collector's thresholds are for a gateway process of its own.
+GATEWAY_NOT_OFFERED = ("allow_hosts", "gc_freeze", "wire_reader", "gc_tune", "gc_thresholds")
 
 
 def register(commands: cli.Commands) -> None:
@@ -99,7 +107,8 @@ def register(commands: cli.Commands) -> None:
     g.add_argument(
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
     )
-    add_gateway_options(g, DEFAULT_GATEWAY, flag="--gateway-listen", allow_host=False)
+    add_gateway_options(g, flag="--gateway-listen", skip=GATEWAY_NOT_OFFERED)
+    flags.add(p, process.Config)
 
 
 def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -119,11 +128,11 @@ def _ui(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return args.listen, token
 
 
-def _gateway(args: argparse.Namespace) -> str | None:
-    """The gateway's address, or None with --no-gateway."""
+def _gateway(args: argparse.Namespace) -> Any:
+    """The gateway's `Config`, or None with --no-gateway."""
     if args.no_gateway:
         return None
-    return gateway_listen(args, "--gateway-listen")
+    return gateway_config(args, "--gateway-listen")
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -161,21 +170,14 @@ async def _up(args: argparse.Namespace) -> int:
         ui_hosts=allowed_hosts(args),
         replicas=args.replicas,
         gateway=gateway,
-        gateway_max_body=args.max_body,
-        gateway_body_budget=args.body_budget,
-        gateway_hosts=allowed_hosts(args),
-        gateway_upstream_timeout_s=args.upstream_timeout,
-        gateway_used_interval_s=args.gateway_used_interval,
-        gateway_stream_usage=not args.no_stream_usage,
-        gateway_queue_per_model=args.queue_per_model,
-        gateway_keepalive_s=args.keepalive_interval,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
         # The default addresses, when taken (another plane serves there), move to a free
         # port, said in one line; an address given is the operator's, and its being
         # taken the error.
         gateway_any_port=args.gateway_listen == DEFAULT_GATEWAY,
         ui_any_port=args.listen == DEFAULT_UI,
-        settle_heap=True,
+        settle_heap=args.gc_freeze,
+        wire_reader=args.wire_reader,
     )
     cli.setup_logging()
     try:

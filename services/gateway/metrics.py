@@ -150,7 +150,8 @@ class Labelled:
 class KeptLabelled(Labelled):
     """The same children, each kept once it is made: a dict lookup. The label values are
     what `Labelled` is given, bounded as the series themselves are (declared models,
-    statuses, the key file's owners). The gateway's fast path (`LLMGW_GATEWAY_FASTPATH`)."""
+    statuses, the key file's owners). The gateway's fast path (`Gateway.fast_path`, off
+    with `--no-fast-path`)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, tuple[str, ...]], Any] = {}

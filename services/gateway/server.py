@@ -56,7 +56,6 @@ import contextlib
 import gc
 import logging
 import math
-import os
 import socket
 import time
 from collections import deque
@@ -73,7 +72,7 @@ from opentelemetry import trace
 
 from schemas import events as ev
 from schemas import inflight, subjects
-from services import heap, listen, names
+from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.errors import BusError
 from services.bus.replies import ReplyGuard
@@ -81,6 +80,7 @@ from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, ratelimit, routing
 from services.follower import ViewFollower
 from services.gateway import guard, plane, scope, streams, tokens
+from services.gateway.config import Config
 from services.gateway.errors import GatewayError
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -161,18 +161,6 @@ DEMAND_INTERVAL_S = 1.0
 # openai package's `x-stainless-read-timeout`) a held request may spend waiting: it is
 # answered 429 a little before the client would give up on it unanswered.
 CLIENT_TIMEOUT_SHARE = 0.9
-# THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
-# CPython's (700, 10, 10)). A stream's objects live seconds (about 150 tracked objects a
-# stream open), so a young collection promotes nearly all it walks, and the middle
-# generation then holds every open stream: collected every 10 young collections, as
-# CPython does, it held the loop 15-50 ms every few seconds with 300 streams open. A young
-# collection walks at most its threshold of objects: 700 is about 0.5 ms. The middle
-# generation is collected every 1,000 young collections instead (about once a minute at
-# 300 open streams), and the old one, as CPython does, after 10 of those and only when
-# it has grown by a quarter. (The round before: (20,000, 10, 10), young collections of
-# 5-9 ms with 300 streams open.) `LLMGW_GC_THRESHOLDS=A,B,C` sets others.
-THRESHOLDS = (700, 1000, 10)
-THRESHOLDS_ENV = "LLMGW_GC_THRESHOLDS"
 
 # SSE_HEADERS are a held stream's, sent when it starts waiting.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -209,8 +197,6 @@ MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
-# FASTPATH_ENV names the switch of the request path's speed-ups (`Gateway.fast_path`).
-FASTPATH_ENV = "LLMGW_GATEWAY_FASTPATH"
 # NO_SPAN stands for a request's span when none is made: a span that records nothing,
 # as the no-op tracer's would be, without the context it would be attached to.
 NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
@@ -398,14 +384,15 @@ class Gateway:
     """This gateway's own id, new at every start, in its answers to agents."""
     settle_heap: bool = False
     """Freeze the heap again once serving (`settle_heap`): for a process of its own, as
-    `freeze_heap` is; never in a test process or `llmgw up`."""
+    `freeze_heap` is, unless `--no-gc-freeze` or `--no-gc-tune`; never in a test process
+    or `llmgw up`."""
     stream_usage: bool = True
     """Ask a server for the usage chunk of a stream whose client did not (and strip it);
     off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
-    fast_path: bool = field(default_factory=lambda: os.environ.get(FASTPATH_ENV, "1") != "0")
-    """The request path's speed-ups (`LLMGW_GATEWAY_FASTPATH=0` turns them off): no
+    fast_path: bool = True
+    """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
 
@@ -430,6 +417,41 @@ class Gateway:
         self._owners_said: str | None = None
         self._replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self._plane = plane.Ports(self.plane)
+
+    @classmethod
+    def of(
+        cls,
+        js: Any,
+        config: Config,
+        *,
+        root: str,
+        keys: Keys | None = None,
+        nc: Any = None,
+        plane: tuple[str, ...] = (),
+        own_process: bool = False,
+    ) -> Gateway:
+        """The gateway `config` describes (`llmgw gateway`, `python -m services.gateway`,
+        `llmgw up`: the one place a gateway is made from an operator's settings); `keys`,
+        its `--api-keys` file read; `own_process`, a process that is only the gateway (it
+        freezes its heap again once serving, as `config` allows)."""
+        return cls(
+            js,
+            listen=config.listen,
+            root=root,
+            max_body=config.max_body,
+            body_budget=config.body_budget,
+            allow_hosts=config.allow_hosts,
+            upstream_timeout_s=config.upstream_timeout_s,
+            used_interval_s=config.used_interval_s,
+            stream_usage=config.stream_usage,
+            keys=keys,
+            queue_per_model=config.queue_per_model,
+            keepalive_s=config.keepalive_s,
+            fast_path=config.fast_path,
+            settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
+            nc=nc,
+            plane=plane,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1676,10 +1698,11 @@ def _too_big(limit: int) -> Refusal:
     return Refusal(413, f"the body is over {limit} bytes", "body_too_large")
 
 
-def freeze_heap() -> bool:
+def freeze_heap(config: Config) -> bool:
     """Move every object alive now (the imported modules, most of what a gateway process
-    holds) out of the cyclic collector's reach, and collect with THRESHOLDS; whether it
-    did. `LLMGW_GC_FREEZE=0` turns it off; `LLMGW_GC_TUNE=0` keeps CPython's thresholds.
+    holds) out of the cyclic collector's reach, and collect with `config.gc_thresholds`;
+    whether it did. `--no-gc-freeze` turns it off; `--no-gc-tune` keeps CPython's
+    thresholds.
 
     Called once by a gateway process of its own (`llmgw gateway`, `python -m
     services.gateway`) before it serves, never by `Gateway` itself: a test process or
@@ -1689,41 +1712,20 @@ def freeze_heap() -> bool:
     object that later becomes part of a cycle is never freed, and nothing frozen here
     is meant to die.
     """
-    if not heap.enabled():
+    if not config.process.gc_freeze:
         return False
     gc.collect()
     gc.freeze()
-    if os.environ.get("LLMGW_GC_TUNE", "1") != "0":
-        gc.set_threshold(*thresholds(os.environ.get(THRESHOLDS_ENV)))
+    if config.gc_tune:
+        gc.set_threshold(*config.gc_thresholds)
     return True
-
-
-def thresholds(text: str | None) -> tuple[int, int, int]:
-    """THRESHOLDS, or the three `A,B,C` of `text` (LLMGW_GC_THRESHOLDS) when it is
-    three positive integers; anything else is said in one line and THRESHOLDS used."""
-    if not text:
-        return THRESHOLDS
-    try:
-        a, b, c = (int(x) for x in text.split(","))
-    except ValueError:
-        a = b = c = 0
-    if min(a, b, c) <= 0:
-        log.warning(
-            "gateway: %s=%r is not three positive integers (A,B,C); collecting with %s",
-            THRESHOLDS_ENV,
-            text[:40],
-            ",".join(map(str, THRESHOLDS)),
-        )
-        return THRESHOLDS
-    return a, b, c
 
 
 def settle_heap() -> bool:
     """Freeze again what a gateway process holds once it serves (its view of the log,
     its server, its pools): long-lived objects the first freeze came too early for;
-    whether it did. Off with `LLMGW_GC_FREEZE=0` or `LLMGW_GC_TUNE=0`."""
-    if not heap.enabled() or os.environ.get("LLMGW_GC_TUNE", "1") == "0":
-        return False
+    whether it did. Only a gateway whose `settle_heap` is set calls it (`Gateway.of`:
+    a process of its own, unless `--no-gc-freeze` or `--no-gc-tune`)."""
     gc.collect()
     gc.freeze()
     return True

@@ -1,8 +1,8 @@
 """`python -m services.preemption --nats URL [...]`: one preemption service process.
 
 Used by `llmgw` deployments that run services apart and by the crash tests, which run it
-as a real subprocess so an armed fault (`LLMGW_FAULT`, see `fault.py`) can kill it. It
-parses flags (made from the service's `Config`, see `services.flags`), connects, runs
+as a real subprocess, through their own entry point that hands `main` an armed fault
+(see `fault.py`), so that it can kill it. It parses flags (made from the service's `Config`, see `services.flags`), connects, runs
 the service until SIGTERM or SIGINT; it holds no logic.
 """
 
@@ -12,9 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services import flags
+from services import flags, process
 from services.preemption.config import Config
-from services.preemption.fault import Fault, FaultError
+from services.preemption.fault import Fault
 from services.preemption.service import PreemptionService
 from services.runner import run_service
 
@@ -27,13 +27,10 @@ def parser() -> argparse.ArgumentParser:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, fault: Fault | None = None) -> int:
+    """Run the service from `argv`'s flags; `fault`, the crash points a test arms (none
+    otherwise: no flag and no variable arms one)."""
     args = parser().parse_args(argv)
-    try:
-        fault = Fault.from_env()
-    except FaultError as e:
-        print(f"preemption: {e}", file=sys.stderr)
-        return 2
     config = flags.build(Config, args)
     return run_service(
         "preemption",
@@ -42,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda nc, js: PreemptionService(
             nc, js, root=args.root, config=config, holder=args.holder, fault=fault
         ),
+        process=flags.build(process.Config, args),
     )
 
 

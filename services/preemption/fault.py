@@ -2,7 +2,9 @@
 
 Used by the preemption service at the points where a crash is most instructive (after
 publishing, before acking), and by the tests that run the service as a subprocess and let
-it die. Not a mock: the process exits with status 137, as if killed -9, so whatever it had
+it die. Only a test arms it: the tests start the service through their own entry point
+(`tests/preemption_service/faulty.py`), which hands `main` a `Fault`; nothing here reads
+the environment, and no flag names it. Not a mock: the process exits with status 137, as if killed -9, so whatever it had
 not acked is redelivered by the broker to whoever runs next.
 
 It must do nothing unless armed, and never anything but exit.
@@ -12,8 +14,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-ENV = "LLMGW_FAULT"
 
 # EXIT_STATUS is what a crash here exits with: the status of a process killed by SIGKILL,
 # so a supervisor (or a test) cannot tell the injected crash from a real one.
@@ -56,10 +56,6 @@ class Fault:
                     f"unknown fault point {point!r}; known: {', '.join(sorted(POINTS))}"
                 )
             self.points[point] = Path(marker) if marker else None
-
-    @classmethod
-    def from_env(cls) -> Fault:
-        return cls(os.environ.get(ENV))
 
     def __bool__(self) -> bool:
         return bool(self.points)

@@ -125,11 +125,8 @@ class PreemptionService:
         self.config = config if config is not None else Config()
         self.policy = self.config.policy
         self.clock = clock
-        # fault None: whatever $LLMGW_FAULT arms (nothing, unless a crash test set it).
-        if fault is None:
-            self.fault = faults.Fault.from_env()
-        else:
-            self.fault = fault if isinstance(fault, faults.Fault) else faults.Fault(fault)
+        # fault None: nothing armed (only a crash test arms one).
+        self.fault = fault if isinstance(fault, faults.Fault) else faults.Fault(fault)
         self.leader = Leader(
             js,
             role="preemption",

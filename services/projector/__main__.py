@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from schemas import subjects
+from services import flags, process
 from services.bus import snapshots
 from services.projector.errors import ProjectorError
 from services.projector.service import DIGEST_EVERY, Projector
@@ -29,6 +30,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="with an empty database, start from the newest snapshot rather than seq 1",
     )
+    flags.add(p, process.Config)
     return p.parse_args(argv)
 
 
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             from_snapshot=a.from_snapshot,
         ),
         failures=(ProjectorError,),
+        process=flags.build(process.Config, a),
     )
 
 

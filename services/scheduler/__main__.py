@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services import flags
+from services import flags, process
 from services.core.scheduling import Config
 from services.runner import run_service
 from services.scheduler.service import Scheduler
@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.nats,
         args.root,
         lambda nc, js: Scheduler(nc, js, root=args.root, config=config, holder=args.holder),
+        process=flags.build(process.Config, args),
     )
 
 

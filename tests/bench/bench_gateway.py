@@ -16,10 +16,10 @@ An embedded nats-server; two simulated model servers (services.agent.responder) 
 their own processes: `bench` answers at once (no delays), `bench-stream` streams 16
 tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile up to
 the concurrency asked for); one `python -m services.gateway` process per entry of
-`--loops` (asyncio; asyncio with LLMGW_GC_FREEZE=0; uvloop when it is installed, `pip
-install -e '.[bench]'`; `-untuned` after a loop: with LLMGW_GC_TUNE=0; `-plain`: with
-LLMGW_GATEWAY_FASTPATH=0, the request path without its speed-ups; `-young20k`: the
-collector's thresholds of the round before, LLMGW_GC_THRESHOLDS=20000,10,10), each told of the
+`--loops` (asyncio; asyncio with --no-gc-freeze; uvloop when it is installed, `pip
+install -e '.[bench]'`; `-untuned` after a loop: with --no-gc-tune; `-plain`: with
+--no-fast-path, the request path without its speed-ups; `-young20k`: the collector's
+thresholds of the round before, --gc-thresholds 20000,10,10), each told of the
 servers by `replica.state` events with their endpoints. The load generator (aiohttp,
 this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
@@ -152,7 +152,7 @@ def _tune_collector(how: str) -> None:
     against whichever path was being measured then."""
     import gc
 
-    from services.gateway.server import THRESHOLDS
+    from services.gateway.config import THRESHOLDS
 
     if how == "default":
         return
@@ -701,21 +701,21 @@ class CollectorTimer:
 
 def _serve_gateway(loop: str, argv: list[str]) -> int:
     """A gateway process on `loop` (`asyncio` or `uvloop`; `-nofreeze` after it: with
-    LLMGW_GC_FREEZE=0; `-untuned`: LLMGW_GC_TUNE=0; `-plain`: LLMGW_GATEWAY_FASTPATH=0;
-    `-young20k`: LLMGW_GC_THRESHOLDS=20000,10,10),
+    --no-gc-freeze; `-untuned`: --no-gc-tune; `-plain`: --no-fast-path; `-young20k`:
+    --gc-thresholds 20000,10,10),
     which says at its exit, on stderr, how long the cyclic collector held its loop (the
     collections of its start, before it serves, not counted)."""
     from services.gateway.__main__ import main as gateway
 
-    for suffix, var in (
-        ("-nofreeze", "LLMGW_GC_FREEZE"),
-        ("-untuned", "LLMGW_GC_TUNE"),
-        ("-plain", "LLMGW_GATEWAY_FASTPATH"),
+    for suffix, flag in (
+        ("-nofreeze", "--no-gc-freeze"),
+        ("-untuned", "--no-gc-tune"),
+        ("-plain", "--no-fast-path"),
     ):
         if suffix in loop:
-            os.environ[var] = "0"
+            argv = [*argv, flag]
     if "-young20k" in loop:
-        os.environ["LLMGW_GC_THRESHOLDS"] = "20000,10,10"  # the round before's
+        argv = [*argv, "--gc-thresholds", "20000,10,10"]  # the round before's
     timer = CollectorTimer().install().answer_signal()
 
     import services.gateway.server as server
@@ -750,7 +750,7 @@ def main() -> None:
         "--loops",
         default="asyncio,asyncio-nofreeze,uvloop",
         help="a gateway per event loop (uvloop skipped when not installed; -nofreeze: "
-        "with LLMGW_GC_FREEZE=0; -untuned: with LLMGW_GC_TUNE=0, CPython's collector "
+        "with --no-gc-freeze; -untuned: with --no-gc-tune, CPython's collector "
         "thresholds and no second freeze)",
     )
     p.add_argument(

@@ -5,15 +5,16 @@ three-server cluster (`nats_cluster`)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 
 from schemas import events as ev
 from schemas import ids
-from services.bus import wire
+from services.bus import EmbeddedBroker, connect
 from tests.bus.cluster import Cluster
 
 _T0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
@@ -56,10 +57,26 @@ def events() -> Callable[..., list[ev.Event]]:
 
 
 @pytest.fixture(params=["wire", "nats-py"])
-def either_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test once with each ordered reader behind `read_ordered` / `read_range`."""
-    monkeypatch.setenv(wire.ENV_WIRE, "1" if request.param == "wire" else "0")
+def either_reader(request: pytest.FixtureRequest) -> str:
+    """Runs a test once with each ordered reader behind `read_ordered` / `read_range`:
+    the `nc` (and so `js`) of such a test is connected with it, and a test that connects
+    itself passes `wire_reader=either_reader == "wire"`, as a process's
+    `--no-wire-reader` does."""
     return str(request.param)
+
+
+@pytest.fixture
+async def nc(js_broker: EmbeddedBroker, request: pytest.FixtureRequest) -> AsyncIterator[Client]:
+    """A connection to `js_broker`, closed at the end; with the reader of `either_reader`
+    when the test runs with each."""
+    wire_reader = True
+    if "either_reader" in request.fixturenames:
+        wire_reader = request.getfixturevalue("either_reader") == "wire"
+    conn = await connect(js_broker.url, "test", wire_reader=wire_reader)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 @pytest.fixture

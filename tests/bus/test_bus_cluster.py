@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.bus import Publisher, connect, wire
+from services.bus import Publisher, connect
 from services.bus.consume import Delivery, read_ordered
 from services.bus.errors import BrokerUnavailable
 from services.bus.stream import ensure_dlq_stream, ensure_stream
@@ -24,7 +24,12 @@ async def test_a_read_resumes_on_another_server_when_its_own_dies(
 ):
     caplog.set_level(logging.INFO, "llmgw.bus")
     # dont_randomize: the client, and the wire reader, start on the first server.
-    nc = await connect(nats_cluster.urls, "follower", dont_randomize=True)
+    nc = await connect(
+        nats_cluster.urls,
+        "follower",
+        dont_randomize=True,
+        wire_reader=either_reader == "wire",
+    )
     try:
         assert nc.connected_url is not None
         assert nc.connected_url.port == nats_cluster.brokers[0].port
@@ -99,4 +104,4 @@ def test_the_target_carries_credentials_and_what_the_wire_cannot_speak():
     assert target_of(["ws://h:1"]).unsupported == "scheme ws"
     assert target_of(["h"], options={"nkeys_seed": "s"}).unsupported == "nkeys_seed"
     assert "SSLContext" in target_of(["h"], options={"tls": object()}).unsupported
-    assert target_of(["h"]).unsupported == "" and wire.enabled()
+    assert target_of(["h"]).unsupported == "" and target_of(["h"]).wire

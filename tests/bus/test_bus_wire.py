@@ -52,11 +52,20 @@ def _kw(**kw):
     return args
 
 
-def test_the_default_reader_is_the_wire_reader(js, monkeypatch):
+async def test_the_default_reader_is_the_wire_reader_and_the_flag_turns_it_off(
+    js, js_broker, monkeypatch
+):
     kw = _kw(to_end=True)
     assert isinstance(consume._reader(js, **kw), wire.WireOrderedReader)
-    monkeypatch.setenv(wire.ENV_WIRE, "0")
-    assert isinstance(consume._reader(js, **kw), ordered.NatsOrderedReader)
+    # The variable of the rounds before turns nothing off: only the connection's setting
+    # (`--no-wire-reader`) does.
+    monkeypatch.setenv("LLMGW_BUS_WIRE", "0")
+    assert isinstance(consume._reader(js, **kw), wire.WireOrderedReader)
+    off = await connect(js_broker.url, "plain", wire_reader=False)
+    try:
+        assert isinstance(consume._reader(off.jetstream(), **kw), ordered.NatsOrderedReader)
+    finally:
+        await off.close()
 
 
 def test_what_the_wire_does_not_speak_reads_through_nats_py(js, nc):
@@ -245,7 +254,7 @@ async def test_a_read_left_early_closes_its_connection(js, events):
 
 @pytest.mark.timeout(60)
 async def test_a_read_resumes_after_the_broker_restarts(nats_server, events, either_reader):
-    nc = await connect(nats_server.url, "follower")
+    nc = await connect(nats_server.url, "follower", wire_reader=either_reader == "wire")
     try:
         js = nc.jetstream()
         await ensure_streams(js)
@@ -281,9 +290,8 @@ async def test_a_read_resumes_after_the_broker_restarts(nats_server, events, eit
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("either_reader")
-async def test_stopping_while_the_broker_is_down_returns(nats_server, events):
-    nc = await connect(nats_server.url, "follower")
+async def test_stopping_while_the_broker_is_down_returns(nats_server, events, either_reader):
+    nc = await connect(nats_server.url, "follower", wire_reader=either_reader == "wire")
     try:
         js = nc.jetstream()
         await ensure_streams(js)
@@ -351,3 +359,8 @@ async def test_the_wire_reader_speaks_tls(tmp_path, events, caplog):
             assert not [x for x in caplog.records if "through nats-py" in x.getMessage()]
         finally:
             await nc.close()
+
+
+async def test_each_reader_case_reads_with_the_reader_it_names(js, either_reader):
+    kind = wire.WireOrderedReader if either_reader == "wire" else ordered.NatsOrderedReader
+    assert type(consume._reader(js, **_kw(to_end=True))) is kind

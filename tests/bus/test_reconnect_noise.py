@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from services.bus import EmbeddedBroker, connect, connection, ensure_streams, follow, wire
+from services.bus import EmbeddedBroker, connect, connection, ensure_streams, follow
 from services.bus.connection import Outage
 from services.lease import Lease
 
@@ -77,7 +77,6 @@ async def test_each_reader_says_its_fault_once_a_period_naming_itself(
     # projector's, the scheduler's, ...). Each says its fault once, then at most once per
     # period while it lasts, each line naming it; a short period here, so that two
     # seconds away hold a few periods.
-    monkeypatch.setenv(wire.ENV_WIRE, "1")
     monkeypatch.setattr(connection, "RECONNECT_REPORT_S", 0.5)
     caplog.set_level(logging.INFO)
     nc = await connect(nats_server.url, "tail", reconnect_wait_s=0.1)

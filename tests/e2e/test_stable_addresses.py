@@ -21,6 +21,7 @@ import pytest
 
 from services import up as up_service
 from services.bus import broker as bus_broker
+from services.gateway.config import Config as GatewayConfig
 from tests.up_process import UpProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -189,7 +190,7 @@ def test_default_addresses_taken_are_moved_off_in_one_line_each(
         projector=False,
         ui=f"127.0.0.1:{ui_port}",
         ui_any_port=True,
-        gateway=f"127.0.0.1:{gw_port}",
+        gateway=GatewayConfig(listen=f"127.0.0.1:{gw_port}"),
         gateway_any_port=True,
     )
     try:
@@ -224,7 +225,7 @@ def test_a_killed_up_s_moved_dashboard_and_gateway_keep_their_ports(
         projector=False,
         ui=f"127.0.0.1:{ui_port}",
         ui_any_port=True,
-        gateway=f"127.0.0.1:{gw_port}",
+        gateway=GatewayConfig(listen=f"127.0.0.1:{gw_port}"),
         gateway_any_port=True,
     )
     try:

@@ -1,4 +1,4 @@
-"""The gateway's request-path speed-ups (`Gateway.fast_path`, `LLMGW_GATEWAY_FASTPATH=0`
+"""The gateway's request-path speed-ups (`Gateway.fast_path`, `--no-fast-path`
 turns them off) against the plain rule: the same requests through a gateway with them and
 one without, following the same log, get the same answers and count the same metrics;
 the kept metric children render as `labels()` each time does; no span is made only when

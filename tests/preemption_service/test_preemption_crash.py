@@ -1,8 +1,8 @@
 """Crash the preemption service for real between publishing and acking, restart it, and
 check that each victim was asked to stop exactly once.
 
-The service runs as a subprocess (`python -m services.preemption`) with a crash point
-armed through `LLMGW_FAULT`; it exits with status 137 at that point, once (a marker file
+The service runs as a subprocess (`python -m tests.preemption_service.faulty`, the
+service's own `main` with a crash point armed: only a test can arm one); it exits with status 137 at that point, once (a marker file
 keeps the restarted process from crashing again). The broker redelivers the unacked
 trigger to the restarted process after the ack wait.
 """
@@ -40,13 +40,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start(url: str, point: str, marker: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, LLMGW_FAULT=f"{point}:{marker}")
     with log.open("ab") as out:
         return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "services.preemption",
+                "tests.preemption_service.faulty",
+                "--fault",
+                f"{point}:{marker}",
                 "--nats",
                 url,
                 "--holder",
@@ -60,7 +61,6 @@ def start(url: str, point: str, marker: Path, log: Path, *args: str) -> subproce
                 *args,
             ],
             cwd=ROOT,
-            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -173,11 +173,14 @@ def test_fault_spec_names_known_points() -> None:
     assert not fault.Fault(None)
 
 
-def test_fault_is_armed_only_by_the_environment_and_crashes_once(
+def test_fault_is_armed_only_by_a_test_and_crashes_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv(fault.ENV, raising=False)
-    unarmed = fault.Fault.from_env()
+    # The variable that once armed it arms nothing: production code reads no
+    # environment for the hook, and a service built without one has none armed.
+    monkeypatch.setenv("LLMGW_FAULT", f"{fault.CRASH_BEFORE_ACK}")
+    assert not hasattr(fault, "ENV") and not hasattr(fault.Fault, "from_env")
+    unarmed = fault.Fault(None)
     assert not unarmed and unarmed.points == {}
     for point in sorted(fault.POINTS):
         unarmed.hit(point)  # returns: the process goes on
@@ -185,12 +188,38 @@ def test_fault_is_armed_only_by_the_environment_and_crashes_once(
     # the restarted service must get on with its work.
     marker = tmp_path / "crashed"
     marker.write_text("")
-    monkeypatch.setenv(fault.ENV, f"{fault.CRASH_BEFORE_ACK}:{marker}")
-    armed = fault.Fault.from_env()
+    armed = fault.Fault(f"{fault.CRASH_BEFORE_ACK}:{marker}")
     assert armed and set(armed.points) == {fault.CRASH_BEFORE_ACK}
     armed.hit(fault.CRASH_BEFORE_ACK)
     armed.hit(fault.CRASH_AFTER_DECIDED)  # not armed
     assert marker.read_text() == ""
+
+
+def test_the_service_entry_point_takes_no_fault_from_the_environment(tmp_path: Path) -> None:
+    """`python -m services.preemption` with the old variable set (to a point that does
+    not exist) is not armed by it: it gets as far as needing a broker (its one line,
+    exit 2), not to a fault's parse. The test's own entry point parses the spec."""
+    env = dict(os.environ, LLMGW_FAULT="preemption.nowhere", LLMGW_DATA=str(tmp_path))
+    env["HOME"] = str(tmp_path)
+    env.pop("LLMGW_NATS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.preemption"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "no broker" in done.stderr and "fault" not in done.stderr, done.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "tests.preemption_service.faulty", "--fault", "nowhere"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "unknown fault point 'nowhere'" in bad.stderr
 
 
 async def _restarted(js: JetStreamContext, n: int, second: subprocess.Popen[bytes]) -> int | None:
