@@ -82,16 +82,25 @@ class Boundary:
 @pytest.fixture(scope="module")
 def boundary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Boundary]:
     base = tmp_path_factory.mktemp("boundary")
-    r = render_single(base / "nats", [A1, A2])
+    with plane_on(render_single(base / "nats", [A1, A2]), base) as b:
+        yield b
+
+
+@contextlib.contextmanager
+def plane_on(r: Rendered, base: Path, *args: str, gateway: bool = False) -> Iterator[Boundary]:
+    """The rendered server with the shipped roles, and `llmgw up --nats` as `control` on
+    it (FAST, and `args`), once its services run (and its gateway serves, with
+    `gateway`); at the end, its log must hold no traceback."""
     with server(r, base / "nats.log"):
         control = r.url("control", CONTROL_PASSWORD)
-        up = UpProcess(base / "data", base / "up.log", "--nats", control, *FAST)
+        up = UpProcess(base / "data", base / "up.log", "--nats", control, *FAST, *args)
         try:
             wait_for(
                 "llmgw up to run its services",
                 lambda: (
                     (up.alive() or pytest.fail(up.text()[-3000:]))
                     and "preemption service" in up.text()
+                    and (not gateway or "gateway: serving" in up.text())
                 ),
             )
             yield Boundary(Plane(up, control), r, base)

@@ -48,6 +48,7 @@ from tests.adversarial.test_boundary_broker import (
     _stored,
     _until,
     _victim,
+    plane_on,
 )
 from tests.agent.helpers import placement_of, start_cmd
 from tests.deploy.natsconf import (
@@ -55,10 +56,7 @@ from tests.deploy.natsconf import (
     Rendered,
     agent_password,
     render_single,
-    server,
-    wait_for,
 )
-from tests.up_process import FAST, UpProcess
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -97,30 +95,10 @@ def boundary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Boundary]:
     base = tmp_path_factory.mktemp("replies")
     r = render_single(base / "nats", [A1, A2, A3])
     _add_watcher(r)
-    with server(r, base / "nats.log"):
-        control = r.url("control", CONTROL_PASSWORD)
-        up = UpProcess(
-            base / "data",
-            base / "up.log",
-            "--nats",
-            control,
-            *FAST,
-            *("--node-timeout", str(NODE_TIMEOUT_S), "--tick", "0.2"),
-        )
-        try:
-            wait_for(
-                "llmgw up to run its services and gateway",
-                lambda: (
-                    (up.alive() or pytest.fail(up.text()[-3000:]))
-                    and "preemption service" in up.text()
-                    and "gateway: serving" in up.text()
-                ),
-            )
-            yield Boundary(Plane(up, control), r, base)
-        finally:
-            up.stop()
-    text = up.text()
-    assert "Traceback" not in text, text[-3000:]
+    timing = ("--node-timeout", str(NODE_TIMEOUT_S), "--tick", "0.2")
+    with plane_on(r, base, *timing, gateway=True) as b:
+        # Its own Boundary: it knows the watcher's password too.
+        yield Boundary(b.plane, b.rendered, b.base)
 
 
 @pytest_asyncio.fixture(loop_scope="function")
