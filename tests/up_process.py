@@ -4,11 +4,13 @@ by Ctrl-C, its output kept in a file)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # FAST are the simulated runtime's delays that keep a test's replicas quick to come up.
@@ -90,3 +92,50 @@ class UpProcess:
                 self.proc.wait()
         self._out.close()
         return self.proc.returncode
+
+
+def reader_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a reader's shell: their HOME (so `~/.llmgw` is the test's), this
+    interpreter's bin first on PATH (`llmgw` as the venv has it), and no `LLMGW_` or
+    `OTEL_` variable of the test's own."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "OTEL_"))},
+        "HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def shell_up(
+    command: str, cwd: Path, env: dict[str, str], log: Path, timeout: float = 90
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`command` (a docs page's `llmgw up ...` line) run by bash as a reader would, its
+    output in `log`, until its gateway's address is in the data directory of `env`'s
+    HOME; Ctrl-C at the end (then kill -9 of its group after 30 s)."""
+    data = Path(env["HOME"]) / ".llmgw"
+    out = log.open("w")
+    up = subprocess.Popen(
+        ["bash", "-c", f"exec {command}"],
+        cwd=cwd,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not (data / "gateway.url").is_file() or not (data / "gateway.url").read_text():
+            assert up.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield up
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        out.close()

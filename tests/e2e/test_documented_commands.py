@@ -20,18 +20,16 @@ few commands of the page that cannot run here are in SKIP, each with its reason.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.up_process import reader_env, shell_up
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -213,23 +211,7 @@ def test_the_tour_prints_what_its_page_shows(tmp_path: Path) -> None:
     home.mkdir()
     work.mkdir()
     (work / "deploy").symlink_to(ROOT / "deploy")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "OTEL_"))},
-        "HOME": str(home),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONUNBUFFERED": "1",
-        "COLUMNS": "200",
-    }
-    data = home / ".llmgw"
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        ["bash", "-c", f"exec {up_cmd.key}"],
-        cwd=work,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env = reader_env(home, COLUMNS="200")
     outputs: list[str] = []
 
     def sh(script: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -255,12 +237,7 @@ def test_the_tour_prints_what_its_page_shows(tmp_path: Path) -> None:
     # IDS: the page's own ids in commands, and the ones this run has in their place.
     ids: dict[str, Callable[[], str]] = {"batch-2d2": victim, "chat-5b9": served}
     ran, skipped, failures = 0, 0, []
-    try:
-        deadline = time.monotonic() + 90
-        while not (data / "gateway.url").is_file() or not (data / "gateway.url").read_text():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.2)
+    with shell_up(up_cmd.key, work, env, tmp_path / "up.log"):
         for block in blocks:
             prelude = ""
             for cmd in block:
@@ -299,11 +276,3 @@ def test_the_tour_prints_what_its_page_shows(tmp_path: Path) -> None:
                     failures.append(f"{where}: {why}; it printed:\n{out}")
         assert not failures, "\n\n".join(failures)
         assert ran >= 15 and skipped == len(SKIP), (ran, skipped)
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-        log.close()

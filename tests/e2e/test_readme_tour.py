@@ -9,15 +9,13 @@ left out: the test's own interpreter's directory is first on PATH instead.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.up_process import reader_env, shell_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,28 +44,8 @@ def test_the_tour_has_its_blocks() -> None:
 
 def test_every_command_of_the_readme_tour_runs(tmp_path: Path) -> None:
     blocks = [_runnable(b) for b in tour_blocks((ROOT / "README.md").read_text())]
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "OTEL_"))},
-        "HOME": str(tmp_path),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONUNBUFFERED": "1",
-    }
-    data = tmp_path / ".llmgw"
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        ["bash", "-c", f"exec {blocks[0].strip()}"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while not (data / "gateway.url").is_file() or not (data / "gateway.url").read_text():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.2)
+    env = reader_env(tmp_path)
+    with shell_up(blocks[0].strip(), ROOT, env, tmp_path / "up.log"):
         outputs = []
         for block in blocks[1:]:
             done = subprocess.run(
@@ -88,11 +66,3 @@ def test_every_command_of_the_readme_tour_runs(tmp_path: Path) -> None:
         assert "preemption.decided" in said
         assert "preempted" in said
         assert "last used" in said
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-        log.close()
