@@ -39,12 +39,10 @@ one mapping (YAML would keep the last, silently).
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import tomllib
-import typing
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,7 +287,7 @@ def _convert(item: Any, cls: type[Any], where: str, fail: Any, what: str = "") -
     number (`max: '3'`), a number read as true or false, or 3.0 as a whole number. Lax,
     a quoted number would pass as one here and be a string to any other reader of the
     file. `what` names the item (`model 'chat'`) in an error of a value's type."""
-    _check_keys(item, _type_info(typing.cast(Hashable, cls)), where, fail)
+    _check_keys(item, _TYPE_INFO.get(cls) or msgspec.inspect.type_info(cls), where, fail)
     try:
         return msgspec.convert(item, cls, strict=True)
     except msgspec.ValidationError as e:
@@ -303,12 +301,12 @@ def _convert(item: Any, cls: type[Any], where: str, fail: Any, what: str = "") -
         ) from e
 
 
-@functools.cache
-def _type_info(cls: Hashable) -> Any:
-    """msgspec's description of `cls`, worked out once per class: it reads every
-    annotation of the contract again each time, and was most of `apply`'s time on a file
-    of 20,000 models."""
-    return msgspec.inspect.type_info(cls)
+# _TYPE_INFO: msgspec's description of the types a cluster file's entries convert to,
+# worked out once at import: it reads every annotation of the contract each time it is
+# asked, and was most of `apply`'s time on a file of 20,000 models.
+_TYPE_INFO: Mapping[Any, Any] = {
+    cls: msgspec.inspect.type_info(cls) for cls in (ev.ModelDeclared, ev.OwnerQuota)
+}
 
 
 _EXPECTED = re.compile(r"^Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)`$")

@@ -805,9 +805,8 @@ class Gateway:
             # A key over its rpm already is refused before its body is read.
             self._admit(key, 0, take=False)
         body = await self._read_body(request)
-        request[_MODEL] = UNKNOWN  # read, and until it parses, naming no model
+        request[_MODEL] = UNKNOWN  # read: until `_routed` names its model, none
         head = _parse(body)
-        request[_MODEL] = self._label(head.model, key)
         if key is None:
             return await self._routed(request, None, body, head)
         reserve = tokens.reservation(
@@ -817,23 +816,29 @@ class Gateway:
             len(body),
             completes=request.path != "/v1/embeddings",
         )
-        reserved = self._admit(key, reserve)
+        try:
+            reserved = self._admit(key, reserve)
+        except Refusal:
+            # Refused for its tpm, the body read: counted under its model, which only
+            # `_routed` would have named (worked out here for a refusal alone, not for
+            # every request).
+            request[_MODEL] = self._label(head.model, key)
+            raise
         try:
             return await self._routed(request, key, body, head)
         finally:
             if reserved or key.limits.tpm is not None:
                 self._settle(key, reserved, request.get(_TOOK, 0))
 
-    def _label(self, name: str, key: Key | None) -> str:
-        """The model a request's metrics count it under, as soon as its body is read (a
-        refusal for its tpm counts under its model): a declared model the key may use,
-        by its name; anything else `(unknown)`."""
+    def _label(self, name: str, key: Key) -> str:
+        """The model a request refused for its tpm counts under in the metrics: a
+        declared model the key may use, by its name; anything else `(unknown)`."""
         view = self.follower.view
         m = view.catalog.resolve(name)
         if m is None:
             return UNKNOWN
         d = view.state.models.get(m.name)
-        if key is not None and d is not None and not self._visible(key, d):
+        if d is not None and not self._visible(key, d):
             return UNKNOWN
         return m.name
 
