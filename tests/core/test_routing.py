@@ -39,7 +39,7 @@ def test_least_in_flight_then_least_recently_picked() -> None:
     log = _log(3)
     m = log.view.catalog.resolve("mm")
     assert m is not None
-    router = routing.Router()
+    router = routing.LeastInflight()
     picks = [router.pick(log.view, m) for _ in range(3)]
     assert [p.id for p in picks if p] == ["r0", "r1", "r2"]
     assert router.inflight == {"r0": 1, "r1": 1, "r2": 1}
@@ -66,7 +66,7 @@ def test_only_ready_replicas_with_an_endpoint_and_no_drain_are_routable() -> Non
     assert sorted(r.id for r in routing.candidates(log.view, m)) == ["r0", "r1"]
     assert log.add(ev.ReplicaDrain(replica="r0", model="m", reason="node_drain")) is None
     assert [r.id for r in routing.candidates(log.view, m)] == ["r1"]
-    router = routing.Router()
+    router = routing.LeastInflight()
     assert router.pick(log.view, m, avoid=("r1",)) is None
 
 
@@ -74,20 +74,20 @@ def test_a_session_stays_while_routable_and_the_map_is_bounded(monkeypatch) -> N
     log = _log(2)
     m = log.view.catalog.resolve("m")
     assert m is not None
-    router = routing.Router()
-    first = router.pick(log.view, m, session="s")
+    router = routing.LeastInflight()
+    first = router.pick(log.view, m, routing.Route("m", session="s"))
     assert first is not None
     router.done(first.id)
     for _ in range(3):
-        p = router.pick(log.view, m, session="s")
+        p = router.pick(log.view, m, routing.Route("m", session="s"))
         assert p is not None and p.id == first.id
         router.done(p.id)
     assert log.add(ev.ReplicaDrain(replica=first.id, model="m", reason="scale_down")) is None
-    moved = router.pick(log.view, m, session="s")
+    moved = router.pick(log.view, m, routing.Route("m", session="s"))
     assert moved is not None and moved.id != first.id
     monkeypatch.setattr(routing, "SESSIONS", 10)
     for i in range(50):
-        router.pick(log.view, m, session=f"u{i}")
+        router.pick(log.view, m, routing.Route("m", session=f"u{i}"))
     assert len(router._sessions) == 10
 
 
@@ -102,10 +102,14 @@ def test_a_replica_at_its_admission_limit_is_not_picked() -> None:
     assert m is not None
     limit = routing.admit_limit(log.view, m)
     assert limit == 2
-    router = routing.Router()
-    picks = [router.pick(log.view, m, limit=limit, session="s") for _ in range(4)]
+    router = routing.LeastInflight()
+    picks = [
+        router.pick(log.view, m, routing.Route("m", session="s"), limit=limit) for _ in range(4)
+    ]
     assert sorted(p.id for p in picks if p) == ["r0", "r0", "r1", "r1"]
     # Both full: none, the session's own replica included.
-    assert router.pick(log.view, m, limit=limit, session="s") is None
+    assert router.pick(log.view, m, routing.Route("m", session="s"), limit=limit) is None
     router.done("r1")
-    assert (p := router.pick(log.view, m, limit=limit, session="s")) is not None and p.id == "r1"
+    assert (
+        p := router.pick(log.view, m, routing.Route("m", session="s"), limit=limit)
+    ) is not None and p.id == "r1"
