@@ -11,6 +11,7 @@ asks for it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from typing import Any
@@ -20,8 +21,9 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.core import routing
+from services.gateway import guard
 from services.gateway.keys import Key
-from services.gateway.refusal import Refusal, invalid_type
+from services.gateway.refusal import RETRY_AFTER_S, Refusal, invalid_type, too_big
 
 # What is kept on the aiohttp request while it is served:
 MODEL = web.RequestKey("llmgw_model", str)
@@ -143,3 +145,48 @@ async def sse_error(request: web.Request, resp: web.StreamResponse, e: Refusal) 
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write(b"data: " + msgspec.json.encode(doc) + b"\n\n")
         await resp.write_eof()
+
+
+def over_budget(budget: guard.Budget) -> Refusal:
+    return Refusal(
+        503,
+        f"the gateway holds {budget.held} bytes of request bodies, its budget is "
+        f"{budget.capacity} (--body-budget); try again shortly",
+        "body_budget",
+        kind="server_error",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def read_body(
+    request: web.Request, max_body: int, budget: guard.Budget, timeout_s: float
+) -> bytes:
+    """The whole body, its bytes held in `budget` (`HELD`, given back by the server when
+    the request ends): all of them before it is read when its length is said, else chunk
+    by chunk as they come. 413 past `max_body`, 503 past the budget, 408 past
+    `timeout_s`."""
+    said = request.content_length
+    if said is not None and said > max_body:
+        raise too_big(max_body)
+    if said is not None:
+        if not budget.take(said):
+            raise over_budget(budget)
+        request[HELD] = said
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > max_body:
+                    raise too_big(max_body)
+                if said is None:
+                    if not budget.take(len(chunk)):
+                        raise over_budget(budget)
+                    request[HELD] = size
+                chunks.append(chunk)
+    except TimeoutError:
+        raise Refusal(
+            408, f"the body did not arrive within {timeout_s:g}s", "body_timeout"
+        ) from None
+    return b"".join(chunks)

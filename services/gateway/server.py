@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -51,15 +50,17 @@ from aiohttp import web
 from opentelemetry import trace
 
 from schemas import events as ev
-from schemas import inflight, subjects
+from schemas import subjects
 from services import listen, names
 from services.bus import Publisher, tracing
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
-from services.core import catalog, ratelimit, routing
+from services.core import catalog, routing
 from services.follower import ViewFollower
 from services.gateway import guard, plane, scope, streams, tokens
+from services.gateway.admission import Admission, authorize
 from services.gateway.config import Config
+from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
 from services.gateway.forward import Forwarder
 from services.gateway.heap import freeze_heap, settle_heap
@@ -85,14 +86,7 @@ from services.gateway.metrics import (
     Metrics,
     summary,
 )
-from services.gateway.refusal import (
-    RETRY_AFTER_S,
-    Answered,
-    Refusal,
-    Unreachable,
-    no_replica,
-    too_big,
-)
+from services.gateway.refusal import Answered, Refusal, Unreachable, no_replica
 from services.gateway.request import (
     HELD,
     KEY,
@@ -105,6 +99,7 @@ from services.gateway.request import (
     WOKEN,
     Head,
     parse,
+    read_body,
     sse_error,
 )
 from services.gateway.request import route as route_of
@@ -123,8 +118,6 @@ BODY_TIMEOUT_S = 30.0
 # CONNECT_TIMEOUT_S bounds a connection to a replica; one that takes longer is tried
 # once more elsewhere, like a refused one.
 CONNECT_TIMEOUT_S = 5.0
-# SHUT_RETRY_S is the Retry-After of a key whose limit is 0 (it never refills).
-SHUT_RETRY_S = 3600
 # IDLE_TIMEOUT_S bounds how long a client's connection may go without a whole request:
 # one that sends its headers a byte at a time (slowloris), or keeps an idle connection
 # open, is closed then (nginx's keep-alive default), not held for aiohttp's hour.
@@ -180,7 +173,7 @@ class Gateway:
     """The plane's other listeners (the dashboard's, the broker's URL), whose ports no
     replica's endpoint may name; the gateway's own always counts (`plane.Ports`)."""
     nc: Any = None
-    """The broker connection to answer draining agents on (`_answer_inflight`); None:
+    """The broker connection to answer draining agents on (`services.gateway.drains`); None:
     agents get no answer from this gateway, and stop their servers without it."""
     id: str = field(default_factory=new_id)
     """This gateway's own id, new at every start, in its answers to agents."""
@@ -237,12 +230,12 @@ class Gateway:
             lines=self.lines,
             interval_s=self.used_interval_s,
         )
-        self._buckets: dict[bytes, ratelimit.Buckets] = {}
+        self.admission = Admission(self.labelled, self.metrics)
+        self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
         self._scope = scope.Scope()
-        self._owners_seen: tuple[Any, ...] | None = None
-        self._owners_said: str | None = None
-        self._replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
+        replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
+        self.answers = Answers(self.id, self._view, self.router, replies)
 
     def _view(self) -> Any:
         return self.follower.view
@@ -314,7 +307,7 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await self.follower.caught_up(CATCH_UP_S)
             try:
-                self._check_owners()
+                self.admission.check_owners(self.keys, self.follower.view.state)
             except GatewayError:
                 sock.close()
                 raise
@@ -348,7 +341,7 @@ class Gateway:
                 # Answered once the view has caught up: before, it would say of a replica
                 # it has not folded yet that it routes nothing there, and then route there.
                 answers = await self.nc.subscribe(
-                    subjects.gateway_inflight_wildcard(self.root), cb=self._answer_inflight
+                    subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
             log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
             if self.settle_heap:
@@ -382,35 +375,8 @@ class Gateway:
         finally:
             await self.follower.stop()
 
-    def _check_owners(self) -> None:
-        """A key whose owner is not in the quota tree the log says (nor a declared
-        model's owner) stops the gateway with one line naming its FILE:LINE."""
-        if self.keys is None:
-            return
-        state = self.follower.view.state
-        why = self.keys.outside(
-            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
-        )
-        if why is not None:
-            raise GatewayError(why)
-        self._owners_seen = (state.quota, len(state.models))
-
     def _recheck_owners(self) -> None:
-        """Once the gateway serves, a quota tree that leaves a key's owner out is said
-        once in the log (its requests are still served and counted for that owner)."""
-        if self.keys is None:
-            return
-        state = self.follower.view.state
-        seen = (state.quota, len(state.models))
-        if seen == self._owners_seen:
-            return
-        self._owners_seen = seen
-        why = self.keys.outside(
-            {o.name for o in state.quota}, {m.owner for m in state.models.values()}
-        )
-        if why is not None and why != self._owners_said:
-            log.warning("gateway: %s", why)
-        self._owners_said = why
+        self.admission.recheck_owners(self.keys, self.follower.view.state)
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Requests per model since the start, and requests in flight per model now:
@@ -424,36 +390,6 @@ class Gateway:
         return dict(self.counts.by_model), inflight
 
     # ------------------------------------------------------------------ handlers
-
-    async def _answer_inflight(self, msg: Any) -> None:
-        """A draining agent asks how many requests this gateway has in flight on one of
-        its replicas, and whether it would still route new ones there
-        (`services.agent.gateways`; docs/contract.md, "The gateways' in-flight counts").
-        Answered only on a reply under the asking node's agent inbox, and only about a
-        replica on that node (`services.bus.replies`): a question about another node's
-        replica, or one whose reply goes elsewhere, gets no answer. A replica this view
-        does not hold is answered as nothing in flight and not routable: nothing new
-        goes to it, and a count of one it dropped names no node."""
-        asked = subjects.inflight_asked(msg.subject)
-        if asked is None:
-            return
-        node, rid = asked
-        if not self._replies.allows(node, msg.subject, msg.reply):
-            return
-        view = self.follower.view
-        r = view.replicas.get(rid)
-        if r is not None and node not in r.nodes:
-            self._replies.refuse(msg.subject, f"replica {rid} is not on node {node}")
-            return
-        answer = inflight.InflightAnswer(
-            gateway=self.id,
-            replica=rid,
-            inflight=self.router.inflight.get(rid, 0) if r is not None else 0,
-            routable=r is not None and routing.routable(view, r, new_session=False),
-            seq=self.follower.seq,
-        )
-        with contextlib.suppress(nats.errors.Error):
-            await msg.respond(inflight.encode(answer))
 
     async def _health(self, request: web.Request) -> web.Response:
         """The view's seq, what is routable per declared model, in flight per replica."""
@@ -480,81 +416,14 @@ class Gateway:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    def _authorize(self, request: web.Request) -> Key | None:
-        """The request's key; None with no keys configured. 401 else."""
-        if self.keys is None:
-            return None
-        key = self.keys.find(request.headers.get("Authorization"))
-        if key is None:
-            raise Refusal(
-                401,
-                "no valid API key: send Authorization: Bearer KEY",
-                "invalid_api_key",
-                kind="invalid_request_error",
-            )
-        return key
-
-    def _admit(self, key: Key, reserve: int, take: bool = True) -> float:
-        """One more request of `key`, which may take `reserve` tokens, taken by its
-        limits: the tokens reserved for it (settled by `_settle` at its end), or a 429
-        saying which limit and for how long (`services.core.ratelimit`). Not `take`: only
-        whether its rpm refuses it (known before its body is read; what it may take of
-        its tpm is not), its buckets left as they are."""
-        limits = key.limits if take else ratelimit.Limits(rpm=key.limits.rpm)
-        if limits.rpm is None and limits.tpm is None:
-            return 0.0
-        a = ratelimit.admit(
-            limits,
-            self._buckets.get(key.digest, ratelimit.Buckets()),
-            self.clock(),
-            reserve if limits.tpm is not None else 0,
-        )
-        if a.over is None:
-            if take:
-                self._buckets[key.digest] = a.buckets
-            return a.reserved
-        # A limit of 0 never refills: the key is shut, and told to come back in an hour.
-        shut = not math.isfinite(a.wait_s)
-        retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
-        limits = key.limits
-        if a.over == "rpm":
-            said, kind = f"its {limits.rpm} requests a minute (rpm={limits.rpm})", "requests"
-        else:
-            said, kind = f"its {limits.tpm} tokens a minute (tpm={limits.tpm})", "tokens"
-        then = "it may send none" if shut else f"try again in {retry}s"
-        words = f"the key of {key.owner} is over {said}; {then}"
-        self.labelled.of(self.metrics.limited, key.owner, a.over).inc()
-        raise Refusal(
-            429,
-            # The client is told its key's limit in words, never where the keys file is
-            # on the gateway's host or which line of it is theirs.
-            f"rate limit: {words}",
-            "rate_limit_exceeded",
-            kind=kind,
-            headers={"Retry-After": str(retry)},
-            words=words,
-        )
-
-    def _settle(self, key: Key, reserved: float, took: int) -> None:
-        """A request of `key` admitted with `reserved` tokens has ended having taken
-        `took`: its key's token bucket settled to that."""
-        if key.limits.tpm is None:
-            return
-        b = self._buckets.get(key.digest, ratelimit.Buckets())
-        self._buckets[key.digest] = ratelimit.settle(key.limits, b, self.clock(), reserved, took)
-
-    def _visible(self, key: Key | None, d: ev.ModelDeclared) -> bool:
-        """Whether the request's key may use the declared model `d` (`services.gateway.scope`);
-        every model without keys."""
-        return key is None or self._scope.may_use(key.owner, d, self.follower.view.state.quota)
-
     async def _models(self, request: web.Request) -> web.Response:
-        key = self._authorize(request)
+        key = authorize(self.keys, request)
+        owner = None if key is None else key.owner
         view = self.follower.view
         data = []
         for d in sorted(view.state.models.values(), key=lambda d: d.name):
             m = view.catalog.resolve(d.name)
-            if m is None or not self._visible(key, d):
+            if m is None or not self._scope.visible(owner, d, view.state.quota):
                 continue
             ready = len(routing.candidates(view, m))
             for name in (m.name, *(a for a in m.aliases if view.catalog.resolve(a) is m)):
@@ -626,12 +495,12 @@ class Gateway:
         )
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        key = self._authorize(request)
+        key = authorize(self.keys, request)
         if key is not None:
             request[KEY] = key
             # A key over its rpm already is refused before its body is read.
-            self._admit(key, 0, take=False)
-        body = await self._read_body(request)
+            self.admission.admit(key, 0, self.clock(), take=False)
+        body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
         request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
         head = parse(body)
         if key is None:
@@ -644,7 +513,7 @@ class Gateway:
             completes=request.path != "/v1/embeddings",
         )
         try:
-            reserved = self._admit(key, reserve)
+            reserved = self.admission.admit(key, reserve, self.clock())
         except Refusal:
             # Refused for its tpm, the body read: counted under its model, which only
             # `_routed` would have named (worked out here for a refusal alone, not for
@@ -655,31 +524,21 @@ class Gateway:
             return await self._routed(request, key, body, head)
         finally:
             if reserved or key.limits.tpm is not None:
-                self._settle(key, reserved, request.get(TOOK, 0))
+                self.admission.settle(key, reserved, request.get(TOOK, 0), self.clock())
 
     def _label(self, name: str, key: Key) -> str:
         """The model a request refused for its tpm counts under in the metrics: a
         declared model the key may use, by its name; anything else `(unknown)`."""
-        view = self.follower.view
-        m = view.catalog.resolve(name)
-        if m is None:
-            return UNKNOWN
-        d = view.state.models.get(m.name)
-        if d is not None and not self._visible(key, d):
-            return UNKNOWN
-        return m.name
+        m = self._scope.resolve(self.follower.view, name, key.owner)
+        return UNKNOWN if m is None else m.name
 
     def _model(self, name: str, key: Key | None) -> catalog.Model:
-        """The declared model a request names, if its key may use it; 404 else (with a
-        did-you-mean among the models the key may use)."""
+        """The declared model a request names, if its key may use it (`scope`); 404 else
+        (with a did-you-mean among the models the key may use): another tenant's model is
+        not there for this key, and nothing is done for it (no wait, no demand)."""
         view = self.follower.view
-        m = view.catalog.resolve(name)
-        if m is not None and key is not None:
-            d = view.state.models.get(m.name)
-            if d is not None and not self._visible(key, d):
-                # Another tenant's model is not there for this key: the same 404 as a
-                # name nobody declared, and nothing done for it (no wait, no demand).
-                m = None
+        owner = None if key is None else key.owner
+        m = self._scope.resolve(view, name, owner)
         if m is not None:
             return m
         if len(name) > MAX_NAME:
@@ -691,13 +550,7 @@ class Gateway:
                 f"{MAX_NAME} characters; this one is {len(name)})",
                 "unknown_model",
             )
-        known = [
-            n
-            for d in view.state.models.values()
-            if self._visible(key, d)
-            for n in (d.name, *d.aliases)
-        ]
-        hint = names.did_you_mean(name, known)
+        hint = names.did_you_mean(name, self._scope.names(view, owner))
         raise Refusal(404, f"the model {name!r} does not exist{hint}", "unknown_model")
 
     async def _routed(
@@ -815,49 +668,6 @@ class Gateway:
         if gone:
             self.router.forget(gone)
         self.holding.on_fold(event)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The whole body, its bytes held in the budget (`HELD`, given back by `_proxy`
-        when the request ends): all of them before it is read when its length is said,
-        else chunk by chunk as they come."""
-        said = request.content_length
-        if said is not None and said > self.max_body:
-            raise too_big(self.max_body)
-        if said is not None:
-            if not self.budget.take(said):
-                raise self._over_budget()
-            request[HELD] = said
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    chunk = await request.content.readany()
-                    if not chunk:
-                        break
-                    size += len(chunk)
-                    if size > self.max_body:
-                        raise too_big(self.max_body)
-                    if said is None:
-                        if not self.budget.take(len(chunk)):
-                            raise self._over_budget()
-                        request[HELD] = size
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise Refusal(
-                408, f"the body did not arrive within {self.body_timeout_s:g}s", "body_timeout"
-            ) from None
-        return b"".join(chunks)
-
-    def _over_budget(self) -> Refusal:
-        return Refusal(
-            503,
-            f"the gateway holds {self.budget.held} bytes of request bodies, its budget is "
-            f"{self.budget.capacity} (--body-budget); try again shortly",
-            "body_budget",
-            kind="server_error",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
 
 
 def parse_listen(text: str) -> tuple[str, int]:
