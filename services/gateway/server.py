@@ -40,7 +40,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,11 +251,13 @@ class Gateway:
         nc: Any = None,
         plane: tuple[str, ...] = (),
         own_process: bool = False,
+        pickers: Mapping[str, Callable[[], routing.Picker]] = routing.PICKERS,
     ) -> Gateway:
         """The gateway `config` describes (`llmgw gateway`, `python -m services.gateway`,
         `llmgw up`: the one place a gateway is made from an operator's settings); `keys`,
         its `--api-keys` file read; `own_process`, a process that is only the gateway (it
-        freezes its heap again once serving, as `config` allows)."""
+        freezes its heap again once serving, as `config` allows); `pickers`, the routing rules
+        `config.routing` names one of."""
         return cls(
             js,
             listen=config.listen,
@@ -270,7 +272,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
-            router=routing.PICKERS[config.routing](),
+            router=pickers[config.routing](),
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,
             plane=plane,
