@@ -174,7 +174,9 @@ class _Plane:
         return len(r._picked) + len(r.inflight) + len(r._sessions)
 
 
-def _state(rid: str, state: ev.ReplicaStateName, shards: tuple[ev.ShardSpec, ...]) -> ev.ReplicaState:
+def _state(
+    rid: str, state: ev.ReplicaStateName, shards: tuple[ev.ShardSpec, ...]
+) -> ev.ReplicaState:
     endpoint = "http://n1:1" if state == "ready" else None
     return ev.ReplicaState(
         replica=rid,
