@@ -12,7 +12,7 @@ This module is the HTTP surface: it reads a request (its key, its body, once, in
 The rooms behind it: `services.gateway.forward` sends it and passes the answer back,
 `services.gateway.holding` holds what cannot be served yet in its model's line,
 `services.gateway.use` reports what each replica served (`replica.used`), and
-`services.gateway.heap` tunes the collector of a gateway process of its own.
+`services.gateway.collector` tunes the collector of a gateway process of its own.
 
 A refusal is in the OpenAI error shape, `{"error": {"message", "type", "code"}}`, with
 the reason in an `x-llmgw-reason` header (`services.gateway.refusal`): 400 malformed JSON
@@ -59,11 +59,11 @@ from services.core import catalog, routing
 from services.follower import ViewFollower
 from services.gateway import guard, plane, scope, streams, tokens
 from services.gateway.admission import Admission, authorize
+from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
 from services.gateway.forward import Forwarder
-from services.gateway.heap import freeze_heap, settle_heap
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
