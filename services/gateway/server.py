@@ -378,6 +378,7 @@ class Gateway:
             await self.follower.stop()
 
     def _recheck_owners(self) -> None:
+        """The keys' owners against the quota tree now (`Admission.recheck_owners`)."""
         self.admission.recheck_owners(self.keys, self.follower.view.state)
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
