@@ -239,8 +239,8 @@ class Picker(Protocol):
         is routable (but those in `avoid`) with fewer than `limit` in flight."""
         ...
 
-    def done(self, replica: str) -> None:
-        """A request picked for `replica` has ended, however it ended."""
+    def done(self, replica: str, route: Route | None = None) -> None:
+        """A request (`route`) picked for `replica` has ended, however it ended."""
         ...
 
     def forget(self, gone: Iterable[str]) -> None:
@@ -319,8 +319,8 @@ class LeastInflight:
         r = view.state.replicas.get(rid)
         return r if r is not None and routable(view, r, new_session=False) else None
 
-    def done(self, replica: str) -> None:
-        """A request picked for `replica` has ended, however it ended."""
+    def done(self, replica: str, route: Route | None = None) -> None:
+        """A request (`route`) picked for `replica` has ended, however it ended."""
         left = self.inflight.get(replica, 0) - 1
         if left > 0:
             self.inflight[replica] = left

@@ -244,7 +244,7 @@ class Holding:
         self.room.leave(w)
         if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
             # Released to a replica as the client went away: its slot is free.
-            self.done(w.fut.result())
+            self.done(w.fut.result(), w.route)
         elif not w.fut.done():
             w.fut.cancel()
 
@@ -262,10 +262,10 @@ class Holding:
         )
         w.fut.set_exception(queue_full(said, retry_after))
 
-    def done(self, r: Any) -> None:
-        """A request sent to `r` has ended: its slot frees, and the line of its model
-        (if any waits) is served from it."""
-        self.router.done(r.id)
+    def done(self, r: Any, route: routing.Route | None = None) -> None:
+        """A request (`route`) sent to `r` has ended: its slot frees, and the line of its
+        model (if any waits) is served from it."""
+        self.router.done(r.id, route)
         if not self.room.lines:
             return
         m = self.view().catalog.resolve(r.model)

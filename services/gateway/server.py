@@ -644,7 +644,7 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                self.holding.done(r)
+                self.holding.done(r, route)
         raise no_replica(m.name, last)
 
     def _first_byte(self, request: web.Request) -> None:
