@@ -173,9 +173,10 @@ class Config:
         metadata={
             "choices": tuple(PICKERS),
             "metavar": "RULE",
-            "help": "how a request's replica is picked, among the routable replicas of its "
-            f"model: {', '.join(PICKERS)} (least-inflight: the fewest requests in flight "
-            "through this gateway, a session kept on its replica; docs/gateway.md)",
+            "help": "the rule that picks a request's replica among its model's routable "
+            f"ones, one of {', '.join(PICKERS)}; least-inflight: the fewest requests in "
+            "flight through this gateway, a session back to its replica (docs/gateway.md, "
+            '"Routing")',
         },
     )
     process: ProcessConfig = field(default_factory=ProcessConfig)
