@@ -30,7 +30,7 @@ from services.gateway.refusal import (
     answer_too_big,
 )
 from services.gateway.request import PICKED_AT, SENT, WOKEN
-from services.gateway.use import stream_usage, usage
+from services.gateway.use import cached, stream_cached, stream_usage, usage
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
@@ -45,7 +45,7 @@ JSON_TYPE = {"Content-Type": "application/json"}
 PASSED = ("Content-Type", "Cache-Control", "X-Request-Id")
 
 # Used is what counts one answered request: (replica, tokens in, tokens out, request).
-Used = Callable[[Any, int, int, web.Request], None]
+Used = Callable[[Any, int, int, web.Request, int | None], None]
 
 
 @dataclass(eq=False)
@@ -91,7 +91,7 @@ class Forwarder:
         except BaseException:
             upstream.close()
             if not sent[1] and upstream.status < 400:
-                self.used(r, tokens.prompt_estimate(len(body)), sent[0], request)
+                self.used(r, tokens.prompt_estimate(len(body)), sent[0], request, None)
             raise
         finally:
             upstream.release()
@@ -161,7 +161,7 @@ class Forwarder:
             data = await self.whole(upstream, r.id)
             self.first_byte(request)
             if upstream.status < 400:
-                self.used(r, *usage(data), request)
+                self.used(r, *usage(data), request, cached(data))
             return web.Response(body=data, status=upstream.status, headers=out_headers)
         if held is None:
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -220,13 +220,18 @@ class Forwarder:
             if request.transport is not None:
                 request.transport.close()
             if upstream.status < 400:
-                self.used(r, tokens.prompt_estimate(len(body)), sent[0], request)
+                self.used(r, tokens.prompt_estimate(len(body)), sent[0], request, None)
             sent[1] = 1
             return resp
         if upstream.status < 400:
-            used = cut.tokens if cut is not None else stream_usage(bytes(tail[-TAIL_BYTES:]))
+            if cut is not None:
+                used = cut.tokens
+                saved = None if cut.event is None else stream_cached(cut.event)
+            else:
+                used = stream_usage(bytes(tail[-TAIL_BYTES:]))
+                saved = stream_cached(bytes(tail[-TAIL_BYTES:])) if used else None
             # A stream that ended without its usage chunk is counted as one cut.
-            self.used(r, *(used or (tokens.prompt_estimate(len(body)), sent[0])), request)
+            self.used(r, *(used or (tokens.prompt_estimate(len(body)), sent[0])), request, saved)
         sent[1] = 1
         await resp.write_eof()
         return resp

@@ -655,11 +655,19 @@ class Gateway:
             self.counts.wakes.append(t - woken)
             self.metrics.wake.observe(t - woken)
 
-    def _used(self, r: Any, tokens_in: int, tokens_out: int, request: web.Request) -> None:
+    def _used(
+        self,
+        r: Any,
+        tokens_in: int,
+        tokens_out: int,
+        request: web.Request,
+        cached: int | None = None,
+    ) -> None:
         """Count one request `request` that `r` answered, for its next `replica.used`,
-        and what it took for its key's limit (settled as it ends)."""
+        and what it took for its key's limit (settled as it ends); `cached` of its
+        prompt tokens the engine said it served from its prefix cache."""
         request[TOOK] = tokens_in + tokens_out
-        self.uses.used(r, tokens_in, tokens_out, request.get(KEY))
+        self.uses.used(r, tokens_in, tokens_out, request.get(KEY), cached)
 
     def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
         """After each event the follower folds: the router forgets the replicas it took

@@ -37,9 +37,14 @@ SOURCE = "gateway"
 USED_TICK_S = 1.0
 
 
+class _Details(msgspec.Struct, forbid_unknown_fields=False):
+    cached_tokens: int | None = None
+
+
 class _Tokens(msgspec.Struct, forbid_unknown_fields=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
 
 
 class _Answer(msgspec.Struct, forbid_unknown_fields=False):
@@ -58,6 +63,26 @@ def usage(doc: bytes) -> tuple[int, int]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0, 0
     return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
+
+
+def cached(doc: bytes) -> int | None:
+    """The prompt tokens an answer's `usage` says the engine served from its prefix
+    cache (`prompt_tokens_details.cached_tokens`: vLLM with
+    `--enable-prompt-tokens-details`); None when it does not say."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    d = None if u is None else u.prompt_tokens_details
+    return None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
+
+
+def stream_cached(tail: bytes) -> int | None:
+    """`cached` of a stream's last `data:` event with a usage."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line and b'"prompt_tokens"' in line:
+            return cached(line[6:])
+    return None
 
 
 def stream_usage(tail: bytes) -> tuple[int, int] | None:
@@ -80,6 +105,8 @@ class Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    tokens_cached: int | None = None
+    """Of `tokens_in`, those the answers said were served from the prefix cache."""
     owners: dict[str, list[int]] = field(default_factory=dict)
     """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
     reported: float = -math.inf
@@ -99,8 +126,16 @@ class Uses:
     interval_s: float
     pending: dict[str, Use] = field(default_factory=dict)
 
-    def used(self, r: Any, tokens_in: int, tokens_out: int, key: Key | None) -> None:
-        """Count one request that `r` answered, sent with `key`, for its next report."""
+    def used(
+        self,
+        r: Any,
+        tokens_in: int,
+        tokens_out: int,
+        key: Key | None,
+        cached: int | None = None,
+    ) -> None:
+        """Count one request that `r` answered, sent with `key`, for its next report;
+        `cached` of its prompt tokens the engine said it served from its prefix cache."""
         u = self.pending.get(r.id)
         now = utc_now()
         if u is None:
@@ -108,6 +143,8 @@ class Uses:
         u.at, u.requests = now, u.requests + 1
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
+        if cached is not None:
+            u.tokens_cached = (u.tokens_cached or 0) + cached
         if key is None:
             return
         o = u.owners.setdefault(key.owner, [0, 0, 0])
@@ -155,6 +192,7 @@ class Uses:
                 requests=u.requests,
                 tokens_in=u.tokens_in,
                 tokens_out=u.tokens_out,
+                tokens_cached=u.tokens_cached,
                 by_owner=by_owner,
             ),
             id=new_id(),
@@ -162,6 +200,7 @@ class Uses:
             source=SOURCE,
         )
         sent = (u.requests, u.tokens_in, u.tokens_out)
+        sent_cached = u.tokens_cached
         try:
             await self.publisher.publish(e, node=u.node)
         except (BusError, nats.errors.Error) as err:
@@ -177,6 +216,8 @@ class Uses:
         u.requests -= sent[0]
         u.tokens_in -= sent[1]
         u.tokens_out -= sent[2]
+        if sent_cached is not None and u.tokens_cached is not None:
+            u.tokens_cached = u.tokens_cached - sent_cached if u.requests else None
         for o, d in by_owner.items():
             n = u.owners[o]
             n[0] -= d.requests
