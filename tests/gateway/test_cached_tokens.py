@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway import server, streams
+from services.gateway import streams, use
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,23 +32,23 @@ STREAM = (
 
 
 def test_a_whole_answers_cached_tokens() -> None:
-    assert server._usage(ANSWER) == (1199, 2)
-    assert server._cached(ANSWER) == 1152
+    assert use.usage(ANSWER) == (1199, 2)
+    assert use.cached(ANSWER) == 1152
     # An engine that does not say (no details, details null, no usage): None, not 0.
-    assert server._cached(b'{"usage":{"prompt_tokens":3,"completion_tokens":1}}') is None
+    assert use.cached(b'{"usage":{"prompt_tokens":3,"completion_tokens":1}}') is None
     plain = b'{"usage":{"prompt_tokens":3,"prompt_tokens_details":null}}'
-    assert server._cached(plain) is None
-    assert server._cached(b'{"choices":[]}') is None
-    assert server._cached(b"not json") is None
+    assert use.cached(plain) is None
+    assert use.cached(b'{"choices":[]}') is None
+    assert use.cached(b"not json") is None
 
 
 def test_a_streams_cached_tokens_from_its_usage_chunk() -> None:
-    assert server._stream_usage(STREAM) == (10, 4)
-    assert server._stream_cached(STREAM) == 0
+    assert use.stream_usage(STREAM) == (10, 4)
+    assert use.stream_cached(STREAM) == 0
     assert (
-        server._stream_cached(STREAM.replace(b'"cached_tokens":0', b'"cached_tokens":128')) == 128
+        use.stream_cached(STREAM.replace(b'"cached_tokens":0', b'"cached_tokens":128')) == 128
     )
-    assert server._stream_cached(b"data: [DONE]\n\n") is None
+    assert use.stream_cached(b"data: [DONE]\n\n") is None
 
 
 def test_a_usage_chunk_taken_out_of_a_stream_is_kept_for_its_cached_tokens() -> None:
@@ -56,4 +56,4 @@ def test_a_usage_chunk_taken_out_of_a_stream_is_kept_for_its_cached_tokens() -> 
     out = cut.feed(STREAM)
     assert CHUNK not in out
     assert cut.tokens == (10, 4)
-    assert cut.event is not None and server._stream_cached(cut.event) == 0
+    assert cut.event is not None and use.stream_cached(cut.event) == 0
