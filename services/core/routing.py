@@ -218,6 +218,22 @@ class Route:
         return self.prompt[:chars]
 
 
+@dataclass(frozen=True)
+class Explained:
+    """Why a request went where it went: the matched fraction of its prompt's blocks at
+    the chosen replica, the replicas considered, and the reason (`warm`, `cold`,
+    `broken`, `session`)."""
+
+    matched: float
+    considered: int
+    why: str
+    predicted_tokens: int
+    """The prompt tokens the index predicts the chosen replica serves from its cache."""
+
+    def header(self) -> str:
+        return f"{self.why}; matched={self.matched:.2f}; considered={self.considered}"
+
+
 class Picker(Protocol):
     """A routing rule the gateway can be told to use (`PICKERS`, `--routing`)."""
 
@@ -245,6 +261,24 @@ class Picker(Protocol):
 
     def forget(self, gone: Iterable[str]) -> None:
         """Drop what is kept of replicas that left routing for good (`leaving`)."""
+        ...
+
+    def observed(
+        self,
+        replica: str,
+        route: Route | None,
+        ttft_s: float | None,
+        cached_tokens: int | None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """What the answer of `replica` to `route` (picked, not `done` yet) said: the
+        seconds to its first byte from its sending, and the prompt tokens its engine
+        served from its prefix cache and counted in all (None: not said)."""
+        ...
+
+    def explain(self, route: Route | None) -> Explained | None:
+        """Why `route`'s request (picked, not `done` yet) went where it went; None from
+        a rule with nothing to say beyond its replica."""
         ...
 
     def kept(self) -> Collection[str]:
@@ -336,13 +370,35 @@ class LeastInflight:
     def kept(self) -> Collection[str]:
         return self._picked.keys()
 
+    def observed(
+        self,
+        replica: str,
+        route: Route | None,
+        ttft_s: float | None,
+        cached_tokens: int | None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """The plain rule learns nothing from answers."""
+
+    def explain(self, route: Route | None) -> Explained | None:
+        return None
+
     def _load(self, r: ReplicaRecord) -> tuple[int, int, str]:
         return (self.inflight.get(r.id, 0), self._picked.get(r.id, 0), r.id)
 
 
 # PICKERS are the rules a gateway may be told to use (`--routing NAME`), each a factory of
 # a fresh `Picker`; the first is the default. A scorer is one more entry.
-PICKERS: Mapping[str, Callable[[], Picker]] = MappingProxyType({"least-inflight": LeastInflight})
+def _prefix() -> Picker:
+    """The prefix-aware rule (`services.core.prefix`, which builds on this module)."""
+    from services.core.prefix import Prefix
+
+    return Prefix()
+
+
+PICKERS: Mapping[str, Callable[[], Picker]] = MappingProxyType(
+    {"least-inflight": LeastInflight, "prefix": _prefix}
+)
 DEFAULT_PICKER = "least-inflight"
 
 # _SWEEPS are the events that may end replicas without naming them (a node's loss or

@@ -1,0 +1,367 @@
+"""Cache-aware routing: a request goes where its prompt's prefix is already cached,
+without hot spots, and what is known of a replica's cache is forgotten the instant the
+log says it left (`routing.leaving`).
+
+Pure, like `services.core.routing`: the gateway hands it the folded view, the request's
+`Route`, and what each answer said (`observed`); it reads no clock and does no I/O.
+
+The prompt (`Route.prompt`, canonical) is cut into blocks of `BLOCK_CHARS` characters;
+each full block's hash chains the one before it, the first the model's name and the
+request's `cache_salt`, so a block's hash names the whole prefix up to its end. Each
+replica has an LRU of the block hashes routed to it (touched deepest first, so that the
+shallow blocks a prefix shares are the last evicted, as an engine evicts a chain's tail
+first); a replica's match is its deepest block held, found by bisection (the chain makes
+what it holds a prefix), its matched fraction that over the prompt's blocks.
+
+The rule, in order (`Prefix.choose`):
+- no replica's match reaches `threshold` (0.8 of the prompt's blocks; a prompt shorter
+  than a block has none): the plain rule, least in flight (`why`: "cold");
+- else the warm one (match >= threshold) with the least uncached prefill work in flight
+  (the prompt tokens not matched, summed over its requests in flight), ties by least in
+  flight ("warm");
+- stickiness breaks ("broken") when that replica's estimated wait (its work in flight
+  over its prefill rate) exceeds the best cold one's by more than the cold one would
+  spend prefilling what the warm one has cached (the penalty: matched tokens over the
+  cold one's rate), or when it holds more than `balance` times the mean in flight of
+  the candidates plus `slack` (one replica never takes a hot prefix's whole load); the
+  request then goes to the cold one with the least estimated time to its first token;
+- a session goes back to its replica as in the plain rule (`LeastInflight.pick`).
+
+A replica's prefill rate is learned from what the gateway observed (`observed`: the time
+to the first byte of each answer against the prefill work the replica had before it, a
+least-squares line over a decaying window); until it has observations, the median of
+its model's replicas that have some, else `DEFAULT_PREFILL_TPS`.
+
+Bounded: a replica's LRU holds at most its capacity (`capacity_tokens`, the engine's KV
+capacity where it is known, else `DEFAULT_CAPACITY_TOKENS`) in blocks, and all of them
+together at most `total_blocks`: with more replicas each keeps fewer, its most recent.
+
+Corrected by the engine: an answer that says it had 0 cached tokens where the index
+predicted a warm match clears that replica's entry (its cache was reset behind the
+index's back) but for the prompt it has just computed; one that says less than half
+what was predicted shrinks the replica's LRU to three quarters (an eviction the LRU did
+not model).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from services.core import catalog
+from services.core.routing import Explained, LeastInflight, Route
+from services.core.view import ReplicaRecord, View
+
+# BLOCK_CHARS is the size of a block of the canonical prompt, about 64 tokens. Measured
+# (tests/bench/bench_prefix.py --blocks): hashing and matching a 32k-character prompt
+# costs 3.5x more at 64 characters than at 256, and 256 still resolves a 2,000-token
+# system prompt to 1.3% of its length; 1,024 halves the cost again but loses up to 255
+# tokens of a match and makes a short prompt's one block its whole match.
+BLOCK_CHARS = 256
+# CHARS_PER_TOKEN is how many characters of a prompt the index counts as a token.
+CHARS_PER_TOKEN = 4
+# THRESHOLD is the share of a prompt's blocks a replica must hold to be warm for it.
+THRESHOLD = 0.8
+# DEFAULT_CAPACITY_TOKENS is a replica's prefix cache, in tokens, when its engine does
+# not say: about what vLLM keeps for an 8B model on one 80 GB GPU.
+DEFAULT_CAPACITY_TOKENS = 262_144
+# TOTAL_BLOCKS bounds the blocks all replicas' LRUs hold together (about 56 MiB measured
+# at 1,000 replicas at capacity, tests/bench/bench_prefix.py).
+TOTAL_BLOCKS = 400_000
+# DEFAULT_PREFILL_TPS is a replica's prefill rate, prompt tokens a second, before any
+# replica of its model has been observed.
+DEFAULT_PREFILL_TPS = 10_000.0
+# BALANCE and SLACK: a warm replica with more in flight than BALANCE times the mean of
+# the candidates plus SLACK is not stuck to (the hot prefix's load spreads).
+BALANCE = 1.5
+SLACK = 1.0
+# DECAY weighs each observation of a replica's prefill against those before it.
+DECAY = 0.97
+# SHRINK is what a replica's LRU is cut to when its engine says it evicted more.
+SHRINK = 0.75
+# MIN_BLOCKS is the least an LRU is shrunk to.
+MIN_BLOCKS = 16
+
+
+def blocks(model: str, salt: str | None, text: str, size: int = BLOCK_CHARS) -> list[int]:
+    """The chained hashes of `text`'s full blocks of `size` characters, the first keyed
+    by `model` and `salt`. In-process hashes: an index lives in one gateway's memory."""
+    out: list[int] = []
+    h = hash((model, salt))
+    for i in range(0, len(text) - size + 1, size):
+        h = hash((h, text[i : i + size]))
+        out.append(h)
+    return out
+
+
+@dataclass
+class _Ticket:
+    """A request in flight: its replica, the prefill work ahead of it there and its own
+    (tokens), its blocks and what the index predicted."""
+
+    replica: str
+    ahead: float
+    own: float
+    hashes: list[int]
+    explained: Explained
+
+
+@dataclass
+class _Rate:
+    """A replica's observed prefill: decayed sums for the line ttft = base + work / rate."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        self.n = self.n * DECAY + 1.0
+        self.sx = self.sx * DECAY + x
+        self.sy = self.sy * DECAY + y
+        self.sxx = self.sxx * DECAY + x * x
+        self.sxy = self.sxy * DECAY + x * y
+
+    def tps(self) -> float | None:
+        """Tokens a second, or None before it can say."""
+        if self.n < 2 or self.sy <= 0:
+            return None
+        var = self.sxx - self.sx * self.sx / self.n
+        cov = self.sxy - self.sx * self.sy / self.n
+        if var > 1e-9 * max(self.sxx, 1.0) and cov > 0:
+            return var / cov
+        return self.sx / self.sy if self.sx > 0 else None
+
+
+@dataclass
+class Prefix(LeastInflight):
+    """The prefix-aware rule (the module docstring), over the plain rule's counts."""
+
+    block_chars: int = BLOCK_CHARS
+    threshold: float = THRESHOLD
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    total_blocks: int = TOTAL_BLOCKS
+    balance: float = BALANCE
+    slack: float = SLACK
+    index: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
+    """Per replica, the LRU of block hashes routed to it (most recent last)."""
+    capacity: dict[str, int] = field(default_factory=dict)
+    """Per replica, its LRU's own bound in blocks, where it differs from the default."""
+    work: dict[str, float] = field(default_factory=dict)
+    """Per replica, the uncached prompt tokens of its requests in flight."""
+    rates: dict[str, _Rate] = field(default_factory=dict)
+    corrections: int = 0
+    """Entries cleared or shrunk on an engine's report."""
+    _tickets: dict[Route, _Ticket] = field(default_factory=dict)
+    _hashes: list[int] = field(default_factory=list)
+    _chars: int = 0
+    _explained: Explained | None = None
+    _cap: int = 0
+
+    def pick(
+        self,
+        view: View,
+        m: catalog.Model,
+        route: Route | None = None,
+        *,
+        avoid: Collection[str] = (),
+        limit: int | None = None,
+    ) -> ReplicaRecord | None:
+        """The plain rule's pick (sessions, admission limits) with `choose` below; the
+        prompt's blocks recorded at the replica picked."""
+        if route is None:
+            self._hashes, self._chars = [], 0
+        else:
+            text = route.prompt
+            self._hashes = blocks(m.name, route.salt, text, self.block_chars)
+            self._chars = len(text)
+        self._explained = None
+        r = super().pick(view, m, route, avoid=avoid, limit=limit)
+        if r is None or route is None:
+            return r
+        hashes = self._hashes
+        depth = self._depth(r.id, hashes)
+        explained = self._explained
+        if explained is None:  # its session's replica, not chosen here
+            explained = Explained(
+                self._matched(depth), 1, "session", depth * self.block_chars // CHARS_PER_TOKEN
+            )
+        own = (self._chars - depth * self.block_chars) / CHARS_PER_TOKEN
+        ahead = self.work.get(r.id, 0.0)
+        self.work[r.id] = ahead + own
+        old = self._tickets.pop(route, None)
+        if old is not None:  # picked again (a retry): the first one's work is done
+            self._release(old)
+        self._tickets[route] = _Ticket(r.id, ahead, own, hashes, explained)
+        self._record(r.id, hashes)
+        return r
+
+    def _matched(self, depth: int) -> float:
+        return depth / len(self._hashes) if self._hashes else 0.0
+
+    def choose(
+        self, view: View, m: catalog.Model, route: Route | None, found: list[ReplicaRecord]
+    ) -> ReplicaRecord:
+        """Among `found`: warm, else cold, stickiness broken when waiting there costs
+        more than the cache saves (the module docstring)."""
+        hashes = self._hashes
+        if not hashes:
+            self._explained = Explained(0.0, len(found), "cold", 0)
+            return super().choose(view, m, route, found)
+        depths = {r.id: self._depth(r.id, hashes) for r in found}
+        need = self.threshold * len(hashes)
+        warm = [r for r in found if depths[r.id] and depths[r.id] >= need]
+        if not warm:
+            chosen = super().choose(view, m, route, found)
+            return self._said(chosen, depths, len(found), "cold")
+        best = min(warm, key=lambda r: (self.work.get(r.id, 0.0), *self._load(r)))
+        cold = [r for r in found if r not in warm]
+        if not cold:
+            return self._said(best, depths, len(found), "warm")
+        rates = self._rates(found)
+        pick_cold = min(cold, key=lambda r: (self._eta(r.id, depths[r.id], rates), *self._load(r)))
+        wait_warm = self.work.get(best.id, 0.0) / rates[best.id]
+        wait_cold = self.work.get(pick_cold.id, 0.0) / rates[pick_cold.id]
+        penalty = depths[best.id] * self.block_chars / CHARS_PER_TOKEN / rates[pick_cold.id]
+        inflight = self.inflight
+        mean = (sum(inflight.get(r.id, 0) for r in found) + 1) / len(found)
+        hot = inflight.get(best.id, 0) + 1 > self.balance * mean + self.slack
+        if wait_warm > wait_cold + penalty or hot:
+            return self._said(pick_cold, depths, len(found), "broken")
+        return self._said(best, depths, len(found), "warm")
+
+    def _said(
+        self, r: ReplicaRecord, depths: Mapping[str, int], considered: int, why: str
+    ) -> ReplicaRecord:
+        d = depths.get(r.id, 0)
+        tokens = d * self.block_chars // CHARS_PER_TOKEN
+        self._explained = Explained(self._matched(d), considered, why, tokens)
+        return r
+
+    def _eta(self, rid: str, depth: int, rates: Mapping[str, float]) -> float:
+        """Estimated seconds to the request's first token at `rid`: the work ahead of it
+        and its own uncached tokens, at the replica's rate."""
+        own = (self._chars - depth * self.block_chars) / CHARS_PER_TOKEN
+        return (self.work.get(rid, 0.0) + own) / rates[rid]
+
+    def _rates(self, found: list[ReplicaRecord]) -> dict[str, float]:
+        """Each replica's prefill rate; the median of its peers' before it has its own."""
+        got = {r.id: t for r in found if (k := self.rates.get(r.id)) and (t := k.tps())}
+        fallback = statistics.median(got.values()) if got else DEFAULT_PREFILL_TPS
+        return {r.id: got.get(r.id, fallback) for r in found}
+
+    def _depth(self, rid: str, hashes: list[int]) -> int:
+        """How many of `hashes`' leading blocks `rid`'s LRU holds (bisected: a chain held
+        is held from its first block)."""
+        lru = self.index.get(rid)
+        if not lru or not hashes or hashes[0] not in lru:
+            return 0
+        lo, hi = 1, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in lru:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _record(self, rid: str, hashes: list[int]) -> None:
+        """`hashes` are now cached at `rid`: touched deepest first, its LRU bounded."""
+        if not hashes:
+            return
+        lru = self.index.get(rid)
+        if lru is None:
+            lru = self.index[rid] = OrderedDict()
+            self._bound()
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        self._trim(rid, lru)
+
+    def _bound(self) -> None:
+        """A replica more: every LRU cut to the share of `total_blocks` each may hold."""
+        self._cap = self._share()
+        for rid, lru in self.index.items():
+            self._trim(rid, lru)
+
+    def _share(self) -> int:
+        share = max(1, self.total_blocks // max(1, len(self.index)))
+        return min(share, max(1, self.capacity_tokens * CHARS_PER_TOKEN // self.block_chars))
+
+    def _trim(self, rid: str, lru: OrderedDict[int, None]) -> None:
+        cap = min(self._cap, self.capacity.get(rid, self._cap))
+        while len(lru) > cap:
+            lru.popitem(last=False)
+
+    def observed(
+        self,
+        replica: str,
+        route: Route | None,
+        ttft_s: float | None,
+        cached_tokens: int | None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """What an answer of `replica` to `route` said: its time to first byte (learns
+        the replica's prefill rate) and the prompt tokens its engine served from cache
+        (corrects the index: the module docstring)."""
+        t = None if route is None else self._tickets.get(route)
+        if t is None or t.replica != replica or replica not in self._picked:
+            return  # not picked here, or gone since: nothing of it is kept again
+        if ttft_s is not None and ttft_s > 0:
+            self.rates.setdefault(replica, _Rate()).add(t.ahead + t.own, ttft_s)
+        predicted = t.explained.predicted_tokens
+        if cached_tokens is None or predicted <= 0:
+            return
+        if cached_tokens == 0 and t.explained.matched >= self.threshold:
+            self.corrections += 1
+            self.index.pop(replica, None)
+            self._record(replica, t.hashes)
+        elif cached_tokens * 2 < predicted:
+            self.corrections += 1
+            lru = self.index.get(replica)
+            if lru is not None:
+                self.capacity[replica] = max(MIN_BLOCKS, int(len(lru) * SHRINK))
+                self._trim(replica, lru)
+
+    def explain(self, route: Route | None) -> Explained | None:
+        """Why `route`'s request, in flight, went where it went."""
+        t = None if route is None else self._tickets.get(route)
+        return None if t is None else t.explained
+
+    def done(self, replica: str, route: Route | None = None) -> None:
+        super().done(replica, route)
+        t = None if route is None else self._tickets.get(route)
+        if t is not None and t.replica == replica:
+            del self._tickets[route]  # type: ignore[arg-type]
+            self._release(t)
+
+    def _release(self, t: _Ticket) -> None:
+        left = self.work.get(t.replica, 0.0) - t.own
+        if left > 1e-6:
+            self.work[t.replica] = left
+        else:
+            self.work.pop(t.replica, None)
+
+    def forget(self, gone: Iterable[str]) -> None:
+        """Drop the replicas' index entries, rates and bounds the instant they leave
+        routing for good; their requests in flight stay counted until each is `done`."""
+        gone = list(gone)
+        super().forget(gone)
+        for rid in gone:
+            self.index.pop(rid, None)
+            self.rates.pop(rid, None)
+            self.capacity.pop(rid, None)
+        if self.index:
+            self._cap = self._share()
+
+    def kept(self) -> Collection[str]:
+        return self._picked.keys() | self.index.keys() | self.rates.keys()
+
+    def blocks_held(self) -> int:
+        """The blocks all LRUs hold (the bound is `total_blocks`)."""
+        return sum(len(lru) for lru in self.index.values())
