@@ -85,6 +85,8 @@ class UpOptions:
     heartbeat_s: float = 1.0
     sim_ttft_s: float = 0.05
     sim_tps: float = 100.0
+    sim_prefill_tps: float = 0.0
+    sim_cache_tokens: int = 0
     sim_server_drains: bool = True
     """Whether a simulated server lets its requests finish on a drain (`--sim-no-drain`)."""
     """The simulated servers' pace (each ready simulated replica answers requests)."""
@@ -554,6 +556,8 @@ async def _serve(
                                 opts.sim_tps,
                                 errors=opts.sim_errors,
                                 seed=opts.sim_seed,
+                                prefill_tps=opts.sim_prefill_tps,
+                                cache_tokens=opts.sim_cache_tokens,
                             ),
                             server_drains=opts.sim_server_drains,
                         ),

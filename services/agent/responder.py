@@ -9,6 +9,15 @@ every replica), streams as server-sent events (`data: {...}` chunks, then
 `data: [DONE]`), and takes `ttft_s` before the first token and `1/tps` between tokens.
 `/health` answers 200 while it runs. It decides nothing and publishes nothing.
 
+A prefix cache is simulated too (`Timing.prefill_tps`, `Timing.cache_tokens`): a server
+keeps the blocks of `BLOCK_TOKENS` tokens of the prompts it has computed (a chain, as
+vLLM's prefix cache does, least recently used evicted first) up to `cache_tokens`, and
+prefills what a prompt does not match at `prefill_tps` tokens a second, one prompt after
+another (an engine computes one batch of prefills at a time), so its time to first token
+is `ttft_s` plus its wait for the prefills before it and its own uncached tokens over
+the rate. It reports `usage.prompt_tokens_details.cached_tokens` as vLLM does with
+`--enable-prompt-tokens-details`. A prompt's tokens are its characters over 4.
+
 Errors are simulated too, for the gateway's tests and drills (`--sim-errors`): a share of
 the requests (per model, or for every model) fail in one of the ways in ERRORS, chosen
 by a hash of the seed, the model and the request's number at its replica, so the n-th
@@ -24,6 +33,7 @@ import hashlib
 import json
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +52,10 @@ MAX_TOKENS_CAP = 4096
 MAX_N = 16
 # EMBEDDING_DIM is the length of a simulated embedding.
 EMBEDDING_DIM = 8
+# BLOCK_TOKENS is a simulated prefix cache's block (vLLM's default on a GPU), and
+# CHARS_PER_TOKEN what a simulated server counts as a token of a prompt.
+BLOCK_TOKENS = 16
+CHARS_PER_TOKEN = 4
 WORDS = ("the", "plane", "folds", "a", "log", "of", "facts", "and", "serves", "tokens")
 
 # ERRORS are the ways a simulated request fails, and what each does.
@@ -104,6 +118,10 @@ class Timing:
     tps: float = 100.0
     errors: Mapping[str, Errors] = field(default_factory=dict)
     seed: int = 0
+    prefill_tps: float = 0.0
+    """Prompt tokens a second it prefills, one prompt after another; 0: no prefill cost."""
+    cache_tokens: int = 0
+    """Its prefix cache's size in tokens; 0: none (and no `cached_tokens` reported)."""
 
     def errors_of(self, model: str) -> Errors:
         return self.errors.get(model) or self.errors.get("") or Errors()
@@ -170,6 +188,64 @@ class Responder:
         self._errors = timing.errors_of(model)
         self.failed: dict[str, int] = {}
         """Requests failed on purpose, by kind."""
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        """Its prefix cache: the chained hashes of the blocks it holds, most recent last."""
+        self.cached_tokens = 0
+        """Prompt tokens served from its cache, all requests together."""
+        self.prompt_tokens = 0
+        """Prompt tokens of its requests, all together."""
+        self._busy_until = 0.0
+
+    def blocks(self, prompt: str) -> list[int]:
+        """The chained hashes of `prompt`'s full blocks (the first keyed by its model)."""
+        size = BLOCK_TOKENS * CHARS_PER_TOKEN
+        out: list[int] = []
+        h = hash(self.model)
+        for i in range(0, len(prompt) - size + 1, size):
+            h = hash((h, prompt[i : i + size]))
+            out.append(h)
+        return out
+
+    def matched(self, prompt: str) -> int:
+        """The tokens of `prompt` its cache holds now (its leading blocks held)."""
+        n = 0
+        for h in self.blocks(prompt):
+            if h not in self.cache:
+                break
+            n += 1
+        return n * BLOCK_TOKENS
+
+    def clear_cache(self) -> None:
+        """Its prefix cache emptied (as vLLM's `/reset_prefix_cache`)."""
+        self.cache.clear()
+
+    async def _prefill(self, prompt: str, tokens: int) -> int:
+        """Wait out the prompt's prefill (its uncached tokens, after the prefills queued
+        before it) and keep its blocks; the tokens it had cached."""
+        t = self.timing
+        hashes = self.blocks(prompt) if t.cache_tokens > 0 else []
+        hit = 0
+        for h in hashes:
+            if h not in self.cache:
+                break
+            hit += 1
+        cached = min(hit * BLOCK_TOKENS, tokens)
+        self.prompt_tokens += tokens
+        self.cached_tokens += cached
+        delay = t.ttft_s
+        if t.prefill_tps > 0:
+            now = asyncio.get_running_loop().time()
+            self._busy_until = max(now, self._busy_until) + (tokens - cached) / t.prefill_tps
+            delay += self._busy_until - now
+        if hashes:
+            for h in reversed(hashes):  # the chain's tail evicted first
+                self.cache[h] = None
+                self.cache.move_to_end(h)
+            while len(self.cache) * BLOCK_TOKENS > t.cache_tokens:
+                self.cache.popitem(last=False)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return cached
 
     @property
     def endpoint(self) -> str:
@@ -262,15 +338,17 @@ class Responder:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.replica}-{self._n}"
         prompt = _prompt(body)
         words = _tokens(self.model, prompt, _max_tokens(body))
-        usage = {
-            "prompt_tokens": max(1, len(prompt) // 4),
+        prompt_tokens = max(1, len(prompt) // CHARS_PER_TOKEN)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": len(words) * n,
-            "total_tokens": max(1, len(prompt) // 4) + len(words) * n,
+            "total_tokens": prompt_tokens + len(words) * n,
         }
         created = int(time.time())
         what = "chat.completion" if chat else "text_completion"
-        if self.timing.ttft_s > 0:
-            await asyncio.sleep(self.timing.ttft_s)
+        cached = await self._prefill(prompt, prompt_tokens)
+        if self.timing.cache_tokens > 0:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         gap = 1.0 / self.timing.tps if self.timing.tps > 0 else 0.0
         if not stream:
             if gap and len(words) > 1:

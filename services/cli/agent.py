@@ -33,6 +33,10 @@ DEFAULT_HEARTBEAT_S = 1.0
 # token after 50 ms, then 100 tokens a second, like a small model on a fast GPU.
 DEFAULT_SIM_TTFT_S = 0.05
 DEFAULT_SIM_TPS = 100.0
+# A simulated server prefills 20,000 tokens a second (a 2,000-token prompt: 100 ms) and
+# keeps 65,536 tokens of prefixes, so `llmgw up --simulate` shows what routing saves.
+DEFAULT_SIM_PREFILL_TPS = 20_000.0
+DEFAULT_SIM_CACHE_TOKENS = 65_536
 
 
 def register(commands: cli.Commands) -> None:
@@ -196,6 +200,23 @@ def add_simulation_options(p: Any) -> None:
         "tokens a second a simulated server streams, 0: at once",
         metavar="N",
     )
+    cli.add_number(
+        p,
+        "--sim-prefill-tps",
+        DEFAULT_SIM_PREFILL_TPS,
+        "prompt tokens a second a simulated server prefills, one prompt after another, "
+        "those its prefix cache holds skipped; 0: no prefill cost",
+        metavar="N",
+    )
+    p.add_argument(
+        "--sim-cache-tokens",
+        type=int,
+        default=DEFAULT_SIM_CACHE_TOKENS,
+        metavar="N",
+        help="the tokens a simulated server's prefix cache holds (least recently used "
+        "evicted first; it reports usage.prompt_tokens_details.cached_tokens as vLLM "
+        f"does); 0: none (default {DEFAULT_SIM_CACHE_TOKENS})",
+    )
     p.add_argument(
         "--sim-errors",
         type=_arg_sim_errors,
@@ -241,7 +262,14 @@ def sim_timing(args: argparse.Namespace) -> Any:
     (the last one given for a model counts) and --sim-seed."""
     from services.agent.responder import Timing
 
-    return Timing(args.sim_ttft, args.sim_tps, errors=dict(args.sim_errors), seed=args.sim_seed)
+    return Timing(
+        args.sim_ttft,
+        args.sim_tps,
+        errors=dict(args.sim_errors),
+        seed=args.sim_seed,
+        prefill_tps=args.sim_prefill_tps,
+        cache_tokens=max(0, args.sim_cache_tokens),
+    )
 
 
 def advertised(host: str, broker: Any) -> str:

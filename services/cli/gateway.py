@@ -155,7 +155,7 @@ async def _gateway(args: argparse.Namespace) -> int:
                 sock = g.bind()
             except GatewayError as e:
                 raise cli.CliError(str(e)) from None
-            print(f"gateway: {g.url}/v1", file=sys.stderr, flush=True)
+            print(f"gateway: {g.url}/v1 (routing: {g.rule})", file=sys.stderr, flush=True)
             try:
                 await g.run(stop, sock)  # type: ignore[arg-type]
             except GatewayError as e:

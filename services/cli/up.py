@@ -160,6 +160,8 @@ async def _up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         sim_ttft_s=args.sim_ttft,
         sim_tps=args.sim_tps,
+        sim_prefill_tps=args.sim_prefill_tps,
+        sim_cache_tokens=max(0, args.sim_cache_tokens),
         sim_errors=dict(args.sim_errors),
         sim_seed=args.sim_seed,
         sim_server_drains=not args.sim_no_drain,

@@ -29,7 +29,7 @@ from services.gateway.refusal import (
     Unreachable,
     answer_too_big,
 )
-from services.gateway.request import PICKED_AT, SENT, WOKEN
+from services.gateway.request import PICKED_AT, ROUTED, SENT, WOKEN
 from services.gateway.use import cached, stream_cached, stream_usage, usage
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
@@ -157,6 +157,8 @@ class Forwarder:
         out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
         out_headers["x-llmgw-replica"] = r.id
         out_headers["x-llmgw-seq"] = str(request.get(PICKED_AT, 0))
+        if (said := request.get(ROUTED)) is not None:
+            out_headers["x-llmgw-route"] = said
         if not stream or not sse:
             data = await self.whole(upstream, r.id)
             self.first_byte(request)

@@ -136,6 +136,28 @@ class Metrics:
             registry=r,
         )
 
+        self.prompt_tokens = Counter(
+            "llmgw_gateway_prompt_tokens",
+            "Prompt tokens of the answers served, by model",
+            ["model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "llmgw_gateway_cached_tokens",
+            "Prompt tokens served from a prefix cache, by model, as the routing rule "
+            "predicted (source=predicted) and as the engines reported (source=reported)",
+            ["model", "source"],
+            registry=r,
+        )
+        self.hit_rate = Gauge(
+            "llmgw_gateway_prefix_hit_rate",
+            "The share of prompt tokens served from a prefix cache, by model, predicted by "
+            "the routing rule (source=predicted, over all answers) and reported by the "
+            "engines (source=reported, over the answers that said)",
+            ["model", "source"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -47,6 +47,14 @@ TOOK = web.RequestKey("llmgw_took", int)
 settled to at its end."""
 HELD = web.RequestKey("llmgw_held", int)
 """The bytes of the budget (`guard.Budget`) its body holds."""
+ROUTE = web.RequestKey("llmgw_route", routing.Route)
+"""Its route key, for the routing rule to be told what its answer said."""
+ASKED = web.RequestKey("llmgw_asked", float)
+"""perf_counter() as it was sent to its replica (the last one tried)."""
+FIRST = web.RequestKey("llmgw_first", float)
+"""perf_counter() at its answer's first byte."""
+ROUTED = web.RequestKey("llmgw_routed", str)
+"""Why its replica was picked, said in `x-llmgw-route` (a rule that says, `prefix`)."""
 
 
 class Head(msgspec.Struct, forbid_unknown_fields=False):

@@ -88,10 +88,14 @@ from services.gateway.metrics import (
 )
 from services.gateway.refusal import Answered, Refusal, Unreachable, no_replica
 from services.gateway.request import (
+    ASKED,
+    FIRST,
     HELD,
     KEY,
     MODEL,
     PICKED_AT,
+    ROUTE,
+    ROUTED,
     SPAN,
     STATUS,
     T0,
@@ -190,9 +194,14 @@ class Gateway:
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
+    rule: str = routing.DEFAULT_PICKER
+    """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
+        self.hits: dict[str, list[int]] = {}
+        """Per model: [prompt tokens, of them predicted cached, prompt tokens of the
+        answers that said their cached tokens, of them cached] (`_hits`)."""
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
         )
@@ -273,6 +282,7 @@ class Gateway:
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
             router=pickers[config.routing](),
+            rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,
             plane=plane,
@@ -345,7 +355,12 @@ class Gateway:
                 answers = await self.nc.subscribe(
                     subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
-            log.info("gateway: serving %s/v1 from the view at seq %d", self.url, self.follower.seq)
+            log.info(
+                "gateway: serving %s/v1 from the view at seq %d, routing by %s",
+                self.url,
+                self.follower.seq,
+                self.rule,
+            )
             if self.settle_heap:
                 settle_heap()
             if on_ready is not None:
@@ -562,6 +577,7 @@ class Gateway:
         m = self._model(head.model, key)
         request[MODEL] = m.name
         route = route_of(request, m.name, head, body, key)
+        request[ROUTE] = route
         stream = head.stream is True
         # strip: a stream whose client did not ask for its usage chunk is asked for it on
         # the client's behalf, and the chunk taken out of what the client gets.
@@ -632,6 +648,8 @@ class Gateway:
                 self.metrics.overhead.observe(time.perf_counter() - request[T0])
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
+            self._explain(request, route, span)
+            request[ASKED] = time.perf_counter()
             inflight = self.labelled.of(self.metrics.inflight, m.name)
             inflight.inc()
             try:
@@ -647,8 +665,20 @@ class Gateway:
                 self.holding.done(r, route)
         raise no_replica(m.name, last)
 
+    def _explain(self, request: web.Request, route: routing.Route, span: Any) -> None:
+        """Why the rule picked the replica (one that says: `prefix`), in the request's
+        span and its answer's `x-llmgw-route`."""
+        said = self.router.explain(route)
+        if said is None:
+            return
+        request[ROUTED] = said.header()
+        span.set_attribute("llmgw.route.why", said.why)
+        span.set_attribute("llmgw.route.matched", said.matched)
+        span.set_attribute("llmgw.route.considered", said.considered)
+
     def _first_byte(self, request: web.Request) -> None:
         t = time.perf_counter()
+        request[FIRST] = t
         self.labelled.of(self.metrics.first_byte, request[MODEL]).observe(t - request[T0])
         woken = request.get(WOKEN)
         if woken is not None:
@@ -668,6 +698,37 @@ class Gateway:
         prompt tokens the engine said it served from its prefix cache."""
         request[TOOK] = tokens_in + tokens_out
         self.uses.used(r, tokens_in, tokens_out, request.get(KEY), cached)
+        route = request.get(ROUTE)
+        if route is None:
+            return
+        asked, first = request.get(ASKED), request.get(FIRST)
+        ttft = None if asked is None or first is None or first < asked else first - asked
+        # Before `done`: the rule still has the request's pick to compare with.
+        said = self.router.explain(route)
+        self.router.observed(r.id, route, ttft, cached, tokens_in)
+        if said is not None:
+            self._hits(request[MODEL], tokens_in, said.predicted_tokens, cached)
+
+    def _hits(self, model: str, prompt: int, predicted: int, cached: int | None) -> None:
+        """The predicted and reported prefix-cache hit rates of `model` (`/metrics`)."""
+        h = self.hits.get(model)
+        if h is None:
+            h = self.hits[model] = [0, 0, 0, 0]
+        predicted = min(predicted, prompt)
+        h[0] += prompt
+        h[1] += predicted
+        m, labelled = self.metrics, self.labelled
+        labelled.of(m.prompt_tokens, model).inc(prompt)
+        labelled.of(m.cached_tokens, model, "predicted").inc(predicted)
+        if h[0]:
+            labelled.of(m.hit_rate, model, "predicted").set(h[1] / h[0])
+        if cached is None:
+            return
+        h[2] += prompt
+        h[3] += min(cached, prompt)
+        labelled.of(m.cached_tokens, model, "reported").inc(min(cached, prompt))
+        if h[2]:
+            labelled.of(m.hit_rate, model, "reported").set(h[3] / h[2])
 
     def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
         """After each event the follower folds: the router forgets the replicas it took
