@@ -175,8 +175,11 @@ class Config:
             "metavar": "RULE",
             "help": "the rule that picks a request's replica among its model's routable "
             f"ones, one of {', '.join(PICKERS)}; least-inflight: the fewest requests in "
-            "flight through this gateway, a session back to its replica (docs/gateway.md, "
-            '"Routing")',
+            "flight through this gateway, a session back to its replica; prefix: where "
+            "the prompt's prefix is cached (at least half its blocks), the least uncached "
+            "work among those, another when waiting there costs more than the cache "
+            "saves or one replica would take too much of the load; least-inflight when "
+            'none has it (docs/gateway.md, "Prefix-aware routing")',
         },
     )
     process: ProcessConfig = field(default_factory=ProcessConfig)
