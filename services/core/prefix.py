@@ -110,6 +110,8 @@ class _Ticket:
     own: float
     hashes: list[int]
     explained: Explained
+    prefilled: bool = False
+    """Its first byte came: its own work is no longer in flight."""
 
 
 @dataclass
@@ -353,14 +355,19 @@ class Prefix(LeastInflight):
         cached_tokens: int | None,
         prompt_tokens: int | None = None,
     ) -> None:
-        """What an answer of `replica` to `route` said: its time to first byte (learns
-        the replica's prefill rate) and the prompt tokens its engine served from cache
+        """What an answer of `replica` to `route` said: at its first byte, the time to it
+        (its prefill is done: its work leaves the replica's, and the replica's prefill
+        rate is learned); at its end, the prompt tokens its engine served from cache
         (corrects the index: the module docstring)."""
         t = None if route is None else self._tickets.get(route)
         if t is None or t.replica != replica or replica not in self._picked:
             return  # not picked here, or gone since: nothing of it is kept again
-        if ttft_s is not None and ttft_s > 0:
-            self.rates.setdefault(replica, _Rate()).add(t.ahead + t.own, ttft_s)
+        if ttft_s is not None and not t.prefilled:
+            # Its prefill is done: its work is no longer ahead of anyone's.
+            self._release(t)
+            t.prefilled = True
+            if ttft_s > 0:
+                self.rates.setdefault(replica, _Rate()).add(t.ahead + t.own, ttft_s)
         predicted = t.explained.predicted_tokens
         if cached_tokens is None or predicted <= 0:
             return
@@ -388,6 +395,8 @@ class Prefix(LeastInflight):
             self._release(t)
 
     def _release(self, t: _Ticket) -> None:
+        if t.prefilled:
+            return
         left = self.work.get(t.replica, 0.0) - t.own
         if left > 1e-6:
             self.work[t.replica] = left

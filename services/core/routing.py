@@ -271,9 +271,10 @@ class Picker(Protocol):
         cached_tokens: int | None,
         prompt_tokens: int | None = None,
     ) -> None:
-        """What the answer of `replica` to `route` (picked, not `done` yet) said: the
-        seconds to its first byte from its sending, and the prompt tokens its engine
-        served from its prefix cache and counted in all (None: not said)."""
+        """What the answer of `replica` to `route` (picked, not `done` yet) said: told
+        at its first byte with the seconds to it from its sending (`ttft_s`, the rest
+        None), and at its end with the prompt tokens its engine served from its prefix
+        cache and counted in all (None: not said; `ttft_s` None)."""
         ...
 
     def explain(self, route: Route | None) -> Explained | None:

@@ -51,8 +51,8 @@ ROUTE = web.RequestKey("llmgw_route", routing.Route)
 """Its route key, for the routing rule to be told what its answer said."""
 ASKED = web.RequestKey("llmgw_asked", float)
 """perf_counter() as it was sent to its replica (the last one tried)."""
-FIRST = web.RequestKey("llmgw_first", float)
-"""perf_counter() at its answer's first byte."""
+TO = web.RequestKey("llmgw_to", str)
+"""The replica it was sent to (the last one tried)."""
 ROUTED = web.RequestKey("llmgw_routed", str)
 """Why its replica was picked, said in `x-llmgw-route` (a rule that says, `prefix`)."""
 

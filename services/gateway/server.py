@@ -89,7 +89,6 @@ from services.gateway.metrics import (
 from services.gateway.refusal import Answered, Refusal, Unreachable, no_replica
 from services.gateway.request import (
     ASKED,
-    FIRST,
     HELD,
     KEY,
     MODEL,
@@ -99,6 +98,7 @@ from services.gateway.request import (
     SPAN,
     STATUS,
     T0,
+    TO,
     TOOK,
     WOKEN,
     Head,
@@ -649,6 +649,7 @@ class Gateway:
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             self._explain(request, route, span)
+            request[TO] = r.id
             request[ASKED] = time.perf_counter()
             inflight = self.labelled.of(self.metrics.inflight, m.name)
             inflight.inc()
@@ -678,7 +679,9 @@ class Gateway:
 
     def _first_byte(self, request: web.Request) -> None:
         t = time.perf_counter()
-        request[FIRST] = t
+        route, asked, to = request.get(ROUTE), request.get(ASKED), request.get(TO)
+        if route is not None and asked is not None and to is not None:
+            self.router.observed(to, route, max(t - asked, 0.0), None)
         self.labelled.of(self.metrics.first_byte, request[MODEL]).observe(t - request[T0])
         woken = request.get(WOKEN)
         if woken is not None:
@@ -701,11 +704,9 @@ class Gateway:
         route = request.get(ROUTE)
         if route is None:
             return
-        asked, first = request.get(ASKED), request.get(FIRST)
-        ttft = None if asked is None or first is None or first < asked else first - asked
         # Before `done`: the rule still has the request's pick to compare with.
         said = self.router.explain(route)
-        self.router.observed(r.id, route, ttft, cached, tokens_in)
+        self.router.observed(r.id, route, None, cached, tokens_in)
         if said is not None:
             self._hits(request[MODEL], tokens_in, said.predicted_tokens, cached)
 

@@ -16,7 +16,8 @@ at their times whatever the answers do) to every arm:
 
 - round-robin: each request to the next replica, blind to load and cache;
 - least-inflight: the plain rule, llmgw's default before this one;
-- prefix: services.core.prefix;
+- prefix: services.core.prefix, told the servers' cache size as an engine that reports
+  its KV capacity would tell it (`--unknown-capacity`: its default, 262,144 tokens);
 - oracle: the replica whose server's cache, read directly, holds most of the prompt
   (ties to the least in flight): the best hit rate a router could reach with these
   caches, load be damned.
@@ -297,7 +298,12 @@ class Bench:
             **routing.PICKERS,
             "round-robin": RoundRobin,
             "oracle": lambda: Oracle(servers=servers),
-            "prefix": lambda: prefix.Prefix(threshold=a.threshold),
+            "prefix": lambda: prefix.Prefix(
+                threshold=a.threshold,
+                capacity_tokens=(
+                    prefix.DEFAULT_CAPACITY_TOKENS if a.unknown_capacity else a.cache_tokens
+                ),
+            ),
         }
         gw = Gateway.of(
             self.js,
@@ -313,6 +319,8 @@ class Bench:
             await asyncio.wait_for(ready.wait(), 30)
             await gw.follower.wait_for(seq, 30)
             res = await self.offer(gw, w, model)
+            if isinstance(gw.router, prefix.Prefix):
+                res.whys["corrections"] = gw.router.corrections
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -387,7 +395,7 @@ def _print(w: Workload, results: dict[str, Result], slo: float) -> None:
         good = sum(1 for t in r.ttft if t <= slo) / r.span if r.span else 0.0
         tput = len(r.ends) / r.span if r.span else 0.0
         peak = f"{r.peak[0]} ({r.peak[1]:.1f})"
-        whys = ", ".join(f"{k} {v}" for k, v in sorted(r.whys.items()) if k != "-")
+        whys = ", ".join(f"{k} {v}" for k, v in sorted(r.whys.items()) if k != "-" and v)
         print(
             f"{arm:<15} {r.hit:>5.2f} {_pct(r.ttft, 0.5):>8.1f} {_pct(r.ttft, 0.9):>8.1f} "
             f"{_pct(r.ttft, 0.99):>8.1f} {tput:>7.1f} {good:>7.1f} {peak:>27} "
@@ -514,6 +522,11 @@ def main() -> None:
     p.add_argument("--cache-tokens", type=int, default=12_288)
     p.add_argument("--base-ttft", type=float, default=0.005)
     p.add_argument("--threshold", type=float, default=prefix.THRESHOLD)
+    p.add_argument(
+        "--unknown-capacity",
+        action="store_true",
+        help="the prefix rule not told the servers' cache size (its default instead)",
+    )
     p.add_argument("--slo", type=float, default=1.0, help="goodput's bound on TTFT (s)")
     p.add_argument("--blocks", default="64,128,256,512,1024")
     p.add_argument("--skip-micro", action="store_true")

@@ -178,7 +178,10 @@ def test_the_prefill_rate_is_learned_from_observed_first_bytes() -> None:
         rid = p.send(r, end=False)
         t = p.router._tickets[r]
         # ttft = 20 ms + work / 5,000 tokens a second
-        p.router.observed(rid, r, 0.02 + (t.ahead + t.own) / 5000.0, 0, None)
+        assert p.router.work[rid] == t.own  # its prefill in flight
+        p.router.observed(rid, r, 0.02 + (t.ahead + t.own) / 5000.0, None)
+        assert rid not in p.router.work  # its first byte: its prefill is done
+        p.router.observed(rid, r, None, 0, None)
         p.router.done(rid, r)
     tps = p.router.rates["r0"].tps()
     assert tps is not None and 4900 < tps < 5100
