@@ -21,8 +21,8 @@ The rule, in order (`Prefix.choose`):
   flight ("warm");
 - stickiness breaks ("broken") when that replica's estimated wait (its work in flight
   over its prefill rate) exceeds the best cold one's by more than the cold one would
-  spend prefilling what the warm one has cached (the penalty: matched tokens over the
-  cold one's rate), or when it holds more than `balance` times the mean in flight of
+  spend prefilling twice what the warm one has cached (the penalty: `stick` times the
+  matched tokens over the cold one's rate), or when it holds more than `balance` times the mean in flight of
   the candidates plus `slack` (one replica never takes a hot prefix's whole load); the
   request then goes to the cold one with the least estimated time to its first token;
 - a session goes back to its replica as in the plain rule (`LeastInflight.pick`).
@@ -81,6 +81,13 @@ DEFAULT_PREFILL_TPS = 10_000.0
 # mean of the candidates plus SLACK is not stuck to (the hot prefix's load spreads).
 BALANCE = 1.5
 SLACK = 2.0
+# STICK scales the penalty a warm replica's wait must pass before a cold one is taken:
+# the cold one's time to prefill what the warm one has cached, times STICK. A break costs
+# more than the one request's prefill: the cold replica then holds the prefix at another
+# prefix's expense, and its line takes the whole prompt. Measured (bench_prefix.py
+# --stick, shared prefixes): at 1, 8 breaks in 256 and TTFT p90 101 ms; at 2, 1 break
+# and 45 ms (the oracle's 42 ms), hit rate 0.88 and 0.91.
+STICK = 2.0
 # DECAY weighs each observation of a replica's prefill against those before it.
 DECAY = 0.97
 # SHRINK is what a replica's LRU is cut to when its engine says it evicted more.
@@ -155,6 +162,7 @@ class Prefix(LeastInflight):
     total_blocks: int = TOTAL_BLOCKS
     balance: float = BALANCE
     slack: float = SLACK
+    stick: float = STICK
     index: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
     """Per replica, the LRU of block hashes routed to it (most recent last)."""
     capacity: dict[str, int] = field(default_factory=dict)
@@ -241,7 +249,7 @@ class Prefix(LeastInflight):
         cold_rate = rate(pick_cold.id)
         wait_warm = work.get(best.id, 0.0) / rate(best.id)
         wait_cold = work.get(pick_cold.id, 0.0) / cold_rate
-        penalty = depths[best.id] * self.block_chars / CHARS_PER_TOKEN / cold_rate
+        penalty = self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / cold_rate
         if wait_warm > wait_cold + penalty or hot:
             return self._said(pick_cold, depths, len(found), "broken")
         return self._said(best, depths, len(found), "warm")

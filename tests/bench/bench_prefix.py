@@ -300,6 +300,8 @@ class Bench:
             "oracle": lambda: Oracle(servers=servers),
             "prefix": lambda: prefix.Prefix(
                 threshold=a.threshold,
+                slack=a.slack,
+                stick=a.stick,
                 capacity_tokens=(
                     prefix.DEFAULT_CAPACITY_TOKENS if a.unknown_capacity else a.cache_tokens
                 ),
@@ -522,6 +524,8 @@ def main() -> None:
     p.add_argument("--cache-tokens", type=int, default=12_288)
     p.add_argument("--base-ttft", type=float, default=0.005)
     p.add_argument("--threshold", type=float, default=prefix.THRESHOLD)
+    p.add_argument("--slack", type=float, default=prefix.SLACK)
+    p.add_argument("--stick", type=float, default=prefix.STICK)
     p.add_argument(
         "--unknown-capacity",
         action="store_true",
