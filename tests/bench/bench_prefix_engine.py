@@ -11,7 +11,9 @@ Prints figures, asserts nothing. Makes the tiny model (`deploy/examples/tiny-mod
 --size large`, about 4.7M parameters), starts two vLLM servers (`--enforce-eager
 --enable-prompt-tokens-details`, each with `--blocks` KV blocks of 128 tokens, so that
 all the groups' prefixes do not fit in one replica's cache), an embedded nats-server and,
-per arm, a gateway in this process told the two endpoints by `replica.state` events.
+per arm, a gateway in this process told the two endpoints by `replica.state` events (the
+prefix rule told the servers' KV capacity, `--blocks` x 128 tokens, as an agent that
+reported it would).
 Each arm sends the same shape of trace (`--groups` shared prefixes of 8 blocks of the
 CPU build's 128 tokens, `--each` completions of each with a short suffix of their own,
 in a random order, Poisson arrivals at `--rate` a second, one token each), its texts
@@ -49,6 +51,7 @@ from schemas import events as ev  # noqa: E402
 from schemas import subjects  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
+from services.core import prefix, routing  # noqa: E402
 from services.gateway.config import Config  # noqa: E402
 from services.gateway.server import Gateway  # noqa: E402
 from tests.engine import engine  # noqa: E402
@@ -56,6 +59,8 @@ from tests.engine import engine  # noqa: E402
 JSON_TYPE = {"Content-Type": "application/json"}
 ARMS = ("least-inflight", "prefix")
 NODE = "bench-pfx-engine"
+# BLOCK_TOKENS is vLLM's CPU build's KV block.
+BLOCK_TOKENS = 128
 WORDS = ("alpha", "beta", "gamma", "delta", "log", "fold", "plane", "token", "cache", "seed")
 
 
@@ -139,10 +144,16 @@ async def _arm(
             ),
             NODE,
         )
+    # The prefix rule told the engines' KV capacity, as an agent that reported it would.
+    pickers = {
+        **routing.PICKERS,
+        "prefix": lambda: prefix.Prefix(capacity_tokens=a.blocks * BLOCK_TOKENS),
+    }
     gw = Gateway.of(
         js,
         Config(listen="127.0.0.1:0", routing=arm, upstream_timeout_s=120),
         root=subjects.DEFAULT_ROOT,
+        pickers=pickers,
     )
     sock = gw.bind()
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -255,8 +266,8 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--each", type=int, default=6)
     p.add_argument("--prefix-tokens", type=int, default=1024)
-    p.add_argument("--rate", type=float, default=3.0)
-    p.add_argument("--blocks", type=int, default=40, help="KV blocks of 128 tokens a server")
+    p.add_argument("--rate", type=float, default=2.0)
+    p.add_argument("--blocks", type=int, default=48, help="KV blocks of 128 tokens a server")
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     python = Path(a.engine_python)
@@ -280,6 +291,7 @@ def main() -> None:
                         str(weights),
                         "--served-model-name",
                         "tiny",
+                        *(f"tiny-{arm}" for arm in ARMS),
                         "--host",
                         "127.0.0.1",
                         "--port",
