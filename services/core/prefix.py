@@ -37,7 +37,8 @@ capacity where it is known, else `DEFAULT_CAPACITY_TOKENS`) in blocks, and all o
 together at most `total_blocks`: with more replicas each keeps fewer, its most recent.
 
 Corrected by the engine: an answer that says it had 0 cached tokens where the index
-predicted a warm match clears that replica's entry (its cache was reset behind the
+predicted a warm match (and nothing was prefilling ahead of it there, which the engine
+may not have shared yet) clears that replica's entry (its cache was reset behind the
 index's back) but for the prompt it has just computed; one that says less than half
 what was predicted shrinks the replica's LRU to three quarters (an eviction the LRU did
 not model).
@@ -377,7 +378,10 @@ class Prefix(LeastInflight):
             if ttft_s > 0:
                 self.rates.setdefault(replica, _Rate()).add(t.ahead + t.own, ttft_s)
         predicted = t.explained.predicted_tokens
-        if cached_tokens is None or predicted <= 0:
+        if cached_tokens is None or predicted <= 0 or t.ahead > 0:
+            # With prefills ahead of it at its pick, the prefix it matched may have been
+            # still computing there (an engine shares only blocks computed): no word on
+            # what the cache held.
             return
         if cached_tokens == 0 and t.explained.matched >= self.threshold:
             self.corrections += 1

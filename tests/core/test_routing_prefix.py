@@ -163,6 +163,15 @@ def test_an_engine_report_of_0_cached_tokens_for_a_warm_request_clears_its_entry
     mine = prefix.blocks("m", None, again.prompt)
     assert p.router._depth(rid, mine) == len(mine)  # what it just computed is cached now
     assert p.router.corrections == 1
+    # A 0 for a request picked while another's prefill was ahead of it says nothing of
+    # the cache: the prefix may still have been computing.
+    first, second = _route(SYSTEM, "q4"), _route(SYSTEM, "q5")
+    p.send(first, end=False)
+    p.send(second, end=False)
+    p.router.observed(rid, second, None, 0, 300)
+    assert p.router.corrections == 1 and p.router._depth(rid, mine) == len(mine)
+    for r in (first, second):
+        p.router.done(rid, r)
     # A report that agrees changes nothing.
     last = _route(SYSTEM, "q3")
     p.send(last, end=False)
