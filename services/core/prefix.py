@@ -7,7 +7,9 @@ Pure, like `services.core.routing`: the gateway hands it the folded view, the re
 
 The prompt (`Route.prompt`, canonical) is cut into blocks of `BLOCK_CHARS` characters;
 each full block's hash chains the one before it, the first the model's name and the
-request's `cache_salt`, so a block's hash names the whole prefix up to its end. Each
+request's `cache_salt` and the owner of its API key (a tenant's routing, and what
+`x-llmgw-route` says of it, never tells whether another tenant sent a prompt), so a
+block's hash names the whole prefix up to its end. Each
 replica has an LRU of the block hashes routed to it (touched deepest first, so that the
 shallow blocks a prefix shares are the last evicted, as an engine evicts a chain's tail
 first); a replica's match is its deepest block held, found by bisection (the chain makes
@@ -97,11 +99,14 @@ SHRINK = 0.75
 MIN_BLOCKS = 16
 
 
-def blocks(model: str, salt: str | None, text: str, size: int = BLOCK_CHARS) -> list[int]:
+def blocks(
+    model: str, salt: str | None, text: str, size: int = BLOCK_CHARS, owner: str | None = None
+) -> list[int]:
     """The chained hashes of `text`'s full blocks of `size` characters, the first keyed
-    by `model` and `salt`. In-process hashes: an index lives in one gateway's memory."""
+    by `model`, `salt` and the `owner` of the key that sent it. In-process hashes: an
+    index lives in one gateway's memory."""
     out: list[int] = []
-    h = hash((model, salt))
+    h = hash((model, salt, owner))
     for i in range(0, len(text) - size + 1, size):
         h = hash((h, text[i : i + size]))
         out.append(h)
@@ -194,7 +199,7 @@ class Prefix(LeastInflight):
             self._hashes, self._chars = [], 0
         else:
             text = route.prompt
-            self._hashes = blocks(m.name, route.salt, text, self.block_chars)
+            self._hashes = blocks(m.name, route.salt, text, self.block_chars, route.owner)
             self._chars = len(text)
         self._explained = None
         r = super().pick(view, m, route, avoid=avoid, limit=limit)

@@ -277,3 +277,25 @@ def test_the_index_stays_within_its_memory_bound_under_any_workload(
     for rid_s, r in open_:
         p.router.done(rid_s, r)
     assert p.router.work == {} and p.router._tickets == {}
+
+
+def test_one_tenants_prefixes_never_make_a_replica_warm_for_another() -> None:
+    """The index is keyed by the owner of the request's key: the same prompt from
+    another tenant is cold (its answer's `x-llmgw-route` tells nothing of the first's)."""
+    p = _Plane()
+    p.ready("r0")
+    p.ready("r1")
+
+    def owned(owner: str, q: str) -> routing.Route:
+        r = _route(SYSTEM, q)
+        return routing.Route("m", owner=owner, body=r._body)
+
+    p.send(owned("team-a", "q1"))
+    again = owned("team-a", "q2")
+    p.send(again, end=False)
+    e = p.router.explain(again)
+    assert e is not None and e.why == "warm"
+    other = owned("team-b", "q3")
+    p.send(other, end=False)
+    e = p.router.explain(other)
+    assert e is not None and e.why == "cold" and e.matched == 0.0
