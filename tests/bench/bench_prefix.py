@@ -34,8 +34,10 @@ Workloads (scaled for a 2-core host; `--scale` multiplies the requests):
 
 For each arm: the hit rate (prompt tokens the servers served from cache, over all),
 time to first token p50/p90/p99 at the client, throughput (requests completed a second),
-goodput (those with a first token within --slo), and the most requests in flight at one
-replica against the mean at the same instant (sampled every 5 ms). Then, with no
+goodput (those with a first token within --slo), the most requests in flight at one
+replica against the mean at the same instant (sampled every 5 ms), and the longest the
+process's event loop was held (a stall of the host or the process, which every arm's
+figures share the risk of). Then, with no
 gateway: the prefix rule's pick for a 32k-character prompt among 64 replicas (CPU,
 p50/p99, by block size), and its index's memory at 1,000 replicas at capacity.
 """
@@ -234,6 +236,9 @@ class Result:
     """The most in flight at one replica, and the mean in flight at that instant."""
     span: float = 0.0
     whys: dict[str, int] = field(default_factory=dict)
+    lag: float = 0.0
+    """The longest the event loop (gateway, servers and client alike) was held past a
+    5 ms sleep: a stall of the process or the host, not of a rule."""
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -339,7 +344,11 @@ class Bench:
         done = asyncio.Event()
 
         async def sample() -> None:
+            last = time.perf_counter()
             while not done.is_set():
+                now = time.perf_counter()
+                res.lag = max(res.lag, now - last - 0.005)
+                last = now
                 got = router.inflight
                 if got:
                     top = max(got.values())
@@ -391,7 +400,8 @@ def _print(w: Workload, results: dict[str, Result], slo: float) -> None:
     )
     print(
         f"{'arm':<15} {'hit':>5} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'req/s':>7} "
-        f"{'good/s':>7} {'peak in flight (mean then)':>27} {'max/(1.5 mean+2)':>17}  picks"
+        f"{'good/s':>7} {'peak in flight (mean then)':>27} {'max/(1.5 mean+2)':>17} "
+        f"{'stall ms':>8}  picks"
     )
     for arm, r in results.items():
         good = sum(1 for t in r.ttft if t <= slo) / r.span if r.span else 0.0
@@ -401,7 +411,8 @@ def _print(w: Workload, results: dict[str, Result], slo: float) -> None:
         print(
             f"{arm:<15} {r.hit:>5.2f} {_pct(r.ttft, 0.5):>8.1f} {_pct(r.ttft, 0.9):>8.1f} "
             f"{_pct(r.ttft, 0.99):>8.1f} {tput:>7.1f} {good:>7.1f} {peak:>27} "
-            f"{r.worst:>17.2f}  {whys}{'  errors ' + str(r.errors) if r.errors else ''}"
+            f"{r.worst:>17.2f} {r.lag * 1e3:>8.0f}  {whys}"
+            f"{'  errors ' + str(r.errors) if r.errors else ''}"
         )
 
 
