@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from nats.js.api import StreamInfo
 from nats.js.client import JetStreamContext
 
-from services import files, heap, lease, names
+from services import files, names
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -45,6 +45,7 @@ from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.server import Gateway
+from services.plane import heap, lease
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
@@ -112,7 +113,7 @@ class UpOptions:
     """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
     """Freeze what the process has held for a while out of the collector's reach
-    (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
+    (`services.plane.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
     gateway_keys: Any = None
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
     gateway_any_port: bool = False

@@ -254,7 +254,8 @@ class _Op:
     async def warn_without_scheduler(self, args: argparse.Namespace) -> None:
         """One line on stderr when no scheduler leads: what was published is stored, and
         nothing acts on it until one does (a plane killed with -9 leaves its broker up)."""
-        from services import clock, liveness
+        from services import clock
+        from services.plane import liveness
 
         _, recorded_in = cli.resolve_with_origin(args)
         why = await liveness.no_scheduler(self.s.js, self.s.root, clock.utc_now(), recorded_in)

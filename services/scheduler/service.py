@@ -23,7 +23,7 @@ Rules of the shell:
   say nothing of the nodes, and the first ones after the reconnect are on their way.
 
 The lease, the follower, the own-writes watermark and the publishing are
-`services.leader.Leader`'s, shared with the preemption service.
+`services.plane.leader.Leader`'s, shared with the preemption service.
 
 It must not decide anything itself (that is `plan`'s), must not fold differently from
 `services.core.fold`, and must not publish while it does not hold the lease.
@@ -54,8 +54,8 @@ from services.core import autoscale
 from services.core import scheduling as planner
 from services.core.scheduling import Config, Failure
 from services.core.view import Rejection, View
-from services.follower import ViewFollower
-from services.leader import Leader, LeaseLapsed
+from services.plane.follower import ViewFollower
+from services.plane.leader import Leader, LeaseLapsed
 
 log = logging.getLogger("llmgw.scheduler")
 
