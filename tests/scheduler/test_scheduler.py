@@ -4,7 +4,6 @@ placement timeouts."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -13,7 +12,7 @@ import pytest
 
 from schemas import events as ev
 from tests.scheduler.conftest import FAST, Cluster, Running
-from tests.scheduler.helpers import eventually
+from tests.scheduler.helpers import Clock, eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -171,34 +170,73 @@ async def test_held_model_is_not_placed(cluster: Cluster, start_scheduler) -> No
     assert d.data.model == "opp"
 
 
+# QUIET_S: the quiet after taking the lead (one heartbeat period), when no node is
+# timed; SILENT_S: past the node timeout (0.6 s), how long a node says nothing to be lost.
+QUIET_S = 1.0
+SILENT_S = 0.7
+
+
 async def _one_replica_a_node(
     cluster: Cluster, start_scheduler: Callable[..., Running], lost_grace_s: float
-) -> tuple[Running, list[str]]:
+) -> tuple[Running, Clock, list[str]]:
     """gpu-a1 and gpu-a2 (8 GPUs each) with a replica of m on each, under a scheduler that
-    loses a node silent for 0.6 s, with `lost_grace_s`: the scheduler, and the replicas
-    on gpu-a2."""
+    loses a node silent for 0.6 s, with `lost_grace_s`, on a clock the test moves: the
+    scheduler, its clock, and the replicas on gpu-a2.
+
+    Its passes run when an event wakes one (`_pass`), never on a tick: between moving
+    the clock and hearing a node's heartbeat at the new time, no pass may look."""
     await cluster.node("gpu-a1")
     await cluster.node("gpu-a2")
-    s = start_scheduler(dataclasses.replace(FAST, node_timeout_s=0.6, lost_grace_s=lost_grace_s))
+    clock = Clock()
+    config = dataclasses.replace(FAST, tick_s=3600.0, node_timeout_s=0.6, lost_grace_s=lost_grace_s)
+    s = start_scheduler(config, clock=clock)
     await cluster.declare("m", gpus=8, min=2)
     await eventually(lambda: _at_least(cluster, Decided, 2))
     on_a2 = [d.data.replica for d in await cluster.of(Decided) if d.data.shards[0].node == "gpu-a2"]
-    return s, on_a2
+    # The quiet over, a pass starts timing both nodes from now.
+    clock.advance(QUIET_S)
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeLostEvent) == 0
+    return s, clock, on_a2
+
+
+async def _beat(cluster: Cluster, s: Running, clock: Clock, *nodes: str) -> None:
+    """One heartbeat of each of `nodes`, once the scheduler has heard it at the clock's
+    time now."""
+    for node in nodes:
+        await cluster.heartbeat(node)
+    at = clock.monotonic()
+    await eventually(lambda: all(s.scheduler._heard.get(n) == at for n in nodes))
+
+
+async def _pass(cluster: Cluster, s: Running) -> None:
+    """One more pass at the clock's time now, and what it published folded: an event that
+    changes nothing (a scale of a model nobody declared) wakes it."""
+    passes = s.scheduler.stats.passes
+    await cluster.scale("nobody", 1)
+    await eventually(lambda: s.scheduler.stats.passes > passes)
+    await settle(s)
 
 
 async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_scheduler) -> None:
-    s, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=0.5)
-    # A fake agent: heartbeats for gpu-a1 only, on core NATS.
-    agent = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
-    try:
-        # Lost with a grace, then, the grace passed and the node still silent, lost for
-        # good: two node.lost, and no more after many more passes.
-        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 2), within=5)
-        passes = s.scheduler.stats.passes
-        await eventually(lambda: s.scheduler.stats.passes >= passes + 10)
-        await settle(s)
-    finally:
-        agent.cancel()
+    s, clock, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=0.5)
+    # gpu-a2 is silent; gpu-a1 beats at every moment the clock is moved to. Lost with a
+    # grace, then, the grace passed and the node still silent, lost for good: two
+    # node.lost, and no more after more passes.
+    clock.advance(SILENT_S)
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeLostEvent) == 1
+    clock.advance(0.4)  # within the grace: nothing more
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeLostEvent) == 1
+    clock.advance(0.2)
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    for _ in range(5):
+        await _pass(cluster, s)
     first, second = await cluster.of(ev.NodeLostEvent)
     assert first.data.node == second.data.node == "gpu-a2"
     assert first.data.reason.startswith("no heartbeat for ")
@@ -206,7 +244,7 @@ async def test_node_lost_after_missed_heartbeats(cluster: Cluster, start_schedul
     assert second.data.grace_s == 0
     assert second.data.reason.startswith("not heard from within the grace")
     # The replicas kept their state through the grace, and failed only at the second.
-    assert (second.time - first.time).total_seconds() >= 0.5
+    assert (second.time - first.time).total_seconds() == pytest.approx(0.6)
     view = s.scheduler.view
     assert view.state.nodes["gpu-a2"].lost
     assert view.state.nodes["gpu-a2"].failing_at is None
@@ -220,32 +258,26 @@ async def test_a_lost_node_heard_again_is_found_with_its_replicas(
 ) -> None:
     """Its agent never reconnected (nor sent a report): a heartbeat after the node.lost
     is what brings it back, within the grace, its replicas as they were."""
-    s, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=60.0)
-    a1 = asyncio.create_task(_beat(cluster, "gpu-a1", every=0.1))
-    try:
-        await eventually(lambda: _at_least(cluster, ev.NodeLostEvent, 1), within=3)
-        await settle(s)
-        assert s.scheduler.view.state.nodes["gpu-a2"].lost
-        assert all(s.scheduler.view.replicas[r].state != "failed" for r in on_a2)
-        a2 = asyncio.create_task(_beat(cluster, "gpu-a2", every=0.1))
-        try:
-            await eventually(lambda: _at_least(cluster, ev.NodeFoundEvent, 1), within=3)
-            await settle(s)
-        finally:
-            a2.cancel()
-    finally:
-        a1.cancel()
+    s, clock, on_a2 = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=60.0)
+    clock.advance(SILENT_S)
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeLostEvent) == 1
+    assert s.scheduler.view.state.nodes["gpu-a2"].lost
+    assert all(s.scheduler.view.replicas[r].state != "failed" for r in on_a2)
+    # A heartbeat no later than the loss was seen brings nothing back; one after it does.
+    await _beat(cluster, s, clock, "gpu-a1", "gpu-a2")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeFoundEvent) == 0
+    clock.advance(0.1)
+    await _beat(cluster, s, clock, "gpu-a1", "gpu-a2")
+    await _pass(cluster, s)
+    assert await count(cluster, ev.NodeFoundEvent) == 1
     view = s.scheduler.view
     rec = view.state.nodes["gpu-a2"]
     assert not rec.lost and rec.failing_at is None
     assert all(view.replicas[r].state != "failed" for r in on_a2)
     assert len(await cluster.of(ev.NodeLostEvent)) == 1
-
-
-async def _beat(cluster: Cluster, node: str, every: float) -> None:
-    while True:
-        await cluster.heartbeat(node)
-        await asyncio.sleep(every)
 
 
 async def test_model_removed_drains_it(cluster: Cluster, start_scheduler) -> None:
