@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
@@ -120,11 +120,18 @@ async def test_no_fit_reports_once_until_something_changes(
 
 async def test_no_fit_repeats_after_the_backoff(cluster: Cluster, start_scheduler) -> None:
     await cluster.node("gpu-a1", gpus=4)
-    s = start_scheduler(dataclasses.replace(FAST, failed_backoff_s=0.5))
+    clock = Clock()
+    s = start_scheduler(dataclasses.replace(FAST, failed_backoff_s=0.5), clock=clock)
     await cluster.declare("big", gpus=8, min=1)
-    await eventually(lambda: _at_least(cluster, Failed, 2), within=5)
-    n = s.scheduler.stats.passes
-    assert n >= 3  # more passes than reports
+    await eventually(lambda: _at_least(cluster, Failed, 1))
+    passes = s.scheduler.stats.passes
+    await eventually(lambda: s.scheduler.stats.passes >= passes + 3)  # within the backoff
+    await settle(s)
+    assert await count(cluster, Failed) == 1
+    clock.advance(0.5)
+    await eventually(lambda: _at_least(cluster, Failed, 2))
+    first, second = await cluster.of(Failed)
+    assert (second.time - first.time).total_seconds() == pytest.approx(0.5)
 
 
 async def test_quota_limit(cluster: Cluster, start_scheduler) -> None:
@@ -152,22 +159,30 @@ async def test_held_model_is_not_placed(cluster: Cluster, start_scheduler) -> No
         cls="critical",
         profiles=(ev.ProfileSpec(name="b200", gpus=8, gpu_model="B200"),),
     )
-    await cluster.emit(
-        ev.HoldCreated(
-            model="opp", for_model="critical-m", until=datetime.now(UTC) + timedelta(seconds=1.5)
-        )
-    )
-    s = start_scheduler()
+    clock = Clock()
+    until = clock.wall() + timedelta(seconds=1.5)
+    await cluster.emit(ev.HoldCreated(model="opp", for_model="critical-m", until=until))
+    s = start_scheduler(clock=clock)
     await cluster.declare("opp", gpus=4, min=1, cls="opportunistic")
     await eventually(lambda: s.scheduler.stats.passes >= 5)
     await settle(s)
     assert await count(cluster, Decided) == 0
     assert await count(cluster, Failed, "opp") == 0
     assert await count(cluster, Failed, "critical-m") == 1
-    # The hold ends at its `until`: then it is placed, with no event to wake it (the tick).
-    await eventually(lambda: _at_least(cluster, Decided, 1), within=5)
+    # The hold ends past its `until` (at it exactly, it is still on): then it is placed,
+    # with no event to wake it (the tick).
+    for step in (1.4, 0.1):
+        clock.advance(step)
+        passes = s.scheduler.stats.passes
+        await eventually(lambda: s.scheduler.stats.passes >= passes + 3)  # noqa: B023
+        await settle(s)
+        assert await count(cluster, Decided) == 0
+    assert clock.wall() == until
+    clock.advance(0.1)
+    await eventually(lambda: _at_least(cluster, Decided, 1))
     (d,) = await cluster.of(Decided)
     assert d.data.model == "opp"
+    assert d.time == until + timedelta(seconds=0.1)
 
 
 # QUIET_S: the quiet after taking the lead (one heartbeat period), when no node is
@@ -300,13 +315,19 @@ async def test_placement_timeout_is_drained_and_placed_elsewhere(
 ) -> None:
     await cluster.node("gpu-a1", gpus=8)
     await cluster.node("gpu-a2", gpus=4)
-    s = start_scheduler(dataclasses.replace(FAST, start_timeout_s=0.5))
+    clock = Clock()
+    s = start_scheduler(dataclasses.replace(FAST, start_timeout_s=0.5), clock=clock)
     await cluster.declare("m", gpus=4, min=1)
     await eventually(lambda: _at_least(cluster, Decided, 1))
     (first,) = await cluster.of(Decided)
     assert first.data.shards[0].node == "gpu-a2"  # best fit
     # Nobody reports `starting`: after the timeout, drained and placed on the other node.
-    await eventually(lambda: _at_least(cluster, Decided, 2), within=5)
+    passes = s.scheduler.stats.passes
+    await eventually(lambda: s.scheduler.stats.passes >= passes + 3)  # within the timeout
+    await settle(s)
+    assert await count(cluster, Drain) == 0
+    clock.advance(0.5)
+    await eventually(lambda: _at_least(cluster, Decided, 2))
     await settle(s)
     drains = await cluster.of(Drain)
     assert [(e.data.replica, e.data.reason) for e in drains] == [
@@ -318,8 +339,10 @@ async def test_placement_timeout_is_drained_and_placed_elsewhere(
     # This one reports back in time: no more drains.
     start = next(e for e in await cluster.of(Start) if e.data.replica == second.data.replica)
     await cluster.state(start.data, "starting")
+    await settle(s)
+    clock.advance(0.6)  # past its timeout
     passes = s.scheduler.stats.passes
-    await eventually(lambda: s.scheduler.stats.passes >= passes + 10)  # past the timeout
+    await eventually(lambda: s.scheduler.stats.passes >= passes + 3)
     await settle(s)
     assert await count(cluster, Drain) == 1
     assert s.scheduler.view.live_count("m") == 1
