@@ -4,6 +4,7 @@ placement timeouts."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
@@ -11,6 +12,7 @@ from datetime import timedelta
 import pytest
 
 from schemas import events as ev
+from services.bus import EmbeddedBroker
 from tests.scheduler.conftest import FAST, Cluster, Running
 from tests.scheduler.helpers import Clock, eventually
 
@@ -225,12 +227,12 @@ async def _beat(cluster: Cluster, s: Running, clock: Clock, *nodes: str) -> None
     await eventually(lambda: all(s.scheduler._heard.get(n) == at for n in nodes))
 
 
-async def _pass(cluster: Cluster, s: Running) -> None:
+async def _pass(cluster: Cluster, s: Running, within: float = 5.0) -> None:
     """One more pass at the clock's time now, and what it published folded: an event that
     changes nothing (a scale of a model nobody declared) wakes it."""
     passes = s.scheduler.stats.passes
     await cluster.scale("nobody", 1)
-    await eventually(lambda: s.scheduler.stats.passes > passes)
+    await eventually(lambda: s.scheduler.stats.passes > passes, within=within)
     await settle(s)
 
 
@@ -293,6 +295,35 @@ async def test_a_lost_node_heard_again_is_found_with_its_replicas(
     assert not rec.lost and rec.failing_at is None
     assert all(view.replicas[r].state != "failed" for r in on_a2)
     assert len(await cluster.of(ev.NodeLostEvent)) == 1
+
+
+async def test_a_broker_outage_past_the_node_timeout_loses_no_node(
+    cluster: Cluster, start_scheduler, nats_server: EmbeddedBroker
+) -> None:
+    """Cut off from the broker, the scheduler hears no heartbeat: that is its own deafness,
+    not the nodes' silence. Back, it gives the agents a heartbeat period to be heard again
+    before it times any node; one that stays silent past that is lost as ever."""
+    s, clock, _ = await _one_replica_a_node(cluster, start_scheduler, lost_grace_s=60.0)
+    await asyncio.to_thread(nats_server.kill)
+    await eventually(lambda: not s.scheduler.nc.is_connected)
+    clock.advance(4 * SILENT_S)  # the outage, well past the node timeout
+    await asyncio.to_thread(nats_server.start)
+    await eventually(lambda: s.scheduler.nc.is_connected, within=10)
+    # The first pass back, before any agent is heard again: no node is lost.
+    await _pass(cluster, s, within=10)
+    assert await count(cluster, ev.NodeLostEvent) == 0
+    # Both heard again within the heartbeat period: none is lost once it is over.
+    for _ in range(2):
+        clock.advance(QUIET_S / 2)
+        await _beat(cluster, s, clock, "gpu-a1", "gpu-a2")
+        await _pass(cluster, s)
+    assert await count(cluster, ev.NodeLostEvent) == 0
+    # gpu-a2 silent from then on: lost past the node timeout.
+    clock.advance(SILENT_S)
+    await _beat(cluster, s, clock, "gpu-a1")
+    await _pass(cluster, s)
+    (lost,) = await cluster.of(ev.NodeLostEvent)
+    assert lost.data.node == "gpu-a2"
 
 
 async def test_model_removed_drains_it(cluster: Cluster, start_scheduler) -> None:
