@@ -45,9 +45,7 @@ def test_a_whole_answers_cached_tokens() -> None:
 def test_a_streams_cached_tokens_from_its_usage_chunk() -> None:
     assert use.stream_usage(STREAM) == (10, 4)
     assert use.stream_cached(STREAM) == 0
-    assert (
-        use.stream_cached(STREAM.replace(b'"cached_tokens":0', b'"cached_tokens":128')) == 128
-    )
+    assert use.stream_cached(STREAM.replace(b'"cached_tokens":0', b'"cached_tokens":128')) == 128
     assert use.stream_cached(b"data: [DONE]\n\n") is None
 
 
