@@ -1,7 +1,8 @@
 """The prompt tokens an engine served from its prefix cache, read from its answers'
 `usage.prompt_tokens_details.cached_tokens` (vLLM with `--enable-prompt-tokens-details`)
 for `replica.used`: whole answers, a stream's usage chunk left for its client, and one
-taken out of a stream whose client did not ask (pure: no server, no clock)."""
+taken out of a stream whose client did not ask; then through a gateway in this process
+to its `replica.used`, from an upstream that answers as vLLM does."""
 
 from __future__ import annotations
 
