@@ -6,10 +6,13 @@ failure shows its seed and comes back the same."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,7 +20,16 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from services.core import fold, placement
 from services.core import view as view_module
-from services.core.policy import PLAIN, Checked, Config, Fast, Plain, PolicyMismatch, plan
+from services.core.policy import (
+    PLAIN,
+    Checked,
+    Config,
+    Decision,
+    Fast,
+    Plain,
+    PolicyMismatch,
+    plan,
+)
 from services.core.policy.engine import Listing
 from services.core.view import View
 from tests.core.test_policy_fast import CLASSES, build, filled
@@ -91,6 +103,7 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
     # Checked compares every candidate, exclusion, count and node, not only what a
     # decision lists; it raises on the first difference.
     index = Checked(Fast())
+    quick = Fast()
     asked = 0
     now = s.now
     for seq, subject, e in s.events():
@@ -105,8 +118,32 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
             plain = plan(view, name, now, cfg, engine=PLAIN)
             assert plan(view, name, now, cfg) == plain, (seed, seq, name)
             assert plan(view, name, now, cfg, engine=index) == plain, (seed, seq, name)
+            # Each engine as a service runs it, its config naming it: the same bytes,
+            # published and printed, but for the field that names the engine.
+            want = as_bytes(plan(view, name, now, replace(cfg, engine="plain"), engine=PLAIN))
+            for eng in (quick, index):
+                got = plan(view, name, now, replace(cfg, engine=eng.name), engine=eng)
+                assert as_bytes(got) == want, (seed, seq, name, eng.name)
             asked += 1
     assert asked > 0
+
+
+def as_bytes(d: Decision) -> bytes:
+    """A decision as it is published (`preemption.decided`), printed (`llmgw preemption
+    plan --json`) and kept whole (every field, its config's included), the engine it
+    names set to the plain one's."""
+    engine = d.config.engine.encode()
+    out = b"\n".join(
+        (
+            msgspec.json.encode(d.to_event_data("trigger")),
+            json.dumps(d.to_json()).encode(),
+            msgspec.json.encode(d),
+        )
+    )
+    assert out.count(b'"engine":"%s"' % engine) + out.count(b'"engine": "%s"' % engine) == 3
+    return out.replace(b'"engine":"%s"' % engine, b'"engine":"plain"').replace(
+        b'"engine": "%s"' % engine, b'"engine": "plain"'
+    )
 
 
 def _life(rng: random.Random, s: Scenario, models: list[str]) -> None:
