@@ -1,8 +1,9 @@
-"""The fast engine: the plain walk's answers from groups of replicas kept in order.
+"""The fast engine's index: the plain engine's candidates from groups of replicas kept
+in order.
 
 Owned by its caller (the preemption service's leader, the simulator's engine), never by
-`View` or a module: one `Index` follows one view, and whoever folds that view asks with
-it. Behind the same protocol as the plain walk (`engine.Candidates`), held to it by a
+`View` or a module: one `Index` (as `fast.Fast`) follows one view, and whoever folds that
+view asks with it. Behind the same protocol as the plain engine (`engine.Engine`), held to it by a
 differential test (tests/core/test_policy_index.py) and, under the checked engine
 (`--policy-engine checked`), on every call of the preemption service and `llmgw simulate`.
 
@@ -10,13 +11,13 @@ Why it can be fast: every rule that decides a replica's tier reads of it only wh
 is above its model's minimum and whether it is borrowed (both known as the view folds),
 how long it has gone unused and how long it has been ready (both compared with one
 threshold per call); the rest is its model's class, owner and on-demand flag. So the
-live replicas are kept in groups (`_Group`) of one (class, owner, on-demand, above
+live replicas are kept in groups (`entries.Group`) of one (class, owner, on-demand, above
 minimum, borrowed), each kept sorted by last use (the order key after the tier) and by
 readiness. A call weighs each group once (`rules.tier_from_facts`, for "past the grace" and
 not), cuts it at the grace and at the minimum lifetime by bisection, and merges the
 groups' streams by the order key, building only the candidates it is asked for: the
-first for the decision's list and the reference's search, those on the nodes that could
-make room for node-aware (`by_node`). The counts by tier and by exclusion come from the
+first for the decision's list and the reference's search, those on the nodes node-aware's
+lazy walk reaches (`slots.Slots`). The counts by tier and by exclusion come from the
 groups' sizes, less the few replicas a call sets apart (the model's own, the young, the
 multi-node). What a call costs then grows with the groups and what it lists, not with the
 replicas.
