@@ -12,52 +12,20 @@ node-aware runs too for a profile of several shards, tries on trials of its own
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from services.core import catalog
-from services.core.policy import gangs, node_aware, search
+from services.core.policy import node_aware, search
 from services.core.policy.decision import Candidate
 from services.core.policy.trials import Trials
 from services.core.view import View
 
 if TYPE_CHECKING:
-    from services.core.policy.engine import Engine, Found, Listing
-
-Fits = Callable[[Sequence[Candidate]], bool]
-"""A dry run of one set (`Trials.fits_without`): whether the model fits with it gone."""
+    from services.core.policy.engine import Engine, Found
 
 F = TypeVar("F", bound="Found")
 T = TypeVar("T", bound=Trials)
-
-
-class PlainSearches:
-    """Node-aware's searches as the plain engine (`engine.Plain`) runs them: the spec's,
-    over every candidate."""
-
-    __slots__ = ()
-
-    def node_set(
-        self,
-        view: View,
-        profiles: Sequence[catalog.Profile],
-        found: Listing,
-        max_victims: int,
-        fits: Fits,
-        fallback: Callable[[], Sequence[Candidate]],
-    ) -> Sequence[Candidate]:
-        return node_aware.search(view, profiles, found.every(), max_victims, fits, fallback)
-
-    def gang_set(
-        self,
-        view: View,
-        profiles: Sequence[catalog.Profile],
-        found: Listing,
-        max_victims: int,
-        fits: Fits,
-        tr: Trials,
-    ) -> Sequence[Candidate]:
-        return gangs.search(view, profiles, found.every(), max_victims, fits)
 
 
 def choose(

@@ -23,9 +23,9 @@ from typing import Any
 from services.core import catalog, quota
 from services.core.errors import PolicyMismatch
 from services.core.policy import rules
-from services.core.policy.aware import Fits
 from services.core.policy.decision import Candidate, Exclusion
 from services.core.policy.engine import PLAIN, Engine, Found, Listing
+from services.core.policy.plain_sets import Fits
 from services.core.policy.trials import Trials
 from services.core.view import View
 

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from services.core import catalog, quota
-from services.core.policy import aware, gangs, rules
-from services.core.policy.aware import Fits
+from services.core.policy import gangs, rules
 from services.core.policy.decision import Candidate, Exclusion, counts
+from services.core.policy.plain_sets import Fits, PlainSets
 from services.core.policy.trials import Trials
 from services.core.view import View
 
@@ -172,9 +172,9 @@ class Listing:
         return self.cands
 
 
-class Plain(aware.PlainSearches):
+class Plain(PlainSets):
     """The spec's own engine: every replica, every rule, every set on a clone of the
-    whole cluster, on every call (node-aware's searches: `aware.PlainSearches`)."""
+    whole cluster, on every call (node-aware's: `plain_sets.PlainSets`)."""
 
     __slots__ = ()
     name = "plain"

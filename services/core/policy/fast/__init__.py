@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from services.core import catalog
-from services.core.policy.aware import Fits
 from services.core.policy.decision import Candidate
 from services.core.policy.fast import gang_levels, node_levels
 from services.core.policy.fast.found import IndexFound
 from services.core.policy.fast.index import Index
 from services.core.policy.fast.narrow import Narrow
 from services.core.policy.fast.slots import GangSlots, Slots
+from services.core.policy.plain_sets import Fits
 from services.core.view import View
 
 __all__ = ["Fast", "Index", "Narrow"]

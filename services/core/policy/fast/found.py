@@ -10,16 +10,14 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.core.policy import rules
 from services.core.policy.config import WHY
 from services.core.policy.decision import Candidate, Exclusion
 from services.core.policy.fast.entries import Group, Rep
+from services.core.policy.fast.walks import Kept
 from services.core.view import ReplicaRecord, View
-
-if TYPE_CHECKING:
-    from services.core.policy.fast.index import Index
 
 
 class Weighed:
@@ -88,7 +86,7 @@ class IndexFound:
         "excluded_count",
     )
 
-    def __init__(self, index: Index, view: View, a: rules.Asker) -> None:
+    def __init__(self, index: Kept, view: View, a: rules.Asker) -> None:
         self._index, self._view, self._a = index, view, a
         self._gangs = a.cfg.policy != "reference"
         models = index._models

@@ -43,7 +43,6 @@ longer reaches back to the last follow.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import TYPE_CHECKING
 
 from services.core import catalog, quota
 from services.core.policy import rules
@@ -60,11 +59,8 @@ from services.core.policy.fast.entries import (
     summed,
 )
 from services.core.policy.fast.found import IndexFound
-from services.core.policy.fast.walks import Walks
+from services.core.policy.fast.walks import GangNodes, Walks
 from services.core.view import ReplicaRecord, View, size_of
-
-if TYPE_CHECKING:
-    from services.core.policy.fast.walks import GangNodes
 
 
 class Index:

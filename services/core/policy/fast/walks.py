@@ -11,13 +11,26 @@ import statistics
 from bisect import insort
 from collections.abc import Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from services.core.policy.fast.entries import EPOCH, Rep, drop
-from services.core.view import View
+from services.core.policy.decision import Exclusion
+from services.core.policy.fast.entries import EPOCH, Group, ModelEntry, Rep, drop
+from services.core.view import ReplicaRecord, View
 
-if TYPE_CHECKING:
-    from services.core.policy.fast.index import Index
+
+class Kept(Protocol):
+    """What the index (`index.Kept`) keeps that its walks and its `Found` read: the
+    live replicas per node and their GPUs summed largest first, the groups, the models'
+    entries, the excluded by state and of unknown models, the walks themselves."""
+
+    _nodes: dict[str, dict[str, Rep]]
+    _tops: dict[str, tuple[int, ...]]
+    _groups: dict[tuple[str, str, bool, bool, bool], Group]
+    _models: dict[str, ModelEntry]
+    _by_state: list[tuple[str, Exclusion]]
+    _unknown: list[tuple[str, ReplicaRecord]]
+    _walks: Walks
+    _gang_nodes: GangNodes | None
 
 
 WalkEntry = tuple[float, bool, datetime, str]
@@ -46,7 +59,7 @@ class Walks:
         self.models: dict[str, set[str]] = {}
         self.seen: tuple[int, int] | None = None
 
-    def stream(self, index: Index, view: View, least: int, k: int) -> Iterator[WalkEntry]:
+    def stream(self, index: Kept, view: View, least: int, k: int) -> Iterator[WalkEntry]:
         journal, uses = view.journal, view.uses
         now = (journal.count, uses.count)
         if now != self.seen:
@@ -73,7 +86,7 @@ class Walks:
             self._build(index, view, k)
         return heapq.merge(*[got for g, got in self.by[k].items() if g >= least])
 
-    def _build(self, index: Index, view: View, k: int) -> None:
+    def _build(self, index: Kept, view: View, k: int) -> None:
         by: dict[int, list[WalkEntry]] = {}
         at: dict[str, tuple[int, WalkEntry]] = {}
         loads: dict[str, float] = {}
@@ -86,7 +99,7 @@ class Walks:
             entries.sort()
         self.by[k], self.at[k] = by, at
 
-    def _refresh(self, index: Index, view: View) -> None:
+    def _refresh(self, index: Kept, view: View) -> None:
         moved, self.moved = self.moved, set()
         loads: dict[str, float] = {}
         for k, at in self.at.items():
@@ -107,7 +120,7 @@ class Walks:
 
 
 def _walk_entry(
-    index: Index,
+    index: Kept,
     view: View,
     loads: dict[str, float],
     name: str,
@@ -142,7 +155,7 @@ def _walk_entry(
 
 class GangNodes:
     """Per node, the index's live multi-node replicas with a shard on it, whatever the
-    model asking: kept while what `Index.follow` brings the groups up to date from
+    model asking: kept while what `Kept.follow` brings the groups up to date from
     stays (the view, its quota tree, the catalog's version, the count of the view's
     journal) and the groups are those it was read from (built again from the start,
     `_reset`, they are a new dict). A later use alone (`View.uses`) moves no replica
@@ -150,13 +163,13 @@ class GangNodes:
 
     __slots__ = ("by_node", "count", "groups", "tree", "version", "view")
 
-    def __init__(self, index: Index, view: View, by_node: dict[str, list[Rep]]) -> None:
+    def __init__(self, index: Kept, view: View, by_node: dict[str, list[Rep]]) -> None:
         self.view, self.tree, self.groups = view, view.quota, index._groups
         self.version, self.count = view.catalog.version, view.journal.count
         self.by_node = by_node
 
     @staticmethod
-    def of(index: Index, view: View) -> dict[str, list[Rep]]:
+    def of(index: Kept, view: View) -> dict[str, list[Rep]]:
         got = index._gang_nodes
         if (
             got is not None
