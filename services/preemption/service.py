@@ -423,7 +423,8 @@ class PreemptionService:
 def _shown(s: ev.PolicyConfigured) -> str:
     return (
         f"hold {s.hold_s:g}s, grace {s.eviction_grace_s:g}s, min-lifetime "
-        f"{s.min_lifetime_s:g}s, max-victims {s.max_victims}, drain-grace {s.drain_grace_s:g}s"
+        f"{s.min_lifetime_s:g}s, max-victims {s.max_victims}, drain-grace {s.drain_grace_s:g}s, "
+        f"policy {s.policy}, engine {s.engine or '-'}"
     )
 
 
