@@ -35,9 +35,9 @@ class _Adder(Protocol):
 def service_parser(prog: str, description: str, config: type[Any]) -> argparse.ArgumentParser:
     """The parser of one service run alone (`python -m services.scheduler`, `python -m
     services.preemption`): where it connects, its subject root and lease holder name,
-    then the flags of its `config`, then the process's (`services.process.Config`)."""
+    then the flags of its `config`, then the process's (`services.plane.process.Config`)."""
     from schemas.subjects import DEFAULT_ROOT
-    from services import process
+    from services.plane import process
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--nats", help="broker URL(s), comma-separated (default: $LLMGW_NATS)")

@@ -1,10 +1,7 @@
 """The tree shows the architecture: the running plane's own modules are one package
 (`services/plane/`), and docs/design.md's picture of the tree by floor is the import
 graph's (`tests/test_layers.py` builds it from the source).
-
-The four old names the rooms being split now still import (`services/follower.py`,
-`leader.py`, `runner.py`, `process.py`) are re-exports marked to go when those rooms
-land; nothing else may import them, so they cannot grow back into use."""
+"""
 
 from __future__ import annotations
 
@@ -22,65 +19,35 @@ PLANE = {"follower", "leader", "lease", "liveness", "runner", "process", "heap"}
 # SHARED: the loose modules under services/ that are not the plane's: the ground every
 # floor stands on, the flags, cluster files and `llmgw up`, which composes it all.
 SHARED = {"clock", "clusterfile", "files", "flags", "hosts", "listen", "names", "pids", "up"}
-MARK = "# removed when the policy engine / gateway rooms land"
-# IN_FLIGHT: who may still import an old name, until the rooms land with their imports.
-IN_FLIGHT = ("services/preemption/", "services/gateway/", "services/flags.py")
-
-
-def _shims() -> dict[str, Path]:
-    """The loose modules that are the old names of plane modules: `services.X` to file."""
-    return {
-        f"services.{p.stem}": p
-        for p in (ROOT / "services").glob("*.py")
-        if p.stem in PLANE and MARK in p.read_text()
-    }
 
 
 def test_the_running_plane_is_one_package() -> None:
     plane = {p.stem for p in (ROOT / "services" / "plane").glob("*.py")} - {"__init__"}
     assert plane == PLANE
     loose = {p.stem for p in (ROOT / "services").glob("*.py")} - {"__init__"}
-    shims = {name.removeprefix("services.") for name in _shims()}
-    assert loose - shims == SHARED, "a new loose module: put it in its room, or list it"
-    for name, path in _shims().items():
-        text = path.read_text()
-        assert f"from services.plane.{path.stem} import" in text, name
-        assert text.count("\n") < 12, f"{name} is a re-export, nothing more"
+    assert loose == SHARED, "a new loose module: put it in its room, or list it"
 
 
-def test_the_old_names_are_imported_only_by_the_rooms_in_flight() -> None:
-    modules = layers.modules_under(ROOT)
-    shims = _shims()
+def test_no_module_imports_the_plane_by_its_old_loose_names() -> None:
     wrong = []
-    for name, path in modules.items():
-        rel = path.relative_to(ROOT).as_posix()
-        for imp in layers.imports_of(name, path, ROOT, modules):
-            if imp.target in shims and not rel.startswith(IN_FLIGHT):
-                wrong.append(str(imp))
-    for top in ("tests",):
+    for top in ("services", "tests"):
         for path in (ROOT / top).rglob("*.py"):
             text = path.read_text()
-            for name in shims:
-                stem = name.removeprefix("services.")
+            for stem in PLANE:
                 if re.search(
                     rf"from services\.{stem} import|from services import .*\b{stem}\b", text
                 ):
-                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+                    wrong.append(f"{path.relative_to(ROOT)} imports services.{stem}")
     assert not wrong, "import the plane's modules from services.plane:\n" + "\n".join(wrong)
 
 
 def _floors() -> dict[str, int]:
     """Each room's floor in the package graph: 0 for one that imports no room of ours,
-    else one above the highest it imports; an old name counts as the plane."""
+    else one above the highest it imports."""
     arrows = layers.build(ROOT)["packages"].arrows
-    shims = set(_shims())
-
-    def room(name: str) -> str:
-        return "services.plane" if name in shims else name
-
     deps: dict[str, set[str]] = {}
     for src, dsts in arrows.items():
-        deps.setdefault(room(src), set()).update(room(d) for d in dsts)
+        deps.setdefault(src, set()).update(dsts)
     floor: dict[str, int] = {}
 
     def of(name: str) -> int:

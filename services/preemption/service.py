@@ -34,7 +34,7 @@ On a tick the leader also publishes `hold.released` for every hold that ended
 the hold's.
 
 The lease, the follower, the own-writes watermark and the publishing are
-`services.leader.Leader`'s, shared with the scheduler.
+`services.plane.leader.Leader`'s, shared with the scheduler.
 
 It must not decide anything itself (that is the policy's), must not fold differently
 from `services.core.fold`, and must not publish while it does not hold the lease.
@@ -62,8 +62,8 @@ from services.bus.consume import Delivery, consume_durable, decode_checked
 from services.clock import utc_now
 from services.core import policy, reaction
 from services.core.view import DecisionRecord, View
-from services.follower import ViewFollower
-from services.leader import Leader, LeaseLapsed, Outgoing
+from services.plane.follower import ViewFollower
+from services.plane.leader import Leader, LeaseLapsed, Outgoing
 from services.preemption import fault as faults
 from services.preemption import settings
 from services.preemption.config import Config

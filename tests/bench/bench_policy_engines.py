@@ -1,7 +1,7 @@
 """The fast engine's calls alone, for an A/B of two trees; prints one JSON line, asserts
 nothing.
 
-Run as `python tests/bench/bench_engine_ab.py TREE [RUNS]` from TREE's root, in turn for
+Run as `python tests/bench/bench_policy_engines.py TREE [RUNS]` from TREE's root, in turn for
 the tree before a change and the tree after it, several rounds alternating: the
 `bench_policy` cluster at 10,000 nodes (40,000 replicas), and for each policy and case
 (preempted: a critical model; no_fit: a standard one) the engine's `plan` cold (after a
