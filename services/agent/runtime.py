@@ -55,6 +55,8 @@ class Runtime(Protocol):
     - `resume` is called, after `adopt`, for each replica the log says is ready: it
       reports ready (or failed, when the replica's server is gone) and watches it again.
     - `served` is replica -> when it last served a request, as the runtime has seen it.
+    - `loads` is replica -> what its engine last said of its load (a server's metrics),
+      for the agent's `replica.used`; empty where no engine says.
     - `endpoint` is where a ready replica's server answers, as other hosts reach it
       (`http://host:port`), or None when it has none to offer; the agent puts it in the
       replica's `ready` report.
@@ -82,6 +84,8 @@ class Runtime(Protocol):
     async def resume(self, replica: str, *, report: Report) -> None: ...
 
     def served(self) -> dict[str, datetime]: ...
+
+    def loads(self) -> dict[str, ev.EngineLoad]: ...
 
     def endpoint(self, replica: str) -> str | None: ...
 
@@ -220,4 +224,7 @@ class SimulatedRuntime:
         await self._serve(replica)
 
     def served(self) -> dict[str, datetime]:
+        return {}
+
+    def loads(self) -> dict[str, ev.EngineLoad]:
         return {}

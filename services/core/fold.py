@@ -536,6 +536,9 @@ def _replica_used(view: View, e: ev.ReplicaUsedEvent, subject: str | None) -> st
     if r.last_used_at is None or at > r.last_used_at:
         r.last_used_at = at
         view.note_use(r)
+    # The latest in the log wins: one agent reads one server's metrics, in order.
+    if e.data.engine is not None:
+        r.engine = e.data.engine
     return None
 
 

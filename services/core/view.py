@@ -35,7 +35,8 @@ from services.core import catalog, inventory, quota
 # failed holding its other shards' GPUs until they stop (`failed_on`).
 # 9: a report creates no replica (only a placement does), endpoints on their node's
 # `address`, claimed times (`last_used_at`, a demand's `since`) bounded by the event's.
-SCHEMA = 9
+# 10: a replica's engine load (`engine`), from the `replica.used` that carries one.
+SCHEMA = 10
 
 # RECENT_DECISIONS bounds the decisions the view keeps. The log holds every one; the
 # view keeps enough for `llmgw status` and for a scheduler to see what it last said.
@@ -118,6 +119,8 @@ class ReplicaRecord(msgspec.Struct, kw_only=True, gc=False):
     """Time of its first `ready`; None while it never was."""
     last_used_at: datetime | None = None
     """Latest replica.used; None when nobody has said, which is not the same as idle."""
+    engine: ev.EngineLoad | None = None
+    """What its engine last said of its load (the latest `replica.used` carrying it)."""
     retiring_at: datetime | None = None
     """Time of a replica.drain with reason scale_down."""
     preempted_for: str | None = None

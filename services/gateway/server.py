@@ -217,9 +217,14 @@ class _Head(msgspec.Struct, forbid_unknown_fields=False):
 _head = msgspec.json.Decoder(_Head)
 
 
+class _Details(msgspec.Struct, forbid_unknown_fields=False):
+    cached_tokens: int | None = None
+
+
 class _Tokens(msgspec.Struct, forbid_unknown_fields=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
 
 
 class _Answer(msgspec.Struct, forbid_unknown_fields=False):
@@ -238,6 +243,26 @@ def _usage(doc: bytes) -> tuple[int, int]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0, 0
     return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
+
+
+def _cached(doc: bytes) -> int | None:
+    """The prompt tokens an answer's `usage` says the engine served from its prefix
+    cache (`prompt_tokens_details.cached_tokens`: vLLM with
+    `--enable-prompt-tokens-details`); None when it does not say."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    d = None if u is None else u.prompt_tokens_details
+    return None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
+
+
+def _stream_cached(tail: bytes) -> int | None:
+    """`_cached` of a stream's last `data:` event with a usage."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line and b'"prompt_tokens"' in line:
+            return _cached(line[6:])
+    return None
 
 
 def _stream_usage(tail: bytes) -> tuple[int, int] | None:
@@ -260,6 +285,8 @@ class _Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    tokens_cached: int | None = None
+    """Of `tokens_in`, those the answers said were served from the prefix cache."""
     owners: dict[str, list[int]] = field(default_factory=dict)
     """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
     reported: float = -math.inf
@@ -1395,7 +1422,7 @@ class Gateway:
                 data = await self._whole(upstream, r.id)
                 self._first_byte(request)
                 if upstream.status < 400:
-                    self._used(r, *_usage(data), request)
+                    self._used(r, *_usage(data), request, cached=_cached(data))
                 return web.Response(body=data, status=upstream.status, headers=out_headers)
             if held is None:
                 resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -1444,9 +1471,19 @@ class Gateway:
                 counted = True
                 return resp
             if upstream.status < 400:
-                used = cut.tokens if cut is not None else _stream_usage(bytes(tail[-TAIL_BYTES:]))
+                if cut is not None:
+                    used = cut.tokens
+                    cached = None if cut.event is None else _stream_cached(cut.event)
+                else:
+                    used = _stream_usage(bytes(tail[-TAIL_BYTES:]))
+                    cached = _stream_cached(bytes(tail[-TAIL_BYTES:])) if used else None
                 # A stream that ended without its usage chunk is counted as one cut.
-                self._used(r, *(used or (tokens.prompt_estimate(len(body)), sent)), request)
+                self._used(
+                    r,
+                    *(used or (tokens.prompt_estimate(len(body)), sent)),
+                    request,
+                    cached=cached,
+                )
             counted = True
             await resp.write_eof()
             return resp
@@ -1472,10 +1509,16 @@ class Gateway:
     # ------------------------------------------------------------------ use
 
     def _used(
-        self, r: Any, tokens_in: int, tokens_out: int, request: web.Request | None = None
+        self,
+        r: Any,
+        tokens_in: int,
+        tokens_out: int,
+        request: web.Request | None = None,
+        cached: int | None = None,
     ) -> None:
         """Count one request `request` that `r` answered, for its next `replica.used`,
-        and what it took for its key's limit (settled as it ends)."""
+        and what it took for its key's limit (settled as it ends); `cached` of its
+        prompt tokens the engine said it served from its prefix cache."""
         key = None if request is None else request.get(_KEY)
         if request is not None:
             request[_TOOK] = tokens_in + tokens_out
@@ -1486,6 +1529,8 @@ class Gateway:
         u.at, u.requests = now, u.requests + 1
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
+        if cached is not None:
+            u.tokens_cached = (u.tokens_cached or 0) + cached
         if key is None:
             return
         o = u.owners.setdefault(key.owner, [0, 0, 0])
@@ -1524,6 +1569,7 @@ class Gateway:
                     requests=u.requests,
                     tokens_in=u.tokens_in,
                     tokens_out=u.tokens_out,
+                    tokens_cached=u.tokens_cached,
                     by_owner=by_owner,
                 ),
                 id=new_id(),
@@ -1531,6 +1577,7 @@ class Gateway:
                 source=SOURCE,
             )
             sent = (u.requests, u.tokens_in, u.tokens_out)
+            sent_cached = u.tokens_cached
             try:
                 await self.publisher.publish(e, node=u.node)
             except (BusError, nats.errors.Error) as err:
@@ -1546,6 +1593,8 @@ class Gateway:
             u.requests -= sent[0]
             u.tokens_in -= sent[1]
             u.tokens_out -= sent[2]
+            if sent_cached is not None and u.tokens_cached is not None:
+                u.tokens_cached = u.tokens_cached - sent_cached if u.requests else None
             for o, d in by_owner.items():
                 n = u.owners[o]
                 n[0] -= d.requests

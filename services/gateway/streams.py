@@ -100,6 +100,8 @@ class Strip:
         self._held = b""
         self.tokens: tuple[int, int] | None = None
         """What the usage chunk said; None until one went by."""
+        self.event: bytes | None = None
+        """The usage chunk itself (for what else its `usage` says)."""
 
     def feed(self, chunk: bytes) -> bytes:
         if self._held or not chunk.endswith(b"\n\n"):
@@ -127,6 +129,7 @@ class Strip:
             tokens = usage_of(event) if self.tokens is None else None
             if tokens is not None:
                 self.tokens = tokens
+                self.event = event.strip()
                 continue
             out.append(event)
         out.append(done[start:])

@@ -98,17 +98,26 @@ class Use:
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    tokens_cached: int | None = None
+    """Of `tokens_in`, those the engine said it served from its prefix cache (None: no
+    report said)."""
     by_owner: dict[str, list[int]] = field(default_factory=dict)
     """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
+    engine: tuple[int, ev.ReplicaUsedEvent] | None = None
+    """The latest report carrying what the replica's engine said of its load."""
 
     def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
         if self.last is None or fold.used_at(e) >= fold.used_at(self.last[1]):
             self.last = (seq, e)
+        if e.data.engine is not None:
+            self.engine = (seq, e)
         if e.data.requests is not None:
             self.reports += 1
             self.requests += e.data.requests
             self.tokens_in += e.data.tokens_in or 0
             self.tokens_out += e.data.tokens_out or 0
+        if e.data.tokens_cached is not None:
+            self.tokens_cached = (self.tokens_cached or 0) + e.data.tokens_cached
         for owner, u in e.data.by_owner.items():
             n = self.by_owner.setdefault(owner, [0, 0, 0])
             n[0] += u.requests
@@ -304,9 +313,10 @@ class Explainer:
             )
         st.line(line)
         if use.reports:
+            cached = "" if use.tokens_cached is None else f" ({use.tokens_cached} cached)"
             st.line(
-                f"  used in all: {plural(use.requests, 'request')}, tokens in {use.tokens_in} "
-                f"/ out {use.tokens_out} ({plural(use.reports, 'report')} with counts)"
+                f"  used in all: {plural(use.requests, 'request')}, tokens in {use.tokens_in}"
+                f"{cached} / out {use.tokens_out} ({plural(use.reports, 'report')} with counts)"
             )
         if use.by_owner:
             top = sorted(use.by_owner.items(), key=lambda kv: (-kv[1][0], kv[0]))
@@ -328,12 +338,39 @@ class Explainer:
             "reports": use.reports,
             "requests": use.requests,
             "tokens_in": use.tokens_in,
+            "tokens_cached": use.tokens_cached,
             "tokens_out": use.tokens_out,
             "by_owner": {
                 o: {"requests": n[0], "tokens_in": n[1], "tokens_out": n[2]}
                 for o, n in sorted(use.by_owner.items())
             },
         }
+        if use.engine is not None:
+            self._engine(st, *use.engine)
+
+    def _engine(self, st: Story, seq: int, e: ev.ReplicaUsedEvent) -> None:
+        """What the replica's engine said of its load in the latest report carrying it."""
+        load = e.data.engine
+        assert load is not None
+        said = []
+        if load.running is not None or load.waiting is not None:
+            said.append(f"{load.running or 0} running, {load.waiting or 0} waiting")
+        if load.kv_cache_usage is not None:
+            said.append(f"KV cache {load.kv_cache_usage:.0%} used")
+        q, h = load.prefix_cache_queries, load.prefix_cache_hits
+        if q is not None and h is not None:
+            rate = f" ({h / q:.0%})" if q else ""
+            said.append(f"prefix cache hits {h} of {q} prompt tokens looked up{rate}")
+        if load.prompt_tokens is not None or load.generation_tokens is not None:
+            said.append(
+                f"tokens {load.prompt_tokens or 0} prompt / {load.generation_tokens or 0} "
+                "generated since it started"
+            )
+        st.line(
+            f"  its engine said, read {stamp(load.at)} ({ago(load.at, st.now)}; seq {seq} "
+            f"replica.used from {e.source}): {'; '.join(said) or 'nothing of its load'}"
+        )
+        st.facts["engine"] = {"seq": seq, **render.engine_json(load)}
 
     def _event(self, ident: str | None) -> tuple[int, ev.Envelope] | None:
         return None if ident is None else self.by_id.get(ident)

@@ -13,6 +13,9 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+import msgspec
+
+from schemas import events as ev
 from services.core.view import DecisionRecord, DemandRecord, ReplicaRecord, View, digest
 
 # CELL_MAX bounds a grid cell: past it a replica id is cut with `~` so a node of eight
@@ -381,7 +384,18 @@ def replica_json(r: ReplicaRecord, now: datetime | None) -> dict[str, Any]:
         "preempted_for": r.preempted_for,
         "reason": r.reason,
         "endpoint": r.endpoint,
+        "engine": None if r.engine is None else engine_json(r.engine),
     }
+
+
+def engine_json(load: ev.EngineLoad) -> dict[str, Any]:
+    """An engine's load as its metrics said it (None where it says nothing), with the
+    prefix cache's hit rate worked out."""
+    doc: dict[str, Any] = {k: v for k, v in msgspec.structs.asdict(load).items() if k != "at"}
+    doc["at"] = stamp(load.at)
+    q, h = load.prefix_cache_queries, load.prefix_cache_hits
+    doc["prefix_cache_hit_rate"] = round(h / q, 4) if q and h is not None else None
+    return doc
 
 
 def view_json(view: View, now: datetime | None = None) -> dict[str, Any]:

@@ -1,10 +1,17 @@
 """A fake model server for the agent's tests: the OpenAI-compatible endpoints a real
-engine serves (`/health`, `/v1/models`, `/v1/chat/completions`) and vLLM-style
-`/metrics`, with switches for the ways a real one misbehaves. Standard library only.
+engine serves (`/health`, `/v1/models`, `/v1/chat/completions`, `/v1/completions`) and
+vLLM's `/metrics` names, with switches for the ways a real one misbehaves. Standard
+library only.
 
     python tests/agent/fakeserver.py --port 20001 [--load-s 2] [--never-ready]
         [--crash-after S] [--drain-s S] [--ignore-term] [--exit-on-term] [--spawn-setsid]
-        [--request-s S] [--cuda-alloc-mb MB]
+        [--request-s S] [--cuda-alloc-mb MB] [--fail-completions MESSAGE]
+        [--die-on-request] [--waiting N] [--metrics-s S]
+
+`--fail-completions` answers every completion 500 with the error a vLLM whose engine
+died gives, after logging MESSAGE as the engine's error; `--die-on-request` exits on the
+first completion without answering it (as vLLM's CPU build with a head size under 32
+does); `--metrics-s` makes `/metrics` take that long to answer (a scrape under load).
 
 `--cuda-alloc-mb` holds that much GPU memory (cuMemAlloc through ctypes on the CUDA
 driver) for the GPU checks of tests/gpu/run.sh.
@@ -31,6 +38,12 @@ class State:
         self.running = 0
         self.served = 0
         self.draining = False
+        self.waiting = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.fail: str | None = None
+        self.die = False
+        self.metrics_s = 0.0
 
 
 def cuda_alloc(mb: int) -> None:
@@ -66,12 +79,22 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/v1/models":
                 self._send(200, json.dumps({"data": [{"id": "fake", "object": "model"}]}).encode())
             elif self.path == "/metrics":
+                time.sleep(state.metrics_s)
                 with state.lock:
                     text = (
                         "# TYPE vllm:request_success_total counter\n"
                         f'vllm:request_success_total{{finished_reason="stop"}} {state.served}.0\n'
                         "# TYPE vllm:num_requests_running gauge\n"
                         f'vllm:num_requests_running{{model_name="fake"}} {state.running}.0\n'
+                        f'vllm:num_requests_waiting{{model_name="fake"}} {state.waiting}.0\n'
+                        f'vllm:kv_cache_usage_perc{{model_name="fake"}} {0.25 * state.running}\n'
+                        f'vllm:prefix_cache_queries_total{{model_name="fake"}} '
+                        f"{state.prompt_tokens}.0\n"
+                        f'vllm:prefix_cache_hits_total{{model_name="fake"}} '
+                        f"{state.prompt_tokens // 2}.0\n"
+                        f'vllm:prompt_tokens_total{{model_name="fake"}} {state.prompt_tokens}.0\n'
+                        f'vllm:generation_tokens_total{{model_name="fake"}} '
+                        f"{state.generation_tokens}.0\n"
                     )
                 self._send(200, text.encode(), "text/plain")
             else:
@@ -80,11 +103,26 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(n)
-            if self.path != "/v1/chat/completions":
+            if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 self._send(404, b"{}")
                 return
             if state.draining or time.monotonic() < state.ready_at:
                 self._send(503, b'{"error": "not taking requests"}')
+                return
+            if state.die:
+                print("RuntimeError: the engine died on its first request", flush=True)
+                os._exit(1)
+            if state.fail is not None:
+                print(
+                    f"(EngineCore pid=1) ERROR [core.py:1] RuntimeError: {state.fail}", flush=True
+                )
+                error = {
+                    "message": "EngineCore encountered an issue. See stack trace (above) "
+                    "for the root cause.",
+                    "type": "InternalServerError",
+                    "code": 500,
+                }
+                self._send(500, json.dumps({"error": error}).encode())
                 return
             with state.lock:
                 state.running += 1
@@ -92,9 +130,12 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             with state.lock:
                 state.running -= 1
                 state.served += 1
+                state.prompt_tokens += 7
+                state.generation_tokens += 1
             body = {
                 "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
             }
             self._send(200, json.dumps(body).encode())
 
@@ -116,6 +157,10 @@ def main() -> None:
     p.add_argument("--spawn-setsid", action="store_true")
     p.add_argument("--request-s", type=float, default=0.0)
     p.add_argument("--cuda-alloc-mb", type=int, default=0)
+    p.add_argument("--fail-completions", default=None)
+    p.add_argument("--die-on-request", action="store_true")
+    p.add_argument("--waiting", type=int, default=0)
+    p.add_argument("--metrics-s", type=float, default=0.0)
     a = p.parse_args()
     print(f"fake server pid {os.getpid()} on {a.host}:{a.port}", flush=True)
     if a.cuda_alloc_mb:
@@ -128,6 +173,8 @@ def main() -> None:
         print(f"setsid grandchild pid {child.pid}", flush=True)
     ready_at = float("inf") if a.never_ready else time.monotonic() + a.load_s
     state = State(ready_at, a.request_s)
+    state.fail, state.die = a.fail_completions, a.die_on_request
+    state.waiting, state.metrics_s = a.waiting, a.metrics_s
     server = ThreadingHTTPServer((a.host, a.port), make_handler(state))
     server.daemon_threads = True
 

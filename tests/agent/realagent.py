@@ -24,6 +24,7 @@ from tests.agent.helpers import new_id, states, wait_for
 REPO = Path(__file__).resolve().parents[2]
 FAKE = str(REPO / "tests" / "agent" / "fakeserver.py")
 FAKE_NVML_DIR = str(REPO / "tests" / "agent" / "fakenvml")
+FAKE_VLLM_DIR = str(REPO / "tests" / "agent" / "fakevllm")
 
 
 def fake_runtime(*switches: str, ready_timeout: float = 30.0) -> ev.ModelRuntime:
@@ -33,6 +34,22 @@ def fake_runtime(*switches: str, ready_timeout: float = 30.0) -> ev.ModelRuntime
         command=(sys.executable, FAKE, "--host", "{host}", "--port", "{port}", *switches),
         ready_timeout=ready_timeout,
         metrics="/metrics",
+    )
+
+
+def fake_vllm_runtime(
+    *switches: str, weights: str | None = "/models/tiny", ready_timeout: float = 30.0
+) -> ev.ModelRuntime:
+    """The fake server as vLLM run by its module from an engine environment (`python`):
+    this interpreter, with the stand-in `vllm` package (tests/agent/fakevllm) on its
+    path; `switches` are the fake server's."""
+    return ev.ModelRuntime(
+        engine="vllm",
+        python=sys.executable,
+        weights=weights,
+        env={"PYTHONPATH": FAKE_VLLM_DIR},
+        args=switches,
+        ready_timeout=ready_timeout,
     )
 
 

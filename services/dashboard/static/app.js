@@ -234,6 +234,18 @@ function holders(v) {
   return out;
 }
 
+// engineSays: what a replica's engine said of its load in its metrics (replica.used's
+// `engine`), for its cell's title; "" when none said.
+function engineSays(e) {
+  if (!e) return "";
+  const said = [];
+  if (e.running !== null || e.waiting !== null) said.push(`${e.running ?? 0} running, ${e.waiting ?? 0} waiting`);
+  if (e.kv_cache_usage !== null) said.push(`KV cache ${Math.round(e.kv_cache_usage * 100)}%`);
+  if (e.prefix_cache_hit_rate !== null) said.push(`prefix cache hits ${Math.round(e.prefix_cache_hit_rate * 100)}%`);
+  if (e.prompt_tokens !== null) said.push(`tokens ${e.prompt_tokens} in / ${e.generation_tokens ?? 0} out`);
+  return said.length ? `; engine: ${said.join(", ")}` : "";
+}
+
 function drawGrid(v) {
   const held = holders(v);
   const models = new Set();
@@ -248,7 +260,7 @@ function drawGrid(v) {
       if (!r) return `<span class="cell${g.healthy ? "" : " unhealthy"}" data-node="${esc(name)}" data-gpu="${g.index}" title="${esc(name)} GPU ${g.index} ${esc(g.model)}: free"></span>`;
       used++;
       models.add(r.model);
-      const tip = `${name} GPU ${g.index}: ${r.id} (${r.model}, ${r.state}${r.preempted_for ? ", preempted for " + r.preempted_for : ""})`;
+      const tip = `${name} GPU ${g.index}: ${r.id} (${r.model}, ${r.state}${r.preempted_for ? ", preempted for " + r.preempted_for : ""})${engineSays(r.engine)}`;
       return `<span class="cell ${esc(r.state)}" style="background-color:${colour(r.model)}" data-node="${esc(name)}" data-gpu="${g.index}" data-replica="${esc(r.id)}" data-model="${esc(r.model)}" data-state="${esc(r.state)}" title="${esc(tip)}">${esc(r.id.slice(0, 11))}</span>`;
     });
     const lost = n.lost ? `<span class="lost-tag" title="${esc(n.lost_reason ?? "")}">LOST${n.lost_reason ? ": " + esc(n.lost_reason) : ""}</span>` : "";
