@@ -45,22 +45,10 @@ def cluster(python: str, weights: Path) -> str:
     `batch` (opportunistic, what a critical model may take the room of) and `urgent`
     (critical)."""
     runtime = {
-        "engine": "command",
-        "command": [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(weights),
-            "--served-model-name",
-            "{model}",
-            "--host",
-            "{host}",
-            "--port",
-            "{port}",
-            *ENGINE_ARGS,
-        ],
-        "metrics": "/metrics",
+        "engine": "vllm",
+        "python": python,
+        "weights": str(weights),
+        "args": list(ENGINE_ARGS),
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
         "ready_timeout": 300,
     }
@@ -118,6 +106,7 @@ class _Follower:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            self.loop.close()
 
 
 class EnginePlane:
@@ -229,7 +218,10 @@ class EnginePlane:
         what /proc shows of its environment; it stays in the server's group)."""
         if leader is None:
             leader = ra.servers(self.base, NODE).get(replica, {}).get("pid")
-        return procs.members(f"llmgw/{NODE}/{replica}/", leader)
+        tag = f"llmgw/{NODE}/{replica}/"
+        if leader is not None and not procs.alive(leader):
+            return procs.members(tag, None, group=leader)
+        return procs.members(tag, leader)
 
     def close(self) -> None:
         """Every model scaled to 0 and its servers stopped by the agent (which kills a

@@ -196,7 +196,7 @@ def test_killed_mid_stream_is_failed_with_the_engines_reason_and_replaced(
 ) -> None:
     r = plane.ready("chat")
     srv = plane.server(r.id)
-    s = _Stream(plane.client, "chat", max_tokens=4000)
+    s = _Stream(plane.client, "chat", max_tokens=2000)
     assert s.started.wait(60) and s.first is not None, s.error
     os.kill(srv["pid"], signal.SIGKILL)
     s.join(60)
