@@ -249,7 +249,7 @@ def test_drained_with_four_streams_in_flight_and_no_client_error(plane: EnginePl
     assert not _port_open(srv["port"])
 
 
-def test_woken_from_zero_within_the_predicted_bound(plane: EnginePlane) -> None:
+def test_woken_from_zero_within_the_bound_predicted_from_real_starts(plane: EnginePlane) -> None:
     def outlook(v: View) -> coldstart.Outlook:
         m = v.catalog.resolve("chat")
         assert m is not None
@@ -277,8 +277,9 @@ def test_woken_from_zero_within_the_predicted_bound(plane: EnginePlane) -> None:
 
 
 def test_a_critical_model_takes_the_room_of_an_opportunistic_one(plane: EnginePlane) -> None:
-    out = plane.llmgw("scale", "batch", "1")
-    assert out.returncode == 0, out.stderr
+    for m in ("chat", "batch"):
+        out = plane.llmgw("scale", m, "1")
+        assert out.returncode == 0, out.stderr
     victim = plane.ready("batch")
     plane.ready("chat")
     s = _Stream(plane.client, "urgent", max_tokens=8)
@@ -306,11 +307,22 @@ def test_a_critical_model_takes_the_room_of_an_opportunistic_one(plane: EnginePl
         raise AssertionError(f"no {kind} in the log")
 
     failed = first("placement.failed", lambda d: d.get("model") == "urgent")
-    decided = first(
-        "preemption.decided",
-        lambda d: d.get("model") == "urgent" and d.get("outcome") == "preempted",
+    decision = next(
+        e
+        for e in ev
+        if e["type"] == "preemption.decided"
+        and e["data"]["for_model"] == "urgent"
+        and e["data"]["outcome"] == "preempted"
     )
-    drain = first("replica.drain", lambda d: d.get("replica") == victim.id)
+    # The decision answers that failure, and names the opportunistic replica.
+    assert decision["data"]["trigger"] == next(
+        e["id"] for e in ev if e["type"] == "placement.failed" and e["data"]["model"] == "urgent"
+    )
+    assert [v["replica"] for v in decision["data"]["victims"]] == [victim.id]
+    decided = parse_time(decision["time"])
+    drain = first(
+        "replica.drain", lambda d: d.get("replica") == victim.id and d.get("for_model") == "urgent"
+    )
     stopped = first(
         "replica.state", lambda d: d.get("replica") == victim.id and d.get("state") == "stopped"
     )
