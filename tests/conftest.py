@@ -19,6 +19,21 @@ from nats.js.client import JetStreamContext
 
 from services.bus import EmbeddedBroker, connect, ensure_streams
 
+# ----------------------------------------------------------------------------- options
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/engine/conftest.py: pytest reads options only from the
+    # conftest files it loads at its start.
+    parser.addoption(
+        "--engine-python",
+        default=str(Path(__file__).resolve().parents[1] / ".venv-engine" / "bin" / "python"),
+        help="the interpreter of the engine environment (vLLM's CPU build) that the "
+        "engine tier (tests/engine, marked `engine`) runs vLLM with "
+        "(default: .venv-engine/bin/python in the repository)",
+    )
+
+
 # ----------------------------------------------------------------------------- broker
 
 

@@ -338,13 +338,14 @@ class Explainer:
             "reports": use.reports,
             "requests": use.requests,
             "tokens_in": use.tokens_in,
-            "tokens_cached": use.tokens_cached,
             "tokens_out": use.tokens_out,
             "by_owner": {
                 o: {"requests": n[0], "tokens_in": n[1], "tokens_out": n[2]}
                 for o, n in sorted(use.by_owner.items())
             },
         }
+        if use.tokens_cached is not None:
+            st.facts["used"]["tokens_cached"] = use.tokens_cached
         if use.engine is not None:
             self._engine(st, *use.engine)
 

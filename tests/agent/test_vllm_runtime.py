@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -20,11 +22,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from nats.js.client import JetStreamContext
 
 from schemas import events as ev
 from services.agent import process, spec
 from services.agent.process import ProcessRuntime
+from services.bus import EmbeddedBroker
 from tests.agent import realagent as ra
+from tests.agent.helpers import drain_cmd, node_events, placement_of, start_cmd, wait_for
 from tests.agent.test_process_runtime import _ports
 from tests.agent.test_process_units import Reports
 
@@ -292,3 +297,102 @@ async def test_a_slow_metrics_read_is_waited_for_beside_the_watch(
         assert time.monotonic() - t0 < 2.5, "the death waited for the metrics read"
         await asyncio.sleep(0.02)
     assert (got.got[-1][1] or "").startswith("server exited with signal 9")
+
+
+# ---------------------------------------------------------------------- through the log
+
+
+@pytest.fixture
+def run_agent(nats_server: EmbeddedBroker) -> Iterator[list[ra.RealAgent]]:
+    """Real agents started by the test; stopped at the end, and no server of theirs left."""
+    started: list[ra.RealAgent] = []
+    yield started
+    for a in started:
+        a.stop()
+    left = {a.node: ra.sweep(a.node) for a in started}
+    assert not any(left.values()), f"processes left behind: {left}"
+
+
+def _complete(port: int) -> int:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=b'{"model": "tiny", "prompt": "hello", "max_tokens": 1}',
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return int(r.status)
+
+
+def _llmgw(url: str, *argv: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "--nats", url, *argv],
+        cwd=ra.REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+async def test_the_engines_load_reaches_the_log_the_view_and_explain(
+    nats_server: EmbeddedBroker, js: JetStreamContext, tmp_path: Path, run_agent: list
+) -> None:
+    node = f"vllm-load-{time.monotonic_ns() % 10**6}"
+    await ra.publish(js, ra.declared("tiny", ra.fake_vllm_runtime("--waiting", "2")))
+    agent = ra.RealAgent(
+        nats_server.url,
+        node,
+        tmp_path,
+        "--ports",
+        _ports(4),
+        "--used-interval",
+        "0.2",
+        "--scrape",
+        "0.1",
+        gpus="1xCPU-8GB",
+    )
+    run_agent.append(agent)
+
+    async def inventory() -> list[ev.Event]:
+        return [e for e in await node_events(js, node) if isinstance(e, ev.NodeInventoryEvent)]
+
+    await wait_for(inventory, bool, 15)
+    start = start_cmd("r-1", node, (0,), model="tiny")
+    await ra.publish(js, placement_of(start))
+    await ra.publish(js, start)
+    es = await ra.until_state(js, node, "r-1", "ready")
+    assert es[-1].data.state == "ready", agent.text()
+    port = ra.servers(tmp_path, node)["r-1"]["port"]
+    for _ in range(2):
+        assert await asyncio.to_thread(_complete, port) == 200
+
+    async def loads() -> list[ev.EngineLoad]:
+        return [
+            e.data.engine
+            for e in await node_events(js, node)
+            if isinstance(e, ev.ReplicaUsedEvent) and e.data.engine is not None
+        ]
+
+    # The probe's completion and the two: 3 x 7 prompt tokens, 3 generated.
+    got = await wait_for(loads, lambda ls: bool(ls) and ls[-1].prompt_tokens == 21, 15)
+    load = got[-1]
+    assert (load.running, load.waiting, load.generation_tokens) == (0, 2, 3)
+    assert (load.prefix_cache_queries, load.prefix_cache_hits) == (21, 10)
+
+    doc = json.loads(
+        await asyncio.to_thread(_llmgw, nats_server.url, "explain", "replica", "r-1", "--json")
+    )
+    said = doc["engine"]
+    assert (said["prompt_tokens"], said["waiting"], said["prefix_cache_hit_rate"]) == (
+        21,
+        2,
+        round(10 / 21, 4),
+    )
+    text = await asyncio.to_thread(_llmgw, nats_server.url, "explain", "replica", "r-1")
+    assert "its engine said, read " in text
+    assert (
+        "0 running, 2 waiting; KV cache 0% used; prefix cache hits 10 of 21 prompt tokens" in text
+    )
+    await ra.publish(js, drain_cmd("r-1", model="tiny", grace_s=5.0), node=node)
+    assert (await ra.until_state(js, node, "r-1", "stopped"))[-1].data.state == "stopped"

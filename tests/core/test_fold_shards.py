@@ -234,6 +234,7 @@ def _as_before(seed: int) -> str:
         r.pop("ready_on")
         r.pop("failed_on")
         r.pop("failed_by")
+        assert r.pop("engine") is None
     for n in s["nodes"].values():
         assert n["report"].pop("address") == ""
     for m in s["models"].values():

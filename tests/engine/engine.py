@@ -1,0 +1,60 @@
+"""The engine tier's parts: the tiny model made on the spot and a model runtime that runs
+vLLM's CPU build from the engine environment, as an operator's model declaration would.
+
+Used by tests/engine/ (the fixtures are in its conftest.py). Nothing here starts a server:
+the agent does, from the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from schemas import events as ev
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE = REPO / "deploy" / "examples" / "tiny-model" / "make.py"
+
+# ENV is what vLLM's CPU build runs with here: 1 GiB of KV cache (its default is 4 GiB, a
+# machine's worth on a small CI host), nothing asked of a hub, no usage statistics sent.
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+# ARGS: no graph compilation (ready in about 40 s on 2 cores instead of 85), and the
+# cached prompt tokens in each answer's usage.
+ARGS = ("--enforce-eager", "--enable-prompt-tokens-details")
+# READY_S bounds a start: 22-83 s measured on 2 shared cores, with room for a busy host.
+READY_S = 300.0
+
+
+def runtime(
+    python: Path, weights: Path, *args: str, ready_timeout: float = READY_S
+) -> ev.ModelRuntime:
+    """The model runtime that serves `weights` with vLLM from the interpreter `python`."""
+    return ev.ModelRuntime(
+        engine="vllm",
+        python=str(python),
+        weights=str(weights),
+        env=dict(ENV),
+        args=(*ARGS, *args),
+        ready_timeout=ready_timeout,
+    )
+
+
+def make_model(python: Path, out: Path, *flags: str) -> Path:
+    """`make.py OUT FLAGS` run by the engine's interpreter: the tiny model in `out`."""
+    done = subprocess.run(
+        [str(python), str(MAKE), str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"make.py {' '.join(flags)} failed: {done.stderr[-2000:]}")
+    return out
