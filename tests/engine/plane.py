@@ -28,29 +28,25 @@ from services.core.view import View
 from services.follower import ViewFollower
 from tests.agent import realagent as ra
 from tests.agent.test_process_runtime import _ports
+from tests.engine import engine
 from tests.up_process import UpProcess
 
 T = TypeVar("T")
 
 NODE = "cpu-1"
 
-# ENGINE_ARGS are what each replica's vLLM is started with beyond what the agent gives:
-# no graph compilation (a start of 30 s rather than 90 on CPU), and a context the tiny
-# model's KV space holds.
-ENGINE_ARGS = ("--enforce-eager", "--max-model-len", "2048")
 
-
-def cluster(python: str, weights: Path) -> str:
+def cluster(python: Path, weights: Path) -> str:
     """Three on-demand models of the tiny model, one 'GPU' each: `chat` (standard),
     `batch` (opportunistic, what a critical model may take the room of) and `urgent`
     (critical)."""
     runtime = {
         "engine": "vllm",
-        "python": python,
+        "python": str(python),
         "weights": str(weights),
-        "args": list(ENGINE_ARGS),
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        "ready_timeout": 300,
+        "args": list(engine.ARGS),
+        "env": dict(engine.ENV),
+        "ready_timeout": engine.READY_S,
     }
     models = [
         {
@@ -110,7 +106,7 @@ class _Follower:
 
 
 class EnginePlane:
-    def __init__(self, base: Path, python: str, weights: Path) -> None:
+    def __init__(self, base: Path, python: Path, weights: Path) -> None:
         self.base = base
         self.data = base / "data"
         self.up = UpProcess(

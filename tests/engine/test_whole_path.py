@@ -42,18 +42,8 @@ ANY_TOKENS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine_python() -> str:  # TEMP until the conftest lands
-    return str(Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python")
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:  # TEMP
-    return Path("/tmp/vt/tiny2")
-
-
-@pytest.fixture(scope="module")
 def plane(
-    engine_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    engine_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EnginePlane]:
     p = EnginePlane(tmp_path_factory.mktemp("engine-plane"), engine_python, tiny_model)
     try:
