@@ -271,7 +271,21 @@ def test_a_critical_model_takes_the_room_of_an_opportunistic_one(plane: EnginePl
         out = plane.llmgw("scale", m, "1")
         assert out.returncode == 0, out.stderr
     victim = plane.ready("batch")
-    plane.ready("chat")
+    keep = plane.ready("chat")
+    # Both are a lower class than `urgent`, above their minimum: the reference takes the
+    # longest unused first. `batch` is used first and `chat` after it, so `batch` goes.
+    plane.client.completions.create(model="batch", prompt=PROMPT, max_tokens=2)
+    used = plane.until(
+        "batch used",
+        lambda v: v.replicas[victim.id].last_used_at,
+        within_s=30,
+    )
+    plane.client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
+    plane.until(
+        "chat used after batch",
+        lambda v: (v.replicas[keep.id].last_used_at or used) > used,
+        within_s=30,
+    )
     s = _Stream(plane.client, "urgent", max_tokens=8)
     s.join(400)
     assert s.error is None and s.first is not None, s.error
