@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 from schemas import events as ev  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
+from tests.engine import engine  # noqa: E402
 
 MODEL = "tiny"
 NODE = "bench-engine"
@@ -65,13 +66,6 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def make_model(python: str, out: Path) -> Path:
-    """The tiny model, written by the repository's script in the engine's environment."""
-    script = ROOT / "deploy" / "examples" / "tiny-model" / "make.py"
-    subprocess.run([python, str(script), str(out)], check=True, cwd=ROOT)
-    return out
-
-
 class Engine:
     """`PYTHON -m vllm.entrypoints.openai.api_server` on the tiny model, in a process group
     of its own (stopped by the group: the engine core outlives its API server)."""
@@ -80,13 +74,13 @@ class Engine:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        # As the agent starts it for the engine tier (tests/engine/engine.py).
         argv = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", MODEL,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--max-model-len", "2048",
+            "--host", "127.0.0.1", "--port", str(self.port), *engine.ARGS,
         ]  # fmt: skip
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, **engine.ENV}
         self.began = time.monotonic()
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -162,8 +156,8 @@ async def _tell_gateway(url: str, endpoint: str) -> None:
 
 
 @contextlib.contextmanager
-def _gateway(engine: Engine, tmp: Path) -> Iterator[str]:
-    """A broker and a gateway process told of `engine`; the gateway's base URL."""
+def _gateway(server: Engine, tmp: Path) -> Iterator[str]:
+    """A broker and a gateway process told of `server`; the gateway's base URL."""
     broker = EmbeddedBroker(tmp / "broker")
     broker.start()
     port = _free_port()
@@ -174,7 +168,7 @@ def _gateway(engine: Engine, tmp: Path) -> Iterator[str]:
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        asyncio.run(_tell_gateway(broker.url, engine.url))
+        asyncio.run(_tell_gateway(broker.url, server.url))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -262,20 +256,20 @@ def main() -> None:
     a = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    model = a.model or make_model(a.python, tmp / "tiny")
+    model = a.model or engine.make_model(Path(a.python), tmp / "tiny")
     print(f"engine: {a.python} -m vllm.entrypoints.openai.api_server, model {model}")
 
     readies: list[float] = []
-    engine: Engine | None = None
+    server: Engine | None = None
     try:
         for i in range(a.starts):
-            engine = Engine(a.python, model, tmp / f"engine-{i}.log")
-            readies.append(engine.ready_s())
+            server = Engine(a.python, model, tmp / f"engine-{i}.log")
+            readies.append(server.ready_s())
             print(f"start {i + 1}: ready in {readies[-1]:.1f} s")
             if i < a.starts - 1:
-                engine.stop()
-                engine = None
-        assert engine is not None
+                server.stop()
+                server = None
+        assert server is not None
         print(
             f"time to ready: p50 {statistics.median(readies):.1f} s "
             f"(min {min(readies):.1f}, max {max(readies):.1f}; {a.starts} starts)"
@@ -283,8 +277,13 @@ def main() -> None:
 
         words = " ".join(["the quick brown fox jumps over the lazy dog"] * 40).split()
         words = words[: a.prompt_words]
-        with _gateway(engine, tmp) as gw_url:
-            direct = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=60)
+        body = json.dumps({"model": MODEL, "prompt": "0 " + " ".join(words), "max_tokens": 1})
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{server.url}/v1/completions", body.encode(), JSON_TYPE)
+        ) as r:
+            prompt_tokens = json.loads(r.read())["usage"]["prompt_tokens"]
+        with _gateway(server, tmp) as gw_url:
+            direct = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
             gw_port = int(gw_url.rsplit(":", 1)[1])
             through = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=60)
             e2e: dict[str, list[float]] = {"direct": [], "gateway": []}
@@ -299,9 +298,10 @@ def main() -> None:
                     n += 1
                     prompt = f"{n} " + " ".join(words)
                     first[way].append(_stream(conn, prompt, a.max_tokens))
-            mean_ttft, counted = _engine_ttft(engine.url)
+            mean_ttft, counted = _engine_ttft(server.url)
         print(
-            f"{a.requests} requests each way, interleaved, {a.prompt_words}-word prompts, "
+            f"{a.requests} requests each way, interleaved, {a.prompt_words}-word prompts "
+            f"({prompt_tokens} tokens), "
             f"{a.max_tokens} tokens out:"
         )
         for what, got in (("end to end", e2e), ("first token (stream)", first)):
@@ -315,8 +315,8 @@ def main() -> None:
             f"vLLM's own mean {mean_ttft * 1e3:.1f} ms over {counted} requests"
         )
     finally:
-        if engine is not None:
-            engine.stop()
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":
