@@ -20,13 +20,27 @@ Admission: a pick may be given a `limit` of requests in flight per replica
 (`admit_limit`: the model's `target_inflight` times `INFLIGHT_FACTOR`); a replica at its
 limit is not picked, and with every routable replica at it the pick is None, for the
 gateway to hold the request in its waiting room until one frees.
+
+The seam (docs/gateway.md, "Routing"): the gateway parses a request once into a `Route`
+(its model, session, owner, path, and the body, from which the prompt's leading
+material is read only when a rule asks for it) and hands it to a `Picker`. `PICKERS`
+names each rule a gateway may be told to use (`--routing`); `LeastInflight`, the rule
+above, is the plain one. A scorer is one new module with a `Picker` (most subclass
+`LeastInflight` and override `choose`, and `forget` for what they keep of a replica)
+and one entry in `PICKERS`. A picker forgets a replica when the fold says it left
+routing for good (`leaving`): its drain, its stop or failure, its node lost or removed,
+its model removed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import msgspec
 
 from schemas import events as ev
 from services.core import catalog
@@ -83,10 +97,166 @@ def candidates(view: View, m: catalog.Model, *, new_session: bool = True) -> lis
     return out
 
 
+class _Material(msgspec.Struct, forbid_unknown_fields=False):
+    """What a scorer may read of a request's body: the chat's messages, a completion's
+    prompt, and vLLM's `cache_salt` (a prefix cached under one salt is not another's)."""
+
+    messages: Any = None
+    prompt: Any = None
+    cache_salt: Any = None
+
+
+_material = msgspec.json.Decoder(_Material)
+_sorted = msgspec.json.Encoder(order="sorted")
+
+# SEP and PART separate a canonical prompt's messages and a message's parts: control
+# characters a chat's text does not hold, so two prompts that differ do not read alike.
+SEP = "\x1e"
+PART = "\x1f"
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string as it is, a list of parts with each text
+    part's text and any other part (an image, audio) as sorted JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return PART.join(
+            p["text"]
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            else _sorted.encode(p).decode()
+            for p in content
+        )
+    return "" if content is None else _sorted.encode(content).decode()
+
+
+def _message(m: Any) -> str:
+    """One chat message: its role, its content, and any other field (a name, tool calls)
+    as sorted JSON."""
+    if not isinstance(m, dict):
+        return _sorted.encode(m).decode()
+    rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+    said = f"{m.get('role', '')}{PART}{_text(m.get('content'))}"
+    return f"{said}{PART}{_sorted.encode(rest).decode()}" if rest else said
+
+
+def _prompt(prompt: Any) -> str:
+    """A completion's prompt: a string, a list of strings (a batch: joined, the first
+    leading), token ids (as decimal numbers), or a list of those."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) for t in prompt):
+            return " ".join(str(t) for t in prompt)
+        return SEP.join(_prompt(p) for p in prompt)
+    return ""
+
+
+class Route:
+    """What routing reads of one request, parsed once by the gateway: the declared
+    model's name, the session (`x-session-id`, or the body's `user`), the owner of the
+    key that sent it (None without keys), the API path, and the body as it came. The
+    prompt's material is read from the body only when a rule asks (`prompt`, `salt`,
+    `leading`), once; the least-in-flight rule never does, so a request pays nothing
+    for it there."""
+
+    __slots__ = ("_body", "_read", "_salt", "_text", "model", "owner", "path", "session")
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        session: str | None = None,
+        owner: str | None = None,
+        path: str = "",
+        body: bytes = b"",
+    ) -> None:
+        self.model = model
+        self.session = session
+        self.owner = owner
+        self.path = path
+        self._body = body
+        self._read = False
+        self._text = ""
+        self._salt: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Route({self.model!r}, session={self.session!r}, owner={self.owner!r})"
+
+    def _material(self) -> None:
+        self._read = True
+        try:
+            got = _material.decode(self._body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return  # not the gateway's to refuse: the server says what is wrong
+        if got.messages is not None:
+            msgs = got.messages if isinstance(got.messages, list) else [got.messages]
+            self._text = SEP.join(_message(m) for m in msgs)
+        else:
+            self._text = _prompt(got.prompt)
+        if isinstance(got.cache_salt, str):
+            self._salt = got.cache_salt
+
+    @property
+    def prompt(self) -> str:
+        """The prompt, canonical: a chat's messages in order (each its role, its content
+        and any other field, `PART` between them, `SEP` between messages), or a
+        completion's prompt; "" for an embedding's input or a body without either."""
+        if not self._read:
+            self._material()
+        return self._text
+
+    @property
+    def salt(self) -> str | None:
+        """The request's `cache_salt`, when it sent a string one."""
+        if not self._read:
+            self._material()
+        return self._salt
+
+    def leading(self, chars: int) -> str:
+        """The prompt's first `chars` characters."""
+        return self.prompt[:chars]
+
+
+class Picker(Protocol):
+    """A routing rule the gateway can be told to use (`PICKERS`, `--routing`)."""
+
+    @property
+    def inflight(self) -> Mapping[str, int]:
+        """Requests in flight per replica, through this gateway."""
+        ...
+
+    def pick(
+        self,
+        view: View,
+        m: catalog.Model,
+        route: Route | None = None,
+        *,
+        avoid: Collection[str] = (),
+        limit: int | None = None,
+    ) -> ReplicaRecord | None:
+        """The replica for `route`, a request of `m`, counted in flight; None when none
+        is routable (but those in `avoid`) with fewer than `limit` in flight."""
+        ...
+
+    def done(self, replica: str, route: Route | None = None) -> None:
+        """A request (`route`) picked for `replica` has ended, however it ended."""
+        ...
+
+    def forget(self, gone: Iterable[str]) -> None:
+        """Drop what is kept of replicas that left routing for good (`leaving`)."""
+        ...
+
+    def kept(self) -> Collection[str]:
+        """The replicas it keeps anything of but their requests in flight."""
+        ...
+
+
 @dataclass
-class Router:
-    """The gateway's routing state: requests in flight per replica, when each was last
-    picked (a counter, not a clock), and which replica each session last went to."""
+class LeastInflight:
+    """The plain rule (the module docstring): requests in flight per replica, when each
+    was last picked (a counter, not a clock), and which replica each session last went
+    to."""
 
     inflight: dict[str, int] = field(default_factory=dict)
     _picked: dict[str, int] = field(default_factory=dict)
@@ -97,28 +267,19 @@ class Router:
         self,
         view: View,
         m: catalog.Model,
+        route: Route | None = None,
         *,
-        session: str | None = None,
         avoid: Collection[str] = (),
         limit: int | None = None,
     ) -> ReplicaRecord | None:
         """The replica for one request of `m`, counted in flight; None when none is
         routable (but those in `avoid`, already tried for this request) with fewer than
         `limit` requests in flight (None: no limit)."""
-        chosen: ReplicaRecord | None = None
-        inflight = self.inflight
+        session = None if route is None else route.session
         key = None if session is None else (m.name, session)
-        if key is not None:
-            rid = self._sessions.get(key)
-            if (
-                rid is not None
-                and rid not in avoid
-                and (limit is None or inflight.get(rid, 0) < limit)
-            ):
-                r = view.state.replicas.get(rid)
-                if r is not None and routable(view, r, new_session=False):
-                    chosen = r
+        chosen = None if key is None else self._session(view, key, avoid, limit)
         if chosen is None:
+            inflight = self.inflight
             found = [
                 r
                 for r in candidates(view, m)
@@ -126,7 +287,7 @@ class Router:
             ]
             if not found:
                 return None
-            chosen = min(found, key=self._load)
+            chosen = self.choose(view, m, route, found)
         self._ticks += 1
         self._picked[chosen.id] = self._ticks
         self.inflight[chosen.id] = self.inflight.get(chosen.id, 0) + 1
@@ -137,8 +298,29 @@ class Router:
                 self._sessions.popitem(last=False)
         return chosen
 
-    def done(self, replica: str) -> None:
-        """A request picked for `replica` has ended, however it ended."""
+    def choose(
+        self, view: View, m: catalog.Model, route: Route | None, found: list[ReplicaRecord]
+    ) -> ReplicaRecord:
+        """Among `found` (routable, under their limit, none empty): the fewest in flight,
+        ties to the one picked longest ago. A scorer overrides this."""
+        return min(found, key=self._load)
+
+    def _session(
+        self, view: View, key: tuple[str, str], avoid: Collection[str], limit: int | None
+    ) -> ReplicaRecord | None:
+        """The replica that served the session, while it may take it."""
+        rid = self._sessions.get(key)
+        if (
+            rid is None
+            or rid in avoid
+            or (limit is not None and self.inflight.get(rid, 0) >= limit)
+        ):
+            return None
+        r = view.state.replicas.get(rid)
+        return r if r is not None and routable(view, r, new_session=False) else None
+
+    def done(self, replica: str, route: Route | None = None) -> None:
+        """A request (`route`) picked for `replica` has ended, however it ended."""
         left = self.inflight.get(replica, 0) - 1
         if left > 0:
             self.inflight[replica] = left
@@ -146,9 +328,42 @@ class Router:
             self.inflight.pop(replica, None)
 
     def forget(self, gone: Iterable[str]) -> None:
-        """Drop what is kept of replicas that are gone (stopped, failed, removed)."""
+        """Drop what is kept of replicas that are gone (drained, stopped, failed, their
+        node removed); their requests in flight stay counted until each is `done`."""
         for rid in gone:
             self._picked.pop(rid, None)
 
+    def kept(self) -> Collection[str]:
+        return self._picked.keys()
+
     def _load(self, r: ReplicaRecord) -> tuple[int, int, str]:
         return (self.inflight.get(r.id, 0), self._picked.get(r.id, 0), r.id)
+
+
+# PICKERS are the rules a gateway may be told to use (`--routing NAME`), each a factory of
+# a fresh `Picker`; the first is the default. A scorer is one more entry.
+PICKERS: Mapping[str, Callable[[], Picker]] = MappingProxyType({"least-inflight": LeastInflight})
+DEFAULT_PICKER = "least-inflight"
+
+# _SWEEPS are the events that may end replicas without naming them (a node's loss or
+# removal fails what it held; a new report of a node without a replica's GPUs fails it);
+# a model's removal is among them so that what it ended then is not kept past it.
+_SWEEPS = (ev.NodeLostEvent, ev.NodeRemovedEvent, ev.NodeInventoryEvent, ev.ModelRemovedEvent)
+
+
+def gone(view: View, rid: str) -> bool:
+    """Whether replica `rid` can never be routed to again: not in the view, stopped or
+    failed, or drained (a drain is never taken back; a replica restarted is a new one)."""
+    r = view.state.replicas.get(rid)
+    return r is None or not r.holds_capacity or r.drained_by is not None
+
+
+def leaving(view: View, event: ev.Event, kept: Iterable[str]) -> list[str]:
+    """The replicas the fold of `event` (just folded into `view`) took out of routing for
+    good, of those a picker keeps (`kept`): what it forgets then."""
+    if isinstance(event, ev.ReplicaStateEvent | ev.ReplicaDrainEvent):
+        rid = event.data.replica
+        return [rid] if gone(view, rid) else []
+    if isinstance(event, _SWEEPS):
+        return [rid for rid in kept if gone(view, rid)]
+    return []

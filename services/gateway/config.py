@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.core.routing import DEFAULT_PICKER, PICKERS
 from services.gateway.listen import (
     BODY_BUDGET,
     DEFAULT_LISTEN,
@@ -165,6 +166,17 @@ class Config:
             "help": "serve without the request path's speed-ups (a span made for every "
             "request, the metrics' labelled children looked up each time): the plain path, "
             "to compare with or to rule them out",
+        },
+    )
+    routing: str = field(
+        default=DEFAULT_PICKER,
+        metadata={
+            "choices": tuple(PICKERS),
+            "metavar": "RULE",
+            "help": "the rule that picks a request's replica among its model's routable "
+            f"ones, one of {', '.join(PICKERS)}; least-inflight: the fewest requests in "
+            "flight through this gateway, a session back to its replica (docs/gateway.md, "
+            '"Routing")',
         },
     )
     process: ProcessConfig = field(default_factory=ProcessConfig)

@@ -13,6 +13,8 @@ share counters.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -162,3 +164,35 @@ class KeptLabelled(Labelled):
         if child is None:
             child = self._kept[key] = metric.labels(*values)
         return child
+
+
+@dataclass
+class Counts:
+    """What the gateway has done, for tests and for /health."""
+
+    requests: int = 0
+    retries: int = 0
+    refused: dict[int, int] = field(default_factory=dict)
+    by_model: dict[str, int] = field(default_factory=dict)
+    """Requests per declared model (under its name, not an alias) since the start."""
+    demanded: int = 0
+    """`model.demanded` events published."""
+    wakes: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first byte of the first request it
+    released, latest last."""
+    sends: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Seconds from the fold of a ready to the first request it released being sent to
+    the replica: the gateway's own share of the wake."""
+
+
+def summary(xs: deque[float]) -> dict[str, float]:
+    """How many, and the median and 99th percentile in ms, of the latest wakes."""
+    if not xs:
+        return {"n": 0}
+    got = sorted(xs)
+    n = len(got)
+    return {
+        "n": n,
+        "p50": round(got[n // 2] * 1e3, 3),
+        "p99": round(got[min(n - 1, int(n * 0.99))] * 1e3, 3),
+    }

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas import events as ev
+from services.core import catalog
+from services.core.view import View
 
 # DEFAULT_OWNER is the owner of a model declared without one (schemas.events.ModelDeclared).
 DEFAULT_OWNER = "default"
@@ -58,3 +60,31 @@ class Scope:
         if tree is not self._tree:
             self._tree, self._up = tree, parents(tree)
         return within(m.owner, key_owner, self._up)
+
+    def visible(
+        self, key_owner: str | None, m: ev.ModelDeclared, tree: Sequence[ev.OwnerQuota]
+    ) -> bool:
+        """`may_use`, and every model for a request without a key (`key_owner` None)."""
+        return key_owner is None or self.may_use(key_owner, m, tree)
+
+    def resolve(self, view: View, name: str, key_owner: str | None) -> catalog.Model | None:
+        """The declared model `name` names (its name or an alias), if a key of
+        `key_owner` may use it (any, for None); None else: another tenant's model is not
+        there for the key, as a name nobody declared is not."""
+        m = view.catalog.resolve(name)
+        if m is not None and key_owner is not None:
+            d = view.state.models.get(m.name)
+            if d is not None and not self.may_use(key_owner, d, view.state.quota):
+                return None
+        return m
+
+    def names(self, view: View, key_owner: str | None) -> list[str]:
+        """The names and aliases of the models a key of `key_owner` may use (a
+        did-you-mean's choices)."""
+        tree = view.state.quota
+        return [
+            n
+            for d in view.state.models.values()
+            if self.visible(key_owner, d, tree)
+            for n in (d.name, *d.aliases)
+        ]

@@ -1,6 +1,6 @@
 """The gateway's waiting room: requests held for a model that cannot take them now.
 
-Used by `services.gateway.server`. A request for a declared model with no replica that
+Used by `services.gateway.holding`. A request for a declared model with no replica that
 can take it (none routable: at zero or starting; or every routable one at its admission
 limit) joins its model's line, up to `per_model` requests a model; past that it is
 refused (429). A line is shared fairly among the owners of the keys that sent its
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from services.core import catalog
+from services.core import catalog, routing
 
 # PER_MODEL is how many requests one model may have waiting (`--queue-per-model`): a
 # burst at a model at zero is held through its start up to this, and refused past it
@@ -70,6 +70,8 @@ class Waiter:
     """The seq of the view it was released from (its answer's `x-llmgw-seq`)."""
     displaced: Waiter | None = None
     """The request pushed out of a full line to let it in (the server refuses it)."""
+    route: routing.Route | None = None
+    """What its replica is picked by (`services.core.routing`)."""
 
 
 @dataclass(eq=False)

@@ -59,7 +59,7 @@ async def test_a_replica_gone_is_forgotten_by_the_router(
     await plane.ready("forgotten-1", "forgotten", s.endpoint)
     status, _, _ = await plane.chat("forgotten", max_tokens=1)
     assert status == 200
-    assert "forgotten-1" in plane.gateway.router._picked
+    assert "forgotten-1" in plane.gateway.router.kept()
     await plane.drain("forgotten-1", "forgotten")
     r = plane.gateway.follower.view.replicas["forgotten-1"]
     await plane.say(
@@ -72,4 +72,34 @@ async def test_a_replica_gone_is_forgotten_by_the_router(
         ),
         node=plane.node,
     )
-    assert "forgotten-1" not in plane.gateway.router._picked
+    assert "forgotten-1" not in plane.gateway.router.kept()
+
+
+async def test_a_replica_drained_or_on_a_node_removed_or_lost_is_forgotten_at_once(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]]
+) -> None:
+    """Every way out of routing for good, not only a replica's own stop: its drain (it is
+    never routed to again), its node removed, its node lost past any grace (the fold fails
+    what the node held; no `replica.state` of it ever comes)."""
+    await plane.model("leaving")
+    nodes = {
+        "leaving-1": plane.node,
+        "leaving-2": f"{plane.node}-b",
+        "leaving-3": f"{plane.node}-c",
+    }
+    for rid, node in nodes.items():
+        await plane.inventory(node, 8)
+        s = await servers(rid, "leaving")
+        await plane.ready(rid, "leaving", s.endpoint, node=node)
+    for _ in nodes:
+        status, _, _ = await plane.chat("leaving", max_tokens=1)
+        assert status == 200
+    router = plane.gateway.router
+    assert set(router.kept()) >= set(nodes)
+    await plane.drain("leaving-1", "leaving")
+    assert "leaving-1" not in router.kept()
+    await plane.say(ev.NodeRemoved(node=nodes["leaving-2"], reason="decommissioned"))
+    assert "leaving-2" not in router.kept()
+    await plane.say(ev.NodeLost(node=nodes["leaving-3"], reason="no heartbeat"))
+    assert not set(nodes) & set(router.kept())
+    assert router.inflight == {}

@@ -1,0 +1,228 @@
+"""Use is a fact: what each replica served, read from the answers and reported.
+
+Used by `services.gateway.server` (`Uses.used` as each answer ends, `Uses.report` while
+it serves). For each replica it served, the gateway publishes `replica.used` with the
+requests and tokens (from the answers' `usage`) since its last report, at most once per
+`used_interval_s`, on the replica's node subject as its agent would, and per owner of the
+API keys that sent them (`by_owner`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+
+from schemas import events as ev
+from services.bus import Publisher
+from services.bus.errors import BusError
+from services.clock import new_id, utc_now
+from services.core.view import View
+from services.gateway import guard
+from services.gateway.keys import Key
+from services.gateway.metrics import Labelled, Metrics
+
+SOURCE = "gateway"
+# USED_TICK_S is how often the reporter looks for use to report (the interval, when it
+# is shorter).
+USED_TICK_S = 1.0
+
+
+class _Details(msgspec.Struct, forbid_unknown_fields=False):
+    cached_tokens: int | None = None
+
+
+class _Tokens(msgspec.Struct, forbid_unknown_fields=False):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _Answer(msgspec.Struct, forbid_unknown_fields=False):
+    """What use reports read of an answer: its `usage`, nothing else."""
+
+    usage: _Tokens | None = None
+
+
+_answer = msgspec.json.Decoder(_Answer)
+
+
+def usage(doc: bytes) -> tuple[int, int]:
+    """(prompt, completion) tokens an answer's `usage` says; (0, 0) when it says none."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0, 0
+    return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
+
+
+def cached(doc: bytes) -> int | None:
+    """The prompt tokens an answer's `usage` says the engine served from its prefix
+    cache (`prompt_tokens_details.cached_tokens`: vLLM with
+    `--enable-prompt-tokens-details`); None when it does not say."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    d = None if u is None else u.prompt_tokens_details
+    return None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
+
+
+def stream_cached(tail: bytes) -> int | None:
+    """`cached` of a stream's last `data:` event with a usage."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line and b'"prompt_tokens"' in line:
+            return cached(line[6:])
+    return None
+
+
+def stream_usage(tail: bytes) -> tuple[int, int] | None:
+    """The usage of a stream's last `data:` event that has one (a client that asked for
+    `stream_options.include_usage` gets such a chunk last); None without."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            got = usage(line[6:])
+            if got != (0, 0):
+                return got
+    return None
+
+
+@dataclass
+class Use:
+    """Use of one replica not reported yet."""
+
+    node: str
+    at: datetime
+    requests: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_cached: int | None = None
+    """Of `tokens_in`, those the answers said were served from the prefix cache."""
+    owners: dict[str, list[int]] = field(default_factory=dict)
+    """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
+    reported: float = -math.inf
+    """When (monotonic) its last report was stored."""
+
+
+@dataclass(eq=False)
+class Uses:
+    """The use not reported yet, per replica, and its reporter."""
+
+    publisher: Publisher
+    view: Callable[[], View]
+    """The follower's view now (what tells a replica gone, whose entry is dropped)."""
+    metrics: Metrics
+    labelled: Labelled
+    lines: guard.Lines
+    interval_s: float
+    pending: dict[str, Use] = field(default_factory=dict)
+
+    def used(
+        self,
+        r: Any,
+        tokens_in: int,
+        tokens_out: int,
+        key: Key | None,
+        cached: int | None = None,
+    ) -> None:
+        """Count one request that `r` answered, sent with `key`, for its next report;
+        `cached` of its prompt tokens the engine said it served from its prefix cache."""
+        u = self.pending.get(r.id)
+        now = utc_now()
+        if u is None:
+            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=now)
+        u.at, u.requests = now, u.requests + 1
+        u.tokens_in += tokens_in
+        u.tokens_out += tokens_out
+        if cached is not None:
+            u.tokens_cached = (u.tokens_cached or 0) + cached
+        if key is None:
+            return
+        o = u.owners.setdefault(key.owner, [0, 0, 0])
+        o[0] += 1
+        o[1] += tokens_in
+        o[2] += tokens_out
+        self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
+        self.labelled.of(self.metrics.owner_tokens, key.owner, "out").inc(tokens_out)
+
+    async def report(self, stop: asyncio.Event, each: Callable[[], None]) -> None:
+        """Publish what is due every tick until `stop`; `each` after every tick."""
+        tick = min(self.interval_s, USED_TICK_S)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick)
+            await self.publish()
+            each()
+
+    async def publish(self, force: bool = False) -> None:
+        """One `replica.used` for each replica with use not reported, at most one per
+        `interval_s` (unless `force`), on its node's subject like its agent's."""
+        now_m = time.monotonic()
+        for rid, u in list(self.pending.items()):
+            if not u.requests or not u.node:
+                continue
+            if not force and now_m - u.reported < self.interval_s:
+                continue
+            await self._publish(rid, u)
+        view = self.view()
+        for rid in [rid for rid, u in self.pending.items() if not u.requests]:
+            r = view.replicas.get(rid)
+            if r is None or not r.holds_capacity:
+                del self.pending[rid]
+
+    async def _publish(self, rid: str, u: Use) -> None:
+        by_owner = {
+            o: ev.OwnerUse(requests=n[0], tokens_in=n[1], tokens_out=n[2])
+            for o, n in u.owners.items()
+            if n[0]
+        }
+        e = ev.make(
+            ev.ReplicaUsed(
+                replica=rid,
+                at=u.at,
+                requests=u.requests,
+                tokens_in=u.tokens_in,
+                tokens_out=u.tokens_out,
+                tokens_cached=u.tokens_cached,
+                by_owner=by_owner,
+            ),
+            id=new_id(),
+            time=utc_now(),
+            source=SOURCE,
+        )
+        sent = (u.requests, u.tokens_in, u.tokens_out)
+        sent_cached = u.tokens_cached
+        try:
+            await self.publisher.publish(e, node=u.node)
+        except (BusError, nats.errors.Error) as err:
+            self.lines.say(
+                logging.WARNING,
+                ("use", rid),
+                "gateway: use of %s not reported yet: %s",
+                rid,
+                err,
+            )
+            return
+        # Requests that ended while it was being published are the next report's.
+        u.requests -= sent[0]
+        u.tokens_in -= sent[1]
+        u.tokens_out -= sent[2]
+        if sent_cached is not None and u.tokens_cached is not None:
+            u.tokens_cached = u.tokens_cached - sent_cached if u.requests else None
+        for o, d in by_owner.items():
+            n = u.owners[o]
+            n[0] -= d.requests
+            n[1] -= d.tokens_in
+            n[2] -= d.tokens_out
+            if not n[0]:
+                del u.owners[o]
+        u.reported = time.monotonic()
