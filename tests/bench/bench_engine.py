@@ -13,7 +13,7 @@ Run from the repository root (the engine's environment made as the README's test
 makes it, in `.venv-engine`):
 
     .venv/bin/python tests/bench/bench_engine.py [--starts 3] [--requests 40]
-        [--prompt-words 250] [--max-tokens 16] [--python .venv-engine/bin/python]
+        [--prompt-words 80] [--max-tokens 16] [--python .venv-engine/bin/python]
 
 Prints figures, asserts nothing. Each prompt starts with its own number, so no request
 finds its prefix in the engine's cache (a fresh prompt each time, the engine's slower
@@ -251,7 +251,9 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="a model directory (default: made here)")
     p.add_argument("--starts", type=int, default=3, help="engine starts timed")
     p.add_argument("--requests", type=int, default=40, help="requests each way, each kind")
-    p.add_argument("--prompt-words", type=int, default=250, help="words in each prompt")
+    p.add_argument(
+        "--prompt-words", type=int, default=80, help="words in each prompt (80: ~300 tokens)"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each answer")
     a = p.parse_args()
 
