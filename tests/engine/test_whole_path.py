@@ -235,6 +235,10 @@ def test_drained_with_four_streams_in_flight_and_no_client_error(plane: EnginePl
     # The drain came while they were streaming, not after.
     assert any(s.first and s.first < draining for s in streams)
     plane.until("chat stopped", lambda v: v.replicas[r.id].state == "stopped", within_s=90)
+    # The engine was told to stop (SIGTERM) only once the gateway had nothing in flight on
+    # it: the agent asked, and said so.
+    assert plane.agent is not None
+    assert f"{r.id}: nothing in flight through 1 gateway(s)" in plane.agent.text()
     assert plane.group(r.id, srv["pid"]) == set()
     assert not _port_open(srv["port"])
 
