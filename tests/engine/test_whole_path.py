@@ -267,7 +267,12 @@ def test_woken_from_zero_within_the_bound_predicted_from_real_starts(plane: Engi
     measured = (woke[0].ready_at - woke[0].created_at).total_seconds()
     # The waiting room's prediction (the median of the real starts in the log) is within
     # 25% of the start measured next.
-    assert abs(look.typical_s - measured) <= 0.25 * measured, (look.typical_s, measured)
+    starts = plane.ask(lambda v: list(v.load_times().get("chat", ())))
+    assert abs(look.typical_s - measured) <= 0.25 * measured, (
+        f"predicted {look.typical_s:.1f}s from the starts {starts[:-1]}, measured "
+        f"{measured:.1f}s; the host's load average {os.getloadavg()} (a start's time is "
+        "the CPU it gets: other engines starting beside it stretch it)"
+    )
 
 
 def test_a_critical_model_takes_the_room_of_an_opportunistic_one(plane: EnginePlane) -> None:
