@@ -668,7 +668,8 @@ class ProcessRuntime:
         # may still hold its GPU memory.
         seen: set[int] = {s.e.pid} if s is not None else set()
         while True:
-            left = await asyncio.to_thread(procs.members, tag, leader)
+            group = s.e.pid if s is not None else None
+            left = await asyncio.to_thread(procs.members, tag, leader, group)
             if s is not None and s.popen is not None:
                 s.popen.poll()
             seen |= left
