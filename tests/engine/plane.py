@@ -25,7 +25,7 @@ import openai
 from services.agent import procs
 from services.bus import connect
 from services.core.view import View
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from tests.agent import realagent as ra
 from tests.agent.test_process_runtime import _ports
 from tests.engine import engine
