@@ -540,6 +540,9 @@ class PreemptionDecided(Data, frozen=True, kw_only=True):
     domain: Text = ""
     """Extension: where the model goes once the victims stop, `level=value` of the
     topology level its profile keeps it in; "" when it keeps it in none."""
+    engine: Text = ""
+    """Extension: the policy engine that decided (plain, fast, checked), each deciding
+    the same; "" in a decision from before the field was added."""
 
 
 class HoldCreated(Data, frozen=True, kw_only=True):
@@ -570,6 +573,10 @@ class PolicyConfigured(Data, frozen=True, kw_only=True):
     """The process that recorded it (the lease holder's name)."""
     policy: Text = "reference"
     """The search for victims (reference, node-aware); older records were reference."""
+    engine: Text = ""
+    """Extension: how the service worked the policy's answers out (plain, fast,
+    checked: `--policy-engine`), each deciding the same; "" in a record from before the
+    field was added (its service ran the index unless switched off)."""
 
 
 class ViewDigest(Data, frozen=True, kw_only=True):

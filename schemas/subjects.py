@@ -187,36 +187,56 @@ def parse(subject: str, root: str = DEFAULT_ROOT) -> Parsed:
         raise SubjectError(subject, f"does not start with {root!r}")
     t = toks[1:]
     try:
-        match t:
-            case ["catalog", "model", m]:
-                return Parsed("catalog.model", model=unescape(m))
-            case ["catalog", "quota"]:
-                return Parsed("catalog.quota")
-            case ["catalog", "scale", m]:
-                return Parsed("catalog.scale", model=unescape(m))
-            case ["gateway", "demand", m]:
-                return Parsed("gateway.demand", model=unescape(m))
-            case ["node", n, "inventory"]:
-                return Parsed("node.inventory", node=unescape(n))
-            case ["node", n, "status"]:
-                return Parsed("node.status", node=unescape(n))
-            case ["node", n, "replica", r]:
-                return Parsed("node.replica", node=unescape(n), replica=unescape(r))
-            case ["cmd", n, "replica", c] if c in ("start", "drain"):
-                return Parsed("cmd.replica", node=unescape(n), command=c)
-            case ["preemption", "policy"]:
-                return Parsed("preemption.policy")
-            case [("placement" | "preemption" | "hold") as a, b, m]:
-                return Parsed(f"{a}.{b}", model=unescape(m))
-            case ["view", "digest"]:
-                return Parsed("view.digest")
-            case ["heartbeat", n]:
-                return Parsed("heartbeat", node=unescape(n))
-            case ["dlq", c]:
-                return Parsed("dlq", node=None, replica=None, command=unescape(c))
+        found = _of_model(t) or _of_node(t) or _of_plane(t)
     except TokenError as e:
         raise SubjectError(subject, e.why) from e
-    raise SubjectError(subject, "is not a subject of the contract")
+    if found is None:
+        raise SubjectError(subject, "is not a subject of the contract")
+    return found
+
+
+def _of_model(t: list[str]) -> Parsed | None:
+    """A subject about one model (its catalog entry, scale, demand and decisions)."""
+    match t:
+        case ["catalog", "model", m]:
+            return Parsed("catalog.model", model=unescape(m))
+        case ["catalog", "scale", m]:
+            return Parsed("catalog.scale", model=unescape(m))
+        case ["gateway", "demand", m]:
+            return Parsed("gateway.demand", model=unescape(m))
+        case [("placement" | "preemption" | "hold") as a, b, m]:
+            return Parsed(f"{a}.{b}", model=unescape(m))
+    return None
+
+
+def _of_node(t: list[str]) -> Parsed | None:
+    """A subject about one node: what its agent reports, and the commands sent to it."""
+    match t:
+        case ["node", n, "inventory"]:
+            return Parsed("node.inventory", node=unescape(n))
+        case ["node", n, "status"]:
+            return Parsed("node.status", node=unescape(n))
+        case ["node", n, "replica", r]:
+            return Parsed("node.replica", node=unescape(n), replica=unescape(r))
+        case ["cmd", n, "replica", c] if c in ("start", "drain"):
+            return Parsed("cmd.replica", node=unescape(n), command=c)
+        case ["heartbeat", n]:
+            return Parsed("heartbeat", node=unescape(n))
+    return None
+
+
+def _of_plane(t: list[str]) -> Parsed | None:
+    """A subject about the whole plane: quota, policy, the view's digest, the DLQ."""
+    match t:
+        case ["catalog", "quota"]:
+            return Parsed("catalog.quota")
+        case ["preemption", "policy"]:
+            return Parsed("preemption.policy")
+        case ["view", "digest"]:
+            return Parsed("view.digest")
+        case ["dlq", c]:
+            return Parsed("dlq", node=None, replica=None, command=unescape(c))
+    return None
 
 
 def subject_for(event: ev.Envelope, root: str = DEFAULT_ROOT, node: str | None = None) -> str:

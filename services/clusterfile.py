@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,48 +157,9 @@ def parse(
             raise fail(str(key), f"unknown section{hint or '; expected one of ' + ', '.join(_TOP)}")
     out = ClusterFile(name=name, lines=lines)
     out.topology = _levels(doc.get("topology"), fail)
-    raw_models = doc.get("models") or []
-    if not isinstance(raw_models, list):
-        raise fail("models", "must be a list of models")
-    seen: dict[str, int] = {}
-    for i, item in enumerate(raw_models):
-        where = f"models[{i}]"
-        m = _convert(item, ev.ModelDeclared, where, fail, _named("model", item))
-        if not m.profiles:
-            raise fail(f"{where}.profiles", "a model needs at least one profile")
-        if m.name in seen:
-            raise fail(
-                f"{where}.name", f"model {m.name!r} is declared twice (also models[{seen[m.name]}])"
-            )
-        profile_names = [p.name for p in m.profiles]
-        if len(set(profile_names)) != len(profile_names):
-            raise fail(f"{where}.profiles", "two profiles share a name")
-        if m.max is not None and m.max < m.min:
-            raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
-        for j, p in enumerate(m.profiles):
-            if p.topology is not None and p.topology.level not in out.topology:
-                raise fail(
-                    f"{where}.profiles[{j}].topology.level",
-                    _undeclared(p.topology.level, out.topology),
-                )
-        if m.runtime is not None:
-            bad = _runtime_problem(m.runtime)
-            if bad is not None:
-                raise fail(f"{where}.runtime.{bad[0]}", bad[1])
-        seen[m.name] = i
-        out.models.append(m)
+    out.models = _models(doc.get("models") or [], out.topology, fail)
     if "quota" in doc:
-        raw_quota = doc["quota"] or []
-        if not isinstance(raw_quota, list):
-            raise fail("quota", "must be a list of owners")
-        owners = tuple(
-            _convert(o, ev.OwnerQuota, f"quota[{i}]", fail, _named("owner", o))
-            for i, o in enumerate(raw_quota)
-        )
-        tree = core_view.quota_tree_of(owners)
-        if tree.errors:
-            raise fail("quota", tree.errors[0])
-        out.quota = ev.QuotaSet(owners=owners)
+        out.quota = _quota(doc["quota"] or [], fail)
     raw_owners = doc.get("owners") or []
     if not isinstance(raw_owners, list):
         raise fail("owners", "must be a list of owner names (owners outside the quota tree)")
@@ -207,10 +168,75 @@ def parse(
         stray = out.owner_error((o.name for o in out.quota.owners), new_owners)
         if stray is not None:
             raise stray
-    raw_scale = doc.get("scale") or {}
-    if not isinstance(raw_scale, dict):
+    out.scale = _scale(doc.get("scale") or {}, fail)
+    return out
+
+
+# _Fail: the error for a field path and why it is wrong, at its line of the file.
+_Fail = Callable[[str, str], ClusterFileError]
+
+
+def _models(raw: Any, topology: tuple[str, ...], fail: _Fail) -> list[ev.ModelDeclared]:
+    """The `models:` list, each model valid and named once."""
+    if not isinstance(raw, list):
+        raise fail("models", "must be a list of models")
+    seen: dict[str, int] = {}
+    out: list[ev.ModelDeclared] = []
+    for i, item in enumerate(raw):
+        where = f"models[{i}]"
+        m = _convert(item, ev.ModelDeclared, where, fail, _named("model", item))
+        if not m.profiles:
+            raise fail(f"{where}.profiles", "a model needs at least one profile")
+        if m.name in seen:
+            raise fail(
+                f"{where}.name", f"model {m.name!r} is declared twice (also models[{seen[m.name]}])"
+            )
+        _check_model(m, where, topology, fail)
+        seen[m.name] = i
+        out.append(m)
+    return out
+
+
+def _check_model(m: ev.ModelDeclared, where: str, topology: tuple[str, ...], fail: _Fail) -> None:
+    """What the contract's types leave to the file: profiles named once and on a declared
+    topology level; max not below min; a runtime that can run."""
+    profile_names = [p.name for p in m.profiles]
+    if len(set(profile_names)) != len(profile_names):
+        raise fail(f"{where}.profiles", "two profiles share a name")
+    if m.max is not None and m.max < m.min:
+        raise fail(f"{where}.max", f"max {m.max} is below min {m.min}")
+    for j, p in enumerate(m.profiles):
+        if p.topology is not None and p.topology.level not in topology:
+            raise fail(
+                f"{where}.profiles[{j}].topology.level",
+                _undeclared(p.topology.level, topology),
+            )
+    if m.runtime is not None:
+        bad = _runtime_problem(m.runtime)
+        if bad is not None:
+            raise fail(f"{where}.runtime.{bad[0]}", bad[1])
+
+
+def _quota(raw: Any, fail: _Fail) -> ev.QuotaSet:
+    """The `quota:` tree: its owners, a tree the plane takes."""
+    if not isinstance(raw, list):
+        raise fail("quota", "must be a list of owners")
+    owners = tuple(
+        _convert(o, ev.OwnerQuota, f"quota[{i}]", fail, _named("owner", o))
+        for i, o in enumerate(raw)
+    )
+    tree = core_view.quota_tree_of(owners)
+    if tree.errors:
+        raise fail("quota", tree.errors[0])
+    return ev.QuotaSet(owners=owners)
+
+
+def _scale(raw: Any, fail: _Fail) -> dict[str, int]:
+    """The `scale:` map: each model's replicas, a whole number in the contract's range."""
+    if not isinstance(raw, dict):
         raise fail("scale", "must map model names to replica counts")
-    for model, n in raw_scale.items():
+    out: dict[str, int] = {}
+    for model, n in raw.items():
         where = f"scale.{model}"
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= ev.MAX_REPLICAS:
             typed = _type_problem("Expected `int`, got `str`", n) if isinstance(n, str) else ""
@@ -220,7 +246,7 @@ def parse(
                 if typed
                 else f"must be a whole number of replicas from 0 to {ev.MAX_REPLICAS:,}, not {n!r}",
             )
-        out.scale[str(model)] = n
+        out[str(model)] = n
     return out
 
 
@@ -231,7 +257,7 @@ def _named(kind: str, item: Any) -> str:
     return f"{kind} {name!r}" if isinstance(name, str) and name else ""
 
 
-def _levels(raw: Any, fail: Any) -> tuple[str, ...]:
+def _levels(raw: Any, fail: _Fail) -> tuple[str, ...]:
     """The `topology:` levels, widest first, each a label key given once."""
     if raw is None:
         return ()

@@ -35,9 +35,9 @@ class _Adder(Protocol):
 def service_parser(prog: str, description: str, config: type[Any]) -> argparse.ArgumentParser:
     """The parser of one service run alone (`python -m services.scheduler`, `python -m
     services.preemption`): where it connects, its subject root and lease holder name,
-    then the flags of its `config`, then the process's (`services.process.Config`)."""
+    then the flags of its `config`, then the process's (`services.plane.process.Config`)."""
     from schemas.subjects import DEFAULT_ROOT
-    from services import process
+    from services.plane import process
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--nats", help="broker URL(s), comma-separated (default: $LLMGW_NATS)")
@@ -55,13 +55,17 @@ def add(
     only: Collection[str] | None = None,
     skip: Collection[str] = (),
     renamed: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add a flag to `parser` (or an argument group) for each field of `config` with help
     text; with `only`, for those of these names; none for those in `skip`; `renamed`
-    gives some fields another flag (`llmgw up`'s `--gateway-listen`)."""
+    gives some fields another flag (`llmgw up`'s `--gateway-listen`); `defaults` gives
+    some another default than the field's (`llmgw preemption plan`'s plain engine)."""
     for f, default in _fields(config, only):
         if f.name in skip:
             continue
+        if defaults is not None and f.name in defaults:
+            default = defaults[f.name]
         meta = f.metadata
         flag = (renamed or {}).get(f.name) or meta.get("flag") or _flag(f.name)
         dest = meta.get("dest", f.name)

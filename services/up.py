@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from services import files, heap, lease, names
+from nats.js.api import StreamInfo
+from nats.js.client import JetStreamContext
+
+from services import files, names
 from services.agent import Agent, SimulatedRuntime, spec
 from services.agent import consumers as agent_consumers
 from services.agent.responder import Errors, Timing
@@ -33,6 +36,7 @@ from services.bus import EmbeddedBroker, connect, ensure_streams, snapshots, tra
 from services.bus import broker as bus_broker
 from services.bus import node_streams as bus_node_streams
 from services.bus import stream as bus_stream
+from services.bus.connection import BusClient
 from services.bus.errors import BrokerError
 from services.bus.urls import public_url, users
 from services.core import scheduling
@@ -41,6 +45,7 @@ from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.server import Gateway
+from services.plane import heap, lease
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
 from services.projector.service import Projector
@@ -110,7 +115,7 @@ class UpOptions:
     """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
     """Freeze what the process has held for a while out of the collector's reach
-    (`services.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
+    (`services.plane.heap`); `llmgw up` sets it, an in-process caller such as a test does not."""
     gateway_keys: Any = None
     """The gateway's API keys (a `services.gateway.keys.Keys`); None: none asked."""
     gateway_any_port: bool = False
@@ -537,35 +542,7 @@ async def _serve(
         db_path = opts.data / DB_FILE
         projector = Projector(js, db_path, opts.root) if opts.projector else None
         if agents_nc is not None:
-            ajs = agents_nc.jetstream()
-            for n in nodes:
-                agents.append(
-                    Agent(
-                        agents_nc,
-                        ajs,
-                        node=n.name,
-                        gpus=spec.gpu_inventory(n.name, n.gpus),
-                        cpu_cores=n.cpu_cores,
-                        memory_gb=n.memory_gb,
-                        runtime=SimulatedRuntime(
-                            opts.start_delay_s,
-                            opts.load_delay_s,
-                            opts.stop_delay_s,
-                            serve=Timing(
-                                opts.sim_ttft_s,
-                                opts.sim_tps,
-                                errors=opts.sim_errors,
-                                seed=opts.sim_seed,
-                                prefill_tps=opts.sim_prefill_tps,
-                                cache_tokens=opts.sim_cache_tokens,
-                            ),
-                            server_drains=opts.sim_server_drains,
-                        ),
-                        root=opts.root,
-                        heartbeat_s=opts.heartbeat_s,
-                        traffic=opts.traffic,
-                    )
-                )
+            agents += _simulated(opts, nodes, agents_nc)
         dashboard: Dashboard | None = None
         if opts.ui is not None:
             dashboard = Dashboard(
@@ -600,26 +577,7 @@ async def _serve(
             dashboard.gateway = gateway.traffic
             dashboard.held = gateway.room.held_by_model
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
-        tasks: dict[asyncio.Task[Any], str] = {
-            asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
-            asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
-            # Agents make no consumers of their own: they ask for them (agent.consumers).
-            asyncio.create_task(
-                agent_consumers.serve(nc, js, opts.root, stop), name="agent consumers"
-            ): "agent consumers",
-        }
-        if projector is not None:
-            tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
-        if opts.settle_heap:
-            tasks[asyncio.create_task(heap.keep(stop), name="heap")] = "heap"
-        if bus_stream.fed_by_nodes(info, opts.root):
-            watch_nodes = bus_node_streams.watch(js, opts.root, stop)
-            tasks[asyncio.create_task(watch_nodes, name="node streams")] = "node streams"
-        if broker is not None:
-            watch = _watch_broker(broker, stop, nc, (scheduler.lease, preempt.lease))
-            tasks[asyncio.create_task(watch, name="broker")] = "broker"
-        for a in agents:
-            tasks[asyncio.create_task(a.serve(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+        tasks = _plane_tasks(opts, nc, js, info, broker, running, stop)
         if dashboard is not None:
             tasks[asyncio.create_task(dashboard.run(stop, ui_sock), name="dashboard")] = "dashboard"
             shown = dashboard.url + (f"?token={opts.ui_token}" if opts.ui_token else "")
@@ -658,6 +616,74 @@ async def _serve(
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
+
+
+def _simulated(opts: UpOptions, nodes: list[spec.NodeSpec], nc: BusClient) -> list[Agent]:
+    """The agents of the simulated `nodes`, on their connection `nc`."""
+    js = nc.jetstream()
+    return [
+        Agent(
+            nc,
+            js,
+            node=n.name,
+            gpus=spec.gpu_inventory(n.name, n.gpus),
+            cpu_cores=n.cpu_cores,
+            memory_gb=n.memory_gb,
+            runtime=SimulatedRuntime(
+                opts.start_delay_s,
+                opts.load_delay_s,
+                opts.stop_delay_s,
+                serve=Timing(
+                    opts.sim_ttft_s,
+                    opts.sim_tps,
+                    errors=opts.sim_errors,
+                    seed=opts.sim_seed,
+                    prefill_tps=opts.sim_prefill_tps,
+                    cache_tokens=opts.sim_cache_tokens,
+                ),
+                server_drains=opts.sim_server_drains,
+            ),
+            root=opts.root,
+            heartbeat_s=opts.heartbeat_s,
+            traffic=opts.traffic,
+        )
+        for n in nodes
+    ]
+
+
+def _plane_tasks(
+    opts: UpOptions,
+    nc: BusClient,
+    js: JetStreamContext,
+    info: StreamInfo,
+    broker: EmbeddedBroker | None,
+    running: Running,
+    stop: asyncio.Event,
+) -> dict[asyncio.Task[Any], str]:
+    """The plane's services and its simulated agents started, each task with its name
+    for the log: what `_supervise` watches (the dashboard and the gateway join later)."""
+    scheduler, preempt, projector = running.scheduler, running.preemption, running.projector
+    tasks: dict[asyncio.Task[Any], str] = {
+        asyncio.create_task(scheduler.run(stop), name="scheduler"): "scheduler",
+        asyncio.create_task(preempt.run(stop), name="preemption"): "preemption service",
+        # Agents make no consumers of their own: they ask for them (agent.consumers).
+        asyncio.create_task(
+            agent_consumers.serve(nc, js, opts.root, stop), name="agent consumers"
+        ): "agent consumers",
+    }
+    if projector is not None:
+        tasks[asyncio.create_task(projector.run(stop), name="projector")] = "projector"
+    if opts.settle_heap:
+        tasks[asyncio.create_task(heap.keep(stop), name="heap")] = "heap"
+    if bus_stream.fed_by_nodes(info, opts.root):
+        watch_nodes = bus_node_streams.watch(js, opts.root, stop)
+        tasks[asyncio.create_task(watch_nodes, name="node streams")] = "node streams"
+    if broker is not None:
+        watch = _watch_broker(broker, stop, nc, (scheduler.lease, preempt.lease))
+        tasks[asyncio.create_task(watch, name="broker")] = "broker"
+    for a in running.agents:
+        tasks[asyncio.create_task(a.serve(stop), name=f"agent {a.node}")] = f"agent {a.node}"
+    return tasks
 
 
 # CAUGHT_UP_S bounds the wait for the scheduler's view to reach the log's end before

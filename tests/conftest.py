@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -31,6 +33,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the interpreter of the engine environment (vLLM's CPU build) that the "
         "engine tier (tests/engine, marked `engine`) runs vLLM with "
         "(default: .venv-engine/bin/python in the repository)",
+    )
+
+
+# ----------------------------------------------------------------------------- the engine tier
+
+# _BEGAN: when the session began (time.monotonic), kept in the config's stash.
+_BEGAN = pytest.StashKey[float]()
+# TIER_LIMIT_S is what the engine tier must take at most on 2 cores, its environment
+# installed (CONTRIBUTING.md): said beside its time.
+TIER_LIMIT_S = 480
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_BEGAN] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The engine tier's time, when its tests ran (`pytest -m engine`): its own line."""
+    ran = [
+        r
+        for kind in ("passed", "failed", "error")
+        for r in terminalreporter.stats.get(kind, [])
+        if getattr(r, "when", "") == "call" and "engine" in getattr(r, "keywords", {})
+    ]
+    if not ran:
+        return
+    took = time.monotonic() - config.stash[_BEGAN]
+    failed = sum(1 for r in ran if not r.passed)
+    terminalreporter.write_line(
+        f"engine tier: {len(ran)} tests ({failed} failed) in {took:.0f} s "
+        f"({took / 60:.1f} min; at most {TIER_LIMIT_S // 60} min on 2 cores)"
     )
 
 

@@ -35,7 +35,7 @@ import aiohttp
 from schemas import codec
 from schemas import events as ev
 from services.bus import connect, consume
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from tests.up_process import UpProcess
 
 GRACE_S = 10.0

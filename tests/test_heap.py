@@ -1,5 +1,5 @@
 """A plane process keeps what it has held for a while out of the collector's reach
-(services.heap): frozen once a second, unless `--no-gc-freeze` (`heap.Config.freeze`),
+(services.plane.heap): frozen once a second, unless `--no-gc-freeze` (`heap.Config.freeze`),
 which every plane process offers; no variable turns it off. Each case runs in a
 process of its own, as the plane's processes do: freezing the test's own would keep
 its garbage."""
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # end up frozen, and the keeper returns once stop is set.
 CODE = """
 import asyncio, gc
-from services import heap
+from services.plane import heap
 
 async def main():
     stop = asyncio.Event()

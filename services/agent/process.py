@@ -51,6 +51,9 @@ SCRAPE_S = 5.0
 # KILL_WAIT_S bounds how long the runtime waits, after SIGKILL, for a replica's processes
 # and GPU memory to be gone before it gives up and reports the replica failed.
 KILL_WAIT_S = 10.0
+# EXIT_WAIT_S is how long a draining server whose metrics say it holds nothing is given
+# to exit by itself before its process group is killed.
+EXIT_WAIT_S = 2.0
 # LOG_TAIL is how many lines of a server's log a failure carries in its reason.
 LOG_TAIL = 5
 HTTP_TIMEOUT_S = 2.0
@@ -363,6 +366,9 @@ class ProcessRuntime:
                 remaining = max(deadline - time.monotonic(), POLL_S)
                 m = await self._scrape(s, min(SCRAPE_TIMEOUT_S, remaining))
                 if m is not None and m[1] is not None and m[1] <= 0:
+                    # Idle: a server that exits on its own (vLLM's drain does, once it
+                    # holds nothing) is given a moment to, its last answers written out.
+                    await self._until_exited(s, min(deadline, time.monotonic() + EXIT_WAIT_S))
                     break
             await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
         left = await self._kill_all(s.e.tag, self._leader(s), s)
@@ -373,6 +379,12 @@ class ProcessRuntime:
             await report("failed", left)
         else:
             await report("stopped")
+
+    async def _until_exited(self, s: _Server, deadline: float) -> None:
+        while True:
+            if not self._leader_alive(s) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------------ starting
 
@@ -656,7 +668,8 @@ class ProcessRuntime:
         # may still hold its GPU memory.
         seen: set[int] = {s.e.pid} if s is not None else set()
         while True:
-            left = await asyncio.to_thread(procs.members, tag, leader)
+            group = s.e.pid if s is not None else None
+            left = await asyncio.to_thread(procs.members, tag, leader, group)
             if s is not None and s.popen is not None:
                 s.popen.poll()
             seen |= left

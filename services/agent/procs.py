@@ -59,17 +59,29 @@ def _tag_of(pid: int) -> str | None:
     return None
 
 
-def members(tag: str, leader: int | None = None) -> set[int]:
+def members(tag: str, leader: int | None = None, group: int | None = None) -> set[int]:
     """Every live process of the replica tagged `tag` (a prefix matches): its leader's
-    group, the leader's descendants, and every process carrying the tag."""
+    group, the leader's descendants, and every process carrying the tag.
+
+    `group`: the process group the server was started in (its leader's pid), looked for
+    after the leader is gone. The tag alone misses what renames itself: vLLM's engine
+    core and workers set their process titles, which on Linux writes over the memory
+    /proc reads the environment from, and outlive a killed API server. A group's id is
+    not given to a new process while the group has members, so its members are the
+    server's as long as no process runs with that pid (one that does, not the leader,
+    owns any group of that id)."""
     out: set[int] = set()
     parents: dict[int, int] = {}
+    orphans = group is not None and group != leader and not alive(group)
     for pid in _pids():
         f = stat_fields(pid)
         if f is None or f[0] in ("Z", "X"):
             continue
         parents[pid] = int(f[1])
         if leader is not None and (pid == leader or int(f[2]) == leader):
+            out.add(pid)
+            continue
+        if orphans and int(f[2]) == group:
             out.add(pid)
             continue
         t = _tag_of(pid)

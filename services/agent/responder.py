@@ -108,6 +108,77 @@ def parse_errors(text: str) -> tuple[str, Errors]:
     return model, Errors(rate, kinds)
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """One simulated answer: `n` choices of the same `words`, in the OpenAI shapes (a
+    whole body, or the chunks of a stream)."""
+
+    rid: str
+    created: int
+    model: str
+    replica: str
+    chat: bool
+    n: int
+    words: list[str]
+    usage: dict[str, Any]
+
+    def whole(self) -> dict[str, Any]:
+        text = " ".join(self.words)
+        choices = []
+        for i in range(self.n):
+            choice: dict[str, Any] = {"index": i, "finish_reason": "length", "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.replica,
+            "choices": choices,
+            "usage": self.usage,
+        }
+
+    def _kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, delta: str | None, finish: str | None, role: bool = False) -> bytes:
+        """One event a choice: each of the `n` choices streams the same words."""
+        out = b""
+        for i in range(self.n):
+            c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
+            if self.chat:
+                c["delta"] = ({"role": "assistant"} if role else {}) | (
+                    {"content": delta} if delta is not None else {}
+                )
+            else:
+                c["text"] = delta or ""
+            doc = {
+                "id": self.rid,
+                "object": self._kind(),
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": self.replica,
+                "choices": [c],
+            }
+            out += b"data: " + json.dumps(doc).encode() + b"\n\n"
+        return out
+
+    def usage_chunk(self) -> bytes:
+        doc = {
+            "id": self.rid,
+            "object": self._kind(),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage,
+        }
+        return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
 @dataclass(frozen=True)
 class Timing:
     """How a simulated server answers: `ttft_s` before the first token, `tps` tokens a
@@ -344,91 +415,52 @@ class Responder:
             "completion_tokens": len(words) * n,
             "total_tokens": prompt_tokens + len(words) * n,
         }
-        created = int(time.time())
-        what = "chat.completion" if chat else "text_completion"
         cached = await self._prefill(prompt, prompt_tokens)
         if self.timing.cache_tokens > 0:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        answer = _Answer(rid, int(time.time()), self.model, self.replica, chat, n, words, usage)
         gap = 1.0 / self.timing.tps if self.timing.tps > 0 else 0.0
         if not stream:
             if gap and len(words) > 1:
                 await asyncio.sleep(gap * (len(words) - 1))
-            text = " ".join(words)
-            choices = []
-            for i in range(n):
-                choice: dict[str, Any] = {"index": i, "finish_reason": "length", "logprobs": None}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text}
-                else:
-                    choice["text"] = text
-                choices.append(choice)
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": what,
-                    "created": created,
-                    "model": self.model,
-                    "system_fingerprint": self.replica,
-                    "choices": choices,
-                    "usage": usage,
-                }
-            )
+            return web.json_response(answer.whole())
+        return await self._stream(request, body, answer, gap, kind)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        answer: _Answer,
+        gap: float,
+        kind: str | None,
+    ) -> web.StreamResponse:
+        """The answer streamed a word every `gap` seconds; broken off after the first
+        word when the request is one of the faults (`kind`)."""
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
-            # One event a choice: each of the `n` choices streams the same words.
-            out = b""
-            for i in range(n):
-                c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
-                if chat:
-                    c["delta"] = ({"role": "assistant"} if role else {}) | (
-                        {"content": delta} if delta is not None else {}
-                    )
-                else:
-                    c["text"] = delta or ""
-                doc = {
-                    "id": rid,
-                    "object": chunk_kind,
-                    "created": created,
-                    "model": self.model,
-                    "system_fingerprint": self.replica,
-                    "choices": [c],
-                }
-                out += b"data: " + json.dumps(doc).encode() + b"\n\n"
-            return out
-
-        if chat:
-            await resp.write(chunk("", None, role=True))
-        for i, w in enumerate(words):
+        if answer.chat:
+            await resp.write(answer.chunk("", None, role=True))
+        for i, w in enumerate(answer.words):
             if i and gap:
                 await asyncio.sleep(gap)
-            await resp.write(chunk(w if i == 0 else " " + w, None))
+            await resp.write(answer.chunk(w if i == 0 else " " + w, None))
             if kind is not None:
                 # Past the first token there is no status left: it breaks off mid-stream.
                 if kind == "garbage":
-                    await resp.write(b'data: {"id": "' + rid.encode() + b'", \x00\xff garbage\n\n')
+                    rid = answer.rid.encode()
+                    await resp.write(b'data: {"id": "' + rid + b'", \x00\xff garbage\n\n')
                 else:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.Event().wait(), STALL_S)
                 if request.transport is not None:
                     request.transport.close()
                 return resp
-        await resp.write(chunk(None if chat else "", "length"))
+        await resp.write(answer.chunk(None if answer.chat else "", "length"))
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
-            doc = {
-                "id": rid,
-                "object": chunk_kind,
-                "created": created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage,
-            }
-            await resp.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+            await resp.write(answer.usage_chunk())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

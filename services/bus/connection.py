@@ -416,43 +416,7 @@ async def connect(
     require_tls = options.get("tls") is not None or any(
         s.lower().startswith("tls://") for s in servers
     )
-    initial = True
-    outage = Outage(name, public_url(shown))
-    said: dict[str, Fault] = {}
-
-    async def on_error(e: Exception) -> None:
-        # The initial attempt's failure is raised to the caller; logging it too is noise.
-        if initial:
-            return
-        if isinstance(e, CONNECTION_ERRORS) and not (nc.is_closed or nc.is_draining):
-            outage.failed(e)
-            return
-        # One line per kind, then at most one per RECONNECT_REPORT_S with how many more:
-        # a server refusing a publish of each of 2,000 requests is one cause.
-        # The cause is the error's type and text without what it quotes (the subject).
-        kind = type(e).__name__
-        cause = f"{kind}: {_QUOTED.sub('...', str(e))[:120]}"
-        # Bounded: past 64 causes the rest share one.
-        fault = said.get(cause) or said.setdefault(cause if len(said) < 64 else "", Fault())
-        if fault.began():
-            log.warning("nats %s: %s: %s", name, kind, e)
-        elif more := fault.due():
-            log.warning(
-                "nats %s: %s: %d more since the last line, the latest: %s",
-                name,
-                kind,
-                more,
-                e,
-            )
-
-    async def on_disconnected() -> None:
-        # A disconnect we asked for (close) is not news.
-        if not (nc.is_closed or nc.is_draining):
-            outage.lost()
-
-    async def on_reconnected() -> None:
-        outage.back(public_url(nc.connected_url.geturl() if nc.connected_url else shown))
-
+    said = _Said(name, Outage(name, public_url(shown)), shown)
     auth: dict[str, Any] = {}
     if user is not None:
         auth = {"user": user, "password": password}
@@ -464,7 +428,7 @@ async def connect(
     # that try (nats-py goes on to the next server only when the TCP connect fails).
     tries = len(servers)
     while True:
-        nc = BusClient(target, require_tls=require_tls)
+        nc = said.nc = BusClient(target, require_tls=require_tls)
         try:
             # The first connect tries each server once more at most: nats-py's own loop,
             # with reconnect forever, would retry dead addresses forever instead of
@@ -476,28 +440,86 @@ async def connect(
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
                 reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
+                error_cb=said.on_error,
+                disconnected_cb=said.on_disconnected,
+                reconnected_cb=said.on_reconnected,
                 **auth,
                 **options,
             )
             break
         except (OSError, TimeoutError, nats.errors.Error) as e:
-            with_reason = str(e) or type(e).__name__
             await _quiet_close(nc)
-            untrusted = _untrusted(e)
-            if untrusted is not None:
-                raise BrokerUntrusted(shown, untrusted, os.environ.get(ENV_CA)) from e
-            if refused(e):
-                raise BrokerRefused(shown, "Authorization Violation") from e
             tries -= 1
-            if tries <= 0:
-                raise BrokerUnavailable(shown, with_reason) from e
+            _raise_refusal(e, shown, last=tries <= 0)
     nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = -1
-    initial = False
+    said.initial = False
     return nc
+
+
+class _Said:
+    """What a connection says of its errors, disconnects and reconnects (nats-py's
+    callbacks): an outage once, not every failed try; each other error once by its
+    cause, then how many more at most once per RECONNECT_REPORT_S."""
+
+    def __init__(self, name: str, outage: Outage, shown: str) -> None:
+        self.name, self.outage, self.shown = name, outage, shown
+        # initial: the first connect's failure is raised to the caller; logging it too
+        # is noise.
+        self.initial = True
+        self.nc: BusClient | None = None
+        self.said: dict[str, Fault] = {}
+
+    def _asked(self) -> bool:
+        """Whether the connection is closing because it was asked to."""
+        return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
+
+    async def on_error(self, e: Exception) -> None:
+        if self.initial:
+            return
+        if isinstance(e, CONNECTION_ERRORS) and not self._asked():
+            self.outage.failed(e)
+            return
+        # One line per kind, then at most one per RECONNECT_REPORT_S with how many more:
+        # a server refusing a publish of each of 2,000 requests is one cause.
+        # The cause is the error's type and text without what it quotes (the subject).
+        kind = type(e).__name__
+        cause = f"{kind}: {_QUOTED.sub('...', str(e))[:120]}"
+        # Bounded: past 64 causes the rest share one.
+        said = self.said
+        fault = said.get(cause) or said.setdefault(cause if len(said) < 64 else "", Fault())
+        if fault.began():
+            log.warning("nats %s: %s: %s", self.name, kind, e)
+        elif more := fault.due():
+            log.warning(
+                "nats %s: %s: %d more since the last line, the latest: %s",
+                self.name,
+                kind,
+                more,
+                e,
+            )
+
+    async def on_disconnected(self) -> None:
+        # A disconnect we asked for (close) is not news.
+        if not self._asked():
+            self.outage.lost()
+
+    async def on_reconnected(self) -> None:
+        nc = self.nc
+        at = nc.connected_url if nc is not None else None
+        self.outage.back(public_url(at.geturl() if at else self.shown))
+
+
+def _raise_refusal(e: BaseException, shown: str, *, last: bool) -> None:
+    """Raise what a failed first connect to `shown` means, when it is final: a server not
+    trusted, credentials refused, or (the `last` try) no server answering."""
+    untrusted = _untrusted(e)
+    if untrusted is not None:
+        raise BrokerUntrusted(shown, untrusted, os.environ.get(ENV_CA)) from e
+    if refused(e):
+        raise BrokerRefused(shown, "Authorization Violation") from e
+    if last:
+        raise BrokerUnavailable(shown, str(e) or type(e).__name__) from e
 
 
 def _untrusted(e: BaseException) -> str | None:

@@ -102,98 +102,126 @@ async def follow(
     stopped, False when the connection was closed; raises `LogHole` for a message
     deleted from the log, and whatever `on_batch` raises.
     """
-    same_gap, last_gap = 0, -1
-
-    # failing counts the reads failed in a row: the first is said, the rest of one outage
-    # are not (the connection already says the broker is away, once, and when it is back).
-    failing = 0
-
-    async def checked(batch: list[Delivery]) -> None:
-        nonlocal failing
-        failing = 0
-        want = position() + 1
-        if batch[0].seq != want:
-            raise SequenceGap(want, batch[0].seq)
-        if tracing.enabled():
-            for d in batch:
-                if d.headers:
-                    tracing.remember(d.seq, d.headers, d.msg_id, d.subject)
-            with _batch_span(batch, name, stream):
-                r = on_batch(batch)
-                if r is not None:
-                    await r
-        else:
-            r = on_batch(batch)
-            if r is not None:
-                await r
-
-    origin = await _origin_or_none(js, stream)
-
-    async def restarted(e: BaseException) -> None:
-        # Whatever went wrong, the stream may have been replaced meanwhile (deleted and
-        # created again): reading on by sequence would fold another log's events.
-        nonlocal origin
-        now = await _origin_or_none(js, stream)
-        if origin is not None and now is not None and now != origin:
-            raise StreamReplaced(stream, origin, now) from e
-        origin = origin or now
-        if restart is not None:
-            r = restart(e)
-            if r is not None:
-                await r
-
-    # reading ends a read when `stop` is set, or when `watch` finds the stream replaced.
-    reading = asyncio.Event()
-    replaced: list[str] = []
-
-    async def watch() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), ORIGIN_CHECK_S)
-            now = await _origin_or_none(js, stream)
-            if origin is not None and now is not None and now != origin:
-                replaced.append(now)
-                break
-        reading.set()
-
-    watcher = asyncio.create_task(watch(), name=f"{name}: stream origin")
+    loop = _Follow(js, position, on_batch, stop, restart, name, stream)
+    loop.origin = await _origin_or_none(js, stream)
+    watcher = asyncio.create_task(loop.watch(), name=f"{name}: stream origin")
     try:
         while not stop.is_set():
             try:
                 await consume.read_ordered(
                     js,
                     from_seq=position() + 1,
-                    on_batch=checked,
-                    stop=reading,
+                    on_batch=loop.checked,
+                    stop=loop.reading,
                     batch_max=batch_max,
                     stream=stream,
                     label=name,
                 )
-                if replaced:
-                    raise StreamReplaced(stream, origin or "?", replaced[0])
+                if loop.replaced:
+                    raise StreamReplaced(stream, loop.origin or "?", loop.replaced[0])
             except (SequenceGap, Gap) as e:
-                await restarted(e)
-                missing = e.expected
-                same_gap = same_gap + 1 if missing == last_gap else 1
-                last_gap = missing
-                log.warning("%s: %s; reading again from %d", name, e, position() + 1)
-                if same_gap >= GAP_RETRIES and not await message_exists(js, missing, stream):
-                    raise LogHole(missing, stream) from e
+                await loop.gap(e)
             except nats.errors.ConnectionClosedError:
                 return False
             except (nats.errors.Error, TimeoutError) as e:
-                # The broker went away or restarted: read again from where we are.
-                failing += 1
-                if failing == 1:
-                    log.warning("%s: read failed (%s); retrying until it works", name, e)
-                else:
-                    log.debug("%s: read failed again (%s)", name, e)
-                await restarted(e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), RETRY_PAUSE_S)
+                await loop.failed(e)
         return True
     finally:
         watcher.cancel()
+
+
+class _Follow:
+    """What one `follow` loop keeps between its reads, and what it does with each
+    batch, gap and failed read."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        position: Callable[[], int],
+        on_batch: OnBatch,
+        stop: asyncio.Event,
+        restart: Restart | None,
+        name: str,
+        stream: str,
+    ) -> None:
+        self.js, self.position, self.on_batch, self.stop = js, position, on_batch, stop
+        self.restart, self.name, self.stream = restart, name, stream
+        # The missing sequence of the last gap, and how many gaps in a row it was.
+        self.same_gap, self.last_gap = 0, -1
+        # failing counts the reads failed in a row: the first is said, the rest of one
+        # outage are not (the connection already says the broker is away, once, and
+        # when it is back).
+        self.failing = 0
+        self.origin: str | None = None
+        # reading ends a read when `stop` is set, or when `watch` finds the stream
+        # replaced (its new origin in `replaced`).
+        self.reading = asyncio.Event()
+        self.replaced: list[str] = []
+
+    async def checked(self, batch: list[Delivery]) -> None:
+        """A batch handed on, once it starts right after the position."""
+        self.failing = 0
+        want = self.position() + 1
+        if batch[0].seq != want:
+            raise SequenceGap(want, batch[0].seq)
+        if tracing.enabled():
+            for d in batch:
+                if d.headers:
+                    tracing.remember(d.seq, d.headers, d.msg_id, d.subject)
+            with _batch_span(batch, self.name, self.stream):
+                r = self.on_batch(batch)
+                if r is not None:
+                    await r
+        else:
+            r = self.on_batch(batch)
+            if r is not None:
+                await r
+
+    async def restarted(self, e: BaseException) -> None:
+        """Before reading again: whatever went wrong, the stream may have been replaced
+        meanwhile (deleted and created again), and reading on by sequence would fold
+        another log's events."""
+        now = await _origin_or_none(self.js, self.stream)
+        if self.origin is not None and now is not None and now != self.origin:
+            raise StreamReplaced(self.stream, self.origin, now) from e
+        self.origin = self.origin or now
+        if self.restart is not None:
+            r = self.restart(e)
+            if r is not None:
+                await r
+
+    async def gap(self, e: SequenceGap | Gap) -> None:
+        """A message did not arrive: read again; a hole once the same one is missing
+        GAP_RETRIES times and the stream no longer holds it."""
+        await self.restarted(e)
+        missing = e.expected
+        self.same_gap = self.same_gap + 1 if missing == self.last_gap else 1
+        self.last_gap = missing
+        log.warning("%s: %s; reading again from %d", self.name, e, self.position() + 1)
+        if self.same_gap >= GAP_RETRIES and not await message_exists(self.js, missing, self.stream):
+            raise LogHole(missing, self.stream) from e
+
+    async def failed(self, e: BaseException) -> None:
+        """The broker went away or restarted: read again from where we are."""
+        self.failing += 1
+        if self.failing == 1:
+            log.warning("%s: read failed (%s); retrying until it works", self.name, e)
+        else:
+            log.debug("%s: read failed again (%s)", self.name, e)
+        await self.restarted(e)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), RETRY_PAUSE_S)
+
+    async def watch(self) -> None:
+        """Every ORIGIN_CHECK_S, whether the stream is still the one it started on."""
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), ORIGIN_CHECK_S)
+            now = await _origin_or_none(self.js, self.stream)
+            if self.origin is not None and now is not None and now != self.origin:
+                self.replaced.append(now)
+                break
+        self.reading.set()
 
 
 async def _origin_or_none(js: JetStreamContext, stream: str) -> str | None:

@@ -333,6 +333,13 @@ def parse_headers(h: bytes) -> dict[str, str] | None:
     return out or None
 
 
+def _nothing_matches(ci: dict[str, Any]) -> bool:
+    """Whether a consumer just made (its info `ci`) has nothing to send: no message of
+    its filter pending, none delivered."""
+    delivered = (ci.get("delivered") or {}).get("consumer_seq", 0)
+    return not ci.get("num_pending") and not delivered
+
+
 def _status(h: bytes) -> tuple[str, dict[str, str]]:
     """(status line after the code, headers) of a status message: `NATS/1.0 100 Idle ...`."""
     first, _, rest = h.decode(errors="replace").partition("\r\n")
@@ -596,25 +603,11 @@ class WireOrderedReader:
                 ci = await self._create()
             except Unsupported as e:
                 log.info("%s: %s; reading through nats-py", self.who, e)
-                fallback = ordered.NatsOrderedReader(
-                    self.js,
-                    from_seq=self.last_seq + 1,
-                    filter_subject=self.filter_subject,
-                    stream=self.stream,
-                    until_seq=self.seq.until_seq,
-                    to_end=self.to_end,
-                    stop=self.stop,
-                    batch_max=self.batch_max,
-                    consumer=self.name,
-                )
-                self.seq = fallback.seq
-                async for batch in fallback.batches():
+                async for batch in self._fallback():
                     yield batch
                 return
-            if self.to_end:
-                delivered = (ci.get("delivered") or {}).get("consumer_seq", 0)
-                if not ci.get("num_pending") and not delivered:
-                    return  # nothing matches: nothing was sent, nothing will be
+            if self.to_end and _nothing_matches(ci):
+                return  # nothing was sent, nothing will be
             if self.stop is not None:
                 stopper = asyncio.create_task(self.stop.wait())
                 stopper.add_done_callback(self._wake_on_stop)
@@ -624,17 +617,7 @@ class WireOrderedReader:
                 if not conn.frames:
                     if self._stopped():
                         return
-                    if conn.closed:
-                        await self._reset("connection lost")
-                        continue
-                    await conn.wait(self.hb)
-                    if (
-                        not conn.frames
-                        and not self._stopped()
-                        and not conn.closed
-                        and time.monotonic() - self._seen > MISSED_HEARTBEATS * self.hb
-                    ):
-                        await self._reset("heartbeats missed")
+                    await self._wait(conn)
                     continue
                 frames, conn.frames = conn.frames, []
                 out, why = self._take(frames, conn)
@@ -648,6 +631,38 @@ class WireOrderedReader:
             if stopper is not None:
                 stopper.cancel()
             self._cleanup()
+
+    def _fallback(self) -> AsyncGenerator[list[Delivery], None]:
+        """The rest read through nats-py's ordered reader, for a server the wire reader
+        does not speak to (`Unsupported`)."""
+        fallback = ordered.NatsOrderedReader(
+            self.js,
+            from_seq=self.last_seq + 1,
+            filter_subject=self.filter_subject,
+            stream=self.stream,
+            until_seq=self.seq.until_seq,
+            to_end=self.to_end,
+            stop=self.stop,
+            batch_max=self.batch_max,
+            consumer=self.name,
+        )
+        self.seq = fallback.seq
+        return fallback.batches()
+
+    async def _wait(self, conn: WireConnection) -> None:
+        """No frames yet: wait a heartbeat's time for some; the consumer made again on a
+        connection lost, or once heartbeats are missed."""
+        if conn.closed:
+            await self._reset("connection lost")
+            return
+        await conn.wait(self.hb)
+        if (
+            not conn.frames
+            and not self._stopped()
+            and not conn.closed
+            and time.monotonic() - self._seen > MISSED_HEARTBEATS * self.hb
+        ):
+            await self._reset("heartbeats missed")
 
     def _take(self, frames: list[Frame], conn: WireConnection) -> tuple[list[Delivery], str]:
         """Deliveries from `frames` up to the end, a gap, or `until`, through the shared

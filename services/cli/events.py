@@ -223,7 +223,7 @@ def _type_filter(patterns: list[str]) -> Any:
 
 
 async def _tail(args: argparse.Namespace) -> int:
-    from services.bus import follow, stream
+    from services.bus import follow
     from services.bus.errors import StreamReplaced
 
     show = _type_filter(args.types)
@@ -242,14 +242,7 @@ async def _tail(args: argparse.Namespace) -> int:
         waited = False if opened.offline else await _stream_made(s)
         info = await _event_stream(s, create=False)
         state = info.state
-        since = args.since
-        if since is None:
-            # A stream made while it waited holds only what came after the tail began.
-            start = 1 if waited else state.last_seq + 1
-        elif isinstance(since, int):
-            start = since
-        else:
-            start = await stream.first_stored_at(s.nc, since, state.last_seq)
+        start = await _tail_start(args.since, s, waited, state.last_seq)
         shown = 0
         import asyncio
 
@@ -264,17 +257,7 @@ async def _tail(args: argparse.Namespace) -> int:
                 event, why = _decode_or_reason(d.data)
                 if event is not None and not show(type_of(type(event))):
                     continue
-                if args.output == "json":
-                    lines.append(bundle.line(d.seq, d.subject, d.data).decode())
-                elif args.output == "name":
-                    lines.append(_tail_name(d, event, s.root))
-                elif event is None:
-                    lines.append(_tail_bad(d, why))
-                else:
-                    line = eventline.event_line(d.seq, event, d.subject, s.root)
-                    if args.output == "wide":
-                        line += f"  id={event.id} cause={event.causation or '-'}"
-                    lines.append(line)
+                lines.append(_tail_line(args.output, d, event, why, s.root))
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     stop.set()
@@ -307,6 +290,34 @@ async def _tail(args: argparse.Namespace) -> int:
         except StreamReplaced as e:
             raise cli.CliError(f"{e}: the tail stops here; start it again") from None
     return 0
+
+
+async def _tail_start(since: Any, s: Any, waited: bool, last_seq: int) -> int:
+    """The first seq the tail shows: `--since`'s (a seq, or the first stored at a time);
+    without it, what the plane stores next (all of a stream made while it waited, which
+    holds only what came after the tail began)."""
+    from services.bus import stream
+
+    if since is None:
+        return 1 if waited else last_seq + 1
+    if isinstance(since, int):
+        return since
+    return await stream.first_stored_at(s.nc, since, last_seq)
+
+
+def _tail_line(output: str, d: Any, event: Any, why: str, root: str) -> str:
+    """The tail's line for the message `d` (`event` decoded, or None and `why`), in the
+    `-o` form asked for."""
+    if output == "json":
+        return bundle.line(d.seq, d.subject, d.data).decode()
+    if output == "name":
+        return _tail_name(d, event, root)
+    if event is None:
+        return _tail_bad(d, why)
+    line = eventline.event_line(d.seq, event, d.subject, root)
+    if output == "wide":
+        line += f"  id={event.id} cause={event.causation or '-'}"
+    return line
 
 
 @contextlib.asynccontextmanager

@@ -178,6 +178,10 @@ class Listing:
     rows: list[list[str]]
 
 
+# A table: its rows as plain data, its columns and its printed rows.
+_Table = tuple[list[dict[str, Any]], list[str], list[list[str]]]
+
+
 def listing(
     view: View,
     kind: str,
@@ -194,127 +198,169 @@ def listing(
     selectors = selectors or []
     d = status.summary(view, 0, now)
     now = now if now is not None else view.state.time
-    s = view.state
-    items: list[dict[str, Any]]
-    rows: list[list[str]] = []
     match kind:
         case "node":
-            items = [n for n in d["nodes"] if _selected(n["labels"], selectors)]
-            for n in items:
-                rec = s.nodes[n["node"]]
-                n["lost_reason"] = rec.lost_reason
-            head = ["NAME", "STATE", "GPUS", "REPLICAS", "UPDATED"]
-            if wide:
-                head += ["GPU MODEL", "LABELS", "REASON"]
-            for n in items:
-                gpus = f"{n['used']}/{n['gpus']}"
-                if n["healthy"] < n["gpus"]:
-                    gpus += f" ({n['gpus'] - n['healthy']} unhealthy)"
-                state = n["state"].upper() if n["state"] == "lost" else n["state"]
-                row = [n["node"], state, gpus, str(n["replicas"])]
-                row.append(render.ago(s.nodes[n["node"]].updated_at, now))
-                if wide:
-                    row += [
-                        n["gpu_model"] or "-",
-                        ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
-                        n["lost_reason"] or "-",
-                    ]
-                rows.append(row)
+            items, head, rows = _nodes(view, d, now, wide, selectors)
         case "model":
             _only_nodes(selectors, "models")
-            items = d["models"]
-            head = ["NAME", "CLASS", "OWNER", "LIVE", "DESIRED", "MIN..MAX"]
-            if wide:
-                head += ["STATES", "ALIASES", "PROFILES", "NOTE"]
-            for m in items:
-                row = [
-                    m["model"],
-                    m["class"] or "-",
-                    m["owner"] or "-",
-                    str(m["live"]),
-                    str(m["desired"]),
-                    "-" if m["min"] is None else f"{m['min']}..{m['max']}",
-                ]
-                if wide:
-                    row += [
-                        " ".join(f"{k}:{v}" for k, v in sorted(m["states"].items())) or "-",
-                        ",".join(m["aliases"]) or "-",
-                        ",".join(m["profiles"]) or "-",
-                        status.model_note(m) or "-",
-                    ]
-                rows.append(row)
+            items, head, rows = _models(d, wide)
         case "replica":
-            on = {n for n, rec in s.nodes.items() if _selected(dict(rec.report.labels), selectors)}
-            shown = sorted(
-                (
-                    r
-                    for r in render.shown_replicas(view, everything or bool(states))
-                    if (not selectors or any(n in on for n in r.nodes))
-                    and (not states or r.state in states)
-                ),
-                key=lambda r: (r.model, r.id),
-            )
-            items = [
-                {
-                    "replica": r.id,
-                    "model": r.model,
-                    "profile": r.profile,
-                    "state": r.state,
-                    "nodes": list(r.nodes),
-                    "gpus": render.shards_text(r),
-                    "created_at": render.stamp(r.created_at),
-                    "ready_at": render.stamp(r.ready_at),
-                    "drain_reason": r.drain_reason,
-                    "reason": r.reason,
-                }
-                for r in shown
-            ]
-            head = ["NAME", "MODEL", "STATE", "NODES", "AGE"]
-            if wide:
-                head += ["PROFILE", "GPUS", "REASON"]
-            for r in shown:
-                row = [
-                    r.id,
-                    r.model,
-                    r.state,
-                    ",".join(r.nodes) or "-",
-                    render.ago(r.created_at, now).removesuffix(" ago"),
-                ]
-                if wide:
-                    row += [
-                        r.profile,
-                        render.shards_text(r) or "-",
-                        r.drain_reason or r.reason or "-",
-                    ]
-                rows.append(row)
+            items, head, rows = _replicas(view, now, wide, selectors, everything, states)
         case _:  # hold
             _only_nodes(selectors, "holds")
-            items = d["holds"]
-            head = ["NAME", "FOR", "UNTIL", "ON"]
-            for h in items:
-                until = s.holds[h["model"]].until
-                rows.append(
-                    [
-                        h["model"],
-                        h["for_model"],
-                        f"{h['until']} ({render.ago(until, now)})",
-                        "on" if h["on"] else "off",
-                    ]
-                )
-    key = {"node": "node", "model": "model", "replica": "replica", "hold": "model"}[kind]
+            items, head, rows = _holds(view, d, now)
     if only:
-        known = {str(i[key]) for i in items}
-        every = _every_name(view, kind)
-        for name in only:
-            if name not in known:
-                if name in every:
-                    continue  # there, but not selected (-l, or a replica stopped)
-                hint = names.did_you_mean(name, every)
-                raise cli.NotFound(f"no {kind} {name!r} in the log{hint}")
-        keep = [i for i, item in enumerate(items) if item[key] in only]
-        items = [items[i] for i in keep]
-        rows = [rows[i] for i in keep]
+        items, rows = _named(view, kind, items, rows, only)
     return Listing(kind, items, head, rows)
+
+
+def _nodes(
+    view: View, d: dict[str, Any], now: datetime | None, wide: bool, selectors: list[Selector]
+) -> _Table:
+    s = view.state
+    items = [n for n in d["nodes"] if _selected(n["labels"], selectors)]
+    for n in items:
+        n["lost_reason"] = s.nodes[n["node"]].lost_reason
+    head = ["NAME", "STATE", "GPUS", "REPLICAS", "UPDATED"]
+    if wide:
+        head += ["GPU MODEL", "LABELS", "REASON"]
+    rows: list[list[str]] = []
+    for n in items:
+        gpus = f"{n['used']}/{n['gpus']}"
+        if n["healthy"] < n["gpus"]:
+            gpus += f" ({n['gpus'] - n['healthy']} unhealthy)"
+        state = n["state"].upper() if n["state"] == "lost" else n["state"]
+        row = [n["node"], state, gpus, str(n["replicas"])]
+        row.append(render.ago(s.nodes[n["node"]].updated_at, now))
+        if wide:
+            row += [
+                n["gpu_model"] or "-",
+                ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
+                n["lost_reason"] or "-",
+            ]
+        rows.append(row)
+    return items, head, rows
+
+
+def _models(d: dict[str, Any], wide: bool) -> _Table:
+    items: list[dict[str, Any]] = d["models"]
+    head = ["NAME", "CLASS", "OWNER", "LIVE", "DESIRED", "MIN..MAX"]
+    if wide:
+        head += ["STATES", "ALIASES", "PROFILES", "NOTE"]
+    rows: list[list[str]] = []
+    for m in items:
+        row = [
+            m["model"],
+            m["class"] or "-",
+            m["owner"] or "-",
+            str(m["live"]),
+            str(m["desired"]),
+            "-" if m["min"] is None else f"{m['min']}..{m['max']}",
+        ]
+        if wide:
+            row += [
+                " ".join(f"{k}:{v}" for k, v in sorted(m["states"].items())) or "-",
+                ",".join(m["aliases"]) or "-",
+                ",".join(m["profiles"]) or "-",
+                status.model_note(m) or "-",
+            ]
+        rows.append(row)
+    return items, head, rows
+
+
+def _replicas(
+    view: View,
+    now: datetime | None,
+    wide: bool,
+    selectors: list[Selector],
+    everything: bool,
+    states: frozenset[str],
+) -> _Table:
+    s = view.state
+    on = {n for n, rec in s.nodes.items() if _selected(dict(rec.report.labels), selectors)}
+    shown = sorted(
+        (
+            r
+            for r in render.shown_replicas(view, everything or bool(states))
+            if (not selectors or any(n in on for n in r.nodes))
+            and (not states or r.state in states)
+        ),
+        key=lambda r: (r.model, r.id),
+    )
+    items: list[dict[str, Any]] = [
+        {
+            "replica": r.id,
+            "model": r.model,
+            "profile": r.profile,
+            "state": r.state,
+            "nodes": list(r.nodes),
+            "gpus": render.shards_text(r),
+            "created_at": render.stamp(r.created_at),
+            "ready_at": render.stamp(r.ready_at),
+            "drain_reason": r.drain_reason,
+            "reason": r.reason,
+        }
+        for r in shown
+    ]
+    head = ["NAME", "MODEL", "STATE", "NODES", "AGE"]
+    if wide:
+        head += ["PROFILE", "GPUS", "REASON"]
+    rows: list[list[str]] = []
+    for r in shown:
+        row = [
+            r.id,
+            r.model,
+            r.state,
+            ",".join(r.nodes) or "-",
+            render.ago(r.created_at, now).removesuffix(" ago"),
+        ]
+        if wide:
+            row += [
+                r.profile,
+                render.shards_text(r) or "-",
+                r.drain_reason or r.reason or "-",
+            ]
+        rows.append(row)
+    return items, head, rows
+
+
+def _holds(view: View, d: dict[str, Any], now: datetime | None) -> _Table:
+    items: list[dict[str, Any]] = d["holds"]
+    head = ["NAME", "FOR", "UNTIL", "ON"]
+    rows: list[list[str]] = []
+    for h in items:
+        until = view.state.holds[h["model"]].until
+        rows.append(
+            [
+                h["model"],
+                h["for_model"],
+                f"{h['until']} ({render.ago(until, now)})",
+                "on" if h["on"] else "off",
+            ]
+        )
+    return items, head, rows
+
+
+def _named(
+    view: View,
+    kind: str,
+    items: list[dict[str, Any]],
+    rows: list[list[str]],
+    only: list[str],
+) -> tuple[list[dict[str, Any]], list[list[str]]]:
+    """The items and rows of the names `only` asks for; `NotFound` for a name the log
+    never had (one there but not selected is left out quietly)."""
+    key = {"node": "node", "model": "model", "replica": "replica", "hold": "model"}[kind]
+    known = {str(i[key]) for i in items}
+    every = _every_name(view, kind)
+    for name in only:
+        if name not in known:
+            if name in every:
+                continue  # there, but not selected (-l, or a replica stopped)
+            hint = names.did_you_mean(name, every)
+            raise cli.NotFound(f"no {kind} {name!r} in the log{hint}")
+    keep = [i for i, item in enumerate(items) if item[key] in only]
+    return [items[i] for i in keep], [rows[i] for i in keep]
 
 
 def _only_nodes(selectors: list[Selector], what: str) -> None:

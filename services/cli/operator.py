@@ -254,7 +254,8 @@ class _Op:
     async def warn_without_scheduler(self, args: argparse.Namespace) -> None:
         """One line on stderr when no scheduler leads: what was published is stored, and
         nothing acts on it until one does (a plane killed with -9 leaves its broker up)."""
-        from services import clock, liveness
+        from services import clock
+        from services.plane import liveness
 
         _, recorded_in = cli.resolve_with_origin(args)
         why = await liveness.no_scheduler(self.s.js, self.s.root, clock.utc_now(), recorded_in)
@@ -447,19 +448,7 @@ APPLY_BATCH = 1000
 
 
 async def _apply(args: argparse.Namespace) -> int:
-    # On a terminal, what it is doing while a big file is read (20,000 models: seconds).
-    tty = sys.stderr.isatty()
-    if tty:
-        sys.stderr.write(f"reading {args.file} ...")
-        sys.stderr.flush()
-    try:
-        spec = clusterfile.load(args.file, new_owners=args.new_owner, libyaml=args.libyaml)
-    except clusterfile.ClusterFileError as e:
-        raise file_error(e) from None
-    finally:
-        if tty:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
+    spec = _read_file(args)
     async with _operating(args, "llmgw apply") as op:
         view = op.view
         state = view.state
@@ -468,72 +457,116 @@ async def _apply(args: argparse.Namespace) -> int:
             stray = spec.owner_error((o.name for o in state.quota), args.new_owner)
             if stray is not None:
                 raise file_error(stray)
-        declared = {m.name: m for m in spec.models}
-        pending: list[tuple[str, ev.Data]] = []
-        notes: list[str] = []
-        for m in spec.models:
-            if state.models.get(m.name) != m:
-                pending.append((f"model {m.name}", m))
+        pending: list[tuple[str, ev.Data]] = [
+            (f"model {m.name}", m) for m in spec.models if state.models.get(m.name) != m
+        ]
         if spec.quota is not None and state.quota != spec.quota.owners:
             pending.append(
                 (f"quota tree ({names.plural(len(spec.quota.owners), 'owner')})", spec.quota)
             )
-        scaled: dict[str, str] = {}
-        for key, n in spec.scale.items():
-            # The file's own declarations first: they are what the cluster will hold.
-            model = names.canonical_model(declared, key) or _in_view(view, key)
-            if model is None:
-                if not args.force:
-                    known = names.model_names(declared) | names.model_names(state.models)
-                    # Checked against the live cluster, not the file's shape: a runtime
-                    # name not found (exit 3), as `llmgw scale` of an unknown model is.
-                    raise cli.NotFound(
-                        str(
-                            spec.error(
-                                f"scale.{key}",
-                                f"unknown model {key!r}{names.did_you_mean(key, known)} "
-                                "(declare it under models:, or pass --force)",
-                            )
-                        )
-                    )
-                model = key
-            if model in scaled:
-                raise file_error(
-                    spec.error(
-                        f"scale.{key}",
-                        f"{model} is scaled twice (also as scale.{scaled[model]})",
-                    )
-                )
-            scaled[model] = key
-            note = limits_note(declared.get(model) or state.models.get(model), n)
-            if note is not None:
-                notes.append(note)
-            if state.desired.get(model) != n:
-                alias = f" (from {key})" if key != model else ""
-                pending.append(
-                    (f"scale {model} = {n}{alias}", ev.ScaleDesired(model=model, replicas=n))
-                )
+        scales, notes = _scale_changes(args, spec, view)
+        pending += scales
         if not pending:
             print(f"{args.file}: nothing changed")
         if args.dry_run:
             for what, _ in pending:
                 print(f"would publish {what}")
         else:
-            # Pipelined, a window of acks at a time, in the file's order: 20,000 models
-            # one round trip each took seconds more than the file took to read.
-            progress = cli.Progress("publishing", len(pending))
-            for at in range(0, len(pending), APPLY_BATCH):
-                batch = pending[at : at + APPLY_BATCH]
-                done = await op.publisher.publish_many([_event(data) for _, data in batch])
-                for (what, _), out in zip(batch, done, strict=True):
-                    print(f"published {what}  (seq {out.seq})")
-                progress.advance(len(batch))
-            progress.close()
+            await _publish_all(op, pending)
         for note in notes:
             print(note)
         if pending and not args.dry_run:
             await op.warn_without_scheduler(args)
     return 0
+
+
+def _read_file(args: argparse.Namespace) -> clusterfile.ClusterFile:
+    """The cluster file `apply` was given, read; saying so on a terminal while a big one
+    is read (20,000 models: seconds)."""
+    tty = sys.stderr.isatty()
+    if tty:
+        sys.stderr.write(f"reading {args.file} ...")
+        sys.stderr.flush()
+    try:
+        return clusterfile.load(args.file, new_owners=args.new_owner, libyaml=args.libyaml)
+    except clusterfile.ClusterFileError as e:
+        raise file_error(e) from None
+    finally:
+        if tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _scale_changes(
+    args: argparse.Namespace, spec: clusterfile.ClusterFile, view: View
+) -> tuple[list[tuple[str, ev.Data]], list[str]]:
+    """The file's `scale:` entries that change the cluster, as events to publish, and
+    the notes on scales outside a model's limits."""
+    state = view.state
+    declared = {m.name: m for m in spec.models}
+    pending: list[tuple[str, ev.Data]] = []
+    notes: list[str] = []
+    scaled: dict[str, str] = {}
+    for key, n in spec.scale.items():
+        model = _scaled_model(args, spec, view, declared, key)
+        if model in scaled:
+            raise file_error(
+                spec.error(
+                    f"scale.{key}",
+                    f"{model} is scaled twice (also as scale.{scaled[model]})",
+                )
+            )
+        scaled[model] = key
+        note = limits_note(declared.get(model) or state.models.get(model), n)
+        if note is not None:
+            notes.append(note)
+        if state.desired.get(model) != n:
+            alias = f" (from {key})" if key != model else ""
+            pending.append(
+                (f"scale {model} = {n}{alias}", ev.ScaleDesired(model=model, replicas=n))
+            )
+    return pending, notes
+
+
+def _scaled_model(
+    args: argparse.Namespace,
+    spec: clusterfile.ClusterFile,
+    view: View,
+    declared: dict[str, ev.ModelDeclared],
+    key: str,
+) -> str:
+    """The model the file's `scale.KEY` scales: the file's own declarations first (they
+    are what the cluster will hold), then the cluster's; KEY itself with --force."""
+    model = names.canonical_model(declared, key) or _in_view(view, key)
+    if model is not None:
+        return model
+    if not args.force:
+        known = names.model_names(declared) | names.model_names(view.state.models)
+        # Checked against the live cluster, not the file's shape: a runtime name not
+        # found (exit 3), as `llmgw scale` of an unknown model is.
+        raise cli.NotFound(
+            str(
+                spec.error(
+                    f"scale.{key}",
+                    f"unknown model {key!r}{names.did_you_mean(key, known)} "
+                    "(declare it under models:, or pass --force)",
+                )
+            )
+        )
+    return key
+
+
+async def _publish_all(op: _Op, pending: list[tuple[str, ev.Data]]) -> None:
+    """Publish `pending`, pipelined a window of acks at a time, in the file's order:
+    20,000 models one round trip each took seconds more than the file took to read."""
+    progress = cli.Progress("publishing", len(pending))
+    for at in range(0, len(pending), APPLY_BATCH):
+        batch = pending[at : at + APPLY_BATCH]
+        done = await op.publisher.publish_many([_event(data) for _, data in batch])
+        for (what, _), out in zip(batch, done, strict=True):
+            print(f"published {what}  (seq {out.seq})")
+        progress.advance(len(batch))
+    progress.close()
 
 
 def _in_view(view: View, name: str) -> str | None:

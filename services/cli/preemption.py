@@ -26,7 +26,10 @@ from services.core import policy
 from services.core.view import View
 from services.preemption import settings
 
-_DEFAULTS = policy.Config()
+# A reader runs the spec (the plain engine) unless --policy-engine says otherwise, whatever
+# engine the service that recorded its settings ran: every engine decides the same, and
+# the spec is what an operator checks a decision against.
+_DEFAULTS = policy.Config(engine="plain")
 PLAN_OUTPUTS = ("table", "json", "name")
 
 
@@ -55,6 +58,8 @@ def register(commands: cli.Commands) -> None:
             "it would create, every candidate in order with its tier, every replica it would\n"
             "not take with why, and each set it tried. Nothing is published. -o json (or\n"
             "--json) prints the decision as one JSON object, -o name replica/ID a victim.\n"
+            "It runs the plain engine, the spec, unless --policy-engine names another: each\n"
+            "decides the same.\n"
             "\n"
             "Tiers: 0 idle on-demand, 1 borrowed past another owner's guarantee, 2 lower\n"
             "class above its minimum, 3 same class above its minimum (while MODEL is below\n"
@@ -101,7 +106,7 @@ def register(commands: cli.Commands) -> None:
         "Unless given, each is the value the log last recorded (policy.configured, written "
         "by the preemption service when it takes the lead), else the default shown.",
     )
-    flags.add(knobs, policy.Config)
+    flags.add(knobs, policy.Config, defaults={"engine": _DEFAULTS.engine})
     p.set_defaults(**{f.name: None for f in dataclasses.fields(policy.Config)})
     add_output_option(
         p,
@@ -203,7 +208,8 @@ def one_more(view: View, model: str) -> str | None:
 
 def policy_for(args: argparse.Namespace, view: View) -> tuple[policy.Config, dict[str, Any]]:
     """The policy's settings for the plan, and a record of where each came from: a flag
-    given, else the log's last `policy.configured`, else the default."""
+    given, else the log's last `policy.configured`, else the default. The engine is a
+    flag's or the plain one (`_DEFAULTS`), never the log's."""
     rec = view.state.policy
     recorded = settings.policy_of(rec.settings) if rec is not None else None
     values: dict[str, Any] = {}
@@ -212,7 +218,7 @@ def policy_for(args: argparse.Namespace, view: View) -> tuple[policy.Config, dic
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name], origin[f.name] = given, "flag"
-        elif recorded is not None:
+        elif recorded is not None and f.name != "engine":
             values[f.name], origin[f.name] = getattr(recorded, f.name), "log"
         else:
             values[f.name], origin[f.name] = getattr(_DEFAULTS, f.name), "default"

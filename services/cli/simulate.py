@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services import flags
 from services.cli import app as cli
+from services.core.policy.config import Config as PolicyConfig
 
 if TYPE_CHECKING:
     from services.sim import engine
@@ -70,11 +72,18 @@ def register(commands: cli.Commands) -> None:
         ),
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    flags.add(p, PolicyConfig, only=("engine",))
+    p.add_argument(
+        "--oracle-every-set",
+        action="store_true",
+        help="the oracle tries every set of the candidates for a model required in one "
+        "domain, not each domain's own: the same report, slower (the check of the "
+        "oracle's domain groups)",
+    )
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from services.core import policy
-    from services.core.policy import index as policy_index
     from services.sim import report, runs
     from services.sim import scenario as scn
 
@@ -111,8 +120,10 @@ def _simulate(args: argparse.Namespace) -> int:
             jobs=jobs,
             clock=time.monotonic,
             on_result=wrote,
+            engine=args.engine,
+            oracle_every_set=args.oracle_every_set,
         )
-    except (runs.Failed, policy_index.PolicyMismatch) as e:
+    except (runs.Failed, policy.PolicyMismatch) as e:
         raise cli.CliError(str(e)) from None
     wall = time.monotonic() - t0
     if args.json:

@@ -438,10 +438,10 @@ async def health(
     The health: the log's last sequence, how far the projector (`<data>/view.sqlite`)
     is behind it in events and seconds, and the dead letters per consumer
     (`services.dashboard.health`, which the dashboard shows too); None when the broker
-    does not answer. The plane (`services.liveness`): who leads, the projector's last
+    does not answer. The plane (`services.plane.liveness`): who leads, the projector's last
     commit, whether the `up` of the data directory is alive, and, for the nodes of
     `view`, the age of each one's last heartbeat."""
-    from services import liveness
+    from services.plane import liveness
 
     async with cli.session(args, "llmgw status") as s:
         nodes = _alive_nodes(view)
@@ -463,8 +463,8 @@ async def _log_and_plane(
     args: argparse.Namespace, s: cli.Session
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """`health`'s log and plane (without the heartbeats), through the session `s`."""
-    from services import liveness
     from services.dashboard import health as log_health
+    from services.plane import liveness
     from services.up import DB_FILE
 
     # The projector's view database is the one beside the `llmgw up` whose data
@@ -522,7 +522,7 @@ def health_line(h: dict[str, Any]) -> str:
 async def _status(args: argparse.Namespace) -> int:
     """0, or 1 when the plane the log belongs to is not running (no leader, a stale
     projector, its `up` gone): the status is printed all the same, headed by why."""
-    from services import liveness
+    from services.plane import liveness
 
     check_watch(args, {"--log": bool(args.log)})
     if args.watch:
@@ -585,7 +585,7 @@ class _Heard:
         self.all = asyncio.Event()
 
     async def on(self, msg: Any) -> None:
-        from services import liveness
+        from services.plane import liveness
 
         got = liveness.heartbeat_of(msg.data, msg.subject)
         if got is not None:
@@ -605,7 +605,7 @@ async def _watch(args: argparse.Namespace) -> int:
     Ctrl-C or --count drawings. The view is followed (services.replay.subscribe); the
     log's health, the plane's liveness and the heartbeat ages are read afresh for each
     drawing, so a plane killed is said though its log stands still."""
-    from services import liveness
+    from services.plane import liveness
     from services.replay import subscribe
 
     tty = sys.stdout.isatty()
@@ -679,7 +679,7 @@ async def _plane_now(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The log and the plane as `status` reads them, within one --interval: a broker
     away (the connection retrying) makes it the plane of a broker that does not answer."""
-    from services import liveness
+    from services.plane import liveness
 
     try:
         return await asyncio.wait_for(_log_and_plane(args, s), max(args.interval, 1.0))

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from services import flags, process
+from services import flags
 from services.cli import app as cli
 from services.cli.agent import add_simulation_options
 from services.cli.dashboard import add_listen_options, allowed_hosts
@@ -19,6 +19,7 @@ from services.cli.gateway import add_gateway_options, gateway_config, gateway_ke
 from services.core import policy, scheduling
 from services.dashboard.listen import DEFAULT_LISTEN
 from services.gateway.listen import DEFAULT_LISTEN as DEFAULT_GATEWAY
+from services.plane import process
 
 DEFAULT_PORT = 4222
 DEFAULT_UI = DEFAULT_LISTEN

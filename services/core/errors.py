@@ -23,5 +23,5 @@ class AllocationError(CoreError):
 
 
 class PolicyMismatch(CoreError):
-    """A fast path and the spec disagreed (`LLMGW_POLICY_CHECK=1`): the index and the
-    plain walk, or the lazy node-aware search and the spec's."""
+    """An engine and the spec disagreed (`--policy-engine checked`, `policy.checked`):
+    their candidates, a dry run, or a set a search tried or took."""

@@ -326,27 +326,49 @@ def _node_removed(view: View, e: ev.NodeRemovedEvent, subject: str | None) -> st
 
 def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> str | None:
     d = e.data
-    reps = view.state.replicas
-    r = reps.get(d.replica)
+    r = view.state.replicas.get(d.replica)
     if r is None:
         # Only what the plane placed exists (as a kubelet creates no pod): an agent
         # reports the replicas a placement put on its node, and creates none. A report
         # for one never placed would count as the model's capacity, and be routed to.
         node = _subject_node(subject) if subject is not None else None
         return f"replica {d.replica} {NEVER_PLACED} on {node or d.node or 'any node'}"
-    # Authority: an agent speaks only for replicas recorded on its own node. Once a
-    # replica has a placement, its shards are the placement's, not what a report claims:
-    # otherwise an agent could "move" another node's replica to itself as stopped and
-    # free that node's GPUs for the scheduler to fill again, in a loop.
-    if r.shards:
-        if d.shards and d.shards != r.shards:
-            return (
-                f"replica {d.replica} is placed on {_where_gpus(r.shards)}, "
-                f"not {_where_gpus(d.shards)}"
-            )
-        shards = r.shards
-    else:
-        shards = d.shards
+    shards = _placed_shards(r, d)
+    if isinstance(shards, str):
+        return shards
+    why = _not_its_to_say(view, r, d, shards, subject)
+    if why is not None:
+        return why
+    whole = _of_the_whole(view, r, d, e)
+    if whole is None:
+        return None
+    return _replica_moves(view, r, whole, shards, e)
+
+
+def _placed_shards(r: ReplicaRecord, d: ev.ReplicaState) -> tuple[ev.ShardSpec, ...] | str:
+    """The shards a report about `r` speaks of, or why it cannot. Once a replica has a
+    placement, its shards are the placement's, not what a report claims: otherwise an
+    agent could "move" another node's replica to itself as stopped and free that node's
+    GPUs for the scheduler to fill again, in a loop."""
+    if not r.shards:
+        return d.shards
+    if d.shards and d.shards != r.shards:
+        return (
+            f"replica {d.replica} is placed on {_where_gpus(r.shards)}, not {_where_gpus(d.shards)}"
+        )
+    return r.shards
+
+
+def _not_its_to_say(
+    view: View,
+    r: ReplicaRecord,
+    d: ev.ReplicaState,
+    shards: tuple[ev.ShardSpec, ...],
+    subject: str | None,
+) -> str | None:
+    """Authority: why the report `d` about `r` (on `shards`) is not its sender's to
+    make, or None. An agent speaks only for replicas recorded on its own node, of the
+    model they are of."""
     if subject is not None and shards:
         node = _subject_node(subject)
         if node is not None and not _has_node(shards, node):
@@ -357,12 +379,18 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         return why
     if r.model != d.model:
         return f"replica {d.replica} is of model {r.model}, not {d.model}"
+    return None
+
+
+def _of_the_whole(
+    view: View, r: ReplicaRecord, d: ev.ReplicaState, e: ev.ReplicaStateEvent
+) -> ev.ReplicaState | None:
+    """What the report `d` says of the whole replica `r` (a gang's shard speaks for
+    itself first, `_shard_state`); None when it says nothing more, or all it says is
+    recorded here."""
     if d.node is not None and r.state in _HOLDING:
-        whole = _shard_state(view, r, d, e)
-        if whole is None:
-            return None
-        d = whole
-    elif r.failed_on and d.node is not None:
+        return _shard_state(view, r, d, e)
+    if r.failed_on and d.node is not None:
         if d.state in ("stopped", "failed") and (d.node in r.stopped_on or d.node in r.failed_on):
             return None  # a failed gang's shard saying its last again
     elif r.failed_on and r.state in _HOLDING:
@@ -374,6 +402,18 @@ def _replica_state(view: View, e: ev.ReplicaStateEvent, subject: str | None) -> 
         view.inventory.release_replica(r.id)
         view.note(r)
         return None
+    return d
+
+
+def _replica_moves(
+    view: View,
+    r: ReplicaRecord,
+    d: ev.ReplicaState,
+    shards: tuple[ev.ShardSpec, ...],
+    e: ev.ReplicaStateEvent,
+) -> str | None:
+    """`r` moves to the state `d` says, on `shards`: forward only, its GPUs taken when it
+    starts holding them (or holds others) and released when it stops; or why not."""
     before, after = _ORDER[r.state], _ORDER[d.state]
     if after < before or (after == before and d.state != r.state):
         return f"replica {d.replica} cannot go from {r.state} to {d.state}"

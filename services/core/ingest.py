@@ -1,7 +1,7 @@
 """Ingest: one raw message of the log into a view, the one step every reader runs.
 
 Used by the projector (`services.projector.service`, with its `Committer`), the
-in-memory followers (`services.follower`), replay (its sources decode with
+in-memory followers (`services.plane.follower`), replay (its sources decode with
 `decode_checked`, `rebuild` folds with `Ingest.event`), `replay.subscribe` and the agent
 reading its own node's log. So a dashboard, a scheduler and the SQLite view decode,
 check and fold a message the same way, and agree on what was dead-lettered and what was

@@ -236,13 +236,29 @@ def _fit(
 
     if len(fits) >= shards:
         return tuple(Shard(node=name, gpus=gpus) for _, name, gpus in sorted(fits, key=_by_node))
+    return _why_not(profile, avoid, schedulable, len(fits), short_cpu, short_mem, best_had)
+
+
+def _why_not(
+    profile: Profile,
+    avoid: frozenset[str],
+    schedulable: int,
+    fit: int,
+    short_cpu: int,
+    short_mem: int,
+    best_had: int,
+) -> str:
+    """Why `profile` does not fit, from what `_fit`'s walk counted: the `schedulable`
+    nodes it looked at, the `fit` nodes that would take a shard (fewer than its shards),
+    those that had the GPUs but were short of CPU or memory, and the most qualifying free
+    GPUs one node had."""
     if schedulable == 0:
         return "no schedulable node" + (" outside avoided nodes" if avoid else "")
-    if fits or short_cpu or short_mem:
+    if fit or short_cpu or short_mem:
         parts = []
-        if fits:
-            fit = "node fits" if len(fits) == 1 else "nodes fit"
-            parts.append(f"only {len(fits)} {fit} a shard, {shards} needed on distinct nodes")
+        if fit:
+            fits = "node fits" if fit == 1 else "nodes fit"
+            parts.append(f"only {fit} {fits} a shard, {profile.shards} needed on distinct nodes")
         if short_cpu:
             parts.append(f"{short_cpu} had the GPUs but not {profile.cpu_cores:g} CPU cores")
         if short_mem:

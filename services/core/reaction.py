@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -65,11 +65,11 @@ def react(
     *,
     answered: ev.PreemptionDecidedEvent | None = None,
     drain_grace_s: float = DRAIN_GRACE_S,
-    engine: policy.Candidates | None = None,
-    narrow: bool = True,
+    engine: policy.Engine[Any, Any] | None = None,
 ) -> Reaction:
-    """The reaction to `trigger` on `view` at `now`; `engine` finds the candidates (the
-    caller's, see `policy.index`; the plain walk when None); `narrow` as `plan` takes it.
+    """The reaction to `trigger` on `view` at `now`; `engine` works the policy's answers
+    out (the caller's own, see `policy.engine_of`; when None, a new one of the kind
+    `config.engine` names).
 
     `answered` is a decision the log already holds for the trigger's model, stored after
     the trigger: its own (published before a crash) or a later trigger's.
@@ -89,7 +89,6 @@ def react(
         config,
         avoid=trigger.data.avoid,
         engine=engine,
-        narrow=narrow,
     )
     return Reaction(
         "decided", decision_events(trigger, decision, now, drain_grace_s), decision=decision

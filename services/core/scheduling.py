@@ -738,14 +738,7 @@ def _place_missing(
                 pick = taken
                 pin = None
                 continue
-            why = dict(found.reasons)
-            if allowed is not m.profiles:
-                for p in m.profiles:
-                    if p not in allowed:
-                        why[p.name] = f"owner {m.owner} would pass its limit"
-            if blocked:
-                notes = "; ".join(blocked[n].note() for n in sorted(blocked))
-                why = {k: f"{v} ({notes})" for k, v in why.items()}
+            why = _why_no_fit(m, allowed, found.reasons, blocked)
             known = _NoFit(m, key, allowed, tuple([p.name for p in allowed]), why)
             if not blocked and pin is None:
                 if len(memo.no_fits) >= NO_FITS_MAX:
@@ -769,6 +762,26 @@ def _place_missing(
         )
         return
     out.satisfied.append(m.name)
+
+
+def _why_no_fit(
+    m: catalog.Model,
+    allowed: Sequence[catalog.Profile],
+    reasons: Iterable[tuple[str, str]],
+    blocked: Mapping[str, Backoff],
+) -> dict[str, str]:
+    """Per profile of `m`, why its next replica has no place: placement's `reasons` for
+    the `allowed` profiles, the owner's limit for the others, each with the backoffs that
+    kept it off nodes (`blocked`)."""
+    why = dict(reasons)
+    if allowed is not m.profiles:
+        for p in m.profiles:
+            if p not in allowed:
+                why[p.name] = f"owner {m.owner} would pass its limit"
+    if blocked:
+        notes = "; ".join(blocked[n].note() for n in sorted(blocked))
+        why = {k: f"{v} ({notes})" for k, v in why.items()}
+    return why
 
 
 def _take(

@@ -488,40 +488,13 @@ class View:
           added when `ready` says this change was that first ready.
         """
         rid = r.id
-        name = r.model
         self.journal.add(rid)
         n = self._ordinal.get(rid)
         if n is None:
             n = self._ordinal[rid] = len(self._ordinal)
         state = r.state
-        if state in ev.HOLDING_STATES:
-            if rid not in self._current:
-                if n < self._current_top:
-                    self._unordered = True
-                else:
-                    self._current_top = n
-                self._current[rid] = r
-                of = self._of_model.get(name)
-                if of is None:
-                    self._of_model[name] = {rid: r}
-                else:
-                    of[rid] = r
-        elif self._current.pop(rid, None) is not None:
-            of = self._of_model[name]
-            del of[rid]
-            if not of:
-                del self._of_model[name]
-        if r.live:
-            if rid not in self._live_ids:
-                self._live_ids.add(rid)
-                self._live[name] = self._live.get(name, 0) + 1
-        elif rid in self._live_ids:
-            self._live_ids.remove(rid)
-            left = self._live[name] - 1
-            if left:
-                self._live[name] = left
-            else:
-                del self._live[name]
+        self._note_current(r, n, state in ev.HOLDING_STATES)
+        self._note_live(r)
         if state == "pending" and r.placed_by is not None and r.drained_by is None:
             self._pending[rid] = r
         else:
@@ -543,6 +516,45 @@ class View:
             _move(self._timed_out, self._timed_out_at, rid, (at, n, rid))
         if ready and r.ready_at is not None:
             self._loads.setdefault(r.model, []).append((r.ready_at - r.created_at).total_seconds())
+
+    def _note_current(self, r: ReplicaRecord, n: int, holding: bool) -> None:
+        """The current index of `note`: `r` (created `n`th) joins it while it holds
+        capacity, in creation order, and leaves it when it stops."""
+        rid = r.id
+        name = r.model
+        if holding:
+            if rid not in self._current:
+                if n < self._current_top:
+                    self._unordered = True
+                else:
+                    self._current_top = n
+                self._current[rid] = r
+                of = self._of_model.get(name)
+                if of is None:
+                    self._of_model[name] = {rid: r}
+                else:
+                    of[rid] = r
+        elif self._current.pop(rid, None) is not None:
+            of = self._of_model[name]
+            del of[rid]
+            if not of:
+                del self._of_model[name]
+
+    def _note_live(self, r: ReplicaRecord) -> None:
+        """The live counts of `note`: per model name, how many of its replicas are live."""
+        rid = r.id
+        name = r.model
+        if r.live:
+            if rid not in self._live_ids:
+                self._live_ids.add(rid)
+                self._live[name] = self._live.get(name, 0) + 1
+        elif rid in self._live_ids:
+            self._live_ids.remove(rid)
+            left = self._live[name] - 1
+            if left:
+                self._live[name] = left
+            else:
+                del self._live[name]
 
     def note_use(self, r: ReplicaRecord) -> None:
         """`r` was used later than it was last (its `last_used_at` moved on, and nothing

@@ -1,6 +1,6 @@
 """The log's health, for the dashboard: its last sequence, the projector's lag in events
 and seconds, the dead letters per consumer, and whether the plane runs (`plane`, from
-`services.liveness`: who leads, the projector's last commit, the `up` of the data
+`services.plane.liveness`: who leads, the projector's last commit, the `up` of the data
 directory), which the page shows as a banner when it does not.
 
 Called by the dashboard's server every few seconds; what it returns is shown on the page
@@ -23,9 +23,9 @@ import nats.errors
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
-from services import liveness
 from services.bus import DLQ_STREAM
 from services.clock import utc_now
+from services.plane import liveness
 
 # LOCK_WAIT_S bounds the wait for the projector's lock; past it the lag is unknown
 # until the next check.

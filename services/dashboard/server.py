@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -204,7 +205,9 @@ class Dashboard:
     keep: int = hub.KEEP
     client_frames: int = hub.CLIENT_FRAMES
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    """The policy `/api/plan` asks by default (its query may change the timings)."""
+    """The policy `/api/plan` asks by default (its query may change the timings), run by
+    the plain engine whatever this one names (`what_if`) unless the query's `engine`
+    names another."""
     url: str = ""
     """`http://host:port/` once bound."""
     health: dict[str, Any] = field(default_factory=dict)
@@ -532,6 +535,12 @@ class Dashboard:
     async def _history(self, req: Request) -> Response:
         return await self._story(req, "history", history.KINDS)
 
+    def what_if(self) -> PolicyConfig:
+        """The settings `/api/plan` starts from: the dashboard's policy, with the plain
+        engine, the spec (a reader's default, as `llmgw preemption plan`'s; every engine
+        decides the same)."""
+        return dataclasses.replace(self.policy, engine="plain")
+
     async def _plan(self, req: Request) -> Response:
         try:
             q = query.take(req.query_params.multi_items(), query.PLAN)
@@ -539,7 +548,7 @@ class Dashboard:
                 raise BadRequest("model: give ?model=M, the model to plan for")
             model = query.entity("model", q["model"])
             m = query.moment(q)
-            cfg = query.policy(self.policy, q)
+            cfg = query.policy(self.what_if(), q)
         except BadRequest as e:
             return _bad(e)
 

@@ -14,7 +14,7 @@ from services import flags
 from services.gateway.config import Config
 from services.gateway.errors import GatewayError
 from services.gateway.listen import refusal
-from services.runner import run_service
+from services.plane.runner import run_service
 
 
 def parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
-from services.process import Config as ProcessConfig
+from services.plane.process import Config as ProcessConfig
 
 # THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
 # CPython's (700, 10, 10)). A stream's objects live seconds (about 150 tracked objects a

@@ -2,7 +2,7 @@
 
 Run by `llmgw gateway` (services/cli/gateway.py) and by `llmgw up` beside the
 dashboard. It follows the log with the one follow loop and ingest every reader uses
-(`services.follower.ViewFollower`), so what it routes to is the folded view: a replica
+(`services.plane.follower.ViewFollower`), so what it routes to is the folded view: a replica
 leaves routing the instant its drain is folded (`services.core.routing`). It serves
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
 
@@ -56,7 +56,6 @@ from services.bus import Publisher, tracing
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
 from services.core import catalog, routing
-from services.follower import ViewFollower
 from services.gateway import guard, plane, scope, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
@@ -109,6 +108,7 @@ from services.gateway.request import (
 from services.gateway.request import route as route_of
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
+from services.plane.follower import ViewFollower
 
 __all__ = ["Counts", "Gateway", "Refusal", "freeze_heap", "parse_listen", "settle_heap"]
 

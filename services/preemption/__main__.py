@@ -12,11 +12,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services import flags, process
+from services import flags
+from services.plane import process
+from services.plane.runner import run_service
 from services.preemption.config import Config
 from services.preemption.fault import Fault
 from services.preemption.service import PreemptionService
-from services.runner import run_service
 
 
 def parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ On a tick the leader also publishes `hold.released` for every hold that ended
 the hold's.
 
 The lease, the follower, the own-writes watermark and the publishing are
-`services.leader.Leader`'s, shared with the scheduler.
+`services.plane.leader.Leader`'s, shared with the scheduler.
 
 It must not decide anything itself (that is the policy's), must not fold differently
 from `services.core.fold`, and must not publish while it does not hold the lease.
@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -61,12 +60,10 @@ from schemas.errors import EventDecodeError
 from services.bus import Permanent, Retry
 from services.bus.consume import Delivery, consume_durable, decode_checked
 from services.clock import utc_now
-from services.core import reaction
-from services.core.policy import index as policy_index
-from services.core.policy import narrow
+from services.core import policy, reaction
 from services.core.view import DecisionRecord, View
-from services.follower import ViewFollower
-from services.leader import Leader, LeaseLapsed, Outgoing
+from services.plane.follower import ViewFollower
+from services.plane.leader import Leader, LeaseLapsed, Outgoing
 from services.preemption import fault as faults
 from services.preemption import settings
 from services.preemption.config import Config
@@ -148,13 +145,10 @@ class PreemptionService:
         # _recorded: this term's settings are in the log (recorded, or found there).
         self._recorded = False
         self.consuming = False
-        # engine: how the policy finds candidates, this service's own (`policy.index`),
-        # kept current with the follower's view; LLMGW_POLICY_INDEX=0 turns it off,
-        # LLMGW_POLICY_CHECK=1 checks it against the plain walk on every call.
-        self.engine = policy_index.from_env(os.environ)
-        # narrow: trials on copies of only the nodes where room can appear
-        # (`policy.narrow`); LLMGW_POLICY_NARROW=0 clones the whole inventory instead.
-        self.narrow = narrow.from_env(os.environ)
+        # engine: how the policy works its answers out, this service's own, of the kind
+        # its config names (`--policy-engine`: fast by default, kept current with the
+        # follower's view; plain; checked, the spec beside it on every call).
+        self.engine = policy.engine_of(self.policy.engine)
         """True while leading with its backlog noted and its trigger consumer running: a
         trigger stored from then on is new to this term, not a backlog to look up."""
         self.stats = Stats()
@@ -272,10 +266,9 @@ class PreemptionService:
                 answered=answered,
                 drain_grace_s=self.config.drain_grace_s,
                 engine=self.engine,
-                narrow=self.narrow,
             )
-        except policy_index.PolicyMismatch as e:
-            # LLMGW_POLICY_CHECK=1: a difference stops the service, in one line.
+        except policy.PolicyMismatch as e:
+            # --policy-engine checked: a difference stops the service, in one line.
             log.critical("%s", e)
             raise SystemExit(f"llmgw preemption: {e}") from None
         self._count(event, r)
@@ -430,7 +423,8 @@ class PreemptionService:
 def _shown(s: ev.PolicyConfigured) -> str:
     return (
         f"hold {s.hold_s:g}s, grace {s.eviction_grace_s:g}s, min-lifetime "
-        f"{s.min_lifetime_s:g}s, max-victims {s.max_victims}, drain-grace {s.drain_grace_s:g}s"
+        f"{s.min_lifetime_s:g}s, max-victims {s.max_victims}, drain-grace {s.drain_grace_s:g}s, "
+        f"policy {s.policy}, engine {s.engine or '-'}"
     )
 
 

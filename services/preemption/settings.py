@@ -36,6 +36,7 @@ def settings_of(config: Config, holder: str = "") -> ev.PolicyConfigured:
         drain_grace_s=config.drain_grace_s,
         holder=holder,
         policy=p.policy,
+        engine=p.engine,
     )
 
 
@@ -47,6 +48,9 @@ def policy_of(s: ev.PolicyConfigured) -> policy.Config:
         min_lifetime_s=s.min_lifetime_s,
         max_victims=s.max_victims,
         policy="node-aware" if s.policy == "node-aware" else "reference",
+        # A record from before the engine was recorded says nothing: its service ran
+        # the default (the index, unless switched off).
+        engine=s.engine if s.engine in policy.ENGINES else policy.Config().engine,  # type: ignore[arg-type]
     )
 
 

@@ -11,11 +11,12 @@ import argparse
 import sys
 
 from schemas import subjects
-from services import flags, process
+from services import flags
 from services.bus import snapshots
+from services.plane import process
+from services.plane.runner import run_service
 from services.projector.errors import ProjectorError
 from services.projector.service import DIGEST_EVERY, Projector
-from services.runner import run_service
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -55,7 +55,17 @@ def describe(
     event: ev.Envelope, subject: str = "", root: str = subjects.DEFAULT_ROOT
 ) -> tuple[str, str]:
     """(key, fields) for an event: what it is about, and what it says."""
-    node = _node_of(subject, root)
+    return (
+        _of_catalog(event)
+        or _of_node(event)
+        or _of_replica(event, _node_of(subject, root))
+        or _of_decision(event)
+        or ("?", "")
+    )
+
+
+def _of_catalog(event: ev.Envelope) -> tuple[str, str] | None:
+    """A model's declaration, scale and demand, and the quota tree."""
     match event:
         case ev.ModelDeclaredEvent(data=d):
             profiles = _names(p.name for p in d.profiles)
@@ -74,6 +84,12 @@ def describe(
         case ev.ModelDemandedEvent(data=d):
             inflight = f" inflight={d.inflight}" if d.inflight else ""
             return d.model, f"demanded waiting={d.waiting} since={clock(d.since)}{inflight}"
+    return None
+
+
+def _of_node(event: ev.Envelope) -> tuple[str, str] | None:
+    """What a node has, and what became of it."""
+    match event:
         case ev.NodeInventoryEvent(data=d):
             return d.node, f"gpus={_gpus(d.gpus)} cpu={d.cpu_cores:g} mem={d.memory_gb:g}GB"
         case ev.NodeLostEvent(data=d):
@@ -87,6 +103,12 @@ def describe(
             return d.node, "uncordoned"
         case ev.NodeRemovedEvent(data=d):
             return d.node, f"removed reason={d.reason}" if d.reason else "removed"
+    return None
+
+
+def _of_replica(event: ev.Envelope, node: str | None) -> tuple[str, str] | None:
+    """What an agent says of a replica (on `node`, its subject's), and what it is told."""
+    match event:
         case ev.ReplicaStateEvent(data=d):
             where = node or (d.shards[0].node if d.shards else "?")
             reason = f" reason={d.reason}" if d.reason else ""
@@ -102,15 +124,6 @@ def describe(
                 counts += " by_owner=" + ",".join(f"{o}:{u.requests}" for o, u in top[:3])
                 counts += f",+{len(top) - 3}" if len(top) > 3 else ""
             return f"{node or '?'}/{d.replica}", f"used at={clock(d.at)}{counts}"
-        case ev.PlacementDecidedEvent(data=d):
-            return d.replica, (
-                f"{d.model} profile={d.profile} on={_shards(d.shards)} reason={d.reason}"
-            )
-        case ev.PlacementFailedEvent(data=d):
-            return d.model, (
-                f"reason={d.reason} live={d.live} desired={d.desired} "
-                f"profiles={_names(d.profiles)}" + (f" avoid={_names(d.avoid)}" if d.avoid else "")
-            )
         case ev.ReplicaStartEvent(data=d):
             return f"{node or '?'}/{d.replica}", (
                 f"start {d.model} profile={d.profile} on={_shards(d.shards)}"
@@ -119,6 +132,21 @@ def describe(
             for_model = f" for={d.for_model}" if d.for_model else ""
             return f"{node or '?'}/{d.replica}", (
                 f"drain {d.model} reason={d.reason}{for_model} grace={d.grace_s:g}s"
+            )
+    return None
+
+
+def _of_decision(event: ev.Envelope) -> tuple[str, str] | None:
+    """What the plane decided: placements, preemptions, holds, its policy, its view."""
+    match event:
+        case ev.PlacementDecidedEvent(data=d):
+            return d.replica, (
+                f"{d.model} profile={d.profile} on={_shards(d.shards)} reason={d.reason}"
+            )
+        case ev.PlacementFailedEvent(data=d):
+            return d.model, (
+                f"reason={d.reason} live={d.live} desired={d.desired} "
+                f"profiles={_names(d.profiles)}" + (f" avoid={_names(d.avoid)}" if d.avoid else "")
             )
         case ev.PreemptionDecidedEvent(data=d):
             if d.outcome == "fits":
@@ -143,7 +171,7 @@ def describe(
             )
         case ev.ViewDigestEvent(data=d):
             return "view", f"seq={d.seq} digest={d.digest[:16]}"
-    return "?", ""
+    return None
 
 
 def event_line(

@@ -19,7 +19,7 @@ from typing import Any
 from schemas import events as ev
 from services.core import fold, policy
 from services.core import quota as quotas
-from services.core.view import Rejection, ReplicaRecord, View
+from services.core.view import NodeRecord, Rejection, ReplicaRecord, View, ViewState
 from services.replay import history, render
 from services.replay.errors import UnknownEntity
 from services.replay.render import ago, duration, plural, stamp, table
@@ -993,27 +993,8 @@ class Explainer:
         name = self.timeline.resolve(s.nodes)
         rec = s.nodes.get(name)
         st = Story(kind="node", name=name, now=self.now)
-        removed = self.node_marks.get((name, "node.removed"))
-        if rec is None and removed is not None:
-            seq, e = removed
-            why = (
-                f", reason {e.data.reason}"
-                if isinstance(e, ev.NodeRemovedEvent) and e.data.reason
-                else ""
-            )
-            st.line(
-                f"node {name} was removed {stamp(e.time)} ({ago(e.time, st.now)}) "
-                f"by {e.source}{why}; seq {seq}"
-            )
-            st.facts.update(removed={"seq": seq, "time": stamp(e.time), "by": e.source})
-            st.timeline = list(self.timeline.entries)
-            st.tail = TIMELINE_TAIL
-            return st
         if rec is None:
-            st.line(f"node {name} is not in the view (it never reported its inventory)")
-            st.timeline = list(self.timeline.entries)
-            st.tail = TIMELINE_TAIL
-            return st
+            return self._node_gone(st, name)
         flags = [w for w, on in (("LOST", rec.lost), ("cordoned", rec.cordoned)) if on]
         gpus = sorted(rec.report.gpus, key=lambda g: g.index)
         st.line(
@@ -1025,6 +1006,37 @@ class Explainer:
                 else f"; last changed {stamp(rec.updated_at)} ({ago(rec.updated_at, st.now)})"
             )
         )
+        self._node_marks(st, rec, name)
+        self._node_gpus(st, s, name, gpus)
+        self._node_failures(st, s, name)
+        self._node_moves(st)
+        st.timeline = list(self.timeline.entries)
+        st.tail = TIMELINE_TAIL
+        return st
+
+    def _node_gone(self, st: Story, name: str) -> Story:
+        """The story of a node the view does not have: removed, or never reported."""
+        removed = self.node_marks.get((name, "node.removed"))
+        if removed is None:
+            st.line(f"node {name} is not in the view (it never reported its inventory)")
+        else:
+            seq, e = removed
+            why = (
+                f", reason {e.data.reason}"
+                if isinstance(e, ev.NodeRemovedEvent) and e.data.reason
+                else ""
+            )
+            st.line(
+                f"node {name} was removed {stamp(e.time)} ({ago(e.time, st.now)}) "
+                f"by {e.source}{why}; seq {seq}"
+            )
+            st.facts.update(removed={"seq": seq, "time": stamp(e.time), "by": e.source})
+        st.timeline = list(self.timeline.entries)
+        st.tail = TIMELINE_TAIL
+        return st
+
+    def _node_marks(self, st: Story, rec: NodeRecord, name: str) -> None:
+        """Who marked the node lost or cordoned, when; and what its replicas do now."""
         marks = []
         for flag, on, typ in (
             ("lost", rec.lost, "node.lost"),
@@ -1054,6 +1066,9 @@ class Explainer:
             marks=marks,
             failing_at=stamp(rec.failing_at) if rec.failing_at is not None else None,
         )
+
+    def _node_gpus(self, st: Story, s: ViewState, name: str, gpus: list[ev.GpuInfo]) -> None:
+        """The node's GPUs, each with the replica that holds it."""
         holders: dict[int, ReplicaRecord] = {}
         for r in s.replicas.values():
             if r.holds_capacity:
@@ -1083,6 +1098,10 @@ class Explainer:
             }
             for g in gpus
         ]
+
+    def _node_failures(self, st: Story, s: ViewState, name: str) -> None:
+        """The replicas that failed with the node, and its shards of gangs that failed
+        on another node."""
         # The replicas the fold failed for what the node became: lost past its grace, or
         # a report that no longer has their GPUs (fewer, another model, smaller). A gang
         # failed elsewhere is not one of them: its shard here failed because another did
@@ -1134,6 +1153,9 @@ class Explainer:
             }
             for r in broken
         ]
+
+    def _node_moves(self, st: Story) -> None:
+        """The placements and drains on the node, and its events the fold rejected."""
         entries = self.timeline.entries
         moves = [
             e
@@ -1159,9 +1181,6 @@ class Explainer:
         for x in rejected[-RECENT:]:
             st.line(f"  seq {x.seq} {stamp(x.time)} {x.type} {x.summary}: {x.rejected}")
         st.facts["rejected"] = [x.to_json() for x in rejected[-RECENT:]]
-        st.timeline = list(entries)
-        st.tail = TIMELINE_TAIL
-        return st
 
 
 def _broke(r: ReplicaRecord) -> str:

@@ -102,16 +102,10 @@ def all_keys(view: View) -> frozenset[str]:
     return frozenset(out)
 
 
-async def subscribe(
-    js: Any,
-    from_seq: int | None,
-    *,
-    root: str = subjects.DEFAULT_ROOT,
-    stream: str = subjects.STREAM,
-) -> AsyncIterator[tuple[int, Changes]]:
-    """The listing as of `from_seq - 1` (None: the end of the stream now), then every
-    event from there on. Raises `Relist` if `from_seq` is older than the stream's first
-    message, or if the tail finds a message deleted from the log."""
+async def _listed(js: Any, from_seq: int | None, stream: str) -> tuple[int, View]:
+    """The seq listed and the view as of `from_seq - 1` (None: the end of the stream now; past the end: the
+    end), from the latest snapshot at or before it and the log after; `Relist` when the
+    log no longer holds what it needs."""
     info = await js.stream_info(stream)
     first, last = info.state.first_seq or 1, info.state.last_seq
     if from_seq is not None and from_seq < 1:
@@ -138,6 +132,20 @@ async def subscribe(
     if target > base:
         await rebuild.run(StreamSource(js, from_seq=base + 1, until_seq=target), view=view)
     view.state.seq = max(view.state.seq, target)
+    return target, view
+
+
+async def subscribe(
+    js: Any,
+    from_seq: int | None,
+    *,
+    root: str = subjects.DEFAULT_ROOT,
+    stream: str = subjects.STREAM,
+) -> AsyncIterator[tuple[int, Changes]]:
+    """The listing as of `from_seq - 1` (None: the end of the stream now), then every
+    event from there on. Raises `Relist` if `from_seq` is older than the stream's first
+    message, or if the tail finds a message deleted from the log."""
+    target, view = await _listed(js, from_seq, stream)
     yield view.state.seq, Changes(LIST, all_keys(view), view)
 
     queue: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue(QUEUE_BATCHES)

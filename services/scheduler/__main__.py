@@ -12,9 +12,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services import flags, process
+from services import flags
 from services.core.scheduling import Config
-from services.runner import run_service
+from services.plane import process
+from services.plane.runner import run_service
 from services.scheduler.service import Scheduler
 
 

@@ -23,7 +23,7 @@ Rules of the shell:
   say nothing of the nodes, and the first ones after the reconnect are on their way.
 
 The lease, the follower, the own-writes watermark and the publishing are
-`services.leader.Leader`'s, shared with the preemption service.
+`services.plane.leader.Leader`'s, shared with the preemption service.
 
 It must not decide anything itself (that is `plan`'s), must not fold differently from
 `services.core.fold`, and must not publish while it does not hold the lease.
@@ -54,8 +54,8 @@ from services.core import autoscale
 from services.core import scheduling as planner
 from services.core.scheduling import Config, Failure
 from services.core.view import Rejection, View
-from services.follower import ViewFollower
-from services.leader import Leader, LeaseLapsed
+from services.plane.follower import ViewFollower
+from services.plane.leader import Leader, LeaseLapsed
 
 log = logging.getLogger("llmgw.scheduler")
 
@@ -124,6 +124,7 @@ class Scheduler:
         root: str = subjects.DEFAULT_ROOT,
         config: Config | None = None,
         clock: Callable[[], datetime] = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
         holder: str | None = None,
         follower: ViewFollower | None = None,
     ) -> None:
@@ -131,7 +132,11 @@ class Scheduler:
         self.js = js
         self.root = root
         self.config = config if config is not None else Config()
+        # clock: the wall clock a pass decides at and stamps its events with; monotonic:
+        # the one heartbeats are timed by, which a step of the wall clock does not move.
+        # A test passes both, and moves them.
         self.clock = clock
+        self.monotonic = monotonic
         if follower is not None and follower.on_change is None:
             follower.on_change = self._on_event
         self.leader = Leader(
@@ -217,7 +222,7 @@ class Scheduler:
             return  # not a heartbeat: the subject alone says nothing of a node
         if beat.node != node:
             return  # a body naming another node than its subject's: not a heartbeat
-        self._heard[node] = time.monotonic()
+        self._heard[node] = self.monotonic()
         every = beat.every
         if every > self._every and every < self.config.node_timeout_s:
             self._every = every
@@ -228,21 +233,30 @@ class Scheduler:
 
     def _quiet(self) -> None:
         """Report no node lost for one heartbeat period from now."""
-        self._quiet_until = time.monotonic() + self._every
+        self._quiet_until = self.monotonic() + self._every
 
     async def _loop(self, stop: asyncio.Event) -> None:
         tick = self.config.tick_s
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), tick)
-            self._wake.clear()
-            if stop.is_set() or not self.lease.is_leader:
-                continue
-            try:
-                await self.reconcile()
-            except (PublishError, TimeoutError, nats.errors.Error) as e:
-                self.stats.aborted += 1
-                log.warning("scheduler: pass failed: %s: %s", type(e).__name__, e)
+        # A stop wakes the loop as an event does: it ends then, not at its next tick.
+        waker = asyncio.create_task(self._wake_on(stop), name="scheduler: stop")
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), tick)
+                self._wake.clear()
+                if stop.is_set() or not self.lease.is_leader:
+                    continue
+                try:
+                    await self.reconcile()
+                except (PublishError, TimeoutError, nats.errors.Error) as e:
+                    self.stats.aborted += 1
+                    log.warning("scheduler: pass failed: %s: %s", type(e).__name__, e)
+        finally:
+            waker.cancel()
+
+    async def _wake_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._wake.set()
 
     # ------------------------------------------------------------------ one pass
 
@@ -295,7 +309,7 @@ class Scheduler:
     def _silence(self, view: View) -> dict[str, float]:
         """Per node not yet lost, seconds since it was last heard of; none while quiet
         after taking the lead or a reconnect (`_quiet`)."""
-        now = time.monotonic()
+        now = self.monotonic()
         out: dict[str, float] = {}
         if now < self._quiet_until:
             return out
@@ -311,7 +325,7 @@ class Scheduler:
 
     def _heard_again(self, view: View) -> list[str]:
         """The lost nodes heard from since this process first saw them lost."""
-        now = time.monotonic()
+        now = self.monotonic()
         out: list[str] = []
         for name, rec in view.state.nodes.items():
             if not rec.lost:

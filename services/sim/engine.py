@@ -30,7 +30,6 @@ import dataclasses
 import heapq
 import itertools
 import math
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,8 +42,7 @@ from schemas import events as ev
 from services.core import autoscale, reaction, scheduling
 from services.core.ingest import Ingest
 from services.core.policy import Config as PolicyConfig
-from services.core.policy import Decision, narrow
-from services.core.policy import index as policy_index
+from services.core.policy import Decision, engine_of
 from services.core.view import ReplicaRecord, View, digest
 from services.sim import oracle
 from services.sim.scenario import ModelSpec, NodeGroup, Scenario
@@ -228,6 +226,7 @@ class Engine:
         policy_config: PolicyConfig | None = None,
         scheduler_config: scheduling.Config | None = None,
         check_bodies: bool = False,
+        oracle_every_set: bool = False,
     ) -> None:
         self.sc = scenario
         self.seed = scenario.seed if seed is None else seed
@@ -242,9 +241,10 @@ class Engine:
         self._lines: list[bytes] = []
         """Bundle lines (without their newlines) not yet written to `out`."""
         self.oracle_limit = oracle_limit
-        # LLMGW_ORACLE_DOMAINS=0: the oracle tries every set of the candidates for a model
-        # required in one domain, not each domain's own (the same answers, slower).
-        self._oracle_domains = os.environ.get(oracle.DOMAINS_ENV, "1") != "0"
+        # oracle_every_set (`llmgw simulate --oracle-every-set`): the oracle tries every
+        # set of the candidates for a model required in one domain, not each domain's
+        # own (the same answers, slower).
+        self._oracle_domains = not oracle_every_set
         self.check_bodies = check_bodies
         self.ingest = Ingest(View(), ROOT)
         self.view = self.ingest.view
@@ -269,11 +269,10 @@ class Engine:
         self._failures: dict[str, scheduling.Failure] = {}
         # What the scheduler's passes keep from one to the next, as the service keeps it.
         self._memo = scheduling.Memo()
-        # How the policy finds candidates, as the preemption service finds them: the
-        # engine's own index over its view (LLMGW_POLICY_INDEX=0: the plain walk;
-        # LLMGW_POLICY_CHECK=1: both, stopping on a difference).
-        self._candidates = policy_index.from_env(os.environ)
-        self._narrow = narrow.from_env(os.environ)
+        # How the policy works its answers out, as the preemption service does: an
+        # engine of the kind the policy's config names (`--policy-engine`), its own,
+        # following its view; every kind decides the same.
+        self._candidates = engine_of(self.pcfg.engine)
         self._failing = False
         self._agents: dict[str, _Agent] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -620,9 +619,7 @@ class Engine:
         self._due_known = False
 
     def _react(self, trigger: ev.PlacementFailedEvent) -> None:
-        r = reaction.react(
-            self.view, trigger, self.now, self.pcfg, engine=self._candidates, narrow=self._narrow
-        )
+        r = reaction.react(self.view, trigger, self.now, self.pcfg, engine=self._candidates)
         d = r.decision
         if d is not None:
             self._count_decision(d)
@@ -1092,9 +1089,13 @@ def simulate(
     oracle_limit: int | None = None,
     clock: Callable[[], float] | None = None,
     check_bodies: bool = False,
+    engine: str = "fast",
+    oracle_every_set: bool = False,
 ) -> Result:
     """Run `scenario` under `policy`; `clock` (a monotonic clock the caller passes) only
-    measures the wall time the run took; `check_bodies` see `Engine._store`."""
+    measures the wall time the run took; `check_bodies` see `Engine._store`; `engine`
+    the policy engine (`policy.ENGINES`; each decides the same), `oracle_every_set` see
+    `Engine`."""
     eng = Engine(
         scenario,
         policy,
@@ -1102,7 +1103,9 @@ def simulate(
         duration_s=duration_s,
         out=out,
         oracle_limit=oracle.LIMIT if oracle_limit is None else oracle_limit,
+        policy_config=PolicyConfig(engine=engine),  # type: ignore[arg-type]
         check_bodies=check_bodies,
+        oracle_every_set=oracle_every_set,
     )
     t0 = clock() if clock else 0.0
     r = eng.run()

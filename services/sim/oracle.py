@@ -54,10 +54,6 @@ from services.core.view import View
 # is meant for, few enough to try.
 LIMIT = 3000
 
-# DOMAINS_ENV names the switch that turns the domain groups off (`LLMGW_ORACLE_DOMAINS=0`,
-# read by the simulator's engine): every set of the candidates is tried instead.
-DOMAINS_ENV = "LLMGW_ORACLE_DOMAINS"
-
 
 @functools.cache
 def sets(n: int, max_victims: int) -> int:

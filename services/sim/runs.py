@@ -87,6 +87,8 @@ def run(
     jobs: int | None = None,
     clock: Callable[[], float] | None = None,
     on_result: Callable[[Result], None] | None = None,
+    engine: str = "fast",
+    oracle_every_set: bool = False,
 ) -> list[Result]:
     """Run `scenario` under each of `policies`; a `Result` for each, in their order.
 
@@ -96,10 +98,14 @@ def run(
     see `engine.simulate` (a worker is sent it, so a module-level function). `on_result`
     is called with each result in the order of `policies`, as soon as it and those
     before it are in. A worker's exception is raised here, as it was raised there.
+    `engine` and `oracle_every_set`: see `engine.simulate`.
     """
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    each = [_Run(scenario, pol, seed, duration_s, out_dir, clock) for pol in policies]
+    each = [
+        _Run(scenario, pol, seed, duration_s, out_dir, clock, engine, oracle_every_set)
+        for pol in policies
+    ]
     if workers(len(policies), jobs) == 1:
         results = []
         for one in each:
@@ -120,11 +126,19 @@ class _Run:
     duration_s: float | None
     out_dir: Path | None
     clock: Callable[[], float] | None
+    engine: str = "fast"
+    oracle_every_set: bool = False
 
     def go(self) -> Result:
         """The run, its bundle written under `out_dir` when there is one."""
         sc, pol = self.scenario, self.policy
-        kw: dict[str, Any] = {"seed": self.seed, "duration_s": self.duration_s, "clock": self.clock}
+        kw: dict[str, Any] = {
+            "seed": self.seed,
+            "duration_s": self.duration_s,
+            "clock": self.clock,
+            "engine": self.engine,
+            "oracle_every_set": self.oracle_every_set,
+        }
         if self.out_dir is None:
             return engine.simulate(sc, pol, **kw)
         with bundle_path(self.out_dir, sc, pol).open("wb") as fp:

@@ -29,8 +29,8 @@ import pytest
 from nats.js.client import JetStreamContext
 
 from schemas import subjects
-from services import lease
 from services.dashboard import replays
+from services.plane import lease
 from tests.adversarial import test_bad_input as bad_input
 from tests.adversarial.test_bad_input import (
     MODEL,

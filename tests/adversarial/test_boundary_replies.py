@@ -33,13 +33,13 @@ from nats.js.client import JetStreamContext
 
 from schemas import events as ev
 from schemas import subjects
-from services import lease, liveness
 from services.agent import consumers as agent_consumers
 from services.agent.agent import ctl_subject, inbox_prefix, reader_name
 from services.bus import Publisher
 from services.bus import connect as bus_connect
 from services.bus.stream import node_stream_name
 from services.clock import new_id
+from services.plane import lease, liveness
 from tests.adversarial.test_bad_input import Plane
 from tests.adversarial.test_boundary_broker import (
     _checks,

@@ -23,7 +23,7 @@ from schemas import events as ev
 from services.bus import Publisher, connect
 from services.clock import new_id
 from services.core.view import View
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from tests.agent import realagent as ra
 from tests.agent.test_process_runtime import _ports, _post
 from tests.up_process import UpProcess

@@ -140,11 +140,11 @@ def test_metrics_of_both_engines_parse() -> None:
         "sglang:num_requests_total 7\n"
         "sglang:num_running_reqs 0\n"
     )
-    assert process.parse_metrics(text, process.METRICS["vllm"]) == {
+    assert process.parse_metrics(text, process.METRICS["vllm"].all()) == {
         "vllm:request_success_total": 5.0,
         "vllm:num_requests_running": 1.0,
     }
-    assert process.parse_metrics(text, process.METRICS["sglang"]) == {
+    assert process.parse_metrics(text, process.METRICS["sglang"].all()) == {
         "sglang:num_requests_total": 7.0,
         "sglang:num_running_reqs": 0.0,
     }

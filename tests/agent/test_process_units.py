@@ -10,6 +10,8 @@ import asyncio
 import importlib
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -446,3 +448,51 @@ async def test_engines_are_looked_for_on_the_servers_path(tmp_path: Path) -> Non
         "engine vllm is not installed on this host (no `vllm` on PATH)"
     )
     assert await rt._engine_missing(on("vllm", with_)) is None
+
+
+# ---------------------------------------------------------------------- a killed server
+
+
+async def test_a_killed_servers_untagged_group_members_are_killed_with_it(
+    node: str, tmp_path: Path
+) -> None:
+    """vLLM's engine core renames itself (its process title is written over the memory
+    /proc shows its environment from, tag included) and outlives a SIGKILLed API server.
+    Here a member of the server's group without the tag stands for it: once the server
+    is killed, the replica fails and that member is killed too, found by the group."""
+    rt = _runtime(node, tmp_path, _ports(2))
+    runtime = ev.ModelRuntime(
+        engine="command",
+        command=(
+            "sh",
+            "-c",
+            f"env -u {procs.TAG_ENV} sleep 300 & exec {sys.executable} {ra.FAKE} "
+            "--host {host} --port {port}",
+        ),
+        ready_timeout=30.0,
+        metrics="/metrics",
+    )
+    rep = Reports()
+    await rt.start(
+        "r1",
+        model="chat",
+        profile="tp1",
+        shards=(ev.ShardSpec(node=node, gpus=(0,)),),
+        report=rep,
+        runtime=runtime,
+    )
+    assert rep.states() == ["starting", "loading", "ready"], rep.got
+    leader = json.loads((tmp_path / "state.json").read_text())[0]["pid"]
+    tagged = set().union(*procs.tagged(f"llmgw/{node}/").values())
+    untagged = {p for p in procs.members("-", leader) if p != leader} - tagged
+    assert untagged, "the untagged member did not start"
+    try:
+        os.kill(leader, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while rep.states()[-1] != "failed":
+            assert time.monotonic() < deadline, rep.got
+            await asyncio.sleep(0.05)
+        assert "signal 9" in (rep.got[-1][1] or ""), rep.got
+        assert not any(procs.alive(p) for p in untagged), "the group outlived its server"
+    finally:
+        procs.kill(untagged)

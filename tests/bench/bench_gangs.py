@@ -14,7 +14,7 @@ under both policies on the one folded view:
   replicas give.
 
 Each is timed with the plain walk (`policy.PlainWalk`, which keeps nothing between
-calls) and with the engine (`policy.index.Index`): cold, the first call after a change
+calls) and with the engine (`policy.Fast`): cold, the first call after a change
 is folded (one replica reported used), and warm.
 
 Target (issue 27's, which issue 28 keeps): p99 <= 50 ms.
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from schemas import events as ev
 from services.core import fold
-from services.core.policy import Config, index, plan
+from services.core.policy import PLAIN, Config, Fast, plan
 from services.core.view import View
 from tests.scenario import Scenario
 
@@ -94,9 +94,9 @@ def main() -> None:
     for model in ("gang", "single"):
         for pol in ("reference", "node-aware"):
             cfg = Config(policy=pol)  # type: ignore[arg-type]
-            engine = index.Index()
+            engine = Fast()
             for kind in ("plain", "engine cold", "engine warm"):
-                eng = None if kind == "plain" else engine
+                eng = PLAIN if kind == "plain" else engine
                 d = plan(view, model, s.now, cfg, engine=eng)
                 ms = []
                 for _ in range(args.runs):

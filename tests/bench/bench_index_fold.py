@@ -29,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.core import fold
-from services.core.policy import index
+from services.core.policy import Fast
 from services.core.view import View
 from tests.bench import bench_policy
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     def run(with_index: bool) -> float:
         view = View()
-        eng = index.Index() if with_index else None
+        eng = Fast() if with_index else None
         gc.collect()
         start = time.perf_counter()
         for i, (seq, subject, e) in enumerate(events):

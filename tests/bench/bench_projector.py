@@ -24,7 +24,7 @@ Paths:
   (d) the raw baseline: the fastest plain nats-py read of the same stream (an ordered
       push consumer whose callback only counts), no decode, no fold.
   (e) the in-memory fold of (a) with the policy's index maintained as the preemption
-      service maintains it: its engine (`policy.index.Index`) follows the view when a
+      service maintains it: its engine (`policy.Fast`) follows the view when a
       decision asks it, at each `placement.failed` the service answers (reason no_fit;
       one that fits or waits asks nothing, so this is the most it follows), and on
       each of its ticks (`tick_s`, 1 s of wall time: a few times a run here), the
@@ -53,7 +53,7 @@ from schemas import events as ev
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams
 from services.core import fold, reaction
 from services.core.ingest import Ingest
-from services.core.policy import index as policy_index
+from services.core.policy import Fast
 from services.core.view import View
 from services.preemption.config import Config as PreemptionConfig
 from services.projector import store
@@ -98,7 +98,7 @@ def fold_following(records: list[tuple[int, str, bytes]], with_index: bool) -> t
     t = time.perf_counter()
     f = Ingest(strict=True)
     fr = f.raw
-    eng = policy_index.Index() if with_index else None
+    eng = Fast() if with_index else None
     follows = 0
     failed = ev.PlacementFailedEvent
     tick_s = PreemptionConfig().tick_s

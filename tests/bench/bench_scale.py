@@ -221,7 +221,7 @@ async def bench(args: argparse.Namespace, url: str, data: Path) -> None:
         # Every replica here was placed moments ago: with the default minimum lifetime
         # (120 s) all would be young, and none a victim.
         policy=PolicyConfig(min_lifetime_s=0.0, policy=args.policy),
-        # As `llmgw up` runs (services.heap); --no-settle to see the collector's pauses.
+        # As `llmgw up` runs (services.plane.heap); --no-settle to see the collector's pauses.
         settle_heap=not args.no_settle,
     )
     stop = asyncio.Event()
@@ -472,7 +472,7 @@ if __name__ == "__main__":
     ap.add_argument(
         "--no-settle",
         action="store_true",
-        help="leave the heap unfrozen (services.heap), to see the collector's pauses",
+        help="leave the heap unfrozen (services.plane.heap), to see the collector's pauses",
     )
     ap.add_argument("--preempt", type=int, default=20, metavar="N", help="preemptions to time")
     asyncio.run(main(ap.parse_args()))

@@ -19,7 +19,7 @@ import pytest
 
 from services.bus import EmbeddedBroker, connect, connection, ensure_streams, follow
 from services.bus.connection import Outage
-from services.lease import Lease
+from services.plane.lease import Lease
 
 pytestmark = pytest.mark.timeout(60)
 

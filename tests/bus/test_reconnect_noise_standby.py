@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from services.bus import EmbeddedBroker, connect
-from services.leader import Leader
+from services.plane.leader import Leader
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from nats.js.client import JetStreamContext
 from services.bus import connect, ensure_streams, snapshots, stream
 from services.bus.broker import EmbeddedBroker
 from services.bus.errors import BusError
-from services.lease import DEFAULT_BUCKET, Lease, ensure_bucket
+from services.plane.lease import DEFAULT_BUCKET, Lease, ensure_bucket
 from services.up import Running, UpOptions, run
 from tests.bus.cluster import Cluster
 

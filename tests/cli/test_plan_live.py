@@ -84,7 +84,10 @@ def test_live_plan_uses_the_recorded_settings(
         "min_lifetime_s": 0.0,
         "max_victims": 2,
         "policy": "reference",
+        "engine": "plain",
     }
+    # The engine is never the log's: a reader runs the spec unless told.
+    assert p["from"].pop("engine") == "default"
     assert set(p["from"].values()) == {"log"}
     assert p["recorded"]["seq"] == len(s.events())
     assert p["recorded"]["by"] == "p1"
@@ -102,7 +105,7 @@ def test_a_flag_overrides_one_setting_and_the_output_says_so(
     first = out.splitlines()[0]
     assert first == (
         "policy    hold 20s (log), grace 60s (log), min-lifetime 120s (flag), max-victims 2 (log), "
-        "policy reference (log)"
+        "policy reference (log), policy-engine plain (default)"
     )
     # Every batch replica is younger than the flag's min-lifetime: none may go.
     assert "outcome   no_candidates" in out or "outcome   no_fit" in out, out
@@ -121,6 +124,7 @@ def test_a_log_with_no_record_uses_the_defaults(
         "min_lifetime_s": "default",
         "max_victims": "default",
         "policy": "default",
+        "engine": "default",
     }
     assert p["settings"]["hold_s"] == 7.0
     assert p["recorded"] is None

@@ -45,6 +45,7 @@ def test_json_is_the_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         "candidates",
         "excluded",
         "trials",
+        "engine",
         "policy",
         "note",
     }

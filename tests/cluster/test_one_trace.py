@@ -28,7 +28,7 @@ from schemas import events as ev
 from services.bus import Publisher, connect, tracing
 from services.bus.broker import read_url
 from services.clock import new_id
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from tests.otlp import Receiver, receiver
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

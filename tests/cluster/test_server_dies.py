@@ -29,8 +29,8 @@ from schemas import events as ev
 from services.bus import Publisher, connect, consume
 from services.clock import new_id
 from services.core.view import View, digest
-from services.follower import ViewFollower
-from services.lease import DEFAULT_BUCKET, decode_value
+from services.plane.follower import ViewFollower
+from services.plane.lease import DEFAULT_BUCKET, decode_value
 from services.projector import store
 from services.replay import rebuild
 from services.up import DB_FILE

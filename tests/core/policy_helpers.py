@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from services.core.policy import node_aware, rules
 from services.core.policy.decision import Candidate
-from services.core.policy.gang_levels import Order
+from services.core.policy.fast.gang_levels import Order
 
 C = TypeVar("C", bound=node_aware.Victim)
 

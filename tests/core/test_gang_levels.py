@@ -1,11 +1,10 @@
-"""The lazy gang search (`gang_levels`, the index's default) against the spec's
+"""The lazy gang search (`fast.gang_levels`, the fast engine's) against the spec's
 (`gangs.search`): random clusters with domains at two levels and multi-node replicas
 (hypothesis, derandomised). Asked directly, with a dry run that answers at random (so
 that many levels and sets are tried, not only the first), over the plain walk's list and
 over the index's candidates: the same sets tried in the same order and the same set
-taken. Asked through `plan`: the same decision, field for field, with the index (lazy
-and not), the plain walk and the check (`LLMGW_POLICY_CHECK=1`), after uses, drains
-and time moving on."""
+taken. Asked through `plan`: the same decision, field for field, with the fast engine,
+the plain one and the checked one, after uses, drains and time moving on."""
 
 from __future__ import annotations
 
@@ -19,9 +18,11 @@ from hypothesis import strategies as st
 
 from schemas import events as ev
 from services.core import fold
-from services.core.policy import Candidate, Config, gang_levels, gangs, plan, rules
-from services.core.policy import index as fast
+from services.core.policy import Candidate, Checked, Config, gangs, plan, rules
 from services.core.policy.engine import PLAIN
+from services.core.policy.fast import Fast, gang_levels
+from services.core.policy.fast.narrow import Narrow
+from services.core.policy.fast.slots import GangSlots
 from services.core.view import View
 from tests.core.policy_helpers import Listed
 from tests.core.test_policy_index import life_goes_on
@@ -131,12 +132,11 @@ def test_the_lazy_gang_search_tries_the_specs_sets_in_its_order(seed: int) -> No
         cfg = _config(rng)
         a = rules.asker(view, m, s.now, cfg, frozenset(), False, view.live_of(m) < m.min)
         cands = PLAIN.find(view, a).every()
-        source = fast.Index().find(view, a).gangs_lazily(view)
-        assert source is not None
+        source = GangSlots(Fast().find(view, a))
         assert list(source.every()) == list(cands)
         salt = rng.randrange(1 << 30)
         yes = rng.choice([0.0, 0.2, 0.5, 1.0])
-        domains = gang_levels.domains(view)
+        domains = Narrow(view, m.profiles, ()).domains
         want_log, fits = _answers(salt, yes)
         want = gangs.search(view, m.profiles, cands, cfg.max_victims, fits)
         for src in (Listed(cands), source):
@@ -155,8 +155,7 @@ def test_the_lazy_gang_search_decides_as_the_spec(seed: int) -> None:
     s, wanted = cluster(rng)
     view = s.view()
     seen = len(s.events())
-    lazy, spec = fast.Index(), fast.Index(lazy_gangs=False)
-    checked = fast.Checked(fast.Index())
+    lazy, spec, checked = Fast(), PLAIN, Checked(Fast())
     now = s.now
     for _round in range(3):
         for name in wanted:
@@ -197,7 +196,7 @@ def test_one_index_asked_about_two_views_in_turn_decides_as_the_spec() -> None:
     """An index asked about another view starts again (`Index.follow`); what the lazy
     gang search read of the first view's gangs is not read for the second, nor for the
     first again after it."""
-    index = fast.Index()
+    index = Fast()
     cases: list[tuple[Scenario, View, list[str]]] = []
     seed = 0
     while len(cases) < 2:
@@ -229,7 +228,7 @@ def test_a_gang_found_on_its_second_node_after_the_index_builds_again() -> None:
     s.replica("k2", "keep", on=("c", range(4)), ready="-2h")
     s.replica("k3", "keep", on=("d", range(4)), ready="-2h")
     v = s.view()
-    index = fast.Index()
+    index = Fast()
     seen = len(s.events())
 
     def asked() -> None:
@@ -284,20 +283,12 @@ def test_a_candidate_past_its_groups_pool_is_no_set_of_it() -> None:
     want_log, fits = _answers(0, 1.0)
     want = gangs.search(v, m.profiles, cands, 1, fits)
     assert len(want) == 1 and want[0].replica != "r" and want[0].node == "y"
-    source = fast.Index().find(v, a).gangs_lazily(v)
-    assert source is not None
+    source = GangSlots(Fast().find(v, a))
     for src in (Listed(cands), source):
         got_log, fits = _answers(0, 1.0)
-        got = gang_levels.search(v, m.profiles, src, 1, fits, gang_levels.domains(v))
+        got = gang_levels.search(v, m.profiles, src, 1, fits, Narrow(v, m.profiles, ()).domains)
         assert (got_log, list(got)) == (want_log, list(want))
 
 
 NA1 = Config(policy="node-aware", max_victims=1)
 NA3 = Config(policy="node-aware", max_victims=3)
-
-
-def test_the_lazy_gang_search_can_be_turned_off() -> None:
-    """`LLMGW_POLICY_LAZY_GANGS=0` leaves the index with the spec's gang search."""
-    assert fast.from_env({}).lazy_gangs is True  # type: ignore[attr-defined]
-    off = fast.from_env({"LLMGW_POLICY_LAZY_GANGS": "0"})
-    assert off.lazy_gangs is False  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from services.core import placement, reaction
 from services.core.policy import Config, Decision, plan
-from services.core.policy.narrow import Narrow
+from services.core.policy.fast.narrow import Narrow
 from services.core.policy.trials import Trials
 from services.core.view import View
 from services.sim import oracle

@@ -275,7 +275,7 @@ def eager_search(
 ) -> Sequence[Candidate]:
     """`node_aware.search` of one-shard profiles as first written: each level's sets all
     made and checked on their node before any is ordered."""
-    needs = [node_aware._Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
+    needs = [node_aware.Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     least = min((n.gpus for n in needs), default=0)
     per_node = node_aware.grouped(cands)
     nodes = node_aware._on_nodes(view, per_node, needs, least, max_victims) if needs else []

@@ -6,10 +6,13 @@ failure shows its seed and comes back the same."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,8 +20,16 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from services.core import fold, placement
 from services.core import view as view_module
-from services.core.policy import Config, PlainWalk, plan
-from services.core.policy import index as fast
+from services.core.policy import (
+    PLAIN,
+    Checked,
+    Config,
+    Decision,
+    Fast,
+    Plain,
+    PolicyMismatch,
+    plan,
+)
 from services.core.policy.engine import Listing
 from services.core.view import View
 from tests.core.test_policy_fast import CLASSES, build, filled
@@ -91,7 +102,8 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
     view = View()
     # Checked compares every candidate, exclusion, count and node, not only what a
     # decision lists; it raises on the first difference.
-    index = fast.Checked(fast.Index())
+    index = Checked(Fast())
+    quick = Fast()
     asked = 0
     now = s.now
     for seq, subject, e in s.events():
@@ -103,11 +115,35 @@ def test_the_index_decides_as_the_plain_walk_event_by_event(seed: int) -> None:
         for name in rng.sample(names, min(2, len(names))):
             cfg = either_policy(rng)
             # The spec whole: the plain walk, every set tried on a clone of the cluster.
-            plain = plan(view, name, now, cfg, narrow=False)
+            plain = plan(view, name, now, cfg, engine=PLAIN)
             assert plan(view, name, now, cfg) == plain, (seed, seq, name)
             assert plan(view, name, now, cfg, engine=index) == plain, (seed, seq, name)
+            # Each engine as a service runs it, its config naming it: the same bytes,
+            # published and printed, but for the field that names the engine.
+            want = as_bytes(plan(view, name, now, replace(cfg, engine="plain"), engine=PLAIN))
+            for eng in (quick, index):
+                got = plan(view, name, now, replace(cfg, engine=eng.name), engine=eng)
+                assert as_bytes(got) == want, (seed, seq, name, eng.name)
             asked += 1
     assert asked > 0
+
+
+def as_bytes(d: Decision) -> bytes:
+    """A decision as it is published (`preemption.decided`), printed (`llmgw preemption
+    plan --json`) and kept whole (every field, its config's included), the engine it
+    names set to the plain one's."""
+    engine = d.config.engine.encode()
+    out = b"\n".join(
+        (
+            msgspec.json.encode(d.to_event_data("trigger")),
+            json.dumps(d.to_json()).encode(),
+            msgspec.json.encode(d),
+        )
+    )
+    assert out.count(b'"engine":"%s"' % engine) + out.count(b'"engine": "%s"' % engine) == 3
+    return out.replace(b'"engine":"%s"' % engine, b'"engine":"plain"').replace(
+        b'"engine": "%s"' % engine, b'"engine": "plain"'
+    )
 
 
 def _life(rng: random.Random, s: Scenario, models: list[str]) -> None:
@@ -195,7 +231,7 @@ def test_the_index_follows_a_cluster_replica_by_replica(seed: int) -> None:
         s.emit(data)
     _life(rng, s, models)
     view = View()
-    index = fast.Checked(fast.Index())
+    index = Checked(Fast())
     now = s.now
     every = rng.choice([1, 1, 3, 20])
     for i, (seq, subject, e) in enumerate(s.events()):
@@ -222,7 +258,7 @@ def test_a_follower_behind_the_journal_starts_again(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(view_module, "JOURNAL_KEPT", 4)
     s, models = filled(random.Random(5), 0.5)
     view = View()
-    index = fast.Checked(fast.Index())
+    index = Checked(Fast())
     events = s.events()
     for seq, subject, e in events[: len(events) // 2]:
         fold.apply(view, e, seq=seq, subject=subject)
@@ -236,35 +272,40 @@ def test_a_follower_behind_the_journal_starts_again(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_check_stops_on_a_difference() -> None:
-    """`Checked` (LLMGW_POLICY_CHECK=1) raises with one line when the engines differ."""
+    """`Checked` (`--policy-engine checked`) raises with one line when the engines differ."""
     s, models = filled(random.Random(3), 1.0)
     view = s.view()
 
-    class Wrong(PlainWalk):
+    class Wrong(Plain):
         def find(self, view: View, a: object) -> Listing:
             return Listing((), ())
 
-    checked = fast.Checked(Wrong())  # type: ignore[arg-type]
+    checked = Checked(Wrong())
     outcomes = []
     for name in models:
         try:
             plan(view, name, s.now, Config(), engine=checked)
-        except fast.PolicyMismatch as e:
+        except PolicyMismatch as e:
             assert "\n" not in str(e) and str(e).startswith("policy check: for ")
             outcomes.append("stopped")
     assert "stopped" in outcomes
-    assert plan(view, models[0], s.now, engine=fast.Checked(fast.Index())) == plan(
-        view, models[0], s.now
-    )
+    assert plan(view, models[0], s.now, engine=Checked(Fast())) == plan(view, models[0], s.now)
 
 
-def test_the_switches_pick_the_engine() -> None:
-    """The index by default; LLMGW_POLICY_INDEX=0 turns it off (the plain walk);
-    LLMGW_POLICY_CHECK=1 runs both."""
-    assert isinstance(fast.from_env({}), fast.Index)
-    assert isinstance(fast.from_env({"LLMGW_POLICY_INDEX": "0"}), PlainWalk)
-    checked = fast.from_env({"LLMGW_POLICY_CHECK": "1"})
-    assert isinstance(checked, fast.Checked) and isinstance(checked.fast, fast.Index)
+def test_the_config_names_the_engine() -> None:
+    """`engine_of` makes the engine `--policy-engine` names: fast (the index and its
+    walks), plain (the spec, `PLAIN`), checked (both); nothing else."""
+    from services.core.policy import engine_of
+
+    assert isinstance(engine_of("fast"), Fast)
+    assert engine_of("plain") is PLAIN
+    checked = engine_of("checked")
+    assert isinstance(checked, Checked) and isinstance(checked.engine, Fast)
+    assert [engine_of(n).name for n in ("plain", "fast", "checked")] == ["plain", "fast", "checked"]
+    with pytest.raises(ValueError, match="unknown policy engine 'index'"):
+        engine_of("index")
+    with pytest.raises(ValueError, match="unknown policy engine"):
+        Config(engine="index")  # type: ignore[arg-type]
 
 
 def _nodes_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
@@ -344,18 +385,18 @@ def _nodes_cluster(rng: random.Random) -> tuple[Scenario, list[str]]:
 
 @seeds(300)
 def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
-    """Node-aware's lazy search (`node_levels`, the index's default) against the spec's
-    (`node_aware.search`, the plain walk's, and the index's with `lazy=False`): the same
-    decision, field for field, so the same sets tried in the same order, as the spec's
-    trials on clones of the whole cluster (`narrow=False`) give it; and the check
-    (`LLMGW_POLICY_CHECK=1`), which runs both on every call, finds no difference. The
+    """Node-aware's lazy search (`fast.node_levels`, the fast engine's) against the
+    spec's (`node_aware.search`, the plain engine's): the same decision, field for
+    field, so the same sets tried in the same order, as the spec's trials on clones of
+    the whole cluster give it; and the checked engine, which runs both on every call,
+    finds no difference. The
     same engines are asked again after uses, drains and time moving on, so what the
     index keeps for the walk is kept current."""
     rng = random.Random(seed)
     s, models = _nodes_cluster(rng)
     view = s.view()
     seen = len(s.events())
-    lazy, spec, checked = fast.Index(), fast.Index(lazy=False), fast.Checked(fast.Index())
+    lazy, checked = Fast(), Checked(Fast())
     now = s.now
     for _round in range(3):
         for name in rng.sample(models, min(3, len(models))):
@@ -366,9 +407,9 @@ def test_the_lazy_node_search_decides_as_the_spec(seed: int) -> None:
                 max_victims=rng.randint(1, 4),
             )
             avoid = rng.sample(sorted(view.inventory.names()), rng.randint(0, 2))
-            want = plan(view, name, now, cfg, avoid=avoid, narrow=False)
+            want = plan(view, name, now, cfg, avoid=avoid, engine=PLAIN)
             assert plan(view, name, now, cfg, avoid=avoid) == want, (seed, name)
-            for engine in (lazy, spec, checked):
+            for engine in (lazy, checked):
                 got = plan(view, name, now, cfg, avoid=avoid, engine=engine)
                 assert got == want, (seed, name)
         seen = life_goes_on(rng, s, view, now, seen)
@@ -390,9 +431,3 @@ def life_goes_on(rng: random.Random, s: Scenario, view: View, now: datetime, see
     for seq, subject, e in s.events()[seen:]:
         fold.apply(view, e, seq=seq, subject=subject)
     return len(s.events())
-
-
-def test_the_lazy_node_search_can_be_turned_off() -> None:
-    """`LLMGW_POLICY_LAZY=0` leaves the index with the spec's search."""
-    assert fast.from_env({}).lazy is True  # type: ignore[attr-defined]
-    assert fast.from_env({"LLMGW_POLICY_LAZY": "0"}).lazy is False  # type: ignore[attr-defined]

@@ -482,6 +482,7 @@ def test_decision_becomes_a_valid_preemption_decided_event() -> None:
         "candidates",
         "excluded",
         "trials",
+        "engine",
     }
 
 

@@ -17,6 +17,7 @@ import pytest
 from schemas import codec
 from schemas import events as ev
 from services.bus import Publisher, ensure_streams
+from services.core.policy import Config as PolicyConfig
 from services.dashboard import Dashboard, state
 from services.dashboard.server import DashboardError, is_loopback, parse_listen, token_for
 from services.replay import rebuild
@@ -220,6 +221,22 @@ async def test_explain_history_plan(js: Any, story: Any) -> None:
         p = (await get(d.url + "api/plan?model=crit&seq=6&min_lifetime_s=0")).json()
         assert p["model"] == "crit" and p["outcome"]
         assert (await get(d.url + "api/plan?model=nope")).status == 404
+
+
+async def test_the_what_if_runs_the_plain_engine_unless_asked(js: Any, story: Any) -> None:
+    """`/api/plan` is a reader's question: it runs the plain engine, the spec, whatever
+    engine the dashboard's policy names (`llmgw up` hands it the services'), unless the
+    query's `engine` names another; each decides the same."""
+    async with serving(js, policy=PolicyConfig(engine="fast")) as d:
+        plain = (await get(d.url + "api/plan?model=crit&seq=6&min_lifetime_s=0")).json()
+        assert plain["engine"] == "plain"
+        asked = await get(d.url + "api/plan?model=crit&seq=6&min_lifetime_s=0&engine=checked")
+        assert asked.status == 200, asked.body
+        assert asked.json() == {**plain, "engine": "checked"}
+        bad = await get(d.url + "api/plan?model=crit&engine=index")
+        assert bad.status == 400 and bad.json()["error"].startswith("engine: ")
+        now = (await get(d.url + "api/plan?model=crit")).json()
+        assert now["engine"] == "plain"
 
 
 async def test_metrics(js: Any, story: Any) -> None:

@@ -14,10 +14,10 @@ from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
-from services import liveness
 from services.clock import new_id
 from services.dashboard import health
-from services.lease import DEFAULT_BUCKET, Lease, decode_value
+from services.plane import liveness
+from services.plane.lease import DEFAULT_BUCKET, Lease, decode_value
 from services.projector import store
 
 pytestmark = pytest.mark.timeout(30)

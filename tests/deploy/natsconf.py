@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,10 +50,34 @@ def users_module() -> ModuleType:
     return mod
 
 
+# PORTS: where a rendered server's ports are taken from: below the kernel's ephemeral range
+# (32768-60999), which outgoing connections draw from, and one slice per pytest-xdist
+# worker, so a port found free here is not taken by another worker's connection or server
+# between this check and the server's bind (a cluster's route port lost that race).
+PORTS = range(12000, 32000)
+_SLICE = 2000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, from this worker's slice of `PORTS`, never one handed out before by
+    this process (a cluster's nine ports drawn at random collided)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    n = int(worker) if worker.isdigit() else 0
+    start = PORTS.start + (n * _SLICE) % len(PORTS)
+    for _ in range(_SLICE):
+        port = start + next(_NEXT) % _SLICE
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}-{start + _SLICE}")
+
+
+# _NEXT: the offsets in the slice handed out, in turn from a random start (a test run that
+# starts again soon after does not meet its predecessor's ports in TIME_WAIT).
+_NEXT = itertools.count(random.randrange(_SLICE))
 
 
 def _sub(text: str, old: str, new: str, *, count: int = 1) -> str:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -48,7 +48,8 @@ def test_the_table_names_every_variable_the_code_reads_and_no_other() -> None:
 
 
 # FLAGS_NOW are switches that became `Config` fields with flags (or, the crash hook, a
-# test's own entry point): no code names them any more.
+# test's own entry point; the policy's five, its engine's one choice): no code names
+# them any more.
 FLAGS_NOW = {
     "LLMGW_GATEWAY_FASTPATH": "--no-fast-path",
     "LLMGW_GC_TUNE": "--no-gc-tune",
@@ -56,6 +57,12 @@ FLAGS_NOW = {
     "LLMGW_GC_FREEZE": "--no-gc-freeze",
     "LLMGW_BUS_WIRE": "--no-wire-reader",
     "LLMGW_FAULT": "",
+    "LLMGW_POLICY_INDEX": "--policy-engine",
+    "LLMGW_POLICY_CHECK": "--policy-engine",
+    "LLMGW_POLICY_LAZY": "--policy-engine",
+    "LLMGW_POLICY_LAZY_GANGS": "--policy-engine",
+    "LLMGW_POLICY_NARROW": "--policy-engine",
+    "LLMGW_ORACLE_DOMAINS": "--oracle-every-set",
 }
 
 

@@ -24,7 +24,7 @@ from services.bus import Publisher, connect
 from services.core import policy
 from services.core.scheduling import Config as SchedulerConfig
 from services.core.view import View, digest
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from services.projector import store
 from services.replay import rebuild
 from services.up import Running, UpOptions, run

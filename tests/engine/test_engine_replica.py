@@ -43,8 +43,8 @@ PROMPT = " ".join(["the model request answer token prompt hello world"] * 40)
 
 @dataclass
 class Served:
-    """The module's replica: its agent, its server's entry in the agent's state file,
-    and how long from the start command to ready."""
+    """A replica of the module's agent: its server's entry in the agent's state file,
+    and how long from its start command to ready."""
 
     url: str
     agent: ra.RealAgent
@@ -92,18 +92,57 @@ def _states(es: list[ev.Event], replica: str) -> list[str]:
     ]
 
 
+def _start(url: str, agent: ra.RealAgent, data: Path, replica: str) -> Served:
+    """Place and start `replica` of the model on the agent's node; wait until it is ready
+    (or failed, which fails the test with the agent's and the server's logs)."""
+
+    async def up(js: Any) -> tuple[float, list[str]]:
+        start = start_cmd(replica, NODE, (0,), model=MODEL)
+        await Publisher(js).publish(placement_of(start))
+        t0 = time.monotonic()
+        await Publisher(js).publish(start)
+
+        def final(es: list[ev.Event]) -> list[str] | None:
+            got = _states(es, replica)
+            return got if {"ready", "failed"} & set(got) else None
+
+        got = await _until(js, "ready or failed", final, engine.READY_S + 30)
+        return time.monotonic() - t0, got
+
+    ready_s, states = _on_bus(url, up)
+    print(f"\nvLLM (CPU build) as replica {replica}: ready {ready_s:.1f}s after its start command")
+    server = ra.servers(data, NODE).get(replica, {})
+    log = data / f"agent-{NODE}" / "logs" / f"{replica}.log"
+    assert states[-1] == "ready", (
+        f"{states}: {agent.text()[-3000:]} {ra.text(log)[-3000:] if log.exists() else ''}"
+    )
+    return Served(
+        url=url,
+        agent=agent,
+        data=data,
+        replica=replica,
+        server=server,
+        endpoint=f"http://127.0.0.1:{server['port']}",
+        ready_s=ready_s,
+        states=states,
+    )
+
+
 @pytest.fixture(scope="module")
-def served(
+def agent(
     module_nats_server: EmbeddedBroker,
     engine_python: Path,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Served]:
+) -> Iterator[tuple[str, ra.RealAgent, Path]]:
+    """The module's agent on a host without GPUs (one slot given by flag), the model
+    declared with the engine's runtime; at the end its replicas still up are drained
+    and nothing of their servers is left."""
     url = module_nats_server.url
     data = tmp_path_factory.mktemp("engine-agent")
     rt = engine.runtime(engine_python, tiny_model)
     _on_bus(url, lambda js: Publisher(js).publish(ra.declared(MODEL, rt)))
-    agent = ra.RealAgent(
+    a = ra.RealAgent(
         url,
         NODE,
         data,
@@ -116,62 +155,48 @@ def served(
         gpus="1xCPU-8GB",
     )
     try:
-
-        async def up(js: Any) -> tuple[float, list[str]]:
-            await _until(
+        _on_bus(
+            url,
+            lambda js: _until(
                 js,
                 "inventory",
                 lambda es: any(isinstance(e, ev.NodeInventoryEvent) for e in es) or None,
                 30,
-            )
-            start = start_cmd("r-1", NODE, (0,), model=MODEL)
-            await Publisher(js).publish(placement_of(start))
-            t0 = time.monotonic()
-            await Publisher(js).publish(start)
-
-            def final(es: list[ev.Event]) -> list[str] | None:
-                got = _states(es, "r-1")
-                return got if {"ready", "failed"} & set(got) else None
-
-            got = await _until(js, "ready or failed", final, engine.READY_S + 30)
-            return time.monotonic() - t0, got
-
-        ready_s, states = _on_bus(url, up)
-        print(f"\nvLLM (CPU build) as replica r-1: ready {ready_s:.1f}s after its start command")
-        server = ra.servers(data, NODE).get("r-1", {})
-        log = Path(server["log"]) if server else data / f"agent-{NODE}" / "logs" / "r-1.log"
-        assert states[-1] == "ready", (
-            f"{states}: {agent.text()[-3000:]} {ra.text(log)[-3000:] if log.exists() else ''}"
+            ),
         )
-        yield Served(
-            url=url,
-            agent=agent,
-            data=data,
-            replica="r-1",
-            server=server,
-            endpoint=f"http://127.0.0.1:{server['port']}",
-            ready_s=ready_s,
-            states=states,
-        )
+        yield url, a, data
     finally:
         # The agent leaves its servers running when it stops (a restarted one adopts
         # them): a replica still up is drained first.
         async def down(js: Any) -> None:
-            got = _states(await node_events(js, NODE), "r-1")
-            if got and not {"stopped", "failed"} & set(got):
-                await Publisher(js).publish(drain_cmd("r-1", model=MODEL, grace_s=10.0), node=NODE)
+            es = await node_events(js, NODE)
+            up = {
+                e.data.replica
+                for e in es
+                if isinstance(e, ev.ReplicaStateEvent)
+                and not {"stopped", "failed"} & set(_states(es, e.data.replica))
+            }
+            for r in up:
+                await Publisher(js).publish(drain_cmd(r, model=MODEL, grace_s=10.0), node=NODE)
+            for r in up:
 
-                def over(es: list[ev.Event]) -> bool | None:
-                    return bool({"stopped", "failed"} & set(_states(es, "r-1"))) or None
+                def over(es: list[ev.Event], r: str = r) -> bool | None:
+                    return bool({"stopped", "failed"} & set(_states(es, r))) or None
 
                 await _until(js, "stopped", over, 60)
 
         try:
             _on_bus(url, down)
         finally:
-            agent.stop()
+            a.stop()
             left = ra.sweep(NODE)
         assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def served(agent: tuple[str, ra.RealAgent, Path]) -> Served:
+    """Replica r-1, started once for the tests that use it (the drain's is the last)."""
+    return _start(*agent, "r-1")
 
 
 def _client(s: Served) -> openai.OpenAI:
@@ -259,8 +284,52 @@ def test_the_engines_metrics_reach_replica_used_and_the_view(served: Served) -> 
     assert said["prefix_cache_hits"] >= 256 and said["prefix_cache_hit_rate"] > 0
 
 
-@pytest.mark.timeout(120)
-def test_kill_9_of_the_server_fails_the_replica_with_the_engines_log(served: Served) -> None:
+@pytest.mark.timeout(180)
+def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_left(
+    served: Served,
+) -> None:
+    """A stream the engine serves when its drain comes (sent to it directly: no gateway
+    counts it) ends whole, not in `finish_reason: "abort"` (vLLM's way without
+    --shutdown-timeout); then its process group and its port are gone."""
+    pid, port, tag = served.server["pid"], served.server["port"], served.server["tag"]
+    c = _client(served)
+    stream = c.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=1500,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    got = [next(it)]  # in flight now
+    _on_bus(
+        served.url,
+        lambda js: Publisher(js).publish(drain_cmd("r-1", model=MODEL, grace_s=120.0), node=NODE),
+    )
+    got += list(it)
+    ends = [ch.choices[0].finish_reason for ch in got if ch.choices and ch.choices[0].finish_reason]
+    assert ends == ["length"], ends
+    assert got[-1].usage is not None and got[-1].usage.completion_tokens == 1500
+
+    def over(es: list[ev.Event]) -> list[str] | None:
+        got = _states(es, "r-1")
+        return got if {"stopped", "failed"} & set(got) else None
+
+    states = _on_bus(served.url, lambda js: _until(js, "stopped", over, 120))
+    assert states[-2:] == ["draining", "stopped"], states
+    log = ra.text(served.server["log"])
+    assert "draining in-flight requests" in log, log[-3000:]
+    assert not procs.alive(pid)
+    assert procs.members(tag, None) == set()
+    assert process._free("127.0.0.1", port)
+
+
+@pytest.mark.timeout(engine.READY_S + 120)
+def test_kill_9_of_the_server_fails_the_replica_with_the_engines_log(
+    agent: tuple[str, ra.RealAgent, Path],
+) -> None:
+    served = _start(*agent, "r-2")
     pid, port = served.server["pid"], served.server["port"]
     tag = served.server["tag"]
     assert len(procs.members(tag, pid)) >= 2  # the API server and its engine core
@@ -270,7 +339,7 @@ def test_kill_9_of_the_server_fails_the_replica_with_the_engines_log(served: Ser
         for e in es:
             if (
                 isinstance(e, ev.ReplicaStateEvent)
-                and e.data.replica == "r-1"
+                and e.data.replica == "r-2"
                 and e.data.state == "failed"
             ):
                 return e.data.reason or ""
@@ -283,6 +352,7 @@ def test_kill_9_of_the_server_fails_the_replica_with_the_engines_log(served: Ser
     tail = reason.removeprefix("server exited with signal 9: ").split(" | ")
     assert tail and all(t in lines for t in tail[-3:]), (reason, sorted(lines)[-10:])
     # Its engine process, which outlives a SIGKILLed API server, is gone; so is its port.
-    assert procs.members(tag, None) == set()
+    # Looked for by its group too: the engine core's title hides its tag from /proc.
+    assert procs.members(tag, None, group=pid) == set()
     # Nothing listens on it (connections in TIME_WAIT may be left, as after any server).
     assert process._free("127.0.0.1", port)

@@ -10,7 +10,7 @@ from services.bus.connection import connect
 from services.bus.stream import ensure_streams
 from services.core.ingest import Ingest
 from services.core.view import View, digest
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from tests.projector import mix
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ from schemas import events as ev
 from services.bus import DLQ_STREAM, Publisher
 from services.bus.consume import read_dead_letter, read_range
 from services.core.view import Rejection, View, digest
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from services.projector import store
 from services.projector.service import Projector
 from services.replay import rebuild

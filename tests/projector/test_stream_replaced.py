@@ -15,7 +15,7 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from schemas import subjects
 from services.bus import Publisher, ensure_streams, follow
-from services.follower import ViewFollower
+from services.plane.follower import ViewFollower
 from services.projector.service import Projector
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,6 +21,7 @@ from schemas import events as ev
 from services.bus import Publisher
 from services.bus.consume import read_range
 from services.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.helpers import Clock
 
 FAST = SchedulerConfig(
     tick_s=0.1,
@@ -170,12 +171,16 @@ class Running:
 async def start_scheduler(
     nc: Client, js: JetStreamContext
 ) -> AsyncIterator[Callable[..., Running]]:
-    """`start_scheduler(config=FAST, holder=...)`: a scheduler running as a task; every one
-    started is stopped at the end of the test."""
+    """`start_scheduler(config=FAST, holder=..., clock=...)`: a scheduler running as a
+    task, on the real clocks or a test's `Clock`; every one started is stopped at the end
+    of the test."""
     running: list[Running] = []
 
-    def start(config: SchedulerConfig = FAST, holder: str | None = None) -> Running:
-        s = Scheduler(nc, js, config=config, holder=holder or f"test-{len(running)}")
+    def start(
+        config: SchedulerConfig = FAST, holder: str | None = None, clock: Clock | None = None
+    ) -> Running:
+        clocks = {} if clock is None else {"clock": clock.wall, "monotonic": clock.monotonic}
+        s = Scheduler(nc, js, config=config, holder=holder or f"test-{len(running)}", **clocks)
         stop = asyncio.Event()
         r = Running(s, stop, asyncio.create_task(s.run(stop)))
         running.append(r)

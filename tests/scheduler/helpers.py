@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 
 
 async def eventually(
@@ -23,3 +24,22 @@ async def eventually(
         if time.monotonic() - t0 > within:
             raise AssertionError(f"condition not met within {within}s")
         await asyncio.sleep(every)
+
+
+class Clock:
+    """A scheduler's two clocks, moved only by the test: the wall clock a pass decides at
+    (and stamps its events with), starting at the real time now, and the monotonic one it
+    times heartbeats by. `advance` moves both."""
+
+    def __init__(self) -> None:
+        self._start = datetime.now(UTC)
+        self.elapsed = 0.0
+
+    def wall(self) -> datetime:
+        return self._start + timedelta(seconds=self.elapsed)
+
+    def monotonic(self) -> float:
+        return 1000.0 + self.elapsed
+
+    def advance(self, seconds: float) -> None:
+        self.elapsed += seconds

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from nats.js.client import JetStreamContext
 
-from services.lease import DEFAULT_BUCKET, Lease
+from services.plane.lease import DEFAULT_BUCKET, Lease
 from tests.scheduler.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)

@@ -79,3 +79,45 @@ def test_explain_shows_the_recorded_policy(
     code, out = run(capsys, "explain", "replica", victim, "--log", str(path))
     assert code == 0
     assert "policy     node-aware" in out
+
+
+def test_preemption_plan_runs_the_plain_engine_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`preemption plan` is a reader's "what if": it runs the plain engine, the spec,
+    even where the log records a service that ran the fast one; `--policy-engine` names
+    another, and every engine decides the same."""
+    s = Scenario()
+    s.node("h1", "4xH100-80GB")
+    s.model("big", cls="critical", min=1, profiles=["tp4:4"])
+    s.model("small", cls="opportunistic", min=0, max=8, profiles=["one:1"])
+    for i in range(4):
+        s.replica(f"r{i}", "small", on=("h1", [i]), ready="-4h", used="-2h")
+    s.emit(
+        ev.PolicyConfigured(
+            hold_s=300,
+            eviction_grace_s=600,
+            min_lifetime_s=120,
+            max_victims=4,
+            drain_grace_s=30,
+            policy="node-aware",
+            engine="fast",
+        )
+    )
+    log = str(s.write(tmp_path / "log.jsonl"))
+    answers = {}
+    for given in ((), ("--policy-engine", "fast"), ("--policy-engine", "checked")):
+        code, out = run(
+            capsys, "preemption", "plan", "--log", log, "--model", "big", "-o", "json", *given
+        )
+        got = json.loads(out)
+        assert code == 0 and got["outcome"] == "preempted"
+        settings, origin = got["policy"]["settings"], got["policy"]["from"]
+        assert settings["policy"] == "node-aware" and origin["policy"] == "log"
+        assert got["engine"] == settings["engine"] == (given[1] if given else "plain")
+        assert origin["engine"] == ("flag" if given else "default")
+        del got["engine"], got["policy"]
+        answers[given[1] if given else "plain"] = got
+    assert answers["plain"] == answers["fast"] == answers["checked"]
+    code, out = run(capsys, "preemption", "plan", "--log", log, "--model", "big")
+    assert code == 0 and "policy-engine plain (default)" in out

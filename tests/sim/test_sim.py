@@ -19,6 +19,7 @@ import pytest
 
 from schemas import events as ev
 from services.core import autoscale, reaction
+from services.core.policy import ENGINES
 from services.core.view import digest
 from services.replay import rebuild
 from services.sim import engine, report
@@ -480,37 +481,21 @@ def test_each_shard_of_a_drained_replica_on_several_nodes_says_its_own_stop() ->
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 @pytest.mark.parametrize("policy", ["reference", "node-aware"])
-def test_a_bundle_is_the_same_with_the_policy_index_or_without(
-    path: Path, policy: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The simulator's policy engine is its own index (`policy.index`); with it turned
-    off (LLMGW_POLICY_INDEX=0) the plain walk decides, and the bundle is the same byte for
-    byte; so with node-aware's lazy search off (LLMGW_POLICY_LAZY=0), with the lazy gang
-    search off (LLMGW_POLICY_LAZY_GANGS=0), and with every
-    trial on a clone of the whole cluster (LLMGW_POLICY_NARROW=0, the plain walk too:
-    the spec whole). With LLMGW_POLICY_CHECK=1 both run on every call and agree."""
+def test_a_bundle_is_the_same_whichever_engine_decides(path: Path, policy: str) -> None:
+    """The simulator's policy engine is the one its config names (`--policy-engine`):
+    the plain one (the spec whole: every replica walked, every set tried on a clone of
+    the whole cluster), the fast one (its own index, the lazy walks, the narrowed
+    trials), the checked one (both on every call, stopping on a difference). The bundle
+    is the same byte for byte, but for the one field each decision names its engine in
+    (`preemption.decided`'s `engine`)."""
     sc = scn.load(path)
-    runs = []
-    for env in (
-        {"LLMGW_POLICY_INDEX": "0"},
-        {"LLMGW_POLICY_INDEX": "1"},
-        {"LLMGW_POLICY_LAZY": "0"},
-        {"LLMGW_POLICY_CHECK": "1"},
-        {"LLMGW_POLICY_INDEX": "0", "LLMGW_POLICY_NARROW": "0"},
-        {"LLMGW_POLICY_LAZY_GANGS": "0"},
-    ):
-        for k in (
-            "LLMGW_POLICY_INDEX",
-            "LLMGW_POLICY_LAZY",
-            "LLMGW_POLICY_LAZY_GANGS",
-            "LLMGW_POLICY_CHECK",
-            "LLMGW_POLICY_NARROW",
-        ):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
+    runs = {}
+    for name in ENGINES:
         out = io.BytesIO()
-        r = engine.simulate(sc, policy, duration_s=24 * HOURS, out=out)
-        runs.append((out.getvalue(), r.digest))
-    assert runs[0] == runs[1] == runs[2] == runs[3] == runs[4] == runs[5]
-    assert b'"preemption.decided"' in runs[0][0]
+        engine.simulate(sc, policy, duration_s=24 * HOURS, out=out, engine=name)
+        got = out.getvalue()
+        assert b'"preemption.decided"' in got
+        decided = got.count(b'"type":"preemption.decided"')
+        assert got.count(b'"engine":"%s"' % name.encode()) == decided > 0
+        runs[name] = got.replace(b'"engine":"%s"' % name.encode(), b'"engine":""')
+    assert runs["plain"] == runs["fast"] == runs["checked"]

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "--size",
         choices=sorted(SIZES),
         default="small",
-        help="small: hidden 128, 2 layers (about 0.6M parameters); large: hidden 256, "
-        "4 layers (about 4.7M), enough for prefix caching to show (default: small)",
+        help="small: hidden 128, 2 layers (about 0.46M parameters); large: hidden 256, "
+        "4 layers (about 2.9M), enough for prefix caching to show (default: small)",
     )
     p.add_argument("--seed", type=int, default=0, help="the same seed, the same files (default: 0)")
     p.add_argument(

@@ -11,11 +11,13 @@ A port of the reference's `preemptFor` (reference/preempt.go), read beside it:
 - `rules`: who may be a candidate and why not, the tiers, the order key (`victims()`);
 - `search`: the first candidates in order until the model fits, then pruned;
 - `node_aware`: node-aware's search, the best set on the node the model would go to
-  (`aware` puts it together with its gangs' and its lazy walk's);
-- `trials`: the dry run on a clone of the inventory (`fitsWithout`); `narrow` the
-  same on copies of only the nodes where room can appear;
-- `engine`: the `Candidates` protocol and the plain walk; `index`: the fast engine a
-  caller owns and keeps current as it folds.
+  (`aware` puts it together with its gangs');
+- `trials`: the dry run on a clone of the inventory (`fitsWithout`);
+- `engine`: the `Engine` protocol, through which every answer that may be worked out
+  faster is asked, and the spec's own engine (`PLAIN`); `fast`: the fast engine a
+  caller owns and keeps current as it folds (the index, the lazy walks, the narrowed
+  trials); `checked`: both side by side. The config's `engine` names which one runs
+  (`choice.engine_of`), and the decision records it.
 
 Victims only ever come from a lower rank, or from above a minimum for a model below one,
 so two models cannot take turns stopping each other; the hold on each victim's model
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas import events as ev
 from services.core import catalog, placement, quota
 from services.core.policy import aware, gangs, rules, search
-from services.core.policy.config import POLICIES, WHY, Config, Policy
+from services.core.policy.checked import Checked, PolicyMismatch
+from services.core.policy.choice import engine_of
+from services.core.policy.config import ENGINES, POLICIES, WHY, Config, EngineName, Policy
 from services.core.policy.decision import (
     LISTED,
     Candidate,
@@ -42,30 +46,40 @@ from services.core.policy.decision import (
     listed,
     rfc3339,
 )
-from services.core.policy.engine import PLAIN, Candidates, Found, PlainWalk
-from services.core.policy.narrow import trials as trials_for
+from services.core.policy.engine import PLAIN, Engine, Found, Plain
+from services.core.policy.fast import Fast
 from services.core.policy.rules import effective_class
 from services.core.policy.trials import Trials, prune
 from services.core.view import View
 
 __all__ = [
+    "ENGINES",
+    "PLAIN",
     "POLICIES",
     "WHY",
     "Candidate",
-    "Candidates",
+    "Checked",
     "Config",
     "Decision",
+    "Engine",
+    "EngineName",
     "Exclusion",
+    "Fast",
     "Found",
     "Outcome",
-    "PlainWalk",
+    "Plain",
     "Policy",
+    "PolicyMismatch",
     "TrialResult",
     "effective_class",
+    "engine_of",
     "every_candidate",
     "listed",
     "plan",
 ]
+
+F = TypeVar("F", bound=Found)
+T = TypeVar("T", bound=Trials)
 
 
 def plan(
@@ -75,21 +89,23 @@ def plan(
     config: Config | None = None,
     *,
     avoid: Iterable[str] = (),
-    engine: Candidates | None = None,
-    narrow: bool = True,
+    engine: Engine[Any, Any] | None = None,
 ) -> Decision:
     """The decision the policy takes for one more replica of `model` at `now`.
 
     `avoid` is the placement's soft preference (placement.failed's `avoid`): every trial
     tries without those nodes first, then with them, as the scheduler would. `engine`
-    finds the candidates (the plain walk when None). `narrow` tries sets on copies of
-    only the nodes where room can appear (`narrow.Narrow`), not of the whole cluster.
+    works the answers out: the caller's own, kept between calls, of the kind its config
+    names (`engine_of(config.engine)`); when None, a new one of that kind. Every engine
+    decides the same; the decision records the config's (`Decision.config`, the
+    published `preemption.decided`'s `engine`).
 
     In order: an unknown model, a held model, an owner past its limit, a model that fits
     without stopping anything, a model still waiting for earlier victims, and only then
     the choice of victims.
     """
     cfg = config if config is not None else Config()
+    eng = engine if engine is not None else engine_of(cfg.engine)
     avoided = tuple(sorted(set(avoid)))
     m = view.catalog.resolve(model)
     if m is None:
@@ -101,13 +117,12 @@ def plan(
             avoid=avoided,
             config=cfg,
         )
-    eng = engine or PLAIN
     base = _base(view, m, now, cfg, avoided)
     early = _before_victims(view, m, now, base, eng)
     if isinstance(early, Decision):
         return early
     profiles, usage = early
-    return _preempt(view, m, now, cfg, profiles, usage, base, eng, narrow)
+    return _preempt(view, m, now, cfg, profiles, usage, base, eng)
 
 
 def _base(
@@ -134,7 +149,7 @@ _Quota = tuple[list[catalog.Profile], dict[str, quota.Amount] | None]
 
 
 def _before_victims(
-    view: View, m: catalog.Model, now: datetime, base: dict[str, Any], engine: Candidates
+    view: View, m: catalog.Model, now: datetime, base: dict[str, Any], engine: Engine[Any, Any]
 ) -> Decision | _Quota:
     """The outcomes decided before any victim is weighed, or the profiles within the
     owner's limits (with the usage read for them, None when none was)."""
@@ -179,8 +194,7 @@ def _preempt(
     profiles: list[catalog.Profile],
     usage: dict[str, quota.Amount] | None,
     base: dict[str, Any],
-    engine: Candidates,
-    narrow: bool,
+    engine: Engine[F, T],
 ) -> Decision:
     """The choice of victims, once m neither fits nor waits: who may go, and the fewest
     of them, in order, that make room."""
@@ -214,8 +228,8 @@ def _preempt(
             f"({found.excluded_count} excluded)"
         )
         return Decision(outcome="no_candidates", reason=reason, **base)
-    tr = trials_for(view, profiles, base["avoid"], narrow)
-    chosen, why_not = _search(view, m, cfg, tr, profiles, found)
+    tr = engine.trials(view, profiles, base["avoid"])
+    chosen, why_not = _search(view, m, cfg, tr, profiles, engine, found)
     if not chosen:
         reason = f"{why_not}; nothing is stopped"
         return Decision(outcome="no_fit", reason=reason, trials=tuple(tr.trials), **base)
@@ -254,9 +268,10 @@ def _search(
     view: View,
     m: catalog.Model,
     cfg: Config,
-    tr: Trials,
+    tr: T,
     profiles: list[catalog.Profile],
-    found: Found,
+    engine: Engine[F, T],
+    found: F,
 ) -> tuple[list[Candidate], str]:
     """The victims the configured search chooses (empty when none), and the words for
     when it chooses none."""
@@ -269,7 +284,7 @@ def _search(
         f"{m.name} would not fit with any set of at most {cfg.max_victims} "
         "candidate(s) stopped on the node(s) it could go to"
     )
-    found_set = aware.choose(view, profiles, found, cfg.max_victims, tr)
+    found_set = aware.choose(view, profiles, engine, found, cfg.max_victims, tr)
     if not found_set:
         return [], why_not
     chosen = list(found_set)

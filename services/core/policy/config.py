@@ -30,6 +30,14 @@ WHY: dict[str, str] = {
 Policy = Literal["reference", "node-aware"]
 POLICIES: tuple[str, ...] = ("reference", "node-aware")
 
+# ENGINES names how the policy works its answers out (`services.core.policy.engine`):
+# "plain" with the spec itself (every replica walked, every set tried on a clone of the
+# whole cluster), "fast" with the caller's index, the lazy walks and trials on copies of
+# only the nodes where room can appear (`services.core.policy.fast`), "checked" with
+# both, stopping on the first difference. All three decide the same.
+EngineName = Literal["plain", "fast", "checked"]
+ENGINES: tuple[str, ...] = ("plain", "fast", "checked")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
@@ -57,6 +65,12 @@ class Config:
     tier order, wherever they are, as the reference does; "node-aware" weighs every set
     within the cap on the node the model would go to and takes the best
     (`services.core.policy.node_aware`).
+
+    engine: how the answers are worked out (`ENGINES`); every engine takes the same
+    decision. The services (the preemption service, `llmgw simulate`) default to
+    "fast"; the readers that explain or ask "what if" (`llmgw preemption plan`, the
+    dashboard's plan) run "plain", the spec a reader checks against the reference,
+    unless told otherwise.
     """
 
     hold_s: float = field(
@@ -85,9 +99,24 @@ class Config:
             "tier order) or node-aware (the best set on the node the model would go to)",
         },
     )
+    engine: EngineName = field(
+        default="fast",
+        metadata={
+            "flag": "--policy-engine",
+            "choices": ENGINES,
+            "help": "how the policy works its answers out, each deciding the same: fast "
+            "(the index, the lazy walks, trials on copies of only where room can appear), "
+            "plain (the spec: every replica walked, every set tried on a clone of the "
+            "cluster) or checked (both, stopping on the first difference)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown policy {self.policy!r}: expected one of {', '.join(POLICIES)}"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(
+                f"unknown policy engine {self.engine!r}: expected one of {', '.join(ENGINES)}"
             )

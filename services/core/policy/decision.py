@@ -198,6 +198,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             reason=self.reason,
             spans={v.replica: v.nodes for v in self.victims if v.nodes},
             domain=self.domain,
+            engine=self.config.engine,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -213,6 +214,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             "candidates": [c.to_json() for c in self.candidates],
             "excluded": [{"replica": x.replica, "why": x.why} for x in self.excluded],
             "trials": [{"victims": list(t.victims), "fits": t.fits} for t in self.trials],
+            "engine": self.config.engine,
         }
 
 

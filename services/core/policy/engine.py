@@ -1,34 +1,39 @@
-"""Where candidates are found: one protocol, the spec's plain walk behind it.
+"""How the policy's answers are worked out: one protocol, the spec's own engine behind it.
 
-`plan` asks an engine three things: what an owner's quota levels hold (`usage`), which
-replicas are held past a guarantee (`borrowed`), and, for one decision, who may be
-stopped and why not (`find`, a `Found`). `PlainWalk` answers each by walking every
-replica holding capacity with the rules (`rules.candidates`, `View.holdings`) and is
-what a reader verifies against the reference; a faster engine (`index.Index`) answers
-the same questions from what its owner kept current as the view folded, and is held to
-the plain walk by a differential test. No engine is kept by core between calls: the
-caller owns it.
+`plan` asks an engine (`Engine`) everything that may be worked out faster than the spec
+writes it: what an owner's quota levels hold (`usage`), which replicas are held past a
+guarantee (`borrowed`), who may be stopped for one decision and why not (`find`, a
+`Found`), the dry run the decision's sets are tried on (`trials`), node-aware's best set
+on one node (`node_set`) and its best set of whole gangs (`gang_set`). The rules, the
+order, the searches' keys and the decision are the same whoever answers.
+
+`PLAIN` answers with the spec itself, what a reader verifies against the reference:
+every replica holding capacity walked with the rules (`rules.candidates`,
+`View.holdings`), node-aware's `node_aware.search` and `gangs.search` over every
+candidate, every set tried on a clone of the whole cluster (`trials.Trials`). The fast
+engine (`fast.Fast`) answers the same from an index its owner keeps current as the view
+folds, with lazy walks and trials on copies of only the nodes where room can appear;
+`checked.Checked` runs an engine and the spec side by side and stops on the first
+difference. Which one a caller runs is its config's `engine` (`config.ENGINES`), and a
+decision records it. No engine is kept by core between calls: the caller owns it.
 
 A `Found` is read, not listed whole: a decision lists its first candidates and
 exclusions (`decision.LISTED`) and counts the rest, the reference's search reads the
-first `max_victims` candidates, node-aware the candidates on the nodes that could make
-room (`by_node`). Only the spec's gang search, which weighs every candidate together (a
-profile of several shards, a gang), reads them all (`every`); the index's engine hands
-the lazy one (`gang_levels`) the candidates of one tier and those on given nodes.
+first `max_victims` candidates; the spec's node-aware and gang searches read them all
+(`every`), the fast engine's only those they reach.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
-from services.core import quota
-from services.core.policy import gangs, node_aware, rules
+from services.core import catalog, quota
+from services.core.policy import gangs, rules
 from services.core.policy.decision import Candidate, Exclusion, counts
+from services.core.policy.plain_sets import Fits, PlainSets
+from services.core.policy.trials import Trials
 from services.core.view import View
-
-if TYPE_CHECKING:
-    from services.core.policy import gang_levels
-    from services.core.policy.node_levels import Source
 
 
 class Found(Protocol):
@@ -71,29 +76,22 @@ class Found(Protocol):
         """Every candidate, in order."""
         ...
 
-    def by_node(
-        self, view: View, least: int, max_victims: int
-    ) -> list[tuple[str, list[Candidate]]]:
-        """Per node (by name) its candidates in order (a gang on its first node), for at
-        least every node with candidates where at most `max_victims` of them could leave
-        `least` GPUs free (`node_aware.could_free`); other nodes may be left out."""
+
+F = TypeVar("F", bound=Found)
+T = TypeVar("T", bound=Trials)
+
+
+class Engine(Protocol[F, T]):
+    """Answers the policy's questions about a view (see the module's docstring). `F` is
+    the engine's own `Found` and `T` its own `Trials`: what its `find` and `trials` give
+    its searches back."""
+
+    @property
+    def name(self) -> str:
+        """One of `config.ENGINES`, as the decision records it."""
         ...
 
-    def lazily(self, view: View) -> Source | None:
-        """The candidates per node for node-aware's lazy search (`node_levels`), read as
-        it needs them; None: the spec's search, over `by_node`, runs instead."""
-        ...
-
-    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
-        """The candidates by tier and by node for the lazy gang search (`gang_levels`),
-        read as it needs them; None: the spec's search, over `every`, runs instead."""
-        ...
-
-
-class Candidates(Protocol):
-    """Answers the policy's questions about a view (see the module's docstring)."""
-
-    def find(self, view: View, a: rules.Asker) -> Found:
+    def find(self, view: View, a: rules.Asker) -> F:
         """Who may be stopped for `a.m`, and why not the others."""
         ...
 
@@ -107,7 +105,38 @@ class Candidates(Protocol):
 
     def follow(self, view: View) -> None:
         """Bring what the engine keeps up to date with `view` now, so that the next
-        question does not pay for it (nothing, for the plain walk). Asking follows too."""
+        question does not pay for it (nothing, for the plain engine). Asking follows too."""
+        ...
+
+    def trials(self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]) -> T:
+        """The dry run one decision's sets are tried on, each recorded (`Trials`)."""
+        ...
+
+    def node_set(
+        self,
+        view: View,
+        profiles: Sequence[catalog.Profile],
+        found: F,
+        max_victims: int,
+        fits: Fits,
+        fallback: Callable[[], Sequence[Candidate]],
+    ) -> Sequence[Candidate]:
+        """Node-aware's set on one node (`node_aware.search`): the sets tried through
+        `fits` in the spec's order, `fallback` the reference's search for a profile of
+        several shards."""
+        ...
+
+    def gang_set(
+        self,
+        view: View,
+        profiles: Sequence[catalog.Profile],
+        found: F,
+        max_victims: int,
+        fits: Fits,
+        tr: T,
+    ) -> Sequence[Candidate]:
+        """Node-aware's set of whole gangs (`gangs.search`), the sets tried through
+        `fits` in the spec's order; `tr` the decision's trials (the domains they read)."""
         ...
 
 
@@ -142,27 +171,18 @@ class Listing:
     def every(self) -> tuple[Candidate, ...]:
         return self.cands
 
-    def by_node(
-        self, view: View, least: int, max_victims: int
-    ) -> list[tuple[str, list[Candidate]]]:
-        return node_aware.grouped(self.cands)
 
-    def lazily(self, view: View) -> Source | None:
-        return None
-
-    def gangs_lazily(self, view: View) -> gang_levels.Source | None:
-        return None
-
-
-class PlainWalk:
-    """The spec's own engine: every replica, every rule, on every call."""
+class Plain(PlainSets):
+    """The spec's own engine: every replica, every rule, every set on a clone of the
+    whole cluster, on every call (node-aware's: `plain_sets.PlainSets`)."""
 
     __slots__ = ()
+    name = "plain"
 
     def follow(self, view: View) -> None:
         return None
 
-    def find(self, view: View, a: rules.Asker) -> Found:
+    def find(self, view: View, a: rules.Asker) -> Listing:
         cands, excluded = rules.candidates(view, a)
         if a.cfg.policy != "reference":
             # Node-aware weighs a multi-node replica whole (`gangs`); the reference skips it.
@@ -185,6 +205,11 @@ class PlainWalk:
         owners = {o for o in owners if tree.has_guarantee(o)}
         return rules.borrowed_of(tree, view.holdings(owners))
 
+    def trials(
+        self, view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...]
+    ) -> Trials:
+        return Trials(view, profiles, avoid)
+
 
 def counted_owners(view: View, owner: str) -> set[str]:
     """The owners whose replicas the quota math for `owner` reads: those sharing a level
@@ -196,4 +221,5 @@ def counted_owners(view: View, owner: str) -> set[str]:
     return {o for o in everyone if any(q.name in mine for q in tree.governing(o))}
 
 
-PLAIN = PlainWalk()
+PLAIN = Plain()
+"""The plain engine: it keeps nothing, so one serves every caller."""

@@ -26,8 +26,8 @@ reference's own search is run too (`fallback`), and the better of the two is tak
 Bounded: sets are weighed level by level, (highest tier, size) in order, and a node is
 passed over at a level once even its largest allowed victims could not free enough,
 so on a full cluster of 1,000 nodes most nodes cost a sum or two. This is the spec: the
-index's engine finds the same set, trying the same sets in the same order, by walking
-each level's nodes best first (`node_levels`), held to this by a differential test.
+fast engine finds the same set, trying the same sets in the same order, by walking each
+level's nodes best first (`fast.node_levels`), held to this by a differential test.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def load_costs(view: View, models: Iterable[str] | None = None) -> dict[str, flo
     return {m: max(statistics.median(took[m]), 0.0) for m in names}
 
 
-class _Need:
+class Need:
     """One one-shard profile, as a node's GPUs are counted against it."""
 
     __slots__ = ("cpu", "gpus", "mem", "min_gb", "plain", "words")
@@ -112,12 +112,12 @@ class _Need:
         )
 
 
-class _Node:
+class NodeSets:
     """One node's candidates and what each would free there, per one-shard profile."""
 
     __slots__ = ("cands", "cpu", "free_q", "freed", "mem", "usage")
 
-    def __init__(self, usage: NodeUsage, cands: Sequence[Victim], needs: list[_Need]) -> None:
+    def __init__(self, usage: NodeUsage, cands: Sequence[Victim], needs: list[Need]) -> None:
         self.usage = usage
         self.cands = cands
         healthy = set(usage.healthy)
@@ -141,7 +141,7 @@ class _Node:
                 self.free_q.append(sum(1 for i in usage.free if n.qualifies(usage, i)))
                 self.freed.append([sum(1 for i in g if n.qualifies(usage, i)) for g in gpus_of])
 
-    def fits(self, needs: list[_Need], chosen: tuple[int, ...]) -> bool:
+    def fits(self, needs: list[Need], chosen: tuple[int, ...]) -> bool:
         """Whether stopping the candidates at `chosen` lets one of the profiles fit here."""
         u = self.usage
         cpu = u.free_cpu + sum([self.cpu[i] for i in chosen])
@@ -156,7 +156,7 @@ class _Node:
                 return True
         return False
 
-    def could(self, needs: list[_Need], allowed: list[int], k: int) -> bool:
+    def could(self, needs: list[Need], allowed: list[int], k: int) -> bool:
         """Whether any k of `allowed` could free enough GPUs for some profile: a bound
         that passes over most nodes without weighing their sets."""
         for j, n in enumerate(needs):
@@ -188,22 +188,18 @@ def search(
     max_victims: int,
     fits: Callable[[Sequence[C]], bool],
     fallback: Callable[[], Sequence[C]],
-    nodes: Callable[[int], list[tuple[str, list[C]]]] | None = None,
 ) -> Sequence[C]:
     """The best set of at most `max_victims` of `cands` whose stopping lets the model be
     placed, confirmed by `fits` (the dry run); empty when there is none.
 
-    `nodes(least)`, when given, is the candidates per node in place of `cands` grouped
-    (`grouped`): at least every node where they could free `least` GPUs (an engine's
-    `Found.by_node`). `fallback` is the reference's search, run only when a profile has
+    `fallback` is the reference's search, run only when a profile has
     several shards (the model would go to several nodes, which one node's sets do not
     cover)."""
-    needs = [_Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
-    on: list[_Node] = []
+    needs = [Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
+    on: list[NodeSets] = []
     if needs:
         least = min(n.gpus for n in needs)
-        per_node = nodes(least) if nodes is not None else grouped(cands)
-        on = _on_nodes(view, per_node, needs, least, max_victims)
+        on = _on_nodes(view, grouped(cands), needs, least, max_victims)
     return or_fallback(view, profiles, _by_levels(view, needs, on, max_victims, fits), fallback)
 
 
@@ -234,13 +230,13 @@ def grouped(cands: Iterable[C]) -> list[tuple[str, list[C]]]:
     return sorted(by.items())
 
 
-_Entry = tuple["_Node", tuple[int, ...]]
+_Entry = tuple["NodeSets", tuple[int, ...]]
 
 
 def _by_levels(
     view: View,
-    needs: list[_Need],
-    nodes: list[_Node],
+    needs: list[Need],
+    nodes: list[NodeSets],
     max_victims: int,
     fits: Callable[[Sequence[C]], bool],
 ) -> Sequence[C]:
@@ -268,7 +264,7 @@ def _by_levels(
     return ()
 
 
-def _open_at(nodes: list[_Node], t: int) -> list[tuple[_Node, list[int], list[bool]]]:
+def _open_at(nodes: list[NodeSets], t: int) -> list[tuple[NodeSets, list[int], list[bool]]]:
     """Per node, its candidates of tier t or below, and whether each is of tier t. A set
     whose highest tier is below t was weighed at an earlier level, so a node with no
     candidate of tier t has no set at this one."""
@@ -282,7 +278,7 @@ def _open_at(nodes: list[_Node], t: int) -> list[tuple[_Node, list[int], list[bo
 
 
 def _level(
-    open_at: list[tuple[_Node, list[int], list[bool]]], needs: list[_Need], k: int
+    open_at: list[tuple[NodeSets, list[int], list[bool]]], needs: list[Need], k: int
 ) -> list[_Entry]:
     """The level's sets: every k of a node's allowed candidates with one of tier t, as
     (the node, which of its candidates), in order; a node is passed over once even its k
@@ -312,12 +308,12 @@ def _thrown(level: list[_Entry], load_s: dict[str, float]) -> list[float]:
 def _on_nodes(
     view: View,
     per_node: Iterable[tuple[str, Sequence[Victim]]],
-    needs: list[_Need],
+    needs: list[Need],
     least: int,
     max_victims: int,
-) -> list[_Node]:
+) -> list[NodeSets]:
     """Per schedulable node with candidates, in name order, what its candidates would
-    free there for `needs` (`_Node`); only the nodes where at most `max_victims` of them
+    free there for `needs` (`NodeSets`); only the nodes where at most `max_victims` of them
     could free `least` GPUs (the smallest need): a bound before anything is worked out
     per profile, which on a full cluster passes over most nodes for a large model."""
     inv = view.inventory
@@ -327,7 +323,7 @@ def _on_nodes(
         if usage is None or not usage.schedulable:
             continue
         if could_free(len(usage.free), [c.gpus for c in mine], least, max_victims):
-            out.append(_Node(usage, mine, needs))
+            out.append(NodeSets(usage, mine, needs))
     return out
 
 

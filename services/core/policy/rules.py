@@ -5,8 +5,9 @@ The reference's `victims()` (reference/preempt.go), rule for rule, read beside i
 `excluded_by_rule` say why one may not go, `replica_tier` says which tier one that may
 goes in (`eligible_tier` adds the young rule, `single_node` the multi-node one,
 `replica_candidate` puts them together for one replica, `model_candidates` for one
-model's), and `order_key` is the order they are tried in. Called by `engine.PlainWalk`
-(the spec's own walk) and, replica by replica, by `index.Index`; nothing here keeps anything
+model's), and `order_key` is the order they are tried in. Called by `engine.Plain`
+(the spec's own walk) and, replica by replica, by the fast engine's index
+(`fast.index.Index`); nothing here keeps anything
 between calls. No I/O, no clock: `now` is a parameter.
 """
 

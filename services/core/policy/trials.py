@@ -5,8 +5,9 @@ room is the one outcome worse than not preempting, so a set is stopped only once
 without it places the model. Used by both searches (`search`, `node_aware`); each trial
 is recorded for the decision. Nothing is kept past one decision. No I/O.
 
-`narrow.Narrow` is the same trials on a copy of only the nodes where room can appear,
-proven equal to these by tests/core/test_gangs.py and tests/core/test_policy_index.py.
+The fast engine's trials (`fast.narrow.Narrow`) are the same on a copy of only the nodes
+where room can appear, proven equal to these by tests/core/test_gangs.py and
+tests/core/test_policy_index.py; an engine makes a decision's trials (`Engine.trials`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class Trials:
     ) -> None:
         self.view, self.profiles, self.avoid = view, profiles, avoid
         self.trials: list[TrialResult] = []
+
+    def beside(self) -> Trials:
+        """Trials of their own for the same decision, of the same kind (the reference's
+        search that node-aware runs too, whose sets are not the decision's)."""
+        return Trials(self.view, self.profiles, self.avoid)
 
     def fits_without(self, gone: Sequence[Candidate], pruning: bool = False) -> bool:
         """Whether the model could be placed with `gone` stopped, tried on a clone. The

@@ -9,7 +9,7 @@ same period and wins only once the key has expired or was released.
 
 An entry's value is `<holder> <since>`: the holder's name, then when its term began (UTC,
 ISO 8601), kept the same by every renewal of that term, so a reader (`llmgw status`, the
-dashboard, `services.liveness`) can say who leads and since when; the entry's own time
+dashboard, `services.plane.liveness`) can say who leads and since when; the entry's own time
 on the server says when it was last renewed. A value of the holder's name alone (what
 older holders write) reads as a term of unknown start.
 

@@ -15,23 +15,19 @@ The same results, placements and all: tests/core/test_gangs.py (domains) and
 tests/core/test_policy_index.py (random clusters, both policies) try the same sets both ways. What it
 moves: a one-shard trial at 10,000 nodes costs a copy of a few nodes instead of ten
 thousand, and a gang's at 10,000 nodes 8.7 ms instead of 15.5 ms
-(tests/bench/bench_gangs.py). `plan(..., narrow=False)` turns it off (the shells:
-`LLMGW_POLICY_NARROW=0`).
+(tests/bench/bench_gangs.py). The fast engine's trials (`Fast.trials`); the plain engine
+tries every set on a clone of the whole inventory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from services.core import catalog, placement
 from services.core.inventory import Inventory
 from services.core.policy.decision import Candidate
 from services.core.policy.trials import Trials
 from services.core.view import View
-
-# NARROW_ENV names the switch that turns narrowed trials off (`LLMGW_POLICY_NARROW=0`):
-# the shells then try every set on a clone of the whole inventory.
-NARROW_ENV = "LLMGW_POLICY_NARROW"
 
 
 class Narrow(Trials):
@@ -61,6 +57,17 @@ class Narrow(Trials):
         other._domains = self._domains
         return other
 
+    def domains(self, level: str) -> dict[str, list[str]]:
+        """The names of each domain's nodes at `level` (`placement.domains_of`), worked
+        out once for the decision: its trials and the lazy gang search read them."""
+        domains = self._domains.get(level)
+        if domains is None:
+            domains = self._domains[level] = {
+                d: [u.node.name for u in us]
+                for d, us in placement.domains_of(self.view.inventory.usages(), level).items()
+            }
+        return domains
+
     def copy(self, gone: Sequence[Candidate]) -> tuple[Inventory, set[str] | None]:
         on = {n for v in gone for n in (v.nodes or (v.node,))}
         if self.one_shard:
@@ -84,17 +91,6 @@ class Narrow(Trials):
                     out.update(domains.get(d, ()))
         return out
 
-    def domains(self, level: str) -> dict[str, list[str]]:
-        """The names of each domain's nodes at `level` (`placement.domains_of`), worked
-        out once for the decision: its trials and the lazy gang search read them."""
-        domains = self._domains.get(level)
-        if domains is None:
-            domains = self._domains[level] = {
-                d: [u.node.name for u in us]
-                for d, us in placement.domains_of(self.view.inventory.usages(), level).items()
-            }
-        return domains
-
 
 def _kept(p: catalog.Profile) -> bool:
     """Whether a profile's room can only appear where victims stop, given whole domains:
@@ -102,15 +98,3 @@ def _kept(p: catalog.Profile) -> bool:
     if p.topology_level is None:
         return p.shards == 1
     return p.topology_mode == "required"
-
-
-def from_env(env: Mapping[str, str]) -> bool:
-    """Whether the switch in `env` (the shell's environment) leaves the trials narrowed."""
-    return env.get(NARROW_ENV, "1") != "0"
-
-
-def trials(
-    view: View, profiles: Sequence[catalog.Profile], avoid: tuple[str, ...], narrow: bool
-) -> Trials:
-    """The trials for one decision: narrowed, or the spec's when not `narrow`."""
-    return Narrow(view, profiles, avoid) if narrow else Trials(view, profiles, avoid)

@@ -27,7 +27,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from services.bus.broker import LOCK_FILE
-from services.lease import DEFAULT_BUCKET, decode_value
+from services.plane.lease import DEFAULT_BUCKET, decode_value
 
 # ROLES are the leases a running plane holds, each `<root>.<role>` in the lease bucket.
 ROLES = ("scheduler", "preemption")

@@ -18,8 +18,8 @@ several shards with no topology weighs the whole cluster in one group, whose poo
 every candidate's: the spec runs.
 
 The sets tried, their order and the one taken are the spec's. Held to it by a
-differential test (tests/core/test_gang_levels.py) and, with `LLMGW_POLICY_CHECK=1`, on
-every call (`Source.spec`). No I/O, no clock.
+differential test (tests/core/test_gang_levels.py) and, under the checked engine
+(`checked.Checked`), on every call. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from services.core import catalog, placement
+from services.core import catalog
 from services.core.policy import gangs, node_aware
 from services.core.policy.decision import Candidate
-from services.core.policy.replayed import Tried
 from services.core.view import View
 
 # Order: `rules.order_key` (tier, minus the time unused or 0, GPUs, memory, id).
@@ -39,13 +38,7 @@ Order = tuple[int, float, int, float, str]
 
 
 class Source(Protocol):
-    """Where the lazy gang search reads candidates (an engine's `Found.gangs_lazily`)."""
-
-    @property
-    def spec(self) -> Callable[[], Sequence[Candidate]] | None:
-        """When set, every candidate as the spec's search reads them (`Found.every`):
-        the spec is run beside and the two compared (the check)."""
-        ...
+    """Where the lazy gang search reads candidates (the fast engine's `Found`)."""
 
     def tiers(self) -> list[int]:
         """Every tier a candidate has, lowest first."""
@@ -80,21 +73,6 @@ def search(
 ) -> Sequence[Candidate]:
     """`gangs.search`'s set, read from `source`. `domains(level)` is the names of each
     domain's nodes at `level` (`Trials.domains`, `placement.domains_of`)."""
-    spec = source.spec
-    if spec is not None:
-        return _checked(view, profiles, source, max_victims, fits, domains, spec)
-    return _lazy(view, profiles, source, max_victims, fits, domains)
-
-
-def _lazy(
-    view: View,
-    profiles: Sequence[catalog.Profile],
-    source: Source,
-    max_victims: int,
-    fits: Callable[[Sequence[Candidate]], bool],
-    domains: Callable[[str], dict[str, list[str]]],
-) -> Sequence[Candidate]:
-    """`search` without the check."""
     if any(p.shards > 1 and not p.topology_level for p in profiles):
         return gangs.search(view, profiles, source.every(), max_victims, fits)
     walk = _Walk(view, profiles, source, domains)
@@ -104,21 +82,6 @@ def _lazy(
             if got:
                 return got
     return ()
-
-
-def domains(view: View) -> Callable[[str], dict[str, list[str]]]:
-    """`domains` for `search` where no trials keep them: worked out once per level."""
-    got: dict[str, dict[str, list[str]]] = {}
-
-    def of(level: str) -> dict[str, list[str]]:
-        if level not in got:
-            got[level] = {
-                d: [u.node.name for u in us]
-                for d, us in placement.domains_of(view.inventory.usages(), level).items()
-            }
-        return got[level]
-
-    return of
 
 
 _GroupKey = tuple[str, str]
@@ -259,22 +222,3 @@ class _Walk:
         if not self.spec_groups:
             return ()
         return gangs.first_of_level(self.spec_groups, t, k, self.freed_of, self.load_s, fits)
-
-
-def _checked(
-    view: View,
-    profiles: Sequence[catalog.Profile],
-    source: Source,
-    max_victims: int,
-    fits: Callable[[Sequence[Candidate]], bool],
-    domains: Callable[[str], dict[str, list[str]]],
-    spec: Callable[[], Sequence[Candidate]],
-) -> Sequence[Candidate]:
-    """The lazy search, then the spec's over `spec`'s candidates: the same sets must be
-    tried in the same order (each of the spec's answered by the dry run the lazy one
-    ran) and the same set taken; `PolicyMismatch` with one line on the first difference."""
-    check = Tried(fits, "the gang search")
-    got = _lazy(view, profiles, source, max_victims, check.recorded, domains)
-    want = gangs.search(view, profiles, spec(), max_victims, check.replayed)
-    check.agreed(got, want, whole=True)
-    return want

@@ -2,7 +2,7 @@
 
 Each of those modules parses its own flags and hands `run_service` a `build(nc, js)`
 that makes the service; this module does what they share: find the broker, connect,
-make sure the streams exist, keep the heap settled (`services.heap`), turn SIGTERM and Ctrl-C into a clean stop, log lines a
+make sure the streams exist, keep the heap settled (`services.plane.heap`), turn SIGTERM and Ctrl-C into a clean stop, log lines a
 person can follow, and turn a failure a user can act on into one line and an exit code.
 """
 
@@ -16,9 +16,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from services import heap
 from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
-from services.process import Config
+from services.plane import heap
+from services.plane.process import Config
 
 
 class Service(Protocol):

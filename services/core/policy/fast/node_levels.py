@@ -2,10 +2,10 @@
 nodes that could make room at each level, walked best first.
 
 The spec (`node_aware.search`) works out what every candidate of every node that could
-free the smallest need would free there (`_Node`), then walks the levels (highest tier,
+free the smallest need would free there (`NodeSets`), then walks the levels (highest tier,
 size) building every set on every open node. What it finds depends on less: a level's
 sets are those with a candidate of its tier, all of its tier or below, that free enough
-on their node (`_Node.fits`), tried in `key` order until the dry run confirms one. Every
+on their node (`NodeSets.fits`), tried in `key` order until the dry run confirms one. Every
 set of a level has the same highest tier and size, so the spec's order (by the work
 thrown away, then `key` among equals) is `key`'s, a total order (the last of it is the
 ids).
@@ -16,11 +16,11 @@ least would throw away, then how long the least idle of the k longest unused has
 unused; only nodes whose k largest replicas hold the smallest need (or with free GPUs,
 `loose`) are walked. A node walked is read as its candidates' tiers and GPUs (`Slot`),
 joins the levels at which its largest candidates of tier t or below could free the need,
-and is worked out (`_Node`, the spec's) only when a level reaches it. Its sets that fit
+and is worked out (`NodeSets`, the spec's) only when a level reaches it. Its sets that fit
 go on a heap by `key`; the least is tried as soon as no node not yet walked could hold a
 set before it. The sets tried, their order and the one taken are the spec's. Held to
-the spec by a differential test (tests/core/test_policy_index.py) and, with
-`LLMGW_POLICY_CHECK=1`, on every call (`Source.spec`). No I/O, no clock.
+the spec by a differential test (tests/core/test_policy_index.py) and, under the checked
+engine (`checked.Checked`), on every call. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from services.core import catalog
 from services.core.inventory import NodeUsage
 from services.core.policy import node_aware
 from services.core.policy.decision import Candidate
-from services.core.policy.replayed import Tried
 from services.core.view import View
 
 
@@ -51,14 +50,7 @@ class Slot:
 
 
 class Source(Protocol):
-    """Where the lazy search reads candidates per node (an engine's `Found.lazily`)."""
-
-    @property
-    def spec(self) -> Callable[[int, int], list[tuple[str, list[Candidate]]]] | None:
-        """When set, the candidates per node the spec's search reads (`Found.by_node`,
-        given `least` and `max_victims`): the spec is run beside and the two compared
-        (the check)."""
-        ...
+    """Where the lazy search reads candidates per node (the fast engine's `Found`)."""
 
     def tiers(self) -> list[int]:
         """Every tier a candidate has, lowest first."""
@@ -88,29 +80,14 @@ class Source(Protocol):
 def search(
     view: View,
     profiles: Sequence[catalog.Profile],
-    cands: Sequence[Candidate],
     max_victims: int,
     fits: Callable[[Sequence[Candidate]], bool],
     fallback: Callable[[], Sequence[Candidate]],
     source: Source,
 ) -> Sequence[Candidate]:
-    """`node_aware.search`'s set, the nodes read from `source` level by level."""
-    spec = source.spec
-    if spec is not None:
-        return _checked(view, profiles, cands, max_victims, fits, fallback, source, spec)
-    return _lazy(view, profiles, max_victims, fits, fallback, source)
-
-
-def _lazy(
-    view: View,
-    profiles: Sequence[catalog.Profile],
-    max_victims: int,
-    fits: Callable[[Sequence[Candidate]], bool],
-    fallback: Callable[[], Sequence[Candidate]],
-    source: Source,
-) -> Sequence[Candidate]:
-    """`search` without the check: the levels from `source`, else the fallback."""
-    needs = [node_aware._Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
+    """`node_aware.search`'s set, the nodes read from `source` level by level, else the
+    fallback's."""
+    needs = [node_aware.Need(p) for p in profiles if p.shards == 1 and p.gpus >= 0]
     best: Sequence[Candidate] = ()
     if needs:
         least = min(n.gpus for n in needs)
@@ -121,7 +98,7 @@ def _lazy(
 def _levels(slot: Slot, least: int, max_victims: int) -> set[tuple[int, int]]:
     """The levels (t, k) where k of the slot's candidates of tier t or below, one of
     them of tier t, could free enough: the node's free GPUs and its k largest such
-    candidates' GPUs reach `least` (what `_Node.fits` needs at least)."""
+    candidates' GPUs reach `least` (what `NodeSets.fits` needs at least)."""
     out: set[tuple[int, int]] = set()
     free = len(slot.usage.free)
     pairs = sorted(zip(slot.tiers, slot.gpus, strict=True))
@@ -162,24 +139,24 @@ def _before(k: node_aware.Key, work: float, idle: float, exact: bool) -> bool:
 
 
 class _Walked:
-    """What one search has read of the nodes: each slot once, its levels, its `_Node`."""
+    """What one search has read of the nodes: each slot once, its levels, its `NodeSets`."""
 
     __slots__ = ("built", "least", "levels", "max_victims", "needs", "slots", "source")
 
     def __init__(
-        self, source: Source, needs: list[node_aware._Need], least: int, max_victims: int
+        self, source: Source, needs: list[node_aware.Need], least: int, max_victims: int
     ) -> None:
         self.source, self.needs, self.least, self.max_victims = source, needs, least, max_victims
         self.slots: dict[str, Slot | None] = {}
         self.levels: dict[str, set[tuple[int, int]]] = {}
-        self.built: dict[str, node_aware._Node] = {}
+        self.built: dict[str, node_aware.NodeSets] = {}
 
     def read(self, slot: Slot) -> None:
         self.slots[slot.name] = slot
         self.levels[slot.name] = _levels(slot, self.least, self.max_victims)
 
     def sets(self, name: str, t: int, k: int) -> list[tuple[Candidate, ...]]:
-        """The node's sets of level (t, k) that fit on it (`_Node.fits`)."""
+        """The node's sets of level (t, k) that fit on it (`NodeSets.fits`)."""
         if name not in self.slots:
             got = self.source.slot(name)
             if got is None:
@@ -192,7 +169,7 @@ class _Walked:
         needs = self.needs
         node = self.built.get(name)
         if node is None:
-            node = self.built[name] = node_aware._Node(
+            node = self.built[name] = node_aware.NodeSets(
                 slot.usage, self.source.candidates(slot), needs
             )
         cands = node.cands
@@ -208,7 +185,7 @@ class _Walked:
 
 def _by_levels(
     view: View,
-    needs: list[node_aware._Need],
+    needs: list[node_aware.Need],
     source: Source,
     least: int,
     max_victims: int,
@@ -274,27 +251,3 @@ def _level(
             return ()
         add(at[2])
         at = next(nodes, None)
-
-
-def _checked(
-    view: View,
-    profiles: Sequence[catalog.Profile],
-    cands: Sequence[Candidate],
-    max_victims: int,
-    fits: Callable[[Sequence[Candidate]], bool],
-    fallback: Callable[[], Sequence[Candidate]],
-    source: Source,
-    spec: Callable[[int, int], list[tuple[str, list[Candidate]]]],
-) -> Sequence[Candidate]:
-    """The lazy search, then the spec's over `spec`'s nodes: the same sets must be tried
-    in the same order (each of the spec's answered by the dry run the lazy one ran) and
-    the same set taken; `PolicyMismatch` with one line on the first difference."""
-    check = Tried(fits, "node-aware")
-    got = _lazy(view, profiles, max_victims, check.recorded, fallback, source)
-
-    def nodes(least: int) -> list[tuple[str, list[Candidate]]]:
-        return spec(least, max_victims)
-
-    want = node_aware.search(view, profiles, cands, max_victims, check.replayed, fallback, nodes)
-    check.agreed(got, want, whole=False)
-    return want

@@ -2,7 +2,7 @@
 the plane (`llmgw up`, `llmgw gateway`, `python -m services.<service>`, made by
 `services.flags`), read from no variable.
 
-Kept apart from what they steer (`services.heap`, `services.bus.wire`) so that the CLI
+Kept apart from what they steer (`services.plane.heap`, `services.bus.wire`) so that the CLI
 can show its help without importing a broker library.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """Whether the process freezes its heap (`services.heap`) and reads the log with the
+    """Whether the process freezes its heap (`services.plane.heap`) and reads the log with the
     bus's own wire reader (`services.bus.wire`)."""
 
     gc_freeze: bool = field(

@@ -13,7 +13,7 @@ The cost: an object frozen here that later becomes garbage inside a reference cy
 never freed (garbage without a cycle is freed as always, by its reference count). What
 survives two young collections in a plane process is mostly the view and its index,
 which live as long as the process. `--no-gc-freeze` turns it off
-(`services.process.Config.gc_freeze`).
+(`services.plane.process.Config.gc_freeze`).
 
 Run by the processes that are the plane (`llmgw up`, `python -m services.<service>`),
 never by a service object: a test process holds other things.

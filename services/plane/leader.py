@@ -34,8 +34,8 @@ from nats.js.client import JetStreamContext
 from schemas import codec, subjects
 from schemas import events as ev
 from services.bus import Published, Publisher, tracing
-from services.follower import OnChange, ViewFollower
-from services.lease import Lease
+from services.plane.follower import OnChange, ViewFollower
+from services.plane.lease import Lease
 
 log = logging.getLogger("llmgw.leader")
 
