@@ -63,6 +63,10 @@ from services.core.view import ReplicaRecord, View
 # system prompt to 1.3% of its length; 1,024 halves the cost again but loses up to 255
 # tokens of a match and makes a short prompt's one block its whole match.
 BLOCK_CHARS = 256
+# MAX_BLOCKS bounds the blocks of one prompt hashed and matched (524,288 characters,
+# about 131,000 tokens: a long context's whole): a larger body costs no more of the
+# gateway's CPU here, nor flushes more of a replica's entry; its match is over them.
+MAX_BLOCKS = 2048
 # CHARS_PER_TOKEN is how many characters of a prompt the index counts as a token.
 CHARS_PER_TOKEN = 4
 # THRESHOLD is the share of a prompt's blocks a replica must hold to be warm for it.
@@ -107,7 +111,7 @@ def blocks(
     index lives in one gateway's memory."""
     out: list[int] = []
     h = hash((model, salt, owner))
-    for i in range(0, len(text) - size + 1, size):
+    for i in range(0, min(len(text), size * MAX_BLOCKS) - size + 1, size):
         h = hash((h, text[i : i + size]))
         out.append(h)
     return out
@@ -200,7 +204,7 @@ class Prefix(LeastInflight):
         else:
             text = route.prompt
             self._hashes = blocks(m.name, route.salt, text, self.block_chars, route.owner)
-            self._chars = len(text)
+            self._chars = min(len(text), self.block_chars * MAX_BLOCKS)
         self._explained = None
         r = super().pick(view, m, route, avoid=avoid, limit=limit)
         if r is None or route is None:

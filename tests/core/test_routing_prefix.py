@@ -299,3 +299,14 @@ def test_one_tenants_prefixes_never_make_a_replica_warm_for_another() -> None:
     p.send(other, end=False)
     e = p.router.explain(other)
     assert e is not None and e.why == "cold" and e.matched == 0.0
+
+
+def test_a_huge_prompt_costs_no_more_than_max_blocks() -> None:
+    """A body of millions of characters: at most MAX_BLOCKS hashed and kept, so one
+    request neither holds the gateway nor flushes more than that of a replica's entry."""
+    p = _Plane()
+    p.ready("r0")
+    huge = routing.Route("m", body=json.dumps({"prompt": "x" * 4_000_000}).encode())
+    p.send(huge)
+    assert len(p.router.index["r0"]) == prefix.MAX_BLOCKS
+    assert len(prefix.blocks("m", None, huge.prompt)) == prefix.MAX_BLOCKS
