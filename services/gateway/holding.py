@@ -354,7 +354,12 @@ class Holding:
         try:
             while not self.stopping:
                 since = line.since or began
-                assert since is not None
+                if since is None:
+                    # The line emptied (a stop sent its requests away) before this task
+                    # first ran: nothing waited, nothing to say.
+                    if not len(line):
+                        return
+                    since = utc_now()
                 began = since
                 waiting = len(line)
                 await self._publish_demand(line, since, waiting)
