@@ -65,6 +65,24 @@ class Forwarder:
     """The plane's own ports, which no request is sent to."""
     http: aiohttp.ClientSession | None = None
 
+    def open(self, connect_timeout_s: float, upstream_timeout_s: float) -> aiohttp.ClientSession:
+        """The one client session every request is forwarded on (the caller closes it),
+        with its timeouts."""
+        self.connect_timeout_s = connect_timeout_s
+        self.upstream_timeout_s = upstream_timeout_s
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect_timeout_s, sock_read=upstream_timeout_s
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            # One session serves every client: a cookie one replica set must not be
+            # sent again with another client's request.
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        return self.http
+
     async def forward(
         self,
         request: web.Request,

@@ -9,11 +9,13 @@ middleware as `{"error": {"message", "type", "code"}}` with the status, the reas
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from services.core import coldstart
+from services.gateway import guard
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -141,3 +143,27 @@ def invalid_type(field: str, expected: str, value: Any) -> Refusal:
         "invalid_type",
         param=field,
     )
+
+
+# BOUNDARY is where the app keeps the HTTP edge's check (`guard.Boundary`), which every
+# request meets first, in `openai_errors`.
+BOUNDARY = web.AppKey("llmgw_boundary", guard.Boundary)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every refusal in the OpenAI error shape, aiohttp's own (404, 405) included."""
+    try:
+        why = request.app[BOUNDARY].refusal(request)
+        if why is not None:
+            raise Refusal(*why)
+        return await handler(request)
+    except Refusal as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        reason = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "bad_request")
+        return Refusal(e.status, f"{request.method} {request.path}: {e.reason}", reason).response()

@@ -40,11 +40,10 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import nats.errors
 from aiohttp import web
 from opentelemetry import trace
@@ -85,19 +84,23 @@ from services.gateway.metrics import (
     Metrics,
     summary,
 )
-from services.gateway.refusal import Answered, Refusal, Unreachable, no_replica
+from services.gateway.refusal import (
+    BOUNDARY,
+    Answered,
+    Refusal,
+    Unreachable,
+    no_replica,
+    openai_errors,
+)
 from services.gateway.request import (
-    ASKED,
     HELD,
     KEY,
     MODEL,
     PICKED_AT,
     ROUTE,
-    ROUTED,
     SPAN,
     STATUS,
     T0,
-    TO,
     TOOK,
     WOKEN,
     Head,
@@ -106,6 +109,7 @@ from services.gateway.request import (
     sse_error,
 )
 from services.gateway.request import route as route_of
+from services.gateway.routed import Routed
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
 from services.plane.follower import ViewFollower
@@ -114,7 +118,6 @@ __all__ = ["Counts", "Gateway", "Refusal", "freeze_heap", "parse_listen", "settl
 
 log = logging.getLogger("llmgw.gateway")
 
-_BOUNDARY = web.AppKey("llmgw_boundary", guard.Boundary)
 
 # BODY_TIMEOUT_S bounds the wait for a client's body: a body that never ends is a 408,
 # not a connection held for ever.
@@ -199,9 +202,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
-        self.hits: dict[str, list[int]] = {}
-        """Per model: [prompt tokens, of them predicted cached, prompt tokens of the
-        answers that said their cached tokens, of them cached] (`_hits`)."""
+        self.routed = Routed(self.router, self.metrics, self.labelled)
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
         )
@@ -295,8 +296,8 @@ class Gateway:
         return sock
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_openai_errors])
-        app[_BOUNDARY] = self.boundary
+        app = web.Application(middlewares=[openai_errors])
+        app[BOUNDARY] = self.boundary
         for path in PATHS:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
@@ -323,21 +324,7 @@ class Gateway:
             except GatewayError:
                 sock.close()
                 raise
-            self.forwarder.connect_timeout_s = self.connect_timeout_s
-            self.forwarder.upstream_timeout_s = self.upstream_timeout_s
-            http = self.forwarder.http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    sock_connect=self.connect_timeout_s,
-                    sock_read=self.upstream_timeout_s,
-                ),
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                # One session serves every client: a cookie one replica set must not be
-                # sent again with another client's request.
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
+            http = self.forwarder.open(self.connect_timeout_s, self.upstream_timeout_s)
             runner = web.AppRunner(
                 self.app(),
                 access_log=None,
@@ -648,9 +635,7 @@ class Gateway:
                 self.metrics.overhead.observe(time.perf_counter() - request[T0])
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
-            self._explain(request, route, span)
-            request[TO] = r.id
-            request[ASKED] = time.perf_counter()
+            self.routed.explain(request, route, span, r.id)
             inflight = self.labelled.of(self.metrics.inflight, m.name)
             inflight.inc()
             try:
@@ -666,22 +651,9 @@ class Gateway:
                 self.holding.done(r, route)
         raise no_replica(m.name, last)
 
-    def _explain(self, request: web.Request, route: routing.Route, span: Any) -> None:
-        """Why the rule picked the replica (one that says: `prefix`), in the request's
-        span and its answer's `x-llmgw-route`."""
-        said = self.router.explain(route)
-        if said is None:
-            return
-        request[ROUTED] = said.header()
-        span.set_attribute("llmgw.route.why", said.why)
-        span.set_attribute("llmgw.route.matched", said.matched)
-        span.set_attribute("llmgw.route.considered", said.considered)
-
     def _first_byte(self, request: web.Request) -> None:
         t = time.perf_counter()
-        route, asked, to = request.get(ROUTE), request.get(ASKED), request.get(TO)
-        if route is not None and asked is not None and to is not None:
-            self.router.observed(to, route, max(t - asked, 0.0), None)
+        self.routed.first_byte(request, t)
         self.labelled.of(self.metrics.first_byte, request[MODEL]).observe(t - request[T0])
         woken = request.get(WOKEN)
         if woken is not None:
@@ -701,35 +673,7 @@ class Gateway:
         prompt tokens the engine said it served from its prefix cache."""
         request[TOOK] = tokens_in + tokens_out
         self.uses.used(r, tokens_in, tokens_out, request.get(KEY), cached)
-        route = request.get(ROUTE)
-        if route is None:
-            return
-        # Before `done`: the rule still has the request's pick to compare with.
-        said = self.router.explain(route)
-        self.router.observed(r.id, route, None, cached, tokens_in)
-        if said is not None:
-            self._hits(request[MODEL], tokens_in, said.predicted_tokens, cached)
-
-    def _hits(self, model: str, prompt: int, predicted: int, cached: int | None) -> None:
-        """The predicted and reported prefix-cache hit rates of `model` (`/metrics`)."""
-        h = self.hits.get(model)
-        if h is None:
-            h = self.hits[model] = [0, 0, 0, 0]
-        predicted = min(predicted, prompt)
-        h[0] += prompt
-        h[1] += predicted
-        m, labelled = self.metrics, self.labelled
-        labelled.of(m.prompt_tokens, model).inc(prompt)
-        labelled.of(m.cached_tokens, model, "predicted").inc(predicted)
-        if h[0]:
-            labelled.of(m.hit_rate, model, "predicted").set(h[1] / h[0])
-        if cached is None:
-            return
-        h[2] += prompt
-        h[3] += min(cached, prompt)
-        labelled.of(m.cached_tokens, model, "reported").inc(min(cached, prompt))
-        if h[2]:
-            labelled.of(m.hit_rate, model, "reported").set(h[3] / h[2])
+        self.routed.ended(request, request[MODEL], r, tokens_in, cached)
 
     def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
         """After each event the follower folds: the router forgets the replicas it took
@@ -746,22 +690,3 @@ class Gateway:
 def parse_listen(text: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:8322` for IPv6) -> (host, port); ValueError with a message."""
     return listen.parse(text, DEFAULT_LISTEN)
-
-
-@web.middleware
-async def _openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every refusal in the OpenAI error shape, aiohttp's own (404, 405) included."""
-    try:
-        why = request.app[_BOUNDARY].refusal(request)
-        if why is not None:
-            raise Refusal(*why)
-        return await handler(request)
-    except Refusal as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        reason = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "bad_request")
-        return Refusal(e.status, f"{request.method} {request.path}: {e.reason}", reason).response()

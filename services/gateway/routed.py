@@ -1,0 +1,87 @@
+"""What the routing rule is told of the requests it routed, and what it says of them.
+
+Used by `services.gateway.server` at three moments of a request: its pick (`explain`:
+why the rule picked its replica, in the request's span and its answer's
+`x-llmgw-route`), its first byte (`first_byte`: the time to it, from which a rule learns
+a replica's prefill rate) and its end (`ended`: the prompt tokens the engine said it
+served from its prefix cache, against what the rule predicted, and the predicted and
+reported hit rates per model on `/metrics`). A rule that says nothing (`least-inflight`)
+makes all three a look-up that finds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from services.core import routing
+from services.gateway.metrics import Labelled, Metrics
+from services.gateway.request import ASKED, ROUTE, ROUTED, TO
+
+
+@dataclass(eq=False)
+class Routed:
+    router: routing.Picker
+    metrics: Metrics
+    labelled: Labelled
+    hits: dict[str, list[int]] = field(default_factory=dict)
+    """Per model: [prompt tokens, of them predicted cached, prompt tokens of the answers
+    that said their cached tokens, of them cached] (`_hits`)."""
+
+    def explain(self, request: web.Request, route: routing.Route, span: Any, to: str) -> None:
+        """`to` picked for `request`: why (a rule that says, `prefix`), in its span and
+        its answer's `x-llmgw-route`; the clock started for its first byte."""
+        request[TO] = to
+        request[ASKED] = time.perf_counter()
+        said = self.router.explain(route)
+        if said is None:
+            return
+        request[ROUTED] = said.header()
+        span.set_attribute("llmgw.route.why", said.why)
+        span.set_attribute("llmgw.route.matched", said.matched)
+        span.set_attribute("llmgw.route.considered", said.considered)
+
+    def first_byte(self, request: web.Request, t: float) -> None:
+        """`request`'s first byte came at `t` (perf_counter): the rule is told how long its
+        replica took."""
+        route, asked, to = request.get(ROUTE), request.get(ASKED), request.get(TO)
+        if route is not None and asked is not None and to is not None:
+            self.router.observed(to, route, max(t - asked, 0.0), None)
+
+    def ended(
+        self, request: web.Request, model: str, r: Any, tokens_in: int, cached: int | None
+    ) -> None:
+        """`request` for `model` answered by `r` ended: the rule is told the cached tokens
+        the engine reported (None: it did not say), before `done` while it still has the
+        request's pick to compare with; the hit rates counted."""
+        route = request.get(ROUTE)
+        if route is None:
+            return
+        said = self.router.explain(route)
+        self.router.observed(r.id, route, None, cached, tokens_in)
+        if said is not None:
+            self._hits(model, tokens_in, said.predicted_tokens, cached)
+
+    def _hits(self, model: str, prompt: int, predicted: int, cached: int | None) -> None:
+        """The predicted and reported prefix-cache hit rates of `model` (`/metrics`)."""
+        h = self.hits.get(model)
+        if h is None:
+            h = self.hits[model] = [0, 0, 0, 0]
+        predicted = min(predicted, prompt)
+        h[0] += prompt
+        h[1] += predicted
+        m, labelled = self.metrics, self.labelled
+        labelled.of(m.prompt_tokens, model).inc(prompt)
+        labelled.of(m.cached_tokens, model, "predicted").inc(predicted)
+        if h[0]:
+            labelled.of(m.hit_rate, model, "predicted").set(h[1] / h[0])
+        if cached is None:
+            return
+        h[2] += prompt
+        h[3] += min(cached, prompt)
+        labelled.of(m.cached_tokens, model, "reported").inc(min(cached, prompt))
+        if h[2]:
+            labelled.of(m.hit_rate, model, "reported").set(h[3] / h[2])
