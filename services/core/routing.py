@@ -35,9 +35,8 @@ its model removed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Protocol
 
 import msgspec
@@ -387,20 +386,6 @@ class LeastInflight:
     def _load(self, r: ReplicaRecord) -> tuple[int, int, str]:
         return (self.inflight.get(r.id, 0), self._picked.get(r.id, 0), r.id)
 
-
-# PICKERS are the rules a gateway may be told to use (`--routing NAME`), each a factory of
-# a fresh `Picker`; the first is the default. A scorer is one more entry.
-def _prefix() -> Picker:
-    """The prefix-aware rule (`services.core.prefix`, which builds on this module)."""
-    from services.core.prefix import Prefix
-
-    return Prefix()
-
-
-PICKERS: Mapping[str, Callable[[], Picker]] = MappingProxyType(
-    {"least-inflight": LeastInflight, "prefix": _prefix}
-)
-DEFAULT_PICKER = "least-inflight"
 
 # _SWEEPS are the events that may end replicas without naming them (a node's loss or
 # removal fails what it held; a new report of a node without a replica's GPUs fails it);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.core.routing import DEFAULT_PICKER, PICKERS
+from services.core.pickers import DEFAULT_PICKER, PICKERS
 from services.gateway.listen import (
     BODY_BUDGET,
     DEFAULT_LISTEN,

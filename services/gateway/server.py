@@ -55,6 +55,7 @@ from services.bus import Publisher, tracing
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
 from services.core import catalog, routing
+from services.core.pickers import DEFAULT_PICKER, PICKERS
 from services.gateway import guard, plane, scope, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
@@ -166,7 +167,7 @@ class Gateway:
     url: str = ""
     """http://HOST:PORT, once bound."""
     router: routing.Picker = field(default_factory=routing.LeastInflight)
-    """The routing rule (`--routing`: `routing.PICKERS`)."""
+    """The routing rule (`--routing`: `PICKERS`)."""
     counts: Counts = field(default_factory=Counts)
     metrics: Metrics = field(default_factory=Metrics)
     keys: Keys | None = None
@@ -197,7 +198,7 @@ class Gateway:
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
-    rule: str = routing.DEFAULT_PICKER
+    rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
 
     def __post_init__(self) -> None:
@@ -261,7 +262,7 @@ class Gateway:
         nc: Any = None,
         plane: tuple[str, ...] = (),
         own_process: bool = False,
-        pickers: Mapping[str, Callable[[], routing.Picker]] = routing.PICKERS,
+        pickers: Mapping[str, Callable[[], routing.Picker]] = PICKERS,
     ) -> Gateway:
         """The gateway `config` describes (`llmgw gateway`, `python -m services.gateway`,
         `llmgw up`: the one place a gateway is made from an operator's settings); `keys`,

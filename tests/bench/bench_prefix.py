@@ -70,6 +70,7 @@ from services.agent import responder as sim  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
 from services.core import catalog, prefix, routing  # noqa: E402
+from services.core.pickers import PICKERS  # noqa: E402
 from services.core.view import ReplicaRecord, View  # noqa: E402
 from services.gateway.config import Config  # noqa: E402
 from services.gateway.server import Gateway  # noqa: E402
@@ -300,7 +301,7 @@ class Bench:
                 node,
             )
         pickers = {
-            **routing.PICKERS,
+            **PICKERS,
             "round-robin": RoundRobin,
             "oracle": lambda: Oracle(servers=servers),
             "prefix": lambda: prefix.Prefix(

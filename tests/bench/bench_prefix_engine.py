@@ -51,7 +51,8 @@ from schemas import events as ev  # noqa: E402
 from schemas import subjects  # noqa: E402
 from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # noqa: E402
 from services.clock import new_id, utc_now  # noqa: E402
-from services.core import prefix, routing  # noqa: E402
+from services.core import prefix  # noqa: E402
+from services.core.pickers import PICKERS  # noqa: E402
 from services.gateway.config import Config  # noqa: E402
 from services.gateway.server import Gateway  # noqa: E402
 from tests.engine import engine  # noqa: E402
@@ -146,7 +147,7 @@ async def _arm(
         )
     # The prefix rule told the engines' KV capacity, as an agent that reported it would.
     pickers = {
-        **routing.PICKERS,
+        **PICKERS,
         "prefix": lambda: prefix.Prefix(capacity_tokens=a.blocks * BLOCK_TOKENS),
     }
     gw = Gateway.of(

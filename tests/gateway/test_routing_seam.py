@@ -17,6 +17,7 @@ from nats.js.client import JetStreamContext
 from schemas import subjects
 from services.agent.responder import Responder
 from services.core import catalog, routing
+from services.core.pickers import PICKERS
 from services.core.view import ReplicaRecord, View
 from services.gateway.config import Config
 from services.gateway.server import Gateway
@@ -72,7 +73,7 @@ async def prefixed(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]
     registered under that name."""
     config = Config(listen="127.0.0.1:0", routing="prefix")
     gw = Gateway.of(
-        js, config, root=subjects.DEFAULT_ROOT, pickers={**routing.PICKERS, "prefix": PrefixStandIn}
+        js, config, root=subjects.DEFAULT_ROOT, pickers={**PICKERS, "prefix": PrefixStandIn}
     )
     assert isinstance(gw.router, PrefixStandIn)
     sock = gw.bind()

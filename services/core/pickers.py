@@ -1,0 +1,22 @@
+"""The routing rules a gateway may be told to use (`--routing NAME`): the registry.
+
+A rule is a `routing.Picker`; adding one is its own module plus one line here. Kept apart
+from `services.core.routing`, which every rule builds on, so that no rule's module and
+the seam import each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from services.core.prefix import Prefix
+from services.core.routing import LeastInflight, Picker
+
+# PICKERS maps each rule's name to a factory of a fresh `Picker`.
+PICKERS: Mapping[str, Callable[[], Picker]] = MappingProxyType(
+    {"least-inflight": LeastInflight, "prefix": Prefix}
+)
+# DEFAULT_PICKER is the rule a gateway uses unless told (docs/gateway.md says why it is
+# not yet `prefix`).
+DEFAULT_PICKER = "least-inflight"
