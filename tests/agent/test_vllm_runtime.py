@@ -290,7 +290,10 @@ async def test_a_slow_metrics_read_is_waited_for_beside_the_watch(
     assert (load.running, load.waiting, load.prefix_cache_queries) == (0, 2, 7)
     # A read is under way (3 s); the server is killed; the watch sees it within its tick.
     s = rt._servers["r-1"]
-    assert s.scraping is not None and not s.scraping.done()
+    # The next read starts a tick (0.1 s) after the last ended: wait for one under way.
+    while s.scraping is None or s.scraping.done():
+        assert time.monotonic() < deadline, "no metrics read under way"
+        await asyncio.sleep(0.02)
     t0 = time.monotonic()
     os.killpg(s.e.pid, signal.SIGKILL)
     while got.states()[-1] != "failed":
