@@ -4,6 +4,7 @@ test's hand on the log it follows (`Plane`), and simulated model servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -123,20 +124,27 @@ def gateway_for(js: JetStreamContext, **extra: Any) -> Gateway:
     )
 
 
-@pytest.fixture
-async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
-    gw = gateway_for(js, nc=nc)
+@contextlib.asynccontextmanager
+async def serving(gw: Gateway) -> AsyncIterator[Gateway]:
+    """`gw` running (bound, following the log, serving) for the body, then stopped."""
     sock = gw.bind()
     stop = asyncio.Event()
     ready = asyncio.Event()
     task = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
     await asyncio.wait_for(ready.wait(), 10)
-    async with aiohttp.ClientSession() as http:
+    try:
+        yield gw
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
+    async with serving(gateway_for(js, nc=nc)) as gw, aiohttp.ClientSession() as http:
         p = Plane(js, gw, http)
         await p.inventory(p.node, 16)
         yield p
-    stop.set()
-    await asyncio.wait_for(task, 10)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ nothing records spans and the client sent no trace context."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
@@ -23,7 +22,7 @@ from services.agent.responder import Responder
 from services.gateway.metrics import KeptLabelled, Labelled, Metrics
 from services.gateway.server import NO_SPAN, Gateway
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
-from tests.gateway.conftest import Plane, gateway_for
+from tests.gateway.conftest import Plane, gateway_for, serving
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
@@ -69,14 +68,8 @@ def _gateway(js: JetStreamContext, fast: bool) -> Gateway:
 async def plain(nc: Client, js: JetStreamContext, plane: Plane) -> AsyncIterator[Gateway]:
     """A second gateway on the plane's log, with the fast path off."""
     gw = _gateway(js, fast=False)
-    sock = gw.bind()
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield gw
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(gw):
+        yield gw
 
 
 def _refusing() -> str:

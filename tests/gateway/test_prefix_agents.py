@@ -23,7 +23,7 @@ from services.gateway.server import Gateway
 from tests.agent import realagent as ra
 from tests.agent.helpers import drain_cmd, placement_of, start_cmd, wait_for
 from tests.agent.test_process_runtime import _ports, run_agent  # noqa: F401
-from tests.gateway.conftest import Plane
+from tests.gateway.conftest import Plane, serving
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,14 +34,8 @@ SYSTEM = "You are the assistant of the prefix group. " + "Answer in one short li
 async def prefixed(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]:
     """A second gateway on the same log, `--routing prefix`."""
     gw = Gateway.of(js, Config(listen="127.0.0.1:0", routing="prefix"), root=subjects.DEFAULT_ROOT)
-    sock = gw.bind()
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield gw
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(gw):
+        yield gw
 
 
 async def _ask(client: openai.AsyncOpenAI, question: str) -> tuple[str, str]:

@@ -7,7 +7,6 @@ has the predicted and reported hit rates."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import openai
@@ -19,7 +18,7 @@ from services.agent.responder import Responder, Timing
 from services.core.prefix import Prefix
 from services.gateway.config import Config
 from services.gateway.server import Gateway
-from tests.gateway.conftest import Plane
+from tests.gateway.conftest import Plane, serving
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
 
@@ -31,14 +30,8 @@ async def prefixed(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]
     """A second gateway on the same log, `--routing prefix`."""
     gw = Gateway.of(js, Config(listen="127.0.0.1:0", routing="prefix"), root=subjects.DEFAULT_ROOT)
     assert isinstance(gw.router, Prefix) and gw.rule == "prefix"
-    sock = gw.bind()
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield gw
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(gw):
+        yield gw
 
 
 def _system(group: int) -> str:

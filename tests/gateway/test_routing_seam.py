@@ -6,7 +6,6 @@ to the same replica, where the plain rule spreads them."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from services.core.pickers import PICKERS
 from services.core.view import ReplicaRecord, View
 from services.gateway.config import Config
 from services.gateway.server import Gateway
-from tests.gateway.conftest import Plane
+from tests.gateway.conftest import Plane, serving
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
 
@@ -76,14 +75,8 @@ async def prefixed(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]
         js, config, root=subjects.DEFAULT_ROOT, pickers={**PICKERS, "prefix": PrefixStandIn}
     )
     assert isinstance(gw.router, PrefixStandIn)
-    sock = gw.bind()
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.create_task(gw.run(stop, sock, on_ready=lambda _: ready.set()))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield gw
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(gw):
+        yield gw
 
 
 def _system(group: int) -> str:
