@@ -10,7 +10,9 @@ still route new ones there, and the seq its view has folded. The wait ends when 
 gateway that answers has folded the drain (seq at or past the drain's), routes nothing
 new there and has nothing in flight on it; or at the end of the grace. No gateway
 answering is no wait: the broker says at once that nobody listens, and a subscriber that
-never answers costs one `WINDOW_S`. It publishes nothing to the log and decides nothing.
+never answers costs `MUTE_S` (a gateway whose loop is busy with its load may answer a
+question late, and taking its silence for "none" would cut its streams). It publishes
+nothing to the log and decides nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ WINDOW_S = 1.0
 # answered as the last time: gateways on one network answer within a millisecond or two
 # of each other, and one more than before is found within it.
 SETTLE_S = 0.05
+# MUTE_S bounds how long listeners that do not answer are asked again before they are
+# taken for none: a gateway in a process starved of CPU beside its engines (2 cores, a
+# vLLM generating 4 streams) was seen to miss a whole `WINDOW_S`, and the drain then cut
+# the streams it had in flight. A listener that never answers costs this, not the grace.
+MUTE_S = 5.0
 # POLL_S is the pause between questions while a gateway still has requests in flight: a
 # request that ends is seen within it, at a cost of a few messages a second per drain.
 POLL_S = 0.05
@@ -68,6 +75,7 @@ async def until_quiet(
     root: str = subjects.DEFAULT_ROOT,
     window_s: float = WINDOW_S,
     poll_s: float = POLL_S,
+    mute_s: float = MUTE_S,
 ) -> Quiet:
     """Wait, at most `within_s`, until no gateway has `replica` in flight or routable
     (see the module docstring). `drain_seq` is the stream seq of the drain (0: unknown,
@@ -80,10 +88,13 @@ async def until_quiet(
     while True:
         left = deadline - time.monotonic()
         answers = await _ask(nc, node, subject, expect, max(min(window_s, left), 0.01))
-        if not answers:
-            # Nobody answers (none runs, or the ones that did have stopped, their
-            # requests with them): nothing is in flight through a gateway.
+        if answers is None or (not answers and time.monotonic() >= min(deadline, t0 + mute_s)):
+            # Nobody listens (none runs, or the ones that did have stopped, their
+            # requests with them), or those listening stayed silent past `mute_s`:
+            # nothing is in flight through a gateway.
             return Quiet(0, 0, 0, time.monotonic() - t0)
+        if not answers:
+            continue  # someone listens and has not answered yet: ask again
         last = answers
         expect = len(answers)
         busy = [a for a in answers if _busy(a, drain_seq)]
@@ -99,9 +110,10 @@ async def until_quiet(
 
 async def _ask(
     nc: Any, node: str, subject: str, expect: int, window_s: float
-) -> list[inflight.InflightAnswer]:
+) -> list[inflight.InflightAnswer] | None:
     """One question, the answers within `window_s` (by gateway; a stranger's reply is
-    skipped): it ends `SETTLE_S` after the latest once `expect` have answered."""
+    skipped): it ends `SETTLE_S` after the latest once `expect` have answered. None: the
+    broker said nobody listens."""
     got: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
 
     async def on_answer(msg: Any) -> None:
@@ -126,7 +138,7 @@ async def _ask(
             except TimeoutError:
                 break
             if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
-                return []
+                return None
             a = inflight.decode(msg.data)
             if a is None:
                 continue

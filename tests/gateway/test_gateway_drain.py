@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from schemas import subjects
+from schemas import inflight, subjects
 from services.agent import SimulatedRuntime, gateways
 from services.agent.responder import Responder, Timing
 from services.gateway.server import Gateway
@@ -128,14 +129,37 @@ async def test_with_no_gateway_a_drain_does_not_wait(nc: Client) -> None:
     t0 = time.monotonic()
     q = await gateways.until_quiet(nc, "gw-none", "r-1", within_s=30)
     assert q.gateways == 0 and q.clear and time.monotonic() - t0 < gateways.WINDOW_S + 0.5
-    # Someone listening who never answers costs one window, not the grace.
+    # Someone listening who never answers is asked again for `mute_s`, not the grace.
     silent = await nc.subscribe(subjects.gateway_inflight_subject("gw-mute", "r-1"))
     try:
         t0 = time.monotonic()
-        q = await gateways.until_quiet(nc, "gw-mute", "r-1", within_s=30)
-        assert q.gateways == 0 and time.monotonic() - t0 < gateways.WINDOW_S + 0.5
+        q = await gateways.until_quiet(nc, "gw-mute", "r-1", within_s=30, window_s=0.2, mute_s=0.6)
+        took = time.monotonic() - t0
+        assert q.gateways == 0 and 0.6 <= took < 0.6 + 0.2 + 0.5
     finally:
         await silent.unsubscribe()
+
+
+async def test_a_gateway_that_answers_late_is_waited_for(nc: Client) -> None:
+    """A gateway whose loop is busy misses the first window: its silence is not taken for
+    "no gateway" (which would cut its streams), it is asked again and its answer counts."""
+    subject = subjects.gateway_inflight_subject("gw-slow", "r-1")
+    asked = 0
+
+    async def late(msg: Any) -> None:
+        nonlocal asked
+        asked += 1
+        if asked < 3:
+            return  # the first questions go unanswered, as from a starved loop
+        a = inflight.InflightAnswer(gateway="g-1", replica="r-1", inflight=0, routable=False)
+        await msg.respond(inflight.encode(a))
+
+    sub = await nc.subscribe(subject, cb=late)
+    try:
+        q = await gateways.until_quiet(nc, "gw-slow", "r-1", within_s=30, window_s=0.2)
+        assert q.gateways == 1 and q.clear and asked == 3
+    finally:
+        await sub.unsubscribe()
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["waits for the gateway", "does not wait"])
