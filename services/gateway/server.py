@@ -56,7 +56,8 @@ from services.bus import Publisher, tracing
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
 from services.core import catalog, routing
-from services.gateway import guard, plane, scope, streams, tokens
+from services.core import continuation as continuing
+from services.gateway import continuation, guard, plane, scope, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
@@ -186,6 +187,10 @@ class Gateway:
     off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
+    continuation_limit: int = continuing.LIMIT
+    """The moves one stream may make to another replica when its own breaks or drains
+    (`--continuation-limit`; 0: none, a broken stream is cut):
+    `services.gateway.continuation`."""
     fast_path: bool = True
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
@@ -221,6 +226,15 @@ class Gateway:
             first_byte=self._first_byte,
             used=self._used,
             ports=plane.Ports(self.plane),
+        )
+        self.continuations = continuation.Continuations(
+            limit=self.continuation_limit,
+            view=self._view,
+            router=self.router,
+            holding=self.holding,
+            charge=self._charge,
+            lines=self.lines,
+            inflight_factor=self.inflight_factor,
         )
         self.uses = Uses(
             publisher=self.publisher,
@@ -272,6 +286,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
+            continuation_limit=config.continuation_limit,
             router=pickers[config.routing](),
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,
@@ -573,6 +588,8 @@ class Gateway:
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
+        if stream:
+            self.continuations.plan(request, m, route, body)
         view = self.follower.view
         # Nobody overtakes a line: with requests of the model waiting, a new one joins
         # them, even if a slot has just freed (the line is served first).
@@ -644,7 +661,7 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                self.holding.done(r, route)
+                self.holding.done(continuation.serving(request, r), route)
         raise no_replica(m.name, last)
 
     def _first_byte(self, request: web.Request) -> None:
@@ -669,6 +686,19 @@ class Gateway:
         request[TOOK] = tokens_in + tokens_out
         self.uses.used(r, tokens_in, tokens_out, request.get(KEY), cached)
 
+    def _charge(
+        self,
+        r: Any,
+        requests: int,
+        tokens_in: int,
+        tokens_out: int,
+        request: web.Request,
+        cached: int | None = None,
+    ) -> None:
+        """Count one replica's part of a continued stream (`requests` 0 for a part that
+        moved there); the whole is its key's (`TOOK`, set by the stream)."""
+        self.uses.used(r, tokens_in, tokens_out, request.get(KEY), cached, requests)
+
     def _on_fold(self, seq: int, event: ev.Event, rejection: Any) -> None:
         """After each event the follower folds: the router forgets the replicas it took
         out of routing for good (one entry for every replica ever picked, in a gateway
@@ -678,6 +708,7 @@ class Gateway:
         gone = routing.leaving(self.follower.view, event, self.router.kept())
         if gone:
             self.router.forget(gone)
+            self.continuations.leaving(gone)
         self.holding.on_fold(event)
 
 

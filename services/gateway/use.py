@@ -133,14 +133,17 @@ class Uses:
         tokens_out: int,
         key: Key | None,
         cached: int | None = None,
+        requests: int = 1,
     ) -> None:
         """Count one request that `r` answered, sent with `key`, for its next report;
-        `cached` of its prompt tokens the engine said it served from its prefix cache."""
+        `cached` of its prompt tokens the engine said it served from its prefix cache.
+        `requests` 0: the part of a request that began on another replica and moved
+        here (`services.gateway.continuation`), counted there."""
         u = self.pending.get(r.id)
         now = utc_now()
         if u is None:
             u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=now)
-        u.at, u.requests = now, u.requests + 1
+        u.at, u.requests = now, u.requests + requests
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
         if cached is not None:
@@ -148,7 +151,7 @@ class Uses:
         if key is None:
             return
         o = u.owners.setdefault(key.owner, [0, 0, 0])
-        o[0] += 1
+        o[0] += requests
         o[1] += tokens_in
         o[2] += tokens_out
         self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
@@ -168,13 +171,18 @@ class Uses:
         `interval_s` (unless `force`), on its node's subject like its agent's."""
         now_m = time.monotonic()
         for rid, u in list(self.pending.items()):
-            if not u.requests or not u.node:
+            if not u.node or not (u.requests or u.tokens_in or u.tokens_out):
                 continue
             if not force and now_m - u.reported < self.interval_s:
                 continue
             await self._publish(rid, u)
         view = self.view()
-        for rid in [rid for rid, u in self.pending.items() if not u.requests]:
+        idle = [
+            rid
+            for rid, u in self.pending.items()
+            if not (u.requests or u.tokens_in or u.tokens_out)
+        ]
+        for rid in idle:
             r = view.replicas.get(rid)
             if r is None or not r.holds_capacity:
                 del self.pending[rid]
@@ -183,7 +191,7 @@ class Uses:
         by_owner = {
             o: ev.OwnerUse(requests=n[0], tokens_in=n[1], tokens_out=n[2])
             for o, n in u.owners.items()
-            if n[0]
+            if any(n)
         }
         e = ev.make(
             ev.ReplicaUsed(
@@ -223,6 +231,6 @@ class Uses:
             n[0] -= d.requests
             n[1] -= d.tokens_in
             n[2] -= d.tokens_out
-            if not n[0]:
+            if not any(n):
                 del u.owners[o]
         u.reported = time.monotonic()
