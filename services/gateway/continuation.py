@@ -62,6 +62,8 @@ class Continuations:
     holding: Holding
     charge: Charge
     lines: guard.Lines
+    moved_off: Callable[[Any, str], None] = lambda r, to: None
+    """Told of each move (the replica left, the one gone to): `replica.used`'s `moved_to`."""
     inflight_factor: float = routing.INFLIGHT_FACTOR
     settle_s: float = SETTLE_S
     max_text: int = rules.MAX_TEXT
@@ -188,6 +190,7 @@ class Plan:
                 await self._write(fw, request, resp, self.broken[1])
                 moves += 1
                 self.of.moved[r.id] = self.of.moved.get(r.id, 0) + 1
+                self.of.moved_off(r, nxt[0].id)
                 upstream.close()
                 self.of.holding.done(r, self.route)
                 r, upstream = nxt

@@ -244,6 +244,7 @@ class Gateway:
             lines=self.lines,
             interval_s=self.used_interval_s,
         )
+        self.continuations.moved_off = self.uses.moved
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""

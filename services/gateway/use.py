@@ -109,6 +109,8 @@ class Use:
     """Of `tokens_in`, those the answers said were served from the prefix cache."""
     owners: dict[str, list[int]] = field(default_factory=dict)
     """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
+    moved_to: dict[str, int] = field(default_factory=dict)
+    """Streams moved off it, per replica they went to (`services.gateway.continuation`)."""
     reported: float = -math.inf
     """When (monotonic) its last report was stored."""
 
@@ -157,6 +159,13 @@ class Uses:
         self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
         self.labelled.of(self.metrics.owner_tokens, key.owner, "out").inc(tokens_out)
 
+    def moved(self, r: Any, to: str) -> None:
+        """One stream moved off `r` to replica `to`, for `r`'s next report."""
+        u = self.pending.get(r.id)
+        if u is None:
+            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=utc_now())
+        u.moved_to[to] = u.moved_to.get(to, 0) + 1
+
     async def report(self, stop: asyncio.Event, each: Callable[[], None]) -> None:
         """Publish what is due every tick until `stop`; `each` after every tick."""
         tick = min(self.interval_s, USED_TICK_S)
@@ -171,7 +180,7 @@ class Uses:
         `interval_s` (unless `force`), on its node's subject like its agent's."""
         now_m = time.monotonic()
         for rid, u in list(self.pending.items()):
-            if not u.node or not (u.requests or u.tokens_in or u.tokens_out):
+            if not u.node or not (u.requests or u.tokens_in or u.tokens_out or u.moved_to):
                 continue
             if not force and now_m - u.reported < self.interval_s:
                 continue
@@ -180,7 +189,7 @@ class Uses:
         idle = [
             rid
             for rid, u in self.pending.items()
-            if not (u.requests or u.tokens_in or u.tokens_out)
+            if not (u.requests or u.tokens_in or u.tokens_out or u.moved_to)
         ]
         for rid in idle:
             r = view.replicas.get(rid)
@@ -202,6 +211,7 @@ class Uses:
                 tokens_out=u.tokens_out,
                 tokens_cached=u.tokens_cached,
                 by_owner=by_owner,
+                moved_to=dict(u.moved_to),
             ),
             id=new_id(),
             time=utc_now(),
@@ -209,6 +219,7 @@ class Uses:
         )
         sent = (u.requests, u.tokens_in, u.tokens_out)
         sent_cached = u.tokens_cached
+        sent_moved = dict(u.moved_to)
         try:
             await self.publisher.publish(e, node=u.node)
         except (BusError, nats.errors.Error) as err:
@@ -222,6 +233,12 @@ class Uses:
             return
         # Requests that ended while it was being published are the next report's.
         u.requests -= sent[0]
+        for to, k in sent_moved.items():
+            left = u.moved_to[to] - k
+            if left:
+                u.moved_to[to] = left
+            else:
+                del u.moved_to[to]
         u.tokens_in -= sent[1]
         u.tokens_out -= sent[2]
         if sent_cached is not None and u.tokens_cached is not None:

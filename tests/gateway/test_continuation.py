@@ -13,6 +13,7 @@ token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is g
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,6 +30,8 @@ from services.gateway.keys import Keys
 from tests.agent.helpers import node_events, wait_for
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
 from tests.gateway.conftest import Plane
+from tests.replay.test_explain_more import run
+from tests.scenario import Scenario
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
 
@@ -476,3 +479,38 @@ async def test_a_drained_replicas_streams_move_after_the_settle_time(
     assert plane.gateway.router.inflight.get("cd-a", 0) == 0
     assert plane.gateway.continuations.moved == {"cd-a": 1}
     assert len(b.bodies) == 1
+
+    # The move is in the drained replica's `replica.used`, for `explain replica`.
+    async def used() -> list[ev.Event]:
+        return await node_events(plane.gateway.js, plane.node)
+
+    def moved(es: list[ev.Event]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in es:
+            if isinstance(e, ev.ReplicaUsedEvent) and e.data.replica == "cd-a":
+                for to, k in e.data.moved_to.items():
+                    out[to] = out.get(to, 0) + k
+        return out
+
+    await wait_for(used, lambda es: moved(es) == {"cd-b": 1}, 10)
+
+
+def test_explain_replica_says_how_many_streams_moved_off_it_and_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "4xH100-80GB")
+    s.model("chat", min=0, max=4, profiles=["one:1"])
+    s.replica("chat-1", "chat", on=("n1", [0]), ready="-1h")
+    for moved_to in ({"chat-2": 2}, {"chat-2": 1, "chat-3": 1}):
+        s.at("+1m")
+        used = ev.ReplicaUsed(
+            replica="chat-1", at=s.now, requests=4, tokens_in=8, tokens_out=8, moved_to=moved_to
+        )
+        s.emit(used, node="n1")
+    path = s.write(tmp_path / "used.jsonl")
+    code, out, err = run(capsys, "explain", "replica", "chat-1", "--log", str(path))
+    assert code == 0, err
+    assert "  streams moved off it: 4 (3 to chat-2, 1 to chat-3)" in out.splitlines()
+    code, out, err = run(capsys, "explain", "replica", "chat-1", "--log", str(path), "--json")
+    assert json.loads(out)["used"]["moved_to"] == {"chat-2": 3, "chat-3": 1}
