@@ -323,6 +323,10 @@ class Plan:
         except (Unreachable, Refusal):
             self.of.holding.done(nxt, self.route)
             return None
+        except BaseException:
+            # A client gone while it was asked: its slot there is freed with it.
+            self.of.holding.done(nxt, self.route)
+            raise
         if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
             "text/event-stream"
         ):
