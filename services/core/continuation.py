@@ -149,6 +149,25 @@ def resumed(doc: dict[str, Any], path: str, text: str, sent: int) -> dict[str, A
     return out
 
 
+def counts_asked(doc: dict[str, Any]) -> bool:
+    """Whether the request asks for a running token count in each chunk (vLLM's
+    `stream_options.continuous_usage_stats`)."""
+    options = doc.get("stream_options")
+    return isinstance(options, dict) and options.get("continuous_usage_stats") is True
+
+
+def counting(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` asking a vLLM server for the usage so far in each chunk: a server may send
+    several tokens in one chunk (it merges what its client has not read yet), so the
+    chunks alone undercount what was generated."""
+    options = doc.get("stream_options")
+    kept = options if isinstance(options, dict) else {}
+    return {
+        **doc,
+        "stream_options": {**kept, "include_usage": True, "continuous_usage_stats": True},
+    }
+
+
 def events(data: bytes) -> tuple[list[bytes], bytes]:
     """The whole server-sent events in `data` (each with its end), and what is left of
     an event not ended yet."""
@@ -177,6 +196,9 @@ class Segment:
     """Its chunks with text (about one token each), counted as sent."""
     usage: tuple[int, int] | None = None
     """(prompt, completion) its usage chunk said; None without one."""
+    counted: int | None = None
+    """The completion tokens its last chunk with a running usage said (vLLM's
+    `continuous_usage_stats`); None without."""
     chunks: int = 0
     """Its JSON chunks passed on, what a stream never moved is counted by without a
     usage chunk (as the gateway counts any stream: one a token, the last one too)."""
@@ -189,6 +211,8 @@ class Stream:
 
     chat: bool
     max_text: int = MAX_TEXT
+    strip_counts: bool = False
+    """Take each chunk's running usage out (the gateway asked for it, not the client)."""
     id: Any = None
     created: Any = None
     parts: list[str] = field(default_factory=list)
@@ -213,7 +237,13 @@ class Stream:
     def sent(self) -> int:
         """The tokens generated for the client so far: each segment's usage, else its
         chunks with text."""
-        return sum(s.events if s.usage is None else s.usage[1] for s in self.segments)
+        return sum(self._generated(s) for s in self.segments)
+
+    @staticmethod
+    def _generated(s: Segment) -> int:
+        if s.usage is not None:
+            return s.usage[1]
+        return s.events if s.counted is None else s.counted
 
     def begin(self, replica: Any) -> None:
         self.segments.append(Segment(replica))
@@ -248,9 +278,17 @@ class Stream:
         if self.id is None:
             self.id, self.created = doc.get("id"), doc.get("created")
         seg.chunks += 1
-        rewrite = len(self.segments) > 1
+        moved = rewrite = len(self.segments) > 1
+        u = doc.get("usage")
+        if isinstance(u, dict):
+            c = u.get("completion_tokens")
+            if c.__class__ is int:
+                seg.counted = c
+            if self.strip_counts:
+                doc["usage"] = None
+                rewrite = True
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            said = self._choice(doc, choices, seg, rewrite)
+            said = self._choice(doc, choices, seg, moved)
             if said is not None:
                 return said
         if not rewrite:
@@ -259,10 +297,11 @@ class Stream:
         return PASS, b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
     def _choice(
-        self, doc: dict[str, Any], choices: list[Any], seg: Segment, rewrite: bool
+        self, doc: dict[str, Any], choices: list[Any], seg: Segment, moved: bool
     ) -> tuple[str, bytes] | None:
         """Read a chunk's first choice into the stream (its text, its end); what to do
-        with the chunk when it is not simply passed on (rewritten when `rewrite`)."""
+        with the chunk when it is not simply passed on (its role delta dropped once
+        `moved`)."""
         choice = choices[0]
         got = self._text(choice)
         if got:
@@ -284,7 +323,7 @@ class Stream:
             return None
         if any(_set(delta.get(k)) for k in ("tool_calls", "function_call")):
             self.unsafe = "tool_call"
-        if rewrite and "role" in delta:
+        if moved and "role" in delta:
             delta = {k: v for k, v in delta.items() if k != "role"}
             if not got and reason is None and not any(_set(v) for v in delta.values()):
                 return HOLD, b""  # the role delta again: not repeated
@@ -308,8 +347,8 @@ class Stream:
             self.parts.append(got)
 
     def _completion(self, s: Segment) -> int:
-        if s.usage is not None:
-            return s.usage[1]
+        if s.usage is not None or s.counted is not None:
+            return self._generated(s)
         return s.chunks if len(self.segments) == 1 else s.events
 
     def totals(self, prompt_estimate: int) -> tuple[int, int]:

@@ -74,22 +74,30 @@ class Continuations:
 
     def plan(
         self, request: web.Request, m: catalog.Model, route: routing.Route, body: bytes
-    ) -> None:
+    ) -> bytes:
         """Decide whether the stream `request` may be continued, say it in its span
-        (`llmgw.continuation`: `on`, or why not) and keep its `Plan` on it if so."""
+        (`llmgw.continuation`: `on`, or why not) and keep its `Plan` on it if so; the
+        body to send (one that asks a vLLM server for its running token count)."""
         span = request[SPAN]
         if self.limit <= 0:
             span.set_attribute("llmgw.continuation", "off")
-            return
+            return body
         try:
             doc = msgspec.json.decode(body)
         except msgspec.DecodeError:
             span.set_attribute("llmgw.continuation", "body")
-            return
+            return body
         why = rules.excluded(doc, request.path)
         span.set_attribute("llmgw.continuation", why or "on")
-        if why is None:
-            request[PLAN] = Plan(self, m, route, doc, len(body))
+        if why is not None:
+            return body
+        d = self.view().state.models.get(m.name)
+        counted = d is not None and d.runtime is not None and d.runtime.engine == "vllm"
+        asked = counted and not rules.counts_asked(doc)
+        if asked:
+            body = msgspec.json.encode(rules.counting(doc))
+        request[PLAN] = Plan(self, m, route, doc, len(body), strip_counts=asked)
+        return body
 
     def leaving(self, gone: list[str]) -> None:
         """Replicas the fold took out of routing: their continued streams move after
@@ -131,6 +139,9 @@ class Plan:
     body_len: int
     upstream: aiohttp.ClientResponse | None = None
     replica: Any = None
+    strip_counts: bool = False
+    """The gateway asked the server for a running token count in each chunk
+    (`continuous_usage_stats`) on the client's behalf: taken out of what it gets."""
     draining: bool = False
     """Its upstream was closed to move it off a draining replica."""
     wrote: bool = False
@@ -161,7 +172,11 @@ class Plan:
     ) -> web.StreamResponse:
         """Pass the stream on, continuing it on another replica at each break, up to the
         limit; count each replica's part at its end, however it ends."""
-        st = rules.Stream(chat=request.path == rules.CHAT, max_text=self.of.max_text)
+        st = rules.Stream(
+            chat=request.path == rules.CHAT,
+            max_text=self.of.max_text,
+            strip_counts=self.strip_counts,
+        )
         sent[1] = 0  # counted here, whatever happens
         tried = [r.id]
         moves = 0
@@ -317,7 +332,10 @@ class Plan:
             except Refusal:
                 return None
         tried.append(nxt.id)
-        body = msgspec.json.encode(rules.resumed(self.doc, request.path, st.text, st.sent))
+        doc = rules.resumed(self.doc, request.path, st.text, st.sent)
+        if self.strip_counts:
+            doc = rules.counting(doc)
+        body = msgspec.json.encode(doc)
         try:
             up = await fw._post(request, nxt, body)
         except (Unreachable, Refusal):

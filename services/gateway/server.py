@@ -590,7 +590,7 @@ class Gateway:
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
         if stream:
-            self.continuations.plan(request, m, route, body)
+            body = self.continuations.plan(request, m, route, body)
         view = self.follower.view
         # Nobody overtakes a line: with requests of the model waiting, a new one joins
         # them, even if a slot has just freed (the line is served first).

@@ -6,8 +6,8 @@ the new replica reads the text so far as prompt: the fraction that differs is pr
 and recorded in docs/performance.md).
 
 `STREAMS` streams of 512 to 895 tokens at once (the tiny model is too fast on two cores
-for a kill to land in shorter ones), the server killed at the first chunk of the first:
-those it had not finished go on on the other. Both servers start in the module's
+for a kill to land in shorter ones), the server killed once each has begun (its
+answer's headers read), and the other made ready then: those it had not finished wait for it, and go on there. Both servers start in the module's
 fixture and are killed, with their process groups, at its end.
 """
 
@@ -31,6 +31,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
+from schemas import events as ev
 from services.agent.process import VLLM_MODULE
 from services.gateway.server import Gateway
 from tests.engine import engine
@@ -129,7 +130,16 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
     servers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
     (a, a_url), (_, b_url) = servers
-    await plane.model(MODEL, target_inflight=STREAMS)
+    # Declared as served by vLLM: the gateway asks it for the running token count.
+    await plane.say(
+        ev.ModelDeclared(
+            name=MODEL,
+            min=0,
+            profiles=(ev.ProfileSpec(name="p", gpus=1),),
+            target_inflight=STREAMS,
+            runtime=ev.ModelRuntime(engine="vllm"),
+        )
+    )
     await plane.ready("ce-a", MODEL, a_url)
     client = openai.AsyncOpenAI(
         base_url=f"{plane.url}/v1", api_key="unused", max_retries=0, timeout=300
@@ -146,22 +156,29 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
         got: list[list[str]] = [[] for _ in range(STREAMS)]
         errors: list[BaseException] = []
         begun = asyncio.Event()
+        cut_at: list[int] = []
+        opened: list[int] = []
 
         async def one(i: int) -> None:
             try:
                 stream = await client.completions.create(stream=True, **_request(i))
+                opened.append(i)
+                if len(opened) == STREAMS:
+                    # Every stream begun: the server killed at once, before any other
+                    # task reads on.
+                    os.killpg(a.pid, signal.SIGKILL)
+                    cut_at.extend(len("".join(g)) for g in got)
+                    begun.set()
                 async for c in stream:
                     if c.choices:
                         got[i].append(c.choices[0].text)
-                    begun.set()
             except (openai.APIError, OSError) as e:
                 errors.append(e)
 
         tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
         await asyncio.wait_for(begun.wait(), 120)
+        # The other replica made ready once the first is dead: the streams wait for it.
         await plane.ready("ce-b", MODEL, b_url)
-        os.killpg(a.pid, signal.SIGKILL)
-        cut_at = [len("".join(g)) for g in got]
         await asyncio.gather(*tasks)
     finally:
         await client.close()
@@ -171,9 +188,19 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
     ended = [t for t, c in zip(texts, cut_at, strict=True) if len(t) > c]
     differ = [i for i in range(STREAMS) if texts[i] != expected[i]]
     print(
-        f"\n{STREAMS} streams, ce-a killed at the first chunk of the first: {moved} moved, "
+        f"\n{STREAMS} streams, ce-a killed once all had begun: {moved} moved, "
         f"0 client errors, {len(differ)} differ from the uninterrupted answer "
         f"({len(ended)} went on past the kill; the uninterrupted ones took {took:.1f} s)"
     )
+    for i in differ[:3]:
+        at = next(
+            (k for k, (x, y) in enumerate(zip(texts[i], expected[i], strict=False)) if x != y),
+            min(len(texts[i]), len(expected[i])),
+        )
+        print(
+            f"stream {i}: {len(texts[i])} against {len(expected[i])} characters, cut at "
+            f"{cut_at[i]}, first differs at {at}: {texts[i][at - 20 : at + 40]!r} against "
+            f"{expected[i][at - 20 : at + 40]!r}"
+        )
     assert moved >= 1
     assert all(len(t) >= len(e) // 2 for t, e in zip(texts, expected, strict=True))

@@ -46,9 +46,13 @@ class Engine:
     """A replica that answers as vLLM does, one word a token; its first `cuts` answers
     break after `at` tokens, as `cut` says (`hold`: they wait there for ever)."""
 
-    def __init__(self, name: str, created: int, cut: str | None, at: int, cuts: int) -> None:
+    def __init__(
+        self, name: str, created: int, cut: str | None, at: int, cuts: int, merge: int = 1
+    ) -> None:
         self.name, self.created = name, created
         self.cut, self.at, self.cuts = cut, at, cuts
+        self.merge = merge
+        """Tokens a chunk (vLLM merges what its client has not read yet)."""
         self.bodies: list[dict[str, Any]] = []
         self.broke = asyncio.Event()
         self.url = ""
@@ -65,7 +69,9 @@ class Engine:
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
-    def _chunk(self, chat: bool, n: int, text: str | None, reason: str | None) -> bytes:
+    def _chunk(
+        self, chat: bool, n: int, text: str | None, reason: str | None, usage: Any = None
+    ) -> bytes:
         if chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             if text == "":
@@ -83,6 +89,8 @@ class Engine:
             "model": "m",
             "choices": [choice],
         }
+        if usage is not None:
+            doc["usage"] = usage
         return b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
     def _usage(self, chat: bool, n: int, prompt: int, out: int) -> bytes:
@@ -110,18 +118,22 @@ class Engine:
         prompt = len(text.split())
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 10**6
         end = min(N, start + limit)
-        usage = (body.get("stream_options") or {}).get("include_usage") is True
+        options = body.get("stream_options") or {}
+        usage = options.get("include_usage") is True
+        running = options.get("continuous_usage_stats") is True
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if chat:
             await resp.write(self._chunk(chat, n, "", None))
         breaking = self.cut is not None and n <= self.cuts
         out = 0
-        for i in range(start, end):
-            if breaking and out == self.at:
+        for i in range(start, end, self.merge):
+            if breaking and out >= self.at:
                 return await self._break(request, resp, chat, n, prompt, out, usage)
-            await resp.write(self._chunk(chat, n, f"w{i} ", None))
-            out += 1
+            words = "".join(f"w{k} " for k in range(i, min(i + self.merge, end)))
+            out += len(words.split())
+            so_far = {"prompt_tokens": prompt, "completion_tokens": out} if running else None
+            await resp.write(self._chunk(chat, n, words, None, so_far))
         await resp.write(self._chunk(chat, n, None, "stop" if end == N else "length"))
         if usage:
             await resp.write(self._usage(chat, n, prompt, out))
@@ -166,9 +178,14 @@ async def engines() -> AsyncIterator[Engines]:
     made: list[Engine] = []
 
     async def make(
-        name: str, created: int = 1000, cut: str | None = None, at: int = 3, cuts: int = 1
+        name: str,
+        created: int = 1000,
+        cut: str | None = None,
+        at: int = 3,
+        cuts: int = 1,
+        merge: int = 1,
     ) -> Engine:
-        e = Engine(name, created, cut, at, cuts)
+        e = Engine(name, created, cut, at, cuts, merge)
         await e.start()
         made.append(e)
         return e
@@ -257,6 +274,31 @@ async def test_a_completion_stream_goes_on_with_the_prompt_and_the_text_so_far(
     (resumed,) = b.bodies
     assert resumed["prompt"] == "say words " + "".join(f"w{i} " for i in range(5))
     assert resumed["max_tokens"] == N - 5
+
+
+async def test_a_vllm_models_stream_is_counted_by_the_servers_running_usage(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    # A server that sends two tokens a chunk: the chunks alone would count 2 of the 4
+    # tokens sent, and the next replica would write 2 past max_tokens.
+    a = await engines("cv-a", 1000, "reset", at=4, merge=2)
+    b = await engines("cv-b", 2000, merge=2)
+    await plane.say(
+        ev.ModelDeclared(
+            name="cv",
+            min=0,
+            profiles=(ev.ProfileSpec(name="p", gpus=1),),
+            runtime=ev.ModelRuntime(engine="vllm"),
+        )
+    )
+    await plane.ready("cv-a", "cv", a.url)
+    await plane.ready("cv-b", "cv", b.url)
+    chunks = await _chat(client, "cv", max_tokens=10)
+    assert _text(chunks) == "".join(f"w{i} " for i in range(10))
+    # The gateway asked for the running usage and took it out of what the client got.
+    assert a.bodies[0]["stream_options"]["continuous_usage_stats"] is True
+    assert all(c.usage is None for c in chunks)
+    assert b.bodies[0]["max_tokens"] == 10 - 4
 
 
 async def test_a_stream_whose_limit_is_spent_at_its_break_ends_there(
