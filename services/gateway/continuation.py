@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import msgspec
@@ -34,8 +34,23 @@ from services.gateway.request import KEY, SPAN, TOOK
 from services.gateway.use import stream_cached
 
 if TYPE_CHECKING:
-    from services.gateway.forward import Forwarder
     from services.gateway.holding import Holding
+
+
+class Forwarder(Protocol):
+    """What a continued stream uses of `services.gateway.forward.Forwarder` (which hands
+    it the stream, so is not imported here)."""
+
+    @property
+    def lines(self) -> guard.Lines: ...
+
+    @property
+    def first_byte(self) -> Callable[[web.Request], None]: ...
+
+    async def _post(self, request: web.Request, r: Any, body: bytes) -> aiohttp.ClientResponse:
+        """The replica's answer begun, or `Unreachable`."""
+        ...
+
 
 # SETTLE_S is how long a stream in flight on a replica whose drain is folded goes on
 # there before it is moved: a stream about to end ends where it is, and the requests a
