@@ -556,3 +556,17 @@ def test_explain_replica_says_how_many_streams_moved_off_it_and_where(
     assert "  streams moved off it: 4 (3 to chat-2, 1 to chat-3)" in out.splitlines()
     code, out, err = run(capsys, "explain", "replica", "chat-1", "--log", str(path), "--json")
     assert json.loads(out)["used"]["moved_to"] == {"chat-2": 3, "chat-3": 1}
+
+
+def test_the_limit_is_a_flag_of_every_gateway_and_a_negative_one_is_refused() -> None:
+    from services.cli import app as cli
+    from services.cli.gateway import gateway_config
+
+    made = cli.build_parser()
+    assert gateway_config(made.parse_args(["gateway"])).continuation_limit == rules.LIMIT == 3
+    got = gateway_config(made.parse_args(["gateway", "--continuation-limit", "0"]))
+    assert got.continuation_limit == 0
+    up = made.parse_args(["up", "--continuation-limit", "5"])
+    assert gateway_config(up, "--gateway-listen").continuation_limit == 5
+    with pytest.raises(cli.UsageError, match="--continuation-limit: -1 is not a count"):
+        gateway_config(made.parse_args(["gateway", "--continuation-limit", "-1"]))
