@@ -59,6 +59,9 @@ class Forwarder(Protocol):
 SETTLE_S = 1.0
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# TRIES is how many replicas one move asks: a replica that fails before the first byte
+# of the resumed answer, another once more, as for a new request.
+TRIES = 2
 
 # Charge is what counts one replica's part of an answer: (replica, requests, tokens in,
 # tokens out, request).
@@ -333,24 +336,48 @@ class Plan:
     ) -> tuple[Any, aiohttp.ClientResponse] | None:
         """Another replica's answer to the resumed request, begun: picked among the
         routable ones but those tried, else from the waiting room (bounded by its
-        model's predicted start); None when none can be had."""
-        span = request[SPAN]
-        view = self.of.view()
-        limit = routing.admit_limit(view, self.model, self.of.inflight_factor)
-        nxt = self.of.router.pick(view, self.model, self.route, avoid=tried, limit=limit)
-        if nxt is None:
-            key: Key | None = request.get(KEY)
-            try:
-                nxt, _ = await self.of.holding.wait(
-                    request, self.model, self.route, False, key, avoid=tuple(tried)
-                )
-            except Refusal:
-                return None
-        tried.append(nxt.id)
+        model's predicted start), and one more tried when the first fails before its
+        first byte, as a new request's is; None when none can be had."""
         doc = rules.resumed(self.doc, request.path, st.text, st.sent)
         if self.strip_counts:
             doc = rules.counting(doc)
         body = msgspec.json.encode(doc)
+        for _ in range(TRIES):
+            view = self.of.view()
+            limit = routing.admit_limit(view, self.model, self.of.inflight_factor)
+            nxt = self.of.router.pick(view, self.model, self.route, avoid=tried, limit=limit)
+            if nxt is None:
+                key: Key | None = request.get(KEY)
+                try:
+                    nxt, _ = await self.of.holding.wait(
+                        request, self.model, self.route, False, key, avoid=tuple(tried)
+                    )
+                except Refusal:
+                    return None
+            tried.append(nxt.id)
+            up = await self._begin(fw, request, nxt, body)
+            if up is None:
+                continue
+            fw.lines.say(
+                logging.INFO,
+                ("moved", r.id),
+                "gateway: %s: stream moved to %s (%s)",
+                r.id,
+                nxt.id,
+                broke,
+            )
+            span = request[SPAN]
+            span.set_attribute("llmgw.moves", len(tried) - 1)
+            span.set_attribute("llmgw.moved_to", nxt.id)
+            span.set_attribute("llmgw.moved_why", str(broke))
+            return nxt, up
+        return None
+
+    async def _begin(
+        self, fw: Forwarder, request: web.Request, nxt: Any, body: bytes
+    ) -> aiohttp.ClientResponse | None:
+        """`nxt`'s answer to `body` begun as a stream; None (its slot freed) when it
+        cannot be asked or answers anything else."""
         try:
             up = await fw._post(request, nxt, body)
         except (Unreachable, Refusal):
@@ -367,18 +394,7 @@ class Plan:
             up.release()
             self.of.holding.done(nxt, self.route)
             return None
-        fw.lines.say(
-            logging.INFO,
-            ("moved", r.id),
-            "gateway: %s: stream moved to %s (%s)",
-            r.id,
-            nxt.id,
-            broke,
-        )
-        span.set_attribute("llmgw.moves", len(tried) - 1)
-        span.set_attribute("llmgw.moved_to", nxt.id)
-        span.set_attribute("llmgw.moved_why", str(broke))
-        return nxt, up
+        return up
 
     async def _cant(
         self,

@@ -53,6 +53,8 @@ class Engine:
         self.cut, self.at, self.cuts = cut, at, cuts
         self.merge = merge
         """Tokens a chunk (vLLM merges what its client has not read yet)."""
+        self.refuse = False
+        """Answer 503 (a server that cannot take it)."""
         self.bodies: list[dict[str, Any]] = []
         self.broke = asyncio.Event()
         self.url = ""
@@ -111,6 +113,8 @@ class Engine:
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.refuse:
+            return web.Response(status=503, text="draining")
         n = len(self.bodies)
         chat = request.path == rules.CHAT
         text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
@@ -299,6 +303,18 @@ async def test_a_vllm_models_stream_is_counted_by_the_servers_running_usage(
     assert a.bodies[0]["stream_options"]["continuous_usage_stats"] is True
     assert all(c.usage is None for c in chunks)
     assert b.bodies[0]["max_tokens"] == 10 - 4
+
+
+async def test_a_replica_that_refuses_the_resumed_request_is_passed_over_for_another(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    _, b = await _two(plane, engines, "cr", "reset")
+    b.refuse = True
+    c = await engines("cr-c", 3000)
+    await plane.ready("cr-c", "cr", c.url)
+    assert _text(await _chat(client, "cr", max_tokens=20)) == FULL
+    assert len(b.bodies) == 1 and len(c.bodies) == 1
+    assert c.bodies[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
 
 
 async def test_a_stream_whose_limit_is_spent_at_its_break_ends_there(
