@@ -142,7 +142,7 @@ class Continuations:
 
 def serving(request: web.Request, first: Any) -> Any:
     """The replica whose slot `request` holds at its end: the last it moved to, else
-    `first`."""
+    `first`; None when it holds none (its stream broke and found no other)."""
     return request.get(SERVING, first)
 
 
@@ -214,6 +214,10 @@ class Plan:
                     if rules.exhausted(self.doc, st.sent):
                         end = st.ending() + DONE_EVENT
                         break
+                    # Its slot there freed at once, not once another is found: a drain
+                    # waiting for it ends now, and the wait for another may be long.
+                    self.of.holding.done(r, self.route)
+                    request[SERVING] = None
                     nxt = await self._move(fw, request, st, r, tried, broke)
                 if nxt is None:
                     # Today's end: an error or abort event passed on and the rest of the
@@ -225,7 +229,6 @@ class Plan:
                 self.of.moved[r.id] = self.of.moved.get(r.id, 0) + 1
                 self.of.moved_off(r, nxt[0].id)
                 upstream.close()
-                self.of.holding.done(r, self.route)
                 r, upstream = nxt
                 request[SERVING] = r
         finally:

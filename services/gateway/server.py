@@ -662,7 +662,8 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                self.holding.done(continuation.serving(request, r), route)
+                if (holds := continuation.serving(request, r)) is not None:
+                    self.holding.done(holds, route)
         raise no_replica(m.name, last)
 
     def _first_byte(self, request: web.Request) -> None:

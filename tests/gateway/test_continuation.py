@@ -493,6 +493,12 @@ async def test_past_the_limit_the_client_sees_the_cut_of_before(
     assert _text(got) == "".join(f"w{i} " for i in range(6))
     assert len(b.bodies) == 1 and len(a.bodies) == 1
 
+    # Each slot freed once: nothing left in flight on either.
+    async def inflight() -> dict[str, int]:
+        return dict(plane.gateway.router.inflight)
+
+    await wait_for(inflight, lambda n: n.get("cl-a", 0) == 0 and n.get("cl-b", 0) == 0, 5)
+
 
 async def test_with_continuation_off_a_break_is_a_cut(
     plane: Plane, engines: Engines, client: openai.AsyncOpenAI
@@ -514,6 +520,12 @@ async def test_with_no_other_replica_it_waits_for_one(
     await plane.ready("cw-a", "cw", a.url)
     answer = asyncio.create_task(_chat(client, "cw", max_tokens=20))
     await a.broke.wait()
+
+    async def inflight() -> dict[str, int]:
+        return dict(plane.gateway.router.inflight)
+
+    # While it waits, the broken replica's slot is free already.
+    await wait_for(inflight, lambda n: n.get("cw-a", 0) == 0, 5)
     await plane.ready("cw-b", "cw", b.url)
     assert _text(await answer) == FULL
     assert len(b.bodies) == 1 and len(a.bodies) == 1
