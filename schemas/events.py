@@ -416,6 +416,12 @@ class ReplicaUsed(Data, frozen=True, kw_only=True):
     """Extension, from a gateway with API keys: those requests and tokens per owner of
     the key that sent them (requests sent without a key are in no owner's); empty from
     an agent, or a gateway without keys."""
+    moved_to: Annotated[dict[Name, BigCount], Meta(max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=dict
+    )
+    """Extension, from a gateway: the streams in flight on the replica that moved to
+    another replica over the interval (its stream broke, or its drain was folded), per
+    replica they went to; empty when none moved."""
 
 
 # ---------------------------------------------------------------- decisions and commands

@@ -94,6 +94,9 @@ class Figures:
     reasons: Counter[str] = field(default_factory=Counter)
     retries: int = 0
     steps: list[str] = field(default_factory=list)
+    freed: list[float] = field(default_factory=list)
+    """Seconds from each preempted replica's `replica.drain` to its `stopped`: from the
+    decision to the preempting model's GPUs freed."""
 
     @property
     def errors(self) -> list[Answer]:
@@ -131,6 +134,13 @@ class Figures:
             f"drains: {len(self.drains)} {dict(self.reasons)}; "
             f"{self.drained_under_load} of them had served the load",
             f"gateway retries (before the first byte): {self.retries}",
+            "preempted, drain to stopped (the preempting model's GPUs freed): "
+            + (
+                f"{len(self.freed)} replicas, p50 {statistics.median(self.freed):.2f} s, "
+                f"max {max(self.freed):.2f} s"
+                if self.freed
+                else "none"
+            ),
             *(f"step: {s}" for s in self.steps),
         ]
 
@@ -156,11 +166,13 @@ def _until(what: str, up: UpProcess, check: Any, within_s: float = 60) -> None:
         time.sleep(0.1)
 
 
-async def _one(http: aiohttp.ClientSession, base: str, model: str, stream: bool) -> Answer:
+async def _one(
+    http: aiohttp.ClientSession, base: str, model: str, stream: bool, max_tokens: int = MAX_TOKENS
+) -> Answer:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "drill"}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "stream": stream,
     }
     t0 = time.perf_counter()
@@ -183,9 +195,17 @@ async def _one(http: aiohttp.ClientSession, base: str, model: str, stream: bool)
     return a
 
 
-async def _load(base: str, rate: float, seconds: float) -> list[Answer]:
-    """Open loop: a request every 1/rate s whatever the answers do."""
-    timeout = aiohttp.ClientTimeout(total=GRACE_S * 2)
+async def _load(
+    base: str,
+    rate: float,
+    seconds: float,
+    tokens: tuple[int, int] = (MAX_TOKENS, MAX_TOKENS),
+    streams: int = 2,
+) -> list[Answer]:
+    """Open loop: a request every 1/rate s whatever the answers do, each of `tokens`
+    (the least and the most, spread over the requests); one in `streams` of them whole,
+    the others streamed (1: all streamed)."""
+    timeout = aiohttp.ClientTimeout(total=max(GRACE_S * 2, tokens[1] / 10))
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as http:
@@ -197,7 +217,9 @@ async def _load(base: str, rate: float, seconds: float) -> list[Answer]:
             if delay > 0:
                 await asyncio.sleep(delay)
             model = LOADED[(i // 2) % 2]
-            tasks.append(asyncio.create_task(_one(http, base, model, stream=i % 2 == 1)))
+            size = tokens[0] + (i * 37) % (tokens[1] - tokens[0] + 1)
+            stream = streams == 1 or i % streams != 0
+            tasks.append(asyncio.create_task(_one(http, base, model, stream, size)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -259,33 +281,56 @@ async def _chaos(up: UpProcess, url: str, seconds: float, steps: list[str]) -> N
         await nc.close()
 
 
-async def _drains(url: str) -> tuple[dict[str, int], Counter[str]]:
+async def _drains(url: str) -> tuple[dict[str, int], Counter[str], list[float]]:
     nc = await connect(url, "drill")
     try:
         js = nc.jetstream()
         seqs: dict[str, int] = {}
         reasons: Counter[str] = Counter()
+        preempted: dict[str, Any] = {}
         async for batch in consume.read_range(js, 1, filter_subject="llmgw.cmd.*.replica.drain"):
             for d in batch:
                 e = codec.decode(d.data)
                 if isinstance(e, ev.ReplicaDrainEvent) and e.data.replica not in seqs:
                     seqs[e.data.replica] = d.seq
                     reasons[e.data.reason] += 1
-        return seqs, reasons
+                    if e.data.reason == "preempted":
+                        preempted[e.data.replica] = e.time
+        freed: list[float] = []
+        async for batch in consume.read_range(js, 1, filter_subject="llmgw.node.*.replica.*"):
+            for d in batch:
+                e = codec.decode(d.data)
+                if (
+                    isinstance(e, ev.ReplicaStateEvent)
+                    and e.data.state == "stopped"
+                    and e.data.replica in preempted
+                ):
+                    freed.append((e.time - preempted.pop(e.data.replica)).total_seconds())
+        return seqs, reasons, freed
     finally:
         await nc.close()
 
 
-def run(base: Path, rate: float, seconds: float) -> Figures:
-    """One drill on a fresh `llmgw up` in `base`; its figures."""
+def run(
+    base: Path,
+    rate: float,
+    seconds: float,
+    grace_s: float = GRACE_S,
+    tokens: tuple[int, int] = (MAX_TOKENS, MAX_TOKENS),
+    extra: tuple[str, ...] = (),
+    streams: int = 2,
+) -> Figures:
+    """One drill on a fresh `llmgw up` in `base`; its figures. `tokens`: each answer's
+    (50 a second), the least and the most; `extra`: more flags of `llmgw up`."""
     up = UpProcess(
         base / "data",
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
         *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
         *("--sim-ttft", "0.3", "--sim-tps", "50"),
-        *("--drain-grace", str(GRACE_S), "--min-lifetime", "0", "--hold", "2"),
+        *("--drain-grace", str(grace_s), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
+        *extra,
     )
     figures = Figures(rate, seconds)
     try:
@@ -305,13 +350,13 @@ def run(base: Path, rate: float, seconds: float) -> Figures:
 
         async def both() -> list[Answer]:
             chaos = asyncio.create_task(_chaos(up, url, seconds, figures.steps))
-            answers = await _load(gateway, rate, seconds)
+            answers = await _load(gateway, rate, seconds, tokens, streams)
             await chaos
             return answers
 
         figures.answers = asyncio.run(both())
         figures.retries = int(_get(f"{gateway.removesuffix('/v1')}/health")["retries"])
-        figures.drains, figures.reasons = asyncio.run(_drains(url))
+        figures.drains, figures.reasons, figures.freed = asyncio.run(_drains(url))
         assert up.alive(), up.text()[-3000:]
     finally:
         up.stop()

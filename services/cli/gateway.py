@@ -128,6 +128,11 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
         raise cli.UsageError(
             f"--queue-per-model: {args.queue_per_model} is not a count (0: hold nothing)"
         )
+    if args.continuation_limit < 0:
+        raise cli.UsageError(
+            f"--continuation-limit: {args.continuation_limit} is not a count (0: never move "
+            "a stream)"
+        )
     return str(args.gateway_listen)
 
 

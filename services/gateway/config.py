@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.core.continuation import LIMIT
 from services.core.pickers import DEFAULT_PICKER, PICKERS
 from services.gateway.listen import (
     BODY_BUDGET,
@@ -157,6 +158,18 @@ class Config:
             "unit": "",
             "help": "seconds between the SSE comments (`: waiting`) a held stream is sent, "
             "so that proxies do not cut it",
+        },
+    )
+    continuation_limit: int = field(
+        default=LIMIT,
+        metadata={
+            "parse": int,
+            "metavar": "N",
+            "help": "times one stream may move to another replica of its model when its own "
+            "breaks (reset, cut before [DONE], an error or abort event) or is drained; 0: "
+            "never, a broken stream is cut. Never for guided/structured output, tools, "
+            'n > 1, logprobs, best_of or a seed (docs/gateway.md, "Streams that survive '
+            'their replica")',
         },
     )
     fast_path: bool = field(

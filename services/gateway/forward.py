@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from services.gateway import guard, plane, streams, tokens
+from services.gateway import continuation, guard, plane, streams, tokens
 from services.gateway.metrics import Counts
 from services.gateway.refusal import (
     MAX_ANSWER,
@@ -202,6 +202,12 @@ class Forwarder:
     ) -> web.StreamResponse:
         """Pass a stream on chunk by chunk; count its use at its end, from its usage
         chunk, or from what was sent when it has none or is cut."""
+        # --- continuation (services.gateway.continuation): a stream that may survive
+        # its replica is passed on there, event by event.
+        plan: continuation.Plan | None = request.get(continuation.PLAN)
+        if plan is not None:
+            return await plan.stream(self, request, r, upstream, resp, strip, sent)
+        # --- end continuation
         # The stream's end, for its usage: extended in place and cut only past twice its
         # length, not copied whole for each chunk.
         tail = bytearray()

@@ -105,10 +105,12 @@ class Holding:
         route: routing.Route,
         stream: bool,
         key: Key | None = None,
+        avoid: tuple[str, ...] = (),
     ) -> tuple[Any, web.StreamResponse | None]:
         """Hold the request in its model's line until a replica can take it: the
         replica (counted in flight) and, for a stream, the 200 already sent. A Refusal
-        past the line's length or its wait, or for a model that cannot be placed."""
+        past the line's length or its wait, or for a model that cannot be placed.
+        `avoid`: replicas it may not be given (a continued stream's broken ones)."""
         now = utc_now()
         self._placeable(m, now)
         look = coldstart.outlook(self.view(), m, now, floor_s=self.settings.min_wait_s)
@@ -117,6 +119,7 @@ class Holding:
         if told is not None:
             bound = min(bound, told * CLIENT_TIMEOUT_SHARE)
         w = self._join(m, route, now, key, look.retry_after)
+        w.avoid = avoid
         line = self.room.lines[m.name]
         request[SPAN].set_attribute("llmgw.held", True)
         held_gauge = self.labelled.of(self.metrics.held, m.name)
@@ -294,7 +297,7 @@ class Holding:
             if w.fut.done():
                 line.pop()
                 continue
-            r = self.router.pick(view, m, w.route, limit=limit)
+            r = self.router.pick(view, m, w.route, avoid=w.avoid, limit=limit)
             if r is None:
                 break
             line.pop()

@@ -20,6 +20,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry import trace
 
+from services.bus import tracing
 from services.core import routing
 from services.gateway import guard
 from services.gateway.keys import Key
@@ -198,3 +199,24 @@ async def read_body(
             408, f"the body did not arrive within {timeout_s:g}s", "body_timeout"
         ) from None
     return b"".join(chunks)
+
+
+# NO_SPAN stands for a request's span when none is made: a span that records nothing,
+# as the no-op tracer's would be, without the context it would be attached to.
+NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def span_of(request: web.Request, fast_path: bool) -> contextlib.AbstractContextManager[trace.Span]:
+    """The request's span, made current: SERVER kind, a child of the client's
+    `traceparent` when it sent one. With nothing recording spans (no exporter set)
+    and no traceparent, the no-op tracer's span records nothing and carries no
+    context, so the fast path makes none (13 us and a dozen objects a request, held
+    as long as a stream)."""
+    traced = "traceparent" in request.headers
+    if fast_path and not traced and not tracing.enabled():
+        return NO_SPAN
+    return tracing.tracer().start_as_current_span(
+        f"POST {request.path}",
+        context=tracing.extract(request.headers) if traced else None,
+        kind=trace.SpanKind.SERVER,
+    )

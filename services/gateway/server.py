@@ -51,12 +51,13 @@ from opentelemetry import trace
 from schemas import events as ev
 from schemas import subjects
 from services import listen, names
-from services.bus import Publisher, tracing
+from services.bus import Publisher
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
 from services.core import catalog, routing
+from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
-from services.gateway import guard, plane, scope, streams, tokens
+from services.gateway import continuation, guard, plane, scope, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
@@ -107,6 +108,7 @@ from services.gateway.request import (
     Head,
     parse,
     read_body,
+    span_of,
     sse_error,
 )
 from services.gateway.request import route as route_of
@@ -139,10 +141,6 @@ CATCH_UP_S = 30.0
 MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-
-# NO_SPAN stands for a request's span when none is made: a span that records nothing,
-# as the no-op tracer's would be, without the context it would be attached to.
-NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
 @dataclass
@@ -194,6 +192,10 @@ class Gateway:
     off (`--no-stream-usage`) for a server that refuses `stream_options`."""
     clock: Callable[[], float] = time.monotonic
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
+    continuation_limit: int = continuing.LIMIT
+    """The moves one stream may make to another replica when its own breaks or drains
+    (`--continuation-limit`; 0: none, a broken stream is cut):
+    `services.gateway.continuation`."""
     fast_path: bool = True
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
@@ -241,6 +243,15 @@ class Gateway:
             lines=self.lines,
             interval_s=self.used_interval_s,
         )
+        self.continuations = continuation.Continuations(
+            limit=self.continuation_limit,
+            view=self._view,
+            router=self.router,
+            holding=self.holding,
+            uses=self.uses,
+            lines=self.lines,
+            inflight_factor=self.inflight_factor,
+        )
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
@@ -283,6 +294,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
+            continuation_limit=config.continuation_limit,
             router=pickers[config.routing](),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
@@ -486,19 +498,7 @@ class Gateway:
                 labelled.of(self.metrics.duration, model).observe(time.perf_counter() - t0)
 
     def _span(self, request: web.Request) -> contextlib.AbstractContextManager[trace.Span]:
-        """The request's span, made current: SERVER kind, a child of the client's
-        `traceparent` when it sent one. With nothing recording spans (no exporter set)
-        and no traceparent, the no-op tracer's span records nothing and carries no
-        context, so the fast path makes none (13 us and a dozen objects a request, held
-        as long as a stream)."""
-        traced = "traceparent" in request.headers
-        if self.fast_path and not traced and not tracing.enabled():
-            return NO_SPAN
-        return tracing.tracer().start_as_current_span(
-            f"POST {request.path}",
-            context=tracing.extract(request.headers) if traced else None,
-            kind=trace.SpanKind.SERVER,
-        )
+        return span_of(request, self.fast_path)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
         key = authorize(self.keys, request)
@@ -577,6 +577,8 @@ class Gateway:
         )
         if strip:
             body = streams.ask_for_usage(body, head.stream_options)
+        if stream:
+            body = self.continuations.plan(request, m, route, body)
         view = self.follower.view
         # Nobody overtakes a line: with requests of the model waiting, a new one joins
         # them, even if a slot has just freed (the line is served first).
@@ -649,7 +651,8 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                self.holding.done(r, route)
+                if (holds := continuation.serving(request, r)) is not None:
+                    self.holding.done(holds, route)
         raise no_replica(m.name, last)
 
     def _first_byte(self, request: web.Request) -> None:
@@ -685,6 +688,7 @@ class Gateway:
         gone = routing.leaving(self.follower.view, event, self.router.kept())
         if gone:
             self.router.forget(gone)
+            self.continuations.leaving(gone)
         self.holding.on_fold(event)
 
 

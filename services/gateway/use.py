@@ -109,6 +109,8 @@ class Use:
     """Of `tokens_in`, those the answers said were served from the prefix cache."""
     owners: dict[str, list[int]] = field(default_factory=dict)
     """Per owner of the keys that sent them: [requests, tokens_in, tokens_out]."""
+    moved_to: dict[str, int] = field(default_factory=dict)
+    """Streams moved off it, per replica they went to (`services.gateway.continuation`)."""
     reported: float = -math.inf
     """When (monotonic) its last report was stored."""
 
@@ -133,14 +135,17 @@ class Uses:
         tokens_out: int,
         key: Key | None,
         cached: int | None = None,
+        requests: int = 1,
     ) -> None:
         """Count one request that `r` answered, sent with `key`, for its next report;
-        `cached` of its prompt tokens the engine said it served from its prefix cache."""
+        `cached` of its prompt tokens the engine said it served from its prefix cache.
+        `requests` 0: the part of a request that began on another replica and moved
+        here (`services.gateway.continuation`), counted there."""
         u = self.pending.get(r.id)
         now = utc_now()
         if u is None:
             u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=now)
-        u.at, u.requests = now, u.requests + 1
+        u.at, u.requests = now, u.requests + requests
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
         if cached is not None:
@@ -148,11 +153,18 @@ class Uses:
         if key is None:
             return
         o = u.owners.setdefault(key.owner, [0, 0, 0])
-        o[0] += 1
+        o[0] += requests
         o[1] += tokens_in
         o[2] += tokens_out
         self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
         self.labelled.of(self.metrics.owner_tokens, key.owner, "out").inc(tokens_out)
+
+    def moved(self, r: Any, to: str) -> None:
+        """One stream moved off `r` to replica `to`, for `r`'s next report."""
+        u = self.pending.get(r.id)
+        if u is None:
+            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=utc_now())
+        u.moved_to[to] = u.moved_to.get(to, 0) + 1
 
     async def report(self, stop: asyncio.Event, each: Callable[[], None]) -> None:
         """Publish what is due every tick until `stop`; `each` after every tick."""
@@ -168,13 +180,18 @@ class Uses:
         `interval_s` (unless `force`), on its node's subject like its agent's."""
         now_m = time.monotonic()
         for rid, u in list(self.pending.items()):
-            if not u.requests or not u.node:
+            if not u.node or not (u.requests or u.tokens_in or u.tokens_out or u.moved_to):
                 continue
             if not force and now_m - u.reported < self.interval_s:
                 continue
             await self._publish(rid, u)
         view = self.view()
-        for rid in [rid for rid, u in self.pending.items() if not u.requests]:
+        idle = [
+            rid
+            for rid, u in self.pending.items()
+            if not (u.requests or u.tokens_in or u.tokens_out or u.moved_to)
+        ]
+        for rid in idle:
             r = view.replicas.get(rid)
             if r is None or not r.holds_capacity:
                 del self.pending[rid]
@@ -183,7 +200,7 @@ class Uses:
         by_owner = {
             o: ev.OwnerUse(requests=n[0], tokens_in=n[1], tokens_out=n[2])
             for o, n in u.owners.items()
-            if n[0]
+            if any(n)
         }
         e = ev.make(
             ev.ReplicaUsed(
@@ -194,6 +211,7 @@ class Uses:
                 tokens_out=u.tokens_out,
                 tokens_cached=u.tokens_cached,
                 by_owner=by_owner,
+                moved_to=dict(u.moved_to),
             ),
             id=new_id(),
             time=utc_now(),
@@ -201,6 +219,7 @@ class Uses:
         )
         sent = (u.requests, u.tokens_in, u.tokens_out)
         sent_cached = u.tokens_cached
+        sent_moved = dict(u.moved_to)
         try:
             await self.publisher.publish(e, node=u.node)
         except (BusError, nats.errors.Error) as err:
@@ -214,6 +233,12 @@ class Uses:
             return
         # Requests that ended while it was being published are the next report's.
         u.requests -= sent[0]
+        for to, k in sent_moved.items():
+            left = u.moved_to[to] - k
+            if left:
+                u.moved_to[to] = left
+            else:
+                del u.moved_to[to]
         u.tokens_in -= sent[1]
         u.tokens_out -= sent[2]
         if sent_cached is not None and u.tokens_cached is not None:
@@ -223,6 +248,6 @@ class Uses:
             n[0] -= d.requests
             n[1] -= d.tokens_in
             n[2] -= d.tokens_out
-            if not n[0]:
+            if not any(n):
                 del u.owners[o]
         u.reported = time.monotonic()

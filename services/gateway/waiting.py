@@ -72,6 +72,9 @@ class Waiter:
     """The request pushed out of a full line to let it in (the server refuses it)."""
     route: routing.Route | None = None
     """What its replica is picked by (`services.core.routing`)."""
+    avoid: tuple[str, ...] = ()
+    """Replicas it may not be given: a continued stream's broken ones
+    (`services.gateway.continuation`)."""
 
 
 @dataclass(eq=False)

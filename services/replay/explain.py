@@ -105,6 +105,8 @@ class Use:
     """Per owner of the keys that sent them (`by_owner`): [requests, tokens_in, tokens_out]."""
     engine: tuple[int, ev.ReplicaUsedEvent] | None = None
     """The latest report carrying what the replica's engine said of its load."""
+    moved_to: dict[str, int] = field(default_factory=dict)
+    """Streams moved off it to other replicas (a gateway's continuation), per replica."""
 
     def add(self, seq: int, e: ev.ReplicaUsedEvent) -> None:
         if self.last is None or fold.used_at(e) >= fold.used_at(self.last[1]):
@@ -118,6 +120,8 @@ class Use:
             self.tokens_out += e.data.tokens_out or 0
         if e.data.tokens_cached is not None:
             self.tokens_cached = (self.tokens_cached or 0) + e.data.tokens_cached
+        for to, k in e.data.moved_to.items():
+            self.moved_to[to] = self.moved_to.get(to, 0) + k
         for owner, u in e.data.by_owner.items():
             n = self.by_owner.setdefault(owner, [0, 0, 0])
             n[0] += u.requests
@@ -346,6 +350,13 @@ class Explainer:
         }
         if use.tokens_cached is not None:
             st.facts["used"]["tokens_cached"] = use.tokens_cached
+        if use.moved_to:
+            dest = sorted(use.moved_to.items(), key=lambda kv: (-kv[1], kv[0]))
+            where = ", ".join(f"{k} to {to}" for to, k in dest[:SHOWN_OWNERS])
+            more = f", and {len(dest) - SHOWN_OWNERS} more" if len(dest) > SHOWN_OWNERS else ""
+            moved = sum(use.moved_to.values())
+            st.line(f"  streams moved off it: {moved} ({where}{more})")
+            st.facts["used"]["moved_to"] = dict(sorted(use.moved_to.items()))
         if use.engine is not None:
             self._engine(st, *use.engine)
 

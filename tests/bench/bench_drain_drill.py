@@ -27,9 +27,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=200.0, help="requests a second")
     p.add_argument("--seconds", type=float, default=60.0, help="how long the load runs")
+    p.add_argument("--grace", type=float, default=drill.GRACE_S, help="the drains' grace (seconds)")
+    p.add_argument(
+        "--tokens",
+        default=f"{drill.MAX_TOKENS}-{drill.MAX_TOKENS}",
+        help="each answer's tokens, LEAST-MOST (50 a second: 250-500 is 5-10 s)",
+    )
+    p.add_argument(
+        "--continuation-limit",
+        type=int,
+        default=None,
+        help="the gateway's --continuation-limit (its default when not given; 0: off)",
+    )
+    p.add_argument("--all-streams", action="store_true", help="every request streamed (else half)")
     a = p.parse_args()
+    least, most = (int(x) for x in a.tokens.split("-"))
+    extra = (
+        () if a.continuation_limit is None else ("--continuation-limit", str(a.continuation_limit))
+    )
     with tempfile.TemporaryDirectory(prefix="llmgw-drill-") as d:
-        figures = drill.run(Path(d), a.rate, a.seconds)
+        figures = drill.run(
+            Path(d), a.rate, a.seconds, a.grace, (least, most), extra, 1 if a.all_streams else 2
+        )
     for line in figures.lines():
         print(line)
 

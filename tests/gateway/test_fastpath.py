@@ -20,7 +20,8 @@ from opentelemetry import trace
 
 from services.agent.responder import Responder
 from services.gateway.metrics import KeptLabelled, Labelled, Metrics
-from services.gateway.server import NO_SPAN, Gateway
+from services.gateway.request import NO_SPAN
+from services.gateway.server import Gateway
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
 from tests.gateway.conftest import Plane, gateway_for, serving
 

@@ -1,0 +1,403 @@
+"""Streams that survive their replica: which streams may be continued, how, and what
+a continued stream took. The rules alone: bytes and JSON in, bytes and JSON out.
+
+Used by `services.gateway.continuation`, which reads a broken stream's events through a
+`Stream`, asks `excluded` once per request whether it may be continued at all, sends
+`resumed`'s body to another replica of the model, and charges `Stream.charges`. Pure: no
+I/O, no clock (docs/gateway.md, "Streams that survive their replica").
+
+A stream is continued by text with the turn kept open: a chat gets its messages and an
+assistant message with the text so far, `continue_final_message: true` and
+`add_generation_prompt: false` (vLLM's chat extension: the engine goes on writing that
+message instead of opening a new turn); a completion gets its prompt with the text so
+far appended. `max_tokens` (and `max_completion_tokens`, vLLM's `min_tokens`) is what
+is left of it. The new replica's chunks go to the client under the first one's `id` and
+`created`, without a second role delta, and the one `[DONE]` ends them all.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# LIMIT is how many times one request may move (`--continuation-limit`): a stream broken
+# a fourth time is cut, as it would be without continuation. Dynamo's advice, "start
+# with 3", for the same knob (`--migration-limit`).
+LIMIT = 3
+# MAX_TEXT bounds the text held for one request (characters): past it the stream is passed
+# on as before and no longer continued (a cut is then a cut). About 50,000 tokens.
+MAX_TEXT = 200_000
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PATHS = (CHAT, COMPLETIONS)
+
+# GUIDED are the request fields of guided or structured output: a grammar restarted on a
+# prefix it did not write itself yields another document (Dynamo's duplicated JSON).
+GUIDED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "json_schema",
+)
+
+_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def _set(value: Any) -> bool:
+    """Whether a request field says something (not absent, null, false, 0 or empty)."""
+    return value is not None and value is not False and value != 0 and value != [] and value != {}
+
+
+def excluded(doc: Any, path: str) -> str | None:
+    """Why the request `doc` (its body, decoded) to `path` may not be continued, in a
+    word for its span; None when it may. The kinds whose meaning a continuation would
+    change: guided or structured output, tools, more than one choice, log-probabilities,
+    `best_of`, a `seed` (another replica's sampler cannot go on from where this one was),
+    an echoed prompt, a prompt that is not one string."""
+    if path not in PATHS:
+        return "path"
+    if not isinstance(doc, dict):
+        return "body"
+    rf = doc.get("response_format")
+    if isinstance(rf, dict) and rf.get("type", "text") != "text":
+        return "structured_output"
+    if any(_set(doc.get(g)) for g in GUIDED) or any(
+        k.startswith("guided_") and _set(v) for k, v in doc.items()
+    ):
+        return "structured_output"
+    if _set(doc.get("tools")) or _set(doc.get("functions")):
+        return "tools"
+    n = doc.get("n")
+    if n is not None and n != 1:
+        return "n"
+    best_of = doc.get("best_of")
+    if best_of is not None and best_of != 1:
+        return "best_of"
+    if _set(doc.get("logprobs")) or doc.get("top_logprobs") is not None:
+        return "logprobs"
+    if _set(doc.get("prompt_logprobs")):
+        return "logprobs"
+    if doc.get("seed") is not None:
+        return "seed"
+    if _set(doc.get("echo")):
+        return "echo"
+    if path == CHAT:
+        messages = doc.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "body"
+    elif not isinstance(doc.get("prompt"), str):
+        return "prompt"
+    return None
+
+
+def left(limit: Any, sent: int) -> Any:
+    """What is left of a token limit (`max_tokens`, ...) once `sent` were generated:
+    the field as it was when it is not a number."""
+    if limit.__class__ is not int:
+        return limit
+    return max(limit - sent, 0)
+
+
+def exhausted(doc: dict[str, Any], sent: int) -> bool:
+    """Whether the request's token limit is spent by the `sent` tokens generated."""
+    for f in ("max_tokens", "max_completion_tokens"):
+        v = doc.get(f)
+        if v.__class__ is int and v - sent <= 0:
+            return True
+    return False
+
+
+def resumed(doc: dict[str, Any], path: str, text: str, sent: int) -> dict[str, Any]:
+    """The body that continues `doc` on another replica once `text` (`sent` tokens)
+    has reached its client: the turn kept open, the limits reduced, the usage asked for."""
+    out = dict(doc)
+    if path == CHAT:
+        messages = list(doc["messages"])
+        last = messages[-1] if messages else None
+        if (
+            doc.get("continue_final_message") is True
+            and isinstance(last, dict)
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            # The client continues a message itself: the text so far goes on after it.
+            messages[-1] = {**last, "content": last["content"] + text}
+        else:
+            messages.append({"role": "assistant", "content": text})
+        out["messages"] = messages
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+    else:
+        out["prompt"] = doc["prompt"] + text
+    for f in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if f in out:
+            out[f] = left(out[f], sent)
+    options = out.get("stream_options")
+    out["stream_options"] = {
+        **(options if isinstance(options, dict) else {}),
+        "include_usage": True,
+    }
+    return out
+
+
+def counts_asked(doc: dict[str, Any]) -> bool:
+    """Whether the request asks for a running token count in each chunk (vLLM's
+    `stream_options.continuous_usage_stats`)."""
+    options = doc.get("stream_options")
+    return isinstance(options, dict) and options.get("continuous_usage_stats") is True
+
+
+def counting(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` asking a vLLM server for the usage so far in each chunk: a server may send
+    several tokens in one chunk (it merges what its client has not read yet), so the
+    chunks alone undercount what was generated."""
+    options = doc.get("stream_options")
+    kept = options if isinstance(options, dict) else {}
+    return {
+        **doc,
+        "stream_options": {**kept, "include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+def events(data: bytes) -> tuple[list[bytes], bytes]:
+    """The whole server-sent events in `data` (each with its end), and what is left of
+    an event not ended yet."""
+    out: list[bytes] = []
+    start = 0
+    for m in _END.finditer(data):
+        out.append(data[start : m.end()])
+        start = m.end()
+    return out, data[start:]
+
+
+# What `Stream.event` makes of one event: passed on (its bytes, maybe rewritten), held
+# (a usage chunk, summed at the end), the stream's end, or a break to continue from.
+PASS = "pass"
+HOLD = "hold"
+DONE = "done"
+BREAK = "break"
+
+
+@dataclass
+class Segment:
+    """What one replica did for the stream."""
+
+    replica: Any
+    events: int = 0
+    """Its chunks with text (about one token each), counted as sent."""
+    usage: tuple[int, int] | None = None
+    """(prompt, completion) its usage chunk said; None without one."""
+    counted: int | None = None
+    """The completion tokens its last chunk with a running usage said (vLLM's
+    `continuous_usage_stats`); None without."""
+    chunks: int = 0
+    """Its JSON chunks passed on, what a stream never moved is counted by without a
+    usage chunk (as the gateway counts any stream: one a token, the last one too)."""
+
+
+@dataclass
+class Stream:
+    """One continued stream's state: read each event of each replica's answer in turn
+    (`event`), `move` to the next replica at a break."""
+
+    chat: bool
+    max_text: int = MAX_TEXT
+    strip_counts: bool = False
+    """Take each chunk's running usage out (the gateway asked for it, not the client)."""
+    id: Any = None
+    created: Any = None
+    parts: list[str] = field(default_factory=list)
+    chars: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    unsafe: str | None = None
+    """Why it may no longer be continued once begun (a tool call, its text past
+    `max_text`); None while it may."""
+    broke: str | None = None
+    """What broke the last segment: `error`, `abort`, `eof`, `reset`, `drain`."""
+    finished: bool = False
+    """A choice ended (a `finish_reason` other than `abort`)."""
+    usage_event: dict[str, Any] | None = None
+    """The last usage chunk, decoded: the summed one is made from it."""
+    usage_raw: bytes | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def sent(self) -> int:
+        """The tokens generated for the client so far: each segment's usage, else its
+        chunks with text."""
+        return sum(self._generated(s) for s in self.segments)
+
+    @staticmethod
+    def _generated(s: Segment) -> int:
+        if s.usage is not None:
+            return s.usage[1]
+        return s.events if s.counted is None else s.counted
+
+    def begin(self, replica: Any) -> None:
+        self.segments.append(Segment(replica))
+        self.broke = None
+
+    def event(self, raw: bytes) -> tuple[str, bytes]:
+        """What to do with `raw`, one whole event of the current segment's answer, and
+        the bytes to pass on for it."""
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            return PASS, raw  # a comment (a keepalive), or an event of another kind
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return DONE, raw
+        try:
+            doc = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return PASS, raw
+        if not isinstance(doc, dict):
+            return PASS, raw
+        if "error" in doc:
+            self.broke = "error"
+            return BREAK, b""
+        seg = self.segments[-1]
+        choices = doc.get("choices")
+        if choices == [] and isinstance(doc.get("usage"), dict):
+            u = doc["usage"]
+            p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+            seg.usage = (p if p.__class__ is int else 0, c if c.__class__ is int else 0)
+            self.usage_event, self.usage_raw = doc, raw
+            return HOLD, b""
+        if self.id is None:
+            self.id, self.created = doc.get("id"), doc.get("created")
+        seg.chunks += 1
+        moved = rewrite = len(self.segments) > 1
+        u = doc.get("usage")
+        if isinstance(u, dict):
+            c = u.get("completion_tokens")
+            if c.__class__ is int:
+                seg.counted = c
+            if self.strip_counts:
+                doc["usage"] = None
+                rewrite = True
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            said = self._choice(doc, choices, seg, moved)
+            if said is not None:
+                return said
+        if not rewrite:
+            return PASS, raw
+        doc["id"], doc["created"] = self.id, self.created
+        return PASS, b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+    def _choice(
+        self, doc: dict[str, Any], choices: list[Any], seg: Segment, moved: bool
+    ) -> tuple[str, bytes] | None:
+        """Read a chunk's first choice into the stream (its text, its end); what to do
+        with the chunk when it is not simply passed on (its role delta dropped once
+        `moved`)."""
+        choice = choices[0]
+        got = self._text(choice)
+        if got:
+            self._keep(got)
+            seg.events += 1
+        reason = choice.get("finish_reason")
+        if reason == "abort":
+            # What the aborted chunk still carries goes on; the abort does not.
+            self.broke = "abort"
+            if not got:
+                return BREAK, b""
+            doc["choices"] = [{**choice, "finish_reason": None}, *choices[1:]]
+            doc["id"], doc["created"] = self.id, self.created
+            return BREAK, b"data: " + msgspec.json.encode(doc) + b"\n\n"
+        if reason is not None:
+            self.finished = True
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return None
+        if any(_set(delta.get(k)) for k in ("tool_calls", "function_call")):
+            self.unsafe = "tool_call"
+        if moved and "role" in delta:
+            delta = {k: v for k, v in delta.items() if k != "role"}
+            if not got and reason is None and not any(_set(v) for v in delta.values()):
+                return HOLD, b""  # the role delta again: not repeated
+            doc["choices"] = [{**choice, "delta": delta}, *choices[1:]]
+        return None
+
+    def _text(self, choice: dict[str, Any]) -> str:
+        if self.chat:
+            delta = choice.get("delta")
+            got = delta.get("content") if isinstance(delta, dict) else None
+        else:
+            got = choice.get("text")
+        return got if isinstance(got, str) else ""
+
+    def _keep(self, got: str) -> None:
+        self.chars += len(got)
+        if self.chars > self.max_text:
+            self.unsafe = self.unsafe or "text_bound"
+            self.parts = []
+        elif self.unsafe is None:
+            self.parts.append(got)
+
+    def _completion(self, s: Segment) -> int:
+        if s.usage is not None or s.counted is not None:
+            return self._generated(s)
+        return s.chunks if len(self.segments) == 1 else s.events
+
+    def totals(self, prompt_estimate: int) -> tuple[int, int]:
+        """(prompt, completion) tokens of the whole answer, as an uninterrupted one
+        would say: the request's prompt once (the last usage's prompt less the resent
+        prefix, which it counts as prompt), the completion the sum of each segment's."""
+        completion = sum(self._completion(s) for s in self.segments)
+        before = 0
+        prompt = prompt_estimate
+        for s in self.segments:
+            if s.usage is not None:
+                prompt = max(s.usage[0] - before, 0)
+            before += self._completion(s)
+        return prompt, completion
+
+    def charges(self, prompt_estimate: int) -> list[tuple[Any, int, int, int]]:
+        """What each replica is charged, (replica, requests, tokens in, tokens out): the
+        first the request and its prompt, each its own completion tokens; the resent
+        prefix is no one's output. Their sum is `totals`."""
+        prompt, _ = self.totals(prompt_estimate)
+        out: list[tuple[Any, int, int, int]] = []
+        for i, s in enumerate(self.segments):
+            out.append((s.replica, int(i == 0), prompt if i == 0 else 0, self._completion(s)))
+        return out
+
+    def usage_chunk(self, prompt_estimate: int) -> bytes | None:
+        """The client's usage chunk: the replica's own when the stream did not move,
+        else the last one's with the sums (`totals`) under the first one's id."""
+        if self.usage_event is None or self.usage_raw is None:
+            return None
+        if len(self.segments) == 1:
+            return self.usage_raw
+        prompt, completion = self.totals(prompt_estimate)
+        doc = copy.deepcopy(self.usage_event)
+        u = doc["usage"]
+        u["prompt_tokens"], u["completion_tokens"] = prompt, completion
+        u["total_tokens"] = prompt + completion
+        doc["id"], doc["created"] = self.id, self.created
+        return b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+    def ending(self) -> bytes:
+        """A last chunk ending the answer when what is left of its limit is spent at a
+        break (`finish_reason: length`), under the stream's id."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if self.chat:
+            choice["delta"] = {}
+            kind = "chat.completion.chunk"
+        else:
+            choice["text"] = ""
+            kind = "text_completion"
+        doc = {"id": self.id, "object": kind, "created": self.created, "choices": [choice]}
+        return b"data: " + msgspec.json.encode(doc) + b"\n\n"

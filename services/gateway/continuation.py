@@ -1,0 +1,439 @@
+"""Streams that survive their replica, the gateway's side: a stream that breaks midway
+(its connection reset, its end before `data: [DONE]`, an error event, a choice ended
+with `finish_reason: "abort"`), or whose replica's drain is folded, goes on on another
+replica of its model, and its client reads one answer.
+
+Used by `services.gateway.server`, which asks `Continuations.plan` for each stream it
+sends (the request's `PLAN`, kept on it when it may be continued) and tells
+`Continuations.leaving` the replicas each fold takes out of routing, and by
+`services.gateway.forward`, which hands a planned stream's answer to `Plan.stream`. The
+rules (which requests, the resumed body, the sums) are `services.core.continuation`'s;
+docs/gateway.md, "Streams that survive their replica".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from services.core import catalog, routing
+from services.core import continuation as rules
+from services.core.view import View
+from services.gateway import guard, tokens
+from services.gateway.keys import Key
+from services.gateway.refusal import Refusal, Unreachable
+from services.gateway.request import KEY, SPAN, TOOK
+from services.gateway.use import Uses, stream_cached
+
+if TYPE_CHECKING:
+    from services.gateway.holding import Holding
+
+
+class Forwarder(Protocol):
+    """What a continued stream uses of `services.gateway.forward.Forwarder` (which hands
+    it the stream, so is not imported here)."""
+
+    @property
+    def lines(self) -> guard.Lines: ...
+
+    @property
+    def first_byte(self) -> Callable[[web.Request], None]: ...
+
+    async def _post(self, request: web.Request, r: Any, body: bytes) -> aiohttp.ClientResponse:
+        """The replica's answer begun, or `Unreachable`."""
+        ...
+
+
+# SETTLE_S is how long a stream in flight on a replica whose drain is folded goes on
+# there before it is moved: a stream about to end ends where it is, and the requests a
+# drain cuts short are the long ones. The drain's grace then bounds the wait for short
+# requests only.
+SETTLE_S = 1.0
+
+DONE_EVENT = b"data: [DONE]\n\n"
+# TRIES is how many replicas one move asks: a replica that fails before the first byte
+# of the resumed answer, another once more, as for a new request.
+TRIES = 2
+
+
+@dataclass(eq=False)
+class Continuations:
+    """The gateway's continued streams: which may be, those in flight per replica (to
+    move at a drain), and how many each replica saw move away."""
+
+    limit: int
+    """Moves one request may make (`--continuation-limit`; 0: none)."""
+    view: Callable[[], View]
+    router: routing.Picker
+    holding: Holding
+    uses: Uses
+    """Where each replica's part of a continued stream is counted, and each move
+    (`replica.used`'s `moved_to`)."""
+    lines: guard.Lines
+    inflight_factor: float = routing.INFLIGHT_FACTOR
+    settle_s: float = SETTLE_S
+    max_text: int = rules.MAX_TEXT
+    on: dict[str, set[Plan]] = field(default_factory=dict)
+    """The continued streams in flight, per replica now serving them."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """Streams moved away from each replica since the start."""
+
+    def plan(
+        self, request: web.Request, m: catalog.Model, route: routing.Route, body: bytes
+    ) -> bytes:
+        """Decide whether the stream `request` may be continued, say it in its span
+        (`llmgw.continuation`: `on`, or why not) and keep its `Plan` on it if so; the
+        body to send (one that asks a vLLM server for its running token count)."""
+        span = request[SPAN]
+        if self.limit <= 0:
+            span.set_attribute("llmgw.continuation", "off")
+            return body
+        try:
+            doc = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            span.set_attribute("llmgw.continuation", "body")
+            return body
+        why = rules.excluded(doc, request.path)
+        span.set_attribute("llmgw.continuation", why or "on")
+        if why is not None:
+            return body
+        d = self.view().state.models.get(m.name)
+        counted = d is not None and d.runtime is not None and d.runtime.engine == "vllm"
+        asked = counted and not rules.counts_asked(doc)
+        if asked:
+            body = msgspec.json.encode(rules.counting(doc))
+        request[PLAN] = Plan(self, m, route, doc, len(body), strip_counts=asked)
+        return body
+
+    def leaving(self, gone: list[str]) -> None:
+        """Replicas the fold took out of routing: their continued streams move after
+        `settle_s`."""
+        loop = asyncio.get_running_loop()
+        for rid in gone:
+            for p in list(self.on.get(rid, ())):
+                loop.call_later(self.settle_s, p.drained, rid)
+
+    def _serving(self, p: Plan, rid: str | None, now: str | None) -> None:
+        if rid is not None:
+            held = self.on.get(rid)
+            if held is not None:
+                held.discard(p)
+                if not held:
+                    del self.on[rid]
+        if now is not None:
+            self.on.setdefault(now, set()).add(p)
+
+    def elsewhere(self, m: catalog.Model, rid: str) -> bool:
+        """Whether another replica of `m` than `rid` is routable now."""
+        return any(r.id != rid for r in routing.candidates(self.view(), m))
+
+
+def serving(request: web.Request, first: Any) -> Any:
+    """The replica whose slot `request` holds at its end: the last it moved to, else
+    `first`; None when it holds none (its stream broke and found no other)."""
+    return request.get(SERVING, first)
+
+
+@dataclass(eq=False)
+class Plan:
+    """One stream that may be continued."""
+
+    of: Continuations
+    model: catalog.Model
+    route: routing.Route
+    doc: dict[str, Any]
+    body_len: int
+    upstream: aiohttp.ClientResponse | None = None
+    replica: Any = None
+    strip_counts: bool = False
+    """The gateway asked the server for a running token count in each chunk
+    (`continuous_usage_stats`) on the client's behalf: taken out of what it gets."""
+    draining: bool = False
+    """Its upstream was closed to move it off a draining replica."""
+    wrote: bool = False
+    """Its first byte from a replica went to its client."""
+    broken: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+    """The event a segment broke at: as it came, what goes on of it when the stream is
+    continued, and what came after it in the same read."""
+
+    def drained(self, rid: str) -> None:
+        """The settle time after `rid`'s drain is over: move now, if still there and
+        another replica can take it (else it goes on where it is, as without)."""
+        if self.replica is None or self.replica.id != rid or self.upstream is None:
+            return
+        if not self.of.elsewhere(self.model, rid):
+            return
+        self.draining = True
+        self.upstream.close()
+
+    async def stream(
+        self,
+        fw: Forwarder,
+        request: web.Request,
+        r: Any,
+        upstream: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        strip: bool,
+        sent: list[int],
+    ) -> web.StreamResponse:
+        """Pass the stream on, continuing it on another replica at each break, up to the
+        limit; count each replica's part at its end, however it ends."""
+        st = rules.Stream(
+            chat=request.path == rules.CHAT,
+            max_text=self.of.max_text,
+            strip_counts=self.strip_counts,
+        )
+        sent[1] = 0  # counted here, whatever happens
+        tried = [r.id]
+        moves = 0
+        estimate = tokens.prompt_estimate(self.body_len)
+        end = b""
+        try:
+            while True:
+                st.begin(r)
+                self._on(r, upstream)
+                what = await self._pass(fw, request, st, upstream, resp, moves < self.of.limit)
+                if what == rules.DONE:
+                    end = DONE_EVENT
+                    break
+                broke, self.draining = ("drain" if self.draining else st.broke), False
+                nxt = None
+                if st.unsafe is None and moves < self.of.limit:
+                    if rules.exhausted(self.doc, st.sent):
+                        end = st.ending() + DONE_EVENT
+                        break
+                    # Its slot there freed at once, not once another is found: a drain
+                    # waiting for it ends now, and the wait for another may be long.
+                    self.of.holding.done(r, self.route)
+                    request[SERVING] = None
+                    nxt = await self._move(fw, request, st, r, tried, broke)
+                if nxt is None:
+                    # Today's end: an error or abort event passed on and the rest of the
+                    # stream with it, an end before [DONE] as it came, a reset a cut.
+                    end = await self._cant(fw, request, st, upstream, resp, broke, r)
+                    break
+                await self._write(fw, request, resp, self.broken[1])
+                moves += 1
+                self.of.moved[r.id] = self.of.moved.get(r.id, 0) + 1
+                self.of.uses.moved(r, nxt[0].id)
+                upstream.close()
+                r, upstream = nxt
+                request[SERVING] = r
+        finally:
+            self._on(None, None)
+            upstream.close()
+            if moves:
+                upstream.release()
+            self._charge(request, st, estimate)
+            sent[1] = 1
+        if end:
+            if not strip and (u := st.usage_chunk(estimate)) is not None:
+                end = u + end
+            with contextlib.suppress(ConnectionError):
+                await resp.write(end)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+    def _on(self, r: Any, upstream: aiohttp.ClientResponse | None) -> None:
+        was = None if self.replica is None else self.replica.id
+        self.of._serving(self, was, None if r is None else r.id)
+        self.replica, self.upstream = r, upstream
+
+    async def _pass(
+        self,
+        fw: Forwarder,
+        request: web.Request,
+        st: rules.Stream,
+        upstream: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        may: bool,
+        rest: bytes = b"",
+    ) -> str:
+        """Pass one replica's answer on, event by event, until its `[DONE]` (DONE) or
+        its break (BREAK, `st.broke` saying what); with `may` false an error or abort
+        event goes on as it came, as without continuation. `rest`: what came of it
+        already and was not read yet."""
+        self.broken = (b"", b"", b"")
+        if rest and (what := await self._events(fw, request, st, resp, may, rest)) is not None:
+            return what
+        rest = self.broken[2]
+        try:
+            async for chunk in upstream.content.iter_any():
+                rest += chunk
+                if (what := await self._events(fw, request, st, resp, may, rest)) is not None:
+                    return what
+                rest = self.broken[2]
+        except (aiohttp.ClientError, TimeoutError) as e:
+            st.broke = "reset"
+            fw.lines.say(
+                logging.INFO,
+                ("broke", st.segments[-1].replica.id),
+                "gateway: %s: stream broke: %s",
+                st.segments[-1].replica.id,
+                type(e).__name__,
+            )
+            return rules.BREAK
+        if rest:
+            await self._write(fw, request, resp, rest)
+        st.broke = "eof"
+        return rules.BREAK
+
+    async def _events(
+        self,
+        fw: Forwarder,
+        request: web.Request,
+        st: rules.Stream,
+        resp: web.StreamResponse,
+        may: bool,
+        data: bytes,
+    ) -> str | None:
+        """Pass on the whole events of `data`; DONE or BREAK when one ends the segment
+        (what follows it kept in `broken`), else None (the part of an event not ended
+        yet kept in `broken[2]`)."""
+        whole, rest = rules.events(data)
+        out: list[bytes] = []
+        for i, raw in enumerate(whole):
+            what, got = st.event(raw)
+            if what == rules.BREAK and not (may and st.unsafe is None):
+                what, got = rules.PASS, raw
+            if what in (rules.DONE, rules.BREAK):
+                self.broken = (raw, got, b"".join(whole[i + 1 :]) + rest)
+                await self._write(fw, request, resp, b"".join(out))
+                return what
+            out.append(got)
+        self.broken = (b"", b"", rest)
+        await self._write(fw, request, resp, b"".join(out))
+        return None
+
+    async def _write(
+        self, fw: Forwarder, request: web.Request, resp: web.StreamResponse, data: bytes
+    ) -> None:
+        if not data:
+            return
+        await resp.write(data)
+        if not self.wrote:
+            self.wrote = True
+            fw.first_byte(request)
+
+    async def _move(
+        self,
+        fw: Forwarder,
+        request: web.Request,
+        st: rules.Stream,
+        r: Any,
+        tried: list[str],
+        broke: str | None,
+    ) -> tuple[Any, aiohttp.ClientResponse] | None:
+        """Another replica's answer to the resumed request, begun: picked among the
+        routable ones but those tried, else from the waiting room (bounded by its
+        model's predicted start), and one more tried when the first fails before its
+        first byte, as a new request's is; None when none can be had."""
+        doc = rules.resumed(self.doc, request.path, st.text, st.sent)
+        if self.strip_counts:
+            doc = rules.counting(doc)
+        body = msgspec.json.encode(doc)
+        for _ in range(TRIES):
+            view = self.of.view()
+            limit = routing.admit_limit(view, self.model, self.of.inflight_factor)
+            nxt = self.of.router.pick(view, self.model, self.route, avoid=tried, limit=limit)
+            if nxt is None:
+                key: Key | None = request.get(KEY)
+                try:
+                    nxt, _ = await self.of.holding.wait(
+                        request, self.model, self.route, False, key, avoid=tuple(tried)
+                    )
+                except Refusal:
+                    return None
+            tried.append(nxt.id)
+            up = await self._begin(fw, request, nxt, body)
+            if up is None:
+                continue
+            fw.lines.say(
+                logging.INFO,
+                ("moved", r.id),
+                "gateway: %s: stream moved to %s (%s)",
+                r.id,
+                nxt.id,
+                broke,
+            )
+            span = request[SPAN]
+            span.set_attribute("llmgw.moves", len(tried) - 1)
+            span.set_attribute("llmgw.moved_to", nxt.id)
+            span.set_attribute("llmgw.moved_why", str(broke))
+            return nxt, up
+        return None
+
+    async def _begin(
+        self, fw: Forwarder, request: web.Request, nxt: Any, body: bytes
+    ) -> aiohttp.ClientResponse | None:
+        """`nxt`'s answer to `body` begun as a stream; None (its slot freed) when it
+        cannot be asked or answers anything else."""
+        try:
+            up = await fw._post(request, nxt, body)
+        except (Unreachable, Refusal):
+            self.of.holding.done(nxt, self.route)
+            return None
+        except BaseException:
+            # A client gone while it was asked: its slot there is freed with it.
+            self.of.holding.done(nxt, self.route)
+            raise
+        if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
+            "text/event-stream"
+        ):
+            up.close()
+            up.release()
+            self.of.holding.done(nxt, self.route)
+            return None
+        return up
+
+    async def _cant(
+        self,
+        fw: Forwarder,
+        request: web.Request,
+        st: rules.Stream,
+        upstream: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        broke: str | None,
+        r: Any,
+    ) -> bytes:
+        """The stream ends as it would without continuation; the `[DONE]` still to send
+        when its replica sent one."""
+        request[SPAN].set_attribute("llmgw.continued", False)
+        if broke in ("error", "abort"):
+            raw, _, after = self.broken
+            await self._write(fw, request, resp, raw)
+            what = await self._pass(fw, request, st, upstream, resp, False, after)
+            return DONE_EVENT if what == rules.DONE else b""
+        if broke == "eof":
+            return b""
+        fw.lines.say(logging.WARNING, ("cut", r.id), "gateway: %s: stream cut: %s", r.id, broke)
+        if request.transport is not None:
+            request.transport.close()
+        return b""
+
+    def _charge(self, request: web.Request, st: rules.Stream, estimate: int) -> None:
+        """Each replica its part (`rules.Stream.charges`), the key the whole."""
+        took = 0
+        for i, (rep, n, tin, tout) in enumerate(st.charges(estimate)):
+            cached = None
+            if i == 0 and len(st.segments) == 1 and st.usage_raw is not None:
+                cached = stream_cached(st.usage_raw)
+            self.of.uses.used(rep, tin, tout, request.get(KEY), cached, n)
+            took += tin + tout
+        request[TOOK] = took
+
+
+PLAN = web.RequestKey("llmgw_continuation", Plan)
+"""The request's `Plan`, when its stream may be continued."""
+SERVING = web.RequestKey("llmgw_serving", object)
+"""The replica serving a continued stream now, when it moved: its slot is the one freed
+at the end."""

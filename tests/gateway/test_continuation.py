@@ -1,0 +1,600 @@
+"""Streams that survive their replica, through a gateway in this process and the official
+`openai` package: a stream its replica breaks midway (a reset, an end before `[DONE]`, an
+error event, `finish_reason: "abort"`) goes on on another replica of its model, and the
+client reads one answer under one id with one `[DONE]`, its usage, the replicas'
+`replica.used` and its key's tokens those of an answer never broken; the kinds a
+continuation would change (structured output, tools, n > 1, logprobs, best_of, a seed)
+are cut as before; so is a stream past `--continuation-limit`. With no other replica it
+waits for one; a replica whose drain is folded has its streams moved off it.
+
+The replicas are small aiohttp servers in the test that answer as vLLM does, one word a
+token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+from aiohttp import web
+
+from schemas import events as ev
+from services.core import continuation as rules
+from services.gateway.keys import Keys
+from tests.agent.helpers import node_events, wait_for
+from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
+from tests.gateway.conftest import Plane
+from tests.replay.test_explain_more import run
+from tests.scenario import Scenario
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.module_broker]
+
+N = 12
+FULL = "".join(f"w{i} " for i in range(N))
+HI: list[Any] = [{"role": "user", "content": "say words"}]
+PROMPT_TOKENS = 2
+_W = re.compile(r"\bw\d+\b")
+
+
+class Engine:
+    """A replica that answers as vLLM does, one word a token; its first `cuts` answers
+    break after `at` tokens, as `cut` says (`hold`: they wait there for ever)."""
+
+    def __init__(
+        self, name: str, created: int, cut: str | None, at: int, cuts: int, merge: int = 1
+    ) -> None:
+        self.name, self.created = name, created
+        self.cut, self.at, self.cuts = cut, at, cuts
+        self.merge = merge
+        """Tokens a chunk (vLLM merges what its client has not read yet)."""
+        self.refuse = False
+        """Answer 503 (a server that cannot take it)."""
+        self.bodies: list[dict[str, Any]] = []
+        self.broke = asyncio.Event()
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.answer)
+        app.router.add_post("/v1/completions", self.answer)
+        # A client gone cancels its answer, as it does vLLM's.
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def _chunk(
+        self, chat: bool, n: int, text: str | None, reason: str | None, usage: Any = None
+    ) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            if text == "":
+                delta = {"role": "assistant", "content": ""}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None}
+            kind = "text_completion"
+        choice["finish_reason"] = reason
+        doc: dict[str, Any] = {
+            "id": f"cmpl-{self.name}-{n}",
+            "object": kind,
+            "created": self.created,
+            "model": "m",
+            "choices": [choice],
+        }
+        if usage is not None:
+            doc["usage"] = usage
+        return b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+    def _usage(self, chat: bool, n: int, prompt: int, out: int) -> bytes:
+        doc: dict[str, Any] = {
+            "id": f"cmpl-{self.name}-{n}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": "m",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": out,
+                "total_tokens": prompt + out,
+            },
+        }
+        return b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.refuse:
+            return web.Response(status=503, text="draining")
+        n = len(self.bodies)
+        chat = request.path == rules.CHAT
+        text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        start = len(_W.findall(text))
+        prompt = len(text.split())
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 10**6
+        end = min(N, start + limit)
+        options = body.get("stream_options") or {}
+        usage = options.get("include_usage") is True
+        running = options.get("continuous_usage_stats") is True
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(self._chunk(chat, n, "", None))
+        breaking = self.cut is not None and n <= self.cuts
+        out = 0
+        for i in range(start, end, self.merge):
+            if breaking and out >= self.at:
+                return await self._break(request, resp, chat, n, prompt, out, usage)
+            words = "".join(f"w{k} " for k in range(i, min(i + self.merge, end)))
+            out += len(words.split())
+            so_far = {"prompt_tokens": prompt, "completion_tokens": out} if running else None
+            await resp.write(self._chunk(chat, n, words, None, so_far))
+        await resp.write(self._chunk(chat, n, None, "stop" if end == N else "length"))
+        if usage:
+            await resp.write(self._usage(chat, n, prompt, out))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _break(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        chat: bool,
+        n: int,
+        prompt: int,
+        out: int,
+        usage: bool,
+    ) -> web.StreamResponse:
+        self.broke.set()
+        if self.cut == "hold":
+            await asyncio.Event().wait()
+        if self.cut == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if self.cut == "error":
+            await resp.write(b'data: {"error": {"message": "boom", "type": "x", "code": 500}}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+        elif self.cut == "abort":
+            await resp.write(self._chunk(chat, n, None, "abort"))
+            if usage:
+                await resp.write(self._usage(chat, n, prompt, out))
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+Engines = Callable[..., Awaitable[Engine]]
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Engines]:
+    made: list[Engine] = []
+
+    async def make(
+        name: str,
+        created: int = 1000,
+        cut: str | None = None,
+        at: int = 3,
+        cuts: int = 1,
+        merge: int = 1,
+    ) -> Engine:
+        e = Engine(name, created, cut, at, cuts, merge)
+        await e.start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        assert e.runner is not None
+        await e.runner.cleanup()
+
+
+@pytest.fixture
+async def client(plane: Plane) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=f"{plane.url}/v1", api_key="unused", max_retries=0, timeout=10)
+    yield c
+    await c.close()
+
+
+async def _two(
+    plane: Plane, engines: Engines, model: str, cut: str | None, **kw: Any
+) -> tuple[Engine, Engine]:
+    """A model with two replicas, `-a` picked first (ties go to the lower id), which
+    breaks its first answer as `cut` says; `-b` answers whole."""
+    a = await engines(f"{model}-a", 1000, cut, **kw)
+    b = await engines(f"{model}-b", 2000)
+    await plane.model(model)
+    await plane.ready(f"{model}-a", model, a.url)
+    await plane.ready(f"{model}-b", model, b.url)
+    return a, b
+
+
+async def _chat(client: openai.AsyncOpenAI, model: str, **kw: Any) -> list[Any]:
+    create: Any = client.chat.completions.create
+    stream = await create(model=model, messages=HI, stream=True, **kw)
+    return [c async for c in stream]
+
+
+def _text(chunks: list[Any]) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+# ------------------------------------------------------------------------ continued
+
+
+@pytest.mark.parametrize("cut", ["reset", "eof", "error", "abort"])
+async def test_a_chat_stream_broken_midway_goes_on_on_another_replica_as_one_answer(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, cut: str
+) -> None:
+    model = f"co-{cut}"
+    a, b = await _two(plane, engines, model, cut)
+    chunks = await _chat(client, model, max_tokens=20, stream_options={"include_usage": True})
+    assert _text(chunks) == FULL
+    # One answer: the first replica's id and created throughout, one role delta.
+    assert {c.id for c in chunks} == {f"cmpl-{model}-a-1"}
+    assert {c.created for c in chunks} == {1000}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # The usage of an answer never broken: the prompt once, every token generated.
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == PROMPT_TOKENS
+    assert chunks[-1].usage.completion_tokens == N
+    assert chunks[-1].usage.total_tokens == PROMPT_TOKENS + N
+    # The other replica was asked to go on with the turn kept open, for what was left.
+    (resumed,) = b.bodies
+    assert resumed["messages"] == [*HI, {"role": "assistant", "content": "w0 w1 w2 "}]
+    assert resumed["continue_final_message"] is True
+    assert resumed["add_generation_prompt"] is False
+    assert resumed["max_tokens"] == 20 - 3
+    assert len(a.bodies) == 1
+
+
+@pytest.mark.parametrize("cut", ["reset", "abort"])
+async def test_a_completion_stream_goes_on_with_the_prompt_and_the_text_so_far(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, cut: str
+) -> None:
+    model = f"cc-{cut}"
+    _, b = await _two(plane, engines, model, cut, at=5)
+    stream = await client.completions.create(
+        model=model, prompt="say words ", max_tokens=N, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == FULL
+    assert {c.id for c in chunks} == {f"cmpl-{model}-a-1"}
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # The client did not ask for the usage chunk: it sees none.
+    assert all(c.usage is None for c in chunks)
+    (resumed,) = b.bodies
+    assert resumed["prompt"] == "say words " + "".join(f"w{i} " for i in range(5))
+    assert resumed["max_tokens"] == N - 5
+
+
+async def test_a_vllm_models_stream_is_counted_by_the_servers_running_usage(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    # A server that sends two tokens a chunk: the chunks alone would count 2 of the 4
+    # tokens sent, and the next replica would write 2 past max_tokens.
+    a = await engines("cv-a", 1000, "reset", at=4, merge=2)
+    b = await engines("cv-b", 2000, merge=2)
+    await plane.say(
+        ev.ModelDeclared(
+            name="cv",
+            min=0,
+            profiles=(ev.ProfileSpec(name="p", gpus=1),),
+            runtime=ev.ModelRuntime(engine="vllm"),
+        )
+    )
+    await plane.ready("cv-a", "cv", a.url)
+    await plane.ready("cv-b", "cv", b.url)
+    chunks = await _chat(client, "cv", max_tokens=10)
+    assert _text(chunks) == "".join(f"w{i} " for i in range(10))
+    # The gateway asked for the running usage and took it out of what the client got.
+    assert a.bodies[0]["stream_options"]["continuous_usage_stats"] is True
+    assert all(c.usage is None for c in chunks)
+    assert b.bodies[0]["max_tokens"] == 10 - 4
+
+
+async def test_a_replica_that_refuses_the_resumed_request_is_passed_over_for_another(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    _, b = await _two(plane, engines, "cr", "reset")
+    b.refuse = True
+    c = await engines("cr-c", 3000)
+    await plane.ready("cr-c", "cr", c.url)
+    assert _text(await _chat(client, "cr", max_tokens=20)) == FULL
+    assert len(b.bodies) == 1 and len(c.bodies) == 1
+    assert c.bodies[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
+
+
+async def test_a_stream_whose_limit_is_spent_at_its_break_ends_there(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    _, b = await _two(plane, engines, "co-spent", "reset")
+    chunks = await _chat(client, "co-spent", max_tokens=3)
+    assert _text(chunks) == "w0 w1 w2 "
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert b.bodies == []
+
+
+# ------------------------------------------------------------------------ usage
+
+
+def _used_of(es: list[ev.Event], rid: str) -> tuple[int, int, int]:
+    us = [e.data for e in es if isinstance(e, ev.ReplicaUsedEvent) and e.data.replica == rid]
+    return (
+        sum(u.requests or 0 for u in us),
+        sum(u.tokens_in or 0 for u in us),
+        sum(u.tokens_out or 0 for u in us),
+    )
+
+
+async def test_a_continued_streams_usage_is_an_unbroken_ones(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, tmp_path: Path
+) -> None:
+    key = "sk-team-a-0123456789abcdef"
+    p = tmp_path / "keys"
+    p.write_text(f"{key} team-a tpm=1000000\n")
+    p.chmod(0o600)
+    plane.gateway.keys = Keys.load(p)
+    plane.gateway.clock = lambda: 0.0
+    keyed = openai.AsyncOpenAI(base_url=f"{plane.url}/v1", api_key=key, max_retries=0, timeout=10)
+    whole = await engines("cu-whole", 1000)
+    await plane.model("cu-plain")
+    await plane.ready("cu-whole", "cu-plain", whole.url)
+    await _two(plane, engines, "cu", "reset", at=4, cuts=2)
+    try:
+        # Without include_usage (the gateway asks, and strips the chunk) and with it.
+        for options in ({}, {"stream_options": {"include_usage": True}}):
+            plane.gateway.admission.buckets.clear()
+            assert _text(await _chat(keyed, "cu-plain", max_tokens=20, **options)) == FULL
+            unbroken = dict(plane.gateway.admission.buckets)
+            plane.gateway.admission.buckets.clear()
+            assert _text(await _chat(keyed, "cu", max_tokens=20, **options)) == FULL
+            # The key's tokens: what an unbroken answer took.
+            assert plane.gateway.admission.buckets == unbroken
+    finally:
+        await keyed.close()
+
+    async def used() -> list[ev.Event]:
+        return await node_events(plane.gateway.js, plane.node)
+
+    def told(es: list[ev.Event]) -> bool:
+        return _used_of(es, "cu-b")[2] == 2 * (N - 4) and _used_of(es, "cu-whole")[0] == 2
+
+    es = await wait_for(used, told, 10)
+    plain = _used_of(es, "cu-whole")
+    assert plain == (2, 2 * PROMPT_TOKENS, 2 * N)
+    # Each replica its part; together, what the unbroken answers took.
+    assert _used_of(es, "cu-a") == (2, 2 * PROMPT_TOKENS, 2 * 4)
+    assert _used_of(es, "cu-b") == (0, 0, 2 * (N - 4))
+    parts = [_used_of(es, r) for r in ("cu-a", "cu-b")]
+    assert tuple(map(sum, zip(*parts, strict=True))) == plain
+
+
+# ------------------------------------------------------------------------ never continued
+
+
+def _span_of(exporter: Any, model: str) -> dict[str, Any]:
+    for s in exporter.get_finished_spans():
+        attrs = dict(s.attributes or {})
+        if attrs.get("gen_ai.request.model") == model:
+            return attrs
+    raise AssertionError(f"no span of {model}")
+
+
+CUT = (openai.APIError, ConnectionError, OSError)
+
+EXCLUDED: list[tuple[str, dict[str, Any]]] = [
+    ("structured_output", {"response_format": {"type": "json_object"}}),
+    ("structured_output", {"extra_body": {"guided_json": {"type": "object"}}}),
+    ("structured_output", {"extra_body": {"structured_outputs": {"regex": "w.*"}}}),
+    (
+        "tools",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ]
+        },
+    ),
+    ("n", {"n": 2}),
+    ("logprobs", {"logprobs": True, "top_logprobs": 2}),
+    ("seed", {"seed": 7}),
+]
+
+
+@pytest.mark.parametrize("i", range(len(EXCLUDED)), ids=[w for w, _ in EXCLUDED])
+async def test_a_stream_a_continuation_would_change_is_cut_as_before(
+    plane: Plane,
+    engines: Engines,
+    client: openai.AsyncOpenAI,
+    spans: Any,  # noqa: F811
+    i: int,
+) -> None:
+    why, extra = EXCLUDED[i]
+    model = f"cx-{i}"
+    _, b = await _two(plane, engines, model, "reset")
+    got: list[Any] = []
+    create: Any = client.chat.completions.create
+    with pytest.raises(CUT):
+        async for c in await create(model=model, messages=HI, stream=True, max_tokens=20, **extra):
+            got.append(c)
+    assert _text(got) == "w0 w1 w2 "
+    assert b.bodies == []
+
+    async def ended() -> Any:
+        return spans.get_finished_spans()
+
+    await wait_for(ended, lambda s: any(x.name.startswith("POST") for x in s), 5)
+    assert _span_of(spans, model)["llmgw.continuation"] == why
+
+
+async def test_best_of_is_never_continued(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    _, b = await _two(plane, engines, "cx-best", "reset")
+    with pytest.raises(CUT):
+        stream = await client.completions.create(
+            model="cx-best", prompt="say words", stream=True, best_of=2
+        )
+        async for _ in stream:
+            pass
+    assert b.bodies == []
+
+
+def test_the_kinds_never_continued() -> None:
+    chat = {"model": "m", "messages": HI}
+    assert rules.excluded(chat, rules.CHAT) is None
+    for why, extra in EXCLUDED:
+        body = {**chat, **extra.get("extra_body", {}), **extra}
+        body.pop("extra_body", None)
+        assert rules.excluded(body, rules.CHAT) == why
+    assert rules.excluded({**chat, "logprobs": False}, rules.CHAT) is None
+    assert rules.excluded({**chat, "response_format": {"type": "text"}}, rules.CHAT) is None
+    assert rules.excluded({**chat, "n": 1, "seed": None, "tools": []}, rules.CHAT) is None
+    plain = {"model": "m", "prompt": "p"}
+    assert rules.excluded(plain, rules.COMPLETIONS) is None
+    assert rules.excluded({**plain, "best_of": 2}, rules.COMPLETIONS) == "best_of"
+    assert rules.excluded({**plain, "logprobs": 0}, rules.COMPLETIONS) is None
+    assert rules.excluded({**plain, "logprobs": 1}, rules.COMPLETIONS) == "logprobs"
+    assert rules.excluded({**plain, "echo": True}, rules.COMPLETIONS) == "echo"
+    assert rules.excluded({**plain, "prompt": ["a", "b"]}, rules.COMPLETIONS) == "prompt"
+    assert rules.excluded(plain, "/v1/embeddings") == "path"
+
+
+# ------------------------------------------------------------------------ bounds
+
+
+async def test_past_the_limit_the_client_sees_the_cut_of_before(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    plane.gateway.continuations.limit = 1
+    a = await engines("cl-a", 1000, "reset")
+    b = await engines("cl-b", 2000, "reset")
+    await plane.model("cl")
+    await plane.ready("cl-a", "cl", a.url)
+    await plane.ready("cl-b", "cl", b.url)
+    got: list[Any] = []
+    create: Any = client.chat.completions.create
+    with pytest.raises(CUT):
+        async for c in await create(model="cl", messages=HI, stream=True, max_tokens=20):
+            got.append(c)
+    # One move (to b, which broke too), then the cut.
+    assert _text(got) == "".join(f"w{i} " for i in range(6))
+    assert len(b.bodies) == 1 and len(a.bodies) == 1
+
+    # Each slot freed once: nothing left in flight on either.
+    async def inflight() -> dict[str, int]:
+        return dict(plane.gateway.router.inflight)
+
+    await wait_for(inflight, lambda n: n.get("cl-a", 0) == 0 and n.get("cl-b", 0) == 0, 5)
+
+
+async def test_with_continuation_off_a_break_is_a_cut(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    plane.gateway.continuations.limit = 0
+    _, b = await _two(plane, engines, "c0", "reset")
+    with pytest.raises(CUT):
+        await _chat(client, "c0", max_tokens=20)
+    assert b.bodies == []
+
+
+async def test_with_no_other_replica_it_waits_for_one(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    plane.gateway.min_wait_s = 10
+    a = await engines("cw-a", 1000, "reset")
+    b = await engines("cw-b", 2000)
+    await plane.model("cw")
+    await plane.ready("cw-a", "cw", a.url)
+    answer = asyncio.create_task(_chat(client, "cw", max_tokens=20))
+    await a.broke.wait()
+
+    async def inflight() -> dict[str, int]:
+        return dict(plane.gateway.router.inflight)
+
+    # While it waits, the broken replica's slot is free already.
+    await wait_for(inflight, lambda n: n.get("cw-a", 0) == 0, 5)
+    await plane.ready("cw-b", "cw", b.url)
+    assert _text(await answer) == FULL
+    assert len(b.bodies) == 1 and len(a.bodies) == 1
+
+
+# ------------------------------------------------------------------------ drains
+
+
+async def test_a_drained_replicas_streams_move_after_the_settle_time(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    plane.gateway.continuations.settle_s = 0.05
+    a, b = await _two(plane, engines, "cd", "hold")
+    answer = asyncio.create_task(_chat(client, "cd", max_tokens=20))
+    await a.broke.wait()
+    assert plane.gateway.router.inflight.get("cd-a") == 1
+    await plane.drain("cd-a", "cd")
+    # The stream that would have held the drain for as long as it ran moves off it: the
+    # drained replica has nothing in flight through the gateway, the client one answer.
+    assert _text(await answer) == FULL
+    assert plane.gateway.router.inflight.get("cd-a", 0) == 0
+    assert plane.gateway.continuations.moved == {"cd-a": 1}
+    assert len(b.bodies) == 1
+
+    # The move is in the drained replica's `replica.used`, for `explain replica`.
+    async def used() -> list[ev.Event]:
+        return await node_events(plane.gateway.js, plane.node)
+
+    def moved(es: list[ev.Event]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in es:
+            if isinstance(e, ev.ReplicaUsedEvent) and e.data.replica == "cd-a":
+                for to, k in e.data.moved_to.items():
+                    out[to] = out.get(to, 0) + k
+        return out
+
+    await wait_for(used, lambda es: moved(es) == {"cd-b": 1}, 10)
+
+
+def test_explain_replica_says_how_many_streams_moved_off_it_and_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Scenario("2026-11-29T14:00:00Z")
+    s.node("n1", "4xH100-80GB")
+    s.model("chat", min=0, max=4, profiles=["one:1"])
+    s.replica("chat-1", "chat", on=("n1", [0]), ready="-1h")
+    for moved_to in ({"chat-2": 2}, {"chat-2": 1, "chat-3": 1}):
+        s.at("+1m")
+        used = ev.ReplicaUsed(
+            replica="chat-1", at=s.now, requests=4, tokens_in=8, tokens_out=8, moved_to=moved_to
+        )
+        s.emit(used, node="n1")
+    path = s.write(tmp_path / "used.jsonl")
+    code, out, err = run(capsys, "explain", "replica", "chat-1", "--log", str(path))
+    assert code == 0, err
+    assert "  streams moved off it: 4 (3 to chat-2, 1 to chat-3)" in out.splitlines()
+    code, out, err = run(capsys, "explain", "replica", "chat-1", "--log", str(path), "--json")
+    assert json.loads(out)["used"]["moved_to"] == {"chat-2": 3, "chat-3": 1}
+
+
+def test_the_limit_is_a_flag_of_every_gateway_and_a_negative_one_is_refused() -> None:
+    from services.cli import app as cli
+    from services.cli.gateway import gateway_config
+
+    made = cli.build_parser()
+    assert gateway_config(made.parse_args(["gateway"])).continuation_limit == rules.LIMIT == 3
+    got = gateway_config(made.parse_args(["gateway", "--continuation-limit", "0"]))
+    assert got.continuation_limit == 0
+    up = made.parse_args(["up", "--continuation-limit", "5"])
+    assert gateway_config(up, "--gateway-listen").continuation_limit == 5
+    with pytest.raises(cli.UsageError, match="--continuation-limit: -1 is not a count"):
+        gateway_config(made.parse_args(["gateway", "--continuation-limit", "-1"]))
