@@ -35,6 +35,7 @@ from services import pids
 from services.agent import procs
 from services.agent.gpus import Nvml
 from services.agent.runtime import Report
+from services.bus.urls import redact
 from services.clock import utc_now
 
 log = logging.getLogger("llmgw.agent.process")
@@ -133,6 +134,21 @@ METRICS = {
 
 # _ERROR_LINE is an exception a server's log says, at a traceback's end or in a vLLM
 # ERROR line: "RuntimeError: ..." or "(Worker pid=7) ERROR 12-06 04:51:47 [f.py:9] RuntimeError: ...".
+# _SECRET finds what a server's log may say of a key it was given: vLLM prints its
+# non-default arguments at start (`'api_key': ['...']`), and a command line may carry
+# `--api-key KEY`. A failure's reason quotes the log into the event log, so they go.
+_SECRET = re.compile(
+    r"""(?P<name>--(?:api-key|token|password)\s+|\b(?:api[_-]?key|token|password|secret)['"]?\s*[:=]\s*\[?\s*)(?P<value>[^\s,\]}]+)""",
+    re.IGNORECASE,
+)
+
+
+def _unsecret(text: str) -> str:
+    """`text` from a server's log with the credentials of URLs and the values of keys,
+    tokens and passwords taken out."""
+    return _SECRET.sub(r"\g<name>[redacted]", redact(text))
+
+
 _ERROR_LINE = re.compile(
     r"^(?:\([^)]*\) )?(?:ERROR [^\[]*\[[^\]]*\] )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$"
 )
@@ -721,7 +737,7 @@ class ProcessRuntime:
         ]
         first = next((m.group(1) for ln in run if (m := _ERROR_LINE.match(ln))), None)
         said = [f"first error: {first[:500]}"] if first is not None else []
-        return (": " + " | ".join(said + tail))[:2000] if tail else ""
+        return _unsecret(": " + " | ".join(said + tail))[:2000] if tail else ""
 
     # ------------------------------------------------------------------ state file
 

@@ -496,3 +496,17 @@ async def test_a_killed_servers_untagged_group_members_are_killed_with_it(
         assert not any(procs.alive(p) for p in untagged), "the group outlived its server"
     finally:
         procs.kill(untagged)
+
+
+def test_a_failures_log_quote_carries_no_key() -> None:
+    """A failed server's reason quotes its log into the event log: a key it was given
+    (vLLM prints its non-default arguments at start) or a URL's password never goes."""
+    from services.agent.process import _unsecret
+
+    said = _unsecret(
+        "non-default args: {'api_key': ['sk-abc123']} | cmd --api-key sk-XYZ | "
+        "token=t0k | nats://u:hunter2@h:4222 | tokens_in 8, prompt token ids"
+    )
+    for secret in ("sk-abc123", "sk-XYZ", "t0k", "hunter2"):
+        assert secret not in said, said
+    assert "tokens_in 8, prompt token ids" in said
