@@ -138,6 +138,37 @@ def inflight_asked(subject: str) -> tuple[str, str] | None:
         return None
 
 
+def gateway_announce_subject(gateway: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, not stored: where the gateway `gateway` announces itself
+    (`schemas.fleet.GatewayAnnouncement`) every few hundred milliseconds, and says it
+    leaves. Not under `<root>.gateway.`, which the stream stores."""
+    return f"{root}.fleet.gateway.{_t(gateway)}"
+
+
+def gateway_announce_wildcard(root: str = DEFAULT_ROOT) -> str:
+    """What a reader of the fleet subscribes to: every gateway's announcements."""
+    return f"{root}.fleet.gateway.*"
+
+
+def gateway_rollcall_subject(root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, not stored: a reader that has just begun listening asks here, with an
+    empty body, and every gateway announces itself at once on its own subject (no reply
+    subject is used: nothing is published where the asker says)."""
+    return f"{root}.fleet.rollcall"
+
+
+def gateway_of_announcement(subject: str) -> str | None:
+    """The gateway a `gateway_announce_subject` is of; None for any other subject. An
+    announcement counts for that gateway only when its body names the same one."""
+    toks = subject.split(".")
+    if len(toks) != 4 or toks[1:3] != ["fleet", "gateway"]:
+        return None
+    try:
+        return unescape(toks[3])
+    except TokenError:
+        return None
+
+
 def dlq_subject(consumer: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.dlq.{_t(consumer)}"
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +54,7 @@ from schemas import subjects
 from services import listen, names
 from services.bus import Publisher
 from services.bus.replies import ReplyGuard
-from services.clock import new_id
+from services.clock import new_id, utc_now
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
@@ -63,6 +64,7 @@ from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
+from services.gateway.fleet import Fleet, GatewayAnnouncement
 from services.gateway.forward import Forwarder
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
@@ -202,6 +204,10 @@ class Gateway:
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
+    fleet: Fleet | None = None
+    """The gateways' fleet as this one hears it (`services.gateway.fleet`), while it
+    serves with a broker connection `nc`: it announces itself there, and says goodbye as
+    it stops."""
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
@@ -355,6 +361,9 @@ class Gateway:
                 answers = await self.nc.subscribe(
                     subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
+                # Announced once serving: a reader that finds it may send it requests.
+                self.fleet = Fleet(self.nc, self.root, me=self._announcement())
+                await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s",
                 self.url,
@@ -376,6 +385,9 @@ class Gateway:
                     follow.result()  # raises what stopped it
                     raise GatewayError("the gateway's follower of the log stopped")
             finally:
+                if self.fleet is not None:
+                    # Goodbye first: nobody counts on it while it finishes what it has.
+                    await self.fleet.stop()
                 if answers is not None:
                     with contextlib.suppress(nats.errors.Error):
                         await answers.unsubscribe()
@@ -391,6 +403,32 @@ class Gateway:
                         await self.uses.publish(force=True)
         finally:
             await self.follower.stop()
+
+    def _announcement(self) -> Callable[[], GatewayAnnouncement]:
+        """What this gateway says of itself at each of its announcements: who and where
+        it is, and its load (in flight now, requests a second since the last one)."""
+        started = utc_now()
+        host = socket.gethostname()
+        last = [time.monotonic(), self.counts.requests]
+
+        def now() -> GatewayAnnouncement:
+            t, n = time.monotonic(), self.counts.requests
+            rate = (n - last[1]) / (t - last[0]) if t > last[0] else 0.0
+            last[:] = [t, n]
+            return GatewayAnnouncement(
+                gateway=self.id,
+                address=self.url,
+                routing=self.rule,
+                started=started,
+                pid=os.getpid(),
+                host=host,
+                inflight=sum(self.router.inflight.values()),
+                rate=round(rate, 2),
+                requests=n,
+                seq=self.follower.seq,
+            )
+
+        return now
 
     def _recheck_owners(self) -> None:
         """The keys' owners against the quota tree now (`Admission.recheck_owners`)."""
