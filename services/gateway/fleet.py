@@ -34,10 +34,10 @@ import nats.errors
 
 from schemas import fleet as schema
 from schemas import subjects
-from schemas.fleet import GatewayAnnouncement
+from schemas.fleet import GatewayAnnouncement, ModelLoad
 from services.core.fleet import EVERY_S, EXPIRE_S, Roster
 
-__all__ = ["EVERY_S", "EXPIRE_S", "Fleet", "GatewayAnnouncement"]
+__all__ = ["EVERY_S", "EXPIRE_S", "Fleet", "GatewayAnnouncement", "ModelLoad", "Traffic"]
 
 log = logging.getLogger("llmgw.gateway.fleet")
 
@@ -204,6 +204,41 @@ class Fleet:
             self.on_change(self.roster.live())
         except Exception:
             log.exception("gateway fleet: on_change failed")
+
+
+class Traffic:
+    """The fleet's traffic per model, as a dashboard shows one gateway's
+    (`services.dashboard.traffic`): requests per model since this reader began (each
+    gateway's count, a gone one's last count kept, so that the sum only grows), and in
+    flight and held per model now, over the live gateways."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._seen: dict[str, dict[str, int]] = {}
+        """The live gateways' latest counts."""
+        self._gone: dict[str, int] = {}
+        """The gone ones' last counts, summed (bounded by the models)."""
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        live = self.fleet.live()
+        for g in [g for g in self._seen if g not in live]:
+            for m, n in self._seen.pop(g).items():
+                self._gone[m] = self._gone.get(m, 0) + n
+        requests = dict(self._gone)
+        inflight: dict[str, int] = {}
+        for g, a in live.items():
+            self._seen[g] = {m: load.requests for m, load in a.models.items()}
+            for m, load in a.models.items():
+                inflight[m] = inflight.get(m, 0) + load.inflight
+                requests[m] = requests.get(m, 0) + load.requests
+        return requests, inflight
+
+    def held(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.fleet.live().values():
+            for m, load in a.models.items():
+                out[m] = out.get(m, 0) + load.held
+        return out
 
 
 def _fields(a: GatewayAnnouncement) -> dict[str, Any]:
