@@ -55,7 +55,9 @@ class Fleet:
     `me`, for a gateway: what it says of itself now (called at each announcement); then
     it announces itself every `every_s`, answers roll calls, says goodbye in `stop`, and
     `live()` includes it from `start` on. `on_change`, called with `live()` whenever a
-    gateway joins, leaves or falls silent (not when only its load changes)."""
+    gateway joins, leaves or falls silent (not when only its load changes). `rollcall`
+    False: it asks for no roll call at its start (an agent, whose role may not publish
+    there, learns the fleet from the announcements within an interval)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class Fleet:
         every_s: float = EVERY_S,
         expire_s: float = EXPIRE_S,
         clock: Callable[[], float] = time.monotonic,
+        rollcall: bool = True,
     ) -> None:
         if every_s <= 0 or expire_s <= 0:
             raise ValueError("every_s and expire_s must be more than 0")
@@ -83,6 +86,10 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._last_rollcall = float("-inf")
         self._mine: str | None = None
+        self._rollcall_at_start = rollcall
+        self.heard_any = False
+        """Whether it has heard any gateway (other than itself) since `start`: then an
+        empty `live()` says that every gateway it knew is gone, not that it knows none."""
 
     # ------------------------------------------------------------------ reading
 
@@ -119,8 +126,9 @@ class Fleet:
                 )
             )
             await self._announce()
-        with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(subjects.gateway_rollcall_subject(self.root), b"")
+        if self._rollcall_at_start:
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(subjects.gateway_rollcall_subject(self.root), b"")
         self._task = asyncio.create_task(self._beat(), name="gateway fleet")
 
     async def stop(self) -> None:
@@ -187,6 +195,7 @@ class Fleet:
         a = schema.decode(msg.data)
         if a is None or named != a.gateway or a.gateway == self._mine:
             return  # a stranger's, one on another's subject, or this gateway's own echo
+        self.heard_any = True
         self._take(a)
 
     def _take(self, a: GatewayAnnouncement) -> None:

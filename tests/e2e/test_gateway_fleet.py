@@ -7,6 +7,7 @@ through the others only the killed one's own requests fail."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,9 @@ from typing import Any
 import openai
 import pytest
 
+from services.agent import gateways
 from services.bus import EmbeddedBroker, connect, ensure_streams
+from services.core.fleet import EXPIRE_S
 from services.gateway.fleet import Fleet
 from tests.up_process import UpProcess, env_for, llmgw
 
@@ -49,19 +52,19 @@ def _gateways(env: dict[str, str]) -> list[dict[str, Any]]:
     return items
 
 
-@pytest.fixture
-def three(nats_server: EmbeddedBroker, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Three `llmgw gateway` processes on the test's broker, each on a port of its own
+@contextlib.contextmanager
+def gateway_processes(n: int, url: str, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`n` `llmgw gateway` processes on the broker at `url`, each on a port of its own
     (the broker's URL in their environment, not their command line)."""
-    env = env_for(tmp_path / "data") | {"LLMGW_NATS": nats_server.url}
+    env = env_for(tmp_path / "data") | {"LLMGW_NATS": url}
 
     async def streams() -> None:
-        nc = await connect(nats_server.url, "test")
+        nc = await connect(url, "test")
         await ensure_streams(nc.jetstream())
         await nc.close()
 
     asyncio.run(streams())
-    logs = [(tmp_path / f"gw{i}.log").open("wb") for i in range(3)]
+    logs = [(tmp_path / f"gw{i}.log").open("wb") for i in range(n)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "services.cli", "gateway", "--listen", "127.0.0.1:0"],
@@ -76,6 +79,7 @@ def three(nats_server: EmbeddedBroker, tmp_path: Path) -> Iterator[list[subproce
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             try:
@@ -85,6 +89,12 @@ def three(nats_server: EmbeddedBroker, tmp_path: Path) -> Iterator[list[subproce
                 p.wait()
         for f in logs:
             f.close()
+
+
+@pytest.fixture
+def three(nats_server: EmbeddedBroker, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    with gateway_processes(3, nats_server.url, tmp_path) as procs:
+        yield procs
 
 
 def test_three_gateways_are_listed_and_one_killed_leaves_within_its_lease(
@@ -136,6 +146,41 @@ def test_three_gateways_are_listed_and_one_killed_leaves_within_its_lease(
     three[1].send_signal(signal.SIGTERM)
     three[1].wait(15)
     assert {g["pid"] for g in _gateways(env)} == {three[2].pid}
+
+
+def test_a_drain_does_not_wait_for_a_frozen_gateway_past_its_lease(
+    nats_server: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """A gateway frozen (SIGSTOP: its host hung, or cut off) keeps its subscription on
+    the broker and answers nothing: without the announcements a drain asks it for
+    `MUTE_S`; with them it is out of the fleet within its lease, and not waited for."""
+
+    async def drains(gw: subprocess.Popen[bytes]) -> tuple[float, float]:
+        nc = await connect(nats_server.url, "test agent")
+        fleet = Fleet(nc, rollcall=False)  # as an agent hears it: no roll call
+        await fleet.start()
+        try:
+            t0 = time.monotonic()
+            while not any(a.pid == gw.pid for a in fleet.live().values()):
+                assert time.monotonic() - t0 < 30, "the gateway never announced itself"
+                await asyncio.sleep(0.05)
+            gw.send_signal(signal.SIGSTOP)
+            q = await gateways.until_quiet(nc, "n-frozen", "r-1", within_s=30, fleet=fleet)
+            with_fleet = q.waited_s
+            assert q.gateways == 0 and q.clear
+            q = await gateways.until_quiet(nc, "n-frozen", "r-1", within_s=30)
+            return with_fleet, q.waited_s
+        finally:
+            await fleet.stop()
+            await nc.close()
+
+    with gateway_processes(1, nats_server.url, tmp_path) as (gw,):
+        with_fleet, without = asyncio.run(drains(gw))
+    print(
+        f"a frozen gateway waited for {with_fleet:.2f}s with its announcements, {without:.2f}s without"
+    )
+    assert with_fleet <= EXPIRE_S + 0.5, with_fleet
+    assert without >= gateways.MUTE_S - 0.1, without
 
 
 CLUSTER = """\
