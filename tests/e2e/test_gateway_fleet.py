@@ -354,3 +354,24 @@ def _alive(pid: int) -> bool:
     # A zombie of no parent of ours is reaped by init: it is gone.
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and ") Z " not in stat.read_text()
+
+
+def test_no_gateway_process_outlives_an_up_killed_9(tmp_path: Path) -> None:
+    """`up` killed -9 with its whole process group (a crash, an OOM kill): its gateway
+    processes, in sessions of their own, see their standard input end and stop, so none
+    holds the port for a plane that is gone."""
+    up = UpProcess(
+        tmp_path / "data", tmp_path / "up.log", "--no-ui", "--gateway-listen", "127.0.0.1:0"
+    )
+    try:
+        _until(
+            "gateway.url",
+            lambda: (tmp_path / "data" / "gateway.url").exists(),
+            alive=up.alive,
+        )
+        (pid,) = _pids(up)
+        os.killpg(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        _until("the orphaned gateway stopped", lambda: not _alive(pid), within_s=15)
+    finally:
+        up.stop()
