@@ -1,4 +1,5 @@
-"""`llmgw up`: the whole control plane in one process, on an embedded broker by default.
+"""`llmgw up`: the whole control plane in one process, on an embedded broker by default;
+the gateway beside it in processes of its own (`services.gateways`).
 
 Called by `services.cli.up` (the command) and by end-to-end tests, which run `run()` in
 their own event loop. It composes what the other packages build — the embedded broker,
