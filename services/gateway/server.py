@@ -437,13 +437,16 @@ class Gateway:
         return now
 
     def _loads(self) -> dict[str, ModelLoad]:
-        """Per model it has taken requests for: requests since the start, in flight and
-        held now (bounded by the declared models)."""
+        """Per model it has taken requests for (a request counts once it ends) or holds
+        or forwards now: requests since the start, in flight and held now (bounded by the
+        declared models)."""
         requests, inflight = self.traffic()
         held = self.room.held_by_model()
         return {
-            m: ModelLoad(requests=n, inflight=inflight.get(m, 0), held=held.get(m, 0))
-            for m, n in requests.items()
+            m: ModelLoad(
+                requests=requests.get(m, 0), inflight=inflight.get(m, 0), held=held.get(m, 0)
+            )
+            for m in {*requests, *inflight, *held}
         }
 
     def _recheck_owners(self) -> None:
