@@ -208,9 +208,10 @@ class Gateway:
     """Listen with SO_REUSEPORT: one of the gateway processes `llmgw up --gateways N`
     runs on one port (`services.gateways`)."""
     fleet: Fleet | None = None
-    """The gateways' fleet as this one hears it (`services.gateway.fleet`), while it
-    serves with a broker connection `nc`: it announces itself there, and says goodbye as
-    it stops."""
+    """The gateways' fleet as this one hears it (`services.gateway.fleet`), made with
+    the gateway when it has a broker connection `nc` (else as `run` begins, if one was
+    given since): from `run`'s start of serving it announces itself there, and says
+    goodbye as it stops. Its `on_change` is free for what needs to know the fleet."""
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
@@ -267,6 +268,8 @@ class Gateway:
         self._scope = scope.Scope()
         replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self.answers = Answers(self.id, self._view, self.router, replies)
+        if self.nc is not None and self.fleet is None:
+            self.fleet = Fleet(self.nc, self.root, me=self._announcement())
 
     def _view(self) -> Any:
         return self.follower.view
@@ -367,7 +370,8 @@ class Gateway:
                     subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
                 # Announced once serving: a reader that finds it may send it requests.
-                self.fleet = Fleet(self.nc, self.root, me=self._announcement())
+                if self.fleet is None:
+                    self.fleet = Fleet(self.nc, self.root, me=self._announcement())
                 await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s",
@@ -411,20 +415,22 @@ class Gateway:
 
     def _announcement(self) -> Callable[[], GatewayAnnouncement]:
         """What this gateway says of itself at each of its announcements: who and where
-        it is, and its load (in flight now, requests a second since the last one)."""
-        started = utc_now()
+        it is, since when it serves (its first announcement, made as it begins), and its
+        load (in flight now, requests a second since the last one)."""
         host = socket.gethostname()
-        last = [time.monotonic(), self.counts.requests]
+        began: list[Any] = []  # [started, monotonic, requests] at the last announcement
 
         def now() -> GatewayAnnouncement:
             t, n = time.monotonic(), self.counts.requests
-            rate = (n - last[1]) / (t - last[0]) if t > last[0] else 0.0
-            last[:] = [t, n]
+            if not began:
+                began[:] = [utc_now(), t, n]
+            rate = (n - began[2]) / (t - began[1]) if t > began[1] else 0.0
+            began[1:] = [t, n]
             return GatewayAnnouncement(
                 gateway=self.id,
                 address=self.url,
                 routing=self.rule,
-                started=started,
+                started=began[0],
                 pid=os.getpid(),
                 host=host,
                 inflight=sum(self.router.inflight.values()),
