@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from services.core import catalog
@@ -109,12 +109,9 @@ def blocks(
     """The chained hashes of `text`'s full blocks of `size` characters, the first keyed
     by `model`, `salt` and the `owner` of the key that sent it. In-process hashes: an
     index lives in one gateway's memory."""
-    out: list[int] = []
     h = hash((model, salt, owner))
-    for i in range(0, min(len(text), size * MAX_BLOCKS) - size + 1, size):
-        h = hash((h, text[i : i + size]))
-        out.append(h)
-    return out
+    end = min(len(text), size * MAX_BLOCKS) - size + 1
+    return [h := hash((h, text[i : i + size])) for i in range(0, end, size)]
 
 
 @dataclass
@@ -164,7 +161,11 @@ class _Rate:
 
 @dataclass
 class Prefix(LeastInflight):
-    """The prefix-aware rule (the module docstring), over the plain rule's counts."""
+    """The prefix-aware rule (the module docstring), over the plain rule's counts.
+
+    Public to the gateway and to whatever shares an index between gateways: `record`
+    (these blocks were routed to a replica), `recent` (a replica's blocks, most recent
+    first), `depth` (how much of a prompt a replica holds), `blocks_held`."""
 
     block_chars: int = BLOCK_CHARS
     threshold: float = THRESHOLD
@@ -185,6 +186,8 @@ class Prefix(LeastInflight):
     _tickets: dict[Route, _Ticket] = field(default_factory=dict)
     _hashes: list[int] = field(default_factory=list)
     _chars: int = 0
+    _depths: dict[str, int] = field(default_factory=dict)
+    """The pick under way's matches: the replicas considered that hold its first block."""
     _explained: Explained | None = None
     _cap: int = 0
 
@@ -202,20 +205,29 @@ class Prefix(LeastInflight):
         if route is None:
             self._hashes, self._chars = [], 0
         else:
+            old = self._tickets.get(route)
             text = route.prompt
-            self._hashes = blocks(m.name, route.salt, text, self.block_chars, route.owner)
+            # A request picked again (a retry) is not hashed again.
+            self._hashes = (
+                old.hashes
+                if old is not None
+                else blocks(m.name, route.salt, text, self.block_chars, route.owner)
+            )
             self._chars = min(len(text), self.block_chars * MAX_BLOCKS)
         self._explained = None
+        self._depths = {}
         r = super().pick(view, m, route, avoid=avoid, limit=limit)
         if r is None or route is None:
             return r
         hashes = self._hashes
-        depth = self._depth(r.id, hashes)
         explained = self._explained
         if explained is None:  # its session's replica, not chosen here
+            depth = self.depth(r.id, hashes)
             explained = Explained(
                 self._matched(depth), 1, "session", depth * self.block_chars // CHARS_PER_TOKEN
             )
+        else:
+            depth = self._depths.get(r.id, 0)
         own = (self._chars - depth * self.block_chars) / CHARS_PER_TOKEN
         ahead = self.work.get(r.id, 0.0)
         self.work[r.id] = ahead + own
@@ -223,7 +235,7 @@ class Prefix(LeastInflight):
         if old is not None:  # picked again (a retry): the first one's work is done
             self._release(old)
         self._tickets[route] = _Ticket(r.id, ahead, own, hashes, explained)
-        self._record(r.id, hashes)
+        self.record(r.id, hashes)
         return r
 
     def _matched(self, depth: int) -> float:
@@ -238,70 +250,76 @@ class Prefix(LeastInflight):
         if not hashes:
             self._explained = Explained(0.0, len(found), "cold", 0)
             return super().choose(view, m, route, found)
-        depths = self._depths(found, hashes)
+        # Each replica's match: one look-up for a replica without the first block, as
+        # most are, and a bisection for the few with it.
+        index, first, depths = self.index, hashes[0], self._depths
         need = self.threshold * len(hashes)
-        warm = [r for r in found if depths[r.id] and depths[r.id] >= need]
+        warm: list[ReplicaRecord] = []
+        for r in found:
+            lru = index.get(r.id)
+            if lru is not None and first in lru:
+                d = depths[r.id] = self._held(lru, hashes)
+                if d >= need:
+                    warm.append(r)
         if not warm:
-            chosen = super().choose(view, m, route, found)
-            return self._said(chosen, depths, len(found), "cold")
+            return self._said(super().choose(view, m, route, found), len(found), "cold")
         work = self.work
-        best = min(warm, key=lambda r: (work.get(r.id, 0.0), *self._load(r)))
+        best = (
+            warm[0]
+            if len(warm) == 1
+            else min(warm, key=lambda r: (work.get(r.id, 0.0), *self._load(r)))
+        )
+        if len(warm) == len(found):
+            # All warm: no cold one can be sooner.
+            return self._said(best, len(found), "warm")
         inflight = self.inflight
         mean = (sum(inflight.get(r.id, 0) for r in found) + 1) / len(found)
         hot = inflight.get(best.id, 0) + 1 > self.balance * mean + self.slack
-        if len(warm) == len(found) or (not hot and not work.get(best.id)):
-            # All warm, or nothing to wait for at the best: no cold one can be sooner.
-            return self._said(best, depths, len(found), "warm")
-        hot_ids = {r.id for r in warm}
-        cold = [r for r in found if r.id not in hot_ids]
+        if not hot and not work.get(best.id):
+            # Nothing to wait for at the best: no cold one can be sooner.
+            return self._said(best, len(found), "warm")
+        warm_ids = {r.id for r in warm}
+        cold = [r for r in found if r.id not in warm_ids]
         rate = self._rater(found)
-        pick_cold = self._coldest(cold, depths, rate)
+        pick_cold = self._coldest(cold, rate)
         cold_rate = rate(pick_cold.id)
         wait_warm = work.get(best.id, 0.0) / rate(best.id)
         wait_cold = work.get(pick_cold.id, 0.0) / cold_rate
         penalty = self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / cold_rate
         if wait_warm > wait_cold + penalty or hot:
-            return self._said(pick_cold, depths, len(found), "broken")
-        return self._said(best, depths, len(found), "warm")
+            return self._said(pick_cold, len(found), "broken")
+        return self._said(best, len(found), "warm")
 
-    def _said(
-        self, r: ReplicaRecord, depths: Mapping[str, int], considered: int, why: str
-    ) -> ReplicaRecord:
-        d = depths.get(r.id, 0)
+    def _said(self, r: ReplicaRecord, considered: int, why: str) -> ReplicaRecord:
+        d = self._depths.get(r.id, 0)
         tokens = d * self.block_chars // CHARS_PER_TOKEN
         self._explained = Explained(self._matched(d), considered, why, tokens)
         return r
 
-    def _coldest(
-        self, cold: list[ReplicaRecord], depths: Mapping[str, int], rate: Callable[[str], float]
-    ) -> ReplicaRecord:
+    def _coldest(self, cold: list[ReplicaRecord], rate: Callable[[str], float]) -> ReplicaRecord:
         """The cold replica with the least estimated seconds to the request's first
         token: the work ahead of it and its own uncached tokens, at the replica's rate;
         ties to the plain rule's."""
-        work, inflight, picked = self.work, self.inflight, self._picked
+        work, depths, inflight, picked = self.work, self._depths, self.inflight, self._picked
         chars, size = self._chars, self.block_chars
         # Without a rate observed for any of them, the rates are all the same: the
         # division changes no order and is skipped.
         same = not any(r.id in self.rates for r in cold)
         best: tuple[float, int, int, str] | None = None
+        best_eta = 0.0
         chosen = cold[0]
         for r in cold:
             rid = r.id
-            eta = work.get(rid, 0.0) + (chars - depths[rid] * size) / CHARS_PER_TOKEN
-            key = (eta if same else eta / rate(rid), inflight.get(rid, 0), picked.get(rid, 0), rid)
+            eta = work.get(rid, 0.0) + (chars - depths.get(rid, 0) * size) / CHARS_PER_TOKEN
+            if not same:
+                eta /= rate(rid)
+            # The tie-break's key is built only for a tie or better (most are worse).
+            if best is not None and eta > best_eta:
+                continue
+            key = (eta, inflight.get(rid, 0), picked.get(rid, 0), rid)
             if best is None or key < best:
-                best, chosen = key, r
+                best, best_eta, chosen = key, eta, r
         return chosen
-
-    def _depths(self, found: list[ReplicaRecord], hashes: list[int]) -> dict[str, int]:
-        """Each replica's match (`_depth`); one look-up for a replica without the first
-        block, as most are."""
-        index, first = self.index, hashes[0]
-        out: dict[str, int] = {}
-        for r in found:
-            lru = index.get(r.id)
-            out[r.id] = 0 if lru is None or first not in lru else self._depth(r.id, hashes)
-        return out
 
     def _rater(self, found: list[ReplicaRecord]) -> Callable[[str], float]:
         """Each replica's prefill rate; the median of its peers' (`found`) before it has
@@ -320,11 +338,16 @@ class Prefix(LeastInflight):
 
         return rate
 
-    def _depth(self, rid: str, hashes: list[int]) -> int:
-        """How many of `hashes`' leading blocks `rid`'s LRU holds (bisected: a chain held
-        is held from its first block)."""
-        lru = self.index.get(rid)
-        if not lru or not hashes or hashes[0] not in lru:
+    def depth(self, replica: str, hashes: list[int]) -> int:
+        """How many of `hashes`' leading blocks `replica`'s LRU holds."""
+        lru = self.index.get(replica)
+        return 0 if lru is None else self._held(lru, hashes)
+
+    @staticmethod
+    def _held(lru: OrderedDict[int, None], hashes: list[int]) -> int:
+        """How many of `hashes`' leading blocks `lru` holds (bisected: a chain held is
+        held from its first block)."""
+        if not hashes or hashes[0] not in lru:
             return 0
         lo, hi = 1, len(hashes)
         while lo < hi:
@@ -335,20 +358,30 @@ class Prefix(LeastInflight):
                 hi = mid - 1
         return lo
 
-    def _record(self, rid: str, hashes: list[int]) -> None:
-        """`hashes` are now cached at `rid`: touched deepest first, its LRU bounded."""
+    def record(self, replica: str, hashes: list[int]) -> None:
+        """`hashes` (a prompt's chained blocks, `blocks`) were routed to `replica`: they
+        are now cached there, touched deepest first, its LRU bounded."""
         if not hashes:
             return
-        lru = self.index.get(rid)
+        lru = self.index.get(replica)
         if lru is None:
-            lru = self.index[rid] = OrderedDict()
+            lru = self.index[replica] = OrderedDict()
             self._bound()
+        touch = lru.move_to_end
         for h in reversed(hashes):
             if h in lru:
-                lru.move_to_end(h)
+                touch(h)
             else:
                 lru[h] = None
-        self._trim(rid, lru)
+        self._trim(replica, lru)
+
+    def recent(self, replica: str, n: int | None = None) -> list[int]:
+        """`replica`'s block hashes, the most recently routed first (at most `n`)."""
+        lru = self.index.get(replica)
+        if lru is None:
+            return []
+        it = reversed(lru)
+        return list(it) if n is None else [h for _, h in zip(range(n), it, strict=False)]
 
     def _bound(self) -> None:
         """A replica more: every LRU cut to the share of `total_blocks` each may hold."""
@@ -395,7 +428,7 @@ class Prefix(LeastInflight):
         if cached_tokens == 0 and t.explained.matched >= self.threshold:
             self.corrections += 1
             self.index.pop(replica, None)
-            self._record(replica, t.hashes)
+            self.record(replica, t.hashes)
         elif cached_tokens * 2 < predicted:
             self.corrections += 1
             lru = self.index.get(replica)

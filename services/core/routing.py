@@ -314,10 +314,14 @@ class LeastInflight:
         chosen = None if key is None else self._session(view, key, avoid, limit)
         if chosen is None:
             inflight = self.inflight
+            # `candidates` and the limits in one pass (a pick is O(replicas of the model)).
             found = [
                 r
-                for r in candidates(view, m)
-                if r.id not in avoid and (limit is None or inflight.get(r.id, 0) < limit)
+                for name in view.catalog.names_of(m)
+                for r in view.current_of(name)
+                if r.id not in avoid
+                and (limit is None or inflight.get(r.id, 0) < limit)
+                and routable(view, r)
             ]
             if not found:
                 return None

@@ -120,7 +120,7 @@ def test_a_replica_gone_is_never_picked_for_its_old_prefixes(way: str) -> None:
     route = _route(SYSTEM, "first")
     assert p.send(route) == "a"  # cold: least in flight, the first by name
     assert p.send(_route(SYSTEM, "second")) == "a"  # warm
-    assert p.router._depth("a", prefix.blocks("m", None, route.prompt)) > 0
+    assert p.router.depth("a", prefix.blocks("m", None, route.prompt)) > 0
     if way == "drained":
         p.say(ev.ReplicaDrain(replica="a", model="m", reason="scale_down"), node=node)
     elif way == "failed":
@@ -155,13 +155,13 @@ def test_an_engine_report_of_0_cached_tokens_for_a_warm_request_clears_its_entry
     e = p.router.explain(again)
     assert e is not None and e.why == "warm" and e.predicted_tokens > 0
     held = prefix.blocks("m", None, other.prompt)
-    assert p.router._depth(rid, held) == len(held)
+    assert p.router.depth(rid, held) == len(held)
     # The engine says it served none of it from cache: its cache was reset.
     p.router.observed(rid, again, 0.01, 0, 300)
     p.router.done(rid, again)
-    assert p.router._depth(rid, held) == 0  # the other prefix is gone from its entry
+    assert p.router.depth(rid, held) == 0  # the other prefix is gone from its entry
     mine = prefix.blocks("m", None, again.prompt)
-    assert p.router._depth(rid, mine) == len(mine)  # what it just computed is cached now
+    assert p.router.depth(rid, mine) == len(mine)  # what it just computed is cached now
     assert p.router.corrections == 1
     # A 0 for a request picked while another's prefill was ahead of it says nothing of
     # the cache: the prefix may still have been computing.
@@ -169,7 +169,7 @@ def test_an_engine_report_of_0_cached_tokens_for_a_warm_request_clears_its_entry
     p.send(first, end=False)
     p.send(second, end=False)
     p.router.observed(rid, second, None, 0, 300)
-    assert p.router.corrections == 1 and p.router._depth(rid, mine) == len(mine)
+    assert p.router.corrections == 1 and p.router.depth(rid, mine) == len(mine)
     for r in (first, second):
         p.router.done(rid, r)
     # A report that agrees changes nothing.
@@ -310,3 +310,30 @@ def test_a_huge_prompt_costs_no_more_than_max_blocks() -> None:
     p.send(huge)
     assert len(p.router.index["r0"]) == prefix.MAX_BLOCKS
     assert len(prefix.blocks("m", None, huge.prompt)) == prefix.MAX_BLOCKS
+
+
+def test_blocks_recorded_from_elsewhere_make_a_replica_warm_and_read_back_newest_first() -> None:
+    """The index's public face, for what shares block hashes between gateways: a
+    prompt's blocks (`prefix.blocks`) recorded at a replica make it warm for the prompt,
+    and `recent` reads them back, the most recently routed first (a prompt's first
+    block, touched last, leads)."""
+    p = _Plane()
+    p.ready("a")
+    p.ready("b")
+    route = _route(SYSTEM, "what is a log?")
+    hashes = prefix.blocks("m", None, route.prompt)
+    p.router.record("b", hashes)
+    assert p.router.depth("b", hashes) == len(hashes) and p.router.depth("a", hashes) == 0
+    assert p.router.recent("b") == hashes and p.router.recent("b", 2) == hashes[:2]
+    assert p.router.recent("a") == []
+    assert p.send(route) == "b"
+    explained = p.router.explain(route)
+    assert explained is None  # ended: nothing kept of it
+    again = _route(SYSTEM, "what is a fold?")
+    assert p.send(again, end=False) == "b"
+    assert p.router.explain(again) == routing.Explained(
+        p.router.depth("b", hashes) / len(prefix.blocks("m", None, again.prompt)),
+        2,
+        "warm",
+        p.router.depth("b", hashes) * prefix.BLOCK_CHARS // prefix.CHARS_PER_TOKEN,
+    )
