@@ -1,4 +1,5 @@
-"""Requests a second and requests in flight per model, for the dashboard's models table.
+"""Requests a second, requests in flight and the prefix cache's hit rate per model, for
+the dashboard's models table.
 
 Called by the dashboard (services/dashboard/server.py): `observe` with every change the
 hub folds, `sample` once a second with a gateway's own counters when one runs in the same
@@ -16,6 +17,12 @@ Two sources, the gateway's first:
   it. In flight is not in the log: it is None (unknown, not 0) from this source.
 Held requests (those the gateway's waiting room holds for a start or a free slot) come
 from a gateway in this process only: None (unknown) from the log.
+
+The hit rate comes from the log, whichever the source of the rest: of the prompt tokens
+the `replica.used` reports of the last `LOG_WINDOW_S` counted (`tokens_in`), the share
+their engines said they served from their prefix cache (`tokens_cached`), over the
+reports that said it; None (unknown, not 0) when none did (an engine that does not
+report cached tokens, or no traffic).
 """
 
 from __future__ import annotations
@@ -46,27 +53,39 @@ class Traffic:
 
     log_window_s: float = LOG_WINDOW_S
     gateway_window_s: float = GATEWAY_WINDOW_S
-    _used: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    _used: dict[str, deque[tuple[float, int, int, int | None]]] = field(default_factory=dict)
+    """Per model, each report's time, requests, prompt tokens and cached prompt tokens."""
     _samples: deque[tuple[float, dict[str, int], dict[str, int]]] = field(default_factory=deque)
     _held: dict[str, int] | None = None
 
     def observe(self, ch: Changes) -> None:
-        """A change the hub folded: a `replica.used` with `requests` counts them."""
+        """A change the hub folded: a `replica.used` with `requests` counts them, and
+        its prompt tokens with the cached ones where it says them."""
         e = ch.event
-        if not isinstance(e, ev.ReplicaUsedEvent) or not e.data.requests:
+        if not isinstance(e, ev.ReplicaUsedEvent):
             return
-        r = ch.view.state.replicas.get(e.data.replica)
+        d = e.data
+        if not d.requests and d.tokens_cached is None:
+            return
+        r = ch.view.state.replicas.get(d.replica)
         if r is None:
             return
-        self.used(r.model, fold.used_at(e), e.data.requests)
+        self.used(r.model, fold.used_at(e), d.requests or 0, d.tokens_in or 0, d.tokens_cached)
 
-    def used(self, model: str, at: datetime, requests: int) -> None:
+    def used(
+        self,
+        model: str,
+        at: datetime,
+        requests: int,
+        tokens_in: int = 0,
+        tokens_cached: int | None = None,
+    ) -> None:
         q = self._used.get(model)
         if q is None:
             if len(self._used) >= MODELS_MAX:
                 return
             q = self._used[model] = deque()
-        q.append((at.timestamp(), requests))
+        q.append((at.timestamp(), requests, tokens_in, tokens_cached))
 
     def sample(
         self,
@@ -84,9 +103,11 @@ class Traffic:
             self._samples.popleft()
 
     def doc(self, wall: datetime) -> dict[str, dict[str, Any]]:
-        """Per model: `rps` (requests a second), `inflight` and `held` (None: unknown) and
-        `source` (`gateway` or `log`). `wall` is the time now, for the log's reports."""
+        """Per model: `rps` (requests a second), `inflight` and `held` (None: unknown),
+        `hit` (the prefix cache's hit rate, 0 to 1; None: unknown) and `source` (of the
+        rest: `gateway` or `log`). `wall` is the time now, for the log's reports."""
         out: dict[str, dict[str, Any]] = {}
+        hits: dict[str, float] = {}
         cut = wall.timestamp() - self.log_window_s
         for model, q in list(self._used.items()):
             while q and q[0][0] < cut:
@@ -94,11 +115,16 @@ class Traffic:
             if not q:
                 del self._used[model]
                 continue
-            n = sum(k for _, k in q)
+            n = sum(k for _, k, _, _ in q)
+            said = sum(t for _, _, t, c in q if c is not None)
+            if said > 0:
+                cached = sum(min(c, t) for _, _, t, c in q if c is not None)
+                hits[model] = round(cached / said, 3)
             out[model] = {
                 "rps": round(n / self.log_window_s, 2),
                 "inflight": None,
                 "held": None,
+                "hit": hits.get(model),
                 "source": "log",
             }
         if self._samples:
@@ -112,6 +138,7 @@ class Traffic:
                     "rps": round(max(rps, 0.0), 2),
                     "inflight": inflight.get(model, 0),
                     "held": held.get(model, 0) if self._held is not None else None,
+                    "hit": hits.get(model),
                     "source": "gateway",
                 }
         return out

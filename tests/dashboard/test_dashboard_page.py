@@ -102,10 +102,10 @@ def test_the_tour_on_the_dashboard(
     models = page.locator("#models tbody tr")
     expect(models).to_have_count(2)
     expect(page.locator("#models tr[data-model='chat'] td")).to_have_text(
-        ["chat", "critical", "default", "1/1", "1..2", "-", "-", "-", ""]
+        ["chat", "critical", "default", "1/1", "1..2", "-", "-", "-", "-", ""]
     )
     expect(page.locator("#models tr[data-model='batch'] td")).to_have_text(
-        ["batch", "opportunistic", "default", "6/6", "0..6", "-", "-", "-", ""]
+        ["batch", "opportunistic", "default", "6/6", "0..6", "-", "-", "-", "-", ""]
     )
     expect(page.locator("#holds tbody")).to_contain_text("no holds")
     # No quota tree yet: the models' owner shows, undeclared, with what it uses.

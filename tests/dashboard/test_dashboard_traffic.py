@@ -2,7 +2,9 @@
 official `openai` package streaming through the gateway of a real `llmgw up
 --simulate`. The page (Debian's chromium, driven by Playwright) shows chat's requests a
 second and its requests in flight from the gateway's own counters, without a reload, and
-in flight back at 0 once the load stops; `/api/traffic` says the same. A dashboard of its
+in flight back at 0 once the load stops, and chat's prefix cache hit rate from the
+simulated servers' reports of cached prompt tokens (`--sim-cache-tokens`: the streams
+share a system prompt); `/api/traffic` says the same. A dashboard of its
 own (`llmgw dashboard`, no gateway in its process) shows the rate from the log's
 `replica.used` reports, and in flight as unknown.
 
@@ -41,6 +43,8 @@ models:
 scale:
   chat: 2
 """
+# SYSTEM is the system prompt every stream shares: 125 of the simulated cache's blocks.
+SYSTEM = "You are a careful assistant who answers briefly. " * 160
 # STREAMS concurrent streams of TOKENS tokens at the simulated 20 a second: two seconds
 # each, so that some are always in flight.
 STREAMS = 6
@@ -79,6 +83,7 @@ def plane(tmp_path: Path) -> Iterator[tuple[UpProcess, str, str]]:
         *("--simulate", "1x4xH100-80GB", "--ui-listen", "127.0.0.1:0"),
         *("--gateway-listen", "127.0.0.1:0", "--used-interval", "0.5"),
         *("--start-delay", "0.01", "--load-delay", "0.05", "--sim-ttft", "0", "--sim-tps", "20"),
+        *("--sim-cache-tokens", "65536"),
     )
     try:
         ui = _wait_file(up, tmp_path / "data" / "dashboard.url")
@@ -110,7 +115,10 @@ class Load:
         while not self.stop.is_set():
             s = self.client.chat.completions.create(
                 model="chat",
-                messages=[{"role": "user", "content": "hi"}],
+                messages=[
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "hi"},
+                ],
                 max_tokens=TOKENS,
                 stream=True,
             )
@@ -126,7 +134,7 @@ class Load:
         self.client.close()
 
 
-def test_the_page_shows_requests_a_second_and_in_flight_per_model(
+def test_the_page_shows_requests_a_second_in_flight_and_the_hit_rate_per_model(
     plane: tuple[UpProcess, str, str],
     page: Any,  # noqa: F811
     tmp_path: Path,
@@ -142,6 +150,7 @@ def test_the_page_shows_requests_a_second_and_in_flight_per_model(
     chat = page.locator("#models tr[data-model='chat']")
     expect(chat.locator("td.rps")).to_have_text("-")
     expect(chat.locator("td.inflight")).to_have_text("-")
+    expect(chat.locator("td.hit")).to_have_text("-")
 
     load = Load(gateway)
     try:
@@ -158,8 +167,17 @@ def test_the_page_shows_requests_a_second_and_in_flight_per_model(
         expect(chat.locator("td.rps")).to_have_text(re.compile(r"^(?!0\.0$)\d+\.\d$"))
         expect(chat.locator("td.inflight")).to_have_text(re.compile(r"^[1-6]$"))
         assert "gateway" in (chat.locator("td.rps").get_attribute("title") or "")
+        # The hit rate, from the log's replica.used reports (--used-interval 0.5): the
+        # streams after the first find the system prompt in their server's cache.
+        hit = _until(
+            "chat's hit rate",
+            lambda: (_get(api)["models"].get("chat") or {}).get("hit"),
+        )
+        assert 0 < hit <= 1, hit
+        expect(chat.locator("td.hit")).to_have_text(re.compile(r"^([1-9]\d?|100)%$"))
         # A model nobody asks for shows none.
         expect(page.locator("#models tr[data-model='quiet'] td.rps")).to_have_text("-")
+        expect(page.locator("#models tr[data-model='quiet'] td.hit")).to_have_text("-")
 
         # A dashboard with no gateway in its process: the rate from the log's reports
         # (--used-interval 0.5), in flight unknown.

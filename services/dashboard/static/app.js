@@ -17,7 +17,7 @@ const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "
 const HOLDING = new Set(["pending", "starting", "loading", "ready", "draining"]);
 const FEED_MAX = 300;
 
-let traffic = {}; // model -> {rps, inflight, held (null: unknown), source: gateway | log}
+let traffic = {}; // model -> {rps, inflight, held, hit (each null: unknown), source: gateway | log}
 let live = null; // {seq, time, nodes: Map, models: Map, replicas: Map, quota, ...}
 let past = null; // a past view document, while the slider is away from live
 let feed = [];
@@ -285,8 +285,10 @@ function drawModels(v) {
     const rps = t ? t.rps.toFixed(1) : "-";
     const inflight = t && t.inflight !== null ? String(t.inflight) : "-";
     const held = t && t.held !== null && t.held !== undefined ? String(t.held) : "-";
+    // The prefix cache's hit rate, from the log's reports of cached prompt tokens.
+    const hit = t && t.hit !== null && t.hit !== undefined ? `${Math.round(t.hit * 100)}%` : "-";
     const from = t ? ` title="from the ${t.source === "gateway" ? "gateway's counters" : "log's replica.used reports"}"` : "";
-    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td class="rps"${from}>${rps}</td><td class="inflight"${from}>${inflight}</td><td class="held"${from}>${held}</td><td>${esc(note.join("; "))}</td></tr>`;
+    return `<tr data-model="${esc(m.name)}"><td>${esc(m.name)}</td><td>${esc(m.class ?? "-")}</td><td>${esc(m.owner ?? "-")}</td><td>${m.live}/${m.desired}</td><td>${m.min ?? "-"}..${m.max ?? "-"}</td><td class="rps"${from}>${rps}</td><td class="inflight"${from}>${inflight}</td><td class="held"${from}>${held}</td><td class="hit">${hit}</td><td>${esc(note.join("; "))}</td></tr>`;
   });
   $("#models tbody").innerHTML = rows.join("");
 }
