@@ -187,7 +187,8 @@ class Config:
             "choices": tuple(PICKERS),
             "metavar": "RULE",
             "help": "the rule that picks a request's replica among its model's routable "
-            f"ones, one of {', '.join(PICKERS)}; least-inflight: the fewest requests in "
+            f"ones, one of {', '.join(PICKERS)} (default {DEFAULT_PICKER}); least-inflight: "
+            "the fewest requests in "
             "flight through this gateway, a session back to its replica; prefix: where "
             "the prompt's prefix is cached (at least half its blocks), the least uncached "
             "work among those, another when waiting there costs more than the cache "

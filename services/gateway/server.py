@@ -166,7 +166,7 @@ class Gateway:
     used_interval_s: float = USED_INTERVAL_S
     url: str = ""
     """http://HOST:PORT, once bound."""
-    router: routing.Picker = field(default_factory=routing.LeastInflight)
+    router: routing.Picker = field(default_factory=PICKERS[DEFAULT_PICKER])
     """The routing rule (`--routing`: `PICKERS`)."""
     counts: Counts = field(default_factory=Counts)
     metrics: Metrics = field(default_factory=Metrics)

@@ -64,6 +64,8 @@ def test_the_module_alone_serves_and_stops_on_sigterm(nats_server: EmbeddedBroke
         out, _ = proc.communicate(timeout=15)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
+    # Told no rule, it routes by the prefix-aware one, and says so as it starts serving.
+    assert "routing by prefix" in out, out
 
 
 # The collector's variables of the rounds before are set in every case, and ignored:
