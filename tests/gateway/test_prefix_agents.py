@@ -2,7 +2,8 @@
 process, its replicas' servers real processes. A group's prefix goes to one replica; its
 server killed (kill -9), the agent reports the replica failed, and the gateway's index
 holds nothing of it the instant that is folded: the group goes to the other replica,
-cold there, never back to the failed one; a drain does the same."""
+cold there, never back to the failed one; a replica started again on the failed one's
+GPU is a new replica, warm for nothing; a drain does the same."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.gateway.conftest import Plane, serving
 
 pytestmark = pytest.mark.timeout(90)
 
+RESTARTED = "pr-4"
 SYSTEM = "You are the assistant of the prefix group. " + "Answer in one short line. " * 40
 
 
@@ -94,6 +96,15 @@ async def test_a_failed_or_drained_replica_is_never_picked_for_its_old_prefixes(
         assert after[0][1].startswith("cold"), after  # nothing stale said warm
         assert len({rid for rid, _ in after}) == 1 and after[1][1].startswith("warm")
 
+        # Restarted: a replica started again on the failed one's GPU is a new replica,
+        # with nothing of the old one's prefixes.
+        restart = start_cmd(RESTARTED, node, (rids.index(warm),), model="pfxreal")
+        await ra.publish(js, placement_of(restart))
+        await ra.publish(js, restart)
+        await ra.until_state(js, node, RESTARTED, "ready")
+        await prefixed.follower.caught_up(5)
+        assert RESTARTED not in router.index
+
         # Drained: the same at the drain's fold, its server still up and draining.
         second = after[0][0]
         p = await plane.pub.publish(drain_cmd(second, model="pfxreal", grace_s=2.0), node=node)
@@ -101,13 +112,14 @@ async def test_a_failed_or_drained_replica_is_never_picked_for_its_old_prefixes(
         assert second not in router.index and second not in router.kept()
         last = [await _ask(client, f"last {i}") for i in range(3)]
         assert all(rid not in (warm, second) for rid, _ in last), last
+        # Cold wherever it went, the restarted replica among the candidates.
         assert last[0][1].startswith("cold"), last
     finally:
         await client.close()
     # Every server stopped by its agent, none left behind.
-    for rid in rids:
+    for rid in (*rids, RESTARTED):
         if rid != warm:
             await ra.publish(js, drain_cmd(rid, model="pfxreal", grace_s=0.5), node=node)
-    for rid in rids:
+    for rid in (*rids, RESTARTED):
         if rid != warm:
             await ra.until_state(js, node, rid, "stopped")

@@ -79,6 +79,18 @@ async def prefixed(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]
         yield gw
 
 
+@pytest.fixture
+async def plain(plane: Plane, js: JetStreamContext) -> AsyncIterator[Gateway]:
+    """A third gateway on the same log, told `routing = "least-inflight"`: the plane's
+    own routes by the default rule, prefix-aware, which would keep a group together
+    too; the comparison is with the plain rule's spreading."""
+    config = Config(listen="127.0.0.1:0", routing="least-inflight")
+    gw = Gateway.of(js, config, root=subjects.DEFAULT_ROOT)
+    assert type(gw.router) is routing.LeastInflight
+    async with serving(gw):
+        yield gw
+
+
 def _system(group: int) -> str:
     return f"You are assistant number {group}. " + "Answer briefly and politely. " * 10
 
@@ -107,18 +119,22 @@ async def _replicas(url: str) -> dict[int, set[str]]:
 
 
 async def test_a_prefix_scorer_in_a_test_file_sends_a_shared_prefix_to_one_replica(
-    plane: Plane, prefixed: Gateway, servers: Callable[..., Awaitable[Responder]]
+    plane: Plane,
+    prefixed: Gateway,
+    plain: Gateway,
+    servers: Callable[..., Awaitable[Responder]],
 ) -> None:
     await plane.model("pfx")
     for rid in ("pfx-1", "pfx-2"):
         s = await servers(rid, "pfx")
         await plane.ready(rid, "pfx", s.endpoint)
     await prefixed.follower.wait_for(plane.gateway.follower.seq, 5)
+    await plain.follower.wait_for(plane.gateway.follower.seq, 5)
 
     # The plain rule spreads a group over both replicas (least in flight, ties to the
     # one picked longest ago: one at a time, they take turns).
-    plain = await _replicas(plane.url)
-    assert all(len(got) == 2 for got in plain.values()), plain
+    spread = await _replicas(plain.url)
+    assert all(len(got) == 2 for got in spread.values()), spread
 
     stuck = await _replicas(prefixed.url)
     assert all(len(got) == 1 for got in stuck.values()), stuck
