@@ -76,6 +76,7 @@ def apply_rule(
     """`apply` with the event's rule already looked up (`RULES`): what ingest calls, so
     the table is read once per event."""
     s = view.state
+    view.folds += 1
     # The sequence moves first: a decision recorded by the handler carries its own
     # sequence, not the one before it.
     if seq:

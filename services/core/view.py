@@ -414,6 +414,7 @@ class View:
         "_timed_out_at",
         "_unordered",
         "catalog",
+        "folds",
         "inventory",
         "journal",
         "quota",
@@ -423,6 +424,10 @@ class View:
 
     def __init__(self, state: ViewState | None = None) -> None:
         self.state = state if state is not None else ViewState()
+        # folds counts the events folded into this view object, applied or rejected
+        # (`fold.apply_rule`): what a reader derives from the view alone holds while it
+        # stands (the gateway's routable replicas per model, `routing.LeastInflight`).
+        self.folds = 0
         s = self.state
         self.catalog = catalog.Catalog()
         for d in s.models.values():

@@ -38,8 +38,11 @@ goodput (those with a first token within --slo), the most requests in flight at 
 replica against the mean at the same instant (sampled every 5 ms), and the longest the
 process's event loop was held (a stall of the host or the process, which every arm's
 figures share the risk of). Then, with no
-gateway: the prefix rule's pick for a 32k-character prompt among 64 replicas (CPU,
-p50/p99, by block size), and its index's memory at 1,000 replicas at capacity.
+gateway: the prefix rule's pick for a 32k-character prompt among 64 replicas (p50/p99
+by block size, the plain rule's beside it for scale: the median of 5 rounds of 1,000
+picks, the garbage collector on, each pick timed by the wall clock and by the thread's
+CPU time, which leaves out what other processes took of the core), and its index's
+memory at 1,000 replicas at capacity.
 """
 
 from __future__ import annotations
@@ -454,6 +457,25 @@ def _timed(
     return wall[n // 2], wall[n * 99 // 100], cpu[n // 2], cpu[n * 99 // 100]
 
 
+def _warmed(
+    p: prefix.Prefix, view: View, m: catalog.Model, bases: list[str], *, full: bool
+) -> prefix.Prefix:
+    """`p` with each base prompt routed once (8 a replica); `full`: every replica's LRU
+    first filled to its bound with other blocks, as in a gateway that has run a while
+    (a growing LRU's table is resized as it grows, a cost a full one pays only when
+    its evictions have left it too many holes)."""
+    if full:
+        rng = random.Random(3)
+        for r in routing.candidates(view, m):
+            p.record(r.id, [rng.getrandbits(63) for _ in range(p.total_blocks // 64)])
+    for b in bases:
+        r = routing.Route("m", body=json.dumps({"prompt": b}).encode())
+        got = p.pick(view, m, r)
+        assert got is not None
+        p.done(got.id, r)
+    return p
+
+
 def micro(blocks_list: tuple[int, ...]) -> None:
     """The pick's CPU cost for a 32k-character prompt among 64 replicas, by block size,
     and the index's memory at 1,000 replicas at capacity."""
@@ -490,37 +512,32 @@ def micro(blocks_list: tuple[int, ...]) -> None:
         f"(median of {ROUNDS} rounds of 1,000 picks, the garbage collector on)"
     )
     print(
-        f"{'block chars':>11} {'blocks':>7} {'rule':>9} {'wall p50':>8} {'p99':>8} "
+        f"{'block chars':>11} {'blocks':>7} {'rule':>11} {'wall p50':>8} {'p99':>8} "
         f"{'CPU p50':>8} {'p99':>8}  (us)"
     )
     for size in blocks_list:
-        p = prefix.Prefix(block_chars=size)
         # Each replica warm with 8 prompts of its own; the requests share 28k characters
         # with one of them (a long conversation's next turn).
         bases = [_text(rng, 8000, f"base {i}:") for i in range(64 * 8)]
-        for b in bases:
-            r = routing.Route("m", body=json.dumps({"prompt": b}).encode())
-            got = p.pick(log.view, m, r)
-            assert got is not None
-            p.done(got.id, r)
+        fresh = _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=False)
+        full = _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=True)
         bodies = [
             json.dumps(
                 {"prompt": bases[rng.randrange(len(bases))][:28_000] + _text(rng, 1000)}
             ).encode()
             for _ in range(1000)
         ]
-        plain = routing.LeastInflight()
-        rounds: dict[str, list[tuple[float, float, float, float]]] = {"prefix": [], "plain": []}
-        arms: tuple[tuple[str, routing.Picker], ...] = (("prefix", p),)
+        arms: tuple[tuple[str, routing.Picker], ...] = (("prefix", fresh), ("prefix-full", full))
         if size == blocks_list[0]:
-            arms += (("plain", plain),)  # the least-inflight rule, for scale
+            arms += (("plain", routing.LeastInflight()),)  # the least-inflight rule, for scale
+        rounds: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in arms}
         for _ in range(ROUNDS):
             for name, picker in arms:
                 rounds[name].append(_timed(picker, log.view, m, bodies))
         n = len(prefix.blocks("m", None, json.loads(bodies[0])["prompt"], size))
         for name, _ in arms:
             w50, w99, c50, c99 = (statistics.median(r[i] for r in rounds[name]) for i in range(4))
-            print(f"{size:>11} {n:>7} {name:>9} {w50:>8.1f} {w99:>8.1f} {c50:>8.1f} {c99:>8.1f}")
+            print(f"{size:>11} {n:>7} {name:>11} {w50:>8.1f} {w99:>8.1f} {c50:>8.1f} {c99:>8.1f}")
     print("\n== the index's memory: 1,000 replicas at capacity")
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

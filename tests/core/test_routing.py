@@ -258,3 +258,73 @@ def test_a_route_reads_the_prompt_only_when_asked_and_canonically() -> None:
     tokens = routing.Route("m", body=b'{"model": "m", "prompt": [1, 2, 3]}')
     assert tokens.prompt == "1 2 3"
     assert routing.Route("m", body=b'{"model": "m", "input": "x"}').prompt == ""
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_routable_replicas_kept_between_folds_are_always_what_the_view_says(
+    seed: int,
+) -> None:
+    """`LeastInflight.routable_of` keeps a model's routable replicas until the view
+    folds another event: after every event of a random history (replicas placed, ready,
+    drained, failed; nodes cordoned and uncordoned, lost and found, their address
+    changed), what it answers is `candidates` worked out afresh, a new view object is
+    not taken for the old one, and no pick goes elsewhere."""
+    import random
+
+    rng = random.Random(seed)
+    log = Log()
+    assert log.add(msgspec.structs.replace(MODEL, aliases=("mm",))) is None
+    nodes = ("n1", "n2")
+    for n in nodes:
+        assert log.add(inventory(n, gpus=8), node=n) is None
+    router = routing.LeastInflight()
+    shards: dict[str, tuple[ev.ShardSpec, ...]] = {}
+    free = {n: list(range(8)) for n in nodes}
+    for step in range(400):
+        op = rng.randrange(6)
+        n = rng.choice(nodes)
+        if op == 0 and free[n]:
+            rid = f"r{step}"
+            shards[rid] = (ev.ShardSpec(node=n, gpus=(free[n].pop(),)),)
+            placed = ev.PlacementDecided(
+                replica=rid, model="m", profile="p", shards=shards[rid], reason="fit"
+            )
+            log.add(placed, node=n)
+            ready = ev.ReplicaState(
+                replica=rid,
+                model="m",
+                profile="p",
+                state="ready",
+                shards=shards[rid],
+                endpoint=f"http://{n}:{step + 1000}",
+            )
+            log.add(ready, node=n)
+        elif op == 1 and shards:
+            rid = rng.choice(sorted(shards))
+            log.add(ev.ReplicaDrain(replica=rid, model="m", reason="scale_down"))
+        elif op == 2 and shards:
+            rid = rng.choice(sorted(shards))
+            node = shards[rid][0].node
+            log.add(_state(rid, "failed", shards[rid]), node=node)
+        elif op == 3:
+            log.add(ev.NodeCordoned(node=n) if rng.random() < 0.5 else ev.NodeUncordoned(node=n))
+        elif op == 4:
+            if rng.random() < 0.3:
+                log.add(ev.NodeLost(node=n, reason="no heartbeat"))
+            else:
+                log.add(ev.NodeFound(node=n), node=n)
+        else:
+            address = rng.choice(("", n, "elsewhere"))
+            again = msgspec.structs.replace(inventory(n, gpus=8), address=address)
+            log.add(again, node=n)
+        m = log.view.catalog.resolve("mm")
+        assert m is not None
+        want = [r.id for r in routing.candidates(log.view, m)]
+        assert [r.id for r in router.routable_of(log.view, m)] == want, (seed, step)
+        picked = router.pick(log.view, m)
+        assert (picked is None) == (not want) and (picked is None or picked.id in want)
+        if picked is not None:
+            router.done(picked.id)
+        if step % 50 == 0:
+            copy = log.view.copy()
+            assert [r.id for r in router.routable_of(copy, m)] == want
