@@ -462,12 +462,12 @@ def _warmed(
 ) -> prefix.Prefix:
     """`p` with each base prompt routed once (8 a replica); `full`: every replica's LRU
     first filled to its bound with other blocks, as in a gateway that has run a while
-    (a growing LRU's table is resized as it grows, a cost a full one pays only when
-    its evictions have left it too many holes)."""
+    (a growing LRU's table is resized as it grows; a full one's, each time its
+    evictions have left it too many holes)."""
     if full:
         rng = random.Random(3)
-        for r in routing.candidates(view, m):
-            p.record(r.id, [rng.getrandbits(63) for _ in range(p.total_blocks // 64)])
+        for rep in routing.candidates(view, m):
+            p.record(rep.id, [rng.getrandbits(63) for _ in range(p.total_blocks // 64)])
     for b in bases:
         r = routing.Route("m", body=json.dumps({"prompt": b}).encode())
         got = p.pick(view, m, r)
