@@ -14,7 +14,8 @@ from the log alone, so a replica leaves routing the moment its drain is folded, 
 its agent has even heard of it. Among the routable replicas of the model: the one with
 the fewest requests in flight through this gateway, ties to the one picked longest ago;
 a request with a session key goes back to the replica that served its session while
-that replica stays routable. A pick is O(replicas of the model).
+that replica stays routable. A pick is O(replicas of the model); which are routable
+is worked out at most once per model between two events folded (`routable_of`).
 
 Admission: a pick may be given a `limit` of requests in flight per replica
 (`admit_limit`: the model's `target_inflight` times `INFLIGHT_FACTOR`); a replica at its
