@@ -337,3 +337,26 @@ def test_blocks_recorded_from_elsewhere_make_a_replica_warm_and_read_back_newest
         "warm",
         p.router.depth("b", hashes) * prefix.BLOCK_CHARS // prefix.CHARS_PER_TOKEN,
     )
+
+
+def test_a_request_picked_again_is_not_hashed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry (the same route picked again, its first replica avoided) reuses the
+    prompt's blocks hashed at its first pick."""
+    p = _Plane()
+    p.ready("a")
+    p.ready("b")
+    calls = []
+    hashed = prefix.blocks
+
+    def counted(*args: object, **kw: object) -> list[int]:
+        calls.append(1)
+        return hashed(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefix, "blocks", counted)
+    route = _route(SYSTEM, "retried")
+    first = p.router.pick(p.log.view, p.m, route)
+    assert first is not None
+    again = p.router.pick(p.log.view, p.m, route, avoid=(first.id,))
+    assert again is not None and again.id != first.id
+    assert len(calls) == 1
+    assert p.router.depth(again.id, hashed("m", None, route.prompt)) > 0
