@@ -48,6 +48,7 @@ not model).
 
 from __future__ import annotations
 
+import collections
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
@@ -235,7 +236,7 @@ class Prefix(LeastInflight):
         if old is not None:  # picked again (a retry): the first one's work is done
             self._release(old)
         self._tickets[route] = _Ticket(r.id, ahead, own, hashes, explained)
-        self.record(r.id, hashes)
+        self.record(r.id, hashes, held=depth)
         return r
 
     def _matched(self, depth: int) -> float:
@@ -358,21 +359,36 @@ class Prefix(LeastInflight):
                 hi = mid - 1
         return lo
 
-    def record(self, replica: str, hashes: list[int]) -> None:
+    def record(self, replica: str, hashes: list[int], held: int = 0) -> None:
         """`hashes` (a prompt's chained blocks, `blocks`) were routed to `replica`: they
-        are now cached there, touched deepest first, its LRU bounded."""
+        are now cached there, touched deepest first, its LRU bounded. `held`: how many
+        of the leading ones its LRU is known to hold (`depth`), touched without a look
+        first (a pick's match is most of a warm prompt)."""
         if not hashes:
             return
         lru = self.index.get(replica)
         if lru is None:
             lru = self.index[replica] = OrderedDict()
             self._bound()
+        held = min(held, len(hashes)) if held > 0 else 0
         touch = lru.move_to_end
-        for h in reversed(hashes):
+        for h in reversed(hashes[held:]):
             if h in lru:
                 touch(h)
             else:
                 lru[h] = None
+        if held:
+            shallow = hashes[held - 1 :: -1]
+            try:
+                collections.deque(map(touch, shallow), maxlen=0)
+            except KeyError:
+                # One was not held after all: all touched again, in the same order (a
+                # block's place is its last touch's), the missing ones added.
+                for h in shallow:
+                    if h in lru:
+                        touch(h)
+                    else:
+                        lru[h] = None
         self._trim(replica, lru)
 
     def recent(self, replica: str, n: int | None = None) -> list[int]:

@@ -360,3 +360,21 @@ def test_a_request_picked_again_is_not_hashed_again(monkeypatch: pytest.MonkeyPa
     assert again is not None and again.id != first.id
     assert len(calls) == 1
     assert p.router.depth(again.id, hashed("m", None, route.prompt)) > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_recording_with_the_blocks_known_held_leaves_the_same_lru(seed: int) -> None:
+    """`record(..., held=n)` (the pick's match, touched without a look first) leaves a
+    replica's LRU exactly as `record` that looks at every block, a hole in what was
+    thought held included, and bounded the same."""
+    import random
+
+    rng = random.Random(seed)
+    plain, fast = Prefix(total_blocks=200), Prefix(total_blocks=200)
+    pool = [rng.getrandbits(63) for _ in range(300)]
+    for _ in range(60):
+        hashes = rng.sample(pool, rng.randrange(1, 40))
+        held = rng.randrange(0, len(hashes) + 2)
+        plain.record("r", hashes)
+        fast.record("r", hashes, held=held)
+        assert list(plain.index["r"]) == list(fast.index["r"]), seed
