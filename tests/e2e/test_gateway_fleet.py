@@ -108,7 +108,8 @@ def test_three_gateways_are_listed_and_one_killed_leaves_within_its_lease(
     )
     assert {g["pid"] for g in listed} == {p.pid for p in three}
     assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+", g["address"]) for g in listed)
-    assert {g["routing"] for g in listed} == {"least-inflight"}
+    # Told no rule, each announces the default one, prefix-aware.
+    assert {g["routing"] for g in listed} == {"prefix"}
     table = llmgw("get", "gateways", env=env)
     assert table.stdout.splitlines()[0].split() == [
         "ID",
