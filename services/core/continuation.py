@@ -468,24 +468,24 @@ class Stream:
     def _ids(self, doc: dict[str, Any], seg: Segment) -> bool:
         """Keep the token ids `doc` gives (the prompt's from the first replica only:
         a later one's prompt is the resent prefix), taking them out when the client did
-        not ask; whether `doc` was changed."""
+        not ask (null, as vLLM writes them unasked); whether `doc` was changed."""
         changed = False
         prompt = doc.get("prompt_token_ids")  # a chat's, in its first chunk
-        if "prompt_token_ids" in doc and (self.strip_ids or len(self.segments) > 1):
-            del doc["prompt_token_ids"]
+        if prompt is not None and (self.strip_ids or len(self.segments) > 1):
+            doc["prompt_token_ids"] = None
             changed = True
         choices = doc.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return changed
         choice = choices[0]
-        if "prompt_token_ids" in choice:  # a completion's, in its first chunk
+        if choice.get("prompt_token_ids") is not None:  # a completion's, in its first chunk
             prompt = choice["prompt_token_ids"]
             if self.strip_ids or len(self.segments) > 1:
-                del choice["prompt_token_ids"]
+                choice["prompt_token_ids"] = None
                 changed = True
         got = choice.get("token_ids")
-        if self.strip_ids and "token_ids" in choice:
-            del choice["token_ids"]
+        if self.strip_ids and got is not None:
+            choice["token_ids"] = None
             changed = True
         if len(self.segments) == 1 and self.prompt_ids is None and _int_list(prompt):
             self.prompt_ids = prompt

@@ -84,10 +84,15 @@ class Continuations:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     settle_s: float = SETTLE_S
     max_text: int = rules.MAX_TEXT
+    by_ids: bool = True
+    """Continue by token ids where the engine gives them; False: by text always (what
+    the engine tier compares them with)."""
     on: dict[str, set[Plan]] = field(default_factory=dict)
     """The continued streams in flight, per replica now serving them."""
     moved: dict[str, int] = field(default_factory=dict)
     """Streams moved away from each replica since the start."""
+    moved_by: dict[str, int] = field(default_factory=dict)
+    """Moves since the start, by how they went on (`token_ids`, `text`)."""
 
     def plan(
         self, request: web.Request, m: catalog.Model, route: routing.Route, body: bytes
@@ -113,7 +118,7 @@ class Continuations:
         asked = counted and not rules.counts_asked(doc)
         # Token ids from vLLM, and from the simulated server (a model without a runtime
         # runs on simulated nodes only), which gives them as vLLM does.
-        ids = d is not None and (d.runtime is None or d.runtime.engine == "vllm")
+        ids = self.by_ids and d is not None and (d.runtime is None or d.runtime.engine == "vllm")
         ids_for_it = ids and not rules.ids_asked(doc)
         sent = rules.counting(doc) if asked else doc
         if ids_for_it:
@@ -410,6 +415,7 @@ class Plan:
             span.set_attribute("llmgw.moved_why", str(broke))
             span.set_attribute("llmgw.moved_by", how)
             self.by_ids = by_ids
+            self.of.moved_by[how] = self.of.moved_by.get(how, 0) + 1
             return nxt, up
         return None
 

@@ -393,10 +393,11 @@ async def test_a_chat_stream_goes_on_by_token_ids_where_the_engine_gives_them(
     assert {c.id for c in chunks} == {f"cmpl-{model}-a-1"}
     assert {c.created for c in chunks} == {1000}
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    # (Null, as vLLM writes them unasked.)
     for c in chunks:
-        extra = c.model_extra or {}
-        assert "prompt_token_ids" not in extra
-        assert all("token_ids" not in (x.model_extra or {}) for x in c.choices)
+        assert (c.model_extra or {}).get("prompt_token_ids") is None
+        assert all((x.model_extra or {}).get("token_ids") is None for x in c.choices)
+    assert plane.gateway.continuations.moved_by == {"token_ids": 1}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     # The usage of an answer never broken: the resent ids are no one's output.
     assert chunks[-1].usage.prompt_tokens == PROMPT_TOKENS
@@ -410,7 +411,7 @@ async def test_a_client_that_asks_for_token_ids_gets_them_across_the_move(
     chunks = await _chat(client, "ck", max_tokens=20, extra_body={"return_token_ids": True})
     assert _text(chunks) == FULL
     assert (chunks[0].model_extra or {})["prompt_token_ids"] == [1000, 1001]
-    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
+    assert all((c.model_extra or {}).get("prompt_token_ids") is None for c in chunks[1:])
     got = [
         t
         for c in chunks
@@ -430,7 +431,9 @@ async def test_a_completion_stream_goes_on_by_token_ids(
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == FULL
     assert {c.id for c in chunks} == {"cmpl-cq-a-1"}
-    assert all("token_ids" not in (c.choices[0].model_extra or {}) for c in chunks if c.choices)
+    assert all(
+        (c.choices[0].model_extra or {}).get("token_ids") is None for c in chunks if c.choices
+    )
     (resumed,) = b.bodies
     assert resumed["prompt"] == [1000, 1001, 0, 1, 2, 3, 4]
     assert resumed["max_tokens"] == N - 5
@@ -444,6 +447,7 @@ async def test_a_chat_without_a_token_limit_goes_on_by_text(
     assert _text(await _chat(client, "cn")) == FULL
     assert b.paths == [rules.CHAT]
     assert b.bodies[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
+    assert plane.gateway.continuations.moved_by == {"text": 1}
 
 
 async def test_a_simulated_replicas_stream_moved_off_its_drain_is_the_unbroken_answer(
