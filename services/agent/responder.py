@@ -170,8 +170,11 @@ class _Answer:
         ids: list[int] | None = None,
         prompt: bool = False,
     ) -> bytes:
-        """One event a choice: each of the `n` choices streams the same words; with
-        token ids asked for, `ids` are the chunk's and `prompt` says it is the first."""
+        """One event a choice: each of the `n` choices streams the same words. `ids`
+        are the chunk's token ids, `prompt` says it is the first: given as vLLM gives
+        them when asked for, and null where it writes null when not (a completion's
+        `prompt_token_ids` and `token_ids` in each chunk, a chat's `token_ids` in each
+        chunk but its first, its `prompt_token_ids` in its first)."""
         out = b""
         for i in range(self.n):
             c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
@@ -182,10 +185,10 @@ class _Answer:
             else:
                 c["text"] = delta or ""
             asked = self.prompt_ids is not None
-            if asked and prompt and not self.chat:
-                c["prompt_token_ids"] = self.prompt_ids
-            if asked and ids is not None:
-                c["token_ids"] = ids
+            if not self.chat:
+                c["prompt_token_ids"] = self.prompt_ids if prompt else None
+            if ids is not None:
+                c["token_ids"] = ids if asked else None
             doc: dict[str, Any] = {
                 "id": self.rid,
                 "object": self._kind(),
@@ -194,7 +197,7 @@ class _Answer:
                 "system_fingerprint": self.replica,
                 "choices": [c],
             }
-            if asked and prompt and self.chat:
+            if prompt and self.chat:
                 doc["prompt_token_ids"] = self.prompt_ids
             out += b"data: " + json.dumps(doc).encode() + b"\n\n"
         return out

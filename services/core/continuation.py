@@ -69,6 +69,9 @@ GUIDED = (
 )
 
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# _NULL_IDS finds a chunk's lists of token ids (the keys' quotes unescaped: never within
+# a string), to write null for them as the server does when not asked.
+_NULL_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":(\s*)\[[\d,\s]*\]')
 
 
 def _set(value: Any) -> bool:
@@ -392,7 +395,10 @@ class Stream:
             self.broke = "error"
             return BREAK, b""
         seg = self.segments[-1]
-        rewrite = self._read(doc, seg)
+        nulled = self.ids_wanted and self._ids(doc, seg)
+        rewrite = seg.by_ids and self.chat
+        if rewrite:
+            _as_chat(doc)
         choices = doc.get("choices")
         if choices == [] and isinstance(doc.get("usage"), dict):
             u = doc["usage"]
@@ -418,7 +424,8 @@ class Stream:
             if said is not None:
                 return said
         if not rewrite:
-            return PASS, raw
+            # Only the ids taken out: in place, the chunk's bytes otherwise as they came.
+            return PASS, _NULL_IDS.sub(rb'"\1":\2null', raw) if nulled else raw
         doc["id"], doc["created"] = self.id, self.created
         return PASS, b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
@@ -455,15 +462,6 @@ class Stream:
                 return HOLD, b""  # the role delta again: not repeated
             doc["choices"] = [{**choice, "delta": delta}, *choices[1:]]
         return None
-
-    def _read(self, doc: dict[str, Any], seg: Segment) -> bool:
-        """Keep `doc`'s token ids, a completion's chunk turned into a chat's for a
-        chat continued by them; whether `doc` was changed."""
-        changed = self.ids_wanted and self._ids(doc, seg)
-        if seg.by_ids and self.chat:
-            _as_chat(doc)
-            changed = True
-        return changed
 
     def _ids(self, doc: dict[str, Any], seg: Segment) -> bool:
         """Keep the token ids `doc` gives (the prompt's from the first replica only:

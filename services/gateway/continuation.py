@@ -120,6 +120,7 @@ class Continuations:
         # runs on simulated nodes only), which gives them as vLLM does.
         ids = self.by_ids and d is not None and (d.runtime is None or d.runtime.engine == "vllm")
         ids_for_it = ids and not rules.ids_asked(doc)
+        size = len(body)  # the client's, for its prompt's estimate
         sent = rules.counting(doc) if asked else doc
         if ids_for_it:
             sent = rules.asking_ids(sent)
@@ -130,7 +131,7 @@ class Continuations:
             m,
             route,
             doc,
-            len(body),
+            size,
             strip_counts=asked,
             ids=ids or rules.ids_asked(doc),
             strip_ids=ids_for_it,
