@@ -339,10 +339,12 @@ def run(
     extra: tuple[str, ...] = (),
     streams: int = 2,
     whole: int | None = None,
+    target_inflight: int | None = None,
 ) -> Figures:
     """One drill on a fresh `llmgw up` in `base`; its figures. `tokens`: each answer's
     (50 a second), the least and the most; `whole`: a whole answer's instead, when
-    given; `extra`: more flags of `llmgw up`."""
+    given; `extra`: more flags of `llmgw up`; `target_inflight`: the loaded models'
+    (their default, 8, when not given: a replica admits twice it)."""
     up = UpProcess(
         base / "data",
         base / "up.log",
@@ -360,7 +362,13 @@ def run(
         _until("the gateway's address", up, gw_file.exists)
         gateway = gw_file.read_text().strip()
         spec = base / "cluster.yaml"
-        spec.write_text(CLUSTER)
+        cluster = CLUSTER
+        if target_inflight is not None:
+            for m in LOADED:
+                cluster = cluster.replace(
+                    f"  - name: {m}\n", f"  - name: {m}\n    target_inflight: {target_inflight}\n"
+                )
+        spec.write_text(cluster)
         applied = up.llmgw("apply", "-f", str(spec))
         assert applied.returncode == 0, applied.stderr
         _until(

@@ -54,6 +54,13 @@ def main() -> None:
     )
     p.add_argument("--all-streams", action="store_true", help="every request streamed (else half)")
     p.add_argument(
+        "--target-inflight",
+        type=int,
+        default=None,
+        help="the loaded models' target_inflight (8 when not given; a replica admits twice "
+        "it): long streams at a high rate need more than the drill's 12 GPUs admit",
+    )
+    p.add_argument(
         "--whole-tokens",
         type=int,
         default=None,
@@ -83,6 +90,7 @@ def main() -> None:
                 extra,
                 1 if a.all_streams else 2,
                 a.whole_tokens,
+                a.target_inflight,
             )
         name = "default" if limit is None else limit
         print(f"--- continuation limit {name}", flush=True)
