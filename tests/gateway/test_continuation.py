@@ -373,7 +373,11 @@ async def test_a_stream_whose_limit_is_spent_at_its_break_ends_there(
 
 @pytest.mark.parametrize("cut", ["reset", "abort"])
 async def test_a_chat_stream_goes_on_by_token_ids_where_the_engine_gives_them(
-    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, cut: str
+    plane: Plane,
+    engines: Engines,
+    client: openai.AsyncOpenAI,
+    spans: Any,  # noqa: F811
+    cut: str,
 ) -> None:
     model = f"ci-{cut}"
     a, b = await _two(plane, engines, model, cut, ids=True)
@@ -398,6 +402,12 @@ async def test_a_chat_stream_goes_on_by_token_ids_where_the_engine_gives_them(
         assert (c.model_extra or {}).get("prompt_token_ids") is None
         assert all((x.model_extra or {}).get("token_ids") is None for x in c.choices)
     assert plane.gateway.continuations.moved_by == {"token_ids": 1}
+
+    async def ended() -> Any:
+        return spans.get_finished_spans()
+
+    await wait_for(ended, lambda s: any(x.name.startswith("POST") for x in s), 5)
+    assert _span_of(spans, model)["llmgw.moved_by"] == "token_ids"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     # The usage of an answer never broken: the resent ids are no one's output.
     assert chunks[-1].usage.prompt_tokens == PROMPT_TOKENS
