@@ -792,3 +792,38 @@ def test_the_settle_time_is_a_flag_of_every_gateway_and_what_its_drains_wait() -
     for bad in ("-1", "nan", "soon"):
         with pytest.raises(SystemExit):
             made.parse_args(["gateway", "--continuation-settle", bad])
+
+
+def test_the_body_resumed_by_token_ids_and_the_bound_on_the_ids_held() -> None:
+    chat = {
+        "model": "m",
+        "messages": HI,
+        "max_completion_tokens": 20,
+        "temperature": 0,
+        "stop": ["\n"],
+        "chat_template_kwargs": {"x": 1},
+        "stream": True,
+    }
+    got = rules.resumed_ids(chat, rules.CHAT, [7, 8], [1, 2, 3], 3)
+    assert got["prompt"] == [7, 8, 1, 2, 3] and got["max_tokens"] == 17
+    assert got["temperature"] == 0 and got["stop"] == ["\n"] and got["stream"] is True
+    assert got["return_token_ids"] is True and got["stream_options"]["include_usage"] is True
+    assert not {"messages", "max_completion_tokens", "chat_template_kwargs"} & set(got)
+    # A completion that names no limit had 16 tokens (vLLM's and OpenAI's default).
+    plain = {"model": "m", "prompt": "p", "min_tokens": 5}
+    got = rules.resumed_ids(plain, rules.COMPLETIONS, [7], [1, 2], 2)
+    assert got["max_tokens"] == 16 - 2 and got["min_tokens"] == 3
+    assert rules.exhausted(plain, 16, rules.COMPLETIONS)
+    # A chat without a limit is not continued by ids (its limit is the model's length).
+    assert rules.by_ids_limit({"messages": HI}, rules.CHAT) is None
+    # Past `max_ids` held, a stream goes on by text.
+    st = rules.Stream(chat=False, ids_wanted=True, strip_ids=True, max_ids=4)
+    st.begin("a")
+    first = {"id": "x", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [9, 9]}]}
+    first["choices"][0]["token_ids"] = [1]
+    what, out = st.event(b"data: " + msgspec.json.encode(first) + b"\n\n")
+    assert what == rules.PASS and b'"prompt_token_ids":null' in out and b'"token_ids":null' in out
+    assert st.by_ids and st.prompt_ids == [9, 9] and st.ids == [1]
+    more = {"id": "x", "choices": [{"index": 0, "text": "bc", "token_ids": [2, 3]}]}
+    st.event(b"data: " + msgspec.json.encode(more) + b"\n\n")
+    assert not st.by_ids and st.text == "abc"
