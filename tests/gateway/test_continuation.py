@@ -513,9 +513,11 @@ def _used_of(es: list[ev.Event], rid: str) -> tuple[int, int, int]:
     )
 
 
+@pytest.mark.parametrize("ids", [False, True], ids=["text", "token_ids"])
 async def test_a_continued_streams_usage_is_an_unbroken_ones(
-    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, tmp_path: Path
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, tmp_path: Path, ids: bool
 ) -> None:
+    m = "cui" if ids else "cu"
     key = "sk-team-a-0123456789abcdef"
     p = tmp_path / "keys"
     p.write_text(f"{key} team-a tpm=1000000\n")
@@ -523,36 +525,37 @@ async def test_a_continued_streams_usage_is_an_unbroken_ones(
     plane.gateway.keys = Keys.load(p)
     plane.gateway.clock = lambda: 0.0
     keyed = openai.AsyncOpenAI(base_url=f"{plane.url}/v1", api_key=key, max_retries=0, timeout=10)
-    whole = await engines("cu-whole", 1000)
-    await plane.model("cu-plain")
-    await plane.ready("cu-whole", "cu-plain", whole.url)
-    await _two(plane, engines, "cu", "reset", at=4, cuts=2)
+    whole = await engines(f"{m}-whole", 1000, ids=ids)
+    await plane.model(f"{m}-plain")
+    await plane.ready(f"{m}-whole", f"{m}-plain", whole.url)
+    await _two(plane, engines, m, "reset", at=4, cuts=2, ids=ids)
     try:
         # Without include_usage (the gateway asks, and strips the chunk) and with it.
         for options in ({}, {"stream_options": {"include_usage": True}}):
             plane.gateway.admission.buckets.clear()
-            assert _text(await _chat(keyed, "cu-plain", max_tokens=20, **options)) == FULL
+            assert _text(await _chat(keyed, f"{m}-plain", max_tokens=20, **options)) == FULL
             unbroken = dict(plane.gateway.admission.buckets)
             plane.gateway.admission.buckets.clear()
-            assert _text(await _chat(keyed, "cu", max_tokens=20, **options)) == FULL
+            assert _text(await _chat(keyed, m, max_tokens=20, **options)) == FULL
             # The key's tokens: what an unbroken answer took.
             assert plane.gateway.admission.buckets == unbroken
     finally:
         await keyed.close()
+    assert plane.gateway.continuations.moved_by == {"token_ids" if ids else "text": 2}
 
     async def used() -> list[ev.Event]:
         return await node_events(plane.gateway.js, plane.node)
 
     def told(es: list[ev.Event]) -> bool:
-        return _used_of(es, "cu-b")[2] == 2 * (N - 4) and _used_of(es, "cu-whole")[0] == 2
+        return _used_of(es, f"{m}-b")[2] == 2 * (N - 4) and _used_of(es, f"{m}-whole")[0] == 2
 
     es = await wait_for(used, told, 10)
-    plain = _used_of(es, "cu-whole")
+    plain = _used_of(es, f"{m}-whole")
     assert plain == (2, 2 * PROMPT_TOKENS, 2 * N)
     # Each replica its part; together, what the unbroken answers took.
-    assert _used_of(es, "cu-a") == (2, 2 * PROMPT_TOKENS, 2 * 4)
-    assert _used_of(es, "cu-b") == (0, 0, 2 * (N - 4))
-    parts = [_used_of(es, r) for r in ("cu-a", "cu-b")]
+    assert _used_of(es, f"{m}-a") == (2, 2 * PROMPT_TOKENS, 2 * 4)
+    assert _used_of(es, f"{m}-b") == (0, 0, 2 * (N - 4))
+    parts = [_used_of(es, r) for r in (f"{m}-a", f"{m}-b")]
     assert tuple(map(sum, zip(*parts, strict=True))) == plain
 
 
