@@ -88,6 +88,7 @@ class Figures:
 
     rate: float
     seconds: float
+    streaming: str = "half streaming"
     answers: list[Answer] = field(default_factory=list)
     drains: dict[str, int] = field(default_factory=dict)
     """Replica -> the stream seq of its (first) `replica.drain`."""
@@ -122,10 +123,25 @@ class Figures:
             return statistics.median(took) * 1000
         return took[min(len(took) - 1, int(q * len(took)))] * 1000
 
+    def summary(self) -> str:
+        """One line: the errors, and the preempted replicas' drain to stopped."""
+        kinds = Counter(a.error for a in self.errors)
+        freed = (
+            f"p50 {statistics.median(self.freed):.2f} s, max {max(self.freed):.2f} s "
+            f"({len(self.freed)} replicas)"
+            if self.freed
+            else "none preempted"
+        )
+        return (
+            f"{len(self.answers)} requests, {len(self.errors)} client-visible errors"
+            + (f" {dict(kinds)}" if kinds else "")
+            + f"; preempted, decision to GPUs freed: {freed}"
+        )
+
     def lines(self) -> list[str]:
         kinds = Counter(a.error for a in self.errors)
         return [
-            f"load: {self.rate:g} req/s for {self.seconds:g} s, half streaming, "
+            f"load: {self.rate:g} req/s for {self.seconds:g} s, {self.streaming}, "
             f"{len(self.answers)} requests",
             f"errors: {len(self.errors)}" + (f" {dict(kinds)}" if kinds else ""),
             f"latency: p50 {self.quantile_ms(0.5):.1f} ms, p99 {self.quantile_ms(0.99):.1f} ms",
@@ -201,10 +217,11 @@ async def _load(
     seconds: float,
     tokens: tuple[int, int] = (MAX_TOKENS, MAX_TOKENS),
     streams: int = 2,
+    whole: int | None = None,
 ) -> list[Answer]:
     """Open loop: a request every 1/rate s whatever the answers do, each of `tokens`
     (the least and the most, spread over the requests); one in `streams` of them whole,
-    the others streamed (1: all streamed)."""
+    the others streamed (1: all streamed); a whole one of `whole` tokens when given."""
     timeout = aiohttp.ClientTimeout(total=max(GRACE_S * 2, tokens[1] / 10))
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -219,6 +236,8 @@ async def _load(
             model = LOADED[(i // 2) % 2]
             size = tokens[0] + (i * 37) % (tokens[1] - tokens[0] + 1)
             stream = streams == 1 or i % streams != 0
+            if not stream and whole is not None:
+                size = whole
             tasks.append(asyncio.create_task(_one(http, base, model, stream, size)))
         return list(await asyncio.gather(*tasks))
 
@@ -319,9 +338,13 @@ def run(
     tokens: tuple[int, int] = (MAX_TOKENS, MAX_TOKENS),
     extra: tuple[str, ...] = (),
     streams: int = 2,
+    whole: int | None = None,
+    target_inflight: int | None = None,
 ) -> Figures:
     """One drill on a fresh `llmgw up` in `base`; its figures. `tokens`: each answer's
-    (50 a second), the least and the most; `extra`: more flags of `llmgw up`."""
+    (50 a second), the least and the most; `whole`: a whole answer's instead, when
+    given; `extra`: more flags of `llmgw up`; `target_inflight`: the loaded models'
+    (their default, 8, when not given: a replica admits twice it)."""
     up = UpProcess(
         base / "data",
         base / "up.log",
@@ -332,14 +355,20 @@ def run(
         *("--tick", "0.2"),
         *extra,
     )
-    figures = Figures(rate, seconds)
+    figures = Figures(rate, seconds, "all streaming" if streams == 1 else "half streaming")
     try:
         url = up.wait_url()
         gw_file = base / "data" / "gateway.url"
         _until("the gateway's address", up, gw_file.exists)
         gateway = gw_file.read_text().strip()
         spec = base / "cluster.yaml"
-        spec.write_text(CLUSTER)
+        cluster = CLUSTER
+        if target_inflight is not None:
+            for m in LOADED:
+                cluster = cluster.replace(
+                    f"  - name: {m}\n", f"  - name: {m}\n    target_inflight: {target_inflight}\n"
+                )
+        spec.write_text(cluster)
         applied = up.llmgw("apply", "-f", str(spec))
         assert applied.returncode == 0, applied.stderr
         _until(
@@ -350,7 +379,7 @@ def run(
 
         async def both() -> list[Answer]:
             chaos = asyncio.create_task(_chaos(up, url, seconds, figures.steps))
-            answers = await _load(gateway, rate, seconds, tokens, streams)
+            answers = await _load(gateway, rate, seconds, tokens, streams, whole)
             await chaos
             return answers
 

@@ -18,6 +18,16 @@ is `ttft_s` plus its wait for the prefills before it and its own uncached tokens
 the rate. It reports `usage.prompt_tokens_details.cached_tokens` as vLLM does with
 `--enable-prompt-tokens-details`. A prompt's tokens are its characters over 4.
 
+Token ids are given as vLLM gives them when asked (`return_token_ids: true`): the
+prompt's `prompt_token_ids` in the first chunk (a chat's at the top, a completion's in
+its choice), each chunk's `token_ids`. A simulated token id is a word's index in WORDS
+for what it writes, and a character's code point plus PROMPT_ID_BASE for the prompt it
+read (the request's messages or prompt as JSON, what its words are drawn from); a
+completion whose prompt is such ids reads them back, so a stream continued by token ids
+on another replica (the prompt's ids followed by the words' ids written so far) goes on
+with the very words an unbroken answer has. Its usage still counts a prompt's
+characters over 4, and a prompt of ids as that plus the words' ids in it.
+
 Errors are simulated too, for the gateway's tests and drills (`--sim-errors`): a share of
 the requests (per model, or for every model) fail in one of the ways in ERRORS, chosen
 by a hash of the seed, the model and the request's number at its replica, so the n-th
@@ -57,6 +67,9 @@ EMBEDDING_DIM = 8
 BLOCK_TOKENS = 16
 CHARS_PER_TOKEN = 4
 WORDS = ("the", "plane", "folds", "a", "log", "of", "facts", "and", "serves", "tokens")
+# PROMPT_ID_BASE is where a prompt's simulated token ids begin (a character's code point
+# plus it), past the words' (their index in WORDS).
+PROMPT_ID_BASE = 16
 
 # ERRORS are the ways a simulated request fails, and what each does.
 ERRORS = {
@@ -121,6 +134,10 @@ class _Answer:
     n: int
     words: list[str]
     usage: dict[str, Any]
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids when asked for (`return_token_ids`); None when not."""
+    first: int = 0
+    """The words written before these (a prompt of token ids that ends with some)."""
 
     def whole(self) -> dict[str, Any]:
         text = " ".join(self.words)
@@ -145,8 +162,19 @@ class _Answer:
     def _kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def chunk(self, delta: str | None, finish: str | None, role: bool = False) -> bytes:
-        """One event a choice: each of the `n` choices streams the same words."""
+    def chunk(
+        self,
+        delta: str | None,
+        finish: str | None,
+        role: bool = False,
+        ids: list[int] | None = None,
+        prompt: bool = False,
+    ) -> bytes:
+        """One event a choice: each of the `n` choices streams the same words. `ids`
+        are the chunk's token ids, `prompt` says it is the first: given as vLLM gives
+        them when asked for, and null where it writes null when not (a completion's
+        `prompt_token_ids` and `token_ids` in each chunk, a chat's `token_ids` in each
+        chunk but its first, its `prompt_token_ids` in its first)."""
         out = b""
         for i in range(self.n):
             c: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
@@ -156,7 +184,12 @@ class _Answer:
                 )
             else:
                 c["text"] = delta or ""
-            doc = {
+            asked = self.prompt_ids is not None
+            if not self.chat:
+                c["prompt_token_ids"] = self.prompt_ids if prompt else None
+            if ids is not None:
+                c["token_ids"] = ids if asked else None
+            doc: dict[str, Any] = {
                 "id": self.rid,
                 "object": self._kind(),
                 "created": self.created,
@@ -164,6 +197,8 @@ class _Answer:
                 "system_fingerprint": self.replica,
                 "choices": [c],
             }
+            if prompt and self.chat:
+                doc["prompt_token_ids"] = self.prompt_ids
             out += b"data: " + json.dumps(doc).encode() + b"\n\n"
         return out
 
@@ -237,6 +272,30 @@ def _prompt(body: dict[str, Any]) -> str:
     if "messages" in body:
         return json.dumps(body.get("messages"), sort_keys=True, default=str)
     return json.dumps(body.get("prompt"), sort_keys=True, default=str)
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    """A prompt's simulated token ids: its characters' code points past the words'."""
+    return [ord(ch) + PROMPT_ID_BASE for ch in prompt]
+
+
+def read_ids(ids: Any) -> tuple[str, int] | None:
+    """A prompt of token ids read back: (the prompt it encodes, the words written after
+    it); None when it is not a list of the ids `prompt_ids` and WORDS make."""
+    if not isinstance(ids, list) or not ids:
+        return None
+    chars: list[str] = []
+    words = 0
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0 or i > 0x10FFFF:
+            return None
+        if i >= PROMPT_ID_BASE and not words:
+            chars.append(chr(i - PROMPT_ID_BASE))
+        elif i < len(WORDS):
+            words += 1
+        else:
+            return None
+    return "".join(chars), words
 
 
 class Responder:
@@ -407,9 +466,17 @@ class Responder:
         if kind is not None and (not stream or kind in ("500", "503")):
             return await self._fail(request, kind)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.replica}-{self._n}"
-        prompt = _prompt(body)
-        words = _tokens(self.model, prompt, _max_tokens(body))
-        prompt_tokens = max(1, len(prompt) // CHARS_PER_TOKEN)
+        read = None if chat else read_ids(body.get("prompt"))
+        prompt, first = _prompt(body), 0
+        if read is not None:
+            # Token ids: the prompt they encode, and the words already written after it.
+            prompt, first = read
+        limit = _max_tokens(body)
+        if read is not None and body.get("max_tokens", 0) is None:
+            # No limit: as far as the model goes, MAX_TOKENS_DEFAULT words in all.
+            limit = max(MAX_TOKENS_DEFAULT - first, 0)
+        words = _tokens(self.model, prompt, first + limit)[first:]
+        prompt_tokens = max(1, len(prompt) // CHARS_PER_TOKEN) + first
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(words) * n,
@@ -418,7 +485,12 @@ class Responder:
         cached = await self._prefill(prompt, prompt_tokens)
         if self.timing.cache_tokens > 0:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        answer = _Answer(rid, int(time.time()), self.model, self.replica, chat, n, words, usage)
+        ids = prompt_ids(prompt) if body.get("return_token_ids") is True else None
+        if ids is not None and read is not None:
+            ids = body["prompt"]
+        answer = _Answer(
+            rid, int(time.time()), self.model, self.replica, chat, n, words, usage, ids, first
+        )
         gap = 1.0 / self.timing.tps if self.timing.tps > 0 else 0.0
         if not stream:
             if gap and len(words) > 1:
@@ -441,11 +513,13 @@ class Responder:
         )
         await resp.prepare(request)
         if answer.chat:
-            await resp.write(answer.chunk("", None, role=True))
+            await resp.write(answer.chunk("", None, role=True, prompt=True))
         for i, w in enumerate(answer.words):
             if i and gap:
                 await asyncio.sleep(gap)
-            await resp.write(answer.chunk(w if i == 0 else " " + w, None))
+            text = w if i + answer.first == 0 else " " + w
+            ids = [WORDS.index(w)]
+            await resp.write(answer.chunk(text, None, ids=ids, prompt=i == 0))
             if kind is not None:
                 # Past the first token there is no status left: it breaks off mid-stream.
                 if kind == "garbage":
@@ -457,7 +531,9 @@ class Responder:
                 if request.transport is not None:
                     request.transport.close()
                 return resp
-        await resp.write(answer.chunk(None if answer.chat else "", "length"))
+        await resp.write(
+            answer.chunk(None if answer.chat else "", "length", ids=[], prompt=not answer.words)
+        )
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
             await resp.write(answer.usage_chunk())

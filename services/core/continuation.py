@@ -13,6 +13,14 @@ message instead of opening a new turn); a completion gets its prompt with the te
 far appended. `max_tokens` (and `max_completion_tokens`, vLLM's `min_tokens`) is what
 is left of it. The new replica's chunks go to the client under the first one's `id` and
 `created`, without a second role delta, and the one `[DONE]` ends them all.
+
+Where the engine gives token ids (vLLM, asked with `return_token_ids: true`: the prompt's
+`prompt_token_ids` in the first chunk, each chunk's `token_ids`), a stream is continued
+by them instead (`resumed_ids`): a `/v1/completions` request whose prompt is the
+prompt's ids followed by every generated id, what the new replica reads then being what
+the first one had read, token for token; its chunks are turned back into the chat's
+shape for a chat (`Segment.by_ids`). The ids the gateway asked for on its client's
+behalf are taken out of what the client gets (`Stream.strip_ids`).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -28,9 +36,20 @@ import msgspec
 # a fourth time is cut, as it would be without continuation. Dynamo's advice, "start
 # with 3", for the same knob (`--migration-limit`).
 LIMIT = 3
+# SETTLE_S is how long a stream on a replica whose drain is folded goes on there before
+# it is moved (`--continuation-settle`): long enough for a stream about to end to end
+# where it is, short against a drain's grace (30 s by default, 2 s in the drills).
+SETTLE_S = 1.0
 # MAX_TEXT bounds the text held for one request (characters): past it the stream is passed
 # on as before and no longer continued (a cut is then a cut). About 50,000 tokens.
 MAX_TEXT = 200_000
+# MAX_IDS bounds the token ids held for one request (the prompt's and the generated):
+# past it the stream is continued by text (bounded by MAX_TEXT), as where the engine
+# gives none.
+MAX_IDS = 100_000
+# COMPLETIONS_MAX_TOKENS is `/v1/completions`' `max_tokens` when a request names none
+# (OpenAI's and vLLM's): what is left of it is what a continuation asks for.
+COMPLETIONS_MAX_TOKENS = 16
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -50,6 +69,9 @@ GUIDED = (
 )
 
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# _NULL_IDS finds a chunk's lists of token ids (the keys' quotes unescaped: never within
+# a string), to write null for them as the server does when not asked.
+_NULL_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":(\s*)\[[\d,\s]*\]')
 
 
 def _set(value: Any) -> bool:
@@ -107,13 +129,14 @@ def left(limit: Any, sent: int) -> Any:
     return max(limit - sent, 0)
 
 
-def exhausted(doc: dict[str, Any], sent: int) -> bool:
-    """Whether the request's token limit is spent by the `sent` tokens generated."""
+def exhausted(doc: dict[str, Any], sent: int, path: str = CHAT) -> bool:
+    """Whether the request's token limit is spent by the `sent` tokens generated (a
+    completion's default one when it names none)."""
     for f in ("max_tokens", "max_completion_tokens"):
         v = doc.get(f)
         if v.__class__ is int and v - sent <= 0:
             return True
-    return False
+    return path == COMPLETIONS and doc.get("max_tokens") is None and sent >= COMPLETIONS_MAX_TOKENS
 
 
 def resumed(doc: dict[str, Any], path: str, text: str, sent: int) -> dict[str, Any]:
@@ -138,6 +161,7 @@ def resumed(doc: dict[str, Any], path: str, text: str, sent: int) -> dict[str, A
         out["add_generation_prompt"] = False
     else:
         out["prompt"] = doc["prompt"] + text
+        out["max_tokens"] = by_ids_limit(doc, path)  # its default when it names none
     for f in ("max_tokens", "max_completion_tokens", "min_tokens"):
         if f in out:
             out[f] = left(out[f], sent)
@@ -147,6 +171,85 @@ def resumed(doc: dict[str, Any], path: str, text: str, sent: int) -> dict[str, A
         "include_usage": True,
     }
     return out
+
+
+# CHAT_ONLY are the fields of a chat request that `/v1/completions` has no use for (or
+# would read otherwise): a chat continued by token ids leaves them out. Its sampling
+# fields (temperature, top_p, stop, penalties, vLLM's extensions) go as they came.
+CHAT_ONLY = frozenset(
+    {
+        "messages",
+        "max_completion_tokens",
+        "continue_final_message",
+        "add_generation_prompt",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "documents",
+        "reasoning_effort",
+        "include_reasoning",
+        "mm_processor_kwargs",
+        "response_format",
+        "modalities",
+        "audio",
+        "prediction",
+        "store",
+        "metadata",
+        "service_tier",
+        "web_search_options",
+        "return_token_ids",
+    }
+)
+
+
+def by_ids_limit(doc: dict[str, Any], path: str) -> Any:
+    """The request's own token limit as a `/v1/completions` one would read it: a
+    chat's `max_completion_tokens` or `max_tokens`, a completion's `max_tokens` (its
+    default when it names none); None when a chat names none (it runs to the model's
+    length, which the gateway does not know: such a chat is continued by text)."""
+    if path == CHAT:
+        v = doc.get("max_completion_tokens")
+        return v if v is not None else doc.get("max_tokens")
+    v = doc.get("max_tokens")
+    return COMPLETIONS_MAX_TOKENS if v is None else v
+
+
+def resumed_ids(
+    doc: dict[str, Any], path: str, prompt_ids: list[int], ids: list[int], sent: int
+) -> dict[str, Any]:
+    """The `/v1/completions` body that continues `doc` by token ids once `ids` (`sent`
+    tokens) have reached its client: the prompt's ids and the generated ones as prompt,
+    the limits reduced, the ids and the usage asked for."""
+    out = {k: v for k, v in doc.items() if k not in CHAT_ONLY} if path == CHAT else dict(doc)
+    out["prompt"] = [*prompt_ids, *ids]
+    out["max_tokens"] = left(by_ids_limit(doc, path), sent)
+    if "min_tokens" in out:
+        out["min_tokens"] = left(out["min_tokens"], sent)
+    out["return_token_ids"] = True
+    options = out.get("stream_options")
+    out["stream_options"] = {
+        **(options if isinstance(options, dict) else {}),
+        "include_usage": True,
+    }
+    return out
+
+
+def ids_asked(doc: dict[str, Any]) -> bool:
+    """Whether the request asks for token ids itself (vLLM's `return_token_ids`)."""
+    return doc.get("return_token_ids") is True
+
+
+def asking_ids(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` asking a vLLM server for the prompt's and the output's token ids."""
+    return {**doc, "return_token_ids": True}
+
+
+def _int_list(v: Any) -> TypeGuard[list[int]]:
+    return v.__class__ is list and all(x.__class__ is int for x in v)
 
 
 def counts_asked(doc: dict[str, Any]) -> bool:
@@ -202,6 +305,11 @@ class Segment:
     chunks: int = 0
     """Its JSON chunks passed on, what a stream never moved is counted by without a
     usage chunk (as the gateway counts any stream: one a token, the last one too)."""
+    by_ids: bool = False
+    """Its answer is to a continuation by token ids: `/v1/completions` chunks, turned
+    into the chat's shape for a chat."""
+    ids: int | None = None
+    """The token ids its chunks gave; None without any."""
 
 
 @dataclass
@@ -228,6 +336,23 @@ class Stream:
     usage_event: dict[str, Any] | None = None
     """The last usage chunk, decoded: the summed one is made from it."""
     usage_raw: bytes | None = None
+    ids_wanted: bool = False
+    """Token ids were asked for (by the gateway or by the client): keep them."""
+    strip_ids: bool = False
+    """Take the token ids out of what the client gets (the gateway asked, not it)."""
+    max_ids: int = MAX_IDS
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, as the first replica's first chunk said."""
+    ids: list[int] = field(default_factory=list)
+    """Every token id generated for the client so far."""
+    ids_whole: bool = True
+    """Every chunk with text so far came with its ids (and they are under `max_ids`)."""
+
+    @property
+    def by_ids(self) -> bool:
+        """Whether the stream can be continued by token ids: the prompt's and every
+        generated one are known."""
+        return self.ids_wanted and self.ids_whole and self.prompt_ids is not None
 
     @property
     def text(self) -> str:
@@ -243,10 +368,12 @@ class Stream:
     def _generated(s: Segment) -> int:
         if s.usage is not None:
             return s.usage[1]
-        return s.events if s.counted is None else s.counted
+        if s.counted is not None:
+            return s.counted
+        return s.events if s.ids is None else s.ids
 
-    def begin(self, replica: Any) -> None:
-        self.segments.append(Segment(replica))
+    def begin(self, replica: Any, by_ids: bool = False) -> None:
+        self.segments.append(Segment(replica, by_ids=by_ids))
         self.broke = None
 
     def event(self, raw: bytes) -> tuple[str, bytes]:
@@ -268,6 +395,10 @@ class Stream:
             self.broke = "error"
             return BREAK, b""
         seg = self.segments[-1]
+        nulled = self.ids_wanted and self._ids(doc, seg)
+        rewrite = seg.by_ids and self.chat
+        if rewrite:
+            _as_chat(doc)
         choices = doc.get("choices")
         if choices == [] and isinstance(doc.get("usage"), dict):
             u = doc["usage"]
@@ -278,7 +409,8 @@ class Stream:
         if self.id is None:
             self.id, self.created = doc.get("id"), doc.get("created")
         seg.chunks += 1
-        moved = rewrite = len(self.segments) > 1
+        moved = len(self.segments) > 1
+        rewrite = rewrite or moved
         u = doc.get("usage")
         if isinstance(u, dict):
             c = u.get("completion_tokens")
@@ -292,7 +424,8 @@ class Stream:
             if said is not None:
                 return said
         if not rewrite:
-            return PASS, raw
+            # Only the ids taken out: in place, the chunk's bytes otherwise as they came.
+            return PASS, _NULL_IDS.sub(rb'"\1":\2null', raw) if nulled else raw
         doc["id"], doc["created"] = self.id, self.created
         return PASS, b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
@@ -330,7 +463,46 @@ class Stream:
             doc["choices"] = [{**choice, "delta": delta}, *choices[1:]]
         return None
 
-    def _text(self, choice: dict[str, Any]) -> str:
+    def _ids(self, doc: dict[str, Any], seg: Segment) -> bool:
+        """Keep the token ids `doc` gives (the prompt's from the first replica only:
+        a later one's prompt is the resent prefix), taking them out when the client did
+        not ask (null, as vLLM writes them unasked); whether `doc` was changed."""
+        changed = False
+        prompt = doc.get("prompt_token_ids")  # a chat's, in its first chunk
+        if prompt is not None and (self.strip_ids or len(self.segments) > 1):
+            doc["prompt_token_ids"] = None
+            changed = True
+        choices = doc.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return changed
+        choice = choices[0]
+        if choice.get("prompt_token_ids") is not None:  # a completion's, in its first chunk
+            prompt = choice["prompt_token_ids"]
+            if self.strip_ids or len(self.segments) > 1:
+                choice["prompt_token_ids"] = None
+                changed = True
+        got = choice.get("token_ids")
+        if self.strip_ids and got is not None:
+            choice["token_ids"] = None
+            changed = True
+        if len(self.segments) == 1 and self.prompt_ids is None and _int_list(prompt):
+            self.prompt_ids = prompt
+        if _int_list(got):
+            seg.ids = (seg.ids or 0) + len(got)
+            if self.ids_whole:
+                self.ids.extend(got)
+        elif self._text(choice, seg):
+            self.ids_whole = False  # text without its ids: this engine gives none
+        if self.ids_whole and len(self.ids) + len(self.prompt_ids or ()) > self.max_ids:
+            self.ids_whole = False
+        if not self.ids_whole:
+            self.ids = []
+        return changed
+
+    def _text(self, choice: dict[str, Any], seg: Segment | None = None) -> str:
+        if seg is not None and seg.by_ids:
+            got = choice.get("text")
+            return got if isinstance(got, str) else ""
         if self.chat:
             delta = choice.get("delta")
             got = delta.get("content") if isinstance(delta, dict) else None
@@ -401,3 +573,29 @@ class Stream:
             kind = "text_completion"
         doc = {"id": self.id, "object": kind, "created": self.created, "choices": [choice]}
         return b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+
+def _as_chat(doc: dict[str, Any]) -> None:
+    """A `/v1/completions` chunk turned into a chat's, in place: its choices' text a
+    content delta, its object a chat chunk's."""
+    doc["object"] = "chat.completion.chunk"
+    choices = doc.get("choices")
+    if not isinstance(choices, list):
+        return
+    out: list[Any] = []
+    for c in choices:
+        if not isinstance(c, dict):
+            out.append(c)
+            continue
+        text = c.get("text")
+        chat: dict[str, Any] = {
+            "index": c.get("index", 0),
+            "delta": {"content": text} if isinstance(text, str) and text else {},
+            "logprobs": None,
+            "finish_reason": c.get("finish_reason"),
+        }
+        for k in ("stop_reason", "token_ids"):
+            if k in c:
+                chat[k] = c[k]
+        out.append(chat)
+    doc["choices"] = out

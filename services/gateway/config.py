@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.core.continuation import LIMIT
+from services.core.continuation import LIMIT, SETTLE_S
 from services.core.pickers import DEFAULT_PICKER, PICKERS
 from services.gateway.listen import (
     BODY_BUDGET,
@@ -170,6 +170,16 @@ class Config:
             "never, a broken stream is cut. Never for guided/structured output, tools, "
             'n > 1, logprobs, best_of or a seed (docs/gateway.md, "Streams that survive '
             'their replica")',
+        },
+    )
+    continuation_settle_s: float = field(
+        default=SETTLE_S,
+        metadata={
+            "help": "seconds a stream on a replica whose drain (preemption, scale-down, "
+            "node drained or lost) is decided goes on there before it moves to another "
+            "replica: a stream about to end ends where it is. Shorter frees the drained "
+            "GPUs sooner; longer moves fewer streams. 0: at the drain. Keep it under the "
+            "drain's grace, or the drain waits for the streams instead (default {default})",
         },
     )
     fast_path: bool = field(

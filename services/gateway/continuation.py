@@ -47,16 +47,19 @@ class Forwarder(Protocol):
     @property
     def first_byte(self) -> Callable[[web.Request], None]: ...
 
-    async def _post(self, request: web.Request, r: Any, body: bytes) -> aiohttp.ClientResponse:
-        """The replica's answer begun, or `Unreachable`."""
+    async def _post(
+        self, request: web.Request, r: Any, body: bytes, path: str | None = None
+    ) -> aiohttp.ClientResponse:
+        """The replica's answer to `body` on `path` (the request's own when None)
+        begun, or `Unreachable`."""
         ...
 
 
 # SETTLE_S is how long a stream in flight on a replica whose drain is folded goes on
-# there before it is moved: a stream about to end ends where it is, and the requests a
-# drain cuts short are the long ones. The drain's grace then bounds the wait for short
-# requests only.
-SETTLE_S = 1.0
+# there before it is moved (`--continuation-settle`): a stream about to end ends where it
+# is, and the requests a drain cuts short are the long ones. The drain's grace then
+# bounds the wait for short requests only.
+SETTLE_S = rules.SETTLE_S
 
 DONE_EVENT = b"data: [DONE]\n\n"
 # TRIES is how many replicas one move asks: a replica that fails before the first byte
@@ -81,10 +84,15 @@ class Continuations:
     inflight_factor: float = routing.INFLIGHT_FACTOR
     settle_s: float = SETTLE_S
     max_text: int = rules.MAX_TEXT
+    by_ids: bool = True
+    """Continue by token ids where the engine gives them; False: by text always (what
+    the engine tier compares them with)."""
     on: dict[str, set[Plan]] = field(default_factory=dict)
     """The continued streams in flight, per replica now serving them."""
     moved: dict[str, int] = field(default_factory=dict)
     """Streams moved away from each replica since the start."""
+    moved_by: dict[str, int] = field(default_factory=dict)
+    """Moves since the start, by how they went on (`token_ids`, `text`)."""
 
     def plan(
         self, request: web.Request, m: catalog.Model, route: routing.Route, body: bytes
@@ -108,9 +116,26 @@ class Continuations:
         d = self.view().state.models.get(m.name)
         counted = d is not None and d.runtime is not None and d.runtime.engine == "vllm"
         asked = counted and not rules.counts_asked(doc)
-        if asked:
-            body = msgspec.json.encode(rules.counting(doc))
-        request[PLAN] = Plan(self, m, route, doc, len(body), strip_counts=asked)
+        # Token ids from vLLM, and from the simulated server (a model without a runtime
+        # runs on simulated nodes only), which gives them as vLLM does.
+        ids = self.by_ids and d is not None and (d.runtime is None or d.runtime.engine == "vllm")
+        ids_for_it = ids and not rules.ids_asked(doc)
+        size = len(body)  # the client's, for its prompt's estimate
+        sent = rules.counting(doc) if asked else doc
+        if ids_for_it:
+            sent = rules.asking_ids(sent)
+        if asked or ids_for_it:
+            body = msgspec.json.encode(sent)
+        request[PLAN] = Plan(
+            self,
+            m,
+            route,
+            doc,
+            size,
+            strip_counts=asked,
+            ids=ids or rules.ids_asked(doc),
+            strip_ids=ids_for_it,
+        )
         return body
 
     def leaving(self, gone: list[str]) -> None:
@@ -156,6 +181,12 @@ class Plan:
     strip_counts: bool = False
     """The gateway asked the server for a running token count in each chunk
     (`continuous_usage_stats`) on the client's behalf: taken out of what it gets."""
+    ids: bool = False
+    """Token ids were asked for (`return_token_ids`): kept, to continue by them."""
+    strip_ids: bool = False
+    """The gateway asked for them on the client's behalf: taken out of what it gets."""
+    by_ids: bool = False
+    """Its next segment answers a continuation by token ids (on `/v1/completions`)."""
     draining: bool = False
     """Its upstream was closed to move it off a draining replica."""
     wrote: bool = False
@@ -190,6 +221,8 @@ class Plan:
             chat=request.path == rules.CHAT,
             max_text=self.of.max_text,
             strip_counts=self.strip_counts,
+            ids_wanted=self.ids,
+            strip_ids=self.strip_ids,
         )
         sent[1] = 0  # counted here, whatever happens
         tried = [r.id]
@@ -198,7 +231,7 @@ class Plan:
         end = b""
         try:
             while True:
-                st.begin(r)
+                st.begin(r, self.by_ids)
                 self._on(r, upstream)
                 what = await self._pass(fw, request, st, upstream, resp, moves < self.of.limit)
                 if what == rules.DONE:
@@ -207,7 +240,7 @@ class Plan:
                 broke, self.draining = ("drain" if self.draining else st.broke), False
                 nxt = None
                 if st.unsafe is None and moves < self.of.limit:
-                    if rules.exhausted(self.doc, st.sent):
+                    if rules.exhausted(self.doc, st.sent, request.path):
                         end = st.ending() + DONE_EVENT
                         break
                     # Its slot there freed at once, not once another is found: a drain
@@ -337,7 +370,17 @@ class Plan:
         routable ones but those tried, else from the waiting room (bounded by its
         model's predicted start), and one more tried when the first fails before its
         first byte, as a new request's is; None when none can be had."""
-        doc = rules.resumed(self.doc, request.path, st.text, st.sent)
+        # By token ids when every one is known and the request has a limit to reduce
+        # (a chat without one runs to the model's length, which a completion cannot
+        # say); else by text.
+        by_ids = st.by_ids and rules.by_ids_limit(self.doc, request.path) is not None
+        if by_ids and st.prompt_ids is not None:
+            doc = rules.resumed_ids(self.doc, request.path, st.prompt_ids, st.ids, st.sent)
+            path = rules.COMPLETIONS
+        else:
+            by_ids = False
+            doc = rules.resumed(self.doc, request.path, st.text, st.sent)
+            path = request.path
         if self.strip_counts:
             doc = rules.counting(doc)
         body = msgspec.json.encode(doc)
@@ -354,31 +397,36 @@ class Plan:
                 except Refusal:
                     return None
             tried.append(nxt.id)
-            up = await self._begin(fw, request, nxt, body)
+            up = await self._begin(fw, request, nxt, body, path)
             if up is None:
                 continue
+            how = "token_ids" if by_ids else "text"
             fw.lines.say(
                 logging.INFO,
                 ("moved", r.id),
-                "gateway: %s: stream moved to %s (%s)",
+                "gateway: %s: stream moved to %s (%s, by %s)",
                 r.id,
                 nxt.id,
                 broke,
+                how,
             )
             span = request[SPAN]
             span.set_attribute("llmgw.moves", len(tried) - 1)
             span.set_attribute("llmgw.moved_to", nxt.id)
             span.set_attribute("llmgw.moved_why", str(broke))
+            span.set_attribute("llmgw.moved_by", how)
+            self.by_ids = by_ids
+            self.of.moved_by[how] = self.of.moved_by.get(how, 0) + 1
             return nxt, up
         return None
 
     async def _begin(
-        self, fw: Forwarder, request: web.Request, nxt: Any, body: bytes
+        self, fw: Forwarder, request: web.Request, nxt: Any, body: bytes, path: str
     ) -> aiohttp.ClientResponse | None:
-        """`nxt`'s answer to `body` begun as a stream; None (its slot freed) when it
-        cannot be asked or answers anything else."""
+        """`nxt`'s answer to `body` on `path` begun as a stream; None (its slot freed)
+        when it cannot be asked or answers anything else."""
         try:
-            up = await fw._post(request, nxt, body)
+            up = await fw._post(request, nxt, body, path)
         except (Unreachable, Refusal):
             self.of.holding.done(nxt, self.route)
             return None

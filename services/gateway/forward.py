@@ -114,15 +114,20 @@ class Forwarder:
         finally:
             upstream.release()
 
-    async def _post(self, request: web.Request, r: Any, body: bytes) -> aiohttp.ClientResponse:
+    async def _post(
+        self, request: web.Request, r: Any, body: bytes, path: str | None = None
+    ) -> aiohttp.ClientResponse:
         """The replica's answer begun: its status and headers; `Unreachable` when it
-        cannot be asked, 504 when it does not answer in time."""
+        cannot be asked, 504 when it does not answer in time. `path`: another than the
+        request's (a stream continued by token ids goes on on `/v1/completions`)."""
         assert self.http is not None
         if self.ports.refuses(r.endpoint):
             raise Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
         try:
-            return await self.http.post(f"{r.endpoint}{request.path}", data=body, headers=headers)
+            return await self.http.post(
+                f"{r.endpoint}{path or request.path}", data=body, headers=headers
+            )
         except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise Unreachable(

@@ -198,6 +198,9 @@ class Gateway:
     """The moves one stream may make to another replica when its own breaks or drains
     (`--continuation-limit`; 0: none, a broken stream is cut):
     `services.gateway.continuation`."""
+    continuation_settle_s: float = continuing.SETTLE_S
+    """How long a continued stream on a replica whose drain is folded goes on there
+    before it moves (`--continuation-settle`)."""
     fast_path: bool = True
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
@@ -261,6 +264,7 @@ class Gateway:
             uses=self.uses,
             lines=self.lines,
             inflight_factor=self.inflight_factor,
+            settle_s=self.continuation_settle_s,
         )
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets
@@ -307,6 +311,7 @@ class Gateway:
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
             continuation_limit=config.continuation_limit,
+            continuation_settle_s=config.continuation_settle_s,
             router=pickers[config.routing](),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,

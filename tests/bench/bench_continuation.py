@@ -4,8 +4,10 @@ Run from the repository root: `python tests/bench/bench_continuation.py [--event
 Prints the CPU an event of a vLLM-shaped chat stream takes through the continuation's
 reading (`services.core.continuation`: the events split out of the bytes, each decoded,
 its text kept), on the replica that began it and on one it moved to (each chunk
-rewritten under the first one's id). A stream that may not be continued passes its
-chunks as they come and costs none of this. Asserts nothing.
+rewritten under the first one's id), and as a vLLM server's stream is read now: with
+the running usage and the token ids the gateway asked for in each chunk, kept and taken
+out (each chunk rewritten). A stream that may not be continued passes its chunks as they
+come and costs none of this. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -27,21 +29,33 @@ EVENT = (
     b'"finish_reason":null}],"usage":null}\n\n'
 )
 
+# IDS_EVENT: vLLM's chunk when asked for the running usage and the token ids.
+IDS_EVENT = (
+    b'data: {"id":"chatcmpl-0a1b2c","object":"chat.completion.chunk","created":1733400000,'
+    b'"model":"tiny","choices":[{"index":0,"delta":{"content":" word"},"logprobs":null,'
+    b'"finish_reason":null,"token_ids":[412]}],"usage":{"prompt_tokens":14,'
+    b'"total_tokens":40,"completion_tokens":26,"completion_tokens_details":null}}\n\n'
+)
 
-def per_event(events: int, moved: bool) -> float:
+
+def per_event(events: int, moved: bool, ids: bool = False) -> float:
     """Microseconds of CPU an event, read three to a chunk as a server sends them."""
-    st = rules.Stream(chat=True, max_text=10**12)
+    st = rules.Stream(
+        chat=True, max_text=10**12, strip_counts=ids, ids_wanted=ids, strip_ids=ids, max_ids=10**12
+    )
     st.begin("a")
+    event = IDS_EVENT if ids else EVENT
     if moved:
-        st.event(EVENT)
+        st.event(event)
         st.begin("b")
-    chunk = EVENT * 3
+    chunk = event * 3
     t = time.process_time()
     for _ in range(events // 3):
         whole, _ = rules.events(chunk)
         for raw in whole:
             st.event(raw)
         st.parts.clear()
+        st.ids.clear()
     return (time.process_time() - t) / (events // 3 * 3) * 1e6
 
 
@@ -53,6 +67,8 @@ def main() -> None:
         us = per_event(a.events, moved)
         where = "moved (rewritten)" if moved else "first replica"
         print(f"continuation reading, {where}: {us:.2f} us CPU an event")
+    us = per_event(a.events, False, ids=True)
+    print(f"continuation reading, vLLM's running usage and token ids taken out: {us:.2f} us")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ are cut as before; so is a stream past `--continuation-limit`. With no other rep
 waits for one; a replica whose drain is folded has its streams moved off it.
 
 The replicas are small aiohttp servers in the test that answer as vLLM does, one word a
-token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given."""
+token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given.
+Those made with `ids` give token ids when asked, as vLLM does (`wN` is the id N, a
+prompt's words ids from 1000), and go on from a prompt of ids on `/v1/completions`: the
+gateway continues their streams by token ids. The simulated server (services.agent.
+responder) gives them too."""
 
 from __future__ import annotations
 
@@ -47,11 +51,21 @@ class Engine:
     break after `at` tokens, as `cut` says (`hold`: they wait there for ever)."""
 
     def __init__(
-        self, name: str, created: int, cut: str | None, at: int, cuts: int, merge: int = 1
+        self,
+        name: str,
+        created: int,
+        cut: str | None,
+        at: int,
+        cuts: int,
+        merge: int = 1,
+        ids: bool = False,
     ) -> None:
         self.name, self.created = name, created
         self.cut, self.at, self.cuts = cut, at, cuts
         self.merge = merge
+        self.ids = ids
+        """Give token ids when asked, and read a prompt of them."""
+        self.paths: list[str] = []
         """Tokens a chunk (vLLM merges what its client has not read yet)."""
         self.refuse = False
         """Answer 503 (a server that cannot take it)."""
@@ -72,7 +86,14 @@ class Engine:
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     def _chunk(
-        self, chat: bool, n: int, text: str | None, reason: str | None, usage: Any = None
+        self,
+        chat: bool,
+        n: int,
+        text: str | None,
+        reason: str | None,
+        usage: Any = None,
+        ids: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> bytes:
         if chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
@@ -83,7 +104,11 @@ class Engine:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None}
             kind = "text_completion"
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
         choice["finish_reason"] = reason
+        if ids is not None:
+            choice["token_ids"] = ids
         doc: dict[str, Any] = {
             "id": f"cmpl-{self.name}-{n}",
             "object": kind,
@@ -93,6 +118,8 @@ class Engine:
         }
         if usage is not None:
             doc["usage"] = usage
+        if chat and prompt_ids is not None:
+            doc["prompt_token_ids"] = prompt_ids
         return b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
     def _usage(self, chat: bool, n: int, prompt: int, out: int) -> bytes:
@@ -116,10 +143,17 @@ class Engine:
         if self.refuse:
             return web.Response(status=503, text="draining")
         n = len(self.bodies)
+        self.paths.append(request.path)
         chat = request.path == rules.CHAT
-        text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
-        start = len(_W.findall(text))
-        prompt = len(text.split())
+        given = body.get("prompt")
+        if self.ids and isinstance(given, list):
+            # A prompt of token ids: the prompt's (from 1000), then the words' (wN is N).
+            start, prompt = sum(1 for t in given if t < 1000), len(given)
+        else:
+            text = " ".join(m["content"] for m in body["messages"]) if chat else given
+            start, prompt = len(_W.findall(text)), len(text.split())
+        ids = self.ids and body.get("return_token_ids") is True
+        prompt_ids = given if isinstance(given, list) else list(range(1000, 1000 + prompt))
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 10**6
         end = min(N, start + limit)
         options = body.get("stream_options") or {}
@@ -127,17 +161,22 @@ class Engine:
         running = options.get("continuous_usage_stats") is True
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        first = prompt_ids if ids else None
         if chat:
-            await resp.write(self._chunk(chat, n, "", None))
+            await resp.write(self._chunk(chat, n, "", None, prompt_ids=first))
+            first = None
         breaking = self.cut is not None and n <= self.cuts
         out = 0
         for i in range(start, end, self.merge):
             if breaking and out >= self.at:
                 return await self._break(request, resp, chat, n, prompt, out, usage)
-            words = "".join(f"w{k} " for k in range(i, min(i + self.merge, end)))
-            out += len(words.split())
+            got = list(range(i, min(i + self.merge, end)))
+            words = "".join(f"w{k} " for k in got)
+            out += len(got)
             so_far = {"prompt_tokens": prompt, "completion_tokens": out} if running else None
-            await resp.write(self._chunk(chat, n, words, None, so_far))
+            chunk = self._chunk(chat, n, words, None, so_far, got if ids else None, first)
+            await resp.write(chunk)
+            first = None
         await resp.write(self._chunk(chat, n, None, "stop" if end == N else "length"))
         if usage:
             await resp.write(self._usage(chat, n, prompt, out))
@@ -188,8 +227,9 @@ async def engines() -> AsyncIterator[Engines]:
         at: int = 3,
         cuts: int = 1,
         merge: int = 1,
+        ids: bool = False,
     ) -> Engine:
-        e = Engine(name, created, cut, at, cuts, merge)
+        e = Engine(name, created, cut, at, cuts, merge, ids)
         await e.start()
         made.append(e)
         return e
@@ -212,8 +252,9 @@ async def _two(
 ) -> tuple[Engine, Engine]:
     """A model with two replicas, `-a` picked first (ties go to the lower id), which
     breaks its first answer as `cut` says; `-b` answers whole."""
-    a = await engines(f"{model}-a", 1000, cut, **kw)
-    b = await engines(f"{model}-b", 2000)
+    ids = kw.pop("ids", False)
+    a = await engines(f"{model}-a", 1000, cut, ids=ids, **kw)
+    b = await engines(f"{model}-b", 2000, ids=ids)
     await plane.model(model)
     await plane.ready(f"{model}-a", model, a.url)
     await plane.ready(f"{model}-b", model, b.url)
@@ -327,6 +368,139 @@ async def test_a_stream_whose_limit_is_spent_at_its_break_ends_there(
     assert b.bodies == []
 
 
+# ------------------------------------------------------------------------ by token ids
+
+
+@pytest.mark.parametrize("cut", ["reset", "abort"])
+async def test_a_chat_stream_goes_on_by_token_ids_where_the_engine_gives_them(
+    plane: Plane,
+    engines: Engines,
+    client: openai.AsyncOpenAI,
+    spans: Any,  # noqa: F811
+    cut: str,
+) -> None:
+    model = f"ci-{cut}"
+    a, b = await _two(plane, engines, model, cut, ids=True)
+    chunks = await _chat(client, model, max_tokens=20, stream_options={"include_usage": True})
+    assert _text(chunks) == FULL
+    # The first replica was asked for the ids on the client's behalf.
+    assert a.bodies[0]["return_token_ids"] is True
+    # The other went on from the prompt's ids and the 3 generated, on /v1/completions,
+    # for what was left: what it read is what the first one had read.
+    assert b.paths == [rules.COMPLETIONS]
+    (resumed,) = b.bodies
+    assert resumed["prompt"] == [1000, 1001, 0, 1, 2]
+    assert resumed["max_tokens"] == 20 - 3
+    assert "messages" not in resumed and "continue_final_message" not in resumed
+    # The client reads one chat answer: chat chunks under the first id, no ids in them.
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert {c.id for c in chunks} == {f"cmpl-{model}-a-1"}
+    assert {c.created for c in chunks} == {1000}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    # (Null, as vLLM writes them unasked.)
+    for c in chunks:
+        assert (c.model_extra or {}).get("prompt_token_ids") is None
+        assert all((x.model_extra or {}).get("token_ids") is None for x in c.choices)
+    assert plane.gateway.continuations.moved_by == {"token_ids": 1}
+
+    async def ended() -> Any:
+        return spans.get_finished_spans()
+
+    await wait_for(ended, lambda s: any(x.name.startswith("POST") for x in s), 5)
+    assert _span_of(spans, model)["llmgw.moved_by"] == "token_ids"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # The usage of an answer never broken: the resent ids are no one's output.
+    assert chunks[-1].usage.prompt_tokens == PROMPT_TOKENS
+    assert chunks[-1].usage.completion_tokens == N
+
+
+async def test_a_client_that_asks_for_token_ids_gets_them_across_the_move(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    await _two(plane, engines, "ck", "reset", ids=True)
+    chunks = await _chat(client, "ck", max_tokens=20, extra_body={"return_token_ids": True})
+    assert _text(chunks) == FULL
+    assert (chunks[0].model_extra or {})["prompt_token_ids"] == [1000, 1001]
+    assert all((c.model_extra or {}).get("prompt_token_ids") is None for c in chunks[1:])
+    got = [
+        t
+        for c in chunks
+        if c.choices
+        for t in (c.choices[0].model_extra or {}).get("token_ids") or ()
+    ]
+    assert got == list(range(N))
+
+
+async def test_a_completion_stream_goes_on_by_token_ids(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    _, b = await _two(plane, engines, "cq", "reset", at=5, ids=True)
+    stream = await client.completions.create(
+        model="cq", prompt="say words ", max_tokens=N, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == FULL
+    assert {c.id for c in chunks} == {"cmpl-cq-a-1"}
+    assert all(
+        (c.choices[0].model_extra or {}).get("token_ids") is None for c in chunks if c.choices
+    )
+    (resumed,) = b.bodies
+    assert resumed["prompt"] == [1000, 1001, 0, 1, 2, 3, 4]
+    assert resumed["max_tokens"] == N - 5
+
+
+async def test_a_chat_without_a_token_limit_goes_on_by_text(
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI
+) -> None:
+    # Its limit is the model's length, which a completion by ids cannot be told.
+    _, b = await _two(plane, engines, "cn", "reset", ids=True)
+    assert _text(await _chat(client, "cn")) == FULL
+    assert b.paths == [rules.CHAT]
+    assert b.bodies[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
+    assert plane.gateway.continuations.moved_by == {"text": 1}
+
+
+async def test_a_simulated_replicas_stream_moved_off_its_drain_is_the_unbroken_answer(
+    plane: Plane, client: openai.AsyncOpenAI
+) -> None:
+    from services.agent.responder import Responder, Timing
+
+    plane.gateway.continuations.settle_s = 0.05
+    timing = Timing(ttft_s=0.0, tps=100.0)
+    made = [Responder(f"cs-{x}", "cs", timing) for x in ("a", "b", "c")]
+    for r in made:
+        await r.start()
+    try:
+        await plane.model("cs")
+        await plane.ready("cs-c", "cs", made[2].endpoint)
+        ask = {"max_tokens": 40, "stream_options": {"include_usage": True}}
+        unbroken = await _chat(client, "cs", **ask)
+        await plane.drain("cs-c", "cs")
+        await plane.ready("cs-a", "cs", made[0].endpoint)
+        await plane.ready("cs-b", "cs", made[1].endpoint)
+        answer = asyncio.create_task(_chat(client, "cs", **ask))
+        await wait_for(_async(lambda: made[0].active), lambda n: n == 1, 5)
+        await plane.drain("cs-a", "cs")
+        chunks = await answer
+    finally:
+        for r in made:
+            await r.close()
+    # Moved by token ids: the very words of the unbroken answer, its usage.
+    assert plane.gateway.continuations.moved == {"cs-a": 1}
+    assert made[1].served == 1
+    assert _text(chunks) == _text(unbroken)
+    assert chunks[-1].usage.prompt_tokens == unbroken[-1].usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == unbroken[-1].usage.completion_tokens == 40
+    assert len({c.id for c in chunks}) == 1
+
+
+def _async(f: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    async def g() -> Any:
+        return f()
+
+    return g
+
+
 # ------------------------------------------------------------------------ usage
 
 
@@ -339,9 +513,11 @@ def _used_of(es: list[ev.Event], rid: str) -> tuple[int, int, int]:
     )
 
 
+@pytest.mark.parametrize("ids", [False, True], ids=["text", "token_ids"])
 async def test_a_continued_streams_usage_is_an_unbroken_ones(
-    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, tmp_path: Path
+    plane: Plane, engines: Engines, client: openai.AsyncOpenAI, tmp_path: Path, ids: bool
 ) -> None:
+    m = "cui" if ids else "cu"
     key = "sk-team-a-0123456789abcdef"
     p = tmp_path / "keys"
     p.write_text(f"{key} team-a tpm=1000000\n")
@@ -349,36 +525,37 @@ async def test_a_continued_streams_usage_is_an_unbroken_ones(
     plane.gateway.keys = Keys.load(p)
     plane.gateway.clock = lambda: 0.0
     keyed = openai.AsyncOpenAI(base_url=f"{plane.url}/v1", api_key=key, max_retries=0, timeout=10)
-    whole = await engines("cu-whole", 1000)
-    await plane.model("cu-plain")
-    await plane.ready("cu-whole", "cu-plain", whole.url)
-    await _two(plane, engines, "cu", "reset", at=4, cuts=2)
+    whole = await engines(f"{m}-whole", 1000, ids=ids)
+    await plane.model(f"{m}-plain")
+    await plane.ready(f"{m}-whole", f"{m}-plain", whole.url)
+    await _two(plane, engines, m, "reset", at=4, cuts=2, ids=ids)
     try:
         # Without include_usage (the gateway asks, and strips the chunk) and with it.
         for options in ({}, {"stream_options": {"include_usage": True}}):
             plane.gateway.admission.buckets.clear()
-            assert _text(await _chat(keyed, "cu-plain", max_tokens=20, **options)) == FULL
+            assert _text(await _chat(keyed, f"{m}-plain", max_tokens=20, **options)) == FULL
             unbroken = dict(plane.gateway.admission.buckets)
             plane.gateway.admission.buckets.clear()
-            assert _text(await _chat(keyed, "cu", max_tokens=20, **options)) == FULL
+            assert _text(await _chat(keyed, m, max_tokens=20, **options)) == FULL
             # The key's tokens: what an unbroken answer took.
             assert plane.gateway.admission.buckets == unbroken
     finally:
         await keyed.close()
+    assert plane.gateway.continuations.moved_by == {"token_ids" if ids else "text": 2}
 
     async def used() -> list[ev.Event]:
         return await node_events(plane.gateway.js, plane.node)
 
     def told(es: list[ev.Event]) -> bool:
-        return _used_of(es, "cu-b")[2] == 2 * (N - 4) and _used_of(es, "cu-whole")[0] == 2
+        return _used_of(es, f"{m}-b")[2] == 2 * (N - 4) and _used_of(es, f"{m}-whole")[0] == 2
 
     es = await wait_for(used, told, 10)
-    plain = _used_of(es, "cu-whole")
+    plain = _used_of(es, f"{m}-whole")
     assert plain == (2, 2 * PROMPT_TOKENS, 2 * N)
     # Each replica its part; together, what the unbroken answers took.
-    assert _used_of(es, "cu-a") == (2, 2 * PROMPT_TOKENS, 2 * 4)
-    assert _used_of(es, "cu-b") == (0, 0, 2 * (N - 4))
-    parts = [_used_of(es, r) for r in ("cu-a", "cu-b")]
+    assert _used_of(es, f"{m}-a") == (2, 2 * PROMPT_TOKENS, 2 * 4)
+    assert _used_of(es, f"{m}-b") == (0, 0, 2 * (N - 4))
+    parts = [_used_of(es, r) for r in (f"{m}-a", f"{m}-b")]
     assert tuple(map(sum, zip(*parts, strict=True))) == plain
 
 
@@ -598,3 +775,58 @@ def test_the_limit_is_a_flag_of_every_gateway_and_a_negative_one_is_refused() ->
     assert gateway_config(up, "--gateway-listen").continuation_limit == 5
     with pytest.raises(cli.UsageError, match="--continuation-limit: -1 is not a count"):
         gateway_config(made.parse_args(["gateway", "--continuation-limit", "-1"]))
+
+
+def test_the_settle_time_is_a_flag_of_every_gateway_and_what_its_drains_wait() -> None:
+    from schemas import subjects
+    from services.cli import app as cli
+    from services.cli.gateway import gateway_config
+    from services.gateway.server import Gateway
+
+    made = cli.build_parser()
+    default = gateway_config(made.parse_args(["gateway"]))
+    assert default.continuation_settle_s == rules.SETTLE_S == 1.0
+    got = gateway_config(made.parse_args(["gateway", "--continuation-settle", "0.25"]))
+    assert got.continuation_settle_s == 0.25
+    up = made.parse_args(["up", "--continuation-settle", "0"])
+    assert gateway_config(up, "--gateway-listen").continuation_settle_s == 0.0
+    gw = Gateway.of(None, got, root=subjects.DEFAULT_ROOT)
+    assert gw.continuations.settle_s == 0.25
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            made.parse_args(["gateway", "--continuation-settle", bad])
+
+
+def test_the_body_resumed_by_token_ids_and_the_bound_on_the_ids_held() -> None:
+    chat = {
+        "model": "m",
+        "messages": HI,
+        "max_completion_tokens": 20,
+        "temperature": 0,
+        "stop": ["\n"],
+        "chat_template_kwargs": {"x": 1},
+        "stream": True,
+    }
+    got = rules.resumed_ids(chat, rules.CHAT, [7, 8], [1, 2, 3], 3)
+    assert got["prompt"] == [7, 8, 1, 2, 3] and got["max_tokens"] == 17
+    assert got["temperature"] == 0 and got["stop"] == ["\n"] and got["stream"] is True
+    assert got["return_token_ids"] is True and got["stream_options"]["include_usage"] is True
+    assert not {"messages", "max_completion_tokens", "chat_template_kwargs"} & set(got)
+    # A completion that names no limit had 16 tokens (vLLM's and OpenAI's default).
+    plain = {"model": "m", "prompt": "p", "min_tokens": 5}
+    got = rules.resumed_ids(plain, rules.COMPLETIONS, [7], [1, 2], 2)
+    assert got["max_tokens"] == 16 - 2 and got["min_tokens"] == 3
+    assert rules.exhausted(plain, 16, rules.COMPLETIONS)
+    # A chat without a limit is not continued by ids (its limit is the model's length).
+    assert rules.by_ids_limit({"messages": HI}, rules.CHAT) is None
+    # Past `max_ids` held, a stream goes on by text.
+    st = rules.Stream(chat=False, ids_wanted=True, strip_ids=True, max_ids=4)
+    st.begin("a")
+    first = {"id": "x", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [9, 9]}]}
+    first["choices"][0]["token_ids"] = [1]
+    what, out = st.event(b"data: " + msgspec.json.encode(first) + b"\n\n")
+    assert what == rules.PASS and b'"prompt_token_ids":null' in out and b'"token_ids":null' in out
+    assert st.by_ids and st.prompt_ids == [9, 9] and st.ids == [1]
+    more = {"id": "x", "choices": [{"index": 0, "text": "bc", "token_ids": [2, 3]}]}
+    st.event(b"data: " + msgspec.json.encode(more) + b"\n\n")
+    assert not st.by_ids and st.text == "abc"
