@@ -74,6 +74,8 @@ from services.gateway.listen import (
     KEEPALIVE_S,
     MAX_BODY,
     QUEUE_PER_MODEL,
+    SHARE_EXPIRY_S,
+    SHARE_INTERVAL_S,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
@@ -115,6 +117,8 @@ from services.gateway.request import (
 )
 from services.gateway.request import route as route_of
 from services.gateway.routed import Routed
+from services.gateway.share import Sharing
+from services.gateway.shared import Cache, FleetPicker, Remote
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
 from services.plane.follower import ViewFollower
@@ -204,6 +208,11 @@ class Gateway:
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
+    share: bool = False
+    """Share the keys' limits, the load and the prefix index with the other gateways on
+    the broker `nc` (`services.gateway.share`; `Gateway.of` sets it from `--no-share`)."""
+    share_interval_s: float = SHARE_INTERVAL_S
+    share_expiry_s: float = SHARE_EXPIRY_S
     fleet: Fleet | None = None
     """The gateways' fleet as this one hears it (`services.gateway.fleet`), while it
     serves with a broker connection `nc`: it announces itself there, and says goodbye as
@@ -211,6 +220,8 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
+        if self.share and self.nc is not None:
+            self.router = FleetPicker(self.router, Remote(), Cache())
         self.routed = Routed(self.router, self.metrics, self.labelled)
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
@@ -262,6 +273,14 @@ class Gateway:
         self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
         self._scope = scope.Scope()
+        self.sharing: Sharing | None = None
+        if isinstance(self.router, FleetPicker):
+            self.sharing = Sharing(
+                self.id, self.nc, self.root, self.admission, self.router, self.room,
+                self.keys, self.share_interval_s, self.share_expiry_s, self.clock,
+                remote=self.router.remote, cache=self.router.cache,
+            )  # fmt: skip
+            self.holding.fleet = self.sharing
         replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self.answers = Answers(self.id, self._view, self.router, replies)
 
@@ -301,6 +320,9 @@ class Gateway:
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
             continuation_limit=config.continuation_limit,
+            share=config.share,
+            share_interval_s=config.share_interval_s,
+            share_expiry_s=config.share_expiry_s,
             router=pickers[config.routing](),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
@@ -353,6 +375,8 @@ class Gateway:
                 keepalive_timeout=self.idle_timeout_s,
             )
             await runner.setup()
+            if self.sharing is not None:
+                await self.sharing.start()  # the others' shares known before a request
             await web.SockSite(runner, sock).start()
             answers = None
             if self.nc is not None:
@@ -388,6 +412,8 @@ class Gateway:
                 if self.fleet is not None:
                     # Goodbye first: nobody counts on it while it finishes what it has.
                     await self.fleet.stop()
+                if self.sharing is not None:
+                    await self.sharing.stop()
                 if answers is not None:
                     with contextlib.suppress(nats.errors.Error):
                         await answers.unsubscribe()
@@ -466,6 +492,7 @@ class Gateway:
                 "demanded": self.counts.demanded,
                 "wake_ms": summary(self.counts.wakes),
                 "wake_send_ms": summary(self.counts.sends),
+                "share": None if self.sharing is None else self.sharing.said(),
             }
         )
 
