@@ -99,7 +99,8 @@ class Gateways:
             for i in among:
                 with contextlib.suppress(aiohttp.ClientError, json.JSONDecodeError):
                     h = await self.health(http, i)
-                    seen.append((h.get("share") or {}).get("gateways"))
+                    # A gateway that shares nothing (before sharing) is one alone, up.
+                    seen.append((h.get("share") or {}).get("gateways", n) if "seq" in h else None)
             if seen == [n] * len(among):
                 return
             assert time.monotonic() < deadline, f"gateways sharing: {seen}, not {n}"
