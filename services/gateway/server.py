@@ -58,7 +58,7 @@ from services.clock import new_id, utc_now
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
-from services.gateway import continuation, guard, plane, scope, streams, tokens
+from services.gateway import continuation, guard, plane, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
@@ -118,7 +118,6 @@ from services.gateway.request import (
 from services.gateway.request import route as route_of
 from services.gateway.routed import Routed
 from services.gateway.share import Sharing
-from services.gateway.shared import Cache, FleetPicker, Remote
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
 from services.plane.follower import ViewFollower
@@ -221,7 +220,7 @@ class Gateway:
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
         if self.share and self.nc is not None:
-            self.router = FleetPicker(self.router, Remote(), Cache())
+            self.router = share.wrap(self.router)
         self.routed = Routed(self.router, self.metrics, self.labelled)
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
@@ -273,14 +272,7 @@ class Gateway:
         self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
         self._scope = scope.Scope()
-        self.sharing: Sharing | None = None
-        if isinstance(self.router, FleetPicker):
-            self.sharing = Sharing(
-                self.id, self.nc, self.root, self.admission, self.router, self.room,
-                self.keys, self.share_interval_s, self.share_expiry_s, self.clock,
-                remote=self.router.remote, cache=self.router.cache,
-            )  # fmt: skip
-            self.holding.fleet = self.sharing
+        self.sharing: Sharing | None = share.attach(self)
         replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self.answers = Answers(self.id, self._view, self.router, replies)
 

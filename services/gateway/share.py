@@ -289,3 +289,32 @@ class Sharing:
         if msg.subject != subjects.cache_subject(b.gateway, self.root):
             return
         self.cache.heard(b.blocks)
+
+
+def wrap(router: Any) -> FleetPicker:
+    """The gateway's routing rule, deciding on the fleet's load and cache knowledge."""
+    return FleetPicker(router, Remote(), Cache())
+
+
+def attach(gw: Any) -> Sharing | None:
+    """The sharing of a gateway (`services.gateway.server.Gateway`) whose rule `wrap`
+    wrapped; None for one that shares nothing."""
+    router = gw.router
+    if not isinstance(router, FleetPicker):
+        return None
+    s = Sharing(
+        gw.id,
+        gw.nc,
+        gw.root,
+        gw.admission,
+        router,
+        gw.room,
+        gw.keys,
+        gw.share_interval_s,
+        gw.share_expiry_s,
+        gw.clock,
+        remote=router.remote,
+        cache=router.cache,
+    )
+    gw.holding.fleet = s
+    return s
