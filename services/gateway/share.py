@@ -6,7 +6,8 @@ Used by `services.gateway.server` when it has a broker connection and sharing is
 `schemas.share.Share` on core NATS (`subjects.share_subject`: never stored): its requests
 in flight per replica, its uncached prefill work in flight, its held requests per
 model, the keys it refused since, and the tokens of keys' limits it hands to others; and
-a `schemas.share.Routed` batch of the blocks it routed where. A gateway silent for
+a `schemas.share.Routed` batch of the blocks it routed where, sent as soon as the loop's
+turn that routed them is done. A gateway silent for
 `--share-expiry` (0.5 s) is gone, as is one that says it leaves: what it said is dropped
 and its share of every key's limits returns to the others (docs/gateway.md, "Several
 gateways").
@@ -105,6 +106,33 @@ class Sharing:
         if self.keys is not None:
             self._keys = {tag(k.digest): k for k in self.keys}
         self.admission.gateways = self.gateways
+        if self.cache is not None:
+            self.cache.on_routed = self._routed_soon
+        self._cache_due: asyncio.Task[None] | None = None
+
+    def _routed_soon(self) -> None:
+        """Blocks were routed: told to the others once this turn of the loop is done (a
+        conversation's next turn may come through another gateway a moment later)."""
+        if self._cache_due is None and self._task is not None:
+            self._cache_due = asyncio.get_running_loop().create_task(self._tell_cache())
+
+    async def _tell_cache(self) -> None:
+        try:
+            await self._publish_cache()
+        except nats.errors.Error as e:
+            log.debug("gateway: blocks not sent: %s", e)
+        finally:
+            self._cache_due = None
+
+    async def _publish_cache(self) -> None:
+        if self.cache is None:
+            return
+        blocks = self.cache.batch()
+        if blocks:
+            batch = schema.Routed(gateway=self.gateway, blocks=blocks)
+            await self.nc.publish(
+                subjects.cache_subject(self.gateway, self.root), schema.encode(batch)
+            )
 
     # ------------------------------------------------------------------ reading
 
@@ -165,6 +193,7 @@ class Sharing:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
         with contextlib.suppress(Exception):
             bye = schema.Share(gateway=self.gateway, at=time.time(), leaving=True)
             await self.nc.publish(
@@ -204,13 +233,7 @@ class Sharing:
             gives=gives,
         )
         await self.nc.publish(subjects.share_subject(self.gateway, self.root), schema.encode(msg))
-        if self.cache is not None:
-            blocks = self.cache.batch()
-            if blocks:
-                batch = schema.Routed(gateway=self.gateway, blocks=blocks)
-                await self.nc.publish(
-                    subjects.cache_subject(self.gateway, self.root), schema.encode(batch)
-                )
+        await self._publish_cache()
 
     # ------------------------------------------------------------------ hearing
 

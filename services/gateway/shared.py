@@ -13,8 +13,9 @@ The prefix rule's cache knowledge is shared as well (`Cache`): each pick's block
 told to the others as hashes that mean the same in every process (`stable_blocks`,
 blake2b: the rule's own hashes are Python's, salted per process), batched, and only the
 blocks not told already; what others told is kept per replica, bounded like the rule's
-own index, and taught to the rule (its public `index`, through its public `blocks`)
-before a pick whose prompt another gateway sent to a replica deeper than this one
+own index (`prefix.TOTAL_BLOCKS` of the others' blocks per gateway, a quarter of that of
+those it told, so as not to tell them again), and taught to the rule (its public
+`index`, through its public `blocks`) before a pick whose prompt another gateway sent to a replica deeper than this one
 knows. So a conversation's next turn through another gateway finds its warm replica.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +50,11 @@ def stable_blocks(
     seed = f"{model}\x00{salt or ''}\x00{owner or ''}".encode()
     h = hashlib.blake2b(seed, digest_size=DIGEST_BYTES).digest()
     end = min(len(text), size * prefix.MAX_BLOCKS) - size + 1
+    # An ASCII prompt (most are) is encoded once: its bytes are its characters.
+    raw = text.encode() if text.isascii() else None
     for i in range(0, end, size):
-        h = hashlib.blake2b(h + text[i : i + size].encode(), digest_size=DIGEST_BYTES).digest()
+        block = raw[i : i + size] if raw is not None else text[i : i + size].encode()
+        h = hashlib.blake2b(h + block, digest_size=DIGEST_BYTES).digest()
         out.append(int.from_bytes(h, "big") & _MASK)
     return out
 
@@ -70,11 +74,15 @@ class Cache:
     not told yet (`outgoing`) or told already (`told`, bounded alike)."""
 
     total_blocks: int = prefix.TOTAL_BLOCKS
+    told_blocks: int = prefix.TOTAL_BLOCKS // 4
     remote: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
     told: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
     outgoing: dict[str, list[int]] = field(default_factory=dict)
     taught: int = 0
     """Picks whose replica's blocks were taught to the rule from another gateway's."""
+    on_routed: Callable[[], None] | None = None
+    """Called when blocks wait to be told (the sharing sends them at once, batched with
+    whatever else the same turn of the loop routed)."""
 
     def routed(self, rid: str, hashes: list[int]) -> None:
         """This gateway sent a prompt of `hashes` to `rid`: the blocks not told yet go in
@@ -86,9 +94,11 @@ class Cache:
         for h in hashes:
             told[h] = None
             told.move_to_end(h)
-        _trim(self.told, self.total_blocks)
+        _trim(self.told, self.told_blocks)
         if new:
             self.outgoing.setdefault(rid, []).extend(new)
+            if self.on_routed is not None:
+                self.on_routed()
 
     def batch(self) -> dict[str, tuple[int, ...]]:
         """The blocks to tell now (emptied)."""

@@ -377,3 +377,28 @@ async def test_a_model_demanded_counts_each_waiting_request_once(
             for t in waiting:
                 t.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
+
+
+def test_the_shared_blocks_are_the_rules_blocks_hashed_alike_in_every_process() -> None:
+    from services.core import prefix
+    from services.gateway.shared import stable_blocks
+
+    text = "system prompt " * 200 + "é" * 300
+    assert len(stable_blocks("m", None, text)) == len(prefix.blocks("m", None, text))
+    code = (
+        "import sys; from services.gateway.shared import stable_blocks; "
+        f"print(stable_blocks('m', 's', {text!r}, owner='o')[-1])"
+    )
+    said = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(said) == 1
