@@ -19,6 +19,17 @@ from msgspec import Meta
 UtcTime = Annotated[datetime, Meta(tz=True)]
 
 
+class ModelLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """One model's load through one gateway."""
+
+    requests: int = 0
+    """Requests for it since the gateway started."""
+    inflight: int = 0
+    """Requests for it the gateway is forwarding now."""
+    held: int = 0
+    """Requests for it the gateway's waiting room holds now."""
+
+
 class GatewayAnnouncement(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """One gateway's word about itself. Unknown fields are ignored, as in every event, so
     a newer gateway may say more."""
@@ -43,6 +54,8 @@ class GatewayAnnouncement(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     """Requests it took since it started."""
     seq: int = 0
     """The stream sequence its view has folded."""
+    models: dict[str, ModelLoad] = {}
+    """Per model it has taken requests for: its load (the dashboard's traffic)."""
     every: float = 0.25
     """Seconds between its announcements."""
     leaving: bool = False

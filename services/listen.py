@@ -22,21 +22,34 @@ def parse(text: str, like: str) -> tuple[str, int]:
 
 
 def bind(
-    listen: str, like: str, backlog: int, error: Callable[[str], Exception]
+    listen: str,
+    like: str,
+    backlog: int,
+    error: Callable[[str], Exception],
+    *,
+    reuse_port: bool = False,
+    listening: bool = True,
 ) -> tuple[socket.socket, str]:
     """A listening, non-blocking socket on `listen` (port 0: a free one), and the
     `http://HOST:PORT` it is reached at. A port that cannot be had raises `error` with
-    one line naming the address and why."""
+    one line naming the address and why. `reuse_port`: SO_REUSEPORT, so that several
+    processes of one user listen on the one port and the kernel spreads the connections
+    among them (`llmgw up --gateways N`); `listening` False: bound only, to hold the
+    port for them (a socket that listens and never accepts would take its share of the
+    connections and leave them waiting)."""
     host, port = parse(listen, like)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(fam, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise error(f"cannot listen on {listen}: {e.strerror}") from e
-    sock.listen(backlog)
+    if listening:
+        sock.listen(backlog)
     sock.setblocking(False)
     shown = f"[{host}]" if fam == socket.AF_INET6 else host
     return sock, f"http://{shown}:{sock.getsockname()[1]}"

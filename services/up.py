@@ -44,7 +44,7 @@ from services.core.policy import Config as PolicyConfig
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
-from services.gateway.server import Gateway
+from services.gateways import Gateways, Reservation
 from services.plane import heap, lease
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -111,6 +111,9 @@ class UpOptions:
     cluster, 1 on a single server."""
     gateway: GatewayConfig | None = None
     """The gateway's settings (`--gateway-listen` its address); None: no gateway."""
+    gateways: int = 1
+    """Gateway processes on the gateway's one port (`--gateways`), each of its own,
+    restarted when it ends (`services.gateways`)."""
     wire_reader: bool = True
     """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
@@ -139,6 +142,8 @@ class Running:
     dashboard_url: str | None = None
     gateway_url: str | None = None
     """http://HOST:PORT/v1 of the gateway, when it runs."""
+    gateways: Gateways | None = None
+    """The gateway processes, when they run."""
 
 
 # BROKER_RESTARTS is how many times `up` restarts a broker that died within
@@ -558,9 +563,9 @@ async def _serve(
             ui_sock = _bind(
                 "dashboard", dashboard, opts.ui_any_port, opts.data / URL_FILE, DashboardError
             )
-        gateway: Gateway | None = None
+        gateway: Reservation | None = None
         if opts.gateway is not None:
-            gateway = Gateway.of(js, opts.gateway, root=opts.root, keys=opts.gateway_keys, nc=nc)
+            gateway = Reservation(opts.gateway.listen)
             gw_sock = _bind(
                 "gateway",
                 gateway,
@@ -568,14 +573,6 @@ async def _serve(
                 opts.data / GATEWAY_URL_FILE,
                 GatewayError,
             )
-        if gateway is not None:
-            # No replica's endpoint may name the plane's own ports (services.gateway.plane).
-            gateway.plane = (url, *([dashboard.url] if dashboard is not None else []))
-        if dashboard is not None and gateway is not None:
-            # The dashboard shows requests a second and in flight per model from the
-            # gateway's own counters (services.dashboard.traffic).
-            dashboard.gateway = gateway.traffic
-            dashboard.held = gateway.room.held_by_model
         running = Running(url, broker, scheduler, preempt, projector, agents, db_path)
         tasks = _plane_tasks(opts, nc, js, info, broker, running, stop)
         if dashboard is not None:
@@ -586,11 +583,42 @@ async def _serve(
             # carry the dashboard's token: the owner's alone).
             files.write_private(opts.data / URL_FILE, shown + "\n")
             log.info("dashboard: %s", shown)
-        if gateway is not None:
-            tasks[asyncio.create_task(gateway.run(stop, gw_sock), name="gateway")] = "gateway"
+        if gateway is not None and opts.gateway is not None:
+            # Processes of their own, never this one (services.gateways); no replica's
+            # endpoint may name the plane's own ports (services.gateway.plane).
+            fleet = Gateways(
+                opts.gateways,
+                opts.gateway,
+                url,
+                opts.root,
+                gateway.address(),
+                plane=(url, *([dashboard.url] if dashboard is not None else [])),
+            )
+            try:
+                await fleet.start(nc)
+            except GatewayError as e:
+                await fleet.stop()
+                gw_sock.close()
+                stop.set()
+                await asyncio.wait(tasks, timeout=15)
+                raise UpError(str(e)) from None
+            running.gateways = fleet
+            if dashboard is not None and fleet.traffic is not None:
+                # The dashboard shows requests a second, in flight and held per model
+                # from the gateways' announcements (services.dashboard.traffic).
+                dashboard.gateway = fleet.traffic.counts
+                dashboard.held = fleet.traffic.held
+            tasks[asyncio.create_task(_gateways(fleet, gw_sock, stop), name="gateways")] = (
+                "gateways"
+            )
             running.gateway_url = f"{gateway.url}/v1"
             files.write_private(opts.data / GATEWAY_URL_FILE, running.gateway_url + "\n")
-            log.info("gateway: %s", running.gateway_url)
+            log.info(
+                "gateway: %s (%s of their own, routing: %s)",
+                running.gateway_url,
+                names.plural(opts.gateways, "process", "processes"),
+                opts.gateway.routing,
+            )
         log.info(
             "up: scheduler, preemption service%s running on %s (root %r)%s",
             f", projector ({db_path})" if projector is not None else "",
@@ -616,6 +644,14 @@ async def _serve(
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
+
+
+async def _gateways(fleet: Gateways, sock: socket.socket, stop: asyncio.Event) -> None:
+    """The gateway processes watched until `stop`, their port held meanwhile."""
+    try:
+        await fleet.run(stop)
+    finally:
+        sock.close()
 
 
 def _simulated(opts: UpOptions, nodes: list[spec.NodeSpec], nc: BusClient) -> list[Agent]:

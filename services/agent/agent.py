@@ -60,6 +60,7 @@ from services.bus import consume as bus_consume
 from services.bus.publish import OTHER, new_seal
 from services.clock import new_id, utc_now
 from services.core import ingest
+from services.gateway.fleet import Fleet
 
 log = logging.getLogger("llmgw.agent")
 
@@ -243,6 +244,9 @@ class Agent:
         # _gateways_seen: whether the last drain found a gateway answering, so that a
         # plane without one is said once, not at every drain.
         self._gateways_seen: bool | None = None
+        # _fleet: the gateways' announcements, while it runs (a drain does not wait for a
+        # gateway gone from them: services.agent.gateways).
+        self._fleet: Fleet | None = None
         self._health = health
         self._health_file = health_file
         # _unhealthy: GPU index -> why; kept in `health_file` so a restart remembers it.
@@ -353,6 +357,13 @@ class Agent:
         )
         for rec in self._replicas.values():
             self._redrive(rec)
+        if self.gateway_wait:
+            fleet = Fleet(self.nc, self.root, rollcall=False)
+            try:
+                await fleet.start()
+                self._fleet = fleet
+            except nats.errors.Error as e:
+                log.warning("%s: the gateways' announcements not heard: %s", self.node, e)
         loops = [
             asyncio.create_task(self._consume(), name=f"{self.durable} commands"),
             asyncio.create_task(self._heartbeats(), name=f"{self.durable} heartbeat"),
@@ -386,6 +397,9 @@ class Agent:
             for t in tasks:
                 t.cancel()
             results = await asyncio.gather(*loops, *tasks, return_exceptions=True)
+            if self._fleet is not None:
+                await self._fleet.stop()
+                self._fleet = None
         for r in results[: len(loops)]:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
@@ -901,6 +915,7 @@ class Agent:
                 within_s=grace_s,
                 drain_seq=rec.drain_seq,
                 root=self.root,
+                fleet=self._fleet,
             )
         except nats.errors.Error as e:
             # No broker to ask through: the server's own drain is all there is.

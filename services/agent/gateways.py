@@ -11,8 +11,12 @@ gateway that answers has folded the drain (seq at or past the drain's), routes n
 new there and has nothing in flight on it; or at the end of the grace. No gateway
 answering is no wait: the broker says at once that nobody listens, and a subscriber that
 never answers costs `MUTE_S` (a gateway whose loop is busy with its load may answer a
-question late, and taking its silence for "none" would cut its streams). It publishes
-nothing to the log and decides nothing.
+question late, and taking its silence for "none" would cut its streams), unless the
+gateways' announcements (`services.gateway.fleet`) say that every gateway heard of is
+gone: one killed, frozen or cut off from the broker (whose subscription the broker may
+keep for minutes) is out of the fleet `EXPIRE_S` after its last announcement, and is not
+waited for past that; nor is an answer of a gone gateway waited for in each round. It
+publishes nothing to the log and decides nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS
 
 from schemas import inflight, subjects
 from services.bus import replies
+from services.gateway.fleet import Fleet
 
 # WINDOW_S bounds how long one question waits for answers (and the grace, when shorter).
 # A gateway answers within milliseconds; the window is for one whose loop is busy with
@@ -76,10 +81,13 @@ async def until_quiet(
     window_s: float = WINDOW_S,
     poll_s: float = POLL_S,
     mute_s: float = MUTE_S,
+    fleet: Fleet | None = None,
 ) -> Quiet:
     """Wait, at most `within_s`, until no gateway has `replica` in flight or routable
     (see the module docstring). `drain_seq` is the stream seq of the drain (0: unknown,
-    then a gateway's `routable` alone says whether it has folded it)."""
+    then a gateway's `routable` alone says whether it has folded it). `fleet`, the
+    gateways' announcements as this agent hears them: a gateway out of it is not waited
+    for."""
     t0 = time.monotonic()
     deadline = t0 + max(within_s, 0.0)
     subject = subjects.gateway_inflight_subject(node, replica, root)
@@ -88,15 +96,23 @@ async def until_quiet(
     while True:
         left = deadline - time.monotonic()
         answers = await _ask(nc, node, subject, expect, max(min(window_s, left), 0.01))
-        if answers is None or (not answers and time.monotonic() >= min(deadline, t0 + mute_s)):
+        if answers is None or (
+            not answers and (time.monotonic() >= min(deadline, t0 + mute_s) or _all_gone(fleet))
+        ):
             # Nobody listens (none runs, or the ones that did have stopped, their
-            # requests with them), or those listening stayed silent past `mute_s`:
-            # nothing is in flight through a gateway.
+            # requests with them), those listening stayed silent past `mute_s`, or every
+            # gateway heard of is gone (silent past its lease): nothing is in flight
+            # through a gateway that will ever finish it.
             return Quiet(0, 0, 0, time.monotonic() - t0)
         if not answers:
             continue  # someone listens and has not answered yet: ask again
         last = answers
         expect = len(answers)
+        if fleet is not None and fleet.heard_any:
+            # Those that answered and are still in the fleet: a gone one is not waited
+            # for, the whole window, in every round.
+            live = fleet.live()
+            expect = sum(1 for a in answers if a.gateway in live)
         busy = [a for a in answers if _busy(a, drain_seq)]
         if not busy or time.monotonic() >= deadline:
             return Quiet(
@@ -106,6 +122,12 @@ async def until_quiet(
                 time.monotonic() - t0,
             )
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def _all_gone(fleet: Fleet | None) -> bool:
+    """Whether the announcements say that every gateway heard of is gone (False when
+    none has been heard: then they say nothing)."""
+    return fleet is not None and fleet.heard_any and not fleet.live()
 
 
 async def _ask(

@@ -2,7 +2,8 @@
 
 Registered by `services.cli`. `get` lists one kind (nodes, models, replicas, holds)
 from the view `llmgw status` reads (`status.summary`, the same rows), as a table with or
-without headers, wide, JSON, YAML or `kind/name`; `-l key=value` selects nodes by label.
+without headers, wide, JSON, YAML or `kind/name`; `get gateways` lists the gateways that
+announce themselves on the live broker now (`services.gateway.fleet`); `-l key=value` selects nodes by label.
 `describe` is `explain` under kubectl's name. `wait` follows the live log
 (`services.replay.subscribe`) until a model is ready or at its desired count, or its
 --timeout passes. `completion` prints a bash or zsh script built from the command tree,
@@ -29,7 +30,7 @@ from services.core.view import View
 from services.replay import render
 from services.replay.errors import ReplayError
 
-GET_KINDS = ("node", "model", "replica", "hold")
+GET_KINDS = ("node", "model", "replica", "hold", "gateway")
 GET_OUTPUTS = ("table", "wide", "json", "yaml", "name")
 
 
@@ -46,7 +47,7 @@ def register(commands: cli.Commands) -> None:
 def _register_get(commands: cli.Commands) -> None:
     p = commands.add(
         "get",
-        help="list nodes, models, replicas or holds, as kubectl get does",
+        help="list nodes, models, replicas, holds or gateways, as kubectl get does",
         description=(
             "One kind of thing in the cluster, a row each, from the view `llmgw status`\n"
             "reads (the live broker, a stopped plane's stored log, or a bundle with --log):\n"
@@ -54,6 +55,9 @@ def _register_get(commands: cli.Commands) -> None:
             "  models    class, owner, live/desired and min..max, the replicas' states\n"
             "  replicas  model, state, nodes, age (--all: stopped and failed ones too)\n"
             "  holds     models kept from taking room back: for whom, until when\n"
+            "  gateways  the gateways serving now (live broker only: they announce\n"
+            "            themselves every 0.25 s): address, routing rule, requests in\n"
+            "            flight and a second, age; -o wide adds host, pid, requests, seq\n"
             "NAME... lists only those (each may be KIND/NAME); one the log does not have\n"
             "exits 3. -l key=value (key!=value, key) selects nodes by their labels, and\n"
             "replicas by the nodes they run on. -o name prints KIND/NAME a line, which\n"
@@ -67,15 +71,16 @@ def _register_get(commands: cli.Commands) -> None:
             "llmgw get replicas --no-headers | wc -l",
             "llmgw get model chat -o json | jq '.items[0].live'",
             "llmgw get holds --log incident.jsonl --at 2026-11-29T14:05:00Z",
+            "llmgw get gateways -o json",
         ),
         func=_get,
     )
     a = p.add_argument(
         "kind",
         metavar="KIND",
-        help="nodes, models, replicas or holds (singular too, or KIND/NAME)",
+        help="nodes, models, replicas, holds or gateways (singular too, or KIND/NAME)",
     )
-    a.completions = ("nodes", "models", "replicas", "holds")  # type: ignore[attr-defined]
+    a.completions = ("nodes", "models", "replicas", "holds", "gateways")  # type: ignore[attr-defined]
     p.add_argument("names", metavar="NAME", nargs="*", help="only these")
     p.add_argument(
         "-o",
@@ -413,6 +418,8 @@ def _get_kind(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 async def _get(args: argparse.Namespace) -> int:
     kind, wanted = _get_kind(args)
+    if kind == "gateway":
+        return await _get_gateways(args, wanted)
     selectors = parse_selectors(args.selector)
     if args.everything and kind != "replica":
         raise cli.UsageError("--all goes with replicas (stopped and failed ones)")
@@ -439,6 +446,86 @@ async def _get(args: argparse.Namespace) -> int:
 
         print(f"{cli.PROG}: no {kind}s in {run.where}", file=sys.stderr)
     return 0
+
+
+async def _get_gateways(args: argparse.Namespace, wanted: list[str]) -> int:
+    """`get gateways`: the fleet as the live broker hears it now (a roll call, then what
+    answered within `SETTLE_S`). Nothing of it is in the log, so no --log, --at, --seq."""
+    import sys
+
+    for flag, given in (
+        ("--log", args.log),
+        ("--at", args.at),
+        ("--seq", args.seq),
+        ("-l", args.selector),
+        ("--all", args.everything),
+        ("--state", args.states),
+    ):
+        if given:
+            raise cli.UsageError(
+                f"{flag} does not go with gateways: they are what announces itself on the "
+                "live broker now, not in the log"
+            )
+    from services.gateway.fleet import Fleet
+
+    async with cli.session(args, "llmgw get gateways") as s:
+        fleet = Fleet(s.nc, s.root)
+        await fleet.start()
+        try:
+            live = await fleet.settled()
+        finally:
+            await fleet.stop()
+    got = gateway_listing(live, datetime.now().astimezone(), wide=args.output == "wide")
+    if wanted:
+        keep = [i for i, item in enumerate(got.items) if item["gateway"] in wanted]
+        missing = sorted(set(wanted) - {got.items[i]["gateway"] for i in keep})
+        got = Listing(got.kind, [got.items[i] for i in keep], got.head, [got.rows[i] for i in keep])
+        if missing:
+            raise cli.NotFound(f"no gateway {', '.join(missing)} announces itself on {s.url}")
+    out = render_listing(got, args.output, headers=not args.no_headers)
+    if out:
+        print(out)
+    elif args.output in ("table", "wide"):
+        print(f"{cli.PROG}: no gateways announce themselves on {s.url}", file=sys.stderr)
+    return 0
+
+
+def gateway_listing(live: dict[str, Any], now: datetime, *, wide: bool = False) -> Listing:
+    """The rows of `get gateways` (pure): the announcements, oldest gateway first."""
+    items: list[dict[str, Any]] = []
+    rows: list[list[str]] = []
+    head = ["ID", "ADDRESS", "ROUTING", "INFLIGHT", "REQ/S", "AGE"]
+    if wide:
+        head += ["HOST", "PID", "REQUESTS", "SEQ"]
+    for a in sorted(live.values(), key=lambda a: (a.started, a.gateway)):
+        age = max(0.0, (now - a.started).total_seconds())
+        items.append(
+            {
+                "gateway": a.gateway,
+                "address": a.address,
+                "routing": a.routing,
+                "inflight": a.inflight,
+                "rate": a.rate,
+                "requests": a.requests,
+                "started": a.started.isoformat(),
+                "age_s": round(age, 1),
+                "host": a.host,
+                "pid": a.pid,
+                "seq": a.seq,
+            }
+        )
+        row = [
+            a.gateway,
+            a.address,
+            a.routing,
+            str(a.inflight),
+            f"{a.rate:.1f}",
+            render.ago(a.started, now).removesuffix(" ago"),
+        ]
+        if wide:
+            row += [a.host, str(a.pid), str(a.requests), str(a.seq)]
+        rows.append(row)
+    return Listing("gateway", items, head, rows)
 
 
 # ---------------------------------------------------------------------- describe

@@ -23,6 +23,8 @@ ALIASES = {
     "nodes": "node",
     "no": "node",
     "holds": "hold",
+    "gateways": "gateway",
+    "gw": "gateway",
 }
 
 

@@ -108,6 +108,15 @@ def register(commands: cli.Commands) -> None:
     g.add_argument(
         "--no-gateway", action="store_true", help="do not serve the OpenAI-compatible gateway"
     )
+    g.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes, each of its own (never this one: a gateway that crashes or "
+        "is killed is started again, and the plane goes on deciding), all on the gateway's "
+        "one port (SO_REUSEPORT: the kernel spreads the connections) (default 1)",
+    )
     add_gateway_options(g, flag="--gateway-listen", skip=GATEWAY_NOT_OFFERED)
     flags.add(p, process.Config)
 
@@ -133,6 +142,11 @@ def _gateway(args: argparse.Namespace) -> Any:
     """The gateway's `Config`, or None with --no-gateway."""
     if args.no_gateway:
         return None
+    if args.gateways < 1:
+        raise cli.UsageError(
+            f"--gateways: {args.gateways} is not a count of processes (at least 1; "
+            "--no-gateway for none)"
+        )
     return gateway_config(args, "--gateway-listen")
 
 
@@ -173,6 +187,7 @@ async def _up(args: argparse.Namespace) -> int:
         ui_hosts=allowed_hosts(args),
         replicas=args.replicas,
         gateway=gateway,
+        gateways=args.gateways,
         gateway_keys=gateway_keys(args) if gateway is not None else None,
         # The default addresses, when taken (another plane serves there), move to a free
         # port, said in one line; an address given is the operator's, and its being

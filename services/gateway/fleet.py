@@ -34,10 +34,10 @@ import nats.errors
 
 from schemas import fleet as schema
 from schemas import subjects
-from schemas.fleet import GatewayAnnouncement
+from schemas.fleet import GatewayAnnouncement, ModelLoad
 from services.core.fleet import EVERY_S, EXPIRE_S, Roster
 
-__all__ = ["EVERY_S", "EXPIRE_S", "Fleet", "GatewayAnnouncement"]
+__all__ = ["EVERY_S", "EXPIRE_S", "Fleet", "GatewayAnnouncement", "ModelLoad", "Traffic"]
 
 log = logging.getLogger("llmgw.gateway.fleet")
 
@@ -55,7 +55,9 @@ class Fleet:
     `me`, for a gateway: what it says of itself now (called at each announcement); then
     it announces itself every `every_s`, answers roll calls, says goodbye in `stop`, and
     `live()` includes it from `start` on. `on_change`, called with `live()` whenever a
-    gateway joins, leaves or falls silent (not when only its load changes)."""
+    gateway joins, leaves or falls silent (not when only its load changes). `rollcall`
+    False: it asks for no roll call at its start (an agent, whose role may not publish
+    there, learns the fleet from the announcements within an interval)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class Fleet:
         every_s: float = EVERY_S,
         expire_s: float = EXPIRE_S,
         clock: Callable[[], float] = time.monotonic,
+        rollcall: bool = True,
     ) -> None:
         if every_s <= 0 or expire_s <= 0:
             raise ValueError("every_s and expire_s must be more than 0")
@@ -83,6 +86,10 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._last_rollcall = float("-inf")
         self._mine: str | None = None
+        self._rollcall_at_start = rollcall
+        self.heard_any = False
+        """Whether it has heard any gateway (other than itself) since `start`: then an
+        empty `live()` says that every gateway it knew is gone, not that it knows none."""
 
     # ------------------------------------------------------------------ reading
 
@@ -119,8 +126,9 @@ class Fleet:
                 )
             )
             await self._announce()
-        with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(subjects.gateway_rollcall_subject(self.root), b"")
+        if self._rollcall_at_start:
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(subjects.gateway_rollcall_subject(self.root), b"")
         self._task = asyncio.create_task(self._beat(), name="gateway fleet")
 
     async def stop(self) -> None:
@@ -187,6 +195,7 @@ class Fleet:
         a = schema.decode(msg.data)
         if a is None or named != a.gateway or a.gateway == self._mine:
             return  # a stranger's, one on another's subject, or this gateway's own echo
+        self.heard_any = True
         self._take(a)
 
     def _take(self, a: GatewayAnnouncement) -> None:
@@ -204,6 +213,41 @@ class Fleet:
             self.on_change(self.roster.live())
         except Exception:
             log.exception("gateway fleet: on_change failed")
+
+
+class Traffic:
+    """The fleet's traffic per model, as a dashboard shows one gateway's
+    (`services.dashboard.traffic`): requests per model since this reader began (each
+    gateway's count, a gone one's last count kept, so that the sum only grows), and in
+    flight and held per model now, over the live gateways."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._seen: dict[str, dict[str, int]] = {}
+        """The live gateways' latest counts."""
+        self._gone: dict[str, int] = {}
+        """The gone ones' last counts, summed (bounded by the models)."""
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        live = self.fleet.live()
+        for g in [g for g in self._seen if g not in live]:
+            for m, n in self._seen.pop(g).items():
+                self._gone[m] = self._gone.get(m, 0) + n
+        requests = dict(self._gone)
+        inflight: dict[str, int] = {}
+        for g, a in live.items():
+            self._seen[g] = {m: load.requests for m, load in a.models.items()}
+            for m, load in a.models.items():
+                inflight[m] = inflight.get(m, 0) + load.inflight
+                requests[m] = requests.get(m, 0) + load.requests
+        return requests, inflight
+
+    def held(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.fleet.live().values():
+            for m, load in a.models.items():
+                out[m] = out.get(m, 0) + load.held
+        return out
 
 
 def _fields(a: GatewayAnnouncement) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
-from services.gateway.fleet import Fleet, GatewayAnnouncement
+from services.gateway.fleet import Fleet, GatewayAnnouncement, ModelLoad
 from services.gateway.forward import Forwarder
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
@@ -212,6 +212,9 @@ class Gateway:
     the broker `nc` (`services.gateway.share`; `Gateway.of` sets it from `--no-share`)."""
     share_interval_s: float = SHARE_INTERVAL_S
     share_expiry_s: float = SHARE_EXPIRY_S
+    reuse_port: bool = False
+    """Listen with SO_REUSEPORT: one of the gateway processes `llmgw up --gateways N`
+    runs on one port (`services.gateways`)."""
     fleet: Fleet | None = None
     """The gateways' fleet as this one hears it (`services.gateway.fleet`), while it
     serves with a broker connection `nc`: it announces itself there, and says goodbye as
@@ -325,7 +328,9 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     def bind(self) -> socket.socket:
-        sock, self.url = listen.bind(self.listen, DEFAULT_LISTEN, 1024, GatewayError)
+        sock, self.url = listen.bind(
+            self.listen, DEFAULT_LISTEN, 1024, GatewayError, reuse_port=self.reuse_port
+        )
         return sock
 
     def app(self) -> web.Application:
@@ -444,9 +449,20 @@ class Gateway:
                 rate=round(rate, 2),
                 requests=n,
                 seq=self.follower.seq,
+                models=self._loads(),
             )
 
         return now
+
+    def _loads(self) -> dict[str, ModelLoad]:
+        """Per model it has taken requests for: requests since the start, in flight and
+        held now (bounded by the declared models)."""
+        requests, inflight = self.traffic()
+        held = self.room.held_by_model()
+        return {
+            m: ModelLoad(requests=n, inflight=inflight.get(m, 0), held=held.get(m, 0))
+            for m, n in requests.items()
+        }
 
     def _recheck_owners(self) -> None:
         """The keys' owners against the quota tree now (`Admission.recheck_owners`)."""

@@ -33,11 +33,14 @@ def run_service(
     *,
     failures: tuple[type[BaseException], ...] = (),
     process: Config | None = None,
+    ensure: bool = True,
 ) -> int:
     """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
 
     `failures` are the service's own errors a user can act on (printed as one line);
-    `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`).
+    `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`);
+    `ensure` False: the streams are not made or checked (a process `llmgw up` starts
+    after making them with its own settings: `services.gateways`).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
@@ -50,7 +53,7 @@ def run_service(
         return 2
     catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
     try:
-        return asyncio.run(_serve(name, url, root, build, process or Config()))
+        return asyncio.run(_serve(name, url, root, build, process or Config(), ensure))
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
@@ -60,7 +63,12 @@ def run_service(
 
 
 async def _serve(
-    name: str, url: str, root: str, build: Callable[[Any, Any], Service], process: Config
+    name: str,
+    url: str,
+    root: str,
+    build: Callable[[Any, Any], Service],
+    process: Config,
+    ensure: bool = True,
 ) -> int:
     nc = await connect(url, name, wire_reader=process.wire_reader)
     stop = asyncio.Event()
@@ -70,7 +78,8 @@ async def _serve(
             loop.add_signal_handler(sig, stop.set)
     try:
         js = nc.jetstream()
-        await ensure_streams(js, root)
+        if ensure:
+            await ensure_streams(js, root)
         keeper = asyncio.create_task(heap.keep(stop, freeze=process.gc_freeze), name="heap")
         try:
             await build(nc, js).run(stop)

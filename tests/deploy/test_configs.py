@@ -68,8 +68,10 @@ def test_an_agent_user_names_only_its_own_node() -> None:
     subjects = re.findall(r'"([^"]*[.>*][^"]*)"', block)
     assert subjects, block
     for s in subjects:
-        # Every subject an agent may use carries its node's token (or is the stream info).
-        assert token in s or s == "$JS.API.STREAM.INFO.LLMGW", s
+        # Every subject an agent may use carries its node's token, or is the stream info,
+        # or the gateways' announcements it only reads (who serves, where, how loaded: so
+        # that a drain does not wait for a gone one; no node's, nothing it may publish).
+        assert token in s or s in ("$JS.API.STREAM.INFO.LLMGW", "llmgw.fleet.gateway.*"), s
     assert ">" not in " ".join(s for s in subjects if s.startswith("llmgw."))
     assert '"_INBOX_rack~2F7.>"' in block and '"_INBOX.>"' not in block
 

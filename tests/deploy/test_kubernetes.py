@@ -58,10 +58,16 @@ def _nats_hosts(values: dict[str, Any]) -> set[tuple[str, int]]:
     return {(f"nats-{i}.nats-headless.llmgw.svc", port) for i in range(n)}
 
 
+def _deployment(name: str) -> dict[str, Any]:
+    (dep,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == name]
+    return dep
+
+
 def test_every_manifest_parses_and_lives_in_one_namespace() -> None:
     files = sorted(DIR.glob("*.yaml"))
     assert {f.name for f in files} >= {
         "control-plane.yaml",
+        "gateway.yaml",
         "agent-daemonset.yaml",
         "nats-values.yaml",
         "secrets.example.yaml",
@@ -85,12 +91,14 @@ def test_nats_is_a_three_server_jetstream_cluster_as_llmgw_expects() -> None:
 
 
 def test_the_control_plane_is_a_leader_and_a_standby_on_every_nats_server() -> None:
-    (dep,) = _kind("Deployment")
+    dep = _deployment("llmgw-control")
     spec = dep["spec"]
     assert spec["replicas"] == 2
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
     (c,) = spec["template"]["spec"]["containers"]
     assert c["args"][0] == "up" and "--simulate" not in c["args"]
+    # The gateway is a Deployment of its own, never in the plane's pods.
+    assert "--no-gateway" in c["args"] and "--gateway-listen" not in c["args"]
     env = _env(c)
     ref = env["LLMGW_NATS"]["valueFrom"]["secretKeyRef"]
     url = _secrets()[ref["name"]][ref["key"]]
@@ -302,11 +310,14 @@ def test_every_manifest_is_valid_kubernetes() -> None:
     assert checked >= 7
 
 
-def _control() -> tuple[dict[str, Any], dict[str, Any]]:
-    (dep,) = _kind("Deployment")
-    pod = dep["spec"]["template"]
+def _control(name: str = "llmgw-control") -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = _deployment(name)["spec"]["template"]
     (c,) = pod["spec"]["containers"]
     return pod, c
+
+
+def _gateway() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _control("llmgw-gateway")
 
 
 def _arg(c: dict[str, Any], flag: str) -> str:
@@ -316,41 +327,73 @@ def _arg(c: dict[str, Any], flag: str) -> str:
 
 
 def test_the_services_probes_and_scrape_reach_what_up_serves() -> None:
-    """The Services and probes name ports the container declares, and those ports are
-    where `up` listens, on every interface (the default, loopback, no Service reaches)."""
+    """The Services and probes name ports the containers declare, and those ports are
+    where `up` and `llmgw gateway` listen, on every interface (the default, loopback, no
+    Service reaches); each Service selects its own Deployment's pods."""
     pod, c = _control()
+    gpod, g = _gateway()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    gateway, ui = _arg(c, "--gateway-listen"), _arg(c, "--ui-listen")
-    assert gateway == f"0.0.0.0:{ports['gateway']}" and ui == f"0.0.0.0:{ports['dashboard']}"
+    gports = {p["name"]: p["containerPort"] for p in g["ports"]}
+    assert _arg(c, "--ui-listen") == f"0.0.0.0:{ports['dashboard']}"
+    assert _arg(g, "--listen") == f"0.0.0.0:{gports['gateway']}"
     services = {s["metadata"]["name"]: s for s in _kind("Service")}
     assert set(services) >= {"llmgw-gateway", "llmgw-dashboard"}
-    for name, port in (("llmgw-gateway", "gateway"), ("llmgw-dashboard", "dashboard")):
+    for name, port, of, other in (
+        ("llmgw-gateway", "gateway", gpod, pod),
+        ("llmgw-dashboard", "dashboard", pod, gpod),
+    ):
         spec = services[name]["spec"]
-        assert spec["selector"].items() <= pod["metadata"]["labels"].items(), name
+        assert spec["selector"].items() <= of["metadata"]["labels"].items(), name
+        assert not spec["selector"].items() <= other["metadata"]["labels"].items(), name
         assert [p["targetPort"] for p in spec["ports"]] == [port], name
     for probe in ("readinessProbe", "livenessProbe"):
-        get = c[probe]["httpGet"]
+        get = g[probe]["httpGet"]
         assert (get["port"], get["path"]) == ("gateway", "/health"), probe
-    notes = pod["metadata"]["annotations"]
+        assert c[probe]["tcpSocket"]["port"] == "dashboard", probe
+    notes = gpod["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
-    assert int(notes["prometheus.io/port"]) == ports["gateway"]
+    assert int(notes["prometheus.io/port"]) == gports["gateway"]
     assert notes["prometheus.io/path"] == "/metrics"
     # The dashboard answers the names its Service is reached by.
     hosts = _arg(c, "--allow-host").split(",")
     assert "llmgw-dashboard.llmgw.svc" in hosts and "llmgw-dashboard" in hosts
 
 
+def test_the_gateway_scales_apart_from_the_plane_on_the_control_users_broker() -> None:
+    """Its own Deployment, several replicas, spread over nodes, ready before an old one
+    goes, on the same broker URL as the plane (the control user's Secret)."""
+    dep = _deployment("llmgw-gateway")
+    spec = dep["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod, g = _gateway()
+    assert g["args"][0] == "gateway"
+    ref = _env(g)["LLMGW_NATS"]["valueFrom"]["secretKeyRef"]
+    _, c = _control()
+    assert ref == _env(c)["LLMGW_NATS"]["valueFrom"]["secretKeyRef"]
+    spread = pod["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert (
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    )
+
+
 def test_the_keys_and_the_token_are_secrets_mounted_where_up_reads_them() -> None:
     from services.dashboard.server import TOKEN_FILE
 
-    pod, c = _control()
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    gpod, g = _gateway()
+    volumes = {v["name"]: v for v in gpod["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in g["volumeMounts"]}
     secrets = _secrets()
-    keys = PurePosixPath(_arg(c, "--api-keys"))
+    keys = PurePosixPath(_arg(g, "--api-keys"))
     assert PurePosixPath(mounts["api-keys"]["mountPath"]) == keys.parent
     ref = volumes["api-keys"]["secret"]
     assert keys.name in secrets[ref["secretName"]] and ref["defaultMode"] == 0o400
+    pod, c = _control()
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert "api-keys" not in mounts
     token = mounts["dashboard-token"]
     assert PurePosixPath(token["mountPath"]) == PurePosixPath(_arg(c, "--data")) / TOKEN_FILE
     ref = volumes["dashboard-token"]["secret"]
@@ -360,12 +403,14 @@ def test_the_keys_and_the_token_are_secrets_mounted_where_up_reads_them() -> Non
 def test_the_control_plane_starts_as_the_manifest_runs_it(
     tmp_path: Path, nats_server: broker.EmbeddedBroker
 ) -> None:
-    """`llmgw up` with the container's own arguments (its paths under a scratch root, its
-    ports free ones), the Secrets' files as the pod mounts them (placeholders replaced:
-    the example's as they are are refused, in one line), and LLMGW_NATS from the
-    control Secret pointed at a real single server (so one copy of the log): the gateway answers /health and a key of the
-    Secret, off loopback, and the dashboard its token."""
+    """`llmgw up` and `llmgw gateway` with their containers' own arguments (paths under a
+    scratch root, ports free ones), the Secrets' files as the pods mount them
+    (placeholders replaced: the example's as they are are refused, in one line), and
+    LLMGW_NATS from the control Secret pointed at a real single server (so one copy of
+    the log): the gateway answers /health and a key of the Secret, off loopback, and
+    lists itself among the gateways; the dashboard answers its token."""
     import http.client
+    import json
     import os
     import time
 
@@ -373,41 +418,46 @@ def test_the_control_plane_starts_as_the_manifest_runs_it(
     from tests.up_process import UpProcess
 
     _, c = _control()
+    _, g = _gateway()
     secrets = _secrets()
     root = tmp_path / "root"
 
     def at(path: str) -> str:
         return str(root / path.lstrip("/"))
 
-    data, keys = at(_arg(c, "--data")), at(_arg(c, "--api-keys"))
+    data, keys = at(_arg(c, "--data")), at(_arg(g, "--api-keys"))
     os.makedirs(os.path.dirname(keys))
     os.makedirs(data)
     gw, ui = free_port(), free_port()
     args = [a for a in c["args"][1:]]
     for flag, value in (
         ("--data", data),
-        ("--api-keys", keys),
-        ("--gateway-listen", f"0.0.0.0:{gw}"),
         ("--ui-listen", f"0.0.0.0:{ui}"),
         ("--replicas", "1"),  # one server here, not the chart's three
     ):
         args[args.index(flag) + 1] = value
+    gargs = [a for a in g["args"][1:]]
+    for flag, value in (("--api-keys", keys), ("--listen", f"0.0.0.0:{gw}")):
+        gargs[gargs.index(flag) + 1] = value
 
     def mount(path: str, text: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400)
         with os.fdopen(fd, "w") as f:
             f.write(text)
 
-    def up(name: str) -> UpProcess:
-        env = {"LLMGW_NATS": nats_server.url}
-        return UpProcess(Path(data), tmp_path / f"{name}.log", *args, command=("up",), env=env)
+    env = {"LLMGW_NATS": nats_server.url}
+
+    def gateway(name: str) -> UpProcess:
+        return UpProcess(
+            Path(data), tmp_path / f"{name}.log", *gargs, command=("gateway",), env=env
+        )
 
     # The example's Secrets as they are: each placeholder refused in one line.
     mount(keys, secrets["llmgw-api-keys"]["api-keys"])
-    proc = up("placeholder")
-    assert proc.proc.wait(60) != 0
-    assert "placeholder" in proc.text() and "Traceback" not in proc.text(), proc.text()
-    proc.stop()
+    refused = gateway("placeholder")
+    assert refused.proc.wait(60) != 0
+    assert "placeholder" in refused.text() and "Traceback" not in refused.text(), refused.text()
+    refused.stop()
 
     key = "test-k8s-" + "k" * 24
     mount_keys = secrets["llmgw-api-keys"]["api-keys"].replace("change-me-a-key-of-team-a", key)
@@ -415,7 +465,8 @@ def test_the_control_plane_starts_as_the_manifest_runs_it(
     mount(keys, mount_keys)
     token = "test-k8s-dashboard-token"
     mount(os.path.join(data, "dashboard.token"), token)
-    proc = up("up")
+    plane = UpProcess(Path(data), tmp_path / "up.log", *args, command=("up",), env=env)
+    proc: UpProcess | None = None
     try:
 
         def get(port: int, path: str, headers: dict[str, str]) -> int:
@@ -426,15 +477,22 @@ def test_the_control_plane_starts_as_the_manifest_runs_it(
             finally:
                 conn.close()
 
+        # The plane makes the log; a gateway pod started before it restarts until then.
         deadline = time.monotonic() + 60
+        while not (Path(data) / "dashboard.url").exists():
+            assert plane.alive(), plane.text()[-3000:]
+            assert time.monotonic() < deadline, plane.text()[-3000:]
+            time.sleep(0.2)
+        proc = gateway("gateway")
         while True:
             assert proc.alive(), proc.text()[-3000:]
+            assert plane.alive(), plane.text()[-3000:]
             try:
-                if get(gw, "/health", {}) == 200:
+                if get(gw, "/health", {}) == 200 and get(ui, "/", {}) in (200, 401):
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, proc.text()[-3000:]
+            assert time.monotonic() < deadline, proc.text()[-3000:] + plane.text()[-3000:]
             time.sleep(0.2)
         assert get(gw, "/v1/models", {}) == 401
         assert get(gw, "/v1/models", {"Authorization": f"Bearer {key}"}) == 200
@@ -442,5 +500,12 @@ def test_the_control_plane_starts_as_the_manifest_runs_it(
         assert get(ui, "/api/health", {"Authorization": f"Bearer {token}"}) == 200
         named = {"Authorization": f"Bearer {token}", "Host": f"llmgw-dashboard.llmgw.svc:{ui}"}
         assert get(ui, "/api/health", named) == 200
+        # The plane runs no gateway of its own: the one listed is the gateway pod's.
+        listed = plane.llmgw("get", "gateways", "-o", "json")
+        assert listed.returncode == 0, listed.stderr
+        (one,) = json.loads(listed.stdout)["items"]
+        assert one["pid"] == proc.proc.pid and one["address"].endswith(f":{gw}")
     finally:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
+        plane.stop()
