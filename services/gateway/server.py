@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -54,17 +53,17 @@ from schemas import subjects
 from services import listen, names
 from services.bus import Publisher
 from services.bus.replies import ReplyGuard
-from services.clock import new_id, utc_now
+from services.clock import new_id
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
-from services.gateway import continuation, guard, plane, scope, share, streams, tokens
+from services.gateway import continuation, guard, pages, plane, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
-from services.gateway.fleet import Fleet, GatewayAnnouncement, ModelLoad
+from services.gateway.fleet import Fleet
 from services.gateway.forward import Forwarder
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
@@ -88,7 +87,6 @@ from services.gateway.metrics import (
     KeptLabelled,
     Labelled,
     Metrics,
-    summary,
 )
 from services.gateway.refusal import (
     BOUNDARY,
@@ -383,7 +381,7 @@ class Gateway:
                     subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
                 # Announced once serving: a reader that finds it may send it requests.
-                self.fleet = Fleet(self.nc, self.root, me=self._announcement())
+                self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
                 await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s",
@@ -427,43 +425,6 @@ class Gateway:
         finally:
             await self.follower.stop()
 
-    def _announcement(self) -> Callable[[], GatewayAnnouncement]:
-        """What this gateway says of itself at each of its announcements: who and where
-        it is, and its load (in flight now, requests a second since the last one)."""
-        started = utc_now()
-        host = socket.gethostname()
-        last = [time.monotonic(), self.counts.requests]
-
-        def now() -> GatewayAnnouncement:
-            t, n = time.monotonic(), self.counts.requests
-            rate = (n - last[1]) / (t - last[0]) if t > last[0] else 0.0
-            last[:] = [t, n]
-            return GatewayAnnouncement(
-                gateway=self.id,
-                address=self.url,
-                routing=self.rule,
-                started=started,
-                pid=os.getpid(),
-                host=host,
-                inflight=sum(self.router.inflight.values()),
-                rate=round(rate, 2),
-                requests=n,
-                seq=self.follower.seq,
-                models=self._loads(),
-            )
-
-        return now
-
-    def _loads(self) -> dict[str, ModelLoad]:
-        """Per model it has taken requests for: requests since the start, in flight and
-        held now (bounded by the declared models)."""
-        requests, inflight = self.traffic()
-        held = self.room.held_by_model()
-        return {
-            m: ModelLoad(requests=n, inflight=inflight.get(m, 0), held=held.get(m, 0))
-            for m, n in requests.items()
-        }
-
     def _recheck_owners(self) -> None:
         """The keys' owners against the quota tree now (`Admission.recheck_owners`)."""
         self.admission.recheck_owners(self.keys, self.follower.view.state)
@@ -471,64 +432,18 @@ class Gateway:
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Requests per model since the start, and requests in flight per model now:
         what a dashboard in the same process shows (services.dashboard.traffic)."""
-        replicas = self.follower.view.replicas
-        inflight: dict[str, int] = {}
-        for rid, n in self.router.inflight.items():
-            r = replicas.get(rid)
-            if r is not None:
-                inflight[r.model] = inflight.get(r.model, 0) + n
-        return dict(self.counts.by_model), inflight
+        return pages.traffic(self)
 
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: web.Request) -> web.Response:
-        """The view's seq, what is routable per declared model, in flight per replica."""
-        view = self.follower.view
-        routable = {}
-        for name in sorted(view.state.models):
-            m = view.catalog.resolve(name)
-            if m is not None:
-                routable[name] = sorted(r.id for r in routing.candidates(view, m))
-        return web.json_response(
-            {
-                "seq": self.follower.seq,
-                "routable": routable,
-                "inflight": dict(self.router.inflight),
-                "requests": self.counts.requests,
-                "retries": self.counts.retries,
-                "held": self.room.held_by_model(),
-                "demanded": self.counts.demanded,
-                "wake_ms": summary(self.counts.wakes),
-                "wake_send_ms": summary(self.counts.sends),
-                "share": None if self.sharing is None else self.sharing.said(),
-            }
-        )
+        return pages.health(self)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return pages.models(self, request)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def _models(self, request: web.Request) -> web.Response:
-        key = authorize(self.keys, request)
-        owner = None if key is None else key.owner
-        view = self.follower.view
-        data = []
-        for d in sorted(view.state.models.values(), key=lambda d: d.name):
-            m = view.catalog.resolve(d.name)
-            if m is None or not self._scope.visible(owner, d, view.state.quota):
-                continue
-            ready = len(routing.candidates(view, m))
-            for name in (m.name, *(a for a in m.aliases if view.catalog.resolve(a) is m)):
-                data.append(
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": int(d.name != name),
-                        "owned_by": m.owner,
-                        "root": m.name,
-                        "llmgw": {"replicas": ready},
-                    }
-                )
-        return web.json_response({"object": "list", "data": data})
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         self.counts.requests += 1
