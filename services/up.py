@@ -1,4 +1,5 @@
-"""`llmgw up`: the whole control plane in one process, on an embedded broker by default.
+"""`llmgw up`: the whole control plane in one process, on an embedded broker by default;
+the gateway beside it in processes of its own (`services.gateways`).
 
 Called by `services.cli.up` (the command) and by end-to-end tests, which run `run()` in
 their own event loop. It composes what the other packages build — the embedded broker,
@@ -612,7 +613,7 @@ async def _serve(
                 "gateways"
             )
             running.gateway_url = f"{gateway.url}/v1"
-            files.write_private(opts.data / GATEWAY_URL_FILE, running.gateway_url + "\n")
+            _record(opts.data / GATEWAY_URL_FILE, running.gateway_url)
             log.info(
                 "gateway: %s (%s of their own, routing: %s)",
                 running.gateway_url,
@@ -644,6 +645,16 @@ async def _serve(
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
+
+
+def _record(path: Path, url: str) -> None:
+    """`url` in `path` for the commands beside `up` (atomic, the owner's alone). A disk
+    that cannot take it (full) is said in one line, not a stop of the plane: the
+    address is in `up`'s own lines, and the storage fault is the broker's to report."""
+    try:
+        files.write_private(path, url + "\n")
+    except OSError as e:
+        log.warning("up: could not record %s in %s: %s", url, path, e.strerror or e)
 
 
 async def _gateways(fleet: Gateways, sock: socket.socket, stop: asyncio.Event) -> None:

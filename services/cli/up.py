@@ -57,6 +57,10 @@ def register(commands: cli.Commands) -> None:
             "and the gateway's (dashboard.url, gateway.url). A default address that is taken\n"
             "moves to a free port, said in one line naming both. Ctrl-C stops cleanly.\n"
             "\n"
+            "The gateway never runs in this process: --gateways N processes of its own\n"
+            "serve it on its one port, each started again (0.5 s, doubling to 30 s) when it\n"
+            "ends, while the plane goes on deciding; `llmgw get gateways` lists them.\n"
+            "\n"
             "The policy's timings are flags, with the production defaults; shorten them to\n"
             "watch a preemption, its holds and their release in seconds."
         ),

@@ -217,12 +217,13 @@ class Dashboard:
     """The connection to listen for nodes' heartbeats on (core NATS, not in the log), for
     their age in /metrics; None: not listened for."""
     gateway: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None
-    """A gateway in the same process (`llmgw up`): its requests per model since it
-    started and its requests in flight per model (`Gateway.traffic`); None: requests a
+    """The gateways of the same `llmgw up`: their requests per model since they started
+    and their requests in flight per model (`services.gateway.fleet.Traffic.counts`,
+    from their announcements); None: requests a
     second come from the log's `replica.used` reports alone, in flight is unknown."""
     held: Callable[[], dict[str, int]] | None = None
-    """That gateway's waiting room: the requests it holds per model now
-    (`WaitingRoom.held_by_model`); None: unknown."""
+    """Their waiting rooms: the requests they hold per model now
+    (`services.gateway.fleet.Traffic.held`); None: unknown."""
 
     def __post_init__(self) -> None:
         self.beats: dict[str, datetime] = {}

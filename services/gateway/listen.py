@@ -10,8 +10,8 @@ dashboard's 8321."""
 MAX_BODY = 16 * 1024 * 1024
 # BODY_BUDGET bounds the bytes of request bodies the gateway holds at once, all requests
 # together (128 MiB: 8 bodies of MAX_BODY, or thousands of chats); past it a new body is
-# 503 with Retry-After. A flood of large bodies then costs `llmgw up`, which is also the
-# scheduler, a bounded amount of memory rather than all of it.
+# 503 with Retry-After. A flood of large bodies then costs the gateway's process a
+# bounded amount of memory rather than all of the host's.
 BODY_BUDGET = 128 * 1024 * 1024
 # UPSTREAM_TIMEOUT_S bounds each wait on a replica once connected: for its answer to
 # begin, and between two chunks of a stream. A long generation streams; a replica

@@ -52,19 +52,21 @@ def announcement(gw: Gateway) -> Callable[[], GatewayAnnouncement]:
 
 
 def loads(gw: Gateway) -> dict[str, ModelLoad]:
-    """Per model it has taken requests for: requests since the start, in flight and
-    held now (bounded by the declared models)."""
+    """Per model it has taken requests for (a request counts once it ends) or holds
+    or forwards now: requests since the start, in flight and held now (bounded by the
+    declared models)."""
     requests, inflight = traffic(gw)
     held = gw.room.held_by_model()
     return {
-        m: ModelLoad(requests=n, inflight=inflight.get(m, 0), held=held.get(m, 0))
-        for m, n in requests.items()
+        m: ModelLoad(requests=requests.get(m, 0), inflight=inflight.get(m, 0), held=held.get(m, 0))
+        for m in {*requests, *inflight, *held}
     }
 
 
 def traffic(gw: Gateway) -> tuple[dict[str, int], dict[str, int]]:
     """Requests per model since the start, and requests in flight per model now:
-    what a dashboard in the same process shows (services.dashboard.traffic)."""
+    what its announcements say per model, which a dashboard beside it sums
+    (services.dashboard.traffic)."""
     replicas = gw.follower.view.replicas
     inflight: dict[str, int] = {}
     for rid, n in gw.router.inflight.items():

@@ -1,7 +1,7 @@
 """The gateway: an OpenAI-compatible request path to the replicas the log says are ready.
 
-Run by `llmgw gateway` (services/cli/gateway.py) and by `llmgw up` beside the
-dashboard. It follows the log with the one follow loop and ingest every reader uses
+Run by `llmgw gateway` (services/cli/gateway.py), and by `llmgw up` as processes of its
+own (`services.gateways`, `services.gateway.supervised`). It follows the log with the one follow loop and ingest every reader uses
 (`services.plane.follower.ViewFollower`), so what it routes to is the folded view: a replica
 leaves routing the instant its drain is folded (`services.core.routing`). It serves
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
@@ -188,8 +188,8 @@ class Gateway:
     """This gateway's own id, new at every start, in its answers to agents."""
     settle_heap: bool = False
     """Freeze the heap again once serving (`settle_heap`): for a process of its own, as
-    `freeze_heap` is, unless `--no-gc-freeze` or `--no-gc-tune`; never in a test process
-    or `llmgw up`."""
+    `freeze_heap` is (`llmgw gateway`, and each of `llmgw up`'s gateway processes), unless
+    `--no-gc-freeze` or `--no-gc-tune`; never in a test process."""
     stream_usage: bool = True
     """Ask a server for the usage chunk of a stream whose client did not (and strip it);
     off (`--no-stream-usage`) for a server that refuses `stream_options`."""
@@ -431,7 +431,8 @@ class Gateway:
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Requests per model since the start, and requests in flight per model now:
-        what a dashboard in the same process shows (services.dashboard.traffic)."""
+        what its announcements say per model, which a dashboard beside it sums
+        (services.dashboard.traffic)."""
         return pages.traffic(self)
 
     # ------------------------------------------------------------------ handlers

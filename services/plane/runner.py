@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import nats.errors
+
 from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
 from services.plane import heap
 from services.plane.process import Config
@@ -88,4 +90,7 @@ async def _serve(
             await keeper
         return 0
     finally:
-        await nc.close()
+        # A broker gone as the service stops (its host's plane stopping first) makes
+        # the close's last flush fail: nothing is left to say to it.
+        with contextlib.suppress(OSError, nats.errors.Error):
+            await nc.close()

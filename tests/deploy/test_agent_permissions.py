@@ -442,3 +442,33 @@ async def test_an_agent_started_before_the_plane_waits_for_its_consumers(
             await served
     waits = [r.message for r in caplog.records if "waiting for its consumers" in r.message]
     assert len(waits) == 1 and "may not make them" in waits[0], waits
+
+
+async def test_an_agent_hears_the_gateways_announcements_and_cannot_forge_one(env: Env) -> None:
+    """The gateways (control role) announce themselves; an agent hears them (so that a
+    drain does not wait for a gone one), and may neither announce as a gateway, say one
+    leaves, nor ask for a roll call."""
+    from datetime import UTC, datetime
+
+    from schemas import fleet as schema
+    from services.gateway.fleet import Fleet
+
+    gateway = Fleet(
+        env.control.nc,
+        me=lambda: schema.GatewayAnnouncement(gateway="g-1", started=datetime.now(UTC)),
+    )
+    heard = Fleet(env.a1.nc, rollcall=False)
+    await heard.start()
+    await gateway.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while "g-1" not in heard.live():
+            assert asyncio.get_running_loop().time() < deadline, env.a1.errors
+            await asyncio.sleep(0.01)
+        assert env.a1.violations(subjects.gateway_announce_wildcard()) == []
+        await _publish_refused(env.a1, subjects.gateway_announce_subject("g-1"))
+        await _publish_refused(env.a1, subjects.gateway_rollcall_subject())
+        assert "g-1" in heard.live()
+    finally:
+        await gateway.stop()
+        await heard.stop()

@@ -354,3 +354,54 @@ def _alive(pid: int) -> bool:
     # A zombie of no parent of ours is reaped by init: it is gone.
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and ") Z " not in stat.read_text()
+
+
+def test_no_gateway_process_outlives_an_up_killed_9(tmp_path: Path) -> None:
+    """`up` killed -9 with its whole process group (a crash, an OOM kill): its gateway
+    processes, in sessions of their own, see their standard input end and stop, so none
+    holds the port for a plane that is gone."""
+    up = UpProcess(
+        tmp_path / "data", tmp_path / "up.log", "--no-ui", "--gateway-listen", "127.0.0.1:0"
+    )
+    try:
+        _until(
+            "gateway.url",
+            lambda: (tmp_path / "data" / "gateway.url").exists(),
+            alive=up.alive,
+        )
+        (pid,) = _pids(up)
+        os.killpg(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        _until("the orphaned gateway stopped", lambda: not _alive(pid), within_s=15)
+    finally:
+        up.stop()
+
+
+def test_a_gateway_that_keeps_ending_is_restarted_later_each_time(tmp_path: Path) -> None:
+    """Each restart within a minute of the last waits twice as long (0.5 s, 1 s, ...),
+    said in one line each; the plane stays up throughout."""
+    up = UpProcess(
+        tmp_path / "data", tmp_path / "up.log", "--no-ui", "--gateway-listen", "127.0.0.1:0"
+    )
+    try:
+        _until("gateway.url", lambda: (tmp_path / "data" / "gateway.url").exists(), alive=up.alive)
+        for n, wait in ((1, "0.5"), (2, "1.0")):
+            (pid,) = _until("one gateway", lambda: len(p := _pids(up)) == 1 and p, alive=up.alive)
+            os.kill(pid, signal.SIGKILL)
+            line = (
+                rf"gateway 1 \(pid {pid}\) was killed by SIGKILL; starting it again in "
+                rf"{wait}s \(restart {n}\)"
+            )
+            _until(
+                f"restart {n} said",
+                lambda: re.search(line, up.text()),  # noqa: B023
+                alive=up.alive,
+            )
+            _until(
+                f"restart {n} serving",
+                lambda: (p := _pids(up)) and pid not in p,  # noqa: B023
+                alive=up.alive,
+            )
+    finally:
+        code = up.stop()
+    assert code == 0, up.text()[-3000:]

@@ -13,7 +13,7 @@ from schemas import fleet as schema
 from schemas import subjects
 from schemas.fleet import GatewayAnnouncement
 from services.core.fleet import EXPIRE_S, Roster
-from services.gateway.fleet import Fleet
+from services.gateway.fleet import Fleet, ModelLoad, Traffic
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -139,3 +139,27 @@ async def _until(ok: object, within: float = 2.0) -> None:
     while not ok():  # type: ignore[operator]
         assert loop.time() < end, "not within the time"
         await asyncio.sleep(0.01)
+
+
+def test_the_fleets_traffic_sums_the_gateways_and_keeps_a_gone_ones_count() -> None:
+    """The dashboard beside `up`'s gateway processes: requests per model only grow (a
+    restarted process's count starts again at 0), in flight and held are the live ones'."""
+    now = [0.0]
+    fleet = Fleet(None, clock=lambda: now[0])
+    traffic = Traffic(fleet)
+
+    def say(g: str, requests: int, inflight: int, held: int = 0) -> None:
+        load = {"chat": ModelLoad(requests=requests, inflight=inflight, held=held)}
+        fleet.roster.heard(ann(g, models=load), now[0])
+
+    say("a", 10, 2)
+    say("b", 5, 1, held=3)
+    assert traffic.counts() == ({"chat": 15}, {"chat": 3})
+    assert traffic.held() == {"chat": 3}
+    now[0] = 0.5
+    say("a", 12, 0)
+    now[0] = 1.2  # b silent past its lease: gone, its 5 kept
+    assert traffic.counts() == ({"chat": 17}, {"chat": 0})
+    say("c", 1, 1)  # b's restart, a new id from 0
+    assert traffic.counts() == ({"chat": 18}, {"chat": 1})
+    assert traffic.held() == {"chat": 0}
