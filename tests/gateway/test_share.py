@@ -402,3 +402,42 @@ def test_the_shared_blocks_are_the_rules_blocks_hashed_alike_in_every_process() 
         for seed in ("1", "2")
     }
     assert len(said) == 1
+
+
+async def test_what_is_not_a_gateways_share_is_dropped_and_the_gateway_serves_on(
+    nc: Any, js: JetStreamContext
+) -> None:
+    from schemas import share as schema
+    from tests.gateway.conftest import gateway_for, serving
+
+    async with serving(gateway_for(js, nc=nc, share=True)) as gw, aiohttp.ClientSession() as http:
+        assert gw.sharing is not None
+        other = schema.Share(gateway="g-other", inflight={"r1": 3}, want=("t" * 16,))
+        junk = [
+            (subjects.share_subject("g-x"), b"not json"),
+            (subjects.share_subject("g-x"), b'{"gateway": 5}'),
+            (subjects.share_subject("g-x"), b'{"gateway": "g-x", "inflight": {"r": -1}}'),
+            # A message on another gateway's subject counts for nobody.
+            (subjects.share_subject("g-x"), schema.encode(other)),
+            (subjects.cache_subject("g-x"), b'{"gateway": "g-x", "blocks": {"r": ["a"]}}'),
+            (subjects.cache_subject("g-x"), schema.encode(schema.Routed(gateway="g-y"))),
+        ]
+        for subject, data in junk:
+            await nc.publish(subject, data)
+        await nc.publish(subjects.share_subject("g-other"), schema.encode(other))
+        await nc.flush()
+        deadline = time.monotonic() + 5
+        while gw.sharing.gateways() != 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert gw.sharing.peers.keys() == {"g-other"}
+        assert gw.sharing.inflight() == {"r1": 3}
+        async with http.get(f"{gw.url}/health") as r:
+            assert r.status == 200 and (await r.json())["share"]["gateways"] == 2
+        # It says it leaves: gone at once, its counts with it.
+        bye = schema.Share(gateway="g-other", leaving=True)
+        await nc.publish(subjects.share_subject("g-other"), schema.encode(bye))
+        while gw.sharing.gateways() != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert gw.sharing.inflight() == {}
