@@ -45,6 +45,12 @@ class Share(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fal
     (the prefix rule's; empty under least-inflight)."""
     waiting: Annotated[dict[Id, Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_ENTRIES)] = {}
     """Requests it holds per model, waiting for a replica (only those with some)."""
+    owners: Annotated[
+        dict[Id, Annotated[dict[str, Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_ENTRIES)]],
+        Meta(max_length=MAX_ENTRIES),
+    ] = {}
+    """Per model it holds requests of, per owner of their keys ("" for none) how many:
+    the waiting room's fair shares, over the fleet's line."""
     want: Annotated[tuple[Tag, ...], Meta(max_length=MAX_ENTRIES)] = ()
     """The keys (their share tags, never the key) it refused a request of since its last
     message: others with room give it some of their share."""

@@ -86,6 +86,10 @@ class Demand(Protocol):
         """Requests the other gateways have in flight per replica."""
         ...
 
+    def held_by_owner(self, model: str) -> Mapping[str | None, int]:
+        """Requests for `model` the other gateways hold, per owner (None: no key)."""
+        ...
+
 
 class Tunables(Protocol):
     """The settings a line is held and served by, read as each is needed (the gateway's
@@ -213,7 +217,9 @@ class Holding:
         """The request in its model's line; 429 when the line, or its owner's share of
         it, is full. Refuses the request it pushes out, if any."""
         try:
-            w = self.room.join(m, route.session, now, None if key is None else key.owner)
+            elsewhere = None if self.fleet is None else self.fleet.held_by_owner(m.name)
+            owner = None if key is None else key.owner
+            w = self.room.join(m, route.session, now, owner, elsewhere)
         except Full as full:
             if full.owner is None:
                 said = (

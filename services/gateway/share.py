@@ -152,6 +152,13 @@ class Sharing:
     def inflight(self) -> Mapping[str, int]:
         return self.remote.inflight
 
+    def held_by_owner(self, model: str) -> dict[str | None, int]:
+        out: dict[str | None, int] = {}
+        for s in self.states.values():
+            for o, n in s.owners.get(model, {}).items():
+                out[o or None] = out.get(o or None, 0) + n
+        return out
+
     def said(self) -> dict[str, Any]:
         """For /health: the gateways sharing, and the delay of their counts (ms)."""
         d = sorted(self.delays)
@@ -169,6 +176,7 @@ class Sharing:
             "interval_ms": round(self.interval_s * 1000, 1),
             "delay_ms": delay,
             "remote_inflight": dict(self.remote.inflight),
+            "remote_waiting": {m: self.waiting(m) for s in self.states.values() for m in s.waiting},
             "cache_taught": self.cache.taught if self.cache is not None else 0,
         }
 
@@ -229,6 +237,7 @@ class Sharing:
             inflight={r: n for r, n in self.picker.inflight.items() if n > 0},
             work=dict(self.picker.work_of()),
             waiting=room.held_by_model(),
+            owners=room.held_by_owner(),
             want=want,
             gives=gives,
         )

@@ -41,6 +41,7 @@ KEY = "k-share-" + "a" * 24
 FRESH = "k-share-" + "b" * 24
 TOKENS = "k-share-" + "c" * 24
 FREE = "k-share-" + "d" * 24
+OTHER = "k-share-" + "e" * 24
 RPM = 100
 TPM = 2000
 FAST = Timing(0.0, 0.0)
@@ -129,7 +130,7 @@ def keys(tmp_path: Path) -> Path:
     p = tmp_path / "keys"
     p.write_text(
         f"{KEY} team-a rpm={RPM}\n{FRESH} team-a rpm={RPM}\n{TOKENS} team-a tpm={TPM}\n"
-        f"{FREE} team-a\n"
+        f"{FREE} team-a\n{OTHER} team-b\n"
     )
     p.chmod(0o600)
     return p
@@ -441,3 +442,42 @@ async def test_what_is_not_a_gateways_share_is_dropped_and_the_gateway_serves_on
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert gw.sharing.inflight() == {}
+
+
+async def test_a_tenants_share_of_a_models_line_is_its_share_of_the_fleets(
+    nats_server: EmbeddedBroker, plane: Plane, keys: Path, tmp_path: Path
+) -> None:
+    # A line of 4 requests a model over the fleet: team-a holds all 4 through two
+    # gateways, so its fifth is refused at the third, whose own line is empty; team-b,
+    # under its share, is let in there.
+    await plane.model("fair", 0)
+    async with fleet(nats_server, keys, tmp_path, 3, "--queue-per-model", "4") as (gws, http):
+        await routable(gws, http, "fair", 0)
+        body = {"model": "fair", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def send(url: str, key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.status
+
+        held = [asyncio.create_task(send(gws.urls[i % 2], FREE)) for i in range(4)]
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                h = await gws.health(http, 2)
+                if h["share"]["remote_waiting"].get("fair") == 4:
+                    break
+                assert time.monotonic() < deadline, h["share"]
+                await asyncio.sleep(0.02)
+            # Refused at once (a request held would not answer in 10 s: today's fifth).
+            assert await asyncio.wait_for(send(gws.urls[2], FREE), 10) == 429
+            other = asyncio.create_task(send(gws.urls[2], OTHER))
+            while (await gws.health(http, 2))["held"].get("fair") != 1:
+                assert time.monotonic() < deadline and not other.done()
+                await asyncio.sleep(0.02)
+            held.append(other)
+        finally:
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
