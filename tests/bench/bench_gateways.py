@@ -23,6 +23,12 @@ which is what the gateways' added latency is measured against. For each arm:
   and p99 as the gateways measured them, on this host's one clock), to which a sharing
   interval (`--share-interval`, 50 ms) adds up to its own length of staleness.
 
+Then the choice of counters on a subject over a KV bucket (`--kv-seconds`, 0 to skip):
+what a limit kept in a JetStream KV bucket would cost each limited request, a
+compare-and-set increment of the key's count (`kv.get` then `kv.update` with its
+revision), one client alone and three clients (three gateways) on one hot key, with the
+conflicts they retry.
+
 Then (`--prefix-scale`, 0 to skip) the prefix rule's hit rate on bench_prefix.py's
 shared-prefix workload (16 groups, each its 2,000-token system prompt), sent through one
 gateway and round robin through three (`--routing prefix`, shared and `--no-share`), on
@@ -376,6 +382,45 @@ async def _prefix(a: argparse.Namespace, broker: str, tmp: Path) -> None:
     await nc.close()
 
 
+async def _kv(broker: str, seconds: float) -> None:
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    ncs = [await connect(broker, f"bench-kv-{i}") for i in range(3)]
+    try:
+        kv = await ncs[0].jetstream().create_key_value(bucket="bench_share")
+        await kv.put("key", b"0")
+        kvs = [await nc.jetstream().key_value("bench_share") for nc in ncs]
+
+        async def client(i: int, end: float, lat: list[float], conflicts: list[int]) -> None:
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                while True:
+                    e = await kvs[i].get("key")
+                    try:
+                        await kvs[i].update(
+                            "key", str(int(e.value or b"0") + 1).encode(), e.revision
+                        )
+                        break
+                    except KeyWrongLastSequenceError:
+                        conflicts[0] += 1
+                lat.append(time.perf_counter() - t0)
+
+        for n in (1, 3):
+            lat: list[float] = []
+            conflicts = [0]
+            end = time.monotonic() + seconds
+            await asyncio.gather(*(client(i, end, lat, conflicts) for i in range(n)))
+            print(
+                f"KV bucket, a compare-and-set increment a request, {n} client(s) on one key: "
+                f"{len(lat) / seconds:.0f} increments/s, p50 {_pct(lat, 0.5) * 1000:.2f} ms, "
+                f"p99 {_pct(lat, 0.99) * 1000:.2f} ms, {conflicts[0]} conflicts retried"
+            )
+        await ncs[0].jetstream().delete_key_value("bench_share")
+    finally:
+        for nc in ncs:
+            await nc.close()
+
+
 async def _main(a: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateways-"))
     broker = EmbeddedBroker(tmp / "broker")
@@ -427,6 +472,8 @@ async def _main(a: argparse.Namespace) -> None:
                     f"max/min {r['maxmin_mean']:.2f} (mean), {r['maxmin_sample_p50']:.2f} "
                     f"(median sample); shared counts' delay {r['delay']}"
                 )
+        if a.kv_seconds > 0:
+            await _kv(broker.url, a.kv_seconds)
         if a.prefix_scale > 0:
             await _prefix(a, broker.url, tmp)
     finally:
@@ -443,6 +490,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--ttft", type=float, default=0.02)
     p.add_argument("--prefix-scale", type=float, default=1.0)
+    p.add_argument("--kv-seconds", type=float, default=2.0)
     p.add_argument("--serve-upstreams", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve_upstreams:
