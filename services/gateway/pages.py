@@ -25,20 +25,22 @@ Gateway = Any
 
 def announcement(gw: Gateway) -> Callable[[], GatewayAnnouncement]:
     """What this gateway says of itself at each of its announcements: who and where
-    it is, and its load (in flight now, requests a second since the last one)."""
-    started = utc_now()
+    it is, since when it serves (its first announcement, made as it begins), and its
+    load (in flight now, requests a second since the last one)."""
     host = socket.gethostname()
-    last = [time.monotonic(), gw.counts.requests]
+    began: list[Any] = []  # [started, monotonic, requests] at the last announcement
 
     def now() -> GatewayAnnouncement:
         t, n = time.monotonic(), gw.counts.requests
-        rate = (n - last[1]) / (t - last[0]) if t > last[0] else 0.0
-        last[:] = [t, n]
+        if not began:
+            began[:] = [utc_now(), t, n]
+        rate = (n - began[2]) / (t - began[1]) if t > began[1] else 0.0
+        began[1:] = [t, n]
         return GatewayAnnouncement(
             gateway=gw.id,
             address=gw.url,
             routing=gw.rule,
-            started=started,
+            started=began[0],
             pid=os.getpid(),
             host=host,
             inflight=sum(gw.router.inflight.values()),

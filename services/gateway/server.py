@@ -214,9 +214,10 @@ class Gateway:
     """Listen with SO_REUSEPORT: one of the gateway processes `llmgw up --gateways N`
     runs on one port (`services.gateways`)."""
     fleet: Fleet | None = None
-    """The gateways' fleet as this one hears it (`services.gateway.fleet`), while it
-    serves with a broker connection `nc`: it announces itself there, and says goodbye as
-    it stops."""
+    """The gateways' fleet as this one hears it (`services.gateway.fleet`), made with
+    the gateway when it has a broker connection `nc` (else as `run` begins, if one was
+    given since): from `run`'s start of serving it announces itself there, and says
+    goodbye as it stops. Its `on_change` is free for what needs to know the fleet."""
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
@@ -276,6 +277,8 @@ class Gateway:
         self.sharing: Sharing | None = share.attach(self)
         replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self.answers = Answers(self.id, self._view, self.router, replies)
+        if self.nc is not None and self.fleet is None:
+            self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
 
     def _view(self) -> Any:
         return self.follower.view
@@ -381,7 +384,8 @@ class Gateway:
                     subjects.gateway_inflight_wildcard(self.root), cb=self.answers.answer
                 )
                 # Announced once serving: a reader that finds it may send it requests.
-                self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
+                if self.fleet is None:
+                    self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
                 await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s",

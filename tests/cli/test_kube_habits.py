@@ -64,6 +64,23 @@ def live(nats_server: EmbeddedBroker) -> str:
 # ---------------------------------------------------------------------- get
 
 
+def test_get_gateways_is_the_live_fleet_and_says_what_does_not_go_with_it(
+    live: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No gateway runs: an empty list (a line on stderr for a table, `items: []` as
+    JSON); a name none announces exits 3; the log's options are one clear line each."""
+    code, out, err = _run(capsys, "--nats", live, "get", "gateways")
+    assert (code, out) == (0, "") and "no gateways announce themselves" in err
+    code, out, _ = _run(capsys, "--nats", live, "get", "gateways", "-o", "json")
+    assert code == 0 and json.loads(out)["items"] == []
+    code, _, err = _run(capsys, "--nats", live, "get", "gateway/01ABC")
+    assert code == 3 and "no gateway 01ABC" in err
+    for extra in (("--log", "x.jsonl"), ("--at", "10m"), ("-l", "zone=a"), ("--all",)):
+        code, _, err = _run(capsys, "--nats", live, "get", "gateways", *extra)
+        assert code == 2 and "does not go with gateways" in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1
+
+
 def test_get_each_kind_as_a_table(live: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--nats", live, "get", "nodes")
     assert code == 0
@@ -330,7 +347,13 @@ def test_bash_completion(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     subprocess.run(["bash", "-n"], input=script, text=True, check=True, timeout=30)
     assert _complete(script, "llmgw", "ge") == ["get"]
-    assert _complete(script, "llmgw", "get", "") == ["nodes", "models", "replicas", "holds"]
+    assert _complete(script, "llmgw", "get", "") == [
+        "nodes",
+        "models",
+        "replicas",
+        "holds",
+        "gateways",
+    ]
     assert _complete(script, "llmgw", "get", "nodes", "-o", "") == [
         "table",
         "wide",

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from services.agent import gateways
-from services.bus import EmbeddedBroker, connect, ensure_streams
+from services.bus import EmbeddedBroker, broker, connect, ensure_streams
 from services.core.fleet import EXPIRE_S
 from services.gateway.fleet import Fleet
 from tests.up_process import UpProcess, env_for, llmgw
@@ -375,6 +375,9 @@ def test_no_gateway_process_outlives_an_up_killed_9(tmp_path: Path) -> None:
         _until("the orphaned gateway stopped", lambda: not _alive(pid), within_s=15)
     finally:
         up.stop()
+        # The broker, in a session of its own, outlives a killed `up` by design (the
+        # next `up` on the data directory stops it): stopped here as that one would.
+        broker.stop_orphan(tmp_path / "data")
 
 
 def test_a_gateway_that_keeps_ending_is_restarted_later_each_time(tmp_path: Path) -> None:
