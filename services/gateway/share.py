@@ -213,12 +213,17 @@ class Sharing:
         self._subs.clear()
 
     async def _loop(self) -> None:
+        said: set[str] = set()
         while True:
             try:
                 self._expire(self.clock())
                 await self._publish()
             except nats.errors.Error as e:
                 log.debug("gateway: share not sent: %s", e)
+            except Exception as e:  # one line a kind of fault, and the sharing goes on
+                if type(e).__name__ not in said:
+                    said.add(type(e).__name__)
+                    log.exception("gateway: share not sent")
             await asyncio.sleep(self.interval_s)
 
     async def _publish(self) -> None:
