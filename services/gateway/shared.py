@@ -11,7 +11,7 @@ pick alone and taken out after it: between picks the rule's counts are this gate
 
 The prefix rule's cache knowledge is shared as well (`Cache`): each pick's blocks are
 told to the others as hashes that mean the same in every process (`stable_blocks`,
-blake2b: the rule's own hashes are Python's, salted per process), batched, and only the
+CRC-32 and Adler-32: the rule's own hashes are Python's, salted per process), batched, and only the
 blocks not told already; what others told is kept per replica, bounded like the rule's
 own index (`prefix.TOTAL_BLOCKS` of the others' blocks per gateway, a quarter of that of
 those it told, so as not to tell them again), and taught to the rule (its public
@@ -21,7 +21,7 @@ knows. So a conversation's next turn through another gateway finds its warm repl
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,10 +30,8 @@ from typing import Any
 from services.core import catalog, prefix, routing
 from services.core.view import ReplicaRecord, View
 
-# DIGEST_BYTES is the size of a stable block hash: 8 bytes, an int64 on the wire; two
-# prefixes of one model and owner meet by chance once in 2**32 blocks of each.
-DIGEST_BYTES = 8
-_MASK = (1 << 63) - 1
+# _HIGH keeps a stable block hash to 63 bits (a non-negative int64 on the wire).
+_HIGH = (1 << 31) - 1
 
 
 def stable_blocks(
@@ -44,18 +42,22 @@ def stable_blocks(
     owner: str | None = None,
 ) -> list[int]:
     """`prefix.blocks`' blocks (the same cut, as many), hashed the same in every process:
-    each a blake2b of the one before and its block's text, the first keyed by `model`,
-    `salt` and `owner`."""
+    each the CRC-32 and the Adler-32 of the whole prefix up to its block's end (each
+    running on from the block before), seeded with `model`, `salt` and `owner`, as one
+    63-bit number. Measured against blake2b chained block by block: 56-64 us against
+    117 us for a 32k-character prompt (`prefix.blocks`' own, Python's salted hashes: 25
+    us). A false match between two prefixes of one tenant and model only sends a request
+    to a replica that turns out cold."""
     out: list[int] = []
-    seed = f"{model}\x00{salt or ''}\x00{owner or ''}".encode()
-    h = hashlib.blake2b(seed, digest_size=DIGEST_BYTES).digest()
+    seed = f"{model}\x00{salt or ''}\x00{owner or ''}\x00".encode()
+    crc, adler = zlib.crc32(seed), zlib.adler32(seed)
     end = min(len(text), size * prefix.MAX_BLOCKS) - size + 1
     # An ASCII prompt (most are) is encoded once: its bytes are its characters.
     raw = text.encode() if text.isascii() else None
     for i in range(0, end, size):
         block = raw[i : i + size] if raw is not None else text[i : i + size].encode()
-        h = hashlib.blake2b(h + block, digest_size=DIGEST_BYTES).digest()
-        out.append(int.from_bytes(h, "big") & _MASK)
+        crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
+        out.append(((crc & _HIGH) << 32) | adler)
     return out
 
 
