@@ -169,6 +169,28 @@ def gateway_of_announcement(subject: str) -> str | None:
         return None
 
 
+def share_subject(gateway: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, not stored: where gateway `gateway` says its load, the keys it refused
+    and the limits' shares it gives (`schemas.share.Share`), every `--share-interval`.
+    Not under `<root>.gateway.`, which the stream stores."""
+    return f"{root}.share.load.{_t(gateway)}"
+
+
+def share_wildcard(root: str = DEFAULT_ROOT) -> str:
+    """What a gateway subscribes to, to hear every other's `Share`."""
+    return f"{root}.share.load.*"
+
+
+def cache_subject(gateway: str, root: str = DEFAULT_ROOT) -> str:
+    """Core NATS, not stored: the block hashes gateway `gateway` routed to each replica
+    (`schemas.share.Routed`), batched."""
+    return f"{root}.share.cache.{_t(gateway)}"
+
+
+def cache_wildcard(root: str = DEFAULT_ROOT) -> str:
+    return f"{root}.share.cache.*"
+
+
 def dlq_subject(consumer: str, root: str = DEFAULT_ROOT) -> str:
     return f"{root}.dlq.{_t(consumer)}"
 

@@ -19,6 +19,14 @@ gives the reservation back and takes what it really took, which may take the buc
 below zero: a key that spent past its minute waits until the refill has paid it back,
 which is what a limit by the minute means. A refused request takes nothing from either
 bucket.
+
+Several gateways (`services.gateway.share`): each holds a share of a key's limits
+(`share`: the limits over the live gateways, a bucket that holds and refills that
+share), and hands what it does not need to one that refuses the key's requests
+(`give`, `receive`). What is handed on leaves one bucket as it joins another, so the
+shares together never hold more than the key's minute: a bucket may hold more than its
+share's minute when given it (it then refills no more until it is below), and a
+gateway's bucket is cut to its share when gateways join (`clip`).
 """
 
 from __future__ import annotations
@@ -36,8 +44,20 @@ DEFAULT_MAX_TOKENS = 1024
 class Limits:
     """A key's limits; None: no such limit."""
 
-    rpm: int | None = None
-    tpm: int | None = None
+    rpm: float | None = None
+    tpm: float | None = None
+
+
+def share(limits: Limits, gateways: int) -> Limits:
+    """One of `gateways` gateways' share of `limits`: each a part as large, refilled as
+    fast."""
+    n = max(1, gateways)
+    if n == 1:
+        return limits
+    return Limits(
+        rpm=None if limits.rpm is None else limits.rpm / n,
+        tpm=None if limits.tpm is None else limits.tpm / n,
+    )
 
 
 @dataclass(frozen=True)
@@ -67,15 +87,17 @@ class Admission:
     """Admitted: the tokens taken from the token bucket for it, given back by `settle`."""
 
 
-def level(b: Bucket | None, per_minute: int, now: float) -> float:
+def level(b: Bucket | None, per_minute: float, now: float) -> float:
     """What the bucket `b` of `per_minute` holds at `now`: full when it was never used,
-    never more than a minute's worth."""
+    refilled to no more than a minute's worth (what it was given past that, it keeps)."""
     if b is None:
         return float(per_minute)
+    if b.level >= per_minute:
+        return b.level
     return min(float(per_minute), b.level + max(now - b.at, 0.0) * per_minute / 60.0)
 
 
-def wait_s(held: float, per_minute: int, need: float = 1.0) -> float:
+def wait_s(held: float, per_minute: float, need: float = 1.0) -> float:
     """Seconds until a bucket of `per_minute` holding `held` holds `need`; inf with no
     refill (a limit of 0)."""
     if held >= need:
@@ -112,9 +134,8 @@ def settle(limits: Limits, buckets: Buckets, now: float, reserved: float, tokens
     if limits.tpm is None or (reserved <= 0 and tokens <= 0):
         return buckets
     held = level(buckets.tokens, limits.tpm, now)
-    return Buckets(
-        buckets.requests, Bucket(min(float(limits.tpm), held + reserved - max(tokens, 0)), now)
-    )
+    top = max(float(limits.tpm), held)
+    return Buckets(buckets.requests, Bucket(min(top, held + reserved - max(tokens, 0)), now))
 
 
 def charge(limits: Limits, buckets: Buckets, now: float, tokens: int) -> Buckets:
@@ -123,3 +144,46 @@ def charge(limits: Limits, buckets: Buckets, now: float, tokens: int) -> Buckets
         return buckets
     held = level(buckets.tokens, limits.tpm, now)
     return Buckets(buckets.requests, Bucket(held - tokens, now))
+
+
+def give(
+    limits: Limits, buckets: Buckets, now: float, fraction: float
+) -> tuple[Buckets, float, float]:
+    """`fraction` of what each of the buckets holds at `now` (none of a bucket at or below
+    zero), taken out to be handed to another gateway: the buckets left, and the requests
+    and tokens taken."""
+    requests, tokens = buckets.requests, buckets.tokens
+    r = t = 0.0
+    if limits.rpm is not None:
+        held = level(requests, limits.rpm, now)
+        r = max(0.0, held * fraction)
+        requests = Bucket(held - r, now)
+    if limits.tpm is not None:
+        held = level(tokens, limits.tpm, now)
+        t = max(0.0, held * fraction)
+        tokens = Bucket(held - t, now)
+    return Buckets(requests, tokens), r, t
+
+
+def receive(
+    limits: Limits, buckets: Buckets, now: float, requests: float, tokens: float
+) -> Buckets:
+    """`buckets` once another gateway handed them `requests` and `tokens` of the key's
+    limits (kept even past a minute's worth of the share: they left another's bucket)."""
+    rq, tk = buckets.requests, buckets.tokens
+    if limits.rpm is not None and requests > 0:
+        rq = Bucket(level(rq, limits.rpm, now) + requests, now)
+    if limits.tpm is not None and tokens > 0:
+        tk = Bucket(level(tk, limits.tpm, now) + tokens, now)
+    return Buckets(rq, tk)
+
+
+def clip(limits: Limits, buckets: Buckets, now: float) -> Buckets:
+    """`buckets` held to a minute's worth of `limits` (a smaller share, as gateways
+    join)."""
+    rq, tk = buckets.requests, buckets.tokens
+    if limits.rpm is not None and rq is not None:
+        rq = Bucket(min(level(rq, limits.rpm, now), float(limits.rpm)), now)
+    if limits.tpm is not None and tk is not None:
+        tk = Bucket(min(level(tk, limits.tpm, now), float(limits.tpm)), now)
+    return Buckets(rq, tk)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +45,58 @@ def authorize(keys: Keys | None, request: web.Request) -> Key | None:
 @dataclass(eq=False)
 class Admission:
     """Each limited key's buckets (by digest; bounded by the key file), and what was last
-    said of the keys' owners."""
+    said of the keys' owners.
+
+    With `gateways` (`services.gateway.share`), the buckets hold this gateway's share of
+    each key's limits, the limits over the gateways live now (`ratelimit.share`), cut to
+    it as gateways join; a key refused is said in `wanting`, for the others to hand
+    this one some of theirs (`give`, `receive`)."""
 
     labelled: Labelled
     metrics: Metrics
     buckets: dict[bytes, ratelimit.Buckets] = field(default_factory=dict)
+    gateways: Callable[[], int] | None = None
+    """How many gateways share the keys' limits now, this one included; None: alone."""
+    wanting: set[bytes] = field(default_factory=set)
+    """Keys (digests) refused since the others were last told."""
+    _shared_by: int = 1
+    _limits: dict[bytes, ratelimit.Limits] = field(default_factory=dict)
     _owners_seen: tuple[Any, ...] | None = None
     _owners_said: str | None = None
+
+    def share_of(self, limits: ratelimit.Limits, now: float) -> ratelimit.Limits:
+        """This gateway's share of `limits` now; the buckets cut to a smaller share as
+        gateways join."""
+        n = 1 if self.gateways is None else max(1, self.gateways())
+        if n != self._shared_by:
+            grew = n > self._shared_by
+            self._shared_by = n
+            if grew:
+                for digest, whole in self._limits.items():
+                    b = self.buckets.get(digest)
+                    if b is not None:
+                        self.buckets[digest] = ratelimit.clip(ratelimit.share(whole, n), b, now)
+        return ratelimit.share(limits, n)
+
+    def give(self, key: Key, fraction: float, now: float) -> tuple[float, float]:
+        """`fraction` of `key`'s share held now, taken out to hand to another gateway:
+        the requests and tokens."""
+        limits = key.limits
+        if limits.rpm is None and limits.tpm is None:
+            return 0.0, 0.0
+        share = self.share_of(limits, now)
+        self._limits[key.digest] = limits
+        b = self.buckets.get(key.digest, ratelimit.Buckets())
+        b, r, t = ratelimit.give(share, b, now, fraction)
+        self.buckets[key.digest] = b
+        return r, t
+
+    def receive(self, key: Key, requests: float, tokens: float, now: float) -> None:
+        """Another gateway handed this one `requests` and `tokens` of `key`'s limits."""
+        share = self.share_of(key.limits, now)
+        self._limits[key.digest] = key.limits
+        b = self.buckets.get(key.digest, ratelimit.Buckets())
+        self.buckets[key.digest] = ratelimit.receive(share, b, now, requests, tokens)
 
     def admit(self, key: Key, reserve: int, now: float, take: bool = True) -> float:
         """One more request of `key`, which may take `reserve` tokens, taken by its
@@ -61,6 +107,9 @@ class Admission:
         limits = key.limits if take else ratelimit.Limits(rpm=key.limits.rpm)
         if limits.rpm is None and limits.tpm is None:
             return 0.0
+        if self.gateways is not None:
+            self._limits[key.digest] = key.limits
+            limits = self.share_of(limits, now)
         a = ratelimit.admit(
             limits,
             self.buckets.get(key.digest, ratelimit.Buckets()),
@@ -71,6 +120,8 @@ class Admission:
             if take:
                 self.buckets[key.digest] = a.buckets
             return a.reserved
+        if self.gateways is not None:
+            self.wanting.add(key.digest)
         # A limit of 0 never refills: the key is shut, and told to come back in an hour.
         shut = not math.isfinite(a.wait_s)
         retry = SHUT_RETRY_S if shut else max(1, math.ceil(a.wait_s))
@@ -98,8 +149,9 @@ class Admission:
         `took`: its key's token bucket settled to that."""
         if key.limits.tpm is None:
             return
+        limits = key.limits if self.gateways is None else self.share_of(key.limits, now)
         b = self.buckets.get(key.digest, ratelimit.Buckets())
-        self.buckets[key.digest] = ratelimit.settle(key.limits, b, now, reserved, took)
+        self.buckets[key.digest] = ratelimit.settle(limits, b, now, reserved, took)
 
     def check_owners(self, keys: Keys | None, state: State) -> None:
         """A key whose owner is not in the quota tree the log says (nor a declared

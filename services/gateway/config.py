@@ -19,6 +19,8 @@ from services.gateway.listen import (
     KEEPALIVE_S,
     MAX_BODY,
     QUEUE_PER_MODEL,
+    SHARE_EXPIRY_S,
+    SHARE_INTERVAL_S,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
@@ -204,6 +206,33 @@ class Config:
             "work among those, another when waiting there costs more than the cache "
             "saves or one replica would take too much of the load; least-inflight when "
             'none has it (docs/gateway.md, "Prefix-aware routing")',
+        },
+    )
+    share: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-share",
+            "help": "do not share with the other gateways on the broker: each key's "
+            "rpm/tpm then holds per gateway (N gateways admit N times it), and the routing "
+            "rule, the prefix index and model.demanded see this gateway's requests alone "
+            '(docs/gateway.md, "Several gateways")',
+        },
+    )
+    share_interval_s: float = field(
+        default=SHARE_INTERVAL_S,
+        metadata={
+            "positive": True,
+            "help": "seconds between two of this gateway's messages to the others (its "
+            "in-flight counts, waiting requests, refused keys, the limits' shares it "
+            "hands on): how stale the others' view of its load may be",
+        },
+    )
+    share_expiry_s: float = field(
+        default=SHARE_EXPIRY_S,
+        metadata={
+            "positive": True,
+            "help": "seconds a gateway may be silent before the others drop its counts "
+            "and its share of every key's limits returns to them",
         },
     )
     process: ProcessConfig = field(default_factory=ProcessConfig)

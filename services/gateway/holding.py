@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -70,6 +70,27 @@ WAKES = (
 VERDICTS = (ev.PreemptionDecidedEvent, ev.HoldCreatedEvent, ev.ModelRemovedEvent)
 
 
+class Demand(Protocol):
+    """What the other gateways hold and route (`services.gateway.share.Sharing`)."""
+
+    def waiting(self, model: str) -> int:
+        """Requests for `model` the other gateways hold now."""
+        ...
+
+    def reports(self, model: str, waiting: int) -> bool:
+        """Whether this gateway, holding `waiting` of `model`'s requests, is the one that
+        says the fleet's demand for it."""
+        ...
+
+    def inflight(self) -> Mapping[str, int]:
+        """Requests the other gateways have in flight per replica."""
+        ...
+
+    def held_by_owner(self, model: str) -> Mapping[str | None, int]:
+        """Requests for `model` the other gateways hold, per owner (None: no key)."""
+        ...
+
+
 class Tunables(Protocol):
     """The settings a line is held and served by, read as each is needed (the gateway's
     own fields, which a test may change while it serves)."""
@@ -97,6 +118,9 @@ class Holding:
     settings: Tunables
     stopping: bool = False
     """Set as the gateway stops: the demand reports end."""
+    fleet: Demand | None = None
+    """The other gateways' waiting requests (`services.gateway.share`): with them, one
+    gateway of those holding a model's requests reports the fleet's, the others none."""
 
     async def wait(
         self,
@@ -193,7 +217,9 @@ class Holding:
         """The request in its model's line; 429 when the line, or its owner's share of
         it, is full. Refuses the request it pushes out, if any."""
         try:
-            w = self.room.join(m, route.session, now, None if key is None else key.owner)
+            elsewhere = None if self.fleet is None else self.fleet.held_by_owner(m.name)
+            owner = None if key is None else key.owner
+            w = self.room.join(m, route.session, now, owner, elsewhere)
         except Full as full:
             if full.owner is None:
                 said = (
@@ -378,12 +404,21 @@ class Holding:
             self.room.drop_if_idle(line)
 
     async def _publish_demand(self, line: Line, since: datetime, waiting: int) -> None:
+        fleet = self.fleet
+        if fleet is not None:
+            # One report for the fleet's waiting requests, each counted once.
+            if not fleet.reports(line.model, waiting):
+                return
+            waiting += fleet.waiting(line.model)
         view = self.view()
         m = view.catalog.resolve(line.model)
         inflight = 0
         if m is not None:
             got = self.router.inflight
-            inflight = sum(got.get(r.id, 0) for r in routing.candidates(view, m))
+            others = fleet.inflight() if fleet is not None else {}
+            inflight = sum(
+                got.get(r.id, 0) + others.get(r.id, 0) for r in routing.candidates(view, m)
+            )
         e = ev.make(
             ev.ModelDemanded(
                 model=line.model,

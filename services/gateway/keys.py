@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,9 @@ class Keys:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._keys.values())
 
     @property
     def owners(self) -> set[str]:

@@ -28,6 +28,11 @@ QUEUE_PER_MODEL = 256
 # KEEPALIVE_S is how often a held stream is sent an SSE comment (`: waiting`): under the
 # 30 to 60 s after which proxies and load balancers cut a connection that says nothing.
 KEEPALIVE_S = 10.0
+# SHARE_INTERVAL_S is how often a gateway tells the others its load and the limits'
+# shares it hands on (`services.gateway.share`); SHARE_EXPIRY_S how long one may be
+# silent before its counts are dropped and its shares return (ten intervals).
+SHARE_INTERVAL_S = 0.05
+SHARE_EXPIRY_S = 0.5
 
 
 def refusal(listen: str, no_auth: bool, keys: bool = False) -> str | None:

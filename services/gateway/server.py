@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -54,17 +53,17 @@ from schemas import subjects
 from services import listen, names
 from services.bus import Publisher
 from services.bus.replies import ReplyGuard
-from services.clock import new_id, utc_now
+from services.clock import new_id
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
-from services.gateway import continuation, guard, plane, scope, streams, tokens
+from services.gateway import continuation, guard, pages, plane, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
-from services.gateway.fleet import Fleet, GatewayAnnouncement, ModelLoad
+from services.gateway.fleet import Fleet
 from services.gateway.forward import Forwarder
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
@@ -74,6 +73,8 @@ from services.gateway.listen import (
     KEEPALIVE_S,
     MAX_BODY,
     QUEUE_PER_MODEL,
+    SHARE_EXPIRY_S,
+    SHARE_INTERVAL_S,
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
@@ -86,7 +87,6 @@ from services.gateway.metrics import (
     KeptLabelled,
     Labelled,
     Metrics,
-    summary,
 )
 from services.gateway.refusal import (
     BOUNDARY,
@@ -115,6 +115,7 @@ from services.gateway.request import (
 )
 from services.gateway.request import route as route_of
 from services.gateway.routed import Routed
+from services.gateway.share import Sharing
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
 from services.plane.follower import ViewFollower
@@ -207,6 +208,11 @@ class Gateway:
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
+    share: bool = False
+    """Share the keys' limits, the load and the prefix index with the other gateways on
+    the broker `nc` (`services.gateway.share`; `Gateway.of` sets it from `--no-share`)."""
+    share_interval_s: float = SHARE_INTERVAL_S
+    share_expiry_s: float = SHARE_EXPIRY_S
     reuse_port: bool = False
     """Listen with SO_REUSEPORT: one of the gateway processes `llmgw up --gateways N`
     runs on one port (`services.gateways`)."""
@@ -218,6 +224,8 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.labelled: Labelled = KeptLabelled() if self.fast_path else Labelled()
+        if self.share and self.nc is not None:
+            self.router = share.wrap(self.router)
         self.routed = Routed(self.router, self.metrics, self.labelled)
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
@@ -270,10 +278,11 @@ class Gateway:
         self._buckets = self.admission.buckets
         """Per key with limits (by digest): its buckets. Bounded by the key file."""
         self._scope = scope.Scope()
+        self.sharing: Sharing | None = share.attach(self)
         replies = ReplyGuard(f"gateway {self.id}: in-flight answers")
         self.answers = Answers(self.id, self._view, self.router, replies)
         if self.nc is not None and self.fleet is None:
-            self.fleet = Fleet(self.nc, self.root, me=self._announcement())
+            self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
 
     def _view(self) -> Any:
         return self.follower.view
@@ -312,6 +321,9 @@ class Gateway:
             fast_path=config.fast_path,
             continuation_limit=config.continuation_limit,
             continuation_settle_s=config.continuation_settle_s,
+            share=config.share,
+            share_interval_s=config.share_interval_s,
+            share_expiry_s=config.share_expiry_s,
             router=pickers[config.routing](),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
@@ -366,6 +378,8 @@ class Gateway:
                 keepalive_timeout=self.idle_timeout_s,
             )
             await runner.setup()
+            if self.sharing is not None:
+                await self.sharing.start()  # the others' shares known before a request
             await web.SockSite(runner, sock).start()
             answers = None
             if self.nc is not None:
@@ -376,7 +390,7 @@ class Gateway:
                 )
                 # Announced once serving: a reader that finds it may send it requests.
                 if self.fleet is None:
-                    self.fleet = Fleet(self.nc, self.root, me=self._announcement())
+                    self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
                 await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s",
@@ -402,6 +416,8 @@ class Gateway:
                 if self.fleet is not None:
                     # Goodbye first: nobody counts on it while it finishes what it has.
                     await self.fleet.stop()
+                if self.sharing is not None:
+                    await self.sharing.stop()
                 if answers is not None:
                     with contextlib.suppress(nats.errors.Error):
                         await answers.unsubscribe()
@@ -418,48 +434,6 @@ class Gateway:
         finally:
             await self.follower.stop()
 
-    def _announcement(self) -> Callable[[], GatewayAnnouncement]:
-        """What this gateway says of itself at each of its announcements: who and where
-        it is, since when it serves (its first announcement, made as it begins), and its
-        load (in flight now, requests a second since the last one)."""
-        host = socket.gethostname()
-        began: list[Any] = []  # [started, monotonic, requests] at the last announcement
-
-        def now() -> GatewayAnnouncement:
-            t, n = time.monotonic(), self.counts.requests
-            if not began:
-                began[:] = [utc_now(), t, n]
-            rate = (n - began[2]) / (t - began[1]) if t > began[1] else 0.0
-            began[1:] = [t, n]
-            return GatewayAnnouncement(
-                gateway=self.id,
-                address=self.url,
-                routing=self.rule,
-                started=began[0],
-                pid=os.getpid(),
-                host=host,
-                inflight=sum(self.router.inflight.values()),
-                rate=round(rate, 2),
-                requests=n,
-                seq=self.follower.seq,
-                models=self._loads(),
-            )
-
-        return now
-
-    def _loads(self) -> dict[str, ModelLoad]:
-        """Per model it has taken requests for (a request counts once it ends) or holds
-        or forwards now: requests since the start, in flight and held now (bounded by the
-        declared models)."""
-        requests, inflight = self.traffic()
-        held = self.room.held_by_model()
-        return {
-            m: ModelLoad(
-                requests=requests.get(m, 0), inflight=inflight.get(m, 0), held=held.get(m, 0)
-            )
-            for m in {*requests, *inflight, *held}
-        }
-
     def _recheck_owners(self) -> None:
         """The keys' owners against the quota tree now (`Admission.recheck_owners`)."""
         self.admission.recheck_owners(self.keys, self.follower.view.state)
@@ -468,63 +442,18 @@ class Gateway:
         """Requests per model since the start, and requests in flight per model now:
         what its announcements say per model, which a dashboard beside it sums
         (services.dashboard.traffic)."""
-        replicas = self.follower.view.replicas
-        inflight: dict[str, int] = {}
-        for rid, n in self.router.inflight.items():
-            r = replicas.get(rid)
-            if r is not None:
-                inflight[r.model] = inflight.get(r.model, 0) + n
-        return dict(self.counts.by_model), inflight
+        return pages.traffic(self)
 
     # ------------------------------------------------------------------ handlers
 
     async def _health(self, request: web.Request) -> web.Response:
-        """The view's seq, what is routable per declared model, in flight per replica."""
-        view = self.follower.view
-        routable = {}
-        for name in sorted(view.state.models):
-            m = view.catalog.resolve(name)
-            if m is not None:
-                routable[name] = sorted(r.id for r in routing.candidates(view, m))
-        return web.json_response(
-            {
-                "seq": self.follower.seq,
-                "routable": routable,
-                "inflight": dict(self.router.inflight),
-                "requests": self.counts.requests,
-                "retries": self.counts.retries,
-                "held": self.room.held_by_model(),
-                "demanded": self.counts.demanded,
-                "wake_ms": summary(self.counts.wakes),
-                "wake_send_ms": summary(self.counts.sends),
-            }
-        )
+        return pages.health(self)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return pages.models(self, request)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def _models(self, request: web.Request) -> web.Response:
-        key = authorize(self.keys, request)
-        owner = None if key is None else key.owner
-        view = self.follower.view
-        data = []
-        for d in sorted(view.state.models.values(), key=lambda d: d.name):
-            m = view.catalog.resolve(d.name)
-            if m is None or not self._scope.visible(owner, d, view.state.quota):
-                continue
-            ready = len(routing.candidates(view, m))
-            for name in (m.name, *(a for a in m.aliases if view.catalog.resolve(a) is m)):
-                data.append(
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": int(d.name != name),
-                        "owned_by": m.owner,
-                        "root": m.name,
-                        "llmgw": {"replicas": ready},
-                    }
-                )
-        return web.json_response({"object": "list", "data": data})
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         self.counts.requests += 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -163,32 +163,57 @@ class WaitingRoom:
     def held_by_model(self) -> dict[str, int]:
         return {name: len(line) for name, line in self.lines.items() if len(line)}
 
+    def held_by_owner(self) -> dict[str, dict[str, int]]:
+        """Per model with requests held, per owner ("" for none) how many."""
+        return {
+            name: {o or "": len(q) for o, q in line.queues.items() if q}
+            for name, line in self.lines.items()
+            if len(line)
+        }
+
     def waiting(self, model: str) -> int:
         line = self.lines.get(model)
         return 0 if line is None else len(line)
 
     def join(
-        self, m: catalog.Model, session: str | None, arrived: datetime, owner: str | None = None
+        self,
+        m: catalog.Model,
+        session: str | None,
+        arrived: datetime,
+        owner: str | None = None,
+        elsewhere: Mapping[str | None, int] | None = None,
     ) -> Waiter:
         """Hold a request of `m` sent by `owner` at the end of its owner's queue; `Full`
         at the line's length when the owner holds its share. A request let into a full
-        line has the one pushed out for it as its `displaced` (the caller refuses it)."""
+        line has the one pushed out for it as its `displaced` (the caller refuses it).
+        `elsewhere`: what the other gateways hold of the model's line, per owner (the
+        line, its length and its shares are then the fleet's; only a request held here
+        can be pushed out, so with none here a request under its share is let in past
+        the length until the others' lines move)."""
         line = self.lines.get(m.name)
         if line is None:
             line = self.lines[m.name] = Line(model=m.name, rank=catalog.class_rank(m.cls))
         line.rank = catalog.class_rank(m.cls)
         displaced = None
-        if len(line) >= self.per_model:
-            owners = len(line.queues) + (owner not in line.queues)
+        others = {o: n for o, n in (elsewhere or {}).items() if n > 0}
+        if len(line) + sum(others.values()) >= self.per_model:
+            owners = len(line.queues.keys() | others.keys() | {owner})
             share = max(1, self.per_model // owners)
-            held = line.held_by(owner)
+            held = line.held_by(owner) + others.get(owner, 0)
             if held >= share:
                 raise Full(m.name, owner, held, share)
-            # The owner holding the most (the latest to wait of those, on a tie) gives
-            # up its newest request.
-            most = max(line.queues, key=lambda o: (len(line.queues[o]), line.queues[o][-1].arrived))
-            displaced = line.queues[most][-1]
-            line.remove(displaced)
+            if line.queues:
+                # The owner holding the most (the latest to wait of those, on a tie)
+                # gives up its newest request.
+                most = max(
+                    line.queues,
+                    key=lambda o: (
+                        len(line.queues[o]) + others.get(o, 0),
+                        line.queues[o][-1].arrived,
+                    ),
+                )
+                displaced = line.queues[most][-1]
+                line.remove(displaced)
         w = Waiter(
             model=m.name,
             session=session,

@@ -146,3 +146,38 @@ def test_requests_in_flight_together_never_reserve_past_a_minute(tpm: int, asks:
             reserved += a.reserved
             assert a.reserved <= ask
     assert reserved <= tpm + 1e-9
+
+
+# ------------------------------------------------------------------ shares of a fleet
+
+
+def test_a_key_shared_by_three_gateways_is_a_third_each_refilled_a_third_as_fast() -> None:
+    whole = rl.Limits(rpm=90, tpm=900)
+    third = rl.share(whole, 3)
+    assert (third.rpm, third.tpm) == (30, 300)
+    assert rl.share(whole, 1) is whole
+    admitted = 0
+    b = rl.Buckets()
+    while rl.admit(third, b, 0.0).over is None:
+        b = rl.admit(third, b, 0.0).buckets
+        admitted += 1
+    assert admitted == 30
+    assert rl.level(b.requests, 30, 60.0) == 30.0  # a minute refills the third
+
+
+def test_what_a_gateway_hands_on_leaves_it_as_it_joins_the_other() -> None:
+    third = rl.share(rl.Limits(rpm=90, tpm=900), 3)
+    giver, taker = rl.Buckets(), rl.Buckets()
+    for _ in range(30):
+        taker = rl.admit(third, taker, 0.0).buckets
+    giver, r, t = rl.give(third, giver, 0.0, 0.5)
+    assert (r, t) == (15.0, 150.0)
+    taker = rl.receive(third, taker, 0.0, r, t)
+    held = rl.level(giver.requests, 30, 0.0) + rl.level(taker.requests, 30, 0.0)
+    assert held == 30.0  # nothing made, nothing lost
+    # Given past its share's minute, a bucket keeps it (and refills no more meanwhile).
+    full = rl.receive(third, rl.Buckets(), 0.0, 10.0, 0.0)
+    assert rl.level(full.requests, 30, 30.0) == 40.0
+    # Cut to a smaller share as gateways join.
+    cut = rl.clip(rl.share(rl.Limits(rpm=90), 4), full, 30.0)
+    assert rl.level(cut.requests, 22.5, 30.0) == 22.5

@@ -158,7 +158,7 @@ def test_the_page_shows_requests_a_second_in_flight_and_the_hit_rate_per_model(
         got = _until(
             "chat's traffic from the gateway",
             lambda: (
-                (_get(api)["models"].get("chat") or {}).get("inflight", 0) >= 1
+                ((_get(api)["models"].get("chat") or {}).get("inflight") or 0) >= 1
                 and _get(api)["models"]["chat"]
             ),
         )

@@ -73,3 +73,23 @@ def test_the_switches_that_are_flags_now_are_read_nowhere_and_the_page_names_the
     section = section[: section.index("\n## ", 1)]
     for flag in filter(None, FLAGS_NOW.values()):
         assert f"`{flag}" in section, flag
+
+
+# SHARING are the gateway's flags for sharing with the other gateways on its broker:
+# flags of its `Config`, read from no variable, named in the switches' section and in
+# docs/gateway.md.
+SHARING = ("--no-share", "--share-interval", "--share-expiry")
+
+
+def test_the_gateways_sharing_switches_are_flags_the_pages_name() -> None:
+    from services.gateway.__main__ import parser
+
+    helped = parser().format_help()
+    text = PAGE.read_text()
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
+    gateway = (REPO / "docs" / "gateway.md").read_text()
+    for flag in SHARING:
+        assert flag in helped, flag
+        assert f"`{flag}`" in section, flag
+        assert f"`{flag}`" in gateway or f"`{flag} " in gateway, flag
