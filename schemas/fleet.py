@@ -4,7 +4,7 @@ Each running gateway publishes one on `subjects.gateway_announce_subject(id)` ev
 `every` seconds, and one with `leaving` set as it stops cleanly; on a roll call
 (`subjects.gateway_rollcall_subject`) it publishes one at once. Never stored: a gateway
 silent for `services.core.fleet.EXPIRE_S` is taken for gone. Read by
-`services.gateway.fleet.Fleet` (the gateways themselves, `llmgw get gateways`, a
+`services.bus.fleet.Fleet` (the gateways themselves, `llmgw get gateways`, a
 draining agent). docs/contract.md, "The gateways' announcements".
 """
 

@@ -1,5 +1,5 @@
 """`llmgw up`: the whole control plane in one process, on an embedded broker by default;
-the gateway beside it in processes of its own (`services.gateways`).
+the gateway beside it in processes of its own (`services.gateway.processes`).
 
 Called by `services.cli.up` (the command) and by end-to-end tests, which run `run()` in
 their own event loop. It composes what the other packages build — the embedded broker,
@@ -45,7 +45,7 @@ from services.core.policy import Config as PolicyConfig
 from services.dashboard.server import Dashboard, DashboardError
 from services.gateway.config import Config as GatewayConfig
 from services.gateway.errors import GatewayError
-from services.gateways import Gateways, Reservation
+from services.gateway.processes import Gateways, Reservation
 from services.plane import heap, lease
 from services.preemption.config import Config as PreemptionConfig
 from services.preemption.service import PreemptionService
@@ -114,7 +114,7 @@ class UpOptions:
     """The gateway's settings (`--gateway-listen` its address); None: no gateway."""
     gateways: int = 1
     """Gateway processes on the gateway's one port (`--gateways`), each of its own,
-    restarted when it ends (`services.gateways`)."""
+    restarted when it ends (`services.gateway.processes`)."""
     wire_reader: bool = True
     """Read the log with the bus's own wire reader (`--no-wire-reader`: nats-py's)."""
     settle_heap: bool = False
@@ -585,7 +585,7 @@ async def _serve(
             files.write_private(opts.data / URL_FILE, shown + "\n")
             log.info("dashboard: %s", shown)
         if gateway is not None and opts.gateway is not None:
-            # Processes of their own, never this one (services.gateways); no replica's
+            # Processes of their own, never this one (services.gateway.processes); no replica's
             # endpoint may name the plane's own ports (services.gateway.plane).
             fleet = Gateways(
                 opts.gateways,

@@ -57,10 +57,10 @@ from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
 from services.bus import BusError, Permanent, Publisher, PublishError, replies
 from services.bus import consume as bus_consume
+from services.bus.fleet import Fleet
 from services.bus.publish import OTHER, new_seal
 from services.clock import new_id, utc_now
 from services.core import ingest
-from services.gateway.fleet import Fleet
 
 log = logging.getLogger("llmgw.agent")
 

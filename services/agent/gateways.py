@@ -12,7 +12,7 @@ new there and has nothing in flight on it; or at the end of the grace. No gatewa
 answering is no wait: the broker says at once that nobody listens, and a subscriber that
 never answers costs `MUTE_S` (a gateway whose loop is busy with its load may answer a
 question late, and taking its silence for "none" would cut its streams), unless the
-gateways' announcements (`services.gateway.fleet`) say that every gateway heard of is
+gateways' announcements (`services.bus.fleet`) say that every gateway heard of is
 gone: one killed, frozen or cut off from the broker (whose subscription the broker may
 keep for minutes) is out of the fleet `EXPIRE_S` after its last announcement, and is not
 waited for past that; nor is an answer of a gone gateway waited for in each round. It
@@ -30,7 +30,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS
 
 from schemas import inflight, subjects
 from services.bus import replies
-from services.gateway.fleet import Fleet
+from services.bus.fleet import Fleet
 
 # WINDOW_S bounds how long one question waits for answers (and the grace, when shorter).
 # A gateway answers within milliseconds; the window is for one whose loop is busy with

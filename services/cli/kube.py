@@ -3,7 +3,7 @@
 Registered by `services.cli`. `get` lists one kind (nodes, models, replicas, holds)
 from the view `llmgw status` reads (`status.summary`, the same rows), as a table with or
 without headers, wide, JSON, YAML or `kind/name`; `get gateways` lists the gateways that
-announce themselves on the live broker now (`services.gateway.fleet`); `-l key=value` selects nodes by label.
+announce themselves on the live broker now (`services.bus.fleet`); `-l key=value` selects nodes by label.
 `describe` is `explain` under kubectl's name. `wait` follows the live log
 (`services.replay.subscribe`) until a model is ready or at its desired count, or its
 --timeout passes. `completion` prints a bash or zsh script built from the command tree,
@@ -466,7 +466,7 @@ async def _get_gateways(args: argparse.Namespace, wanted: list[str]) -> int:
                 f"{flag} does not go with gateways: they are what announces itself on the "
                 "live broker now, not in the log"
             )
-    from services.gateway.fleet import Fleet
+    from services.bus.fleet import Fleet
 
     async with cli.session(args, "llmgw get gateways") as s:
         fleet = Fleet(s.nc, s.root)

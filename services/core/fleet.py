@@ -1,7 +1,7 @@
 """Who is in the gateways' fleet now: announcements heard, silent ones expired.
 
 Pure: the time is a parameter (seconds of one monotonic clock), so tests need not wait.
-Kept by `services.gateway.fleet.Fleet`, which feeds it what it hears on core NATS and
+Kept by `services.bus.fleet.Fleet`, which feeds it what it hears on core NATS and
 asks it, on a timer, which gateways have fallen silent.
 """
 

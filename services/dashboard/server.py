@@ -218,12 +218,12 @@ class Dashboard:
     their age in /metrics; None: not listened for."""
     gateway: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None
     """The gateways of the same `llmgw up`: their requests per model since they started
-    and their requests in flight per model (`services.gateway.fleet.Traffic.counts`,
+    and their requests in flight per model (`services.bus.fleet.Traffic.counts`,
     from their announcements); None: requests a
     second come from the log's `replica.used` reports alone, in flight is unknown."""
     held: Callable[[], dict[str, int]] | None = None
     """Their waiting rooms: the requests they hold per model now
-    (`services.gateway.fleet.Traffic.held`); None: unknown."""
+    (`services.bus.fleet.Traffic.held`); None: unknown."""
 
     def __post_init__(self) -> None:
         self.beats: dict[str, datetime] = {}

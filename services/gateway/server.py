@@ -1,7 +1,7 @@
 """The gateway: an OpenAI-compatible request path to the replicas the log says are ready.
 
 Run by `llmgw gateway` (services/cli/gateway.py), and by `llmgw up` as processes of its
-own (`services.gateways`, `services.gateway.supervised`). It follows the log with the one follow loop and ingest every reader uses
+own (`services.gateway.processes`, `services.gateway.supervised`). It follows the log with the one follow loop and ingest every reader uses
 (`services.plane.follower.ViewFollower`), so what it routes to is the folded view: a replica
 leaves routing the instant its drain is folded (`services.core.routing`). It serves
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`.
@@ -52,6 +52,7 @@ from schemas import events as ev
 from schemas import subjects
 from services import listen, names
 from services.bus import Publisher
+from services.bus.fleet import Fleet
 from services.bus.replies import ReplyGuard
 from services.clock import new_id
 from services.core import catalog, routing
@@ -63,7 +64,6 @@ from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
-from services.gateway.fleet import Fleet
 from services.gateway.forward import Forwarder
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
@@ -215,9 +215,9 @@ class Gateway:
     share_expiry_s: float = SHARE_EXPIRY_S
     reuse_port: bool = False
     """Listen with SO_REUSEPORT: one of the gateway processes `llmgw up --gateways N`
-    runs on one port (`services.gateways`)."""
+    runs on one port (`services.gateway.processes`)."""
     fleet: Fleet | None = None
-    """The gateways' fleet as this one hears it (`services.gateway.fleet`), made with
+    """The gateways' fleet as this one hears it (`services.bus.fleet`), made with
     the gateway when it has a broker connection `nc` (else as `run` begins, if one was
     given since): from `run`'s start of serving it announces itself there, and says
     goodbye as it stops. Its `on_change` is free for what needs to know the fleet."""

@@ -1,5 +1,5 @@
 """`python -m services.gateway.supervised`: one of the gateway processes `llmgw up` runs
-(`services.gateways`), its settings read from its standard input.
+(`services.gateway.processes`), its settings read from its standard input.
 
 `up` writes one JSON object on one line and keeps the pipe open: the broker's URL (which carries the
 embedded broker's credentials: never in the command line, which `ps` shows every user,

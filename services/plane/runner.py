@@ -42,7 +42,7 @@ def run_service(
     `failures` are the service's own errors a user can act on (printed as one line);
     `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`);
     `ensure` False: the streams are not made or checked (a process `llmgw up` starts
-    after making them with its own settings: `services.gateways`).
+    after making them with its own settings: `services.gateway.processes`).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"

@@ -451,7 +451,7 @@ async def test_an_agent_hears_the_gateways_announcements_and_cannot_forge_one(en
     from datetime import UTC, datetime
 
     from schemas import fleet as schema
-    from services.gateway.fleet import Fleet
+    from services.bus.fleet import Fleet
 
     gateway = Fleet(
         env.control.nc,

@@ -26,8 +26,8 @@ import pytest
 
 from services.agent import gateways
 from services.bus import EmbeddedBroker, broker, connect, ensure_streams
+from services.bus.fleet import Fleet
 from services.core.fleet import EXPIRE_S
-from services.gateway.fleet import Fleet
 from tests.up_process import UpProcess, env_for, llmgw
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,5 +1,5 @@
 """The gateways' fleet: announcements heard, a silent gateway out within its lease, a
-goodbye at once (`services.gateway.fleet`, `services.core.fleet`)."""
+goodbye at once (`services.bus.fleet`, `services.core.fleet`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from nats.aio.client import Client
 from schemas import fleet as schema
 from schemas import subjects
 from schemas.fleet import GatewayAnnouncement
+from services.bus.fleet import Fleet, ModelLoad, Traffic
 from services.core.fleet import EXPIRE_S, Roster
-from services.gateway.fleet import Fleet, ModelLoad, Traffic
 
 pytestmark = pytest.mark.timeout(30)
 

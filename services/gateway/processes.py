@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from services import listen
+from services.bus.fleet import Fleet, Traffic
 from services.gateway.config import Config
 from services.gateway.errors import GatewayError
-from services.gateway.fleet import Fleet, Traffic
 from services.gateway.listen import DEFAULT_LISTEN
 from services.gateway.supervised import Settings, encode
 
