@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -351,6 +352,57 @@ async def _load(http: aiohttp.ClientSession, a: argparse.Namespace, path: Path_,
     path.cpu.setdefault(load, []).append(1e3 * (bg._cpu_s(pid) - cpu0) / max(served, 1))
 
 
+async def _profile(http: aiohttp.ClientSession, a: argparse.Namespace, path: Path_) -> None:
+    """py-spy (beside this Python, or on PATH) sampling `path`'s gateway under the closed
+    loop and at `--rate`: collapsed stacks in `--profile`/NAME-LOAD.txt and each one's
+    top frames by own time printed."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        spy = Path(shutil.which("py-spy") or "py-spy")
+    a.profile.mkdir(parents=True, exist_ok=True)
+    for load in ("closed", "rate"):
+        out = a.profile / f"{path.name}-{load}.txt"
+        cmd = [str(spy), "record", "--pid", str(path.fast_pid), "--duration",
+               str(int(a.seconds)), "--rate", "250", "--format", "raw", "--nonblocking",
+               "--output", str(out)]  # fmt: skip
+        spying = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await asyncio.sleep(0.5)
+        await _load(http, a, path, load)
+        await asyncio.get_running_loop().run_in_executor(None, spying.wait)
+        _say(f"{path.name} under the {load} load, the top frames by own samples ({out}):")
+        for line in top_frames(out, 15):
+            _say(f"  {line}")
+
+
+def top_frames(raw: Path, n: int) -> list[str]:
+    """The `n` frames of a collapsed-stack file (py-spy's raw format) with the most samples
+    of their own (the stack's last frame), and the share of all samples each has, then
+    the same by module file (inclusive: any frame of the file on the stack)."""
+    own: dict[str, int] = {}
+    files: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        k = int(count)
+        total += k
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        seen = set()
+        for f in frames:
+            m = f.rpartition("(")[2].split(":")[0].rstrip(")")
+            if m not in seen:
+                seen.add(m)
+                files[m] = files.get(m, 0) + k
+    out = [f"{100 * c / total:5.1f}%  {f}" for f, c in sorted(own.items(), key=lambda x: -x[1])[:n]]
+    out.append(f"by file (on the stack), of {total} samples:")
+    out += [
+        f"{100 * c / total:5.1f}%  {f}" for f, c in sorted(files.items(), key=lambda x: -x[1])[:n]
+    ]
+    return out
+
+
 def _duration(a: argparse.Namespace) -> float:
     return 16 / a.stream_tps if a.stream_tps > 0 else 1.0
 
@@ -374,6 +426,8 @@ async def bench(a: argparse.Namespace, paths: list[Path_]) -> dict[str, float]:
                         # The streams of this round end before the next path's begin.
                         await asyncio.sleep(_duration(a) + 0.2)
             _say(f"round {n + 1} of {a.rounds} done (load average {os.getloadavg()[0]:.1f})")
+        if a.profile is not None:
+            await _profile(http, a, paths[1])
     rss: dict[str, float] = {}
     for path in paths:
         if path.pids:
@@ -501,6 +555,14 @@ def main() -> None:
         metavar="NAME=FLAGS",
         help="a gateway named NAME with these flags besides the bench's (repeat; default "
         "one, `llmgw=`, with its defaults); the first is the one ratios are to",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after the rounds, sample the first gateway with py-spy under the closed loop "
+        "and at --rate (collapsed stacks in DIR; the top frames printed)",
     )
     a = p.parse_args()
     a.llmgw = a.llmgw or [("llmgw", "")]
