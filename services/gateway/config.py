@@ -24,6 +24,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
+from services.gateway.loop import EVENT_LOOPS
 from services.plane.process import Config as ProcessConfig
 
 # THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
@@ -191,6 +192,17 @@ class Config:
             "help": "serve without the request path's speed-ups (a span made for every "
             "request, the metrics' labelled children looked up each time): the plain path, "
             "to compare with or to rule them out",
+        },
+    )
+    event_loop: str = field(
+        default="auto",
+        metadata={
+            "choices": EVENT_LOOPS,
+            "metavar": "LOOP",
+            "help": "the event loop a gateway process of its own runs on, one of "
+            f"{', '.join(EVENT_LOOPS)}; uvloop: libuv's (less CPU a request, "
+            "docs/performance.md); asyncio: the standard library's; auto: uvloop where it "
+            "is installed, else asyncio",
         },
     )
     routing: str = field(

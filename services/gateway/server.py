@@ -78,6 +78,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
+from services.gateway.loop import loop_name
 from services.gateway.metrics import (
     CONTENT_TYPE,
     NO_OWNER,
@@ -393,10 +394,11 @@ class Gateway:
                     self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
                 await self.fleet.start()
             log.info(
-                "gateway: serving %s/v1 from the view at seq %d, routing by %s",
+                "gateway: serving %s/v1 from the view at seq %d, routing by %s, on %s",
                 self.url,
                 self.follower.seq,
                 self.rule,
+                loop_name(),
             )
             if self.settle_heap:
                 settle_heap()
