@@ -207,6 +207,8 @@ class Gateway:
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
+    upstream_client: str = "lean"
+    """`--upstream-client`: `lean` (`services.gateway.upstream`) or `aiohttp`."""
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
     share: bool = False
@@ -256,6 +258,7 @@ class Gateway:
             first_byte=self._first_byte,
             used=self._used,
             ports=plane.Ports(self.plane),
+            client=self.upstream_client,
         )
         self.uses = Uses(
             publisher=self.publisher,
@@ -320,6 +323,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
+            upstream_client=config.upstream_client,
             continuation_limit=config.continuation_limit,
             continuation_settle_s=config.continuation_settle_s,
             share=config.share,
