@@ -28,7 +28,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import httptools
@@ -168,8 +168,9 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A cast, not an isinstance check: uvloop's transports are not subclasses of
+        # asyncio's.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.last_read = self.pool.loop.time()
