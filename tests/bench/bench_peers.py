@@ -353,14 +353,14 @@ async def _load(http: aiohttp.ClientSession, a: argparse.Namespace, path: Path_,
 
 
 async def _profile(http: aiohttp.ClientSession, a: argparse.Namespace, path: Path_) -> None:
-    """py-spy (beside this Python, or on PATH) sampling `path`'s gateway under the closed
-    loop and at `--rate`: collapsed stacks in `--profile`/NAME-LOAD.txt and each one's
+    """py-spy (beside this Python, or on PATH) sampling `path`'s gateway under each load
+    (at `--rate`, the streams, the closed loop): collapsed stacks in `--profile`/NAME-LOAD.txt and each one's
     top frames by own time printed."""
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists():
         spy = Path(shutil.which("py-spy") or "py-spy")
     a.profile.mkdir(parents=True, exist_ok=True)
-    for load in ("closed", "rate"):
+    for load in LOADS:
         out = a.profile / f"{path.name}-{load}.txt"
         cmd = [str(spy), "record", "--pid", str(path.fast_pid), "--duration",
                str(int(a.seconds)), "--rate", "250", "--format", "raw", "--nonblocking",
@@ -561,8 +561,8 @@ def main() -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="after the rounds, sample the first gateway with py-spy under the closed loop "
-        "and at --rate (collapsed stacks in DIR; the top frames printed)",
+        help="after the rounds, sample the first gateway with py-spy under each load "
+        "(collapsed stacks in DIR; the top frames printed)",
     )
     a = p.parse_args()
     a.llmgw = a.llmgw or [("llmgw", "")]
