@@ -5,7 +5,7 @@ Run from the repository root:
 
     python tests/bench/bench_peers.py [--peers vllm-router,sglang-router] [--rounds 3]
         [--seconds 4] [--rate 500] [--streams 200] [--stream-tps 8] [--cache DIR]
-        [--llmgw NAME=FLAGS ...]
+        [--llmgw NAME=FLAGS ...] [--tree NAME=DIR ...] [--profile DIR]
 
 Prints figures and one table of ratios to llmgw; asserts nothing. The issue's targets
 (issue 42), llmgw against vllm-router: CPU per 1,000 requests <= 1.5x in the closed loop
@@ -23,7 +23,10 @@ key's limits set (rpm and tpm, far past the load, so every request is counted ag
 them and none refused), its metrics, its use reports (`replica.used`), its routing
 (least-inflight, over the log's view); the table says so. `--llmgw NAME=FLAGS` adds
 gateways with other flags (`--llmgw 'aiohttp=--upstream-client aiohttp'`; the first
-is the one the ratios are to).
+is the one the ratios are to); `--tree NAME=DIR` runs the gateway NAME from another
+checkout (`--llmgw main= --tree main=../main`: the tree before a change, in the same
+run). `--profile DIR` samples the first gateway with py-spy under each load once the
+rounds are done.
 
 The upstreams are `bench_gateway.py`'s: two simulated model servers
 (services.agent.responder) as their own processes, `bench` answering at once and
@@ -146,7 +149,7 @@ def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: i
         "--policy",
         "round_robin",
         "--log-level",
-        "warning",
+        "warn",
         "--prometheus-port",
         str(metrics_port),
     ]
@@ -255,7 +258,7 @@ def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Pro
                 str(keys),
                 *shlex.split(flags),
             ],
-            cwd=ROOT,
+            cwd=a.tree.get(name, ROOT),
             stderr=(tmp / f"{name}.log").open("wb"),
         )
         procs.procs.append(p)
@@ -365,10 +368,12 @@ async def _profile(http: aiohttp.ClientSession, a: argparse.Namespace, path: Pat
         cmd = [str(spy), "record", "--pid", str(path.fast_pid), "--duration",
                str(int(a.seconds)), "--rate", "250", "--format", "raw", "--nonblocking",
                "--output", str(out)]  # fmt: skip
-        spying = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spying = await asyncio.create_subprocess_exec(
+            *cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         await asyncio.sleep(0.5)
         await _load(http, a, path, load)
-        await asyncio.get_running_loop().run_in_executor(None, spying.wait)
+        await spying.wait()
         _say(f"{path.name} under the {load} load, the top frames by own samples ({out}):")
         for line in top_frames(out, 15):
             _say(f"  {line}")
@@ -557,6 +562,15 @@ def main() -> None:
         "one, `llmgw=`, with its defaults); the first is the one ratios are to",
     )
     p.add_argument(
+        "--tree",
+        type=_named,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="run the gateway NAME (of --llmgw) from another checkout of llmgw, DIR (the "
+        "tree before a change: the same run measures both)",
+    )
+    p.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -566,6 +580,7 @@ def main() -> None:
     )
     a = p.parse_args()
     a.llmgw = a.llmgw or [("llmgw", "")]
+    a.tree = {name: Path(d).resolve() for name, d in a.tree}
     peers = {}
     for name in (x for x in a.peers.split(",") if x):
         if name not in PEERS:
