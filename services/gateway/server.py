@@ -207,8 +207,7 @@ class Gateway:
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
-    upstream_client: str = "lean"
-    """`--upstream-client`: `lean` (`services.gateway.upstream`) or `aiohttp`."""
+    upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
     share: bool = False
@@ -399,10 +398,7 @@ class Gateway:
                 await self.fleet.start()
             log.info(
                 "gateway: serving %s/v1 from the view at seq %d, routing by %s, on %s",
-                self.url,
-                self.follower.seq,
-                self.rule,
-                loop_name(),
+                *(self.url, self.follower.seq, self.rule, loop_name()),
             )
             if self.settle_heap:
                 settle_heap()
