@@ -21,7 +21,7 @@ one before the streaming one (its RSS is the larger of the two). llmgw's gateway
 `python -m services.gateway` process with every feature on: API keys configured, the
 key's limits set (rpm and tpm, far past the load, so every request is counted against
 them and none refused), its metrics, its use reports (`replica.used`), its routing
-(least-inflight, over the log's view); the table says so. `--llmgw NAME=FLAGS` adds
+(its default rule, the prefix scorer, over the log's view); the table says so. `--llmgw NAME=FLAGS` adds
 gateways with other flags (`--llmgw 'aiohttp=--upstream-client aiohttp'`; the first
 is the one the ratios are to); `--tree NAME=DIR` runs the gateway NAME from another
 checkout (`--llmgw main= --tree main=../main`: the tree before a change, in the same
@@ -83,7 +83,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 KEY_LINE = f"{KEY} default rpm=100000000 tpm=100000000000\n"
 FEATURES = (
     "llmgw with every feature on: API keys (the key's rpm and tpm limits set), metrics, "
-    "use reports (replica.used), least-inflight routing over the log's view"
+    "use reports (replica.used), its default routing rule (prefix) over the log's view"
 )
 LOADS = ("rate", "streams", "closed")
 
