@@ -21,9 +21,9 @@ one before the streaming one (its RSS is the larger of the two). llmgw's gateway
 `python -m services.gateway` process with every feature on: API keys configured, the
 key's limits set (rpm and tpm, far past the load, so every request is counted against
 them and none refused), its metrics, its use reports (`replica.used`), its routing
-(its default rule, the prefix scorer, over the log's view); the table says so. `--llmgw NAME=FLAGS` adds
-gateways with other flags (`--llmgw 'aiohttp=--upstream-client aiohttp'`; the first
-is the one the ratios are to); `--tree NAME=DIR` runs the gateway NAME from another
+(its default rule, the prefix scorer, over the log's view); the table says so.
+`--llmgw NAME=FLAGS` adds gateways with other flags (`--llmgw 'aiohttp=--upstream-client
+aiohttp'`; the first is the one the ratios are to); `--tree NAME=DIR` runs the gateway NAME from another
 checkout (`--llmgw main= --tree main=../main`: the tree before a change, in the same
 run). `--profile DIR` samples the first gateway with py-spy under each load once the
 rounds are done.
