@@ -136,11 +136,26 @@ def gateway_listen(args: argparse.Namespace, flag: str = "--listen") -> str:
     return str(args.gateway_listen)
 
 
-async def _gateway(args: argparse.Namespace) -> int:
+def _gateway(args: argparse.Namespace) -> int:
+    """The gateway on the event loop `--event-loop` names (`services.gateway.loop`)."""
+    import asyncio
+
+    from services.gateway.errors import GatewayError
+    from services.gateway.loop import loop_factory
+
+    config = gateway_config(args)
+    try:
+        factory = loop_factory(config.event_loop)
+    except GatewayError as e:
+        raise cli.UsageError(str(e)) from None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_serve(args, config))
+
+
+async def _serve(args: argparse.Namespace, config: Any) -> int:
     from services.gateway.errors import GatewayError
     from services.gateway.server import Gateway, freeze_heap
 
-    config = gateway_config(args)
     keys = gateway_keys(args)
     cli.setup_logging()
     freeze_heap(config)

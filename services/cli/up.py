@@ -39,8 +39,15 @@ UP_SCHEDULER_FLAGS = (
 # GATEWAY_NOT_OFFERED are the gateway's settings `llmgw up` does not offer as the
 # gateway's: `--allow-host` is the dashboard's too, `--no-gc-freeze` and
 # `--no-wire-reader` the whole process's,
-# and the collector's thresholds are for a gateway process of its own.
-GATEWAY_NOT_OFFERED = ("allow_hosts", "gc_freeze", "wire_reader", "gc_tune", "gc_thresholds")
+# and the collector's thresholds and the event loop are for a gateway process of its own.
+GATEWAY_NOT_OFFERED = (
+    "allow_hosts",
+    "gc_freeze",
+    "wire_reader",
+    "gc_tune",
+    "gc_thresholds",
+    "event_loop",
+)
 
 
 def register(commands: cli.Commands) -> None:

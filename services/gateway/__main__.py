@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     except GatewayError as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
+    from services.gateway.loop import loop_factory
+
+    try:
+        factory = loop_factory(config.event_loop)
+    except GatewayError as e:
+        print(f"gateway: {e}", file=sys.stderr)
+        return 2
     freeze_heap(config)
 
     return run_service(
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda nc, js: Gateway.of(js, config, root=a.root, keys=keys, nc=nc, own_process=True),
         failures=(GatewayError,),
         process=config.process,
+        loop_factory=factory,
     )
 
 

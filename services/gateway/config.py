@@ -24,7 +24,11 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
+from services.gateway.loop import EVENT_LOOPS
 from services.plane.process import Config as ProcessConfig
+
+# UPSTREAM_CLIENTS are what --upstream-client may say (`services.gateway.upstream`).
+UPSTREAM_CLIENTS = ("lean", "aiohttp")
 
 # THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
 # CPython's (700, 10, 10)). A stream's objects live seconds (about 150 tracked objects a
@@ -191,6 +195,28 @@ class Config:
             "help": "serve without the request path's speed-ups (a span made for every "
             "request, the metrics' labelled children looked up each time): the plain path, "
             "to compare with or to rule them out",
+        },
+    )
+    event_loop: str = field(
+        default="auto",
+        metadata={
+            "choices": EVENT_LOOPS,
+            "metavar": "LOOP",
+            "help": "the event loop a gateway process of its own runs on, one of "
+            f"{', '.join(EVENT_LOOPS)}; uvloop: libuv's (less CPU a request, "
+            "docs/performance.md); asyncio: the standard library's; auto: uvloop where it "
+            "is installed, else asyncio",
+        },
+    )
+    upstream_client: str = field(
+        default="lean",
+        metadata={
+            "choices": UPSTREAM_CLIENTS,
+            "metavar": "CLIENT",
+            "help": "how the gateway talks to the replicas, one of "
+            f"{', '.join(UPSTREAM_CLIENTS)}; lean: keep-alive connections of its own, read "
+            "with httptools (about a third less CPU a request, docs/performance.md); "
+            "aiohttp: aiohttp's client, the reference the lean one is tested against",
         },
     )
     routing: str = field(

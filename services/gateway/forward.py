@@ -16,9 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
+import yarl
 from aiohttp import web
 
 from services.gateway import continuation, guard, plane, streams, tokens
@@ -30,10 +31,14 @@ from services.gateway.refusal import (
     answer_too_big,
 )
 from services.gateway.request import PICKED_AT, ROUTED, SENT, WOKEN
+from services.gateway.upstream import ConnectFailed, LeanSession, NotHttp
 from services.gateway.use import cached, stream_cached, stream_usage, usage
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
+
+# MAX_URLS bounds the replicas' URLs kept parsed (`Forwarder._urls`).
+MAX_URLS = 4096
 
 # FORWARDED are the request headers a replica gets; the client's others (its key
 # first of all) stay at the gateway. Content-Type is not among them: the gateway has
@@ -63,13 +68,24 @@ class Forwarder:
     """Called once an answer that was not an error has ended, however it ended."""
     ports: plane.Ports = field(default_factory=lambda: plane.Ports(()))
     """The plane's own ports, which no request is sent to."""
-    http: aiohttp.ClientSession | None = None
+    client: str = "lean"
+    """The upstream client (`--upstream-client`): `lean` (`services.gateway.upstream`) or
+    `aiohttp` (its `ClientSession`, the reference)."""
+    http: aiohttp.ClientSession | LeanSession | None = None
+    _urls: dict[tuple[str, str], yarl.URL] = field(default_factory=dict)
+    """Each replica's endpoint and path as a parsed URL, kept (parsed once, not for each
+    request); emptied past MAX_URLS (replicas come and go over months)."""
 
-    def open(self, connect_timeout_s: float, upstream_timeout_s: float) -> aiohttp.ClientSession:
+    def open(
+        self, connect_timeout_s: float, upstream_timeout_s: float
+    ) -> aiohttp.ClientSession | LeanSession:
         """The one client session every request is forwarded on (the caller closes it),
-        with its timeouts."""
+        with its timeouts: the lean client's, or aiohttp's (`client`)."""
         self.connect_timeout_s = connect_timeout_s
         self.upstream_timeout_s = upstream_timeout_s
+        if self.client == "lean":
+            self.http = LeanSession(connect_timeout_s, upstream_timeout_s)
+            return self.http
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(
@@ -124,10 +140,24 @@ class Forwarder:
         if self.ports.refuses(r.endpoint):
             raise Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
         headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
+        path = path or request.path
+        url = self._urls.get((r.endpoint, path))
+        if url is None:
+            if len(self._urls) >= MAX_URLS:
+                self._urls.clear()
+            url = self._urls[r.endpoint, path] = yarl.URL(f"{r.endpoint}{path}")
         try:
-            return await self.http.post(
-                f"{r.endpoint}{path or request.path}", data=body, headers=headers
+            # The lean client's answer is read through the attributes of aiohttp's that
+            # the forwarder and the continuation read (`services.gateway.upstream.Answer`).
+            return cast(
+                aiohttp.ClientResponse, await self.http.post(url, data=body, headers=headers)
             )
+        except ConnectFailed as e:
+            raise Unreachable(
+                f"cannot connect: {e.os_error.strerror or e}", garbage=False
+            ) from None
+        except NotHttp as e:
+            raise Unreachable(f"not HTTP: {e.message}", garbage=True) from None
         except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise Unreachable(

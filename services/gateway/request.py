@@ -181,11 +181,16 @@ async def read_body(
         if not budget.take(said):
             raise over_budget(budget)
         request[HELD] = said
+    content = request.content
+    if said is not None and content.is_eof():
+        # The body came whole with its head (the parser has read it to its end, no more
+        # than its length): nothing to wait for, so no timer to arm.
+        return content.read_nowait()
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(timeout_s):
-            while chunk := await request.content.readany():
+            while chunk := await content.readany():
                 size += len(chunk)
                 if size > max_body:
                     raise too_big(max_body)

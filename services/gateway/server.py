@@ -78,6 +78,7 @@ from services.gateway.listen import (
     UPSTREAM_TIMEOUT_S,
     USED_INTERVAL_S,
 )
+from services.gateway.loop import loop_name
 from services.gateway.metrics import (
     CONTENT_TYPE,
     NO_OWNER,
@@ -206,6 +207,7 @@ class Gateway:
     """The request path's speed-ups (`--no-fast-path` turns them off): no
     span made for a request when nothing records spans and the client sent no trace
     context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
+    upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
     share: bool = False
@@ -255,6 +257,7 @@ class Gateway:
             first_byte=self._first_byte,
             used=self._used,
             ports=plane.Ports(self.plane),
+            client=self.upstream_client,
         )
         self.uses = Uses(
             publisher=self.publisher,
@@ -319,6 +322,7 @@ class Gateway:
             queue_per_model=config.queue_per_model,
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
+            upstream_client=config.upstream_client,
             continuation_limit=config.continuation_limit,
             continuation_settle_s=config.continuation_settle_s,
             share=config.share,
@@ -393,10 +397,8 @@ class Gateway:
                     self.fleet = Fleet(self.nc, self.root, me=pages.announcement(self))
                 await self.fleet.start()
             log.info(
-                "gateway: serving %s/v1 from the view at seq %d, routing by %s",
-                self.url,
-                self.follower.seq,
-                self.rule,
+                "gateway: serving %s/v1 from the view at seq %d, routing by %s, on %s",
+                *(self.url, self.follower.seq, self.rule, loop_name()),
             )
             if self.settle_heap:
                 settle_heap()

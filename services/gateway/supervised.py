@@ -52,6 +52,7 @@ def main(stdin: Any = None) -> int:
         print(f"gateway: the settings on standard input are not a gateway's: {e}", file=sys.stderr)
         return 2
     from services.gateway.keys import Keys
+    from services.gateway.loop import loop_factory
     from services.gateway.server import Gateway, freeze_heap
     from services.plane.runner import run_service
 
@@ -78,6 +79,9 @@ def main(stdin: Any = None) -> int:
         failures=(GatewayError,),
         process=config.process,
         ensure=False,
+        # `up` does not offer the loop: its gateway processes run on `auto`'s (uvloop
+        # where installed), which cannot be refused.
+        loop_factory=loop_factory(config.event_loop),
     )
 
 

@@ -36,13 +36,15 @@ def run_service(
     failures: tuple[type[BaseException], ...] = (),
     process: Config | None = None,
     ensure: bool = True,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
 ) -> int:
     """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
 
     `failures` are the service's own errors a user can act on (printed as one line);
     `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`);
     `ensure` False: the streams are not made or checked (a process `llmgw up` starts
-    after making them with its own settings: `services.gateway.processes`).
+    after making them with its own settings: `services.gateway.processes`); `loop_factory`,
+    what makes its event loop (None: asyncio's own).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
@@ -55,7 +57,8 @@ def run_service(
         return 2
     catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
     try:
-        return asyncio.run(_serve(name, url, root, build, process or Config(), ensure))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(_serve(name, url, root, build, process or Config(), ensure))
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1

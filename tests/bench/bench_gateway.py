@@ -18,8 +18,9 @@ tokens at `--stream-tps` (so a stream stays open about 2 s and the streams pile 
 the concurrency asked for); one `python -m services.gateway` process per entry of
 `--loops` (asyncio; asyncio with --no-gc-freeze; uvloop when it is installed, `pip
 install -e '.[bench]'`; `-untuned` after a loop: with --no-gc-tune; `-plain`: with
---no-fast-path, the request path without its speed-ups; `-young20k`: the collector's
-thresholds of the round before, --gc-thresholds 20000,10,10), each told of the
+--no-fast-path, the request path without its speed-ups; `-aiohttp`: --upstream-client
+aiohttp, aiohttp's client to the replicas instead of the lean one; `-young20k`: the
+collector's thresholds of the round before, --gc-thresholds 20000,10,10), each told of the
 servers by `replica.state` events with their endpoints. The load generator (aiohttp,
 this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
@@ -700,9 +701,9 @@ class CollectorTimer:
 
 
 def _serve_gateway(loop: str, argv: list[str]) -> int:
-    """A gateway process on `loop` (`asyncio` or `uvloop`; `-nofreeze` after it: with
-    --no-gc-freeze; `-untuned`: --no-gc-tune; `-plain`: --no-fast-path; `-young20k`:
-    --gc-thresholds 20000,10,10),
+    """A gateway process on `loop` (`asyncio` or `uvloop`, its `--event-loop`; `-nofreeze`
+    after it: with --no-gc-freeze; `-untuned`: --no-gc-tune; `-plain`: --no-fast-path;
+    `-aiohttp`: --upstream-client aiohttp; `-young20k`: --gc-thresholds 20000,10,10),
     which says at its exit, on stderr, how long the cyclic collector held its loop (the
     collections of its start, before it serves, not counted)."""
     from services.gateway.__main__ import main as gateway
@@ -711,9 +712,12 @@ def _serve_gateway(loop: str, argv: list[str]) -> int:
         ("-nofreeze", "--no-gc-freeze"),
         ("-untuned", "--no-gc-tune"),
         ("-plain", "--no-fast-path"),
+        ("-aiohttp", "--upstream-client aiohttp"),
     ):
         if suffix in loop:
-            argv = [*argv, flag]
+            argv = [*argv, *flag.split()]
+    # The loop the name says, whatever the gateway's default (`--event-loop auto`).
+    argv = [*argv, "--event-loop", "uvloop" if loop.startswith("uvloop") else "asyncio"]
     if "-young20k" in loop:
         argv = [*argv, "--gc-thresholds", "20000,10,10"]  # the round before's
     timer = CollectorTimer().install().answer_signal()

@@ -93,3 +93,22 @@ def test_the_gateways_sharing_switches_are_flags_the_pages_name() -> None:
         assert flag in helped, flag
         assert f"`{flag}`" in section, flag
         assert f"`{flag}`" in gateway or f"`{flag} " in gateway, flag
+
+
+# SPEED_SWITCHES are the gateway's speed-ups that are another implementation of the same
+# interface, each with the flag that turns back to the reference: the page names each.
+SPEED_SWITCHES = ("--no-fast-path", "--upstream-client aiohttp", "--event-loop asyncio")
+
+
+def test_the_page_names_the_flag_back_to_each_reference_implementation() -> None:
+    from services.gateway.config import Config
+    from services.gateway.loop import EVENT_LOOPS
+
+    text = PAGE.read_text()
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
+    for flag in SPEED_SWITCHES:
+        assert f"`{flag}`" in section, flag
+    # The references are what the flags name, and the speed-ups are the defaults.
+    assert Config().upstream_client == "lean" and Config().event_loop == "auto"
+    assert "asyncio" in EVENT_LOOPS

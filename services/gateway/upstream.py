@@ -1,0 +1,453 @@
+"""The lean upstream client: keep-alive connections to the replicas on a plain
+`asyncio.Protocol`, answers read with httptools (llhttp, the parser aiohttp's own client
+wraps).
+
+Used by `services.gateway.forward.Forwarder` when `--upstream-client lean` (the
+default); `--upstream-client aiohttp` keeps aiohttp's `ClientSession`, the reference this
+one is proven equal to (tests/gateway/test_upstream_client.py: the same bytes to the
+client, the same use counted, the same errors). It is the part of aiohttp's client the
+gateway uses and no more: `post(url, data, headers)` sends the request head and body in
+one write on an idle connection of the replica's pool (a new one past them, within
+`connect_timeout_s`), and returns once the answer's status and headers are read; the
+body is read as it comes (`content.readany`, `content.iter_any`), at most
+`upstream_timeout_s` between two reads; a whole answer puts its connection back in the
+pool, a closed or half-read one closes it. What aiohttp's client did per request besides
+(its request and response objects, its connector's bookkeeping, a timer re-armed at each
+read, cookie and redirect handling) is not done: measured, it cost about a third of the
+gateway's CPU per request (docs/performance.md). Failures are aiohttp's exception
+classes where the forwarder already reads them (`ServerDisconnectedError`,
+`ConnectionTimeoutError`, `SocketTimeoutError`, `ClientPayloadError`), or `ConnectFailed`
+and `NotHttp`, which it reads as it reads aiohttp's `ClientConnectorError` and
+`ClientResponseError`. Unlike aiohttp's, a redirect is not followed: a replica's 3xx goes
+to the client as it came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from typing import Any, cast
+
+import aiohttp
+import httptools
+import yarl
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# IDLE_S is how long an idle connection is kept in its pool (aiohttp's connector's
+# keep-alive default); HIGH_WATER the bytes of an answer read and not yet passed on
+# past which its connection stops reading (the client is slow), LOW_WATER where it
+# reads again.
+IDLE_S = 15.0
+HIGH_WATER = 1 << 17
+LOW_WATER = 1 << 15
+
+
+class ConnectFailed(aiohttp.ClientConnectionError):
+    """The replica could not be connected to (`os_error` says why)."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class NotHttp(aiohttp.ClientError):
+    """What the replica answered is not an HTTP answer (`message`, the parser's)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Body:
+    """An answer's body as it comes: `readany` (what has come, b"" at its end),
+    `iter_any`; a break raises at the next read, as aiohttp's `StreamReader` does."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn: _Conn | None = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        self._wake()
+        if self._size > HIGH_WATER and self._conn is not None:
+            self._conn.pause()
+
+    def _end(self, exc: BaseException | None = None) -> None:
+        if exc is None:
+            self._eof = True
+        elif not self._eof:
+            self._exc = exc
+        self._conn = None
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def readany(self) -> bytes:
+        while True:
+            if self._exc is not None:
+                raise self._exc
+            if self._chunks:
+                data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks.clear()
+                self._size = 0
+                if self._conn is not None:
+                    self._conn.resume()
+                return data
+            if self._eof:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def iter_any(self) -> Body:
+        return self
+
+    def __aiter__(self) -> Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.readany()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+
+class Answer:
+    """A replica's answer begun: `status`, `headers`, `content_length`, `content` (its
+    `Body`); `close()` drops its connection, `release()` returns it to its pool when the
+    answer was read whole (else drops it too)."""
+
+    def __init__(self, conn: _Conn, status: int, headers: CIMultiDict[str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = CIMultiDictProxy(headers)
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.content = conn.body
+
+    def close(self) -> None:
+        """Drop its connection, unless the answer was read whole (the connection is then
+        back in its pool, or serving another request: not this answer's to close)."""
+        if self._conn.body is self.content and not self._conn.done:
+            self._conn.close()
+
+    def release(self) -> None:
+        self.close()
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to a replica, answering one request at a time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.status_seen = False
+        self.head: asyncio.Future[Answer] | None = None
+        self.body = Body(self)
+        self.done = True
+        """The last answer was read to its end (the connection may take another)."""
+        self.closed = False
+        self.paused = False
+        self.last_read = 0.0
+        self.idle_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A cast, not an isinstance check: uvloop's transports are not subclasses of
+        # asyncio's.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = self.pool.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            status_line = not self.status_seen or isinstance(
+                e, httptools.HttpParserInvalidStatusError
+            )
+            self._fail(NotHttp(_parser_message(e, data, status_line)), aiohttp.ClientPayloadError)
+        except httptools.HttpParserUpgrade:
+            self._fail(NotHttp("an upgrade to another protocol"), aiohttp.ClientPayloadError)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        self.pool.forget(self)
+        whole = not self.done and self.head is not None and self.head.done()
+        if whole and self._until_eof():
+            # An answer with no length nor chunks ends with its connection.
+            self.done = True
+            self.body._end()
+            return
+        self._fail(
+            aiohttp.ServerDisconnectedError(),
+            lambda: aiohttp.ClientPayloadError("Response payload is not completed"),
+        )
+
+    # -- httptools callbacks
+    def on_status(self, status: bytes) -> None:
+        self.status_seen = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            self.headers = CIMultiDict()  # an interim answer (100 Continue): the next
+            return
+        answer = Answer(self, status, self.headers)
+        if self.head is not None and not self.head.done():
+            self.head.set_result(answer)
+
+    def on_body(self, data: bytes) -> None:
+        self.body._feed(data)
+
+    def on_message_complete(self) -> None:
+        if self.head is None or not self.head.done():
+            return  # an interim answer's end
+        self.done = True
+        self._cancel_timer()
+        self.body._end()
+        self.resume()  # the answer whole: its reader's pace no longer holds the connection
+        if self.parser.should_keep_alive() and not self.closed:
+            self.pool.give_back(self)
+        else:
+            self.close()
+
+    # -- the request
+    def send(self, head: bytes, data: bytes) -> asyncio.Future[Answer]:
+        assert self.transport is not None
+        self.headers = CIMultiDict()
+        self.status_seen = False
+        self.body = Body(self)
+        self.done = False
+        self.head = self.pool.loop.create_future()
+        self.last_read = self.pool.loop.time()
+        self._arm(self.pool.read_timeout_s)
+        self.transport.write(head + data if len(data) < 65536 else head)
+        if len(data) >= 65536:
+            self.transport.write(data)
+        return self.head
+
+    def close(self) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.close()
+        self.pool.forget(self)
+        if not self.done:
+            self._fail(
+                aiohttp.ServerDisconnectedError(),
+                lambda: aiohttp.ClientPayloadError("Response payload is not completed"),
+            )
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.last_read = self.pool.loop.time()
+            self.transport.resume_reading()
+
+    # -- inside
+    def _until_eof(self) -> bool:
+        h = self.headers
+        return "Content-Length" not in h and "chunked" not in h.get("Transfer-Encoding", "")
+
+    def _fail(self, before: BaseException, after: Any) -> None:
+        """The answer broken: `before` for one whose head has not come, `after()` for
+        one whose body was being read."""
+        if self.done:
+            return
+        self.done = True
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(before)
+        else:
+            self.body._end(after() if callable(after) else after)
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self._cancel_timer()
+            self.transport.close()
+            self.pool.forget(self)
+
+    def _arm(self, after_s: float) -> None:
+        self._cancel_timer()
+        self._timer = self.pool.loop.call_later(after_s, self._check)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The read timer (one per answer, re-armed only when it fires): nothing read for
+        `read_timeout_s` while the answer is not whole and reading is not paused for a
+        slow client is a timeout."""
+        self._timer = None
+        if self.done or self.closed:
+            return
+        now = self.pool.loop.time()
+        due = self.last_read + self.pool.read_timeout_s
+        if self.paused or now < due:
+            self._arm(max(due - now, 0.001) if not self.paused else self.pool.read_timeout_s)
+            return
+        self._fail(
+            aiohttp.SocketTimeoutError("Timeout on reading data from socket"),
+            lambda: aiohttp.SocketTimeoutError("Timeout on reading data from socket"),
+        )
+
+
+def _parser_message(e: Exception, data: bytes, status_line: bool) -> str:
+    """The parser's refusal as aiohttp's client says it (both wrap llhttp): its reason,
+    the line it refused and a caret, after `Bad status line:` for one refused before its
+    status. httptools does not say where in the line llhttp stopped: the caret is at the
+    line's start, where it is for an answer that is not HTTP from its first byte."""
+    line = data.split(b"\r\n", 1)[0]
+    said = f"{e}:\n\n  {line!r}\n    ^"
+    return f"Bad status line:\n  {said}" if status_line else said
+
+
+class Pool:
+    """One replica's (one scheme, host and port) idle keep-alive connections."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        url: yarl.URL,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+    ) -> None:
+        self.loop = loop
+        self.host = url.raw_host or ""
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.tls: ssl.SSLContext | None = (
+            ssl.create_default_context() if url.scheme == "https" else None
+        )
+        authority = f"[{self.host}]" if ":" in self.host else self.host
+        if url.port is not None and not url.is_default_port():
+            authority = f"{authority}:{url.port}"
+        self.authority = authority.encode("idna" if not authority.isascii() else "ascii")
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle: list[_Conn] = []
+        self.open: set[_Conn] = set()
+
+    async def connection(self) -> _Conn:
+        now = self.loop.time()
+        while self.idle:
+            c = self.idle.pop()
+            if c.closed or c.transport is None or c.transport.is_closing():
+                continue
+            if now - c.idle_since > IDLE_S:
+                c.close()
+                continue
+            return c
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, c = await self.loop.create_connection(
+                    lambda: _Conn(self),
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host if self.tls is not None else None,
+                )
+        except TimeoutError:
+            raise aiohttp.ConnectionTimeoutError(
+                f"Connection timeout to host {self.host}:{self.port}"
+            ) from None
+        except OSError as e:
+            raise ConnectFailed(e) from None
+        self.open.add(c)
+        return c
+
+    def give_back(self, c: _Conn) -> None:
+        c.idle_since = self.loop.time()
+        self.idle.append(c)
+
+    def forget(self, c: _Conn) -> None:
+        self.open.discard(c)
+        if c in self.idle:
+            self.idle.remove(c)
+
+    def close(self) -> None:
+        for c in list(self.open):
+            c.close()
+        self.idle.clear()
+
+
+class LeanSession:
+    """The lean client: a `Pool` per replica, what aiohttp's `ClientSession` was to the
+    forwarder (`post`, `close`)."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
+        self._swept = time.monotonic()
+
+    async def post(self, url: yarl.URL, *, data: bytes, headers: dict[str, str]) -> Answer:
+        """`data` posted to `url` with `headers` (besides Host, Content-Length and, unless
+        given, `Accept: */*`, as aiohttp's client sends): the answer begun."""
+        pool = self._pool(url)
+        c = await pool.connection()
+        lines = [
+            b"POST ",
+            (url.raw_path_qs or "/").encode(),
+            b" HTTP/1.1\r\nHost: ",
+            pool.authority,
+        ]
+        for name, value in headers.items():
+            lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
+        if "Accept" not in headers:
+            lines.append(b"\r\nAccept: */*")
+        lines += (b"\r\nContent-Length: ", str(len(data)).encode(), b"\r\n\r\n")
+        head = b"".join(lines)
+        try:
+            return await c.send(head, data)
+        except BaseException:
+            c.close()
+            raise
+
+    def _pool(self, url: yarl.URL) -> Pool:
+        key = (url.scheme, url.raw_host, url.port)
+        pool = self.pools.get(key)
+        if pool is None:
+            loop = asyncio.get_running_loop()
+            pool = self.pools[key] = Pool(loop, url, self.connect_timeout_s, self.read_timeout_s)
+            self._sweep()
+        return pool
+
+    def _sweep(self) -> None:
+        """Pools with nothing open dropped (replicas come and go over months); at most
+        once a minute, as a new pool is made."""
+        now = time.monotonic()
+        if now - self._swept < 60:
+            return
+        self._swept = now
+        for k, p in list(self.pools.items()):
+            if not p.open:
+                del self.pools[k]
+
+    async def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+        self.pools.clear()
