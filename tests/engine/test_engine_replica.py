@@ -9,6 +9,7 @@ One engine start serves the module: its tests run in order on it, the last one k
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -140,7 +141,8 @@ def agent(
     and nothing of their servers is left."""
     url = module_nats_server.url
     data = tmp_path_factory.mktemp("engine-agent")
-    rt = engine.runtime(engine_python, tiny_model)
+    # One sequence at a time: the drain test's streams queue behind one another.
+    rt = engine.runtime(engine_python, tiny_model, "--max-num-seqs", "1")
     _on_bus(url, lambda js: Publisher(js).publish(ra.declared(MODEL, rt)))
     a = ra.RealAgent(
         url,
@@ -284,40 +286,51 @@ def test_the_engines_metrics_reach_replica_used_and_the_view(served: Served) -> 
     assert said["prefix_cache_hits"] >= 256 and said["prefix_cache_hit_rate"] > 0
 
 
-# LONG: the drained stream's tokens, the most the tiny model's 4,096 positions allow
-# after its prompt.
+# LONG: each drained stream's tokens, the most the tiny model's 4,096 positions allow
+# after its prompt (about 10 s at one stream's pace).
 LONG = 4000
+# STREAMS: the drained streams, run one after another by the engine (the module's
+# server is started with --max-num-seqs 1): the drain's way from the log to the
+# server's SIGTERM (the agent stores `draining` first) took over 10 s on a loaded host,
+# and the engine must still be serving one of them when it comes.
+STREAMS = 3
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_left(
     served: Served,
 ) -> None:
-    """A stream the engine serves when its drain comes (sent to it directly: no gateway
-    counts it) ends whole, not in `finish_reason: "abort"` (vLLM's way without
+    """Streams the engine serves or holds when its drain comes (sent to it directly: no
+    gateway counts them) end whole, not in `finish_reason: "abort"` (vLLM's way without
     --shutdown-timeout); then its process group and its port are gone."""
     pid, port, tag = served.server["pid"], served.server["port"], served.server["tag"]
     c = _client(served)
-    stream = c.completions.create(
-        model=MODEL,
-        prompt="hello",
-        # As long as the model allows (4,096 positions): the drain's way from the log to
-        # the server's SIGTERM took 4 s on a busy host, while 1,500 tokens took 3 s.
-        max_tokens=LONG,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    it = iter(stream)
-    got = [next(it)]  # in flight now
+    streams = [
+        c.completions.create(
+            model=MODEL,
+            prompt="hello",
+            max_tokens=LONG,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for _ in range(STREAMS)
+    ]
+    its = [iter(s) for s in streams]
+    got: list[list[Any]] = [[next(its[0])], [], []]  # the first in flight now, the others held
     _on_bus(
         served.url,
-        lambda js: Publisher(js).publish(drain_cmd("r-1", model=MODEL, grace_s=120.0), node=NODE),
+        lambda js: Publisher(js).publish(drain_cmd("r-1", model=MODEL, grace_s=180.0), node=NODE),
     )
-    got += list(it)
-    ends = [ch.choices[0].finish_reason for ch in got if ch.choices and ch.choices[0].finish_reason]
-    assert ends == ["length"], ends
-    assert got[-1].usage is not None and got[-1].usage.completion_tokens == LONG
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        rest = list(pool.map(list, its))
+    for mine, more in zip(got, rest, strict=True):
+        mine += more
+        ends = [
+            ch.choices[0].finish_reason for ch in mine if ch.choices and ch.choices[0].finish_reason
+        ]
+        assert ends == ["length"], ends
+        assert mine[-1].usage is not None and mine[-1].usage.completion_tokens == LONG
 
     def over(es: list[ev.Event]) -> list[str] | None:
         got = _states(es, "r-1")
