@@ -69,6 +69,8 @@ LOADED = ("chat", "batch")
 # answer of half a second (a twentieth of the grace) in ten chunks, so that what is
 # measured is the drains and not the host's cost of a chunk.
 MAX_TOKENS = 10
+SIM_TTFT_S = 0.3
+SIM_TPS = 50
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Answer:
     replica: str = ""
     seq: int = 0
     error: str | None = None
+    tokens: int = 0
 
 
 @dataclass
@@ -150,6 +153,20 @@ class Figures:
             spans.setdefault(int((a.sent - first) // 10), Counter())[str(a.error)] += 1
         return [f"{k * 10}s {dict(spans[k])}" for k in sorted(spans)]
 
+    def _stretch(self) -> list[str]:
+        """Each answered stream's time over what its server takes (0.3 s to the first
+        token, then 50 tokens a second), p50 / max by when sent: above 1 the host (the
+        servers, the gateways or the client) fell behind the streams' pace."""
+        first = min(a.sent for a in self.answers)
+        spans: dict[int, list[float]] = {}
+        for a in self.answers:
+            if a.stream and a.error is None and a.tokens:
+                pace = SIM_TTFT_S + (a.tokens - 1) / SIM_TPS
+                spans.setdefault(int((a.sent - first) // 10), []).append(a.took / pace)
+        return [
+            f"{k * 10}s {statistics.median(v):.2f}/{max(v):.2f}" for k, v in sorted(spans.items())
+        ]
+
     def lines(self) -> list[str]:
         kinds = Counter(a.error for a in self.errors)
         return [
@@ -202,6 +219,8 @@ class Figures:
                 if self.cpu
                 else []
             ),
+            "streams' time over their servers' pace, p50/max by when sent (10 s each): "
+            + " | ".join(self._stretch()),
             *(f"step: {s}" for s in self.steps),
         ]
 
@@ -272,7 +291,7 @@ async def _one(
         "stream": stream,
     }
     t0 = time.perf_counter()
-    a = Answer(model, stream, t0, 0.0, 0)
+    a = Answer(model, stream, t0, 0.0, 0, tokens=max_tokens)
     try:
         async with http.post(f"{base}/chat/completions", json=body) as r:
             a.status = r.status
@@ -430,7 +449,7 @@ def run(
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
         *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
-        *("--sim-ttft", "0.3", "--sim-tps", "50"),
+        *("--sim-ttft", str(SIM_TTFT_S), "--sim-tps", str(SIM_TPS)),
         *("--drain-grace", str(grace_s), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
         *extra,
