@@ -360,12 +360,18 @@ def run(base: Path, a: argparse.Namespace) -> None:
     print(
         f"failed, sent after the kill on a connection the killed process had held: "
         f"{len(stale)} {dict(Counter(s.error for s in stale))}"
+        + (
+            f", sent at most {max(s.at - kill_t for s in stale) * 1000:.1f} ms after it (before "
+            "the client had read the connection's end)"
+            if stale
+            else ""
+        )
     )
     print(f"failed otherwise: {len(other)} {dict(Counter(s.error for s in other))}")
     inflight_victim = sum(1 for s in sent if s.port in ports and s.at <= kill_t < s.at + s.took)
     print(
         f"the killed process held {len(ports)} connections and {inflight_victim} requests "
-        "in flight at the kill"
+        "open at the kill by the client's clock (an answer already sent but not yet read counts)"
     )
     print(
         "gateways' CPU until the kill (s): "
