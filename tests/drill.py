@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
 import urllib.request
@@ -68,6 +69,8 @@ LOADED = ("chat", "batch")
 # answer of half a second (a twentieth of the grace) in ten chunks, so that what is
 # measured is the drains and not the host's cost of a chunk.
 MAX_TOKENS = 10
+SIM_TTFT_S = 0.3
+SIM_TPS = 50
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Answer:
     replica: str = ""
     seq: int = 0
     error: str | None = None
+    tokens: int = 0
 
 
 @dataclass
@@ -96,6 +100,10 @@ class Figures:
     retries: int = 0
     steps: list[str] = field(default_factory=list)
     freed: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds (user + system) while the load ran, by process: the load's client
+    (this process), the gateways, `up` (the plane and the simulated servers), the
+    broker; and `wall`, the load's seconds, and `load1`, the host's load average after."""
     """Seconds from each preempted replica's `replica.drain` to its `stopped`: from the
     decision to the preempting model's GPUs freed."""
 
@@ -138,18 +146,60 @@ class Figures:
             + f"; preempted, decision to GPUs freed: {freed}"
         )
 
+    def _by_time(self) -> list[str]:
+        first = min(a.sent for a in self.answers)
+        spans: dict[int, Counter[str]] = {}
+        for a in self.errors:
+            spans.setdefault(int((a.sent - first) // 10), Counter())[str(a.error)] += 1
+        return [f"{k * 10}s {dict(spans[k])}" for k in sorted(spans)]
+
+    def _stretch(self) -> list[str]:
+        """Each answered stream's time over what its server takes (0.3 s to the first
+        token, then 50 tokens a second), p50 / max by when sent: above 1 the host (the
+        servers, the gateways or the client) fell behind the streams' pace."""
+        first = min(a.sent for a in self.answers)
+        spans: dict[int, list[float]] = {}
+        for a in self.answers:
+            if a.stream and a.error is None and a.tokens:
+                pace = SIM_TTFT_S + (a.tokens - 1) / SIM_TPS
+                spans.setdefault(int((a.sent - first) // 10), []).append(a.took / pace)
+        return [
+            f"{k * 10}s {statistics.median(v):.2f}/{max(v):.2f}" for k, v in sorted(spans.items())
+        ]
+
     def lines(self) -> list[str]:
         kinds = Counter(a.error for a in self.errors)
         return [
             f"load: {self.rate:g} req/s for {self.seconds:g} s, {self.streaming}, "
             f"{len(self.answers)} requests",
             f"errors: {len(self.errors)}" + (f" {dict(kinds)}" if kinds else ""),
+            *(
+                f"  {what}: {len(group)} of {n} {dict(Counter(a.error for a in group))}"
+                for what, group, n in (
+                    (
+                        "streams",
+                        [a for a in self.errors if a.stream],
+                        sum(1 for a in self.answers if a.stream),
+                    ),
+                    (
+                        "whole answers",
+                        [a for a in self.errors if not a.stream],
+                        sum(1 for a in self.answers if not a.stream),
+                    ),
+                )
+                if self.errors
+            ),
             f"latency: p50 {self.quantile_ms(0.5):.1f} ms, p99 {self.quantile_ms(0.99):.1f} ms",
             f"misroutes: {len(self.misroutes)} (answers picked after their replica's drain "
             "was folded)",
             f"drains: {len(self.drains)} {dict(self.reasons)}; "
             f"{self.drained_under_load} of them had served the load",
             f"gateway retries (before the first byte): {self.retries}",
+            *(
+                ["errors by when sent (10 s each): " + " | ".join(self._by_time())]
+                if self.errors
+                else []
+            ),
             "preempted, drain to stopped (the preempting model's GPUs freed): "
             + (
                 f"{len(self.freed)} replicas, p50 {statistics.median(self.freed):.2f} s, "
@@ -157,8 +207,57 @@ class Figures:
                 if self.freed
                 else "none"
             ),
+            *(
+                [
+                    "CPU seconds while the load ran ("
+                    + f"{self.cpu['wall']:.0f} s, {os.cpu_count()} cores, load average "
+                    + f"{self.cpu['load1']:.1f} after): "
+                    + ", ".join(
+                        f"{k} {v:.0f}" for k, v in self.cpu.items() if k not in ("wall", "load1")
+                    )
+                ]
+                if self.cpu
+                else []
+            ),
+            "streams' time over their servers' pace, p50/max by when sent (10 s each): "
+            + " | ".join(self._stretch()),
             *(f"step: {s}" for s in self.steps),
         ]
+
+
+def _tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds of `root` and every process below it, by kind: `gateways`, `broker`,
+    `up` (the rest)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    out: dict[str, float] = {"gateways": 0.0, "broker": 0.0, "up": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            kind = (
+                "gateways"
+                if b"services.gateway" in cmd
+                else "broker"
+                if b"nats-server" in cmd
+                else "up"
+            )
+            out[kind] += (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _get(url: str) -> Any:
@@ -192,7 +291,7 @@ async def _one(
         "stream": stream,
     }
     t0 = time.perf_counter()
-    a = Answer(model, stream, t0, 0.0, 0)
+    a = Answer(model, stream, t0, 0.0, 0, tokens=max_tokens)
     try:
         async with http.post(f"{base}/chat/completions", json=body) as r:
             a.status = r.status
@@ -350,7 +449,7 @@ def run(
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
         *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
-        *("--sim-ttft", "0.3", "--sim-tps", "50"),
+        *("--sim-ttft", str(SIM_TTFT_S), "--sim-tps", str(SIM_TPS)),
         *("--drain-grace", str(grace_s), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
         *extra,
@@ -383,7 +482,12 @@ def run(
             await chaos
             return answers
 
+        before, own, t0 = _tree_cpu(up.proc.pid), _self_cpu(), time.perf_counter()
+
         figures.answers = asyncio.run(both())
+        after = _tree_cpu(up.proc.pid)
+        figures.cpu = {"client": _self_cpu() - own} | {k: after[k] - before[k] for k in after}
+        figures.cpu |= {"wall": time.perf_counter() - t0, "load1": os.getloadavg()[0]}
         figures.retries = int(_get(f"{gateway.removesuffix('/v1')}/health")["retries"])
         figures.drains, figures.reasons, figures.freed = asyncio.run(_drains(url))
         assert up.alive(), up.text()[-3000:]

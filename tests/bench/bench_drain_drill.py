@@ -52,6 +52,13 @@ def main() -> None:
         metavar="S",
         help="the gateway's --continuation-settle (its default, 1 s, when not given)",
     )
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=None,
+        help="`llmgw up --gateways N`: N gateway processes on one port (up's default, 1, "
+        "when not given)",
+    )
     p.add_argument("--all-streams", action="store_true", help="every request streamed (else half)")
     p.add_argument(
         "--target-inflight",
@@ -79,7 +86,11 @@ def main() -> None:
     )
     done: list[tuple[str, drill.Figures]] = []
     for limit in limits:
-        extra = (*settle, *(() if limit is None else ("--continuation-limit", limit)))
+        extra = (
+            *settle,
+            *(() if a.gateways is None else ("--gateways", str(a.gateways))),
+            *(() if limit is None else ("--continuation-limit", limit)),
+        )
         with tempfile.TemporaryDirectory(prefix="llmgw-drill-") as d:
             figures = drill.run(
                 Path(d),
