@@ -71,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,11 +315,14 @@ async def _raw_closed_loop(url: str, seconds: float) -> float:
     loop = asyncio.get_running_loop()
     end = time.perf_counter() + seconds
     clients = []
+    host, port = u.host or "127.0.0.1", u.port or 80
+
+    def client(f: asyncio.Future[None]) -> Callable[[], _RawClient]:
+        return lambda: _RawClient(request, end, f)
+
     for _ in range(64):
         finished: asyncio.Future[None] = loop.create_future()
-        _, c = await loop.create_connection(
-            lambda f=finished: _RawClient(request, end, f), u.host, u.port
-        )
+        _, c = await loop.create_connection(client(finished), host, port)
         clients.append(c)
     await asyncio.gather(*(c.finished for c in clients))
     errors = sum(c.errors for c in clients)
