@@ -158,9 +158,11 @@ class Route:
     key that sent it (None without keys), the API path, and the body as it came. The
     prompt's material is read from the body only when a rule asks (`prompt`, `salt`,
     `leading`), once; the least-in-flight rule never does, so a request pays nothing
-    for it there."""
+    for it there. `material`: the body's `messages`, `prompt` and `cache_salt` as the
+    gateway's one parse of it already read them (attributes named as `_Material`'s),
+    so the body is not decoded again."""
 
-    __slots__ = ("_body", "_read", "_salt", "_text", "model", "owner", "path", "session")
+    __slots__ = ("_body", "_got", "_read", "_salt", "_text", "model", "owner", "path", "session")
 
     def __init__(
         self,
@@ -170,12 +172,14 @@ class Route:
         owner: str | None = None,
         path: str = "",
         body: bytes = b"",
+        material: Any = None,
     ) -> None:
         self.model = model
         self.session = session
         self.owner = owner
         self.path = path
         self._body = body
+        self._got = material
         self._read = False
         self._text = ""
         self._salt: str | None = None
@@ -185,10 +189,12 @@ class Route:
 
     def _material(self) -> None:
         self._read = True
-        try:
-            got = _material.decode(self._body)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return  # not the gateway's to refuse: the server says what is wrong
+        got, self._got = self._got, None
+        if got is None:
+            try:
+                got = _material.decode(self._body)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                return  # not the gateway's to refuse: the server says what is wrong
         if got.messages is not None:
             msgs = got.messages if isinstance(got.messages, list) else [got.messages]
             self._text = SEP.join(_message(m) for m in msgs)

@@ -72,6 +72,19 @@ class Head(msgspec.Struct, forbid_unknown_fields=False):
 
 _head = msgspec.json.Decoder(Head)
 
+
+class Read(Head, forbid_unknown_fields=False):
+    """`Head` and what a routing rule that reads the prompt reads of the body
+    (`routing.Route`'s material: the chat's messages, a completion's prompt, its
+    `cache_salt`), in the one parse of it."""
+
+    messages: Any = None
+    prompt: Any = None
+    cache_salt: Any = None
+
+
+_read = msgspec.json.Decoder(Read)
+
 _TOKENS = "a whole number of tokens (0 or more)"
 
 
@@ -79,12 +92,22 @@ def _tokens(value: Any) -> bool:
     return value.__class__ is int and value >= 0
 
 
-def parse(body: bytes) -> Head:
+def parse(body: bytes, material: bool = False) -> Head:
     """What the gateway reads of a body; 400 for anything but a JSON object. JSON is
     UTF-8 throughout (RFC 8259), also in the fields the gateway skips; a key given twice
-    counts as its last value, as it does for the replica's parser."""
+    counts as its last value, as it does for the replica's parser. `material`: the
+    prompt's material read in the same parse (a `Read`), for a rule that reads it; one
+    nested too deep to read that way is read as a `Head` alone (the rule then reads what
+    it can of it itself, as without)."""
     try:
-        head = _head.decode(body)
+        head: Head
+        if material:
+            try:
+                head = _read.decode(body)
+            except RecursionError:
+                head = _head.decode(body)
+        else:
+            head = _head.decode(body)
         body.decode("utf-8")
     except msgspec.ValidationError:
         raise Refusal(400, "the body must be a JSON object", "invalid_json") from None
@@ -128,6 +151,7 @@ def route(
         owner=None if key is None else key.owner,
         path=request.path,
         body=body,
+        material=head if head.__class__ is Read else None,
     )
 
 

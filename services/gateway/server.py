@@ -508,7 +508,7 @@ class Gateway:
             self.admission.admit(key, 0, self.clock(), take=False)
         body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
         request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
-        head = parse(body)
+        head = parse(body, self.rule == "prefix")
         if key is None:
             return await self._routed(request, None, body, head)
         reserve = tokens.reservation(

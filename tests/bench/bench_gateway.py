@@ -6,6 +6,7 @@ Run from the repository root:
     python tests/bench/bench_gateway.py [--rate 500] [--seconds 6] [--streams 300]
         [--stream-tps 8] [--loops asyncio,asyncio-nofreeze,uvloop] [--pin] [--nice N]
         [--closed-client raw|aiohttp] [--bench-gc tuned|default] [--soak SECONDS]
+        [--keys] [--tree DIR]
 
 Prints figures, asserts nothing. The issue's targets: added latency p50 <= 1 ms and
 p99 <= 5 ms at 500 req/s non-streaming; >= 1,500 req/s through one gateway process;
@@ -46,6 +47,11 @@ generation (the gateways and servers on SIGUSR1). The load generator and the ser
 the instruments, freeze their heaps and turn their collectors off (`--bench-gc tuned`:
 as the gateway's process; `default`: CPython's; `_tune_collector` says what each did to
 the figures).
+`--keys` gives every gateway an API key file (the key's rpm and tpm set far past the
+load) and sends the key with every request, so each is admitted and settled against its
+limits. `--tree DIR` with a loop named `NAME@tree` (`uvloop@tree`) runs that gateway from
+another checkout (the tree before a change; its own bench script serves it), in the same
+run and the same interleaved rounds as this tree's.
 `--soak SECONDS` instead runs a steady mix through the first gateway (half streaming)
 and prints its RSS every tenth of the time.
 """
@@ -65,12 +71,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # JSON_TYPE says a body is JSON, as the gateway asks (another type is 415).
 JSON_TYPE = {"Content-Type": "application/json"}
+# With `--keys`: every gateway has this key file (its limits far past any load, so every
+# request is admitted and settled against them, none refused), and every request sends it.
+KEY = "bench-key-0123456789abcdef"
+KEY_LINE = f"{KEY} default rpm=100000000 tpm=100000000000\n"
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -297,16 +308,21 @@ async def _raw_closed_loop(url: str, seconds: float) -> float:
     u = yarl.URL(url)
     request = (
         f"POST {u.path} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(CHAT)}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in JSON_TYPE.items() if k != "Content-Type")
+        + "\r\n"
     ).encode() + CHAT
     loop = asyncio.get_running_loop()
     end = time.perf_counter() + seconds
     clients = []
+    host, port = u.host or "127.0.0.1", u.port or 80
+
+    def client(f: asyncio.Future[None]) -> Callable[[], _RawClient]:
+        return lambda: _RawClient(request, end, f)
+
     for _ in range(64):
         finished: asyncio.Future[None] = loop.create_future()
-        _, c = await loop.create_connection(
-            lambda f=finished: _RawClient(request, end, f), u.host, u.port
-        )
+        _, c = await loop.create_connection(client(finished), host, port)
         clients.append(c)
     await asyncio.gather(*(c.finished for c in clients))
     errors = sum(c.errors for c in clients)
@@ -396,22 +412,30 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
         )
         for model, tps in (("bench", 0.0), ("bench-stream", a.stream_tps))
     }
+    keys: list[str] = []
+    if a.keys:
+        (tmp / "keys").write_text(KEY_LINE)
+        (tmp / "keys").chmod(0o600)
+        keys = ["--api-keys", str(tmp / "keys")]
     gateways = {}
     for loop in loops:
         ports[loop] = _free_port()
+        # `@tree`: the gateway of the checkout `--tree`, its own bench script serving it.
+        tree = a.tree if "@tree" in loop else ROOT
         gateways[loop] = subprocess.Popen(
             [
                 *_pin(gw_cpu),
                 sys.executable,
-                __file__,
+                str(tree / "tests" / "bench" / "bench_gateway.py"),
                 "--serve-gateway",
-                loop,
+                loop.replace("@tree", ""),
                 "--nats",
                 broker.url,
                 "--listen",
                 f"127.0.0.1:{ports[loop]}",
+                *keys,
             ],
-            cwd=ROOT,
+            cwd=tree,
             stderr=logs[f"gateway-{loop}"].open("wb"),
         )
     return Procs(broker, gateways, upstreams, ports, logs)
@@ -793,6 +817,20 @@ def main() -> None:
     p.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="bench", help=argparse.SUPPRESS)
     p.add_argument("--tps", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--keys",
+        action="store_true",
+        help="give every gateway an API key file (rpm and tpm set far past the load, so "
+        "each request is admitted and settled against them) and send its key",
+    )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="another checkout of llmgw (the tree before a change): a loop named with "
+        "`@tree` (`uvloop@tree`) runs its gateway, in the same run as this tree's",
+    )
     p.add_argument("--serve-gateway", default=None, help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.serve_gateway is not None:
@@ -801,6 +839,12 @@ def main() -> None:
         asyncio.run(_serve_upstream(a.serve_upstream, a.model, a.tps, a.bench_gc))
         return
     loops = [x for x in a.loops.split(",") if x]
+    if any("@tree" in x for x in loops):
+        if a.tree is None:
+            sys.exit("a loop named with @tree needs --tree DIR (the other checkout)")
+        a.tree = a.tree.resolve()
+    if a.keys:
+        JSON_TYPE["Authorization"] = f"Bearer {KEY}"
     if importlib.util.find_spec("uvloop") is None and any(x.startswith("uvloop") for x in loops):
         print("uvloop is not installed (pip install -e '.[bench]'): asyncio gateways only")
         loops = [x for x in loops if not x.startswith("uvloop")]
