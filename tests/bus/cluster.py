@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from services.bus.broker import EmbeddedBroker, free_port
+from services.bus.broker import EmbeddedBroker
 from services.bus.errors import BrokerError
+from tests.deploy.natsconf import free_port
 
 
 class Cluster:
