@@ -51,7 +51,7 @@ from __future__ import annotations
 import collections
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass, field
 
 from services.core import catalog
@@ -113,6 +113,21 @@ def blocks(
     h = hash((model, salt, owner))
     end = min(len(text), size * MAX_BLOCKS) - size + 1
     return [h := hash((h, text[i : i + size])) for i in range(0, end, size)]
+
+
+def held(lru: Container[int], hashes: list[int]) -> int:
+    """How many of `hashes`' leading blocks `lru` holds (bisected: a chain held is held
+    from its first block). Public: another gateway's blocks are matched the same way."""
+    if not hashes or hashes[0] not in lru:
+        return 0
+    lo, hi = 1, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in lru:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -259,7 +274,7 @@ class Prefix(LeastInflight):
         for r in found:
             lru = index.get(r.id)
             if lru is not None and first in lru:
-                d = depths[r.id] = self._held(lru, hashes)
+                d = depths[r.id] = held(lru, hashes)
                 if d >= need:
                     warm.append(r)
         if not warm:
@@ -342,22 +357,7 @@ class Prefix(LeastInflight):
     def depth(self, replica: str, hashes: list[int]) -> int:
         """How many of `hashes`' leading blocks `replica`'s LRU holds."""
         lru = self.index.get(replica)
-        return 0 if lru is None else self._held(lru, hashes)
-
-    @staticmethod
-    def _held(lru: OrderedDict[int, None], hashes: list[int]) -> int:
-        """How many of `hashes`' leading blocks `lru` holds (bisected: a chain held is
-        held from its first block)."""
-        if not hashes or hashes[0] not in lru:
-            return 0
-        lo, hi = 1, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in lru:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return 0 if lru is None else held(lru, hashes)
 
     def record(self, replica: str, hashes: list[int], held: int = 0) -> None:
         """`hashes` (a prompt's chained blocks, `blocks`) were routed to `replica`: they

@@ -122,16 +122,7 @@ class Cache:
     def depth(self, rid: str, hashes: list[int]) -> int:
         """How many of `hashes`' leading blocks others said they sent to `rid`."""
         lru = self.remote.get(rid)
-        if not lru or not hashes or hashes[0] not in lru:
-            return 0
-        lo, hi = 1, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in lru:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return prefix.held(lru, hashes) if lru else 0
 
     def forget(self, gone: Iterable[str]) -> None:
         for rid in gone:
