@@ -53,6 +53,7 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from services.core import catalog
 from services.core.routing import Explained, LeastInflight, Route
@@ -183,6 +184,7 @@ class Prefix(LeastInflight):
     (these blocks were routed to a replica), `recent` (a replica's blocks, most recent
     first), `depth` (how much of a prompt a replica holds), `blocks_held`."""
 
+    reads_prompt: ClassVar[bool] = True
     block_chars: int = BLOCK_CHARS
     threshold: float = THRESHOLD
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -298,6 +298,10 @@ class LeastInflight:
     """The plain rule (the module docstring): requests in flight per replica, when each
     was last picked (a counter, not a clock), and which replica each session last went
     to."""
+
+    reads_prompt: ClassVar[bool] = False
+    """Whether the rule reads `Route.prompt`: the gateway then reads it with the
+    request's head, in the one parse of its body."""
 
     inflight: dict[str, int] = field(default_factory=dict)
     _picked: dict[str, int] = field(default_factory=dict)

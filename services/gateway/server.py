@@ -229,6 +229,8 @@ class Gateway:
         if self.share and self.nc is not None:
             self.router = share.wrap(self.router)
         self.routed = Routed(self.router, self.metrics, self.labelled)
+        # A rule that reads the prompt has it read with the head (`LeastInflight.reads_prompt`).
+        self.reads_prompt = bool(getattr(self.router, "reads_prompt", False))
         self.follower = ViewFollower(
             self.js, root=self.root, consumer="gateway", on_change=self._on_fold
         )
@@ -508,7 +510,7 @@ class Gateway:
             self.admission.admit(key, 0, self.clock(), take=False)
         body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
         request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
-        head = parse(body, self.rule == "prefix")
+        head = parse(body, self.reads_prompt)
         if key is None:
             return await self._routed(request, None, body, head)
         reserve = tokens.reservation(
