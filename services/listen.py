@@ -28,6 +28,7 @@ def bind(
     error: Callable[[str], Exception],
     *,
     reuse_port: bool = False,
+    reuse_addr: bool = True,
     listening: bool = True,
 ) -> tuple[socket.socket, str]:
     """A listening, non-blocking socket on `listen` (port 0: a free one), and the
@@ -36,11 +37,14 @@ def bind(
     processes of one user listen on the one port and the kernel spreads the connections
     among them (`llmgw up --gateways N`); `listening` False: bound only, to hold the
     port for them (a socket that listens and never accepts would take its share of the
-    connections and leave them waiting)."""
+    connections and leave them waiting). `reuse_addr` False: no SO_REUSEADDR, so that
+    a socket bound and not listening is not shared by another's bind with SO_REUSEADDR
+    (Linux lets two such sockets have one port while neither listens)."""
     host, port = parse(listen, like)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(fam, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

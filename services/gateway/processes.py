@@ -71,8 +71,20 @@ class Reservation:
         port = probe.getsockname()[1]
         probe.close()
         host = self.listen.rpartition(":")[0]
+        # Without SO_REUSEADDR: another `up`'s plain bind (its probe above, which sets
+        # it) then fails on this port while no process of ours listens yet; with it,
+        # Linux let both have the port until the first process listened, and the
+        # kernel spread one `up`'s clients over the other's gateways. Sockets with
+        # SO_REUSEPORT of this user (our processes, our closed connections' TIME_WAIT)
+        # still share it.
         sock, self.url = listen.bind(
-            f"{host}:{port}", DEFAULT_LISTEN, 1, GatewayError, reuse_port=True, listening=False
+            f"{host}:{port}",
+            DEFAULT_LISTEN,
+            1,
+            GatewayError,
+            reuse_port=True,
+            reuse_addr=False,
+            listening=False,
         )
         return sock
 
