@@ -61,19 +61,22 @@ async def test_a_gateway_answers_its_in_flight_and_routing_until_the_drain_is_fo
     await plane.model("gwq")
     s = await servers("gwq-1", "gwq", SLOW)
     await plane.ready("gwq-1", "gwq", s.endpoint)
-    t = asyncio.create_task(_stream(plane, "gwq", 60))
+    # A ten-second stream: the two waits below (each its whole `within_s`, since the
+    # gateway stays busy) leave it running when the drain comes, on a loaded host too,
+    # where a gateway's first answer can take most of a second.
+    t = asyncio.create_task(_stream(plane, "gwq", 200))
     await wait_for(lambda: asyncio.sleep(0, plane.gateway.router.inflight), bool, 5)
-    # Not drained yet: it is routable and has one in flight; a short wait says so.
-    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=0.5)
+    # Not drained yet: it is routable and has one in flight; a wait says so.
+    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=2)
     assert (q.gateways, q.inflight, q.routing, q.clear) == (1, 1, 1, False)
     # A drain not folded yet (its seq past the view's) counts as still routing.
     ahead = plane.gateway.follower.seq + 1000
-    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=0.5, drain_seq=ahead)
+    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=2, drain_seq=ahead)
     assert q.routing == 1
     await plane.drain("gwq-1", "gwq")
     seq = plane.gateway.follower.seq
-    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=10, drain_seq=seq)
-    # It ended when the stream did (a three-second stream, one second in), not before,
+    q = await gateways.until_quiet(nc, plane.node, "gwq-1", within_s=20, drain_seq=seq)
+    # It ended when the stream did (a ten-second stream, four seconds in), not before,
     # and the stream is whole.
     assert q.waited_s > 0.5
     status, replica, body = await asyncio.wait_for(t, 5)
