@@ -97,7 +97,7 @@ async def test_every_gateway_running_answers(
         s = await servers("gwt-1", "gwt", SLOW)
         await plane.ready("gwt-1", "gwt", s.endpoint)
         await second.follower.wait_for(plane.gateway.follower.seq, 5)
-        q = await gateways.until_quiet(nc, plane.node, "gwt-1", within_s=0.5)
+        q = await gateways.until_quiet(nc, plane.node, "gwt-1", within_s=2)
         assert q.gateways == 2 and q.routing == 2
         await plane.drain("gwt-1", "gwt")
         await second.follower.wait_for(plane.gateway.follower.seq, 5)
