@@ -70,6 +70,9 @@ class Engine:
         self.refuse = False
         """Answer 503 (a server that cannot take it)."""
         self.bodies: list[dict[str, Any]] = []
+        self.gate: asyncio.Event | None = None
+        """Set: its answers begin (their headers sent) only once it is set."""
+        self.arrived = asyncio.Event()
         self.broke = asyncio.Event()
         self.url = ""
         self.runner: web.AppRunner | None = None
@@ -140,6 +143,9 @@ class Engine:
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.arrived.set()
+        if self.gate is not None:
+            await self.gate.wait()
         if self.refuse:
             return web.Response(status=503, text="draining")
         n = len(self.bodies)
@@ -740,6 +746,44 @@ async def test_a_drained_replicas_streams_move_after_the_settle_time(
         return out
 
     await wait_for(used, lambda es: moved(es) == {"cd-b": 1}, 10)
+
+
+async def test_a_stream_that_begins_after_its_replicas_drain_is_folded_moves_too(
+    plane: Plane,
+    engines: Engines,
+    client: openai.AsyncOpenAI,
+    spans: Any,  # noqa: F811
+) -> None:
+    # Picked before the drain's fold, its answer begun after it: not among the streams
+    # the fold moved, it moves after the settle time from its beginning (for the drain),
+    # not when its replica stalls past the upstream timeout or ends, holding the drain
+    # until then as if continuation were off.
+    plane.gateway.continuations.settle_s = 0.05
+    a = await engines("cg-a", 1000, "hold")
+    b = await engines("cg-b", 2000)
+    a.gate = asyncio.Event()
+    await plane.model("cg")
+    await plane.ready("cg-a", "cg", a.url)
+    answer = asyncio.create_task(_chat(client, "cg", max_tokens=20))
+    await asyncio.wait_for(a.arrived.wait(), 5)
+    await plane.ready("cg-b", "cg", b.url)
+    await plane.drain("cg-a", "cg")
+    await wait_for(
+        _async(lambda: plane.gateway.follower.view.replicas["cg-a"].drained_by),
+        lambda d: d is not None,
+        5,
+    )
+    a.gate.set()
+    assert _text(await asyncio.wait_for(answer, 5)) == FULL
+    assert plane.gateway.continuations.moved == {"cg-a": 1}
+    assert plane.gateway.router.inflight.get("cg-a", 0) == 0
+    assert len(b.bodies) == 1
+
+    async def ended() -> Any:
+        return spans.get_finished_spans()
+
+    await wait_for(ended, lambda s: any(x.name.startswith("POST") for x in s), 5)
+    assert _span_of(spans, "cg")["llmgw.moved_why"] == "drain"
 
 
 def test_explain_replica_says_how_many_streams_moved_off_it_and_where(
