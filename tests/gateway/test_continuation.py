@@ -874,3 +874,29 @@ def test_the_body_resumed_by_token_ids_and_the_bound_on_the_ids_held() -> None:
     more = {"id": "x", "choices": [{"index": 0, "text": "bc", "token_ids": [2, 3]}]}
     st.event(b"data: " + msgspec.json.encode(more) + b"\n\n")
     assert not st.by_ids and st.text == "abc"
+
+
+def test_the_events_of_a_read_and_the_ids_taken_out_as_they_came() -> None:
+    # Split as an SSE reader splits them, whatever ends them; what is not ended is kept.
+    e = b'data: {"a": 1}\n\n'
+    assert rules.events(e) == ([e], b"")
+    assert rules.events(e * 3 + b"data: {") == ([e, e, e], b"data: {")
+    assert rules.events(b"") == ([], b"")
+    assert rules.events(b"\n\n\n\ndata: x") == ([b"\n\n", b"\n\n"], b"data: x")
+    crlf = b"data: 1\r\n\r\ndata: 2\r\rdata: 3\n\ndata: 4"
+    assert rules.events(crlf) == (
+        [b"data: 1\r\n\r\n", b"data: 2\r\r", b"data: 3\n\n"],
+        b"data: 4",
+    )
+    # The ids the gateway asked for are null as the server writes them unasked, the rest
+    # of the chunk's bytes (its spacing too: json.dumps', the simulated server's) kept.
+    st = rules.Stream(chat=True, ids_wanted=True, strip_ids=True)
+    st.begin("a")
+    raw = (
+        b'data: {"id": "c", "choices": [{"index": 0, "delta": {"content": " the"}, '
+        b'"token_ids": [0, 12]}], "prompt_token_ids": [1016]}\n\n'
+    )
+    what, out = st.event(raw)
+    assert what == rules.PASS
+    assert out == raw.replace(b"[0, 12]", b"null").replace(b"[1016]", b"null")
+    assert st.ids == [0, 12] and st.prompt_ids == [1016] and st.text == " the"
