@@ -100,6 +100,8 @@ class Figures:
     retries: int = 0
     steps: list[str] = field(default_factory=list)
     freed: list[float] = field(default_factory=list)
+    tps: float = SIM_TPS
+    """The simulated servers' pace, tokens a second."""
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds (user + system) while the load ran, by process: the load's client
     (this process), the gateways, `up` (the plane and the simulated servers), the
@@ -155,13 +157,13 @@ class Figures:
 
     def _stretch(self) -> list[str]:
         """Each answered stream's time over what its server takes (0.3 s to the first
-        token, then 50 tokens a second), p50 / max by when sent: above 1 the host (the
+        token, then `tps` tokens a second), p50 / max by when sent: above 1 the host (the
         servers, the gateways or the client) fell behind the streams' pace."""
         first = min(a.sent for a in self.answers)
         spans: dict[int, list[float]] = {}
         for a in self.answers:
             if a.stream and a.error is None and a.tokens:
-                pace = SIM_TTFT_S + (a.tokens - 1) / SIM_TPS
+                pace = SIM_TTFT_S + (a.tokens - 1) / self.tps
                 spans.setdefault(int((a.sent - first) // 10), []).append(a.took / pace)
         return [
             f"{k * 10}s {statistics.median(v):.2f}/{max(v):.2f}" for k, v in sorted(spans.items())
@@ -171,7 +173,7 @@ class Figures:
         kinds = Counter(a.error for a in self.errors)
         return [
             f"load: {self.rate:g} req/s for {self.seconds:g} s, {self.streaming}, "
-            f"{len(self.answers)} requests",
+            f"{len(self.answers)} requests, the servers at {self.tps:g} tokens a second",
             f"errors: {len(self.errors)}" + (f" {dict(kinds)}" if kinds else ""),
             *(
                 f"  {what}: {len(group)} of {n} {dict(Counter(a.error for a in group))}"
@@ -317,11 +319,14 @@ async def _load(
     tokens: tuple[int, int] = (MAX_TOKENS, MAX_TOKENS),
     streams: int = 2,
     whole: int | None = None,
+    tps: float = SIM_TPS,
 ) -> list[Answer]:
     """Open loop: a request every 1/rate s whatever the answers do, each of `tokens`
     (the least and the most, spread over the requests); one in `streams` of them whole,
-    the others streamed (1: all streamed); a whole one of `whole` tokens when given."""
-    timeout = aiohttp.ClientTimeout(total=max(GRACE_S * 2, tokens[1] / 10))
+    the others streamed (1: all streamed); a whole one of `whole` tokens when given. A
+    client gives up on an answer after five times the longest one's time at `tps` (at
+    least twice the default grace)."""
+    timeout = aiohttp.ClientTimeout(total=max(GRACE_S * 2, 5 * tokens[1] / tps))
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as http:
@@ -439,9 +444,10 @@ def run(
     streams: int = 2,
     whole: int | None = None,
     target_inflight: int | None = None,
+    tps: float = SIM_TPS,
 ) -> Figures:
     """One drill on a fresh `llmgw up` in `base`; its figures. `tokens`: each answer's
-    (50 a second), the least and the most; `whole`: a whole answer's instead, when
+    (`tps` a second, the simulated servers' pace), the least and the most; `whole`: a whole answer's instead, when
     given; `extra`: more flags of `llmgw up`; `target_inflight`: the loaded models'
     (their default, 8, when not given: a replica admits twice it)."""
     up = UpProcess(
@@ -449,12 +455,12 @@ def run(
         base / "up.log",
         *("--simulate", NODES, "--no-ui", "--sim-no-drain"),
         *("--start-delay", "0.05", "--load-delay", "0.3", "--stop-delay", "0"),
-        *("--sim-ttft", str(SIM_TTFT_S), "--sim-tps", str(SIM_TPS)),
+        *("--sim-ttft", str(SIM_TTFT_S), "--sim-tps", str(tps)),
         *("--drain-grace", str(grace_s), "--min-lifetime", "0", "--hold", "2"),
         *("--tick", "0.2"),
         *extra,
     )
-    figures = Figures(rate, seconds, "all streaming" if streams == 1 else "half streaming")
+    figures = Figures(rate, seconds, "all streaming" if streams == 1 else "half streaming", tps=tps)
     try:
         url = up.wait_url()
         gw_file = base / "data" / "gateway.url"
@@ -478,7 +484,7 @@ def run(
 
         async def both() -> list[Answer]:
             chaos = asyncio.create_task(_chaos(up, url, seconds, figures.steps))
-            answers = await _load(gateway, rate, seconds, tokens, streams, whole)
+            answers = await _load(gateway, rate, seconds, tokens, streams, whole, tps)
             await chaos
             return answers
 

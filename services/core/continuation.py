@@ -70,8 +70,14 @@ GUIDED = (
 
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 # _NULL_IDS finds a chunk's lists of token ids (the keys' quotes unescaped: never within
-# a string), to write null for them as the server does when not asked.
-_NULL_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":(\s*)\[[\d,\s]*\]')
+# a string), to write null for them as the server does when not asked: the key, its
+# colon and what space follows kept (`_null`, a third of the cost of a template's
+# `\1`, which is expanded in Python for each match).
+_NULL_IDS = re.compile(rb'("(?:prompt_token_ids|token_ids)":\s*)\[[\d,\s]*\]')
+
+
+def _null(m: re.Match[bytes]) -> bytes:
+    return m.group(1) + b"null"
 
 
 def _set(value: Any) -> bool:
@@ -274,6 +280,13 @@ def counting(doc: dict[str, Any]) -> dict[str, Any]:
 def events(data: bytes) -> tuple[list[bytes], bytes]:
     """The whole server-sent events in `data` (each with its end), and what is left of
     an event not ended yet."""
+    if b"\r" not in data:
+        # Events ended with a blank line of `\n` (vLLM's, the simulated server's): split
+        # in C, not matched in turn (a third of the cost, for each read of each stream).
+        parts = data.split(b"\n\n")
+        if len(parts) == 2 and not parts[1]:
+            return [data], b""
+        return [x + b"\n\n" for x in parts[:-1]], parts[-1]
     out: list[bytes] = []
     start = 0
     for m in _END.finditer(data):
@@ -425,7 +438,7 @@ class Stream:
                 return said
         if not rewrite:
             # Only the ids taken out: in place, the chunk's bytes otherwise as they came.
-            return PASS, _NULL_IDS.sub(rb'"\1":\2null', raw) if nulled else raw
+            return PASS, _NULL_IDS.sub(_null, raw) if nulled else raw
         doc["id"], doc["created"] = self.id, self.created
         return PASS, b"data: " + msgspec.json.encode(doc) + b"\n\n"
 
@@ -454,7 +467,7 @@ class Stream:
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return None
-        if any(_set(delta.get(k)) for k in ("tool_calls", "function_call")):
+        if _set(delta.get("tool_calls")) or _set(delta.get("function_call")):
             self.unsafe = "tool_call"
         if moved and "role" in delta:
             delta = {k: v for k, v in delta.items() if k != "role"}

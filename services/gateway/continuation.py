@@ -280,6 +280,11 @@ class Plan:
         was = None if self.replica is None else self.replica.id
         self.of._serving(self, was, None if r is None else r.id)
         self.replica, self.upstream = r, upstream
+        if r is not None and routing.gone(self.of.view(), r.id):
+            # Picked before its replica's drain was folded, begun after: the fold did
+            # not see it, so it moves after the settle time from now, not at the end of
+            # the drain's grace.
+            asyncio.get_running_loop().call_later(self.of.settle_s, self.drained, r.id)
 
     async def _pass(
         self,

@@ -36,7 +36,14 @@ def main() -> None:
     p.add_argument(
         "--tokens",
         default=f"{drill.MAX_TOKENS}-{drill.MAX_TOKENS}",
-        help="each answer's tokens, LEAST-MOST (50 a second: 250-500 is 5-10 s)",
+        help="each answer's tokens, LEAST-MOST (at --tps; at 50 a second 250-500 is 5-10 s)",
+    )
+    p.add_argument(
+        "--tps",
+        type=float,
+        default=drill.SIM_TPS,
+        help=f"the simulated servers' pace, tokens a second a stream (default {drill.SIM_TPS}; "
+        "a real model under load streams at 15-25: at 20, 100-200 tokens is 5-10 s)",
     )
     p.add_argument(
         "--continuation-limit",
@@ -102,6 +109,7 @@ def main() -> None:
                 1 if a.all_streams else 2,
                 a.whole_tokens,
                 a.target_inflight,
+                a.tps,
             )
         name = "default" if limit is None else limit
         print(f"--- continuation limit {name}", flush=True)

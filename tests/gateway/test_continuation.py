@@ -70,6 +70,9 @@ class Engine:
         self.refuse = False
         """Answer 503 (a server that cannot take it)."""
         self.bodies: list[dict[str, Any]] = []
+        self.gate: asyncio.Event | None = None
+        """Set: its answers begin (their headers sent) only once it is set."""
+        self.arrived = asyncio.Event()
         self.broke = asyncio.Event()
         self.url = ""
         self.runner: web.AppRunner | None = None
@@ -140,6 +143,9 @@ class Engine:
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.arrived.set()
+        if self.gate is not None:
+            await self.gate.wait()
         if self.refuse:
             return web.Response(status=503, text="draining")
         n = len(self.bodies)
@@ -742,6 +748,44 @@ async def test_a_drained_replicas_streams_move_after_the_settle_time(
     await wait_for(used, lambda es: moved(es) == {"cd-b": 1}, 10)
 
 
+async def test_a_stream_that_begins_after_its_replicas_drain_is_folded_moves_too(
+    plane: Plane,
+    engines: Engines,
+    client: openai.AsyncOpenAI,
+    spans: Any,  # noqa: F811
+) -> None:
+    # Picked before the drain's fold, its answer begun after it: not among the streams
+    # the fold moved, it moves after the settle time from its beginning (for the drain),
+    # not when its replica stalls past the upstream timeout or ends, holding the drain
+    # until then as if continuation were off.
+    plane.gateway.continuations.settle_s = 0.05
+    a = await engines("cg-a", 1000, "hold")
+    b = await engines("cg-b", 2000)
+    a.gate = asyncio.Event()
+    await plane.model("cg")
+    await plane.ready("cg-a", "cg", a.url)
+    answer = asyncio.create_task(_chat(client, "cg", max_tokens=20))
+    await asyncio.wait_for(a.arrived.wait(), 5)
+    await plane.ready("cg-b", "cg", b.url)
+    await plane.drain("cg-a", "cg")
+    await wait_for(
+        _async(lambda: plane.gateway.follower.view.replicas["cg-a"].drained_by),
+        lambda d: d is not None,
+        5,
+    )
+    a.gate.set()
+    assert _text(await asyncio.wait_for(answer, 5)) == FULL
+    assert plane.gateway.continuations.moved == {"cg-a": 1}
+    assert plane.gateway.router.inflight.get("cg-a", 0) == 0
+    assert len(b.bodies) == 1
+
+    async def ended() -> Any:
+        return spans.get_finished_spans()
+
+    await wait_for(ended, lambda s: any(x.name.startswith("POST") for x in s), 5)
+    assert _span_of(spans, "cg")["llmgw.moved_why"] == "drain"
+
+
 def test_explain_replica_says_how_many_streams_moved_off_it_and_where(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -830,3 +874,29 @@ def test_the_body_resumed_by_token_ids_and_the_bound_on_the_ids_held() -> None:
     more = {"id": "x", "choices": [{"index": 0, "text": "bc", "token_ids": [2, 3]}]}
     st.event(b"data: " + msgspec.json.encode(more) + b"\n\n")
     assert not st.by_ids and st.text == "abc"
+
+
+def test_the_events_of_a_read_and_the_ids_taken_out_as_they_came() -> None:
+    # Split as an SSE reader splits them, whatever ends them; what is not ended is kept.
+    e = b'data: {"a": 1}\n\n'
+    assert rules.events(e) == ([e], b"")
+    assert rules.events(e * 3 + b"data: {") == ([e, e, e], b"data: {")
+    assert rules.events(b"") == ([], b"")
+    assert rules.events(b"\n\n\n\ndata: x") == ([b"\n\n", b"\n\n"], b"data: x")
+    crlf = b"data: 1\r\n\r\ndata: 2\r\rdata: 3\n\ndata: 4"
+    assert rules.events(crlf) == (
+        [b"data: 1\r\n\r\n", b"data: 2\r\r", b"data: 3\n\n"],
+        b"data: 4",
+    )
+    # The ids the gateway asked for are null as the server writes them unasked, the rest
+    # of the chunk's bytes (its spacing too: json.dumps', the simulated server's) kept.
+    st = rules.Stream(chat=True, ids_wanted=True, strip_ids=True)
+    st.begin("a")
+    raw = (
+        b'data: {"id": "c", "choices": [{"index": 0, "delta": {"content": " the"}, '
+        b'"token_ids": [0, 12]}], "prompt_token_ids": [1016]}\n\n'
+    )
+    what, out = st.event(raw)
+    assert what == rules.PASS
+    assert out == raw.replace(b"[0, 12]", b"null").replace(b"[1016]", b"null")
+    assert st.ids == [0, 12] and st.prompt_ids == [1016] and st.text == " the"
