@@ -58,6 +58,7 @@ from services.clock import new_id
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
+from services.core.pickers import make as make_picker
 from services.gateway import continuation, guard, pages, plane, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
@@ -330,7 +331,7 @@ class Gateway:
             share=config.share,
             share_interval_s=config.share_interval_s,
             share_expiry_s=config.share_expiry_s,
-            router=pickers[config.routing](),
+            router=make_picker(config.routing, fast=config.fast_path, rules=pickers),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,

@@ -434,12 +434,11 @@ def _timed(
     thread's CPU time's p50 and p99, in microseconds: on a shared host the wall time
     also holds what other processes took of the core."""
     routes = [routing.Route("m", body=b) for b in bodies]
-    for r in routes:
-        _ = r.prompt
     wall: list[float] = []
     cpu: list[float] = []
     flight: list[tuple[str, routing.Route]] = []
     for r in routes:
+        _ = r.prompt
         t, c = time.perf_counter_ns(), time.thread_time_ns()
         got = picker.pick(view, m, r)
         c, t = time.thread_time_ns() - c, time.perf_counter_ns() - t
