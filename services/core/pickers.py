@@ -29,9 +29,7 @@ DEFAULT_PICKER = "prefix"
 FAST: Mapping[Callable[[], Picker], Callable[[], Picker]] = MappingProxyType({Prefix: FastPrefix})
 
 
-def make(
-    name: str, *, fast: bool, rules: Mapping[str, Callable[[], Picker]] = PICKERS
-) -> Picker:
+def make(name: str, *, fast: bool, rules: Mapping[str, Callable[[], Picker]] = PICKERS) -> Picker:
     """A fresh picker of the rule `rules` names `name`: its speed-up (`FAST`) where it
     has one and `fast` (the gateway's `fast_path`), else the rule itself."""
     factory = rules[name]
