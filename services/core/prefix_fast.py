@@ -262,47 +262,22 @@ class FastPrefix(Prefix):
         return found[best[4]]
 
     def record(self, replica: str, hashes: list[int], held: int = 0) -> None:
-        """`Prefix.record`: the blocks not known held added in one call (in the order
-        `Prefix` touches them), and moved to the end one by one only where some were
-        already there; the first block noted in `_firsts`."""
+        """`Prefix.record`, the first block noted in `_firsts` (the last touched: no
+        bound evicts it)."""
+        super().record(replica, hashes, held)
         if not hashes:
             return
-        lru = self.index.get(replica)
-        if lru is None:
-            lru = self.index[replica] = OrderedDict()
-            self._untracked.discard(replica)  # an empty LRU holds no first block
-            self._bound()
-        held = min(held, len(hashes)) if held > 0 else 0
-        touch = lru.move_to_end
-        if held < len(hashes):
-            new = hashes[held:]
-            new.reverse()
-            before = len(lru)
-            lru.update(dict.fromkeys(new))
-            if len(lru) - before != len(new):
-                collections.deque(map(touch, new), maxlen=0)
-        if held:
-            shallow = hashes[held - 1 :: -1]
-            try:
-                collections.deque(map(touch, shallow), maxlen=0)
-            except KeyError:
-                for h in shallow:
-                    if h in lru:
-                        touch(h)
-                    else:
-                        lru[h] = None
-        first, firsts = hashes[0], self._firsts
+        first, firsts, untracked = hashes[0], self._firsts, self._untracked
         got = firsts.get(first)
         if got is None:
-            if replica in self._untracked:
+            if replica in untracked:
                 pass
             elif len(firsts) < self.total_blocks // FIRSTS:
                 firsts[first] = (replica,)
             else:
-                self._untracked.add(replica)
+                untracked.add(replica)
         elif replica not in got:
             firsts[first] = (*got, replica)
-        self._trim(replica, lru)
 
     def _trim(self, rid: str, lru: OrderedDict[int, None]) -> None:
         cap = min(self._cap, self.capacity.get(rid, self._cap))
