@@ -72,28 +72,29 @@ class FastPrefix(Prefix):
     pick, as `Prefix` probes every replica, until their LRU is dropped."""
 
     def cut(self, m: catalog.Model, route: Route) -> list[int]:
-        """`blocks`' hashes; an ASCII prompt's (most are) cut by `struct` in a few calls,
-        its blocks as bytes: an ASCII string's hash is its bytes' (the same SipHash of
-        the same bytes), so the chain is the same."""
+        """`blocks`' hashes, in C loops for an ASCII prompt (most are): its bytes cut by
+        `struct` (an ASCII string hashes as its bytes do: the same SipHash of the same
+        bytes), each block's hash that of the one before and the block, the one before
+        read back from the list being filled (a list's iterator sees what is appended
+        to it while it iterates)."""
         text = route.prompt
         if not text.isascii():
             return super().cut(m, route)
         size = self.block_chars
         n = min(len(text), size * MAX_BLOCKS) // size
-        h = hash((m.name, route.salt, route.owner))
         if not n:
             return []
         raw = text.encode()
         whole, rest = divmod(n, _CHUNK)
-        out: list[int] = []
+        parts: Iterable[bytes] = ()
         if whole:
-            parts = chain.from_iterable(
-                self._struct(_CHUNK).iter_unpack(memoryview(raw)[: whole * _CHUNK * size])
-            )
-            out = [h := hash((h, x)) for x in parts]
+            view = memoryview(raw)[: whole * _CHUNK * size]
+            parts = chain.from_iterable(self._struct(_CHUNK).iter_unpack(view))
         if rest:
-            tail = self._struct(rest).unpack_from(raw, whole * _CHUNK * size)
-            out += [h := hash((h, x)) for x in tail]
+            parts = chain(parts, self._struct(rest).unpack_from(raw, whole * _CHUNK * size))
+        out = [hash((m.name, route.salt, route.owner))]
+        out.extend(map(hash, zip(iter(out), parts, strict=False)))
+        del out[0]
         return out
 
     def _struct(self, n: int) -> struct.Struct:
