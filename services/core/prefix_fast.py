@@ -172,10 +172,17 @@ class FastPrefix(Prefix):
         if not hot and not work.get(best.id):
             return self._said(best, n, "warm")
         warm_ids = {r.id for r in warm}
-        rate, same = self._rates_of(ids, warm_ids)
+        rate, same, top = self._rates_of(ids, warm_ids)
+        wait_warm = work.get(best.id, 0.0) / rate(best.id)
+        if not hot and (
+            wait_warm <= self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / top
+        ):
+            # Within the least penalty any cold replica could set (at the fastest rate
+            # of all), so within the coldest one's wait and penalty: it stays, and the
+            # coldest is not looked for.
+            return self._said(best, n, "warm")
         pick_cold = self._coldest_of(found, ids, holders, warm_ids, rate, same)
         cold_rate = rate(pick_cold.id)
-        wait_warm = work.get(best.id, 0.0) / rate(best.id)
         wait_cold = work.get(pick_cold.id, 0.0) / cold_rate
         penalty = self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / cold_rate
         if wait_warm > wait_cold + penalty or hot:
@@ -204,20 +211,23 @@ class FastPrefix(Prefix):
         out.sort()
         return out
 
-    def _rates_of(self, ids: list[str], warm_ids: set[str]) -> tuple[Callable[[str], float], bool]:
+    def _rates_of(
+        self, ids: list[str], warm_ids: set[str]
+    ) -> tuple[Callable[[str], float], bool, float]:
         """`Prefix._rater`'s rates (a replica's own, else the median of the observed
-        among `ids`, else `DEFAULT_PREFILL_TPS`) as one look-up, and whether no cold
-        replica has a rate kept (`Prefix._coldest`'s `same`: no division then)."""
+        among `ids`, else `DEFAULT_PREFILL_TPS`) as one look-up; whether no cold
+        replica has a rate kept (`Prefix._coldest`'s `same`: no division then); and
+        a rate no replica's is above."""
         rates = self.rates
         if not rates:
-            return (lambda rid: DEFAULT_PREFILL_TPS), True
+            return (lambda rid: DEFAULT_PREFILL_TPS), True, DEFAULT_PREFILL_TPS
         kept = rates.keys() & ids
         same = kept <= warm_ids
         tps = {rid: v for rid, k in rates.items() if (v := k.value) is not None}
         got = [v for v in map(tps.get, ids) if v]
         peer = statistics.median(got) if got else DEFAULT_PREFILL_TPS
         get = tps.get
-        return (lambda rid: get(rid, peer)), same
+        return (lambda rid: get(rid, peer)), same, max(peer, max(tps.values(), default=peer))
 
     def _coldest_of(
         self,
