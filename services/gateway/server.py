@@ -205,10 +205,9 @@ class Gateway:
     """How long a continued stream on a replica whose drain is folded goes on there
     before it moves (`--continuation-settle`)."""
     fast_path: bool = True
-    """The request path's speed-ups (`--no-fast-path` turns them off): no
-    span made for a request when nothing records spans and the client sent no trace
-    context (`_span`), the metrics' labelled children kept (`KeptLabelled`), and the
-    routing rule's speed-up where it has one (`pickers.FAST`: the prefix rule's)."""
+    """The request path's speed-ups (`--no-fast-path` turns them off): no span made for a
+    request when nothing records spans and the client sent no trace context (`_span`), the
+    metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""

@@ -39,8 +39,8 @@ replica against the mean at the same instant (sampled every 5 ms), and the longe
 process's event loop was held (a stall of the host or the process, which every arm's
 figures share the risk of). Then, with no
 gateway: the prefix rule's pick for a 32k-character prompt among 64 replicas (p50/p99
-by block size; at the first size the plain implementation, `--no-fast-path`'s, and the
-least-inflight rule's beside it: the median of 5 rounds of 1,000 picks, each prompt
+by block size; at the rule's own (256) the plain implementation, `--no-fast-path`'s,
+and the least-inflight rule's beside it: the median of 5 rounds of 1,000 picks, each prompt
 decoded just before its pick as the gateway's one parse does, the garbage collector on,
 each pick timed by the wall clock and by the thread's CPU time, which leaves out what
 other processes took of the core), and its index's memory at 1,000 replicas at capacity
@@ -526,6 +526,8 @@ def micro(blocks_list: tuple[int, ...]) -> None:
         f"{'block chars':>11} {'blocks':>7} {'rule':>14} {'wall p50':>8} {'p99':>8} "
         f"{'CPU p50':>8} {'p99':>8}  (us)"
     )
+    # main: the size the plain implementation and the least-inflight rule are timed at.
+    main = prefix.BLOCK_CHARS if prefix.BLOCK_CHARS in blocks_list else blocks_list[0]
     for size in blocks_list:
         # Each replica warm with 8 prompts of its own; the requests share 28k characters
         # with one of them (a long conversation's next turn).
@@ -540,7 +542,7 @@ def micro(blocks_list: tuple[int, ...]) -> None:
             ("prefix", _warmed(Rule(block_chars=size), log.view, m, bases, full=False)),
             ("prefix-full", _warmed(Rule(block_chars=size), log.view, m, bases, full=True)),
         )
-        if size == blocks_list[0] and Rule is not prefix.Prefix:
+        if size == main and Rule is not prefix.Prefix:
             # The plain rule (`--no-fast-path`): the same picks, for the speed-up's ratio.
             arms += (
                 ("plain", _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=False)),
@@ -549,7 +551,7 @@ def micro(blocks_list: tuple[int, ...]) -> None:
                     _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=True),
                 ),
             )
-        if size == blocks_list[0]:
+        if size == main:
             arms += (("least-inflight", routing.LeastInflight()),)  # for scale
         rounds: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in arms}
         for _ in range(ROUNDS):
