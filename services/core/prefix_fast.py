@@ -2,20 +2,27 @@
 picks, the same explanations and the same index (block for block, in the same order), at
 less CPU a pick.
 
-`Prefix` walks the model's replicas in Python statements, up to four times a pick (which
-hold the prompt's first block, the mean in flight, the coldest replica, the least loaded
-when none is warm). `FastPrefix` walks them in the interpreter's C loops instead (`map`
-over the replicas' ids, kept between picks while the routable list is the same object;
-`min` over tuples zipped from the counts); the few replicas that hold the first block are
-still weighed one by one, as `Prefix` weighs them. An LRU's new blocks are added in one
-call and its oldest dropped in one, and the routable list is handed to `choose` as it is
-kept when no replica is to be avoided or at its limit (`found`).
+Where `Prefix` spends a pick for a long prompt among many replicas, and what this does
+instead:
+- it looks for the prompt's first block in every replica's LRU, each look-up a cache miss
+  in a large index: `FastPrefix` keeps, per first block recorded, the replicas it was
+  recorded at (`_firsts`, bounded; past the bound a replica recorded one more is looked
+  in at every pick, `_untracked`), and looks in those LRUs alone;
+- its other walks over the replicas (the mean in flight, the coldest, the least loaded)
+  are Python statements: here C loops (`map` over the replicas' ids, kept while the
+  routable list is the same object, which `found` hands on as it is kept when none is
+  to be avoided or at its limit; `min` over tuples zipped from the counts), and the
+  coldest is not looked for while the warm replica is within the least penalty any cold
+  one could set;
+- it hashes the prompt's blocks in a Python loop: an ASCII prompt's (most are) here in C
+  loops (`cut`).
 
 Chosen by the gateway's `fast_path` (`--no-fast-path`: `Prefix`, the plain rule, which is
-what a reader checks against docs/gateway.md); `pickers.FAST` maps a rule's factory to
-its speed-up (`services.core.pickers`). Held equal to `Prefix` by tests/core/test_prefix_fast.py (random workloads:
-the same pick, the same explanation, the same index, after every step). The figure it
-moves: the pick's CPU cost (tests/bench/bench_prefix.py --only-micro, docs/performance.md).
+what a reader checks against docs/gateway.md); `pickers.FAST` maps a rule's factory to its
+speed-up. Held equal to `Prefix` by tests/core/test_prefix_fast.py (random workloads: the
+same pick, the same explanation, the same index, after every step), and every test of
+tests/core/test_routing_prefix.py runs on both. The figure it moves: the pick's CPU cost
+(tests/bench/bench_prefix.py --only-micro, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ _NONE: frozenset[int] = frozenset()
 
 @dataclass
 class FastPrefix(Prefix):
-    """`Prefix`, its per-replica walks in C loops (the module docstring)."""
+    """`Prefix` at less CPU a pick (the module docstring)."""
 
     _ids_of: list[ReplicaRecord] | None = None
     """The list `_ids` are the ids of (the same object: `routable_of`'s, kept per fold)."""
@@ -148,7 +155,7 @@ class FastPrefix(Prefix):
             return self._least(found, ids)
         index, first, depths = self.index, hashes[0], self._depths
         need = self.threshold * len(hashes)
-        # Which replicas hold the first block: one C loop; most hold none.
+        # The replicas that hold the first block, looked for in the few LRUs that may.
         holders = self._holders(ids, first)
         warm: list[ReplicaRecord] = []
         for i in holders:
@@ -174,12 +181,14 @@ class FastPrefix(Prefix):
         warm_ids = {r.id for r in warm}
         rate, same, top = self._rates_of(ids, warm_ids)
         wait_warm = work.get(best.id, 0.0) / rate(best.id)
-        if not hot and (
-            wait_warm <= self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / top
+        if (
+            not hot
+            and self.stick >= 0
+            and wait_warm <= self.stick * depths[best.id] * self.block_chars / CHARS_PER_TOKEN / top
         ):
             # Within the least penalty any cold replica could set (at the fastest rate
-            # of all), so within the coldest one's wait and penalty: it stays, and the
-            # coldest is not looked for.
+            # of all; a penalty is not negative), so within the coldest one's wait and
+            # penalty: it stays, and the coldest is not looked for.
             return self._said(best, n, "warm")
         pick_cold = self._coldest_of(found, ids, holders, warm_ids, rate, same)
         cold_rate = rate(pick_cold.id)

@@ -15,8 +15,9 @@ CRC-32 and Adler-32: the rule's own hashes are Python's, salted per process), ba
 blocks not told already; what others told is kept per replica, bounded like the rule's
 own index (`prefix.TOTAL_BLOCKS` of the others' blocks per gateway, a quarter of that of
 those it told, so as not to tell them again), and taught to the rule (its public
-`record`, with its public `blocks`) before a pick whose prompt another gateway sent to a replica deeper than this one
-knows. So a conversation's next turn through another gateway finds its warm replica.
+`record`, with its public `blocks`) before a pick whose prompt another gateway sent to a
+replica deeper than this one knows. So a conversation's next turn through another gateway
+finds its warm replica.
 """
 
 from __future__ import annotations

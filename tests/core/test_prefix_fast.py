@@ -92,7 +92,13 @@ def _workload(seed: int) -> None:
     rng = random.Random(seed)
     total = rng.choice([24, 200, 2_000, 20_000])
     capacity = rng.choice([512, 4_096, 262_144])
-    kw = {"total_blocks": total, "capacity_tokens": capacity, "block_chars": rng.choice([64, 256])}
+    kw = {
+        "total_blocks": total,
+        "capacity_tokens": capacity,
+        "block_chars": rng.choice([64, 256]),
+        "threshold": rng.choice([prefix.THRESHOLD, prefix.THRESHOLD, 0.2, 0.8]),
+        "stick": rng.choice([prefix.STICK, prefix.STICK, 0.0, 0.5, -1.0]),
+    }
     t = _Twins(Prefix(**kw), FastPrefix(**kw))  # type: ignore[arg-type]
     plain, fast = t.rules
     names = 0
