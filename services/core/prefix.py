@@ -226,11 +226,7 @@ class Prefix(LeastInflight):
             old = self._tickets.get(route)
             text = route.prompt
             # A request picked again (a retry) is not hashed again.
-            self._hashes = (
-                old.hashes
-                if old is not None
-                else blocks(m.name, route.salt, text, self.block_chars, route.owner)
-            )
+            self._hashes = old.hashes if old is not None else self.cut(m, route)
             self._chars = min(len(text), self.block_chars * MAX_BLOCKS)
         self._explained = None
         self._depths = {}
@@ -255,6 +251,10 @@ class Prefix(LeastInflight):
         self._tickets[route] = _Ticket(r.id, ahead, own, hashes, explained)
         self.record(r.id, hashes, held=depth)
         return r
+
+    def cut(self, m: catalog.Model, route: Route) -> list[int]:
+        """`route`'s prompt's chained block hashes (`blocks`)."""
+        return blocks(m.name, route.salt, route.prompt, self.block_chars, route.owner)
 
     def _matched(self, depth: int) -> float:
         return depth / len(self._hashes) if self._hashes else 0.0

@@ -329,12 +329,7 @@ class LeastInflight:
         key = None if session is None else (m.name, session)
         chosen = None if key is None else self._session(view, key, avoid, limit)
         if chosen is None:
-            inflight = self.inflight
-            found = [
-                r
-                for r in self.routable_of(view, m)
-                if r.id not in avoid and (limit is None or inflight.get(r.id, 0) < limit)
-            ]
+            found = self.found(view, m, avoid, limit)
             if not found:
                 return None
             chosen = self.choose(view, m, route, found)
@@ -360,6 +355,18 @@ class LeastInflight:
         if got is None:
             got = self._routable[m.name] = candidates(view, m)
         return got
+
+    def found(
+        self, view: View, m: catalog.Model, avoid: Collection[str], limit: int | None
+    ) -> list[ReplicaRecord]:
+        """`m`'s routable replicas but those in `avoid` and those with `limit` in flight
+        (None: no limit), in `routable_of`'s order. Read only: `choose` is handed it."""
+        inflight = self.inflight
+        return [
+            r
+            for r in self.routable_of(view, m)
+            if r.id not in avoid and (limit is None or inflight.get(r.id, 0) < limit)
+        ]
 
     def choose(
         self, view: View, m: catalog.Model, route: Route | None, found: list[ReplicaRecord]

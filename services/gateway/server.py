@@ -58,6 +58,7 @@ from services.clock import new_id
 from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
+from services.core.pickers import make as make_picker
 from services.gateway import continuation, guard, pages, plane, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
@@ -204,9 +205,9 @@ class Gateway:
     """How long a continued stream on a replica whose drain is folded goes on there
     before it moves (`--continuation-settle`)."""
     fast_path: bool = True
-    """The request path's speed-ups (`--no-fast-path` turns them off): no
-    span made for a request when nothing records spans and the client sent no trace
-    context (`_span`), and the metrics' labelled children kept (`KeptLabelled`)."""
+    """The request path's speed-ups (`--no-fast-path` turns them off): no span made for a
+    request when nothing records spans and the client sent no trace context (`_span`), the
+    metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
@@ -330,7 +331,7 @@ class Gateway:
             share=config.share,
             share_interval_s=config.share_interval_s,
             share_expiry_s=config.share_expiry_s,
-            router=pickers[config.routing](),
+            router=make_picker(config.routing, fast=config.fast_path, rules=pickers),
             rule=config.routing,
             settle_heap=own_process and config.process.gc_freeze and config.gc_tune,
             nc=nc,

@@ -15,8 +15,9 @@ CRC-32 and Adler-32: the rule's own hashes are Python's, salted per process), ba
 blocks not told already; what others told is kept per replica, bounded like the rule's
 own index (`prefix.TOTAL_BLOCKS` of the others' blocks per gateway, a quarter of that of
 those it told, so as not to tell them again), and taught to the rule (its public
-`index`, through its public `blocks`) before a pick whose prompt another gateway sent to a replica deeper than this one
-knows. So a conversation's next turn through another gateway finds its warm replica.
+`record`, with its public `blocks`) before a pick whose prompt another gateway sent to a
+replica deeper than this one knows. So a conversation's next turn through another gateway
+finds its warm replica.
 """
 
 from __future__ import annotations
@@ -232,27 +233,11 @@ class FleetPicker:
             mine = index.get(rid)
             if mine is not None and local[depth - 1] in mine:
                 continue
-            if mine is None:
-                mine = index[rid] = OrderedDict()
-            for h in reversed(local[:depth]):
-                mine[h] = None
-                mine.move_to_end(h)
+            # Through the rule's own `record` (touched deepest first, bounded as the
+            # rule bounds its index), the one way its index is written.
+            inner.record(rid, local[:depth])
             cache.taught += 1
-            self._bound(inner, index)
         return stable
-
-    @staticmethod
-    def _bound(inner: Any, index: dict[str, OrderedDict[int, None]]) -> None:
-        """The rule's index held to its own bound (`total_blocks` over its replicas,
-        each at most its capacity)."""
-        share = max(1, inner.total_blocks // max(1, len(index)))
-        cap = min(
-            share, max(1, inner.capacity_tokens * prefix.CHARS_PER_TOKEN // inner.block_chars)
-        )
-        for rid, lru in index.items():
-            most = min(cap, inner.capacity.get(rid, cap))
-            while len(lru) > most:
-                lru.popitem(last=False)
 
     def forget(self, gone: Iterable[str]) -> None:
         gone = list(gone)

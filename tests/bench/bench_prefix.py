@@ -39,10 +39,12 @@ replica against the mean at the same instant (sampled every 5 ms), and the longe
 process's event loop was held (a stall of the host or the process, which every arm's
 figures share the risk of). Then, with no
 gateway: the prefix rule's pick for a 32k-character prompt among 64 replicas (p50/p99
-by block size, the plain rule's beside it for scale: the median of 5 rounds of 1,000
-picks, the garbage collector on, each pick timed by the wall clock and by the thread's
-CPU time, which leaves out what other processes took of the core), and its index's
-memory at 1,000 replicas at capacity.
+by block size; at the rule's own (256) the plain implementation, `--no-fast-path`'s,
+and the least-inflight rule's beside it: the median of 5 rounds of 1,000 picks, each prompt
+decoded just before its pick as the gateway's one parse does, the garbage collector on,
+each pick timed by the wall clock and by the thread's CPU time, which leaves out what
+other processes took of the core), and its index's memory at 1,000 replicas at capacity
+(prompts of 64 blocks, and of one).
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ from services.bus import EmbeddedBroker, Publisher, connect, ensure_streams  # n
 from services.clock import new_id, utc_now  # noqa: E402
 from services.core import catalog, prefix, routing  # noqa: E402
 from services.core.pickers import PICKERS  # noqa: E402
+
+# Rule is the prefix rule as a gateway makes it: its speed-up (its fast path on), where
+# the tree has one (this file copied into a tree before it measures that tree's rule).
+Rule: type[prefix.Prefix] = prefix.Prefix
+try:
+    from services.core.prefix_fast import FastPrefix
+
+    Rule = FastPrefix
+except ImportError:  # pragma: no cover
+    pass
 from services.core.view import ReplicaRecord, View  # noqa: E402
 from services.gateway.config import Config  # noqa: E402
 from services.gateway.server import Gateway  # noqa: E402
@@ -307,7 +319,7 @@ class Bench:
             **PICKERS,
             "round-robin": RoundRobin,
             "oracle": lambda: Oracle(servers=servers),
-            "prefix": lambda: prefix.Prefix(
+            "prefix": lambda: Rule(
                 threshold=a.threshold,
                 slack=a.slack,
                 stick=a.stick,
@@ -427,19 +439,18 @@ ROUNDS = 5
 def _timed(
     picker: routing.Picker, view: View, m: catalog.Model, bodies: list[bytes]
 ) -> tuple[float, float, float, float]:
-    """One round: each body picked as a fresh request (its prompt decoded first, as the
-    gateway's parse does, and not timed), 32 kept in flight (the oldest ended as each
+    """One round: each body picked as a fresh request (its prompt decoded just before,
+    as the gateway's one parse does, and not timed), 32 kept in flight (the oldest ended as each
     is picked, so that replicas have work to wait for and the cold ones are weighed),
     the garbage collector on (its pauses are the pick's too). The wall time's and the
     thread's CPU time's p50 and p99, in microseconds: on a shared host the wall time
     also holds what other processes took of the core."""
     routes = [routing.Route("m", body=b) for b in bodies]
-    for r in routes:
-        _ = r.prompt
     wall: list[float] = []
     cpu: list[float] = []
     flight: list[tuple[str, routing.Route]] = []
     for r in routes:
+        _ = r.prompt
         t, c = time.perf_counter_ns(), time.thread_time_ns()
         got = picker.pick(view, m, r)
         c, t = time.thread_time_ns() - c, time.perf_counter_ns() - t
@@ -512,24 +523,36 @@ def micro(blocks_list: tuple[int, ...]) -> None:
         f"(median of {ROUNDS} rounds of 1,000 picks, the garbage collector on)"
     )
     print(
-        f"{'block chars':>11} {'blocks':>7} {'rule':>11} {'wall p50':>8} {'p99':>8} "
+        f"{'block chars':>11} {'blocks':>7} {'rule':>14} {'wall p50':>8} {'p99':>8} "
         f"{'CPU p50':>8} {'p99':>8}  (us)"
     )
+    # main: the size the plain implementation and the least-inflight rule are timed at.
+    main = prefix.BLOCK_CHARS if prefix.BLOCK_CHARS in blocks_list else blocks_list[0]
     for size in blocks_list:
         # Each replica warm with 8 prompts of its own; the requests share 28k characters
         # with one of them (a long conversation's next turn).
         bases = [_text(rng, 8000, f"base {i}:") for i in range(64 * 8)]
-        fresh = _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=False)
-        full = _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=True)
         bodies = [
             json.dumps(
                 {"prompt": bases[rng.randrange(len(bases))][:28_000] + _text(rng, 1000)}
             ).encode()
             for _ in range(1000)
         ]
-        arms: tuple[tuple[str, routing.Picker], ...] = (("prefix", fresh), ("prefix-full", full))
-        if size == blocks_list[0]:
-            arms += (("plain", routing.LeastInflight()),)  # the least-inflight rule, for scale
+        arms: tuple[tuple[str, routing.Picker], ...] = (
+            ("prefix", _warmed(Rule(block_chars=size), log.view, m, bases, full=False)),
+            ("prefix-full", _warmed(Rule(block_chars=size), log.view, m, bases, full=True)),
+        )
+        if size == main and Rule is not prefix.Prefix:
+            # The plain rule (`--no-fast-path`): the same picks, for the speed-up's ratio.
+            arms += (
+                ("plain", _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=False)),
+                (
+                    "plain-full",
+                    _warmed(prefix.Prefix(block_chars=size), log.view, m, bases, full=True),
+                ),
+            )
+        if size == main:
+            arms += (("least-inflight", routing.LeastInflight()),)  # for scale
         rounds: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in arms}
         for _ in range(ROUNDS):
             for name, picker in arms:
@@ -537,21 +560,26 @@ def micro(blocks_list: tuple[int, ...]) -> None:
         n = len(prefix.blocks("m", None, json.loads(bodies[0])["prompt"], size))
         for name, _ in arms:
             w50, w99, c50, c99 = (statistics.median(r[i] for r in rounds[name]) for i in range(4))
-            print(f"{size:>11} {n:>7} {name:>11} {w50:>8.1f} {w99:>8.1f} {c50:>8.1f} {c99:>8.1f}")
+            print(f"{size:>11} {n:>7} {name:>14} {w50:>8.1f} {w99:>8.1f} {c50:>8.1f} {c99:>8.1f}")
     print("\n== the index's memory: 1,000 replicas at capacity")
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    p = prefix.Prefix()
-    for i in range(1000):
-        for _ in range(8):
-            p.record(f"r{i}", [rng.getrandbits(63) for _ in range(64)])
-    # Filled past the bound: every LRU is at its share of TOTAL_BLOCKS.
-    used = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    print(
-        f"{p.blocks_held():,} blocks held (bound {p.total_blocks:,}; "
-        f"{p._cap} a replica), {used / 2**20:.1f} MiB"
-    )
+    # Prompts of 64 blocks; then prompts of one block, each block a prompt's first (what
+    # fills the speed-up's map of first blocks).
+    for per, each in ((64, 8), (1, 512)):
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        p = Rule()
+        for i in range(1000):
+            for _ in range(each):
+                p.record(f"r{i}", [rng.getrandbits(63) for _ in range(per)])
+        # Filled past the bound: every LRU is at its share of TOTAL_BLOCKS.
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        firsts = len(getattr(p, "_firsts", ()))
+        print(
+            f"{per}-block prompts: {p.blocks_held():,} blocks held (bound {p.total_blocks:,}; "
+            f"{p._cap} a replica), {firsts:,} first blocks mapped, {used / 2**20:.1f} MiB"
+        )
+        del p
 
 
 async def _main(a: argparse.Namespace) -> None:

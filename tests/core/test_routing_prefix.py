@@ -7,6 +7,7 @@ breaks before one replica takes a hot prefix's whole load."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from schemas import events as ev
 from services.core import catalog, prefix, routing
 from services.core.prefix import Prefix
+from services.core.prefix_fast import FastPrefix
 from tests.core.test_fold import MODEL, Log, at, inventory
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,9 +39,12 @@ class _Plane:
     """A log folded event by event, the prefix rule told what left routing after each
     event, as the gateway tells it (`Gateway._on_fold`)."""
 
+    rule: type[Prefix] = Prefix
+    """The rule's implementation: each test runs on the plain one and its speed-up."""
+
     def __init__(self, router: Prefix | None = None) -> None:
         self.log = Log()
-        self.router = router or Prefix()
+        self.router = router or self.rule()
         self.gpu = 0
         self.say(MODEL)
         self.say(inventory(gpus=16))
@@ -81,6 +86,14 @@ class _Plane:
         if end:
             self.router.done(r.id, route)
         return r.id
+
+
+@pytest.fixture(autouse=True, scope="module", params=[Prefix, FastPrefix], ids=["plain", "fast"])
+def _rule(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on `Prefix` and on its speed-up (services.core.prefix_fast)."""
+    _Plane.rule = request.param
+    yield
+    _Plane.rule = Prefix
 
 
 def test_a_shared_prefix_goes_to_the_replica_that_has_it_and_groups_spread() -> None:
@@ -244,7 +257,7 @@ def test_the_index_stays_within_its_memory_bound_under_any_workload(
     """Random prompts (shared prefixes of random lengths), replicas coming and going,
     requests ending or not: the blocks held never pass `total_blocks`, nor any replica's
     LRU its capacity; a replica forgotten holds nothing."""
-    p = _Plane(Prefix(total_blocks=total, capacity_tokens=capacity))
+    p = _Plane(_Plane.rule(total_blocks=total, capacity_tokens=capacity))
     names = 0
     alive: list[str] = []
     for _ in range(2):
@@ -347,12 +360,13 @@ def test_a_request_picked_again_is_not_hashed_again(monkeypatch: pytest.MonkeyPa
     p.ready("b")
     calls = []
     hashed = prefix.blocks
+    cut = p.router.cut
 
-    def counted(*args: object, **kw: object) -> list[int]:
+    def counted(m: catalog.Model, route: routing.Route) -> list[int]:
         calls.append(1)
-        return hashed(*args, **kw)  # type: ignore[arg-type]
+        return cut(m, route)
 
-    monkeypatch.setattr(prefix, "blocks", counted)
+    monkeypatch.setattr(p.router, "cut", counted)
     route = _route(SYSTEM, "retried")
     first = p.router.pick(p.log.view, p.m, route)
     assert first is not None
