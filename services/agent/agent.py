@@ -55,7 +55,7 @@ from services.agent.consumers import durable_name as durable_name
 from services.agent.consumers import reader_name as reader_name
 from services.agent.errors import NodeTaken, NoStream
 from services.agent.runtime import Report, Runtime
-from services.bus import BusError, Permanent, Publisher, PublishError, replies
+from services.bus import BusError, Permanent, Publisher, PublishError, Unanswered, replies
 from services.bus import consume as bus_consume
 from services.bus.fleet import Fleet
 from services.bus.publish import OTHER, new_seal
@@ -83,6 +83,11 @@ HELLO_WAIT_S = 5.0
 CONSUMERS_WAIT_S = 1.0
 # MAKE_AGAIN_S is how long after a refused attempt to make them itself the agent only asks.
 MAKE_AGAIN_S = 60.0
+# REBUILD_AGAIN_S: the first pause before reading its history again when the broker did
+# not answer in time (a cluster's server stopping under it, or one too busy), doubled
+# up to REBUILD_AGAIN_MAX_S: an agent waits for its broker, it does not end.
+REBUILD_AGAIN_S = 0.5
+REBUILD_AGAIN_MAX_S = 10.0
 
 # CONTROL_INBOX is where the replies to the control role's requests go (nats-py's default
 # inbox prefix, which only the control and viewer roles may subscribe to). A request to
@@ -323,7 +328,8 @@ class Agent:
         self.instance = msgspec.structs.replace(self.instance, since=utc_now().isoformat())
         if not await self._consumers(stop):
             return
-        await self._rebuild()
+        if not await self._rebuilt(stop):
+            return
         await self.runtime.adopt(
             {
                 r.replica: ev.ReplicaState(
@@ -596,6 +602,30 @@ class Agent:
                 yield batch
 
     # ------------------------------------------------------------------ the log
+
+    async def _rebuilt(self, stop: asyncio.Event) -> bool:
+        """`_rebuild`, read again while the broker does not answer in time (False:
+        `stop` was set first); said once, and once more when it is read. A refusal
+        (`BusError` otherwise) is not waited out: it is raised."""
+        pause, said = REBUILD_AGAIN_S, False
+        while not stop.is_set():
+            try:
+                await self._rebuild()
+            except Unanswered as e:
+                if not said:
+                    log.warning(
+                        "%s: its history in the log not read yet (%s); reading it again",
+                        self.node,
+                        e,
+                    )
+                    said = True
+                await _pause(stop, pause)
+                pause = min(pause * 2, REBUILD_AGAIN_MAX_S)
+                continue
+            if said:
+                log.info("%s: its history in the log read", self.node)
+            return True
+        return False
 
     async def _rebuild(self) -> None:
         """The node's replicas as its own events in the log say they are. Each message is

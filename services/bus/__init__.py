@@ -17,6 +17,7 @@ from services.bus.errors import (
     PublishError,
     Retry,
     SequenceGap,
+    Unanswered,
 )
 from services.bus.publish import Published, Publisher
 from services.bus.stream import DLQ_STREAM, ensure_dlq_stream, ensure_stream, ensure_streams
@@ -36,6 +37,7 @@ __all__ = [
     "Publisher",
     "Retry",
     "SequenceGap",
+    "Unanswered",
     "connect",
     "ensure_dlq_stream",
     "ensure_stream",

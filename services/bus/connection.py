@@ -548,6 +548,22 @@ def refused(e: BaseException) -> bool:
 CLOSE_FAILED_S = 1.0
 
 
+async def close(nc: Client) -> None:
+    """Close `nc` whatever became of its broker: a broker gone as it closes makes the
+    last flush fail, or nats-py's wait for its socket's close ends in a `CancelledError`
+    that is not the caller's (seen where a cluster's server was killed as a command
+    ended: a traceback instead of the command's answer). Nothing is left to say to that
+    broker. A cancellation of the caller's own task goes on."""
+    try:
+        await nc.close()
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            raise
+    except Exception:
+        pass
+
+
 async def _quiet_close(nc: Client) -> None:
     # Closing a never-opened client has nothing to report.
     with contextlib.suppress(Exception):

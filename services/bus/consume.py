@@ -38,7 +38,7 @@ from schemas.errors import EventDecodeError
 from schemas.events import Event
 from services.bus import ordered, tracing, wire
 from services.bus.connection import Fault, JetStream
-from services.bus.errors import BusError, Permanent, Retry
+from services.bus.errors import BusError, Permanent, Retry, Unanswered
 from services.bus.ordered import BATCH_MAX as BATCH_MAX
 from services.bus.ordered import IDLE_HEARTBEAT_S as IDLE_HEARTBEAT_S
 from services.bus.ordered import Delivery as Delivery
@@ -638,7 +638,8 @@ async def read_pulled(
     For a reader whose permissions allow it to pull one consumer and create none (an
     agent): the consumer is reset to `from_seq` (`$JS.API.CONSUMER.RESET`, nats-server
     2.14 and later), and pulled until the server says nothing is pending. One reader at a
-    time per consumer. Raises BusError when the server refuses or does not answer."""
+    time per consumer. Raises BusError when the server refuses, `Unanswered` when it
+    does not answer in time."""
     api = getattr(js, "_prefix", "$JS.API")
     try:
         msg = await js._nc.request(
@@ -647,7 +648,7 @@ async def read_pulled(
             timeout=RESET_WAIT_S,
         )
     except (nats.errors.Error, TimeoutError) as e:
-        raise BusError(f"consumer {consumer}: reset to {from_seq} not answered: {e}") from e
+        raise Unanswered(f"consumer {consumer}: reset to {from_seq} not answered: {e}") from e
     answer = json.loads(msg.data)
     if "error" in answer:
         why = answer["error"].get("description", answer["error"])
@@ -659,7 +660,7 @@ async def read_pulled(
         try:
             left = (await js.consumer_info(stream, consumer, timeout=RESET_WAIT_S)).num_pending or 0
         except (nats.errors.Error, TimeoutError) as e:
-            raise BusError(f"consumer {consumer}: its info not answered: {e}") from e
+            raise Unanswered(f"consumer {consumer}: its info not answered: {e}") from e
     if left == 0:
         return
     psub = await js.pull_subscribe_bind(consumer, stream)
@@ -668,7 +669,7 @@ async def read_pulled(
             try:
                 msgs = await psub.fetch(min(batch_max, left), timeout=RESET_WAIT_S)
             except (nats.errors.TimeoutError, TimeoutError) as e:
-                raise BusError(f"consumer {consumer}: {left} messages pending, none came") from e
+                raise Unanswered(f"consumer {consumer}: {left} messages pending, none came") from e
             out = []
             for m in msgs:
                 d = delivery_of(m)

@@ -110,6 +110,12 @@ class Retry(BusError):
         super().__init__(f"{reason} (retry in {delay_s:g}s)")
 
 
+class Unanswered(BusError):
+    """The broker did not answer a request in time (a server busy, or one of a cluster
+    stopping under it): the same request may well be answered later. A refusal is not
+    one of these."""
+
+
 class Permanent(BusError):
     """A handler's permanent failure: the message can never succeed.
 

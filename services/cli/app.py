@@ -519,8 +519,7 @@ async def session(
     try:
         yield Session(nc, nc.jetstream(), public_url(url), r)
     finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+        await connection.close(nc)
 
 
 # ---------------------------------------------------------------------- argument types

@@ -16,9 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import nats.errors
-
-from services.bus import BrokerUnavailable, BusError, connect, ensure_streams, resolve_url, tracing
+from services.bus import (
+    BrokerUnavailable,
+    BusError,
+    connect,
+    connection,
+    ensure_streams,
+    resolve_url,
+    tracing,
+)
 from services.plane import heap
 from services.plane.process import Config
 
@@ -95,5 +101,4 @@ async def _serve(
     finally:
         # A broker gone as the service stops (its host's plane stopping first) makes
         # the close's last flush fail: nothing is left to say to it.
-        with contextlib.suppress(OSError, nats.errors.Error):
-            await nc.close()
+        await connection.close(nc)

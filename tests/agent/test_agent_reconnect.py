@@ -5,7 +5,10 @@ past the grace while the agent was cut off), so its server frees GPUs given to o
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -14,7 +17,7 @@ from nats.js.client import JetStreamContext
 from schemas import events as ev
 from services.agent import SimulatedRuntime
 from services.agent.agent import LOST_PAST_GRACE
-from services.bus import EmbeddedBroker, Publisher
+from services.bus import EmbeddedBroker, Publisher, Unanswered, consume
 from services.bus.stream import ensure_stream
 from tests.agent.helpers import (
     by_replica,
@@ -83,3 +86,44 @@ async def test_a_background_task_that_fails_is_said_in_one_line(
     await asyncio.sleep(0)
     said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert said == [f"{NODE}: {cut_short.__qualname__} failed: TimeoutError: nats: timeout"]
+
+
+async def test_an_agent_whose_history_is_not_answered_in_time_reads_it_again(
+    nc: Client,
+    js: JetStreamContext,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A cluster's server stopping as the agent starts leaves its reader's reset
+    # unanswered (`Unanswered`, after 5 s): the agent reads its history again, it does
+    # not end (and `llmgw up` with it). The first two reads fail as that server's would.
+    await ensure_stream(js)
+    real = consume.read_pulled
+    failed: list[int] = []
+
+    def flaky(*a: Any, **kw: Any) -> AsyncGenerator[list[consume.Delivery], None]:
+        if len(failed) < 2:
+            failed.append(1)
+            return _unanswered()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(consume, "read_pulled", flaky)
+    caplog.set_level(logging.INFO, "llmgw.agent")
+    async with running_agent(sim_agent(nc, js, "gpu-r2", "1xH100-80GB")):
+        await Publisher(js).publish(start_cmd("r-after", "gpu-r2", (0,)))
+        await wait_for(
+            lambda: states(js, "gpu-r2"),
+            lambda s: by_replica(s).get("r-after", [""])[-1] == "ready",
+        )
+    said = [r.getMessage() for r in caplog.records if "history" in r.getMessage()]
+    assert len(failed) == 2
+    assert said == [
+        "gpu-r2: its history in the log not read yet (consumer x: reset to 1 not answered: "
+        "nats: timeout); reading it again",
+        "gpu-r2: its history in the log read",
+    ]
+
+
+async def _unanswered() -> AsyncGenerator[list[consume.Delivery], None]:
+    raise Unanswered("consumer x: reset to 1 not answered: nats: timeout")
+    yield []
