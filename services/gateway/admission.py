@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from aiohttp import web
-
 from services.core import ratelimit
 from services.core.view import ViewState as State
 from services.gateway.errors import GatewayError
+from services.gateway.exchange import Request
 from services.gateway.keys import Key, Keys
 from services.gateway.metrics import Labelled, Metrics
 from services.gateway.refusal import Refusal
@@ -32,7 +31,7 @@ log = logging.getLogger("llmgw.gateway")
 SHUT_RETRY_S = 3600
 
 
-def authorize(keys: Keys | None, request: web.Request) -> Key | None:
+def authorize(keys: Keys | None, request: Request) -> Key | None:
     """The request's key; None with no keys configured. 401 else."""
     if keys is None:
         return None

@@ -28,6 +28,7 @@ from services.core import catalog, routing
 from services.core import continuation as rules
 from services.core.view import View
 from services.gateway import guard, tokens
+from services.gateway.exchange import Request, Stream
 from services.gateway.keys import Key
 from services.gateway.refusal import Refusal, Unreachable
 from services.gateway.request import KEY, SPAN, TOOK
@@ -45,10 +46,10 @@ class Forwarder(Protocol):
     def lines(self) -> guard.Lines: ...
 
     @property
-    def first_byte(self) -> Callable[[web.Request], None]: ...
+    def first_byte(self) -> Callable[[Request], None]: ...
 
     async def _post(
-        self, request: web.Request, r: Any, body: bytes, path: str | None = None
+        self, request: Request, r: Any, body: bytes, path: str | None = None
     ) -> aiohttp.ClientResponse:
         """The replica's answer to `body` on `path` (the request's own when None)
         begun, or `Unreachable`."""
@@ -94,9 +95,7 @@ class Continuations:
     moved_by: dict[str, int] = field(default_factory=dict)
     """Moves since the start, by how they went on (`token_ids`, `text`)."""
 
-    def plan(
-        self, request: web.Request, m: catalog.Model, route: routing.Route, body: bytes
-    ) -> bytes:
+    def plan(self, request: Request, m: catalog.Model, route: routing.Route, body: bytes) -> bytes:
         """Decide whether the stream `request` may be continued, say it in its span
         (`llmgw.continuation`: `on`, or why not) and keep its `Plan` on it if so; the
         body to send (one that asks a vLLM server for its running token count)."""
@@ -161,7 +160,7 @@ class Continuations:
         return any(r.id != rid for r in routing.candidates(self.view(), m))
 
 
-def serving(request: web.Request, first: Any) -> Any:
+def serving(request: Request, first: Any) -> Any:
     """The replica whose slot `request` holds at its end: the last it moved to, else
     `first`; None when it holds none (its stream broke and found no other)."""
     return request.get(SERVING, first)
@@ -208,13 +207,13 @@ class Plan:
     async def stream(
         self,
         fw: Forwarder,
-        request: web.Request,
+        request: Request,
         r: Any,
         upstream: aiohttp.ClientResponse,
-        resp: web.StreamResponse,
+        resp: Stream,
         strip: bool,
         sent: list[int],
-    ) -> web.StreamResponse:
+    ) -> Stream:
         """Pass the stream on, continuing it on another replica at each break, up to the
         limit; count each replica's part at its end, however it ends."""
         st = rules.Stream(
@@ -289,10 +288,10 @@ class Plan:
     async def _pass(
         self,
         fw: Forwarder,
-        request: web.Request,
+        request: Request,
         st: rules.Stream,
         upstream: aiohttp.ClientResponse,
-        resp: web.StreamResponse,
+        resp: Stream,
         may: bool,
         rest: bytes = b"",
     ) -> str:
@@ -328,9 +327,9 @@ class Plan:
     async def _events(
         self,
         fw: Forwarder,
-        request: web.Request,
+        request: Request,
         st: rules.Stream,
-        resp: web.StreamResponse,
+        resp: Stream,
         may: bool,
         data: bytes,
     ) -> str | None:
@@ -352,9 +351,7 @@ class Plan:
         await self._write(fw, request, resp, b"".join(out))
         return None
 
-    async def _write(
-        self, fw: Forwarder, request: web.Request, resp: web.StreamResponse, data: bytes
-    ) -> None:
+    async def _write(self, fw: Forwarder, request: Request, resp: Stream, data: bytes) -> None:
         if not data:
             return
         await resp.write(data)
@@ -365,7 +362,7 @@ class Plan:
     async def _move(
         self,
         fw: Forwarder,
-        request: web.Request,
+        request: Request,
         st: rules.Stream,
         r: Any,
         tried: list[str],
@@ -426,7 +423,7 @@ class Plan:
         return None
 
     async def _begin(
-        self, fw: Forwarder, request: web.Request, nxt: Any, body: bytes, path: str
+        self, fw: Forwarder, request: Request, nxt: Any, body: bytes, path: str
     ) -> aiohttp.ClientResponse | None:
         """`nxt`'s answer to `body` on `path` begun as a stream; None (its slot freed)
         when it cannot be asked or answers anything else."""
@@ -451,10 +448,10 @@ class Plan:
     async def _cant(
         self,
         fw: Forwarder,
-        request: web.Request,
+        request: Request,
         st: rules.Stream,
         upstream: aiohttp.ClientResponse,
-        resp: web.StreamResponse,
+        resp: Stream,
         broke: str | None,
         r: Any,
     ) -> bytes:
@@ -473,7 +470,7 @@ class Plan:
             request.transport.close()
         return b""
 
-    def _charge(self, request: web.Request, st: rules.Stream, estimate: int) -> None:
+    def _charge(self, request: Request, st: rules.Stream, estimate: int) -> None:
         """Each replica its part (`rules.Stream.charges`), the key the whole."""
         took = 0
         for i, (rep, n, tin, tout) in enumerate(st.charges(estimate)):

@@ -20,9 +20,9 @@ from typing import Any, cast
 
 import aiohttp
 import yarl
-from aiohttp import web
 
 from services.gateway import continuation, guard, plane, streams, tokens
+from services.gateway.exchange import Answer, Request, Stream, Whole, begin
 from services.gateway.metrics import Counts
 from services.gateway.refusal import (
     MAX_ANSWER,
@@ -50,7 +50,7 @@ JSON_TYPE = {"Content-Type": "application/json"}
 PASSED = ("Content-Type", "Cache-Control", "X-Request-Id")
 
 # Used is what counts one answered request: (replica, tokens in, tokens out, request).
-Used = Callable[[Any, int, int, web.Request, int | None], None]
+Used = Callable[[Any, int, int, Request, int | None], None]
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class Forwarder:
     upstream_timeout_s: float
     lines: guard.Lines
     counts: Counts
-    first_byte: Callable[[web.Request], None]
+    first_byte: Callable[[Request], None]
     """Called at an answer's first byte."""
     used: Used
     """Called once an answer that was not an error has ended, however it ended."""
@@ -101,13 +101,13 @@ class Forwarder:
 
     async def forward(
         self,
-        request: web.Request,
+        request: Request,
         r: Any,
         body: bytes,
         stream: bool,
         strip: bool = False,
-        held: web.StreamResponse | None = None,
-    ) -> web.StreamResponse:
+        held: Stream | None = None,
+    ) -> Answer:
         """Send `body` to `r` and pass its answer on; into `held` (a held stream's 200,
         already sent) when there is one."""
         woken = request.get(WOKEN)
@@ -131,7 +131,7 @@ class Forwarder:
             upstream.release()
 
     async def _post(
-        self, request: web.Request, r: Any, body: bytes, path: str | None = None
+        self, request: Request, r: Any, body: bytes, path: str | None = None
     ) -> aiohttp.ClientResponse:
         """The replica's answer begun: its status and headers; `Unreachable` when it
         cannot be asked, 504 when it does not answer in time. `path`: another than the
@@ -182,15 +182,15 @@ class Forwarder:
 
     async def _answer(
         self,
-        request: web.Request,
+        request: Request,
         r: Any,
         body: bytes,
         upstream: aiohttp.ClientResponse,
         stream: bool,
         strip: bool,
-        held: web.StreamResponse | None,
+        held: Stream | None,
         sent: list[int],
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Pass on an answer begun: whole, or as a stream."""
         if upstream.status == 503:
             # A server that says it cannot take it (draining, overloaded) has done
@@ -217,24 +217,23 @@ class Forwarder:
             self.first_byte(request)
             if upstream.status < 400:
                 self.used(r, *usage(data), request, cached(data))
-            return web.Response(body=data, status=upstream.status, headers=out_headers)
+            return Whole(data, upstream.status, out_headers)
         if held is None:
-            resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await resp.prepare(request)
+            resp = await begin(request, upstream.status, out_headers)
         else:
             resp = held
         return await self._stream(request, r, body, upstream, resp, strip, sent)
 
     async def _stream(
         self,
-        request: web.Request,
+        request: Request,
         r: Any,
         body: bytes,
         upstream: aiohttp.ClientResponse,
-        resp: web.StreamResponse,
+        resp: Stream,
         strip: bool,
         sent: list[int],
-    ) -> web.StreamResponse:
+    ) -> Stream:
         """Pass a stream on chunk by chunk; count its use at its end, from its usage
         chunk, or from what was sent when it has none or is cut."""
         # --- continuation (services.gateway.continuation): a stream that may survive

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from services.bus.connection import RECONNECT_REPORT_S, Fault
+from services.gateway.exchange import Request
 from services.hosts import Hosts, cross_origin, is_loopback, parse_hosts
 
 # JSON is the media type a request body must say; `application/<x>+json` is JSON too.
@@ -66,7 +66,7 @@ class Boundary:
             ok = self._seen[host] = self.hosts.allows(host)
         return ok
 
-    def refusal(self, request: web.Request) -> tuple[int, str, str] | None:
+    def refusal(self, request: Request) -> tuple[int, str, str] | None:
         """(status, message, reason code) of a request refused at the edge, or None."""
         headers = request.headers
         host = headers.get("Host")

@@ -25,7 +25,6 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import nats.errors
-from aiohttp import web
 
 from schemas import events as ev
 from services.bus import Publisher
@@ -34,6 +33,7 @@ from services.clock import new_id, utc_now
 from services.core import catalog, coldstart, routing
 from services.core.view import View
 from services.gateway import guard
+from services.gateway.exchange import Request, Stream, begin
 from services.gateway.keys import Key
 from services.gateway.metrics import Counts, Labelled, Metrics
 from services.gateway.refusal import Answered, Refusal, queue_full, unplaceable
@@ -124,13 +124,13 @@ class Holding:
 
     async def wait(
         self,
-        request: web.Request,
+        request: Request,
         m: catalog.Model,
         route: routing.Route,
         stream: bool,
         key: Key | None = None,
         avoid: tuple[str, ...] = (),
-    ) -> tuple[Any, web.StreamResponse | None]:
+    ) -> tuple[Any, Stream | None]:
         """Hold the request in its model's line until a replica can take it: the
         replica (counted in flight) and, for a stream, the 200 already sent. A Refusal
         past the line's length or its wait, or for a model that cannot be placed.
@@ -151,12 +151,11 @@ class Holding:
         if line.demand is None:
             line.demand = asyncio.create_task(self._demand(line), name=f"demand {m.name}")
         self.serve(line)  # a slot may be free behind requests that have left
-        resp: web.StreamResponse | None = None
+        resp: Stream | None = None
         taken = False
         try:
             if stream and not w.fut.done():
-                resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                await resp.prepare(request)
+                resp = await begin(request, 200, SSE_HEADERS)
             await self._held(w, resp, bound)
             if not w.fut.done():
                 self.room.leave(w)
@@ -239,7 +238,7 @@ class Holding:
             self._displace(w.displaced, m, retry_after)
         return w
 
-    async def _held(self, w: Waiter, resp: web.StreamResponse | None, bound: float) -> None:
+    async def _held(self, w: Waiter, resp: Stream | None, bound: float) -> None:
         """Wait up to `bound` seconds for `w` to be released; a held stream (`resp`) is
         sent a comment every `keepalive_s` meanwhile."""
         loop = asyncio.get_running_loop()

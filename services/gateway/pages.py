@@ -10,12 +10,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 from schemas.fleet import GatewayAnnouncement, ModelLoad
 from services.clock import utc_now
 from services.core import routing
 from services.gateway.admission import authorize
+from services.gateway.exchange import Request, Whole, json_whole
 from services.gateway.metrics import summary
 
 # Each takes the gateway (`services.gateway.server.Gateway`) as `gw`: typed `Any`, so
@@ -78,7 +77,7 @@ def traffic(gw: Gateway) -> tuple[dict[str, int], dict[str, int]]:
     return dict(gw.counts.by_model), inflight
 
 
-def health(gw: Gateway) -> web.Response:
+def health(gw: Gateway) -> Whole:
     """The view's seq, what is routable per declared model, in flight per replica."""
     view = gw.follower.view
     routable = {}
@@ -86,7 +85,7 @@ def health(gw: Gateway) -> web.Response:
         m = view.catalog.resolve(name)
         if m is not None:
             routable[name] = sorted(r.id for r in routing.candidates(view, m))
-    return web.json_response(
+    return json_whole(
         {
             "seq": gw.follower.seq,
             "routable": routable,
@@ -102,7 +101,7 @@ def health(gw: Gateway) -> web.Response:
     )
 
 
-def models(gw: Gateway, request: web.Request) -> web.Response:
+def models(gw: Gateway, request: Request) -> Whole:
     key = authorize(gw.keys, request)
     owner = None if key is None else key.owner
     view = gw.follower.view
@@ -123,4 +122,4 @@ def models(gw: Gateway, request: web.Request) -> web.Response:
                     "llmgw": {"replicas": ready},
                 }
             )
-    return web.json_response({"object": "list", "data": data})
+    return json_whole({"object": "list", "data": data})

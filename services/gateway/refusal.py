@@ -9,13 +9,14 @@ middleware as `{"error": {"message", "type", "code"}}` with the status, the reas
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from services.core import coldstart
 from services.gateway import guard
+from services.gateway.exchange import Answer, Request, Stream, Whole, as_aiohttp, json_whole
 
 # MAX_ANSWER bounds a non-streamed answer read whole from a replica (64 MiB: a batch of
 # embeddings); past it the answer is garbage to the gateway (502).
@@ -50,7 +51,7 @@ class Refusal(Exception):
         """For `x-llmgw-reason` after the code (`code: words`), when the code alone
         would not tell an operator which limit and for how long."""
 
-    def response(self) -> web.Response:
+    def whole(self) -> Whole:
         error: dict[str, Any] = {"message": self.message, "type": self.kind, "code": self.reason}
         if self.param is not None:
             error["param"] = self.param
@@ -61,15 +62,17 @@ class Refusal(Exception):
         said = "".join(
             c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in said
         )
-        return web.json_response(
-            body, status=self.status, headers={"x-llmgw-reason": said, **self.headers}
-        )
+        return json_whole(body, self.status, {"x-llmgw-reason": said, **self.headers})
+
+    def response(self) -> web.StreamResponse:
+        """The refusal as aiohttp's server sends it."""
+        return as_aiohttp(self.whole())
 
 
 class Answered(Exception):
     """A held stream answered already (its refusal sent as an SSE error event)."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
+    def __init__(self, resp: Stream) -> None:
         super().__init__("answered")
         self.resp = resp
 
@@ -167,3 +170,33 @@ async def openai_errors(
             raise
         reason = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "bad_request")
         return Refusal(e.status, f"{request.method} {request.path}: {e.reason}", reason).response()
+
+
+# Routes are the gateway's paths, each with its methods' handlers (`Gateway.routes`).
+Routes = Mapping[str, Mapping[str, Callable[[Request], Awaitable[Answer]]]]
+
+
+async def dispatch(request: Request, routes: Routes, boundary: guard.Boundary) -> Answer:
+    """The lean server's `openai_errors` and router (`services.gateway.front`): the
+    edge's check first, then 404 for a path the gateway has not, 405 for a method the
+    path has not (HEAD where it has GET, as aiohttp's `add_get`), every refusal in the
+    OpenAI error shape, in the words aiohttp's would be."""
+    try:
+        why = boundary.refusal(request)
+        if why is not None:
+            raise Refusal(*why)
+        methods = routes.get(request.path)
+        if methods is None:
+            raise Refusal(404, f"{request.method} {request.path}: Not Found", "not_found")
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            raise Refusal(
+                405,
+                f"{request.method} {request.path}: Method Not Allowed",
+                "method_not_allowed",
+            )
+        return await handler(request)
+    except Refusal as e:
+        return e.whole()

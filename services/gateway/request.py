@@ -23,6 +23,7 @@ from opentelemetry import trace
 from services.bus import tracing
 from services.core import routing
 from services.gateway import guard
+from services.gateway.exchange import Request, Stream
 from services.gateway.keys import Key
 from services.gateway.refusal import RETRY_AFTER_S, Refusal, invalid_type, too_big
 
@@ -136,9 +137,7 @@ def parse(body: bytes, material: bool = False) -> Head:
     return head
 
 
-def route(
-    request: web.Request, model: str, head: Head, body: bytes, key: Key | None
-) -> routing.Route:
+def route(request: Request, model: str, head: Head, body: bytes, key: Key | None) -> routing.Route:
     """The request's route key: its declared model, its session (`x-session-id`, else
     the body's `user`), its key's owner, its path, and its body for a rule that reads
     the prompt."""
@@ -155,7 +154,7 @@ def route(
     )
 
 
-def client_timeout(request: web.Request) -> float | None:
+def client_timeout(request: Request) -> float | None:
     """The seconds the client says it waits for an answer (the openai package sends its
     read timeout as `x-stainless-read-timeout`); None when it says nothing usable."""
     raw = request.headers.get("x-stainless-read-timeout")
@@ -168,7 +167,7 @@ def client_timeout(request: web.Request) -> float | None:
     return t if math.isfinite(t) and t > 0 else None
 
 
-async def sse_error(request: web.Request, resp: web.StreamResponse, e: Refusal) -> None:
+async def sse_error(request: Request, resp: Stream, e: Refusal) -> None:
     """`e` as the one SSE event of a stream whose 200 is sent (`data: {"error": ...}`,
     which the openai package raises as an APIError), and the stream's end; the request's
     status and span say the refusal, as a refusal before the 200 would."""
@@ -192,7 +191,7 @@ def over_budget(budget: guard.Budget) -> Refusal:
 
 
 async def read_body(
-    request: web.Request, max_body: int, budget: guard.Budget, timeout_s: float
+    request: Request, max_body: int, budget: guard.Budget, timeout_s: float
 ) -> bytes:
     """The whole body, its bytes held in `budget` (`HELD`, given back by the server when
     the request ends): all of them before it is read when its length is said, else chunk
@@ -235,7 +234,7 @@ async def read_body(
 NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
-def span_of(request: web.Request, fast_path: bool) -> contextlib.AbstractContextManager[trace.Span]:
+def span_of(request: Request, fast_path: bool) -> contextlib.AbstractContextManager[trace.Span]:
     """The request's span, made current: SERVER kind, a child of the client's
     `traceparent` when it sent one. With nothing recording spans (no exporter set)
     and no traceparent, the no-op tracer's span records nothing and carries no

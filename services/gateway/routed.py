@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from services.core import routing
+from services.gateway.exchange import Request
 from services.gateway.metrics import Labelled, Metrics
 from services.gateway.request import ASKED, ROUTE, ROUTED, TO
 
@@ -31,7 +30,7 @@ class Routed:
     """Per model: [prompt tokens, of them predicted cached, prompt tokens of the answers
     that said their cached tokens, of them cached] (`_hits`)."""
 
-    def explain(self, request: web.Request, route: routing.Route, span: Any, to: str) -> None:
+    def explain(self, request: Request, route: routing.Route, span: Any, to: str) -> None:
         """`to` picked for `request`: why (a rule that says, `prefix`), in its span and
         its answer's `x-llmgw-route`; the clock started for its first byte."""
         request[TO] = to
@@ -44,7 +43,7 @@ class Routed:
         span.set_attribute("llmgw.route.matched", said.matched)
         span.set_attribute("llmgw.route.considered", said.considered)
 
-    def first_byte(self, request: web.Request, t: float) -> None:
+    def first_byte(self, request: Request, t: float) -> None:
         """`request`'s first byte came at `t` (perf_counter): the rule is told how long its
         replica took."""
         route, asked, to = request.get(ROUTE), request.get(ASKED), request.get(TO)
@@ -52,7 +51,7 @@ class Routed:
             self.router.observed(to, route, max(t - asked, 0.0), None)
 
     def ended(
-        self, request: web.Request, model: str, r: Any, tokens_in: int, cached: int | None
+        self, request: Request, model: str, r: Any, tokens_in: int, cached: int | None
     ) -> None:
         """`request` for `model` answered by `r` ended: the rule is told the cached tokens
         the engine reported (None: it did not say), before `done` while it still has the

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,9 @@ from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
+from services.gateway.exchange import Answer, Request, Stream, Whole, as_aiohttp
 from services.gateway.forward import Forwarder
+from services.gateway.front import Front
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -94,7 +96,9 @@ from services.gateway.refusal import (
     BOUNDARY,
     Answered,
     Refusal,
+    Routes,
     Unreachable,
+    dispatch,
     no_replica,
     openai_errors,
 )
@@ -209,6 +213,7 @@ class Gateway:
     request when nothing records spans and the client sent no trace context (`_span`), the
     metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
+    server: str = "aiohttp"  # --server: aiohttp (its web server) or lean (gateway.front)
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
     share: bool = False
@@ -326,6 +331,7 @@ class Gateway:
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
             upstream_client=config.upstream_client,
+            server=config.server,
             continuation_limit=config.continuation_limit,
             continuation_settle_s=config.continuation_settle_s,
             share=config.share,
@@ -346,15 +352,36 @@ class Gateway:
         )
         return sock
 
+    def routes(self) -> Routes:
+        """The gateway's paths and their handlers, for either server."""
+        routes: dict[str, dict[str, Callable[[Request], Awaitable[Answer]]]] = {
+            path: {"POST": self._proxy} for path in PATHS
+        }
+        routes["/v1/models"] = {"GET": self._models}
+        routes["/health"] = {"GET": self._health}
+        routes["/metrics"] = {"GET": self._metrics}
+        return routes
+
     def app(self) -> web.Application:
+        """The routes as aiohttp's server serves them (`--server aiohttp`)."""
         app = web.Application(middlewares=[openai_errors])
         app[BOUNDARY] = self.boundary
-        for path in PATHS:
-            app.router.add_post(path, self._proxy)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        for path, methods in self.routes().items():
+            for method, handler in methods.items():
+                if method == "GET":  # and HEAD, as aiohttp's `add_get` has it
+                    app.router.add_get(path, _on_aiohttp(handler))
+                else:
+                    app.router.add_route(method, path, _on_aiohttp(handler))
         return app
+
+    def front(self) -> Front:
+        """The routes as the lean server serves them (`--server lean`)."""
+        routes, boundary = self.routes(), self.boundary
+
+        async def handle(request: Request) -> Answer:
+            return await dispatch(request, routes, boundary)
+
+        return Front(handle, self.lines, self.idle_timeout_s, shutdown_timeout_s=2.0)
 
     async def run(
         self,
@@ -376,18 +403,27 @@ class Gateway:
                 sock.close()
                 raise
             http = self.forwarder.open(self.connect_timeout_s, self.upstream_timeout_s)
-            runner = web.AppRunner(
-                self.app(),
-                access_log=None,
-                logger=guard.ParserLog(self.lines, log),
-                handler_cancellation=True,
-                shutdown_timeout=2.0,
-                keepalive_timeout=self.idle_timeout_s,
-            )
-            await runner.setup()
+            runner: web.AppRunner | None = None
+            front: Front | None = None
+            if self.server == "lean":
+                front = self.front()
+            else:
+                runner = web.AppRunner(
+                    self.app(),
+                    access_log=None,
+                    logger=guard.ParserLog(self.lines, log),
+                    handler_cancellation=True,
+                    shutdown_timeout=2.0,
+                    keepalive_timeout=self.idle_timeout_s,
+                )
+                await runner.setup()
             if self.sharing is not None:
                 await self.sharing.start()  # the others' shares known before a request
-            await web.SockSite(runner, sock).start()
+            if front is not None:
+                await front.start(sock)
+            else:
+                assert runner is not None
+                await web.SockSite(runner, sock).start()
             answers = None
             if self.nc is not None:
                 # Answered once the view has caught up: before, it would say of a replica
@@ -426,7 +462,10 @@ class Gateway:
                 if answers is not None:
                     with contextlib.suppress(nats.errors.Error):
                         await answers.unsubscribe()
-                await runner.cleanup()
+                if front is not None:
+                    await front.stop()
+                if runner is not None:
+                    await runner.cleanup()
                 await http.close()
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -451,16 +490,16 @@ class Gateway:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: Request) -> Whole:
         return pages.health(self)
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Request) -> Whole:
         return pages.models(self, request)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def _metrics(self, request: Request) -> Whole:
+        return Whole(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: Request) -> Answer:
         self.counts.requests += 1
         t0 = time.perf_counter()
         request[MODEL] = NOT_READ
@@ -500,10 +539,10 @@ class Gateway:
                 labelled.of(self.metrics.owner_requests, owner, str(status)).inc()
                 labelled.of(self.metrics.duration, model).observe(time.perf_counter() - t0)
 
-    def _span(self, request: web.Request) -> contextlib.AbstractContextManager[trace.Span]:
+    def _span(self, request: Request) -> contextlib.AbstractContextManager[trace.Span]:
         return span_of(request, self.fast_path)
 
-    async def _route(self, request: web.Request) -> web.StreamResponse:
+    async def _route(self, request: Request) -> Answer:
         key = authorize(self.keys, request)
         if key is not None:
             request[KEY] = key
@@ -562,9 +601,7 @@ class Gateway:
         hint = names.did_you_mean(name, self._scope.names(view, owner))
         raise Refusal(404, f"the model {name!r} does not exist{hint}", "unknown_model")
 
-    async def _routed(
-        self, request: web.Request, key: Key | None, body: bytes, head: Head
-    ) -> web.StreamResponse:
+    async def _routed(self, request: Request, key: Key | None, body: bytes, head: Head) -> Answer:
         m = self._model(head.model, key)
         request[MODEL] = m.name
         route = route_of(request, m.name, head, body, key)
@@ -593,7 +630,7 @@ class Gateway:
             )
         )
         request[PICKED_AT] = view.seq
-        held: web.StreamResponse | None = None
+        held: Stream | None = None
         if r is None:
             try:
                 r, held = await self.holding.wait(request, m, route, stream, key)
@@ -611,15 +648,15 @@ class Gateway:
 
     async def _send(
         self,
-        request: web.Request,
+        request: Request,
         m: catalog.Model,
         first: Any,
         route: routing.Route,
         body: bytes,
         stream: bool,
         strip: bool,
-        held: web.StreamResponse | None,
-    ) -> web.StreamResponse:
+        held: Stream | None,
+    ) -> Answer:
         """Send the request to `first` (picked and counted in flight), and once more to
         another replica if it fails before its first byte."""
         tried: list[str] = []
@@ -658,7 +695,7 @@ class Gateway:
                     self.holding.done(holds, route)
         raise no_replica(m.name, last)
 
-    def _first_byte(self, request: web.Request) -> None:
+    def _first_byte(self, request: Request) -> None:
         t = time.perf_counter()
         self.routed.first_byte(request, t)
         self.labelled.of(self.metrics.first_byte, request[MODEL]).observe(t - request[T0])
@@ -672,7 +709,7 @@ class Gateway:
         r: Any,
         tokens_in: int,
         tokens_out: int,
-        request: web.Request,
+        request: Request,
         cached: int | None = None,
     ) -> None:
         """Count one request `request` that `r` answered, for its next `replica.used`,
@@ -693,6 +730,17 @@ class Gateway:
             self.router.forget(gone)
             self.continuations.leaving(gone)
         self.holding.on_fold(event)
+
+
+def _on_aiohttp(
+    handler: Callable[[Request], Awaitable[Answer]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """`handler` as aiohttp's server calls it: its whole answer made aiohttp's."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return as_aiohttp(await handler(request))
+
+    return handle
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -1,0 +1,129 @@
+"""One exchange as the gateway's handlers see it, whichever server carries it: the
+request they read (`Request`), and the answer they give, whole (`Whole`) or streamed
+(`Stream`, begun by `begin`).
+
+The seam between the handlers (`services.gateway.server`, `.request`, `.forward`,
+`.continuation`, `.holding`, `.pages`, `.refusal`) and the two HTTP servers
+`--server` picks: aiohttp's (the reference; its `web.Request` is a `Request` as it is,
+a `Whole` becomes its `web.Response` in `as_aiohttp`, a stream is its
+`web.StreamResponse`) and the lean one (`services.gateway.front`, whose request and
+stream are these and nothing more). What the handlers use of a request is this much:
+its method, path, headers, body (`content`: `is_eof`, `read_nowait`, `readany`), its
+connection (`transport`, closed to cut a broken stream), and what is kept on it while it
+is served (`request[KEY]`, the `web.RequestKey`s of `services.gateway.request`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar, cast, overload
+
+from aiohttp import web
+
+T = TypeVar("T")
+
+# JSON_UTF8 is the type a JSON answer says (aiohttp's `json_response`'s).
+JSON_UTF8 = "application/json; charset=utf-8"
+
+
+class Body(Protocol):
+    """A request's body as it comes (aiohttp's `StreamReader`, the part read)."""
+
+    def is_eof(self) -> bool: ...
+
+    def read_nowait(self, n: int = -1) -> bytes: ...
+
+    async def readany(self) -> bytes: ...
+
+
+class Request(Protocol):
+    """What the handlers read of a request, and keep on it."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content(self) -> Body: ...
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    def __getitem__(self, key: web.RequestKey[T]) -> T: ...
+
+    def __setitem__(self, key: web.RequestKey[T], value: T) -> None: ...
+
+    @overload
+    def get(self, key: web.RequestKey[Any], /) -> Any: ...
+
+    @overload
+    def get(self, key: web.RequestKey[Any], default: Any, /) -> Any: ...
+
+
+class Stream(Protocol):
+    """An answer sent as it comes (its status and headers sent by `begin`)."""
+
+    @property
+    def status(self) -> int: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self, data: bytes = b"") -> None: ...
+
+
+class Whole:
+    """An answer sent whole: its status, body and headers (a Content-Length and a Date
+    are the server's to add)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self, body: bytes, status: int = 200, headers: Mapping[str, str] | None = None
+    ) -> None:
+        self.body = body
+        self.status = status
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
+
+
+Answer = Whole | Stream
+
+
+def json_whole(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Whole:
+    """`doc` as JSON, the bytes aiohttp's `json_response` sent (`json.dumps`)."""
+    said = {"Content-Type": JSON_UTF8}
+    if headers:
+        said.update(headers)
+    return Whole(json.dumps(doc).encode(), status, said)
+
+
+class Begins(Protocol):
+    """A request whose server begins a stream itself (the lean one's)."""
+
+    async def begin(self, status: int, headers: Mapping[str, str]) -> Stream: ...
+
+
+async def begin(request: Request, status: int, headers: Mapping[str, str]) -> Stream:
+    """The answer to `request` begun as a stream: its status and headers sent."""
+    if isinstance(request, web.BaseRequest):
+        resp = web.StreamResponse(status=status, headers=headers)
+        await resp.prepare(request)
+        return resp
+    return await cast(Begins, request).begin(status, headers)
+
+
+def as_aiohttp(answer: Answer) -> web.StreamResponse:
+    """`answer` as aiohttp's server sends it."""
+    if isinstance(answer, Whole):
+        return web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+    assert isinstance(answer, web.StreamResponse)
+    return answer

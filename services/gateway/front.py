@@ -1,0 +1,646 @@
+"""The lean server: the gateway's HTTP/1.1 server on a plain `asyncio.Protocol`,
+requests read with httptools (llhttp, the parser aiohttp's own server wraps).
+
+Used by `services.gateway.server.Gateway.run` when `--server lean`; `--server aiohttp`
+(the default) keeps aiohttp's server, the reference this one is proven equal to
+(tests/gateway/test_front.py: the same requests, good and hostile, through a gateway on
+each, get the same status and body, and leave it serving). It is the part of aiohttp's
+server the gateway uses and no more: a request's handler is started once its head is
+read (the body is read as it comes, `Request.content`), one request at a time per
+connection (pipelined ones wait their turn, read no further meanwhile); an answer is
+sent whole (`exchange.Whole`, with its Content-Length) or as a stream
+(`Request.begin`, chunked). What aiohttp's server did per request besides (its
+request, response, writer and payload objects, its router, middleware chain and access
+log machinery, a timer re-armed per request) is not done.
+
+What it keeps of HTTP: keep-alive (HTTP/1.1's default, HTTP/1.0's when asked),
+`Connection: close`, bodies by Content-Length or chunked, `Expect: 100-continue`,
+HEAD for what GET serves. A request HTTP itself cannot parse (a bad request line, a
+bad header, a bad chunk), or with a request line or a header over `MAX_FIELD` bytes,
+over `MAX_HEADERS` headers or a head over `MAX_HEAD` bytes, is 400 and its connection
+closed, said in one line per kind (`guard.Lines`); an error in a handler is 500 and its
+connection closed. What it bounds: a body read and not yet taken by its handler past
+`HIGH_WATER` stops the connection's reading (until it is taken); a pipelined request
+waiting stops it too; an answer's write waits while the client does not read
+(`pause_writing`); a connection with no request for `idle_timeout_s` is closed (a
+slowloris's too); an answer given before its body was read whole reads the rest for at
+most `LINGER_S` (aiohttp's lingering), then closes. A client gone cancels its request's
+handler, as aiohttp's `handler_cancellation` does. Not served: upgrades (WebSocket,
+h2c: the request is answered, the connection then closed), TLS, HTTP/2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+from multidict import CIMultiDict
+
+from services.gateway import guard
+from services.gateway.exchange import Answer, Whole
+
+# MAX_FIELD bounds a request line, a header's name and a header's value; MAX_HEADERS the
+# headers of a request (aiohttp's server's limits: 8190 and 128). MAX_HEAD bounds a
+# request's head, all of it (memory: a header is held whole until it ends).
+MAX_FIELD = 8190
+MAX_HEADERS = 128
+MAX_HEAD = 1 << 20
+# HIGH_WATER: the bytes of a body read and not yet taken by its handler past which the
+# connection stops reading; it reads again once they are taken.
+HIGH_WATER = 1 << 18
+# LINGER_S: how long the rest of a body is read (and dropped) after its answer, before
+# the connection is closed (aiohttp's `lingering_time`).
+LINGER_S = 10.0
+
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_INTERNAL = b"500 Internal Server Error\n\nServer got itself in trouble"
+_TEXT = {"Content-Type": "text/plain; charset=utf-8"}
+
+Handler = Callable[["Request"], Awaitable[Answer]]
+
+log = logging.getLogger("llmgw.gateway")
+
+
+class BadBody(Exception):
+    """A request's body HTTP cannot parse (a bad chunk): raised by its `readany`; the
+    request is answered 400 and its connection closed."""
+
+
+class Request:
+    """One request as the handlers read it (`exchange.Request`), its body as it comes
+    (`content` is the request itself: `is_eof`, `read_nowait`, `readany`), and its
+    answer begun (`begin`)."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_eof",
+        "_error",
+        "_kept",
+        "_size",
+        "_waiter",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "started",
+        "version",
+    )
+
+    def __init__(self, conn: _Conn, method: str, path: str, headers: CIMultiDict[str]) -> None:
+        self._conn = conn
+        self.method = method
+        self.path = path
+        self.headers = headers
+        said = headers.get("Content-Length")
+        self.content_length: int | None = int(said) if said is not None else None
+        self.version = "1.1"
+        self.keep_alive = True
+        self.started = False
+        """Its answer's head is sent."""
+        self._kept: dict[Any, Any] = {}
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # ---- what is kept on it while it is served (the request's `web.RequestKey`s)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._kept[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._kept[key] = value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._kept.get(key, default)
+
+    # ---- its connection, its body
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._conn.transport
+
+    @property
+    def content(self) -> Request:
+        return self
+
+    def is_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._taken(len(data))
+        return data
+
+    async def readany(self) -> bytes:
+        """What has come of the body (b"" at its end); what broke it raises."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._chunks.popleft()
+        self._taken(len(data))
+        return data
+
+    def _taken(self, n: int) -> None:
+        self._size -= n
+        if self._size < HIGH_WATER:
+            self._conn.flow()
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        self._wake()
+        if self._size >= HIGH_WATER:
+            self._conn.flow()
+
+    def _end(self, error: BaseException | None = None) -> None:
+        self._eof = True
+        if error is not None and self._error is None:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # ---- its answer
+
+    async def begin(self, status: int, headers: Mapping[str, str]) -> Stream:
+        """Its answer begun as a stream: chunked (HTTP/1.1), or to the connection's end
+        (HTTP/1.0)."""
+        chunked = self.version == "1.1"
+        if not chunked:
+            self.keep_alive = False
+        self._conn.send_head(self, status, headers, None if chunked else -1)
+        return Stream(self._conn, self, status, chunked)
+
+
+class Stream:
+    """An answer sent as it comes (`exchange.Stream`)."""
+
+    __slots__ = ("_chunked", "_conn", "_request", "ended", "status")
+
+    def __init__(self, conn: _Conn, request: Request, status: int, chunked: bool) -> None:
+        self._conn = conn
+        self._request = request
+        self._chunked = chunked
+        self.status = status
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        if not data or self._request.method == "HEAD":
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        await self._conn.write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self.ended:
+            return
+        if data:
+            await self.write(data)
+        self.ended = True
+        if self._chunked and self._request.method != "HEAD":
+            await self._conn.write(b"0\r\n\r\n")
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: its parser, the request it serves and those waiting."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.loop = front.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.reading: Request | None = None
+        """The request whose head or body is being read."""
+        self.serving: Request | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.waiting: deque[Request] = deque()
+        """Pipelined requests, their heads read, waiting their turn."""
+        self.refused: tuple[int, str] | None = None
+        """What HTTP could not parse, answered after the request being served."""
+        self.closing = False
+        self.paused = False
+        self.write_paused = False
+        self.drained: asyncio.Future[None] | None = None
+        self.last = self.loop.time()
+        self.timer: asyncio.TimerHandle | None = None
+        self.lingering: asyncio.TimerHandle | None = None
+        self._url = b""
+        self._head = 0
+        self._in_head = False
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._bad: str | None = None
+
+    # ---- the connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.front.conns.add(self)
+        self.timer = self.loop.call_at(self.last + self.front.idle_timeout_s, self._idle)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.front.conns.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.lingering is not None:
+            self.lingering.cancel()
+        gone = ConnectionResetError("the client closed the connection")
+        for r in (self.reading, self.serving, *self.waiting):
+            if r is not None:
+                r._end(gone)
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_exception(gone)
+            self.drained.exception()  # retrieved: nobody may be waiting
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.drained = None
+
+    def _idle(self) -> None:
+        """Close a connection with no request for `idle_timeout_s`; look again later
+        while it has one."""
+        self.timer = None
+        if self.closing:
+            return
+        now = self.loop.time()
+        if self.serving is None:
+            at = self.last + self.front.idle_timeout_s
+            if now >= at:
+                self.close()
+                return
+        else:
+            at = now + self.front.idle_timeout_s
+        self.timer = self.loop.call_at(at, self._idle)
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            if self.transport is not None:
+                self.transport.close()
+
+    def flow(self) -> None:
+        """Read while nothing waits to be taken: no body past HIGH_WATER unread, no
+        pipelined request waiting."""
+        if self.transport is None or self.closing:
+            return
+        full = bool(self.waiting) or (self.reading is not None and self.reading._size >= HIGH_WATER)
+        if full and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        elif not full and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+
+    # ---- reading
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self.refused is not None:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # The request is answered; what follows it is not HTTP/1.1 (an upgrade is not
+            # served): the connection closes after the answer.
+            self.refused = (0, "")
+            self._after_refusal()
+            return
+        except httptools.HttpParserError as e:
+            self._refuse(self._bad or str(e) or type(e).__name__)
+            return
+        if self._in_head:
+            # A head not yet whole (httptools holds a header until its end): bounded.
+            self._head += len(data)
+            if self._head > MAX_HEAD:
+                self._refuse(f"a request head over {MAX_HEAD} bytes")
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._head = 0
+        self._in_head = True
+        self._headers = CIMultiDict()
+        self._bad = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_FIELD:
+            self._bad = f"a request line over {MAX_FIELD} bytes"
+            raise ValueError(self._bad)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
+            self._bad = f"a header over {MAX_FIELD} bytes"
+            raise ValueError(self._bad)
+        if len(self._headers) >= MAX_HEADERS:
+            self._bad = f"over {MAX_HEADERS} headers"
+            raise ValueError(self._bad)
+        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser = self.parser
+        url = self._url
+        path = (
+            url.partition(b"?")[0] if url[:1] == b"/" else (httptools.parse_url(url).path or b"/")
+        )
+        text = path.decode("utf-8", "surrogateescape")
+        if "%" in text:
+            text = unquote(text, errors="surrogateescape")
+        try:
+            request = Request(self, parser.get_method().decode("ascii"), text, self._headers)
+        except ValueError:
+            self._bad = "a Content-Length that is not a number"
+            raise
+        request.version = parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive()
+        self.reading = request
+        if self.serving is None:
+            self._serve(request)
+        else:
+            self.waiting.append(request)
+            self.flow()
+
+    def on_body(self, body: bytes) -> None:
+        r = self.reading
+        if r is not None and not r._eof:
+            r._feed(body)
+
+    def on_message_complete(self) -> None:
+        r = self.reading
+        self.reading = None
+        if r is None:
+            return
+        r._end()
+        if self.lingering is not None and r is self.serving:
+            # The rest of an answered request's body is read: the connection goes on.
+            self.lingering.cancel()
+            self.lingering = None
+            self._next()
+
+    # ---- serving
+
+    def _serve(self, request: Request) -> None:
+        self.serving = request
+        if request.version == "1.1" and request.headers.get("Expect", "").lower() == "100-continue":
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.task = self.loop.create_task(self._handle(request))
+
+    async def _handle(self, request: Request) -> None:
+        front = self.front
+        try:
+            answer = await front.handler(request)
+        except asyncio.CancelledError:
+            return
+        except BadBody:
+            # Its body could not be parsed: 400 (`_refuse`), the connection closed.
+            self.serving = None
+            self._after_refusal()
+            return
+        except ConnectionError:
+            # Written to a connection the client has closed: nothing more to send.
+            self.close()
+            return
+        except Exception as e:
+            front.lines.say(
+                logging.ERROR,
+                ("error", type(e).__name__),
+                "gateway: %s %s: %s: %s",
+                request.method,
+                guard.shown(request.path),
+                type(e).__name__,
+                guard.shown(e),
+            )
+            log.debug("gateway: %s %s", request.method, request.path, exc_info=e)
+            if request.started:
+                self.close()
+                return
+            request.keep_alive = False
+            answer = Whole(_INTERNAL, 500, _TEXT)
+        try:
+            if isinstance(answer, Whole):
+                self.send_head(request, answer.status, answer.headers, len(answer.body))
+                if request.method != "HEAD" and answer.body:
+                    await self.write(answer.body)
+            elif isinstance(answer, Stream):
+                await answer.write_eof()
+        except ConnectionError:
+            self.close()
+            return
+        except Exception as e:
+            front.lines.say(
+                logging.ERROR,
+                ("answer", type(e).__name__),
+                "gateway: %s %s: its answer cannot be sent: %s: %s",
+                request.method,
+                guard.shown(request.path),
+                type(e).__name__,
+                guard.shown(e),
+            )
+            self.close()
+            return
+        self._done(request)
+
+    def _done(self, request: Request) -> None:
+        """`request` answered: the next one, or the rest of its body read first, or the
+        connection closed."""
+        self.last = self.loop.time()
+        if not request.keep_alive or self.closing:
+            self.serving = None
+            self.close()
+            return
+        if request is self.reading:
+            # Answered before its body was read whole: read the rest (dropped) for at
+            # most LINGER_S, then close.
+            request._chunks.clear()
+            request._size = 0
+            request._eof = True
+            self.flow()
+            self.lingering = self.loop.call_later(LINGER_S, self.close)
+            return
+        self._next()
+
+    def _next(self) -> None:
+        self.serving = None
+        self.task = None
+        if self.closing:
+            return
+        if self.waiting:
+            request = self.waiting.popleft()
+            self.flow()
+            self._serve(request)
+            return
+        if self.refused is not None:
+            self._after_refusal()
+
+    def _refuse(self, why: str) -> None:
+        """What HTTP could not parse: 400 and the connection closed, once the request
+        being served (if any) is answered."""
+        self.refused = (400, why)
+        r = self.reading
+        if r is not None and r is not self.serving and r in self.waiting:
+            self.waiting.remove(r)
+        if r is not None:
+            r._end(BadBody(why))
+        self.reading = None
+        if self.serving is None:
+            self._after_refusal()
+
+    def _after_refusal(self) -> None:
+        assert self.refused is not None
+        status, why = self.refused
+        if self.serving is not None or self.waiting:
+            return
+        if status and self.transport is not None and not self.closing:
+            self.front.lines.say(
+                logging.WARNING,
+                ("refused", why.partition(":")[0][:40]),
+                "gateway: %d from %s: HTTP it cannot parse: %s",
+                status,
+                _peer(self.transport),
+                guard.shown(why),
+            )
+            body = f"{status}, message:\n  {why}".encode()
+            head = b"HTTP/1.1 %d %b\r\nContent-Type: text/plain; charset=utf-8\r\n" % (
+                status,
+                _REASONS.get(status, b""),
+            )
+            self.transport.write(
+                head
+                + b"Content-Length: %d\r\nConnection: close\r\nDate: %b\r\n\r\n"
+                % (len(body), self.front.date())
+                + body
+            )
+        self.close()
+
+    # ---- writing
+
+    def send_head(
+        self, request: Request, status: int, headers: Mapping[str, str], length: int | None
+    ) -> None:
+        """The answer's status line and headers: with its Content-Length (`length`),
+        chunked (None), or to the connection's end (-1)."""
+        if request.started or self.transport is None or self.closing:
+            raise ConnectionResetError("the connection is closed")
+        request.started = True
+        said = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if "\n" in said.replace("\r\n", "") or "\r" in said.replace("\r\n", ""):
+            raise ValueError("a header with a newline")
+        head = b"HTTP/%b %d %b\r\n%b" % (
+            b"1.1" if request.version == "1.1" else b"1.0",
+            status,
+            _REASONS.get(status, b""),
+            said.encode("utf-8"),
+        )
+        if length is None:
+            head += b"Transfer-Encoding: chunked\r\n"
+        elif length >= 0:
+            head += b"Content-Length: %d\r\n" % length
+        # Said where it is not the version's default (aiohttp's rule).
+        if request.version == "1.1":
+            if not request.keep_alive:
+                head += b"Connection: close\r\n"
+        elif request.keep_alive:
+            head += b"Connection: keep-alive\r\n"
+        self.transport.write(head + b"Date: %b\r\n\r\n" % self.front.date())
+
+    async def write(self, data: bytes) -> None:
+        if self.transport is None or self.closing:
+            raise ConnectionResetError("Cannot write to closing transport")
+        self.transport.write(data)
+        if self.write_paused:
+            if self.drained is None:
+                self.drained = self.loop.create_future()
+            await self.drained
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return "a client"
+
+
+class Front:
+    """The lean server on one listening socket: `handler` answers each request."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        lines: guard.Lines,
+        idle_timeout_s: float,
+        shutdown_timeout_s: float = 2.0,
+    ) -> None:
+        self.handler = handler
+        self.lines = lines
+        self.idle_timeout_s = idle_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.conns: set[_Conn] = set()
+        self.server: asyncio.Server | None = None
+        self._date = (0, b"")
+
+    def date(self) -> bytes:
+        """The Date header's value, made once a second."""
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+    async def start(self, sock: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.server = await self.loop.create_server(lambda: _Conn(self), sock=sock)
+
+    async def stop(self) -> None:
+        """Stop listening, close the idle connections, give the requests in flight
+        `shutdown_timeout_s` to end, then cut them."""
+        if self.server is not None:
+            self.server.close()
+        for c in list(self.conns):
+            if c.serving is None:
+                c.close()
+        busy = [c.task for c in self.conns if c.task is not None and not c.task.done()]
+        if busy:
+            await asyncio.wait(busy, timeout=self.shutdown_timeout_s)
+        for c in list(self.conns):
+            if c.task is not None and not c.task.done():
+                c.task.cancel()
+            c.close()
+        busy = [c.task for c in list(self.conns) if c.task is not None and not c.task.done()]
+        if busy:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(busy, timeout=1.0)
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
