@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -256,8 +256,8 @@ class _Conn(asyncio.Protocol):
     # ---- the connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport's subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
         self.front.conns.add(self)
         self.timer = self.loop.call_at(self.last + self.front.idle_timeout_s, self._idle)
 
@@ -450,9 +450,10 @@ class _Conn(asyncio.Protocol):
             answer = Whole(_INTERNAL, 500, _TEXT)
         try:
             if isinstance(answer, Whole):
-                self.send_head(request, answer.status, answer.headers, len(answer.body))
-                if request.method != "HEAD" and answer.body:
-                    await self.write(answer.body)
+                body = answer.body
+                self.send_head(request, answer.status, answer.headers, len(body), body)
+                if self.write_paused:
+                    await self.write(b"")
             elif isinstance(answer, Stream):
                 await answer.write_eof()
         except ConnectionError:
@@ -547,15 +548,22 @@ class _Conn(asyncio.Protocol):
     # ---- writing
 
     def send_head(
-        self, request: Request, status: int, headers: Mapping[str, str], length: int | None
+        self,
+        request: Request,
+        status: int,
+        headers: Mapping[str, str],
+        length: int | None,
+        body: bytes = b"",
     ) -> None:
         """The answer's status line and headers: with its Content-Length (`length`),
-        chunked (None), or to the connection's end (-1)."""
+        chunked (None), or to the connection's end (-1); `body` (a whole answer's) in
+        the same write."""
         if request.started or self.transport is None or self.closing:
             raise ConnectionResetError("the connection is closed")
         request.started = True
         said = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if "\n" in said.replace("\r\n", "") or "\r" in said.replace("\r\n", ""):
+        # No header may break a line (aiohttp's server refuses it too).
+        if said.count("\n") != len(headers) or said.count("\r") != len(headers):
             raise ValueError("a header with a newline")
         head = b"HTTP/%b %d %b\r\n%b" % (
             b"1.1" if request.version == "1.1" else b"1.0",
@@ -573,7 +581,13 @@ class _Conn(asyncio.Protocol):
                 head += b"Connection: close\r\n"
         elif request.keep_alive:
             head += b"Connection: keep-alive\r\n"
-        self.transport.write(head + b"Date: %b\r\n\r\n" % self.front.date())
+        head += b"Date: %b\r\n\r\n" % self.front.date()
+        if not body or request.method == "HEAD":
+            self.transport.write(head)
+        elif len(body) < 65536:
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))
 
     async def write(self, data: bytes) -> None:
         if self.transport is None or self.closing:

@@ -20,7 +20,8 @@ the concurrency asked for); one `python -m services.gateway` process per entry o
 `--loops` (asyncio; asyncio with --no-gc-freeze; uvloop when it is installed, `pip
 install -e '.[bench]'`; `-untuned` after a loop: with --no-gc-tune; `-plain`: with
 --no-fast-path, the request path without its speed-ups; `-aiohttp`: --upstream-client
-aiohttp, aiohttp's client to the replicas instead of the lean one; `-young20k`: the
+aiohttp, aiohttp's client to the replicas instead of the lean one; `-lean`: --server
+lean, the lean server; `-aioserver`: --server aiohttp, aiohttp's; `-young20k`: the
 collector's thresholds of the round before, --gc-thresholds 20000,10,10), each told of the
 servers by `replica.state` events with their endpoints. The load generator (aiohttp,
 this process) first measures the upstream alone, then alternates rounds of the same
@@ -727,8 +728,8 @@ class CollectorTimer:
 def _serve_gateway(loop: str, argv: list[str]) -> int:
     """A gateway process on `loop` (`asyncio` or `uvloop`, its `--event-loop`; `-nofreeze`
     after it: with --no-gc-freeze; `-untuned`: --no-gc-tune; `-plain`: --no-fast-path;
-    `-aiohttp`: --upstream-client aiohttp; `-young20k`: --gc-thresholds 20000,10,10),
-    which says at its exit, on stderr, how long the cyclic collector held its loop (the
+    `-aiohttp`: --upstream-client aiohttp; `-lean`: --server lean; `-aioserver`: --server
+    aiohttp; `-young20k`: --gc-thresholds 20000,10,10), which says at its exit, on stderr, how long the cyclic collector held its loop (the
     collections of its start, before it serves, not counted)."""
     from services.gateway.__main__ import main as gateway
 
@@ -737,6 +738,8 @@ def _serve_gateway(loop: str, argv: list[str]) -> int:
         ("-untuned", "--no-gc-tune"),
         ("-plain", "--no-fast-path"),
         ("-aiohttp", "--upstream-client aiohttp"),
+        ("-lean", "--server lean"),
+        ("-aioserver", "--server aiohttp"),
     ):
         if suffix in loop:
             argv = [*argv, *flag.split()]
@@ -779,7 +782,7 @@ def main() -> None:
         default="asyncio,asyncio-nofreeze,uvloop",
         help="a gateway per event loop (uvloop skipped when not installed; -nofreeze: "
         "with --no-gc-freeze; -untuned: with --no-gc-tune, CPython's collector "
-        "thresholds and no second freeze)",
+        "thresholds and no second freeze; -lean / -aioserver: --server lean / aiohttp)",
     )
     p.add_argument(
         "--closed-client",

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,7 @@ from openai import AsyncOpenAI
 from services.gateway.exchange import Whole
 from services.gateway.front import HIGH_WATER, Front, Request, Stream
 from services.gateway.guard import Lines
+from services.gateway.loop import loop_factory
 from services.gateway.server import Gateway
 from tests.agent.helpers import wait_for
 from tests.gateway.conftest import Plane, gateway_for, serving
@@ -457,7 +459,22 @@ async def front(handler: Any) -> AsyncIterator[tuple[Front, tuple[str, int]]]:
         await server.stop()
 
 
-async def test_a_client_that_does_not_read_holds_its_stream_not_memory() -> None:
+# LOOPS: the lean server's own tests run on both loops a gateway may run on (the
+# gateway's tests above run on the tests' loop, asyncio's).
+LOOPS = ["asyncio", *(["uvloop"] if importlib.util.find_spec("uvloop") else [])]
+
+
+def on(loop: str, test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        runner.run(test())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_does_not_read_holds_its_stream_not_memory(loop: str) -> None:
+    on(loop, _a_client_that_does_not_read)
+
+
+async def _a_client_that_does_not_read() -> None:
     """A stream of 64 MiB to a client that reads nothing: the writes wait for it (what
     the server holds stays bounded), and it gets the whole stream once it reads."""
     written = [0]
@@ -493,7 +510,12 @@ async def test_a_client_that_does_not_read_holds_its_stream_not_memory() -> None
     assert written[0] == 64 << 20 and got >= 64 << 20
 
 
-async def test_a_body_its_handler_does_not_take_stops_the_reading() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_its_handler_does_not_take_stops_the_reading(loop: str) -> None:
+    on(loop, _a_body_not_taken)
+
+
+async def _a_body_not_taken() -> None:
     """A body sent faster than its handler takes it: the connection stops reading past
     HIGH_WATER (the server holds that, not the body), and reads on as it is taken."""
     took = asyncio.Event()
@@ -533,3 +555,75 @@ async def test_a_body_its_handler_does_not_take_stops_the_reading() -> None:
         writer.close()
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert max(seen) < HIGH_WATER + (1 << 20)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_lean_server_on_each_loop_answers_and_refuses(loop: str) -> None:
+    on(loop, _answers_and_refuses)
+
+
+async def _answers_and_refuses() -> None:
+    """Keep-alive, pipelining, a stream, HTTP/1.0, a handler that fails (500, closed), a
+    client gone mid-stream (its handler cancelled), what HTTP cannot parse (400,
+    closed): the server answers each, and the next connection."""
+    cancelled = asyncio.Event()
+
+    async def handler(request: Request) -> Whole | Stream:
+        if request.path == "/fail":
+            raise RuntimeError("a handler's bug")
+        if request.path == "/stream":
+            out = await request.begin(200, {"Content-Type": "text/event-stream"})
+            await out.write(b"data: 1\n\n")
+            if request.headers.get("X-Hold"):
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+            await out.write_eof()
+            return out
+        body = b""
+        while chunk := await request.content.readany():
+            body += chunk
+        return Whole(b"%s %s %d" % (request.method.encode(), request.path.encode(), len(body)))
+
+    async with front(handler) as (_, addr):
+
+        async def ask(data: bytes) -> Answers:
+            reader, writer = await asyncio.open_connection(*addr)
+            writer.write(data)
+            got = b""
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(2):
+                    while chunk := await reader.read(65536):
+                        got += chunk
+            closed = reader.at_eof()
+            writer.close()
+            return Answers(got, closed)
+
+        get = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+        got = await ask(
+            get
+            + b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+            + b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+            + b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        assert [(s, b) for s, _, b in got.got] == [
+            (200, b"GET /a 0"),
+            (200, b"POST /b 3"),
+            (200, b"data: 1\n\n"),
+            (200, b"GET /c 0"),
+        ] and got.closed
+        got = await ask(b"GET /d HTTP/1.0\r\n\r\n")
+        assert [(s, b) for s, _, b in got.got] == [(200, b"GET /d 0")] and got.closed
+        got = await ask(get.replace(b"/a", b"/fail") + get)
+        assert got.statuses() == [500] and got.closed
+        got = await ask(get + b"NOT HTTP\r\n\r\n")
+        assert got.statuses() == [200, 400] and got.closed
+        reader, writer = await asyncio.open_connection(*addr)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\nX-Hold: 1\r\n\r\n")
+        await reader.readuntil(b"data: 1")
+        writer.close()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        got = await ask(get.replace(b"HTTP/1.1", b"HTTP/1.1\r\nConnection: close"))
+        assert got.statuses() == [200]
