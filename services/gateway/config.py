@@ -30,7 +30,7 @@ from services.plane.process import Config as ProcessConfig
 # UPSTREAM_CLIENTS are what --upstream-client may say (`services.gateway.upstream`).
 UPSTREAM_CLIENTS = ("lean", "aiohttp")
 # SERVERS are what --server may say (`services.gateway.front`).
-SERVERS = ("aiohttp", "lean")
+SERVERS = ("lean", "aiohttp")
 
 # THRESHOLDS are the cyclic collector's in a gateway process of its own (`freeze_heap`;
 # CPython's (700, 10, 10)). A stream's objects live seconds (about 150 tracked objects a
@@ -223,14 +223,14 @@ class Config:
         },
     )
     server: str = field(
-        default="aiohttp",
+        default="lean",
         metadata={
             "choices": SERVERS,
             "metavar": "SERVER",
             "help": "the HTTP server the gateway's clients talk to, one of "
-            f"{', '.join(SERVERS)}; aiohttp: aiohttp's web server, the reference; lean: a "
-            "server of its own on httptools (less CPU a request, docs/performance.md), "
-            "tested against aiohttp's",
+            f"{', '.join(SERVERS)}; lean: a server of its own on httptools (less CPU a "
+            "request, docs/performance.md); aiohttp: aiohttp's web server, the reference "
+            "the lean one is tested against",
         },
     )
     routing: str = field(

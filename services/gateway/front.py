@@ -1,8 +1,8 @@
 """The lean server: the gateway's HTTP/1.1 server on a plain `asyncio.Protocol`,
 requests read with httptools (llhttp, the parser aiohttp's own server wraps).
 
-Used by `services.gateway.server.Gateway.run` when `--server lean`; `--server aiohttp`
-(the default) keeps aiohttp's server, the reference this one is proven equal to
+Used by `services.gateway.server.Gateway.run` when `--server lean` (the default);
+`--server aiohttp` keeps aiohttp's server, the reference this one is proven equal to
 (tests/gateway/test_front.py: the same requests, good and hostile, through a gateway on
 each, get the same status and body, and leave it serving). It is the part of aiohttp's
 server the gateway uses and no more: a request's handler is started once its head is
@@ -406,7 +406,7 @@ class _Conn(asyncio.Protocol):
             # The rest of an answered request's body is read: the connection goes on.
             self.lingering.cancel()
             self.lingering = None
-            self._next()
+            self._after(r)
 
     # ---- serving
 
@@ -477,18 +477,23 @@ class _Conn(asyncio.Protocol):
         """`request` answered: the next one, or the rest of its body read first, or the
         connection closed."""
         self.last = self.loop.time()
-        if not request.keep_alive or self.closing:
-            self.serving = None
-            self.close()
-            return
-        if request is self.reading:
+        if request is self.reading and not self.closing:
             # Answered before its body was read whole: read the rest (dropped) for at
-            # most LINGER_S, then close.
+            # most LINGER_S, then go on (or close). Closed at once, the client could lose
+            # the answer: a close with its bytes unread is a reset, which drops what the
+            # client had not read yet.
             request._chunks.clear()
             request._size = 0
             request._eof = True
             self.flow()
             self.lingering = self.loop.call_later(LINGER_S, self.close)
+            return
+        self._after(request)
+
+    def _after(self, request: Request) -> None:
+        if not request.keep_alive or self.closing:
+            self.serving = None
+            self.close()
             return
         self._next()
 

@@ -27,10 +27,12 @@ for, 403 a request from another origin, 415 a body not said to be JSON, 503 a bo
 `body_budget` (the bytes of bodies held at once, with Retry-After). A request that fails
 before its first byte is tried once more on another replica.
 
-The HTTP stack is aiohttp, server and client: measured against uvicorn+httptools with
-the same aiohttp client on one loaded 2-core host, the two were within each other's
-noise (docs/gateway.md); one library then handles both sides, and its handler
-cancellation is what turns a client's disconnect into a cancelled upstream request.
+The HTTP stack was aiohttp, server and client; each side now has a lean implementation
+of its own on httptools, the default, with aiohttp's kept as the reference it is tested
+against (`--server lean|aiohttp`: `services.gateway.front`; `--upstream-client
+lean|aiohttp`: `services.gateway.upstream`). The handlers see either server through
+`services.gateway.exchange`; on both, a client's disconnect cancels its handler, and so
+its upstream request.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ class Gateway:
     request when nothing records spans and the client sent no trace context (`_span`), the
     metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
-    server: str = "aiohttp"  # --server: aiohttp (its web server) or lean (gateway.front)
+    server: str = "lean"  # --server: lean (gateway.front) or aiohttp (its web server)
     rule: str = DEFAULT_PICKER
     """The name of the routing rule `router` is (`--routing`), said as it starts serving."""
     share: bool = False

@@ -97,7 +97,12 @@ def test_the_gateways_sharing_switches_are_flags_the_pages_name() -> None:
 
 # SPEED_SWITCHES are the gateway's speed-ups that are another implementation of the same
 # interface, each with the flag that turns back to the reference: the page names each.
-SPEED_SWITCHES = ("--no-fast-path", "--upstream-client aiohttp", "--event-loop asyncio")
+SPEED_SWITCHES = (
+    "--no-fast-path",
+    "--upstream-client aiohttp",
+    "--server aiohttp",
+    "--event-loop asyncio",
+)
 
 
 def test_the_page_names_the_flag_back_to_each_reference_implementation() -> None:
@@ -111,4 +116,5 @@ def test_the_page_names_the_flag_back_to_each_reference_implementation() -> None
         assert f"`{flag}`" in section, flag
     # The references are what the flags name, and the speed-ups are the defaults.
     assert Config().upstream_client == "lean" and Config().event_loop == "auto"
+    assert Config().server == "lean"
     assert "asyncio" in EVENT_LOOPS
