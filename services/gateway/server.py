@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
-from aiohttp import web
 from opentelemetry import trace
 
 from schemas import events as ev
@@ -67,9 +66,8 @@ from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
 from services.gateway.drains import Answers
 from services.gateway.errors import GatewayError
-from services.gateway.exchange import Answer, Request, Stream, Whole, as_aiohttp
+from services.gateway.exchange import Answer, Request, Stream, Whole
 from services.gateway.forward import Forwarder
-from services.gateway.front import Front
 from services.gateway.holding import DEMAND_INTERVAL_S, MIN_WAIT_S, Holding
 from services.gateway.keys import Key, Keys
 from services.gateway.listen import (
@@ -95,14 +93,11 @@ from services.gateway.metrics import (
     Metrics,
 )
 from services.gateway.refusal import (
-    BOUNDARY,
     Answered,
     Refusal,
     Routes,
     Unreachable,
-    dispatch,
     no_replica,
-    openai_errors,
 )
 from services.gateway.request import (
     HELD,
@@ -123,6 +118,7 @@ from services.gateway.request import (
 )
 from services.gateway.request import route as route_of
 from services.gateway.routed import Routed
+from services.gateway.serving import Serving
 from services.gateway.share import Sharing
 from services.gateway.use import Uses
 from services.gateway.waiting import WaitingRoom
@@ -364,27 +360,6 @@ class Gateway:
         routes["/metrics"] = {"GET": self._metrics}
         return routes
 
-    def app(self) -> web.Application:
-        """The routes as aiohttp's server serves them (`--server aiohttp`)."""
-        app = web.Application(middlewares=[openai_errors])
-        app[BOUNDARY] = self.boundary
-        for path, methods in self.routes().items():
-            for method, handler in methods.items():
-                if method == "GET":  # and HEAD, as aiohttp's `add_get` has it
-                    app.router.add_get(path, _on_aiohttp(handler))
-                else:
-                    app.router.add_route(method, path, _on_aiohttp(handler))
-        return app
-
-    def front(self) -> Front:
-        """The routes as the lean server serves them (`--server lean`)."""
-        routes, boundary = self.routes(), self.boundary
-
-        async def handle(request: Request) -> Answer:
-            return await dispatch(request, routes, boundary)
-
-        return Front(handle, self.lines, self.idle_timeout_s, shutdown_timeout_s=2.0)
-
     async def run(
         self,
         stop: asyncio.Event,
@@ -405,27 +380,13 @@ class Gateway:
                 sock.close()
                 raise
             http = self.forwarder.open(self.connect_timeout_s, self.upstream_timeout_s)
-            runner: web.AppRunner | None = None
-            front: Front | None = None
-            if self.server == "lean":
-                front = self.front()
-            else:
-                runner = web.AppRunner(
-                    self.app(),
-                    access_log=None,
-                    logger=guard.ParserLog(self.lines, log),
-                    handler_cancellation=True,
-                    shutdown_timeout=2.0,
-                    keepalive_timeout=self.idle_timeout_s,
-                )
-                await runner.setup()
+            server = Serving(
+                self.server, self.routes(), self.boundary, self.lines, self.idle_timeout_s
+            )
+            await server.prepare()
             if self.sharing is not None:
                 await self.sharing.start()  # the others' shares known before a request
-            if front is not None:
-                await front.start(sock)
-            else:
-                assert runner is not None
-                await web.SockSite(runner, sock).start()
+            await server.start(sock)
             answers = None
             if self.nc is not None:
                 # Answered once the view has caught up: before, it would say of a replica
@@ -464,10 +425,7 @@ class Gateway:
                 if answers is not None:
                     with contextlib.suppress(nats.errors.Error):
                         await answers.unsubscribe()
-                if front is not None:
-                    await front.stop()
-                if runner is not None:
-                    await runner.cleanup()
+                await server.stop()
                 await http.close()
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -732,17 +690,6 @@ class Gateway:
             self.router.forget(gone)
             self.continuations.leaving(gone)
         self.holding.on_fold(event)
-
-
-def _on_aiohttp(
-    handler: Callable[[Request], Awaitable[Answer]],
-) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """`handler` as aiohttp's server calls it: its whole answer made aiohttp's."""
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return as_aiohttp(await handler(request))
-
-    return handle
 
 
 def parse_listen(text: str) -> tuple[str, int]:
