@@ -9,9 +9,10 @@ fraction that differs is printed, and recorded in docs/performance.md).
 
 The streams wait in the gateways' waiting rooms until the first server is made ready,
 so they reach it within a moment of each other, and the server is killed as soon as
-every client has read text of its answer: each stream is then past its first token and
-short of its 64th (the test says how much each client had read then; every stream must
-have moved). Both servers start in the module's
+every client has read text of its answer: each stream is then past its first token and,
+as a rule, short of its 64th (the test says how much each client had read then; at
+least four in five must have moved: on a loaded host a short stream can end at the
+server before the last client reads its first text, and has nothing to move). Both servers start in the module's
 fixture and are killed, with their process groups, at its end.
 """
 
@@ -313,8 +314,17 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
                 f"differs at {at}: {t[max(at - 20, 0) : at + 30]!r} against "
                 f"{e[max(at - 20, 0) : at + 30]!r}"
             )
-    # Every stream was cut midway and went on: by token ids through the first gateway,
-    # by text through the other.
-    assert plane.gateway.continuations.moved_by == {"token_ids": STREAMS}
-    assert by_text.continuations.moved_by == {"text": STREAMS}
+    # The streams cut midway went on: by token ids through the first gateway, by text
+    # through the other. The kill lands once every client has read text; a short stream
+    # the server had already finished by then, its last chunks still on their way to a
+    # client that reads 100 streams in one process, has nothing to move (6 of 50 in one
+    # run of the gateway's lean server, 0 in earlier runs): most must have moved, and
+    # every one of the 50, moved or not, is checked whole against its uninterrupted
+    # answer below.
+    moves = {
+        "ids": plane.gateway.continuations.moved_by,
+        "text": by_text.continuations.moved_by,
+    }
+    assert set(moves["ids"]) <= {"token_ids"} and set(moves["text"]) <= {"text"}, moves
+    assert all(sum(m.values()) >= STREAMS * 4 // 5 for m in moves.values()), moves
     assert len(differ["ids"]) <= STREAMS // 20
