@@ -433,15 +433,7 @@ class _Conn(asyncio.Protocol):
             self.close()
             return
         except Exception as e:
-            front.lines.say(
-                logging.ERROR,
-                ("error", type(e).__name__),
-                "gateway: %s %s: %s: %s",
-                request.method,
-                guard.shown(request.path),
-                type(e).__name__,
-                guard.shown(e),
-            )
+            _say(front, "error", request, "", e)
             log.debug("gateway: %s %s", request.method, request.path, exc_info=e)
             if request.started:
                 self.close()
@@ -460,15 +452,7 @@ class _Conn(asyncio.Protocol):
             self.close()
             return
         except Exception as e:
-            front.lines.say(
-                logging.ERROR,
-                ("answer", type(e).__name__),
-                "gateway: %s %s: its answer cannot be sent: %s: %s",
-                request.method,
-                guard.shown(request.path),
-                type(e).__name__,
-                guard.shown(e),
-            )
+            _say(front, "answer", request, "its answer cannot be sent: ", e)
             self.close()
             return
         self._done(request)
@@ -602,6 +586,21 @@ class _Conn(asyncio.Protocol):
             if self.drained is None:
                 self.drained = self.loop.create_future()
             await self.drained
+
+
+def _say(front: Front, kind: str, request: Request, what: str, e: Exception) -> None:
+    """One line (`guard.Lines`: once per kind, then at most every so often) for an
+    error in a handler or in sending its answer."""
+    front.lines.say(
+        logging.ERROR,
+        (kind, type(e).__name__),
+        "gateway: %s %s: %s%s: %s",
+        request.method,
+        guard.shown(request.path),
+        what,
+        type(e).__name__,
+        guard.shown(e),
+    )
 
 
 def _peer(transport: asyncio.BaseTransport) -> str:
