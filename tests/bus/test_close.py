@@ -52,7 +52,10 @@ async def test_the_callers_own_cancellation_goes_on() -> None:
 async def test_a_real_client_closes_after_its_broker_was_killed(tmp_path: Any) -> None:
     broker = EmbeddedBroker(tmp_path / "b")
     broker.start()
-    nc = await connection.connect(broker.url, "test close")
-    broker.kill()
-    await connection.close(nc)
-    assert nc.is_closed
+    try:
+        nc = await connection.connect(broker.url, "test close")
+        broker.kill()
+        await connection.close(nc)
+        assert nc.is_closed
+    finally:
+        broker.kill()  # a failure above leaves no server behind
