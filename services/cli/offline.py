@@ -140,8 +140,7 @@ async def _served(
             s = cli.Session(nc, nc.jetstream(), public_url(b.url), cli.root(args))
             yield Opened(s, f"the stored log in {data}", offline=True)
         finally:
-            with contextlib.suppress(Exception):
-                await nc.close()
+            await connection.close(nc)
     finally:
         b.stop()
 

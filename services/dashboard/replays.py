@@ -261,8 +261,9 @@ async def _shutdown(nc: Any) -> None:
     for t in rest:
         t.cancel()
     await asyncio.gather(*rest, return_exceptions=True)
-    with contextlib.suppress(Exception):
-        await nc.close()
+    from services.bus import connection
+
+    await connection.close(nc)
 
 
 # ------------------------------------------------------------ the replays (worker side)

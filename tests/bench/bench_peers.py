@@ -120,39 +120,14 @@ def install(cache: Path, peer: str) -> Path:
 
 
 def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: int) -> list[str]:
-    if peer == "vllm-router":
-        return [
-            str(bindir / "vllm-router"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            upstream,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warning",
-            "--prometheus-port",
-            str(metrics_port),
-        ]
-    return [
-        str(bindir / "python"),
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        upstream,
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warn",
-        "--prometheus-port",
-        str(metrics_port),
+    common = [
+        *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream),
+        *("--policy", "round_robin", "--prometheus-port", str(metrics_port)),
     ]
+    if peer == "vllm-router":
+        return [str(bindir / "vllm-router"), *common, "--log-level", "warning"]
+    launch = [str(bindir / "python"), "-m", "sglang_router.launch_router"]
+    return [*launch, *common, "--log-level", "warn"]
 
 
 @dataclass
