@@ -51,9 +51,9 @@ from __future__ import annotations
 import collections
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Container, Iterable
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol, cast
 
 from services.core import catalog
 from services.core.routing import Explained, LeastInflight, Route
@@ -114,6 +114,17 @@ def blocks(
     h = hash((model, salt, owner))
     end = min(len(text), size * MAX_BLOCKS) - size + 1
     return [h := hash((h, text[i : i + size])) for i in range(0, end, size)]
+
+
+class Blocks(Protocol):
+    """A replica's LRU as it is read beside its rule's own writes: the blocks it holds,
+    least recently routed first (`Prefix`'s is an `OrderedDict`; a speed-up keeps its
+    own, the same blocks in the same order)."""
+
+    def __contains__(self, h: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def __reversed__(self) -> Iterator[int]: ...
 
 
 def held(lru: Container[int], hashes: list[int]) -> int:
@@ -192,8 +203,9 @@ class Prefix(LeastInflight):
     balance: float = BALANCE
     slack: float = SLACK
     stick: float = STICK
-    index: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
-    """Per replica, the LRU of block hashes routed to it (most recent last)."""
+    index: dict[str, Blocks] = field(default_factory=dict)
+    """Per replica, the LRU of block hashes routed to it (an `OrderedDict`, most recent
+    last; iterated, a speed-up's own LRU gives the same blocks in the same order)."""
     capacity: dict[str, int] = field(default_factory=dict)
     """Per replica, its LRU's own bound in blocks, where it differs from the default."""
     work: dict[str, float] = field(default_factory=dict)
@@ -368,10 +380,11 @@ class Prefix(LeastInflight):
         first (a pick's match is most of a warm prompt)."""
         if not hashes:
             return
-        lru = self.index.get(replica)
-        if lru is None:
-            lru = self.index[replica] = OrderedDict()
+        got = self.index.get(replica)
+        if got is None:
+            got = self.index[replica] = OrderedDict()
             self._bound()
+        lru = cast("OrderedDict[int, None]", got)
         held = min(held, len(hashes)) if held > 0 else 0
         touch = lru.move_to_end
         for h in reversed(hashes[held:]):
@@ -411,10 +424,11 @@ class Prefix(LeastInflight):
         share = max(1, self.total_blocks // max(1, len(self.index)))
         return min(share, max(1, self.capacity_tokens * CHARS_PER_TOKEN // self.block_chars))
 
-    def _trim(self, rid: str, lru: OrderedDict[int, None]) -> None:
+    def _trim(self, rid: str, lru: Blocks) -> None:
         cap = min(self._cap, self.capacity.get(rid, self._cap))
-        while len(lru) > cap:
-            lru.popitem(last=False)
+        od = cast("OrderedDict[int, None]", lru)
+        while len(od) > cap:
+            od.popitem(last=False)
 
     def observed(
         self,

@@ -15,7 +15,14 @@ instead:
   coldest is not looked for while the warm replica is within the least penalty any cold
   one could set;
 - it hashes the prompt's blocks in a Python loop: an ASCII prompt's (most are) here in C
-  loops (`cut`).
+  loops (`cut`);
+- it touches each of the prompt's blocks in the picked replica's LRU (an `OrderedDict`
+  of blocks), each touch a cache miss, and a broken pick inserts a whole prompt's blocks
+  and evicts as many: here a replica's LRU is an `Lru`, a tree of chains kept in the
+  order of their last touch, and a touch costs a look-up a chain on the prompt's path
+  (one or two for most prompts), an insertion a new chain, an eviction a chain or a cut
+  of one (the same blocks evicted in the same order, `Lru`'s docstring). A match is a
+  walk down that path, not a bisection over look-ups in a large table.
 
 Chosen by the gateway's `fast_path` (`--no-fast-path`: `Prefix`, the plain rule, which is
 what a reader checks against docs/gateway.md); `pickers.FAST` maps a rule's factory to its
@@ -27,22 +34,21 @@ tests/core/test_routing_prefix.py runs on both. The figure it moves: the pick's 
 
 from __future__ import annotations
 
-import collections
 import statistics
 import struct
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import add, truediv
+from typing import cast
 
 from services.core import catalog
 from services.core.prefix import (
     CHARS_PER_TOKEN,
     DEFAULT_PREFILL_TPS,
     MAX_BLOCKS,
+    Blocks,
     Prefix,
-    held,
 )
 from services.core.routing import Explained, Route
 from services.core.view import ReplicaRecord, View
@@ -56,8 +62,201 @@ _CHUNK = 64
 # workload of prompts of one or two blocks fills it; past it, the replicas recorded one
 # more are probed at every pick, as `Prefix` probes them all).
 FIRSTS = 8
-# _NONE stands in for a replica without an LRU: it holds no block.
-_NONE: frozenset[int] = frozenset()
+
+
+class _Node:
+    """A chain of blocks, `blocks` (a prompt's, from `depth` on), that no prompt
+    recorded at the replica forks from but at its end: touched together (a prompt that
+    ends or forks inside it splits it there), so they share their place in the LRU."""
+
+    __slots__ = ("blocks", "depth", "kids", "parent")
+
+    def __init__(self, blocks: list[int], depth: int, parent: _Node | None) -> None:
+        self.blocks = blocks
+        self.depth = depth
+        """The depth of `blocks[0]` in every prompt that holds it (a chained hash's
+        position is its own)."""
+        self.parent = parent
+        self.kids = 0
+        """The chains that fork from this one's last block."""
+
+
+# _ONE stands, in `Lru.heads`, for a chain of one block at a prompt's start with nothing
+# under it (a short prompt's, most of a workload of short prompts): no `_Node` is made
+# for it, its block stands for it in `Lru._order`.
+_ONE = _Node([], 0, None)
+
+
+class Lru:
+    """A replica's LRU as `Prefix` keeps it (an `OrderedDict` of block hashes): the same
+    blocks, evicted in the same order, at a cost per chain of a prompt rather than per
+    block. The blocks are kept as a tree of chains (`_Node`; each prompt recorded is a
+    path from a root), found by their first blocks (`heads`), in the order of their last
+    touch (`_order`).
+
+    Why the order is the same: a prompt's blocks are touched deepest first, so a chain
+    is last touched no later than its parent, and with every block of it; the least
+    recently touched block is the deepest of the chain touched longest ago, the first
+    in `_order` (a dict in insertion order, a touch taking a chain out and putting it
+    back at the end), from which no chain hangs.
+
+    How much of a prompt it holds (`held`) is a walk down its path: a look-up a chain
+    and one comparison of the chain's last block (a block's hash is its whole prefix's:
+    the last equal, all are), a bisection in the chain it leaves. `h in lru` is a walk
+    over every block: for tests, not for a pick."""
+
+    __slots__ = ("_order", "heads", "size")
+
+    def __init__(self) -> None:
+        self.heads: dict[int, _Node] = {}
+        """Each chain by its first block (`_ONE` for a chain that is its block)."""
+        self._order: dict[_Node | int, None] = {}
+        self.size = 0
+        """The blocks held."""
+
+    def held(self, hashes: list[int]) -> int:
+        """How many of `hashes`' leading blocks are held (`prefix.held`)."""
+        return self._walk(hashes, None)
+
+    def _walk(self, hashes: list[int], path: list[_Node] | None) -> int:
+        """`held`; with `path`, the chains it runs through appended to it, root first,
+        the one it ends or forks inside split there (a chain of one block at a prompt's
+        start made a `_Node` where it goes on)."""
+        heads, n, d = self.heads, len(hashes), 0
+        while d < n:
+            node = heads.get(hashes[d])
+            if node is None:
+                break
+            if node is _ONE:
+                if d:
+                    break
+                if path is None or n == 1:
+                    d = 1
+                    if path is not None:
+                        self._order.pop(hashes[0], None)
+                        self._order[hashes[0]] = None
+                    break
+                self._order.pop(hashes[0], None)
+                node = heads[hashes[0]] = _Node([hashes[0]], 0, None)
+            elif node.depth != d:
+                break  # not this prompt's (two prompts' hashes collided)
+            blocks = node.blocks
+            m = min(len(blocks), n - d)
+            if blocks[m - 1] == hashes[d + m - 1]:
+                k = m
+            else:
+                # The chain forks from the prompt inside it: bisected (blocks[0] equal).
+                lo, hi = 1, m - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if blocks[mid - 1] == hashes[d + mid - 1]:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                k = lo
+            d += k
+            if path is None:
+                if k < len(blocks):
+                    break
+                continue
+            if k < len(blocks):
+                path.append(self._split(node, k))
+                break
+            path.append(node)
+        return d
+
+    def record(self, hashes: list[int]) -> None:
+        """`Prefix.record`'s touch of a prompt's chain `hashes` (not empty): the chains
+        it runs through touched, deepest first, the blocks past them a new chain."""
+        path: list[_Node] = []
+        d = self._walk(hashes, path)
+        order = self._order
+        if d < len(hashes):
+            parent = path[-1] if path else None
+            if parent is None and len(hashes) == 1:
+                self.heads[hashes[0]] = _ONE
+                order[hashes[0]] = None
+            else:
+                new = _Node(hashes[d:], d, parent)
+                self.heads[hashes[d]] = new
+                order[new] = None
+                if parent is not None:
+                    parent.kids += 1
+            self.size += len(hashes) - d
+        for node in reversed(path):
+            order.pop(node, None)
+            order[node] = None
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """`node`'s first `at` blocks made a chain of their own over it (the new one,
+        returned); `node` keeps the rest and its place in `_order`."""
+        upper = _Node(node.blocks[:at], node.depth, node.parent)
+        upper.kids = 1
+        del node.blocks[:at]
+        node.depth += at
+        node.parent = upper
+        self.heads[upper.blocks[0]] = upper
+        self.heads[node.blocks[0]] = node
+        return upper
+
+    def trim(self, cap: int) -> list[int]:
+        """Blocks evicted, least recently touched first, until at most `cap` are held;
+        the first blocks of prompts that went with them."""
+        over = self.size - cap
+        gone: list[int] = []
+        order, heads = self._order, self.heads
+        while over > 0 and order:
+            key = next(iter(order))
+            if isinstance(key, int):
+                del order[key]
+                heads.pop(key, None)
+                gone.append(key)
+                self.size -= 1
+                over -= 1
+                continue
+            blocks = key.blocks
+            n = len(blocks)
+            if n > over:
+                # Its deepest ones: it keeps its place.
+                del blocks[n - over :]
+                self.size -= over
+                return gone
+            del order[key]
+            if heads.get(blocks[0]) is key:
+                del heads[blocks[0]]
+            self.size -= n
+            over -= n
+            if key.parent is None:
+                gone.append(blocks[0])
+            else:
+                key.parent.kids -= 1
+        return gone
+
+    def firsts(self) -> list[int]:
+        """The first blocks of prompts held."""
+        return [h for h, node in self.heads.items() if node is _ONE or node.parent is None]
+
+    def _ordered(self) -> list[int]:
+        """Every block, least recently touched first (a chain's deepest first)."""
+        out: list[int] = []
+        for k in self._order:
+            if isinstance(k, int):
+                out.append(k)
+            else:
+                out.extend(reversed(k.blocks))
+        return out
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ordered())
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self._ordered())
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._ordered()
 
 
 @dataclass
@@ -121,6 +320,14 @@ class FastPrefix(Prefix):
             return self.routable_of(view, m)
         return super().found(view, m, avoid, limit)
 
+    def _lrus(self) -> dict[str, Lru]:
+        """`index`, as what it holds here: `Lru`s."""
+        return cast(dict[str, Lru], self.index)
+
+    def depth(self, replica: str, hashes: list[int]) -> int:
+        lru = self._lrus().get(replica)
+        return 0 if lru is None else lru.held(hashes)
+
     def _ids_for(self, found: list[ReplicaRecord]) -> list[str]:
         if found is not self._ids_of:
             self._ids_of = found
@@ -153,14 +360,14 @@ class FastPrefix(Prefix):
         if not hashes:
             self._explained = Explained(0.0, n, "cold", 0)
             return self._least(found, ids)
-        index, first, depths = self.index, hashes[0], self._depths
+        lrus, first, depths = self._lrus(), hashes[0], self._depths
         need = self.threshold * len(hashes)
         # The replicas that hold the first block, looked for in the few LRUs that may.
         holders = self._holders(ids, first)
         warm: list[ReplicaRecord] = []
         for i in holders:
             r = found[i]
-            d = depths[r.id] = held(index[r.id], hashes)
+            d = depths[r.id] = lrus[r.id].held(hashes)
             if d >= need:
                 warm.append(r)
         if not warm:
@@ -207,15 +414,16 @@ class FastPrefix(Prefix):
         untracked = self._untracked
         if not got and not untracked:
             return []
-        pos, index = self._pos, self.index
+        pos, lrus = self._pos, self._lrus()
         out: list[int] = []
         for rid in got:
-            if first not in index.get(rid, _NONE):
+            lru = lrus.get(rid)
+            if lru is None or first not in lru.heads:
                 self._unfirst(first, rid)
             elif (i := pos.get(rid)) is not None:
                 out.append(i)
         for rid in untracked:
-            if (i := pos.get(rid)) is not None and rid not in got and first in index[rid]:
+            if (i := pos.get(rid)) is not None and rid not in got and first in lrus[rid].heads:
                 out.append(i)
         out.sort()
         return out
@@ -282,34 +490,37 @@ class FastPrefix(Prefix):
         return found[best[4]]
 
     def record(self, replica: str, hashes: list[int], held: int = 0) -> None:
-        """`Prefix.record`, the first block noted in `_firsts` (the last touched: no
-        bound evicts it)."""
-        super().record(replica, hashes, held)
+        """`Prefix.record` on the replica's `Lru` (the same blocks, in the same order;
+        what it holds of `hashes` found on the way, `held` not needed), the first block
+        noted in `_firsts` (the last touched: no bound evicts it)."""
         if not hashes:
             return
-        first, firsts, untracked = hashes[0], self._firsts, self._untracked
-        got = firsts.get(first)
+        got = self.index.get(replica)
         if got is None:
+            got = self.index[replica] = Lru()
+            self._bound()
+        lru = cast(Lru, got)
+        lru.record(hashes)
+        self._trim(replica, lru)
+        first, firsts, untracked = hashes[0], self._firsts, self._untracked
+        got_ = firsts.get(first)
+        if got_ is None:
             if replica in untracked:
                 pass
             elif len(firsts) < self.total_blocks // FIRSTS:
                 firsts[first] = (replica,)
             else:
                 untracked.add(replica)
-        elif replica not in got:
-            firsts[first] = (*got, replica)
+        elif replica not in got_:
+            firsts[first] = (*got_, replica)
 
-    def _trim(self, rid: str, lru: OrderedDict[int, None]) -> None:
+    def _trim(self, rid: str, lru: Blocks) -> None:
         cap = min(self._cap, self.capacity.get(rid, self._cap))
-        over = len(lru) - cap
-        if over <= 0:
+        if len(lru) <= cap:
             return
-        firsts = self._firsts
-        if not firsts:
-            collections.deque(map(lru.popitem, repeat(False, over)), maxlen=0)
-            return
-        for h, _ in map(lru.popitem, repeat(False, over)):
-            if h in firsts:
+        gone = cast(Lru, lru).trim(cap)
+        if self._firsts:
+            for h in gone:
                 self._unfirst(h, rid)
 
     def _unfirst(self, first: int, rid: str) -> None:
@@ -322,15 +533,16 @@ class FastPrefix(Prefix):
             else:
                 del self._firsts[first]
 
-    def _dropped(self, rid: str, lru: OrderedDict[int, None] | None) -> None:
+    def _dropped(self, rid: str, lru: Blocks | None) -> None:
         """`rid`'s LRU `lru` was dropped (cleared, or the replica forgotten): its first
         blocks that its LRU now (if any) does not hold leave `_firsts`."""
         if lru is None or lru is self.index.get(rid):
             return
-        firsts, now = self._firsts, self.index.get(rid, _NONE)
-        for h in [h for h in lru if h in firsts and h not in now]:
+        firsts, now = self._firsts, self._lrus().get(rid)
+        heads = now.heads if now is not None else {}
+        for h in [h for h in cast(Lru, lru).firsts() if h in firsts and h not in heads]:
             self._unfirst(h, rid)
-        if not now:
+        if now is None or not now.size:
             self._untracked.discard(rid)
 
     def observed(

@@ -222,7 +222,6 @@ class FleetPicker:
         if not stable or not cache.remote:
             return stable
         local: list[int] | None = None
-        index: dict[str, OrderedDict[int, None]] = inner.index
         first = stable[0]
         for rid, lru in cache.remote.items():
             if first not in lru:
@@ -230,8 +229,7 @@ class FleetPicker:
             depth = cache.depth(rid, stable)
             if local is None:
                 local = prefix.blocks(m.name, route.salt, text, size, route.owner)
-            mine = index.get(rid)
-            if mine is not None and local[depth - 1] in mine:
+            if inner.depth(rid, local[:depth]) >= depth:
                 continue
             # Through the rule's own `record` (touched deepest first, bounded as the
             # rule bounds its index), the one way its index is written.
