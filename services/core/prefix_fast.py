@@ -53,10 +53,11 @@ from services.core.prefix import (
 from services.core.routing import Explained, Route
 from services.core.view import ReplicaRecord, View
 
-# _CHUNK is the most blocks one `struct` cuts (`FastPrefix.cut`): a prompt's are cut by
-# one of this many, as often as it fits, and one of the rest, so that a gateway keeps at
+# _CHUNK is the most blocks one `struct` cuts (`FastPrefix.cut`): a prompt's are encoded
+# and cut this many at a time (4 KiB at 256 characters a block; measured against 8, 32
+# and 64: the least CPU a pick), and the rest by one more, so that a gateway keeps at
 # most this many.
-_CHUNK = 64
+_CHUNK = 16
 # FIRSTS: `FastPrefix._firsts` holds at most `total_blocks // FIRSTS` first blocks
 # (50,000 by default, about 4 MiB; a prompt's first block is one of its blocks, so only a
 # workload of prompts of one or two blocks fills it; past it, the replicas recorded one
@@ -282,7 +283,10 @@ class FastPrefix(Prefix):
         `struct` (an ASCII string hashes as its bytes do: the same SipHash of the same
         bytes), each block's hash that of the one before and the block, the one before
         read back from the list being filled (a list's iterator sees what is appended
-        to it while it iterates)."""
+        to it while it iterates). The prompt is encoded `_CHUNK` blocks at a time: a
+        chunk's bytes land where the last chunk's were, in cache, where the whole
+        prompt's would be fresh memory (measured: 18 us of a 32k-character prompt's
+        pick, in a gateway's heap, against 2 us alone)."""
         text = route.prompt
         if not text.isascii():
             return super().cut(m, route)
@@ -290,14 +294,16 @@ class FastPrefix(Prefix):
         n = min(len(text), size * MAX_BLOCKS) // size
         if not n:
             return []
-        raw = text.encode()
         whole, rest = divmod(n, _CHUNK)
-        parts: Iterable[bytes] = ()
-        if whole:
-            view = memoryview(raw)[: whole * _CHUNK * size]
-            parts = chain.from_iterable(self._struct(_CHUNK).iter_unpack(view))
+        step = _CHUNK * size
+        ends = range(step, whole * step + 1, step)
+        chunks = map(text.__getitem__, map(slice, range(0, whole * step, step), ends))
+        parts: Iterable[bytes] = chain.from_iterable(
+            map(self._struct(_CHUNK).unpack, map(str.encode, chunks))
+        )
         if rest:
-            parts = chain(parts, self._struct(rest).unpack_from(raw, whole * _CHUNK * size))
+            tail = text[whole * step : whole * step + rest * size].encode()
+            parts = chain(parts, self._struct(rest).unpack(tail))
         out = [hash((m.name, route.salt, route.owner))]
         out.extend(map(hash, zip(iter(out), parts, strict=False)))
         del out[0]

@@ -255,7 +255,8 @@ def test_the_fast_rule_cuts_the_same_blocks_as_the_plain_rule() -> None:
     m = catalog.Model(name="m")
     for size in (64, 256):
         plain, fast = Prefix(block_chars=size), FastPrefix(block_chars=size)
-        for n in (0, 1, size - 1, size, size + 1, 64 * size, 64 * size + 1, 129 * size - 1):
+        chunk = prefix_fast._CHUNK * size
+        for n in (0, 1, size - 1, size, size + 1, chunk - 1, chunk, chunk + size, 8 * chunk + 1):
             for extra in ("", "é", "漢"):
                 text = "".join(rng.choice("ab c" + extra) for _ in range(n))
                 for owner in (None, "o"):
