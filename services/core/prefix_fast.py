@@ -274,6 +274,8 @@ class FastPrefix(Prefix):
     _firsts: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Per first block of a prompt recorded (`record`), the replicas it was recorded
     at whose LRU may still hold it: at most `total_blocks // FIRSTS` of them."""
+    _cold: dict[int, Explained] = field(default_factory=dict)
+    """A cold pick's words, by the number of replicas considered (`Explained` is frozen)."""
     _untracked: set[str] = field(default_factory=set)
     """The replicas recorded a first block while `_firsts` was full: probed at every
     pick, as `Prefix` probes every replica, until their LRU is dropped."""
@@ -364,8 +366,13 @@ class FastPrefix(Prefix):
         n = len(found)
         hashes = self._hashes
         if not hashes:
-            self._explained = Explained(0.0, n, "cold", 0)
-            return self._least(found, ids)
+            # A prompt shorter than a block (most short chats): the plain rule's pick,
+            # said in words kept for each number of replicas considered.
+            said = self._cold.get(n)
+            if said is None:
+                said = self._cold[n] = Explained(0.0, n, "cold", 0)
+            self._explained = said
+            return found[0] if n == 1 else self._least(found, ids)
         lrus, first, depths = self._lrus(), hashes[0], self._depths
         need = self.threshold * len(hashes)
         # The replicas that hold the first block, looked for in the few LRUs that may.
