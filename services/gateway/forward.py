@@ -32,7 +32,7 @@ from services.gateway.refusal import (
 )
 from services.gateway.request import PICKED_AT, ROUTED, SENT, WOKEN
 from services.gateway.upstream import ConnectFailed, LeanSession, NotHttp
-from services.gateway.use import cached, stream_cached, stream_usage, usage
+from services.gateway.use import stream_cached, stream_usage, use_of
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
@@ -216,7 +216,8 @@ class Forwarder:
             data = await self.whole(upstream, r.id)
             self.first_byte(request)
             if upstream.status < 400:
-                self.used(r, *usage(data), request, cached(data))
+                tokens_in, tokens_out, saved = use_of(data)
+                self.used(r, tokens_in, tokens_out, request, saved)
             return Whole(data, upstream.status, out_headers)
         if held is None:
             resp = await begin(request, upstream.status, out_headers)

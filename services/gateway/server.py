@@ -635,7 +635,7 @@ class Gateway:
                 self.metrics.retries.inc()
                 span.set_attribute("llmgw.retry", True)
             else:
-                self.metrics.overhead.observe(time.perf_counter() - request[T0])
+                self.labelled.of(self.metrics.overhead).observe(time.perf_counter() - request[T0])
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             self.routed.explain(request, route, span, r.id)

@@ -75,7 +75,9 @@ class Body:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        self._wake()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
 
@@ -92,24 +94,29 @@ class Body:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _take(self) -> bytes | None:
+        """What has come (b"" at the end), or None while nothing has; what broke it
+        raises."""
+        if self._exc is not None:
+            raise self._exc
+        if self._chunks:
+            data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+            return data
+        return b"" if self._eof else None
+
     async def readany(self) -> bytes:
-        while True:
-            if self._exc is not None:
-                raise self._exc
-            if self._chunks:
-                data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._size = 0
-                if self._conn is not None:
-                    self._conn.resume()
-                return data
-            if self._eof:
-                return b""
+        while (data := self._take()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return data
 
     def iter_any(self) -> Body:
         return self
@@ -118,7 +125,14 @@ class Body:
         return self
 
     async def __anext__(self) -> bytes:
-        data = await self.readany()
+        # `readany`'s loop, not a call of it: one coroutine less for each chunk of a
+        # stream passed on.
+        while (data := self._take()) is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if not data:
             raise StopAsyncIteration
         return data
@@ -222,7 +236,8 @@ class _Conn(asyncio.Protocol):
         if self.head is None or not self.head.done():
             return  # an interim answer's end
         self.done = True
-        self._cancel_timer()
+        # The read timer is left to run out (`_check` finds the answer done): armed once
+        # for the connection's run of answers, not once an answer.
         self.body._end()
         self.resume()  # the answer whole: its reader's pace no longer holds the connection
         if self.parser.should_keep_alive() and not self.closed:
@@ -239,7 +254,8 @@ class _Conn(asyncio.Protocol):
         self.done = False
         self.head = self.pool.loop.create_future()
         self.last_read = self.pool.loop.time()
-        self._arm(self.pool.read_timeout_s)
+        if self._timer is None:
+            self._arm(self.pool.read_timeout_s)
         self.transport.write(head + data if len(data) < 65536 else head)
         if len(data) >= 65536:
             self.transport.write(data)
@@ -299,7 +315,8 @@ class _Conn(asyncio.Protocol):
             self._timer = None
 
     def _check(self) -> None:
-        """The read timer (one per answer, re-armed only when it fires): nothing read for
+        """The read timer (one while answers come on the connection, re-armed only when
+        it fires, then only while an answer is being read): nothing read for
         `read_timeout_s` while the answer is not whole and reading is not paused for a
         slow client is a timeout."""
         self._timer = None
