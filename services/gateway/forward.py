@@ -223,6 +223,12 @@ class Forwarder:
             resp = await begin(request, upstream.status, out_headers)
         else:
             resp = held
+        # --- continuation (services.gateway.continuation): a stream that may survive
+        # its replica is passed on there, event by event.
+        plan: continuation.Plan | None = request.get(continuation.PLAN)
+        if plan is not None:
+            return await plan.stream(self, request, r, upstream, resp, strip, sent)
+        # --- end continuation
         return await self._stream(request, r, body, upstream, resp, strip, sent)
 
     async def _stream(
@@ -236,13 +242,8 @@ class Forwarder:
         sent: list[int],
     ) -> Stream:
         """Pass a stream on chunk by chunk; count its use at its end, from its usage
-        chunk, or from what was sent when it has none or is cut."""
-        # --- continuation (services.gateway.continuation): a stream that may survive
-        # its replica is passed on there, event by event.
-        plan: continuation.Plan | None = request.get(continuation.PLAN)
-        if plan is not None:
-            return await plan.stream(self, request, r, upstream, resp, strip, sent)
-        # --- end continuation
+        chunk, or from what was sent when it has none or is cut (a stream that may be
+        continued is passed on by its `continuation.Plan` instead: `_answer`)."""
         # The stream's end, for its usage: extended in place and cut only past twice its
         # length, not copied whole for each chunk.
         tail = bytearray()

@@ -40,6 +40,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 # past which its connection stops reading (the client is slow), LOW_WATER where it
 # reads again.
 IDLE_S = 15.0
+# MAX_KEPT bounds the URLs whose pool and request line are kept (`LeanSession._begun`).
+MAX_KEPT = 4096
 HIGH_WATER = 1 << 17
 LOW_WATER = 1 << 15
 
@@ -419,19 +421,19 @@ class LeanSession:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
+        self._by_url: dict[yarl.URL, tuple[Pool, bytes]] = {}
+        """Per URL asked: its pool, and its request's first bytes (`_begun`)."""
         self._swept = time.monotonic()
 
     async def post(self, url: yarl.URL, *, data: bytes, headers: dict[str, str]) -> Answer:
         """`data` posted to `url` with `headers` (besides Host, Content-Length and, unless
         given, `Accept: */*`, as aiohttp's client sends): the answer begun."""
-        pool = self._pool(url)
+        got = self._by_url.get(url)
+        if got is None:
+            got = self._begun(url)
+        pool, start = got
         c = await pool.connection()
-        lines = [
-            b"POST ",
-            (url.raw_path_qs or "/").encode(),
-            b" HTTP/1.1\r\nHost: ",
-            pool.authority,
-        ]
+        lines = [start]
         for name, value in headers.items():
             lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
         if "Accept" not in headers:
@@ -443,6 +445,19 @@ class LeanSession:
         except BaseException:
             c.close()
             raise
+
+    def _begun(self, url: yarl.URL) -> tuple[Pool, bytes]:
+        """`url`'s pool and its request line and Host header, kept for the next request
+        to it (the forwarder keeps each replica's URLs: the same few, again and again)."""
+        pool = self._pool(url)
+        start = b"POST %b HTTP/1.1\r\nHost: %b" % (
+            (url.raw_path_qs or "/").encode(),
+            pool.authority,
+        )
+        if len(self._by_url) >= MAX_KEPT:
+            self._by_url.clear()
+        self._by_url[url] = (pool, start)
+        return pool, start
 
     def _pool(self, url: yarl.URL) -> Pool:
         key = (url.scheme, url.raw_host, url.port)
@@ -463,8 +478,10 @@ class LeanSession:
         for k, p in list(self.pools.items()):
             if not p.open:
                 del self.pools[k]
+        self._by_url.clear()  # none kept of a pool dropped
 
     async def close(self) -> None:
         for p in self.pools.values():
             p.close()
         self.pools.clear()
+        self._by_url.clear()
