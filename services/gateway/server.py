@@ -209,7 +209,8 @@ class Gateway:
     fast_path: bool = True
     """The request path's speed-ups (`--no-fast-path` turns them off): no span made for a
     request when nothing records spans and the client sent no trace context (`_span`), the
-    metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
+    metrics' labelled children kept and written by writers of their own (`KeptLabelled`),
+    the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     server: str = "lean"  # --server: lean (gateway.front) or aiohttp (its web server)
     rule: str = DEFAULT_PICKER
