@@ -77,6 +77,9 @@ class FastPrefix(Prefix):
     _untracked: set[str] = field(default_factory=set)
     """The replicas recorded a first block while `_firsts` was full: probed at every
     pick, as `Prefix` probes every replica, until their LRU is dropped."""
+    _cold: dict[int, Explained] = field(default_factory=dict)
+    """A pick without a prompt's block said (`Explained` is frozen: one per number of
+    replicas considered, not one made for each such pick); at most `_CHUNK` of them."""
 
     def cut(self, m: catalog.Model, route: Route) -> list[int]:
         """`blocks`' hashes, in C loops for an ASCII prompt (most are): its bytes cut by
@@ -151,7 +154,12 @@ class FastPrefix(Prefix):
         n = len(found)
         hashes = self._hashes
         if not hashes:
-            self._explained = Explained(0.0, n, "cold", 0)
+            said = self._cold.get(n)
+            if said is None:
+                if len(self._cold) >= _CHUNK:
+                    self._cold.clear()
+                said = self._cold[n] = Explained(0.0, n, "cold", 0)
+            self._explained = said
             return self._least(found, ids)
         index, first, depths = self.index, hashes[0], self._depths
         need = self.threshold * len(hashes)
