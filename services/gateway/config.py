@@ -195,7 +195,8 @@ class Config:
         metadata={
             "flag": "--no-fast-path",
             "help": "serve without the request path's speed-ups (a span made for every "
-            "request, the metrics' labelled children looked up each time, the prefix "
+            "request, the metrics' labelled children looked up and written through "
+            "prometheus_client each time, the prefix "
             "rule's plain implementation: the same picks at more CPU): the plain path, "
             "to compare with or to rule them out",
         },

@@ -32,7 +32,7 @@ from services.gateway.refusal import (
 )
 from services.gateway.request import PICKED_AT, ROUTED, SENT, WOKEN
 from services.gateway.upstream import ConnectFailed, LeanSession, NotHttp
-from services.gateway.use import cached, stream_cached, stream_usage, usage
+from services.gateway.use import stream_cached, stream_usage, use_of
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
 TAIL_BYTES = 8192
@@ -216,12 +216,19 @@ class Forwarder:
             data = await self.whole(upstream, r.id)
             self.first_byte(request)
             if upstream.status < 400:
-                self.used(r, *usage(data), request, cached(data))
+                tokens_in, tokens_out, saved = use_of(data)
+                self.used(r, tokens_in, tokens_out, request, saved)
             return Whole(data, upstream.status, out_headers)
         if held is None:
             resp = await begin(request, upstream.status, out_headers)
         else:
             resp = held
+        # --- continuation (services.gateway.continuation): a stream that may survive
+        # its replica is passed on there, event by event.
+        plan: continuation.Plan | None = request.get(continuation.PLAN)
+        if plan is not None:
+            return await plan.stream(self, request, r, upstream, resp, strip, sent)
+        # --- end continuation
         return await self._stream(request, r, body, upstream, resp, strip, sent)
 
     async def _stream(
@@ -235,13 +242,8 @@ class Forwarder:
         sent: list[int],
     ) -> Stream:
         """Pass a stream on chunk by chunk; count its use at its end, from its usage
-        chunk, or from what was sent when it has none or is cut."""
-        # --- continuation (services.gateway.continuation): a stream that may survive
-        # its replica is passed on there, event by event.
-        plan: continuation.Plan | None = request.get(continuation.PLAN)
-        if plan is not None:
-            return await plan.stream(self, request, r, upstream, resp, strip, sent)
-        # --- end continuation
+        chunk, or from what was sent when it has none or is cut (a stream that may be
+        continued is passed on by its `continuation.Plan` instead: `_answer`)."""
         # The stream's end, for its usage: extended in place and cut only past twice its
         # length, not copied whole for each chunk.
         tail = bytearray()

@@ -75,17 +75,21 @@ class BadBody(Exception):
     request is answered 400 and its connection closed."""
 
 
-class Request:
+class Request(dict[Any, Any]):
     """One request as the handlers read it (`exchange.Request`), its body as it comes
     (`content` is the request itself: `is_eof`, `read_nowait`, `readany`), and its
-    answer begun (`begin`)."""
+    answer begun (`begin`).
+
+    What is kept on it while it is served (the request's `web.RequestKey`s, a dozen
+    reads and writes a request) is the request itself, a dict: its `[]` and `get` are
+    the dict's own, in C, not methods of this class. A request is still equal only to
+    itself, hashed by identity and true, as any object (`_Conn.waiting` finds it so)."""
 
     __slots__ = (
         "_chunks",
         "_conn",
         "_eof",
         "_error",
-        "_kept",
         "_size",
         "_waiter",
         "content_length",
@@ -108,23 +112,20 @@ class Request:
         self.keep_alive = True
         self.started = False
         """Its answer's head is sent."""
-        self._kept: dict[Any, Any] = {}
         self._chunks: deque[bytes] = deque()
         self._size = 0
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    # ---- what is kept on it while it is served (the request's `web.RequestKey`s)
+    # ---- a request is itself, not what is kept on it
 
-    def __getitem__(self, key: Any) -> Any:
-        return self._kept[key]
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._kept[key] = value
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._kept.get(key, default)
+    def __bool__(self) -> bool:
+        return True
 
     # ---- its connection, its body
 
@@ -137,10 +138,16 @@ class Request:
         return self
 
     def is_eof(self) -> bool:
-        return self._eof and not self._chunks
+        """Whether the body has ended (read to its end or not), as aiohttp's
+        `StreamReader.is_eof` says: a body that came whole with its head is then taken
+        with `read_nowait`, no wait for it armed (`request.read_body`)."""
+        return self._eof
 
     def read_nowait(self, n: int = -1) -> bytes:
-        data = b"".join(self._chunks)
+        """What has come of the body and is not taken yet; what broke it raises."""
+        if self._error is not None:
+            raise self._error
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._taken(len(data))
         return data
@@ -212,7 +219,15 @@ class Stream:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        await self._conn.write(data)
+        conn = self._conn
+        t = conn.transport
+        if t is None or conn.closing:
+            raise ConnectionResetError("Cannot write to closing transport")
+        # Written here, not in a coroutine of the connection's for each chunk; waited
+        # on only when the client does not read (`_Conn.write`'s rule).
+        t.write(data)
+        if conn.write_paused:
+            await conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.ended:
@@ -583,9 +598,13 @@ class _Conn(asyncio.Protocol):
             raise ConnectionResetError("Cannot write to closing transport")
         self.transport.write(data)
         if self.write_paused:
-            if self.drained is None:
-                self.drained = self.loop.create_future()
-            await self.drained
+            await self.drain()
+
+    async def drain(self) -> None:
+        """Until the client has read what waits to be sent (`resume_writing`)."""
+        if self.drained is None:
+            self.drained = self.loop.create_future()
+        await self.drained
 
 
 def _say(front: Front, kind: str, request: Request, what: str, e: Exception) -> None:

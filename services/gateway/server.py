@@ -209,7 +209,8 @@ class Gateway:
     fast_path: bool = True
     """The request path's speed-ups (`--no-fast-path` turns them off): no span made for a
     request when nothing records spans and the client sent no trace context (`_span`), the
-    metrics' labelled children kept (`KeptLabelled`), the rule's own (`pickers.FAST`)."""
+    metrics' labelled children kept and written by writers of their own (`KeptLabelled`),
+    the rule's own (`pickers.FAST`)."""
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     server: str = "lean"  # --server: lean (gateway.front) or aiohttp (its web server)
     rule: str = DEFAULT_PICKER
@@ -635,7 +636,7 @@ class Gateway:
                 self.metrics.retries.inc()
                 span.set_attribute("llmgw.retry", True)
             else:
-                self.metrics.overhead.observe(time.perf_counter() - request[T0])
+                self.labelled.of(self.metrics.overhead).observe(time.perf_counter() - request[T0])
             tried.append(r.id)
             span.set_attribute("llmgw.replica", r.id)
             self.routed.explain(request, route, span, r.id)

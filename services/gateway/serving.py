@@ -5,6 +5,7 @@ against. Both serve the same handlers (`services.gateway.exchange`), refuse the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -53,11 +54,9 @@ class Serving:
 
     async def prepare(self) -> None:
         if self.kind == "lean":
-            routes, boundary = self.routes, self.boundary
-
-            async def handle(request: Request) -> Answer:
-                return await dispatch(request, routes, boundary)
-
+            # `dispatch` itself, its routes and edge bound: no coroutine of its own around
+            # it, which each chunk of a stream would pass through on its way down.
+            handle = functools.partial(dispatch, routes=self.routes, boundary=self.boundary)
             self.front = Front(
                 handle, self.lines, self.idle_timeout_s, shutdown_timeout_s=SHUTDOWN_S
             )

@@ -40,6 +40,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 # past which its connection stops reading (the client is slow), LOW_WATER where it
 # reads again.
 IDLE_S = 15.0
+# MAX_KEPT bounds the URLs whose pool and request line are kept (`LeanSession._begun`).
+MAX_KEPT = 4096
 HIGH_WATER = 1 << 17
 LOW_WATER = 1 << 15
 
@@ -75,7 +77,9 @@ class Body:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        self._wake()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
 
@@ -92,24 +96,29 @@ class Body:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _take(self) -> bytes | None:
+        """What has come (b"" at the end), or None while nothing has; what broke it
+        raises."""
+        if self._exc is not None:
+            raise self._exc
+        if self._chunks:
+            data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+            return data
+        return b"" if self._eof else None
+
     async def readany(self) -> bytes:
-        while True:
-            if self._exc is not None:
-                raise self._exc
-            if self._chunks:
-                data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._size = 0
-                if self._conn is not None:
-                    self._conn.resume()
-                return data
-            if self._eof:
-                return b""
+        while (data := self._take()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return data
 
     def iter_any(self) -> Body:
         return self
@@ -118,7 +127,14 @@ class Body:
         return self
 
     async def __anext__(self) -> bytes:
-        data = await self.readany()
+        # `readany`'s loop, not a call of it: one coroutine less for each chunk of a
+        # stream passed on.
+        while (data := self._take()) is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if not data:
             raise StopAsyncIteration
         return data
@@ -222,7 +238,8 @@ class _Conn(asyncio.Protocol):
         if self.head is None or not self.head.done():
             return  # an interim answer's end
         self.done = True
-        self._cancel_timer()
+        # The read timer is left to run out (`_check` finds the answer done): armed once
+        # for the connection's run of answers, not once an answer.
         self.body._end()
         self.resume()  # the answer whole: its reader's pace no longer holds the connection
         if self.parser.should_keep_alive() and not self.closed:
@@ -239,7 +256,8 @@ class _Conn(asyncio.Protocol):
         self.done = False
         self.head = self.pool.loop.create_future()
         self.last_read = self.pool.loop.time()
-        self._arm(self.pool.read_timeout_s)
+        if self._timer is None:
+            self._arm(self.pool.read_timeout_s)
         self.transport.write(head + data if len(data) < 65536 else head)
         if len(data) >= 65536:
             self.transport.write(data)
@@ -299,7 +317,8 @@ class _Conn(asyncio.Protocol):
             self._timer = None
 
     def _check(self) -> None:
-        """The read timer (one per answer, re-armed only when it fires): nothing read for
+        """The read timer (one while answers come on the connection, re-armed only when
+        it fires, then only while an answer is being read): nothing read for
         `read_timeout_s` while the answer is not whole and reading is not paused for a
         slow client is a timeout."""
         self._timer = None
@@ -402,19 +421,19 @@ class LeanSession:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
+        self._by_url: dict[yarl.URL, tuple[Pool, bytes]] = {}
+        """Per URL asked: its pool, and its request's first bytes (`_begun`)."""
         self._swept = time.monotonic()
 
     async def post(self, url: yarl.URL, *, data: bytes, headers: dict[str, str]) -> Answer:
         """`data` posted to `url` with `headers` (besides Host, Content-Length and, unless
         given, `Accept: */*`, as aiohttp's client sends): the answer begun."""
-        pool = self._pool(url)
+        got = self._by_url.get(url)
+        if got is None:
+            got = self._begun(url)
+        pool, start = got
         c = await pool.connection()
-        lines = [
-            b"POST ",
-            (url.raw_path_qs or "/").encode(),
-            b" HTTP/1.1\r\nHost: ",
-            pool.authority,
-        ]
+        lines = [start]
         for name, value in headers.items():
             lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
         if "Accept" not in headers:
@@ -426,6 +445,19 @@ class LeanSession:
         except BaseException:
             c.close()
             raise
+
+    def _begun(self, url: yarl.URL) -> tuple[Pool, bytes]:
+        """`url`'s pool and its request line and Host header, kept for the next request
+        to it (the forwarder keeps each replica's URLs: the same few, again and again)."""
+        pool = self._pool(url)
+        start = b"POST %b HTTP/1.1\r\nHost: %b" % (
+            (url.raw_path_qs or "/").encode(),
+            pool.authority,
+        )
+        if len(self._by_url) >= MAX_KEPT:
+            self._by_url.clear()
+        self._by_url[url] = (pool, start)
+        return pool, start
 
     def _pool(self, url: yarl.URL) -> Pool:
         key = (url.scheme, url.raw_host, url.port)
@@ -446,8 +478,10 @@ class LeanSession:
         for k, p in list(self.pools.items()):
             if not p.open:
                 del self.pools[k]
+        self._by_url.clear()  # none kept of a pool dropped
 
     async def close(self) -> None:
         for p in self.pools.values():
             p.close()
         self.pools.clear()
+        self._by_url.clear()

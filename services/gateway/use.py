@@ -77,6 +77,19 @@ def cached(doc: bytes) -> int | None:
     return None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
 
 
+def use_of(doc: bytes) -> tuple[int, int, int | None]:
+    """`usage` and `cached` of a whole answer, in one decode of it."""
+    try:
+        u = _answer.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0, 0, None
+    if u is None:
+        return 0, 0, None
+    d = u.prompt_tokens_details
+    saved = None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
+    return max(u.prompt_tokens, 0), max(u.completion_tokens, 0), saved
+
+
 def stream_cached(tail: bytes) -> int | None:
     """`cached` of a stream's last `data:` event with a usage."""
     for line in reversed(tail.split(b"\n")):

@@ -21,8 +21,10 @@ import importlib.util
 import json
 import logging
 import re
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
+from unittest.mock import patch
 
 import aiohttp
 import httptools
@@ -32,9 +34,10 @@ from nats.js.client import JetStreamContext
 from openai import AsyncOpenAI
 
 from services.gateway.exchange import Whole
-from services.gateway.front import HIGH_WATER, Front, Request, Stream
-from services.gateway.guard import Lines
+from services.gateway.front import HIGH_WATER, BadBody, Front, Request, Stream
+from services.gateway.guard import Budget, Lines
 from services.gateway.loop import loop_factory
+from services.gateway.request import read_body
 from services.gateway.server import Gateway
 from tests.agent.helpers import wait_for
 from tests.gateway.conftest import Plane, gateway_for, serving
@@ -632,3 +635,50 @@ async def _answers_and_refuses() -> None:
         await asyncio.wait_for(cancelled.wait(), 5)
         got = await ask(get.replace(b"HTTP/1.1", b"HTTP/1.1\r\nConnection: close"))
         assert got.statuses() == [200]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_that_came_with_its_head_is_taken_without_a_wait(loop: str) -> None:
+    on(loop, _a_body_with_its_head)
+
+
+async def _a_body_with_its_head() -> None:
+    """A request sent whole in one write (most clients' small requests): its body has
+    ended when its handler starts, as aiohttp's `is_eof` says, so `read_body` takes it
+    with `read_nowait` and arms no timer for it; one whose body comes later is read as
+    it comes; one whose connection broke raises from `read_nowait`."""
+    seen: list[tuple[bool, bytes]] = []
+    budget = Budget(1 << 20)
+
+    async def handler(request: Request) -> Whole:
+        ended = request.content.is_eof()
+        with patch.object(asyncio, "timeout", side_effect=AssertionError("a timer")):
+            if ended:
+                body = await read_body(request, 1 << 20, budget, 5)
+        if not ended:
+            body = await read_body(request, 1 << 20, budget, 5)
+        seen.append((ended, body))
+        return Whole(body)
+
+    body = b'{"model": "m"}'
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    async with front(handler) as (_, addr):
+        reader, writer = await asyncio.open_connection(*addr)
+        for _ in range(2):
+            writer.write(head % len(body) + body)
+            await reader.readuntil(body)
+        writer.write(head % len(body))
+        await writer.drain()
+        await asyncio.sleep(0)  # the head alone first, as a client may send it
+        writer.write(body)
+        await reader.readuntil(body)
+        writer.close()
+    assert seen[:2] == [(True, body), (True, body)]
+    assert seen[2][1] == body
+    assert budget.held == 3 * len(body)  # each body's bytes held (the gateway gives them back)
+
+    request = Request.__new__(Request)
+    request._chunks, request._eof, request._error = deque([b"x"]), True, BadBody("broken")
+    assert request.is_eof()
+    with pytest.raises(BadBody):
+        request.read_nowait()
