@@ -65,27 +65,30 @@ _CHUNK = 16
 FIRSTS = 8
 
 
-class _Node:
-    """A chain of blocks, `blocks` (a prompt's, from `depth` on), that no prompt
-    recorded at the replica forks from but at its end: touched together (a prompt that
-    ends or forks inside it splits it there), so they share their place in the LRU."""
+class _Node(list[int]):
+    """A chain of blocks (itself: a prompt's, from `depth` on) that no prompt recorded at
+    the replica forks from but at its end: touched together (a prompt that ends or forks
+    inside it splits it there; one that goes on past a chain nothing hangs from extends
+    it), so they share their place in the LRU. A list of its blocks, not a list beside
+    it (a chain costs one object), keyed in `Lru._order` by what it is, not by its
+    blocks (hashed and compared as an object)."""
 
-    __slots__ = ("blocks", "depth", "kids", "parent")
+    __slots__ = ("depth", "kids", "parent")
+    __hash__ = object.__hash__  # type: ignore[assignment]
+    __eq__ = object.__eq__
 
-    def __init__(self, blocks: list[int], depth: int, parent: _Node | None) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: Iterable[int], depth: int, parent: _Node | None) -> None:
+        super().__init__(blocks)
         self.depth = depth
-        """The depth of `blocks[0]` in every prompt that holds it (a chained hash's
+        """The depth of its first block in every prompt that holds it (a chained hash's
         position is its own)."""
         self.parent = parent
         self.kids = 0
         """The chains that fork from this one's last block."""
 
 
-# _ONE stands, in `Lru.heads`, for a chain of one block at a prompt's start with nothing
-# under it (a short prompt's, most of a workload of short prompts): no `_Node` is made
-# for it, its block stands for it in `Lru._order`.
-_ONE = _Node([], 0, None)
+# _NOT: what `Lru._order` gives for a block that is not a chain of its own there.
+_NOT = _Node([], -1, None)
 
 
 class Lru:
@@ -94,6 +97,12 @@ class Lru:
     block. The blocks are kept as a tree of chains (`_Node`; each prompt recorded is a
     path from a root), found by their first blocks (`heads`), in the order of their last
     touch (`_order`).
+
+    A chain of one block with nothing hanging from it (a short prompt's, or a prompt's
+    own last block past a prefix it shares: most of a workload of short prompts or of
+    short questions after one system prompt) has no `_Node` and is not in `heads`: its
+    block stands for it in `_order`, mapped to its parent's chain (None at a prompt's
+    start), so that it costs about what a block of an `OrderedDict` does.
 
     Why the order is the same: a prompt's blocks are touched deepest first, so a chain
     is last touched no later than its parent, and with every block of it; the least
@@ -110,8 +119,11 @@ class Lru:
 
     def __init__(self) -> None:
         self.heads: dict[int, _Node] = {}
-        """Each chain by its first block (`_ONE` for a chain that is its block)."""
-        self._order: dict[_Node | int, None] = {}
+        """Each chain with a `_Node` by its first block."""
+        self._order: dict[_Node | int, _Node | None] = {}
+        """The chains, least recently touched first: a `_Node` (its value None), or the
+        block of a chain of one block without one (its value its parent's chain, None at
+        a prompt's start)."""
         self.size = 0
         """The blocks held."""
 
@@ -119,29 +131,29 @@ class Lru:
         """How many of `hashes`' leading blocks are held (`prefix.held`)."""
         return self._walk(hashes, None)
 
-    def _walk(self, hashes: list[int], path: list[_Node] | None) -> int:
-        """`held`; with `path`, the chains it runs through appended to it, root first,
-        the one it ends or forks inside split there (a chain of one block at a prompt's
-        start made a `_Node` where it goes on)."""
-        heads, n, d = self.heads, len(hashes), 0
+    def _walk(self, hashes: list[int], path: list[_Node | int] | None) -> int:
+        """`held`; with `path`, the chains it runs through appended to it (their keys in
+        `_order`), root first, the one it ends or forks inside split there."""
+        heads, order, n, d = self.heads, self._order, len(hashes), 0
         while d < n:
-            node = heads.get(hashes[d])
+            h = hashes[d]
+            node = heads.get(h)
             if node is None:
-                break
-            if node is _ONE:
-                if d:
-                    break
-                if path is None or n == 1:
-                    d = 1
+                # A chain of one block without a node, if it hangs where this prompt
+                # has it (not another's, whose hash collided).
+                up = order.get(h, _NOT)
+                if (
+                    up is None
+                    if d == 0
+                    else up is not None and up is not _NOT and up.depth + len(up) == d
+                ):
+                    d += 1
                     if path is not None:
-                        self._order.pop(hashes[0], None)
-                        self._order[hashes[0]] = None
-                    break
-                self._order.pop(hashes[0], None)
-                node = heads[hashes[0]] = _Node([hashes[0]], 0, None)
-            elif node.depth != d:
-                break  # not this prompt's (two prompts' hashes collided)
-            blocks = node.blocks
+                        path.append(h)
+                break
+            if node.depth != d:
+                break  # not this prompt's
+            blocks = node
             m = min(len(blocks), n - d)
             if blocks[m - 1] == hashes[d + m - 1]:
                 k = m
@@ -156,48 +168,58 @@ class Lru:
                         hi = mid - 1
                 k = lo
             d += k
-            if path is None:
-                if k < len(blocks):
-                    break
-                continue
             if k < len(blocks):
-                path.append(self._split(node, k))
+                if path is not None:
+                    path.append(self._split(node, k))
                 break
-            path.append(node)
+            if path is not None:
+                path.append(node)
         return d
 
     def record(self, hashes: list[int]) -> None:
         """`Prefix.record`'s touch of a prompt's chain `hashes` (not empty): the chains
-        it runs through touched, deepest first, the blocks past them a new chain."""
-        path: list[_Node] = []
+        it runs through touched, deepest first, the blocks past them a new chain (or
+        the end of the last one, where nothing hangs from it)."""
+        path: list[_Node | int] = []
         d = self._walk(hashes, path)
-        order = self._order
-        if d < len(hashes):
-            parent = path[-1] if path else None
-            if parent is None and len(hashes) == 1:
-                self.heads[hashes[0]] = _ONE
-                order[hashes[0]] = None
+        order, heads = self._order, self.heads
+        n = len(hashes)
+        if d < n:
+            last = path[-1] if path else None
+            if isinstance(last, int):
+                # A chain of one block goes on: made a node, the new blocks its own.
+                node = heads[last] = _Node([last, *hashes[d:]], d - 1, order.pop(last))
+                path[-1] = node
+            elif last is not None and not last.kids:
+                last.extend(hashes[d:])
+            elif n - d == 1:
+                order[hashes[d]] = last
+                if last is not None:
+                    last.kids += 1
             else:
-                new = _Node(hashes[d:], d, parent)
-                self.heads[hashes[d]] = new
+                new = _Node(hashes[d:], d, last)
+                heads[hashes[d]] = new
                 order[new] = None
-                if parent is not None:
-                    parent.kids += 1
-            self.size += len(hashes) - d
-        for node in reversed(path):
-            order.pop(node, None)
-            order[node] = None
+                if last is not None:
+                    last.kids += 1
+            self.size += n - d
+        for key in reversed(path):
+            order[key] = order.pop(key, None)
+
+    def holds(self, h: int) -> bool:
+        """Whether `h`, a prompt's first block, is held."""
+        return h in self.heads or h in self._order
 
     def _split(self, node: _Node, at: int) -> _Node:
         """`node`'s first `at` blocks made a chain of their own over it (the new one,
         returned); `node` keeps the rest and its place in `_order`."""
-        upper = _Node(node.blocks[:at], node.depth, node.parent)
+        upper = _Node(node[:at], node.depth, node.parent)
         upper.kids = 1
-        del node.blocks[:at]
+        del node[:at]
         node.depth += at
         node.parent = upper
-        self.heads[upper.blocks[0]] = upper
-        self.heads[node.blocks[0]] = node
+        self.heads[upper[0]] = upper
+        self.heads[node[0]] = node
         return upper
 
     def trim(self, cap: int) -> list[int]:
@@ -209,13 +231,15 @@ class Lru:
         while over > 0 and order:
             key = next(iter(order))
             if isinstance(key, int):
-                del order[key]
-                heads.pop(key, None)
-                gone.append(key)
+                parent = order.pop(key)
+                if parent is None:
+                    gone.append(key)
+                else:
+                    parent.kids -= 1
                 self.size -= 1
                 over -= 1
                 continue
-            blocks = key.blocks
+            blocks = key
             n = len(blocks)
             if n > over:
                 # Its deepest ones: it keeps its place.
@@ -235,7 +259,11 @@ class Lru:
 
     def firsts(self) -> list[int]:
         """The first blocks of prompts held."""
-        return [h for h, node in self.heads.items() if node is _ONE or node.parent is None]
+        return [
+            k if isinstance(k, int) else k[0]
+            for k, up in self._order.items()
+            if (up is None if isinstance(k, int) else k.parent is None)
+        ]
 
     def _ordered(self) -> list[int]:
         """Every block, least recently touched first (a chain's deepest first)."""
@@ -244,7 +272,7 @@ class Lru:
             if isinstance(k, int):
                 out.append(k)
             else:
-                out.extend(reversed(k.blocks))
+                out.extend(reversed(k))
         return out
 
     def __len__(self) -> int:
@@ -431,12 +459,12 @@ class FastPrefix(Prefix):
         out: list[int] = []
         for rid in got:
             lru = lrus.get(rid)
-            if lru is None or first not in lru.heads:
+            if lru is None or not lru.holds(first):
                 self._unfirst(first, rid)
             elif (i := pos.get(rid)) is not None:
                 out.append(i)
         for rid in untracked:
-            if (i := pos.get(rid)) is not None and rid not in got and first in lrus[rid].heads:
+            if (i := pos.get(rid)) is not None and rid not in got and lrus[rid].holds(first):
                 out.append(i)
         out.sort()
         return out
@@ -552,8 +580,9 @@ class FastPrefix(Prefix):
         if lru is None or lru is self.index.get(rid):
             return
         firsts, now = self._firsts, self._lrus().get(rid)
-        heads = now.heads if now is not None else {}
-        for h in [h for h in cast(Lru, lru).firsts() if h in firsts and h not in heads]:
+        for h in cast(Lru, lru).firsts():
+            if h not in firsts or (now is not None and now.holds(h)):
+                continue
             self._unfirst(h, rid)
         if now is None or not now.size:
             self._untracked.discard(rid)

@@ -563,8 +563,9 @@ def micro(blocks_list: tuple[int, ...]) -> None:
             print(f"{size:>11} {n:>7} {name:>14} {w50:>8.1f} {w99:>8.1f} {c50:>8.1f} {c99:>8.1f}")
     print("\n== the index's memory: 1,000 replicas at capacity")
     # Prompts of 64 blocks; then prompts of one block, each block a prompt's first (what
-    # fills the speed-up's map of first blocks).
-    for per, each in ((64, 8), (1, 512)):
+    # fills the speed-up's map of first blocks), and of two (the speed-up's chains at
+    # their smallest with a node each).
+    for per, each in ((64, 8), (1, 512), (2, 256)):
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         p = Rule()
