@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -280,3 +282,56 @@ def test_a_gateway_with_its_fast_path_makes_the_fast_rule_and_without_it_the_pla
 
     # A rule handed in by name keeps its own kind: the speed-up is of `Prefix` itself.
     assert type(pickers.make("prefix", fast=True, rules={"prefix": StandIn})) is StandIn
+
+
+def _shapes(rng: random.Random) -> dict[str, Callable[[], list[list[int]]]]:
+    """Workloads of one replica's prompts, by the shape of the tree they leave."""
+
+    def bits(n: int) -> list[int]:
+        return [rng.getrandbits(63) for _ in range(n)]
+
+    def fan(own: int) -> Callable[[], list[list[int]]]:
+        def prompts() -> list[list[int]]:
+            base = bits(8)
+            return [base + bits(own) for _ in range(600 // own)]
+
+        return prompts
+
+    def conversation() -> list[list[int]]:
+        out, turn = [], bits(4)
+        for _ in range(600):
+            turn = turn + bits(1) if len(turn) < 300 else bits(4)
+            out.append(turn)
+        return out
+
+    return {
+        "64-block prompts": lambda: [bits(64) for _ in range(8)],
+        "one-block prompts": lambda: [bits(1) for _ in range(600)],
+        "two-block prompts": lambda: [bits(2) for _ in range(300)],
+        "a prefix and one block of each's own": fan(1),
+        "a prefix and two blocks of each's own": fan(2),
+        "a conversation one block a turn": conversation,
+    }
+
+
+@pytest.mark.parametrize("shape", list(_shapes(random.Random(0))))
+def test_the_fast_rules_index_keeps_to_the_memory_bound_whatever_the_shape(shape: str) -> None:
+    """The index's bound in bytes (64 MiB for `TOTAL_BLOCKS`, docs/gateway.md) holds a
+    block whatever tree the prompts leave: chains of one block, of two, forks from one
+    prefix, a conversation grown a block a turn; the plain rule's measured the same way
+    for scale."""
+    budget = 64 * 2**20 / prefix.TOTAL_BLOCKS
+    got = {}
+    for rule in (Prefix, FastPrefix):
+        make = _shapes(random.Random(1))[shape]
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        p = rule(total_blocks=40_000)
+        for i in range(100):
+            for hashes in make():
+                p.record(f"r{i}", hashes)
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert p.blocks_held() == 40_000
+        got[rule.__name__] = used / p.blocks_held()
+    assert got["FastPrefix"] <= budget, (shape, got)
