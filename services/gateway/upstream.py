@@ -77,9 +77,7 @@ class Body:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake()
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
 
@@ -92,7 +90,7 @@ class Body:
         self._wake()
 
     def _wake(self) -> None:
-        w = self._waiter
+        w, self._waiter = self._waiter, None
         if w is not None and not w.done():
             w.set_result(None)
 
@@ -111,13 +109,15 @@ class Body:
             return data
         return b"" if self._eof else None
 
+    def _wait(self) -> asyncio.Future[None]:
+        """A future that `_feed` or `_end` sets (awaited as it is: no coroutine of its own
+        for each chunk); the last one taken, or cancelled, is never set again."""
+        self._waiter = w = asyncio.get_running_loop().create_future()
+        return w
+
     async def readany(self) -> bytes:
         while (data := self._take()) is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         return data
 
     def iter_any(self) -> Body:
@@ -130,11 +130,7 @@ class Body:
         # `readany`'s loop, not a call of it: one coroutine less for each chunk of a
         # stream passed on.
         while (data := self._take()) is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         if not data:
             raise StopAsyncIteration
         return data
