@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -71,6 +72,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A suite started where Ctrl-C is ignored (a shell's background job, `cmd &`) would
+    # pass that on to every process it starts, and the tests that stop one with Ctrl-C
+    # would fail for it: the processes the tests start get Ctrl-C's default back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers",
         "module_broker: `nc` and `js` use one broker shared by the module's tests "
