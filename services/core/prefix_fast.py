@@ -87,10 +87,6 @@ class _Node(list[int]):
         """The chains that fork from this one's last block."""
 
 
-# _NOT: what `Lru._order` gives for a block that is not a chain of its own there.
-_NOT = _Node([], -1, None)
-
-
 class Lru:
     """A replica's LRU as `Prefix` keeps it (an `OrderedDict` of block hashes): the same
     blocks, evicted in the same order, at a cost per chain of a prompt rather than per
@@ -141,15 +137,12 @@ class Lru:
             if node is None:
                 # A chain of one block without a node, if it hangs where this prompt
                 # has it (not another's, whose hash collided).
-                up = order.get(h, _NOT)
-                if (
-                    up is None
-                    if d == 0
-                    else up is not None and up is not _NOT and up.depth + len(up) == d
-                ):
-                    d += 1
-                    if path is not None:
-                        path.append(h)
+                if h in order:
+                    up = order[h]
+                    if up is None if d == 0 else up is not None and up.depth + len(up) == d:
+                        d += 1
+                        if path is not None:
+                            path.append(h)
                 break
             if node.depth != d:
                 break  # not this prompt's

@@ -348,13 +348,7 @@ class Plan:
                 return what
             out.append(got)
         self.broken = (b"", b"", rest)
-        data = out[0] if len(out) == 1 else b"".join(out)
-        if data:
-            # `_write`, inline: the one write of each read of a stream.
-            await resp.write(data)
-            if not self.wrote:
-                self.wrote = True
-                fw.first_byte(request)
+        await self._write(fw, request, resp, out[0] if len(out) == 1 else b"".join(out))
         return None
 
     async def _write(self, fw: Forwarder, request: Request, resp: Stream, data: bytes) -> None:

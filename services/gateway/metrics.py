@@ -238,7 +238,7 @@ class HistogramWriter:
     def __init__(self, child: Any) -> None:
         self._sum = child._sum
         self._bounds = tuple(child._upper_bounds)
-        self._buckets = [b for b in child._buckets]
+        self._buckets = list(child._buckets)
 
     def observe(self, amount: float) -> None:
         self._sum._value += amount

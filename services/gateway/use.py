@@ -58,23 +58,15 @@ _answer = msgspec.json.Decoder(_Answer)
 
 def usage(doc: bytes) -> tuple[int, int]:
     """(prompt, completion) tokens an answer's `usage` says; (0, 0) when it says none."""
-    try:
-        u = _answer.decode(doc).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0, 0
-    return (0, 0) if u is None else (max(u.prompt_tokens, 0), max(u.completion_tokens, 0))
+    prompt, completion, _ = use_of(doc)
+    return prompt, completion
 
 
 def cached(doc: bytes) -> int | None:
     """The prompt tokens an answer's `usage` says the engine served from its prefix
     cache (`prompt_tokens_details.cached_tokens`: vLLM with
     `--enable-prompt-tokens-details`); None when it does not say."""
-    try:
-        u = _answer.decode(doc).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    d = None if u is None else u.prompt_tokens_details
-    return None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
+    return use_of(doc)[2]
 
 
 def use_of(doc: bytes) -> tuple[int, int, int | None]:

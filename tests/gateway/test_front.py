@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 from unittest.mock import patch
 
-import aiohttp
 import httptools
 import pytest
 from nats.aio.client import Client
@@ -40,8 +39,8 @@ from services.gateway.loop import loop_factory
 from services.gateway.request import read_body
 from services.gateway.server import Gateway
 from tests.agent.helpers import wait_for
-from tests.gateway.conftest import Plane, gateway_for, serving
-from tests.gateway.test_upstream_client import Replica, replica
+from tests.gateway.conftest import Plane, gateway_for
+from tests.gateway.test_upstream_client import Replica, side_by_side
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.module_broker]
 
@@ -71,19 +70,8 @@ async def two(nc: Client, js: JetStreamContext) -> AsyncIterator[Two]:
     lean = gateway_for(js, nc=nc, server="lean")
     for gw in (ref, lean):
         gw.body_timeout_s = 0.5
-    async with (
-        serving(ref),
-        serving(lean),
-        aiohttp.ClientSession() as http,
-        replica() as (rep, url),
-    ):
-        plane = Plane(js, ref, http)
-        await plane.inventory(plane.node, 16)
-        for script in ("whole", "stream", "stream-stall", "big", "e500"):
-            name = f"{script}-{plane.node}"
-            await plane.model(name)
-            await plane.ready(f"{name}-1", name, url)
-        await lean.follower.wait_for(ref.follower.seq, 5)
+    scripts = ("whole", "stream", "stream-stall", "big", "e500")
+    async with side_by_side(js, ref, lean, scripts) as (plane, rep):
         yield Two(plane, lean, rep)
         for gw in (ref, lean):
             await up(plane, gw, f"whole-{plane.node}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -181,13 +181,11 @@ def _refused() -> str:
 
 
 @contextlib.asynccontextmanager
-async def two(
-    nc: Client, js: JetStreamContext, continuation_limit: int
-) -> AsyncIterator[tuple[Plane, Gateway, Replica]]:
-    """The aiohttp gateway (the plane's) and the lean one, both following the log, the
-    scripted replica ready for every model of SCRIPTS and `refused` at a closed port."""
-    ref = gateway_for(js, nc=nc, upstream_client="aiohttp", continuation_limit=continuation_limit)
-    lean = gateway_for(js, nc=nc, upstream_client="lean", continuation_limit=continuation_limit)
+async def side_by_side(
+    js: JetStreamContext, ref: Gateway, lean: Gateway, models: Iterable[str]
+) -> AsyncIterator[tuple[Plane, Replica]]:
+    """`ref` (the plane's gateway) and `lean` serving, both following the log, the
+    scripted replica ready for each of `models` (`refused` at a closed port)."""
     async with (
         serving(ref),
         serving(lean),
@@ -196,11 +194,23 @@ async def two(
     ):
         plane = Plane(js, ref, http)
         await plane.inventory(plane.node, 16)
-        for model in [*SCRIPTS, "refused"]:
+        for model in models:
             name = f"{model}-{plane.node}"
             await plane.model(name)
             await plane.ready(f"{name}-1", name, _refused() if model == "refused" else url)
         await lean.follower.wait_for(ref.follower.seq, 5)
+        yield plane, rep
+
+
+@contextlib.asynccontextmanager
+async def two(
+    nc: Client, js: JetStreamContext, continuation_limit: int
+) -> AsyncIterator[tuple[Plane, Gateway, Replica]]:
+    """The aiohttp gateway (the plane's) and the lean one, both following the log, the
+    scripted replica ready for every model of SCRIPTS and `refused` at a closed port."""
+    ref = gateway_for(js, nc=nc, upstream_client="aiohttp", continuation_limit=continuation_limit)
+    lean = gateway_for(js, nc=nc, upstream_client="lean", continuation_limit=continuation_limit)
+    async with side_by_side(js, ref, lean, [*SCRIPTS, "refused"]) as (plane, rep):
         yield plane, lean, rep
 
 
