@@ -2,8 +2,9 @@
 each replica, the cache knowledge of the prefix rule, and the requests waiting per model.
 
 Used by `services.gateway.server` when it has a broker connection and sharing is on
-(`--no-share` turns it off). Every `--share-interval` (50 ms) each gateway publishes a
-`schemas.share.Share` on core NATS (`subjects.share_subject`: never stored): its requests
+(`--no-share` turns it off). Every `--share-interval` (50 ms) while what it says has
+changed, and at least every fifth of `--share-expiry` (0.1 s) while it has not, each
+gateway publishes a `schemas.share.Share` on core NATS (`subjects.share_subject`: never stored): its requests
 in flight per replica, its uncached prefill work in flight, its held requests per
 model, the keys it refused since, and the tokens of keys' limits it hands to others; and
 a `schemas.share.Routed` batch of the blocks it routed where, sent as soon as the loop's
@@ -60,6 +61,11 @@ log = logging.getLogger("llmgw.gateway")
 # ten intervals (a loaded loop is late by tens of milliseconds, not by half a second).
 INTERVAL_S = SHARE_INTERVAL_S
 EXPIRY_S = SHARE_EXPIRY_S
+# HEARTBEATS is how many messages a gateway whose counts have not changed sends per
+# expiry (at most one an interval): enough to stay among the others, without the 20 a
+# second (each one a write, and a wake of every gateway that reads it, its own too) of
+# an idle gateway saying again what it said.
+HEARTBEATS = 5
 # GIVE is the part of its share a gateway hands to one that refused the key.
 GIVE = 0.5
 # MAX_PEERS bounds the gateways one keeps state of (a flood of ids keeps no more).
@@ -101,6 +107,11 @@ class Sharing:
     _wanted: dict[bytes, float] = field(default_factory=dict)
     _subs: list[Any] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
+    _said: tuple[Any, ...] | None = None
+    """The counts the last message said (`_publish`)."""
+    _said_at: float = float("-inf")
+    _news: bool = True
+    """A gateway joined since the last message: the next one goes whatever it says."""
 
     def __post_init__(self) -> None:
         if self.keys is not None:
@@ -226,23 +237,48 @@ class Sharing:
                     log.exception("gateway: share not sent")
             await asyncio.sleep(self.interval_s)
 
+    @property
+    def heartbeat_s(self) -> float:
+        """The longest a gateway whose counts do not change goes without saying them."""
+        return max(self.interval_s, self.expiry_s / HEARTBEATS)
+
     async def _publish(self) -> None:
+        """This gateway's state to the others: each interval while its counts change,
+        or it wants or hands on some of a key's limits, or another gateway has joined;
+        else once a `heartbeat_s`."""
         wanted = self.admission.wanting
         now = self.clock()
+        room = self.room
+        said = (
+            {r: n for r, n in self.picker.inflight.items() if n > 0},
+            dict(self.picker.work_of()),
+            room.held_by_model(),
+            room.held_by_owner(),
+        )
+        if (
+            not wanted
+            and not self.gives
+            and not self._news
+            and said == self._said
+            and now - self._said_at < self.heartbeat_s
+        ):
+            await self._publish_cache()
+            return
         for digest in wanted:
             self._wanted[digest] = now
         want = tuple(tag(d) for d in wanted)
         wanted.clear()
         gives = {g: {t: (r, k) for t, (r, k) in given.items()} for g, given in self.gives.items()}
         self.gives.clear()
-        room = self.room
+        self._said, self._said_at, self._news = said, now, False
+        inflight, work, waiting, owners = said
         msg = schema.Share(
             gateway=self.gateway,
             at=time.time(),
-            inflight={r: n for r, n in self.picker.inflight.items() if n > 0},
-            work=dict(self.picker.work_of()),
-            waiting=room.held_by_model(),
-            owners=room.held_by_owner(),
+            inflight=inflight,
+            work=work,
+            waiting=waiting,
+            owners=owners,
             want=want,
             gives=gives,
         )
@@ -288,8 +324,10 @@ class Sharing:
             self._drop(s.gateway)
             return
         now = self.clock()
-        if s.gateway not in self.peers and len(self.peers) >= MAX_PEERS:
-            return
+        if s.gateway not in self.peers:
+            if len(self.peers) >= MAX_PEERS:
+                return
+            self._news = True  # a newcomer hears this gateway at its next turn
         if s.at > 0:
             self.delays.append(max(0.0, time.time() - s.at))
         self.peers[s.gateway] = now

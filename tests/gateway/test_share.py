@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import signal
@@ -25,10 +26,12 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import codec, subjects
 from schemas import events as ev
+from schemas import share as share_schema
 from services.agent.responder import Responder, Timing
 from services.bus import EmbeddedBroker, Publisher
 from services.clock import utc_now
@@ -481,3 +484,51 @@ async def test_a_tenants_share_of_a_models_line_is_its_share_of_the_fleets(
             for t in held:
                 t.cancel()
             await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_an_idle_gateway_says_its_state_at_its_heartbeat_and_at_once_to_a_newcomer(
+    nats_server: EmbeddedBroker, nc: Client, keys: Path, tmp_path: Path
+) -> None:
+    # Alone and idle, a gateway said the same state every interval (20 messages a
+    # second, each a wake of every gateway, its own too); now once a fifth of its
+    # expiry (0.4 s here), and at its next interval to a gateway that joins.
+    heard: dict[str, list[float]] = {}
+    news = asyncio.Event()
+
+    async def on(msg: Any) -> None:
+        s = share_schema.decode_share(msg.data)
+        if s is not None and not s.leaving:
+            heard.setdefault(s.gateway, []).append(time.monotonic())
+            news.set()
+
+    async def until(done: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, heard
+            news.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(news.wait(), 1)
+
+    await nc.subscribe(subjects.share_wildcard(), cb=on)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    first = Gateways(nats_server.url, 1, keys, tmp_path / "a", "--share-expiry", "2")
+    try:
+        await until(lambda: len(heard) == 1 and len(next(iter(heard.values()))) >= 8)
+        (idle,) = heard
+        times = heard[idle][3:]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert min(gaps) >= 0.3, gaps  # its heartbeat, not its 50 ms interval
+        assert max(gaps) <= 1.0, gaps  # well within its expiry
+        second = Gateways(nats_server.url, 1, keys, tmp_path / "b")
+        try:
+            await until(lambda: len(heard) == 2)
+            (newcomer,) = set(heard) - {idle}
+            joined = heard[newcomer][0]
+            await until(lambda: heard[idle][-1] > joined)
+            after = min(t for t in heard[idle] if t > joined)
+            assert after - joined <= 0.25, after - joined
+        finally:
+            second.close()
+    finally:
+        first.close()
