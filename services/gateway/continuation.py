@@ -193,6 +193,9 @@ class Plan:
     broken: tuple[bytes, bytes, bytes] = (b"", b"", b"")
     """The event a segment broke at: as it came, what goes on of it when the stream is
     continued, and what came after it in the same read."""
+    tail: bytes = b""
+    """What came before a segment's `[DONE]` in the read that ended it, not written
+    yet: it goes with the `[DONE]` and the stream's end in one write."""
 
     def drained(self, rid: str) -> None:
         """The settle time after `rid`'s drain is over: move now, if still there and
@@ -269,10 +272,13 @@ class Plan:
         if end:
             if not strip and (u := st.usage_chunk(estimate)) is not None:
                 end = u + end
-            with contextlib.suppress(ConnectionError):
-                await resp.write(end)
+            end = self.tail + end
+        # The last events, the [DONE] and the stream's end in one write (three before).
+        if end and not self.wrote:
+            self.wrote = True
+            fw.first_byte(request)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await resp.write_eof()
+            await resp.write_eof(end)
         return resp
 
     def _on(self, r: Any, upstream: aiohttp.ClientResponse | None) -> None:
@@ -300,15 +306,23 @@ class Plan:
         event goes on as it came, as without continuation. `rest`: what came of it
         already and was not read yet."""
         self.broken = (b"", b"", b"")
+        self.tail = b""
         if rest and (what := await self._events(fw, request, st, resp, may, rest)) is not None:
             return what
         rest = self.broken[2]
         try:
             async for chunk in upstream.content.iter_any():
-                rest += chunk
-                if (what := await self._events(fw, request, st, resp, may, rest)) is not None:
+                # The events read and written here, not in a coroutine of their own for
+                # each chunk (`_events` is the same for what came before).
+                whole, rest = rules.events(rest + chunk if rest else chunk)
+                what, out = self._read(st, may, whole, rest)
+                if out:
+                    await resp.write(out)
+                    if not self.wrote:
+                        self.wrote = True
+                        fw.first_byte(request)
+                if what is not None:
                     return what
-                rest = self.broken[2]
         except (aiohttp.ClientError, TimeoutError) as e:
             st.broke = "reset"
             fw.lines.say(
@@ -337,6 +351,17 @@ class Plan:
         (what follows it kept in `broken`), else None (the part of an event not ended
         yet kept in `broken[2]`)."""
         whole, rest = rules.events(data)
+        what, out = self._read(st, may, whole, rest)
+        await self._write(fw, request, resp, out)
+        return what
+
+    def _read(
+        self, st: rules.Stream, may: bool, whole: list[bytes], rest: bytes
+    ) -> tuple[str | None, bytes]:
+        """Read the whole events `whole` (`rest` the part of one not ended yet): what
+        ends the segment (DONE, BREAK; what follows it kept in `broken`) or None (`rest`
+        kept in `broken[2]`), and the bytes to write now. What comes before a `[DONE]`
+        is kept in `tail` instead, to go with it."""
         out: list[bytes] = []
         for i, raw in enumerate(whole):
             what, got = st.event(raw)
@@ -344,12 +369,13 @@ class Plan:
                 what, got = rules.PASS, raw
             if what in (rules.DONE, rules.BREAK):
                 self.broken = (raw, got, b"".join(whole[i + 1 :]) + rest)
-                await self._write(fw, request, resp, b"".join(out))
-                return what
+                if what == rules.DONE:
+                    self.tail = b"".join(out)
+                    return what, b""
+                return what, b"".join(out)
             out.append(got)
         self.broken = (b"", b"", rest)
-        await self._write(fw, request, resp, out[0] if len(out) == 1 else b"".join(out))
-        return None
+        return None, out[0] if len(out) == 1 else b"".join(out)
 
     async def _write(self, fw: Forwarder, request: Request, resp: Stream, data: bytes) -> None:
         if not data:

@@ -232,11 +232,15 @@ class Stream:
     async def write_eof(self, data: bytes = b"") -> None:
         if self.ended:
             return
-        if data:
-            await self.write(data)
+        if not self._chunked or self._request.method == "HEAD":
+            if data:
+                await self.write(data)
+            self.ended = True
+            return
         self.ended = True
-        if self._chunked and self._request.method != "HEAD":
-            await self._conn.write(b"0\r\n\r\n")
+        # The last chunk and the end of the chunks in one write.
+        end = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        await self._conn.write(end)
 
 
 class _Conn(asyncio.Protocol):

@@ -68,6 +68,7 @@ class Body:
 
     def __init__(self, conn: _Conn) -> None:
         self._conn: _Conn | None = conn
+        self._loop = conn.pool.loop
         self._chunks: deque[bytes] = deque()
         self._size = 0
         self._eof = False
@@ -112,7 +113,9 @@ class Body:
     def _wait(self) -> asyncio.Future[None]:
         """A future that `_feed` or `_end` sets (awaited as it is: no coroutine of its own
         for each chunk); the last one taken, or cancelled, is never set again."""
-        self._waiter = w = asyncio.get_running_loop().create_future()
+        # The connection's loop, kept: `asyncio.get_running_loop()` asks the kernel for
+        # the process's id each time (CPython 3.11), once a chunk.
+        self._waiter = w = self._loop.create_future()
         return w
 
     async def readany(self) -> bytes:

@@ -670,3 +670,42 @@ async def _a_body_with_its_head() -> None:
     assert request.is_eof()
     with pytest.raises(BadBody):
         request.read_nowait()
+
+
+def test_a_streams_last_chunk_and_its_end_are_one_write() -> None:
+    on("asyncio", _last_chunk_and_end)
+
+
+async def _last_chunk_and_end() -> None:
+    """`write_eof(data)` sends the stream's last chunk and the end of its chunks in one
+    write (a continued stream's last events, its `[DONE]` and its end: one write where
+    there were three); the client reads the same bytes. Counted on asyncio's transport,
+    whose `write` is Python's to wrap."""
+    import asyncio.selector_events
+
+    # Private to asyncio (and to its stubs): looked up, not imported.
+    transport: Any = vars(asyncio.selector_events)["_SelectorSocketTransport"]
+    writes: list[bytes] = []
+    real = transport.write
+
+    def counted(self: Any, data: Any) -> None:
+        writes.append(bytes(data))
+        real(self, data)
+
+    async def handler(request: Request) -> Stream:
+        out = await request.begin(200, {"Content-Type": "text/event-stream"})
+        writes.clear()
+        await out.write(b"data: 1\n\n")
+        await out.write_eof(b"data: 2\n\ndata: [DONE]\n\n")
+        return out
+
+    with patch.object(transport, "write", counted):
+        async with front(handler) as (_, addr):
+            reader, writer = await asyncio.open_connection(*addr)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+            writer.close()
+    last = b"data: 2\n\ndata: [DONE]\n\n"
+    end = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last)
+    assert got.partition(b"\r\n\r\n")[2] == b"9\r\ndata: 1\n\n\r\n" + end
+    assert writes == [b"9\r\ndata: 1\n\n\r\n", end]
