@@ -4,8 +4,9 @@ load through each against the same upstream servers, in one run.
 Run from the repository root:
 
     python tests/bench/bench_peers.py [--peers vllm-router,sglang-router] [--rounds 3]
-        [--seconds 4] [--rate 500] [--streams 200] [--stream-tps 8] [--cache DIR]
-        [--llmgw NAME=FLAGS ...] [--tree NAME=DIR ...] [--profile DIR]
+        [--seconds 4] [--rate 500] [--streams 200] [--stream-tps 8] [--stream-tokens 16]
+        [--cache DIR] [--llmgw NAME=FLAGS ...] [--tree NAME=DIR ...] [--profile DIR]
+        [--floor]
 
 Prints figures and one table of ratios to llmgw; asserts nothing. The issue's targets
 (issue 42), llmgw against vllm-router: CPU per 1,000 requests <= 1.5x in the closed loop
@@ -30,7 +31,7 @@ rounds are done.
 
 The upstreams are `bench_gateway.py`'s: two simulated model servers
 (services.agent.responder) as their own processes, `bench` answering at once and
-`bench-stream` streaming 16 tokens at `--stream-tps`. The load generator (this process)
+`bench-stream` streaming `--stream-tokens` (16) tokens at `--stream-tps`. The load generator (this process)
 runs, in interleaved rounds (each round every path in turn, the order rotated), three
 loads on each path (`direct`: the upstream alone, for what each router adds):
 `rate`, `--rate` requests a second open loop (sent at their time whatever the answers
@@ -40,12 +41,19 @@ clients on keep-alive connections of their own (bench_gateway's raw client), eac
 sending its next request as its last answer ends: the most req/s. Each load's CPU
 (user + system, /proc) of the router process serving it is divided by what it served:
 CPU seconds per 1,000 requests or streams. Medians over rounds.
+
+`--floor` adds a path through the floor of a Python proxy (`floor_proxy.py`: uvloop and
+httptools, the answer's bytes passed back in the read's callback, nothing else done),
+two processes as a peer's: what Python's own I/O costs here, so the distance from it to
+llmgw is llmgw's work. Streams of one token and of many (`--stream-tokens 1`, `16`,
+`48`) part a stream's cost into the request's and each chunk's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import shutil
@@ -76,6 +84,8 @@ PEERS = {
     "vllm-router": ("vllm-router", "0.1.17"),
     "sglang-router": ("sglang-router", "0.3.2"),
 }
+# FLOOR names the path through the floor of a Python proxy (`--floor`).
+FLOOR = "floor"
 KEY = "bench-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The key's limits: set, so every request is admitted and settled against them, and far
@@ -86,6 +96,13 @@ FEATURES = (
     "use reports (replica.used), its default routing rule (prefix) over the log's view"
 )
 LOADS = ("rate", "streams", "closed")
+
+
+def stream_body(tokens: int) -> bytes:
+    """The streamed request's body (bench_gateway's), asking for `tokens` tokens."""
+    doc = json.loads(bg.STREAM)
+    doc["max_tokens"] = tokens
+    return json.dumps(doc).encode()
 
 
 def _say(text: str) -> None:
@@ -120,6 +137,9 @@ def install(cache: Path, peer: str) -> Path:
 
 
 def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: int) -> list[str]:
+    if peer == FLOOR:
+        up = yarl.URL(upstream)
+        return [sys.executable, str(HERE / "floor_proxy.py"), str(up.host), str(up.port), str(port)]
     common = [
         *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream),
         *("--policy", "round_robin", "--prometheus-port", str(metrics_port)),
@@ -265,9 +285,9 @@ def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Pro
     return procs, paths
 
 
-async def _until_served(http: aiohttp.ClientSession, path: Path_) -> None:
+async def _until_served(http: aiohttp.ClientSession, path: Path_, stream: bytes) -> None:
     deadline = time.monotonic() + 60
-    for url, body in ((path.fast, bg.CHAT), (path.stream, bg.STREAM)):
+    for url, body in ((path.fast, bg.CHAT), (path.stream, stream)):
         while True:
             try:
                 async with http.post(url, data=body, headers=bg.JSON_TYPE) as r:
@@ -319,7 +339,7 @@ async def _load(http: aiohttp.ClientSession, a: argparse.Namespace, path: Path_,
         r = await bg._open_loop(
             http,
             path.stream if stream else path.fast,
-            bg.STREAM if stream else bg.CHAT,
+            a.stream_body if stream else bg.CHAT,
             rate,
             a.seconds,
             stream,
@@ -384,19 +404,21 @@ def top_frames(raw: Path, n: int) -> list[str]:
 
 
 def _duration(a: argparse.Namespace) -> float:
-    return 16 / a.stream_tps if a.stream_tps > 0 else 1.0
+    return a.stream_tokens / a.stream_tps if a.stream_tps > 0 else 1.0
 
 
 async def bench(a: argparse.Namespace, paths: list[Path_]) -> dict[str, float]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, headers=AUTH) as http:
         for path in paths:
-            await _until_served(http, path)
+            await _until_served(http, path, a.stream_body)
         bg._tune_collector("off")
         _say("warming up each path...")
         for path in paths:
             await bg._open_loop(http, path.fast, bg.CHAT, a.rate, 1.0, False)
-            await bg._open_loop(http, path.stream, bg.STREAM, a.streams / _duration(a), 1.0, True)
+            await bg._open_loop(
+                http, path.stream, a.stream_body, a.streams / _duration(a), 1.0, True
+            )
         for n in range(a.rounds):
             order = paths[n % len(paths) :] + paths[: n % len(paths)]
             for load in LOADS:
@@ -523,6 +545,15 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=200, help="streams open at once")
     p.add_argument("--stream-tps", type=float, default=8.0, help="a stream's tokens a second")
     p.add_argument(
+        "--stream-tokens", type=int, default=16, help="a stream's tokens (chunks of text)"
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="add a path through the floor of a Python proxy (floor_proxy.py): what "
+        "Python's own I/O costs, beside llmgw and the peers",
+    )
+    p.add_argument(
         "--cache",
         type=Path,
         default=Path.home() / ".cache" / "llmgw-bench-peers",
@@ -555,12 +586,17 @@ def main() -> None:
     )
     a = p.parse_args()
     a.llmgw = a.llmgw or [("llmgw", "")]
+    if a.stream_tokens < 1:
+        p.error("--stream-tokens: at least 1")
+    a.stream_body = stream_body(a.stream_tokens)
     a.tree = {name: Path(d).resolve() for name, d in a.tree}
     peers = {}
     for name in (x for x in a.peers.split(",") if x):
         if name not in PEERS:
             p.error(f"--peers: {name!r} is not one of {', '.join(PEERS)}")
         peers[name] = install(a.cache, name)
+    if a.floor:
+        peers[FLOOR] = HERE
     _say(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     procs, paths = start(a, peers, tmp)
