@@ -45,7 +45,8 @@ CPU seconds per 1,000 requests or streams. Medians over rounds.
 `--floor` adds a path through the floor of a Python proxy (`floor_proxy.py`: uvloop and
 httptools, the answer's bytes passed back in the read's callback, nothing else done),
 two processes as a peer's: what Python's own I/O costs here, so the distance from it to
-llmgw is llmgw's work. Streams of one token and of many (`--stream-tokens 1`, `16`,
+llmgw is llmgw's work; `--floor-hop` the same floor with a coroutine woken for each
+chunk, as the gateway's request is. Streams of one token and of many (`--stream-tokens 1`, `16`,
 `48`) part a stream's cost into the request's and each chunk's.
 """
 
@@ -84,8 +85,9 @@ PEERS = {
     "vllm-router": ("vllm-router", "0.1.17"),
     "sglang-router": ("sglang-router", "0.3.2"),
 }
-# FLOOR names the path through the floor of a Python proxy (`--floor`).
-FLOOR = "floor"
+# FLOORS name the paths through the floor of a Python proxy (`--floor`), and through the
+# same with a coroutine woken for each chunk (`--floor-hop`).
+FLOORS = ("floor", "floor-hop")
 KEY = "bench-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The key's limits: set, so every request is admitted and settled against them, and far
@@ -137,9 +139,10 @@ def install(cache: Path, peer: str) -> Path:
 
 
 def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: int) -> list[str]:
-    if peer == FLOOR:
+    if peer in FLOORS:
         up = yarl.URL(upstream)
-        return [sys.executable, str(HERE / "floor_proxy.py"), str(up.host), str(up.port), str(port)]
+        cmd = [sys.executable, str(HERE / "floor_proxy.py"), str(up.host), str(up.port), str(port)]
+        return cmd + (["hop"] if peer == FLOORS[1] else [])
     common = [
         *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream),
         *("--policy", "round_robin", "--prometheus-port", str(metrics_port)),
@@ -554,6 +557,12 @@ def main() -> None:
         "Python's own I/O costs, beside llmgw and the peers",
     )
     p.add_argument(
+        "--floor-hop",
+        action="store_true",
+        help="add a path through the same floor with a coroutine woken for each chunk "
+        "(floor_proxy.py's `hop`): what a chunk's wake costs",
+    )
+    p.add_argument(
         "--cache",
         type=Path,
         default=Path.home() / ".cache" / "llmgw-bench-peers",
@@ -596,7 +605,9 @@ def main() -> None:
             p.error(f"--peers: {name!r} is not one of {', '.join(PEERS)}")
         peers[name] = install(a.cache, name)
     if a.floor:
-        peers[FLOOR] = HERE
+        peers[FLOORS[0]] = HERE
+    if a.floor_hop:
+        peers[FLOORS[1]] = HERE
     _say(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     procs, paths = start(a, peers, tmp)
