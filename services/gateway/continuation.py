@@ -274,9 +274,8 @@ class Plan:
                 end = u + end
             end = self.tail + end
         # The last events, the [DONE] and the stream's end in one write (three before).
-        if end and not self.wrote:
-            self.wrote = True
-            fw.first_byte(request)
+        if end:
+            self._wrote(fw, request)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof(end)
         return resp
@@ -318,9 +317,7 @@ class Plan:
                 what, out = self._read(st, may, whole, rest)
                 if out:
                     await resp.write(out)
-                    if not self.wrote:
-                        self.wrote = True
-                        fw.first_byte(request)
+                    self._wrote(fw, request)
                 if what is not None:
                     return what
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -381,6 +378,10 @@ class Plan:
         if not data:
             return
         await resp.write(data)
+        self._wrote(fw, request)
+
+    def _wrote(self, fw: Forwarder, request: Request) -> None:
+        """Its replica's bytes went to the client: the first time, its first byte."""
         if not self.wrote:
             self.wrote = True
             fw.first_byte(request)

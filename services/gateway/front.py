@@ -219,14 +219,10 @@ class Stream:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        conn = self._conn
-        t = conn.transport
-        if t is None or conn.closing:
-            raise ConnectionResetError("Cannot write to closing transport")
         # Written here, not in a coroutine of the connection's for each chunk; waited
-        # on only when the client does not read (`_Conn.write`'s rule).
-        t.write(data)
-        if conn.write_paused:
+        # on only when the client does not read.
+        conn = self._conn
+        if conn.put(data):
             await conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
@@ -598,11 +594,16 @@ class _Conn(asyncio.Protocol):
             self.transport.writelines((head, body))
 
     async def write(self, data: bytes) -> None:
+        if self.put(data):
+            await self.drain()
+
+    def put(self, data: bytes) -> bool:
+        """`data` handed to the transport; whether the client is behind (`drain` then
+        waits for it)."""
         if self.transport is None or self.closing:
             raise ConnectionResetError("Cannot write to closing transport")
         self.transport.write(data)
-        if self.write_paused:
-            await self.drain()
+        return self.write_paused
 
     async def drain(self) -> None:
         """Until the client has read what waits to be sent (`resume_writing`)."""
