@@ -385,6 +385,10 @@ class Stream:
             return s.counted
         return s.events if s.ids is None else s.ids
 
+    def settle(self) -> None:
+        """Nothing: each event is read as it comes (`continuation_fast.Deferred` reads
+        some later, and here)."""
+
     def begin(self, replica: Any, by_ids: bool = False) -> None:
         self.segments.append(Segment(replica, by_ids=by_ids))
         self.broke = None

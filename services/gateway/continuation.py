@@ -26,12 +26,14 @@ from aiohttp import web
 
 from services.core import catalog, routing
 from services.core import continuation as rules
+from services.core.continuation_fast import Deferred
 from services.core.view import View
-from services.gateway import guard, tokens
+from services.gateway import front, guard, tokens
 from services.gateway.exchange import Request, Stream
 from services.gateway.keys import Key
 from services.gateway.refusal import Refusal, Unreachable
 from services.gateway.request import KEY, SPAN, TOOK
+from services.gateway.upstream import Body
 from services.gateway.use import Uses, stream_cached
 
 if TYPE_CHECKING:
@@ -88,6 +90,13 @@ class Continuations:
     by_ids: bool = True
     """Continue by token ids where the engine gives them; False: by text always (what
     the engine tier compares them with)."""
+    fast: bool = False
+    """The gateway's `fast_path`: a stream's events read and written to its client in
+    the callback that read them from its replica (`Plan._sunk`), where the lean client
+    and server serve it (no coroutine woken for each chunk), and its chunks of text
+    read only at a break (`continuation_fast.Deferred`). Off: each chunk read whole in
+    the request's coroutine (`Plan._pass`'s loop, `rules.Stream`), the plain path the
+    fast one is tested against."""
     on: dict[str, set[Plan]] = field(default_factory=dict)
     """The continued streams in flight, per replica now serving them."""
     moved: dict[str, int] = field(default_factory=dict)
@@ -219,7 +228,7 @@ class Plan:
     ) -> Stream:
         """Pass the stream on, continuing it on another replica at each break, up to the
         limit; count each replica's part at its end, however it ends."""
-        st = rules.Stream(
+        st = (Deferred if self.of.fast else rules.Stream)(
             chat=request.path == rules.CHAT,
             max_text=self.of.max_text,
             strip_counts=self.strip_counts,
@@ -239,6 +248,7 @@ class Plan:
                 if what == rules.DONE:
                     end = DONE_EVENT
                     break
+                st.settle()  # what the segment's chunks said, read before it is used
                 broke, self.draining = ("drain" if self.draining else st.broke), False
                 nxt = None
                 if st.unsafe is None and moves < self.of.limit:
@@ -308,18 +318,23 @@ class Plan:
         self.tail = b""
         if rest and (what := await self._events(fw, request, st, resp, may, rest)) is not None:
             return what
-        rest = self.broken[2]
+        content = upstream.content
         try:
-            async for chunk in upstream.content.iter_any():
-                # The events read and written here, not in a coroutine of their own for
-                # each chunk (`_events` is the same for what came before).
-                whole, rest = rules.events(rest + chunk if rest else chunk)
-                what, out = self._read(st, may, whole, rest)
-                if out:
-                    await resp.write(out)
-                    self._wrote(fw, request)
-                if what is not None:
+            if self.of.fast and isinstance(content, Body) and isinstance(resp, front.Stream):
+                if (what := await self._sunk(fw, request, st, content, resp, may)) is not None:
                     return what
+            else:
+                rest = self.broken[2]
+                async for chunk in content.iter_any():
+                    # The events read and written here, not in a coroutine of their own
+                    # for each chunk (`_events` is the same for what came before).
+                    whole, rest = rules.events(rest + chunk if rest else chunk)
+                    what, out = self._read(st, may, whole, rest)
+                    if out:
+                        await resp.write(out)
+                        self._wrote(fw, request)
+                    if what is not None:
+                        return what
         except (aiohttp.ClientError, TimeoutError) as e:
             st.broke = "reset"
             fw.lines.say(
@@ -330,10 +345,64 @@ class Plan:
                 type(e).__name__,
             )
             return rules.BREAK
-        if rest:
+        if rest := self.broken[2]:
             await self._write(fw, request, resp, rest)
         st.broke = "eof"
         return rules.BREAK
+
+    async def _sunk(
+        self,
+        fw: Forwarder,
+        request: Request,
+        st: rules.Stream,
+        body: Body,
+        resp: front.Stream,
+        may: bool,
+    ) -> str | None:
+        """`_pass`'s loop, each read taken in the callback that read it (`Body.sink`):
+        DONE or BREAK as it says, None at the answer's end; the request's coroutine is
+        woken only then, when its client is behind, or when a write fails (raised here,
+        as `resp.write` raises it)."""
+        # [what ended the segment, what failed, whether its client is behind]
+        said: list[Any] = [None, None, False]
+
+        def take(data: bytes) -> bool:
+            try:
+                rest = self.broken[2]
+                whole, rest = rules.events(rest + data if rest else data)
+                what, out = self._read(st, may, whole, rest)
+                behind = False
+                if out:
+                    behind = resp.put(out)
+                    self._wrote(fw, request)
+            except Exception as e:  # raised in the request's coroutine, not the read's
+                said[1] = e
+                return False
+            said[0], said[2] = what, behind
+            return what is None and not behind
+
+        while True:
+            data = body._take()
+            if data is None:
+                try:
+                    await body.sink(take)
+                finally:
+                    body.unsink()
+                if said[1] is not None:
+                    raise said[1]
+                if said[0] is not None:
+                    return str(said[0])
+                if said[2]:
+                    said[2] = False
+                    await resp.drain()
+                continue
+            if not data:
+                return None
+            whole, rest = rules.events(self.broken[2] + data)
+            what, out = self._read(st, may, whole, rest)
+            await self._write(fw, request, resp, out)
+            if what is not None:
+                return what
 
     async def _events(
         self,

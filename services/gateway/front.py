@@ -215,15 +215,24 @@ class Stream:
         self.ended = False
 
     async def write(self, data: bytes) -> None:
-        if not data or self._request.method == "HEAD":
-            return
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
         # Written here, not in a coroutine of the connection's for each chunk; waited
         # on only when the client does not read.
-        conn = self._conn
-        if conn.put(data):
-            await conn.drain()
+        if self.put(data):
+            await self._conn.drain()
+
+    def put(self, data: bytes) -> bool:
+        """`write` without its wait: `data` handed to the transport; whether the client
+        is behind (`drain` then waits for it)."""
+        if not data or self._request.method == "HEAD":
+            return False
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        return self._conn.put(data)
+
+    async def drain(self) -> None:
+        """Until the client has read what waits to be sent, if it is behind."""
+        if self._conn.write_paused:
+            await self._conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.ended:

@@ -283,6 +283,7 @@ class Gateway:
             lines=self.lines,
             inflight_factor=self.inflight_factor,
             settle_s=self.continuation_settle_s,
+            fast=self.fast_path,
         )
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets

@@ -28,6 +28,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import aiohttp
@@ -64,7 +65,8 @@ class NotHttp(aiohttp.ClientError):
 
 class Body:
     """An answer's body as it comes: `readany` (what has come, b"" at its end),
-    `iter_any`; a break raises at the next read, as aiohttp's `StreamReader` does."""
+    `iter_any`; a break raises at the next read, as aiohttp's `StreamReader` does. Or,
+    while a reader waits with `sink`, each read passed to it in the read's callback."""
 
     def __init__(self, conn: _Conn) -> None:
         self._conn: _Conn | None = conn
@@ -74,8 +76,16 @@ class Body:
         self._eof = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            # Taken where it was read: no reader woken for it, unless the sink stops.
+            if not sink(data):
+                self._sink = None
+                self._wake()
+            return
         self._chunks.append(data)
         self._size += len(data)
         self._wake()
@@ -88,6 +98,7 @@ class Body:
         elif not self._eof:
             self._exc = exc
         self._conn = None
+        self._sink = None
         self._wake()
 
     def _wake(self) -> None:
@@ -117,6 +128,19 @@ class Body:
         # the process's id each time (CPython 3.11), once a chunk.
         self._waiter = w = self._loop.create_future()
         return w
+
+    def sink(self, take: Callable[[bytes], bool]) -> asyncio.Future[None]:
+        """Pass each read to `take` as it comes, in the read's callback (`take` returns
+        whether to go on; it must not raise), until it says to stop or the body ends or
+        breaks; the future to wait on meanwhile, set then. Only once `_take` has found
+        nothing: what comes after the sink stops is read as before. Cancelled, the
+        waiter's `unsink` ends it."""
+        assert not self._chunks and not self._eof and self._exc is None
+        self._sink = take
+        return self._wait()
+
+    def unsink(self) -> None:
+        self._sink = None
 
     async def readany(self) -> bytes:
         while (data := self._take()) is None:

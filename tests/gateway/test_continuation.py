@@ -7,8 +7,15 @@ continuation would change (structured output, tools, n > 1, logprobs, best_of, a
 are cut as before; so is a stream past `--continuation-limit`. With no other replica it
 waits for one; a replica whose drain is folded has its streams moved off it.
 
+Every test runs twice: here with the gateway's fast path (`Continuations.fast`: a
+stream read and written in the callback that read each chunk from the replica, its chunks
+of text read only at a break), and in test_continuation_plain.py without it
+(`--no-fast-path`: each chunk read whole in the request's coroutine), the plain path the
+fast one is held equal to.
+
 The replicas are small aiohttp servers in the test that answer as vLLM does, one word a
-token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given.
+token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given,
+each token a moment after the one before (so that each comes in a read of its own).
 Those made with `ids` give token ids when asked, as vLLM does (`wN` is the id N, a
 prompt's words ids from 1000), and go on from a prompt of ids on `/v1/completions`: the
 gateway continues their streams by token ids. The simulated server (services.agent.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,7 @@ from aiohttp import web
 
 from schemas import events as ev
 from services.core import continuation as rules
+from services.gateway import front
 from services.gateway.keys import Keys
 from tests.agent.helpers import node_events, wait_for
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
@@ -44,6 +53,8 @@ FULL = "".join(f"w{i} " for i in range(N))
 HI: list[Any] = [{"role": "user", "content": "say words"}]
 PROMPT_TOKENS = 2
 _W = re.compile(r"\bw\d+\b")
+# PACE_S is the time between a replica's chunks.
+PACE_S = 0.001
 
 
 class Engine:
@@ -182,6 +193,7 @@ class Engine:
             so_far = {"prompt_tokens": prompt, "completion_tokens": out} if running else None
             chunk = self._chunk(chat, n, words, None, so_far, got if ids else None, first)
             await resp.write(chunk)
+            await asyncio.sleep(PACE_S)
             first = None
         await resp.write(self._chunk(chat, n, None, "stop" if end == N else "length"))
         if usage:
@@ -712,6 +724,89 @@ async def test_with_no_other_replica_it_waits_for_one(
     await plane.ready("cw-b", "cw", b.url)
     assert _text(await answer) == FULL
     assert len(b.bodies) == 1 and len(a.bodies) == 1
+
+
+# ------------------------------------------------------------------------ a slow client
+
+
+async def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that answers faster than its client reads: the gateway stops passing
+    chunks on while the client is behind (and stops reading the replica past its
+    buffer's bound), then goes on; the client gets every chunk once, in order."""
+    chunks, size = 600, 16384  # past what the kernel buffers for a socket (4 MiB)
+    texts = [f"{i:05d}" + "x" * (size - 5) for i in range(chunks)]
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, text in enumerate(texts):
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            if i == chunks - 1:
+                choice["finish_reason"] = "length"
+            doc = {"id": "cmpl-slow", "created": 1, "model": "m", "choices": [choice]}
+            await resp.write(b"data: " + msgspec.json.encode(doc) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    behind = 0
+    drain = front._Conn.drain
+
+    async def counted(conn: front._Conn) -> None:
+        nonlocal behind
+        behind += 1
+        await drain(conn)
+
+    monkeypatch.setattr(front._Conn, "drain", counted)
+    try:
+        await plane.model("slow")
+        await plane.ready("slow-a", "slow", f"http://127.0.0.1:{runner.addresses[0][1]}")
+        data = await _read_slowly(plane.url, "slow", chunks)
+    finally:
+        await runner.cleanup()
+    events = [e for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    got = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert got == texts
+    assert behind > 0  # the client was behind, and the stream went on after
+
+
+async def _read_slowly(url: str, model: str, tokens: int) -> bytes:
+    """A completion streamed to a client with a small receive buffer that reads nothing
+    for half a second, then a chunk at a time: the body, unchunked."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    except BaseException:
+        sock.close()
+        raise
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+    try:
+        body = json.dumps({"model": model, "prompt": "hi", "stream": True, "max_tokens": tokens})
+        writer.write(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        await asyncio.sleep(0.5)  # not reading: the gateway's writes back up
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+        data = b""
+        while n := int(await reader.readuntil(b"\r\n"), 16):
+            data += (await reader.readexactly(n + 2))[:-2]
+            await asyncio.sleep(0.0005)
+        return data
+    finally:
+        writer.close()
 
 
 # ------------------------------------------------------------------------ drains
