@@ -127,10 +127,8 @@ def test_the_deferred_reading_passes_on_and_knows_what_the_plain_one_does(
         plain, fast = _twins(rng, chat)
         plain.begin("r0")
         fast.begin("r0")
-        n = 0
         first = True
-        for _ in range(rng.randrange(1, 60)):
-            n += 1
+        for n in range(1, rng.randrange(2, 61)):
             odd = rng.random() < 0.15
             raw = _other(rng, chat, n) if odd else _chunk(rng, chat, n, first)
             first = False
