@@ -368,9 +368,16 @@ class Plan:
 
         def take(data: bytes) -> bool:
             try:
-                rest = self.broken[2]
-                whole, rest = rules.events(rest + data if rest else data)
-                what, out = self._read(st, may, whole, rest)
+                if not self.broken[2] and data.find(b"\n\n") == len(data) - 2 and b"\r" not in data:
+                    # One whole event (what a server sends in a write, most reads):
+                    # `_read`'s case of one, without its split and its loop.
+                    what, out = self._one(st, may, data)
+                    if what is not None:
+                        self.broken, out = (data, out, b""), b""
+                else:
+                    rest = self.broken[2]
+                    whole, rest = rules.events(rest + data if rest else data)
+                    what, out = self._read(st, may, whole, rest)
                 behind = False
                 if out:
                     behind = resp.put(out)
@@ -430,10 +437,8 @@ class Plan:
         is kept in `tail` instead, to go with it."""
         out: list[bytes] = []
         for i, raw in enumerate(whole):
-            what, got = st.event(raw)
-            if what == rules.BREAK and not (may and st.unsafe is None):
-                what, got = rules.PASS, raw
-            if what in (rules.DONE, rules.BREAK):
+            what, got = self._one(st, may, raw)
+            if what is not None:
                 self.broken = (raw, got, b"".join(whole[i + 1 :]) + rest)
                 if what == rules.DONE:
                     self.tail = b"".join(out)
@@ -442,6 +447,18 @@ class Plan:
             out.append(got)
         self.broken = (b"", b"", rest)
         return None, out[0] if len(out) == 1 else b"".join(out)
+
+    @staticmethod
+    def _one(st: rules.Stream, may: bool, raw: bytes) -> tuple[str | None, bytes]:
+        """One event read: DONE or BREAK when it ends the segment (with what goes on of
+        it), else None and the bytes to pass on for it (with `may` false, an error or
+        abort event goes on as it came)."""
+        what, got = st.event(raw)
+        if what == rules.DONE:
+            return what, got
+        if what == rules.BREAK:
+            return (what, got) if may and st.unsafe is None else (None, raw)
+        return None, got
 
     async def _write(self, fw: Forwarder, request: Request, resp: Stream, data: bytes) -> None:
         if not data:

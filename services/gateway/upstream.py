@@ -79,13 +79,7 @@ class Body:
         self._sink: Callable[[bytes], bool] | None = None
 
     def _feed(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            # Taken where it was read: no reader woken for it, unless the sink stops.
-            if not sink(data):
-                self._sink = None
-                self._wake()
-            return
+        """`data` kept for its reader, woken (what a sink takes is not: `on_body`)."""
         self._chunks.append(data)
         self._size += len(data)
         self._wake()
@@ -255,7 +249,14 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(answer)
 
     def on_body(self, data: bytes) -> None:
-        self.body._feed(data)
+        body = self.body
+        sink = body._sink
+        if sink is None:
+            body._feed(data)
+        elif not sink(data):
+            # Taken where it was read, no reader woken for it: unless the sink stops.
+            body._sink = None
+            body._wake()
 
     def on_message_complete(self) -> None:
         if self.head is None or not self.head.done():
