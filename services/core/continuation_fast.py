@@ -13,7 +13,8 @@ the segment's break (`settle`: each kept chunk read by `Stream.event` in turn), 
 any event that reads what they change. A stream ended by its `[DONE]` reads none of it:
 what it is charged is its usage chunk's (or its chunks' count), which are not deferred.
 
-Which chunks are kept (`_kept`), and why each condition: a JSON object with a non-empty
+Which chunks are kept (`_kept`), and why each condition (none where the gateway asked
+for the running usage, which each chunk then has): a JSON object with a non-empty
 list of choices, no `error` (a break), no running usage (`usage` a dict: counted, and
 taken out when the gateway asked for it), no prompt's ids (they are kept once, from the
 first chunk: their order matters), the first choice not aborted (a break); on the
@@ -72,6 +73,11 @@ class Deferred(Stream):
     kept_bytes: int = 0
 
     def event(self, raw: bytes) -> tuple[str, bytes]:
+        if self.strip_counts:
+            # Every chunk has a running usage to take out (vLLM's, asked for by the
+            # gateway): none is kept, so none is decoded twice.
+            self.settle()
+            return super().event(raw)
         line = raw.strip()
         if not line.startswith(b"data:"):
             return PASS, raw  # changes nothing

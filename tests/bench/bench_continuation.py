@@ -9,7 +9,7 @@ the running usage and the token ids the gateway asked for in each chunk, kept an
 out (each chunk rewritten), and as the simulated server's stream (the drain drill's) is:
 its token ids taken out. Then the same streams as the gateway's fast path reads them
 (`services.core.continuation_fast.Deferred`: the chunks of text kept unread until a
-break), for streams that end at their `[DONE]` (1,000 events each). A stream that may
+break), for streams that end at their `[DONE]` (300 events each). A stream that may
 not be continued passes its chunks as they come and costs none of this. Asserts
 nothing.
 """
@@ -56,7 +56,7 @@ def per_event(
     events: int, moved: bool, ids: bool = False, sim: bool = False, fast: bool = False
 ) -> float:
     """Microseconds of CPU an event, read three to a chunk as a server sends them;
-    `fast`: by `Deferred`, a new stream each 1,000 events (what it kept dropped with
+    `fast`: by `Deferred`, a new stream each 300 events (what it kept dropped with
     it, as a stream that ends at its [DONE] drops it)."""
     st = (Deferred if fast else rules.Stream)(
         chat=True,
@@ -81,7 +81,7 @@ def per_event(
             st.event(raw)
         st.parts.clear()
         st.ids.clear()
-        if fast and i % 333 == 0 and isinstance(st, Deferred):
+        if fast and i % 100 == 0 and isinstance(st, Deferred):
             st.kept.clear()
             st.kept_bytes = 0
     return (time.process_time() - t) / (events // 3 * 3) * 1e6
