@@ -46,13 +46,14 @@ from services.core.continuation import _NULL_IDS, DONE, PASS, Stream, _null
 MAX_KEPT = 1 << 18
 
 
-class _Choice(msgspec.Struct):
+# The decoded fields of a chunk: never part of a cycle, so not tracked by the collector.
+class _Choice(msgspec.Struct, gc=False):
     finish_reason: Any = None
     token_ids: Any = None
     prompt_token_ids: Any = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):
     choices: list[_Choice] | msgspec.UnsetType = msgspec.UNSET
     usage: Any = None
     error: Any = msgspec.UNSET

@@ -6,7 +6,9 @@ streamed in odd pieces, cut, stalled, a 500, a 503, garbage, silence, a refused
 connection, `Connection: close`) reaches the client as the same status, headers and
 bytes, is counted as the same use, and the replica is asked the same request (the same
 headers, the same body). With continuation on and off (a stream's two paths through the
-forwarder). The lean client keeps its connections alive between requests."""
+forwarder). The lean client keeps its connections alive between requests, and its body's
+sink (the fast path's: each read taken in the callback that read it) hands on each read
+until it stops, then keeps them for the reader, and wakes it at a break."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yarl
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from openai import AsyncOpenAI
 
 from services.gateway.server import Gateway
+from services.gateway.upstream import LeanSession
+from tests.agent.helpers import wait_for
 from tests.gateway.conftest import Plane, gateway_for, serving
 
 pytestmark = pytest.mark.timeout(90)
@@ -313,3 +318,92 @@ async def test_the_lean_client_keeps_its_connections_alive(
             status, *_ = await _ask(plane.http, lean.url, body)
             assert status == 200
         assert rep.connections - before == 3
+
+
+# ------------------------------------------------------------------------ the body's sink
+
+
+class _Pieces:
+    """A replica that answers a stream's head, then each piece it is handed, then ends
+    it (or breaks its connection)."""
+
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        self.writer = writer
+        writer.write(SSE)
+
+    async def send(self, piece: bytes) -> None:
+        assert self.writer is not None
+        self.writer.writelines(_chunked(piece))
+        await self.writer.drain()
+
+
+async def _got(taken: list[bytes]) -> list[bytes]:
+    return list(taken)
+
+
+@contextlib.asynccontextmanager
+async def _pieces() -> AsyncIterator[tuple[_Pieces, Any]]:
+    rep = _Pieces()
+    server = await asyncio.start_server(rep.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    session = LeanSession(2, 5)
+    try:
+        url = yarl.URL(f"http://127.0.0.1:{port}/v1/x")
+        answer = await session.post(url, data=b"{}", headers={})
+        yield rep, answer
+    finally:
+        await session.close()
+        if rep.writer is not None:
+            rep.writer.close()
+        server.close()
+
+
+async def test_a_sink_takes_each_read_until_it_stops_then_reads_are_kept() -> None:
+    """`Body.sink`: each read passed to it where it was read, its reader not woken; once
+    it says stop, its waiter is set and what comes next waits for `readany`; the answer's
+    end comes to `readany` as b""."""
+    async with _pieces() as (rep, answer):
+        taken: list[bytes] = []
+        body = answer.content
+        assert body._take() is None
+
+        def take(data: bytes) -> bool:
+            taken.append(data)
+            return data != b"stop"
+
+        waiter = body.sink(take)
+        await rep.send(b"one")
+        await wait_for(lambda: _got(taken), lambda t: t == [b"one"])
+        assert not waiter.done()  # taken in the read's callback: nobody woken
+        await rep.send(b"stop")
+        await asyncio.wait_for(waiter, 5)
+        body.unsink()
+        await rep.send(b"kept")
+        assert await body.readany() == b"kept"
+        assert taken == [b"one", b"stop"]
+        assert rep.writer is not None
+        rep.writer.write(b"0\r\n\r\n")
+        assert await body.readany() == b""
+
+
+async def test_a_sinks_answer_broken_wakes_its_waiter_and_raises_at_the_next_read() -> None:
+    async with _pieces() as (rep, answer):
+        taken: list[bytes] = []
+
+        def take(data: bytes) -> bool:
+            taken.append(data)
+            return True
+
+        waiter = answer.content.sink(take)
+        await rep.send(b"one")
+        assert rep.writer is not None
+        rep.writer.close()  # the replica gone mid-answer
+        await asyncio.wait_for(waiter, 5)
+        answer.content.unsink()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await answer.content.readany()
+        assert taken == [b"one"]
