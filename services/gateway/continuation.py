@@ -324,12 +324,10 @@ class Plan:
                 if (what := await self._sunk(fw, request, st, content, resp, may)) is not None:
                     return what
             else:
-                rest = self.broken[2]
                 async for chunk in content.iter_any():
                     # The events read and written here, not in a coroutine of their own
                     # for each chunk (`_events` is the same for what came before).
-                    whole, rest = rules.events(rest + chunk if rest else chunk)
-                    what, out = self._read(st, may, whole, rest)
+                    what, out = self._read_on(st, may, chunk)
                     if out:
                         await resp.write(out)
                         self._wrote(fw, request)
@@ -363,10 +361,12 @@ class Plan:
         DONE or BREAK as it says, None at the answer's end; the request's coroutine is
         woken only then, when its client is behind, or when a write fails (raised here,
         as `resp.write` raises it)."""
-        # [what ended the segment, what failed, whether its client is behind]
-        said: list[Any] = [None, None, False]
+        ended: str | None = None  # what ended the segment
+        failed: Exception | None = None
+        behind = False  # its client
 
         def take(data: bytes) -> bool:
+            nonlocal ended, failed, behind
             try:
                 if not self.broken[2] and data.find(b"\n\n") == len(data) - 2 and b"\r" not in data:
                     # One whole event (what a server sends in a write, most reads):
@@ -375,17 +375,14 @@ class Plan:
                     if what is not None:
                         self.broken, out = (data, out, b""), b""
                 else:
-                    rest = self.broken[2]
-                    whole, rest = rules.events(rest + data if rest else data)
-                    what, out = self._read(st, may, whole, rest)
-                behind = False
+                    what, out = self._read_on(st, may, data)
                 if out:
                     behind = resp.put(out)
                     self._wrote(fw, request)
             except Exception as e:  # raised in the request's coroutine, not the read's
-                said[1] = e
+                failed = e
                 return False
-            said[0], said[2] = what, behind
+            ended = what
             return what is None and not behind
 
         while True:
@@ -395,20 +392,17 @@ class Plan:
                     await body.sink(take)
                 finally:
                     body.unsink()
-                if said[1] is not None:
-                    raise said[1]
-                if said[0] is not None:
-                    return str(said[0])
-                if said[2]:
-                    said[2] = False
+                if failed is not None:
+                    raise failed
+                if ended is not None:
+                    return ended
+                if behind:
+                    behind = False
                     await resp.drain()
                 continue
             if not data:
                 return None
-            whole, rest = rules.events(self.broken[2] + data)
-            what, out = self._read(st, may, whole, rest)
-            await self._write(fw, request, resp, out)
-            if what is not None:
+            if (what := await self._events(fw, request, st, resp, may, data)) is not None:
                 return what
 
     async def _events(
@@ -420,13 +414,19 @@ class Plan:
         may: bool,
         data: bytes,
     ) -> str | None:
-        """Pass on the whole events of `data`; DONE or BREAK when one ends the segment
-        (what follows it kept in `broken`), else None (the part of an event not ended
-        yet kept in `broken[2]`)."""
-        whole, rest = rules.events(data)
-        what, out = self._read(st, may, whole, rest)
+        """Pass on the whole events of `data` (after what was left of the read before);
+        DONE or BREAK when one ends the segment (what follows it kept in `broken`), else
+        None (the part of an event not ended yet kept in `broken[2]`)."""
+        what, out = self._read_on(st, may, data)
         await self._write(fw, request, resp, out)
         return what
+
+    def _read_on(self, st: rules.Stream, may: bool, data: bytes) -> tuple[str | None, bytes]:
+        """`_read` of the whole events of `data`, after the part of one that the read
+        before left (`broken[2]`)."""
+        rest = self.broken[2]
+        whole, rest = rules.events(rest + data if rest else data)
+        return self._read(st, may, whole, rest)
 
     def _read(
         self, st: rules.Stream, may: bool, whole: list[bytes], rest: bytes

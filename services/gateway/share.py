@@ -4,8 +4,8 @@ each replica, the cache knowledge of the prefix rule, and the requests waiting p
 Used by `services.gateway.server` when it has a broker connection and sharing is on
 (`--no-share` turns it off). Every `--share-interval` (50 ms) while what it says has
 changed, and at least every fifth of `--share-expiry` (0.1 s) while it has not, each
-gateway publishes a `schemas.share.Share` on core NATS (`subjects.share_subject`: never stored): its requests
-in flight per replica, its uncached prefill work in flight, its held requests per
+gateway publishes a `schemas.share.Share` on core NATS (`subjects.share_subject`: never
+stored): its requests in flight per replica, its uncached prefill work in flight, its held requests per
 model, the keys it refused since, and the tokens of keys' limits it hands to others; and
 a `schemas.share.Routed` batch of the blocks it routed where, sent as soon as the loop's
 turn that routed them is done. A gateway silent for
