@@ -5,10 +5,10 @@ Used by `services.gateway.server` when it has a broker connection and sharing is
 (`--no-share` turns it off). Every `--share-interval` (50 ms) while what it says has
 changed, and at least every fifth of `--share-expiry` (0.1 s) while it has not, each
 gateway publishes a `schemas.share.Share` on core NATS (`subjects.share_subject`: never
-stored): its requests in flight per replica, its uncached prefill work in flight, its held requests per
-model, the keys it refused since, and the tokens of keys' limits it hands to others; and
-a `schemas.share.Routed` batch of the blocks it routed where, sent as soon as the loop's
-turn that routed them is done. A gateway silent for
+stored): its requests in flight per replica, its uncached prefill work in flight, its
+held requests per model, the keys it refused since, and the tokens of keys' limits it
+hands to others; and a `schemas.share.Routed` batch of the blocks it routed where, sent
+as soon as the loop's turn that routed them is done. A gateway silent for
 `--share-expiry` (0.5 s) is gone, as is one that says it leaves: what it said is dropped
 and its share of every key's limits returns to the others (docs/gateway.md, "Several
 gateways").
