@@ -8,7 +8,9 @@ gateway publishes a `schemas.share.Share` on core NATS (`subjects.share_subject`
 stored): its requests in flight per replica, its uncached prefill work in flight, its
 held requests per model, the keys it refused since, and the tokens of keys' limits it
 hands to others; and a `schemas.share.Routed` batch of the blocks it routed where, sent
-as soon as the loop's turn that routed them is done. A gateway silent for
+as soon as the loop's turn that routed them is done. A gateway that hears no other says
+its state at its heartbeat alone, and routes no blocks to tell (`Cache.listened`):
+nobody reads them, and a gateway that joins is told the state at once. A gateway silent for
 `--share-expiry` (0.5 s) is gone, as is one that says it leaves: what it said is dropped
 and its share of every key's limits returns to the others (docs/gateway.md, "Several
 gateways").
@@ -119,6 +121,7 @@ class Sharing:
         self.admission.gateways = self.gateways
         if self.cache is not None:
             self.cache.on_routed = self._routed_soon
+            self.cache.listened = False  # until another gateway is heard
         self._cache_due: asyncio.Task[None] | None = None
 
     def _routed_soon(self) -> None:
@@ -243,9 +246,9 @@ class Sharing:
         return max(self.interval_s, self.expiry_s / HEARTBEATS)
 
     async def _publish(self) -> None:
-        """This gateway's state to the others: each interval while its counts change,
-        or it wants or hands on some of a key's limits, or another gateway has joined;
-        else once a `heartbeat_s`."""
+        """This gateway's state to the others: each interval while its counts change
+        (and another gateway is there to read them), or it wants or hands on some of a
+        key's limits, or another gateway has joined; else once a `heartbeat_s`."""
         wanted = self.admission.wanting
         now = self.clock()
         room = self.room
@@ -259,7 +262,7 @@ class Sharing:
             not wanted
             and not self.gives
             and not self._news
-            and said == self._said
+            and (said == self._said or not self.peers)
             and now - self._said_at < self.heartbeat_s
         ):
             await self._publish_cache()
@@ -293,6 +296,8 @@ class Sharing:
 
     def _drop(self, g: str) -> None:
         self.peers.pop(g, None)
+        if self.cache is not None:
+            self.cache.listened = bool(self.peers)
         old = self.states.pop(g, None)
         if old is not None:
             self._apply(old, -1)
@@ -328,6 +333,8 @@ class Sharing:
             if len(self.peers) >= MAX_PEERS:
                 return
             self._news = True  # a newcomer hears this gateway at its next turn
+            if self.cache is not None:
+                self.cache.listened = True
         if s.at > 0:
             self.delays.append(max(0.0, time.time() - s.at))
         self.peers[s.gateway] = now

@@ -86,6 +86,9 @@ class Cache:
     on_routed: Callable[[], None] | None = None
     """Called when blocks wait to be told (the sharing sends them at once, batched with
     whatever else the same turn of the loop routed)."""
+    listened: bool = True
+    """Another gateway is there to be told (the sharing says, as gateways come and go):
+    a lone gateway's picks are neither hashed nor kept to be told."""
 
     def routed(self, rid: str, hashes: list[int]) -> None:
         """This gateway sent a prompt of `hashes` to `rid`: the blocks not told yet go in
@@ -175,7 +178,8 @@ class FleetPicker:
         limit: int | None = None,
     ) -> ReplicaRecord | None:
         stable: list[int] | None = None
-        if self.cache is not None and route is not None:
+        cache = self.cache
+        if cache is not None and route is not None and (cache.listened or cache.remote):
             stable = self._teach(m, route)
         added = self._add(1)
         try:
@@ -183,8 +187,8 @@ class FleetPicker:
         finally:
             if added:
                 self._add(-1)
-        if r is not None and stable and self.cache is not None:
-            self.cache.routed(r.id, stable)
+        if r is not None and stable and cache is not None and cache.listened:
+            cache.routed(r.id, stable)
         return r
 
     def _add(self, sign: int) -> bool:

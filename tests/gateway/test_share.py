@@ -532,3 +532,77 @@ async def test_an_idle_gateway_says_its_state_at_its_heartbeat_and_at_once_to_a_
             second.close()
     finally:
         first.close()
+
+
+async def test_a_lone_gateway_tells_its_load_and_blocks_only_once_another_listens(
+    nats_server: EmbeddedBroker, nc: Client, plane: Plane, keys: Path, tmp_path: Path
+) -> None:
+    # Alone, a gateway's counts and routed blocks reach nobody: its state goes at its
+    # heartbeat (0.4 s here), however its counts change, and no block batch goes (each
+    # one a publish and a wake a request). Once another gateway is heard, both go as
+    # before: the counts each interval while they change, the blocks each turn.
+    shares: dict[str, list[float]] = {}
+    batches: dict[str, int] = {}
+
+    async def on_share(msg: Any) -> None:
+        s = share_schema.decode_share(msg.data)
+        if s is not None and not s.leaving:
+            shares.setdefault(s.gateway, []).append(time.monotonic())
+
+    async def on_routed(msg: Any) -> None:
+        b = share_schema.decode_routed(msg.data)
+        if b is not None:
+            batches[b.gateway] = batches.get(b.gateway, 0) + 1
+
+    await nc.subscribe(subjects.share_wildcard(), cb=on_share)
+    await nc.subscribe(subjects.cache_wildcard(), cb=on_routed)
+    await plane.model("lone", 2, Timing(0.0, 40.0), target_inflight=1000)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    first = Gateways(
+        nats_server.url, 1, keys, tmp_path / "a", "--routing", "prefix", "--share-expiry", "2"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            await first.sharing(http, 1, [0])
+            await routable(first, http, "lone", 2)
+
+            async def load(gws: Gateways) -> tuple[float, float]:
+                # Requests of 8 tokens at 40 a second, begun 0.1 s apart: the counts in
+                # flight change every interval for about 1.5 s.
+                cs = clients(gws, FREE, [0])
+                t0 = time.monotonic()
+
+                async def one(i: int) -> None:
+                    await asyncio.sleep(0.1 * i)
+                    await cs[0].chat.completions.create(
+                        model="lone",
+                        messages=[{"role": "user", "content": f"turn {i} " + "x" * 300}],
+                        max_tokens=8,
+                    )
+
+                try:
+                    await asyncio.gather(*(one(i) for i in range(12)))
+                finally:
+                    await cs[0].close()
+                return t0, time.monotonic()
+
+            t0, t1 = await load(first)
+            (lone,) = shares
+            during = [t for t in shares[lone] if t0 <= t <= t1]
+            gaps = [b - a for a, b in itertools.pairwise(during)]
+            assert gaps and min(gaps) >= 0.3, gaps  # its heartbeat, not its interval
+            assert not batches, batches  # no block told to nobody
+
+            second = Gateways(nats_server.url, 1, keys, tmp_path / "b", "--routing", "prefix")
+            try:
+                await first.sharing(http, 2, [0])
+                t0, t1 = await load(first)
+                during = [t for t in shares[lone] if t0 <= t <= t1]
+                gaps = [b - a for a, b in itertools.pairwise(during)]
+                assert min(gaps) < 0.2, gaps  # each interval while its counts change
+                assert batches.get(lone, 0) >= 6, batches  # its blocks told each turn
+            finally:
+                second.close()
+    finally:
+        first.close()
