@@ -492,11 +492,12 @@ class Session:
 
 @contextlib.asynccontextmanager
 async def session(
-    args: argparse.Namespace, name: str, inbox_prefix: str | None = None
+    args: argparse.Namespace, name: str, inbox_prefix: str | None = None, echo: bool = True
 ) -> AsyncIterator[Session]:
     """Connect to the resolved broker as client `name` (e.g. `llmgw events tail`), and
     always close the connection on the way out. `inbox_prefix` replaces `_INBOX` (an
-    agent's replies arrive under a prefix of its own, see deploy/nats/permissions.conf)."""
+    agent's replies arrive under a prefix of its own, see deploy/nats/permissions.conf);
+    `echo` False: none of the client's own messages is delivered back to it."""
     from services.bus import connection
     from services.bus.errors import BrokerUnavailable
     from services.bus.urls import public_url
@@ -507,6 +508,8 @@ async def session(
         options: dict[str, Any] = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
         # `llmgw gateway --no-wire-reader`; every other command reads with the wire reader.
         options["wire_reader"] = getattr(args, "wire_reader", True)
+        if not echo:
+            options["no_echo"] = True
         nc = await connection.connect(url, name, **options)
     except BrokerUnavailable as e:
         if recorded_in is None:

@@ -161,7 +161,8 @@ async def _serve(args: argparse.Namespace, config: Any) -> int:
     freeze_heap(config)
 
     async def work(stop: object) -> int:
-        async with cli.session(args, "llmgw gateway") as s:
+        # echo off: the gateway's core-NATS messages are for the others (`run_service`).
+        async with cli.session(args, "llmgw gateway", echo=False) as s:
             g = Gateway.of(
                 s.js,
                 config,

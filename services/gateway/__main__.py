@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         failures=(GatewayError,),
         process=config.process,
         loop_factory=factory,
+        # Its core-NATS messages (the sharing's, the fleet's) are for the other gateways:
+        # each one it would read back is a wake and a decode to drop it.
+        echo=False,
     )
 
 

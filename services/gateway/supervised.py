@@ -82,6 +82,7 @@ def main(stdin: Any = None) -> int:
         # `up` does not offer the loop: its gateway processes run on `auto`'s (uvloop
         # where installed), which cannot be refused.
         loop_factory=loop_factory(config.event_loop),
+        echo=False,  # as `python -m services.gateway`'s
     )
 
 

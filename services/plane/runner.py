@@ -43,6 +43,7 @@ def run_service(
     process: Config | None = None,
     ensure: bool = True,
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    echo: bool = True,
 ) -> int:
     """Run the service `build` makes until SIGTERM/SIGINT; returns the exit code.
 
@@ -50,7 +51,8 @@ def run_service(
     `process`, the process's own settings (`--no-gc-freeze`, `--no-wire-reader`);
     `ensure` False: the streams are not made or checked (a process `llmgw up` starts
     after making them with its own settings: `services.gateway.processes`); `loop_factory`,
-    what makes its event loop (None: asyncio's own).
+    what makes its event loop (None: asyncio's own); `echo` False: the broker delivers
+    none of the process's own messages back to it (a service that reads none of them).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)-17s %(message)s", datefmt="%H:%M:%S"
@@ -64,7 +66,7 @@ def run_service(
     catch: tuple[type[BaseException], ...] = (BrokerUnavailable, BusError, *failures)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve(name, url, root, build, process or Config(), ensure))
+            return runner.run(_serve(name, url, root, build, process or Config(), ensure, echo))
     except catch as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
@@ -80,8 +82,9 @@ async def _serve(
     build: Callable[[Any, Any], Service],
     process: Config,
     ensure: bool = True,
+    echo: bool = True,
 ) -> int:
-    nc = await connect(url, name, wire_reader=process.wire_reader)
+    nc = await connect(url, name, wire_reader=process.wire_reader, no_echo=not echo)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -606,3 +607,33 @@ async def test_a_lone_gateway_tells_its_load_and_blocks_only_once_another_listen
                 second.close()
     finally:
         first.close()
+
+
+async def test_a_gateway_process_is_sent_none_of_its_own_messages(
+    nats_server: EmbeddedBroker, keys: Path, tmp_path: Path
+) -> None:
+    # Its load and its announcements are for the other gateways; each one the broker
+    # sent back would be a wake of its loop and a decode, to be dropped.
+    def conn() -> dict[str, Any] | None:
+        url = f"http://127.0.0.1:{nats_server.monitor_port}/connz"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            conns = json.load(r).get("connections") or []
+        return next((c for c in conns if c.get("name") == "gateway"), None)
+
+    async def after(n: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while (c := await asyncio.to_thread(conn)) is None or c["in_msgs"] < n:
+            assert time.monotonic() < deadline, c
+            await asyncio.sleep(0.05)
+        return c
+
+    gws = Gateways(nats_server.url, 1, keys, tmp_path)
+    try:
+        begun = await after(30)  # its start's requests and answers done
+        ended = await after(begun["in_msgs"] + 40)
+        # What it is sent is the log's (its follower's, and the stream's heartbeats),
+        # not the heartbeats of its sharing (10 a second) and its fleet (4 a second).
+        sent, said = (ended[k] - begun[k] for k in ("out_msgs", "in_msgs"))
+        assert sent <= said // 4, (sent, said)
+    finally:
+        gws.close()
