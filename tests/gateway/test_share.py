@@ -569,21 +569,21 @@ async def test_a_lone_gateway_tells_its_load_and_blocks_only_once_another_listen
             await routable(first, http, "lone", 2)
 
             async def load(gws: Gateways) -> tuple[float, float]:
-                # Requests of 8 tokens at 40 a second, begun 0.1 s apart: the counts in
-                # flight change every interval for about 1.5 s.
+                # Three lines of requests one after another, of 4, 6 and 8 tokens at 40
+                # a second: the counts in flight change every 0.1 s or sooner, for 1 s.
                 cs = clients(gws, FREE, [0])
                 t0 = time.monotonic()
 
-                async def one(i: int) -> None:
-                    await asyncio.sleep(0.1 * i)
-                    await cs[0].chat.completions.create(
-                        model="lone",
-                        messages=[{"role": "user", "content": f"turn {i} " + "x" * 300}],
-                        max_tokens=8,
-                    )
+                async def line(n: int) -> None:
+                    for i in range(10 // (n + 1)):
+                        await cs[0].chat.completions.create(
+                            model="lone",
+                            messages=[{"role": "user", "content": f"{n} {i} " + "x" * 300}],
+                            max_tokens=4 + 2 * n,
+                        )
 
                 try:
-                    await asyncio.gather(*(one(i) for i in range(12)))
+                    await asyncio.gather(*(line(n) for n in range(3)))
                 finally:
                     await cs[0].close()
                 return t0, time.monotonic()
