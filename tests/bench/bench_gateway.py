@@ -23,7 +23,8 @@ install -e '.[bench]'`; `-untuned` after a loop: with --no-gc-tune; `-plain`: wi
 aiohttp, aiohttp's client to the replicas instead of the lean one; `-lean`: --server
 lean, the lean server; `-aioserver`: --server aiohttp, aiohttp's; `-young20k`: the
 collector's thresholds of the round before, --gc-thresholds 20000,10,10), each told of the
-servers by `replica.state` events with their endpoints. The load generator (aiohttp,
+servers by `replica.state` events with their endpoints, each with a broker and a log
+of its own (alone, as a user's one gateway is, not sharing with the others of the run). The load generator (aiohttp,
 this process) first measures the upstream alone, then alternates rounds of the same
 open-loop load (requests sent at a fixed rate whatever the answers do, so a slow answer
 does not slow the offered load) directly and through each gateway, and reports the
@@ -338,7 +339,8 @@ def _pin(cpus: str) -> list[str]:
 
 @dataclass
 class Procs:
-    broker: EmbeddedBroker
+    brokers: dict[str, EmbeddedBroker]
+    """Each gateway's own (`_start`), by its loop."""
     gateways: dict[str, subprocess.Popen[bytes]]
     upstreams: dict[str, subprocess.Popen[bytes]]
     ports: dict[str, int]
@@ -379,18 +381,17 @@ class Procs:
         for proc in [*self.gateways.values(), *self.upstreams.values()]:
             proc.terminate()
             proc.wait(10)
-        self.broker.stop()
+        for b in self.brokers.values():
+            b.stop()
 
 
 def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
-    """The broker, the two upstreams and a gateway per loop, started; their ports."""
+    """The two upstreams, and a gateway per loop with its broker, started; their ports."""
     n = os.cpu_count() or 1
     gw_cpu, rest_cpu = (str(n - 1), f"0-{n - 2}") if a.pin and n > 1 else ("", "")
     if rest_cpu:
         os.sched_setaffinity(0, range(n - 1))  # the load generator; the broker inherits it
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    broker = EmbeddedBroker(tmp / "broker")
-    broker.start()
     ports = {"bench": _free_port(), "bench-stream": _free_port()}
     logs = {f"upstream-{m}": tmp / f"upstream-{m}.log" for m in ("bench", "bench-stream")}
     logs |= {f"gateway-{loop}": tmp / f"gateway-{loop}.log" for loop in loops}
@@ -419,7 +420,13 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
         (tmp / "keys").chmod(0o600)
         keys = ["--api-keys", str(tmp / "keys")]
     gateways = {}
+    brokers = {}
     for loop in loops:
+        # A broker and a log of its own: each gateway alone, as a user's one gateway is.
+        # On one broker the gateways of a run would share with each other (each telling
+        # the other its load and each pick's blocks), work that neither does alone.
+        brokers[loop] = broker = EmbeddedBroker(tmp / f"broker-{loop}")
+        broker.start()
         ports[loop] = _free_port()
         # `@tree`: the gateway of the checkout `--tree`, its own bench script serving it.
         tree = a.tree if "@tree" in loop else ROOT
@@ -439,7 +446,7 @@ def _start(a: argparse.Namespace, loops: list[str]) -> Procs:
             cwd=tree,
             stderr=logs[f"gateway-{loop}"].open("wb"),
         )
-    return Procs(broker, gateways, upstreams, ports, logs)
+    return Procs(brokers, gateways, upstreams, ports, logs)
 
 
 async def _declare(url: str, ports: dict[str, int]) -> None:
@@ -562,7 +569,8 @@ def _report(what: str, got: dict[str, list[Round]], rate: float, seconds: float)
 
 
 async def _bench(a: argparse.Namespace, procs: Procs, loops: list[str]) -> None:
-    await _declare(procs.broker.url, procs.ports)
+    for broker in procs.brokers.values():
+        await _declare(broker.url, procs.ports)
     base = "http://127.0.0.1:{}/v1/{}"
     direct = base.format(procs.ports["bench"], "chat/completions")
     through = {loop: base.format(procs.ports[loop], "chat/completions") for loop in loops}

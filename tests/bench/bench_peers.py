@@ -26,7 +26,9 @@ them and none refused), its metrics, its use reports (`replica.used`), its routi
 `--llmgw NAME=FLAGS` adds gateways with other flags (`--llmgw 'aiohttp=--upstream-client
 aiohttp'`; the first is the one the ratios are to); `--tree NAME=DIR` runs the gateway NAME from another
 checkout (`--llmgw main= --tree main=../main`: the tree before a change, in the same
-run). `--profile DIR` samples the first gateway with py-spy under each load once the
+run). Each llmgw gateway has a broker and a log of its own, so the gateways of one run
+are each alone, as a user's one gateway is, and do not share their load and prefix
+blocks with each other. `--profile DIR` samples the first gateway with py-spy under each load once the
 rounds are done.
 
 The upstreams are `bench_gateway.py`'s: two simulated model servers
@@ -174,7 +176,8 @@ class Path_:
 
 @dataclass
 class Procs:
-    broker: EmbeddedBroker
+    brokers: list[EmbeddedBroker] = field(default_factory=list)
+    """One for each llmgw gateway (`start`)."""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -186,7 +189,8 @@ class Procs:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        self.broker.stop()
+        for b in self.brokers:
+            b.stop()
 
 
 def _wait_http(url: str, seconds: float = 60) -> None:
@@ -202,9 +206,7 @@ def _wait_http(url: str, seconds: float = 60) -> None:
 
 
 def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Procs, list[Path_]]:
-    broker = EmbeddedBroker(tmp / "broker")
-    broker.start()
-    procs = Procs(broker)
+    procs = Procs()
     ports = {"bench": bg._free_port(), "bench-stream": bg._free_port()}
     for model, tps in (("bench", 0.0), ("bench-stream", a.stream_tps)):
         procs.procs.append(
@@ -227,7 +229,6 @@ def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Pro
     up = {m: f"http://127.0.0.1:{p}" for m, p in ports.items()}
     for u in up.values():
         _wait_http(f"{u}/health")
-    asyncio.run(bg._declare(broker.url, ports))
     paths = [
         Path_(
             "direct",
@@ -242,6 +243,13 @@ def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Pro
     keys.write_text(KEY_LINE)
     keys.chmod(0o600)
     for name, flags in a.llmgw:
+        # A broker and a log of its own: each gateway alone, as a user's one gateway is.
+        # On one broker the gateways of a run would share with each other (each telling
+        # the other its load and each pick's blocks), work that neither does alone.
+        broker = EmbeddedBroker(tmp / f"broker-{name}")
+        broker.start()
+        procs.brokers.append(broker)
+        asyncio.run(bg._declare(broker.url, ports))
         port = bg._free_port()
         p = subprocess.Popen(
             [
