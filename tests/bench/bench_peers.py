@@ -206,7 +206,17 @@ def _wait_http(url: str, seconds: float = 60) -> None:
 
 
 def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Procs, list[Path_]]:
+    """The upstreams, the llmgw gateways (each with its broker) and the peers, started;
+    whatever was started is stopped again if one of them fails to start."""
     procs = Procs()
+    try:
+        return procs, _start(a, peers, tmp, procs)
+    except BaseException:
+        procs.stop()
+        raise
+
+
+def _start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path, procs: Procs) -> list[Path_]:
     ports = {"bench": bg._free_port(), "bench-stream": bg._free_port()}
     for model, tps in (("bench", 0.0), ("bench-stream", a.stream_tps)):
         procs.procs.append(
@@ -293,7 +303,7 @@ def start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path) -> tuple[Pro
                 (served["bench"][1], served["bench-stream"][1]),
             )
         )
-    return procs, paths
+    return paths
 
 
 async def _until_served(http: aiohttp.ClientSession, path: Path_, stream: bytes) -> None:
