@@ -9,9 +9,9 @@ stored): its requests in flight per replica, its uncached prefill work in flight
 held requests per model, the keys it refused since, and the tokens of keys' limits it
 hands to others; and a `schemas.share.Routed` batch of the blocks it routed where, sent
 as soon as the loop's turn that routed them is done. A gateway that hears no other says
-its state at its heartbeat alone, and routes no blocks to tell (`Cache.listened`):
-nobody reads them, and a gateway that joins is told the state at once. A gateway silent for
-`--share-expiry` (0.5 s) is gone, as is one that says it leaves: what it said is dropped
+its state at its heartbeat alone, and routes no blocks to tell (`Cache.listeners`):
+nobody reads them, and a gateway that joins is told the state at once. A gateway silent
+for `--share-expiry` (0.5 s) is gone, as is one that says it leaves: what it said is dropped
 and its share of every key's limits returns to the others (docs/gateway.md, "Several
 gateways").
 
@@ -121,7 +121,7 @@ class Sharing:
         self.admission.gateways = self.gateways
         if self.cache is not None:
             self.cache.on_routed = self._routed_soon
-            self.cache.listened = False  # until another gateway is heard
+            self.cache.listeners = self.peers  # told while another gateway is heard
         self._cache_due: asyncio.Task[None] | None = None
 
     def _routed_soon(self) -> None:
@@ -296,8 +296,6 @@ class Sharing:
 
     def _drop(self, g: str) -> None:
         self.peers.pop(g, None)
-        if self.cache is not None:
-            self.cache.listened = bool(self.peers)
         old = self.states.pop(g, None)
         if old is not None:
             self._apply(old, -1)
@@ -333,8 +331,6 @@ class Sharing:
             if len(self.peers) >= MAX_PEERS:
                 return
             self._news = True  # a newcomer hears this gateway at its next turn
-            if self.cache is not None:
-                self.cache.listened = True
         if s.at > 0:
             self.delays.append(max(0.0, time.time() - s.at))
         self.peers[s.gateway] = now

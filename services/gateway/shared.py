@@ -86,9 +86,14 @@ class Cache:
     on_routed: Callable[[], None] | None = None
     """Called when blocks wait to be told (the sharing sends them at once, batched with
     whatever else the same turn of the loop routed)."""
-    listened: bool = True
-    """Another gateway is there to be told (the sharing says, as gateways come and go):
-    a lone gateway's picks are neither hashed nor kept to be told."""
+    listeners: Mapping[str, Any] | None = None
+    """The other gateways there to be told (the sharing's own `peers`, the same dict;
+    None: told whoever listens): while it is empty, a lone gateway's picks are neither
+    hashed nor kept to be told."""
+
+    def listened(self) -> bool:
+        """Whether this gateway's picks are told to anyone."""
+        return self.listeners is None or bool(self.listeners)
 
     def routed(self, rid: str, hashes: list[int]) -> None:
         """This gateway sent a prompt of `hashes` to `rid`: the blocks not told yet go in
@@ -179,7 +184,8 @@ class FleetPicker:
     ) -> ReplicaRecord | None:
         stable: list[int] | None = None
         cache = self.cache
-        if cache is not None and route is not None and (cache.listened or cache.remote):
+        listened = cache is not None and cache.listened()
+        if cache is not None and route is not None and (listened or cache.remote):
             stable = self._teach(m, route)
         added = self._add(1)
         try:
@@ -187,7 +193,7 @@ class FleetPicker:
         finally:
             if added:
                 self._add(-1)
-        if r is not None and stable and cache is not None and cache.listened:
+        if r is not None and stable and cache is not None and listened:
             cache.routed(r.id, stable)
         return r
 

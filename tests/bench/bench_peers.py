@@ -253,9 +253,7 @@ def _start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path, procs: Proc
     keys.write_text(KEY_LINE)
     keys.chmod(0o600)
     for name, flags in a.llmgw:
-        # A broker and a log of its own: each gateway alone, as a user's one gateway is.
-        # On one broker the gateways of a run would share with each other (each telling
-        # the other its load and each pick's blocks), work that neither does alone.
+        # A broker and a log of its own, as in `bench_gateway._start` (why: there).
         broker = EmbeddedBroker(tmp / f"broker-{name}")
         broker.start()
         procs.brokers.append(broker)
