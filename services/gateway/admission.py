@@ -147,7 +147,10 @@ class Admission:
         many (not made anew for each request)."""
         whole = key.limits
         self._limits[key.digest] = whole
-        n = self._sharing(now)
+        gateways = self.gateways
+        n = 1 if gateways is None else gateways()
+        if n != self._shared_by:  # they changed (or `_sharing` says why not)
+            n = self._sharing(now)
         if n == 1:
             return whole
         kept = self._shares.get(key.digest)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.values import MutexValue
+
+T = TypeVar("T")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNKNOWN = "(unknown)"
@@ -172,6 +175,13 @@ class Labelled:
     def of(self, metric: Any, *values: str) -> Any:
         return metric.labels(*values) if values else metric
 
+    def group(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        """What `make` gives (children `of` several metrics, together): made each time
+        here; kept under `key` by `KeptLabelled`, so that a request writes several
+        children for one look-up. `key` says everything `make` reads (its labels'
+        values), and is bounded as they are."""
+        return make()
+
 
 class KeptLabelled(Labelled):
     """The same children, each kept once it is made: a dict lookup. The label values are
@@ -187,6 +197,7 @@ class KeptLabelled(Labelled):
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._groups: dict[tuple[Any, ...], Any] = {}
 
     def of(self, metric: Any, *values: str) -> Any:
         key = (metric, values)
@@ -194,6 +205,12 @@ class KeptLabelled(Labelled):
         if child is None:
             child = self._kept[key] = writer(metric.labels(*values) if values else metric)
         return child
+
+    def group(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = make()
+        return cast(T, got)
 
 
 class Writer:

@@ -31,14 +31,17 @@ class Routed:
     that said their cached tokens, of them cached] (`_hits`)."""
 
     def explain(self, request: Request, route: routing.Route, span: Any, to: str) -> None:
-        """`to` picked for `request`: why (a rule that says, `prefix`), in its span and
-        its answer's `x-llmgw-route`; the clock started for its first byte."""
+        """`to` picked for `request`: why (a rule that says, `prefix`), in its span (None:
+        none made) and its answer's `x-llmgw-route`; the clock started for its first
+        byte."""
         request[TO] = to
         request[ASKED] = time.perf_counter()
         said = self.router.explain(route)
         if said is None:
             return
         request[ROUTED] = said.header()
+        if span is None:  # none made for the request
+            return
         span.set_attribute("llmgw.route.why", said.why)
         span.set_attribute("llmgw.route.matched", said.matched)
         span.set_attribute("llmgw.route.considered", said.considered)
@@ -73,14 +76,31 @@ class Routed:
         h[0] += prompt
         h[1] += predicted
         m, labelled = self.metrics, self.labelled
-        labelled.of(m.prompt_tokens, model).inc(prompt)
-        labelled.of(m.cached_tokens, model, "predicted").inc(predicted)
+        prompts, cached_said, rate_said = labelled.group(
+            ("predicted", model),
+            lambda: (
+                labelled.of(m.prompt_tokens, model),
+                labelled.of(m.cached_tokens, model, "predicted"),
+                labelled.of(m.hit_rate, model, "predicted"),
+            ),
+        )
+        prompts.inc(prompt)
+        cached_said.inc(predicted)
         if h[0]:
-            labelled.of(m.hit_rate, model, "predicted").set(h[1] / h[0])
+            rate_said.set(h[1] / h[0])
         if cached is None:
             return
+        # The reported series are made once an engine reports: until then /metrics
+        # says no hit rate reported, not a rate of 0.
         h[2] += prompt
         h[3] += min(cached, prompt)
-        labelled.of(m.cached_tokens, model, "reported").inc(min(cached, prompt))
+        cached_got, rate_got = labelled.group(
+            ("reported", model),
+            lambda: (
+                labelled.of(m.cached_tokens, model, "reported"),
+                labelled.of(m.hit_rate, model, "reported"),
+            ),
+        )
+        cached_got.inc(min(cached, prompt))
         if h[2]:
-            labelled.of(m.hit_rate, model, "reported").set(h[3] / h[2])
+            rate_got.set(h[3] / h[2])

@@ -48,6 +48,7 @@ from typing import Any
 
 import nats.errors
 from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN
 
 from schemas import events as ev
 from schemas import subjects
@@ -103,6 +104,7 @@ from services.gateway.request import (
     HELD,
     KEY,
     MODEL,
+    NO_SPAN,
     PICKED_AT,
     ROUTE,
     SPAN,
@@ -463,43 +465,63 @@ class Gateway:
 
     async def _proxy(self, request: Request) -> Answer:
         self.counts.requests += 1
-        t0 = time.perf_counter()
         request[MODEL] = NOT_READ
-        request[T0] = t0
-        status = 499  # the client went away before an answer (nginx's number for it)
+        request[T0] = time.perf_counter()
         # One span a request, SERVER kind, a child of the client's traceparent if it sent
-        # one; no-op (and next to free) unless tracing is set up (OTEL_* variables).
-        with self._span(request) as span:
+        # one; no-op (and next to free) unless tracing is set up (OTEL_* variables). None
+        # made (`request.span_of`): the request is served with the span that records
+        # nothing, and nothing is said to it.
+        made = self._span(request)
+        if made is NO_SPAN:
+            request[SPAN] = INVALID_SPAN
+            return await self._served(request, None)
+        with made as span:
             request[SPAN] = span
-            owner = NO_OWNER
-            refused: str | None = None
-            try:
-                resp = await self._route(request)
-                status = request.get(STATUS, resp.status)
-                return resp
-            except Refusal as e:
-                status = e.status
-                refused = e.reason
+            return await self._served(request, span)
+
+    async def _served(self, request: Request, span: trace.Span | None) -> Answer:
+        """`_proxy`'s request, answered and counted; `span`: its span, None when none is
+        made (nothing is said to it)."""
+        status = 499  # the client went away before an answer (nginx's number for it)
+        refused: str | None = None
+        try:
+            resp = await self._route(request)
+            status = request.get(STATUS, resp.status)
+            return resp
+        except Refusal as e:
+            status = e.status
+            refused = e.reason
+            if span is not None:
                 span.set_attribute("llmgw.reason", e.reason)
-                raise
-            finally:
-                if held := request.get(HELD):
-                    self.budget.give(held)
-                model = request[MODEL]
-                if model != UNKNOWN:
-                    self.counts.by_model[model] = self.counts.by_model.get(model, 0) + 1
-                key = request.get(KEY)
+            raise
+        finally:
+            if held := request.get(HELD):
+                self.budget.give(held)
+            model = request[MODEL]
+            if model != UNKNOWN:
+                by_model = self.counts.by_model
+                by_model[model] = by_model.get(model, 0) + 1
+            key = request.get(KEY)
+            owner = NO_OWNER if key is None else key.owner
+            if span is not None:
                 if key is not None:
-                    owner = key.owner
                     span.set_attribute("llmgw.owner", owner)
                 span.set_attribute("http.response.status_code", status)
                 span.set_attribute("gen_ai.request.model", model)
-                labelled = self.labelled
-                labelled.of(self.metrics.requests, model, str(status)).inc()
-                if refused is not None:
-                    labelled.of(self.metrics.errors, model, refused).inc()
-                labelled.of(self.metrics.owner_requests, owner, str(status)).inc()
-                labelled.of(self.metrics.duration, model).observe(time.perf_counter() - t0)
+            labelled, metrics = self.labelled, self.metrics
+            if refused is not None:
+                labelled.of(metrics.errors, model, refused).inc()
+            requests, by_owner, duration = labelled.group(
+                ("served", model, status, owner),
+                lambda: (
+                    labelled.of(metrics.requests, model, str(status)),
+                    labelled.of(metrics.owner_requests, owner, str(status)),
+                    labelled.of(metrics.duration, model),
+                ),
+            )
+            requests.inc()
+            by_owner.inc()
+            duration.observe(time.perf_counter() - request[T0])
 
     def _span(self, request: Request) -> contextlib.AbstractContextManager[trace.Span]:
         return span_of(request, self.fast_path)
@@ -623,7 +645,13 @@ class Gateway:
         another replica if it fails before its first byte."""
         tried: list[str] = []
         last: Unreachable | None = None
-        span = request[SPAN]
+        made: trace.Span = request[SPAN]
+        span = None if made is INVALID_SPAN else made  # None: none made, nothing said to it
+        labelled, metrics = self.labelled, self.metrics
+        overhead, inflight = labelled.group(
+            ("sent", m.name),
+            lambda: (labelled.of(metrics.overhead), labelled.of(metrics.inflight, m.name)),
+        )
         r = first
         for attempt in range(2):
             if attempt:
@@ -635,13 +663,14 @@ class Gateway:
                 request[PICKED_AT] = self.follower.seq
                 self.counts.retries += 1
                 self.metrics.retries.inc()
-                span.set_attribute("llmgw.retry", True)
-            else:
-                self.labelled.of(self.metrics.overhead).observe(time.perf_counter() - request[T0])
+                if span is not None:
+                    span.set_attribute("llmgw.retry", True)
+            if not attempt:
+                overhead.observe(time.perf_counter() - request[T0])
             tried.append(r.id)
-            span.set_attribute("llmgw.replica", r.id)
+            if span is not None:
+                span.set_attribute("llmgw.replica", r.id)
             self.routed.explain(request, route, span, r.id)
-            inflight = self.labelled.of(self.metrics.inflight, m.name)
             inflight.inc()
             try:
                 return await self.forwarder.forward(request, r, body, stream, strip, held)

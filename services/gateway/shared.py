@@ -155,10 +155,16 @@ def _trim(lrus: dict[str, OrderedDict[int, None]], total: int) -> None:
 
 class FleetPicker:
     """`inner` (the gateway's rule) deciding on the fleet's load and cache knowledge
-    (the module docstring). Everything but `pick` and `forget` is the rule's own."""
+    (the module docstring). Everything but `pick`, `forget` and `kept` is the rule's own
+    (`done`, `observed`, `explain` bound to it, the rest read through)."""
 
     def __init__(self, inner: routing.Picker, remote: Remote, cache: Cache | None) -> None:
         self.inner = inner
+        # The rule's own, as they are: each request calls them (a request is done, a first
+        # byte and an end observed, its pick explained), through no frame of this one's.
+        self.done: Callable[..., None] = inner.done
+        self.observed: Callable[..., None] = inner.observed
+        self.explain: Callable[..., routing.Explained | None] = inner.explain
         self.remote = remote
         self.cache = cache if isinstance(getattr(inner, "index", None), dict) else None
         self._counts = inner.inflight if isinstance(inner.inflight, dict) else None
@@ -252,22 +258,6 @@ class FleetPicker:
         self.inner.forget(gone)
         if self.cache is not None:
             self.cache.forget(gone)
-
-    def done(self, replica: str, route: routing.Route | None = None) -> None:
-        self.inner.done(replica, route)
-
-    def observed(
-        self,
-        replica: str,
-        route: routing.Route | None,
-        ttft_s: float | None,
-        cached_tokens: int | None,
-        prompt_tokens: int | None = None,
-    ) -> None:
-        self.inner.observed(replica, route, ttft_s, cached_tokens, prompt_tokens)
-
-    def explain(self, route: routing.Route | None) -> routing.Explained | None:
-        return self.inner.explain(route)
 
     def kept(self) -> Collection[str]:
         kept = self.inner.kept()

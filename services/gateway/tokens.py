@@ -45,14 +45,24 @@ def reservation(
     prompt's estimate; only the prompt's for a request that `completes` nothing (an
     embedding). Fields that are not whole numbers count as absent (the server refuses
     them, and the reservation is given back)."""
+    prompt = body_bytes // PROMPT_BYTES_PER_TOKEN  # prompt_estimate, inline
     if not completes:
-        return prompt_estimate(body_bytes)
-    bound = next(
-        (v for v in (max_tokens, max_completion_tokens) if whole(v) and v >= 0),
-        ratelimit.DEFAULT_MAX_TOKENS,
-    )
+        return prompt
+    # `whole` written out (a request's every reservation passes here): an int, not a bool.
+    if isinstance(max_tokens, int) and max_tokens.__class__ is not bool and max_tokens >= 0:
+        bound = max_tokens
+    elif (
+        isinstance(max_completion_tokens, int)
+        and max_completion_tokens.__class__ is not bool
+        and max_completion_tokens >= 0
+    ):
+        bound = max_completion_tokens
+    else:
+        bound = ratelimit.DEFAULT_MAX_TOKENS
+    if n is None:
+        return bound + prompt
     choices = n if whole(n) and 1 <= n <= MAX_CHOICES else 1
-    return bound * choices + prompt_estimate(body_bytes)
+    return bound * choices + prompt
 
 
 def events(chunk: bytes) -> int:

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -106,7 +106,9 @@ class Use:
     """Use of one replica not reported yet."""
 
     node: str
-    at: datetime
+    at_s: float
+    """When it last served (seconds since the epoch, `time.time()`: a float for each
+    request, the report's time made from it once a report)."""
     requests: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
@@ -147,10 +149,10 @@ class Uses:
         `requests` 0: the part of a request that began on another replica and moved
         here (`services.gateway.continuation`), counted there."""
         u = self.pending.get(r.id)
-        now = utc_now()
+        now = time.time()
         if u is None:
-            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=now)
-        u.at, u.requests = now, u.requests + requests
+            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at_s=now)
+        u.at_s, u.requests = now, u.requests + requests
         u.tokens_in += tokens_in
         u.tokens_out += tokens_out
         if cached is not None:
@@ -161,14 +163,21 @@ class Uses:
         o[0] += requests
         o[1] += tokens_in
         o[2] += tokens_out
-        self.labelled.of(self.metrics.owner_tokens, key.owner, "in").inc(tokens_in)
-        self.labelled.of(self.metrics.owner_tokens, key.owner, "out").inc(tokens_out)
+        labelled, tokens = self.labelled, self.metrics.owner_tokens
+        said_in, said_out = labelled.group(
+            ("owner tokens", key.owner),
+            lambda: (labelled.of(tokens, key.owner, "in"), labelled.of(tokens, key.owner, "out")),
+        )
+        said_in.inc(tokens_in)
+        said_out.inc(tokens_out)
 
     def moved(self, r: Any, to: str) -> None:
         """One stream moved off `r` to replica `to`, for `r`'s next report."""
         u = self.pending.get(r.id)
         if u is None:
-            u = self.pending[r.id] = Use(node=r.shards[0].node if r.shards else "", at=utc_now())
+            u = self.pending[r.id] = Use(
+                node=r.shards[0].node if r.shards else "", at_s=time.time()
+            )
         u.moved_to[to] = u.moved_to.get(to, 0) + 1
 
     async def report(self, stop: asyncio.Event, each: Callable[[], None]) -> None:
@@ -210,7 +219,7 @@ class Uses:
         e = ev.make(
             ev.ReplicaUsed(
                 replica=rid,
-                at=u.at,
+                at=datetime.fromtimestamp(u.at_s, UTC),
                 requests=u.requests,
                 tokens_in=u.tokens_in,
                 tokens_out=u.tokens_out,

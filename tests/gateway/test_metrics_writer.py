@@ -103,3 +103,39 @@ def test_a_gauge_in_mostrecent_mode_is_written_by_prometheus_client() -> None:
     assert not isinstance(child, Writer)
     child.set(3)
     assert g.labels("a")._value.get() == 3
+
+
+def test_a_group_is_made_each_time_plain_and_once_kept() -> None:
+    """`group`: the plain rule makes its children each time (prometheus_client's
+    `labels()`, as `of` does); the kept one once for its key, the same children after."""
+    made: list[str] = []
+
+    def make(model: str) -> tuple[object, ...]:
+        made.append(model)
+        return (model,)
+
+    plain, kept = Labelled(), KeptLabelled()
+    for labelled in (plain, kept):
+        for _ in range(3):
+            assert labelled.group(("g", "m1"), lambda: make("m1")) == ("m1",)
+        assert labelled.group(("g", "m2"), lambda: make("m2")) == ("m2",)
+    assert made == ["m1", "m1", "m1", "m2", "m1", "m2"]
+
+
+def test_the_reported_hit_rate_is_said_only_once_an_engine_reports_one() -> None:
+    """A gateway whose engines never said what they served from their cache has no
+    `source="reported"` series (not a rate of 0); the first report makes them."""
+    from services.core.pickers import make as make_picker
+    from services.gateway.routed import Routed
+
+    for labelled in (Labelled(), KeptLabelled()):
+        m = Metrics()
+        routed = Routed(make_picker("prefix", fast=False), m, labelled)
+        routed._hits("m1", 100, 40, None)
+        text = m.render().decode()
+        assert 'source="predicted"' in text
+        assert 'source="reported"' not in text
+        routed._hits("m1", 100, 40, 60)
+        text = m.render().decode()
+        assert 'llmgw_gateway_prefix_hit_rate{model="m1",source="reported"} 0.6' in text
+        assert 'llmgw_gateway_prefix_hit_rate{model="m1",source="predicted"} 0.4' in text
