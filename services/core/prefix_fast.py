@@ -590,7 +590,8 @@ class FastPrefix(Prefix):
     ) -> None:
         lru = self.index.get(replica)
         super().observed(replica, route, ttft_s, cached_tokens, prompt_tokens)
-        self._dropped(replica, lru)
+        if lru is not None and lru is not self.index.get(replica):  # `_dropped`'s own test
+            self._dropped(replica, lru)
 
     def forget(self, gone: Iterable[str]) -> None:
         gone = list(gone)

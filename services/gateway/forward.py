@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import yarl
@@ -139,7 +139,13 @@ class Forwarder:
         assert self.http is not None
         if self.ports.refuses(r.endpoint):
             raise Unreachable(f"its endpoint {r.endpoint} is a port of the plane", garbage=False)
-        headers = {h: request.headers[h] for h in FORWARDED if h in request.headers} | JSON_TYPE
+        # Loops, not comprehensions (each a call of its own in this Python): every request
+        # passes here.
+        said, headers = request.headers, {}
+        for h in FORWARDED:
+            if (v := said.get(h)) is not None:
+                headers[h] = v
+        headers.update(JSON_TYPE)
         path = path or request.path
         url = self._urls.get((r.endpoint, path))
         if url is None:
@@ -149,9 +155,10 @@ class Forwarder:
         try:
             # The lean client's answer is read through the attributes of aiohttp's that
             # the forwarder and the continuation read (`services.gateway.upstream.Answer`).
-            return cast(
-                aiohttp.ClientResponse, await self.http.post(url, data=body, headers=headers)
+            answer: aiohttp.ClientResponse = await self.http.post(  # type: ignore[assignment]
+                url, data=body, headers=headers
             )
+            return answer
         except ConnectFailed as e:
             raise Unreachable(
                 f"cannot connect: {e.os_error.strerror or e}", garbage=False
@@ -207,7 +214,10 @@ class Forwarder:
                 "bad_upstream" if upstream.status < 400 else "upstream_error",
                 kind="api_error",
             )
-        out_headers = {h: upstream.headers[h] for h in PASSED if h in upstream.headers}
+        out_headers: dict[str, str] = {}
+        for h in PASSED:
+            if (v := upstream.headers.get(h)) is not None:
+                out_headers[h] = v
         out_headers["x-llmgw-replica"] = r.id
         out_headers["x-llmgw-seq"] = str(request.get(PICKED_AT, 0))
         if (said := request.get(ROUTED)) is not None:
