@@ -135,8 +135,12 @@ def _message(m: Any) -> str:
     as sorted JSON."""
     if not isinstance(m, dict):
         return _sorted.encode(m).decode()
-    rest = {k: v for k, v in m.items() if k not in ("role", "content")}
-    said = f"{m.get('role', '')}{PART}{_text(m.get('content'))}"
+    rest = {}
+    for k, v in m.items():  # a loop, not a comprehension: no call of its own
+        if k != "role" and k != "content":
+            rest[k] = v
+    content = m.get("content")
+    said = f"{m.get('role', '')}{PART}{content if isinstance(content, str) else _text(content)}"
     return f"{said}{PART}{_sorted.encode(rest).decode()}" if rest else said
 
 
@@ -197,7 +201,8 @@ class Route:
                 return  # not the gateway's to refuse: the server says what is wrong
         if got.messages is not None:
             msgs = got.messages if isinstance(got.messages, list) else [got.messages]
-            self._text = SEP.join(_message(m) for m in msgs)
+            # One message (a chat's first turn) without the join's generator.
+            self._text = _message(msgs[0]) if len(msgs) == 1 else SEP.join(map(_message, msgs))
         else:
             self._text = _prompt(got.prompt)
         if isinstance(got.cache_salt, str):

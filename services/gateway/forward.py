@@ -31,7 +31,7 @@ from services.gateway.refusal import (
     answer_too_big,
 )
 from services.gateway.request import PICKED_AT, ROUTED, SENT, WOKEN
-from services.gateway.upstream import ConnectFailed, LeanSession, NotHttp
+from services.gateway.upstream import Body, ConnectFailed, LeanSession, NotHttp
 from services.gateway.use import stream_cached, stream_usage, use_of
 
 # TAIL_BYTES is how much of a stream's end is kept to read its usage chunk from.
@@ -314,6 +314,12 @@ class Forwarder:
         try:
             if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
                 raise answer_too_big(rid)
+            content = upstream.content
+            if isinstance(content, Body) and (got := content.taken_whole()) is not None:
+                # The lean client's answer, all of it come: taken in one call.
+                if len(got) > MAX_ANSWER:
+                    raise answer_too_big(rid)
+                return got
             chunks: list[bytes] = []
             size = 0
             while chunk := await upstream.content.readany():

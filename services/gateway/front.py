@@ -149,7 +149,9 @@ class Request(dict[Any, Any]):
             raise self._error
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
-        self._taken(len(data))
+        self._size -= len(data)  # `_taken`, inline: a body taken whole with its head
+        if self._conn.paused and self._size < HIGH_WATER:
+            self._conn.flow()
         return data
 
     async def readany(self) -> bytes:
@@ -170,7 +172,9 @@ class Request(dict[Any, Any]):
 
     def _taken(self, n: int) -> None:
         self._size -= n
-        if self._size < HIGH_WATER:
+        # A connection not paused has nothing to resume: whatever made it full (a body
+        # past HIGH_WATER, a pipelined request) paused it as it did (`flow`).
+        if self._size < HIGH_WATER and self._conn.paused:
             self._conn.flow()
 
     def _feed(self, data: bytes) -> None:

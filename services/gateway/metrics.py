@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.values import MutexValue
@@ -207,10 +207,10 @@ class KeptLabelled(Labelled):
         return child
 
     def group(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
-        got = self._groups.get(key)
+        got: T | None = self._groups.get(key)
         if got is None:
             got = self._groups[key] = make()
-        return cast(T, got)
+        return got
 
 
 class Writer:

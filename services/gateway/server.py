@@ -471,7 +471,7 @@ class Gateway:
         # one; no-op (and next to free) unless tracing is set up (OTEL_* variables). None
         # made (`request.span_of`): the request is served with the span that records
         # nothing, and nothing is said to it.
-        made = self._span(request)
+        made = span_of(request, self.fast_path)  # `_span`, without its call
         if made is NO_SPAN:
             request[SPAN] = INVALID_SPAN
             return await self._served(request, None)
@@ -682,7 +682,9 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                if (holds := continuation.serving(request, r)) is not None:
+                # `continuation.serving`, without its call: the replica whose slot the
+                # request holds at its end.
+                if (holds := request.get(continuation.SERVING, r)) is not None:
                     self.holding.done(holds, route)
         raise no_replica(m.name, last)
 

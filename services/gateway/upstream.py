@@ -115,6 +115,16 @@ class Body:
             return data
         return b"" if self._eof else None
 
+    def taken_whole(self) -> bytes | None:
+        """The whole body, taken, when all of it has come (its end read, nothing broke:
+        an answer read whole with its head, as most are); None otherwise, nothing
+        taken (read it with `readany`)."""
+        if not self._eof or self._exc is not None:
+            return None
+        data = self._take()
+        assert data is not None  # ended: b"" at the least
+        return data
+
     def _wait(self) -> asyncio.Future[None]:
         """A future that `_feed` or `_end` sets (awaited as it is: no coroutine of its own
         for each chunk); the last one taken, or cancelled, is never set again."""
