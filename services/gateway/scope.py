@@ -1,8 +1,8 @@
 """Which declared models an API key may use: those of its owner's subtree of the quota
 tree, and those declared shared.
 
-Used by `services.gateway.server` for each request sent with a key, and for the list of
-`GET /v1/models`; pure, no I/O. A model's owner is in the key owner's subtree when it is
+Used by `services.gateway.server` for each request (`Scope.declared`: the model it names,
+or its 404 with a did-you-mean), and for the list of `GET /v1/models`; pure, no I/O. A model's owner is in the key owner's subtree when it is
 that owner or one below it (its parent, its parent's parent... is the key's owner): a
 key of `research` may use the models of `research/vision`, not the other way. A model
 declared `shared: true` is everyone's; `shared` left out (null) is shared only for a
@@ -17,11 +17,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas import events as ev
+from services import names as naming
 from services.core import catalog
 from services.core.view import View
+from services.gateway.refusal import Refusal
 
 # DEFAULT_OWNER is the owner of a model declared without one (schemas.events.ModelDeclared).
 DEFAULT_OWNER = "default"
+
+# MAX_NAME is the longest model name the contract allows (schemas.events.Name).
+MAX_NAME = 253
 
 
 def shared(m: ev.ModelDeclared) -> bool:
@@ -77,6 +82,25 @@ class Scope:
             if d is not None and not self.may_use(key_owner, d, view.state.quota):
                 return None
         return m
+
+    def declared(self, view: View, name: str, key_owner: str | None) -> catalog.Model:
+        """`resolve`, or 404 (with a did-you-mean among the models a key of `key_owner`
+        may use): another tenant's model is not there for the key, and nothing is done
+        for it (no wait, no demand)."""
+        m = self.resolve(view, name, key_owner)
+        if m is not None:
+            return m
+        if len(name) > MAX_NAME:
+            # No model has such a name, and comparing one this long with every name
+            # would hold the loop (difflib is quadratic): said without a did-you-mean.
+            raise Refusal(
+                404,
+                f"the model {name[:64]!r}... does not exist (a name is at most "
+                f"{MAX_NAME} characters; this one is {len(name)})",
+                "unknown_model",
+            )
+        hint = naming.did_you_mean(name, self.names(view, key_owner))
+        raise Refusal(404, f"the model {name!r} does not exist{hint}", "unknown_model")
 
     def names(self, view: View, key_owner: str | None) -> list[str]:
         """The names and aliases of the models a key of `key_owner` may use (a

@@ -52,7 +52,7 @@ from opentelemetry.trace import INVALID_SPAN
 
 from schemas import events as ev
 from schemas import subjects
-from services import listen, names
+from services import listen
 from services.bus import Publisher
 from services.bus.fleet import Fleet
 from services.bus.replies import ReplyGuard
@@ -145,9 +145,6 @@ IDLE_TIMEOUT_S = 75.0
 # CATCH_UP_S bounds the wait, at start, for the view to reach the end of the log; the
 # gateway serves with what it has folded after that rather than not at all.
 CATCH_UP_S = 30.0
-
-# MAX_NAME is the longest model name the contract allows (schemas.events.Name).
-MAX_NAME = 253
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -468,9 +465,8 @@ class Gateway:
         request[MODEL] = NOT_READ
         request[T0] = time.perf_counter()
         # One span a request, SERVER kind, a child of the client's traceparent if it sent
-        # one; no-op (and next to free) unless tracing is set up (OTEL_* variables). None
-        # made (`request.span_of`): the request is served with the span that records
-        # nothing, and nothing is said to it.
+        # one, unless tracing is off (OTEL_* variables): none is made then (`span_of`), and
+        # nothing is said to the one that records nothing.
         made = span_of(request, self.fast_path)  # `_span`, without its call
         if made is NO_SPAN:
             request[SPAN] = INVALID_SPAN
@@ -550,7 +546,8 @@ class Gateway:
             # Refused for its tpm, the body read: counted under its model, which only
             # `_routed` would have named (worked out here for a refusal alone, not for
             # every request).
-            request[MODEL] = self._label(head.model, key)
+            m = self._scope.resolve(self.follower.view, head.model, key.owner)
+            request[MODEL] = UNKNOWN if m is None else m.name
             raise
         try:
             return await self._routed(request, key, body, head)
@@ -558,35 +555,8 @@ class Gateway:
             if reserved or key.limits.tpm is not None:
                 self.admission.settle(key, reserved, request.get(TOOK, 0), self.clock())
 
-    def _label(self, name: str, key: Key) -> str:
-        """The model a request refused for its tpm counts under in the metrics: a
-        declared model the key may use, by its name; anything else `(unknown)`."""
-        m = self._scope.resolve(self.follower.view, name, key.owner)
-        return UNKNOWN if m is None else m.name
-
-    def _model(self, name: str, key: Key | None) -> catalog.Model:
-        """The declared model a request names, if its key may use it (`scope`); 404 else
-        (with a did-you-mean among the models the key may use): another tenant's model is
-        not there for this key, and nothing is done for it (no wait, no demand)."""
-        view = self.follower.view
-        owner = None if key is None else key.owner
-        m = self._scope.resolve(view, name, owner)
-        if m is not None:
-            return m
-        if len(name) > MAX_NAME:
-            # No model has such a name, and comparing one this long with every name
-            # would hold the loop (difflib is quadratic): said without a did-you-mean.
-            raise Refusal(
-                404,
-                f"the model {name[:64]!r}... does not exist (a name is at most "
-                f"{MAX_NAME} characters; this one is {len(name)})",
-                "unknown_model",
-            )
-        hint = names.did_you_mean(name, self._scope.names(view, owner))
-        raise Refusal(404, f"the model {name!r} does not exist{hint}", "unknown_model")
-
     async def _routed(self, request: Request, key: Key | None, body: bytes, head: Head) -> Answer:
-        m = self._model(head.model, key)
+        m = self._scope.declared(self.follower.view, head.model, None if key is None else key.owner)
         request[MODEL] = m.name
         route = route_of(request, m.name, head, body, key)
         request[ROUTE] = route
@@ -682,8 +652,7 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                # `continuation.serving`, without its call: the replica whose slot the
-                # request holds at its end.
+                # `continuation.serving`, inline: the replica whose slot it holds at its end.
                 if (holds := request.get(continuation.SERVING, r)) is not None:
                     self.holding.done(holds, route)
         raise no_replica(m.name, last)
