@@ -289,14 +289,24 @@ def test_a_critical_model_takes_the_room_of_an_opportunistic_one(plane: EnginePl
         assert out.returncode == 0, out.stderr
     victim = plane.ready("batch")
     keep = plane.ready("chat")
+
     # Both are a lower class than `urgent`, above their minimum: the reference takes the
     # longest unused first. `batch` is used first and `chat` after it, so `batch` goes.
+    def generated(v: View) -> int:
+        e = v.replicas[victim.id].engine
+        return 0 if e is None or e.generation_tokens is None else e.generation_tokens
+
+    before = plane.ask(generated)
     plane.client.completions.create(model="batch", prompt=PROMPT, max_tokens=2)
-    used = plane.until(
-        "batch used",
-        lambda v: v.replicas[victim.id].last_used_at,
-        within_s=30,
-    )
+
+    def batch_used(v: View) -> datetime | None:
+        # Said by the gateway, and by batch's agent from a read of its engine's metrics
+        # that counts this request's tokens: the agent knows a use only at its next read,
+        # and says it at that read's time, so `chat` is used only once that is folded
+        # (else batch's use, said later, could be the later of the two).
+        return v.replicas[victim.id].last_used_at if generated(v) > before else None
+
+    used = plane.until("batch used, said by the gateway and its agent", batch_used, within_s=30)
     plane.client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
     plane.until(
         "chat used after batch",
