@@ -262,6 +262,8 @@ def _start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path, procs: Proc
         p = subprocess.Popen(
             [
                 sys.executable,
+                # Python's own options for this gateway (`bench_request_calls.py`: cProfile).
+                *getattr(a, "python_args", {}).get(name, ()),
                 "-m",
                 "services.gateway",
                 "--nats",

@@ -1,0 +1,114 @@
+"""Benchmark: the calls llmgw's gateway makes for each request, counted by cProfile: a
+figure the host's load does not move (its CPU a request moves 10-20% from run to run on
+2 shared cores), in this tree and, with `--tree DIR`, in another checkout's beside it.
+
+Run from the repository root:
+
+    python tests/bench/bench_request_calls.py [--tree DIR] [--requests 20000]
+
+Each gateway runs as `bench_peers.py` runs it (`python -m services.gateway`, every
+feature on: an API key with its limits, metrics, use reports, the prefix rule, a broker
+and a log of its own), under `python -m cProfile`, twice: serving `--few` requests, then
+`--few` + `--requests`. A request is the bench's small chat completion, answered whole
+by the simulated server, 16 at a time on keep-alive connections. The calls a request
+makes are the difference between the two runs over the difference in requests:
+starting, catching up with the log and stopping cancel out. Python calls count each
+entry into a Python function (a coroutine's resumption included); C calls, each call
+into a builtin or an extension's function. Prints figures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import aiohttp  # noqa: E402
+import bench_gateway as bg  # noqa: E402
+import bench_peers as bp  # noqa: E402
+
+
+def calls(profile: Path) -> tuple[int, int]:
+    """(Python calls, C calls) in a cProfile file."""
+    py = c = 0
+    for (filename, _, _), (_, n, *_rest) in pstats.Stats(str(profile)).stats.items():  # type: ignore[attr-defined]
+        if filename == "~":
+            c += n
+        else:
+            py += n
+    return py, c
+
+
+async def _send(url: str, n: int) -> None:
+    """`n` chat completions, 16 at a time, each on the key."""
+    left = [n]
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            async with http.post(url, data=bg.CHAT, headers=bg.JSON_TYPE) as r:
+                await r.read()
+                if r.status != 200:
+                    raise SystemExit(f"{url}: {r.status}")
+
+    async with aiohttp.ClientSession(headers=bp.AUTH) as http:
+        await asyncio.gather(*(one(http) for _ in range(16)))
+
+
+def run(tree: Path, requests: int, tmp: Path, name: str) -> tuple[int, int]:
+    """The gateway of `tree` under cProfile, serving `requests` (and the bench's start's
+    own); its (Python calls, C calls)."""
+    out = tmp / f"{name}.prof"
+    a = argparse.Namespace(
+        llmgw=[(name, "")],
+        tree={name: tree},
+        stream_tps=8.0,
+        python_args={name: ("-m", "cProfile", "-o", str(out))},
+    )
+    procs, paths = bp.start(a, {}, tmp)
+    try:
+        path = paths[1]
+
+        async def load() -> None:
+            async with aiohttp.ClientSession(headers=bp.AUTH) as http:
+                await bp._until_served(http, path, bp.stream_body(16))
+            await _send(path.fast, requests)
+
+        asyncio.run(load())
+    finally:
+        procs.stop()  # SIGTERM: the gateway stops as it does, and cProfile writes its file
+    return calls(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tree", type=Path, default=None, help="another checkout, counted beside")
+    p.add_argument("--requests", type=int, default=20000, help="requests counted (20000)")
+    p.add_argument("--few", type=int, default=500, help="the first run's requests (500)")
+    a = p.parse_args()
+    trees = [("this tree", ROOT)] + ([("--tree", a.tree.resolve())] if a.tree else [])
+    print(f"calls a request, cProfile ({a.requests} requests, whole answers, 16 at a time):")
+    for label, tree in trees:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            py0, c0 = run(tree, a.few, tmp, "few")
+            py1, c1 = run(tree, a.few + a.requests, tmp, "many")
+        print(
+            f"  {label:9} Python {(py1 - py0) / a.requests:6.1f}  C {(c1 - c0) / a.requests:6.1f}"
+            f"  ({tree})"
+        )
+
+
+if __name__ == "__main__":
+    main()
