@@ -139,8 +139,7 @@ def _message(m: Any) -> str:
     for k, v in m.items():  # a loop, not a comprehension: no call of its own
         if k != "role" and k != "content":
             rest[k] = v
-    content = m.get("content")
-    said = f"{m.get('role', '')}{PART}{content if isinstance(content, str) else _text(content)}"
+    said = f"{m.get('role', '')}{PART}{_text(m.get('content'))}"
     return f"{said}{PART}{_sorted.encode(rest).decode()}" if rest else said
 
 

@@ -197,13 +197,10 @@ class Admission:
         tpm = limits.tpm if take else None
         if rpm is None and tpm is None:
             return 0.0
-        if self.gateways is not None and (self._shared_by != 1 or self.gateways() != 1):
+        if self.gateways is not None:
             limits = self._share(key, now)
             rpm = limits.rpm
             tpm = limits.tpm if take else None
-        else:
-            # Alone, as it was: its share is the whole (`_share`'s, without its call).
-            self._limits[key.digest] = limits
         b = self.buckets.get(key.digest)
         if b is None:
             b = Kept()
@@ -265,12 +262,10 @@ class Admission:
         tpm = key.limits.tpm
         if tpm is None:
             return
-        if self.gateways is not None and (self._shared_by != 1 or self.gateways() != 1):
+        if self.gateways is not None:
             share = self._share(key, now).tpm
             assert share is not None
             tpm = share
-        else:
-            self._limits[key.digest] = key.limits
         b = self._kept(key.digest)
         if reserved <= 0 and took <= 0:
             return

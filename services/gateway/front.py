@@ -149,9 +149,7 @@ class Request(dict[Any, Any]):
             raise self._error
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
-        self._size -= len(data)  # `_taken`, inline: a body taken whole with its head
-        if self._conn.paused and self._size < HIGH_WATER:
-            self._conn.flow()
+        self._taken(len(data))
         return data
 
     async def readany(self) -> bytes:

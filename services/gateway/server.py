@@ -467,7 +467,7 @@ class Gateway:
         # One span a request, SERVER kind, a child of the client's traceparent if it sent
         # one, unless tracing is off (OTEL_* variables): none is made then (`span_of`), and
         # nothing is said to the one that records nothing.
-        made = span_of(request, self.fast_path)  # `_span`, without its call
+        made = self._span(request)
         if made is NO_SPAN:
             request[SPAN] = INVALID_SPAN
             return await self._served(request, None)
@@ -652,8 +652,7 @@ class Gateway:
                 last = e
             finally:
                 inflight.dec()
-                # `continuation.serving`, inline: the replica whose slot it holds at its end.
-                if (holds := request.get(continuation.SERVING, r)) is not None:
+                if (holds := continuation.serving(request, r)) is not None:
                     self.holding.done(holds, route)
         raise no_replica(m.name, last)
 

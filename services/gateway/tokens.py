@@ -45,22 +45,14 @@ def reservation(
     prompt's estimate; only the prompt's for a request that `completes` nothing (an
     embedding). Fields that are not whole numbers count as absent (the server refuses
     them, and the reservation is given back)."""
-    prompt = body_bytes // PROMPT_BYTES_PER_TOKEN  # prompt_estimate, inline
+    prompt = prompt_estimate(body_bytes)
     if not completes:
         return prompt
-    # `whole` written out (a request's every reservation passes here): an int, not a bool.
-    if isinstance(max_tokens, int) and max_tokens.__class__ is not bool and max_tokens >= 0:
-        bound = max_tokens
-    elif (
-        isinstance(max_completion_tokens, int)
-        and max_completion_tokens.__class__ is not bool
-        and max_completion_tokens >= 0
-    ):
-        bound = max_completion_tokens
-    else:
-        bound = ratelimit.DEFAULT_MAX_TOKENS
-    if n is None:
-        return bound + prompt
+    bound = ratelimit.DEFAULT_MAX_TOKENS
+    for v in (max_tokens, max_completion_tokens):  # a loop: no generator made a request
+        if whole(v) and v >= 0:
+            bound = v
+            break
     choices = n if whole(n) and 1 <= n <= MAX_CHOICES else 1
     return bound * choices + prompt
 
