@@ -370,15 +370,20 @@ class Plan:
             try:
                 if not self.broken[2] and data.find(b"\n\n") == len(data) - 2 and b"\r" not in data:
                     # One whole event (what a server sends in a write, most reads):
-                    # `_read`'s case of one, without its split and its loop.
-                    what, out = self._one(st, may, data)
-                    if what is not None:
-                        self.broken, out = (data, out, b""), b""
+                    # `_read`'s case of one, without its split and its loop, and a chunk
+                    # passed on (most events) read without `_one`'s frame.
+                    said, out = st.event(data)
+                    what: str | None = None
+                    if said is not rules.PASS:
+                        what, out = self._ended(st, may, data, said, out)
+                        if what is not None:
+                            self.broken, out = (data, out, b""), b""
                 else:
                     what, out = self._read_on(st, may, data)
                 if out:
                     behind = resp.put(out)
-                    self._wrote(fw, request)
+                    if not self.wrote:
+                        self._wrote(fw, request)
             except Exception as e:  # raised in the request's coroutine, not the read's
                 failed = e
                 return False
@@ -454,6 +459,13 @@ class Plan:
         it), else None and the bytes to pass on for it (with `may` false, an error or
         abort event goes on as it came)."""
         what, got = st.event(raw)
+        return Plan._ended(st, may, raw, what, got)
+
+    @staticmethod
+    def _ended(
+        st: rules.Stream, may: bool, raw: bytes, what: str, got: bytes
+    ) -> tuple[str | None, bytes]:
+        """`_one` of the event `raw`, which `st.event` read as `what` and `got`."""
         if what == rules.DONE:
             return what, got
         if what == rules.BREAK:

@@ -48,14 +48,15 @@ def calls(profile: Path) -> tuple[int, int]:
     return py, c
 
 
-async def _send(url: str, n: int) -> None:
-    """`n` chat completions, 16 at a time, each on the key."""
+async def _send(url: str, n: int, body: bytes = bg.CHAT) -> None:
+    """`n` requests of `body` (a chat completion, or a stream's), 16 at a time, each on
+    the key, each answer read to its end."""
     left = [n]
 
     async def one(http: aiohttp.ClientSession) -> None:
         while left[0] > 0:
             left[0] -= 1
-            async with http.post(url, data=bg.CHAT, headers=bg.JSON_TYPE) as r:
+            async with http.post(url, data=body, headers=bg.JSON_TYPE) as r:
                 await r.read()
                 if r.status != 200:
                     raise SystemExit(f"{url}: {r.status}")
@@ -64,14 +65,14 @@ async def _send(url: str, n: int) -> None:
         await asyncio.gather(*(one(http) for _ in range(16)))
 
 
-def run(tree: Path, requests: int, tmp: Path, name: str) -> tuple[int, int]:
-    """The gateway of `tree` under cProfile, serving `requests` (and the bench's start's
-    own); its (Python calls, C calls)."""
+def run(tree: Path, requests: int, tmp: Path, name: str, streams: bool = False) -> tuple[int, int]:
+    """The gateway of `tree` under cProfile, serving `requests` (streams of 16 tokens
+    with `streams`; and the bench's start's own); its (Python calls, C calls)."""
     out = tmp / f"{name}.prof"
     a = argparse.Namespace(
         llmgw=[(name, "")],
         tree={name: tree},
-        stream_tps=8.0,
+        stream_tps=100.0 if streams else 8.0,  # a token a write, 10 ms apart: a chunk a read
         python_args={name: ("-m", "cProfile", "-o", str(out))},
     )
     procs, paths = bp.start(a, {}, tmp)
@@ -81,7 +82,10 @@ def run(tree: Path, requests: int, tmp: Path, name: str) -> tuple[int, int]:
         async def load() -> None:
             async with aiohttp.ClientSession(headers=bp.AUTH) as http:
                 await bp._until_served(http, path, bp.stream_body(16))
-            await _send(path.fast, requests)
+            if streams:
+                await _send(path.stream, requests, bp.stream_body(16))
+            else:
+                await _send(path.fast, requests)
 
         asyncio.run(load())
     finally:
@@ -96,14 +100,22 @@ def main() -> None:
     p.add_argument("--tree", type=Path, default=None, help="another checkout, counted beside")
     p.add_argument("--requests", type=int, default=20000, help="requests counted (20000)")
     p.add_argument("--few", type=int, default=500, help="the first run's requests (500)")
+    p.add_argument(
+        "--streams",
+        action="store_true",
+        help="count the calls a stream makes (16 tokens, continuation on), not a whole answer",
+    )
     a = p.parse_args()
     trees = [("this tree", ROOT)] + ([("--tree", a.tree.resolve())] if a.tree else [])
-    print(f"calls a request, cProfile ({a.requests} requests, whole answers, 16 at a time):")
+    what = "streams of 16 tokens" if a.streams else "requests, whole answers"
+    print(
+        f"calls a {'stream' if a.streams else 'request'}, cProfile ({a.requests} {what}, 16 at a time):"
+    )
     for label, tree in trees:
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            py0, c0 = run(tree, a.few, tmp, "few")
-            py1, c1 = run(tree, a.few + a.requests, tmp, "many")
+            py0, c0 = run(tree, a.few, tmp, "few", a.streams)
+            py1, c1 = run(tree, a.few + a.requests, tmp, "many", a.streams)
         print(
             f"  {label:9} Python {(py1 - py0) / a.requests:6.1f}  C {(c1 - c0) / a.requests:6.1f}"
             f"  ({tree})"
