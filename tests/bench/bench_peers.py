@@ -537,6 +537,21 @@ def report(a: argparse.Namespace, paths: list[Path_], rss: dict[str, float]) -> 
             ),
         ]
         _say("")
+        _say(
+            f"{ref}'s CPU over vllm-router's in each round (the same round's loads, back to back):"
+        )
+        ours, theirs = (
+            next(p for p in paths if p.name == ref),
+            next(p for p in paths if p.name == "vllm-router"),
+        )
+        for load in LOADS:
+            each = [g / v for g, v in zip(ours.cpu[load], theirs.cpu[load], strict=True) if v]
+            _say(
+                f"  {load:8} "
+                + " ".join(f"{x:.2f}x" for x in each)
+                + f"; their median {_med(each):.2f}x"
+            )
+        _say("")
         _say(f"issue 42's targets, {ref} against vllm-router in this run:")
         for label, ratio, limit in checks:
             _say(f"  {label}: {ratio:.2f}x {'met' if ratio <= limit else 'NOT met'}")
