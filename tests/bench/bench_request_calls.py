@@ -4,7 +4,7 @@ figure the host's load does not move (its CPU a request moves 10-20% from run to
 
 Run from the repository root:
 
-    python tests/bench/bench_request_calls.py [--tree DIR] [--requests 20000]
+    python tests/bench/bench_request_calls.py [--tree DIR] [--requests 20000] [--streams]
 
 Each gateway runs as `bench_peers.py` runs it (`python -m services.gateway`, every
 feature on: an API key with its limits, metrics, use reports, the prefix rule, a broker
@@ -14,7 +14,10 @@ by the simulated server, 16 at a time on keep-alive connections. The calls a req
 makes are the difference between the two runs over the difference in requests:
 starting, catching up with the log and stopping cancel out. Python calls count each
 entry into a Python function (a coroutine's resumption included); C calls, each call
-into a builtin or an extension's function. Prints figures; asserts nothing.
+into a builtin or an extension's function. With `--streams`, a request is a stream of 16
+tokens instead (`bench_peers.py`'s, continuation on), its server sending a token a write
+10 ms apart so that each read is one chunk (try `--requests 2000 --few 200`). Prints
+figures; asserts nothing.
 """
 
 from __future__ import annotations
