@@ -29,7 +29,7 @@ from services.core import continuation as rules
 from services.core.continuation_fast import Deferred
 from services.core.view import View
 from services.gateway import front, guard, tokens
-from services.gateway.exchange import Request, Stream
+from services.gateway.exchange import FirstByte, Request, Stream
 from services.gateway.keys import Key
 from services.gateway.refusal import Refusal, Unreachable
 from services.gateway.request import KEY, SPAN, TOOK
@@ -48,7 +48,7 @@ class Forwarder(Protocol):
     def lines(self) -> guard.Lines: ...
 
     @property
-    def first_byte(self) -> Callable[[Request], None]: ...
+    def first_byte(self) -> FirstByte: ...
 
     async def _post(
         self, request: Request, r: Any, body: bytes, path: str | None = None

@@ -106,6 +106,13 @@ def json_whole(doc: Any, status: int = 200, headers: Mapping[str, str] | None = 
     return Whole(json.dumps(doc).encode(), status, said)
 
 
+class FirstByte(Protocol):
+    """What marks an answer's first byte: at once, or later with the time it came
+    (`at`, `time.perf_counter()`'s)."""
+
+    def __call__(self, request: Request, at: float | None = None, /) -> None: ...
+
+
 class Begins(Protocol):
     """A request whose server begins a stream itself (the lean one's)."""
 
@@ -119,6 +126,28 @@ async def begin(request: Request, status: int, headers: Mapping[str, str]) -> St
         await resp.prepare(request)
         return resp
     return await cast(Begins, request).begin(status, headers)
+
+
+class SendsNow(Protocol):
+    """A request whose server sends a whole answer when told (the lean one's)."""
+
+    def send_now(self, answer: Whole) -> Stream: ...
+
+
+async def send_now(request: Request, answer: Whole) -> Answer:
+    """`answer` sent to the client now, before what its handler does after it (its
+    accounting): what the handler returns for it, which its server sends no more of; or
+    `answer` itself, not sent, when the client is gone (its server finds it so, as it
+    does for any answer)."""
+    try:
+        if isinstance(request, web.BaseRequest):
+            resp = web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+            await resp.prepare(request)
+            await resp.write_eof()
+            return resp
+        return cast(SendsNow, request).send_now(answer)
+    except ConnectionError:
+        return answer
 
 
 def as_aiohttp(answer: Answer) -> web.StreamResponse:

@@ -22,7 +22,7 @@ import aiohttp
 import yarl
 
 from services.gateway import continuation, guard, plane, streams, tokens
-from services.gateway.exchange import Answer, Request, Stream, Whole, begin
+from services.gateway.exchange import Answer, FirstByte, Request, Stream, Whole, begin, send_now
 from services.gateway.metrics import Counts
 from services.gateway.refusal import (
     MAX_ANSWER,
@@ -62,8 +62,8 @@ class Forwarder:
     upstream_timeout_s: float
     lines: guard.Lines
     counts: Counts
-    first_byte: Callable[[Request], None]
-    """Called at an answer's first byte."""
+    first_byte: FirstByte
+    """Called at an answer's first byte (or after, with the time it came)."""
     used: Used
     """Called once an answer that was not an error has ended, however it ended."""
     ports: plane.Ports = field(default_factory=lambda: plane.Ports(()))
@@ -224,11 +224,14 @@ class Forwarder:
             out_headers["x-llmgw-route"] = said
         if not stream or not sse:
             data = await self.whole(upstream, r.id)
-            self.first_byte(request)
+            came = time.perf_counter()
+            # Sent before it is counted: the client waits for none of what follows.
+            answered = await send_now(request, Whole(data, upstream.status, out_headers))
+            self.first_byte(request, came)
             if upstream.status < 400:
                 tokens_in, tokens_out, saved = use_of(data)
                 self.used(r, tokens_in, tokens_out, request, saved)
-            return Whole(data, upstream.status, out_headers)
+            return answered
         if held is None:
             resp = await begin(request, upstream.status, out_headers)
         else:

@@ -194,6 +194,16 @@ class Request(dict[Any, Any]):
 
     # ---- its answer
 
+    def send_now(self, answer: Whole) -> Stream:
+        """`answer` sent whole now (`exchange.send_now`): an answer ended, which
+        `_Conn._handle` sends no more of (it waits, as for any answer, while the client
+        does not read)."""
+        body = answer.body
+        self._conn.send_head(self, answer.status, answer.headers, len(body), body)
+        sent = Stream(self._conn, self, answer.status, False)
+        sent.ended = True
+        return sent
+
     async def begin(self, status: int, headers: Mapping[str, str]) -> Stream:
         """Its answer begun as a stream: chunked (HTTP/1.1), or to the connection's end
         (HTTP/1.0)."""
@@ -474,6 +484,8 @@ class _Conn(asyncio.Protocol):
                     await self.write(b"")
             elif isinstance(answer, Stream):
                 await answer.write_eof()
+                if self.write_paused:  # an answer sent whole before its handler ended
+                    await self.write(b"")
         except ConnectionError:
             self.close()
             return

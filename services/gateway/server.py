@@ -656,8 +656,8 @@ class Gateway:
                     self.holding.done(holds, route)
         raise no_replica(m.name, last)
 
-    def _first_byte(self, request: Request) -> None:
-        t = time.perf_counter()
+    def _first_byte(self, request: Request, at: float | None = None) -> None:
+        t = time.perf_counter() if at is None else at
         self.routed.first_byte(request, t)
         self.labelled.of(self.metrics.first_byte, request[MODEL]).observe(t - request[T0])
         woken = request.get(WOKEN)

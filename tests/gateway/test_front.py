@@ -244,6 +244,28 @@ async def test_an_answer_is_the_same_bytes_from_both(two: Two, script: str, stre
     assert a.closed and len(a.got) == 1
 
 
+async def test_a_whole_answer_is_sent_before_it_is_counted_on_both(
+    two: Two, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client waits for none of the gateway's counting of its answer: sent whole
+    first, it is counted after. A count that fails (made to here) finds the answer sent,
+    whole and 200, not turned into a 500 (the gateway says the error and closes)."""
+    counted: list[int] = []
+
+    def broken(r: Any, tokens_in: int, tokens_out: int, *rest: Any) -> None:
+        counted.append(tokens_out)
+        raise RuntimeError("the count broke")
+
+    for gw in two.both():
+        counted.clear()
+        monkeypatch.setattr(gw.forwarder, "used", broken)
+        a = await raw(gw, post(chat(two.model("whole"), max_tokens=3)))
+        assert [(status, body) for status, _, body in a.got] == [
+            (200, a.got[0][2])
+        ] and b'"a b c"' in a.got[0][2], a.got
+        assert a.closed and counted == [3]
+
+
 async def test_keep_alive_and_the_pages_are_the_same(two: Two) -> None:
     body = chat(two.model("whole"))
     requests = [
