@@ -97,6 +97,7 @@ class Request(dict[Any, Any]):
         "keep_alive",
         "method",
         "path",
+        "sent",
         "started",
         "version",
     )
@@ -112,6 +113,8 @@ class Request(dict[Any, Any]):
         self.keep_alive = True
         self.started = False
         """Its answer's head is sent."""
+        self.sent: Whole | None = None
+        """Its whole answer, sent before its handler ended (`send_now`)."""
         self._chunks: deque[bytes] = deque()
         self._size = 0
         self._eof = False
@@ -194,15 +197,14 @@ class Request(dict[Any, Any]):
 
     # ---- its answer
 
-    def send_now(self, answer: Whole) -> Stream:
-        """`answer` sent whole now (`exchange.send_now`): an answer ended, which
-        `_Conn._handle` sends no more of (it waits, as for any answer, while the client
-        does not read)."""
+    def send_now(self, answer: Whole) -> Whole:
+        """`answer` sent whole now (`exchange.send_now`), and kept as `sent`: returned by
+        the handler, `_Conn._handle` sends no more of it (and waits, as for any answer,
+        while the client does not read)."""
         body = answer.body
         self._conn.send_head(self, answer.status, answer.headers, len(body), body)
-        sent = Stream(self._conn, self, answer.status, False)
-        sent.ended = True
-        return sent
+        self.sent = answer
+        return answer
 
     async def begin(self, status: int, headers: Mapping[str, str]) -> Stream:
         """Its answer begun as a stream: chunked (HTTP/1.1), or to the connection's end
@@ -478,14 +480,13 @@ class _Conn(asyncio.Protocol):
             answer = Whole(_INTERNAL, 500, _TEXT)
         try:
             if isinstance(answer, Whole):
-                body = answer.body
-                self.send_head(request, answer.status, answer.headers, len(body), body)
+                if answer is not request.sent:  # else sent before its handler ended
+                    body = answer.body
+                    self.send_head(request, answer.status, answer.headers, len(body), body)
                 if self.write_paused:
                     await self.write(b"")
             elif isinstance(answer, Stream):
                 await answer.write_eof()
-                if self.write_paused:  # an answer sent whole before its handler ended
-                    await self.write(b"")
         except ConnectionError:
             self.close()
             return
