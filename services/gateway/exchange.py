@@ -136,16 +136,19 @@ class SendsNow(Protocol):
 
 async def send_now(request: Request, answer: Whole) -> Answer:
     """`answer` sent to the client now, before what its handler does after it (its
-    accounting): what the handler returns for it, which its server sends no more of; or
-    `answer` itself, not sent, when the client is gone (its server finds it so, as it
-    does for any answer)."""
-    try:
-        if isinstance(request, web.BaseRequest):
-            resp = web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+    accounting): what the handler returns for it, which its server sends no more of
+    (the lean server's `answer` itself, not sent, when the client is gone: it finds it
+    so, as it does for any answer)."""
+    if isinstance(request, web.BaseRequest):
+        resp = web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+        try:
             await resp.prepare(request)
             await resp.write_eof()
-            return resp
-        lean: SendsNow = request  # type: ignore[assignment]  # no cast's call: every answer
+        except ConnectionError:
+            pass  # the client is gone: aiohttp's server finds it so, as for any answer
+        return resp
+    lean: SendsNow = request  # type: ignore[assignment]  # no cast's call: every answer
+    try:
         return lean.send_now(answer)
     except ConnectionError:
         return answer

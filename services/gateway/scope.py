@@ -1,11 +1,12 @@
 """Which declared models an API key may use: those of its owner's subtree of the quota
 tree, and those declared shared.
 
-Used by `services.gateway.server` for each request (`Scope.declared`: the model it names,
-or its 404 with a did-you-mean), and for the list of `GET /v1/models`; pure, no I/O. A model's owner is in the key owner's subtree when it is
-that owner or one below it (its parent, its parent's parent... is the key's owner): a
-key of `research` may use the models of `research/vision`, not the other way. A model
-declared `shared: true` is everyone's; `shared` left out (null) is shared only for a
+Used by `services.gateway.server` for each request (`Scope.declared`: the model it
+names, or its 404 with a did-you-mean), and for the list of `GET /v1/models`; pure, no
+I/O. A model's owner is in the key owner's subtree when it is that owner or one below
+it (its parent, its parent's parent... is the key's owner): a key of `research` may use
+the models of `research/vision`, not the other way. A model declared `shared: true` is
+everyone's; `shared` left out (null) is shared only for a
 model declared without an owner (its owner is DEFAULT_OWNER, nobody's in particular),
 and private to its owner's subtree otherwise; `shared: false` makes even such a model
 private to `default`. To a key outside it, a model is not there at all: 404 as for an
