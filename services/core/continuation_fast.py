@@ -13,7 +13,7 @@ the segment's break (`settle`: each kept chunk read by `Stream.event` in turn), 
 any event that reads what they change. A stream ended by its `[DONE]` reads none of it:
 what it is charged is its usage chunk's (or its chunks' count), which are not deferred.
 
-Which chunks are kept (`_kept`), and why each condition (none where the gateway asked
+Which chunks are kept (read in `event`), and why each condition (none where the gateway asked
 for the running usage, which each chunk then has): a JSON object with a non-empty
 list of choices, no `error` (a break), no running usage (`usage` a dict: counted, and
 taken out when the gateway asked for it), no prompt's ids (they are kept once, from the
@@ -79,24 +79,45 @@ class Deferred(Stream):
             # gateway): none is kept, so none is decoded twice.
             self.settle()
             return super().event(raw)
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            return PASS, raw  # changes nothing
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return DONE, raw
-        try:
-            chunk = _DECODE(data)
-        except msgspec.DecodeError:
-            # Not a JSON object of the shape read here: `Stream.event`'s to say, after
-            # what came before it.
-            self.settle()
-            return super().event(raw)
+        chunk: _Chunk | None = None
+        if raw.startswith(b"data: {"):
+            # The common form (each chunk of text), read without its strips: JSON allows
+            # the space before the object and the event's end after it.
+            try:  # noqa: SIM105 (not `contextlib.suppress`: two objects a chunk)
+                chunk = _DECODE(raw[5:])
+            except msgspec.DecodeError:
+                pass  # said below, as any other form is
+        if chunk is None:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                return PASS, raw  # changes nothing
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return DONE, raw
+            try:
+                chunk = _DECODE(data)
+            except msgspec.DecodeError:
+                # Not a JSON object of the shape read here: `Stream.event`'s to say,
+                # after what came before it.
+                self.settle()
+                return super().event(raw)
         choices = chunk.choices
         if choices == [] and isinstance(chunk.usage, dict):
             # The usage chunk: what it changes no kept chunk changes.
             return super().event(raw)
-        if not choices or not self._kept(chunk, choices[0]):
+        # Whether its reading may wait (the module's docstring), in line: a stream's
+        # every chunk of text comes here.
+        if (
+            not choices
+            or chunk.error is not msgspec.UNSET
+            or self.id is None
+            or len(self.segments) != 1
+            or self.segments[0].by_ids
+            or isinstance(chunk.usage, dict)
+            or chunk.prompt_token_ids is not None
+            or (first := choices[0]).finish_reason == "abort"
+            or first.prompt_token_ids is not None
+        ):
             self.settle()
             return super().event(raw)
         self.kept.append(raw)
@@ -104,21 +125,9 @@ class Deferred(Stream):
         self.segments[-1].chunks += 1
         if self.kept_bytes > MAX_KEPT:
             self.settle()
-        ids = choices[0].token_ids
-        if self.ids_wanted and self.strip_ids and ids is not None:
+        if first.token_ids is not None and self.ids_wanted and self.strip_ids:
             return PASS, _NULL_IDS.sub(_null, raw)
         return PASS, raw
-
-    def _kept(self, chunk: _Chunk, first: _Choice) -> bool:
-        """Whether the chunk (its choices not empty, `first` the first) is one whose
-        reading may wait (the module's docstring)."""
-        if chunk.error is not msgspec.UNSET or self.id is None:
-            return False
-        if len(self.segments) != 1 or self.segments[0].by_ids:
-            return False
-        if isinstance(chunk.usage, dict) or chunk.prompt_token_ids is not None:
-            return False
-        return first.finish_reason != "abort" and first.prompt_token_ids is None
 
     def settle(self) -> None:
         """Read the kept chunks, as `Stream.event` would have as they came."""
