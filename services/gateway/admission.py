@@ -115,6 +115,9 @@ class Admission:
     """How many gateways share the keys' limits now, this one included; None: alone."""
     wanting: set[bytes] = field(default_factory=set)
     """Keys (digests) refused since the others were last told."""
+    wanted: Callable[[], None] | None = None
+    """Called as a key is added to `wanting` (the sharing's `nudge`: a lone gateway says
+    it at once, not at its heartbeat)."""
     _shared_by: int = 1
     _limits: dict[bytes, ratelimit.Limits] = field(default_factory=dict)
     _shares: dict[bytes, tuple[ratelimit.Limits, ratelimit.Limits]] = field(default_factory=dict)
@@ -234,6 +237,8 @@ class Admission:
     def _refuse(self, key: Key, over: str, wait: float) -> NoReturn:
         if self.gateways is not None:
             self.wanting.add(key.digest)
+            if self.wanted is not None:
+                self.wanted()
         # A limit of 0 never refills: the key is shut, and told to come back in an hour.
         shut = not math.isfinite(wait)
         retry = SHUT_RETRY_S if shut else max(1, math.ceil(wait))

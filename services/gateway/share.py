@@ -76,6 +76,11 @@ MAX_PEERS = 1000
 DELAYS = 1000
 
 
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
 def tag(digest: bytes) -> str:
     """A key's name between gateways: derived from its digest, never the key nor the
     digest the gateway looks keys up by."""
@@ -119,6 +124,9 @@ class Sharing:
         if self.keys is not None:
             self._keys = {tag(k.digest): k for k in self.keys}
         self.admission.gateways = self.gateways
+        self.admission.wanted = self.nudge
+        self._woken: asyncio.Future[None] | None = None
+        self._lone = False
         if self.cache is not None:
             self.cache.on_routed = self._routed_soon
             self.cache.listeners = self.peers  # told while another gateway is heard
@@ -238,7 +246,39 @@ class Sharing:
                 if type(e).__name__ not in said:
                     said.add(type(e).__name__)
                     log.exception("gateway: share not sent")
-            await asyncio.sleep(self.interval_s)
+            await self._pause()
+
+    async def _pause(self) -> None:
+        """Until the next turn: an interval while another gateway is heard (what it reads
+        is said as it changes), or while something is still to say; a lone gateway's
+        counts are said to nobody, so it sleeps until its heartbeat is due, unless a
+        gateway joins or a key is refused first (`nudge`)."""
+        wait = self.interval_s
+        lone = not (self.peers or self._news or self.gives or self.admission.wanting)
+        if lone:
+            due = self._said_at + self.heartbeat_s - self.clock()
+            wait = max(wait, min(due, self.heartbeat_s))
+        loop = asyncio.get_running_loop()
+        self._woken = woken = loop.create_future()
+        self._lone = lone
+        timer = loop.call_later(wait, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._woken = None
+
+    def nudge(self) -> None:
+        """Something to say (a gateway joined, a key was refused): a lone gateway
+        sleeping until its heartbeat says it an interval after its last message, as one
+        that is not lone does (never more often)."""
+        woken = self._woken
+        if woken is None or woken.done() or not self._lone:
+            return
+        self._lone = False  # one early turn is enough
+        loop = asyncio.get_running_loop()
+        after = self._said_at + self.interval_s - self.clock()
+        loop.call_later(max(0.0, after), _wake, woken)
 
     @property
     def heartbeat_s(self) -> float:
@@ -331,6 +371,7 @@ class Sharing:
             if len(self.peers) >= MAX_PEERS:
                 return
             self._news = True  # a newcomer hears this gateway at its next turn
+            self.nudge()
         if s.at > 0:
             self.delays.append(max(0.0, time.time() - s.at))
         self.peers[s.gateway] = now

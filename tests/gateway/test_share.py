@@ -535,6 +535,65 @@ async def test_an_idle_gateway_says_its_state_at_its_heartbeat_and_at_once_to_a_
         first.close()
 
 
+async def test_a_lone_gateway_sleeps_until_its_heartbeat_but_says_a_refused_key_at_once(
+    nats_server: EmbeddedBroker, nc: Client, plane: Plane, tmp_path: Path
+) -> None:
+    # Alone, a gateway's loop turns at its heartbeat only (1 s here), not every interval
+    # to find nothing to say; a key it refuses is still said an interval after its last
+    # message, as by a gateway that is not alone, not at its next heartbeat.
+    said: list[tuple[float, tuple[str, ...]]] = []
+    news = asyncio.Event()
+
+    async def on(msg: Any) -> None:
+        s = share_schema.decode_share(msg.data)
+        if s is not None and not s.leaving:
+            said.append((time.monotonic(), tuple(s.want)))
+            news.set()
+
+    async def next_message() -> tuple[float, tuple[str, ...]]:
+        n = len(said)
+        deadline = time.monotonic() + 10
+        while len(said) == n:
+            assert time.monotonic() < deadline, said
+            news.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(news.wait(), 1)
+        return said[n]
+
+    await nc.subscribe(subjects.share_wildcard(), cb=on)
+    await plane.model("want", 1, target_inflight=1000)
+    one = "k-share-" + "f" * 24
+    keys = tmp_path / "keys"
+    keys.write_text(f"{one} team-a rpm=1\n")
+    keys.chmod(0o600)
+    gws = Gateways(nats_server.url, 1, keys, tmp_path, "--share-expiry", "5")
+    try:
+        async with aiohttp.ClientSession() as http:
+            await gws.sharing(http, 1, [0])
+            await routable(gws, http, "want", 1)
+        (c,) = clients(gws, one)
+        try:
+            await c.chat.completions.create(
+                model="want", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+            for _ in range(3):
+                t, want = await next_message()
+            gaps = [b[0] - a[0] for a, b in itertools.pairwise(said[-3:])]
+            assert min(gaps) >= 0.8, gaps  # its heartbeat (1 s), not its 50 ms interval
+            with pytest.raises(openai.RateLimitError):
+                await c.chat.completions.create(
+                    model="want", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+            refused = time.monotonic()
+            t, want = await next_message()
+            assert want, said[-3:]  # the key it refused, said
+            assert t - refused <= 0.5, (t - refused, t - said[-2][0])
+        finally:
+            await c.close()
+    finally:
+        gws.close()
+
+
 async def test_a_lone_gateway_tells_its_load_and_blocks_only_once_another_listens(
     nats_server: EmbeddedBroker, nc: Client, plane: Plane, keys: Path, tmp_path: Path
 ) -> None:
