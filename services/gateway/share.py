@@ -76,6 +76,10 @@ MAX_PEERS = 1000
 DELAYS = 1000
 
 
+# TIMER_SLACK_S is how long past its heartbeat a lone gateway's loop wakes (`_pause`).
+TIMER_SLACK_S = 0.002
+
+
 def _wake(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
@@ -256,8 +260,13 @@ class Sharing:
         wait = self.interval_s
         lone = not (self.peers or self._news or self.gives or self.admission.wanting)
         if lone:
+            # Until the heartbeat is due, and a little past (a timer may fire a
+            # millisecond early: uvloop's count whole ones, and the turn would then find
+            # it not due and wait an interval more); an interval when it is overdue (its
+            # message was not sent: tried again at the interval's pace).
             due = self._said_at + self.heartbeat_s - self.clock()
-            wait = max(wait, min(due, self.heartbeat_s))
+            if due > 0:
+                wait = min(due, self.heartbeat_s) + TIMER_SLACK_S
         loop = asyncio.get_running_loop()
         self._woken = woken = loop.create_future()
         self._lone = lone
