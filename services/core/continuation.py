@@ -68,23 +68,6 @@ GUIDED = (
     "json_schema",
 )
 
-# _DECIDING are the fields `excluded` reads besides the prompt (and any `guided_` one).
-_DECIDING = frozenset(
-    {
-        "response_format",
-        *GUIDED,
-        "tools",
-        "functions",
-        "n",
-        "best_of",
-        "logprobs",
-        "top_logprobs",
-        "prompt_logprobs",
-        "seed",
-        "echo",
-    }
-)
-
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 # _NULL_IDS finds a chunk's lists of token ids (the keys' quotes unescaped: never within
 # a string), to write null for them as the server does when not asked: the key, its
@@ -112,13 +95,6 @@ def excluded(doc: Any, path: str) -> str | None:
         return "path"
     if not isinstance(doc, dict):
         return "body"
-    if _DECIDING.isdisjoint(doc):
-        # None of the fields below is there (most requests): their reading skipped.
-        for k in doc:
-            if k.startswith("guided_"):
-                break
-        else:
-            return _prompt(doc, path)
     rf = doc.get("response_format")
     if isinstance(rf, dict) and rf.get("type", "text") != "text":
         return "structured_output"
@@ -142,11 +118,6 @@ def excluded(doc: Any, path: str) -> str | None:
         return "seed"
     if _set(doc.get("echo")):
         return "echo"
-    return _prompt(doc, path)
-
-
-def _prompt(doc: dict[str, Any], path: str) -> str | None:
-    """`excluded`'s last word: a chat without messages, a prompt not one string."""
     if path == CHAT:
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -241,12 +241,7 @@ class Stream:
             return False
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        # `_Conn.put`'s, without its frame (a stream's every chunk comes here).
-        conn = self._conn
-        if conn.transport is None or conn.closing:
-            raise ConnectionResetError("Cannot write to closing transport")
-        conn.transport.write(data)
-        return conn.write_paused
+        return self._conn.put(data)
 
     async def drain(self) -> None:
         """Until the client has read what waits to be sent, if it is behind."""

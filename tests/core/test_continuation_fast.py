@@ -5,9 +5,7 @@ events, comments, `[DONE]`, events that are not JSON or not the shape of a chunk
 anywhere and continued on later replicas as the gateway continues them, `Deferred` passes
 on the same bytes as `Stream` for every event and says the same of it; once settled (as
 the gateway settles it at each break) its state is `Stream`'s, field for field; and
-what a stream that ends at its `[DONE]` is charged is `Stream`'s without settling. And
-`excluded`'s shortcut for a body with none of the fields that may exclude it says what
-reading each field says."""
+what a stream that ends at its `[DONE]` is charged is `Stream`'s without settling."""
 
 from __future__ import annotations
 
@@ -190,34 +188,3 @@ def test_most_chunks_of_a_plain_stream_are_kept_unread_and_their_bytes_bounded(
         st.event(_data({"id": "a", "choices": [{"text": "x", "token_ids": [n]}]}, rng))
         assert st.kept_bytes <= 300
     assert len(st.ids) > 20
-
-
-class _NeverDisjoint:
-    def isdisjoint(self, _: Any) -> bool:
-        return False
-
-
-def test_the_requests_without_a_deciding_field_are_excluded_as_when_each_is_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # `excluded` skips its reading of the fields that may exclude a request when none of
-    # them is there: the same word for any body as with every field read.
-    rng = random.Random(42)
-    values = [None, False, 0, 1, 2, [], {}, "x", True, [1], {"type": "text"}, {"type": "json"}]
-    names = [*rules._DECIDING, "guided_other", "guided_", "temperature", "max_tokens", "user"]
-    docs: list[Any] = [[1], "s", None]
-    for _ in range(3000):
-        doc: dict[str, Any] = {}
-        for name in rng.sample(names, rng.randrange(0, 4)):
-            doc[name] = rng.choice(values)
-        doc[rng.choice(["messages", "prompt", "input"])] = rng.choice(
-            [[{"role": "user", "content": "hi"}], [], "hi", None]
-        )
-        docs.append(doc)
-    paths = [rules.CHAT, rules.COMPLETIONS, "/v1/embeddings"]
-    got = [rules.excluded(d, p) for d in docs for p in paths]
-    monkeypatch.setattr(rules, "_DECIDING", _NeverDisjoint())
-    want = [rules.excluded(d, p) for d in docs for p in paths]
-    assert got == want
-    assert {w for w in want if w} >= {"structured_output", "tools", "n", "logprobs", "seed"}
-    assert None in want
