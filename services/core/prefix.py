@@ -462,8 +462,9 @@ class Prefix(LeastInflight):
             return
         if cached_tokens == 0 and t.explained.matched >= self.threshold:
             self.corrections += 1
-            self.index.pop(replica, None)
+            dropped = self.index.pop(replica, None)
             self.record(replica, t.hashes)
+            self._dropped(replica, dropped)
         elif cached_tokens * 2 < predicted:
             self.corrections += 1
             lru = self.index.get(replica)
@@ -481,7 +482,8 @@ class Prefix(LeastInflight):
         t = None if route is None else self._tickets.get(route)
         if t is not None and t.replica == replica:
             del self._tickets[route]  # type: ignore[arg-type]
-            self._release(t)
+            if not t.prefilled:  # else its work left at its first byte (`observed`)
+                self._release(t)
 
     def _release(self, t: _Ticket) -> None:
         if t.prefilled:
@@ -491,6 +493,10 @@ class Prefix(LeastInflight):
             self.work[t.replica] = left
         else:
             self.work.pop(t.replica, None)
+
+    def _dropped(self, rid: str, lru: Blocks | None) -> None:
+        """`rid`'s LRU `lru` was dropped by a correction (`observed`), a new one made in
+        its place: nothing to do here; a speed-up's own structures follow it."""
 
     def forget(self, gone: Iterable[str]) -> None:
         """Drop the replicas' index entries, rates and bounds the instant they leave

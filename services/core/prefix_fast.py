@@ -568,8 +568,9 @@ class FastPrefix(Prefix):
                 del self._firsts[first]
 
     def _dropped(self, rid: str, lru: Blocks | None) -> None:
-        """`rid`'s LRU `lru` was dropped (cleared, or the replica forgotten): its first
-        blocks that its LRU now (if any) does not hold leave `_firsts`."""
+        """`rid`'s LRU `lru` was dropped (cleared by a correction, `Prefix.observed`, or
+        the replica forgotten): its first blocks that its LRU now (if any) does not hold
+        leave `_firsts`."""
         if lru is None or lru is self.index.get(rid):
             return
         firsts, now = self._firsts, self._lrus().get(rid)
@@ -579,19 +580,6 @@ class FastPrefix(Prefix):
             self._unfirst(h, rid)
         if now is None or not now.size:
             self._untracked.discard(rid)
-
-    def observed(
-        self,
-        replica: str,
-        route: Route | None,
-        ttft_s: float | None,
-        cached_tokens: int | None,
-        prompt_tokens: int | None = None,
-    ) -> None:
-        lru = self.index.get(replica)
-        super().observed(replica, route, ttft_s, cached_tokens, prompt_tokens)
-        if lru is not None and lru is not self.index.get(replica):  # `_dropped`'s own test
-            self._dropped(replica, lru)
 
     def forget(self, gone: Iterable[str]) -> None:
         gone = list(gone)

@@ -181,7 +181,8 @@ class Request(dict[Any, Any]):
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        self._wake()
+        if self._waiter is not None:  # none, as a body that came with its head is fed
+            self._wake()
         if self._size >= HIGH_WATER:
             self._conn.flow()
 
@@ -189,7 +190,8 @@ class Request(dict[Any, Any]):
         self._eof = True
         if error is not None and self._error is None:
             self._error = error
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -28,7 +28,12 @@ class Routed:
     labelled: Labelled
     hits: dict[str, list[int]] = field(default_factory=dict)
     """Per model: [prompt tokens, of them predicted cached, prompt tokens of the answers
-    that said their cached tokens, of them cached] (`_hits`)."""
+    that said their cached tokens, of them cached, answers that said] (`_hits`)."""
+    _written: dict[str, list[int]] = field(default_factory=dict)
+    """Per model, `hits` as last written to the metrics (`write`)."""
+
+    def __post_init__(self) -> None:
+        self.metrics.before_render.append(self.write)
 
     def explain(self, request: Request, route: routing.Route, span: Any, to: str) -> None:
         """`to` picked for `request`: why (a rule that says, `prefix`), in its span (None:
@@ -68,13 +73,32 @@ class Routed:
             self._hits(model, tokens_in, said.predicted_tokens, cached)
 
     def _hits(self, model: str, prompt: int, predicted: int, cached: int | None) -> None:
-        """The predicted and reported prefix-cache hit rates of `model` (`/metrics`)."""
+        """The predicted and reported prefix-cache hit rates of `model`, counted (written
+        to `/metrics` at a scrape: `write`)."""
         h = self.hits.get(model)
         if h is None:
-            h = self.hits[model] = [0, 0, 0, 0]
-        predicted = min(predicted, prompt)
+            h = self.hits[model] = [0, 0, 0, 0, 0]
         h[0] += prompt
-        h[1] += predicted
+        h[1] += min(predicted, prompt)
+        if cached is not None:
+            h[2] += prompt
+            h[3] += min(cached, prompt)
+            h[4] += 1
+
+    def write(self) -> None:
+        """What `_hits` counted since the last scrape, written to the metrics (called as
+        `/metrics` is rendered: four calls less a request than written at each). The
+        reported series are made once an engine reports: until then /metrics says no
+        hit rate reported, not a rate of 0."""
+        for model, h in self.hits.items():
+            w = self._written.get(model)
+            if w is None:
+                w = self._written[model] = [0, 0, 0, 0, 0]
+            if h != w:
+                self._write(model, h, w)
+                w[:] = h
+
+    def _write(self, model: str, h: list[int], w: list[int]) -> None:
         m, labelled = self.metrics, self.labelled
         prompts, cached_said, rate_said = labelled.group(
             ("predicted", model),
@@ -84,16 +108,12 @@ class Routed:
                 labelled.of(m.hit_rate, model, "predicted"),
             ),
         )
-        prompts.inc(prompt)
-        cached_said.inc(predicted)
+        prompts.inc(h[0] - w[0])
+        cached_said.inc(h[1] - w[1])
         if h[0]:
             rate_said.set(h[1] / h[0])
-        if cached is None:
+        if not h[4]:
             return
-        # The reported series are made once an engine reports: until then /metrics
-        # says no hit rate reported, not a rate of 0.
-        h[2] += prompt
-        h[3] += min(cached, prompt)
         cached_got, rate_got = labelled.group(
             ("reported", model),
             lambda: (
@@ -101,6 +121,6 @@ class Routed:
                 labelled.of(m.hit_rate, model, "reported"),
             ),
         )
-        cached_got.inc(min(cached, prompt))
+        cached_got.inc(h[3] - w[3])
         if h[2]:
             rate_got.set(h[3] / h[2])

@@ -82,7 +82,8 @@ class Body:
         """`data` kept for its reader, woken (what a sink takes is not: `on_body`)."""
         self._chunks.append(data)
         self._size += len(data)
-        self._wake()
+        if self._waiter is not None:  # none yet, as a whole answer's body comes
+            self._wake()
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
 
@@ -93,7 +94,8 @@ class Body:
             self._exc = exc
         self._conn = None
         self._sink = None
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _wake(self) -> None:
         w, self._waiter = self._waiter, None
@@ -404,7 +406,8 @@ class Pool:
         self.idle: list[_Conn] = []
         self.open: set[_Conn] = set()
 
-    async def connection(self) -> _Conn:
+    def kept(self) -> _Conn | None:
+        """An idle connection that may take a request, or None."""
         now = self.loop.time()
         while self.idle:
             c = self.idle.pop()
@@ -413,6 +416,13 @@ class Pool:
             if now - c.idle_since > IDLE_S:
                 c.close()
                 continue
+            return c
+        return None
+
+    async def connection(self) -> _Conn:
+        """`kept`, else a new connection."""
+        c = self.kept()
+        if c is not None:
             return c
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -455,18 +465,23 @@ class LeanSession:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
-        self._by_url: dict[yarl.URL, tuple[Pool, bytes]] = {}
-        """Per URL asked: its pool, and its request's first bytes (`_begun`)."""
+        self._by_url: dict[int, tuple[yarl.URL, Pool, bytes]] = {}
+        """Per URL asked (by its id): the URL, its pool, and its request's first bytes
+        (`_begun`)."""
         self._swept = time.monotonic()
 
     async def post(self, url: yarl.URL, *, data: bytes, headers: dict[str, str]) -> Answer:
         """`data` posted to `url` with `headers` (besides Host, Content-Length and, unless
         given, `Accept: */*`, as aiohttp's client sends): the answer begun."""
-        got = self._by_url.get(url)
+        # By the URL object's identity: a URL hashes in Python, and the forwarder asks
+        # with the same few objects again and again (the entry holds its URL: its id is
+        # not another's while it is kept).
+        got = self._by_url.get(id(url))
         if got is None:
             got = self._begun(url)
-        pool, start = got
-        c = await pool.connection()
+        _, pool, start = got
+        # A kept connection without a coroutine to wait on (most requests); else one made.
+        c = pool.kept() or await pool.connection()
         lines = [start]
         for name, value in headers.items():
             lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
@@ -480,7 +495,7 @@ class LeanSession:
             c.close()
             raise
 
-    def _begun(self, url: yarl.URL) -> tuple[Pool, bytes]:
+    def _begun(self, url: yarl.URL) -> tuple[yarl.URL, Pool, bytes]:
         """`url`'s pool and its request line and Host header, kept for the next request
         to it (the forwarder keeps each replica's URLs: the same few, again and again)."""
         pool = self._pool(url)
@@ -490,8 +505,8 @@ class LeanSession:
         )
         if len(self._by_url) >= MAX_KEPT:
             self._by_url.clear()
-        self._by_url[url] = (pool, start)
-        return pool, start
+        got = self._by_url[id(url)] = (url, pool, start)
+        return got
 
     def _pool(self, url: yarl.URL) -> Pool:
         key = (url.scheme, url.raw_host, url.port)

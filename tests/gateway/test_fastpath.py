@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from services.agent.responder import Responder
 from services.gateway.metrics import KeptLabelled, Labelled, Metrics
-from services.gateway.request import NO_SPAN
+from services.gateway.request import NO_SPAN, span_of
 from services.gateway.server import Gateway
 from tests.bus.test_bus_publish import spans  # noqa: F401  (the fixture)
 from tests.gateway.conftest import Plane, gateway_for, serving
@@ -157,17 +157,17 @@ def _request(headers: dict[str, str]) -> Any:
 
 def test_no_span_only_when_nothing_records_and_no_trace_context_came() -> None:
     fast, plain = _gateway(None, fast=True), _gateway(None, fast=False)
-    assert fast._span(_request({})) is NO_SPAN
-    assert plain._span(_request({})) is not NO_SPAN
+    assert span_of(_request({}), fast.fast_path) is NO_SPAN
+    assert span_of(_request({}), plain.fast_path) is not NO_SPAN
     # A client's trace context is carried on (into what the request makes, such as a
     # wake's `model.demanded`), recorded or not.
     traced = {"traceparent": TRACEPARENT}
-    with fast._span(_request(traced)) as span:
+    with span_of(_request(traced), fast.fast_path) as span:
         assert span.get_span_context().trace_id == int("1" * 32, 16)
         assert trace.get_current_span() is span
 
 
 def test_with_an_exporter_every_request_has_its_span(spans: Any) -> None:  # noqa: F811
     fast = _gateway(None, fast=True)
-    with fast._span(_request({})) as span:
+    with span_of(_request({}), fast.fast_path) as span:
         assert span.is_recording()

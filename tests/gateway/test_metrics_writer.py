@@ -19,6 +19,7 @@ from services.gateway.metrics import (
     Labelled,
     Metrics,
     Writer,
+    ended,
 )
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -43,8 +44,20 @@ def _run(labelled: Labelled, m: Metrics, seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(2000):
         model, owner = rng.choice(MODELS), rng.choice(OWNERS)
-        op = rng.randrange(11)
-        if op == 0:
+        op = rng.randrange(12)
+        if op == 11:
+            # A request's end, its three series in one call (`ended`), as the server
+            # writes it.
+            status = rng.choice(["200", "429"])
+            labelled.group(
+                ("served", model, status, owner),
+                lambda: ended(
+                    labelled.of(m.requests, model, status),  # noqa: B023
+                    labelled.of(m.owner_requests, owner, status),  # noqa: B023
+                    labelled.of(m.duration, model),  # noqa: B023
+                ),
+            )(_amount(rng))
+        elif op == 0:
             labelled.of(m.requests, model, rng.choice(["200", "429", "503"])).inc()
         elif op == 1:
             labelled.of(m.owner_tokens, owner, rng.choice(["in", "out"])).inc(rng.randrange(5000))
@@ -80,6 +93,12 @@ def test_the_writers_leave_what_prometheus_clients_own_writes_leave(seed: int) -
     assert isinstance(k.of(kept.overhead), HistogramWriter)
     assert isinstance(k.of(kept.requests, "m1", "200"), CounterWriter)
     assert isinstance(k.of(kept.inflight, "m1"), Writer)
+    fused = ended(
+        k.of(kept.requests, "m1", "200"),
+        k.of(kept.owner_requests, "alice", "200"),
+        k.of(kept.duration, "m1"),
+    )
+    assert fused.__name__ == "written"  # the writes themselves, not the writers' calls
 
 
 def test_a_counter_is_refused_a_step_down_as_prometheus_client_refuses_it() -> None:
@@ -139,3 +158,40 @@ def test_the_reported_hit_rate_is_said_only_once_an_engine_reports_one() -> None
         text = m.render().decode()
         assert 'llmgw_gateway_prefix_hit_rate{model="m1",source="reported"} 0.6' in text
         assert 'llmgw_gateway_prefix_hit_rate{model="m1",source="predicted"} 0.4' in text
+
+
+def test_the_hit_rates_written_at_a_scrape_are_what_the_answers_said() -> None:
+    """`Routed` counts the hit rates at each answer and writes them to the metrics as
+    `/metrics` is rendered: however the scrapes fall, what a scrape says is the sums of
+    all the answers before it."""
+    from services.core.pickers import make as make_picker
+    from services.gateway.routed import Routed
+
+    for labelled in (Labelled(), KeptLabelled()):
+        m = Metrics()
+        routed = Routed(make_picker("prefix", fast=False), m, labelled)
+        rng = random.Random(7)
+        sums: dict[str, list[int]] = {}
+        for _ in range(400):
+            model = rng.choice(["m1", "m2"])
+            prompt, predicted = rng.randrange(500), rng.randrange(600)
+            cached = rng.choice([None, rng.randrange(600)])
+            routed._hits(model, prompt, predicted, cached)
+            s = sums.setdefault(model, [0, 0, 0, 0])
+            s[0] += prompt
+            s[1] += min(predicted, prompt)
+            if cached is not None:
+                s[2] += prompt
+                s[3] += min(cached, prompt)
+            if rng.random() < 0.1:
+                m.render()
+        m.render()
+        got = m.registry.get_sample_value
+        for model, (p, pred, rep, cached_sum) in sums.items():
+            assert got("llmgw_gateway_prompt_tokens_total", {"model": model}) == p
+            said = {"model": model, "source": "predicted"}
+            assert got("llmgw_gateway_cached_tokens_total", said) == pred
+            assert got("llmgw_gateway_prefix_hit_rate", said) == pred / p
+            reported = {"model": model, "source": "reported"}
+            assert got("llmgw_gateway_cached_tokens_total", reported) == cached_sum
+            assert got("llmgw_gateway_prefix_hit_rate", reported) == cached_sum / rep
