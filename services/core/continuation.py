@@ -562,14 +562,13 @@ class Stream:
         """(prompt, completion) tokens of the whole answer, as an uninterrupted one
         would say: the request's prompt once (the last usage's prompt less the resent
         prefix, which it counts as prompt), the completion the sum of each segment's."""
-        completion = sum(self._completion(s) for s in self.segments)
-        before = 0
+        before = 0  # the completion tokens of the segments before `s`
         prompt = prompt_estimate
         for s in self.segments:
             if s.usage is not None:
                 prompt = max(s.usage[0] - before, 0)
             before += self._completion(s)
-        return prompt, completion
+        return prompt, before
 
     def charges(self, prompt_estimate: int) -> list[tuple[Any, int, int, int]]:
         """What each replica is charged, (replica, requests, tokens in, tokens out): the

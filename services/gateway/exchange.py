@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar, cast, overload
+from collections.abc import Awaitable, Mapping
+from typing import Any, Protocol, TypeVar, overload
 
 from aiohttp import web
 
@@ -119,13 +119,19 @@ class Begins(Protocol):
     async def begin(self, status: int, headers: Mapping[str, str]) -> Stream: ...
 
 
-async def begin(request: Request, status: int, headers: Mapping[str, str]) -> Stream:
-    """The answer to `request` begun as a stream: its status and headers sent."""
+def begin(request: Request, status: int, headers: Mapping[str, str]) -> Awaitable[Stream]:
+    """The answer to `request` begun as a stream: its status and headers sent. The lean
+    server's own coroutine, returned (no coroutine around it, nor a cast's call: every
+    stream)."""
     if isinstance(request, web.BaseRequest):
-        resp = web.StreamResponse(status=status, headers=headers)
-        await resp.prepare(request)
-        return resp
-    return await cast(Begins, request).begin(status, headers)
+        return _prepared(request, web.StreamResponse(status=status, headers=headers))
+    lean: Begins = request  # type: ignore[assignment]
+    return lean.begin(status, headers)
+
+
+async def _prepared(request: web.BaseRequest, resp: web.StreamResponse) -> Stream:
+    await resp.prepare(request)
+    return resp
 
 
 class SendsNow(Protocol):

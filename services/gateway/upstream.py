@@ -198,6 +198,11 @@ class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self._said: dict[bytes, bytes] = {}
+        # httptools' header callback is the dict's own `setdefault`, in C: no Python
+        # frame for each header of each answer. A name said twice keeps its first value,
+        # the one `CIMultiDict.get` gives (what the gateway reads of an answer's head).
+        self.on_header = self._said.setdefault
         self.parser = httptools.HttpResponseParser(self)
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.status_seen = False
@@ -248,14 +253,15 @@ class _Conn(asyncio.Protocol):
     def on_status(self, status: bytes) -> None:
         self.status_seen = True
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
-
     def on_headers_complete(self) -> None:
+        said = self._said
+        self.headers = CIMultiDict(
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in said.items()]
+        )
+        said.clear()
         status = self.parser.get_status_code()
         if status < 200:
-            self.headers = CIMultiDict()  # an interim answer (100 Continue): the next
-            return
+            return  # an interim answer (100 Continue): the next answer's head follows
         answer = Answer(self, status, self.headers)
         if self.head is not None and not self.head.done():
             self.head.set_result(answer)
@@ -287,6 +293,7 @@ class _Conn(asyncio.Protocol):
     def send(self, head: bytes, data: bytes) -> asyncio.Future[Answer]:
         assert self.transport is not None
         self.headers = CIMultiDict()
+        self._said.clear()
         self.status_seen = False
         self.body = Body(self)
         self.done = False

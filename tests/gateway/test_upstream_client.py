@@ -92,6 +92,19 @@ JSON_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
 SCRIPTS: dict[str, tuple[list[bytes | float | None], bool]] = {
     "whole": ([_whole(WHOLE)], False),
     "whole-split": ([_whole(WHOLE)[:50], 0.02, _whole(WHOLE)[50:]], False),
+    # Headers said twice (the same name, and in another case), after an interim head
+    # with one of its own: the client is passed the first of each, on both.
+    "twice": (
+        [
+            b"HTTP/1.1 100 Continue\r\nX-Request-Id: interim\r\n\r\n"
+            + _whole(
+                WHOLE,
+                extra=b"Cache-Control: no-store\r\nCache-Control: max-age=5\r\n"
+                b"X-Request-Id: a\r\nx-request-id: b\r\n",
+            )
+        ],
+        False,
+    ),
     "chunked": (
         [
             JSON_HEAD + b"Transfer-Encoding: chunked\r\n\r\n",
