@@ -28,7 +28,6 @@ nats-py one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import secrets
@@ -39,6 +38,7 @@ from typing import Any, cast
 
 import msgspec
 
+from services import clock
 from services.bus import ordered
 from services.bus.connection import Fault, Target
 from services.bus.ordered import Delivery, Item
@@ -279,11 +279,12 @@ class WireConnection(asyncio.Protocol):
         """Until frames arrive, the connection closes, or `seconds` pass."""
         if self.frames or self.closed:
             return
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        timer = clock.settle_after(seconds, waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._waiter, seconds)
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
 
     def publish(self, subject: bytes, payload: bytes = b"", reply: bytes = b"") -> None:
@@ -575,8 +576,7 @@ class WireOrderedReader:
         if self.stop is None:
             await asyncio.sleep(seconds)
         else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), seconds)
+            await clock.until(self.stop, seconds)
 
     def _cleanup(self) -> None:
         """Delete the consumer and close. No await: this runs in a `finally` that may be

@@ -10,7 +10,6 @@ API keys that sent them (`by_owner`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ import msgspec
 import nats.errors
 
 from schemas import events as ev
+from services import clock
 from services.bus import Publisher
 from services.bus.errors import BusError
 from services.clock import new_id, utc_now
@@ -184,8 +184,7 @@ class Uses:
         """Publish what is due every tick until `stop`; `each` after every tick."""
         tick = min(self.interval_s, USED_TICK_S)
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), tick)
+            await clock.until(stop, tick)
             await self.publish()
             each()
 

@@ -22,8 +22,9 @@ never by a service object: a test process holds other things.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
+
+from services import clock
 
 EVERY_S = 1.0
 """How often `keep` settles the heap: a full collection then walks at most about this
@@ -46,6 +47,5 @@ async def keep(stop: asyncio.Event, every_s: float = EVERY_S, *, freeze: bool = 
         return
     settle()
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every_s)
+        await clock.until(stop, every_s)
         settle()
