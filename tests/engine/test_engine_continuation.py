@@ -1,5 +1,5 @@
 """Streams that survive their replica, on real engines: two vLLM servers (CPU build) of
-the tiny model behind gateways in this process, greedy; `STREAMS` streams of 64 to 256
+the tiny model behind gateways in this process, greedy; `STREAMS` streams of 256 to 512
 tokens begun on one server, that one `kill -9`'d while every one is midway, and each goes
 on on the other. No client sees an error, and each continued text is compared with the
 same request's uninterrupted answer: through one gateway by token ids (the new server
@@ -11,7 +11,7 @@ The streams wait in the gateways' waiting rooms until the first server is made r
 so they reach it within a moment of each other, and the server is killed as soon as
 every stream has passed text on at its gateway, or every client has read text of its
 answer, whichever comes first: each stream is then past its first token and, as a rule,
-short of its 64th (the test says how much each client had read then; at least four in
+short of its 256th (the test says how much each client had read then; at least four in
 five must have moved: on a loaded host a short stream can end at the server before the
 kill, and has nothing to move). Both servers start in the module's
 fixture and are killed, with their process groups, at its end.
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.module_broker]
 
 MODEL = "tiny-ce"
 STREAMS = 50
-SHORTEST = 64
+SHORTEST = 256
 
 
 def _port() -> int:
@@ -119,7 +119,7 @@ async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
     await asyncio.wait_for(task, 10)
 
 
-LONGEST = 256
+LONGEST = 512
 
 # REPETITION_PENALTY keeps the random model's greedy answers from repeating one token (a
 # wall of one word: any continuation equals it): still the argmax of each step, of logits
