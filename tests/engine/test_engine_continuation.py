@@ -20,10 +20,8 @@ fixture and are killed, with their process groups, at its end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -39,6 +37,7 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from schemas import events as ev
+from services.agent import procs
 from services.agent.process import VLLM_MODULE
 from services.gateway.server import Gateway
 from tests.engine import engine
@@ -55,6 +54,14 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a server's group and every descendant (`procs.members`, found while its
+    API server lives): vLLM's engine core and worker can leave the group and outlive a
+    `killpg` alone."""
+    leader = p.pid if p.poll() is None else None
+    procs.kill(procs.members(f"ce-fixture/{p.pid}/", leader, group=p.pid), p.pid)
 
 
 def _healthy(url: str) -> bool:
@@ -96,8 +103,7 @@ def servers(
         yield made
     finally:
         for p, _ in made:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+            _kill(p)
             p.wait(30)
 
 
@@ -252,7 +258,7 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
         def kill() -> None:
             if killed.is_set():
                 return
-            os.killpg(a.pid, signal.SIGKILL)
+            _kill(a)
             cut_at.update({arm: [len("".join(g)) for g in got[arm]] for arm in gateways})
             killed.set()
 
