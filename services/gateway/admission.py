@@ -22,8 +22,9 @@ from services.core.view import ViewState as State
 from services.gateway.errors import GatewayError
 from services.gateway.exchange import Request
 from services.gateway.keys import Key, Keys
-from services.gateway.metrics import Labelled, Metrics
+from services.gateway.metrics import NOT_READ, Labelled, Metrics
 from services.gateway.refusal import Refusal
+from services.gateway.request import MODEL
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -233,6 +234,15 @@ class Admission:
                 self.buckets[key.digest] = b
             return need
         self._refuse(key, over, wait)
+
+    def early(self, request: Request, key: Key, now: float) -> None:
+        """`admit`'s rpm alone, as before `request`'s body is read: a 429 is counted under
+        no model (`NOT_READ`: none is read yet)."""
+        try:
+            self.admit(key, 0, now, take=False)
+        except Refusal:
+            request[MODEL] = NOT_READ
+            raise
 
     def _refuse(self, key: Key, over: str, wait: float) -> NoReturn:
         if self.gateways is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -64,6 +65,7 @@ LINGER_S = 10.0
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _INTERNAL = b"500 Internal Server Error\n\nServer got itself in trouble"
 _TEXT = {"Content-Type": "text/plain; charset=utf-8"}
+_LINE = "{}: {}\r\n".format
 
 Handler = Callable[["Request"], Awaitable[Answer]]
 
@@ -276,6 +278,10 @@ class _Conn(asyncio.Protocol):
         """The request whose head or body is being read."""
         self.serving: Request | None = None
         self.task: asyncio.Task[None] | None = None
+        """The connection's one task, serving its requests one after another (`_run`):
+        made for its first request, kept while it is open."""
+        self.parked: asyncio.Future[Request] | None = None
+        """What `task` waits on between two requests: the next one (`_serve`)."""
         self.waiting: deque[Request] = deque()
         """Pipelined requests, their heads read, waiting their turn."""
         self.refused: tuple[int, str] | None = None
@@ -399,16 +405,28 @@ class _Conn(asyncio.Protocol):
             raise ValueError(self._bad)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
-            self._bad = f"a header over {MAX_FIELD} bytes"
-            raise ValueError(self._bad)
-        if len(self._headers) >= MAX_HEADERS:
+        # Counted as each comes (what one head may hold is bounded); each one's length
+        # is checked once the head is whole, in one C loop (`_fields`): a head is at most
+        # MAX_HEAD bytes, held meanwhile.
+        headers = self._headers
+        if len(headers) >= MAX_HEADERS:
             self._bad = f"over {MAX_HEADERS} headers"
             raise ValueError(self._bad)
-        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def _fields(self) -> None:
+        """A header's name or value over MAX_FIELD bytes: 400 (latin-1: a character a
+        byte)."""
+        headers = self._headers
+        if headers and (
+            max(map(len, headers.keys())) > MAX_FIELD or max(map(len, headers.values())) > MAX_FIELD
+        ):
+            self._bad = f"a header over {MAX_FIELD} bytes"
+            raise ValueError(self._bad)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._fields()
         parser = self.parser
         url = self._url
         path = (
@@ -455,29 +473,54 @@ class _Conn(asyncio.Protocol):
         if request.version == "1.1" and request.headers.get("Expect", "").lower() == "100-continue":
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self.task = self.loop.create_task(self._handle(request))
+        parked = self.parked
+        if parked is not None:
+            self.parked = None
+            parked.set_result(request)
+        elif self.task is None or self.task.done():
+            self.task = self.loop.create_task(self._run(request))
+        # Else called by the task itself as a request ends (`_next`): it takes this one
+        # up as it returns from the last (`_run`).
 
-    async def _handle(self, request: Request) -> None:
+    async def _run(self, request: Request) -> None:
+        """The connection's requests, one after another, in one task: not a task made
+        (and registered, and dropped) for each. Each is answered as `_handle` says; the
+        task waits for the next between them, and ends with the connection (a client
+        gone cancels it, and its request's handler with it) or the server's stop."""
+        while await self._handle(request):
+            nxt = self.serving
+            if nxt is not None and nxt is not request:
+                request = nxt  # a pipelined one, taken up as the last ended (`_next`)
+                continue
+            if self.closing or self.front.stopping:
+                return
+            # None served, or the last one's body still read (`_done`'s lingering).
+            self.parked = self.loop.create_future()
+            request = await self.parked
+
+    async def _handle(self, request: Request) -> bool:
+        """`request` answered; whether the connection's task goes on (it does not once
+        it is cancelled)."""
         front = self.front
         try:
             answer = await front.handler(request)
         except asyncio.CancelledError:
-            return
+            return False
         except BadBody:
             # Its body could not be parsed: 400 (`_refuse`), the connection closed.
             self.serving = None
             self._after_refusal()
-            return
+            return False
         except ConnectionError:
             # Written to a connection the client has closed: nothing more to send.
             self.close()
-            return
+            return False
         except Exception as e:
             _say(front, "error", request, "", e)
             log.debug("gateway: %s %s", request.method, request.path, exc_info=e)
             if request.started:
                 self.close()
-                return
+                return False
             request.keep_alive = False
             answer = Whole(_INTERNAL, 500, _TEXT)
         try:
@@ -491,12 +534,13 @@ class _Conn(asyncio.Protocol):
                 await answer.write_eof()
         except ConnectionError:
             self.close()
-            return
+            return False
         except Exception as e:
             _say(front, "answer", request, "its answer cannot be sent: ", e)
             self.close()
-            return
+            return False
         self._done(request)
+        return True
 
     def _done(self, request: Request) -> None:
         """`request` answered: the next one, or the rest of its body read first, or the
@@ -524,7 +568,6 @@ class _Conn(asyncio.Protocol):
 
     def _next(self) -> None:
         self.serving = None
-        self.task = None
         if self.closing:
             return
         if self.waiting:
@@ -591,9 +634,9 @@ class _Conn(asyncio.Protocol):
         if request.started or self.transport is None or self.closing:
             raise ConnectionResetError("the connection is closed")
         request.started = True
-        said = ""
-        for k, v in headers.items():  # a loop, not a comprehension: no call of its own
-            said += f"{k}: {v}\r\n"
+        # Each header's line made in C loops (`str.format` mapped over the names and the
+        # values), not a step for each.
+        said = "".join(map(_LINE, headers.keys(), headers.values()))
         # No header may break a line (aiohttp's server refuses it too).
         if said.count("\n") != len(headers) or said.count("\r") != len(headers):
             raise ValueError("a header with a newline")
@@ -613,7 +656,7 @@ class _Conn(asyncio.Protocol):
                 head += b"Connection: close\r\n"
         elif request.keep_alive:
             head += b"Connection: keep-alive\r\n"
-        head += b"Date: %b\r\n\r\n" % self.front.date()
+        head += self.front.date_line
         if not body or request.method == "HEAD":
             self.transport.write(head)
         elif len(body) < 65536:
@@ -679,7 +722,14 @@ class Front:
         self.loop = asyncio.get_running_loop()
         self.conns: set[_Conn] = set()
         self.server: asyncio.Server | None = None
+        self.stopping = False
+        """`stop` has begun: a connection's task ends with the request it serves."""
         self._date = (0, b"")
+        self.date_line = b"Date: %b\r\n\r\n" % self.date()
+        """The Date header's line and the head's end, as each answer's head ends: made
+        again as each second begins while the server runs (`_tick`), not asked of the
+        clock for each answer."""
+        self._ticker: asyncio.TimerHandle | None = None
 
     def date(self) -> bytes:
         """The Date header's value, made once a second."""
@@ -688,19 +738,35 @@ class Front:
             self._date = (now, formatdate(now, usegmt=True).encode())
         return self._date[1]
 
+    def _tick(self) -> None:
+        self.date_line = b"Date: %b\r\n\r\n" % self.date()
+        wall = time.time()
+        self._ticker = self.loop.call_later(math.ceil(wall) - wall + 0.001, self._tick)
+
     async def start(self, sock: Any) -> None:
         self.loop = asyncio.get_running_loop()
+        self._tick()
         self.server = await self.loop.create_server(lambda: _Conn(self), sock=sock)
 
     async def stop(self) -> None:
         """Stop listening, close the idle connections, give the requests in flight
         `shutdown_timeout_s` to end, then cut them."""
+        self.stopping = True
         if self.server is not None:
             self.server.close()
         for c in list(self.conns):
             if c.serving is None:
                 c.close()
-        busy = [c.task for c in self.conns if c.task is not None and not c.task.done()]
+        # A connection's task waiting for its next request is not busy: it ends as its
+        # connection closes.
+        busy = [
+            c.task
+            for c in self.conns
+            if c.serving is not None
+            and c.parked is None
+            and c.task is not None
+            and not c.task.done()
+        ]
         if busy:
             await asyncio.wait(busy, timeout=self.shutdown_timeout_s)
         for c in list(self.conns):
@@ -714,3 +780,5 @@ class Front:
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+        if self._ticker is not None:
+            self._ticker.cancel()

@@ -27,12 +27,11 @@ for, 403 a request from another origin, 415 a body not said to be JSON, 503 a bo
 `body_budget` (the bytes of bodies held at once, with Retry-After). A request that fails
 before its first byte is tried once more on another replica.
 
-The HTTP stack was aiohttp, server and client; each side now has a lean implementation
-of its own on httptools, the default, with aiohttp's kept as the reference it is tested
-against (`--server lean|aiohttp`: `services.gateway.front`; `--upstream-client
-lean|aiohttp`: `services.gateway.upstream`). The handlers see either server through
-`services.gateway.exchange`; on both, a client's disconnect cancels its handler, and so
-its upstream request.
+Each side of the HTTP stack is lean, on httptools, with aiohttp's as the reference it is
+tested against (`--server`: `services.gateway.front`; `--upstream-client`:
+`services.gateway.upstream`); the handlers see either server through
+`services.gateway.exchange`. A client's disconnect cancels its handler, and so its
+upstream request.
 """
 
 from __future__ import annotations
@@ -94,13 +93,7 @@ from services.gateway.metrics import (
     Metrics,
 )
 from services.gateway.metrics import ended as metrics_ended
-from services.gateway.refusal import (
-    Answered,
-    Refusal,
-    Routes,
-    Unreachable,
-    no_replica,
-)
+from services.gateway.refusal import Answered, Refusal, Routes, Unreachable, no_replica
 from services.gateway.request import (
     HELD,
     KEY,
@@ -132,8 +125,7 @@ __all__ = ["Counts", "Gateway", "Refusal", "freeze_heap", "parse_listen", "settl
 log = logging.getLogger("llmgw.gateway")
 
 
-# BODY_TIMEOUT_S bounds the wait for a client's body: a body that never ends is a 408,
-# not a connection held for ever.
+# BODY_TIMEOUT_S bounds the wait for a client's body: one that never ends is a 408.
 BODY_TIMEOUT_S = 30.0
 # CONNECT_TIMEOUT_S bounds a connection to a replica; one that takes longer is tried
 # once more elsewhere, like a refused one.
@@ -524,13 +516,21 @@ class Gateway:
 
     async def _route(self, request: Request) -> Answer:
         key = authorize(self.keys, request)
+        # A key over its rpm is refused before its body is read: now, or if the body came
+        # whole with its head (most), by `admit` below (the rpm first) or as it is refused.
+        checked = key is None or not request.content.is_eof()
         if key is not None:
             request[KEY] = key
-            # A key over its rpm already is refused before its body is read.
-            self.admission.admit(key, 0, self.clock(), take=False)
-        body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
-        request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
-        head = parse(body, self.reads_prompt)
+            if checked:
+                self.admission.early(request, key, self.clock())
+        try:
+            body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
+            request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
+            head = parse(body, self.reads_prompt)
+        except Refusal:
+            if key is not None and not checked:
+                self.admission.early(request, key, self.clock())
+            raise
         if key is None:
             return await self._routed(request, None, body, head)
         reserve = tokens.reservation(
@@ -542,10 +542,12 @@ class Gateway:
         )
         try:
             reserved = self.admission.admit(key, reserve, self.clock())
-        except Refusal:
+        except Refusal as e:
+            if not checked and e.kind == "requests":  # its rpm, as if before its body
+                request[MODEL] = NOT_READ
+                raise
             # Refused for its tpm, the body read: counted under its model, which only
-            # `_routed` would have named (worked out here for a refusal alone, not for
-            # every request).
+            # `_routed` would have named (worked out here for a refusal alone).
             m = self._scope.resolve(self.follower.view, head.model, key.owner)
             request[MODEL] = UNKNOWN if m is None else m.name
             raise

@@ -731,3 +731,41 @@ async def _last_chunk_and_end() -> None:
     end = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last)
     assert got.partition(b"\r\n\r\n")[2] == b"9\r\ndata: 1\n\n\r\n" + end
     assert writes == [b"9\r\ndata: 1\n\n\r\n", end]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connections_requests_are_served_by_one_task(loop: str) -> None:
+    on(loop, _one_task_a_connection)
+
+
+async def _one_task_a_connection() -> None:
+    """A connection's requests, one after another or pipelined, are served by one task,
+    not a task each (made, registered and dropped for each request); it waits between
+    them, and ends as its connection closes."""
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    async def handler(request: Request) -> Whole:
+        tasks.append(asyncio.current_task())
+        return Whole(request.path.encode())
+
+    get = b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n"
+    async with front(handler) as (_, addr):
+        before = asyncio.all_tasks()
+        reader, writer = await asyncio.open_connection(*addr)
+        for i in range(3):
+            writer.write(get % i)
+            await reader.readuntil(b"/%d" % i)
+        writer.write(get % 3 + get % 4)  # pipelined
+        await reader.readuntil(b"/4")
+        assert len(tasks) == 5 and len(set(map(id, tasks))) == 1
+        task = tasks[0]
+        assert task is not None and not task.done()  # waiting for the next request
+        writer.close()
+        await asyncio.wait_for(asyncio.wait([task]), 5)
+        assert asyncio.all_tasks() == before
+        # Another connection, a task of its own.
+        reader, writer = await asyncio.open_connection(*addr)
+        writer.write(get % 5)
+        await reader.readuntil(b"/5")
+        writer.close()
+    assert len(tasks) == 6 and tasks[5] is not task

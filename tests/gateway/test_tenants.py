@@ -303,3 +303,51 @@ async def test_with_stream_usage_off_a_stream_passes_untouched_and_counts_its_ch
         sum(d.tokens_in or 0 for d in reports),
         sum(d.tokens_out or 0 for d in reports),
     ) == (1, len(raw) // 4, 3 + 1)
+
+
+async def _raw(url: str, head: bytes, body: bytes) -> bytes:
+    """`head` and `body` written to the gateway at `url` on a connection of their own (the
+    body only if the answer has not come first, within 2 s); its answer's status line."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        try:
+            line = await asyncio.wait_for(reader.readline(), 2)
+        except TimeoutError:
+            writer.write(body)
+            line = await asyncio.wait_for(reader.readline(), 5)
+        return line
+    finally:
+        writer.close()
+
+
+async def test_a_key_over_its_rpm_is_429_however_its_body_comes(
+    plane: Plane, servers: Callable[..., Awaitable[Responder]], tmp_path: Path, client: Client
+) -> None:
+    """Over its rpm, a key is refused before its body is read when the body is still to
+    come, and when it came whole with its head, before anything its body would be refused
+    for (JSON that does not parse): 429 either way, counted under no model."""
+    await _served(plane, servers, "limited", "lim-2")
+    plane.gateway.clock = Clock()
+    plane.gateway.keys = _keys(tmp_path, f"{A} team-a rpm=1\n")
+    await client(A).chat.completions.create(model="limited", messages=HI, max_tokens=1)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {A}\r\n"
+        "Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+    )
+    good = json.dumps({"model": "limited", "messages": HI}).encode()
+    # The body held back: answered before it is sent.
+    line = await _raw(plane.url, head.replace("{n}", str(len(good))).encode(), good)
+    assert line.startswith(b"HTTP/1.1 429 ")
+    # A body that does not parse, whole with its head: its rpm first, not a 400.
+    bad = b'{"model": "limited", "messages": ['
+    line = await _raw(plane.url, head.replace("{n}", str(len(bad))).encode() + bad, b"")
+    assert line.startswith(b"HTTP/1.1 429 ")
+    # A good body whole with its head: 429 as well.
+    line = await _raw(plane.url, head.replace("{n}", str(len(good))).encode() + good, b"")
+    assert line.startswith(b"HTTP/1.1 429 ")
+    async with plane.http.get(f"{plane.url}/metrics") as r:
+        text = await r.text()
+    assert 'llmgw_gateway_requests_total{model="(not read)",status="429"} 3.0' in text
+    assert 'llmgw_gateway_rate_limited_total{limit="rpm",owner="team-a"} 3.0' in text
