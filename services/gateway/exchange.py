@@ -145,14 +145,23 @@ async def send_now(request: Request, answer: Whole) -> Answer:
     accounting): what the handler returns for it, which its server sends no more of
     (the lean server's `answer` itself, not sent, when the client is gone: it finds it
     so, as it does for any answer)."""
+    got = sent_now(request, answer)
+    if got is not None:
+        return got
+    resp = web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+    try:
+        await resp.prepare(request)  # type: ignore[arg-type]
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # the client is gone: aiohttp's server finds it so, as for any answer
+    return resp
+
+
+def sent_now(request: Request, answer: Whole) -> Answer | None:
+    """`send_now` without a coroutine, where the server sends at once (the lean one): what
+    the handler returns; None on aiohttp's server (`send_now` sends it there)."""
     if isinstance(request, web.BaseRequest):
-        resp = web.Response(body=answer.body, status=answer.status, headers=answer.headers)
-        try:
-            await resp.prepare(request)
-            await resp.write_eof()
-        except ConnectionError:
-            pass  # the client is gone: aiohttp's server finds it so, as for any answer
-        return resp
+        return None
     lean: SendsNow = request  # type: ignore[assignment]  # no cast's call: every answer
     try:
         return lean.send_now(answer)

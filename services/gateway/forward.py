@@ -22,7 +22,16 @@ import aiohttp
 import yarl
 
 from services.gateway import continuation, guard, plane, streams, tokens
-from services.gateway.exchange import Answer, FirstByte, Request, Stream, Whole, begin, send_now
+from services.gateway.exchange import (
+    Answer,
+    FirstByte,
+    Request,
+    Stream,
+    Whole,
+    begin,
+    send_now,
+    sent_now,
+)
 from services.gateway.metrics import Counts
 from services.gateway.refusal import (
     MAX_ANSWER,
@@ -223,10 +232,13 @@ class Forwarder:
         if (said := request.get(ROUTED)) is not None:
             out_headers["x-llmgw-route"] = said
         if not stream or not sse:
-            data = await self.whole(upstream, r.id)
+            # Taken, and sent, without a coroutine each where all of it has come (most).
+            got = self._taken(upstream, r.id)
+            data = got if got is not None else await self.whole(upstream, r.id)
             came = time.perf_counter()
             # Sent before it is counted: the client waits for none of what follows.
-            answered = await send_now(request, Whole(data, upstream.status, out_headers))
+            answer = Whole(data, upstream.status, out_headers)
+            answered = sent_now(request, answer) or await send_now(request, answer)
             self.first_byte(request, came)
             if upstream.status < 400:
                 tokens_in, tokens_out, saved = use_of(data)
@@ -311,18 +323,27 @@ class Forwarder:
         await resp.write_eof()
         return resp
 
+    def _taken(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes | None:
+        """The lean client's answer, all of it come, taken in one call (502 past
+        MAX_ANSWER); None when it has not all come, or is aiohttp's (`whole` reads it)."""
+        content = upstream.content
+        if not isinstance(content, Body):
+            return None
+        if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
+            raise answer_too_big(rid)
+        got = content.taken_whole()
+        if got is not None and len(got) > MAX_ANSWER:
+            raise answer_too_big(rid)
+        return got
+
     async def whole(self, upstream: aiohttp.ClientResponse, rid: str) -> bytes:
         """The whole answer, read to its end (a `read(n)` returns only what has come so
         far); 502 past MAX_ANSWER or when the replica breaks it off."""
         try:
+            if (got := self._taken(upstream, rid)) is not None:
+                return got
             if upstream.content_length is not None and upstream.content_length > MAX_ANSWER:
                 raise answer_too_big(rid)
-            content = upstream.content
-            if isinstance(content, Body) and (got := content.taken_whole()) is not None:
-                # The lean client's answer, all of it come: taken in one call.
-                if len(got) > MAX_ANSWER:
-                    raise answer_too_big(rid)
-                return got
             chunks: list[bytes] = []
             size = 0
             while chunk := await upstream.content.readany():

@@ -190,6 +190,22 @@ def over_budget(budget: guard.Budget) -> Refusal:
     )
 
 
+def body_now(request: Request, max_body: int, budget: guard.Budget) -> bytes | None:
+    """`read_body` without a coroutine for a body of a said length that came whole with
+    its head (most: the parser has read it to its end, no more than its length): its
+    bytes, never empty; None for any other (`read_body` reads it), nothing taken."""
+    said = request.content_length
+    content = request.content
+    if not said or not content.is_eof():
+        return None
+    if said > max_body:
+        raise too_big(max_body)
+    if not budget.take(said):
+        raise over_budget(budget)
+    request[HELD] = said
+    return content.read_nowait()
+
+
 async def read_body(
     request: Request, max_body: int, budget: guard.Budget, timeout_s: float
 ) -> bytes:

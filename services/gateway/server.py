@@ -107,6 +107,7 @@ from services.gateway.request import (
     TOOK,
     WOKEN,
     Head,
+    body_now,
     parse,
     read_body,
     span_of,
@@ -437,9 +438,8 @@ class Gateway:
         self.admission.recheck_owners(self.keys, self.follower.view.state)
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Requests per model since the start, and requests in flight per model now:
-        what its announcements say per model, which a dashboard beside it sums
-        (services.dashboard.traffic)."""
+        """Requests per model since the start, and in flight now: what its announcements
+        say, which a dashboard beside it sums (services.dashboard.traffic)."""
         return pages.traffic(self)
 
     # ------------------------------------------------------------------ handlers
@@ -454,14 +454,12 @@ class Gateway:
         return Whole(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     def _proxy(self, request: Request) -> Awaitable[Answer]:
-        """`_served`'s coroutine for `request` (a function that returns it, not a coroutine
-        around it: one frame less a request)."""
+        """`_served`'s coroutine for `request` (returned, not awaited: a frame less)."""
         self.counts.requests += 1
         request[MODEL] = NOT_READ
         request[T0] = time.perf_counter()
-        # One span a request, SERVER kind, a child of the client's traceparent if it sent
-        # one, unless tracing is off (OTEL_* variables): none is made then (`span_of`), and
-        # nothing is said to the one that records nothing.
+        # One span a request (SERVER, a child of the client's traceparent), unless tracing
+        # is off (OTEL_* variables): none is made then (`span_of`), nothing said to it.
         made = span_of(request, self.fast_path)
         if made is NO_SPAN:
             request[SPAN] = INVALID_SPAN
@@ -516,7 +514,7 @@ class Gateway:
 
     async def _route(self, request: Request) -> Answer:
         key = authorize(self.keys, request)
-        # A key over its rpm is refused before its body is read: now, or if the body came
+        # Over its rpm, a key is refused before its body is read: now, or if the body came
         # whole with its head (most), by `admit` below (the rpm first) or as it is refused.
         checked = key is None or not request.content.is_eof()
         if key is not None:
@@ -524,7 +522,9 @@ class Gateway:
             if checked:
                 self.admission.early(request, key, self.clock())
         try:
-            body = await read_body(request, self.max_body, self.budget, self.body_timeout_s)
+            body = body_now(request, self.max_body, self.budget) or await read_body(
+                request, self.max_body, self.budget, self.body_timeout_s
+            )
             request[MODEL] = UNKNOWN  # read: until `_routed` names its model, none
             head = parse(body, self.reads_prompt)
         except Refusal:
@@ -576,8 +576,7 @@ class Gateway:
         if stream:
             body = self.continuations.plan(request, m, route, body)
         view = self.follower.view
-        # Nobody overtakes a line: with requests of the model waiting, a new one joins
-        # them, even if a slot has just freed (the line is served first).
+        # Nobody overtakes a line: a new request joins it, even if a slot has just freed.
         r = (
             None
             if self.room.waiting(m.name)
