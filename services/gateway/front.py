@@ -65,7 +65,6 @@ LINGER_S = 10.0
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _INTERNAL = b"500 Internal Server Error\n\nServer got itself in trouble"
 _TEXT = {"Content-Type": "text/plain; charset=utf-8"}
-_LINE = "{}: {}\r\n".format
 
 Handler = Callable[["Request"], Awaitable[Answer]]
 
@@ -295,6 +294,9 @@ class _Conn(asyncio.Protocol):
         self.lingering: asyncio.TimerHandle | None = None
         self._url = b""
         self._head = 0
+        """The bytes of the reads before this one of a head not whole yet."""
+        self._fed = 0
+        """The bytes of the read being parsed."""
         self._in_head = False
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._bad: str | None = None
@@ -374,6 +376,7 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.refused is not None:
             return
+        self._fed = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -405,9 +408,9 @@ class _Conn(asyncio.Protocol):
             raise ValueError(self._bad)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Counted as each comes (what one head may hold is bounded); each one's length
-        # is checked once the head is whole, in one C loop (`_fields`): a head is at most
-        # MAX_HEAD bytes, held meanwhile.
+        # Counted as each comes (what one head may hold is bounded); their lengths once
+        # the head is whole, and only if it may hold one past MAX_FIELD (`_fields`): a
+        # head is at most MAX_HEAD bytes, held meanwhile.
         headers = self._headers
         if len(headers) >= MAX_HEADERS:
             self._bad = f"over {MAX_HEADERS} headers"
@@ -417,16 +420,16 @@ class _Conn(asyncio.Protocol):
     def _fields(self) -> None:
         """A header's name or value over MAX_FIELD bytes: 400 (latin-1: a character a
         byte)."""
-        headers = self._headers
-        if headers and (
-            max(map(len, headers.keys())) > MAX_FIELD or max(map(len, headers.values())) > MAX_FIELD
-        ):
-            self._bad = f"a header over {MAX_FIELD} bytes"
-            raise ValueError(self._bad)
+        for k, v in self._headers.items():
+            if len(k) > MAX_FIELD or len(v) > MAX_FIELD:
+                self._bad = f"a header over {MAX_FIELD} bytes"
+                raise ValueError(self._bad)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._fields()
+        # The head came in this read and those before it: none of its fields is longer.
+        if self._head + self._fed > MAX_FIELD:
+            self._fields()
         parser = self.parser
         url = self._url
         path = (
@@ -634,9 +637,9 @@ class _Conn(asyncio.Protocol):
         if request.started or self.transport is None or self.closing:
             raise ConnectionResetError("the connection is closed")
         request.started = True
-        # Each header's line made in C loops (`str.format` mapped over the names and the
-        # values), not a step for each.
-        said = "".join(map(_LINE, headers.keys(), headers.values()))
+        said = ""
+        for k, v in headers.items():  # a loop, not a comprehension: no call of its own
+            said += f"{k}: {v}\r\n"
         # No header may break a line (aiohttp's server refuses it too).
         if said.count("\n") != len(headers) or said.count("\r") != len(headers):
             raise ValueError("a header with a newline")

@@ -29,7 +29,6 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import repeat
 from typing import Any, cast
 
 import aiohttp
@@ -41,9 +40,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 # keep-alive default); HIGH_WATER the bytes of an answer read and not yet passed on
 # past which its connection stops reading (the client is slow), LOW_WATER where it
 # reads again.
-# _LATIN1 is the encoding a head's bytes are decoded with, for each of its headers (an
-# iterator that says it forever, read by `map` in C).
-_LATIN1 = repeat("latin-1")
 IDLE_S = 15.0
 # MAX_KEPT bounds the URLs whose pool and request line are kept (`LeanSession._begun`).
 MAX_KEPT = 4096
@@ -259,13 +255,8 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         said = self._said
-        # Decoded in C loops: no Python frame for the head, nor a step for each header.
         self.headers = CIMultiDict(
-            zip(
-                map(bytes.decode, said, _LATIN1),
-                map(bytes.decode, said.values(), _LATIN1),
-                strict=True,
-            )
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in said.items()]
         )
         said.clear()
         status = self.parser.get_status_code()
