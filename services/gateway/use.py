@@ -78,8 +78,10 @@ def use_of(doc: bytes) -> tuple[int, int, int | None]:
     if u is None:
         return 0, 0, None
     d = u.prompt_tokens_details
-    saved = None if d is None or d.cached_tokens is None else max(d.cached_tokens, 0)
-    return max(u.prompt_tokens, 0), max(u.completion_tokens, 0), saved
+    # Each `max(n, 0)` as a conditional (`max` parses its keywords at each call here).
+    saved = None if d is None or (k := d.cached_tokens) is None else (0 if k < 0 else k)
+    p, c = u.prompt_tokens, u.completion_tokens
+    return (0 if p < 0 else p), (0 if c < 0 else c), saved
 
 
 def stream_cached(tail: bytes) -> int | None:
