@@ -248,7 +248,8 @@ class Prefix(LeastInflight):
             text = route.prompt
             # A request picked again (a retry) is not hashed again.
             self._hashes = old.hashes if old is not None else self.cut(m, route)
-            self._chars = min(len(text), self.block_chars * MAX_BLOCKS)
+            n, most = len(text), self.block_chars * MAX_BLOCKS
+            self._chars = most if most < n else n  # min(n, most): a request's call less
         self._explained = None
         self._depths = {}
         r = super().pick(view, m, route, avoid=avoid, limit=limit)

@@ -314,7 +314,8 @@ class FastPrefix(Prefix):
         if not text.isascii():
             return super().cut(m, route)
         size = self.block_chars
-        n = min(len(text), size * MAX_BLOCKS) // size
+        chars, most = len(text), size * MAX_BLOCKS
+        n = (most if most < chars else chars) // size  # min(chars, most), a call less
         if not n:
             return []
         whole, rest = divmod(n, _CHUNK)

@@ -63,7 +63,8 @@ def admit_limit(view: View, m: catalog.Model, factor: float = INFLIGHT_FACTOR) -
     `target_inflight` times `factor`, at least 1."""
     d = view.state.models.get(m.name)
     target = ev.DEFAULT_TARGET_INFLIGHT if d is None else d.effective_target_inflight
-    return max(1, int(target * factor))
+    n = int(target * factor)
+    return n if n > 1 else 1  # max(1, n), without `max`'s parse of its keywords
 
 
 def routable(view: View, r: ReplicaRecord, *, new_session: bool = True) -> bool:

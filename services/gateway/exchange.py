@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar, overload
 
 from aiohttp import web
@@ -113,31 +113,22 @@ class FirstByte(Protocol):
     def __call__(self, request: Request, at: float | None = None, /) -> None: ...
 
 
-class Begins(Protocol):
-    """A request whose server begins a stream itself (the lean one's)."""
-
-    async def begin(self, status: int, headers: Mapping[str, str]) -> Stream: ...
-
-
 def begin(request: Request, status: int, headers: Mapping[str, str]) -> Awaitable[Stream]:
     """The answer to `request` begun as a stream: its status and headers sent. The lean
     server's own coroutine, returned (no coroutine around it, nor a cast's call: every
     stream)."""
-    if isinstance(request, web.BaseRequest):
-        return _prepared(request, web.StreamResponse(status=status, headers=headers))
-    lean: Begins = request  # type: ignore[assignment]
-    return lean.begin(status, headers)
+    # The lean request told apart by its method, as in `sent_now`.
+    lean: Callable[[int, Mapping[str, str]], Awaitable[Stream]] | None = getattr(
+        request, "begin", None
+    )
+    if lean is None:
+        return _prepared(request, web.StreamResponse(status=status, headers=headers))  # type: ignore[arg-type]
+    return lean(status, headers)
 
 
 async def _prepared(request: web.BaseRequest, resp: web.StreamResponse) -> Stream:
     await resp.prepare(request)
     return resp
-
-
-class SendsNow(Protocol):
-    """A request whose server sends a whole answer when told (the lean one's)."""
-
-    def send_now(self, answer: Whole) -> Whole: ...
 
 
 async def send_now(request: Request, answer: Whole) -> Answer:
@@ -160,11 +151,13 @@ async def send_now(request: Request, answer: Whole) -> Answer:
 def sent_now(request: Request, answer: Whole) -> Answer | None:
     """`send_now` without a coroutine, where the server sends at once (the lean one): what
     the handler returns; None on aiohttp's server (`send_now` sends it there)."""
-    if isinstance(request, web.BaseRequest):
+    # Told apart by the lean request's method, not by `isinstance`: aiohttp's request is
+    # a `MutableMapping`, which an ABC's check (in Python) would walk for every answer.
+    send: Callable[[Whole], Whole] | None = getattr(request, "send_now", None)
+    if send is None:
         return None
-    lean: SendsNow = request  # type: ignore[assignment]  # no cast's call: every answer
     try:
-        return lean.send_now(answer)
+        return send(answer)
     except ConnectionError:
         return answer
 
