@@ -497,7 +497,9 @@ class _Conn(asyncio.Protocol):
                 continue
             if self.closing or self.front.stopping:
                 return
-            # None served, or the last one's body still read (`_done`'s lingering).
+            # None served, or the last one's body still read (`_done`'s lingering). The
+            # last one is not held while the connection waits (what was kept on it).
+            del request, nxt
             self.parked = self.loop.create_future()
             request = await self.parked
 

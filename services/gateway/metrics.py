@@ -177,6 +177,12 @@ class Labelled:
     `labels()` each time (its checks and its lock, about 1.8 us a call; a request makes
     five or six). No values: the metric itself (one without labels)."""
 
+    def __init__(self) -> None:
+        self.groups: dict[tuple[Any, ...], Any] = {}
+        """What `group_of` keeps, by key: looked up first by a caller (`groups.get`, a
+        dict's own, in C), which asks `group_of` only where it finds nothing. Never
+        written here: made each time (`group_of`)."""
+
     def of(self, metric: Any, *values: str) -> Any:
         return metric.labels(*values) if values else metric
 
@@ -185,7 +191,12 @@ class Labelled:
         here; kept under `key` by `KeptLabelled`, so that a request writes several
         children for one look-up. `key` says everything `make` reads (its labels'
         values), and is bounded as they are."""
-        return make()
+        return self.group_of(key, make)
+
+    def group_of(self, key: tuple[Any, ...], make: Callable[..., T], *args: Any) -> T:
+        """`group` of `make(*args)`: no function made by the caller for each request (a
+        closure, its cells) where the group is kept already."""
+        return make(*args)
 
 
 class KeptLabelled(Labelled):
@@ -201,8 +212,9 @@ class KeptLabelled(Labelled):
     (`tests/gateway/test_metrics_writer.py` holds the two equal.)"""
 
     def __init__(self) -> None:
+        super().__init__()
         self._kept: dict[tuple[Any, tuple[str, ...]], Any] = {}
-        self._groups: dict[tuple[Any, ...], Any] = {}
+        self._groups: dict[tuple[Any, ...], Any] = self.groups
 
     def of(self, metric: Any, *values: str) -> Any:
         key = (metric, values)
@@ -211,10 +223,10 @@ class KeptLabelled(Labelled):
             child = self._kept[key] = writer(metric.labels(*values) if values else metric)
         return child
 
-    def group(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+    def group_of(self, key: tuple[Any, ...], make: Callable[..., T], *args: Any) -> T:
         got: T | None = self._groups.get(key)
         if got is None:
-            got = self._groups[key] = make()
+            got = self._groups[key] = make(*args)
         return got
 
 
@@ -265,6 +277,24 @@ class HistogramWriter:
     def observe(self, amount: float) -> None:
         self._sum._value += amount
         self._buckets[bisect_left(self._bounds, amount)]._value += 1
+
+
+def served(
+    labelled: Labelled, metrics: Metrics, model: str, status: int, owner: str
+) -> Callable[[float], None]:
+    """A request's end, of `model` with `status` for `owner`, in its three series
+    (`ended`): the group the server keeps for those labels (`Labelled.group_of`)."""
+    said = str(status)
+    return ended(
+        labelled.of(metrics.requests, model, said),
+        labelled.of(metrics.owner_requests, owner, said),
+        labelled.of(metrics.duration, model),
+    )
+
+
+def sent(labelled: Labelled, metrics: Metrics, model: str) -> tuple[Any, Any]:
+    """The overhead histogram and `model`'s in-flight gauge, as a request is sent."""
+    return labelled.of(metrics.overhead), labelled.of(metrics.inflight, model)
 
 
 def ended(requests: Any, by_owner: Any, duration: Any) -> Callable[[float], None]:

@@ -92,7 +92,8 @@ from services.gateway.metrics import (
     Labelled,
     Metrics,
 )
-from services.gateway.metrics import ended as metrics_ended
+from services.gateway.metrics import sent as metrics_sent
+from services.gateway.metrics import served as metrics_served
 from services.gateway.refusal import Answered, Refusal, Routes, Unreachable, no_replica
 from services.gateway.request import (
     HELD,
@@ -503,14 +504,12 @@ class Gateway:
             labelled, metrics = self.labelled, self.metrics
             if refused is not None:
                 labelled.of(metrics.errors, model, refused).inc()
-            labelled.group(
-                ("served", model, status, owner),
-                lambda: metrics_ended(
-                    labelled.of(metrics.requests, model, str(status)),
-                    labelled.of(metrics.owner_requests, owner, str(status)),
-                    labelled.of(metrics.duration, model),
-                ),
-            )(time.perf_counter() - request[T0])
+            # Kept children, looked up with no function made for it (`group_of`).
+            k = ("served", model, status, owner)
+            done = labelled.groups.get(k) or labelled.group_of(
+                k, metrics_served, labelled, metrics, model, status, owner
+            )
+            done(time.perf_counter() - request[T0])
 
     async def _route(self, request: Request) -> Answer:
         key = authorize(self.keys, request)
@@ -619,9 +618,9 @@ class Gateway:
         made: trace.Span = request[SPAN]
         span = None if made is INVALID_SPAN else made  # None: none made, nothing said to it
         labelled, metrics = self.labelled, self.metrics
-        overhead, inflight = labelled.group(
-            ("sent", m.name),
-            lambda: (labelled.of(metrics.overhead), labelled.of(metrics.inflight, m.name)),
+        k = ("sent", m.name)
+        overhead, inflight = labelled.groups.get(k) or labelled.group_of(
+            k, metrics_sent, labelled, metrics, m.name
         )
         r = first
         for attempt in range(2):

@@ -103,6 +103,11 @@ def stream_usage(tail: bytes) -> tuple[int, int] | None:
     return None
 
 
+def _owner_tokens(labelled: Labelled, tokens: Any, owner: str) -> tuple[Any, Any]:
+    """`owner`'s tokens in and out (`Uses.used`)."""
+    return labelled.of(tokens, owner, "in"), labelled.of(tokens, owner, "out")
+
+
 @dataclass
 class Use:
     """Use of one replica not reported yet."""
@@ -165,10 +170,10 @@ class Uses:
         o[0] += requests
         o[1] += tokens_in
         o[2] += tokens_out
-        labelled, tokens = self.labelled, self.metrics.owner_tokens
-        said_in, said_out = labelled.group(
-            ("owner tokens", key.owner),
-            lambda: (labelled.of(tokens, key.owner, "in"), labelled.of(tokens, key.owner, "out")),
+        labelled, k = self.labelled, ("owner tokens", key.owner)
+        # Kept children, looked up with no function made for it (`group_of`).
+        said_in, said_out = labelled.groups.get(k) or labelled.group_of(
+            k, _owner_tokens, labelled, self.metrics.owner_tokens, key.owner
         )
         said_in.inc(tokens_in)
         said_out.inc(tokens_out)

@@ -180,13 +180,13 @@ class Procs:
     """One for each llmgw gateway (`start`)."""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in reversed(self.procs):
             try:
-                p.wait(10)
+                p.wait(wait_s)
             except subprocess.TimeoutExpired:
                 p.kill()
         for b in self.brokers:
@@ -261,8 +261,10 @@ def _start(a: argparse.Namespace, peers: dict[str, Path], tmp: Path, procs: Proc
         port = bg._free_port()
         p = subprocess.Popen(
             [
+                # What runs the gateway's Python (`bench_request_calls.py --instructions`:
+                # valgrind), and Python's own options (`bench_request_calls.py`: cProfile).
+                *getattr(a, "wrap", {}).get(name, ()),
                 sys.executable,
-                # Python's own options for this gateway (`bench_request_calls.py`: cProfile).
                 *getattr(a, "python_args", {}).get(name, ()),
                 "-m",
                 "services.gateway",

@@ -5,6 +5,7 @@ figure the host's load does not move (its CPU a request moves 10-20% from run to
 Run from the repository root:
 
     python tests/bench/bench_request_calls.py [--tree DIR] [--requests 20000] [--streams]
+        [--instructions]
 
 Each gateway runs as `bench_peers.py` runs it (`python -m services.gateway`, every
 feature on: an API key with its limits, metrics, use reports, the prefix rule, a broker
@@ -16,8 +17,16 @@ starting, catching up with the log and stopping cancel out. Python calls count e
 entry into a Python function (a coroutine's resumption included); C calls, each call
 into a builtin or an extension's function. With `--streams`, a request is a stream of 16
 tokens instead (`bench_peers.py`'s, continuation on), its server sending a token a write
-10 ms apart so that each read is one chunk (try `--requests 2000 --few 200`). Prints
-figures; asserts nothing.
+10 ms apart so that each read is one chunk (try `--requests 2000 --few 200`).
+
+With `--instructions`, each gateway runs under valgrind's callgrind instead, and what is
+counted is the machine instructions a request takes, in the interpreter and in every
+library: what a call costs, which the calls alone do not say (a `max()` in CPython 3.11
+parses its keywords at each call: some 300 instructions). The count moves little with
+the host's load, but not nothing: the gateway's ticks (its heartbeats, its use reports)
+run for each second of the load, and a loaded host stretches the seconds; count on a
+quiet one (try `--requests 3000 --few 300`; valgrind: `apt-get install valgrind`).
+Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pstats
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -68,15 +78,20 @@ async def _send(url: str, n: int, body: bytes = bg.CHAT) -> None:
         await asyncio.gather(*(one(http) for _ in range(16)))
 
 
-def run(tree: Path, requests: int, tmp: Path, name: str, streams: bool = False) -> tuple[int, int]:
+def run(
+    tree: Path, requests: int, tmp: Path, name: str, streams: bool = False, count: str = "calls"
+) -> tuple[int, int]:
     """The gateway of `tree` under cProfile, serving `requests` (streams of 16 tokens
-    with `streams`; and the bench's start's own); its (Python calls, C calls)."""
+    with `streams`; and the bench's start's own); its (Python calls, C calls). With
+    `count` "instructions", under valgrind's callgrind instead: (instructions, 0)."""
     out = tmp / f"{name}.prof"
+    instructions = count == "instructions"
     a = argparse.Namespace(
         llmgw=[(name, "")],
         tree={name: tree},
         stream_tps=100.0 if streams else 8.0,  # a token a write, 10 ms apart: a chunk a read
-        python_args={name: ("-m", "cProfile", "-o", str(out))},
+        python_args={} if instructions else {name: ("-m", "cProfile", "-o", str(out))},
+        wrap={name: (*CALLGRIND, f"--callgrind-out-file={out}")} if instructions else {},
     )
     procs, paths = bp.start(a, {}, tmp)
     try:
@@ -92,8 +107,23 @@ def run(tree: Path, requests: int, tmp: Path, name: str, streams: bool = False) 
 
         asyncio.run(load())
     finally:
-        procs.stop()  # SIGTERM: the gateway stops as it does, and cProfile writes its file
-    return calls(out)
+        # SIGTERM: the gateway stops as it does, and cProfile (or callgrind, slower) writes
+        # its file.
+        procs.stop(wait_s=120 if instructions else 10)
+    return (executed(out), 0) if instructions else calls(out)
+
+
+# CALLGRIND runs a gateway under valgrind counting the instructions it executes, and no
+# more (no cache simulation, no per-instruction records): some 50 times slower.
+CALLGRIND = ("valgrind", "--tool=callgrind", "--dump-instr=no", "--cache-sim=no")
+
+
+def executed(out: Path) -> int:
+    """The instructions a callgrind file says its program executed."""
+    for line in out.read_text(errors="replace").splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise SystemExit(f"{out}: no instruction count (did valgrind stop the gateway?)")
 
 
 def main() -> None:
@@ -108,17 +138,30 @@ def main() -> None:
         action="store_true",
         help="count the calls a stream makes (16 tokens, continuation on), not a whole answer",
     )
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the machine instructions a request takes (valgrind's callgrind, some 50 "
+        "times slower: try --requests 3000 --few 300), not its calls",
+    )
     a = p.parse_args()
+    if a.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions: valgrind is not installed (apt-get install valgrind)")
+    count = "instructions" if a.instructions else "calls"
     trees = [("this tree", ROOT)] + ([("--tree", a.tree.resolve())] if a.tree else [])
     what = "streams of 16 tokens" if a.streams else "requests, whole answers"
     print(
-        f"calls a {'stream' if a.streams else 'request'}, cProfile ({a.requests} {what}, 16 at a time):"
+        f"{count} a {'stream' if a.streams else 'request'}, "
+        f"{'callgrind' if a.instructions else 'cProfile'} ({a.requests} {what}, 16 at a time):"
     )
     for label, tree in trees:
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            py0, c0 = run(tree, a.few, tmp, "few", a.streams)
-            py1, c1 = run(tree, a.few + a.requests, tmp, "many", a.streams)
+            py0, c0 = run(tree, a.few, tmp, "few", a.streams, count)
+            py1, c1 = run(tree, a.few + a.requests, tmp, "many", a.streams, count)
+        if a.instructions:
+            print(f"  {label:9} {(py1 - py0) / a.requests:,.0f} instructions  ({tree})")
+            continue
         print(
             f"  {label:9} Python {(py1 - py0) / a.requests:6.1f}  C {(c1 - c0) / a.requests:6.1f}"
             f"  ({tree})"

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import json
 import logging
 import re
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -744,9 +746,15 @@ async def _one_task_a_connection() -> None:
     not a task each (made, registered and dropped for each request); it waits between
     them, and ends as its connection closes."""
     tasks: list[asyncio.Task[Any] | None] = []
+    kept: list[weakref.ref[Any]] = []
+
+    class Kept:
+        """Something kept on a request while it is served."""
 
     async def handler(request: Request) -> Whole:
         tasks.append(asyncio.current_task())
+        request["kept"] = k = Kept()
+        kept.append(weakref.ref(k))
         return Whole(request.path.encode())
 
     get = b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -761,6 +769,10 @@ async def _one_task_a_connection() -> None:
         assert len(tasks) == 5 and len(set(map(id, tasks))) == 1
         task = tasks[0]
         assert task is not None and not task.done()  # waiting for the next request
+        # What was kept on the requests is not held while the connection waits.
+        await asyncio.sleep(0)
+        gc.collect()
+        assert [k() for k in kept] == [None] * 5
         writer.close()
         await asyncio.wait_for(asyncio.wait([task]), 5)
         assert asyncio.all_tasks() == before
