@@ -165,8 +165,8 @@ class _Rate:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
-    _value: float | None = None
-    _fresh: bool = True
+    value: float | None = None
+    """`tps()` as of the last observation."""
 
     def add(self, x: float, y: float) -> None:
         self.n = self.n * DECAY + 1.0
@@ -174,16 +174,7 @@ class _Rate:
         self.sy = self.sy * DECAY + y
         self.sxx = self.sxx * DECAY + x * x
         self.sxy = self.sxy * DECAY + x * y
-        self._fresh = False
-
-    @property
-    def value(self) -> float | None:
-        """`tps()` as of the last observation: worked out as it is read (a pick that
-        weighs rates; most do not), not at each observation (each answer's first byte)."""
-        if not self._fresh:
-            self._value = self.tps()
-            self._fresh = True
-        return self._value
+        self.value = self.tps()
 
     def tps(self) -> float | None:
         """Tokens a second, or None before it can say."""

@@ -214,7 +214,6 @@ class KeptLabelled(Labelled):
     def __init__(self) -> None:
         super().__init__()
         self._kept: dict[tuple[Any, tuple[str, ...]], Any] = {}
-        self._groups: dict[tuple[Any, ...], Any] = self.groups
 
     def of(self, metric: Any, *values: str) -> Any:
         key = (metric, values)
@@ -224,9 +223,9 @@ class KeptLabelled(Labelled):
         return child
 
     def group_of(self, key: tuple[Any, ...], make: Callable[..., T], *args: Any) -> T:
-        got: T | None = self._groups.get(key)
+        got: T | None = self.groups.get(key)
         if got is None:
-            got = self._groups[key] = make(*args)
+            got = self.groups[key] = make(*args)
         return got
 
 
