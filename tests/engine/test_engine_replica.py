@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,17 +289,25 @@ def test_the_engines_metrics_reach_replica_used_and_the_view(served: Served) -> 
 
 
 # LONG: each drained stream's tokens, the most the tiny model's 4,096 positions allow
-# after its prompt (about 10 s at one stream's pace).
+# after its prompt (4-10 s at one stream's pace).
 LONG = 4000
-# STREAMS: the drained streams, run one after another by the engine (the module's
-# server is started with --max-num-seqs 1): the drain's way from the log to the
-# server's SIGTERM (the agent stores `draining` first) took over 10 s on a loaded host,
-# and the engine must still be serving one of them when it comes. Three were not enough
-# once: on a fast host (660 tokens a second) they ended as the SIGTERM came, 20 s on.
-STREAMS = 5
+# HELD: the streams kept open, one served by the engine and the rest waiting (the
+# module's server is started with --max-num-seqs 1), until the server says its SIGTERM
+# came; the drain is sent once the engine's metrics say it holds them all. The drain's
+# way from the log to the SIGTERM took under 1 s on one host and over 20 s on another,
+# so any fixed number of streams either ended before it (five did, on a host at 950
+# tokens a second) or made the test long on a slow one: a stream is opened as another
+# ends. The streams are read as bytes, their chunks parsed once they end: read as the
+# SDK's objects, a chunk each, they kept the client seconds behind the engine, and the
+# test's loop stalled for 10-22 s (the engine's /metrics, as slow under load, is asked
+# only before the drain).
+HELD = 3
+# SIGTERM_S bounds the streams' start and the drain's way from the log to the server's
+# SIGTERM.
+SIGTERM_S = 120.0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SIGTERM_S + 120)
 def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_left(
     served: Served,
 ) -> None:
@@ -306,8 +316,19 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
     --shutdown-timeout); then its process group and its port are gone."""
     pid, port, tag = served.server["pid"], served.server["port"], served.server["tag"]
     c = _client(served)
-    streams = [
-        c.completions.create(
+
+    def signalled() -> bool:
+        return "shutdown triggered" in ra.text(served.server["log"])  # vLLM's at a SIGTERM
+
+    def held() -> float:
+        """The requests the engine serves and holds now, by its own metrics."""
+        names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+        with urllib.request.urlopen(served.endpoint + "/metrics", timeout=30) as r:
+            return sum(process.parse_metrics(r.read().decode(), names).values())
+
+    def stream() -> Callable[[], bytes]:
+        """Open a stream (its answer begun); what reads the rest of it."""
+        answer = c.completions.with_streaming_response.create(
             model=MODEL,
             prompt="hello",
             max_tokens=LONG,
@@ -315,23 +336,52 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        for _ in range(STREAMS)
-    ]
-    its = [iter(s) for s in streams]
-    got: list[list[Any]] = [[next(its[0])]] + [[] for _ in its[1:]]  # the first in flight now
-    _on_bus(
-        served.url,
-        lambda js: Publisher(js).publish(drain_cmd("r-1", model=MODEL, grace_s=180.0), node=NODE),
-    )
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        rest = list(pool.map(list, its))
-    for mine, more in zip(got, rest, strict=True):
-        mine += more
+        held_open = contextlib.ExitStack()
+        begun = held_open.enter_context(answer)
+
+        def rest() -> bytes:
+            with held_open:
+                return b"".join(begun.iter_bytes())
+
+        return rest
+
+    deadline = time.monotonic() + SIGTERM_S
+    drained = False
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        read: list[concurrent.futures.Future[bytes]] = []
+        while not signalled():
+            if time.monotonic() > deadline:
+                said = ra.text(served.agent.log)[-3000:]
+                raise AssertionError(f"no SIGTERM at the server in {SIGTERM_S:g}s; agent:\n{said}")
+            if sum(not r.done() for r in read) < HELD:
+                try:
+                    more = stream()
+                except (openai.APIConnectionError, openai.APIStatusError):
+                    if signalled():
+                        break  # refused as the SIGTERM came: never held by the engine
+                    raise
+                read.append(pool.submit(more))
+            elif not drained and held() >= HELD:
+                drained = True  # the engine holds them all now: the drain comes
+                _on_bus(
+                    served.url,
+                    lambda js: Publisher(js).publish(
+                        drain_cmd("r-1", model=MODEL, grace_s=180.0), node=NODE
+                    ),
+                )
+            else:
+                time.sleep(0.2)
+        answers = [r.result() for r in read]
+    assert drained and len(answers) >= HELD
+    for raw in answers:
+        chunks = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith(b"data: {")]
         ends = [
-            ch.choices[0].finish_reason for ch in mine if ch.choices and ch.choices[0].finish_reason
+            ch["choices"][0]["finish_reason"]
+            for ch in chunks
+            if ch["choices"] and ch["choices"][0]["finish_reason"]
         ]
         assert ends == ["length"], ends
-        assert mine[-1].usage is not None and mine[-1].usage.completion_tokens == LONG
+        assert chunks[-1]["usage"]["completion_tokens"] == LONG
 
     def over(es: list[ev.Event]) -> list[str] | None:
         got = _states(es, "r-1")
