@@ -288,19 +288,19 @@ def test_the_engines_metrics_reach_replica_used_and_the_view(served: Served) -> 
     assert said["prefix_cache_hits"] >= 256 and said["prefix_cache_hit_rate"] > 0
 
 
-# LONG: each drained stream's tokens, the most the tiny model's 4,096 positions allow
-# after its prompt (4-10 s at one stream's pace).
-LONG = 4000
+# LONG: each drained stream's tokens (2-7 s at one stream's pace): the drain finishes
+# HELD of them after its SIGTERM.
+LONG = 2000
 # HELD: the streams kept open, one served by the engine and the rest waiting (the
 # module's server is started with --max-num-seqs 1), until the server says its SIGTERM
-# came; the drain is sent once the engine's metrics say it holds them all. The drain's
-# way from the log to the SIGTERM took under 1 s on one host and over 20 s on another,
-# so any fixed number of streams either ended before it (five did, on a host at 950
-# tokens a second) or made the test long on a slow one: a stream is opened as another
-# ends. The streams are read as bytes, their chunks parsed once they end: read as the
-# SDK's objects, a chunk each, they kept the client seconds behind the engine, and the
-# test's loop stalled for 10-22 s (the engine's /metrics, as slow under load, is asked
-# only before the drain).
+# came. The drain is sent once the engine's metrics say it holds them all; a stream is
+# opened as the client sees one end, or as the metrics say the engine holds fewer than
+# HELD - 1 (the client behind it). The drain's way from the log to the SIGTERM took
+# under 1 s on one host and over 20 s on another, so any fixed number of streams either
+# ended before it (five did, on a host at 950 tokens a second) or made the test long on
+# a slow one. The streams are read as bytes, their chunks parsed once they end: read as
+# the SDK's objects, a chunk each, they kept the client seconds behind the engine and
+# stalled the test's loop for 10-22 s.
 HELD = 3
 # SIGTERM_S bounds the streams' start and the drain's way from the log to the server's
 # SIGTERM.
@@ -353,24 +353,29 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
             if time.monotonic() > deadline:
                 said = ra.text(served.agent.log)[-3000:]
                 raise AssertionError(f"no SIGTERM at the server in {SIGTERM_S:g}s; agent:\n{said}")
-            if sum(not r.done() for r in read) < HELD:
-                try:
-                    more = stream()
-                except (openai.APIConnectionError, openai.APIStatusError):
-                    if signalled():
-                        break  # refused as the SIGTERM came: never held by the engine
-                    raise
-                read.append(pool.submit(more))
-            elif not drained and held() >= HELD:
-                drained = True  # the engine holds them all now: the drain comes
-                _on_bus(
-                    served.url,
-                    lambda js: Publisher(js).publish(
-                        drain_cmd("r-1", model=MODEL, grace_s=180.0), node=NODE
-                    ),
-                )
-            else:
-                time.sleep(0.2)
+            if sum(not r.done() for r in read) >= HELD:
+                engine = held()
+                if not drained and engine >= HELD:
+                    drained = True  # the engine holds them all now: the drain comes
+                    _on_bus(
+                        served.url,
+                        lambda js: Publisher(js).publish(
+                            drain_cmd("r-1", model=MODEL, grace_s=180.0), node=NODE
+                        ),
+                    )
+                    continue
+                if not drained or engine >= HELD - 1:
+                    time.sleep(0.2)
+                    continue
+                # The engine holds fewer than the client reads: the client is behind it.
+                # One more, lest the engine run dry before its SIGTERM.
+            try:
+                more = stream()
+            except (openai.APIConnectionError, openai.APIStatusError):
+                if signalled():
+                    break  # refused as the SIGTERM came: never held by the engine
+                raise
+            read.append(pool.submit(more))
         answers = [r.result() for r in read]
     assert drained and len(answers) >= HELD
     for raw in answers:
