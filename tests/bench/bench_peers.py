@@ -6,7 +6,7 @@ Run from the repository root:
     python tests/bench/bench_peers.py [--peers vllm-router,sglang-router] [--rounds 3]
         [--seconds 4] [--rate 500] [--streams 200] [--stream-tps 8] [--stream-tokens 16]
         [--cache DIR] [--llmgw NAME=FLAGS ...] [--tree NAME=DIR ...] [--profile DIR]
-        [--floor]
+        [--floor] [--floor-hop] [--floor-granian]
 
 Prints figures and one table of ratios to llmgw; asserts nothing. The issue's targets
 (issue 42), llmgw against vllm-router: CPU per 1,000 requests <= 1.5x in the closed loop
@@ -49,7 +49,10 @@ httptools, the answer's bytes passed back in the read's callback, nothing else d
 two processes as a peer's: what Python's own I/O costs here, so the distance from it to
 llmgw is llmgw's work; `--floor-hop` the same floor with a coroutine woken for each
 chunk, as the gateway's request is. Streams of one token and of many (`--stream-tokens 1`, `16`,
-`48`) part a stream's cost into the request's and each chunk's.
+`48`) part a stream's cost into the request's and each chunk's. `--floor-granian` adds
+the floor of a proxy on granian (`granian_floor.py`, granian 2.8.7 in a venv of its own:
+a Rust HTTP server takes the client's side, the app passes each request on, nothing else
+done): what a Rust-backed server for Python costs before any of a gateway's work.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ PEERS = {
 # FLOORS name the paths through the floor of a Python proxy (`--floor`), and through the
 # same with a coroutine woken for each chunk (`--floor-hop`).
 FLOORS = ("floor", "floor-hop")
+# GRANIAN names the path through the floor of a proxy on granian (`--floor-granian`), and
+# what its venv holds besides: the uvloop and httptools this Python has, as the floor's.
+GRANIAN = "floor-granian"
+GRANIAN_PACKAGE = ("granian", "2.8.7")
+GRANIAN_WITH = ("uvloop", "httptools")
 KEY = "bench-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The key's limits: set, so every request is admitted and settled against them, and far
@@ -115,8 +123,16 @@ def _say(text: str) -> None:
 
 def install(cache: Path, peer: str) -> Path:
     """The peer's venv under `cache` (made and installed from the package registry the
-    first time; reused after): its bin directory."""
-    package, version = PEERS[peer]
+    first time; reused after): its bin directory. `GRANIAN`'s holds granian and the
+    versions of `GRANIAN_WITH` that this Python has."""
+    if peer == GRANIAN:
+        from importlib.metadata import version as installed
+
+        package, version = GRANIAN_PACKAGE
+        also = [f"{name}=={installed(name)}" for name in GRANIAN_WITH]
+    else:
+        package, version = PEERS[peer]
+        also = []
     venv = cache / f"{package}-{version}"
     done = venv / ".installed"
     if done.exists():
@@ -132,15 +148,20 @@ def install(cache: Path, peer: str) -> Path:
             "-q",
             "--disable-pip-version-check",
             f"{package}=={version}",
+            *also,
         ],
         check=True,
     )
-    done.write_text(f"{package}=={version}\n")
+    done.write_text("\n".join([f"{package}=={version}", *also]) + "\n")
     _say(f"{peer}: installed")
     return venv / "bin"
 
 
 def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: int) -> list[str]:
+    if peer == GRANIAN:
+        up = yarl.URL(upstream)
+        floor = str(HERE / "granian_floor.py")
+        return [str(bindir / "python"), floor, str(up.host), str(up.port), str(port)]
     if peer in FLOORS:
         up = yarl.URL(upstream)
         cmd = [sys.executable, str(HERE / "floor_proxy.py"), str(up.host), str(up.port), str(port)]
@@ -598,6 +619,13 @@ def main() -> None:
         "(floor_proxy.py's `hop`): what a chunk's wake costs",
     )
     p.add_argument(
+        "--floor-granian",
+        action="store_true",
+        help="add a path through the floor of a proxy on granian, a Rust HTTP server for "
+        "Python (granian_floor.py, in a venv of its own under --cache): what a Rust-backed "
+        "server costs before any of the gateway's work",
+    )
+    p.add_argument(
         "--cache",
         type=Path,
         default=Path.home() / ".cache" / "llmgw-bench-peers",
@@ -643,6 +671,8 @@ def main() -> None:
         peers[FLOORS[0]] = HERE
     if a.floor_hop:
         peers[FLOORS[1]] = HERE
+    if a.floor_granian:
+        peers[GRANIAN] = install(a.cache, GRANIAN)
     _say(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     procs, paths = start(a, peers, tmp)
