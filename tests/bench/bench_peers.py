@@ -158,13 +158,14 @@ def install(cache: Path, peer: str) -> Path:
 
 
 def _peer_cmd(peer: str, bindir: Path, port: int, upstream: str, metrics_port: int) -> list[str]:
-    if peer == GRANIAN:
+    if peer == GRANIAN or peer in FLOORS:
+        # A floor: its script, by its venv's Python (granian's) or this one, with the
+        # upstream's host and port and its own port.
         up = yarl.URL(upstream)
-        floor = str(HERE / "granian_floor.py")
-        return [str(bindir / "python"), floor, str(up.host), str(up.port), str(port)]
-    if peer in FLOORS:
-        up = yarl.URL(upstream)
-        cmd = [sys.executable, str(HERE / "floor_proxy.py"), str(up.host), str(up.port), str(port)]
+        where = [str(up.host), str(up.port), str(port)]
+        if peer == GRANIAN:
+            return [str(bindir / "python"), str(HERE / "granian_floor.py"), *where]
+        cmd = [sys.executable, str(HERE / "floor_proxy.py"), *where]
         return cmd + (["hop"] if peer == FLOORS[1] else [])
     common = [
         *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream),

@@ -11,7 +11,8 @@ answer's framing and writes. The app, on uvloop in the same process, sends each 
 on to the upstream over a keep-alive pool of raw connections (httptools reads the answer)
 and passes the answer back: whole with `response_bytes`, a stream chunk by chunk with
 `send_bytes`. Nothing the gateway does is done: no keys, limits, routing, metrics, use,
-continuation, timeouts or bounds. Not a server to run: it asks whether a Rust-backed server
+continuation, timeouts or bounds. (Not the gateway's lean client: its venv holds granian,
+uvloop and httptools alone, not the project.) Not a server to run: it asks whether a Rust-backed server
 would take the cost of the gateway's own server away (issue 42 lists it as a candidate),
 measured as the floor of what any gateway on it would cost.
 """
