@@ -90,10 +90,17 @@ def gateway_config(args: argparse.Namespace, flag: str = "--listen", **given: An
     from services import flags
     from services.cli.dashboard import allowed_hosts
     from services.gateway.config import Config
+    from services.gateway.errors import GatewayError
+    from services.gateway.relay import pick
 
     gateway_listen(args, flag)
     given.setdefault("allow_hosts", allowed_hosts(args))
-    return flags.build(Config, args, **given)
+    config = flags.build(Config, args, **given)
+    try:
+        pick(config.chunk_relay)
+    except GatewayError as e:
+        raise cli.UsageError(str(e)) from None
+    return config
 
 
 def gateway_keys(args: argparse.Namespace) -> Any:

@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
     from services.gateway.loop import loop_factory
+    from services.gateway.relay import pick
 
     try:
         factory = loop_factory(config.event_loop)
+        pick(config.chunk_relay)
     except GatewayError as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2

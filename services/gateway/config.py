@@ -25,6 +25,7 @@ from services.gateway.listen import (
     USED_INTERVAL_S,
 )
 from services.gateway.loop import EVENT_LOOPS
+from services.gateway.relay import RELAYS
 from services.plane.process import Config as ProcessConfig
 
 # UPSTREAM_CLIENTS are what --upstream-client may say (`services.gateway.upstream`).
@@ -210,6 +211,19 @@ class Config:
             f"{', '.join(EVENT_LOOPS)}; uvloop: libuv's (less CPU a request, "
             "docs/performance.md); asyncio: the standard library's; auto: uvloop where it "
             "is installed, else asyncio",
+        },
+    )
+    chunk_relay: str = field(
+        default="auto",
+        metadata={
+            "choices": RELAYS,
+            "metavar": "RELAY",
+            "help": "what passes a continued stream's chunks of text on to its client in "
+            f"the read's callback, one of {', '.join(RELAYS)}; compiled: in C, built as "
+            "the project installs where a C compiler is (less CPU a stream, "
+            "docs/performance.md); python: the same rule in Python, the reference the "
+            "compiled one is tested against; auto: compiled where it was built, else "
+            "python. Read with the fast path only",
         },
     )
     upstream_client: str = field(

@@ -25,9 +25,9 @@ from aiohttp import web
 
 from services.core import catalog, routing
 from services.core import continuation as rules
-from services.core.continuation_fast import Deferred
+from services.core.continuation_fast import _DECODE, MAX_KEPT, Deferred
 from services.core.view import View
-from services.gateway import front, guard, tokens
+from services.gateway import front, guard, relay, tokens
 from services.gateway.exchange import FirstByte, Request, Stream
 from services.gateway.keys import Key
 from services.gateway.refusal import Refusal, Unreachable
@@ -64,6 +64,8 @@ class Forwarder(Protocol):
 SETTLE_S = rules.SETTLE_S
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# _RELAY is what a relay reads a chunk with (`relay.Relay`'s last three).
+_RELAY = (_DECODE, msgspec.UNSET, MAX_KEPT)
 # TRIES is how many replicas one move asks: a replica that fails before the first byte
 # of the resumed answer, another once more, as for a new request.
 TRIES = 2
@@ -96,6 +98,9 @@ class Continuations:
     read only at a break (`continuation_fast.Deferred`). Off: each chunk read whole in
     the request's coroutine (`Plan._pass`'s loop, `rules.Stream`), the plain path the
     fast one is tested against."""
+    relay: relay.MakeSink = relay.Relay
+    """What makes a segment's sink on the fast path (`--chunk-relay`): the chunks of
+    text passed on in it (`services.gateway.relay`), any other read to `Plan._sunk`'s."""
     on: dict[str, set[Plan]] = field(default_factory=dict)
     """The continued streams in flight, per replica now serving them."""
     moved: dict[str, int] = field(default_factory=dict)
@@ -391,13 +396,15 @@ class Plan:
             ended = what
             return what is None and not behind
 
+        relayed = self._relay(take, st, resp)
         while True:
             data = body._take()
             if data is None:
                 try:
-                    await body.sink(take)
+                    await body.sink(take if relayed is None else relayed)
                 finally:
                     body.unsink()
+                failed, behind = self._left(relayed, failed, behind)
                 if failed is not None:
                     raise failed
                 if ended is not None:
@@ -410,6 +417,26 @@ class Plan:
                 return None
             if (what := await self._events(fw, request, st, resp, may, data)) is not None:
                 return what
+
+    def _relay(
+        self, take: Callable[[bytes], bool], st: rules.Stream, resp: front.Stream
+    ) -> relay.Sink | None:
+        """The segment's sink: the chunks of text passed on in it, the rest in `take`
+        (`relay.Relay`); None when all go to `take` (a HEAD's answer)."""
+        to = resp.relayed()
+        return None if to is None else self.of.relay(take, self, st, *to, *_RELAY)
+
+    @staticmethod
+    def _left(
+        relayed: relay.Sink | None, failed: Exception | None, behind: bool
+    ) -> tuple[Exception | None, bool]:
+        """`failed` and `behind` with what the relay's own chunks left: a write's
+        failure, its client behind."""
+        if relayed is None:
+            return failed, behind
+        if relayed.behind:
+            relayed.behind, behind = False, True
+        return failed or relayed.failed, behind
 
     async def _events(
         self,

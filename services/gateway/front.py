@@ -246,6 +246,11 @@ class Stream:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         return self._conn.put(data)
 
+    def relayed(self) -> tuple[_Conn, bool] | None:
+        """The connection a relay writes this answer's chunks to and whether they are
+        framed as HTTP chunks (`relay.Relay`); None for a HEAD's answer (no body)."""
+        return None if self._request.method == "HEAD" else (self._conn, self._chunked)
+
     async def drain(self) -> None:
         """Until the client has read what waits to be sent, if it is behind."""
         if self._conn.write_paused:

@@ -60,7 +60,7 @@ from services.core import catalog, routing
 from services.core import continuation as continuing
 from services.core.pickers import DEFAULT_PICKER, PICKERS
 from services.core.pickers import make as make_picker
-from services.gateway import continuation, guard, pages, plane, scope, share, streams, tokens
+from services.gateway import continuation, guard, pages, plane, relay, scope, share, streams, tokens
 from services.gateway.admission import Admission, authorize
 from services.gateway.collector import freeze_heap, settle_heap
 from services.gateway.config import Config
@@ -195,8 +195,7 @@ class Gateway:
     """The keys' limits' clock (seconds); a parameter so that tests need not wait."""
     continuation_limit: int = continuing.LIMIT
     """The moves one stream may make to another replica when its own breaks or drains
-    (`--continuation-limit`; 0: none, a broken stream is cut):
-    `services.gateway.continuation`."""
+    (`--continuation-limit`; 0: none, a broken stream is cut): `gateway.continuation`."""
     continuation_settle_s: float = continuing.SETTLE_S
     """How long a continued stream on a replica whose drain is folded goes on there
     before it moves (`--continuation-settle`)."""
@@ -205,6 +204,7 @@ class Gateway:
     request when nothing records spans and the client sent no trace context (`_span`), the
     metrics' labelled children kept and written by writers of their own (`KeptLabelled`),
     the rule's own (`pickers.FAST`)."""
+    chunk_relay: str = "auto"  # --chunk-relay: compiled or python (gateway.relay)
     upstream_client: str = "lean"  # --upstream-client: lean (gateway.upstream) or aiohttp
     server: str = "lean"  # --server: lean (gateway.front) or aiohttp (its web server)
     rule: str = DEFAULT_PICKER
@@ -278,6 +278,7 @@ class Gateway:
             inflight_factor=self.inflight_factor,
             settle_s=self.continuation_settle_s,
             fast=self.fast_path,
+            relay=relay.pick(self.chunk_relay)[0],
         )
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets
@@ -325,6 +326,7 @@ class Gateway:
             keepalive_s=config.keepalive_s,
             fast_path=config.fast_path,
             upstream_client=config.upstream_client,
+            chunk_relay=config.chunk_relay,
             server=config.server,
             continuation_limit=config.continuation_limit,
             continuation_settle_s=config.continuation_settle_s,

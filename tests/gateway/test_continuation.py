@@ -11,7 +11,9 @@ Every test runs twice: here with the gateway's fast path (`Continuations.fast`: 
 stream read and written in the callback that read each chunk from the replica, its chunks
 of text read only at a break), and in test_continuation_plain.py without it
 (`--no-fast-path`: each chunk read whole in the request's coroutine), the plain path the
-fast one is held equal to.
+fast one is held equal to. Here its chunks of text are passed on by the compiled relay
+(`--chunk-relay auto`, where it was built); test_continuation_relay.py runs them again on
+the Python one.
 
 The replicas are small aiohttp servers in the test that answer as vLLM does, one word a
 token: `w0 w1 ... w11`, a continued request going on from the `wN` words it is given,

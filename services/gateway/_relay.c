@@ -1,0 +1,540 @@
+/* A continued stream's chunk of text passed on in C: `services.gateway.relay.Relay`,
+ * compiled. The Python class is the rule a reader checks; this is the same rule, step
+ * for step, held equal to it by tests/gateway/test_relay.py (the same bytes written,
+ * the same state left, the same chunks handed to `take`). Chosen by the gateway's
+ * `--chunk-relay` (`compiled`, or `auto` where it was built).
+ *
+ * A relay is the sink of one segment of a continued stream (`Body.sink`): each read of
+ * the replica's answer comes to it in the read's callback. A read that is one chunk of
+ * text, on a stream whose chunks may be read later (`continuation_fast.Deferred`), is
+ * kept for that reading and written to the client here; any other read goes to `take`,
+ * the Python reading, whose answer is returned. Everything that decides which is read
+ * from the Python objects at each read, as `take` would read it: nothing is cached
+ * across reads but what is fixed for the segment. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <string.h>
+
+/* The attribute names read, interned once (constants, not state). */
+static PyObject *s_broken, *s_wrote, *s_strip_counts, *s_id, *s_segments, *s_by_ids,
+    *s_kept, *s_kept_bytes, *s_chunks, *s_ids_wanted, *s_strip_ids, *s_closing,
+    *s_transport, *s_write_paused, *s_write, *s_choices, *s_error, *s_usage,
+    *s_prompt_token_ids, *s_finish_reason, *s_token_ids;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *take;   /* the Python reading of a read: take(data) -> bool */
+    PyObject *plan;   /* the continuation's Plan: broken, wrote */
+    PyObject *st;     /* its Deferred stream */
+    PyObject *conn;   /* the client's connection (front._Conn) */
+    PyObject *decode; /* continuation_fast's typed decode of a chunk */
+    PyObject *unset;  /* msgspec.UNSET */
+    PyObject *failed; /* what a write raised, for the request's coroutine; None */
+    Py_ssize_t max_kept;
+    int chunked;
+    int behind;
+} Relay;
+
+/* ---- the token ids nulled: `continuation._NULL_IDS.sub(_null, raw)`, by hand.
+ * The pattern: ("(?:prompt_token_ids|token_ids)":\s*)\[[\d,\s]*\] on bytes: \s is
+ * [ \t\n\r\f\v], \d is [0-9]. No part of it can match in two ways (each run ends at a
+ * byte it cannot take), so the first match from the left, taken whole, and the scan
+ * going on after it, is what `re.sub` does. */
+
+static int
+is_space(unsigned char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+
+/* The match's length at s[i] (0: none); *keep: its group's (the key and what follows). */
+static Py_ssize_t
+match_at(const char *s, Py_ssize_t n, Py_ssize_t i, Py_ssize_t *keep)
+{
+    static const char P[] = "prompt_token_ids\":";
+    static const char T[] = "token_ids\":";
+    Py_ssize_t j = i + 1; /* s[i] is the quote */
+    if (n - j >= (Py_ssize_t)(sizeof P - 1) && memcmp(s + j, P, sizeof P - 1) == 0)
+        j += sizeof P - 1;
+    else if (n - j >= (Py_ssize_t)(sizeof T - 1) && memcmp(s + j, T, sizeof T - 1) == 0)
+        j += sizeof T - 1;
+    else
+        return 0;
+    while (j < n && is_space((unsigned char)s[j]))
+        j++;
+    *keep = j - i;
+    if (j >= n || s[j] != '[')
+        return 0;
+    j++;
+    while (j < n && ((s[j] >= '0' && s[j] <= '9') || s[j] == ',' || is_space((unsigned char)s[j])))
+        j++;
+    if (j >= n || s[j] != ']')
+        return 0;
+    return j + 1 - i;
+}
+
+/* The nulled bytes of s written to out (when not NULL); their length. */
+static Py_ssize_t
+nulled(const char *s, Py_ssize_t n, char *out)
+{
+    Py_ssize_t i = 0, from = 0, size = 0;
+    while (i < n) {
+        const char *q = memchr(s + i, '"', (size_t)(n - i));
+        if (q == NULL)
+            break;
+        i = q - s;
+        Py_ssize_t keep = 0, m = match_at(s, n, i, &keep);
+        if (m == 0) {
+            i++;
+            continue;
+        }
+        Py_ssize_t part = i + keep - from;
+        if (out != NULL) {
+            memcpy(out + size, s + from, (size_t)part);
+            memcpy(out + size + part, "null", 4);
+        }
+        size += part + 4;
+        i += m;
+        from = i;
+    }
+    if (out != NULL)
+        memcpy(out + size, s + from, (size_t)(n - from));
+    return size + (n - from);
+}
+
+/* The bytes written for a chunk: nulled or not, framed as an HTTP chunk or not. */
+static PyObject *
+framed(const char *s, Py_ssize_t n, int null_ids, int chunked)
+{
+    Py_ssize_t size = null_ids ? nulled(s, n, NULL) : n;
+    char head[24];
+    int h = chunked ? snprintf(head, sizeof head, "%zx\r\n", size) : 0;
+    PyObject *b = PyBytes_FromStringAndSize(NULL, h + size + (chunked ? 2 : 0));
+    if (b == NULL)
+        return NULL;
+    char *out = PyBytes_AS_STRING(b);
+    memcpy(out, head, (size_t)h);
+    if (null_ids)
+        nulled(s, n, out + h);
+    else
+        memcpy(out + h, s, (size_t)n);
+    if (chunked)
+        memcpy(out + h + size, "\r\n", 2);
+    return b;
+}
+
+static PyObject *
+null_ids(PyObject *module, PyObject *arg)
+{
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "null_ids takes bytes");
+        return NULL;
+    }
+    return framed(PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg), 1, 0);
+}
+
+/* ---- the relay */
+
+/* 1, 0, or -1 with an error set: the truth of o.name. */
+static int
+attr_true(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* 1 when o.name is None, 0 when not, -1 with an error set. */
+static int
+attr_none(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int t = v == Py_None;
+    Py_DECREF(v);
+    return t;
+}
+
+/* o.name += by, for an int attribute; -1 with an error set. */
+static int
+attr_add(PyObject *o, PyObject *name, Py_ssize_t by)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *w = PyLong_FromSsize_t(x + by);
+    if (w == NULL)
+        return -1;
+    int r = PyObject_SetAttr(o, name, w);
+    Py_DECREF(w);
+    return r;
+}
+
+/* Whether the read `data` is a chunk kept and passed on here (1), one for `take` (0),
+ * or neither: an error (-1). What it reads, in `relay.Relay.__call__`'s order. */
+static int
+plain(Relay *self, PyObject *data, PyObject **seg_out, int *null_out, Py_ssize_t *kept_out)
+{
+    const char *s = PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    int t;
+
+    /* The plan: nothing of an event left from the read before; its first byte written. */
+    PyObject *broken = PyObject_GetAttr(self->plan, s_broken);
+    if (broken == NULL)
+        return -1;
+    if (!PyTuple_Check(broken) || PyTuple_GET_SIZE(broken) != 3) {
+        Py_DECREF(broken);
+        return 0;
+    }
+    t = PyObject_IsTrue(PyTuple_GET_ITEM(broken, 2));
+    Py_DECREF(broken);
+    if (t != 0)
+        return t < 0 ? -1 : 0;
+    if ((t = attr_true(self->plan, s_wrote)) != 1)
+        return t < 0 ? -1 : 0;
+    /* The stream: no running usage to take out, its id read. */
+    if ((t = attr_true(self->st, s_strip_counts)) != 0)
+        return t < 0 ? -1 : 0;
+    if ((t = attr_none(self->st, s_id)) != 0)
+        return t < 0 ? -1 : 0;
+    /* The read: one whole event, of the chunks' common form. */
+    if (n < 9 || memcmp(s, "data: {", 7) != 0 || s[n - 2] != '\n' || s[n - 1] != '\n')
+        return 0;
+    if (memchr(s, '\r', (size_t)n) != NULL)
+        return 0;
+    for (Py_ssize_t i = 0; i < n - 2; i++)
+        if (s[i] == '\n' && s[i + 1] == '\n')
+            return 0;
+    /* The client's connection: open. */
+    if ((t = attr_true(self->conn, s_closing)) != 0)
+        return t < 0 ? -1 : 0;
+    if ((t = attr_none(self->conn, s_transport)) != 0)
+        return t < 0 ? -1 : 0;
+    /* One segment, not a continuation by ids; room to keep it. */
+    PyObject *segments = PyObject_GetAttr(self->st, s_segments);
+    if (segments == NULL)
+        return -1;
+    if (!PyList_Check(segments) || PyList_GET_SIZE(segments) != 1) {
+        Py_DECREF(segments);
+        return 0;
+    }
+    PyObject *seg = PyList_GET_ITEM(segments, 0);
+    Py_INCREF(seg);
+    Py_DECREF(segments);
+    if ((t = attr_true(seg, s_by_ids)) != 0)
+        goto not_plain;
+    PyObject *kb = PyObject_GetAttr(self->st, s_kept_bytes);
+    if (kb == NULL)
+        goto fail;
+    Py_ssize_t kept = PyLong_AsSsize_t(kb);
+    Py_DECREF(kb);
+    if (kept == -1 && PyErr_Occurred())
+        goto fail;
+    if (kept + n > self->max_kept) {
+        t = 0;
+        goto not_plain;
+    }
+    /* The chunk: decoded to the fields that decide (`Deferred.event`'s). */
+    PyObject *body = PyBytes_FromStringAndSize(s + 5, n - 5);
+    if (body == NULL)
+        goto fail;
+    PyObject *chunk = PyObject_CallOneArg(self->decode, body);
+    Py_DECREF(body);
+    if (chunk == NULL) {
+        PyErr_Clear(); /* not of the form read here: `take`'s to say */
+        t = 0;
+        goto not_plain;
+    }
+    PyObject *choices = PyObject_GetAttr(chunk, s_choices);
+    PyObject *error = PyObject_GetAttr(chunk, s_error);
+    PyObject *usage = PyObject_GetAttr(chunk, s_usage);
+    PyObject *pids = PyObject_GetAttr(chunk, s_prompt_token_ids);
+    Py_DECREF(chunk);
+    t = -1;
+    if (choices == NULL || error == NULL || usage == NULL || pids == NULL)
+        goto chunk_done;
+    t = 0;
+    if (!PyList_CheckExact(choices) || PyList_GET_SIZE(choices) == 0 || error != self->unset
+        || PyDict_Check(usage) || pids != Py_None)
+        goto chunk_done;
+    PyObject *first = PyList_GET_ITEM(choices, 0);
+    PyObject *finish = PyObject_GetAttr(first, s_finish_reason);
+    PyObject *fpids = PyObject_GetAttr(first, s_prompt_token_ids);
+    PyObject *ids = PyObject_GetAttr(first, s_token_ids);
+    if (finish == NULL || fpids == NULL || ids == NULL)
+        t = -1;
+    else if ((PyUnicode_Check(finish) && PyUnicode_CompareWithASCIIString(finish, "abort") == 0)
+             || fpids != Py_None)
+        t = 0;
+    else {
+        t = 1;
+        *null_out = ids != Py_None;
+    }
+    Py_XDECREF(finish);
+    Py_XDECREF(fpids);
+    Py_XDECREF(ids);
+chunk_done:
+    Py_XDECREF(choices);
+    Py_XDECREF(error);
+    Py_XDECREF(usage);
+    Py_XDECREF(pids);
+    if (t == 1 && *null_out) {
+        /* The ids taken out only where the gateway asked for them, not the client. */
+        int w = attr_true(self->st, s_ids_wanted);
+        int x = w == 1 ? attr_true(self->st, s_strip_ids) : w;
+        if (x < 0)
+            goto fail;
+        *null_out = x;
+    }
+    if (t != 1)
+        goto not_plain;
+    *seg_out = seg;
+    *kept_out = kept;
+    return 1;
+not_plain:
+    Py_DECREF(seg);
+    return t < 0 ? -1 : 0;
+fail:
+    Py_DECREF(seg);
+    return -1;
+}
+
+static PyObject *
+relay_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Relay *self = (Relay *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "a relay takes one read (bytes)");
+        return NULL;
+    }
+    PyObject *data = args[0];
+    PyObject *seg = NULL;
+    int null_ids = 0;
+    Py_ssize_t kept = 0;
+    int p = plain(self, data, &seg, &null_ids, &kept);
+    if (p != 1) {
+        /* Not one kept here (or what decides could not be read: `take` reads it again,
+         * and says what went wrong as it would have). */
+        if (p < 0)
+            PyErr_Clear();
+        return PyObject_CallOneArg(self->take, data);
+    }
+    /* Kept for the reading at a break, counted, and written. */
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    PyObject *list = PyObject_GetAttr(self->st, s_kept);
+    PyObject *nb = PyLong_FromSsize_t(kept + n);
+    int r = -1;
+    if (list != NULL && nb != NULL && PyList_Check(list) && PyList_Append(list, data) == 0
+        && PyObject_SetAttr(self->st, s_kept_bytes, nb) == 0 && attr_add(seg, s_chunks, 1) == 0)
+        r = 0;
+    Py_XDECREF(list);
+    Py_XDECREF(nb);
+    Py_DECREF(seg);
+    if (r < 0)
+        return NULL; /* the Python objects are not what this reads: said, not hidden */
+    PyObject *out = framed(PyBytes_AS_STRING(data), n, null_ids, self->chunked);
+    if (out == NULL)
+        return NULL;
+    PyObject *transport = PyObject_GetAttr(self->conn, s_transport);
+    PyObject *done = NULL;
+    if (transport != NULL) {
+        done = PyObject_CallMethodOneArg(transport, s_write, out);
+        Py_DECREF(transport);
+    }
+    Py_DECREF(out);
+    if (done == NULL) {
+        /* Raised in the request's coroutine, not the read's (as `take` does). */
+        PyObject *type, *value, *tb;
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL)
+            PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        Py_XSETREF(self->failed, value);
+        Py_RETURN_FALSE;
+    }
+    Py_DECREF(done);
+    int behind = attr_true(self->conn, s_write_paused);
+    if (behind < 0)
+        return NULL;
+    if (behind) {
+        self->behind = 1;
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static int
+relay_init(Relay *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"take", "plan", "st", "conn", "chunked", "decode", "unset", "max_kept", NULL};
+    PyObject *take, *plan, *st, *conn, *decode, *unset;
+    int chunked;
+    Py_ssize_t max_kept;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOpOOn:Relay", kw, &take, &plan, &st, &conn,
+                                     &chunked, &decode, &unset, &max_kept))
+        return -1;
+    Py_XSETREF(self->take, Py_NewRef(take));
+    Py_XSETREF(self->plan, Py_NewRef(plan));
+    Py_XSETREF(self->st, Py_NewRef(st));
+    Py_XSETREF(self->conn, Py_NewRef(conn));
+    Py_XSETREF(self->decode, Py_NewRef(decode));
+    Py_XSETREF(self->unset, Py_NewRef(unset));
+    Py_XSETREF(self->failed, Py_NewRef(Py_None));
+    self->chunked = chunked;
+    self->max_kept = max_kept;
+    self->behind = 0;
+    self->vectorcall = relay_call;
+    return 0;
+}
+
+static int
+relay_traverse(Relay *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->take);
+    Py_VISIT(self->plan);
+    Py_VISIT(self->st);
+    Py_VISIT(self->conn);
+    Py_VISIT(self->decode);
+    Py_VISIT(self->unset);
+    Py_VISIT(self->failed);
+    return 0;
+}
+
+static int
+relay_clear(Relay *self)
+{
+    Py_CLEAR(self->take);
+    Py_CLEAR(self->plan);
+    Py_CLEAR(self->st);
+    Py_CLEAR(self->conn);
+    Py_CLEAR(self->decode);
+    Py_CLEAR(self->unset);
+    Py_CLEAR(self->failed);
+    return 0;
+}
+
+static void
+relay_dealloc(Relay *self)
+{
+    PyObject_GC_UnTrack(self);
+    relay_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+get_behind(Relay *self, void *closure)
+{
+    return PyBool_FromLong(self->behind);
+}
+
+static int
+set_behind(Relay *self, PyObject *v, void *closure)
+{
+    int t = v == NULL ? 0 : PyObject_IsTrue(v);
+    if (t < 0)
+        return -1;
+    self->behind = t;
+    return 0;
+}
+
+static PyObject *
+get_failed(Relay *self, void *closure)
+{
+    return Py_NewRef(self->failed != NULL ? self->failed : Py_None);
+}
+
+static int
+set_failed(Relay *self, PyObject *v, void *closure)
+{
+    Py_XSETREF(self->failed, Py_NewRef(v == NULL ? Py_None : v));
+    return 0;
+}
+
+static PyGetSetDef relay_getset[] = {
+    {"behind", (getter)get_behind, (setter)set_behind,
+     "The client was behind after a write here: the request's coroutine drains.", NULL},
+    {"failed", (getter)get_failed, (setter)set_failed,
+     "What a write here raised (None): raised in the request's coroutine.", NULL},
+    {NULL},
+};
+
+static PyTypeObject RelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.gateway._relay.Relay",
+    .tp_doc = "relay.Relay, compiled: a continued stream's chunks of text passed on in C.",
+    .tp_basicsize = sizeof(Relay),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)relay_init,
+    .tp_dealloc = (destructor)relay_dealloc,
+    .tp_traverse = (traverseproc)relay_traverse,
+    .tp_clear = (inquiry)relay_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Relay, vectorcall),
+    .tp_getset = relay_getset,
+};
+
+static PyMethodDef methods[] = {
+    {"null_ids", null_ids, METH_O,
+     "continuation._NULL_IDS.sub(_null, raw), in C: the token ids' lists written null."},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "services.gateway._relay",
+    "The compiled chunk relay (services.gateway.relay).", -1, methods,
+};
+
+#define INTERN(var, text)                                                                   \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                   \
+        return NULL;
+
+PyMODINIT_FUNC
+PyInit__relay(void)
+{
+    INTERN(s_broken, "broken");
+    INTERN(s_wrote, "wrote");
+    INTERN(s_strip_counts, "strip_counts");
+    INTERN(s_id, "id");
+    INTERN(s_segments, "segments");
+    INTERN(s_by_ids, "by_ids");
+    INTERN(s_kept, "kept");
+    INTERN(s_kept_bytes, "kept_bytes");
+    INTERN(s_chunks, "chunks");
+    INTERN(s_ids_wanted, "ids_wanted");
+    INTERN(s_strip_ids, "strip_ids");
+    INTERN(s_closing, "closing");
+    INTERN(s_transport, "transport");
+    INTERN(s_write_paused, "write_paused");
+    INTERN(s_write, "write");
+    INTERN(s_choices, "choices");
+    INTERN(s_error, "error");
+    INTERN(s_usage, "usage");
+    INTERN(s_prompt_token_ids, "prompt_token_ids");
+    INTERN(s_finish_reason, "finish_reason");
+    INTERN(s_token_ids, "token_ids");
+    if (PyType_Ready(&RelayType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Relay", (PyObject *)&RelayType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
