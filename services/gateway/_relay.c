@@ -20,7 +20,8 @@
 static PyObject *s_broken, *s_wrote, *s_strip_counts, *s_id, *s_segments, *s_by_ids,
     *s_kept, *s_kept_bytes, *s_chunks, *s_ids_wanted, *s_strip_ids, *s_closing,
     *s_transport, *s_write_paused, *s_write, *s_choices, *s_error, *s_usage,
-    *s_prompt_token_ids, *s_finish_reason, *s_token_ids;
+    *s_prompt_token_ids, *s_finish_reason, *s_token_ids, *s_last_read, *s_body, *s__sink,
+    *s__feed, *s__wake;
 
 typedef struct {
     PyObject_HEAD
@@ -488,6 +489,183 @@ static PyTypeObject RelayType = {
     .tp_getset = relay_getset,
 };
 
+
+/* ---- the upstream connection's read callbacks (`upstream._Conn.data_received` and
+ * `on_body`), compiled: set on a connection of the lean client as its own attributes
+ * (`_Conn.__init__`), so that uvloop and httptools call them with no Python frame. Each
+ * is its method's body, step for step. */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *conn;     /* the upstream._Conn */
+    PyObject *time;     /* its loop's time */
+    PyObject *feed;     /* its parser's feed_data */
+    PyObject *errors;   /* what `unparsed` reads: (HttpParserError, HttpParserUpgrade) */
+    PyObject *unparsed; /* its _unparsed(e, data) */
+} Hook;
+
+/* OnData(conn, time, feed, errors, unparsed)(data): `_Conn.data_received`. */
+static PyObject *
+on_data(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *self = (Hook *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "data_received takes one read");
+        return NULL;
+    }
+    PyObject *now = PyObject_CallNoArgs(self->time);
+    if (now == NULL)
+        return NULL;
+    int r = PyObject_SetAttr(self->conn, s_last_read, now);
+    Py_DECREF(now);
+    if (r < 0)
+        return NULL;
+    PyObject *done = PyObject_CallOneArg(self->feed, args[0]);
+    if (done != NULL) {
+        Py_DECREF(done);
+        Py_RETURN_NONE;
+    }
+    if (!PyErr_ExceptionMatches(self->errors))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyObject *said = PyObject_CallFunctionObjArgs(self->unparsed, value, args[0], NULL);
+    Py_DECREF(value);
+    if (said == NULL)
+        return NULL;
+    Py_DECREF(said);
+    Py_RETURN_NONE;
+}
+
+/* OnBody(conn)(data): `_Conn.on_body`. */
+static PyObject *
+on_body(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *self = (Hook *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "on_body takes one part of a body");
+        return NULL;
+    }
+    PyObject *body = PyObject_GetAttr(self->conn, s_body);
+    if (body == NULL)
+        return NULL;
+    PyObject *sink = PyObject_GetAttr(body, s__sink);
+    PyObject *res = NULL;
+    if (sink == NULL)
+        goto done;
+    if (sink == Py_None) {
+        res = PyObject_CallMethodOneArg(body, s__feed, args[0]);
+        goto done;
+    }
+    PyObject *went_on = PyObject_CallOneArg(sink, args[0]);
+    if (went_on == NULL)
+        goto done;
+    int t = PyObject_IsTrue(went_on);
+    Py_DECREF(went_on);
+    if (t < 0)
+        goto done;
+    if (t == 0) {
+        /* Taken where it was read, no reader woken for it: unless the sink stops. */
+        if (PyObject_SetAttr(body, s__sink, Py_None) < 0)
+            goto done;
+        res = PyObject_CallMethodNoArgs(body, s__wake);
+        goto done;
+    }
+    res = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(sink);
+    Py_DECREF(body);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+static int
+hook_init(Hook *self, PyObject *args, PyObject *kwds, int data)
+{
+    static char *kw_data[] = {"conn", "time", "feed", "errors", "unparsed", NULL};
+    static char *kw_body[] = {"conn", NULL};
+    PyObject *conn, *time = Py_None, *feed = Py_None, *errors = Py_None, *unparsed = Py_None;
+    if (data ? !PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO:OnData", kw_data, &conn, &time,
+                                            &feed, &errors, &unparsed)
+             : !PyArg_ParseTupleAndKeywords(args, kwds, "O:OnBody", kw_body, &conn))
+        return -1;
+    Py_XSETREF(self->conn, Py_NewRef(conn));
+    Py_XSETREF(self->time, Py_NewRef(time));
+    Py_XSETREF(self->feed, Py_NewRef(feed));
+    Py_XSETREF(self->errors, Py_NewRef(errors));
+    Py_XSETREF(self->unparsed, Py_NewRef(unparsed));
+    self->vectorcall = data ? on_data : on_body;
+    return 0;
+}
+
+static int
+on_data_init(Hook *self, PyObject *args, PyObject *kwds)
+{
+    return hook_init(self, args, kwds, 1);
+}
+
+static int
+on_body_init(Hook *self, PyObject *args, PyObject *kwds)
+{
+    return hook_init(self, args, kwds, 0);
+}
+
+static int
+hook_traverse(Hook *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->conn);
+    Py_VISIT(self->time);
+    Py_VISIT(self->feed);
+    Py_VISIT(self->errors);
+    Py_VISIT(self->unparsed);
+    return 0;
+}
+
+static int
+hook_clear(Hook *self)
+{
+    Py_CLEAR(self->conn);
+    Py_CLEAR(self->time);
+    Py_CLEAR(self->feed);
+    Py_CLEAR(self->errors);
+    Py_CLEAR(self->unparsed);
+    return 0;
+}
+
+static void
+hook_dealloc(Hook *self)
+{
+    PyObject_GC_UnTrack(self);
+    hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define HOOK_TYPE(var, pyname, doc, init)                                                   \
+    static PyTypeObject var = {                                                             \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.gateway._relay." pyname,        \
+        .tp_doc = doc,                                                                      \
+        .tp_basicsize = sizeof(Hook),                                                       \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,   \
+        .tp_new = PyType_GenericNew,                                                        \
+        .tp_init = (initproc)init,                                                          \
+        .tp_dealloc = (destructor)hook_dealloc,                                             \
+        .tp_traverse = (traverseproc)hook_traverse,                                         \
+        .tp_clear = (inquiry)hook_clear,                                                    \
+        .tp_call = PyVectorcall_Call,                                                       \
+        .tp_vectorcall_offset = offsetof(Hook, vectorcall),                                 \
+    };
+
+HOOK_TYPE(OnDataType, "OnData", "upstream._Conn.data_received, compiled.", on_data_init)
+HOOK_TYPE(OnBodyType, "OnBody", "upstream._Conn.on_body, compiled.", on_body_init)
+
 static PyMethodDef methods[] = {
     {"null_ids", null_ids, METH_O,
      "continuation._NULL_IDS.sub(_null, raw), in C: the token ids' lists written null."},
@@ -527,12 +705,20 @@ PyInit__relay(void)
     INTERN(s_prompt_token_ids, "prompt_token_ids");
     INTERN(s_finish_reason, "finish_reason");
     INTERN(s_token_ids, "token_ids");
-    if (PyType_Ready(&RelayType) < 0)
+    INTERN(s_last_read, "last_read");
+    INTERN(s_body, "body");
+    INTERN(s__sink, "_sink");
+    INTERN(s__feed, "_feed");
+    INTERN(s__wake, "_wake");
+    if (PyType_Ready(&RelayType) < 0 || PyType_Ready(&OnDataType) < 0
+        || PyType_Ready(&OnBodyType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Relay", (PyObject *)&RelayType) < 0) {
+    if (PyModule_AddObjectRef(m, "Relay", (PyObject *)&RelayType) < 0
+        || PyModule_AddObjectRef(m, "OnData", (PyObject *)&OnDataType) < 0
+        || PyModule_AddObjectRef(m, "OnBody", (PyObject *)&OnBodyType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

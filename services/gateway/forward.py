@@ -80,6 +80,8 @@ class Forwarder:
     client: str = "lean"
     """The upstream client (`--upstream-client`): `lean` (`services.gateway.upstream`) or
     `aiohttp` (its `ClientSession`, the reference)."""
+    readers: Any = None
+    """The lean client's read callbacks compiled (`relay.Picked.readers`), or None."""
     http: aiohttp.ClientSession | LeanSession | None = None
     _urls: dict[tuple[str, str], yarl.URL] = field(default_factory=dict)
     """Each replica's endpoint and path as a parsed URL, kept (parsed once, not for each
@@ -93,7 +95,7 @@ class Forwarder:
         self.connect_timeout_s = connect_timeout_s
         self.upstream_timeout_s = upstream_timeout_s
         if self.client == "lean":
-            self.http = LeanSession(connect_timeout_s, upstream_timeout_s)
+            self.http = LeanSession(connect_timeout_s, upstream_timeout_s, self.readers)
             return self.http
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),

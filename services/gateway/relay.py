@@ -15,16 +15,19 @@ segment (the client's connection, whether it is chunked).
 
 `Relay` here is the rule a reader checks; `services.gateway._relay.Relay` (C, built
 where a compiler is, as the project installs) is the same rule step for step, held
-equal to it by tests/gateway/test_relay.py. `--chunk-relay` picks one (`RELAYS`):
-`auto` the compiled one where it was built, `compiled` that one or a clear error,
-`python` this one.
+equal to it by tests/gateway/test_relay.py. With it come the lean client's read
+callbacks compiled (`_relay.OnData`, `_relay.OnBody`: `upstream._Conn.data_received` and
+`on_body`, step for step; tests/gateway/test_upstream_client.py runs the client on
+both), so that a chunk of text passes from the replica's socket to the client's with no
+Python frame. `--chunk-relay` picks (`RELAYS`): `auto` the compiled ones where they were
+built, `compiled` those or a clear error, `python` this one and `_Conn`'s own.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 from services.core.continuation import _NULL_IDS, _null
 from services.gateway.errors import GatewayError
@@ -155,12 +158,23 @@ class Relay:
 MakeSink = Callable[..., Sink]
 
 
-def pick(name: str) -> tuple[MakeSink, str]:
-    """What makes the relay `name` says (`RELAYS`), and its name as the gateway says it
-    serves (`compiled`, `python`); `GatewayError` with one line when `compiled` is asked
-    for and was not built."""
+class Picked(NamedTuple):
+    """A relay as `pick` found it."""
+
+    make: MakeSink
+    """What makes a segment's sink (`Relay`, or the compiled one)."""
+    readers: Any
+    """The compiled module, whose `OnData` and `OnBody` are each upstream connection's
+    read callbacks (`upstream._Conn`); None with the Python relay: `_Conn`'s own."""
+    name: str
+    """`compiled` or `python`."""
+
+
+def pick(name: str) -> Picked:
+    """The relay `name` says (`RELAYS`); `GatewayError` with one line when `compiled` is
+    asked for and was not built."""
     if name == "python":
-        return Relay, "python"
+        return Picked(Relay, None, "python")
     try:
         built = importlib.import_module("services.gateway._relay")
     except ImportError:
@@ -170,5 +184,5 @@ def pick(name: str) -> tuple[MakeSink, str]:
                 "compiler and Python's headers when the project is installed: install them "
                 "and reinstall, or --chunk-relay python)"
             ) from None
-        return Relay, "python"
-    return cast(MakeSink, built.Relay), "compiled"
+        return Picked(Relay, None, "python")
+    return Picked(cast(MakeSink, built.Relay), built, "compiled")

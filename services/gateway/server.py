@@ -163,8 +163,7 @@ class Gateway:
     body_timeout_s: float = BODY_TIMEOUT_S
     idle_timeout_s: float = IDLE_TIMEOUT_S
     used_interval_s: float = USED_INTERVAL_S
-    url: str = ""
-    """http://HOST:PORT, once bound."""
+    url: str = ""  # http://HOST:PORT, once bound
     router: routing.Picker = field(default_factory=PICKERS[DEFAULT_PICKER])
     """The routing rule (`--routing`: `PICKERS`)."""
     counts: Counts = field(default_factory=Counts)
@@ -182,8 +181,7 @@ class Gateway:
     nc: Any = None
     """The broker connection to answer draining agents on (`services.gateway.drains`); None:
     agents get no answer from this gateway, and stop their servers without it."""
-    id: str = field(default_factory=new_id)
-    """This gateway's own id, new at every start, in its answers to agents."""
+    id: str = field(default_factory=new_id)  # its own, new at every start, said to agents
     settle_heap: bool = False
     """Freeze the heap again once serving (`settle_heap`): for a process of its own, as
     `freeze_heap` is (`llmgw gateway`, and each of `llmgw up`'s gateway processes), unless
@@ -250,6 +248,7 @@ class Gateway:
             lines=self.lines,
             settings=self,
         )
+        relays = relay.pick(self.chunk_relay)
         self.forwarder = Forwarder(
             connect_timeout_s=self.connect_timeout_s,
             upstream_timeout_s=self.upstream_timeout_s,
@@ -259,6 +258,7 @@ class Gateway:
             used=self._used,
             ports=plane.Ports(self.plane),
             client=self.upstream_client,
+            readers=relays.readers,
         )
         self.uses = Uses(
             publisher=self.publisher,
@@ -278,7 +278,7 @@ class Gateway:
             inflight_factor=self.inflight_factor,
             settle_s=self.continuation_settle_s,
             fast=self.fast_path,
-            relay=relay.pick(self.chunk_relay)[0],
+            relay=relays.make,
         )
         self.admission = Admission(self.labelled, self.metrics)
         self._buckets = self.admission.buckets

@@ -45,6 +45,8 @@ IDLE_S = 15.0
 MAX_KEPT = 4096
 HIGH_WATER = 1 << 17
 LOW_WATER = 1 << 15
+# _UNPARSED are what the parser raises for an answer it cannot read (`_Conn._unparsed`).
+_UNPARSED = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
 
 class ConnectFailed(aiohttp.ClientConnectionError):
@@ -203,7 +205,15 @@ class _Conn(asyncio.Protocol):
         # frame for each header of each answer. A name said twice keeps its first value,
         # the one `CIMultiDict.get` gives (what the gateway reads of an answer's head).
         self.on_header = self._said.setdefault
+        if (built := pool.readers) is not None:
+            # The read callbacks compiled (`--chunk-relay`): what httptools and the loop
+            # call for each read, with no Python frame (this class's, step for step).
+            self.on_body = built.OnBody(self)  # type: ignore[method-assign]
         self.parser = httptools.HttpResponseParser(self)
+        if built is not None:
+            self.data_received = built.OnData(  # type: ignore[method-assign]
+                self, pool.loop.time, self.parser.feed_data, _UNPARSED, self._unparsed
+            )
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.status_seen = False
         self.head: asyncio.Future[Answer] | None = None
@@ -226,13 +236,16 @@ class _Conn(asyncio.Protocol):
         self.last_read = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            status_line = not self.status_seen or isinstance(
-                e, httptools.HttpParserInvalidStatusError
-            )
-            self._fail(NotHttp(_parser_message(e, data, status_line)), aiohttp.ClientPayloadError)
-        except httptools.HttpParserUpgrade:
+        except _UNPARSED as e:
+            self._unparsed(e, data)
+
+    def _unparsed(self, e: Exception, data: bytes) -> None:
+        """What the parser could not read of `data` (`_UNPARSED`): the answer failed."""
+        if isinstance(e, httptools.HttpParserUpgrade):
             self._fail(NotHttp("an upgrade to another protocol"), aiohttp.ClientPayloadError)
+            return
+        status_line = not self.status_seen or isinstance(e, httptools.HttpParserInvalidStatusError)
+        self._fail(NotHttp(_parser_message(e, data, status_line)), aiohttp.ClientPayloadError)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -397,8 +410,11 @@ class Pool:
         url: yarl.URL,
         connect_timeout_s: float,
         read_timeout_s: float,
+        readers: Any = None,
     ) -> None:
         self.loop = loop
+        self.readers = readers
+        """The compiled read callbacks' module (`services.gateway._relay`), or None."""
         self.host = url.raw_host or ""
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.tls: ssl.SSLContext | None = (
@@ -468,9 +484,14 @@ class LeanSession:
     """The lean client: a `Pool` per replica, what aiohttp's `ClientSession` was to the
     forwarder (`post`, `close`)."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, read_timeout_s: float, readers: Any = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.readers = readers
+        """Each connection's read callbacks compiled: `services.gateway._relay` (chosen
+        with the chunk relay, `--chunk-relay`); None: `_Conn`'s own."""
         self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
         self._by_url: dict[int, tuple[yarl.URL, Pool, bytes]] = {}
         """Per URL asked (by its id): the URL, its pool, and its request's first bytes
@@ -520,7 +541,9 @@ class LeanSession:
         pool = self.pools.get(key)
         if pool is None:
             loop = asyncio.get_running_loop()
-            pool = self.pools[key] = Pool(loop, url, self.connect_timeout_s, self.read_timeout_s)
+            pool = self.pools[key] = Pool(
+                loop, url, self.connect_timeout_s, self.read_timeout_s, self.readers
+            )
             self._sweep()
         return pool
 

@@ -256,11 +256,11 @@ def test_the_ids_nulled_in_c_are_the_regular_expressions() -> None:
 def test_the_relay_asked_for_is_the_one_made_or_a_clear_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert relay.pick("python") == (relay.Relay, "python")
-    assert relay.pick("auto")[1] == "compiled"  # built here, as the project installs
-    assert relay.pick("compiled")[0] is _compiled().Relay
+    assert relay.pick("python") == (relay.Relay, None, "python")
+    assert relay.pick("auto").name == "compiled"  # built here, as the project installs
+    assert relay.pick("compiled") == (_compiled().Relay, _compiled(), "compiled")
     monkeypatch.setitem(sys.modules, "services.gateway._relay", None)  # not built
-    assert relay.pick("auto") == (relay.Relay, "python")
+    assert relay.pick("auto") == (relay.Relay, None, "python")
     with pytest.raises(
         GatewayError, match="--chunk-relay compiled: the compiled relay was not built"
     ):

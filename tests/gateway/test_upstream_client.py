@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from openai import AsyncOpenAI
 
+from services.gateway import relay
 from services.gateway.server import Gateway
 from services.gateway.upstream import LeanSession
 from tests.agent.helpers import wait_for
@@ -222,12 +223,21 @@ async def side_by_side(
 
 @contextlib.asynccontextmanager
 async def two(
-    nc: Client, js: JetStreamContext, continuation_limit: int
+    nc: Client, js: JetStreamContext, continuation_limit: int, chunk_relay: str = "auto"
 ) -> AsyncIterator[tuple[Plane, Gateway, Replica]]:
     """The aiohttp gateway (the plane's) and the lean one, both following the log, the
-    scripted replica ready for every model of SCRIPTS and `refused` at a closed port."""
+    scripted replica ready for every model of SCRIPTS and `refused` at a closed port. The
+    lean one's read callbacks are compiled with `--chunk-relay compiled` (and `auto`,
+    where it was built), its own with `python`."""
     ref = gateway_for(js, nc=nc, upstream_client="aiohttp", continuation_limit=continuation_limit)
-    lean = gateway_for(js, nc=nc, upstream_client="lean", continuation_limit=continuation_limit)
+    lean = gateway_for(
+        js,
+        nc=nc,
+        upstream_client="lean",
+        continuation_limit=continuation_limit,
+        chunk_relay=chunk_relay,
+    )
+    assert (lean.forwarder.readers is None) == (chunk_relay == "python")
     async with side_by_side(js, ref, lean, [*SCRIPTS, "refused"]) as (plane, rep):
         yield plane, lean, rep
 
@@ -261,11 +271,12 @@ async def _ask(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> t
         return r.status, headers, got, cut
 
 
+@pytest.mark.parametrize("chunk_relay", ["compiled", "python"])
 @pytest.mark.parametrize("continuation_limit", [0, 1])
 async def test_every_answer_reaches_the_client_the_same_on_both_clients(
-    nc: Client, js: JetStreamContext, continuation_limit: int
+    nc: Client, js: JetStreamContext, continuation_limit: int, chunk_relay: str
 ) -> None:
-    async with two(nc, js, continuation_limit) as (plane, lean, rep):
+    async with two(nc, js, continuation_limit, chunk_relay) as (plane, lean, rep):
         ref_used, lean_used = _recorded(plane.gateway), _recorded(lean)
         for model in [*SCRIPTS, "refused"]:
             for stream in (False, True):
@@ -359,11 +370,13 @@ async def _got(taken: list[bytes]) -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def _pieces() -> AsyncIterator[tuple[_Pieces, Any]]:
+async def _pieces(readers: str) -> AsyncIterator[tuple[_Pieces, Any]]:
+    """A stream's answer begun on a lean client whose read callbacks are `readers`' (a
+    `--chunk-relay`: `compiled`, or `python`, `_Conn`'s own)."""
     rep = _Pieces()
     server = await asyncio.start_server(rep.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    session = LeanSession(2, 5)
+    session = LeanSession(2, 5, relay.pick(readers).readers)
     try:
         url = yarl.URL(f"http://127.0.0.1:{port}/v1/x")
         answer = await session.post(url, data=b"{}", headers={})
@@ -375,11 +388,12 @@ async def _pieces() -> AsyncIterator[tuple[_Pieces, Any]]:
         server.close()
 
 
-async def test_a_sink_takes_each_read_until_it_stops_then_reads_are_kept() -> None:
+@pytest.mark.parametrize("readers", ["compiled", "python"])
+async def test_a_sink_takes_each_read_until_it_stops_then_reads_are_kept(readers: str) -> None:
     """`Body.sink`: each read passed to it where it was read, its reader not woken; once
     it says stop, its waiter is set and what comes next waits for `readany`; the answer's
     end comes to `readany` as b""."""
-    async with _pieces() as (rep, answer):
+    async with _pieces(readers) as (rep, answer):
         taken: list[bytes] = []
         body = answer.content
         assert body._take() is None
@@ -403,8 +417,11 @@ async def test_a_sink_takes_each_read_until_it_stops_then_reads_are_kept() -> No
         assert await body.readany() == b""
 
 
-async def test_a_sinks_answer_broken_wakes_its_waiter_and_raises_at_the_next_read() -> None:
-    async with _pieces() as (rep, answer):
+@pytest.mark.parametrize("readers", ["compiled", "python"])
+async def test_a_sinks_answer_broken_wakes_its_waiter_and_raises_at_the_next_read(
+    readers: str,
+) -> None:
+    async with _pieces(readers) as (rep, answer):
         taken: list[bytes] = []
 
         def take(data: bytes) -> bool:
