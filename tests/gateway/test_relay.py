@@ -265,3 +265,25 @@ def test_the_relay_asked_for_is_the_one_made_or_a_clear_line(
         GatewayError, match="--chunk-relay compiled: the compiled relay was not built"
     ):
         relay.pick("compiled")
+
+
+def test_the_compiled_relay_asked_for_where_it_was_not_built_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`llmgw gateway`, `llmgw up` and `python -m services.gateway` say it and stop (exit
+    2), before any broker is asked; `auto` serves with the Python relay."""
+    from services.cli import app as cli
+    from services.cli.gateway import gateway_config
+    from services.gateway.__main__ import main
+
+    made = cli.build_parser()
+    assert gateway_config(made.parse_args(["gateway"])).chunk_relay == "auto"
+    monkeypatch.setitem(sys.modules, "services.gateway._relay", None)  # not built
+    for argv in (["gateway", "--chunk-relay", "compiled"], ["up", "--chunk-relay", "compiled"]):
+        with pytest.raises(cli.UsageError, match="--chunk-relay python") as e:
+            gateway_config(made.parse_args(argv))
+        assert e.value.code == 2 and "\n" not in str(e.value)
+    assert gateway_config(made.parse_args(["up"])).chunk_relay == "auto"
+    assert main(["--listen", "127.0.0.1:0", "--chunk-relay", "compiled"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gateway: --chunk-relay compiled:")
