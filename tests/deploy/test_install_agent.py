@@ -59,7 +59,14 @@ def containerfile_install() -> tuple[list[str], str]:
     assert copy[1] == ".", copy  # the whole checkout
     runs = [shlex.split(x[4:]) for x in lines if x.startswith("RUN ")]
     (run,) = [r for r in runs if any(w.endswith("deploy/install-agent.sh") for w in r)]
-    cmd = run[: run.index("&&")] if "&&" in run else run
+    # The RUN line's commands, split at each `&&`: the one that is the script's.
+    cmds: list[list[str]] = [[]]
+    for w in run:
+        if w == "&&":
+            cmds.append([])
+        else:
+            cmds[-1].append(w)
+    (cmd,) = [c for c in cmds if c and c[0].endswith("deploy/install-agent.sh")]
     assert cmd[0] == f"{copy[2]}/deploy/install-agent.sh", cmd
     return cmd[1:], copy[2]
 
