@@ -23,19 +23,28 @@ static PyObject *s_broken, *s_wrote, *s_strip_counts, *s_id, *s_segments, *s_by_
     *s_prompt_token_ids, *s_finish_reason, *s_token_ids, *s_last_read, *s_body, *s__sink,
     *s__feed, *s__wake;
 
+/* One layout for the three types (`Relay`, `OnData`, `OnBody`): each uses its own fields,
+ * the others stay NULL, and one traverse, clear and dealloc serve all three. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
+    /* Relay's */
     PyObject *take;   /* the Python reading of a read: take(data) -> bool */
     PyObject *plan;   /* the continuation's Plan: broken, wrote */
     PyObject *st;     /* its Deferred stream */
-    PyObject *conn;   /* the client's connection (front._Conn) */
+    PyObject *conn;   /* the client's connection (front._Conn); OnData's, OnBody's:
+                         the upstream._Conn */
     PyObject *decode; /* continuation_fast's typed decode of a chunk */
     PyObject *unset;  /* msgspec.UNSET */
     PyObject *failed; /* what a write raised, for the request's coroutine; None */
     Py_ssize_t max_kept;
     int chunked;
     int behind;
+    /* OnData's */
+    PyObject *time;     /* its loop's time */
+    PyObject *feed;     /* its parser's feed_data */
+    PyObject *errors;   /* what `unparsed` reads: (HttpParserError, HttpParserUpgrade) */
+    PyObject *unparsed; /* its _unparsed(e, data) */
 } Relay;
 
 /* ---- the token ids nulled: `continuation._NULL_IDS.sub(_null, raw)`, by hand.
@@ -413,6 +422,10 @@ relay_traverse(Relay *self, visitproc visit, void *arg)
     Py_VISIT(self->decode);
     Py_VISIT(self->unset);
     Py_VISIT(self->failed);
+    Py_VISIT(self->time);
+    Py_VISIT(self->feed);
+    Py_VISIT(self->errors);
+    Py_VISIT(self->unparsed);
     return 0;
 }
 
@@ -426,6 +439,10 @@ relay_clear(Relay *self)
     Py_CLEAR(self->decode);
     Py_CLEAR(self->unset);
     Py_CLEAR(self->failed);
+    Py_CLEAR(self->time);
+    Py_CLEAR(self->feed);
+    Py_CLEAR(self->errors);
+    Py_CLEAR(self->unparsed);
     return 0;
 }
 
@@ -495,21 +512,12 @@ static PyTypeObject RelayType = {
  * (`_Conn.__init__`), so that uvloop and httptools call them with no Python frame. Each
  * is its method's body, step for step. */
 
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *conn;     /* the upstream._Conn */
-    PyObject *time;     /* its loop's time */
-    PyObject *feed;     /* its parser's feed_data */
-    PyObject *errors;   /* what `unparsed` reads: (HttpParserError, HttpParserUpgrade) */
-    PyObject *unparsed; /* its _unparsed(e, data) */
-} Hook;
 
 /* OnData(conn, time, feed, errors, unparsed)(data): `_Conn.data_received`. */
 static PyObject *
 on_data(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Hook *self = (Hook *)callable;
+    Relay *self = (Relay *)callable;
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
         PyErr_SetString(PyExc_TypeError, "data_received takes one read");
         return NULL;
@@ -547,7 +555,7 @@ on_data(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwna
 static PyObject *
 on_body(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Hook *self = (Hook *)callable;
+    Relay *self = (Relay *)callable;
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
         PyErr_SetString(PyExc_TypeError, "on_body takes one part of a body");
         return NULL;
@@ -588,7 +596,7 @@ done:
 }
 
 static int
-hook_init(Hook *self, PyObject *args, PyObject *kwds, int data)
+hook_init(Relay *self, PyObject *args, PyObject *kwds, int data)
 {
     static char *kw_data[] = {"conn", "time", "feed", "errors", "unparsed", NULL};
     static char *kw_body[] = {"conn", NULL};
@@ -607,60 +615,30 @@ hook_init(Hook *self, PyObject *args, PyObject *kwds, int data)
 }
 
 static int
-on_data_init(Hook *self, PyObject *args, PyObject *kwds)
+on_data_init(Relay *self, PyObject *args, PyObject *kwds)
 {
     return hook_init(self, args, kwds, 1);
 }
 
 static int
-on_body_init(Hook *self, PyObject *args, PyObject *kwds)
+on_body_init(Relay *self, PyObject *args, PyObject *kwds)
 {
     return hook_init(self, args, kwds, 0);
-}
-
-static int
-hook_traverse(Hook *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->conn);
-    Py_VISIT(self->time);
-    Py_VISIT(self->feed);
-    Py_VISIT(self->errors);
-    Py_VISIT(self->unparsed);
-    return 0;
-}
-
-static int
-hook_clear(Hook *self)
-{
-    Py_CLEAR(self->conn);
-    Py_CLEAR(self->time);
-    Py_CLEAR(self->feed);
-    Py_CLEAR(self->errors);
-    Py_CLEAR(self->unparsed);
-    return 0;
-}
-
-static void
-hook_dealloc(Hook *self)
-{
-    PyObject_GC_UnTrack(self);
-    hook_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 #define HOOK_TYPE(var, pyname, doc, init)                                                   \
     static PyTypeObject var = {                                                             \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.gateway._relay." pyname,        \
         .tp_doc = doc,                                                                      \
-        .tp_basicsize = sizeof(Hook),                                                       \
+        .tp_basicsize = sizeof(Relay),                                                       \
         .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,   \
         .tp_new = PyType_GenericNew,                                                        \
         .tp_init = (initproc)init,                                                          \
-        .tp_dealloc = (destructor)hook_dealloc,                                             \
-        .tp_traverse = (traverseproc)hook_traverse,                                         \
-        .tp_clear = (inquiry)hook_clear,                                                    \
+        .tp_dealloc = (destructor)relay_dealloc,                                             \
+        .tp_traverse = (traverseproc)relay_traverse,                                         \
+        .tp_clear = (inquiry)relay_clear,                                                    \
         .tp_call = PyVectorcall_Call,                                                       \
-        .tp_vectorcall_offset = offsetof(Hook, vectorcall),                                 \
+        .tp_vectorcall_offset = offsetof(Relay, vectorcall),                                 \
     };
 
 HOOK_TYPE(OnDataType, "OnData", "upstream._Conn.data_received, compiled.", on_data_init)

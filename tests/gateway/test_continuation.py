@@ -567,7 +567,12 @@ async def test_a_continued_streams_usage_is_an_unbroken_ones(
         return await node_events(plane.gateway.js, plane.node)
 
     def told(es: list[ev.Event]) -> bool:
-        return _used_of(es, f"{m}-b")[2] == 2 * (N - 4) and _used_of(es, f"{m}-whole")[0] == 2
+        # Each replica's report is an event of its own, published in turn: all three read.
+        return (
+            _used_of(es, f"{m}-b")[2] == 2 * (N - 4)
+            and _used_of(es, f"{m}-whole")[0] == 2
+            and _used_of(es, f"{m}-a")[0] == 2
+        )
 
     es = await wait_for(used, told, 10)
     plain = _used_of(es, f"{m}-whole")
