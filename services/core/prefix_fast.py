@@ -49,6 +49,7 @@ from services.core.prefix import (
     MAX_BLOCKS,
     Blocks,
     Prefix,
+    _Ticket,
 )
 from services.core.routing import Explained, Route
 from services.core.view import ReplicaRecord, View
@@ -300,6 +301,68 @@ class FastPrefix(Prefix):
     _untracked: set[str] = field(default_factory=set)
     """The replicas recorded a first block while `_firsts` was full: probed at every
     pick, as `Prefix` probes every replica, until their LRU is dropped."""
+
+    def pick(
+        self,
+        view: View,
+        m: catalog.Model,
+        route: Route | None = None,
+        *,
+        avoid: Collection[str] = (),
+        limit: int | None = None,
+    ) -> ReplicaRecord | None:
+        """`Prefix.pick` and the plain rule's `LeastInflight.pick` under it, step for
+        step, in one frame for a request without a session (most): its counts, its
+        ticket, its blocks recorded. A request of a session (or none at all) is picked
+        the plain way."""
+        if route is None or route.session is not None:
+            return super().pick(view, m, route, avoid=avoid, limit=limit)
+        tickets = self._tickets
+        old = tickets.get(route)
+        text = route.prompt
+        # A request picked again (a retry) is not hashed again.
+        hashes = self._hashes = old.hashes if old is not None else self.cut(m, route)
+        n, most = len(text), self.block_chars * MAX_BLOCKS
+        chars = self._chars = most if most < n else n  # min(n, most): a call less
+        self._explained = None
+        depths: dict[str, int] = {}
+        self._depths = depths
+        found = self.found(view, m, avoid, limit)
+        if not found:
+            return None
+        r = self.choose(view, m, route, found)  # says why: `_explained`
+        rid = r.id
+        self._ticks += 1
+        self._picked[rid] = self._ticks
+        inflight, work = self.inflight, self.work
+        inflight[rid] = inflight.get(rid, 0) + 1
+        depth = depths.get(rid, 0)
+        own = (chars - depth * self.block_chars) / CHARS_PER_TOKEN
+        ahead = work.get(rid, 0.0)
+        work[rid] = ahead + own
+        if old is not None:  # picked again (a retry): the first one's work is done
+            del tickets[route]
+            self._release(old)
+        explained = self._explained
+        assert explained is not None
+        tickets[route] = _Ticket(rid, ahead, own, hashes, explained)
+        if hashes:
+            self.record(rid, hashes, held=depth)
+        return r
+
+    def done(self, replica: str, route: Route | None = None) -> None:
+        """`Prefix.done` and the plain rule's under it, in one frame."""
+        inflight = self.inflight
+        left = inflight.get(replica, 0) - 1
+        if left > 0:
+            inflight[replica] = left
+        else:
+            inflight.pop(replica, None)
+        t = None if route is None else self._tickets.get(route)
+        if t is not None and t.replica == replica:
+            del self._tickets[route]  # type: ignore[arg-type]
+            if not t.prefilled:  # else its work left at its first byte (`observed`)
+                self._release(t)
 
     def cut(self, m: catalog.Model, route: Route) -> list[int]:
         """`blocks`' hashes, in C loops for an ASCII prompt (most are): its bytes cut by

@@ -21,10 +21,11 @@ static PyObject *s_broken, *s_wrote, *s_strip_counts, *s_id, *s_segments, *s_by_
     *s_kept, *s_kept_bytes, *s_chunks, *s_ids_wanted, *s_strip_ids, *s_closing,
     *s_transport, *s_write_paused, *s_write, *s_choices, *s_error, *s_usage,
     *s_prompt_token_ids, *s_finish_reason, *s_token_ids, *s_last_read, *s_body, *s__sink,
-    *s__feed, *s__wake;
+    *s__feed, *s__wake, *s__bad;
 
-/* One layout for the three types (`Relay`, `OnData`, `OnBody`): each uses its own fields,
- * the others stay NULL, and one traverse, clear and dealloc serve all three. */
+/* One layout for the five types (`Relay`, `OnData`, `OnBody`, `OnHeader`, `Head`): each
+ * uses its own fields, the others stay NULL, and one traverse, clear and dealloc serve
+ * all five. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -45,6 +46,11 @@ typedef struct {
     PyObject *feed;     /* its parser's feed_data */
     PyObject *errors;   /* what `unparsed` reads: (HttpParserError, HttpParserUpgrade) */
     PyObject *unparsed; /* its _unparsed(e, data) */
+    /* OnHeader's */
+    PyObject *pairs;    /* the head's (name, value) pairs read so far (front._Conn._pairs) */
+    /* Head's */
+    PyObject *reasons;  /* status -> reason phrase (bytes) */
+    PyObject *fallback; /* the Python rule, for what the fast way does not take */
 } Relay;
 
 /* ---- the token ids nulled: `continuation._NULL_IDS.sub(_null, raw)`, by hand.
@@ -426,6 +432,9 @@ relay_traverse(Relay *self, visitproc visit, void *arg)
     Py_VISIT(self->feed);
     Py_VISIT(self->errors);
     Py_VISIT(self->unparsed);
+    Py_VISIT(self->pairs);
+    Py_VISIT(self->reasons);
+    Py_VISIT(self->fallback);
     return 0;
 }
 
@@ -443,6 +452,9 @@ relay_clear(Relay *self)
     Py_CLEAR(self->feed);
     Py_CLEAR(self->errors);
     Py_CLEAR(self->unparsed);
+    Py_CLEAR(self->pairs);
+    Py_CLEAR(self->reasons);
+    Py_CLEAR(self->fallback);
     return 0;
 }
 
@@ -626,6 +638,226 @@ on_body_init(Relay *self, PyObject *args, PyObject *kwds)
     return hook_init(self, args, kwds, 0);
 }
 
+
+/* ---- the lean server's head, read and written (`front._Conn.on_header` and
+ * `front.answer_head`), compiled: the same rule step for step, held equal to it by
+ * tests/gateway/test_heads.py. */
+
+/* OnHeader(conn, pairs, most)(name, value): `front._Conn.on_header`, each header of a
+ * request's head added to `pairs` (its name and value, latin-1), at most `most` of them:
+ * past it, the connection's `_bad` says so and ValueError stops the parse. */
+static PyObject *
+on_header(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Relay *self = (Relay *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyBytes_Check(args[0])
+        || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "on_header takes a name and a value, bytes");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(self->pairs) >= self->max_kept) {
+        PyObject *bad = PyUnicode_FromFormat("over %zd headers", self->max_kept);
+        if (bad == NULL)
+            return NULL;
+        if (PyObject_SetAttr(self->conn, s__bad, bad) == 0)
+            PyErr_SetObject(PyExc_ValueError, bad);
+        Py_DECREF(bad);
+        return NULL;
+    }
+    PyObject *k = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]),
+                                         NULL);
+    if (k == NULL)
+        return NULL;
+    PyObject *v = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]),
+                                         NULL);
+    if (v == NULL) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_New(2);
+    if (pair == NULL) {
+        Py_DECREF(k);
+        Py_DECREF(v);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(pair, 0, k);
+    PyTuple_SET_ITEM(pair, 1, v);
+    int r = PyList_Append(self->pairs, pair);
+    Py_DECREF(pair);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* A growing buffer of bytes. */
+typedef struct {
+    char *at;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int
+put(Buf *b, const char *s, Py_ssize_t n)
+{
+    if (b->len + n > b->cap) {
+        Py_ssize_t cap = b->cap * 2 > b->len + n ? b->cap * 2 : b->len + n + 256;
+        char *at = PyMem_Realloc(b->at, (size_t)cap);
+        if (at == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->at = at;
+        b->cap = cap;
+    }
+    memcpy(b->at + b->len, s, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+#define PUT(b, lit) put(b, lit, (Py_ssize_t)(sizeof lit - 1))
+
+/* The head's header lines, into `b`: 1 done, 0 for the rule's own way (a name or a value
+ * that is not a str, or not UTF-8), -1 with ValueError for a line broken inside. */
+static int
+header_lines(Buf *b, PyObject *headers)
+{
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    /* Each a str first: what the rule would format otherwise, it formats before any
+     * line is looked at. */
+    while (PyDict_Next(headers, &pos, &k, &v))
+        if (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(v))
+            return 0;
+    pos = 0;
+    while (PyDict_Next(headers, &pos, &k, &v)) {
+        Py_ssize_t kn, vn;
+        const char *ks = PyUnicode_AsUTF8AndSize(k, &kn);
+        const char *vs = ks == NULL ? NULL : PyUnicode_AsUTF8AndSize(v, &vn);
+        if (vs == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        /* A line of each header, each with one CR and one LF: the rule's counts equal
+         * the headers' exactly where no name or value holds either. */
+        if (memchr(ks, '\n', (size_t)kn) || memchr(ks, '\r', (size_t)kn)
+            || memchr(vs, '\n', (size_t)vn) || memchr(vs, '\r', (size_t)vn)) {
+            PyErr_SetString(PyExc_ValueError, "a header with a newline");
+            return -1;
+        }
+        if (put(b, ks, kn) < 0 || PUT(b, ": ") < 0 || put(b, vs, vn) < 0 || PUT(b, "\r\n") < 0)
+            return -1;
+    }
+    return 1;
+}
+
+/* Head(reasons, fallback)(version, keep_alive, status, headers, length, date_line):
+ * `front.answer_head`. What it does not take the fast way (headers not a dict, a name or
+ * a value not a str, a status or a length not an int) goes to `fallback`, the rule. */
+static PyObject *
+head_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Relay *self = (Relay *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 6 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "answer_head takes six arguments");
+        return NULL;
+    }
+    PyObject *version = args[0], *status = args[2], *headers = args[3], *length = args[4],
+             *date_line = args[5];
+    if (!PyUnicode_CheckExact(version) || !PyLong_CheckExact(status)
+        || !PyDict_CheckExact(headers) || !(length == Py_None || PyLong_CheckExact(length))
+        || !PyBytes_CheckExact(date_line))
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    int keep_alive = PyObject_IsTrue(args[1]);
+    if (keep_alive < 0)
+        return NULL;
+    long code = PyLong_AsLong(status);
+    long long len = length == Py_None ? 0 : PyLong_AsLongLong(length);
+    if ((code == -1 || len == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    }
+    int v11 = PyUnicode_CompareWithASCIIString(version, "1.1") == 0;
+    Buf b = {NULL, 0, 0};
+    PyObject *out = NULL;
+    char num[48];
+    int n = snprintf(num, sizeof num, "HTTP/%s %ld ", v11 ? "1.1" : "1.0", code);
+    if (put(&b, num, n) < 0)
+        goto done;
+    PyObject *reason = PyDict_GetItemWithError(self->reasons, status); /* borrowed */
+    if (reason == NULL && PyErr_Occurred())
+        goto done;
+    if (reason != NULL) {
+        if (!PyBytes_Check(reason)) {
+            PyErr_SetString(PyExc_TypeError, "a reason phrase is bytes");
+            goto done;
+        }
+        if (put(&b, PyBytes_AS_STRING(reason), PyBytes_GET_SIZE(reason)) < 0)
+            goto done;
+    }
+    if (PUT(&b, "\r\n") < 0)
+        goto done;
+    int lines = header_lines(&b, headers);
+    if (lines < 0)
+        goto done;
+    if (lines == 0) {
+        out = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+        goto done;
+    }
+    if (length == Py_None) {
+        if (PUT(&b, "Transfer-Encoding: chunked\r\n") < 0)
+            goto done;
+    }
+    else if (len >= 0) {
+        n = snprintf(num, sizeof num, "Content-Length: %lld\r\n", len);
+        if (put(&b, num, n) < 0)
+            goto done;
+    }
+    /* Said where it is not the version's default (aiohttp's rule). */
+    if (v11 && !keep_alive) {
+        if (PUT(&b, "Connection: close\r\n") < 0)
+            goto done;
+    }
+    else if (!v11 && keep_alive) {
+        if (PUT(&b, "Connection: keep-alive\r\n") < 0)
+            goto done;
+    }
+    if (put(&b, PyBytes_AS_STRING(date_line), PyBytes_GET_SIZE(date_line)) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(b.at, b.len);
+done:
+    PyMem_Free(b.at);
+    return out;
+}
+
+static int
+on_header_init(Relay *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"conn", "pairs", "most", NULL};
+    PyObject *conn, *pairs;
+    Py_ssize_t most;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!n:OnHeader", kw, &conn, &PyList_Type,
+                                     &pairs, &most))
+        return -1;
+    Py_XSETREF(self->conn, Py_NewRef(conn));
+    Py_XSETREF(self->pairs, Py_NewRef(pairs));
+    self->max_kept = most;
+    self->vectorcall = on_header;
+    return 0;
+}
+
+static int
+head_init(Relay *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"reasons", "fallback", NULL};
+    PyObject *reasons, *fallback;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O:Head", kw, &PyDict_Type, &reasons,
+                                     &fallback))
+        return -1;
+    Py_XSETREF(self->reasons, Py_NewRef(reasons));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    self->vectorcall = head_call;
+    return 0;
+}
+
 #define HOOK_TYPE(var, pyname, doc, init)                                                   \
     static PyTypeObject var = {                                                             \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.gateway._relay." pyname,        \
@@ -643,6 +875,8 @@ on_body_init(Relay *self, PyObject *args, PyObject *kwds)
 
 HOOK_TYPE(OnDataType, "OnData", "upstream._Conn.data_received, compiled.", on_data_init)
 HOOK_TYPE(OnBodyType, "OnBody", "upstream._Conn.on_body, compiled.", on_body_init)
+HOOK_TYPE(OnHeaderType, "OnHeader", "front._Conn.on_header, compiled.", on_header_init)
+HOOK_TYPE(HeadType, "Head", "front.answer_head, compiled.", head_init)
 
 static PyMethodDef methods[] = {
     {"null_ids", null_ids, METH_O,
@@ -688,15 +922,19 @@ PyInit__relay(void)
     INTERN(s__sink, "_sink");
     INTERN(s__feed, "_feed");
     INTERN(s__wake, "_wake");
+    INTERN(s__bad, "_bad");
     if (PyType_Ready(&RelayType) < 0 || PyType_Ready(&OnDataType) < 0
-        || PyType_Ready(&OnBodyType) < 0)
+        || PyType_Ready(&OnBodyType) < 0 || PyType_Ready(&OnHeaderType) < 0
+        || PyType_Ready(&HeadType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Relay", (PyObject *)&RelayType) < 0
         || PyModule_AddObjectRef(m, "OnData", (PyObject *)&OnDataType) < 0
-        || PyModule_AddObjectRef(m, "OnBody", (PyObject *)&OnBodyType) < 0) {
+        || PyModule_AddObjectRef(m, "OnBody", (PyObject *)&OnBodyType) < 0
+        || PyModule_AddObjectRef(m, "OnHeader", (PyObject *)&OnHeaderType) < 0
+        || PyModule_AddObjectRef(m, "Head", (PyObject *)&HeadType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -71,6 +71,42 @@ Handler = Callable[["Request"], Awaitable[Answer]]
 log = logging.getLogger("llmgw.gateway")
 
 
+def answer_head(
+    version: str,
+    keep_alive: bool,
+    status: int,
+    headers: Mapping[str, str],
+    length: int | None,
+    date_line: bytes,
+) -> bytes:
+    """An answer's status line and headers: with its Content-Length (`length`), chunked
+    (None), or to the connection's end (-1); `Connection` said where it is not the
+    version's default (aiohttp's rule); `date_line` (the Date line and the head's end)
+    last. `_relay.Head` is this rule compiled (`Front.head`)."""
+    said = ""
+    for k, v in headers.items():  # a loop, not a comprehension: no call of its own
+        said += f"{k}: {v}\r\n"
+    # No header may break a line (aiohttp's server refuses it too).
+    if said.count("\n") != len(headers) or said.count("\r") != len(headers):
+        raise ValueError("a header with a newline")
+    head = b"HTTP/%b %d %b\r\n%b" % (
+        b"1.1" if version == "1.1" else b"1.0",
+        status,
+        _REASONS.get(status, b""),
+        said.encode("utf-8"),
+    )
+    if length is None:
+        head += b"Transfer-Encoding: chunked\r\n"
+    elif length >= 0:
+        head += b"Content-Length: %d\r\n" % length
+    if version == "1.1":
+        if not keep_alive:
+            head += b"Connection: close\r\n"
+    elif keep_alive:
+        head += b"Connection: keep-alive\r\n"
+    return head + date_line
+
+
 class BadBody(Exception):
     """A request's body HTTP cannot parse (a bad chunk): raised by its `readany`; the
     request is answered 400 and its connection closed."""
@@ -277,6 +313,12 @@ class _Conn(asyncio.Protocol):
         self.front = front
         self.loop = front.loop
         self.transport: asyncio.Transport | None = None
+        self._pairs: list[tuple[str, str]] = []
+        """The head being read's headers, as they come (`on_header`)."""
+        if (built := front.compiled) is not None:
+            # The header callback compiled (`--chunk-relay`): no Python frame for each
+            # header of each request (`on_header`'s body, step for step).
+            self.on_header = built.OnHeader(self, self._pairs, MAX_HEADERS)  # type: ignore[method-assign]
         self.parser = httptools.HttpRequestParser(self)
         self.reading: Request | None = None
         """The request whose head or body is being read."""
@@ -303,7 +345,6 @@ class _Conn(asyncio.Protocol):
         self._fed = 0
         """The bytes of the read being parsed."""
         self._in_head = False
-        self._headers: CIMultiDict[str] = CIMultiDict()
         self._bad: str | None = None
 
     # ---- the connection
@@ -403,7 +444,7 @@ class _Conn(asyncio.Protocol):
         self._url = b""
         self._head = 0
         self._in_head = True
-        self._headers = CIMultiDict()
+        self._pairs.clear()
         self._bad = None
 
     def on_url(self, url: bytes) -> None:
@@ -416,16 +457,16 @@ class _Conn(asyncio.Protocol):
         # Counted as each comes (what one head may hold is bounded); their lengths once
         # the head is whole, and only if it may hold one past MAX_FIELD (`_fields`): a
         # head is at most MAX_HEAD bytes, held meanwhile.
-        headers = self._headers
-        if len(headers) >= MAX_HEADERS:
+        pairs = self._pairs
+        if len(pairs) >= MAX_HEADERS:
             self._bad = f"over {MAX_HEADERS} headers"
             raise ValueError(self._bad)
-        headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        pairs.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def _fields(self) -> None:
         """A header's name or value over MAX_FIELD bytes: 400 (latin-1: a character a
         byte)."""
-        for k, v in self._headers.items():
+        for k, v in self._pairs:
             if len(k) > MAX_FIELD or len(v) > MAX_FIELD:
                 self._bad = f"a header over {MAX_FIELD} bytes"
                 raise ValueError(self._bad)
@@ -443,8 +484,12 @@ class _Conn(asyncio.Protocol):
         text = path.decode("utf-8", "surrogateescape")
         if "%" in text:
             text = unquote(text, errors="surrogateescape")
+        # Built whole, in one call, of the pairs as they came: a name said twice is
+        # kept twice, in order, as `add` for each would keep it.
+        headers: CIMultiDict[str] = CIMultiDict(self._pairs)
+        self._pairs.clear()
         try:
-            request = Request(self, parser.get_method().decode("ascii"), text, self._headers)
+            request = Request(self, parser.get_method().decode("ascii"), text, headers)
         except ValueError:
             self._bad = "a Content-Length that is not a number"
             raise
@@ -644,29 +689,10 @@ class _Conn(asyncio.Protocol):
         if request.started or self.transport is None or self.closing:
             raise ConnectionResetError("the connection is closed")
         request.started = True
-        said = ""
-        for k, v in headers.items():  # a loop, not a comprehension: no call of its own
-            said += f"{k}: {v}\r\n"
-        # No header may break a line (aiohttp's server refuses it too).
-        if said.count("\n") != len(headers) or said.count("\r") != len(headers):
-            raise ValueError("a header with a newline")
-        head = b"HTTP/%b %d %b\r\n%b" % (
-            b"1.1" if request.version == "1.1" else b"1.0",
-            status,
-            _REASONS.get(status, b""),
-            said.encode("utf-8"),
+        front = self.front
+        head = front.head(
+            request.version, request.keep_alive, status, headers, length, front.date_line
         )
-        if length is None:
-            head += b"Transfer-Encoding: chunked\r\n"
-        elif length >= 0:
-            head += b"Content-Length: %d\r\n" % length
-        # Said where it is not the version's default (aiohttp's rule).
-        if request.version == "1.1":
-            if not request.keep_alive:
-                head += b"Connection: close\r\n"
-        elif request.keep_alive:
-            head += b"Connection: keep-alive\r\n"
-        head += self.front.date_line
         if not body or request.method == "HEAD":
             self.transport.write(head)
         elif len(body) < 65536:
@@ -724,8 +750,17 @@ class Front:
         lines: guard.Lines,
         idle_timeout_s: float,
         shutdown_timeout_s: float = 2.0,
+        compiled: Any = None,
     ) -> None:
         self.handler = handler
+        self.compiled = compiled
+        """The compiled relay's module (`relay.Picked.readers`): each connection's header
+        callback (`OnHeader`) and the answers' heads (`Head`) from it; None: the rules
+        here."""
+        self.head: Callable[..., bytes] = (
+            answer_head if compiled is None else compiled.Head(_REASONS, answer_head)
+        )
+        """`answer_head`, or the same compiled."""
         self.lines = lines
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s

@@ -307,10 +307,9 @@ class Gateway:
         pickers: Mapping[str, Callable[[], routing.Picker]] = PICKERS,
     ) -> Gateway:
         """The gateway `config` describes (`llmgw gateway`, `python -m services.gateway`,
-        `llmgw up`: the one place a gateway is made from an operator's settings); `keys`,
-        its `--api-keys` file read; `own_process`, a process that is only the gateway (it
-        freezes its heap again once serving, as `config` allows); `pickers`, the routing rules
-        `config.routing` names one of."""
+        `llmgw up`: the one place a gateway is made from an operator's settings); `keys`, its
+        `--api-keys` file read; `own_process`, a process that is only the gateway (it freezes
+        its heap again once serving, as `config` allows); `pickers`, the rules it names."""
         return cls(
             js,
             listen=config.listen,
@@ -378,8 +377,9 @@ class Gateway:
                 sock.close()
                 raise
             http = self.forwarder.open(self.connect_timeout_s, self.upstream_timeout_s)
+            compiled = self.forwarder.readers  # the lean server's, too (`front.Front`)
             server = Serving(
-                self.server, self.routes(), self.boundary, self.lines, self.idle_timeout_s
+                self.server, self.routes(), self.boundary, self.lines, self.idle_timeout_s, compiled
             )
             await server.prepare()
             if self.sharing is not None:

@@ -9,6 +9,7 @@ import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -34,9 +35,12 @@ class Serving:
         boundary: guard.Boundary,
         lines: guard.Lines,
         idle_timeout_s: float,
+        compiled: Any = None,
     ) -> None:
         self.kind, self.routes, self.boundary = kind, routes, boundary
         self.lines, self.idle_timeout_s = lines, idle_timeout_s
+        self.compiled = compiled
+        """The compiled relay's module for the lean server (`front.Front`), or None."""
         self.front: Front | None = None
         self.runner: web.AppRunner | None = None
 
@@ -58,7 +62,11 @@ class Serving:
             # it, which each chunk of a stream would pass through on its way down.
             handle = functools.partial(dispatch, routes=self.routes, boundary=self.boundary)
             self.front = Front(
-                handle, self.lines, self.idle_timeout_s, shutdown_timeout_s=SHUTDOWN_S
+                handle,
+                self.lines,
+                self.idle_timeout_s,
+                shutdown_timeout_s=SHUTDOWN_S,
+                compiled=self.compiled,
             )
             return
         self.runner = web.AppRunner(

@@ -66,10 +66,13 @@ class Two:
         return self.ref, self.lean
 
 
-@pytest.fixture
-async def two(nc: Client, js: JetStreamContext) -> AsyncIterator[Two]:
+@pytest.fixture(params=["compiled", "python"])
+async def two(nc: Client, js: JetStreamContext, request: Any) -> AsyncIterator[Two]:
+    """The reference and the lean server, the lean one with its header callback and its
+    answers' heads compiled (`--chunk-relay compiled`, the default where built) and with
+    the rules in Python (tests/gateway/test_heads.py holds the two equal)."""
     ref = gateway_for(js, nc=nc, server="aiohttp")
-    lean = gateway_for(js, nc=nc, server="lean")
+    lean = gateway_for(js, nc=nc, server="lean", chunk_relay=request.param)
     for gw in (ref, lean):
         gw.body_timeout_s = 0.5
     scripts = ("whole", "stream", "stream-stall", "big", "e500")
