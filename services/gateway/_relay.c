@@ -21,11 +21,11 @@ static PyObject *s_broken, *s_wrote, *s_strip_counts, *s_id, *s_segments, *s_by_
     *s_kept, *s_kept_bytes, *s_chunks, *s_ids_wanted, *s_strip_ids, *s_closing,
     *s_transport, *s_write_paused, *s_write, *s_choices, *s_error, *s_usage,
     *s_prompt_token_ids, *s_finish_reason, *s_token_ids, *s_last_read, *s_body, *s__sink,
-    *s__feed, *s__wake, *s__bad;
+    *s__feed, *s__wake, *s__bad, *s_Accept;
 
-/* One layout for the five types (`Relay`, `OnData`, `OnBody`, `OnHeader`, `Head`): each
- * uses its own fields, the others stay NULL, and one traverse, clear and dealloc serve
- * all five. */
+/* One layout for every type here (`Relay`, `OnData`, `OnBody`, `OnHeader`, `Head`,
+ * `OnAnswerHeader`, `RequestHead`): each uses its own fields, the others stay NULL, and
+ * one traverse, clear and dealloc serve all of them. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -46,8 +46,9 @@ typedef struct {
     PyObject *feed;     /* its parser's feed_data */
     PyObject *errors;   /* what `unparsed` reads: (HttpParserError, HttpParserUpgrade) */
     PyObject *unparsed; /* its _unparsed(e, data) */
-    /* OnHeader's */
-    PyObject *pairs;    /* the head's (name, value) pairs read so far (front._Conn._pairs) */
+    /* OnHeader's, OnAnswerHeader's */
+    PyObject *pairs;    /* the head's (name, value) pairs read so far (front._Conn._pairs);
+                           OnAnswerHeader's: the dict of an answer's (upstream._Conn._said) */
     /* Head's */
     PyObject *reasons;  /* status -> reason phrase (bytes) */
     PyObject *fallback; /* the Python rule, for what the fast way does not take */
@@ -858,6 +859,135 @@ head_init(Relay *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+
+/* ---- the lean client's side: an answer's header callback and a request's head
+ * (`upstream._Conn.on_header` as the Python client sets it, and `upstream.request_head`),
+ * compiled; held equal by tests/gateway/test_heads.py. */
+
+/* OnAnswerHeader(said)(name, value): `said.setdefault(name, value)`, the name and the
+ * value decoded (latin-1) as they come, not after the head (`_Conn.on_headers_complete`):
+ * latin-1 is one character a byte both ways, so the names kept and the values kept are
+ * the same. */
+static PyObject *
+on_answer_header(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Relay *self = (Relay *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyBytes_Check(args[0])
+        || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "on_header takes a name and a value, bytes");
+        return NULL;
+    }
+    PyObject *k = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]),
+                                         NULL);
+    if (k == NULL)
+        return NULL;
+    PyObject *v = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]),
+                                         NULL);
+    if (v == NULL) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    PyObject *got = PyDict_SetDefault(self->pairs, k, v); /* borrowed */
+    Py_DECREF(k);
+    Py_DECREF(v);
+    if (got == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* RequestHead(fallback)(start, headers, length): `upstream.request_head`. What it does
+ * not take the fast way (headers not a dict, a name or a value not a str, a name not
+ * UTF-8, a length not an int of 0 or more) goes to `fallback`, the rule. */
+static PyObject *
+request_head_call(PyObject *callable, PyObject *const *args, size_t nargsf,
+                  PyObject *kwnames)
+{
+    Relay *self = (Relay *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "request_head takes three arguments");
+        return NULL;
+    }
+    PyObject *start = args[0], *headers = args[1], *length = args[2];
+    if (!PyBytes_CheckExact(start) || !PyDict_CheckExact(headers) || !PyLong_CheckExact(length))
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    long long len = PyLong_AsLongLong(length);
+    if (len < 0) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    }
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(headers, &pos, &k, &v))
+        if (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(v))
+            return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    Buf b = {NULL, 0, 0};
+    PyObject *out = NULL;
+    if (put(&b, PyBytes_AS_STRING(start), PyBytes_GET_SIZE(start)) < 0)
+        goto done;
+    pos = 0;
+    while (PyDict_Next(headers, &pos, &k, &v)) {
+        Py_ssize_t kn, vn;
+        const char *ks = PyUnicode_AsUTF8AndSize(k, &kn);
+        if (ks == NULL) {
+            PyErr_Clear();
+            out = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+            goto done;
+        }
+        if (PUT(&b, "\r\n") < 0 || put(&b, ks, kn) < 0 || PUT(&b, ": ") < 0)
+            goto done;
+        const char *vs = PyUnicode_AsUTF8AndSize(v, &vn);
+        if (vs != NULL) {
+            if (put(&b, vs, vn) < 0)
+                goto done;
+            continue;
+        }
+        /* Not UTF-8 as it is (a lone surrogate): as the rule encodes it. */
+        PyErr_Clear();
+        PyObject *e = PyUnicode_AsEncodedString(v, "utf-8", "surrogateescape");
+        if (e == NULL)
+            goto done;
+        int r = put(&b, PyBytes_AS_STRING(e), PyBytes_GET_SIZE(e));
+        Py_DECREF(e);
+        if (r < 0)
+            goto done;
+    }
+    int accept = PyDict_Contains(headers, s_Accept);
+    if (accept < 0 || (!accept && PUT(&b, "\r\nAccept: */*") < 0))
+        goto done;
+    char num[48];
+    int n = snprintf(num, sizeof num, "\r\nContent-Length: %lld\r\n\r\n", len);
+    if (put(&b, num, n) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(b.at, b.len);
+done:
+    PyMem_Free(b.at);
+    return out;
+}
+
+static int
+on_answer_header_init(Relay *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"said", NULL};
+    PyObject *said;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!:OnAnswerHeader", kw, &PyDict_Type, &said))
+        return -1;
+    Py_XSETREF(self->pairs, Py_NewRef(said));
+    self->vectorcall = on_answer_header;
+    return 0;
+}
+
+static int
+request_head_init(Relay *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"fallback", NULL};
+    PyObject *fallback;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:RequestHead", kw, &fallback))
+        return -1;
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    self->vectorcall = request_head_call;
+    return 0;
+}
+
 #define HOOK_TYPE(var, pyname, doc, init)                                                   \
     static PyTypeObject var = {                                                             \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.gateway._relay." pyname,        \
@@ -877,6 +1007,9 @@ HOOK_TYPE(OnDataType, "OnData", "upstream._Conn.data_received, compiled.", on_da
 HOOK_TYPE(OnBodyType, "OnBody", "upstream._Conn.on_body, compiled.", on_body_init)
 HOOK_TYPE(OnHeaderType, "OnHeader", "front._Conn.on_header, compiled.", on_header_init)
 HOOK_TYPE(HeadType, "Head", "front.answer_head, compiled.", head_init)
+HOOK_TYPE(OnAnswerHeaderType, "OnAnswerHeader", "upstream._Conn.on_header, compiled.",
+          on_answer_header_init)
+HOOK_TYPE(RequestHeadType, "RequestHead", "upstream.request_head, compiled.", request_head_init)
 
 static PyMethodDef methods[] = {
     {"null_ids", null_ids, METH_O,
@@ -923,9 +1056,11 @@ PyInit__relay(void)
     INTERN(s__feed, "_feed");
     INTERN(s__wake, "_wake");
     INTERN(s__bad, "_bad");
+    INTERN(s_Accept, "Accept");
     if (PyType_Ready(&RelayType) < 0 || PyType_Ready(&OnDataType) < 0
         || PyType_Ready(&OnBodyType) < 0 || PyType_Ready(&OnHeaderType) < 0
-        || PyType_Ready(&HeadType) < 0)
+        || PyType_Ready(&HeadType) < 0 || PyType_Ready(&OnAnswerHeaderType) < 0
+        || PyType_Ready(&RequestHeadType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -934,7 +1069,9 @@ PyInit__relay(void)
         || PyModule_AddObjectRef(m, "OnData", (PyObject *)&OnDataType) < 0
         || PyModule_AddObjectRef(m, "OnBody", (PyObject *)&OnBodyType) < 0
         || PyModule_AddObjectRef(m, "OnHeader", (PyObject *)&OnHeaderType) < 0
-        || PyModule_AddObjectRef(m, "Head", (PyObject *)&HeadType) < 0) {
+        || PyModule_AddObjectRef(m, "Head", (PyObject *)&HeadType) < 0
+        || PyModule_AddObjectRef(m, "OnAnswerHeader", (PyObject *)&OnAnswerHeaderType) < 0
+        || PyModule_AddObjectRef(m, "RequestHead", (PyObject *)&RequestHeadType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -28,7 +28,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import aiohttp
@@ -200,12 +200,18 @@ class _Conn(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self._said: dict[bytes, bytes] = {}
+        self._said: dict[Any, Any] = {}
+        built = pool.readers
         # httptools' header callback is the dict's own `setdefault`, in C: no Python
         # frame for each header of each answer. A name said twice keeps its first value,
         # the one `CIMultiDict.get` gives (what the gateway reads of an answer's head).
-        self.on_header = self._said.setdefault
-        if (built := pool.readers) is not None:
+        # Compiled (`--chunk-relay`), the same with the name and the value decoded as they
+        # come (`_relay.OnAnswerHeader`), not by `on_headers_complete`.
+        self._decoded = built is not None
+        self.on_header = (
+            self._said.setdefault if built is None else built.OnAnswerHeader(self._said)
+        )
+        if built is not None:
             # The read callbacks compiled (`--chunk-relay`): what httptools and the loop
             # call for each read, with no Python frame (this class's, step for step).
             self.on_body = built.OnBody(self)  # type: ignore[method-assign]
@@ -268,8 +274,10 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         said = self._said
-        self.headers = CIMultiDict(
-            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in said.items()]
+        self.headers = (
+            CIMultiDict(said)
+            if self._decoded
+            else CIMultiDict([(k.decode("latin-1"), v.decode("latin-1")) for k, v in said.items()])
         )
         said.clear()
         status = self.parser.get_status_code()
@@ -480,6 +488,19 @@ class Pool:
         self.idle.clear()
 
 
+def request_head(start: bytes, headers: Mapping[str, str], length: int) -> bytes:
+    """A request's head: its request line and Host (`start`), `headers` (besides
+    Content-Length and, unless given, `Accept: */*`, as aiohttp's client sends), and
+    its Content-Length. `_relay.RequestHead` is this rule compiled."""
+    lines = [start]
+    for name, value in headers.items():
+        lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
+    if "Accept" not in headers:
+        lines.append(b"\r\nAccept: */*")
+    lines += (b"\r\nContent-Length: ", str(length).encode(), b"\r\n\r\n")
+    return b"".join(lines)
+
+
 class LeanSession:
     """The lean client: a `Pool` per replica, what aiohttp's `ClientSession` was to the
     forwarder (`post`, `close`)."""
@@ -492,6 +513,10 @@ class LeanSession:
         self.readers = readers
         """Each connection's read callbacks compiled: `services.gateway._relay` (chosen
         with the chunk relay, `--chunk-relay`); None: `_Conn`'s own."""
+        self.head_of: Callable[[bytes, Mapping[str, str], int], bytes] = (
+            request_head if readers is None else readers.RequestHead(request_head)
+        )
+        """`request_head`, or the same compiled."""
         self.pools: dict[tuple[str, str | None, int | None], Pool] = {}
         self._by_url: dict[int, tuple[yarl.URL, Pool, bytes]] = {}
         """Per URL asked (by its id): the URL, its pool, and its request's first bytes
@@ -510,13 +535,7 @@ class LeanSession:
         _, pool, start = got
         # A kept connection without a coroutine to wait on (most requests); else one made.
         c = pool.kept() or await pool.connection()
-        lines = [start]
-        for name, value in headers.items():
-            lines += (b"\r\n", name.encode(), b": ", value.encode("utf-8", "surrogateescape"))
-        if "Accept" not in headers:
-            lines.append(b"\r\nAccept: */*")
-        lines += (b"\r\nContent-Length: ", str(len(data)).encode(), b"\r\n\r\n")
-        head = b"".join(lines)
+        head = self.head_of(start, headers, len(data))
         try:
             return await c.send(head, data)
         except BaseException:

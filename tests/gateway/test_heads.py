@@ -1,10 +1,12 @@
-"""The lean server's head, read and written, compiled (`services.gateway._relay.OnHeader`
-and `Head`, chosen with the chunk relay) is the rule in Python (`front._Conn.on_header`,
-`front.answer_head`): on random heads, the same pairs kept, the same refusal past
-`MAX_HEADERS` (the same words in `_bad`, the same error), the same bytes of an answer's
-head or the same error for a header that would break a line, for every kind of value
-the rule formats (not only the str the fast way takes). tests/gateway/test_front.py runs
-the lean server against aiohttp's on both."""
+"""The heads the gateway reads and writes, compiled (`services.gateway._relay`, chosen with
+the chunk relay: `OnHeader` and `Head` for the lean server, `OnAnswerHeader` and
+`RequestHead` for the lean client) are the rules in Python (`front._Conn.on_header`,
+`front.answer_head`, `upstream._Conn`'s `setdefault` and `upstream.request_head`): on
+random heads, the same headers kept, the same refusal past `MAX_HEADERS` (the same
+words in `_bad`, the same error), the same bytes of a head or the same error, for every
+kind of value the rule takes (not only the str the fast way takes).
+tests/gateway/test_front.py runs the lean server against aiohttp's on both, and
+tests/gateway/test_upstream_client.py the lean client against aiohttp's."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import random
 from typing import Any
 
 import pytest
+from multidict import CIMultiDict
 
 from services.gateway import front
-from services.gateway.front import MAX_HEADERS, _REASONS, answer_head
+from services.gateway.front import _REASONS, MAX_HEADERS, answer_head
+from services.gateway.upstream import request_head
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,4 +153,63 @@ def test_the_head_of_a_usual_answer_is_what_http_says() -> None:
         )
         assert head("1.1", False, 200, {}, -1, date) == (
             b"HTTP/1.1 200 OK\r\nConnection: close\r\n" + date
+        )
+
+
+# ---- the lean client's side (services.gateway.upstream)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_answers_headers_are_kept_as_the_rule_keeps_them(seed: int) -> None:
+    """`OnAnswerHeader` decodes as each header comes and keeps the first value of a name
+    said twice; the rule keeps the bytes (`setdefault`) and decodes them after the head:
+    the same headers either way."""
+    rng = random.Random(seed)
+    plain: dict[bytes, bytes] = {}
+    said: dict[str, str] = {}
+    on = _built().OnAnswerHeader(said)
+    for _ in range(rng.choice([0, 1, 5, 40])):
+        name = rng.choice([b"Content-Type", b"content-type", b"X-A", b"\xe9t\xe9", b""])
+        value = _field(rng)
+        plain.setdefault(name, value)
+        assert on(name, value) is None
+    rule = CIMultiDict([(k.decode("latin-1"), v.decode("latin-1")) for k, v in plain.items()])
+    assert list(CIMultiDict(said).items()) == list(rule.items())
+
+
+def _request_headers(rng: random.Random) -> Any:
+    if rng.random() < 0.05:
+        return {"X-A": "b"}.items().mapping  # not a dict: the rule's own way
+    out: dict[Any, Any] = {}
+    for _ in range(rng.choice([0, 1, 2, 4])):
+        name = rng.choice(["Content-Type", "Accept", "X-Request-Id", "ä", "bad \udc80", "accept"])
+        value = rng.choice(
+            ["application/json", "*/*", "", "é€", "lone \udc80", "high \ud800", 7, _Text("s")]
+        )
+        out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_requests_head_is_the_same_bytes_compiled(seed: int) -> None:
+    rng = random.Random(seed)
+    compiled = _built().RequestHead(request_head)
+    for _ in range(300):
+        args = (
+            rng.choice([b"POST /v1/chat/completions HTTP/1.1\r\nHost: r:8000", b""]),
+            _request_headers(rng),
+            rng.choice([0, 1, 4096, 2**40, -1, 2**70, True]),
+        )
+        assert _outcome(compiled, *args) == _outcome(request_head, *args), args
+
+
+def test_a_usual_requests_head_is_what_http_says() -> None:
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: r:8000"
+    for head in (_built().RequestHead(request_head), request_head):
+        assert head(start, {"Content-Type": "application/json"}, 12) == (
+            start + b"\r\nContent-Type: application/json\r\nAccept: */*"
+            b"\r\nContent-Length: 12\r\n\r\n"
+        )
+        assert head(start, {"Accept": "text/event-stream"}, 0) == (
+            start + b"\r\nAccept: text/event-stream\r\nContent-Length: 0\r\n\r\n"
         )
