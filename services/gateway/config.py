@@ -220,10 +220,11 @@ class Config:
             "metavar": "RELAY",
             "help": "what passes a continued stream's chunks of text on to its client in "
             f"the read's callback, one of {', '.join(RELAYS)}; compiled: in C, built as "
-            "the project installs where a C compiler is (less CPU a stream, "
-            "docs/performance.md); python: the same rule in Python, the reference the "
-            "compiled one is tested against; auto: compiled where it was built, else "
-            "python. Read with the fast path only",
+            "the project installs where a C compiler is, with the lean server's and the "
+            "lean client's heads and read callbacks (less CPU a stream and a request, "
+            "docs/performance.md); python: the same rules in Python, the reference the "
+            "compiled ones are tested against; auto: compiled where it was built, else "
+            "python. The chunks' relay is read with the fast path only",
         },
     )
     upstream_client: str = field(

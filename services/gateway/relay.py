@@ -19,8 +19,14 @@ equal to it by tests/gateway/test_relay.py. With it come the lean client's read
 callbacks compiled (`_relay.OnData`, `_relay.OnBody`: `upstream._Conn.data_received` and
 `on_body`, step for step; tests/gateway/test_upstream_client.py runs the client on
 both), so that a chunk of text passes from the replica's socket to the client's with no
-Python frame. `--chunk-relay` picks (`RELAYS`): `auto` the compiled ones where they were
-built, `compiled` those or a clear error, `python` this one and `_Conn`'s own.
+Python frame; and the heads a whole request's path reads and writes (issue 42's
+fourteenth round): the lean server's header callback and its answers' heads
+(`_relay.OnHeader`, `_relay.Head`: `front._Conn.on_header`, `front.answer_head`) and the
+lean client's (`_relay.OnAnswerHeader`, `_relay.RequestHead`: `upstream._Conn`'s header
+`setdefault` with the decoding after it, `upstream.request_head`), held equal to those
+by tests/gateway/test_heads.py. `--chunk-relay` picks (`RELAYS`): `auto` the compiled
+ones where they were built, `compiled` those or a clear error, `python` the rules in
+Python.
 """
 
 from __future__ import annotations
@@ -164,8 +170,10 @@ class Picked(NamedTuple):
     make: MakeSink
     """What makes a segment's sink (`Relay`, or the compiled one)."""
     readers: Any
-    """The compiled module, whose `OnData` and `OnBody` are each upstream connection's
-    read callbacks (`upstream._Conn`); None with the Python relay: `_Conn`'s own."""
+    """The compiled module, whose `OnData`, `OnBody` and `OnAnswerHeader` are each
+    upstream connection's read callbacks (`upstream._Conn`), `RequestHead` the lean
+    client's request heads, and `OnHeader` and `Head` the lean server's header callback
+    and answer heads (`front.Front`); None with the Python relay: the rules in Python."""
     name: str
     """`compiled` or `python`."""
 
