@@ -644,6 +644,28 @@ on_body_init(Relay *self, PyObject *args, PyObject *kwds)
  * `front.answer_head`), compiled: the same rule step for step, held equal to it by
  * tests/gateway/test_heads.py. */
 
+/* A header callback's two arguments (a name and a value, bytes) decoded as latin-1 into
+ * new references: 0, or -1 with an error set and nothing held. */
+static int
+header_args(PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject **k,
+            PyObject **v)
+{
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyBytes_Check(args[0])
+        || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "on_header takes a name and a value, bytes");
+        return -1;
+    }
+    *k = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), NULL);
+    if (*k == NULL)
+        return -1;
+    *v = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]), NULL);
+    if (*v == NULL) {
+        Py_CLEAR(*k);
+        return -1;
+    }
+    return 0;
+}
+
 /* OnHeader(conn, pairs, most)(name, value): `front._Conn.on_header`, each header of a
  * request's head added to `pairs` (its name and value, latin-1), at most `most` of them:
  * past it, the connection's `_bad` says so and ValueError stops the parse. */
@@ -651,11 +673,6 @@ static PyObject *
 on_header(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Relay *self = (Relay *)callable;
-    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyBytes_Check(args[0])
-        || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "on_header takes a name and a value, bytes");
-        return NULL;
-    }
     if (PyList_GET_SIZE(self->pairs) >= self->max_kept) {
         PyObject *bad = PyUnicode_FromFormat("over %zd headers", self->max_kept);
         if (bad == NULL)
@@ -665,16 +682,9 @@ on_header(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kw
         Py_DECREF(bad);
         return NULL;
     }
-    PyObject *k = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]),
-                                         NULL);
-    if (k == NULL)
+    PyObject *k, *v;
+    if (header_args(args, nargsf, kwnames, &k, &v) < 0)
         return NULL;
-    PyObject *v = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]),
-                                         NULL);
-    if (v == NULL) {
-        Py_DECREF(k);
-        return NULL;
-    }
     PyObject *pair = PyTuple_New(2);
     if (pair == NULL) {
         Py_DECREF(k);
@@ -872,21 +882,9 @@ static PyObject *
 on_answer_header(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Relay *self = (Relay *)callable;
-    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyBytes_Check(args[0])
-        || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "on_header takes a name and a value, bytes");
+    PyObject *k, *v;
+    if (header_args(args, nargsf, kwnames, &k, &v) < 0)
         return NULL;
-    }
-    PyObject *k = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]),
-                                         NULL);
-    if (k == NULL)
-        return NULL;
-    PyObject *v = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]),
-                                         NULL);
-    if (v == NULL) {
-        Py_DECREF(k);
-        return NULL;
-    }
     PyObject *got = PyDict_SetDefault(self->pairs, k, v); /* borrowed */
     Py_DECREF(k);
     Py_DECREF(v);
