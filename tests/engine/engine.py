@@ -25,9 +25,14 @@ ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-# ARGS: no graph compilation (ready in about 40 s on 2 cores instead of 85), and the
-# cached prompt tokens in each answer's usage.
-ARGS = ("--enforce-eager", "--enable-prompt-tokens-details")
+# ARGS: no graph compilation (ready in about 40 s on 2 cores instead of 85), the cached
+# prompt tokens in each answer's usage, and float32. On a CPU with AMX (Sapphire Rapids
+# and later), vLLM 0.32's CPU attention for bfloat16 (its default there) runs AMX tiles
+# without asking the kernel for them (torch's `_init_amx`); unless a oneDNN matrix
+# product has asked first (a long prompt's), the first request kills the worker with
+# SIGILL (exit code -4): the agent's readiness completion, a short prompt, did. float32
+# takes the vector kernel, on any x86 CPU.
+ARGS = ("--enforce-eager", "--enable-prompt-tokens-details", "--dtype", "float32")
 # READY_S bounds a start: 22-83 s measured on 2 shared cores, with room for a busy host.
 READY_S = 300.0
 
