@@ -190,21 +190,17 @@ class FleetPicker:
     ) -> ReplicaRecord | None:
         stable: list[int] | None = None
         cache = self.cache
-        # `cache.listened()` and `_add`'s own test, without their frames: a lone gateway
-        # (most) has none to tell and no others' counts to add.
-        listened = cache is not None and (cache.listeners is None or bool(cache.listeners))
+        listened = cache is not None and cache.listened()
         if cache is not None and route is not None and (listened or cache.remote):
             stable = self._teach(m, route)
+        # A lone gateway (most) has no others' counts to add: `_add` is not called.
         remote = self.remote
-        if not remote.inflight and not remote.work:
+        added = bool(remote.inflight or remote.work) and self._add(1)
+        try:
             r = self.inner.pick(view, m, route, avoid=avoid, limit=limit)
-        else:
-            added = self._add(1)
-            try:
-                r = self.inner.pick(view, m, route, avoid=avoid, limit=limit)
-            finally:
-                if added:
-                    self._add(-1)
+        finally:
+            if added:
+                self._add(-1)
         if r is not None and stable and cache is not None and listened:
             cache.routed(r.id, stable)
         return r
