@@ -726,19 +726,29 @@ put(Buf *b, const char *s, Py_ssize_t n)
 
 #define PUT(b, lit) put(b, lit, (Py_ssize_t)(sizeof lit - 1))
 
+/* Whether every name and value of `headers` (a dict) is a str: where one is not, the
+ * head is the rule's to make, before any line is written (both rules format or encode
+ * each before they look at a line). */
+static int
+all_str(PyObject *headers)
+{
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(headers, &pos, &k, &v))
+        if (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(v))
+            return 0;
+    return 1;
+}
+
 /* The head's header lines, into `b`: 1 done, 0 for the rule's own way (a name or a value
  * that is not a str, or not UTF-8), -1 with ValueError for a line broken inside. */
 static int
 header_lines(Buf *b, PyObject *headers)
 {
+    if (!all_str(headers))
+        return 0;
     PyObject *k, *v;
     Py_ssize_t pos = 0;
-    /* Each a str first: what the rule would format otherwise, it formats before any
-     * line is looked at. */
-    while (PyDict_Next(headers, &pos, &k, &v))
-        if (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(v))
-            return 0;
-    pos = 0;
     while (PyDict_Next(headers, &pos, &k, &v)) {
         Py_ssize_t kn, vn;
         const char *ks = PyUnicode_AsUTF8AndSize(k, &kn);
@@ -913,16 +923,14 @@ request_head_call(PyObject *callable, PyObject *const *args, size_t nargsf,
         PyErr_Clear();
         return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     }
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(headers, &pos, &k, &v))
-        if (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(v))
-            return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    if (!all_str(headers))
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     Buf b = {NULL, 0, 0};
     PyObject *out = NULL;
     if (put(&b, PyBytes_AS_STRING(start), PyBytes_GET_SIZE(start)) < 0)
         goto done;
-    pos = 0;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
     while (PyDict_Next(headers, &pos, &k, &v)) {
         Py_ssize_t kn, vn;
         const char *ks = PyUnicode_AsUTF8AndSize(k, &kn);
