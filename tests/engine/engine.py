@@ -7,11 +7,16 @@ the agent does, from the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from schemas import events as ev
+from services.agent import process
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE = REPO / "deploy" / "examples" / "tiny-model" / "make.py"
@@ -63,3 +68,16 @@ def make_model(python: Path, out: Path, *flags: str) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"make.py {' '.join(flags)} failed: {done.stderr[-2000:]}")
     return out
+
+
+def signal_all(pids: set[int], sig: signal.Signals) -> None:
+    """Send `sig` to each of `pids`; gone ones are fine."""
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, sig)
+
+
+def metrics(url: str, names: Sequence[str]) -> float:
+    """The sum of the metrics `names` (over their label sets) at the server at `url`."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return sum(process.parse_metrics(r.read().decode(), names).values())

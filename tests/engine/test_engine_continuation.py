@@ -8,13 +8,13 @@ with continuation by text only (the new server reads the text so far as prompt: 
 fraction that differs is printed, and recorded in docs/performance.md).
 
 The streams wait in the gateways' waiting rooms until the first server is made ready,
-so they reach it within a moment of each other, and the server is killed as soon as
-every stream has passed text on at its gateway, or every client has read text of its
-answer, whichever comes first: each stream is then past its first token and, as a rule,
-short of its 256th (the test says how much each client had read then; at least four in
-five must have moved: on a loaded host a short stream can end at the server before the
-kill, and has nothing to move). Both servers start in the module's
-fixture and are killed, with their process groups, at its end.
+so they reach it within a moment of each other. Once its metrics count every stream's
+first token, its engine core is held still (SIGSTOP): the API server sends on what it
+has, and nothing more is made. The server is killed as soon as every stream has passed
+text on at its gateway, or every client has read text of its answer, whichever comes
+first: each stream is then past its first token and short of its end (the test says
+how much each client had read then), and every one must move. Both servers start in the
+module's fixture and are killed, with their process groups, at its end.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -126,6 +128,67 @@ async def plane(nc: Client, js: JetStreamContext) -> AsyncIterator[Plane]:
 
 
 LONGEST = 512
+
+# FIRST_TOKENS: vLLM's count of requests past their first token (its time-to-first-token
+# histogram's).
+FIRST_TOKENS = ["vllm:time_to_first_token_seconds_count"]
+GENERATED = ["vllm:generation_tokens_total"]
+
+
+class _Hold:
+    """A server's engine core (every process of the server's but its API server) held
+    still with SIGSTOP: from the start, while the streams reach its API server, which
+    answers their heads and queues them; then let go (`go`) until its metrics count a
+    first token for each, and held still again, from a thread of its own (the test's
+    event loop runs two gateways and reads 100 streams, and lags the engine).
+
+    Why: on a host whose engine was fast (the uninterrupted answers in 3.6 s), the
+    gateways had read every answer whole from their sockets before the last stream's
+    first text had passed them; the kill found nothing in flight, and no stream moved.
+    Let go once all are queued, the engine begins every stream within a step or two of
+    the others; held still after every first token, it makes nothing more. What the API
+    server has it still sends, and the kill that follows cuts every stream a few tokens
+    in, whatever the host's pace."""
+
+    def __init__(self, server: subprocess.Popen[bytes], url: str) -> None:
+        self.url, self.said = url, "no hold"
+        self.stop, self.frozen = threading.Event(), threading.Event()
+        self.engine_side = procs.members(f"ce-fixture/{server.pid}/", server.pid) - {server.pid}
+        assert self.engine_side, "no engine core beside the API server"
+        self.first, self.made = (engine.metrics(url, m) for m in (FIRST_TOKENS, GENERATED))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        engine.signal_all(self.engine_side, signal.SIGSTOP)
+
+    def go(self, streams: int) -> None:
+        """Let the engine go on until it has begun `streams` more answers than before."""
+        self.streams, self.began = streams, time.monotonic()
+        engine.signal_all(self.engine_side, signal.SIGCONT)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if engine.metrics(self.url, FIRST_TOKENS) - self.first >= self.streams:
+                    engine.signal_all(self.engine_side, signal.SIGSTOP)
+                    made = engine.metrics(self.url, GENERATED) - self.made
+                    self.said = (
+                        f"{self.streams} first tokens, {made:.0f} tokens made, "
+                        f"{time.monotonic() - self.began:.2f} s after it was let go"
+                    )
+                    self.frozen.set()
+                    return
+                self.stop.wait(0.01)
+        except OSError:  # the server killed first
+            return
+
+    def end(self, thawed: bool) -> None:
+        """Stop watching; `thawed`: the server lives on, so its engine core goes on."""
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(30)
+        if thawed:
+            engine.signal_all(self.engine_side, signal.SIGCONT)
+
 
 # REPETITION_PENALTY keeps the random model's greedy answers from repeating one token (a
 # wall of one word: any continuation equals it): still the argmax of each step, of logits
@@ -240,6 +303,8 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
     )
     got: dict[str, list[list[str]]] = {arm: [[] for _ in range(STREAMS)] for arm in gateways}
     errors: list[BaseException] = []
+    killed = asyncio.Event()
+    held = _Hold(a, a_url)
     try:
         # The uninterrupted answers, from the other server, straight.
         t0 = time.monotonic()
@@ -252,12 +317,15 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
         opened: list[tuple[str, int]] = []
         all_open = asyncio.Event()
         begun: set[tuple[str, int]] = set()
-        killed = asyncio.Event()
         cut_at: dict[str, list[int]] = {}
 
         def kill() -> None:
             if killed.is_set():
                 return
+            # The hold comes within a poll of the last first token, long before either
+            # trigger as a rule: waited for, so that no stream can end before the kill.
+            held.frozen.wait(10)
+            held.stop.set()
             _kill(a)
             cut_at.update({arm: [len("".join(g)) for g in got[arm]] for arm in gateways})
             killed.set()
@@ -298,20 +366,29 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
         await asyncio.wait_for(all_open.wait(), 120)
         watcher = asyncio.create_task(begun_at_the_gateways())
         await plane.ready("ce-a", MODEL, a_url)
+        # Every stream's head answered by ce-a's API server (its engine still held): let go.
+        deadline = time.monotonic() + 120
+        while (
+            at := sum(len(on) for gw in gateways.values() for on in gw.continuations.on.values())
+        ) < 2 * STREAMS:
+            assert time.monotonic() < deadline, f"{at} of {2 * STREAMS} streams reached ce-a"
+            await asyncio.sleep(0.005)
+        held.go(2 * STREAMS)
         await asyncio.wait_for(killed.wait(), 120)
         await watcher
         # The other server made ready once the first is dead: the streams wait for it.
         await plane.ready("ce-b", MODEL, b_url)
         await asyncio.gather(*tasks)
     finally:
+        held.end(thawed=not killed.is_set())
         for c in (*clients.values(), direct):
             await c.close()
         await end_text()
     assert errors == []
     print(
-        f"\n{STREAMS} streams through each gateway, ce-a killed once every stream had "
-        f"passed text on at its gateway or been read by its client (the uninterrupted "
-        f"answers took {took:.1f} s):"
+        f"\n{STREAMS} streams through each gateway, ce-a held still at "
+        f"{held.said}, killed once every stream had passed text on at its gateway or been "
+        f"read by its client (the uninterrupted answers took {took:.1f} s):"
     )
     read = sorted(cut_at["ids"])
     print(
@@ -342,16 +419,12 @@ async def test_streams_whose_server_is_killed_midway_end_as_one_answer(
                 f"{e[max(at - 20, 0) : at + 30]!r}"
             )
     # The streams cut midway went on: by token ids through the first gateway, by text
-    # through the other. The kill lands once every stream has begun; a short stream
-    # the server had already finished by then, its last chunks still on their way to a
-    # client that reads 100 streams in one process, has nothing to move (6 of 50 in one
-    # run of the gateway's lean server, 0 in earlier runs): most must have moved, and
-    # every one of the 50, moved or not, is checked whole against its uninterrupted
-    # answer below.
+    # through the other. The kill lands once every stream has begun, with the engine held
+    # still since every first token: every stream was in flight, and every one moved.
     moves = {
         "ids": plane.gateway.continuations.moved_by,
         "text": by_text.continuations.moved_by,
     }
     assert set(moves["ids"]) <= {"token_ids"} and set(moves["text"]) <= {"text"}, moves
-    assert all(sum(m.values()) >= STREAMS * 4 // 5 for m in moves.values()), moves
+    assert all(sum(m.values()) == STREAMS for m in moves.values()), moves
     assert len(differ["ids"]) <= STREAMS // 20

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,12 +307,6 @@ HELD = 3
 SIGTERM_S = 120.0
 
 
-def _signal_all(pids: set[int], sig: signal.Signals) -> None:
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, sig)
-
-
 @pytest.mark.timeout(SIGTERM_S + 120)
 def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_left(
     served: Served,
@@ -330,8 +323,7 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
     def held() -> float:
         """The requests the engine serves and holds now, by its own metrics."""
         names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
-        with urllib.request.urlopen(served.endpoint + "/metrics", timeout=30) as r:
-            return sum(process.parse_metrics(r.read().decode(), names).values())
+        return engine.metrics(served.endpoint, names)
 
     def stream() -> Callable[[], bytes]:
         """Open a stream (its answer begun); what reads the rest of it."""
@@ -365,7 +357,7 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
                     read.append(pool.submit(stream()))  # one ended: another in its place
                     continue
                 if held() >= HELD:
-                    _signal_all(engine_side, signal.SIGSTOP)
+                    engine.signal_all(engine_side, signal.SIGSTOP)
                     break
                 time.sleep(0.1)
             _on_bus(
@@ -382,7 +374,7 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
                     )
                 time.sleep(0.2)
         finally:
-            _signal_all(engine_side, signal.SIGCONT)
+            engine.signal_all(engine_side, signal.SIGCONT)
         answers = [r.result() for r in read]
     for raw in answers:
         chunks = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith(b"data: {")]
