@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from schemas import events as ev
-from services.agent import process
+from services.agent import process, procs
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE = REPO / "deploy" / "examples" / "tiny-model" / "make.py"
@@ -68,6 +68,14 @@ def make_model(python: Path, out: Path, *flags: str) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"make.py {' '.join(flags)} failed: {done.stderr[-2000:]}")
     return out
+
+
+def engine_side(tag: str, pid: int) -> set[int]:
+    """Every live process of the vLLM server whose API server is `pid` (tagged `tag`) but
+    the API server: its engine core and workers, what a test holds still with SIGSTOP."""
+    side = procs.members(tag, pid) - {pid}
+    assert side, "no engine core beside the API server"
+    return side
 
 
 def signal_all(pids: set[int], sig: signal.Signals) -> None:

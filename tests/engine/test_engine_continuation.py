@@ -8,9 +8,10 @@ with continuation by text only (the new server reads the text so far as prompt: 
 fraction that differs is printed, and recorded in docs/performance.md).
 
 The streams wait in the gateways' waiting rooms until the first server is made ready,
-so they reach it within a moment of each other. Once its metrics count every stream's
-first token, its engine core is held still (SIGSTOP): the API server sends on what it
-has, and nothing more is made. The server is killed as soon as every stream has passed
+so they reach it within a moment of each other. Its engine core is held still (SIGSTOP)
+until every stream is at its API server, let go until its metrics count every stream's
+first token, and held still again: the API server sends on what it has, and nothing
+more is made (`_Hold`). The server is killed as soon as every stream has passed
 text on at its gateway, or every client has read text of its answer, whichever comes
 first: each stream is then past its first token and short of its end (the test says
 how much each client had read then), and every one must move. Both servers start in the
@@ -152,9 +153,9 @@ class _Hold:
 
     def __init__(self, server: subprocess.Popen[bytes], url: str) -> None:
         self.url, self.said = url, "no hold"
+        self.streams, self.began = 0, 0.0  # set by `go`
         self.stop, self.frozen = threading.Event(), threading.Event()
-        self.engine_side = procs.members(f"ce-fixture/{server.pid}/", server.pid) - {server.pid}
-        assert self.engine_side, "no engine core beside the API server"
+        self.engine_side = engine.engine_side(f"ce-fixture/{server.pid}/", server.pid)
         self.first, self.made = (engine.metrics(url, m) for m in (FIRST_TOKENS, GENERATED))
         self.thread = threading.Thread(target=self._run, daemon=True)
         engine.signal_all(self.engine_side, signal.SIGSTOP)

@@ -344,8 +344,7 @@ def test_a_drain_lets_a_stream_in_flight_finish_then_nothing_of_the_server_is_le
 
         return rest
 
-    engine_side = procs.members(tag, pid) - {pid}
-    assert engine_side, "no engine core beside the API server"
+    engine_side = engine.engine_side(tag, pid)
     deadline = time.monotonic() + SIGTERM_S
     with concurrent.futures.ThreadPoolExecutor(HELD * 4) as pool:
         read: list[concurrent.futures.Future[bytes]] = []

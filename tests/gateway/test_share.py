@@ -330,11 +330,12 @@ async def test_a_conversation_alternating_between_gateways_keeps_its_warm_replic
             cs = clients(gws, FREE, among)
             # One request at a time, as a conversation's turns come: each sent once the
             # one before it was answered, and each must find the warm replica its prefix
-            # went to, through whichever gateway it comes. Two at a time, two requests of a group begun together at two
-            # gateways could not know of each other, however fast the sharing: on a
-            # loaded host that race alone took the hit rate through three to 0.689
-            # against 0.735 (0.95 x: 0.698). One at a time, 0.735 through both in six
-            # runs beside four busy processes; 0.490 through three with --no-share.
+            # went to, through whichever gateway it comes. Two at a time, two requests
+            # of a group begun together at two gateways could not know of each other,
+            # however fast the sharing: on a loaded host that race alone took the hit
+            # rate through three to 0.689 against 0.735 (0.95 x: 0.698). One at a time,
+            # 0.735 through both in six runs beside four busy processes; 0.490 through
+            # three with --no-share.
             sem = asyncio.Semaphore(1)
 
             async def one(i: int, body: dict[str, Any]) -> None:
